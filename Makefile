@@ -1,0 +1,28 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test` (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch for the demo and the tests; the package itself accepts any torch>=2.4 the user has.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test bench clean-venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: venv
+	$(VENV)/bin/dtprof run -- $(VENV)/bin/torchrun --nproc_per_node=2 examples/train_ddp.py --steps 30
+
+test: venv
+	$(PY) -m pytest -q -ra
+
+bench: venv
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

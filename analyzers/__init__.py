@@ -1,0 +1,1 @@
+"""Analysis of run tables: pure pandas/numpy functions, never torch."""

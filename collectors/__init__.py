@@ -1,0 +1,1 @@
+"""What runs inside the training job (hooks, NVML sampler) and importers of foreign data."""

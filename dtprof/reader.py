@@ -1,0 +1,232 @@
+"""Reading a run directory back as pandas DataFrames: the one way every analyzer, report and CLI sees a run.
+
+>>> run = open_run("dtprof-runs/20261122T101500Z-train_ddp")
+>>> run.steps.groupby("rank").size()
+
+A run is the union of its node directories (one per ``dtprof run`` launcher, several for a multi-node job, one
+for an import). Each node is read from its Parquet tables when they are complete, else from the ranks' JSON-lines
+files (a crashed or still-running job), tolerating a torn last line.
+"""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
+from dtprof.runformat import NODE_MANIFEST, NODE_PREFIX, RANK_PREFIX, RUN_MANIFEST, TABLES_COMPLETE, TABLES_DIR
+
+
+class RunFormatError(Exception):
+    """A run directory or one of its files cannot be read. The message is one line naming the file."""
+
+
+_NUMPY_DTYPES = {"int": "int64", "Int": "Int64", "float": "float64", "bool": "bool", "str": "object",
+                 "json": "object"}
+
+
+def conform(table: str, df):
+    """Return ``df`` with exactly the schema's columns, in order, with the schema's dtypes (nulls where missing)."""
+    import numpy as np
+    import pandas as pd
+
+    out = {}
+    n = len(df)
+    for col, kind in TABLES[table]:
+        if col in df.columns:
+            s = df[col]
+        else:
+            s = pd.Series([None] * n, index=df.index, dtype="object")
+        if kind == "int":
+            s = pd.to_numeric(s, errors="raise").astype("int64") if n else s.astype("int64")
+        elif kind == "Int":
+            s = pd.to_numeric(s, errors="coerce").astype("Int64") if n else s.astype("Int64")
+        elif kind == "float":
+            s = pd.to_numeric(s, errors="coerce").astype("float64")
+        elif kind == "bool":
+            s = s.fillna(False).astype("bool") if n else s.astype("bool")
+        elif kind == "str":
+            s = s.astype("object").where(s.notna(), "").astype(str)
+            s = s.astype("category") if col in CATEGORICAL else s
+        out[col] = s.to_numpy() if kind == "json" else s
+    return pd.DataFrame(out).reset_index(drop=True) if n else pd.DataFrame(
+        {c: pd.Series(dtype=("category" if (k == "str" and c in CATEGORICAL) else _NUMPY_DTYPES[k]))
+         for c, k in TABLES[table]})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise RunFormatError(f"{path}: file not found") from None
+    except (OSError, ValueError) as e:
+        raise RunFormatError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any:
+    """Rows of one JSON-lines table file as a DataFrame. A torn or corrupt line is skipped and reported."""
+    import pandas as pd
+
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    if not lines or not lines[0].strip():
+        return pd.DataFrame()
+    try:
+        header = json.loads(lines[0])
+        cols = header["columns"]
+    except (ValueError, KeyError, TypeError):
+        raise RunFormatError(f"{path}: first line is not a dtprof table header") from None
+    version = header.get("schema_version", SCHEMA_VERSION)
+    if version > SCHEMA_VERSION:
+        raise RunFormatError(f"{path}: written with run-format schema {version}, this dtprof reads up to "
+                             f"{SCHEMA_VERSION}; upgrade dtprof")
+    rows = []
+    bad = 0
+    loads = json.loads
+    for i, line in enumerate(lines[1:]):
+        if not line:
+            continue
+        try:
+            row = loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if len(row) != len(cols):
+            bad += 1
+            continue
+        rows.append(row)
+    if bad:
+        problems.append(f"{path}: skipped {bad} unreadable line(s) (torn write of a killed process?)")
+    return pd.DataFrame(rows, columns=cols)
+
+
+def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
+    """A node's tables from its JSON-lines files (what the ranks and the NVML sampler wrote)."""
+    import pandas as pd
+
+    problems = problems if problems is not None else []
+    parts: dict[str, list] = {t: [] for t in TABLES}
+    for rdir in sorted(node_dir.glob(f"{RANK_PREFIX}*")):
+        ident = rdir / "rank.json"
+        if ident.exists():
+            parts["ranks"].append(pd.DataFrame([_read_json(ident)]))
+        for table in TABLES:
+            p = rdir / f"{table}.jsonl"
+            if p.exists():
+                parts[table].append(_read_jsonl(p, table, problems))
+    for table in ("nvml", "events"):
+        p = node_dir / f"{table}.jsonl"
+        if p.exists():
+            parts[table].append(_read_jsonl(p, table, problems))
+    out = {}
+    for table, dfs in parts.items():
+        dfs = [d for d in dfs if len(d)]
+        df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
+        if table == "ranks" and len(df):
+            df["node"] = node_dir.name
+        out[table] = conform(table, df)
+    return out
+
+
+def _read_node_tables(node_dir: Path) -> dict:
+    import pandas as pd
+
+    out = {}
+    for table in TABLES:
+        p = node_dir / TABLES_DIR / f"{table}.parquet"
+        try:
+            df = pd.read_parquet(p) if p.exists() else pd.DataFrame()
+        except Exception as e:  # pyarrow raises several types for damaged files
+            raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
+        out[table] = conform(table, df)
+    return out
+
+
+class Run:
+    """A run directory read back. Tables are loaded on first use and cached.
+
+    Attributes: ``path``, ``manifest`` (run.json), ``nodes`` (each node.json, with ``node`` = directory name),
+    ``problems`` (lines about anything skipped while reading), and one DataFrame per table in
+    ``dtprof.schema.TABLES``: ``ranks``, ``steps``, ``spans``, ``collectives``, ``groups``, ``nvml``, ``clock``,
+    ``events``.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise RunFormatError(f"{self.path}: no such run directory")
+        if not self.path.is_dir():
+            raise RunFormatError(f"{self.path}: not a directory (expected a dtprof run directory)")
+        mpath = self.path / RUN_MANIFEST
+        if not mpath.exists():
+            raise RunFormatError(f"{mpath}: missing; {self.path} is not a dtprof run directory")
+        self.manifest = _read_json(mpath)
+        version = self.manifest.get("schema_version")
+        if not isinstance(version, int):
+            raise RunFormatError(f"{mpath}: no integer schema_version")
+        if version > SCHEMA_VERSION:
+            raise RunFormatError(f"{mpath}: run-format schema {version} is newer than this dtprof reads "
+                                 f"({SCHEMA_VERSION}); upgrade dtprof")
+        self.node_dirs = sorted(p for p in self.path.glob(f"{NODE_PREFIX}*") if p.is_dir())
+        self.nodes = []
+        for nd in self.node_dirs:
+            info = _read_json(nd / NODE_MANIFEST) if (nd / NODE_MANIFEST).exists() else {}
+            info["node"] = nd.name
+            self.nodes.append(info)
+        self.problems: list[str] = []
+
+    @cached_property
+    def _tables(self) -> dict:
+        import pandas as pd
+
+        per_node = []
+        for nd in self.node_dirs:
+            if (nd / TABLES_DIR / TABLES_COMPLETE).exists():
+                per_node.append(_read_node_tables(nd))
+            else:
+                per_node.append(read_node_raw(nd, self.problems))
+        out = {}
+        for table in TABLES:
+            dfs = [n[table] for n in per_node if len(n[table])]
+            if not dfs:
+                out[table] = conform(table, pd.DataFrame())
+            elif len(dfs) == 1:
+                out[table] = dfs[0]
+            else:  # union categories so concat keeps them categorical
+                out[table] = conform(table, pd.concat([d.astype({c: "object" for c in d.columns
+                                                                 if d[c].dtype == "category"}) for d in dfs],
+                                                      ignore_index=True))
+        return out
+
+    def table(self, name: str):
+        if name not in TABLES:
+            raise KeyError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
+        return self._tables[name]
+
+    def __getattr__(self, name: str):
+        if name in TABLES:
+            return self.table(name)
+        raise AttributeError(name)
+
+    @property
+    def world_size(self) -> int:
+        r = self.ranks
+        return int(r["world_size"].max()) if len(r) else 0
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted(set(self.ranks["host"].astype(str))) or sorted({n.get("host", "") for n in self.nodes} - {""})
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, nodes={len(self.node_dirs)})"
+
+
+def open_run(path) -> Run:
+    """Open a run directory (or a path inside one: its summary.json, report.html, a node directory)."""
+    p = Path(path)
+    for cand in (p, p.parent, p.parent.parent):
+        if (cand / RUN_MANIFEST).exists():
+            return Run(cand)
+    return Run(p)

@@ -1,0 +1,201 @@
+"""Writing the run directory. See docs/run-format.md for the layout.
+
+Two ways in, one format out:
+- ``RankWriter``: the rank side (stdlib only, cheap). Each rank appends JSON lines to its own files; a background
+  flusher calls ``flush()`` at least every second and at exit, so a rank killed with SIGKILL keeps all it flushed.
+- ``write_node_tables``: whole pandas tables at once as Parquet (importers, the synthetic-run builder in the tests,
+  and the launcher's compaction of its node after the job ends). The reader prefers these when present.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from dtprof.schema import RUN_SCHEMA, SCHEMA_VERSION, TABLES
+
+RUN_MANIFEST = "run.json"
+NODE_MANIFEST = "node.json"
+NODE_PREFIX = "node-"
+RANK_PREFIX = "rank-"
+TABLES_DIR = "tables"
+TABLES_COMPLETE = "_complete"
+
+
+class RunExistsError(Exception):
+    """The directory already holds a run that this one would overwrite."""
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) -> Path:
+    """Create ``run_dir`` with its run.json, or join it if it is the same multi-node job.
+
+    ``join_id`` identifies one job across nodes (torchrun's rendezvous id). An existing directory is joined only if
+    its run.json carries the same non-empty ``join_id``; anything else that exists and is not empty is refused, so a
+    run is never overwritten.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = run_dir / RUN_MANIFEST
+    info = {"schema": RUN_SCHEMA, "schema_version": SCHEMA_VERSION, "join_id": join_id or "", **run_info}
+    try:
+        fd = os.open(manifest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        try:
+            existing = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            existing = {}
+        if join_id and existing.get("join_id") == join_id:
+            return run_dir
+        raise RunExistsError(f"{run_dir}: already holds a run (run.json exists); choose another --out")
+    else:
+        others = [p.name for p in run_dir.iterdir() if p.name != RUN_MANIFEST]
+        if others:
+            os.close(fd)
+            manifest.unlink()
+            raise RunExistsError(f"{run_dir}: directory is not empty ({others[0]} ...); choose another --out")
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f, indent=1, default=str)
+            f.write("\n")
+    return run_dir
+
+
+def create_node_dir(run_dir: Path, host: str | None = None) -> Path:
+    """A fresh node sub-directory for this launcher: node-<host>-<pid>, never reused."""
+    host = host or socket.gethostname()
+    node = Path(run_dir) / f"{NODE_PREFIX}{host}-{os.getpid()}"
+    node.mkdir(parents=False, exist_ok=False)
+    return node
+
+
+def rank_dir(node_dir: Path, rank: int) -> Path:
+    return Path(node_dir) / f"{RANK_PREFIX}{rank}"
+
+
+class _TableFile:
+    """One append-only JSON-lines file: a header line naming the columns, then one JSON array per row."""
+
+    def __init__(self, path: Path, table: str):
+        self.path = path
+        self.table = table
+        self.columns = [c for c, _ in TABLES[table]]
+        self.rows: list[Sequence[Any]] = []
+        self._fh = None
+
+    def flush(self) -> None:
+        rows, self.rows = self.rows, []   # swap under the GIL: appenders never wait on I/O
+        if not rows and self._fh is not None:
+            return
+        if self._fh is None:
+            self._fh = open(self.path, "a", buffering=1 << 16)
+            if self._fh.tell() == 0:
+                header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION, "columns": self.columns}
+                self._fh.write(json.dumps(header) + "\n")
+        dumps = json.dumps
+        self._fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
+        self._fh.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class RankWriter:
+    """Append-only writer for one rank's tables inside a node directory.
+
+    ``append(table, row)`` only appends a tuple to a list (no I/O, no locks); rows must follow the column order of
+    ``dtprof.schema.TABLES[table]``. ``flush()`` writes what was appended since the last flush.
+    """
+
+    def __init__(self, node_dir: Path, rank: int):
+        self.dir = rank_dir(node_dir, rank)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._files = {t: _TableFile(self.dir / f"{t}.jsonl", t) for t in TABLES if t not in ("ranks", "nvml")}
+        self._lock = threading.Lock()  # serialises flushers (the background thread and atexit), not appenders
+
+    def append(self, table: str, row: Sequence[Any]) -> None:
+        self._files[table].rows.append(row)
+
+    def extend(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._files[table].rows.extend(rows)
+
+    def write_identity(self, identity: dict) -> None:
+        """rank.json: the ranks-table row (all of TABLES['ranks'] columns) plus any extra keys."""
+        write_json_atomic(self.dir / "rank.json", identity)
+
+    def flush(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+
+
+class NodeTableWriter:
+    """Append-only JSON-lines writer for node-level tables (the NVML sampler, launcher events)."""
+
+    def __init__(self, node_dir: Path, table: str):
+        self._file = _TableFile(Path(node_dir) / f"{table}.jsonl", table)
+        self._lock = threading.Lock()
+
+    def append(self, row: Sequence[Any]) -> None:
+        self._file.rows.append(row)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = None) -> Path:
+    """Write whole tables (pandas DataFrames, columns as in the schema) into ``node_dir/tables/*.parquet``.
+
+    Missing tables are written empty; missing columns are filled with nulls. ``node_info`` becomes node.json if
+    given. The ``_complete`` marker is written last, so a reader never trusts a half-written set.
+    """
+    import pandas as pd
+
+    from dtprof.reader import conform
+
+    node_dir = Path(node_dir)
+    out = node_dir / TABLES_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / TABLES_COMPLETE).unlink(missing_ok=True)
+    for table in TABLES:
+        df = tables.get(table)
+        df = conform(table, df if df is not None else pd.DataFrame())
+        tmp = out / f".{table}.parquet.tmp"
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, out / f"{table}.parquet")
+    if node_info is not None:
+        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    (out / TABLES_COMPLETE).write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")
+    return out
+
+
+def compact_node(node_dir: Path) -> Path:
+    """Read a node's JSON-lines files and write them as Parquet tables (the raw files are kept)."""
+    from dtprof.reader import read_node_raw
+
+    return write_node_tables(node_dir, read_node_raw(Path(node_dir)))

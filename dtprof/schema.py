@@ -1,0 +1,114 @@
+"""The run-directory format: table names, columns and their types (the contract between all layers).
+
+Documented for users in docs/run-format.md; keep the two in step. Stdlib only: the rank side imports this.
+
+Conventions
+- Times are int64 nanoseconds of the host's CLOCK_MONOTONIC (``time.monotonic_ns()``), shared by every process on
+  one host. ``clock`` rows pair it with wall-clock time; hosts are aligned later by the analyzers.
+- Sizes are bytes, rates are bytes/s, power W, temperature °C, clocks MHz, utilisation percent 0..100.
+- A nullable integer is written as JSON null and read as pandas ``Int64``.
+"""
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}"
+
+# dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
+# low-cardinality columns listed in CATEGORICAL), "bool", "json" (any JSON value, kept as Python objects).
+TABLES: dict[str, list[tuple[str, str]]] = {
+    # One row per rank, written when the rank starts (rank.json holds the same plus free-form extras).
+    "ranks": [
+        ("rank", "int"), ("local_rank", "int"), ("world_size", "int"), ("node_rank", "Int"),
+        ("host", "str"), ("pid", "int"), ("node", "str"),
+        ("device_type", "str"),            # "cuda" or "cpu"
+        ("device_index", "Int"), ("device_name", "str"), ("device_uuid", "str"),
+        ("device_mem_total_bytes", "Int"),
+        ("backend", "str"),                # "gloo", "nccl", ... ("" before init_process_group)
+    ],
+    # One row per rank and training step. A step runs from the end of the previous step (or the rank's first
+    # forward) to the end of its optimizer step (or a dtprof.step() call).
+    "steps": [
+        ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
+        ("peak_mem_bytes", "Int"),        # CUDA allocator peak on GPU, process RSS high-water on CPU
+        ("tokens", "Int"), ("samples", "Int"),   # from dtprof.annotate(tokens=..., samples=...)
+    ],
+    # Compute and other intervals on a rank.
+    "spans": [
+        ("rank", "int"), ("step", "Int"),
+        ("kind", "str"),   # SPAN_KINDS below
+        ("name", "str"),   # e.g. "forward", a module or kernel name, the user's span name
+        ("start_ns", "int"), ("end_ns", "int"),
+        ("stage", "Int"), ("microbatch", "Int"),
+        ("lane", "str"),   # "main", "cuda:<stream>", a thread name: the timeline lane
+        ("source", "str"),  # "hook", "cuda_event", "kineto"
+    ],
+    # One row per collective or point-to-point operation as seen on one rank.
+    "collectives": [
+        ("rank", "int"), ("step", "Int"),
+        ("op", "str"),       # canonical: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all,
+                             # barrier, gather, scatter, send, recv
+        ("api", "str"),      # what was called: "all_gather_into_tensor", "ddp_bucket", "isend", ...
+        ("source", "str"),   # "user", "ddp", "fsdp", "pipeline", "functional", "kineto", "flight_recorder"
+        ("group", "str"),    # process-group name (see the groups table)
+        ("group_size", "int"),
+        ("seq", "int"),      # per (group) call sequence on this rank for collectives; per (group, src, dst) for p2p
+        ("in_bytes", "int"), ("out_bytes", "int"),   # this rank's input and output tensor bytes
+        ("dtype", "str"),
+        ("peer", "Int"),     # global rank of the other side for send/recv
+        ("async_op", "bool"),
+        ("issue_ns", "int"),     # call entered
+        ("return_ns", "int"),    # call returned (== end_ns for blocking calls)
+        ("end_ns", "Int"),       # completion (future callback or wait() returned); null if never seen complete
+        ("gpu_duration_ns", "Int"),  # device-side duration where the backend gives it (NCCL timing, kernels)
+        ("bucket", "Int"),       # DDP bucket index
+        ("stage", "Int"), ("microbatch", "Int"),
+    ],
+    # Process groups as each rank saw them. mesh_dim names a DeviceMesh dimension ("dp", "tp", ...) if any.
+    "groups": [
+        ("rank", "int"), ("group", "str"), ("ranks", "str"),  # ranks: comma-separated global ranks, "0,1,2,3"
+        ("size", "int"), ("backend", "str"), ("desc", "str"), ("mesh_dim", "str"),
+    ],
+    # GPU samples from the node's NVML sampler.
+    "nvml": [
+        ("host", "str"), ("node", "str"), ("gpu", "int"), ("uuid", "str"), ("t_ns", "int"),
+        ("sm_util_pct", "float"), ("mem_bw_util_pct", "float"),
+        ("mem_used_bytes", "float"), ("mem_total_bytes", "float"),
+        ("power_w", "float"), ("temp_c", "float"),
+        ("sm_clock_mhz", "float"), ("mem_clock_mhz", "float"),
+        ("pcie_tx_bytes_s", "float"), ("pcie_rx_bytes_s", "float"),
+        ("nvlink_tx_bytes_s", "float"), ("nvlink_rx_bytes_s", "float"),
+        ("throttle_reasons", "Int"),     # NVML clocksEventReasons bitmask
+        ("ecc_errors", "Int"),           # volatile uncorrected ECC errors
+    ],
+    # Pairs of monotonic and wall-clock readings, for aligning ranks and hosts.
+    "clock": [("rank", "int"), ("host", "str"), ("mono_ns", "int"), ("wall_ns", "int")],
+    # Things dtprof wants the reader to know: its own faults, missing NVML, warnings. rank -1 = the launcher.
+    "events": [
+        ("rank", "int"), ("host", "str"), ("t_ns", "int"),
+        ("level", "str"),     # "info", "warning", "error"
+        ("source", "str"),    # "rank", "nvml", "launcher", "import", ...
+        ("message", "str"),
+    ],
+}
+
+SPAN_KINDS = (
+    "forward", "backward", "optimizer",  # the training step's phases
+    "data_wait",         # between the end of one step and the first forward of the next
+    "comm_wait",         # the rank is blocked on communication (a sync collective, Work.wait, DDP's final wait)
+    "pp_forward", "pp_backward",  # pipeline stage work for one microbatch (stage, microbatch set)
+    "user",              # dtprof.span(name)
+    "kernel",            # a GPU kernel from an imported or captured trace (lane = stream)
+    "flops_count",       # the step measured under FlopCounterMode (excluded from timing statistics)
+)
+COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
+
+CATEGORICAL = {"kind", "name", "lane", "source", "op", "api", "group", "dtype", "host", "node", "level"}
+
+COLLECTIVE_OPS = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+    "barrier", "gather", "scatter", "send", "recv",
+)
+
+
+def columns(table: str) -> list[str]:
+    return [c for c, _ in TABLES[table]]

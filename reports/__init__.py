@@ -1,0 +1,1 @@
+"""Renderers of analyzer results: HTML, JSON, Markdown, JUnit."""
