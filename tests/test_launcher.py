@@ -264,3 +264,44 @@ def test_fake_gpus_sampled_through_the_launcher(tmp_path):
 def test_command_parsing(command, name, join):
     assert launcher.script_name(command) == name
     assert launcher.join_id_for(command, {}) == join
+
+
+FAKE_WATCHDOG = """
+import sys, threading, types
+class Watchdog:
+    # stands in for dtprof.watchdog (another module): 'detects' a hang after 0.3 s and stops the job
+    def __init__(self, node_dir, timeout_s, stop_job):
+        self.node_dir, self.timeout_s, self.stop_job, self.fired, self.exit_code = node_dir, timeout_s, stop_job, False, None
+    def start(self):
+        def fire():
+            self.fired = True
+            self.stop_job()
+        threading.Timer(0.3, fire).start()
+    def stop(self):
+        pass
+    def on_job_exit(self, exit_code):
+        (self.node_dir / "watchdog_saw_exit").write_text(str(exit_code))
+sys.modules["dtprof.watchdog"] = types.SimpleNamespace(Watchdog=Watchdog)
+from dtprof.cli import main
+main()
+"""
+
+
+def test_hang_watchdog_stop_exits_124(tmp_path):
+    write(tmp_path / "job.py", "import time; open('ready', 'w').close(); time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", FAKE_WATCHDOG, "run", "--out", "r", "--no-nvml", "--no-report",
+                           "--hang-timeout", "5", "--", sys.executable, "job.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 124, proc.stderr
+    node = only_node(tmp_path / "r")
+    info = json.loads((node / "node.json").read_text())
+    assert info["status"] == "hung" and info["exit_code"] == 124 and info["config"]["hang_timeout_s"] == 5
+    assert (node / "watchdog_saw_exit").read_text() == str(128 + signal.SIGTERM)
+
+
+def test_hang_timeout_without_watchdog_module_is_a_usage_error(tmp_path):
+    boot = "import sys; sys.modules['dtprof.watchdog'] = None; from dtprof.cli import main; main()"
+    proc = subprocess.run([sys.executable, "-c", boot, "run", "--hang-timeout", "5", "--", sys.executable, "-c",
+                           "pass"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "dtprof.watchdog" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "dtprof-runs").exists()
