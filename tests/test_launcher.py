@@ -305,3 +305,20 @@ def test_hang_timeout_without_watchdog_module_is_a_usage_error(tmp_path):
                            "pass"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "dtprof.watchdog" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "dtprof-runs").exists()
+
+
+def test_launcher_never_imports_torch(tmp_path):
+    boot = ("import atexit, sys; atexit.register(lambda: print('torch imported' if 'torch' in sys.modules "
+            "else 'torch not imported', file=sys.stderr)); from dtprof.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", boot, "run", "--out", "r", "--count-flops", "--", sys.executable,
+                           "-c", "print(1)"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().endswith("torch not imported")
+
+
+def test_command_not_found_exits_127_and_keeps_the_run(tmp_path):
+    proc = dtprof_run(["--out", "r", "--no-nvml", "--", "no-such-command-xyz"], cwd=tmp_path)
+    assert proc.returncode == 127 and "cannot start 'no-such-command-xyz'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    info = json.loads((only_node(tmp_path / "r") / "node.json").read_text())
+    assert info["status"] == "failed" and info["exit_code"] == 127
