@@ -81,6 +81,23 @@ def load_gate_file(path: str) -> tuple[list[str], list[str], dict]:
     return list(gates), list(advisory), {k: data[k] for k in ("confidence", "test") if k in data}
 
 
+class _CompareCommand(click.Command):
+    """Lets ``--head A B C`` take several runs, as the usage line promises (click options take one value each)."""
+
+    def parse_args(self, ctx, args):
+        out, in_head = [], False
+        for a in args:
+            if a == "--head":
+                in_head = True
+                continue
+            if a.startswith("-") and a != "-":
+                in_head = False
+            elif in_head:
+                out.append("--head")
+            out.append(a)
+        return super().parse_args(ctx, out)
+
+
 HELP = """Compare runs and fail the build when training got slower.
 
 \b
@@ -114,7 +131,7 @@ Example:
 """
 
 
-@click.command("compare", help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("compare", cls=_CompareCommand, help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("base", nargs=-1, type=click.Path())
 @click.option("--head", "head", multiple=True, type=click.Path(), help="Head run (repeat for several).")
 @click.option("--gate", "gates", multiple=True, metavar="EXPR", help="A gate expression (repeatable).")
