@@ -40,7 +40,7 @@ import numpy as np
 
 # Chosen from benchmarks/gate_power.py (see docs/compare.md for the measured table).
 DEFAULT_STEP_TOLERANCE = 0.02
-DEFAULT_CONFIDENCE = 0.95
+DEFAULT_CONFIDENCE = 0.90
 DEFAULT_N_BOOT = 2000
 MIN_STEPS = 20
 

@@ -140,7 +140,7 @@ Example:
               show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the report here (default stdout).")
 @click.option("--confidence", type=click.FloatRange(0.5, 0.999), default=None,
-              help="Confidence of step-time intervals [default: 0.95].")
+              help="Confidence of step-time intervals [default: 0.90].")
 @click.option("--test", type=click.Choice(["bootstrap", "rank"]), default=None,
               help="Step-time test [default: bootstrap].")
 @click.option("--scaling", is_flag=True, help="Scaling efficiency across the given runs (world sizes).")

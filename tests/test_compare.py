@@ -113,8 +113,8 @@ def test_pooling_several_runs_widens_the_interval_by_their_spread():
                                                                          outliers=0)]
     h = [steps(seed=3, median_s=0.212, jitter=0.01, outliers=0), steps(seed=4, median_s=0.204, jitter=0.01,
                                                                          outliers=0)]
-    _, lo_pool, hi_pool = rg.bootstrap_ratio(b, h)
-    _, lo_one, hi_one = rg.bootstrap_ratio([np.concatenate(b)], [np.concatenate(h)])
+    _, lo_pool, hi_pool = rg.bootstrap_ratio(b, h, confidence=0.95)
+    _, lo_one, hi_one = rg.bootstrap_ratio([np.concatenate(b)], [np.concatenate(h)], confidence=0.95)
     assert lo_one > 1.0 > lo_pool
     assert (hi_pool - lo_pool) > 1.5 * (hi_one - lo_one)
 
@@ -238,11 +238,11 @@ def test_gates_file(pair, tmp_path):
     base, same, slow = pair
     f = tmp_path / "gates.toml"
     f.write_text('[compare]\ngates = ["steps.time_s.p50 < +3%"]\nadvisory = ["mfu.value > -1pp"]\n'
-                 'confidence = 0.9\n')
+                 'confidence = 0.8\n')
     assert run_cli(base, "--head", same, "--gates", f)[0] == 0
     code, out = run_cli(base, "--head", slow, "--gates", f, "--format", "json")
     d = json.loads(out)
-    assert code == 1 and d["settings"]["confidence"] == 0.9
+    assert code == 1 and d["settings"]["confidence"] == 0.8
     assert [g["gate"] for g in d["gates"]] == ["steps.time_s.p50 < +3%", "mfu.value > -1pp"]
     f.write_text("gates = [")
     code, out = run_cli(base, "--head", same, "--gates", f)
