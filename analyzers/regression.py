@@ -301,10 +301,7 @@ def _decide(op: str, limit: float, lo: float, hi: float) -> bool:
     """True (violated) only when the whole interval [lo, hi] breaks ``value OP limit``."""
     if op in ("<", "<="):
         return bool(lo >= limit) if op == "<" else bool(lo > limit)
-    if op in (">", ">="):
-        return bool(hi <= limit) if op == ">" else bool(hi < limit)
-    ok = _OPS[op](lo, limit)
-    return not bool(ok)
+    return bool(hi <= limit) if op == ">" else bool(hi < limit)  # step gates refuse == and != at parse time
 
 
 def _finish(res: GateResult, violated: bool, point_past: bool) -> GateResult:

@@ -121,7 +121,7 @@ def scaling(runs: Sequence[tuple[str, dict]]) -> dict:
         out.append({**f, "throughput_per_gpu": tput, "throughput_unit": tunit, "ideal_step_time_s": ideal,
                     "efficiency": ideal / f["step_time_s"], "lost_s": lost, "lost_comm_s": d_comm,
                     "lost_bubble_s": d_bubble, "lost_straggler_s": d_strag,
-                    "lost_other_s": lost - d_comm - d_bubble - d_strag, "throughput_unit_note": tunit})
+                    "lost_other_s": lost - d_comm - d_bubble - d_strag})
     explanation = (f"Scaling mode: {mode}. Efficiency = per-GPU throughput ÷ that of the {ref['world_size']}-GPU "
                    f"run (strong scaling: T₀·N₀ ÷ (N·T_N); weak: T₀ ÷ T_N). Lost time per step = step time − ideal; "
                    f"comm, bubble and stragglers are each one's growth beyond the reference's share, 'other' the "
