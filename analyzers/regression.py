@@ -1,0 +1,412 @@
+"""Regression gates: parse gate expressions and decide them on two sides' summaries. Pure numpy, no I/O.
+
+A *side* is one or more runs of one configuration (several runs are pooled to model run-to-run noise). Each run
+is given as its summary.json dict (docs/summary-schema.md, issue 3).
+
+Gate expressions
+----------------
+``KEY OP VALUE`` where KEY is a dotted path into summary.json, OP one of ``< <= > >= == !=`` and VALUE is
+
+- ``0.30`` (no sign, no unit): an absolute limit on the head's value;
+- ``+5%`` / ``-2%``: a change relative to base (head ≤ base × 1.05);
+- ``-2pp``: a change in percentage points (0.01 of the key's unit; 1.0 for keys ending in ``_pct``);
+- ``+0.02``: a signed change in the key's own units (head − base < 0.02).
+
+A relative VALUE needs its sign (``+5%``) so that ``< 5%`` is never silently read as 0.05 or as a change.
+A list value (``stragglers``) counts its entries whose ``kind`` is not ``"none"``.
+
+Deciding on noise (step-time keys)
+----------------------------------
+``steps.time_s.<stat>`` (p50, mean, pNN) is decided on the per-step distributions ``steps.per_step_time_s`` of
+both sides (warm-up already excluded by the analyzers), not on the two summary numbers. The default test is a
+moving-block bootstrap of the ratio ``stat(head) / stat(base)``: blocks of ~n^(1/3) consecutive steps keep slow
+drifts (thermal, data-dependent) in the resamples, and with several runs on a side the runs are resampled first
+(a hierarchical bootstrap), so run-to-run spread widens the interval. A rank-based alternative (Hodges–Lehmann
+shift of log step times with the Mann–Whitney interval) is available as ``test="rank"``.
+
+A gate *fails* only when the whole confidence interval lies on the wrong side of its limit, i.e. we are confident
+that the change exceeds the tolerance; a point estimate past the limit with an interval that straddles it passes
+(and says so). A side with fewer than ``MIN_STEPS`` measured steps makes the gate *inconclusive*. The default
+tolerance and confidence were chosen from the power curves of ``benchmarks/gate_power.py`` (docs/compare.md).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+# Chosen from benchmarks/gate_power.py (see docs/compare.md for the measured table).
+DEFAULT_STEP_TOLERANCE = 0.02
+DEFAULT_CONFIDENCE = 0.90
+DEFAULT_N_BOOT = 2000
+MIN_STEPS = 20
+
+DEFAULT_GATES = (f"steps.time_s.p50 < +{DEFAULT_STEP_TOLERANCE * 100:g}%",)
+# Shown beside the deciding gate; they never fail the build on their own (single numbers with no noise model).
+DEFAULT_ADVISORY = (
+    "mfu.value > -2pp",
+    "overlap.exposed_comm_frac < +0.05",
+    "pipeline.bubble_frac < +0.02",
+    "stragglers <= +0",
+)
+
+STEP_KEY = "steps.time_s."
+STEP_SAMPLES_KEY = "steps.per_step_time_s"
+
+PASS, FAIL, WARN, INCONCLUSIVE, NA = "pass", "fail", "warn", "inconclusive", "n/a"
+
+_OPS = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
+        "==": np.equal, "!=": np.not_equal}
+_GATE_RE = re.compile(r"^\s*(?P<key>[A-Za-z_][\w.]*)\s*(?P<op><=|>=|==|!=|<|>)\s*"
+                      r"(?P<sign>[+-])?\s*(?P<num>\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?\s*"
+                      r"(?P<unit>%|pp)?\s*$")
+
+
+class GateError(ValueError):
+    """A gate expression or a gate's input cannot be used. The message is one line."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One parsed gate. ``mode`` is "absolute" (limit on head), "ratio" (head/base), or "delta" (head − base)."""
+    expr: str
+    key: str
+    op: str
+    mode: str
+    limit: float          # absolute value, ratio limit (1 + x), or delta in the key's units
+    advisory: bool = False
+
+    @property
+    def is_step_time(self) -> bool:
+        return self.key.startswith(STEP_KEY)
+
+
+def parse_gate(expr: str, advisory: bool = False) -> Gate:
+    m = _GATE_RE.match(expr)
+    if not m:
+        raise GateError(f"gate {expr!r}: expected KEY OP VALUE, e.g. 'steps.time_s.p50 < +5%' or "
+                        f"'overlap.exposed_comm_frac < 0.30'")
+    key, op, sign, unit = m["key"], m["op"], m["sign"], m["unit"]
+    x = float(m["num"] + (f"e{m['exp']}" if m["exp"] else ""))
+    if sign == "-":
+        x = -x
+    if unit and not sign:
+        raise GateError(f"gate {expr!r}: a change needs its sign ('+{m['num']}{unit}' relative to base); "
+                        f"write a plain number for an absolute limit")
+    if unit == "%":
+        mode, limit = "ratio", 1.0 + x / 100.0
+    elif unit == "pp":
+        mode, limit = "delta", x * (1.0 if key.endswith("_pct") else 0.01)
+    elif sign:
+        mode, limit = "delta", x
+    else:
+        mode, limit = "absolute", x
+    if op in ("==", "!=") and mode == "ratio":
+        raise GateError(f"gate {expr!r}: '{op}' needs an absolute value or a signed change, not a percentage")
+    if key.startswith(STEP_KEY) and op in ("==", "!="):
+        raise GateError(f"gate {expr!r}: step times are noisy; use <, <=, > or >=")
+    if key.startswith(STEP_KEY) and _step_stat(key) is None:
+        raise GateError(f"gate {expr!r}: unknown step-time statistic {key[len(STEP_KEY):]!r} "
+                        f"(use p50, mean or pNN such as p90)")
+    return Gate(expr.strip(), key, op, mode, limit, advisory)
+
+
+def _step_stat(key: str) -> float | str | None:
+    """``steps.time_s.p90`` -> 0.90 (a quantile), ``...mean`` -> "mean", ``...median`` -> 0.5."""
+    name = key[len(STEP_KEY):]
+    if name == "mean":
+        return "mean"
+    if name == "median":
+        return 0.5
+    m = re.fullmatch(r"p(\d{1,2}(?:\.\d+)?)", name)
+    return float(m[1]) / 100.0 if m else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading values out of summaries
+
+_MISSING = object()
+
+
+def lookup(summary: dict, key: str) -> Any:
+    """The value at dotted ``key`` in ``summary``; ``_MISSING`` if the path does not exist.
+
+    A null section (``"pipeline": null`` for a job without pipeline parallelism) makes its keys null, not missing."""
+    node: Any = summary
+    for part in key.split("."):
+        if node is None:
+            return None
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+def scalar_value(value: Any) -> float | None:
+    """A summary value as a number: lists count their entries (stragglers: those whose kind is not "none")."""
+    if value is None or value is _MISSING:
+        return None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return None if math.isnan(float(value)) else float(value)
+    if isinstance(value, list):
+        return float(sum(1 for v in value if not (isinstance(v, dict) and v.get("kind") == "none")))
+    if isinstance(value, dict) and "count" in value:
+        return scalar_value(value["count"])
+    raise GateError(f"value {value!r} is not a number or a list")
+
+
+def step_samples(summary: dict) -> np.ndarray | None:
+    """Per-step job times of one run (warm-up excluded), or None if the summary has none."""
+    v = lookup(summary, STEP_SAMPLES_KEY)
+    if v is _MISSING or v is None:
+        return None
+    a = np.asarray(v, dtype=float)
+    return a[np.isfinite(a)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Statistics
+
+def _stat(x: np.ndarray, stat, axis=-1) -> np.ndarray:
+    if stat == "mean":
+        return np.nanmean(x, axis=axis)
+    return np.nanquantile(x, stat, axis=axis) if np.isnan(x).any() else np.quantile(x, stat, axis=axis)
+
+
+def block_length(n: int) -> int:
+    """Moving-block length ~ n^(1/3) (Hall, Horowitz & Jing 1995 rate for distribution quantities)."""
+    return max(1, int(round(n ** (1.0 / 3.0))))
+
+
+def block_resample(x: np.ndarray, n_boot: int, rng: np.random.Generator, block: int | None = None) -> np.ndarray:
+    """(n_boot, n) circular moving-block bootstrap resamples of the series ``x``."""
+    n = len(x)
+    b = block or block_length(n)
+    n_blocks = -(-n // b)
+    starts = rng.integers(0, n, size=(n_boot, n_blocks))
+    idx = (starts[:, :, None] + np.arange(b)).reshape(n_boot, n_blocks * b)[:, :n] % n
+    return x[idx]
+
+
+def side_resamples(runs: Sequence[np.ndarray], n_boot: int, rng: np.random.Generator,
+                   block: int | None = None) -> np.ndarray:
+    """(n_boot, total steps) resamples of a side: runs resampled with replacement, then blocks within each run.
+
+    Unequal run lengths are padded with NaN (statistics ignore them)."""
+    if len(runs) == 1:
+        return block_resample(runs[0], n_boot, rng, block)
+    k = len(runs)
+    n_max = max(len(r) for r in runs)
+    per_run = np.full((k, n_boot, n_max), np.nan)
+    for j, r in enumerate(runs):
+        per_run[j, :, :len(r)] = block_resample(r, n_boot, rng, block)
+    pick = rng.integers(0, k, size=(n_boot, k))
+    return per_run[pick, np.arange(n_boot)[:, None], :].reshape(n_boot, k * n_max)
+
+
+def _pooled(runs: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(list(runs))
+
+
+def bootstrap_ratio(base_runs: Sequence[np.ndarray], head_runs: Sequence[np.ndarray], stat=0.5,
+                    confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
+                    block: int | None = None) -> tuple[float, float, float]:
+    """Point estimate and two-sided percentile CI of ``stat(head) / stat(base)``."""
+    rng = np.random.default_rng(seed)
+    est = float(_stat(_pooled(head_runs), stat) / _stat(_pooled(base_runs), stat))
+    rb = _stat(side_resamples(base_runs, n_boot, rng, block), stat)
+    rh = _stat(side_resamples(head_runs, n_boot, rng, block), stat)
+    log_ratio = np.log(rh) - np.log(rb)
+    a = (1.0 - confidence) / 2.0
+    lo, hi = np.quantile(log_ratio, [a, 1.0 - a])
+    return est, float(np.exp(lo)), float(np.exp(hi))
+
+
+def bootstrap_value(runs: Sequence[np.ndarray], stat=0.5, confidence: float = DEFAULT_CONFIDENCE,
+                    n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> tuple[float, float, float]:
+    """Point estimate and CI of ``stat`` of one side (for absolute step-time limits)."""
+    rng = np.random.default_rng(seed)
+    est = float(_stat(_pooled(runs), stat))
+    r = _stat(side_resamples(runs, n_boot, rng), stat)
+    a = (1.0 - confidence) / 2.0
+    lo, hi = np.quantile(r, [a, 1.0 - a])
+    return est, float(lo), float(hi)
+
+
+def _norm_ppf(p: float) -> float:
+    """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9); numpy only, no scipy."""
+    a = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02, 1.383577518672690e+02,
+         -3.066479806614716e+01, 2.506628277459239e+00)
+    b = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02, 6.680131188771972e+01,
+         -1.328068155288572e+01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00, -2.549732539343734e+00,
+         4.374664141464968e+00, 2.938163982698783e+00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00)
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0]*q+c[1])*q+c[2])*q+c[3])*q+c[4])*q+c[5]) / ((((d[0]*q+d[1])*q+d[2])*q+d[3])*q+1)
+    if p > 1 - 0.02425:
+        return -_norm_ppf(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0]*r+a[1])*r+a[2])*r+a[3])*r+a[4])*r+a[5])*q / (((((b[0]*r+b[1])*r+b[2])*r+b[3])*r+b[4])*r+1)
+
+
+def rank_ratio(base_runs: Sequence[np.ndarray], head_runs: Sequence[np.ndarray],
+               confidence: float = DEFAULT_CONFIDENCE) -> tuple[float, float, float]:
+    """Hodges–Lehmann ratio head/base with its Mann–Whitney (normal approximation) confidence interval.
+
+    On log step times: the shift estimate is the median of all pairwise differences log h_j − log b_i; the interval
+    is given by the order statistics k and nm−1−k of those differences, k = nm/2 − z·sqrt(nm(n+m+1)/12).
+    Assumes independent steps (no drift)."""
+    lb, lh = np.log(_pooled(base_runs)), np.log(_pooled(head_runs))
+    n, m = len(lb), len(lh)
+    d = np.sort((lh[None, :] - lb[:, None]).ravel())
+    z = _norm_ppf(1.0 - (1.0 - confidence) / 2.0)
+    k = int(math.floor(n * m / 2.0 - z * math.sqrt(n * m * (n + m + 1) / 12.0)))
+    k = min(max(k, 0), n * m - 1)
+    return float(np.exp(np.median(d))), float(np.exp(d[k])), float(np.exp(d[n * m - 1 - k]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluating gates
+
+@dataclass
+class GateResult:
+    gate: Gate
+    verdict: str                    # pass | fail | warn (advisory gate failed) | inconclusive | n/a
+    base: float | None = None       # the statistic on each side (pooled)
+    head: float | None = None
+    change: float | None = None     # ratio − 1 for ratio gates, head − base for delta gates, head for absolute
+    ci: tuple[float, float] | None = None   # interval of `change` (same units)
+    method: str = ""
+    note: str = ""
+    n_base: int | None = None       # measured steps (step-time gates) or runs
+    n_head: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"gate": self.gate.expr, "key": self.gate.key, "mode": self.gate.mode, "limit": self.gate.limit,
+                "advisory": self.gate.advisory, "verdict": self.verdict, "base": self.base, "head": self.head,
+                "change": self.change, "ci": list(self.ci) if self.ci else None, "method": self.method,
+                "note": self.note, "n_base": self.n_base, "n_head": self.n_head}
+
+
+def _decide(op: str, limit: float, lo: float, hi: float) -> bool:
+    """True (violated) only when the whole interval [lo, hi] breaks ``value OP limit``."""
+    if op in ("<", "<="):
+        return bool(lo >= limit) if op == "<" else bool(lo > limit)
+    return bool(hi <= limit) if op == ">" else bool(hi < limit)  # step gates refuse == and != at parse time
+
+
+def _finish(res: GateResult, violated: bool, point_past: bool) -> GateResult:
+    if violated:
+        res.verdict = WARN if res.gate.advisory else FAIL
+    else:
+        res.verdict = PASS
+        if point_past:
+            res.note = (res.note + "; " if res.note else "") + "estimate past the limit but within noise"
+    return res
+
+
+def evaluate_gate(gate: Gate, base: Sequence[dict], head: Sequence[dict], *, test: str = "bootstrap",
+                  confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
+                  min_steps: int = MIN_STEPS) -> GateResult:
+    """Decide one gate on base and head summaries (one dict per run)."""
+    if gate.is_step_time:
+        return _evaluate_step_gate(gate, base, head, test=test, confidence=confidence, n_boot=n_boot, seed=seed,
+                                   min_steps=min_steps)
+    return _evaluate_scalar_gate(gate, base, head)
+
+
+def _evaluate_step_gate(gate, base, head, *, test, confidence, n_boot, seed, min_steps) -> GateResult:
+    stat = _step_stat(gate.key)
+    res = GateResult(gate, INCONCLUSIVE)
+    hs = [step_samples(s) for s in head]
+    bs = [step_samples(s) for s in base]
+    if any(x is None for x in hs) or (gate.mode != "absolute" and any(x is None for x in bs)):
+        res.note = f"no {STEP_SAMPLES_KEY} in a summary"
+        return res
+    res.n_head = int(sum(len(x) for x in hs))
+    res.n_base = int(sum(len(x) for x in bs)) if bs else None
+    short = [side for side, runs in (("head", hs), ("base", bs if gate.mode != "absolute" else []))
+             if any(len(x) < min_steps for x in runs)]
+    if short:
+        res.note = f"fewer than {min_steps} measured steps in a {' and '.join(short)} run"
+        return res
+    res.head = float(_stat(_pooled(hs), stat))
+    if gate.mode == "absolute":
+        est, lo, hi = bootstrap_value(hs, stat, confidence, n_boot, seed)
+        res.method = f"block bootstrap, {confidence:.0%} CI"
+        res.change, res.ci = est, (lo, hi)
+        return _finish(res, _decide(gate.op, gate.limit, lo, hi), not _OPS[gate.op](est, gate.limit))
+    res.base = float(_stat(_pooled(bs), stat))
+    if test == "rank":
+        if stat != 0.5:
+            raise GateError(f"gate {gate.expr!r}: the rank test decides medians only (use steps.time_s.p50)")
+        est, lo, hi = rank_ratio(bs, hs, confidence)
+        res.method = f"Hodges-Lehmann / Mann-Whitney, {confidence:.0%} CI"
+    else:
+        est, lo, hi = bootstrap_ratio(bs, hs, stat, confidence, n_boot, seed)
+        res.method = f"block bootstrap of the ratio, {confidence:.0%} CI"
+    if gate.mode == "ratio":
+        res.change, res.ci = est - 1.0, (lo - 1.0, hi - 1.0)
+        return _finish(res, _decide(gate.op, gate.limit, lo, hi), not _OPS[gate.op](est, gate.limit))
+    # delta on a step time: scale the ratio interval by the base statistic
+    b = res.base
+    res.change, res.ci = b * (est - 1.0), (b * (lo - 1.0), b * (hi - 1.0))
+    return _finish(res, _decide(gate.op, gate.limit, *res.ci), not _OPS[gate.op](res.change, gate.limit))
+
+
+def _side_value(summaries: Sequence[dict], key: str) -> tuple[float | None, bool]:
+    """Median over a side's runs of the key's value; (None, present?)."""
+    raw = [lookup(s, key) for s in summaries]
+    present = any(v is not _MISSING for v in raw)
+    vals = [scalar_value(v) for v in raw if v is not _MISSING]
+    vals = [v for v in vals if v is not None]
+    return (float(np.median(vals)) if vals else None), present
+
+
+def _evaluate_scalar_gate(gate, base, head) -> GateResult:
+    res = GateResult(gate, NA, n_base=len(base), n_head=len(head), method="summary values (median over runs)")
+    try:
+        h, h_present = _side_value(head, gate.key)
+        b, b_present = _side_value(base, gate.key) if gate.mode != "absolute" else (None, True)
+    except GateError as e:
+        raise GateError(f"gate {gate.expr!r}: {e}") from None
+    res.head, res.base = h, b
+    if not h_present and not b_present:
+        res.verdict, res.note = INCONCLUSIVE, f"key {gate.key} is in no summary"
+        return res
+    if h is None or (gate.mode != "absolute" and b is None):
+        if (h_present and h is None) and (gate.mode == "absolute" or (b_present and b is None)):
+            res.note = "not measured in this job (null)"
+            return res  # n/a: e.g. pipeline.bubble_frac of a job without pipeline parallelism
+        res.verdict, res.note = INCONCLUSIVE, f"{gate.key} missing on one side"
+        return res
+    if gate.mode == "absolute":
+        res.change = h
+    elif gate.mode == "ratio":
+        if b == 0:
+            res.verdict, res.note = INCONCLUSIVE, "base value is 0; use an absolute or signed limit"
+            return res
+        res.change = h / b - 1.0
+    else:
+        res.change = h - b
+    value = res.change + 1.0 if gate.mode == "ratio" else res.change
+    return _finish(res, not bool(_OPS[gate.op](value, gate.limit)), False)
+
+
+def overall_exit(results: Sequence[GateResult]) -> int:
+    """0 every deciding gate passed, 1 any failed, 3 none failed but one was inconclusive."""
+    deciding = [r for r in results if not r.gate.advisory]
+    if any(r.verdict == FAIL for r in deciding):
+        return 1
+    if any(r.verdict == INCONCLUSIVE for r in deciding):
+        return 3
+    return 0

@@ -1,0 +1,221 @@
+"""`dtprof compare`: CI regression gates between runs, and scaling efficiency across world sizes.
+
+The CLI only reads inputs, delegates to ``dtprof.analyzers.regression`` / ``dtprof.analyzers.scaling`` (the
+statistics) and ``dtprof.reports.compare_render`` (the formats), and maps the outcome to an exit code.
+Never imports torch.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+
+
+class InputError(click.ClickException):
+    """Bad usage or unreadable input: exit 2 with a one-line message."""
+    exit_code = EXIT_USAGE
+
+
+def load_summary(path: str | Path) -> tuple[str, dict]:
+    """(display name, summary dict) for a run directory or a summary.json file."""
+    p = Path(path)
+    if p.is_dir():
+        f = p / "summary.json"
+        if not f.exists():
+            return str(p), _analyze_run_dir(p)
+    elif p.exists():
+        f = p
+    else:
+        raise InputError(f"{p}: no such run directory or summary file")
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{f}: cannot read ({e.__class__.__name__}: {e})") from None
+    except ValueError as e:
+        raise InputError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), dict):
+        raise InputError(f"{f}: not a dtprof summary (no 'steps' section)")
+    return str(p), data
+
+
+def _analyze_run_dir(run_dir: Path) -> dict:
+    """Summary of a run directory without summary.json, computed by the analyzers (not written to the run)."""
+    try:
+        from dtprof.analyzers.summary import analyze
+    except ImportError:
+        raise InputError(f"{run_dir}: no summary.json, and the analyzers are not installed to compute one") from None
+    from dtprof.reader import RunFormatError, open_run
+
+    click.echo(f"dtprof compare: analysing {run_dir} (no summary.json)", err=True)
+    try:
+        return analyze(open_run(run_dir)).summary
+    except RunFormatError as e:
+        raise InputError(str(e)) from None
+
+
+def load_gate_file(path: str) -> tuple[list[str], list[str], dict]:
+    """Gates from a TOML file: ``gates = [...]``, ``advisory = [...]`` and optional ``confidence``, ``test``."""
+    if sys.version_info < (3, 11):
+        raise InputError(f"{path}: --gates FILE needs Python 3.11 or newer (tomllib); use --gate EXPR instead")
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{path}: not valid TOML ({e})") from None
+    data = data.get("compare", data)
+    unknown = set(data) - {"gates", "advisory", "confidence", "test"}
+    if unknown:
+        raise InputError(f"{path}: unknown setting(s) {', '.join(sorted(unknown))} "
+                         f"(expected gates, advisory, confidence, test)")
+    gates, advisory = data.get("gates", []), data.get("advisory", [])
+    if not all(isinstance(g, str) for g in [*gates, *advisory]):
+        raise InputError(f"{path}: gates and advisory must be lists of strings")
+    return list(gates), list(advisory), {k: data[k] for k in ("confidence", "test") if k in data}
+
+
+class _CompareCommand(click.Command):
+    """Lets ``--head A B C`` take several runs, as the usage line promises (click options take one value each)."""
+
+    def parse_args(self, ctx, args):
+        out, in_head = [], False
+        for a in args:
+            if a == "--head":
+                in_head = True
+                continue
+            if a.startswith("-") and a != "-":
+                in_head = False
+            elif in_head:
+                out.append("--head")
+            out.append(a)
+        return super().parse_args(ctx, out)
+
+
+HELP = """Compare runs and fail the build when training got slower.
+
+\b
+  dtprof compare BASE... --head HEAD... [--gate EXPR]... [--format text|markdown|json|junit] [-o FILE]
+  dtprof compare --scaling RUN...
+
+BASE and HEAD are run directories or their summary.json files; several runs on a side are pooled to model
+run-to-run noise. Without --gate/--gates the default gate is 'steps.time_s.p50 < +2%' (decided on the per-step
+distributions with a block-bootstrap confidence interval) with advisory rows for MFU, exposed communication,
+pipeline bubble and stragglers.
+
+\b
+Gate expressions (KEY OP VALUE over summary.json keys):
+  steps.time_s.p50 < +5%              head median step time at most 5 % above base
+  mfu.value > -2pp                    MFU drops by less than 2 percentage points
+  pipeline.bubble_frac < +0.02        bubble grows by less than 0.02 (signed: a change)
+  overlap.exposed_comm_frac < 0.30    absolute limit on head (no sign)
+  stragglers == 0                     lists count their entries
+A gate fails only when its whole confidence interval is past the limit.
+
+\b
+Exit codes:
+  0  every gate passed
+  1  a gate failed (regression)
+  2  bad usage or unreadable input
+  3  inconclusive (too few measured steps to decide)
+
+\b
+Example:
+  dtprof compare baseline/summary.json --head dtprof-runs/pr-123 --format markdown -o comment.md
+"""
+
+
+@click.command("compare", cls=_CompareCommand, help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("base", nargs=-1, type=click.Path())
+@click.option("--head", "head", multiple=True, type=click.Path(), help="Head run (repeat for several).")
+@click.option("--gate", "gates", multiple=True, metavar="EXPR", help="A gate expression (repeatable).")
+@click.option("--gates", "gates_file", type=click.Path(), metavar="FILE", help="TOML file with a standing set.")
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json", "junit"]), default="text",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the report here (default stdout).")
+@click.option("--confidence", type=click.FloatRange(0.5, 0.999), default=None,
+              help="Confidence of step-time intervals [default: 0.90].")
+@click.option("--test", type=click.Choice(["bootstrap", "rank"]), default=None,
+              help="Step-time test [default: bootstrap].")
+@click.option("--scaling", is_flag=True, help="Scaling efficiency across the given runs (world sizes).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed (results are reproducible).")
+def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed):
+    from dtprof.analyzers import regression as rg
+    from dtprof.reports import compare_render as cr
+
+    if scaling:
+        _scaling(list(base) + list(head), fmt, output)
+        return
+    if not base or not head:
+        raise InputError("give at least one BASE run and one --head run (see --help)")
+    advisory: list[str] = []
+    settings = {}
+    exprs = list(gates)
+    if gates_file:
+        file_gates, advisory, settings = load_gate_file(gates_file)
+        exprs += file_gates
+    if not exprs and not gates_file:
+        exprs, advisory = list(rg.DEFAULT_GATES), list(rg.DEFAULT_ADVISORY)
+    test = test or settings.get("test", "bootstrap")
+    confidence = confidence or float(settings.get("confidence", rg.DEFAULT_CONFIDENCE))
+    if test not in ("bootstrap", "rank"):
+        raise InputError(f"{gates_file}: test must be 'bootstrap' or 'rank'")
+    try:
+        parsed = [rg.parse_gate(e) for e in exprs] + [rg.parse_gate(e, advisory=True) for e in advisory]
+    except rg.GateError as e:
+        raise InputError(str(e)) from None
+
+    base_runs = [load_summary(p) for p in base]
+    head_runs = [load_summary(p) for p in head]
+    b = [s for _, s in base_runs]
+    h = [s for _, s in head_runs]
+    try:
+        results = [rg.evaluate_gate(g, b, h, test=test, confidence=confidence, seed=seed) for g in parsed]
+    except rg.GateError as e:
+        raise InputError(str(e)) from None
+    code = rg.overall_exit(results)
+    d = cr.comparison_dict(results, [n for n, _ in base_runs], [n for n, _ in head_runs], code,
+                           {"test": test, "confidence": confidence, "seed": seed, "n_boot": rg.DEFAULT_N_BOOT,
+                            "min_steps": rg.MIN_STEPS})
+    _emit(cr.RENDERERS[fmt](d), output)
+    if output and fmt != "text":
+        click.echo(f"dtprof compare: {d['outcome']} (exit {code}); wrote {output}", err=True)
+    sys.exit(code)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output:
+        try:
+            Path(output).write_text(text)
+        except OSError as e:
+            raise InputError(f"{output}: cannot write ({e.strerror})") from None
+    else:
+        click.echo(text, nl=False)
+
+
+def _scaling(paths: list[str], fmt: str, output: str | None) -> None:
+    from dtprof.analyzers.scaling import ScalingError, scaling
+    from dtprof.reports import compare_render as cr
+
+    if len(paths) < 2:
+        raise InputError("--scaling needs at least two runs (of one job at different world sizes)")
+    runs = [load_summary(p) for p in paths]
+    try:
+        d = scaling(runs)
+    except ScalingError as e:
+        raise InputError(str(e)) from None
+    if fmt == "json":
+        text = json.dumps(d, indent=1) + "\n"
+    elif fmt == "markdown":
+        text = cr.render_scaling_markdown(d)
+    elif fmt == "text":
+        text = cr.render_scaling_text(d)
+    else:
+        raise InputError("--scaling supports --format text, markdown or json")
+    _emit(text, output)
