@@ -285,7 +285,7 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
         fig.add_vline(x=(start - t0) / 1e6, line={"color": "#999", "dash": "dot", "width": 1})
         fig.add_annotation(x=(start - t0) / 1e6, y=1.0, yref="paper", text=f"step {step}", showarrow=False,
                            xanchor="left", yanchor="bottom", font={"size": 11, "color": "#666"})
-    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], type="category")
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], type="category", title_text="rank · lane")
     fig.update_layout(barmode="overlay", bargap=0.25)
     return (layout(fig, f"Timeline of steps {window[0]}–{window[-1]} (the slowest measured step and its "
                         f"neighbours)", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
@@ -344,7 +344,7 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
                     hovertemplate=f"%{{y}} {name} microbatch %{{text}}<br>start %{{base:.2f}} ms<br>"
                                   f"duration %{{x:.2f}} ms<extra></extra>"), row=row, col=1)
         cats = [f"stage {s}" for s in range(p)][::-1]
-        sched.update_yaxes(categoryorder="array", categoryarray=cats, type="category")
+        sched.update_yaxes(categoryorder="array", categoryarray=cats, type="category", title_text="pipeline stage")
         sched.update_xaxes(title_text="time since the stage's first microbatch (ms)", row=2, col=1)
         layout(sched, "Pipeline schedule: stages × time, measured vs ideal", height=260 + 60 * p,
                barmode="overlay")
