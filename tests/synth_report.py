@@ -20,7 +20,7 @@ from synth import MS, build_run
 # Strings that must show up as text and never execute. Each would run code if pasted raw into HTML or a <script>.
 HOSTILE = {
     "host": "<img src=x onerror=\"window.__pwned=1\">",
-    "span": "</script><script>window.__pwned=2</script>",
+    "span": "</script><script>window.__pwned=2</script><b>bold?</b>",
     "group": "<svg onload=window.__pwned=3>",
     "command": "train.py --name '</script><script>window.__pwned=4</script>'",
     "device": "<b onmouseover=window.__pwned=5>GPU</b>",
