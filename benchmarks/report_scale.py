@@ -65,6 +65,16 @@ def main() -> int:
         page.on("request", lambda r: requests.append(r.url))
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        # side by side: a page holding only the inlined plotly.js, to tell our cost from the machine's speed
+        from plotly.offline import get_plotlyjs
+        base = run_dir / "plotly-only.html"
+        base.write_text(f"<!DOCTYPE html><html><body><script>{get_plotlyjs()}</script></body></html>")
+        bpage = browser.new_page()
+        bpage.goto(base.as_uri(), wait_until="load")   # warm the disk cache once
+        t = time.perf_counter()
+        bpage.reload(wait_until="load")
+        base_s = time.perf_counter() - t
+        bpage.close()
         t = time.perf_counter()
         page.goto(out.as_uri(), wait_until="load")
         load_s = time.perf_counter() - t
@@ -76,6 +86,8 @@ def main() -> int:
           f"(target <= {LOAD_TARGET_S:.0f} s); network requests beyond the file: {len(requests) - 1}; "
           f"console errors: {len(errors)}")
     ok = size_mb <= SIZE_TARGET_MB and load_s <= LOAD_TARGET_S and not errors and len(requests) == 1
+    print(f"plotly.js alone loads in {base_s:.2f} s on this machine: report load / plotly-only load = "
+          f"{load_s / base_s:.2f}, drawn / plotly-only = {drawn_s / base_s:.2f}")
     print(f"size ratio {size_mb / SIZE_TARGET_MB:.2f} of target, load ratio {load_s / LOAD_TARGET_S:.2f}, "
           f"drawn ratio {drawn_s / LOAD_TARGET_S:.2f}: {'OK' if ok else 'OVER TARGET'}")
     if tmp:

@@ -226,7 +226,7 @@ def _cards(summary: dict) -> str:
     for key, label, paths, kind in HEADLINES:
         value = pick(summary, paths)
         num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        unit = "tok/s" if key == "tokens_per_s" else "samples/s"
+        unit = "/s"  # the label names what is counted (tokens, samples)
         shown = fmt_value(num, kind, unit)
         out.append(f'<div class="card{" na" if num is None else ""}" id="card-{key}" data-key="{key}" '
                    f'data-value="{"" if num is None else repr(float(num))}"><div class="label">{esc(label)}</div>'
