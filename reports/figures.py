@@ -1,0 +1,452 @@
+"""The report's plotly figures, one function per view. Each takes a ``Context`` and returns a figure (or None when
+the run has nothing to show for that view). No figure reads anything but the run's tables and the ``Analysis``.
+
+Scale rules (so a 1,024-rank, 1,000-step run stays a page, not a trace):
+- rank × step heatmaps keep every rank up to ``MAX_HEATMAP_ROWS`` and bin steps to at most ``MAX_HEATMAP_COLS``
+  columns (mean of the steps in a column; the axis title says how many steps a column holds);
+- the timeline shows a window of ``TIMELINE_STEPS`` steps around the slowest measured step, for at most
+  ``MAX_TIMELINE_RANKS`` ranks (rank 0, the stragglers, the fastest and slowest computing ranks, then evenly
+  spaced ranks); the figure title names them;
+- NVML series draw one line per GPU up to ``MAX_GPU_LINES`` GPUs, else the p10–p90 band and median over GPUs, binned
+  to at most ``MAX_TIME_POINTS`` points.
+
+Every string that comes from a run goes through ``esc`` (HTML entities) before it enters a figure: plotly renders
+labels and hover text as a subset of HTML, so an escaped ``<script>`` shows as text.
+Times on shared axes are host-aligned with ``analysis.clock`` offsets (metrics.md, "Clock alignment across hosts")
+and shown in seconds from the first step's start.
+"""
+from __future__ import annotations
+
+import html
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+MAX_HEATMAP_COLS = 250
+MAX_HEATMAP_ROWS = 1024
+TIMELINE_STEPS = 3
+MAX_TIMELINE_RANKS = 16
+MAX_GPU_LINES = 8
+MAX_TIME_POINTS = 400
+
+COMPUTE_KINDS = ("forward", "backward", "optimizer", "user")
+P2P_OPS = ("send", "recv")
+# colour per timeline category; the same names appear in the legend
+COLORS = {"compute": "#4C78A8", "pipeline forward": "#72B7B2", "pipeline backward": "#54A24B",
+          "data wait": "#EECA3B", "blocked on communication": "#E45756", "collective": "#F58518",
+          "p2p send/recv": "#B279A2"}
+FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
+
+
+def esc(value) -> str:
+    """A run-supplied string made safe for plotly's HTML-like text rendering (shown as typed, never parsed)."""
+    return html.escape(str(value), quote=True)
+
+
+@dataclass
+class Context:
+    run: object
+    analysis: object
+    offset_of_rank: pd.Series      # ns to add to a rank's times to align its host (from analysis.clock)
+    t0_ns: int                     # aligned start of the first step: x = 0 on time axes
+    steps: pd.DataFrame            # analysis.steps with aligned start/end
+    measured: pd.DataFrame         # steps without warm-up (all steps if every step is warm-up)
+
+
+def make_context(run, analysis) -> Context:
+    ranks = run.ranks[["rank", "host"]].astype({"host": str})
+    clock = analysis.clock
+    offsets = dict(zip(clock["host"].astype(str), clock["offset_ns"].astype("int64"))) if len(clock) else {}
+    offset_of_rank = ranks.set_index("rank")["host"].map(offsets).fillna(0).astype("int64")
+    steps = analysis.steps.copy()
+    off = steps["rank"].map(offset_of_rank).fillna(0).astype("int64")
+    steps["start_ns"] = steps["start_ns"].astype("int64") + off
+    steps["end_ns"] = steps["end_ns"].astype("int64") + off
+    measured = steps[~steps["warmup"].astype(bool)]
+    if measured.empty:
+        measured = steps
+    t0 = int(steps["start_ns"].min()) if len(steps) else 0
+    return Context(run, analysis, offset_of_rank, t0, steps, measured)
+
+
+def rank_axis(fig: go.Figure, n_ranks: int, axis: str = "x") -> None:
+    """Whole-number rank ticks (plotly would otherwise label 0.5, 1.5 on a few-rank axis)."""
+    upd = fig.update_xaxes if axis == "x" else fig.update_yaxes
+    upd(dtick=1) if n_ranks <= 32 else upd(tickformat="d")
+
+
+def layout(fig: go.Figure, title: str, *, height: int = 380, xtitle: str | None = None,
+           ytitle: str | None = None, **extra) -> go.Figure:
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}}, template="plotly_white",
+                      height=height, margin={"l": 70, "r": 30, "t": 50, "b": 50}, font={"family": FONT, "size": 12},
+                      legend={"orientation": "h", "y": -0.18}, hoverlabel={"font": {"family": FONT}}, **extra)
+    if xtitle is not None:
+        fig.update_xaxes(title_text=xtitle)
+    if ytitle is not None:
+        fig.update_yaxes(title_text=ytitle)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- steps over time
+def step_time_figure(ctx: Context) -> go.Figure | None:
+    """Step time per step: the job's (max over ranks), the median rank's, and the p10–p90 band over ranks."""
+    s = ctx.steps
+    if s.empty:
+        return None
+    g = s.groupby("step")["duration_s"]
+    q = g.quantile([0.1, 0.5, 0.9]).unstack() * 1e3
+    job = g.max() * 1e3
+    x = q.index.to_numpy()
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=x, y=q[0.9], mode="lines", line={"width": 0}, showlegend=False, hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=x, y=q[0.1], mode="lines", line={"width": 0}, fill="tonexty",
+                             fillcolor="rgba(76,120,168,0.25)", name="p10–p90 over ranks", hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=x, y=q[0.5], mode="lines", line={"color": "#4C78A8"}, name="median rank",
+                             hovertemplate="step %{x}<br>median rank: %{y:.2f} ms<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=job, mode="lines", line={"color": "#E45756"}, name="job (slowest rank)",
+                             hovertemplate="step %{x}<br>job step time: %{y:.2f} ms<extra></extra>"))
+    warm = s.loc[s["warmup"].astype(bool), "step"]
+    if len(warm):
+        fig.add_vrect(x0=warm.min() - 0.5, x1=warm.max() + 0.5, fillcolor="#999", opacity=0.12, line_width=0,
+                      annotation_text="warm-up (excluded)", annotation_position="top left")
+    return layout(fig, "Step time per step", xtitle="step", ytitle="step time (ms)")
+
+
+# ------------------------------------------------------------------------------------------- rank × step heatmaps
+def _bin_matrix(df: pd.DataFrame, value: str, scale: float):
+    """Pivot rank × step to a matrix, then average blocks so it has at most MAX_HEATMAP_ROWS × MAX_HEATMAP_COLS."""
+    ranks = np.sort(df["rank"].unique())
+    steps = np.sort(df["step"].unique())
+    ri = np.searchsorted(ranks, df["rank"].to_numpy())
+    si = np.searchsorted(steps, df["step"].to_numpy())
+    m = np.full((len(ranks), len(steps)), np.nan)
+    m[ri, si] = df[value].to_numpy(dtype=float) * scale
+    rb = int(np.ceil(len(ranks) / MAX_HEATMAP_ROWS))
+    sb = int(np.ceil(len(steps) / MAX_HEATMAP_COLS))
+    if rb > 1 or sb > 1:
+        R, S = -(-len(ranks) // rb) * rb, -(-len(steps) // sb) * sb
+        pad = np.full((R, S), np.nan)
+        pad[:len(ranks), :len(steps)] = m
+        with warnings.catch_warnings():  # an all-NaN block (a rank without that step) stays NaN, quietly
+            warnings.simplefilter("ignore", RuntimeWarning)
+            m = np.nanmean(pad.reshape(R // rb, rb, S // sb, sb), axis=(1, 3))
+    return m.astype("float32"), ranks[::rb], steps[::sb], rb, sb
+
+
+def rank_step_heatmap(df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
+                      scale: float = 1e3, colorscale: str = "Viridis") -> go.Figure | None:
+    if df.empty or df[value].isna().all():
+        return None
+    z, ranks, steps, rb, sb = _bin_matrix(df, value, scale)
+    xt = "step" if sb == 1 else f"step (each column: mean of {sb} steps)"
+    yt = "rank" if rb == 1 else f"rank (each row: mean of {rb} ranks)"
+    fig = go.Figure(go.Heatmap(
+        z=z, x=steps, y=ranks, colorscale=colorscale, colorbar={"title": {"text": unit}},
+        hovertemplate=f"rank %{{y}}<br>step %{{x}}<br>{label}: %{{z:.2f}} {unit}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed")
+    rank_axis(fig, len(ranks), "y")
+    return layout(fig, title, height=min(700, 220 + 6 * len(ranks)), xtitle=xt, ytitle=yt)
+
+
+# ----------------------------------------------------------------------------------------------------- overlap
+def overlap_figure(ctx: Context) -> go.Figure | None:
+    """Per rank, mean per measured step: communication hidden under compute vs exposed; overlap ratio on the right."""
+    m = ctx.measured
+    if m.empty or m["comm_s"].fillna(0).sum() == 0:
+        return None
+    g = m.groupby("rank")[["comm_s", "exposed_comm_s"]].mean() * 1e3
+    hidden = (g["comm_s"] - g["exposed_comm_s"]).clip(lower=0)
+    ratio = m.groupby("rank")[["comm_s", "exposed_comm_s"]].sum()
+    ratio = 1 - ratio["exposed_comm_s"] / ratio["comm_s"].where(ratio["comm_s"] > 0)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=g.index, y=hidden, name="overlapped with compute", marker_color="#72B7B2",
+                         hovertemplate="rank %{x}<br>overlapped: %{y:.2f} ms/step<extra></extra>"))
+    fig.add_trace(go.Bar(x=g.index, y=g["exposed_comm_s"], name="exposed (rank only communicating)",
+                         marker_color="#E45756",
+                         hovertemplate="rank %{x}<br>exposed: %{y:.2f} ms/step<extra></extra>"))
+    fig.add_trace(go.Scatter(x=ratio.index, y=ratio * 100, name="overlap ratio", mode="markers+lines",
+                             line={"color": "#333", "width": 1}, marker={"size": 5},
+                             hovertemplate="rank %{x}<br>overlap ratio: %{y:.1f} %<extra></extra>"),
+                  secondary_y=True)
+    fig.update_yaxes(title_text="communication per step (ms)", secondary_y=False)
+    fig.update_yaxes(title_text="overlap ratio (%)", range=[0, 105], tickvals=[0, 25, 50, 75, 100],
+                     secondary_y=True, showgrid=False)
+    rank_axis(fig, len(g))
+    return layout(fig, "Communication per rank: overlapped vs exposed (mean per measured step)", barmode="stack",
+                  xtitle="rank")
+
+
+# ---------------------------------------------------------------------------------------------------- timeline
+def timeline_window(ctx: Context) -> list[int]:
+    """The slowest measured step and its neighbours (TIMELINE_STEPS steps)."""
+    job = ctx.measured.groupby("step")["duration_s"].max()
+    if job.empty:
+        return []
+    steps = np.sort(ctx.steps["step"].unique())
+    i = int(np.searchsorted(steps, job.idxmax()))
+    lo = max(0, min(i - TIMELINE_STEPS // 2, len(steps) - TIMELINE_STEPS))
+    return [int(s) for s in steps[lo:lo + TIMELINE_STEPS]]
+
+
+def timeline_ranks(ctx: Context) -> list[int]:
+    ranks = np.sort(ctx.steps["rank"].unique())
+    if len(ranks) <= MAX_TIMELINE_RANKS:
+        return [int(r) for r in ranks]
+    chosen = [int(ranks[0])]
+    st = ctx.analysis.stragglers
+    if st is not None and len(st):
+        late = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False)
+        chosen += [int(r) for r in late["rank"].head(4)]
+    comp = ctx.measured.groupby("rank")["compute_s"].mean()
+    if len(comp):
+        chosen += [int(comp.idxmax()), int(comp.idxmin())]
+    for r in ranks[np.linspace(0, len(ranks) - 1, MAX_TIMELINE_RANKS).astype(int)]:
+        if len(set(chosen)) >= MAX_TIMELINE_RANKS:
+            break
+        chosen.append(int(r))
+    return sorted(set(chosen))[:MAX_TIMELINE_RANKS]
+
+
+def _fmt_bytes(b) -> str:
+    if b is None or pd.isna(b):
+        return "–"
+    b = float(b)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+
+
+def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int]]:
+    """Per-rank lanes (compute and communication rows) for a window of steps, zoomable, with hover details."""
+    window = timeline_window(ctx)
+    ranks = timeline_ranks(ctx)
+    if not window:
+        return None, window, ranks
+    run = ctx.run
+    sp = run.spans
+    # cheap numpy filters first (millions of rows on a large run), string work only on the window
+    sp = sp[np.isin(sp["rank"].to_numpy(), ranks) & np.isin(sp["step"].fillna(-1).to_numpy("int64"), window)]
+    sp = sp[~sp["kind"].isin(["kernel", "flops_count"])]
+    co = run.collectives
+    co = co[np.isin(co["rank"].to_numpy(), ranks) & np.isin(co["step"].fillna(-1).to_numpy("int64"), window)]
+    win = ctx.steps[ctx.steps["step"].isin(window)]
+    t0 = int(win["start_ns"].min())
+
+    def lanes(r, row):
+        return f"rank {r} · {row}"
+
+    kind = sp["kind"].astype(str)
+    cat = np.select([kind.isin(COMPUTE_KINDS), kind == "pp_forward", kind == "pp_backward", kind == "data_wait",
+                     kind == "comm_wait"],
+                    ["compute", "pipeline forward", "pipeline backward", "data wait", "blocked on communication"],
+                    default="")
+    off = sp["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
+    spans = pd.DataFrame({
+        "cat": cat, "lane": [lanes(r, "compute") for r in sp["rank"]],
+        "start": (sp["start_ns"].to_numpy() + off - t0) / 1e6, "dur": (sp["end_ns"] - sp["start_ns"]).to_numpy() / 1e6,
+        "name": [esc(n) for n in sp["name"].astype(str)], "op": kind.to_numpy(), "group": "", "bytes": "",
+        "label": [f"{'F' if k == 'pp_forward' else 'B'} s{s} mb{m}" if k.startswith("pp_") else ""
+                  for k, s, m in zip(kind, sp["stage"], sp["microbatch"])],
+    })
+    spans = spans[spans["cat"] != ""]
+    op = co["op"].astype(str)
+    cend = co["end_ns"].fillna(co["return_ns"]).astype("int64").to_numpy()
+    coff = co["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
+    colls = pd.DataFrame({
+        "cat": np.where(op.isin(P2P_OPS), "p2p send/recv", "collective"),
+        "lane": [lanes(r, "comm") for r in co["rank"]],
+        "start": (co["issue_ns"].to_numpy() + coff - t0) / 1e6, "dur": (cend - co["issue_ns"].to_numpy()) / 1e6,
+        "name": [esc(a) for a in co["api"].astype(str)], "op": op.to_numpy(),
+        "group": [esc(g) + (f" → rank {p}" if not pd.isna(p) else "") for g, p in zip(co["group"].astype(str),
+                                                                                      co["peer"])],
+        "bytes": [_fmt_bytes(max(i, o)) for i, o in zip(co["in_bytes"], co["out_bytes"])],
+        "label": "",
+    })
+    bars = pd.concat([spans, colls], ignore_index=True)
+    order = [lanes(r, row) for r in ranks for row in ("compute", "comm")]
+    fig = go.Figure()
+    for c, color in COLORS.items():
+        b = bars[bars["cat"] == c]
+        if b.empty:
+            continue
+        fig.add_trace(go.Bar(
+            x=b["dur"], base=b["start"], y=b["lane"], orientation="h", name=c, marker_color=color,
+            opacity=0.9 if c != "blocked on communication" else 0.75, text=b["label"], textposition="inside",
+            insidetextanchor="middle", textfont={"size": 10, "color": "white"},
+            customdata=np.stack([b["name"], b["op"], b["group"], b["bytes"]], axis=1),
+            hovertemplate=("<b>%{customdata[0]}</b><br>" + c + " · %{customdata[1]}<br>group: %{customdata[2]}"
+                           "<br>size: %{customdata[3]}<br>start: %{base:.3f} ms<br>duration: %{x:.3f} ms"
+                           "<extra></extra>")))
+    for step, start in win.groupby("step")["start_ns"].min().items():
+        fig.add_vline(x=(start - t0) / 1e6, line={"color": "#999", "dash": "dot", "width": 1})
+        fig.add_annotation(x=(start - t0) / 1e6, y=1.0, yref="paper", text=f"step {step}", showarrow=False,
+                           xanchor="left", yanchor="bottom", font={"size": 11, "color": "#666"})
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], type="category", title_text="rank · lane")
+    fig.update_layout(barmode="overlay", bargap=0.25)
+    return (layout(fig, f"Timeline of steps {window[0]}–{window[-1]} (the slowest measured step and its "
+                        f"neighbours)", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
+                        f"started (ms); drag to zoom, double-click to reset"), window, ranks)
+
+
+# ---------------------------------------------------------------------------------------------------- pipeline
+def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
+    """Measured schedule of one step beside the ideal GPipe layout; bubble per stage measured vs theoretical."""
+    pipe = ctx.analysis.pipeline
+    if pipe is None or len(pipe) == 0:
+        return None, None
+    sp = ctx.run.spans
+    pp = sp[sp["kind"].astype(str).isin(["pp_forward", "pp_backward"])].dropna(subset=["stage", "step"])
+    measured_steps = ctx.measured["step"].unique()
+    pp = pp[pp["step"].isin(measured_steps)]
+    sched = None
+    if len(pp):
+        job = ctx.measured.groupby("step")["duration_s"].max()
+        step = int(job.sub(job.median()).abs().idxmin())  # a typical step
+        one = pp[pp["step"] == step]
+        off = one["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
+        start = one["start_ns"].to_numpy() + off
+        first = start.min()
+        kind = one["kind"].astype(str).to_numpy()
+        stage = one["stage"].astype(int).to_numpy()
+        mb = one["microbatch"].fillna(-1).astype(int).to_numpy()
+        dur = (one["end_ns"] - one["start_ns"]).to_numpy() / 1e6
+        p = int(stage.max()) + 1
+        m = int(mb.max()) + 1
+        tf = float(np.median(dur[kind == "pp_forward"])) if (kind == "pp_forward").any() else 0.0
+        tb = float(np.median(dur[kind == "pp_backward"])) if (kind == "pp_backward").any() else 0.0
+        # ideal GPipe: forward of microbatch i on stage s at (i+s)·tf; backwards in reverse after all forwards
+        ideal_s = np.arange(p).repeat(m)
+        ideal_i = np.tile(np.arange(m), p)
+        f_start = (ideal_i + ideal_s) * tf
+        b_start = (m + p - 1) * tf + (ideal_i + (p - 1 - ideal_s)) * tb
+        sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                              subplot_titles=(f"measured, step {step}",
+                                              "ideal GPipe layout from the measured median forward "
+                                              f"({tf:.2f} ms) and backward ({tb:.2f} ms) times"))
+        for row, xs, ys, ds, ks, ms in (
+                (1, (start - first) / 1e6, stage, dur, kind, mb),
+                (2, np.concatenate([f_start, b_start]), np.concatenate([ideal_s, ideal_s]),
+                 np.concatenate([np.full(p * m, tf), np.full(p * m, tb)]),
+                 np.array(["pp_forward"] * (p * m) + ["pp_backward"] * (p * m)),
+                 np.concatenate([ideal_i, ideal_i]))):
+            for k, name, color in (("pp_forward", "forward", COLORS["pipeline forward"]),
+                                   ("pp_backward", "backward", COLORS["pipeline backward"])):
+                sel = ks == k
+                sched.add_trace(go.Bar(
+                    x=ds[sel], base=xs[sel], y=[f"stage {s}" for s in ys[sel]], orientation="h", name=name,
+                    marker_color=color, showlegend=row == 1, legendgroup=name,
+                    text=[f"{name[0].upper()}{i}" for i in ms[sel]], textposition="inside",
+                    insidetextanchor="middle", textfont={"color": "white", "size": 10},
+                    hovertemplate=f"%{{y}} {name} microbatch %{{text}}<br>start %{{base:.2f}} ms<br>"
+                                  f"duration %{{x:.2f}} ms<extra></extra>"), row=row, col=1)
+        cats = [f"stage {s}" for s in range(p)][::-1]
+        sched.update_yaxes(categoryorder="array", categoryarray=cats, type="category", title_text="pipeline stage")
+        sched.update_xaxes(title_text="time since the stage's first microbatch (ms)", row=2, col=1)
+        layout(sched, "Pipeline schedule: stages × time, measured vs ideal", height=260 + 60 * p,
+               barmode="overlay")
+    by_stage = pipe[pipe["step"].isin(measured_steps)] if len(measured_steps) else pipe
+    by_stage = by_stage.groupby("stage")[["bubble_frac", "theoretical_bubble_frac"]].mean() * 100
+    bub = go.Figure([
+        go.Bar(x=[f"stage {s}" for s in by_stage.index], y=by_stage["bubble_frac"], name="measured bubble",
+               marker_color="#E45756", hovertemplate="%{x}<br>measured: %{y:.1f} % of step<extra></extra>"),
+        go.Bar(x=[f"stage {s}" for s in by_stage.index], y=by_stage["theoretical_bubble_frac"],
+               name="theoretical bubble of the schedule", marker_color="#BAB0AC",
+               hovertemplate="%{x}<br>theoretical: %{y:.1f} % of step<extra></extra>")])
+    layout(bub, "Pipeline bubble per stage (mean over measured steps)", height=340, xtitle="pipeline stage",
+           ytitle="idle share of the step (%)", barmode="group")
+    return sched, bub
+
+
+# -------------------------------------------------------------------------------------------------- stragglers
+def straggler_figure(ctx: Context) -> go.Figure | None:
+    """Arrival lateness per rank and step: the worst lateness of the rank at any collective of that step."""
+    arr = ctx.analysis.arrivals
+    if arr is None or len(arr) == 0:
+        return None
+    a = arr.dropna(subset=["step"]).astype({"step": "int64"})
+    a = a.groupby(["rank", "step"], observed=True)["lateness_s"].max().reset_index()
+    return rank_step_heatmap(a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
+                             "0 = first to arrive)", "lateness", colorscale="Reds")
+
+
+# --------------------------------------------------------------------------------------------------------- NVML
+def gpu_figure(ctx: Context) -> go.Figure | None:
+    """NVML series on the steps' time axis: job step time, SM and memory-bandwidth utilisation, power, SM clock,
+    temperature."""
+    nv = ctx.run.nvml
+    if nv.empty:
+        return None
+    clock = ctx.analysis.clock
+    offsets = dict(zip(clock["host"].astype(str), clock["offset_ns"].astype("int64"))) if len(clock) else {}
+    host = nv["host"].astype(str)
+    t = (nv["t_ns"].to_numpy() + host.map(offsets).fillna(0).to_numpy() - ctx.t0_ns) / 1e9
+    gpu_id = host + " · GPU " + nv["gpu"].astype(str)
+    metrics = [("sm_util_pct", "SM util (%)"), ("mem_bw_util_pct", "mem-bw util (%)"),
+               ("power_w", "power (W)"), ("sm_clock_mhz", "SM clock (MHz)"), ("temp_c", "temp (°C)")]
+    fig = make_subplots(rows=len(metrics) + 1, cols=1, shared_xaxes=True, vertical_spacing=0.03)
+    job = ctx.steps.groupby("step").agg(end=("end_ns", "max"), d=("duration_s", "max"))
+    fig.add_trace(go.Scatter(x=(job["end"] - ctx.t0_ns) / 1e9, y=job["d"] * 1e3, mode="lines+markers",
+                             marker={"size": 3}, line={"color": "#333"}, name="job step time",
+                             hovertemplate="t %{x:.2f} s<br>step time %{y:.2f} ms<extra></extra>"), row=1, col=1)
+    fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
+    ids = pd.unique(gpu_id)
+    palette = ["#4C78A8", "#F58518", "#E45756", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6"]
+    if len(ids) <= MAX_GPU_LINES:
+        df = nv.assign(_t=t, _id=gpu_id)
+        span = (t.max() - t.min()) or 1.0
+        df["_bin"] = np.floor((t - t.min()) / span * (MAX_TIME_POINTS - 1)).astype(int)
+        for row, (col, label) in enumerate(metrics, start=2):
+            g = df.groupby(["_id", "_bin"], observed=True).agg(t=("_t", "mean"), v=(col, "mean")).reset_index()
+            for i, gid in enumerate(ids):
+                one = g[g["_id"] == gid]
+                fig.add_trace(go.Scatter(x=one["t"], y=one["v"], mode="lines", name=esc(gid), legendgroup=gid,
+                                         showlegend=row == 2, line={"color": palette[i % len(palette)], "width": 1},
+                                         hovertemplate=esc(gid) + f"<br>t %{{x:.2f}} s<br>{label}: %{{y:.1f}}"
+                                                       "<extra></extra>"), row=row, col=1)
+            fig.update_yaxes(title_text=label, row=row, col=1)
+    else:
+        span = (t.max() - t.min()) or 1.0
+        b = np.floor((t - t.min()) / span * (MAX_TIME_POINTS - 1)).astype(int)
+        df = nv[[c for c, _ in metrics]].assign(_b=b, _t=t)
+        tb = df.groupby("_b")["_t"].mean()
+        q = df.groupby("_b")[[c for c, _ in metrics]].quantile([0.1, 0.5, 0.9])
+        for row, (col, label) in enumerate(metrics, start=2):
+            qq = q[col].unstack()
+            fig.add_trace(go.Scatter(x=tb, y=qq[0.9], mode="lines", line={"width": 0}, showlegend=False,
+                                     hoverinfo="skip"), row=row, col=1)
+            fig.add_trace(go.Scatter(x=tb, y=qq[0.1], mode="lines", line={"width": 0}, fill="tonexty",
+                                     fillcolor="rgba(76,120,168,0.25)", name=f"p10–p90 over {len(ids)} GPUs",
+                                     showlegend=row == 2, legendgroup="band", hoverinfo="skip"), row=row, col=1)
+            fig.add_trace(go.Scatter(x=tb, y=qq[0.5], mode="lines", line={"color": "#4C78A8", "width": 1},
+                                     name="median GPU", showlegend=row == 2, legendgroup="median",
+                                     hovertemplate=f"t %{{x:.2f}} s<br>median {label}: %{{y:.1f}}<extra></extra>"),
+                          row=row, col=1)
+            fig.update_yaxes(title_text=label, row=row, col=1)
+    fig.update_yaxes(title_font={"size": 10})
+    fig.update_xaxes(title_text="time since the first step started (s)", row=len(metrics) + 1, col=1)
+    return layout(fig, "GPU telemetry (NVML) on the steps' time axis", height=1000)
+
+
+# ------------------------------------------------------------------------------------------------------- memory
+def memory_figure(ctx: Context) -> go.Figure | None:
+    mem = ctx.analysis.memory
+    if mem is None or len(mem) == 0 or mem["peak_mem_bytes"].isna().all():
+        return None
+    gib = 2**30
+    fig = go.Figure(go.Bar(x=mem["rank"], y=mem["peak_mem_bytes"].astype(float) / gib, name="peak memory",
+                           marker_color="#4C78A8",
+                           customdata=(mem["headroom_frac"].astype(float) * 100).to_numpy(),
+                           hovertemplate="rank %{x}<br>peak: %{y:.2f} GiB<br>headroom: %{customdata:.1f} %"
+                                         "<extra></extra>"))
+    total = mem["device_mem_total_bytes"].astype(float)
+    if total.notna().any():
+        fig.add_trace(go.Scatter(x=mem["rank"], y=total / gib, mode="lines", name="device memory",
+                                 line={"color": "#E45756", "dash": "dash", "shape": "hvh"},
+                                 hovertemplate="rank %{x}<br>device total: %{y:.1f} GiB<extra></extra>"))
+    rank_axis(fig, len(mem))
+    return layout(fig, "Peak memory per rank", height=340, xtitle="rank", ytitle="memory (GiB)")

@@ -1,0 +1,451 @@
+"""The offline HTML report: one self-contained file that opens from file:// on an air-gapped machine.
+
+    write_report(run_dir, out_path=None, analysis=None) -> Path     (default: run_dir/report.html)
+
+The page: a header (command, world size, hosts and devices, versions, duration, status and why), headline cards
+(MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline bubble,
+stragglers), the findings most severe first (each links to the chart with its evidence), then one section per view
+(see ``SECTIONS``). Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
+package, so the page makes no network request.
+
+Decisions
+- Headline numbers are read from ``analysis.summary`` (summary.json) only, never recomputed here, so the page and
+  ``dtprof summary`` cannot disagree. ``HEADLINES`` lists the summary keys read; a missing key shows "n/a".
+- ``finding["chart"]`` names a section anchor from ``SECTIONS`` (or a card id ``card-<key>``, or ``headline``);
+  an unknown anchor is shown without a link.
+- Escaping: every run-supplied string in the page text goes through ``html.escape``; figure JSON lives in
+  ``<script type="application/json">`` with ``<``, ``>``, ``&`` and U+2028/2029 written as ``\\uXXXX`` so data can
+  never close the tag; strings inside figures are HTML-escaped too (figures.esc), since plotly renders a subset of
+  HTML in labels.
+- HoloViews is not used: plotly's subplots compose the views we need (shared time axes, secondary axes) and
+  importing HoloViews would add seconds to every report build.
+- Large runs: see the scale rules in figures.py. Progress goes to stderr (``Progress``) when asked or when the
+  run is large.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from dtprof.reader import open_run
+
+ASSETS = Path(__file__).parent / "assets"
+
+# anchor -> section title, in page order
+SECTIONS = {
+    "steps": "Step time",
+    "timeline": "Timeline",
+    "heatmaps": "Rank × step heatmaps",
+    "overlap": "Communication overlap",
+    "pipeline": "Pipeline schedule and bubble",
+    "stragglers": "Stragglers",
+    "collectives": "Collectives",
+    "gpu": "GPU telemetry (NVML)",
+    "memory": "Memory",
+}
+ANCHOR_ALIASES = {"heatmap": "heatmaps", "step_time": "steps", "nvml": "gpu", "comm": "overlap",
+                  "communication": "overlap", "straggler": "stragglers", "mfu": "card-mfu",
+                  "headline": "headline", "bubble": "pipeline"}
+
+# (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
+HEADLINES = [
+    ("mfu", "MFU", ["mfu.mfu_frac", "mfu.value_frac", "mfu.mfu"], "frac"),
+    ("step_time_p50", "Step time p50", ["steps.step_time_p50_s", "steps.p50_s"], "s"),
+    ("step_time_p90", "Step time p90", ["steps.step_time_p90_s", "steps.p90_s"], "s"),
+    ("tokens_per_s", "Tokens / s", ["throughput.tokens_per_s", "steps.tokens_per_s"], "rate"),
+    ("samples_per_s", "Samples / s", ["throughput.samples_per_s", "steps.samples_per_s"], "rate"),
+    ("exposed_comm", "Exposed communication", ["comm.exposed_comm_frac", "communication.exposed_comm_frac"],
+     "frac"),
+    ("overlap", "Comm/compute overlap", ["comm.overlap_ratio", "communication.overlap_ratio"], "frac"),
+    ("bubble", "Pipeline bubble", ["pipeline.bubble_frac"], "frac"),
+]
+SEVERITY_ORDER = {"critical": 0, "error": 1, "high": 1, "warning": 2, "medium": 2, "info": 3, "low": 4}
+
+
+# ------------------------------------------------------------------------------------------------ small helpers
+def esc(value) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def pick(d: dict, paths: list[str]):
+    """The first value found at a dotted path of a nested dict, else None."""
+    for path in paths:
+        cur = d
+        for part in path.split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        if cur is not None:
+            return cur
+    return None
+
+
+def fmt_s(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    x = float(x)
+    if abs(x) >= 100:
+        return f"{x:,.0f} s"
+    if abs(x) >= 1:
+        return f"{x:.2f} s"
+    if abs(x) >= 1e-3:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} µs"
+
+
+def fmt_frac(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * float(x):.1f} %"
+
+
+def fmt_rate(x, unit: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    x = float(x)
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {suffix}{unit}"
+    return f"{x:.1f} {unit}"
+
+
+def fmt_value(x, kind: str, unit: str = "") -> str:
+    return {"frac": fmt_frac, "s": fmt_s}.get(kind, lambda v: fmt_rate(v, unit))(x)
+
+
+def json_for_script(obj_json: str) -> str:
+    """JSON text made safe inside <script>: no '<', '>' or '&' can appear (so no '</script>'), same value."""
+    return (obj_json.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+class Progress:
+    """A one-line progress bar on stderr ("report [#####.....] 5/10 heatmaps")."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 24
+        filled = int(width * self.done / self.total)
+        line = (f"dtprof report [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} "
+                f"({time.monotonic() - self.t0:.1f} s)")
+        sys.stderr.write(("\r" + line.ljust(90)) if self.tty else line + "\n")
+        if self.tty and self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------------------------------ the page
+class _Page:
+    def __init__(self):
+        self.figures: list[str] = []   # <script type=application/json> blocks
+        self.n = 0
+
+    def figure(self, fig, anchor_id: str) -> str:
+        if fig is None:
+            return ""
+        self.n += 1
+        data_id = f"figdata-{self.n}"
+        self.figures.append(f'<script type="application/json" id="{data_id}">{json_for_script(fig.to_json())}'
+                            f"</script>")
+        return f'<div class="chart" id="{esc(anchor_id)}" data-fig="{data_id}"></div>'
+
+
+def _header(run, summary: dict) -> str:
+    nodes = run.nodes or [{}]
+    node = nodes[0]
+    command = node.get("command") or run.manifest.get("command") or ""
+    command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
+    srun = summary.get("run") or {}
+    status = srun.get("status") or node.get("status") or "unknown"
+    statuses = {n.get("status") for n in nodes if n.get("status")}
+    if len(statuses) > 1:  # the worst node's status
+        for s in ("hung", "crashed", "failed"):
+            if s in statuses:
+                status = s
+    reason = srun.get("status_reason") or srun.get("reason") or "; ".join(
+        str(n.get("status_reason")) for n in nodes if n.get("status_reason"))
+    exit_codes = sorted({n.get("exit_code") for n in nodes if n.get("exit_code") is not None})
+    world = srun.get("world_size") or run.world_size
+    hosts = run.hosts
+    ranks = run.ranks
+    devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
+    dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in devices.items()) or "unknown"
+    versions = {}
+    for n in nodes:
+        versions.update(n.get("versions") or {})
+    ver_text = " · ".join(f"{esc(k)} {esc(v)}" for k, v in versions.items()) or "not recorded"
+    duration = srun.get("duration_s")
+    if duration is None and node.get("start_ns") and node.get("end_ns"):
+        duration = (node["end_ns"] - node["start_ns"]) / 1e9
+    started = node.get("start_time") or run.manifest.get("created") or ""
+    host_text = ", ".join(esc(h) for h in hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
+    cls = status if status in ("completed", "failed", "hung", "crashed") else "other"
+    reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
+    return f"""<header class="top">
+<h1>dtprof report — {esc(run.path.name)}</h1>
+<div><code id="command">{esc(command)}</code></div>
+<dl class="meta">
+<dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}
+{' (exit code ' + esc(', '.join(map(str, exit_codes))) + ')' if exit_codes else ''}</dd>
+<dt>duration</dt><dd>{esc(fmt_s(duration))}{' · started ' + esc(started) if started else ''}</dd>
+<dt>world size</dt><dd id="world-size">{esc(world)}</dd>
+<dt>hosts</dt><dd>{len(hosts)}: {host_text}</dd>
+<dt>devices</dt><dd>{dev_text}</dd>
+<dt>versions</dt><dd>{ver_text}</dd>
+</dl></header>"""
+
+
+def _cards(summary: dict) -> str:
+    out = []
+    mfu = summary.get("mfu") or {}
+    subs = {
+        "mfu": " · ".join(x for x in (
+            f"FLOPs: {esc(mfu.get('flops_source'))}" if mfu.get("flops_source") else "",
+            f"peak: {esc(mfu.get('peak_source'))}" if mfu.get("peak_source") else "",
+            f"{esc(mfu.get('peak_tflops'))} TFLOP/s {esc(mfu.get('dtype') or '')}" if mfu.get("peak_tflops") else "",
+        ) if x) or esc(mfu.get("reason") or "no FLOP count or no peak: pass --flops-per-step / --peak-tflops"),
+        "step_time_p50": "median of the job's step time (slowest rank), warm-up excluded",
+        "step_time_p90": "90th percentile of the job's step time",
+        "tokens_per_s": "whole job", "samples_per_s": "whole job",
+        "exposed_comm": (f"{fmt_s(pick(summary, ['comm.exposed_comm_s', 'communication.exposed_comm_s']))} "
+                         "summed over ranks and steps; share of step time"),
+        "overlap": "share of communication hidden under compute",
+    }
+    theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
+    subs["bubble"] = (f"theoretical for the schedule: {fmt_frac(theo)}" if theo is not None
+                      else "no pipeline parallelism")
+    for key, label, paths, kind in HEADLINES:
+        value = pick(summary, paths)
+        num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        unit = "/s"  # the label names what is counted (tokens, samples)
+        shown = fmt_value(num, kind, unit)
+        out.append(f'<div class="card{" na" if num is None else ""}" id="card-{key}" data-key="{key}" '
+                   f'data-value="{"" if num is None else repr(float(num))}"><div class="label">{esc(label)}</div>'
+                   f'<div class="value">{esc(shown)}</div><div class="sub">{subs.get(key, "")}</div></div>')
+    strag = summary.get("stragglers")
+    if isinstance(strag, dict):
+        strag = strag.get("ranks") or strag.get("stragglers") or []
+    strag = strag if isinstance(strag, list) else []
+    names = ", ".join(f"rank {esc(s.get('rank'))} ({esc(s.get('kind', ''))})" for s in strag[:4]
+                      if isinstance(s, dict))
+    out.append(f'<div class="card" id="card-stragglers" data-key="stragglers" data-value="{len(strag)}">'
+               f'<div class="label">Stragglers</div><div class="value">{len(strag)}</div>'
+               f'<div class="sub">{names or "no rank flagged"}'
+               f'{" <a href=&quot;#stragglers&quot;>details</a>".replace("&quot;", chr(34)) if strag else ""}'
+               f"</div></div>")
+    return "\n".join(out)
+
+
+def _findings(findings: list, anchors: set) -> str:
+    if not findings:
+        return '<p class="empty">No findings: nothing in this run crossed a threshold.</p>'
+    items = sorted(findings, key=lambda f: SEVERITY_ORDER.get(str(f.get("severity", "")).lower(), 5))
+    out = ['<ol class="findings">']
+    for f in items:
+        sev = str(f.get("severity", "info")).lower()
+        chart = str(f.get("chart") or "").lstrip("#")
+        chart = ANCHOR_ALIASES.get(chart, chart)
+        link = (f' <a href="#{esc(chart)}" class="evidence-link">show the evidence</a>' if chart in anchors
+                else "")
+        ev = f'<div class="evidence">Evidence: {esc(f.get("evidence"))}</div>' if f.get("evidence") else ""
+        rec = f'<div class="rec">What to do: {esc(f.get("recommendation"))}</div>' if f.get("recommendation") else ""
+        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}"><span class="sev">{esc(sev)}</span>'
+                   f'{esc(f.get("message"))}{link}{ev}{rec}</li>')
+    out.append("</ol>")
+    return "\n".join(out)
+
+
+def _table(df, columns: list[tuple[str, str, object]], limit: int, what: str) -> str:
+    """An HTML table: columns are (column, header, formatter or None for text)."""
+    if df is None or len(df) == 0:
+        return f'<p class="empty">No {what}.</p>'
+    rows = []
+    for rec in df.head(limit).to_dict("records"):
+        cells = []
+        for col, _, f in columns:
+            v = rec.get(col)
+            cells.append(f'<td class="t">{esc(v)}</td>' if f is None else f"<td>{esc(f(v))}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    head = "".join(f'<th class="{"t" if f is None else ""}">{esc(h)}</th>' for _, h, f in columns)
+    more = f'<p class="note">{len(df) - limit} more rows not shown.</p>' if len(df) > limit else ""
+    return f'<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>{more}'
+
+
+def _num(fmt):
+    return lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _section(anchor: str, body: str, note: str = "") -> str:
+    note_html = f'<p class="note">{note}</p>' if note else ""
+    return f'<section id="{anchor}"><h2>{esc(SECTIONS[anchor])}</h2>{note_html}{body}</section>'
+
+
+def render_report(run, analysis, progress: Progress | None = None) -> str:
+    from dtprof.reports import figures as F
+
+    progress = progress or Progress(10, False)
+    page = _Page()
+    summary = analysis.summary or {}
+    ctx = F.make_context(run, analysis)
+    progress.step("context")
+    sections = []
+
+    n_ranks = ctx.steps["rank"].nunique()
+    sections.append(_section("steps", page.figure(F.step_time_figure(ctx), "fig-step-time"),
+                             f"{n_ranks} ranks; the band shows the spread over ranks, the red line the job's step "
+                             "time (a step ends when its slowest rank ends)."))
+    progress.step("step time")
+
+    tl, window, tl_ranks = F.timeline_figure(ctx)
+    world = run.world_size or n_ranks
+    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" (of {world}: rank 0, stragglers, the slowest "
+            "and fastest computing ranks, then evenly spaced)" if len(tl_ranks) < world else "") +
+            ". Each rank has a compute row and a communication row; red marks time blocked on communication.")
+    sections.append(_section("timeline", page.figure(tl, "fig-timeline") or '<p class="empty">No steps.</p>',
+                             note))
+    progress.step("timeline")
+
+    hm = [page.figure(F.rank_step_heatmap(ctx.measured, col, title, label, colorscale=cs), fid)
+          for col, title, label, cs, fid in (
+              ("duration_s", "Step time per rank and step", "step time", "Viridis", "heatmap-step"),
+              ("compute_s", "Compute time per rank and step", "compute", "Viridis", "heatmap-compute"),
+              ("exposed_comm_s", "Exposed communication per rank and step", "exposed comm", "Reds",
+               "heatmap-exposed-comm"))]
+    sections.append(_section("heatmaps", "".join(hm), "Measured steps only (warm-up excluded). A slow rank shows "
+                             "as a dark row in compute time while the others wait on it in exposed communication."))
+    progress.step("heatmaps")
+
+    sections.append(_section("overlap", page.figure(F.overlap_figure(ctx), "fig-overlap")
+                             or '<p class="empty">No communication recorded.</p>',
+                             "Overlap ratio = |comm ∩ compute| ÷ |comm|; exposed = comm not hidden under compute "
+                             "(metrics.md, compute/communication overlap)."))
+    progress.step("overlap")
+
+    sched, bub = F.pipeline_figures(ctx)
+    if sched is not None or bub is not None:
+        sections.append(_section("pipeline", page.figure(sched, "fig-pipeline-schedule") +
+                                 page.figure(bub, "fig-pipeline-bubble"),
+                                 "Measured bubble of a stage = 1 − its compute ÷ step time; theoretical = "
+                                 "(p−1)/(m+p−1) for p stages and m microbatches (metrics.md)."))
+    progress.step("pipeline")
+
+    st = analysis.stragglers
+    flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
+        and len(st) else st
+    strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
+                                   ("kind", "kind", None), ("late_frac", "last to arrive", _num("{:.0%}")),
+                                   ("time_lost_s", "time lost", fmt_s),
+                                   ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
+                         50, "rank flagged as a straggler")
+    sections.append(_section("stragglers", strag_table + page.figure(F.straggler_figure(ctx), "fig-stragglers"),
+                             "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
+                             "aligned across hosts). Persistent = late in most steps; transient = some steps."))
+    progress.step("stragglers")
+
+    coll = analysis.collectives
+    if coll is not None and len(coll):
+        coll = coll.sort_values("total_s", ascending=False)
+    sections.append(_section("collectives", _table(coll, [
+        ("op", "op", None), ("group", "group", None), ("size_bucket", "message size", None),
+        ("count", "count", _num("{:,}")), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
+        ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
+        ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
+                                                             _num("{:.1%}"))], 60, "collectives recorded"),
+        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (metrics.md); transfer time excludes "
+        "waiting for late peers."))
+    progress.step("collectives")
+
+    gpu_fig = F.gpu_figure(ctx)
+    gpu_tbl = _table(analysis.gpu.sort_values("sm_util_mean_pct") if analysis.gpu is not None and len(analysis.gpu)
+                     else None, [
+        ("host", "host", None), ("gpu", "GPU", _num("{}")), ("sm_util_mean_pct", "SM util (mean)", _num("{:.1f} %")),
+        ("mem_bw_util_mean_pct", "mem-bw util (mean)", _num("{:.1f} %")), ("idle_frac", "idle", _num("{:.0%}")),
+        ("throttled_s", "throttled", fmt_s), ("power_w_mean", "power (mean)", _num("{:.0f} W"))],
+        16, "NVML samples (no GPU, or NVML unavailable)")
+    sections.append(_section("gpu", page.figure(gpu_fig, "fig-gpu") + gpu_tbl,
+                             "Lowest SM utilisation first."))
+    progress.step("gpu")
+
+    sections.append(_section("memory", page.figure(F.memory_figure(ctx), "fig-memory")
+                             or '<p class="empty">No memory peaks recorded.</p>',
+                             "Peak = CUDA allocator peak on GPU, process RSS high-water mark on CPU."))
+    progress.step("memory")
+
+    anchors = {s.split('"')[1] for s in sections} | {"headline"} | {f"card-{k}" for k, *_ in HEADLINES} | \
+        {"card-stragglers"}
+    notices = list(run.problems)
+    ev = run.events
+    if len(ev):
+        bad = ev[ev["level"].astype(str).isin(["warning", "error"])]
+        notices += [f"{r['level']} from {r['source']} (rank {r['rank']}): {r['message']}"
+                    for r in bad.head(30).to_dict("records")]
+        if len(bad) > 30:
+            notices.append(f"... and {len(bad) - 30} more warnings/errors in the events table")
+    notice_html = ("<section id=\"notices\"><h2>Notices</h2><ul class=\"notices\">" +
+                   "".join(f"<li>{esc(n)}</li>" for n in notices) + "</ul></section>") if notices else ""
+
+    toc = "".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in SECTIONS.items() if a in anchors)
+    plotly_js = _plotly_js()
+    css = (ASSETS / "report.css").read_text()
+    js = (ASSETS / "report.js").read_text()
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>dtprof report — {esc(run.path.name)}</title>
+<style>{css}</style></head>
+<body>
+{_header(run, summary)}
+<nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
+<main>
+<section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div></section>
+<section id="findings"><h2>Findings</h2><p class="note">Most severe first.</p>
+{_findings(analysis.findings or [], anchors)}</section>
+{notice_html}
+{"".join(sections)}
+</main>
+<script>{plotly_js}</script>
+{"".join(page.figures)}
+<script>{js}</script>
+</body></html>
+"""
+
+
+def _plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    if "</script" in js.lower():  # never seen, but an inlined script must not close its own tag
+        js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
+    return js
+
+
+def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None = None) -> Path:
+    """Write the HTML report of ``run_dir`` to ``out_path`` (default ``run_dir/report.html``) and return its path.
+
+    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None.
+    ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps or spans).
+    The file is written to a temporary name and renamed, so a reader never sees half a report.
+    """
+    run = open_run(run_dir)
+    if analysis is None:
+        from dtprof.analyzers.summary import analyze
+        analysis = analyze(run)
+    if progress is None:
+        progress = len(run.steps) > 50_000 or len(run.spans) > 200_000
+    text = render_report(run, analysis, Progress(10, bool(progress)))
+    out = Path(out_path) if out_path else run.path / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,241 @@
+"""The HTML report, checked in real headless Chromium (Playwright): it loads offline with no console errors and no
+network request, every chart draws, the headline cards equal summary.json, findings link to their evidence, and a
+run full of hostile names executes nothing. Screenshots go to test-artifacts/ (gitignored).
+
+The analysis comes from ``fake_analysis.get_analysis``: the real analyzers when installed, else the stand-in.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dtprof.reader import open_run
+from dtprof.reports import html as H
+from fake_analysis import get_analysis
+from synth_report import HOSTILE, build_report_run
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run"]
+
+
+def _report(path: Path, **kw) -> tuple[Path, dict]:
+    build_report_run(path, **kw)
+    analysis = get_analysis(open_run(path))
+    (path / "summary.json").write_text(json.dumps(analysis.summary, default=float))
+    return H.write_report(path, analysis=analysis), analysis
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    base = tmp_path_factory.mktemp("reports")
+    return {
+        "pipeline": _report(base / "pipeline", world_size=4, steps=12, pipeline=True, slow_rank=2,
+                            slow_factor=1.3),
+        "hostile": _report(base / "hostile", world_size=2, steps=6, hostile=True),
+        "failed": _report(base / "failed", world_size=2, steps=6, status="failed", nvml=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+class Loaded:
+    def __init__(self, page, requests, errors):
+        self.page, self.requests, self.errors = page, requests, errors
+
+
+def load(browser, path: Path, name: str) -> Loaded:
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.goto(path.as_uri())
+    page.wait_for_selector("body[data-charts=done]", timeout=60_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"report-{name}.png"), full_page=True)
+    return Loaded(page, requests, errors)
+
+
+@pytest.fixture(scope="module")
+def pipeline_page(browser, reports):
+    loaded = load(browser, reports["pipeline"][0], "pipeline")
+    yield loaded
+    loaded.page.close()
+
+
+@pytest.mark.browser
+def test_loads_offline_without_errors_and_draws_every_chart(pipeline_page, reports):
+    page = pipeline_page.page
+    assert pipeline_page.errors == []
+    assert pipeline_page.requests == [reports["pipeline"][0].as_uri()], "the page fetched something"
+    charts = page.eval_on_selector_all(
+        "div.chart", "els => els.map(e => [e.id, e.getAttribute('data-drawn'), e.querySelectorAll('.main-svg')"
+                     ".length, e.getBoundingClientRect().height])")
+    ids = {c[0] for c in charts}
+    # a pipeline run with NVML has every view
+    assert {"fig-step-time", "fig-timeline", "heatmap-step", "heatmap-compute", "heatmap-exposed-comm",
+            "fig-overlap", "fig-pipeline-schedule", "fig-pipeline-bubble", "fig-stragglers", "fig-gpu",
+            "fig-memory"} <= ids
+    for cid, drawn, svgs, height in charts:
+        assert drawn == "1" and svgs > 0 and height > 150, f"chart {cid} did not draw"
+    # every axis carries a title (units are part of the titles)
+    untitled = page.evaluate("""() => [...document.querySelectorAll('div.chart')].flatMap(div =>
+        Object.keys(div.layout).filter(k => /^[xy]axis\\d*$/.test(k) && div.layout[k].visible !== false
+          && !(div.layout[k].title && div.layout[k].title.text) && !div.layout[k].matches
+          && !div.layout[k].overlaying && (div.layout[k].anchor !== undefined || k.length <= 5)
+          ).map(k => div.id + '.' + k))""")
+    # shared-x subplots title only their bottom axis; the rest must be titled
+    assert [u for u in untitled if not re.match(r"fig-(gpu|pipeline-schedule)\.xaxis\d*$", u)] == []
+
+
+def _expected(summary: dict, paths):
+    v = H.pick(summary, paths)
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+@pytest.mark.browser
+def test_headline_cards_equal_summary_json(pipeline_page, reports):
+    path = reports["pipeline"][0]
+    summary = json.loads((path.parent / "summary.json").read_text())
+    cards = pipeline_page.page.eval_on_selector_all(
+        ".card", "els => els.map(e => [e.dataset.key, e.dataset.value, e.querySelector('.value').innerText])")
+    shown = {k: (v, text) for k, v, text in cards}
+    numbers = 0
+    for key, _, paths, kind in H.HEADLINES:
+        want = _expected(summary, paths)
+        value, text = shown[key]
+        if want is None:
+            assert value == "" and text == "n/a"
+            continue
+        numbers += 1
+        assert math.isclose(float(value), want, rel_tol=1e-12), key
+        if kind == "frac":
+            assert text == f"{100 * want:.1f} %", key
+        elif kind == "s":
+            assert text == f"{want * 1e3:.1f} ms", key   # the synthetic steps last tens of ms
+    assert numbers >= 7, "the pipeline run should fill MFU, step times, throughput, comm, overlap and bubble"
+    n_strag = len(summary["stragglers"] if isinstance(summary["stragglers"], list) else
+                  summary["stragglers"].get("ranks", []))
+    assert shown["stragglers"][0] == str(n_strag) and n_strag >= 1   # rank 2 is 1.3x slow
+
+
+@pytest.mark.browser
+def test_findings_most_severe_first_and_link_to_drawn_evidence(pipeline_page, reports):
+    page = pipeline_page.page
+    findings = page.eval_on_selector_all(
+        "ol.findings li", "els => els.map(e => [e.className, (e.querySelector('a.evidence-link') || {}).hash])")
+    analysis = reports["pipeline"][1]
+    assert len(findings) == len(analysis.findings)
+    ranks = [H.SEVERITY_ORDER.get(cls, 5) for cls, _ in findings]
+    assert ranks == sorted(ranks)
+    linked = [h for _, h in findings if h]
+    assert linked, "no finding links to a chart"
+    for anchor in linked:
+        target = page.query_selector(anchor)
+        assert target is not None, anchor
+        if anchor.startswith("#card-") or anchor == "#headline":
+            continue
+        assert target.query_selector("div.chart[data-drawn='1'], table.data"), f"{anchor} shows no evidence"
+
+
+@pytest.mark.browser
+def test_timeline_hover_names_op_group_bytes_and_duration(pipeline_page):
+    page = pipeline_page.page
+    hover = page.evaluate("""() => {
+        const div = document.getElementById('fig-timeline');
+        const i = div.data.findIndex(t => t.name === 'collective');
+        Plotly.Fx.hover(div, [{curveNumber: i, pointNumber: 0}]);
+        return div.querySelector('.hoverlayer').textContent; }""")
+    assert "all_reduce" in hover and "group: 0" in hover and "25.0 MiB" in hover and "duration:" in hover
+    assert "ms" in hover
+
+
+@pytest.mark.browser
+def test_hostile_names_show_as_text_and_execute_nothing(browser, reports):
+    path = reports["hostile"][0]
+    loaded = load(browser, path, "hostile")
+    page = loaded.page
+    try:
+        assert loaded.errors == []
+        assert loaded.requests == [path.as_uri()]
+        assert page.evaluate("window.__pwned") is None
+        # no element was created from the payloads
+        assert page.evaluate("document.querySelectorAll('img, [onerror], [onload], [onmouseover]').length") == 0
+        assert page.inner_text("#command") == shlex.join(["torchrun", HOSTILE["command"]])
+        assert HOSTILE["host"] in page.inner_text("header")
+        assert HOSTILE["device"] in page.inner_text("header")
+        hover = page.evaluate("""() => {
+            const div = document.getElementById('fig-timeline');
+            const i = div.data.findIndex(t => t.name === 'compute');
+            const j = div.data[i].customdata.findIndex(c => c[1] === 'forward');
+            Plotly.Fx.hover(div, [{curveNumber: i, pointNumber: j}]);
+            return div.querySelector('.hoverlayer').textContent; }""")
+        assert HOSTILE["span"] in hover, "the span name should show as typed in the hover"
+        raw = path.read_text()
+        for payload in HOSTILE.values():
+            assert payload not in raw, "a payload reached the HTML unescaped"
+    finally:
+        page.close()
+
+
+@pytest.mark.browser
+def test_failed_run_header_says_why(browser, reports):
+    loaded = load(browser, reports["failed"][0], "failed")
+    try:
+        assert loaded.errors == []
+        header = loaded.page.inner_text("header")
+        assert "failed" in header and "NCCL timeout" in header and "exit code 1" in header
+        assert "No NVML samples" in loaded.page.inner_text("#gpu")
+    finally:
+        loaded.page.close()
+
+
+def test_json_in_script_cannot_close_the_tag():
+    text = json.dumps({"name": "</script><script>alert(1)</script>", "x": "a & b\u2028"})
+    safe = H.json_for_script(text)
+    assert "<" not in safe and ">" not in safe and "&" not in safe and "\u2028" not in safe
+    assert json.loads(safe) == json.loads(text)
+
+
+def test_large_run_is_binned_and_windowed(tmp_path, capsys):
+    """64 ranks x 600 steps: heatmaps bin steps to <= 250 columns, the timeline shows <= 16 ranks and 3 steps,
+    the slow rank is among the timeline's ranks, and the progress bar goes to stderr."""
+    from dtprof.reports import figures as F
+
+    path = build_report_run(tmp_path / "big", world_size=64, steps=600, slow_rank=37, slow_factor=1.5)
+    analysis = get_analysis(open_run(path))
+    out = H.write_report(path, out_path=tmp_path / "r.html", analysis=analysis, progress=True)
+    err = capsys.readouterr().err
+    assert "dtprof report [" in err and "10/10" in err
+    figs = {m.group(1): m.group(2) for m in re.finditer(
+        r'<div class="chart" id="([^"]+)" data-fig="(figdata-\d+)"', out.read_text())}
+    text = out.read_text()
+
+    def fig(cid):
+        m = re.search(rf'<script type="application/json" id="{figs[cid]}">(.*?)</script>', text, re.S)
+        return json.loads(m.group(1))
+
+    hm = fig("heatmap-step")["data"][0]
+    shape = [int(x) for x in hm["z"]["shape"].split(",")]
+    assert shape[0] == 64 and shape[1] <= F.MAX_HEATMAP_COLS
+    tl = fig("fig-timeline")
+    lanes = {y for t in tl["data"] for y in t["y"]} if isinstance(tl["data"][0]["y"], list) else set()
+    ranks = {int(re.match(r"rank (\d+)", y).group(1)) for y in lanes}
+    assert 2 <= len(ranks) <= F.MAX_TIMELINE_RANKS and 37 in ranks and 0 in ranks
+    assert "steps" in tl["layout"]["title"]["text"]
