@@ -397,8 +397,9 @@ def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size
         pd.DataFrame({"op": m["op"], "api": m["name"].str.replace("c10d::", "", regex=False),
                       "issue_ns": m["t"], "return_ns": m["t_end"],
                       "end_ns": m["r_end"].where(m["r_end"].notna(), m["t_end"]),
-                      "dims": m["dims"].where(m["dims"].notna(), m["r_dims"]),
-                      "types": m["types"].where(m["types"].notna(), m["r_types"])}),
+                      # the gloo run's shapes name the tensor; the c10d op's first input is a TensorList
+                      "dims": m["r_dims"].where(m["r_dims"].notna(), m["dims"]),
+                      "types": m["r_types"].where(m["r_types"].notna(), m["types"])}),
         pd.DataFrame({"op": unmatched_runs["op"], "api": unmatched_runs["name"], "issue_ns": unmatched_runs["t"],
                       "return_ns": unmatched_runs["t"], "end_ns": unmatched_runs["t_end"],
                       "dims": unmatched_runs["dims"], "types": unmatched_runs["types"]}),

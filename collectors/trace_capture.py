@@ -49,12 +49,15 @@ class TraceCapture:
     def _start(self) -> None:
         try:
             import torch
-            from torch.profiler import ProfilerActivity, profile
+            from torch.profiler import ProfilerActivity, profile, schedule
 
             acts = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(ProfilerActivity.CUDA)
-            self.prof = profile(activities=acts, record_shapes=True)
+            # A schedule is what makes torch emit ProfilerStep#k ranges; one active cycle of the whole window.
+            self.prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._export,
+                                schedule=schedule(wait=0, warmup=0, active=self.end_step - self.start_step,
+                                                  repeat=1))
             self.prof.start()
         except Exception as e:
             self._fail(f"could not start torch.profiler: {type(e).__name__}: {e}")
@@ -77,7 +80,9 @@ class TraceCapture:
     def _finish(self) -> None:
         prof, self.prof = self.prof, None
         self.done = True
-        prof.stop()
+        prof.stop()  # ends the active cycle: on_trace_ready (self._export) writes the trace
+
+    def _export(self, prof) -> None:
         mono, wall = time.monotonic_ns(), time.time_ns()
         self.dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.dir / TRACE_NAME))

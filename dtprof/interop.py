@@ -11,6 +11,11 @@ from pathlib import Path
 import click
 
 
+class InputError(click.ClickException):
+    """Unreadable or inconsistent input: one line naming the file, exit code 2 (dtprof.cli's convention)."""
+    exit_code = 2
+
+
 def _warn(msg: str) -> None:
     click.echo(f"dtprof: warning: {msg}", err=True)
 
@@ -44,7 +49,7 @@ def import_kineto_command(paths, out):
     try:
         run_dir = import_kineto(list(paths), out, command=" ".join(sys.argv), warn=_warn)
     except (KinetoError, RunExistsError) as e:
-        raise click.ClickException(str(e)) from None
+        raise InputError(str(e)) from None
     click.echo(str(run_dir))
 
 
@@ -80,9 +85,9 @@ def export_perfetto_command(run_dir, out):
         run = open_run(run_dir)
         path = write_perfetto(run, out)
     except RunFormatError as e:
-        raise click.ClickException(str(e)) from None
+        raise InputError(str(e)) from None
     except OSError as e:
-        raise click.ClickException(f"{out}: cannot write ({e.strerror or e})") from None
+        raise InputError(f"{out}: cannot write ({e.strerror or e})") from None
     for p in run.problems:
         _warn(p)
     click.echo(str(path))
