@@ -211,7 +211,8 @@ def test_shared_cpu_only_trace_rank_and_groups(tmp_path):
     assert res.exit_code == 0, res.output
     run = open_run(tmp_path / "run")
     assert run.ranks["rank"].tolist() == [34] and run.ranks["world_size"].tolist() == [300]
-    assert len(run.groups) == 10
+    pg = json.loads(gzip.decompress((SHARED / "cpu_only_rank34.json.gz").read_bytes()))["distributedInfo"]["pg_config"]
+    assert len(run.groups) == len(pg) == 11 and set(run.groups["size"]) == {300}
     assert len(run.collectives) == 10 and set(run.collectives["op"]) == {"all_reduce"}
     assert set(run.collectives["in_bytes"]) == {321271 * 4}
 
