@@ -22,7 +22,8 @@ MEASURE = r"""
 import resource, sys, time
 t = time.perf_counter()
 {body}
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+# HTA parses ranks in child processes: count the larger of this process and its largest child
+print(time.perf_counter() - t, max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024)
 """
 DTPROF = "from dtprof.collectors.kineto import import_kineto; import_kineto([sys.argv[1]], sys.argv[2])"
 HTA = "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=sys.argv[1])"
