@@ -1,0 +1,105 @@
+"""Import speed and peak memory: dtprof's Kineto import vs HolisticTraceAnalysis loading the same trace.
+
+Writes a synthetic 2-rank Kineto-format trace set (about --events events in all: kernels on two streams, NCCL
+kernels with collective args, CPU ops, runtime calls, ProfilerStep markers), then times, in separate processes
+(so peak RSS is each one's own, read from ru_maxrss):
+- dtprof: ``dtprof.collectors.kineto.import_kineto`` (parse + write the run directory);
+- HTA: ``hta.trace_analysis.TraceAnalysis(trace_dir=...)`` from a separate venv (never a dtprof dependency).
+Prints both and the ratios. Usage: python benchmarks/import_speed.py [--events 1000000] [--hta-venv /tmp/hta-venv]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MEASURE = r"""
+import resource, sys, time
+t = time.perf_counter()
+{body}
+# HTA parses ranks in child processes: count the larger of this process and its largest child
+print(time.perf_counter() - t, max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024)
+"""
+DTPROF = "from dtprof.collectors.kineto import import_kineto; import_kineto([sys.argv[1]], sys.argv[2])"
+HTA = "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=sys.argv[1])"
+
+
+def synth_trace(path: Path, rank: int, n: int, seed: int = 0) -> None:
+    rnd = random.Random(seed + rank)
+    ev = []
+    t = 1_000_000.0
+    steps = 10
+    per_step = n // steps
+    for s in range(steps):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "pid": 100, "tid": 100,
+                   "ts": t, "dur": per_step * 2.0, "args": {"External id": s}})
+        for i in range(per_step // 3):
+            ext = s * per_step + i
+            ev.append({"ph": "X", "cat": "cpu_op", "name": f"aten::op{i % 50}", "pid": 100, "tid": 100,
+                       "ts": t, "dur": 1.5, "args": {"External id": ext, "Ev Idx": ext}})
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 100,
+                       "ts": t + 0.2, "dur": 1.0, "args": {"External id": ext, "correlation": ext, "cbid": 211}})
+            comm = i % 40 == 0
+            ev.append({"ph": "X", "cat": "kernel", "pid": 0, "tid": 40 if comm else 7, "ts": t + 1.0 + rnd.random(),
+                       "dur": 5.0 if comm else 1.2,
+                       "name": "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)"
+                       if comm else f"void gemm_kernel<{i % 50}>(float*)",
+                       "args": dict({"External id": ext, "correlation": ext, "stream": 40 if comm else 7,
+                                     "device": 0},
+                                    **({"Collective name": "allreduce", "In msg nelems": 1024,
+                                        "Out msg nelems": 1024, "Group size": 2, "dtype": "Float",
+                                        "Process Group Name": "0", "Process Group Ranks": "[0, 1]"} if comm else {}))})
+            t += 2.0
+    trace = {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2,
+             "pg_config": [{"pg_name": "0", "pg_desc": "default_pg", "pg_size": 2, "ranks": [0, 1]}]},
+             "deviceProperties": [{"id": 0, "name": "synthetic", "totalGlobalMem": 1}],
+             "traceEvents": ev, "displayTimeUnit": "ms", "baseTimeNanoseconds": 1700000000000000000}
+    with gzip.open(path, "wt", compresslevel=1) as f:
+        json.dump(trace, f, indent=1)  # pretty JSON as Kineto writes it, so HTA's rank regex works
+
+
+def measure(python: str, body: str, *args) -> tuple[float, int]:
+    r = subprocess.run([python, "-c", MEASURE.format(body=body), *map(str, args)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{python} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+    secs, rss = r.stdout.strip().splitlines()[-1].split()
+    return float(secs), int(rss)
+
+
+def ensure_hta(venv: Path) -> str:
+    py = venv / "bin" / "python"
+    if not py.exists():
+        print(f"creating {venv} with HolisticTraceAnalysis (for the comparison only)...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "HolisticTraceAnalysis"], check=True)
+    return str(py)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=1_000_000, help="events in all, over 2 ranks")
+    ap.add_argument("--hta-venv", type=Path, default=Path("/tmp/hta-venv"))
+    a = ap.parse_args()
+    hta_py = ensure_hta(a.hta_venv)
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        traces = d / "traces"
+        traces.mkdir()
+        for r in (0, 1):
+            synth_trace(traces / f"rank{r}.pt.trace.json.gz", r, a.events // 2)
+        print(f"synthetic trace: 2 ranks, ~{a.events} events, "
+              f"{sum(p.stat().st_size for p in traces.iterdir()) / 2**20:.1f} MiB gzipped", file=sys.stderr)
+        ds, dm = measure(sys.executable, DTPROF, traces, d / "run")
+        hs, hm = measure(hta_py, HTA, traces)
+    print(f"dtprof import: {ds:7.2f} s  peak RSS {dm / 2**20:8.0f} MiB")
+    print(f"HTA load:      {hs:7.2f} s  peak RSS {hm / 2**20:8.0f} MiB")
+    print(f"speed-up: {hs / ds:.1f}x (target >= 10x)   memory: {dm / hm:.2f} of HTA's peak (target <= 0.33)")
+
+
+if __name__ == "__main__":
+    main()

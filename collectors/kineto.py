@@ -1,0 +1,532 @@
+"""torch.profiler (Kineto) traces into the run format: `dtprof import kineto` and the merge of traces that
+``TraceCapture`` left in rank directories (``merge_captured_traces``, called by the launcher).
+
+What becomes what (docs/interop.md has the full table):
+- GPU kernels, memcpy and memset -> ``spans`` kind "kernel", lane "cuda:<stream>", source "kineto".
+- CPU ``user_annotation`` ranges other than ProfilerStep / gloo / nccl -> ``spans`` kind "user", lane "cpu:<tid>".
+- NCCL kernels carrying "Collective name" -> ``collectives`` (dtype, element counts, group, size, "Seq" when the
+  trace has it), issue/return from the launching ``record_param_comms`` op (same "External id"), end and
+  ``gpu_duration_ns`` from the kernel.
+- gloo: ``c10d::*`` ops on the calling thread are matched in order (per op, the first ``gloo:<op>`` on a gloo
+  thread that starts at or after the call) to give the real completion time; unmatched ones still become rows.
+- ``ProfilerStep#N`` -> ``steps`` (step N); spans and collectives get the step whose window holds their start.
+- ``distributedInfo`` -> rank, world size, backend and the ``groups`` table.
+
+Clock: Kineto's ``ts`` (µs, float) plus the trace's ``baseTimeNanoseconds`` is CLOCK_REALTIME in ns. Checked with
+torch 2.13 on Linux by bracketing ``record_function`` ranges with ``time.time_ns()`` / ``time.monotonic_ns()``:
+every range's start and end fell inside the brackets (docs/interop.md). Imported traces keep that wall clock as
+their time base (no monotonic reference exists); captured traces are shifted onto the rank's CLOCK_MONOTONIC with
+the (monotonic, wall) pair TraceCapture recorded next to the trace.
+
+Parsing is stdlib ``json`` without building the whole event list: events are decoded one by one from the text
+and reduced in batches to the few columns kept, so peak memory is the text plus one batch.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+BATCH = 100_000
+
+# Canonical op from c10d / gloo / NCCL names once lower-cased and stripped of "_" (see _op_key).
+_OPS = {
+    "allreduce": "all_reduce", "allreducecoalesced": "all_reduce", "allgather": "all_gather",
+    "allgatherbase": "all_gather", "allgatherintotensorcoalesced": "all_gather", "allgathercoalesced": "all_gather",
+    "allgatherintotensor": "all_gather", "reducescatter": "reduce_scatter", "reducescatterbase": "reduce_scatter",
+    "reducescattertensorcoalesced": "reduce_scatter", "reducescattertensor": "reduce_scatter",
+    "broadcast": "broadcast", "reduce": "reduce", "alltoall": "all_to_all", "alltoallbase": "all_to_all",
+    "barrier": "barrier", "gather": "gather", "scatter": "scatter", "send": "send", "recv": "recv",
+    "recvanysource": "recv",
+}
+_DTYPE = {  # Kineto/c10 scalar type names -> (dtprof dtype, bytes)
+    "float": ("float32", 4), "double": ("float64", 8), "half": ("float16", 2), "bfloat16": ("bfloat16", 2),
+    "c10::bfloat16": ("bfloat16", 2), "c10::half": ("float16", 2), "int": ("int32", 4), "long int": ("int64", 8),
+    "long": ("int64", 8), "int64": ("int64", 8), "int32": ("int32", 4), "char": ("int8", 1),
+    "signed char": ("int8", 1), "unsigned char": ("uint8", 1), "byte": ("uint8", 1), "bool": ("bool", 1),
+    "short": ("int16", 2), "float8_e4m3fn": ("float8_e4m3fn", 1), "float8_e5m2": ("float8_e5m2", 1),
+}
+
+
+class KinetoError(Exception):
+    """A trace file cannot be imported. The message is one line naming the file."""
+
+
+def _op_key(name: str) -> str:
+    return _OPS.get(name.split(":")[-1].lower().replace("_", ""), "")
+
+
+# ---------------------------------------------------------------- parsing
+
+_TRACE_EVENTS = re.compile(r'"traceEvents"\s*:\s*\[')
+_SEP = re.compile(r"[\s,]*")
+
+
+def read_text(path: Path) -> str:
+    """The trace's JSON text; gzip detected by its magic bytes. Errors name the file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise KinetoError(f"{path}: damaged gzip ({e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KinetoError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
+    """Yield lists of event dicts (``batch`` at a time) from a Chrome/Kineto trace text.
+
+    Fills ``meta_out`` with the top-level keys other than traceEvents once the whole text is read. A bare JSON
+    array of events (the minimal Chrome trace format) is accepted too.
+    """
+    decoder = json.JSONDecoder()
+    start = text.lstrip()[:1]
+    m = _TRACE_EVENTS.search(text)
+    if start == "[":
+        pos, head_end = text.index("[") + 1, None
+    elif start == "{" and m:
+        pos, head_end = m.end(), m.start()
+    elif start == "{":
+        raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+    else:
+        raise KinetoError(f"{path}: not JSON (starts with {text[:20]!r})")
+    sep = _SEP.match
+    raw = decoder.raw_decode
+    out = []
+    n = len(text)
+    try:
+        while True:
+            pos = sep(text, pos).end()
+            if pos >= n:
+                raise KinetoError(f"{path}: truncated JSON (traceEvents never closed)")
+            if text[pos] == "]":
+                pos += 1
+                break
+            ev, pos = raw(text, pos)
+            out.append(ev)
+            if len(out) >= batch:
+                yield out
+                out = []
+    except ValueError as e:
+        raise KinetoError(f"{path}: invalid JSON in traceEvents ({str(e).splitlines()[0]})") from None
+    if out:
+        yield out
+    if head_end is not None:  # the other top-level keys: before and after the array
+        rest = text[:head_end] + '"traceEvents": []' + text[pos:]
+        try:
+            meta = json.loads(rest)
+        except ValueError as e:
+            raise KinetoError(f"{path}: invalid JSON around traceEvents ({e})") from None
+        meta.pop("traceEvents", None)
+        meta_out.update(meta)
+
+
+def _reduce_batch(events: list, parts: dict) -> None:
+    """Keep only the columns dtprof uses from one batch of complete ("X") events."""
+    x = [e for e in events if e.get("ph") == "X"]
+    parts["n_events"] += len(events)
+    parts["pids"].update(e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_labels"
+                         and "CPU" in str(e.get("args", {}).get("labels", "")))
+    kern = [e for e in x if e.get("cat") in KERNEL_CATS]
+    if kern:
+        args = [e.get("args") or {} for e in kern]
+        parts["kernels"].append(pd.DataFrame({
+            "name": [e.get("name", "") for e in kern],
+            "ts": [e.get("ts") for e in kern], "dur": [e.get("dur", 0) for e in kern],
+            "stream": [a.get("stream", e.get("tid")) for a, e in zip(args, kern)],
+            "ext": [a.get("External id") for a in args],
+            "coll": [a.get("Collective name") for a in args],
+            "dtype": [a.get("dtype") for a in args],
+            "in_nelems": [a.get("In msg nelems") for a in args],
+            "out_nelems": [a.get("Out msg nelems") for a in args],
+            "group": [a.get("Process Group Name") for a in args],
+            "group_size": [a.get("Group size") for a in args],
+            "seq": [a.get("Seq") for a in args],
+        }))
+    cpu = [e for e in x if e.get("cat") in ("cpu_op", "user_annotation")
+           and (e.get("cat") == "user_annotation" or str(e.get("name", "")).startswith(("c10d::", "record_param")))]
+    if cpu:
+        args = [e.get("args") or {} for e in cpu]
+        parts["cpu"].append(pd.DataFrame({
+            "cat": [e.get("cat") for e in cpu], "name": [e.get("name", "") for e in cpu],
+            "ts": [e.get("ts") for e in cpu], "dur": [e.get("dur", 0) for e in cpu],
+            "pid": [e.get("pid") for e in cpu], "tid": [e.get("tid") for e in cpu],
+            "ext": [a.get("External id") for a in args],
+            "dims": [a.get("Input Dims") for a in args], "types": [a.get("Input type") for a in args],
+        }))
+    parts["other"] += len(x) - len(kern) - len(cpu)
+
+
+def parse_trace(path: Path) -> dict:
+    """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}."""
+    text = read_text(path)
+    meta: dict = {}
+    parts = {"kernels": [], "cpu": [], "n_events": 0, "other": 0, "pids": set()}
+    for batch in iter_event_batches(text, path, meta):
+        _reduce_batch(batch, parts)
+    del text
+    if parts["n_events"] == 0:
+        raise KinetoError(f"{path}: trace has no events")
+    cat = lambda dfs: pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()  # noqa: E731
+    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
+            "n_events": parts["n_events"], "other": parts["other"], "pids": parts["pids"], "path": Path(path)}
+
+
+# ---------------------------------------------------------------- identity
+
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def trace_identity(parsed: dict, single: bool) -> dict:
+    """rank, world size, backend and groups from distributedInfo (or, for the rank, the file name)."""
+    meta, path = parsed["meta"], parsed["path"]
+    info = meta.get("distributedInfo") or {}
+    warnings = []
+    rank = info.get("rank")
+    if rank is None:
+        m = _RANK_IN_NAME.search(path.name)
+        if m:
+            rank = int(m.group(1))
+            warnings.append(f"{path}: no distributedInfo; rank {rank} taken from the file name")
+        elif single:
+            rank = 0
+            warnings.append(f"{path}: no distributedInfo and no rank in the file name; imported as rank 0")
+        else:
+            raise KinetoError(f"{path}: missing rank (no distributedInfo, no 'rank<N>' in the file name)")
+    world = int(info.get("world_size") or 1)
+    backend = str(info.get("backend") or "")
+    groups = info.get("pg_config") or []
+    if isinstance(groups, dict):  # older traces: {pg_name: {...}}
+        groups = [dict(v, pg_name=k) for k, v in groups.items()]
+    return {"rank": int(rank), "world_size": world, "backend": backend, "groups": groups, "warnings": warnings}
+
+
+def _default_group(groups: list) -> tuple[str, int]:
+    for g in groups:
+        if g.get("pg_desc") == "default_pg":
+            return str(g.get("pg_name", "0")), int(g.get("pg_size") or len(g.get("ranks") or []))
+    if groups:
+        g = groups[0]
+        return str(g.get("pg_name", "0")), int(g.get("pg_size") or len(g.get("ranks") or []))
+    return "0", 0
+
+
+# ---------------------------------------------------------------- rows
+
+def _to_ns(us, base_ns: int) -> np.ndarray:
+    return np.rint(pd.to_numeric(pd.Series(us), errors="coerce").fillna(0).to_numpy(float) * 1000).astype(
+        np.int64) + base_ns
+
+
+def _bytes_of(dims, types) -> tuple[int, str]:
+    """Bytes of the first tensor input and its dtype from record_shapes' Input Dims / Input type."""
+    if not isinstance(dims, list) or not dims:
+        return 0, ""
+    d, t = dims[0], (types[0] if isinstance(types, list) and types else "")
+    while isinstance(d, list) and d and isinstance(d[0], list):  # a list of tensors: the first one
+        d = d[0]
+    if isinstance(t, str) and t.startswith("TensorList"):
+        t = ""
+    dtype, size = _DTYPE.get(str(t).lower(), ("", 0))
+    n = int(np.prod(d)) if isinstance(d, list) and d else (1 if d == [] else 0)
+    return n * size, dtype
+
+
+def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
+    """The step whose [start, end) holds each time (null outside every step window)."""
+    if not len(steps) or not len(t_ns):
+        return pd.Series(pd.array([None] * len(t_ns), dtype="Int64"))
+    st = steps.sort_values("start_ns")
+    starts, ends = st["start_ns"].to_numpy(), st["end_ns"].to_numpy()
+    i = np.searchsorted(starts, t_ns, side="right") - 1
+    ok = (i >= 0) & (t_ns < ends[np.clip(i, 0, None)])
+    out = pd.array(st["step"].to_numpy()[np.clip(i, 0, None)], dtype="Int64")
+    out[~ok] = pd.NA
+    return pd.Series(out)
+
+
+def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int | None = None) -> dict:
+    """One parsed trace -> run-format tables for its rank.
+
+    ``shift_ns`` is added to every wall-clock time (captured traces: minus the rank's wall-monotonic offset).
+    ``step_offset``: when given, ProfilerStep#N becomes step N - first N + step_offset (captured traces).
+    """
+    meta, rank = parsed["meta"], ident["rank"]
+    base = int(meta.get("baseTimeNanoseconds") or 0) + shift_ns
+    kern, cpu = parsed["kernels"], parsed["cpu"]
+    events = [w for w in ident["warnings"]]
+
+    # steps: ProfilerStep#N
+    steps = pd.DataFrame(columns=["rank", "step", "start_ns", "end_ns"])
+    if len(cpu):
+        ps = cpu[(cpu["cat"] == "user_annotation") & cpu["name"].str.startswith("ProfilerStep#")]
+        if len(ps):
+            n = ps["name"].str.extract(r"#\s*(\d+)")[0].astype("int64").to_numpy()
+            if step_offset is not None:
+                n = n - n.min() + step_offset
+            start = _to_ns(ps["ts"], base)
+            steps = pd.DataFrame({"rank": rank, "step": n, "start_ns": start,
+                                  "end_ns": start + _to_ns(ps["dur"], 0)}).sort_values("start_ns")
+
+    # kernel spans
+    spans = []
+    if len(kern):
+        ks = _to_ns(kern["ts"], base)
+        spans.append(pd.DataFrame({
+            "rank": rank, "step": _assign_step(ks, steps), "kind": "kernel", "name": kern["name"].to_numpy(),
+            "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
+            "lane": "cuda:" + kern["stream"].astype(str).to_numpy(), "source": "kineto"}))
+    # user annotations on the CPU
+    if len(cpu):
+        ua = cpu[(cpu["cat"] == "user_annotation") & ~cpu["name"].str.startswith(("ProfilerStep#", "gloo:", "nccl:"))]
+        if len(ua):
+            us = _to_ns(ua["ts"], base)
+            spans.append(pd.DataFrame({
+                "rank": rank, "step": _assign_step(us, steps), "kind": "user", "name": ua["name"].to_numpy(),
+                "start_ns": us, "end_ns": us + _to_ns(ua["dur"], 0),
+                "lane": "cpu:" + ua["tid"].astype(str).to_numpy(), "source": "kineto"}))
+    spans = pd.concat(spans, ignore_index=True) if spans else pd.DataFrame()
+
+    group0, size0 = _default_group(ident["groups"])
+    colls = [_nccl_collectives(kern, cpu, base, rank)]
+    if colls[0] is None:  # with NCCL kernels the c10d calls are the same collectives again
+        colls = [_gloo_collectives(cpu, base, rank, group0, size0, events)]
+    colls = [c for c in colls if c is not None and len(c)]
+    coll = pd.concat(colls, ignore_index=True) if colls else pd.DataFrame()
+    if len(coll):
+        coll["step"] = _assign_step(coll["issue_ns"].to_numpy(), steps).to_numpy()
+        coll = coll.sort_values("issue_ns", kind="stable").reset_index(drop=True)
+        counted = coll["seq"].isna()
+        coll.loc[counted, "seq"] = coll[counted].groupby("group", sort=False).cumcount()
+        coll["source"] = "kineto"
+
+    groups = pd.DataFrame({
+        "rank": rank, "group": [str(g.get("pg_name", "")) for g in ident["groups"]],
+        "ranks": [",".join(str(r) for r in (g.get("ranks") or [])) for g in ident["groups"]],
+        "size": [int(g.get("pg_size") or len(g.get("ranks") or [])) for g in ident["groups"]],
+        "backend": [str(g.get("backend_config", ident["backend"])) for g in ident["groups"]],
+        "desc": [str(g.get("pg_desc", "")) for g in ident["groups"]], "mesh_dim": ""})
+
+    props = (meta.get("deviceProperties") or [{}])[0] if len(kern) else {}
+    cpu_pid = next(iter(parsed["pids"]), None)
+    if cpu_pid is None and len(cpu):
+        cpu_pid = cpu["pid"].iloc[0]
+    ranks = pd.DataFrame([{
+        "rank": rank, "local_rank": -1, "world_size": ident["world_size"], "node_rank": None,
+        "host": str(meta.get("host_name") or ""), "pid": int(cpu_pid or 0),
+        "device_type": "cuda" if len(kern) else "cpu", "device_index": props.get("id"),
+        "device_name": props.get("name", "cpu" if not len(kern) else ""), "device_uuid": "",
+        "device_mem_total_bytes": props.get("totalGlobalMem"), "backend": ident["backend"]}])
+    t0 = int(spans["start_ns"].min()) if len(spans) else (int(steps["start_ns"].min()) if len(steps) else base)
+    summary = (f"{parsed['path']}: rank {rank}: {parsed['n_events']} events read; imported {len(kern)} "
+               f"GPU kernel/memcpy/memset spans, {len(steps)} ProfilerSteps, {len(coll)} collectives; "
+               f"{parsed['other']} other complete events (CPU ops, runtime calls) not represented")
+    events_df = pd.DataFrame({"rank": rank, "host": ranks["host"].iloc[0], "t_ns": t0,
+                              "level": ["warning"] * len(events) + ["info"], "source": "kineto",
+                              "message": events + [summary]})
+    return {"ranks": ranks, "steps": steps, "spans": spans, "collectives": coll, "groups": groups,
+            "events": events_df}
+
+
+def _nccl_collectives(kern: pd.DataFrame, cpu: pd.DataFrame, base: int, rank: int):
+    if not len(kern) or kern["coll"].isna().all():
+        return None
+    k = kern[kern["coll"].notna()].copy()
+    start = _to_ns(k["ts"], base)
+    dur = _to_ns(k["dur"], 0)
+    dt = k["dtype"].astype(str).str.lower().map(lambda s: _DTYPE.get(s, (s, 0)))  # per unique-ish value, few rows
+    size = dt.str[1].astype("int64").to_numpy()
+    out = pd.DataFrame({
+        "rank": rank, "op": k["coll"].map(_op_key).to_numpy(), "api": k["coll"].astype(str).to_numpy(),
+        "group": k["group"].fillna("").astype(str).to_numpy(),
+        "group_size": pd.to_numeric(k["group_size"], errors="coerce").fillna(0).astype("int64").to_numpy(),
+        "seq": pd.to_numeric(k["seq"], errors="coerce").astype("Int64").to_numpy(),
+        "in_bytes": pd.to_numeric(k["in_nelems"], errors="coerce").fillna(0).astype("int64").to_numpy() * size,
+        "out_bytes": pd.to_numeric(k["out_nelems"], errors="coerce").fillna(0).astype("int64").to_numpy() * size,
+        "dtype": dt.str[0].to_numpy(), "async_op": True,
+        "issue_ns": start, "return_ns": start, "end_ns": start + dur, "gpu_duration_ns": dur,
+        "ext": k["ext"].to_numpy()})
+    if len(cpu):  # the launching record_param_comms op gives the CPU issue/return times
+        rp = cpu[cpu["name"] == "record_param_comms"]
+        rp = pd.DataFrame({"ext": rp["ext"].to_numpy(), "c_ts": _to_ns(rp["ts"], base),
+                           "c_end": _to_ns(rp["ts"], base) + _to_ns(rp["dur"], 0)}).drop_duplicates("ext")
+        out = out.merge(rp, on="ext", how="left")
+        has = out["c_ts"].notna()
+        out.loc[has, "issue_ns"] = out.loc[has, "c_ts"].astype("int64")
+        out.loc[has, "return_ns"] = out.loc[has, "c_end"].astype("int64")
+    return out.drop(columns=[c for c in ("ext", "c_ts", "c_end") if c in out.columns])
+
+
+def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size0: int, events: list):
+    """c10d::* calls matched to gloo:* runs (first gloo run of the same op starting at or after the call)."""
+    if not len(cpu):
+        return None
+    calls = cpu[(cpu["cat"] == "cpu_op") & cpu["name"].str.startswith("c10d::")].copy()
+    runs = cpu[(cpu["cat"] == "user_annotation") & cpu["name"].str.startswith("gloo:")].copy()
+    if not len(calls) and not len(runs):
+        return None
+    for df in (calls, runs):
+        df["op"] = df["name"].map(_op_key)
+        df["t"] = _to_ns(df["ts"], base)
+        df["t_end"] = df["t"] + _to_ns(df["dur"], 0)
+    runs["run_id"] = np.arange(len(runs), dtype=float)
+    calls = calls.sort_values("t")
+    runs = runs.sort_values("t")
+    m = pd.merge_asof(calls, runs[["t", "op", "t_end", "run_id", "dims", "types"]].rename(
+        columns={"t": "r_t", "t_end": "r_end", "dims": "r_dims", "types": "r_types"}),
+        left_on="t", right_on="r_t", by="op", direction="forward")
+    dup = m["run_id"].notna() & m["run_id"].duplicated()
+    m.loc[dup, ["r_t", "r_end", "run_id"]] = np.nan
+    unmatched_runs = runs[~runs["run_id"].isin(m["run_id"].dropna())]
+    if len(unmatched_runs):
+        events.append(f"{len(unmatched_runs)} gloo run(s) without a c10d call in the trace (e.g. DDP's C++ "
+                      f"reducer) imported with issue = start of the gloo run")
+    rows = pd.concat([
+        pd.DataFrame({"op": m["op"], "api": m["name"].str.replace("c10d::", "", regex=False),
+                      "issue_ns": m["t"], "return_ns": m["t_end"],
+                      "end_ns": m["r_end"].where(m["r_end"].notna(), m["t_end"]),
+                      # the gloo run's shapes name the tensor; the c10d op's first input is a TensorList
+                      "dims": m["r_dims"].where(m["r_dims"].notna(), m["dims"]),
+                      "types": m["r_types"].where(m["r_types"].notna(), m["types"])}),
+        pd.DataFrame({"op": unmatched_runs["op"], "api": unmatched_runs["name"], "issue_ns": unmatched_runs["t"],
+                      "return_ns": unmatched_runs["t"], "end_ns": unmatched_runs["t_end"],
+                      "dims": unmatched_runs["dims"], "types": unmatched_runs["types"]}),
+    ], ignore_index=True)
+    sizes = [_bytes_of(d, t) for d, t in zip(rows["dims"], rows["types"])]  # a few per step: not per span
+    rows["in_bytes"] = [s[0] for s in sizes]
+    rows["out_bytes"] = rows["in_bytes"]
+    rows["dtype"] = [s[1] for s in sizes]
+    rows["rank"], rows["group"], rows["group_size"], rows["async_op"] = rank, group0, size0, False
+    rows["seq"] = pd.array([None] * len(rows), dtype="Int64")
+    rows["end_ns"] = rows["end_ns"].astype("int64")
+    return rows.drop(columns=["dims", "types"])
+
+
+# ---------------------------------------------------------------- import and merge
+
+def load_traces(paths: list, warn=lambda msg: None) -> list[tuple[dict, dict]]:
+    """Parse every trace file (directories are searched for *.json and *.json.gz). A file that cannot be read is
+    skipped with a warning; mixed jobs and duplicate ranks raise KinetoError."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith((".json", ".json.gz")))
+        else:
+            files.append(p)
+    if not files:
+        raise KinetoError(f"{', '.join(map(str, paths))}: no .json or .json.gz trace files")
+    out, failed = [], []
+    for f in files:
+        try:
+            parsed = parse_trace(f)
+            out.append((parsed, trace_identity(parsed, single=len(files) == 1)))
+        except KinetoError as e:
+            failed.append(str(e))
+            warn(f"skipped {e}")
+    if not out:
+        raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
+    worlds = {i["world_size"] for _, i in out}
+    if len(worlds) > 1:
+        raise KinetoError("traces come from different jobs (world sizes " + ", ".join(
+            f"{p['path'].name}={i['world_size']}" for p, i in out) + ")")
+    seen: dict[int, Path] = {}
+    for p, i in out:
+        if i["rank"] in seen:
+            raise KinetoError(f"{p['path']}: duplicate rank {i['rank']} (also in {seen[i['rank']]})")
+        seen[i["rank"]] = p["path"]
+    return out, failed
+
+
+def _concat(tables: list[dict]) -> dict:
+    keys = {k for t in tables for k in t}
+    return {k: pd.concat([t[k] for t in tables if k in t and len(t[k])], ignore_index=True)
+            if any(k in t and len(t[k]) for t in tables) else pd.DataFrame() for k in keys}
+
+
+def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg: None) -> Path:
+    """``dtprof import kineto``: trace files of one job -> a new run directory. Returns the run directory."""
+    import socket
+    import time
+
+    from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
+
+    loaded, failed = load_traces(paths, warn)
+    per_rank = [rank_tables(p, i) for p, i in loaded]
+    tables = _concat(per_rank)
+    tables["events"] = pd.concat([tables["events"], pd.DataFrame({
+        "rank": -1, "host": "", "t_ns": 0, "level": "warning", "source": "kineto", "message": failed})],
+        ignore_index=True) if failed else tables["events"]
+    # No monotonic clock exists for an imported trace: its time base is the trace's wall clock.
+    r = tables["ranks"]
+    tables["clock"] = pd.DataFrame({"rank": r["rank"], "host": r["host"], "mono_ns": 0, "wall_ns": 0})
+    world = int(r["world_size"].max())
+    run_dir = create_run_dir(Path(out_dir), {"source": "kineto-import", "command": command,
+                                             "created_wall_ns": time.time_ns(), "world_size": world,
+                                             "time_base": "wall_clock"})
+    node_dir = create_node_dir(run_dir, host="import")
+    write_node_tables(node_dir, tables, {"command": command, "host": socket.gethostname(), "status": "imported",
+                                         "imported_files": [str(p["path"]) for p, _ in loaded],
+                                         "skipped_files": failed, "time_base": "wall_clock"})
+    return run_dir
+
+
+CAPTURE_DIR = "kineto"
+CAPTURE_META = "capture.json"
+
+
+def merge_captured_traces(node_dir: Path) -> int:
+    """Append the rows of every trace TraceCapture left in ``node_dir/rank-*/kineto/`` to that rank's JSON-lines
+    tables, shifted onto the rank's CLOCK_MONOTONIC; returns the number of traces merged.
+
+    Steps are not duplicated (the hooks wrote them); spans and collectives come in with source "kineto". A trace
+    that cannot be read, or an error TraceCapture recorded, becomes an ``events`` row: the job's own rows are never
+    touched.
+    """
+    from dtprof.runformat import RankWriter
+    from dtprof.schema import columns
+
+    merged = 0
+    for cdir in sorted(Path(node_dir).glob(f"rank-*/{CAPTURE_DIR}")):
+        rank = int(cdir.parent.name.split("-", 1)[1])
+        writer = RankWriter(Path(node_dir), rank)
+        notes = []
+        try:
+            err = cdir / "error.txt"
+            if err.exists():
+                notes.append(("warning", f"trace capture disabled itself: {err.read_text().strip()}"))
+            meta_p = cdir / CAPTURE_META
+            if meta_p.exists():
+                cap = json.loads(meta_p.read_text())
+                parsed = parse_trace(cdir / cap["trace"])
+                ident = trace_identity(parsed, single=True)
+                ident["rank"] = rank
+                t = rank_tables(parsed, ident, shift_ns=int(cap["mono_ns"]) - int(cap["wall_ns"]),
+                                step_offset=int(cap["start_step"]))
+                from dtprof.reader import conform
+                for table in ("spans", "collectives"):
+                    df = conform(table, t[table])
+                    if len(df):
+                        rows = df.astype(object).where(df.notna(), None).to_numpy().tolist()
+                        writer.extend(table, rows)
+                notes.append(("info", t["events"]["message"].iloc[-1]))
+                merged += 1
+        except (KinetoError, OSError, ValueError, KeyError) as e:
+            notes.append(("error", f"captured trace not merged: {str(e).splitlines()[0]}"))
+        import time
+        for level, msg in notes:
+            writer.append("events", [rank, "", time.monotonic_ns(), level, "kineto", msg])
+        writer.close()
+        _ = columns
+    return merged

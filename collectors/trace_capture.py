@@ -1,0 +1,102 @@
+"""Rank side of `dtprof run --trace-steps A:B`: a torch.profiler trace of steps A..B-1 (half-open, like a Python
+slice) written into the rank directory, merged into the run after the job by
+``dtprof.collectors.kineto.merge_captured_traces``.
+
+The profiler starts at the end of step A-1 (at creation when A == 0) and stops at the end of step B-1, calling
+``prof.step()`` at every step end in between, so ``ProfilerStep#k`` is dtprof step A + k. Next to the trace,
+``capture.json`` holds a (CLOCK_MONOTONIC, CLOCK_REALTIME) pair read right after the trace stopped: Kineto's
+timestamps are wall-clock (ts µs + baseTimeNanoseconds = CLOCK_REALTIME ns, checked on torch 2.13), and the pair
+moves them onto the rank's monotonic clock. Any fault disables the capture and is written to ``error.txt`` (the
+merge turns it into an events row); training is never interrupted.
+"""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+
+CAPTURE_DIR = "kineto"  # same names as dtprof.collectors.kineto (not imported here: it pulls in pandas)
+CAPTURE_META = "capture.json"
+TRACE_NAME = "trace.json"
+
+
+class TraceCapture:
+    def __init__(self, rank_dir, start_step: int, end_step: int):
+        self.dir = Path(rank_dir) / CAPTURE_DIR
+        self.start_step, self.end_step = int(start_step), int(end_step)
+        self.prof = None
+        self.done = False
+        if self.end_step <= self.start_step:
+            self._fail(f"empty --trace-steps window {start_step}:{end_step}")
+        elif self.start_step == 0:
+            self._start()
+
+    def _fail(self, message: str) -> None:
+        self.done = True
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "error.txt").write_text(message + "\n")
+        except OSError:
+            pass
+        prof, self.prof = self.prof, None
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:
+                pass
+
+    def _start(self) -> None:
+        try:
+            import torch
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            acts = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(ProfilerActivity.CUDA)
+            # A schedule is what makes torch emit ProfilerStep#k ranges; one active cycle of the whole window.
+            self.prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._export,
+                                schedule=schedule(wait=0, warmup=0, active=self.end_step - self.start_step,
+                                                  repeat=1))
+            self.prof.start()
+        except Exception as e:
+            self._fail(f"could not start torch.profiler: {type(e).__name__}: {e}")
+
+    def on_step_end(self, step: int) -> None:
+        """Called by the rank runtime at the end of every step (dtprof step index)."""
+        if self.done:
+            return
+        try:
+            if self.prof is None and step == self.start_step - 1:
+                self._start()
+            elif self.prof is not None:
+                if step >= self.end_step - 1:
+                    self._finish()
+                else:
+                    self.prof.step()
+        except Exception as e:
+            self._fail(f"{type(e).__name__}: {e}: {traceback.format_exc(limit=2)!r}")
+
+    def _finish(self) -> None:
+        prof, self.prof = self.prof, None
+        self.done = True
+        prof.stop()  # ends the active cycle: on_trace_ready (self._export) writes the trace
+
+    def _export(self, prof) -> None:
+        mono, wall = time.monotonic_ns(), time.time_ns()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.dir / TRACE_NAME))
+        meta = {"trace": TRACE_NAME, "start_step": self.start_step, "end_step": self.end_step,
+                "mono_ns": mono, "wall_ns": wall, "clock": "kineto ts*1000 + baseTimeNanoseconds = CLOCK_REALTIME"}
+        tmp = self.dir / f".{CAPTURE_META}.tmp"
+        tmp.write_text(json.dumps(meta) + "\n")
+        tmp.replace(self.dir / CAPTURE_META)
+
+    def close(self) -> None:
+        """At exit: a window still open (the job ended early) is written as far as it went."""
+        if self.prof is None or self.done:
+            return
+        try:
+            self._finish()
+        except Exception as e:
+            self._fail(f"could not write the trace at exit: {type(e).__name__}: {e}")
