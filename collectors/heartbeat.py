@@ -7,6 +7,8 @@
 - polls the node directory (``rank_dir.parent``) for ``dump-request-<id>`` files, written by the launcher's
   watchdog or by ``dtprof triage --live``, and answers each with ``rank_dir/dump-<id>.json``: Python stacks of all
   threads, the in-flight collective and PyTorch's Flight Recorder entries where available;
+- on an uncaught exception writes ``dump-exception.json`` (then calls the previous ``sys.excepthook``), and at a
+  normal interpreter exit marks the heartbeat ``"exit": "clean"``;
 - on SIGTERM (torchrun stopping the survivors of a crash, or the watchdog stopping a hung job) writes
   ``dump-sigterm.json`` from this thread, then lets the signal do what it did before.
 
@@ -38,6 +40,10 @@ _SIGTERM_GRACE_S = 2.0
 
 _started = False
 _faults: list[str] = []
+# How the interpreter is ending: None while running, "exception: <type>: <msg>" after an uncaught exception,
+# "clean" at a normal interpreter exit (atexit). Written into the heartbeat so the watchdog can tell a rank that
+# finished from one that died (SIGKILL, abort, OOM killer never run atexit).
+_exit_status: str | None = None
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
@@ -68,6 +74,7 @@ def snapshot(state: Any) -> dict:
         "t_ns": time.monotonic_ns(),
         "wall_ns": time.time_ns(),
         "faults": list(_faults),
+        "exit": _exit_status,
     }
 
 
@@ -206,6 +213,33 @@ class _Heartbeat:
             return False
         return bytes([signal.SIGTERM]) in data
 
+    # -- exit ---------------------------------------------------------------------------------------------------
+    def install_exit_hooks(self) -> None:
+        import atexit
+        prev_hook = sys.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            global _exit_status
+            try:
+                _exit_status = f"exception: {exc_type.__name__}: {exc}"[:500]
+                write_dump(self.rank_dir, self.state, "exception", _exit_status)
+                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+            except Exception:
+                pass
+            prev_hook(exc_type, exc, tb)
+
+        def at_exit():
+            global _exit_status
+            try:
+                if _exit_status is None:
+                    _exit_status = "clean"
+                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+            except Exception:
+                pass
+
+        sys.excepthook = excepthook
+        atexit.register(at_exit)
+
     # -- loop --------------------------------------------------------------------------------------------------
     def poll_requests(self) -> None:
         for req in self.node_dir.glob("dump-request-*"):
@@ -251,6 +285,10 @@ def start(rank_dir, state) -> bool:
         rank_dir = Path(rank_dir)
         rank_dir.mkdir(parents=True, exist_ok=True)
         hb = _Heartbeat(rank_dir, state)
+        try:
+            hb.install_exit_hooks()
+        except Exception as e:
+            _faults.append(f"heartbeat: exit hooks disabled ({type(e).__name__}: {e})")
         try:
             hb.install_sigterm()
         except Exception as e:

@@ -191,7 +191,9 @@ class Watchdog:
     def _check_crashes(self) -> None:
         hbs = read_heartbeats(self.node_dir)
         self._seen.update(hbs)
-        dead = [r for r, hb in hbs.items() if r not in self.crashed and not pid_alive(hb.get("pid"))]
+        # A rank whose process is gone without the heartbeat's clean-exit mark died (exception, signal, OOM killer).
+        dead = [r for r, hb in hbs.items() if r not in self.crashed and hb.get("exit") != "clean"
+                and not pid_alive(hb.get("pid"))]
         if not dead:
             return
         now = time.monotonic_ns()
@@ -199,6 +201,7 @@ class Watchdog:
         for r in dead:
             hb = hbs[r]
             self.crashed[r] = {"rank": r, "pid": hb.get("pid"), "detected_ns": now, "step": hb.get("step"),
+                               "exit": hb.get("exit"),
                                "collective": hb.get("collective"), "last_heartbeat_ns": hb.get("t_ns")}
         if first:  # the survivors' state at the moment of the first death
             request_dumps(self.node_dir, "crash", f"rank(s) {dead} exited")
