@@ -9,15 +9,16 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
 1. **mismatch** — one collective instance, identified across ranks by (group, seq) as in the run format and
    PyTorch's ``torchfrtrace``, was called with a different op, size (``in_bytes``) or dtype on different ranks.
    From the ``collectives`` table and Flight Recorder entries.
-2. **hang** — the watchdog fired (or, live, no rank progressed for ``stale_s``), or the job's output holds a
-   collective timeout. The collective most waiting ranks are inside (group, seq, op) is "the collective"; the
+2. **hang** — the watchdog fired (or, live, no rank progressed for ``stale_s``), the job's output holds a
+   collective timeout, or Flight Recorder dumps given explicitly show ranks that never reached a collective the
+   others entered. The collective most waiting ranks are inside (group, seq, op) is "the collective"; the
    culprits are the group's members that are not inside it (where they are instead comes from their stacks).
    Without in-flight collectives, the Flight Recorder's newest seq per rank and group gives the same answer.
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
 4. **straggler** — a rank classified "persistent" by ``dtprof.analyzers.summary.analyze`` (metrics.md,
    "Stragglers"); when that module is absent, the compute score alone (fastest rank's median per-step compute /
-   this rank's, persistent below 0.75). Its GPU's NVML samples are the evidence: throttle reasons, SM clock,
+   this rank's, persistent below 0.75; compute = compute spans minus the comm_wait nested in them). Its GPU's NVML samples are the evidence: throttle reasons, SM clock,
    temperature, power, ECC errors.
 5. **healthy** otherwise.
 """
@@ -289,10 +290,17 @@ def find_stragglers(run) -> list[dict]:
                 for r, lf, tl, cs in zip(st["rank"], st["late_frac"], st["time_lost_s"], st["compute_score"])]
     from dtprof.schema import COMPUTE_KINDS
     sp = run.spans
-    sp = sp[sp["kind"].astype(str).isin(COMPUTE_KINDS)]
-    if sp.empty or sp["rank"].nunique() < 2:
+    kind = sp["kind"].astype(str)
+    comp = sp[kind.isin(COMPUTE_KINDS)][["rank", "step", "start_ns", "end_ns"]]
+    if comp.empty or comp["rank"].nunique() < 2:
         return []
-    per_step = (sp["end_ns"] - sp["start_ns"]).groupby([sp["rank"], sp["step"]]).sum() / 1e9
+    # compute time per (rank, step), minus the comm_wait spans nested inside it (DDP's end-of-backward wait)
+    busy = (comp["end_ns"] - comp["start_ns"]).groupby([comp["rank"], comp["step"]]).sum()
+    wait = sp[kind == "comm_wait"][["rank", "step", "start_ns", "end_ns"]]
+    pairs = comp.merge(wait, on=["rank", "step"], suffixes=("", "_w"))
+    overlap = (pairs[["end_ns", "end_ns_w"]].min(axis=1) - pairs[["start_ns", "start_ns_w"]].max(axis=1)).clip(lower=0)
+    overlap = overlap.groupby([pairs["rank"], pairs["step"]]).sum()
+    per_step = busy.sub(overlap, fill_value=0) / 1e9
     med = per_step.groupby(level=0).median()
     score = med.min() / med
     slow = score[score < SCORE_THRESHOLD]
@@ -443,7 +451,16 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         stale = (now - newest) / 1e9
         evidence.append({"kind": "heartbeat", "message": f"newest progress on any rank {stale:.1f} s ago"})
     nccl_timeout = next((m for m in (_NCCL_SEQ.search(t) for t in timeouts) if m), None)
-    if hang_rec or (stale is not None and stale >= stale_s) or nccl_timeout:
+    # Dumps given with --fr are snapshots taken at one moment (usually a timeout): a rank behind the others in a
+    # group is a hang signature. Dumps inside a run only count once something else says the job hung.
+    fr_behind = False
+    if fr_paths and len(fr):
+        from dtprof.collectors.flight_recorder import match_across_ranks
+        fr_behind = bool((match_across_ranks(fr)["ranks_missing"].str.len() > 0).any())
+        if fr_behind:
+            evidence.append({"kind": "flight_recorder", "message": "Flight Recorder dumps: some ranks never "
+                             "reached a collective the others entered"})
+    if hang_rec or (stale is not None and stale >= stale_s) or nccl_timeout or fr_behind:
         h = find_hang(hbs, dumps, known, groups_tbl, fr, now)
         if h["collective"] is None and nccl_timeout:
             h["collective"] = {"op": nccl_timeout.group(2).lower(), "group": None, "seq": int(nccl_timeout.group(1))}

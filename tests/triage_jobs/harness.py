@@ -27,50 +27,60 @@ def _tee(src, path: Path):
             f.flush()
 
 
-def run_job(run_dir: Path, mode: str, nproc: int = 4, hang_timeout: float | None = 5.0, job_args=(),
-            limit_s: float = 120.0) -> dict:
-    """Run job.py MODE under torchrun with a Watchdog; return exit code, timings and the node dir."""
-    create_run_dir(run_dir, {"command": ["harness", mode]})
-    node_dir = create_node_dir(run_dir)
-    env = dict(os.environ, DTPROF_NODE_DIR=str(node_dir), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
-           str(JOB), mode, *job_args]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    tees = [threading.Thread(target=_tee, args=(proc.stdout, node_dir / "stdout.log"), daemon=True),
-            threading.Thread(target=_tee, args=(proc.stderr, node_dir / "stderr.log"), daemon=True)]
-    for t in tees:
-        t.start()
-    stopped_at = []
+class Job:
+    """One torchrun job of job.py, started in the background with its logs tee'd into the node directory."""
 
-    def stop_job():
+    def __init__(self, run_dir: Path, mode: str, nproc: int = 4, hang_timeout: float | None = 5.0, job_args=()):
+        create_run_dir(run_dir, {"command": ["harness", mode]})
+        self.run_dir = Path(run_dir)
+        self.node_dir = create_node_dir(run_dir)
+        env = dict(os.environ, DTPROF_NODE_DIR=str(self.node_dir), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--monitor-interval=0.2", str(JOB), mode, *job_args]
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self.tees = [threading.Thread(target=_tee, args=(self.proc.stdout, self.node_dir / "stdout.log"), daemon=True),
+                     threading.Thread(target=_tee, args=(self.proc.stderr, self.node_dir / "stderr.log"), daemon=True)]
+        for t in self.tees:
+            t.start()
+        self.stopped_at: list[float] = []
+        self.wd = Watchdog(self.node_dir, hang_timeout, self.stop_job) if hang_timeout else None
+        if self.wd:
+            self.wd.start()
+
+    def stop_job(self):
         """What the launcher does: SIGTERM to torchrun's process group, SIGKILL after a grace period."""
-        stopped_at.append(time.monotonic())
+        self.stopped_at.append(time.monotonic())
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(STOP_GRACE_S)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
-    wd = Watchdog(node_dir, hang_timeout, stop_job) if hang_timeout else None
-    if wd:
-        wd.start()
-    try:
-        rc = proc.wait(limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        rc = proc.wait()
-    for t in tees:
-        t.join(5)
-    end = time.monotonic()
-    if wd:
-        wd.on_job_exit(rc)
-    fired = bool(wd and wd.fired)
-    return {"rc": HANG_EXIT_CODE if fired else rc, "job_rc": rc, "fired": fired, "elapsed_s": end - t0,
-            "stopped_s": (stopped_at[0] - t0) if stopped_at else None, "end_s": end - t0, "node_dir": node_dir,
-            "run_dir": run_dir}
+    def wait(self, limit_s: float = 120.0) -> dict:
+        try:
+            rc = self.proc.wait(limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+        for t in self.tees:
+            t.join(5)
+        end = time.monotonic()
+        if self.wd:
+            self.wd.on_job_exit(rc)
+        fired = bool(self.wd and self.wd.fired)
+        return {"rc": HANG_EXIT_CODE if fired else rc, "job_rc": rc, "fired": fired, "end_s": end - self.t0,
+                "stopped_s": (self.stopped_at[0] - self.t0) if self.stopped_at else None,
+                "node_dir": self.node_dir, "run_dir": self.run_dir}
+
+
+def run_job(run_dir: Path, mode: str, nproc: int = 4, hang_timeout: float | None = 5.0, job_args=(),
+            limit_s: float = 120.0) -> dict:
+    """Run job.py MODE under torchrun with a Watchdog until it ends; see Job.wait for the result."""
+    return Job(run_dir, mode, nproc, hang_timeout, job_args).wait(limit_s)
 
 
 if __name__ == "__main__":

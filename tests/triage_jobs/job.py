@@ -42,6 +42,8 @@ writer.write_identity({"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"])
                        "device_type": "cpu", "device_index": int(os.environ["LOCAL_RANK"]), "device_name": "cpu",
                        "device_uuid": "", "device_mem_total_bytes": None, "backend": "gloo"})
 writer.append("groups", [rank, "0", ",".join(map(str, range(world))), world, "gloo", "default_pg", ""])
+if args.fr_dir:  # the pickle dump imports torch._dynamo (seconds): pay for it before the heartbeat starts
+    torch._C._distributed_c10d._dump_fr_trace()
 STATE = types.SimpleNamespace(rank=rank, step=0, collective=None, last_progress_ns=time.monotonic_ns(),
                               rank_dir=writer.dir)
 heartbeat.start(writer.dir, STATE)
