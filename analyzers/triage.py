@@ -527,16 +527,17 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         others = sorted(set(known) - set(culprits))
         for r in others:
             d = dumps.get(r, {})
-            snap = d.get("crash") or d.get("sigterm")
+            snap = d.get("crash") or d.get("sigterm") or d.get("exception")
             if snap:
                 c = snap.get("collective")
                 inside = f" inside {c.get('op')} #{c.get('seq')} of group {c.get('group')}" if c else ""
                 evidence.append({"kind": "state", "rank": r, "message": f"{label(r)} at step {snap.get('step')}"
-                                 f"{inside}, at {where(snap) or '?'} (dump '{snap.get('request')}')"})
+                                 f"{inside}, at {where(snap) or '?'} (dump '{snap.get('request')}'"
+                                 + (f": {snap.get('reason')}" if snap.get("request") == "exception" else "") + ")"})
         msg = "crash: " + ("; ".join(parts) if parts else f"the job exited with code {exit_code}; no rank named")
         if first_dead_ns and others:
             msg += f"; {len(others)} other rank(s)' state captured" if any(
-                ("crash" in dumps.get(r, {}) or "sigterm" in dumps.get(r, {})) for r in others) else ""
+                ({"crash", "sigterm", "exception"} & set(dumps.get(r, {}))) for r in others) else ""
         return result("crash", culprits, None, msg)
 
     # 4. straggler

@@ -4,7 +4,8 @@ Runs as a thread in the ``dtprof run`` launcher process and reads what the ranks
 (``collectors/heartbeat.py``): ``node_dir/rank-<r>/heartbeat.json`` every ~0.5 s.
 
 - **Hang**: when no rank has made progress (``last_progress_ns``, the newest over all ranks; the clock starts at
-  the first heartbeat, so start-up and rendezvous are left to torchrun's own timeouts) for ``timeout_s``, it writes ``node_dir/dump-request-hang``, waits up to
+  the first heartbeat, so start-up and rendezvous are left to torchrun's own timeouts; once every rank has
+  exited cleanly, a slow teardown is not a hang) for ``timeout_s``, it writes ``node_dir/dump-request-hang``, waits up to
   ``DUMP_WAIT_S`` for every live rank's ``dump-hang.json``, records ``node_dir/triage/hang.json``, calls
   ``stop_job()`` (the launcher's SIGTERM, then SIGKILL after a grace period) and sets ``fired``; ``dtprof run``
   then exits with 124.
@@ -216,6 +217,9 @@ class Watchdog:
             return False  # a crashed job is torchrun's to stop; it is not a hang
         if not hbs:
             return False  # no rank has started yet: start-up and rendezvous are torchrun's to time out
+        running = {r: hb for r, hb in hbs.items() if hb.get("exit") != "clean"}
+        if not running:
+            return False  # every rank finished; a slow interpreter exit is not a hang
         progress = [hb.get("last_progress_ns") or 0 for hb in hbs.values()]
         newest = max(progress)
         now = time.monotonic_ns()

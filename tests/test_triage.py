@@ -38,7 +38,7 @@ def cli(*args):
 def cli_json(*args):
     res = cli(*args, "--json")
     assert res.exit_code in (0, 1), res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 # ----------------------------------------------------------------------------------------- heartbeat (fast)
