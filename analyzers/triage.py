@@ -318,9 +318,11 @@ def nvml_evidence(run, rank: int) -> dict | None:
     """That rank's GPU over the run (matched by host and device index) next to the node's other GPUs."""
     nv, rk = run.nvml, run.ranks
     row = rk[rk["rank"] == rank]
-    if nv.empty or row.empty or _isna(row["device_index"].iloc[0]):
+    if nv.empty or row.empty:
         return None
-    host, gpu = str(row["host"].iloc[0]), int(row["device_index"].iloc[0])
+    # the rank's device; a rank without one (CPU) maps to GPU LOCAL_RANK, torchrun's usual convention
+    dev = row["device_index"].iloc[0]
+    host, gpu = str(row["host"].iloc[0]), int(row["local_rank"].iloc[0] if _isna(dev) else dev)
     same_host = nv[nv["host"].astype(str) == host]
     mine = same_host[same_host["gpu"] == gpu]
     if mine.empty:

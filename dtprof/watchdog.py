@@ -139,10 +139,13 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._stop.is_set() and self._events is None:
+            return
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=DUMP_WAIT_S + 5)
-        self._events.flush()
+        if self._events is not None:
+            self._events.flush()
 
     def on_job_exit(self, exit_code: int) -> None:
         """Record how the job ended; for a failed job, add torchrun's own account of which rank failed how."""
@@ -169,6 +172,7 @@ class Watchdog:
             self._event("warning", f"watchdog could not record the job's exit: {type(e).__name__}: {e}")
         finally:
             self._events.close()
+            self._events = None  # stop() and on_job_exit() may both be called, in either order
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _write(self, name: str, obj: dict) -> None:
@@ -177,6 +181,8 @@ class Watchdog:
         write_json_atomic(d / name, obj)
 
     def _event(self, level: str, message: str) -> None:
+        if self._events is None:
+            return
         self._events.append([-1, self._host, time.monotonic_ns(), level, "watchdog", message])
         self._events.flush()
 
