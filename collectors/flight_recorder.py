@@ -13,6 +13,7 @@ PyTorch's own ``torchfrtrace`` analyzer does. Reading needs no torch.
 """
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import re
@@ -30,6 +31,14 @@ _DTYPE_NAMES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFl
                 "Long": "int64", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Flight Recorder pickles hold only dicts, lists, tuples, strings and numbers: refuse anything that would
+    import or call code, so reading a stranger's dump is safe."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: not a plain Flight Recorder dump")
+
+
 class DumpError(Exception):
     """A file is not a readable Flight Recorder dump. The message is one line naming the file."""
 
@@ -40,8 +49,7 @@ def parse_dump(raw: bytes | str | dict, source: str = "<memory>") -> dict:
         return raw
     if isinstance(raw, bytes) and raw[:1] == b"\x80":  # pickle protocol 2+ header
         try:
-            # Flight Recorder pickles hold only dicts, lists, strings and numbers.
-            obj = pickle.loads(raw)
+            obj = _PlainUnpickler(io.BytesIO(raw)).load()
         except Exception as e:
             raise DumpError(f"{source}: unreadable pickle ({type(e).__name__}: {e})") from None
     else:

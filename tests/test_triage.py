@@ -158,6 +158,21 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
         load_dump(tmp_path / "x.json")
 
 
+def test_triage_path_never_imports_torch():
+    code = ("import sys, dtprof.triage, dtprof.analyzers.triage, dtprof.watchdog, dtprof.collectors.flight_recorder;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_pickle_dump_that_would_run_code_is_refused(tmp_path):
+    import pickle
+    evil = tmp_path / "fr_trace_rank_0"
+    evil.write_bytes(pickle.dumps({"entries": [], "x": os.system}))
+    with pytest.raises(DumpError, match="refusing"):
+        load_dump(evil)
+
+
 # --------------------------------------------------------------------- straggler with NVML (synthetic, fast)
 def _nvml_rows(node_dir, slow_gpu, gpus=4, samples=20):
     w = NodeTableWriter(node_dir, "nvml")
