@@ -346,6 +346,20 @@ def test_live_triage_does_not_stop_the_job(tmp_path):
         assert out["verdict"] == "hang" and out["culprit_ranks"] == [1]
         assert job.proc.poll() is None  # still running
         assert list(job.node_dir.glob("rank-1/dump-live-*.json"))
+        # SIGTERM to a rank stuck inside gloo's all_reduce (C++, no Python handler can run): it dumps its state
+        # and still dies of SIGTERM, as it would without dtprof
+        hb0 = json.loads((job.node_dir / "rank-0" / "heartbeat.json").read_text())
+        assert hb0["collective"]["op"] == "all_reduce"
+        t0 = time.monotonic()
+        os.kill(hb0["pid"], signal.SIGTERM)
+        rc = job.proc.wait(30)
+        assert rc != 0 and time.monotonic() - t0 < 15
+        assert json.loads((job.node_dir / "rank-0" / "dump-sigterm.json").read_text())["collective"]["seq"] == 4
+        for t in job.tees:
+            t.join(5)
+        fails = {f["rank"]: f for f in parse_torchrun_failures((job.node_dir / "stderr.log").read_text())}
+        assert fails[0]["signal"] == "SIGTERM" and fails[0]["root_cause"], fails
     finally:
-        job.stop_job()
+        if job.proc.poll() is None:
+            job.stop_job()
         job.wait(30)
