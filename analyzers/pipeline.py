@@ -91,13 +91,13 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     g_end = np.concatenate([end[is_pp], end[other]])
     ok = g_win >= 0
     g_stage, g_win, g_start, g_end = g_stage[ok], g_win[ok], g_start[ok], g_end[ok]
-    keys = pd.DataFrame({"stage": g_stage, "win": g_win})
-    codes, uniq = pd.factorize(pd.MultiIndex.from_frame(keys))
+    uniq, codes = np.unique((g_stage - g_stage.min()) * len(windows) + g_win, return_inverse=True)
     g_start = np.maximum(g_start, ws[g_win])
     g_end = np.minimum(g_end, we[g_win])
     busy = measure(codes, np.zeros(len(codes), np.int8), g_start, g_end, len(uniq), 1, {"u": lambda c: c[0]})["u"]
-    uw = uniq.get_level_values("win").to_numpy()
-    tbl = pd.DataFrame({"stage": uniq.get_level_values("stage").to_numpy(), "rank": wr[uw],
+    uw = uniq % len(windows)
+    ustage = uniq // len(windows) + g_stage.min()
+    tbl = pd.DataFrame({"stage": ustage, "rank": wr[uw],
                         "step": windows["step"].to_numpy()[uw], "compute_s": busy / NS,
                         "duration_s": windows["duration_s"].to_numpy()[uw],
                         "warmup": windows["warmup"].to_numpy()[uw]})

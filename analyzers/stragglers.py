@@ -30,6 +30,8 @@ PERSISTENT_DELAY_FRAC = 0.02
 TRANSIENT_DELAY_FRAC = 0.20
 TRANSIENT_MIN_STEPS = 2
 P2P = ("send", "recv")
+LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (max)", "power_w_mean": "power (mean)",
+          "sm_util_mean_pct": "SM utilisation (mean)"}
 
 
 def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.DataFrame:
@@ -159,7 +161,7 @@ def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame)
                 return None
             o = others[col].median() if len(others) else np.nan
             tail = f" (others' median {fmt.format(o)} {unit})" if pd.notna(o) else ""
-            return f"{col}: {fmt.format(v)} {unit}{tail}"
+            return f"{LABELS[col]} {fmt.format(v)} {unit}{tail}"
         for col, unit in (("sm_clock_mhz_mean", "MHz"), ("temp_c_max", "°C"), ("power_w_mean", "W"),
                           ("sm_util_mean_pct", "%")):
             line = cmp(col, unit)
