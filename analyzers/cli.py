@@ -7,6 +7,11 @@ import sys
 import click
 
 
+class InputError(click.ClickException):
+    """Unreadable input: one line, exit code 2 (dtprof/cli.py's shared convention)."""
+    exit_code = 2
+
+
 def _parse_transformer(value: str | None) -> dict | None:
     if not value:
         return None
@@ -61,7 +66,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
         a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
                     transformer=tf, progress=progress if sys.stderr.isatty() else None)
     except RunFormatError as e:
-        raise click.ClickException(str(e)) from None
+        raise InputError(str(e)) from None
     if not no_write:
         try:
             write_json_atomic(run.path / SUMMARY_FILE, a.summary)

@@ -44,9 +44,11 @@ def fit_clocks(run) -> pd.DataFrame:
     use = blocking if blocking.any() else coll & co["end_ns"].notna().to_numpy()
     c = co.loc[use, ["rank", "group", "seq"]].copy()
     c["exit"] = co.loc[use, "end_ns"].astype("Int64").fillna(co.loc[use, "return_ns"]).to_numpy(np.int64)
-    c["host"] = host_of.reindex(c["rank"].to_numpy()).to_numpy()
-    c["group"] = c["group"].astype(str)
+    hosts_cat = pd.CategoricalDtype(hosts)
+    rank_host_code = pd.Series(pd.Categorical(host_of.to_numpy(), dtype=hosts_cat).codes, index=host_of.index)
+    c["host"] = pd.Categorical.from_codes(rank_host_code.reindex(c["rank"].to_numpy()).to_numpy(), dtype=hosts_cat)
     per = c.groupby(["group", "seq", "host"], sort=False, observed=True)["exit"].mean().reset_index()
+    per["host"] = per["host"].astype(str)
     r = per[per["host"] == ref][["group", "seq", "exit"]].rename(columns={"exit": "exit_ref"})
     o = per[per["host"] != ref].merge(r, on=["group", "seq"], how="inner")
     if len(o) == 0:
@@ -77,6 +79,23 @@ def fit_clocks(run) -> pd.DataFrame:
             rows[h]["reason"] = "no collective shared with the reference host; not aligned"
         rows[h]["ref_t_ns"] = ref_t
     return pd.DataFrame(list(rows.values()))
+
+
+def align_by_rank(run, t: np.ndarray, rank: np.ndarray, clock: pd.DataFrame) -> np.ndarray:
+    """Times ``t`` (ns) of ranks ``rank`` moved onto the reference host's clock (vectorised through the rank)."""
+    r = run.ranks
+    if len(r) == 0 or len(t) == 0:
+        return np.asarray(t, dtype=np.int64)
+    n = int(r["rank"].max()) + 1
+    host_per_rank = np.full(n, "", dtype=object)
+    host_per_rank[r["rank"].to_numpy(np.int64)] = r["host"].astype(str).to_numpy()
+    idx = pd.Index(clock["host"]).get_indexer(host_per_rank) if len(clock) else np.full(n, -1)
+    off = np.where(idx >= 0, clock["offset_ns"].to_numpy(float)[np.maximum(idx, 0)] if len(clock) else 0.0, 0.0)
+    drift = np.where(idx >= 0, clock["drift_ppm"].to_numpy(float)[np.maximum(idx, 0)] if len(clock) else 0.0, 0.0)
+    ref_t = int(clock["ref_t_ns"].iloc[0]) if len(clock) else 0
+    t = np.asarray(t, dtype=np.int64)
+    rank = np.asarray(rank, dtype=np.int64)
+    return t + np.rint(off[rank] + drift[rank] * 1e-6 * (t - ref_t).astype(float)).astype(np.int64)
 
 
 def align_times(t: np.ndarray, host: np.ndarray, clock: pd.DataFrame) -> np.ndarray:

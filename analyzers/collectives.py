@@ -94,12 +94,12 @@ def instances(run) -> pd.DataFrame:
     kineto = co["source"].isin(["kineto"]).to_numpy()
     c = co[~kineto] if (~kineto).any() else co
     end = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
-    d = pd.DataFrame({"op": c["op"].astype(str).to_numpy(), "group": c["group"].astype(str).to_numpy(),
+    d = pd.DataFrame({"op": c["op"].astype("category").to_numpy(), "group": c["group"].astype("category").to_numpy(),
                       "seq": c["seq"].to_numpy(np.int64), "rank": c["rank"].to_numpy(np.int64),
                       "group_size": c["group_size"].to_numpy(np.int64),
                       "bytes": np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64)),
                       "dur_ns": end - c["issue_ns"].to_numpy(np.int64)})
-    g = d.groupby(["group", "seq", "op"], sort=False)
+    g = d.groupby(["group", "seq", "op"], sort=False, observed=True)
     inst = g.agg(group_size=("group_size", "max"), bytes=("bytes", "max"), transfer_ns=("dur_ns", "min"),
                  mean_ns=("dur_ns", "mean"), ranks=("rank", "size"), first_rank=("rank", "min")).reset_index()
     inst["transfer_s"] = inst["transfer_ns"] / NS
@@ -112,6 +112,8 @@ def collective_table(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
     if len(inst) == 0:
         return pd.DataFrame(columns=COLUMNS)
     inst = inst.copy()
+    inst["op"] = inst["op"].astype(str)
+    inst["group"] = inst["group"].astype(str)
     inst["bucket_lo_bytes"] = bucket_lo(inst["bytes"].to_numpy())
     agg = inst.groupby(["op", "group", "bucket_lo_bytes"], sort=True).agg(
         count=("seq", "size"), total_s=("mean_s", "sum"), transfer_s=("transfer_s", "sum"), bytes=("bytes", "sum"),

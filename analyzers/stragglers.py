@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.clock import align_times
+from dtprof.analyzers.clock import align_by_rank
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -45,9 +45,8 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
     if (use & ~kineto).any():  # prefer the rank's own records over trace rows for the same calls
         use &= ~kineto
     c = co[use]
-    host_of = pd.Series(run.ranks["host"].astype(str).to_numpy(), index=run.ranks["rank"].to_numpy(np.int64))
     rank = c["rank"].to_numpy(np.int64)
-    arr = align_times(c["issue_ns"].to_numpy(np.int64), host_of.reindex(rank).to_numpy(), clock)
+    arr = align_by_rank(run, c["issue_ns"].to_numpy(np.int64), rank, clock)
     gcode = c["group"].astype("category").cat.codes.to_numpy(np.int64)
     seq = c["seq"].to_numpy(np.int64)
     inst = gcode * (int(seq.max()) + 1 if len(seq) else 1) + seq
@@ -71,7 +70,7 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
     median_arr = sorted_arr[mid].astype(float)
     step = c["step"].astype("Int64")
     out = pd.DataFrame({
-        "group": c["group"].astype(str).to_numpy(), "seq": seq, "op": c["op"].astype(str).to_numpy(),
+        "group": c["group"].astype("category").to_numpy(), "seq": seq, "op": c["op"].astype("category").to_numpy(),
         "rank": rank, "step": step.to_numpy(), "arrival_ns": arr,
         "lateness_s": (arr - first[inst]) / NS, "last": is_last_row,
         "lead_s": np.where(is_last_row, (arr - median_arr[inst]) / NS, 0.0),

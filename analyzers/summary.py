@@ -84,21 +84,21 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame) -> list[dict]
                 comm_s=("comm_s", "sum"), peak_mem_bytes=("peak_mem_bytes", "max"))
     agg["overlap_ratio"] = np.where(agg["comm_s"] > 0, agg["overlap_s"] / agg["comm_s"].where(agg["comm_s"] > 0, 1),
                                     np.nan)
-    all_steps = steps.groupby("rank").size()
-    r = run.ranks.set_index(run.ranks["rank"].to_numpy(np.int64))
+    r = run.ranks
+    out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
+                        "device": r["device_name"].astype(str).to_numpy()})
+    extra = sorted(set(agg.index) - set(out["rank"]))  # ranks with steps but no identity row
+    if extra:
+        out = pd.concat([out, pd.DataFrame({"rank": extra, "host": None, "device": None})], ignore_index=True)
+    out = out.sort_values("rank").reset_index(drop=True)
+    out["steps_recorded"] = steps.groupby("rank").size().reindex(out["rank"]).fillna(0).astype(int).to_numpy()
+    out["steps"] = agg["steps"].reindex(out["rank"]).fillna(0).astype(int).to_numpy()
+    for k in ("step_time_s_p50", "compute_s_per_step", "comm_s_per_step", "exposed_comm_s_per_step",
+              "overlap_ratio", "comm_wait_s_per_step", "data_wait_s_per_step", "peak_mem_bytes"):
+        out[k] = agg[k].reindex(out["rank"]).astype(float).to_numpy()
     score = strag.set_index("rank")["compute_score"] if len(strag) else pd.Series(dtype=float)
-    out = []
-    for rank in sorted(set(r.index.tolist()) | set(agg.index.tolist())):  # one per rank
-        a = agg.loc[rank] if rank in agg.index else None
-        row = {"rank": int(rank), "host": str(r.at[rank, "host"]) if rank in r.index else None,
-               "device": str(r.at[rank, "device_name"]) if rank in r.index else None,
-               "steps_recorded": int(all_steps.get(rank, 0)), "steps": int(a["steps"]) if a is not None else 0}
-        for k in ("step_time_s_p50", "compute_s_per_step", "comm_s_per_step", "exposed_comm_s_per_step",
-                  "overlap_ratio", "comm_wait_s_per_step", "data_wait_s_per_step", "peak_mem_bytes"):
-            row[k] = a[k] if a is not None else None
-        row["compute_score"] = score.get(rank)
-        out.append(row)
-    return out
+    out["compute_score"] = score.reindex(out["rank"]).astype(float).to_numpy()
+    return out.to_dict("records")
 
 
 def _clean(x: Any) -> Any:
