@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers.collectives import instance_ids, instance_keys
+
 P2P = ("send", "recv")
 
 
@@ -42,15 +44,35 @@ def fit_clocks(run) -> pd.DataFrame:
     coll = ~co["op"].isin(list(P2P)).to_numpy()
     blocking = coll & ~co["async_op"].to_numpy(bool)
     use = blocking if blocking.any() else coll & co["end_ns"].notna().to_numpy()
-    c = co.loc[use, ["rank", "group", "seq"]].copy()
-    c["exit"] = co.loc[use, "end_ns"].astype("Int64").fillna(co.loc[use, "return_ns"]).to_numpy(np.int64)
-    hosts_cat = pd.CategoricalDtype(hosts)
-    rank_host_code = pd.Series(pd.Categorical(host_of.to_numpy(), dtype=hosts_cat).codes, index=host_of.index)
-    c["host"] = pd.Categorical.from_codes(rank_host_code.reindex(c["rank"].to_numpy()).to_numpy(), dtype=hosts_cat)
-    per = c.groupby(["group", "seq", "host"], sort=False, observed=True)["exit"].mean().reset_index()
-    per["host"] = per["host"].astype(str)
-    r = per[per["host"] == ref][["group", "seq", "exit"]].rename(columns={"exit": "exit_ref"})
-    o = per[per["host"] != ref].merge(r, on=["group", "seq"], how="inner")
+    c = co[use]
+    exit_ns = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
+    n_rank = int(run.ranks["rank"].max()) + 1
+    host_code_of_rank = np.full(n_rank, -1, np.int64)
+    host_code_of_rank[run.ranks["rank"].to_numpy(np.int64)] = pd.Categorical(
+        host_of.to_numpy(), categories=hosts).codes
+    rank = c["rank"].to_numpy(np.int64)
+    hcode = host_code_of_rank[np.clip(rank, 0, n_rank - 1)]
+    ok = (rank < n_rank) & (hcode >= 0)
+    inst, _ = instance_keys(c)
+    inst, hcode, exit_ns = inst[ok], hcode[ok], exit_ns[ok]
+    # mean exit per (instance, host), then pair every host's with the reference host's of the same instance
+    pair, n_pair = instance_ids(inst, hcode)
+    cnt = np.bincount(pair, minlength=n_pair)
+    base = int(exit_ns.min()) if len(exit_ns) else 0
+    mean_exit = np.bincount(pair, weights=(exit_ns - base).astype(float), minlength=n_pair) / np.maximum(cnt, 1)
+    p_inst = np.zeros(n_pair, np.int64)
+    p_inst[pair] = inst
+    p_host = np.zeros(n_pair, np.int64)
+    p_host[pair] = hcode
+    ref_code = hosts.index(ref)
+    ref_exit = np.full(int(inst.max()) + 1 if len(inst) else 0, np.nan)
+    is_ref = p_host == ref_code
+    ref_exit[p_inst[is_ref]] = mean_exit[is_ref]
+    y_ref = ref_exit[p_inst] if len(ref_exit) else np.zeros(n_pair)
+    keep = ~is_ref & ~np.isnan(y_ref)
+    o = pd.DataFrame({"host": np.asarray(hosts, dtype=object)[p_host[keep]], "exit": mean_exit[keep] + base,
+                      "exit_ref": y_ref[keep] + base})
+    r = pd.DataFrame({"exit_ref": mean_exit[is_ref] + base})
     if len(o) == 0:
         for h in hosts:
             if h != ref:

@@ -86,25 +86,66 @@ def link_peak(device_names: list[str], hosts_in_group: int) -> tuple[float | Non
     return None, f"no link peak known for device {name!r}"
 
 
+def instance_ids(*keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """Dense ids 0..n-1 of the distinct tuples of non-negative int arrays ``keys`` (one id per instance)."""
+    if len(keys[0]) == 0:
+        return np.zeros(0, np.int64), 0
+    combined = np.zeros(len(keys[0]), np.int64)
+    room = 1
+    for k in keys:
+        k = np.asarray(k, np.int64)
+        size = int(k.max()) + 1
+        if room * size >= 2**62:  # would overflow: let pandas group the tuples
+            ids = pd.DataFrame({f"k{i}": np.asarray(x, np.int64) for i, x in enumerate(keys)}).groupby(
+                list(f"k{i}" for i in range(len(keys))), sort=True).ngroup().to_numpy(np.int64)
+            return ids, int(ids.max()) + 1
+        combined = combined * size + k
+        room *= size
+    uniq, inv = np.unique(combined, return_inverse=True)
+    return inv.astype(np.int64), len(uniq)
+
+
+def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
+    """Instance id of each collectives row: (group, seq) for collectives, (group, sender, receiver, seq) for p2p."""
+    gcode = c["group"].astype("category").cat.codes.to_numpy(np.int64)
+    seq = c["seq"].to_numpy(np.int64)
+    rank = c["rank"].to_numpy(np.int64)
+    peer = c["peer"].astype("Int64").fillna(-1).to_numpy(np.int64)
+    op = c["op"]
+    is_send = op.isin(["send"]).to_numpy()
+    is_recv = op.isin(["recv"]).to_numpy()
+    sender = np.where(is_send, rank, np.where(is_recv, peer, -1)) + 1
+    receiver = np.where(is_send, peer, np.where(is_recv, rank, -1)) + 1
+    if not (is_send | is_recv).any():
+        return instance_ids(gcode, seq - seq.min() if len(seq) else seq)
+    return instance_ids(gcode, np.maximum(sender, 0), np.maximum(receiver, 0), seq - seq.min())
+
+
 def instances(run) -> pd.DataFrame:
-    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks, hosts."""
+    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks."""
     co = run.collectives
+    cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks"]
     if len(co) == 0:
-        return pd.DataFrame(columns=["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s"])
+        return pd.DataFrame(columns=cols)
     kineto = co["source"].isin(["kineto"]).to_numpy()
     c = co[~kineto] if (~kineto).any() else co
+    inst, n = instance_keys(c)
     end = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
-    d = pd.DataFrame({"op": c["op"].astype("category").to_numpy(), "group": c["group"].astype("category").to_numpy(),
-                      "seq": c["seq"].to_numpy(np.int64), "rank": c["rank"].to_numpy(np.int64),
-                      "group_size": c["group_size"].to_numpy(np.int64),
-                      "bytes": np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64)),
-                      "dur_ns": end - c["issue_ns"].to_numpy(np.int64)})
-    g = d.groupby(["group", "seq", "op"], sort=False, observed=True)
-    inst = g.agg(group_size=("group_size", "max"), bytes=("bytes", "max"), transfer_ns=("dur_ns", "min"),
-                 mean_ns=("dur_ns", "mean"), ranks=("rank", "size"), first_rank=("rank", "min")).reset_index()
-    inst["transfer_s"] = inst["transfer_ns"] / NS
-    inst["mean_s"] = inst["mean_ns"] / NS
-    return inst
+    dur = end - c["issue_ns"].to_numpy(np.int64)
+    nbytes = np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))
+    order = np.argsort(inst, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inst[order]) != 0])
+    count = np.diff(np.r_[starts, len(order)])
+    d = dur[order]
+    op = c["op"].astype("category").array
+    grp = c["group"].astype("category").array
+    first = order[starts]
+    return pd.DataFrame({
+        "op": op.take(first), "group": grp.take(first), "seq": c["seq"].to_numpy(np.int64)[first],
+        "group_size": np.maximum.reduceat(c["group_size"].to_numpy(np.int64)[order], starts),
+        "bytes": np.maximum.reduceat(nbytes[order], starts),
+        "transfer_s": np.minimum.reduceat(d, starts) / NS,
+        "mean_s": np.add.reduceat(d, starts) / count / NS, "ranks": count})
 
 
 def collective_table(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers.clock import align_by_rank
+from dtprof.analyzers.collectives import instance_keys
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -47,38 +48,35 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
     c = co[use]
     rank = c["rank"].to_numpy(np.int64)
     arr = align_by_rank(run, c["issue_ns"].to_numpy(np.int64), rank, clock)
-    gcode = c["group"].astype("category").cat.codes.to_numpy(np.int64)
-    seq = c["seq"].to_numpy(np.int64)
-    inst = gcode * (int(seq.max()) + 1 if len(seq) else 1) + seq
-    inst_id, inst = np.unique(inst, return_inverse=True)
-    n_inst = len(inst_id)
-    first = np.full(n_inst, np.iinfo(np.int64).max)
-    np.minimum.at(first, inst, arr)
-    lastt = np.full(n_inst, np.iinfo(np.int64).min)
-    np.maximum.at(lastt, inst, arr)
-    count = np.bincount(inst, minlength=n_inst)
-    # the single last rank of each instance: highest arrival, ties broken by rank; none when all arrive together
-    order = np.lexsort((rank, arr, inst))
+    inst, n_inst = instance_keys(c)
+    # sort by (instance, arrival): first/last/median arrivals are then positions in each instance's run
+    amin = int(arr.min())
+    span = int(arr.max()) - amin + 1
+    if n_inst * span < 2**62:
+        order = np.argsort(inst * span + (arr - amin), kind="stable")
+    else:
+        order = np.lexsort((arr, inst))
+    si = inst[order]
+    sa = arr[order]
+    starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
+    ends = np.r_[starts[1:], len(order)] - 1
+    count = ends - starts + 1
+    first, lastt = sa[starts], sa[ends]
+    median_arr = sa[starts + (ends - starts) // 2].astype(float)
+    # the single last rank of each instance (latest arrival); none when all arrive together
     is_last_row = np.zeros(len(inst), bool)
-    ends = np.r_[np.flatnonzero(np.diff(inst[order])), len(order) - 1]
-    is_last_row[order[ends]] = True
-    is_last_row &= (lastt[inst] > first[inst]) & (count[inst] > 1)
-    # lead over the median arrival: how much later than a typical peer the last rank came
-    sorted_arr = arr[order]
-    starts = np.r_[0, ends[:-1] + 1]
-    mid = starts + (ends - starts) // 2
-    median_arr = sorted_arr[mid].astype(float)
-    step = c["step"].astype("Int64")
+    is_last_row[order[ends]] = (lastt > first) & (count > 1)
+    pos = inst  # ids are dense 0..n-1 and sorted first, so instance k's run is the k-th in ``starts``
+    lost = (lastt[pos] - arr) / NS  # each rank's wait for the last arrival of its instance
+    lost_per_inst = np.bincount(pos, weights=lost, minlength=len(starts))
     out = pd.DataFrame({
-        "group": c["group"].astype("category").to_numpy(), "seq": seq, "op": c["op"].astype("category").to_numpy(),
-        "rank": rank, "step": step.to_numpy(), "arrival_ns": arr,
-        "lateness_s": (arr - first[inst]) / NS, "last": is_last_row,
-        "lead_s": np.where(is_last_row, (arr - median_arr[inst]) / NS, 0.0),
+        "group": c["group"].astype("category").array, "seq": c["seq"].to_numpy(np.int64),
+        "op": c["op"].astype("category").array, "rank": rank, "step": c["step"].astype("Int64").array,
+        "arrival_ns": arr, "lateness_s": (arr - first[pos]) / NS, "last": is_last_row,
+        "lead_s": np.where(is_last_row, (arr - median_arr[pos]) / NS, 0.0),
         "inst": inst,
     })
-    lost = (lastt[inst] - arr) / NS  # each rank's wait for the last arrival of its instance
-    lost_per_inst = np.bincount(inst, weights=lost, minlength=n_inst)
-    out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[inst], 0.0)
+    out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[pos], 0.0)
     if measured_steps is not None:
         s = out["step"]
         out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
