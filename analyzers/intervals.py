@@ -17,19 +17,6 @@ import numpy as np
 _INT64_SAFE = 2**62
 
 
-def _sort_order(group: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Indices sorting events by (group, t). One int64 key when it fits, else a lexsort."""
-    if len(t) == 0:
-        return np.zeros(0, dtype=np.int64)
-    tmin, tmax = int(t.min()), int(t.max())
-    span = tmax - tmin + 1
-    gmax = int(group.max()) + 1
-    if gmax * span < _INT64_SAFE:
-        key = group.astype(np.int64) * span + (t - tmin)
-        return np.argsort(key, kind="stable")
-    return np.lexsort((t, group))
-
-
 def measure(group: np.ndarray, set_id: np.ndarray, start: np.ndarray, end: np.ndarray, n_groups: int,
             n_sets: int, exprs: Mapping[str, Callable[[list], np.ndarray]]) -> dict[str, np.ndarray]:
     """Length (same unit as start/end) per group of the time where each expression of set coverage holds.
@@ -47,26 +34,40 @@ def measure(group: np.ndarray, set_id: np.ndarray, start: np.ndarray, end: np.nd
     out = {name: np.zeros(n_groups, dtype=np.float64) for name in exprs}
     if len(s) == 0:
         return out
+    n = len(s)
     t = np.concatenate([s, e])
-    gg = np.concatenate([g, g])
     del s, e
-    order = _sort_order(gg, t)
-    t = t[order]
-    gg = gg[order]
-    ss = np.concatenate([sid, sid])[order]
-    delta = np.concatenate([np.ones(len(sid), np.int8), -np.ones(len(sid), np.int8)])[order]
+    gg = np.concatenate([g, g])
+    # set id and direction in one small code: 2*set + 1 for a start, 2*set for an end
+    code = np.concatenate([sid.astype(np.int8) * 2 + 1, sid.astype(np.int8) * 2])
+    tmin, tmax = int(t.min()), int(t.max())
+    span = tmax - tmin + 1
+    if (int(gg.max()) + 1) * span < _INT64_SAFE:
+        key = gg * span + (t - tmin)
+        del t, gg
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        gg, t = np.divmod(key, span)
+        del key
+    else:
+        order = np.lexsort((t, gg))
+        t, gg = t[order], gg[order]
+    code = code[order]
     del order
+    delta = np.where(code & 1, np.int8(1), np.int8(-1))
+    setk = code >> 1
     # Each group's +1/-1 sum to zero, so one running sum over all groups restarts correctly at each group.
     covered = []
     for k in range(n_sets):
-        d = np.where(ss == k, delta, np.int8(0))
-        covered.append(np.cumsum(d, dtype=np.int32) > 0)
-    seg = np.zeros(len(t), dtype=np.float64)
-    same = gg[1:] == gg[:-1]
-    seg[:-1] = np.where(same, t[1:] - t[:-1], 0)
+        covered.append(np.cumsum(np.where(setk == k, delta, np.int8(0)), dtype=np.int32) > 0)
+    del delta, setk, code
+    seg = np.zeros(2 * n, dtype=np.int64)
+    seg[:-1] = t[1:] - t[:-1]
+    seg[:-1][gg[1:] != gg[:-1]] = 0
+    nonzero = seg > 0
     for name, fn in exprs.items():
-        mask = fn(covered) & (seg > 0)
-        out[name] = np.bincount(gg[mask], weights=seg[mask], minlength=n_groups)
+        mask = fn(covered) & nonzero
+        out[name] = np.bincount(gg[mask], weights=seg[mask].astype(np.float64), minlength=n_groups)
     return out
 
 
