@@ -12,8 +12,9 @@ waits for a slow peer does not look slow itself.
 Classification (dtprof convention; DDP equalises step time, so step time alone is never used):
 - **persistent**: compute score < 0.75, or the rank arrived last in >= 75 % of the measured instances *and* its
   lead over the median arrival, summed per step, averages >= 2 % of the median step time;
-- **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 20 % of the median step
-  time (a hiccup that did not last);
+- **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
+  time, and in at least twice as many such steps as any other rank (so symmetric noise on a busy machine, where
+  every rank is sometimes late, names nobody);
 - **none** otherwise.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ NS = 1e9
 SCORE_THRESHOLD = 0.75
 PERSISTENT_LATE_FRAC = 0.75
 PERSISTENT_DELAY_FRAC = 0.02
-TRANSIENT_DELAY_FRAC = 0.20
+TRANSIENT_DELAY_FRAC = 0.50
 TRANSIENT_MIN_STEPS = 2
 P2P = ("send", "recv")
 LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (max)", "power_w_mean": "power (mean)",
@@ -38,14 +39,18 @@ LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (ma
 def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.DataFrame:
     """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s."""
     co = run.collectives
-    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s"]
+    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "inst",
+            "peers_lost_s", "measured"]
+    empty = pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64")) for c in cols})
     if len(co) == 0:
-        return pd.DataFrame(columns=cols)
+        return empty
     use = ~co["op"].isin(list(P2P)).to_numpy()
     kineto = co["source"].isin(["kineto"]).to_numpy()
     if (use & ~kineto).any():  # prefer the rank's own records over trace rows for the same calls
         use &= ~kineto
     c = co[use]
+    if len(c) == 0:  # only point-to-point traffic (e.g. a pipeline without data parallelism)
+        return empty
     rank = c["rank"].to_numpy(np.int64)
     arr = align_by_rank(run, c["issue_ns"].to_numpy(np.int64), rank, clock)
     inst, n_inst = instance_keys(c)
@@ -127,7 +132,10 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     persistent_late = (out["late_frac"] >= PERSISTENT_LATE_FRAC) & (
         out["delay_s_per_step"] >= PERSISTENT_DELAY_FRAC * p50) & (p50 > 0)
     persistent = slow_compute | persistent_late
-    transient = ~persistent & (out["late_steps"] >= TRANSIENT_MIN_STEPS)
+    ls = out["late_steps"].to_numpy()
+    top = np.sort(ls)[::-1]
+    others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
+    transient = ~persistent & (ls >= TRANSIENT_MIN_STEPS) & (ls >= 2 * others_max)
     out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
     out["reason"] = np.where(slow_compute, "compute score below 0.75",
                              np.where(persistent_late, "arrives last at most collectives",

@@ -197,6 +197,21 @@ def test_straggler_of_known_rank_and_lateness(tmp_path):
     assert a.summary["stragglers"][0]["host"] == "host1"
 
 
+def test_transient_straggler_late_in_two_steps_only(tmp_path):
+    run = build_run(tmp_path / "r", world_size=4, steps=12)
+    tbl = run / "node-synthetic/tables/collectives.parquet"
+    co = pd.read_parquet(tbl)
+    hit = (co["rank"] == 2) & co["step"].isin([4, 7])
+    co.loc[hit, "issue_ns"] += 30 * MS   # rank 2 comes 30 ms late to both buckets of steps 4 and 7
+    co.to_parquet(tbl, index=False)
+    a = analyze(run)
+    st = a.stragglers.set_index("rank")
+    assert st.at[2, "kind"] == "transient" and st.at[2, "late_steps"] == 2
+    assert (st.drop(index=2)["kind"] == "none").all()
+    assert a.summary["stragglers"][0]["time_lost_s"] == pytest.approx(4 * 3 * 0.030)
+    assert not any(f["id"] == "straggler" for f in a.findings)   # only persistent ones are findings
+
+
 def test_no_straggler_when_nobody_is_slow(tmp_path):
     a = analyze(build_run(tmp_path / "r", world_size=4, steps=10, jitter_frac=0.01, seed=3))
     assert a.summary["stragglers"] == [] and (a.stragglers["kind"] == "none").all()
