@@ -10,7 +10,8 @@ rank / this rank's median (1.0 = as fast as the fastest). Compute excludes comm_
 waits for a slow peer does not look slow itself.
 
 Classification (dtprof convention; DDP equalises step time, so step time alone is never used):
-- **persistent**: compute score < 0.75, or the rank arrived last in >= 75 % of the measured instances *and* its
+- **persistent**: compute score < 0.75 *and* slow in most steps (its per-step score, the step's fastest compute ÷
+  its own, is below 0.75 in >= 75 % of the measured steps -- a median alone is fooled by noisy CPU timings), or the rank arrived last in >= 75 % of the measured instances *and* its
   lead over the median arrival, summed per step, averages >= 2 % of the median step time;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
   time, and in at least twice as many such steps as any other rank (so symmetric noise on a busy machine, where
@@ -102,6 +103,10 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     ref = med[med > 0].min() if (med > 0).any() else np.nan
     out["compute_s_median"] = med.reindex(out["rank"]).to_numpy()
     out["compute_score"] = np.where(out["compute_s_median"] > 0, ref / out["compute_s_median"], np.nan)
+    c = meas[meas["compute_s"] > 0]
+    step_ref = c.groupby("step")["compute_s"].transform("min")
+    slow = (step_ref / c["compute_s"]) < SCORE_THRESHOLD
+    out["slow_step_frac"] = slow.groupby(c["rank"]).mean().reindex(out["rank"]).fillna(0.0).to_numpy()
     n_steps = max(int(meas["step"].nunique()), 1)
     a = arr[arr["measured"]] if len(arr) else arr
     if len(a):
@@ -128,7 +133,7 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     else:
         late_steps = pd.Series(dtype=int)
     out["late_steps"] = late_steps.reindex(idx).fillna(0).astype(int).to_numpy()
-    slow_compute = out["compute_score"] < SCORE_THRESHOLD
+    slow_compute = (out["compute_score"] < SCORE_THRESHOLD) & (out["slow_step_frac"] >= PERSISTENT_LATE_FRAC)
     persistent_late = (out["late_frac"] >= PERSISTENT_LATE_FRAC) & (
         out["delay_s_per_step"] >= PERSISTENT_DELAY_FRAC * p50) & (p50 > 0)
     persistent = slow_compute | persistent_late
