@@ -31,8 +31,9 @@ def hand_run(path: Path, spans: list[tuple], colls: list[tuple], steps=((0, 0, 1
     node.mkdir()
     st = pd.DataFrame([{"rank": r, "step": s, "start_ns": a * MS, "end_ns": b * MS} for r, (s, a, b) in
                        ((r, x) for r in ranks for x in steps)])
-    sp = pd.DataFrame([{"rank": r, "step": 0, "kind": k, "name": k, "start_ns": int(a * MS), "end_ns": int(b * MS),
-                        "lane": "main", "source": "hook"} for r, k, a, b in spans])
+    sp = pd.DataFrame([{"rank": x[0], "step": 0, "kind": x[1], "name": x[4] if len(x) > 4 else x[1],
+                        "start_ns": int(x[2] * MS), "end_ns": int(x[3] * MS), "lane": "main",
+                        "source": "kineto" if x[1] == "kernel" else "hook"} for x in spans])
     co = pd.DataFrame([{"rank": c[0], "op": c[1], "seq": c[2], "issue_ns": int(c[3] * MS),
                         "return_ns": int(c[4] * MS), "end_ns": int(c[4] * MS), "in_bytes": c[5], "out_bytes": c[5],
                         "group_size": c[6], "group": c[7] if len(c) > 7 else "0", "api": c[1], "source": "user",
@@ -85,6 +86,19 @@ def test_overlap_and_exposed_on_hand_built_run(tmp_path):
     assert row["data_wait_s"] == pytest.approx(0.010)
     assert a.summary["overlap"]["ratio"] == pytest.approx(30 / 55)
     assert a.summary["overlap"]["exposed_comm_frac"] == pytest.approx(0.25)
+
+
+def test_kernel_level_overlap_replaces_hook_spans(tmp_path):
+    # GPU kernels in the step: compute [10,50), an NCCL kernel [40,70), a memcpy [0,5) that is not compute;
+    # the host-side forward/comm_wait hook spans of the same step are ignored at kernel level
+    run = hand_run(tmp_path / "r", [(0, "forward", 0, 100), (0, "comm_wait", 60, 90),
+                                    (0, "kernel", 10, 50, "ampere_sgemm_128x64"),
+                                    (0, "kernel", 40, 70, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+                                    (0, "kernel", 0, 5, "Memcpy HtoD (Pageable -> Device)")], [])
+    row = analyze(run, warmup=0).steps.iloc[0]
+    assert row["level"] == "kernel"
+    assert row["compute_s"] == pytest.approx(0.040) and row["comm_s"] == pytest.approx(0.030)
+    assert row["exposed_comm_s"] == pytest.approx(0.020) and row["overlap_ratio"] == pytest.approx(1 / 3)
 
 
 def test_overlap_on_ddp_synth(tmp_path):
