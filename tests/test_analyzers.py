@@ -421,3 +421,13 @@ def test_analyzers_do_not_import_torch():
     code = ("import sys, dtprof.analyzers.summary, dtprof.analyzers.cli; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_run_without_steps_gives_nulls_with_reasons(tmp_path):
+    # a job that died before its first step: every figure is null with its reason, nothing raises
+    run = hand_run(tmp_path / "r", [], [], steps=(), ranks=(0, 1))
+    s = analyze(run).summary
+    assert s["steps"]["count"] == 0 and s["steps"]["time_s"]["p50"] is None and s["steps"]["time_s_reason"]
+    assert s["mfu"]["value"] is None and s["mfu"]["value_reason"]
+    assert s["overlap"]["ratio"] is None and s["pipeline"] is None and s["stragglers"] == []
+    assert "0 measured" in format_summary_text(s)
