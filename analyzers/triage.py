@@ -260,6 +260,12 @@ def find_hang(hbs, dumps, known_ranks, groups_tbl, fr_entries, now_ns) -> dict:
     return {"collective": None, "waiting": [], "culprits": [], "waited_s": None, "source": None}
 
 
+# NCCL's OpType names -> dtprof's canonical op names (dtprof.schema.COLLECTIVE_OPS)
+_NCCL_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
+             "reducescatter": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+             "_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter"}
+
+
 def log_timeouts(text: str) -> list[str]:
     out = []
     for pat in TIMEOUT_PATTERNS:
@@ -465,7 +471,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     if hang_rec or (stale is not None and stale >= stale_s) or nccl_timeout or fr_behind:
         h = find_hang(hbs, dumps, known, groups_tbl, fr, now)
         if h["collective"] is None and nccl_timeout:
-            h["collective"] = {"op": nccl_timeout.group(2).lower(), "group": None, "seq": int(nccl_timeout.group(1))}
+            op = nccl_timeout.group(2).lower()
+            h["collective"] = {"op": _NCCL_OPS.get(op, op), "group": None, "seq": int(nccl_timeout.group(1))}
         if hang_rec:
             evidence.insert(0, {"kind": "watchdog", "message": f"watchdog: no rank progressed for "
                                 f"{hang_rec['idle_s']:.0f} s (--hang-timeout {hang_rec['timeout_s']:g}); job stopped",
@@ -474,7 +481,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                 evidence.append({"kind": "watchdog", "message": "no state dump from ranks "
                                  + ranks_text(hang_rec["missing_dumps"])})
         c = h["collective"]
-        cname = f"{c['op']} #{c['seq']} of group {c['group']}" if c else "a collective"
+        cname = (f"{c['op']} #{c['seq']}" + (f" of group {c['group']}" if c.get("group") is not None else "")
+                 if c else "a collective")
         culprits = h["culprits"]
         stacks_evidence(culprits, "was")
         stacks_evidence(h["waiting"][:1], "waits (like the others)")
@@ -493,8 +501,12 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
             if inflight:
                 msg = msg.replace(f"{whats} {cname}", f"{whats} while the others wait in {cname}")
         else:
-            msg = f"hang: ranks {ranks_text(h['waiting']) or '?'} wait in {cname}; no rank is missing from it " \
-                  f"(a rank on a node without dtprof, or a hang inside the collective itself)"
+            if h["waiting"]:
+                msg = (f"hang: ranks {ranks_text(h['waiting'])} wait in {cname}; no rank is missing from it "
+                       f"(a rank on a node without dtprof, or a hang inside the collective itself)")
+            else:
+                msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
+                       f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
         if h["source"]:
             evidence.append({"kind": "method", "message": f"culprits from {h['source']}"})
         return result("hang", culprits, c, msg)
