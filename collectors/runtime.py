@@ -84,7 +84,7 @@ _trace_capture = None
 _flop_mode = None
 _flops_step = None
 _identity_new = None       # a fresh rank.json dict computed on the main thread, written by the flusher
-_fault_test = os.environ.get("DTPROF_TEST_FAULT", "")   # tests only: inject a fault at a named hook
+_fault_test = ""          # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", "forward")
 
 # ---- CUDA timing (decided at the first forward) ----
 _cuda = None              # None undecided, False host timing, True CUDA events
@@ -122,7 +122,8 @@ def _is_torchrun_launcher() -> bool:
     """True in the torchrun launcher process. ``import torch`` happens there while runpy is still locating
     ``-m torch.distributed.run`` (sys.argv[0] is "-m" then), so the original command line is what tells."""
     argv = list(getattr(sys, "orig_argv", None) or sys.argv)
-    if os.path.basename(argv[0] if argv else "").startswith("torchrun"):
+    scripts = [a for a in (sys.argv[:1] + argv[:2]) if a]
+    if any(os.path.basename(a).startswith("torchrun") for a in scripts):
         return True
     for i, a in enumerate(argv[:-1]):
         if a == "-m" and argv[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
@@ -230,6 +231,7 @@ def init(out=None, **options) -> bool:
         if not _claim_rank_dir(str(rdir)):
             return False
         STATE.rank, STATE.rank_dir, STATE.options = rank, str(rdir), opts
+        _set_fault_test(env.get("DTPROF_TEST_FAULT", ""), rank)
         W = RankWriter(node_dir, rank)
         _init_ns = now()
         STATE.last_progress_ns = _init_ns
@@ -247,6 +249,12 @@ def init(out=None, **options) -> bool:
         _fault("init")
         STATE.active = False
         return False
+
+
+def _set_fault_test(spec: str, rank: int) -> None:
+    global _fault_test
+    where, _, only_rank = spec.partition("@")
+    _fault_test = where if (not only_rank or int(only_rank) == rank) else ""
 
 
 def _start_companions(opts) -> None:
