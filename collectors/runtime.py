@@ -398,6 +398,8 @@ def _fwd_pre_hook(module, args):
         _fwd_depth += 1
         if _fwd_depth == 1 and not _in_backward:
             t = now()
+            if STATE.step == 0:
+                _note_root(module)
             if _fault_test == "forward":
                 raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
             if _cuda is None:
@@ -414,6 +416,15 @@ def _fwd_pre_hook(module, args):
     except Exception:
         _fault("forward pre-hook")
     return None
+
+
+def _note_root(module) -> None:
+    global _roots
+    if _roots is None:
+        import weakref
+
+        _roots = weakref.WeakSet()
+    _roots.add(module)
 
 
 def _fwd_hook(module, args, output):
@@ -513,6 +524,7 @@ def _end_step(t: int) -> None:
                        a.get("model_flops"), _flops_finish(step)))
     if step == 0:
         refresh_identity()           # the device and the process group are set up by now
+        _hooks_to_roots()
     _annot = {}
     _prev_step_end_ns = _step_start_ns = t
     _fwd_seen_in_step = False
@@ -549,17 +561,66 @@ def _flops_finish(step):
     return int(mode.get_total_flops())
 
 
-def _install_train_hooks() -> None:
-    import torch
+_hook_handles = []        # optimizer hooks
+_module_handles = []      # forward hooks: global ones during step 0, then on the root modules only
+_roots = None             # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
+_orig_backward = None
+
+
+def _install_module_hooks() -> None:
+    """Global module hooks put every module call of the program on nn.Module's slow path (~4 us each, measured in
+    benchmarks/overhead.py), so they are used only in step 0 to find the top-level modules; after that the
+    forward hooks sit on those root modules alone. Forward spans after step 0 therefore come from the modules
+    that were top-level in step 0 (a model first called later is not timed as ``forward``)."""
     from torch.nn.modules import module as nn_module
+
+    if _roots is None:
+        _module_handles[:] = [nn_module.register_module_forward_pre_hook(_fwd_pre_hook),
+                              nn_module.register_module_forward_hook(_fwd_hook)]
+    else:
+        _module_handles[:] = [h for m in list(_roots) for h in (
+            m.register_forward_pre_hook(_fwd_pre_hook, prepend=True), m.register_forward_hook(_fwd_hook))]
+
+
+def _remove_module_hooks() -> None:
+    for h in _module_handles:
+        h.remove()
+    _module_handles.clear()
+
+
+def _hooks_to_roots() -> None:
+    global _roots
+    if _roots is None or not _module_handles:
+        return
+    _remove_module_hooks()         # the global ones (installed while _roots was None)
+    _install_module_hooks()
+
+
+def _install_train_hooks() -> None:
+    global _orig_backward
+    import torch
     from torch.optim import optimizer as optim
 
-    nn_module.register_module_forward_pre_hook(_fwd_pre_hook)
-    nn_module.register_module_forward_hook(_fwd_hook)
-    optim.register_optimizer_step_pre_hook(_opt_pre_hook)
-    optim.register_optimizer_step_post_hook(_opt_post_hook)
-    torch.autograd.backward = _timed_backward(torch.autograd.backward)
-    torch.Tensor.backward = _timed_backward(torch.Tensor.backward)
+    _install_module_hooks()
+    _hook_handles[:] = [
+        optim.register_optimizer_step_pre_hook(_opt_pre_hook),
+        optim.register_optimizer_step_post_hook(_opt_post_hook),
+    ]
+    _orig_backward = (torch.autograd.backward, torch.Tensor.backward)
+    torch.autograd.backward = _timed_backward(_orig_backward[0])
+    torch.Tensor.backward = _timed_backward(_orig_backward[1])
+
+
+def _remove_train_hooks() -> None:
+    """Take the step/span hooks out again (benchmarks/overhead.py alternates with and without them)."""
+    import torch
+
+    _remove_module_hooks()
+    for h in _hook_handles:
+        h.remove()
+    _hook_handles.clear()
+    if _orig_backward is not None:
+        torch.autograd.backward, torch.Tensor.backward = _orig_backward
 
 
 # ---------------------------------------------------------------------------------------------------------------
