@@ -597,6 +597,48 @@ def _install_pipelining() -> None:
 
 # ---- installation -------------------------------------------------------------------------------------------
 
+class _AfterImport:
+    """Meta-path finder that runs ``callback`` right after module ``name`` is first imported (importing
+    torch.distributed.pipelining ourselves would cost every rank ~1.2 s)."""
+
+    def __init__(self, name, callback):
+        self.name, self.callback, self.done = name, callback, False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name or self.done:
+            return None
+        self.done = True
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            real_exec, callback = spec.loader.exec_module, self.callback
+
+            def exec_module(module):
+                real_exec(module)
+                callback()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install_later(module_name, installer) -> None:
+    def run():
+        try:
+            installer()
+        except Exception:
+            rt.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
+                                f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")
+
+    if module_name in sys.modules:
+        run()
+    else:
+        sys.meta_path.insert(0, _AfterImport(module_name, run))
+
+
 def _wrap_init_process_group(orig):
     def init_process_group(*args, **kwargs):
         result = orig(*args, **kwargs)
@@ -643,9 +685,5 @@ def install() -> None:
         return orig_init(self, _originals.get(op, op), *args, **kwargs)
 
     dist.P2POp.__new__, dist.P2POp.__init__ = p2p_new, p2p_init
-    for installer in (_install_ddp, _install_pipelining):
-        try:
-            installer()
-        except Exception:
-            rt.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
-                                f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")
+    _install_later("torch.nn.parallel.distributed", _install_ddp)
+    _install_later("torch.distributed.pipelining", _install_pipelining)
