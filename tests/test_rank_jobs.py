@@ -269,3 +269,34 @@ def test_single_process_is_rank_zero_with_flop_count(tmp_path):
     assert s.executed_flops[1] > 1e6
     fc = run.spans[run.spans.kind == "flops_count"]
     assert fc.step.tolist() == [1]
+
+
+USER_HOOK_SCRIPT = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+m = DDP(torch.nn.Linear(10, 10))
+m.register_comm_hook(None, default_hooks.fp16_compress_hook)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(3):
+    m(torch.randn(4, 10)).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_users_own_ddp_comm_hook_is_wrapped_not_replaced(tmp_path):
+    run_dir = create_run_dir(tmp_path / "run", {"test": "user hook"})
+    node_dir = create_node_dir(run_dir)
+    env = _env(node_dir)
+    script = tmp_path / "t.py"
+    script.write_text(USER_HOOK_SCRIPT.format(port=_port[0]))
+    p = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = open_run(run_dir)
+    b = run.collectives
+    assert len(b) == 3 and (b.api == "ddp_bucket").all()
+    assert (b.dtype == "float16").all() and (b.in_bytes == 110 * 2).all()   # the user's fp16 compression
+    assert not (run.events.level == "error").any()
