@@ -324,6 +324,10 @@ def _at_exit() -> None:
                 event("warning", "trace capture close failed: " + traceback.format_exc().strip().splitlines()[-1])
         from dtprof.collectors import hooks_collectives
 
+        if _cuda:
+            import torch
+
+            torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
         hooks_collectives.expire_pending(all_=True)
         _flush_once()
         W.close()
@@ -331,10 +335,28 @@ def _at_exit() -> None:
         pass
 
 
+def _on_sigterm(signum, frame) -> None:
+    """torchrun stops the surviving workers with SIGTERM when one fails; Python's default action skips atexit.
+    Flush what we have, then die of SIGTERM as the default action would."""
+    import signal
+
+    _at_exit()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _start_flusher(interval: float) -> None:
     t = threading.Thread(target=_flush_loop, args=(interval,), name="dtprof-flusher", daemon=True)
     t.start()
     atexit.register(_at_exit)
+    try:
+        import signal
+
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:   # never replace the program's own handler
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except Exception:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -369,7 +391,7 @@ def _resolve_cuda_events() -> None:
     keep = []
     for item in _cuda_pending[:n]:
         row, e0, e1 = item
-        if e1.query():
+        if e1.query() and e0.query():
             row[4] = anchor_ns + int(anchor.elapsed_time(e0) * 1e6)
             row[5] = anchor_ns + int(anchor.elapsed_time(e1) * 1e6)
             W.append("spans", row)
@@ -652,7 +674,7 @@ def span(name: str):
         yield
     finally:
         try:
-            _span("user", str(name), t0, now())
+            _span("user", str(name), t0, now(), stage=_annot.get("stage"), microbatch=_annot.get("microbatch"))
         except Exception:
             _fault("dtprof.span")
 
@@ -661,7 +683,8 @@ _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
 
 def annotate(**fields) -> None:
-    """Attach facts to the step in progress: tokens=, samples=, model_flops= (steps table), stage=, microbatch=."""
+    """Attach facts to the step in progress: tokens=, samples=, model_flops= (steps table); stage=, microbatch=
+    (put on the ``user`` spans that follow in this step)."""
     if not STATE.active or STATE.disabled:
         return
     try:
