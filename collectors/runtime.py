@@ -218,8 +218,11 @@ def init(out=None, **options) -> bool:
             opts.update(json.loads(env["DTPROF_CONFIG"]) or {})
         opts.update(options)
         if out is not None:
-            run_dir = create_run_dir(out, {"created_by": "dtprof.init"}, join_id=env.get("TORCHELASTIC_RUN_ID")
-                                     or env.get("MASTER_ADDR", "") + ":" + env.get("MASTER_PORT", "") or None)
+            # The ranks of one job share the run directory (same join id); anything else there is refused.
+            join_id = env.get("TORCHELASTIC_RUN_ID") or (
+                f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if env.get("MASTER_ADDR") and env.get("MASTER_PORT")
+                else None)
+            run_dir = create_run_dir(out, {"created_by": "dtprof.init"}, join_id=join_id)
             node_dir = create_node_dir(run_dir)
         elif env.get("DTPROF_NODE_DIR"):
             node_dir = env["DTPROF_NODE_DIR"]
