@@ -1,0 +1,689 @@
+"""Collectives, point-to-point, DDP buckets and pipeline stages as one rank sees them (the ``collectives``,
+``groups`` and pipeline ``spans`` rows). Installed by ``runtime.init``; see runtime.py for the fault rules.
+
+What is visible from Python (torch-facts "What each parallel style sends through Python"):
+- user code, FSDP1/FSDP2 and pipelining call the ``torch.distributed`` functions, which we wrap in both
+  ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (the same wrapper object in both, because c10d
+  compares functions by identity, e.g. ``op.op is isend``). A thread-local guard records only the outermost call.
+- ``source`` is taken from the module of the direct caller (one frame, cached per module name): code under
+  ``torch.distributed.fsdp`` / ``torch.distributed._composable.fsdp`` -> "fsdp", ``torch.distributed.pipelining``
+  -> "pipeline", a DDP comm hook -> "ddp", anything else -> "user".
+- DDP's Reducer runs in C++; we see its buckets through a comm hook (``allreduce_hook`` wrapped, or the user's own
+  hook wrapped when they register one). Bucket collectives get api "ddp_bucket", ``bucket`` = index.
+- Completion: ``work.get_future().then(cb)`` where the backend supports it; gloo point-to-point works have no
+  future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and completes the
+  rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
+- Byte counts: ``in_bytes``/``out_bytes`` are this rank's input and output tensors; for ``send`` in = tensor,
+  out = 0; for ``recv`` in = 0, out = tensor (so max(in, out) is the message size on both sides).
+- ``seq`` counts per group for collectives and per (group, src, dst) for point-to-point, in call order.
+- Pipelining: ``forward_one_chunk``/``backward_one_chunk``(/``backward_weight_one_chunk``) become ``pp_forward``
+  / ``pp_backward`` spans with ``stage`` and ``microbatch``; P2P ops built by ``get_{fwd,bwd}_{send,recv}_ops``
+  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes an events
+  info row ``pipeline schedule: <ClassName>, stages=<n>, microbatches=<m>, stage_indices=<i,j>``.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from dtprof.collectors import runtime as rt
+
+now = time.monotonic_ns
+_tls = threading.local()          # .busy: inside a wrapped call; .bucket: (index, is_last, used) in a DDP hook
+_group_info = {}                  # id(pg) or None -> (name, size, pg)
+_seq = {}                         # group name or (group, src, dst) -> next seq
+_pending = {}                     # id(work) -> (work, rows, issue_ns): async ops awaiting completion
+_source_by_module = {}
+_originals = {}                   # original function -> our wrapper (for P2POp built with an original)
+MAX_PENDING = 4096
+
+# row indices (dtprof.schema.TABLES["collectives"])
+_END = 15
+
+
+_C10D_INTERNAL = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger")
+
+
+def _caller_source(frame) -> str:
+    """Source of the first caller outside c10d itself (send_object_list etc. call the tensor functions)."""
+    name = frame.f_globals.get("__name__", "")
+    while name in _C10D_INTERNAL and frame.f_back is not None:
+        frame = frame.f_back
+        name = frame.f_globals.get("__name__", "")
+    return _source_of(name)
+
+
+def _source_of(module_name: str) -> str:
+    src = _source_by_module.get(module_name)
+    if src is None:
+        if module_name.startswith(("torch.distributed.fsdp", "torch.distributed._composable.fsdp")):
+            src = "fsdp"
+        elif module_name.startswith("torch.distributed.pipelining"):
+            src = "pipeline"
+        elif module_name.startswith("torch.distributed.algorithms.ddp_comm_hooks"):
+            src = "ddp"
+        else:
+            src = "user"
+        _source_by_module[module_name] = src
+    return src
+
+
+def _nbytes(t) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except AttributeError:
+        return 0
+
+
+def _nbytes_list(ts) -> int:
+    return sum(_nbytes(t) for t in ts) if ts else 0
+
+
+def _dtype(t) -> str:
+    try:
+        return str(t.dtype).replace("torch.", "")
+    except AttributeError:
+        return ""
+
+
+def _first(ts):
+    return ts[0] if ts else None
+
+
+def _group(group):
+    """(name, size, pg) for a ProcessGroup or None (the default group), cached; records new groups."""
+    info = _group_info.get(None if group is None else id(group))
+    if info is not None:
+        return info
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    info = _group_info.get(id(pg))
+    if info is None:
+        name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
+        ranks = dist.get_process_group_ranks(pg)
+        info = (str(name), len(ranks), pg)
+        try:
+            backend = str(dist.get_backend(pg))
+        except Exception:
+            backend = ""
+        rt.W.append("groups", (rt.STATE.rank, info[0], ",".join(map(str, ranks)), len(ranks), backend,
+                               str(getattr(pg, "group_desc", "") or ""), ""))
+        _group_info[id(pg)] = info
+    _group_info[None if group is None else id(group)] = info
+    return info
+
+
+def _global_peer(group, peer, group_peer):
+    if peer is not None:
+        return int(peer)
+    if group_peer is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.get_global_rank(group if group is not None else dist.distributed_c10d._get_default_group(),
+                                group_peer)
+
+
+def _next_seq(key) -> int:
+    s = _seq.get(key, 0)
+    _seq[key] = s + 1
+    return s
+
+
+# ---- argument extractors: same signatures as torch 2.13; return (in_bytes, out_bytes, dtype, group, peer, async)
+
+def _x_all_reduce(tensor, op=None, group=None, async_op=False):
+    b = _nbytes(tensor)
+    return b, b, _dtype(tensor), group, None, async_op
+
+
+def _x_all_reduce_coalesced(tensors, op=None, group=None, async_op=False):
+    b = _nbytes_list(tensors)
+    return b, b, _dtype(_first(tensors)), group, None, async_op
+
+
+def _x_all_gather(tensor_list, tensor, group=None, async_op=False):
+    return _nbytes(tensor), _nbytes_list(tensor_list), _dtype(tensor), group, None, async_op
+
+
+def _x_all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
+    out = sum(_nbytes_list(lst) for lst in output_tensor_lists)
+    return _nbytes_list(input_tensor_list), out, _dtype(_first(input_tensor_list)), group, None, async_op
+
+
+def _x_out_in(output, input, *rest, group=None, async_op=False, op=None, output_split_sizes=None,
+              input_split_sizes=None):
+    return _nbytes(input), _nbytes(output), _dtype(input), group, None, async_op
+
+
+def _x_all_gather_into(output_tensor, input_tensor, group=None, async_op=False):
+    return _nbytes(input_tensor), _nbytes(output_tensor), _dtype(input_tensor), group, None, async_op
+
+
+def _x_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+    return _nbytes_list(input_list), _nbytes(output), _dtype(output), group, None, async_op
+
+
+def _x_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+    return _nbytes(input), _nbytes(output), _dtype(input), group, None, async_op
+
+
+def _x_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    return (_nbytes_list(input_tensor_list), _nbytes_list(output_tensor_list), _dtype(_first(input_tensor_list)),
+            group, None, async_op)
+
+
+def _x_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                         async_op=False):
+    return _nbytes(input), _nbytes(output), _dtype(input), group, None, async_op
+
+
+def _x_broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    b = _nbytes(tensor)
+    return b, b, _dtype(tensor), group, _global_peer(group, src, group_src), async_op
+
+
+def _x_reduce(tensor, dst=None, op=None, group=None, async_op=False, group_dst=None):
+    b = _nbytes(tensor)
+    return b, b, _dtype(tensor), group, _global_peer(group, dst, group_dst), async_op
+
+
+def _x_barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    return 0, 0, "", group, None, async_op
+
+
+def _x_monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    return 0, 0, "", group, None, False
+
+
+def _x_gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    return (_nbytes(tensor), _nbytes_list(gather_list), _dtype(tensor), group, _global_peer(group, dst, group_dst),
+            async_op)
+
+
+def _x_scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    return (_nbytes_list(scatter_list), _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src),
+            async_op)
+
+
+def _x_send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    return _nbytes(tensor), 0, _dtype(tensor), group, _global_peer(group, dst, group_dst), False
+
+
+def _x_recv(tensor, src=None, group=None, tag=0, group_src=None):
+    return 0, _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src), False
+
+
+def _x_isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    return _nbytes(tensor), 0, _dtype(tensor), group, _global_peer(group, dst, group_dst), True
+
+
+def _x_irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    return 0, _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src), True
+
+
+# api -> (canonical op, extractor)
+_APIS = {
+    "all_reduce": ("all_reduce", _x_all_reduce),
+    "all_reduce_coalesced": ("all_reduce", _x_all_reduce_coalesced),
+    "all_gather": ("all_gather", _x_all_gather),
+    "all_gather_coalesced": ("all_gather", _x_all_gather_coalesced),
+    "all_gather_into_tensor": ("all_gather", _x_all_gather_into),
+    "_all_gather_base": ("all_gather", _x_all_gather_into),
+    "all_gather_single": ("all_gather", _x_all_gather_into),
+    "reduce_scatter": ("reduce_scatter", _x_reduce_scatter),
+    "reduce_scatter_tensor": ("reduce_scatter", _x_reduce_scatter_tensor),
+    "_reduce_scatter_base": ("reduce_scatter", _x_reduce_scatter_tensor),
+    "reduce_scatter_single": ("reduce_scatter", _x_reduce_scatter_tensor),
+    "all_to_all": ("all_to_all", _x_all_to_all),
+    "all_to_all_single": ("all_to_all", _x_all_to_all_single),
+    "broadcast": ("broadcast", _x_broadcast),
+    "reduce": ("reduce", _x_reduce),
+    "barrier": ("barrier", _x_barrier),
+    "monitored_barrier": ("barrier", _x_monitored_barrier),
+    "gather": ("gather", _x_gather),
+    "scatter": ("scatter", _x_scatter),
+    "send": ("send", _x_send),
+    "recv": ("recv", _x_recv),
+    "isend": ("send", _x_isend),
+    "irecv": ("recv", _x_irecv),
+}
+_P2P = ("send", "recv")
+
+
+def _make_row(op, api, source, group, in_b, out_b, dtype, peer, async_op, issue, bucket=None, stage=None,
+              microbatch=None):
+    name, size, _pg = _group(group)
+    me = rt.STATE.rank
+    if op in _P2P:
+        key = (name, me, peer) if op == "send" else (name, peer, me)
+    else:
+        key = name
+    return [me, rt.STATE.step, op, api, source, name, size, _next_seq(key), in_b, out_b, dtype, peer,
+            bool(async_op), issue, None, None, None, bucket, stage, microbatch]
+
+
+def _complete(key, t) -> None:
+    """First completion of an async work wins (future callback thread or main thread's wait())."""
+    item = _pending.pop(key, None)
+    if item is not None:
+        for row in item[1]:
+            row[_END] = t
+            rt.W.append("collectives", row)
+
+
+def _track(work, rows) -> None:
+    """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
+    key = id(work)
+    _pending[key] = (work, rows, rows[0][13])
+    try:
+        fut = work.get_future()
+    except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
+        return
+    fut.then(lambda _f: _complete(key, now()))
+
+
+def expire_pending(all_=False) -> None:
+    """Flusher: write rows whose work was never seen to complete (end_ns null) when too many or at exit."""
+    if not _pending or (not all_ and len(_pending) <= MAX_PENDING):
+        return
+    keys = sorted(_pending, key=lambda k: _pending[k][2])
+    for k in keys if all_ else keys[: len(keys) - MAX_PENDING // 2]:
+        item = _pending.pop(k, None)
+        if item is not None:
+            rt.W.extend("collectives", item[1])
+
+
+def _wrap_collective(api, orig):
+    op, extract = _APIS[api]
+    p2p = op in _P2P
+
+    def wrapper(*args, **kwargs):
+        state = rt.STATE
+        if state.disabled or not state.active or getattr(_tls, "busy", False):
+            return orig(*args, **kwargs)
+        try:
+            issue = now()
+            if rt._fault_test == "collective":
+                raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
+            in_b, out_b, dtype, group, peer, async_op = extract(*args, **kwargs)
+            bucket = getattr(_tls, "bucket", None)
+            if bucket is not None:
+                source, api_name, bucket_index = "ddp", "ddp_bucket", bucket[0]
+                bucket[2] = True
+                if bucket[1]:
+                    rt._ddp_last_issue_ns = issue
+            else:
+                source = _caller_source(sys._getframe(1))
+                api_name, bucket_index = api, None
+            stage_mb = getattr(_tls, "stage_mb", None) or (None, None)
+            row = _make_row(op, api_name, source, group, in_b, out_b, dtype, peer, async_op, issue, bucket_index,
+                            *stage_mb)
+            if not async_op:
+                state.collective = {"op": op, "group": row[5], "seq": row[7], "in_bytes": in_b, "dtype": dtype,
+                                    "peer": peer, "entered_ns": issue}
+        except Exception:
+            rt._fault(f"collective wrapper ({api})")
+            return orig(*args, **kwargs)
+        _tls.busy = True
+        try:
+            result = orig(*args, **kwargs)
+        finally:
+            _tls.busy = False
+            state.collective = None
+        try:
+            ret = now()
+            row[14] = ret
+            state.last_progress_ns = ret
+            if async_op and result is not None:
+                _track(result, [row])
+            else:
+                if p2p and op == "recv" and peer is None and isinstance(result, int):
+                    row[11] = result
+                row[_END] = ret
+                rt.W.append("collectives", row)
+                rt._span("comm_wait", api, issue, ret)
+        except Exception:
+            rt._fault(f"collective wrapper ({api})")
+        return result
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", api)
+    wrapper.__qualname__ = getattr(orig, "__qualname__", api)
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__module__ = getattr(orig, "__module__", None)
+    return wrapper
+
+
+def _wrap_batch_isend_irecv(orig):
+    def batch_isend_irecv(p2p_op_list):
+        state = rt.STATE
+        if state.disabled or not state.active or getattr(_tls, "busy", False):
+            return orig(p2p_op_list)
+        try:
+            issue = now()
+            rows = []
+            for p in p2p_op_list:
+                is_send = getattr(p.op, "__name__", "") == "isend"
+                b = _nbytes(p.tensor)
+                stage, mb = getattr(p, "_dtprof_stage_mb", (None, None))
+                source = "pipeline" if stage is not None else _caller_source(sys._getframe(1))
+                rows.append(_make_row("send" if is_send else "recv", "batch_isend_irecv", source, p.group,
+                                      b if is_send else 0, 0 if is_send else b, _dtype(p.tensor), p.peer, True,
+                                      issue, None, stage, mb))
+        except Exception:
+            rt._fault("batch_isend_irecv wrapper")
+            return orig(p2p_op_list)
+        _tls.busy = True
+        try:
+            works = orig(p2p_op_list)
+        finally:
+            _tls.busy = False
+        try:
+            ret = now()
+            for r in rows:
+                r[14] = ret
+            if works and len(works) == len(rows):
+                for w, r in zip(works, rows):
+                    _track(w, [r])
+            elif works:                      # coalesced (NCCL): one work for the whole batch
+                _track(works[-1], rows)
+            else:
+                rt.W.extend("collectives", rows)
+        except Exception:
+            rt._fault("batch_isend_irecv wrapper")
+        return works
+
+    batch_isend_irecv.__wrapped__ = orig
+    batch_isend_irecv.__doc__ = orig.__doc__
+    return batch_isend_irecv
+
+
+def _wrap_work_wait(orig):
+    def wait(self, *args, **kwargs):
+        state = rt.STATE
+        if state.disabled or not state.active or getattr(_tls, "busy", False):
+            return orig(self, *args, **kwargs)
+        key = id(self)
+        t0 = now()
+        item = _pending.get(key)
+        if item is not None:
+            r = item[1][0]
+            state.collective = {"op": r[2], "group": r[5], "seq": r[7], "in_bytes": r[8], "dtype": r[10],
+                                "peer": r[11], "entered_ns": t0}
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            state.collective = None
+            try:
+                t1 = now()
+                state.last_progress_ns = t1
+                rt._span("comm_wait", "wait", t0, t1)
+                _complete(key, t1)
+            except Exception:
+                rt._fault("Work.wait wrapper")
+
+    wait.__wrapped__ = orig
+    return wait
+
+
+# ---- DDP ------------------------------------------------------------------------------------------------------
+
+def _wrap_comm_hook(hook):
+    """A DDP comm hook that records each bucket; the future DDP gets back is the hook's own, unchanged."""
+
+    def dtprof_comm_hook(state, bucket):
+        if rt.STATE.disabled or not rt.STATE.active:
+            return hook(state, bucket)
+        try:
+            issue = now()
+            ctx = [bucket.index(), bucket.is_last(), False]
+        except Exception:
+            rt._fault("DDP comm hook")
+            return hook(state, bucket)
+        _tls.bucket = ctx
+        try:
+            fut = hook(state, bucket)
+        finally:
+            _tls.bucket = None
+        try:
+            if not ctx[2] and not rt.STATE.disabled:   # the hook's collective did not pass through Python: record the bucket itself
+                buf = bucket.buffer()
+                b = _nbytes(buf)
+                pg = state if state is not None and hasattr(state, "group_name") else None
+                row = _make_row("all_reduce", "ddp_bucket", "ddp", pg, b, b, _dtype(buf), None, True, issue, ctx[0])
+                row[14] = now()
+                key = id(fut)
+                _pending[key] = (fut, [row], issue)
+                fut.then(lambda _f: _complete(key, now()))
+                if ctx[1]:
+                    rt._ddp_last_issue_ns = issue
+        except Exception:
+            rt._fault("DDP comm hook")
+        return fut
+
+    dtprof_comm_hook.__qualname__ = getattr(hook, "__qualname__", "hook")
+    dtprof_comm_hook.__wrapped__ = hook
+    return dtprof_comm_hook
+
+
+def _install_ddp() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    orig_register = DDP.register_comm_hook
+    orig_builtin = DDP._register_builtin_comm_hook
+    orig_forward = DDP.forward
+
+    def register_comm_hook(self, state, hook):
+        self._dtprof_hooked = True
+        if rt.STATE.disabled or not rt.STATE.active:
+            return orig_register(self, state, hook)
+        return orig_register(self, state, _wrap_comm_hook(hook))
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        self._dtprof_hooked = True      # a C++ hook: its buckets stay invisible
+        return orig_builtin(self, comm_hook_type)
+
+    def forward(self, *args, **kwargs):
+        if not getattr(self, "_dtprof_hooked", False):
+            self._dtprof_hooked = True
+            try:
+                if rt.STATE.active and not rt.STATE.disabled:
+                    orig_register(self, self.process_group, _wrap_comm_hook(default_hooks.allreduce_hook))
+            except Exception:
+                rt._fault("DDP default comm hook")
+        return orig_forward(self, *args, **kwargs)
+
+    register_comm_hook.__doc__ = orig_register.__doc__
+    DDP.register_comm_hook = register_comm_hook
+    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
+    DDP.forward = forward
+
+
+# ---- pipelining ---------------------------------------------------------------------------------------------
+
+def _wrap_chunk(orig, kind, name):
+    def chunk(self, chunk_id, *args, **kwargs):
+        if rt.STATE.disabled or not rt.STATE.active:
+            return orig(self, chunk_id, *args, **kwargs)
+        t0 = now()
+        try:
+            return orig(self, chunk_id, *args, **kwargs)
+        finally:
+            try:
+                t1 = now()
+                rt.STATE.last_progress_ns = t1
+                rt._span(kind, name, t0, t1, stage=self.stage_index, microbatch=int(chunk_id))
+            except Exception:
+                rt._fault(f"pipeline {name}")
+
+    chunk.__wrapped__ = orig
+    return chunk
+
+
+def _wrap_ops_getter(orig):
+    def get_ops(self, chunk_id, *args, **kwargs):
+        ops = orig(self, chunk_id, *args, **kwargs)
+        try:
+            for p in ops or ():
+                p._dtprof_stage_mb = (self.stage_index, int(chunk_id))
+        except Exception:
+            pass
+        return ops
+
+    get_ops.__wrapped__ = orig
+    return get_ops
+
+
+def _wrap_batch_p2p(orig):
+    """schedules._batch_p2p calls isend/irecv directly for all-send or all-recv batches: pass stage/microbatch."""
+
+    def _batch_p2p(p2p_ops, *args, **kwargs):
+        tags = {getattr(p, "_dtprof_stage_mb", None) for p in p2p_ops or ()}
+        _tls.stage_mb = tags.pop() if len(tags) == 1 else None
+        try:
+            return orig(p2p_ops, *args, **kwargs)
+        finally:
+            _tls.stage_mb = None
+
+    _batch_p2p.__wrapped__ = orig
+    return _batch_p2p
+
+
+def _wrap_schedule_step(orig):
+    def step(self, *args, **kwargs):
+        if rt.STATE.disabled or not rt.STATE.active:
+            return orig(self, *args, **kwargs)
+        try:
+            if not getattr(self, "_dtprof_announced", False):
+                self._dtprof_announced = True
+                stages = getattr(self, "_stages", None) or [getattr(self, "_stage", None)]
+                idx = ",".join(str(s.stage_index) for s in stages if s is not None)
+                rt.event("info", f"pipeline schedule: {type(self).__name__}, "
+                                 f"stages={getattr(self, '_num_stages', '')}, "
+                                 f"microbatches={getattr(self, '_n_microbatches', '')}, stage_indices={idx}")
+        except Exception:
+            rt._fault("pipeline schedule step")
+        rt._pp_active += 1
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            rt._pp_active -= 1
+
+    step.__wrapped__ = orig
+    return step
+
+
+def _install_pipelining() -> None:
+    from torch.distributed.pipelining import schedules, stage
+
+    base = stage._PipelineStageBase
+    for meth, kind in (("forward_one_chunk", "pp_forward"), ("backward_one_chunk", "pp_backward"),
+                       ("backward_weight_one_chunk", "pp_backward")):
+        if meth in base.__dict__:
+            setattr(base, meth, _wrap_chunk(base.__dict__[meth], kind, meth.replace("_one_chunk", "")))
+    for meth in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
+        if meth in base.__dict__:
+            setattr(base, meth, _wrap_ops_getter(base.__dict__[meth]))
+    if hasattr(schedules, "_batch_p2p"):
+        schedules._batch_p2p = _wrap_batch_p2p(schedules._batch_p2p)
+    for obj in list(vars(schedules).values()):
+        if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule) and "step" in obj.__dict__:
+            obj.step = _wrap_schedule_step(obj.__dict__["step"])
+
+
+# ---- installation -------------------------------------------------------------------------------------------
+
+class _AfterImport:
+    """Meta-path finder that runs ``callback`` right after module ``name`` is first imported (importing
+    torch.distributed.pipelining ourselves would cost every rank ~1.2 s)."""
+
+    def __init__(self, name, callback):
+        self.name, self.callback, self.done = name, callback, False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name or self.done:
+            return None
+        self.done = True
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            real_exec, callback = spec.loader.exec_module, self.callback
+
+            def exec_module(module):
+                real_exec(module)
+                callback()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install_later(module_name, installer) -> None:
+    def run():
+        try:
+            installer()
+        except Exception:
+            rt.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
+                                f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")
+
+    if module_name in sys.modules:
+        run()
+    else:
+        sys.meta_path.insert(0, _AfterImport(module_name, run))
+
+
+def _wrap_init_process_group(orig):
+    def init_process_group(*args, **kwargs):
+        result = orig(*args, **kwargs)
+        try:
+            _group_info.pop(None, None)
+            rt.refresh_identity()
+        except Exception:
+            pass
+        return result
+
+    init_process_group.__wrapped__ = orig
+    init_process_group.__doc__ = orig.__doc__
+    return init_process_group
+
+
+def install() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    for api in _APIS:
+        orig = getattr(c10d, api, None)
+        if orig is None:
+            continue
+        w = _wrap_collective(api, orig)
+        _originals[orig] = w
+        setattr(c10d, api, w)
+        if getattr(dist, api, None) is orig:
+            setattr(dist, api, w)
+    w = _wrap_batch_isend_irecv(c10d.batch_isend_irecv)
+    c10d.batch_isend_irecv = dist.batch_isend_irecv = w
+    ipg = _wrap_init_process_group(c10d.init_process_group)
+    c10d.init_process_group = dist.init_process_group = ipg
+    dist.Work.wait = _wrap_work_wait(dist.Work.wait)
+
+    # P2POp(op=...) built with an original isend/irecv (held by code imported before us) maps to our wrapper.
+    orig_new, orig_init = dist.P2POp.__new__, dist.P2POp.__init__
+
+    def p2p_new(cls, op, *args, **kwargs):
+        return orig_new(cls, _originals.get(op, op), *args, **kwargs)
+
+    def p2p_init(self, op, *args, **kwargs):
+        return orig_init(self, _originals.get(op, op), *args, **kwargs)
+
+    dist.P2POp.__new__, dist.P2POp.__init__ = p2p_new, p2p_init
+    _install_later("torch.nn.parallel.distributed", _install_ddp)
+    _install_later("torch.distributed.pipelining", _install_pipelining)

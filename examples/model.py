@@ -1,0 +1,107 @@
+"""A small transformer language model shared by the example trainers (embedding, N blocks of attention + MLP,
+LM head), plus the helpers they share: arguments, process-group setup and synthetic token batches.
+
+The examples do not import dtprof: they are ordinary training scripts that `dtprof run` profiles unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class SlowDown(nn.Module):
+    """Sleeps inside forward (so the delay counts as compute) on the rank chosen by --slow-rank."""
+
+    def __init__(self, seconds: float = 0.0):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+        return x
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int = 4, seq: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, seq, dim))
+        self.slow = SlowDown()
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.slow(self.embed(tokens) + self.pos[:, : tokens.shape[1]])
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def parse_args(description: str, extra=None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms in its forward each step")
+    p.add_argument("--slow-ms", type=float, default=0.0)
+    if extra:
+        extra(p)
+    return p.parse_args()
+
+
+def setup_distributed():
+    """Initialise the default group (gloo on CPU, nccl with CUDA); also works as a plain single process."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def batch_for(step: int, rank: int, args, device):
+    """Synthetic next-token data: a fixed function of (seed, step, rank), the same with or without profiling."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return data[:, :-1].to(device), data[:, 1:].to(device)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,37 @@
+"""Data-parallel training of the tiny LM with DistributedDataParallel (gloo on CPU, NCCL on GPU).
+
+    torchrun --nproc_per_node=2 examples/train_ddp.py --steps 20
+    python examples/train_ddp.py              # a single process (world size 1) works too
+"""
+import os
+import sys
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+
+
+def main():
+    args = parse_args(__doc__)
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.vocab, args.dim, args.layers, seq=args.seq).to(device)
+    if rank == args.slow_rank:
+        model.slow.seconds = args.slow_ms / 1000
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        x, y = batch_for(step, rank, args, device)
+        loss = lm_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

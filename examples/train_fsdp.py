@@ -1,0 +1,38 @@
+"""Fully sharded data-parallel training of the tiny LM with FSDP2 (`fully_shard`), gloo on CPU or NCCL on GPU.
+
+    torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 20
+"""
+import os
+import sys
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+
+
+def main():
+    args = parse_args(__doc__)
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.vocab, args.dim, args.layers, seq=args.seq).to(device)
+    if rank == args.slow_rank:
+        model.slow.seconds = args.slow_ms / 1000
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        x, y = batch_for(step, rank, args, device)
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Pipeline-parallel training of the tiny LM with torch.distributed.pipelining: one stage per rank (2 or more),
+the blocks split evenly, GPipe or 1F1B schedule.
+
+    torchrun --nproc_per_node=2 examples/train_pipeline.py --schedule 1f1b --microbatches 4
+"""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+
+
+class StageModule(nn.Module):
+    """The slice of TinyLM that one stage runs: embedding on the first, head on the last, blocks between."""
+
+    def __init__(self, full: TinyLM, stage: int, stages: int):
+        super().__init__()
+        n = len(full.blocks)
+        lo, hi = stage * n // stages, (stage + 1) * n // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed, self.pos, self.slow = (full.embed, full.pos, full.slow) if self.first else (None, None, None)
+        self.blocks = nn.ModuleList(full.blocks[lo:hi])
+        self.ln, self.head = (full.ln, full.head) if self.last else (None, None)
+
+    def forward(self, x):
+        if self.first:
+            x = self.slow(self.embed(x) + self.pos[:, : x.shape[1]])
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x)) if self.last else x
+
+
+def main():
+    def extra(p):
+        p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+        p.add_argument("--microbatches", type=int, default=4)
+
+    args = parse_args(__doc__, extra)
+    rank, world, device = setup_distributed()
+    if world < 2:
+        raise SystemExit("train_pipeline.py needs 2 or more ranks (one stage each)")
+    if args.layers < world:
+        args.layers = world
+    torch.manual_seed(args.seed)
+    full = TinyLM(args.vocab, args.dim, args.layers, seq=args.seq)
+    if rank == args.slow_rank:
+        full.slow.seconds = args.slow_ms / 1000 / args.microbatches   # per microbatch: X ms per step in total
+    module = StageModule(full, rank, world).to(device)
+    stage = PipelineStage(module, rank, world, device)
+    cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+    last = rank == world - 1
+    for step in range(args.steps):
+        x, y = batch_for(step, 0, args, device)     # one data stream for the whole pipeline
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        opt.step()
+        if last:
+            loss = torch.stack(losses).mean()
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
