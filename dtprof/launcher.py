@@ -1,0 +1,551 @@
+"""`dtprof run`: start a training job with every rank profiled, sample the node's GPUs, analyse when it ends.
+
+One launcher per node. It creates the run directory (or joins it, for the other nodes of a torchrun job with the
+same ``--rdzv-id``), its own ``node-<host>-<pid>`` directory, starts the NVML sampler thread, and runs the command
+in its own session with the environment the rank side reads (``DTPROF_NODE_DIR``, ``DTPROF_CONFIG``, and the
+directory of ``dtprof/_inject/sitecustomize.py`` first on ``PYTHONPATH``). After the job it merges captured
+Kineto traces, compacts the node to Parquet, writes summary.json and report.html, and exits with the job's code.
+
+Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
+- The job's stdout/stderr are pipes that the launcher copies through as bytes arrive (and tees to
+  ``node_dir/stdout.log`` / ``stderr.log``); ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python
+  output stays live through the pipe.
+- The job runs in its own session (process group). SIGINT/SIGTERM/SIGHUP to ``dtprof run`` are forwarded to that
+  group; a second one kills the group with SIGKILL.
+- Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
+  it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
+- This process never imports torch (versions come from package metadata).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from dtprof.runformat import (NODE_MANIFEST, RANK_PREFIX, NodeTableWriter, RunExistsError, create_node_dir,
+                              create_run_dir, write_json_atomic)
+
+DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
+WATCHDOG_EXIT = 124
+USAGE_EXIT = 2
+KILL_GRACE_S = 10.0    # after the watchdog's SIGTERM, SIGKILL the group if it is still alive
+ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
+                "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
+ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+             "GROUP_RANK", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "HOSTNAME")
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+class UsageExit(click.ClickException):
+    """A dtprof usage error: one line on stderr, exit code 2."""
+
+    exit_code = USAGE_EXIT
+
+
+# ---- small pure helpers (unit-tested) ------------------------------------------------------------------------
+
+def utc_iso(ts: float | None = None) -> str:
+    t = _dt.datetime.fromtimestamp(time.time() if ts is None else ts, tz=_dt.timezone.utc)
+    return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def utc_stamp(ts: float | None = None) -> str:
+    """Compact UTC timestamp for directory names: 20261122T101500Z."""
+    t = _dt.datetime.fromtimestamp(time.time() if ts is None else ts, tz=_dt.timezone.utc)
+    return t.strftime("%Y%m%dT%H%M%SZ")
+
+
+def is_torchrun(command: list[str]) -> bool:
+    head = Path(command[0]).name
+    return head in ("torchrun", "torchrun.exe") or any(
+        a == "-m" and i + 1 < len(command) and command[i + 1] in TORCHRUN_MODULES for i, a in enumerate(command))
+
+
+def script_index(command: list[str]) -> int | None:
+    """Index of the training script (first ``*.py`` argument, or the module after a non-torchrun ``-m``)."""
+    for i, a in enumerate(command):
+        if a.endswith(".py"):
+            return i
+        if a == "-m" and i + 1 < len(command) and command[i + 1] not in TORCHRUN_MODULES:
+            return i + 1
+    return None
+
+
+def script_name(command: list[str]) -> str:
+    """A short name for the job, used in the default run directory name."""
+    i = script_index(command)
+    if i is None:
+        name = Path(command[0]).name
+    elif command[i].endswith(".py"):
+        name = Path(command[i]).stem
+    else:  # a module run with -m: its last component
+        name = command[i].rsplit(".", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "job"
+    return name[:60]
+
+
+def torchrun_option(command: list[str], *names: str) -> str | None:
+    """Value of a torchrun option (``--x=v`` or ``--x v``) among the launcher's own arguments (before the script)."""
+    end = script_index(command)
+    args = command[:end] if end is not None else command
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(n + "="):
+                return a[len(n) + 1:]
+    return None
+
+
+def join_id_for(command: list[str], env: dict) -> str | None:
+    """The id that lets the other nodes of one torchrun job join this run directory: its rendezvous id."""
+    if not is_torchrun(command):
+        return None
+    rid = torchrun_option(command, "--rdzv-id", "--rdzv_id") or env.get("PET_RDZV_ID")
+    return rid if rid and rid != "none" else None
+
+
+def parse_trace_steps(value: str | None) -> str | None:
+    if value is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value)
+    if not m or int(m.group(1)) >= int(m.group(2)):
+        raise UsageExit(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
+    return f"{int(m.group(1))}:{int(m.group(2))}"
+
+
+def env_subset(env: dict) -> dict:
+    return {k: v for k, v in sorted(env.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+
+
+def versions() -> dict:
+    """dtprof, torch, python and NCCL versions, from package metadata: importing torch here would cost seconds."""
+    from importlib import metadata
+
+    import dtprof
+
+    def dist_version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    out = {"dtprof": dtprof.__version__, "torch": dist_version("torch"), "python": platform.python_version(),
+           "nccl": None, "nccl_reason": None}
+    for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
+        v = dist_version(name)
+        if v:
+            out["nccl"], out["nccl_source"] = v, f"{name} wheel"
+            break
+    else:
+        out["nccl_reason"] = ("no nvidia-nccl wheel installed (CPU torch build, or NCCL bundled in torch); "
+                              "ranks record torch.cuda.nccl.version() when they use NCCL")
+    if out["torch"] is None:
+        out["torch_reason"] = "torch is not installed in the launcher's environment"
+    return out
+
+
+def git_info(cwd: Path) -> dict | None:
+    """Commit and dirty flag of ``cwd`` if it is in a git work tree, else None."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return None
+        status = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0
+                else None}
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def inject_dir() -> Path:
+    import dtprof._inject
+
+    return Path(dtprof._inject.__file__).resolve().parent
+
+
+def job_env(base: dict, node_dir: Path, rank_config: dict) -> dict:
+    """The job's environment: BRIEF §1 contract plus live output."""
+    env = dict(base)
+    env["DTPROF_NODE_DIR"] = str(Path(node_dir).resolve())
+    env["DTPROF_CONFIG"] = json.dumps(rank_config)
+    user_path = base.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(inject_dir()) + (os.pathsep + user_path if user_path else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def exit_code_for(returncode: int) -> int:
+    """Shell convention: a death by signal N reads as 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# ---- the job ---------------------------------------------------------------------------------------------------
+
+class _Tee(threading.Thread):
+    """Copy a pipe to our own stream and to a log file as bytes arrive."""
+
+    def __init__(self, pipe, stream, log_path: Path):
+        super().__init__(name=f"dtprof-tee-{log_path.stem}", daemon=True)
+        self.pipe, self.stream, self.log_path = pipe, stream, log_path
+
+    def run(self):
+        fd = self.pipe.fileno()
+        with open(self.log_path, "wb") as log:
+            while True:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                log.write(chunk)
+                log.flush()
+                try:
+                    self.stream.write(chunk)
+                    self.stream.flush()
+                except (OSError, ValueError):  # our own stdout closed (e.g. `| head`): keep logging
+                    pass
+
+
+def _binary(stream):
+    return getattr(stream, "buffer", stream)
+
+
+class Job:
+    """The user's command in its own session, with output tee'd and signals forwarded to its process group."""
+
+    def __init__(self, command: list[str], env: dict, node_dir: Path, say: Callable[[str], None]):
+        self.command, self.env, self.node_dir, self.say = command, env, node_dir, say
+        self.forwarded: list[str] = []   # names of the signals forwarded to the job
+        self.stopped_by_watchdog = False
+        self.proc: subprocess.Popen | None = None
+        self._old_handlers: dict = {}
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self._tees = [_Tee(self.proc.stdout, _binary(sys.stdout), self.node_dir / "stdout.log"),
+                      _Tee(self.proc.stderr, _binary(sys.stderr), self.node_dir / "stderr.log")]
+        for t in self._tees:
+            t.start()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _killpg(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _on_signal(self, signum, frame):
+        if self.forwarded:   # second signal: escalate
+            self.say(f"dtprof: {signal.Signals(signum).name} again: killing the job's process group (SIGKILL)")
+            self.forwarded.append("SIGKILL")
+            self._killpg(signal.SIGKILL)
+            return
+        name = signal.Signals(signum).name
+        self.forwarded.append(name)
+        self.say(f"dtprof: forwarding {name} to the job; send it again to kill the job")
+        self._killpg(signum)
+
+    def stop_by_watchdog(self) -> None:
+        """Called by the hang watchdog (from its thread): SIGTERM the group, SIGKILL after a grace period."""
+        self.stopped_by_watchdog = True
+        self._killpg(signal.SIGTERM)
+
+        def escalate():
+            if self.proc.poll() is None:
+                self._killpg(signal.SIGKILL)
+        t = threading.Timer(KILL_GRACE_S, escalate)
+        t.daemon = True
+        t.start()
+
+    def wait(self) -> int:
+        rc = self.proc.wait()
+        for t in self._tees:
+            t.join(timeout=10)   # a grandchild still holding the pipe must not keep us here forever
+        for sig, h in self._old_handlers.items():
+            signal.signal(sig, h)
+        return rc
+
+
+# ---- post-run steps: each guarded, none changes the exit code ---------------------------------------------------
+
+def warn(msg: str) -> None:
+    """dtprof's own problems: printed even with --quiet."""
+    click.echo(msg, err=True)
+
+
+def _guarded(label: str, say: Callable[[str], None], fn: Callable, *args, **kw):
+    """Run one post step; an absent module or any failure becomes one line, never an exception."""
+    try:
+        return fn(*args, **kw)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("dtprof"):
+            say(f"{label}: {e.name} not available")
+        else:
+            say(f"{label}: failed: ModuleNotFoundError: {e}")
+    except Exception as e:  # noqa: BLE001 - the run and the job's exit code matter more than this step
+        say(f"{label}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return None
+
+
+def has_captured_traces(node_dir: Path) -> bool:
+    return any(p.is_file() for p in Path(node_dir).glob(f"{RANK_PREFIX}*/**/*trace*.json*"))
+
+
+def merge_traces(node_dir: Path):
+    from dtprof.collectors.kineto import merge_captured_traces
+
+    return merge_captured_traces(node_dir)
+
+
+def compact(node_dir: Path, say: Callable[[str], None]):
+    from dtprof.runformat import compact_node
+
+    files = [p for p in Path(node_dir).rglob("*.jsonl")]
+    size = sum(p.stat().st_size for p in files)
+    ranks = len(list(Path(node_dir).glob(f"{RANK_PREFIX}*")))
+    say(f"compacting {Path(node_dir).name}: {ranks} rank(s), {len(files)} files, {size / 2**20:.1f} MiB ...")
+    t0 = time.monotonic()
+    out = compact_node(node_dir)
+    say(f"compacted in {time.monotonic() - t0:.1f} s -> {out}")
+    return out
+
+
+def summarize(run_dir: Path, options: dict):
+    from dtprof.analyzers.summary import format_summary_text, write_summary
+
+    summary = write_summary(run_dir, **options)
+    return summary, format_summary_text(summary)
+
+
+def report(run_dir: Path):
+    from dtprof.reports.html import write_report
+
+    return write_report(run_dir)
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+HELP = f"""Run COMMAND with every rank profiled; analyse and report when it ends.
+
+\b
+  dtprof run -- torchrun --nproc_per_node=8 train.py --lr 3e-4
+  dtprof run --out /shared/runs/exp1 -- torchrun --nnodes=2 --rdzv-id=exp1 \\
+        --rdzv-backend=c10d --rdzv-endpoint=host0:29500 --nproc_per_node=8 train.py
+  dtprof run --trace-steps 10:12 --hang-timeout 600 -- python train.py
+
+\b
+The run goes to ./dtprof-runs/<UTC time>-<script> unless --out is given; an existing run is never overwritten.
+Multi-node: run one `dtprof run --out SAME_DIR` per node on a shared file system; nodes of one torchrun job
+(same --rdzv-id) join one run, each in its own node-<host>-<pid> directory.
+
+\b
+The job runs in its own process group; its output passes through (and is saved in the node directory).
+Ctrl-C/SIGTERM are forwarded to the job; a second one kills it.
+
+\b
+Exit codes:
+  the job's own exit code (128+N if the job died of signal N)
+  {WATCHDOG_EXIT}  the hang watchdog (--hang-timeout) found the job stuck and stopped it
+  {USAGE_EXIT}    dtprof usage error (bad option, --out already holds a run); nothing was run
+"""
+
+
+@click.command("run", help=HELP, context_settings={"ignore_unknown_options": True,
+                                                   "allow_interspersed_args": False,
+                                                   "help_option_names": ["-h", "--help"]})
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run directory (default ./dtprof-runs/<UTC time>-<script>).")
+@click.option("--nvml-interval", type=click.FloatRange(min=0.001), default=0.1, show_default=True,
+              help="GPU sampling period in seconds.")
+@click.option("--no-nvml", is_flag=True, help="Do not sample GPUs with NVML.")
+@click.option("--flops-per-step", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Model FLOPs of one training step over all ranks, for MFU.")
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Peak TFLOP/s of one device at --dtype (default: looked up from the device name).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
+              help="Math precision used for the peak in MFU.")
+@click.option("--count-flops", is_flag=True, help="Count executed FLOPs on one step per rank (FlopCounterMode).")
+@click.option("--trace-steps", default=None, metavar="A:B",
+              help="Capture a torch.profiler trace of steps A..B-1 on every rank.")
+@click.option("--hang-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help=f"Stop the job (exit {WATCHDOG_EXIT}) with a diagnosis when no rank progresses for this long.")
+@click.option("--no-report", is_flag=True, help="Do not write report.html.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the job's output and dtprof's errors.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
+                hang_timeout, no_report, quiet, command):
+    command = list(command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageExit("no command given: dtprof run [OPTIONS] -- COMMAND...")
+    trace_steps = parse_trace_steps(trace_steps)
+    watchdog_cls = None
+    if hang_timeout is not None:
+        try:
+            from dtprof.watchdog import Watchdog as watchdog_cls
+        except ImportError as e:
+            raise UsageExit(f"--hang-timeout needs dtprof.watchdog, which cannot be imported ({e})") from None
+
+    def say(msg: str) -> None:
+        if not quiet:
+            click.echo(msg, err=True)
+
+    config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
+              "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
+              "nvml_interval_s": None if no_nvml else nvml_interval}
+    rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
+                   "flush_interval_s": 1.0}
+    host = socket.gethostname()
+    cwd = Path.cwd()
+    env = dict(os.environ)
+    join_id = join_id_for(command, env)
+
+    run_dir = _create_run_dir(out, command, cwd, join_id)
+    node_dir = create_node_dir(run_dir, host)
+    if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
+        say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
+            "shared file system to get one run")
+
+    start_wall, start_mono = time.time(), time.monotonic_ns()
+    node_info = {
+        "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
+        "join_id": join_id, "start_time": utc_iso(start_wall), "start_mono_ns": start_mono,
+        "end_time": None, "end_mono_ns": None, "exit_code": None, "status": "running", "signal": None,
+        "versions": versions(), "env": env_subset(env), "git": git_info(cwd), "config": config,
+        "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None,
+    }
+    write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    say(f"dtprof: recording to {node_dir}")
+
+    events = NodeTableWriter(node_dir, "events")
+    sampler = None
+    if not no_nvml:
+        from dtprof.collectors.nvml import NvmlSampler
+
+        sampler = NvmlSampler(node_dir, interval_s=nvml_interval, events=events, host=host)
+        node_info["nvml"] = sampler.start()
+        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+
+    job = Job(command, job_env(env, node_dir, rank_config), node_dir, say)
+    try:
+        job.start()
+    except OSError as e:
+        if sampler is not None:
+            node_info["nvml"] = sampler.stop()
+        _event(events, host, "error", f"could not start the job: {e}")
+        events.close()
+        node_info.update(end_time=utc_iso(), end_mono_ns=time.monotonic_ns(), exit_code=127, status="failed")
+        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+        click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
+        sys.exit(127)
+
+    watchdog = None
+    if watchdog_cls is not None:
+        watchdog = _guarded("watchdog", warn, _start_watchdog, watchdog_cls, node_dir, hang_timeout,
+                            job.stop_by_watchdog)
+    returncode = job.wait()
+    end_wall, end_mono = time.time(), time.monotonic_ns()
+    fired = False
+    if watchdog is not None:
+        _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
+        _guarded("watchdog", warn, watchdog.stop)
+        fired = bool(getattr(watchdog, "fired", False)) or job.stopped_by_watchdog
+    if sampler is not None:
+        node_info["nvml"] = sampler.stop()
+
+    exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)
+    died_of = signal.Signals(-returncode).name if returncode < 0 and -returncode in signal.valid_signals() else None
+    if fired:
+        status = "hung"
+    elif returncode == 0:
+        status = "completed"
+    elif died_of or job.forwarded:
+        status = "killed"
+    else:
+        status = "failed"
+    node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
+                     exit_code=exit_code, job_returncode=returncode, status=status,
+                     signal=died_of, signals_forwarded=job.forwarded or None)
+    _event(events, host, "info" if status == "completed" else "warning",
+           f"job {status} with exit code {exit_code}" + (f" (signal {died_of})" if died_of else ""))
+    events.close()
+    write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+
+    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet)
+    sys.exit(exit_code)
+
+
+def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: str | None) -> Path:
+    info = {"command": command, "cwd": str(cwd), "created": utc_iso()}
+    if out is not None:
+        try:
+            return create_run_dir(out.resolve(), info, join_id=join_id)
+        except RunExistsError as e:
+            raise UsageExit(str(e)) from None
+        except OSError as e:
+            raise UsageExit(f"{out}: cannot create the run directory ({e.strerror or e})") from None
+    base = cwd / "dtprof-runs" / f"{utc_stamp()}-{script_name(command)}"
+    for i in range(100):   # two jobs started in the same second get -1, -2, ...
+        cand = base if i == 0 else base.with_name(f"{base.name}-{i}")
+        if cand.exists():
+            continue
+        try:
+            return create_run_dir(cand, info, join_id=None)
+        except RunExistsError:
+            continue
+    raise UsageExit(f"{base}: could not find a free run directory name")
+
+
+def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[], None]):
+    wd = cls(node_dir, timeout_s, stop_job)
+    wd.start()
+    return wd
+
+
+def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None:
+    events.append((-1, host, time.monotonic_ns(), level, "launcher", message))
+
+
+def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_report: bool,
+              say: Callable[[str], None], quiet: bool) -> None:
+    """Merge traces, compact, summarise, report. Each step: one line on failure, and the run is kept."""
+    post = {}
+    if config["trace_steps"] or has_captured_traces(node_dir):
+        post["kineto"] = _guarded("kineto", warn, merge_traces, node_dir) is not None
+    post["compacted"] = _guarded("compact", warn, compact, node_dir, say) is not None
+    options = {k: config[k] for k in ("flops_per_step", "peak_tflops", "dtype")}
+    res = _guarded("summary", warn, summarize, run_dir, options)
+    post["summary"] = res is not None
+    if res is not None and not quiet:
+        click.echo(res[1])
+    if not no_report:
+        path = _guarded("report", warn, report, run_dir)
+        post["report"] = str(path) if path is not None else None
+    node_info["post"] = post
+    _guarded("manifest", warn, write_json_atomic, node_dir / NODE_MANIFEST, node_info)
+    say(f"run: {run_dir}")
+    if post["summary"]:
+        say(f"summary: {run_dir / 'summary.json'}")
+    if post.get("report"):
+        say(f"report: {post['report']}")
