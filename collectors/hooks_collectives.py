@@ -42,6 +42,18 @@ MAX_PENDING = 4096
 _END = 15
 
 
+_C10D_INTERNAL = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger")
+
+
+def _caller_source(frame) -> str:
+    """Source of the first caller outside c10d itself (send_object_list etc. call the tensor functions)."""
+    name = frame.f_globals.get("__name__", "")
+    while name in _C10D_INTERNAL and frame.f_back is not None:
+        frame = frame.f_back
+        name = frame.f_globals.get("__name__", "")
+    return _source_of(name)
+
+
 def _source_of(module_name: str) -> str:
     src = _source_by_module.get(module_name)
     if src is None:
@@ -304,9 +316,11 @@ def _wrap_collective(api, orig):
                 if bucket[1]:
                     rt._ddp_last_issue_ns = issue
             else:
-                source = _source_of(sys._getframe(1).f_globals.get("__name__", ""))
+                source = _caller_source(sys._getframe(1))
                 api_name, bucket_index = api, None
-            row = _make_row(op, api_name, source, group, in_b, out_b, dtype, peer, async_op, issue, bucket_index)
+            stage_mb = getattr(_tls, "stage_mb", None) or (None, None)
+            row = _make_row(op, api_name, source, group, in_b, out_b, dtype, peer, async_op, issue, bucket_index,
+                            *stage_mb)
             if not async_op:
                 state.collective = {"op": op, "group": row[5], "seq": row[7], "in_bytes": in_b, "dtype": dtype,
                                     "peer": peer, "entered_ns": issue}
@@ -355,8 +369,7 @@ def _wrap_batch_isend_irecv(orig):
                 is_send = getattr(p.op, "__name__", "") == "isend"
                 b = _nbytes(p.tensor)
                 stage, mb = getattr(p, "_dtprof_stage_mb", (None, None))
-                source = "pipeline" if stage is not None else _source_of(
-                    sys._getframe(1).f_globals.get("__name__", ""))
+                source = "pipeline" if stage is not None else _caller_source(sys._getframe(1))
                 rows.append(_make_row("send" if is_send else "recv", "batch_isend_irecv", source, p.group,
                                       b if is_send else 0, 0 if is_send else b, _dtype(p.tensor), p.peer, True,
                                       issue, None, stage, mb))
@@ -436,7 +449,7 @@ def _wrap_comm_hook(hook):
         finally:
             _tls.bucket = None
         try:
-            if not ctx[2]:   # the hook's collective did not pass through Python: record the bucket itself
+            if not ctx[2] and not rt.STATE.disabled:   # the hook's collective did not pass through Python: record the bucket itself
                 buf = bucket.buffer()
                 b = _nbytes(buf)
                 pg = state if state is not None and hasattr(state, "group_name") else None
@@ -525,6 +538,21 @@ def _wrap_ops_getter(orig):
     return get_ops
 
 
+def _wrap_batch_p2p(orig):
+    """schedules._batch_p2p calls isend/irecv directly for all-send or all-recv batches: pass stage/microbatch."""
+
+    def _batch_p2p(p2p_ops, *args, **kwargs):
+        tags = {getattr(p, "_dtprof_stage_mb", None) for p in p2p_ops or ()}
+        _tls.stage_mb = tags.pop() if len(tags) == 1 else None
+        try:
+            return orig(p2p_ops, *args, **kwargs)
+        finally:
+            _tls.stage_mb = None
+
+    _batch_p2p.__wrapped__ = orig
+    return _batch_p2p
+
+
 def _wrap_schedule_step(orig):
     def step(self, *args, **kwargs):
         if rt.STATE.disabled or not rt.STATE.active:
@@ -560,6 +588,8 @@ def _install_pipelining() -> None:
     for meth in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
         if meth in base.__dict__:
             setattr(base, meth, _wrap_ops_getter(base.__dict__[meth]))
+    if hasattr(schedules, "_batch_p2p"):
+        schedules._batch_p2p = _wrap_batch_p2p(schedules._batch_p2p)
     for obj in list(vars(schedules).values()):
         if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule) and "step" in obj.__dict__:
             obj.step = _wrap_schedule_step(obj.__dict__["step"])
@@ -572,7 +602,7 @@ def _wrap_init_process_group(orig):
         result = orig(*args, **kwargs)
         try:
             _group_info.pop(None, None)
-            rt._identity_dirty = True
+            rt.refresh_identity()
         except Exception:
             pass
         return result

@@ -83,8 +83,8 @@ _ddp_last_issue_ns = None  # issue time of DDP's last bucket in the backward in 
 _trace_capture = None
 _flop_mode = None
 _flops_step = None
-_identity_dirty = True
-_fault_test = os.environ.get("DTPROF_TEST_FAULT", "")   # tests only: inject a fault at a named hook
+_identity_new = None       # a fresh rank.json dict computed on the main thread, written by the flusher
+_fault_test = ""          # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", "forward")
 
 # ---- CUDA timing (decided at the first forward) ----
 _cuda = None              # None undecided, False host timing, True CUDA events
@@ -119,12 +119,23 @@ def _span(kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="
 # Identity and start-up
 
 def _is_torchrun_launcher() -> bool:
+    """True in the torchrun launcher process. ``import torch`` happens there while runpy is still locating
+    ``-m torch.distributed.run`` (sys.argv[0] is "-m" then), so the original command line is what tells."""
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv)
+    scripts = [a for a in (sys.argv[:1] + argv[:2]) if a]
+    if any(os.path.basename(a).startswith("torchrun") for a in scripts):
+        return True
+    for i, a in enumerate(argv[:-1]):
+        if a == "-m" and argv[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
+            return True
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name in ("torch.distributed.run", "torch.distributed.launch"):
         return True
-    argv0 = os.path.basename(sys.argv[0]) if sys.argv else ""
-    return argv0 in ("torchrun", "run.py") and "torch" in (sys.argv[0] or "")
+    for a in sys.argv[:1]:
+        if a.replace(os.sep, "/").endswith(("torch/distributed/run.py", "torch/distributed/launch.py")):
+            return True
+    return False
 
 
 def _identity() -> dict:
@@ -154,6 +165,12 @@ def _identity() -> dict:
         ident.update(device_type="cuda", device_index=i, device_name=props.name,
                      device_uuid=str(getattr(props, "uuid", "")), device_mem_total_bytes=int(props.total_memory))
     return ident
+
+
+def refresh_identity() -> None:
+    """Recompute rank.json on the calling (main) thread, e.g. after init_process_group; the flusher writes it."""
+    global _identity_new
+    _identity_new = _identity()
 
 
 def _claim_rank_dir(rank_dir) -> bool:
@@ -187,7 +204,7 @@ def init(out=None, **options) -> bool:
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
     gets its own node directory in it); default: ``DTPROF_NODE_DIR``. Options override ``DTPROF_CONFIG``.
     Returns True when recording."""
-    global W, _init_ns, _trace_capture, _identity_dirty
+    global W, _init_ns, _trace_capture
     if STATE.active:
         return True
     if STATE.disabled:
@@ -214,6 +231,7 @@ def init(out=None, **options) -> bool:
         if not _claim_rank_dir(str(rdir)):
             return False
         STATE.rank, STATE.rank_dir, STATE.options = rank, str(rdir), opts
+        _set_fault_test(env.get("DTPROF_TEST_FAULT", ""), rank)
         W = RankWriter(node_dir, rank)
         _init_ns = now()
         STATE.last_progress_ns = _init_ns
@@ -234,6 +252,12 @@ def init(out=None, **options) -> bool:
         _fault("init")
         STATE.active = False
         return False
+
+
+def _set_fault_test(spec: str, rank: int) -> None:
+    global _fault_test
+    where, _, only_rank = spec.partition("@")
+    _fault_test = where if (not only_rank or int(only_rank) == rank) else ""
 
 
 def _start_companions(opts) -> None:
@@ -266,7 +290,7 @@ def _clock_row() -> None:
 
 
 def _flush_once() -> None:
-    global _identity_dirty
+    global _identity_new
     if W is None:
         return
     if _cuda:
@@ -274,12 +298,9 @@ def _flush_once() -> None:
     from dtprof.collectors import hooks_collectives
 
     hooks_collectives.expire_pending()
-    if _identity_dirty and STATE.active:
-        _identity_dirty = False
-        try:
-            W.write_identity(_identity())
-        except Exception:
-            event("warning", "could not rewrite rank.json: " + traceback.format_exc().strip().splitlines()[-1])
+    ident, _identity_new = _identity_new, None
+    if ident is not None:
+        W.write_identity(ident)
     _clock_row()
     W.flush()
 
@@ -487,14 +508,14 @@ def _peak_mem_bytes():
 
 def _end_step(t: int) -> None:
     """Close the step in progress at host time ``t`` (main thread)."""
-    global _step_start_ns, _prev_step_end_ns, _fwd_seen_in_step, _annot, _identity_dirty, _fwd_depth
+    global _step_start_ns, _prev_step_end_ns, _fwd_seen_in_step, _annot, _fwd_depth
     step = STATE.step
     start = _step_start_ns if _step_start_ns is not None else _init_ns
     a = _annot
     W.append("steps", (STATE.rank, step, start, t, _peak_mem_bytes(), a.get("tokens"), a.get("samples"),
                        a.get("model_flops"), _flops_finish(step)))
     if step == 0:
-        _identity_dirty = True       # the device is chosen by now: rewrite rank.json with it
+        refresh_identity()           # the device and the process group are set up by now
     _annot = {}
     _prev_step_end_ns = _step_start_ns = t
     _fwd_seen_in_step = False

@@ -1,0 +1,271 @@
+"""Real torchrun jobs (gloo on CPU) profiled by the injected sitecustomize, read back with open_run.
+
+Each job costs several seconds, so every job runs once per module (module-scoped fixtures) and several tests read
+it. The launcher is emulated here (run dir + node dir + env) because `dtprof run` is tested elsewhere.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dtprof._inject
+from dtprof.reader import open_run
+from dtprof.runformat import create_node_dir, create_run_dir
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+INJECT = Path(dtprof._inject.__file__).parent
+STEPS = 4
+SMALL = ["--steps", str(STEPS), "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
+_port = [29600 + os.getpid() % 300]
+
+
+def _env(node_dir=None, config=None, extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                   "MASTER_", "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    _port[0] += 1
+    env["MASTER_PORT"] = str(_port[0])
+    if node_dir is not None:
+        env["DTPROF_NODE_DIR"] = str(node_dir)
+        env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 0.2, **(config or {})})
+        env["PYTHONPATH"] = os.pathsep.join([str(INJECT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra or {})
+    return env
+
+
+def _torchrun(script, args, nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+            str(_port[0]), str(EXAMPLES / script), *args]
+
+
+def run_job(tmp, script, args, profiled=True, config=None, extra_env=None, nproc=2):
+    """Run one torchrun job; returns (run_dir or None, loss lines, completed process)."""
+    run_dir = node_dir = None
+    if profiled:
+        run_dir = create_run_dir(tmp / "run", {"test": script})
+        node_dir = create_node_dir(run_dir)
+    env = _env(node_dir, config, extra_env)
+    p = subprocess.run(_torchrun(script, args, nproc), env=env, cwd=tmp, capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run_dir, _loss_lines(p.stdout), p
+
+
+def _loss_lines(stdout):
+    return [ln for ln in stdout.splitlines() if ln.startswith("step ")]
+
+
+@pytest.fixture(scope="module")
+def bare_ddp(tmp_path_factory):
+    return run_job(tmp_path_factory.mktemp("bare"), "train_ddp.py", SMALL, profiled=False)[1]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    run_dir, losses, _ = run_job(tmp_path_factory.mktemp("ddp"), "train_ddp.py", SMALL)
+    return open_run(run_dir), losses
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    run_dir, losses, _ = run_job(tmp_path_factory.mktemp("fsdp"), "train_fsdp.py", SMALL)
+    return open_run(run_dir)
+
+
+@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+def pipeline(request, tmp_path_factory):
+    args = SMALL + ["--schedule", request.param, "--microbatches", "4"]
+    run_dir, losses, _ = run_job(tmp_path_factory.mktemp("pp" + request.param), "train_pipeline.py", args)
+    return open_run(run_dir), request.param
+
+
+def _assert_collectives_matched(run):
+    """Every collective instance (group, seq) appears once on each member rank with the same op and sizes."""
+    c = run.collectives
+    coll = c[~c.op.isin(["send", "recv"])]
+    assert len(coll)
+    per = coll.groupby(["group", "seq"], observed=True).agg(
+        n=("rank", "nunique"), size=("group_size", "first"), ops=("op", "nunique"), inb=("in_bytes", "nunique"),
+        outb=("out_bytes", "nunique"))
+    assert (per.n == per["size"]).all(), per[per.n != per["size"]]
+    assert (per.ops == 1).all() and (per.inb == 1).all() and (per.outb == 1).all()
+
+
+def _assert_p2p_matched(run):
+    """Each send has exactly one recv on its peer with the same (group, sender, receiver, seq) and message size."""
+    c = run.collectives
+    p = c[c.op.isin(["send", "recv"])].copy()
+    assert len(p)
+    p["peer"] = p.peer.astype("int64")
+    p["src"] = p["rank"].where(p.op == "send", p.peer)
+    p["dst"] = p.peer.where(p.op == "send", p["rank"])
+    p["size"] = p[["in_bytes", "out_bytes"]].max(axis=1)
+    sends = p[p.op == "send"].set_index(["group", "src", "dst", "seq"])
+    recvs = p[p.op == "recv"].set_index(["group", "src", "dst", "seq"])
+    assert sends.index.is_unique and recvs.index.is_unique
+    assert sorted(sends.index) == sorted(recvs.index)
+    assert (sends["size"].sort_index() == recvs["size"].sort_index()).all()
+
+
+# ---- DDP --------------------------------------------------------------------------------------------------------
+
+def test_ddp_ranks_and_identity(ddp):
+    run, _ = ddp
+    r = run.ranks.set_index("rank")
+    assert sorted(r.index) == [0, 1]
+    assert (r.world_size == 2).all() and (r.backend == "gloo").all() and (r.device_type == "cpu").all()
+    assert (r.pid > 0).all() and r.pid.nunique() == 2 and (r.host != "").all()
+    assert r.node.astype(str).str.startswith("node-").all() and r.node.nunique() == 1
+    assert len(run.clock) >= 2 and set(run.clock["rank"]) == {0, 1}
+
+
+def test_ddp_steps_and_spans(ddp):
+    run, _ = ddp
+    s = run.steps
+    assert s.groupby("rank").size().to_dict() == {0: STEPS, 1: STEPS}
+    assert (s.end_ns > s.start_ns).all()
+    sp = run.spans
+    for kind in ("forward", "backward", "optimizer"):
+        counts = sp[sp.kind == kind].groupby("rank").size().to_dict()
+        assert counts == {0: STEPS, 1: STEPS}, (kind, counts)
+    assert sp[sp.kind == "data_wait"].groupby("rank").size().to_dict() == {0: STEPS - 1, 1: STEPS - 1}
+    assert (sp[sp.kind == "comm_wait"].name == "ddp_final_wait").sum() == 2 * STEPS
+    # spans lie inside their step
+    m = sp[sp.kind.isin(["forward", "backward", "optimizer"])].merge(s, on=["rank", "step"], suffixes=("", "_s"))
+    assert (m.start_ns >= m.start_ns_s).all() and (m.end_ns <= m.end_ns_s).all()
+
+
+def test_ddp_buckets_carry_all_gradient_bytes(ddp):
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    from model import TinyLM
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in TinyLM(256, 32, 2, seq=16).parameters())
+    run, _ = ddp
+    b = run.collectives[run.collectives.api == "ddp_bucket"]
+    assert (b.source == "ddp").all() and b.end_ns.notna().all() and b.bucket.notna().all()
+    per_step = b.groupby(["rank", "step"]).in_bytes.sum()
+    assert len(per_step) == 2 * STEPS
+    assert (per_step == grad_bytes).all(), (per_step.tolist(), grad_bytes)
+    _assert_collectives_matched(run)
+    assert torch  # torch imported only for the model
+
+
+def test_ddp_loss_identical_with_and_without_dtprof(ddp, bare_ddp):
+    _, losses = ddp
+    assert len(losses) == STEPS
+    assert losses == bare_ddp
+
+
+def test_groups_table(ddp):
+    run, _ = ddp
+    g = run.groups
+    assert set(g["rank"]) == {0, 1}
+    assert (g.ranks == "0,1").all() and (g["size"] == 2).all() and (g.backend == "gloo").all()
+    assert set(g.group) == set(run.collectives.group)
+
+
+# ---- FSDP2 ------------------------------------------------------------------------------------------------------
+
+def test_fsdp2_all_gather_and_reduce_scatter(fsdp):
+    run = fsdp
+    c = run.collectives
+    assert set(c.op) >= {"all_gather", "reduce_scatter"}
+    assert (c[c.op.isin(["all_gather", "reduce_scatter"])].source == "fsdp").all()
+    ag = c[c.op == "all_gather"]
+    assert (ag.out_bytes == 2 * ag.in_bytes).all()         # world size 2: each rank holds half
+    _assert_collectives_matched(run)
+    assert run.steps.groupby("rank").size().to_dict() == {0: STEPS, 1: STEPS}
+
+
+# ---- pipelining -------------------------------------------------------------------------------------------------
+
+def test_pipeline_chunks_per_stage_and_step(pipeline):
+    run, schedule = pipeline
+    sp = run.spans
+    for kind in ("pp_forward", "pp_backward"):
+        k = sp[sp.kind == kind]
+        counts = k.groupby(["rank", "step"]).size()
+        assert len(counts) == 2 * STEPS and (counts == 4).all(), (kind, counts)
+        assert (k.stage == k["rank"]).all()
+        assert sorted(k.microbatch.unique()) == [0, 1, 2, 3]
+    assert not (sp.kind == "forward").any()      # replaced by pp_forward inside the schedule
+    name = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
+    msgs = run.events.message.astype(str)
+    assert msgs.str.contains(f"pipeline schedule: {name}, stages=2, microbatches=4").sum() == 2
+
+
+def test_pipeline_p2p_matched(pipeline):
+    run, _ = pipeline
+    _assert_p2p_matched(run)
+    c = run.collectives
+    act = c[(c.op.isin(["send", "recv"])) & (c.dtype == "float32")]
+    # activations and gradients between the stages: one send and one recv per microbatch per step on each side
+    assert act.groupby(["rank", "op"], observed=True).size().unique().tolist() == [4 * STEPS]
+    assert act.microbatch.notna().all() and (act.source == "pipeline").all()
+
+
+# ---- robustness ---------------------------------------------------------------------------------------------------
+
+def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
+    run_dir, losses, _ = run_job(tmp_path, "train_ddp.py", SMALL, extra_env={"DTPROF_TEST_FAULT": "collective@1"})
+    assert losses == bare_ddp
+    run = open_run(run_dir)
+    ev = run.events
+    err = ev[(ev.level == "error") & (ev["rank"] == 1)]
+    assert len(err) == 1 and "injected fault" in err.message.iloc[0]
+    assert not (ev[ev["rank"] == 0].level == "error").any()
+    steps = run.steps.groupby("rank").size().to_dict()
+    assert steps[0] == STEPS and steps.get(1, 0) < STEPS
+
+
+def test_sigkilled_rank_stays_readable(tmp_path):
+    run_dir = create_run_dir(tmp_path / "run", {"test": "kill"})
+    node_dir = create_node_dir(run_dir)
+    args = ["--steps", "100000", "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
+    p = subprocess.Popen(_torchrun("train_ddp.py", args), env=_env(node_dir), cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        steps_file = node_dir / "rank-1" / "steps.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if steps_file.exists() and len(steps_file.read_text().splitlines()) > 5:
+                break
+            time.sleep(0.2)
+        victim = json.loads((node_dir / "rank-1" / "rank.json").read_text())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    run = open_run(run_dir)
+    assert set(run.ranks["rank"]) == {0, 1}
+    assert (run.steps["rank"] == 1).sum() >= 5
+    assert len(run.collectives[run.collectives["rank"] == 1]) >= 5
+
+
+def test_single_process_is_rank_zero_with_flop_count(tmp_path):
+    run_dir = create_run_dir(tmp_path / "run", {"test": "single"})
+    node_dir = create_node_dir(run_dir)
+    env = _env(node_dir, {"count_flops": True})
+    p = subprocess.run([sys.executable, str(EXAMPLES / "train_ddp.py"), *SMALL], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(_loss_lines(p.stdout)) == STEPS
+    run = open_run(run_dir)
+    assert run.ranks["rank"].tolist() == [0] and run.ranks.world_size.tolist() == [1]
+    s = run.steps.set_index("step")
+    assert len(s) == STEPS
+    assert s.executed_flops.notna().tolist() == [False, True] + [False] * (STEPS - 2)
+    assert s.executed_flops[1] > 1e6
+    fc = run.spans[run.spans.kind == "flops_count"]
+    assert fc.step.tolist() == [1]
