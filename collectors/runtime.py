@@ -244,6 +244,9 @@ def init(out=None, **options) -> bool:
 
         _install_train_hooks()
         hooks_collectives.install()
+        from dtprof.collectors import hooks_functional  # hybrid hook-in: functional collectives, DeviceMesh
+
+        hooks_functional.install()
         STATE.active = True
         _start_flusher(float(opts.get("flush_interval_s") or 1.0))
         _start_companions(opts)

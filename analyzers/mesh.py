@@ -1,0 +1,221 @@
+"""Hybrid-parallel analysis: communication split by DeviceMesh dimension, pipeline bubble per pipeline group, and
+the mesh groups a slow rank belongs to. Pure pandas/numpy (no torch), vectorised; inputs are the run's tables
+(``dtprof.reader.open_run``) and, when given, the analyzers' per-rank step DataFrame (``Analysis.steps``).
+
+Where dimensions come from: the rank side (collectors/mesh.py) writes a ``groups`` row with ``mesh_dim`` for the
+group each rank has along each DeviceMesh dimension, and an events row ``device mesh: shape=(2, 2), dims=(dp,
+tp)``. A group's dimension is its last non-empty ``mesh_dim`` (docs/run-format.md). Collectives on groups with no
+dimension (the world group, groups made outside a mesh) are reported under the dimension ``"(none)"``.
+
+Definitions (/work/shared/reference/metrics.md)
+- Communication time of a collective row = ``end_ns − issue_ns`` (``return_ns`` when the end was never seen), as
+  the rank experienced it (peers' lateness included). Bytes = the nccl-tests message size ``max(in_bytes,
+  out_bytes)``. ``*_per_step`` = mean over (rank, step) pairs of the ranks that have the dimension, steps with no
+  traffic in the dimension counting as 0.
+- Exposed communication ("Compute / communication overlap": |comm \\ compute| per rank and step) comes from the
+  step DataFrame's ``exposed_comm_s``; it is split across dimensions in proportion to each dimension's share of
+  that rank-step's communication time (exact when collectives do not overlap each other, as on gloo).
+- ``costliest_dim``: the dimension with the largest exposed communication per step when a step DataFrame is
+  given, else the largest communication time per step.
+- Pipeline bubble ("Pipeline bubble and stage imbalance"): for stage s in step k, 1 − |union of s's pp_forward
+  and pp_backward spans in k| ÷ step k's duration; a pipeline group's bubble is the mean over its stages (ranks)
+  and steps. Pipeline groups are the groups of the ``pp`` dimension.
+- Slow rank: the rank whose compute per step (forward, backward, optimizer, pp_forward, pp_backward spans) is
+  largest relative to the median rank ("Stragglers": compare compute, not step time); ``mesh_groups_of_rank``
+  names its group in every dimension.
+
+Proposed summary.json block (the integrator wires ``mesh_summary`` into ``summary.json``):
+
+    "mesh": {
+      "shape": [2, 2], "dims": ["dp", "tp"],
+      "per_dim": [{"dim": "tp", "comm_s_per_step": 0.012, "exposed_comm_s_per_step": 0.011,
+                   "bytes_per_step": 32768, "groups": ["3", "4"]}, ...],
+      "costliest_dim": "tp"
+    }
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+NO_DIM = "(none)"
+PP_DIM = "pp"
+_COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
+_MESH_EVENT = re.compile(r"device mesh: shape=\(([^)]*)\), dims=\(([^)]*)\)")
+
+
+def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
+    """One row per group: group, mesh_dim (last non-empty per group, else NO_DIM), ranks, size."""
+    g = groups.assign(group=groups["group"].astype(str), mesh_dim=groups["mesh_dim"].astype("string").fillna(""))
+    base = g.drop_duplicates("group", keep="first")[["group", "ranks", "size"]]
+    named = g[g["mesh_dim"] != ""].drop_duplicates("group", keep="last")[["group", "mesh_dim"]]
+    out = base.merge(named, on="group", how="left")
+    out["mesh_dim"] = out["mesh_dim"].fillna(NO_DIM).astype(str)
+    out["ranks"] = out["ranks"].astype(str)
+    return out.reset_index(drop=True)
+
+
+def mesh_shape(events: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
+    """(shape, dims) from the first ``device mesh:`` events row, or None."""
+    if events is None or events.empty:
+        return None
+    found = events["message"].astype(str).str.extract(_MESH_EVENT).dropna()
+    if found.empty:
+        return None
+    shape, dims = found.iloc[0]
+    return ([int(s) for s in shape.replace(",", " ").split()],
+            [d.strip() for d in dims.split(",") if d.strip()])
+
+
+def _rank_step_comm(groups: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step, mesh_dim): comm_s and bytes."""
+    dims = group_dims(groups)[["group", "mesh_dim"]]
+    c = collectives[["rank", "step", "group", "issue_ns", "return_ns", "end_ns", "in_bytes", "out_bytes"]].copy()
+    c["group"] = c["group"].astype(str)
+    c = c.merge(dims, on="group", how="left")
+    c["mesh_dim"] = c["mesh_dim"].fillna(NO_DIM)
+    end = c["end_ns"].astype("Float64").fillna(c["return_ns"].astype("float64")).astype("float64")
+    c["comm_s"] = (end - c["issue_ns"].astype("float64")) / 1e9
+    c["bytes"] = np.maximum(c["in_bytes"].to_numpy("int64"), c["out_bytes"].to_numpy("int64"))
+    c["step"] = c["step"].astype("float64")
+    return c.groupby(["rank", "step", "mesh_dim"], sort=False, as_index=False)[["comm_s", "bytes"]].sum()
+
+
+def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``steps``),
+    bytes_per_step, groups (sorted list of group names), ranks (count of ranks with traffic in it).
+
+    ``steps``: per rank × step with ``exposed_comm_s`` (and ``warmup``, whose True rows are left out); without it
+    every step seen in the collectives counts."""
+    rs = _rank_step_comm(groups, collectives)
+    if steps is not None:
+        keep = steps if "warmup" not in steps else steps[~steps["warmup"].astype(bool)]
+        frame = keep[["rank", "step"] + (["exposed_comm_s"] if "exposed_comm_s" in keep else [])].copy()
+        frame["step"] = frame["step"].astype("float64")
+    else:
+        frame = rs[["rank", "step"]].drop_duplicates()
+    # every (rank, step) of the frame × every dimension the rank has traffic in; missing traffic = 0
+    rank_dims = rs[["rank", "mesh_dim"]].drop_duplicates()
+    grid = frame.merge(rank_dims, on="rank", how="inner")
+    grid = grid.merge(rs, on=["rank", "step", "mesh_dim"], how="left").fillna({"comm_s": 0.0, "bytes": 0})
+    if "exposed_comm_s" in grid:
+        total = grid.groupby(["rank", "step"], sort=False)["comm_s"].transform("sum")
+        share = np.where(total > 0, grid["comm_s"] / total.where(total > 0, 1.0), 0.0)
+        grid["exposed_s"] = grid["exposed_comm_s"].astype("float64") * share
+    else:
+        grid["exposed_s"] = np.nan
+    per = grid.groupby("mesh_dim", sort=False).agg(
+        comm_s_per_step=("comm_s", "mean"), exposed_comm_s_per_step=("exposed_s", "mean"),
+        bytes_per_step=("bytes", "mean"), ranks=("rank", "nunique")).reset_index()
+    dims = group_dims(groups)
+    used = collectives["group"].astype(str).unique()
+    names = dims[dims["group"].isin(used)].groupby("mesh_dim")["group"].agg(lambda s: sorted(s.tolist()))
+    per["groups"] = per["mesh_dim"].map(names)
+    per = per.rename(columns={"mesh_dim": "dim"})
+    return per.sort_values("comm_s_per_step", ascending=False, ignore_index=True)
+
+
+def costliest_dim(per_dim: pd.DataFrame) -> str | None:
+    """The mesh dimension (not NO_DIM) costing the most: exposed comm per step if known, else comm per step."""
+    named = per_dim[per_dim["dim"] != NO_DIM]
+    if named.empty:
+        return None
+    col = "exposed_comm_s_per_step" if named["exposed_comm_s_per_step"].notna().any() else "comm_s_per_step"
+    return str(named.loc[named[col].idxmax(), "dim"])
+
+
+def _union_s(spans: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """|union of intervals| per ``keys`` (sorted sweep: a span adds what extends past the running end)."""
+    s = spans.sort_values(keys + ["start_ns"], kind="stable")
+    start, end = s["start_ns"].to_numpy("int64"), s["end_ns"].to_numpy("int64")
+    run_end = s.groupby(keys, sort=False)["end_ns"].cummax()
+    prev = run_end.groupby([s[k] for k in keys], sort=False).shift(1).to_numpy("float64")
+    lo = np.where(np.isnan(prev), start, np.maximum(start, prev))
+    s = s.assign(covered_s=np.maximum(end - lo, 0) / 1e9)
+    return s.groupby(keys, sort=False, as_index=False)["covered_s"].sum()
+
+
+def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per pipeline group (the ``pp`` dimension's groups): group, ranks, stages, steps, bubble_frac,
+    bubble_frac_max (worst stage-step), compute_s_per_step, step_s (mean step duration).
+
+    ``steps``: the run's steps table (rank, step, start_ns, end_ns) or the analyzers' (``warmup`` rows dropped)."""
+    dims = group_dims(groups)
+    pp = dims[dims["mesh_dim"] == PP_DIM]
+    cols = ["group", "ranks", "stages", "steps", "bubble_frac", "bubble_frac_max", "compute_s_per_step", "step_s"]
+    if pp.empty:
+        return pd.DataFrame(columns=cols)
+    members = pp.assign(rank=pp["ranks"].str.split(",")).explode("rank")
+    members["rank"] = members["rank"].astype("int64")
+    st = steps if "warmup" not in steps else steps[~steps["warmup"].astype(bool)]
+    st = st[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
+    st = st.assign(step_s=(st["end_ns"] - st["start_ns"]) / 1e9)
+    sp = spans[spans["kind"].astype(str).isin(["pp_forward", "pp_backward"]) & spans["step"].notna()]
+    sp = sp[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
+    covered = _union_s(sp, ["rank", "step"]) if not sp.empty else pd.DataFrame(columns=["rank", "step", "covered_s"])
+    per = members[["group", "ranks", "rank"]].merge(st, on="rank").merge(covered, on=["rank", "step"], how="left")
+    per["covered_s"] = per["covered_s"].astype("float64").fillna(0.0)
+    per["bubble_frac"] = (1.0 - per["covered_s"] / per["step_s"]).clip(lower=0.0)
+    out = per.groupby(["group", "ranks"], sort=False).agg(
+        stages=("rank", "nunique"), steps=("step", "nunique"), bubble_frac=("bubble_frac", "mean"),
+        bubble_frac_max=("bubble_frac", "max"), compute_s_per_step=("covered_s", "mean"),
+        step_s=("step_s", "mean")).reset_index()
+    return out[cols]
+
+
+def mesh_groups_of_rank(groups: pd.DataFrame, rank: int) -> dict[str, dict]:
+    """{dim: {"group": name, "ranks": [..]}} for every mesh dimension ``rank`` has a group in."""
+    dims = group_dims(groups)
+    dims = dims[dims["mesh_dim"] != NO_DIM]
+    member = ("," + dims["ranks"] + ",").str.contains(f",{int(rank)},", regex=False)
+    return {row.mesh_dim: {"group": row.group, "ranks": [int(r) for r in row.ranks.split(",")]}
+            for row in dims[member].itertuples()}
+
+
+def slowest_compute_rank(spans: pd.DataFrame) -> dict | None:
+    """The rank with the most compute per step and its ratio to the median rank: {rank, compute_s_per_step,
+    ratio_to_median}; None without compute spans."""
+    sp = spans[spans["kind"].astype(str).isin(_COMPUTE_KINDS) & spans["step"].notna()]
+    if sp.empty:
+        return None
+    covered = _union_s(sp[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"}), ["rank", "step"])
+    per_rank = covered.groupby("rank")["covered_s"].mean()
+    median = float(per_rank.median())
+    rank = int(per_rank.idxmax())
+    return {"rank": rank, "compute_s_per_step": float(per_rank.max()),
+            "ratio_to_median": float(per_rank.max() / median) if median > 0 else float("inf")}
+
+
+def attribute_slow_rank(groups: pd.DataFrame, spans: pd.DataFrame, rank: int | None = None) -> dict | None:
+    """The slow rank (``rank`` if given, e.g. from the stragglers table, else ``slowest_compute_rank``) with its
+    group in each mesh dimension: {rank, compute_s_per_step, ratio_to_median, groups: {dim: {group, ranks}}}."""
+    found = slowest_compute_rank(spans) or {}
+    if rank is not None and found.get("rank") != rank:
+        found = {"rank": int(rank)}
+    if "rank" not in found:
+        return None
+    return {**found, "groups": mesh_groups_of_rank(groups, found["rank"])}
+
+
+def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
+                 events: pd.DataFrame | None = None) -> dict | None:
+    """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims."""
+    per = comm_by_dim(groups, collectives, steps)
+    if (per["dim"] != NO_DIM).sum() == 0:
+        return None
+    found = mesh_shape(events)
+    shape, dims = found if found else ([], [d for d in per["dim"] if d != NO_DIM])
+
+    def num(x):
+        return None if pd.isna(x) else float(x)
+
+    return {
+        "shape": shape, "dims": dims,
+        "per_dim": [{"dim": r.dim, "comm_s_per_step": num(r.comm_s_per_step),
+                     "exposed_comm_s_per_step": num(r.exposed_comm_s_per_step),
+                     "bytes_per_step": num(r.bytes_per_step), "groups": list(r.groups or [])}
+                    for r in per.itertuples()],
+        "costliest_dim": costliest_dim(per),
+    }

@@ -1,0 +1,216 @@
+"""Functional collectives (``torch.ops._c10d_functional``) as one rank sees them: the collectives that DTensor,
+tensor parallelism (``parallelize_module``), context parallelism and ``torch.distributed._functional_collectives``
+issue. Installed by ``runtime.init`` after ``hooks_collectives.install``; fault rules as in runtime.py.
+
+Why intercept at the op namespace (torch 2.13, read from the installed sources)
+- DTensor's redistribute (``placement_types.py``, ``_collective_utils.py``) calls the Python functions of
+  ``torch.distributed._functional_collectives`` (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``
+  ...), and every one of them calls ``torch.ops._c10d_functional.<op>(...)`` by attribute at call time. The
+  backward formulas of those ops (``torch.library.register_autograd`` in the same file) call the same attributes.
+  ``torch.distributed`` Python functions are *not* on this path (torch-facts: "DTensor / tensor parallel: not seen").
+- So we replace the cached ``OpOverloadPacket`` attributes of the namespaces ``torch.ops._c10d_functional`` and
+  ``torch.ops._c10d_functional_autograd`` with a thin proxy (``_OpProxy``): calling it records a row; every other
+  attribute (``.default``, overloads, ``_schema``) and hashing/equality go to the real packet, so code holding
+  ``.default`` overloads or using packets as dict keys (CommDebugMode) still works. A TorchDispatchMode would see
+  the same ops but puts every aten op of the program through Python; the proxy costs nothing for other ops.
+- Not seen: code that calls an ``OpOverload`` it fetched itself (``torch.ops._c10d_functional.all_reduce.default``),
+  collectives issued from C++ (the legacy ``_c10d_functional_autograd`` ops' backward), and compiled graphs
+  (calls while tracing/compiling pass straight through: the compiled program's collectives are not recorded).
+
+Rows (same columns as other collectives; docs/run-format.md)
+- ``op`` canonical, ``api`` = the functional op's name (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+  ``all_reduce`` ...; ``<name>_autograd`` for the ``_c10d_functional_autograd`` namespace), ``source``
+  "functional", ``async_op`` True.
+- ``group``: the op's ``group_name`` argument resolved to its ProcessGroup and named by
+  ``hooks_collectives._group`` (the name the groups table uses; a new group gets its groups row there);
+  ``seq`` from ``hooks_collectives._next_seq`` (one counter per group, shared with ``torch.distributed`` calls).
+- ``in_bytes`` from the input tensor(s), ``out_bytes`` from the op's returned tensor(s) (so all_gather's output is
+  group_size × input, reduce_scatter's is input ÷ group_size, all_to_all's follows its split sizes).
+- ``issue_ns``/``return_ns``: the op call; ``end_ns``: when ``wait_tensor`` on its output (matched by the output's
+  storage) returned. Each such wait is also a ``comm_wait`` span named "wait_tensor", and ``STATE.collective``
+  names the op while the main thread waits. A coalesced op completes at the wait on its first output. Rows never
+  waited are written with ``end_ns`` null at exit (``hooks_collectives.expire_pending``).
+"""
+from __future__ import annotations
+
+import time
+
+from dtprof.collectors import hooks_collectives as hc
+from dtprof.collectors import runtime as rt
+
+now = time.monotonic_ns
+
+# op name -> (canonical op, position of the group_name argument)
+_OPS = {
+    "all_reduce": ("all_reduce", 2),
+    "all_reduce_": ("all_reduce", 2),
+    "all_reduce_coalesced": ("all_reduce", 2),
+    "all_reduce_coalesced_": ("all_reduce", 2),
+    "all_gather_into_tensor": ("all_gather", 2),
+    "all_gather_into_tensor_out": ("all_gather", 2),
+    "all_gather_into_tensor_coalesced": ("all_gather", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 3),
+    "reduce_scatter_tensor_out": ("reduce_scatter", 3),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 3),
+    "all_to_all_single": ("all_to_all", 3),
+    "broadcast": ("broadcast", 2),
+    "broadcast_": ("broadcast", 2),
+}
+_AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+_installed = False
+_tracing = None            # torch.distributed._functional_collectives._are_we_tracing, bound at install
+
+
+def _tensors(x):
+    return x if isinstance(x, (list, tuple)) else [x]
+
+
+def _storage_key(t):
+    """Completion key of a collective output: its storage (views of the output wait on the same storage)."""
+    try:
+        return ("functional", t.untyped_storage().data_ptr())
+    except Exception:
+        return None
+
+
+def _resolve_group(group_name):
+    import torch.distributed.distributed_c10d as c10d
+
+    if isinstance(group_name, str):
+        return c10d._resolve_process_group(group_name)
+    return group_name           # a ProcessGroup passed directly
+
+
+def _record(api, op, group_arg, args, kwargs, result, issue, ret):
+    ins = _tensors(args[0])
+    outs = _tensors(result)
+    first_in = ins[0] if ins else None
+    peer = None
+    if op == "broadcast":
+        import torch.distributed as dist
+
+        pg = _resolve_group(group_arg)
+        peer = dist.get_global_rank(pg, int(args[1])) if len(args) > 1 else None
+    else:
+        pg = _resolve_group(group_arg)
+    row = hc._make_row(op, api, "functional", pg, hc._nbytes_list(ins), hc._nbytes_list(outs),
+                       hc._dtype(first_in), peer, True, issue)
+    row[14] = ret
+    key = _storage_key(outs[0]) if outs else None
+    if key is None:
+        rt.W.append("collectives", row)
+        return
+    old = hc._pending.pop(key, None)
+    if old is not None:          # that storage was never waited on and got reused: keep the old rows, end unknown
+        rt.W.extend("collectives", old[1])
+    hc._pending[key] = (None, [row], issue)
+
+
+def _on_wait(tensor, orig):
+    """wait_tensor: completes the pending functional collective whose output this tensor is."""
+    state = rt.STATE
+    if state.disabled or not state.active or _tracing():
+        return orig(tensor)
+    try:
+        key = _storage_key(tensor)
+        item = hc._pending.get(key) if key is not None else None
+        t0 = now()
+        if item is not None:
+            row = item[1][0]
+            state.collective = {"op": row[2], "group": row[5], "seq": row[7], "in_bytes": row[8], "dtype": row[10],
+                                "peer": row[11], "entered_ns": t0}
+    except Exception:
+        rt._fault("functional wait_tensor")
+        return orig(tensor)
+    try:
+        return orig(tensor)
+    finally:
+        try:
+            if item is not None:
+                state.collective = None
+                t1 = now()
+                state.last_progress_ns = t1
+                hc._complete(key, t1)
+                rt._span("comm_wait", "wait_tensor", t0, t1)
+        except Exception:
+            rt._fault("functional wait_tensor")
+
+
+class _OpProxy:
+    """Stands in for one OpOverloadPacket in its ``torch.ops`` namespace: calls are recorded, everything else is
+    the packet's."""
+
+    def __init__(self, packet, api, op, group_pos):
+        self._dtprof_packet = packet
+        self._dtprof_spec = (api, op, group_pos)
+
+    def __getattr__(self, name):
+        return getattr(self._dtprof_packet, name)
+
+    def __hash__(self):
+        return hash(self._dtprof_packet)
+
+    def __eq__(self, other):
+        return other is self or other is self._dtprof_packet
+
+    def __repr__(self):
+        return repr(self._dtprof_packet)
+
+    def __call__(self, *args, **kwargs):
+        packet = self._dtprof_packet
+        state = rt.STATE
+        if state.disabled or not state.active or _tracing():
+            return packet(*args, **kwargs)
+        api, op, group_pos = self._dtprof_spec
+        if api == "wait_tensor":
+            return _on_wait(args[0] if args else kwargs["tensor"], packet)
+        issue = now()
+        result = packet(*args, **kwargs)
+        try:
+            ret = now()
+            state.last_progress_ns = ret
+            group_arg = args[group_pos] if len(args) > group_pos else kwargs.get("group_name")
+            _record(api, op, group_arg, args, kwargs, result, issue, ret)
+        except Exception:
+            rt._fault(f"functional collective ({api})")
+        return result
+
+
+def install() -> None:
+    """The runtime's single hook-in for hybrid jobs: functional collectives and DeviceMesh naming
+    (collectors/mesh.py). Never raises: what cannot be installed is an events warning row."""
+    from dtprof.collectors import mesh
+
+    for installer in (_install_functional, mesh.install):
+        try:
+            installer()
+        except Exception as e:
+            rt.event("warning", f"{installer.__module__}.{installer.__name__} unavailable: {type(e).__name__}: {e}")
+
+
+def _install_functional() -> None:
+    """Replace the functional-collective packets with recording proxies (idempotent)."""
+    global _installed, _tracing
+    if _installed:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import _functional_collectives as funcol   # registers the ops' Python parts
+
+    _tracing = funcol._are_we_tracing
+    plan = [("_c10d_functional", name, name, spec) for name, spec in _OPS.items()]
+    plan.append(("_c10d_functional", "wait_tensor", "wait_tensor", (None, None)))
+    plan += [("_c10d_functional_autograd", name, name + "_autograd", _OPS[name]) for name in _AUTOGRAD_OPS]
+    for namespace, name, api, (op, group_pos) in plan:
+        ns = getattr(torch.ops, namespace)
+        try:
+            packet = getattr(ns, name)
+        except AttributeError:
+            continue
+        if isinstance(packet, _OpProxy):
+            continue
+        setattr(ns, name, _OpProxy(packet, api, op, group_pos))
+    _installed = True
