@@ -294,15 +294,11 @@ def warn(msg: str) -> None:
 
 
 def _guarded(label: str, say: Callable[[str], None], fn: Callable, *args, **kw):
-    """Run one post step; an absent module or any failure becomes one line, never an exception."""
+    """Run one post step; any failure becomes one line, never an exception (the run and the job's exit code
+    matter more than this step)."""
     try:
         return fn(*args, **kw)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("dtprof"):
-            say(f"{label}: {e.name} not available")
-        else:
-            say(f"{label}: failed: ModuleNotFoundError: {e}")
-    except Exception as e:  # noqa: BLE001 - the run and the job's exit code matter more than this step
+    except Exception as e:  # noqa: BLE001
         say(f"{label}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return None
 
@@ -330,17 +326,20 @@ def compact(node_dir: Path, say: Callable[[str], None]):
     return out
 
 
-def summarize(run_dir: Path, options: dict):
-    from dtprof.analyzers.summary import format_summary_text, write_summary
+def summarize(run_dir: Path):
+    """Analyse once (options default to node.json's config), write summary.json, return the analysis."""
+    from dtprof.analyzers.summary import SUMMARY_FILE, analyze
+    from dtprof.reader import open_run
 
-    summary = write_summary(run_dir, **options)
-    return summary, format_summary_text(summary)
+    analysis = analyze(open_run(run_dir))
+    write_json_atomic(Path(run_dir) / SUMMARY_FILE, analysis.summary)
+    return analysis
 
 
-def report(run_dir: Path):
+def report(run_dir: Path, analysis):
     from dtprof.reports.html import write_report
 
-    return write_report(run_dir)
+    return write_report(run_dir, analysis=analysis)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
@@ -534,13 +533,14 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
     if config["trace_steps"] or has_captured_traces(node_dir):
         post["kineto"] = _guarded("kineto", warn, merge_traces, node_dir) is not None
     post["compacted"] = _guarded("compact", warn, compact, node_dir, say) is not None
-    options = {k: config[k] for k in ("flops_per_step", "peak_tflops", "dtype")}
-    res = _guarded("summary", warn, summarize, run_dir, options)
-    post["summary"] = res is not None
-    if res is not None and not quiet:
-        click.echo(res[1])
+    analysis = _guarded("summary", warn, summarize, run_dir)
+    post["summary"] = analysis is not None
+    if analysis is not None and not quiet:
+        from dtprof.analyzers.summary import format_summary_text
+
+        click.echo(format_summary_text(analysis.summary))
     if not no_report:
-        path = _guarded("report", warn, report, run_dir)
+        path = _guarded("report", warn, report, run_dir, analysis)
         post["report"] = str(path) if path is not None else None
     node_info["post"] = post
     _guarded("manifest", warn, write_json_atomic, node_dir / NODE_MANIFEST, node_info)

@@ -1,9 +1,8 @@
 """`dtprof run` around real torchrun jobs: single node with two workers, and two "nodes" (two launchers on this
 machine, one rendezvous) writing one run directory.
 
-The worker script needs no torch: it reports what dtprof gave it. Rank tables are written by the rank runtime
-(dtprof/_inject/sitecustomize.py + dtprof.collectors.runtime); where that code is present the ranks table is
-checked too, else only the node directories and manifests are (see the skip message).
+The worker script reports what dtprof gave it; with TRAIN=1 it also trains a few steps, so the rank runtime
+records them and the two "nodes" read back as one run.
 """
 from __future__ import annotations
 
@@ -28,10 +27,20 @@ node = pathlib.Path(os.environ["DTPROF_NODE_DIR"])
 print(f"worker rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} node={node.name}", flush=True)
 (pathlib.Path("seen") / f"rank{os.environ['RANK']}.json").write_text(json.dumps(
     {"node_dir": str(node), "pythonpath": os.environ["PYTHONPATH"], "config": os.environ["DTPROF_CONFIG"]}))
+if os.environ.get("TRAIN"):  # a few real training steps, so the rank runtime records something
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.ones(4, 8)).sum()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
 """
-
-RANK_SIDE = (Path(dtprof._inject.__file__).parent / "sitecustomize.py").exists()
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -39,9 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dtprof_run_popen(args, cwd):
+def dtprof_run_popen(args, cwd, env=None):
     return subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,8 @@ def multinode(tmp_path_factory):
     port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=job42", "worker.py"]
-    procs = [dtprof_run_popen(["--out", "shared_run", "--no-report", "--", *torchrun], d) for _ in range(2)]
+    env = {**os.environ, "TRAIN": "1"}
+    procs = [dtprof_run_popen(["--out", "shared_run", "--no-report", "--", *torchrun], d, env) for _ in range(2)]
     results = [p.communicate(timeout=180) for p in procs]
     return d, procs, results
 
@@ -81,12 +91,15 @@ def test_two_nodes_one_run(multinode):
 
 
 def test_two_nodes_ranks_read_as_one_run(multinode):
-    if not RANK_SIDE:
-        pytest.skip("rank runtime (dtprof/_inject/sitecustomize.py) not in this branch: ranks are not recorded")
     d, procs, _ = multinode
     run = open_run(d / "shared_run")
     assert sorted(run.ranks["rank"]) == [0, 1]
     assert run.ranks["node"].nunique() == 2
+    assert run.steps.groupby("rank").size().to_dict() == {0: 3, 1: 3}
+    # the all-reduces of both "nodes" match up by (group, seq) with equal bytes
+    ar = run.collectives[run.collectives["op"] == "all_reduce"]
+    per_instance = ar.groupby(["group", "seq"], observed=True).agg(n=("rank", "nunique"), b=("in_bytes", "nunique"))
+    assert len(per_instance) == 6 and (per_instance["n"] == 2).all() and (per_instance["b"] == 1).all()
 
 
 def test_single_node_torchrun_two_workers(tmp_path):
