@@ -63,6 +63,149 @@ def _op_key(name: str) -> str:
 
 
 # ---------------------------------------------------------------- parsing
+#
+# The fast path (``scan_trace``) never holds the whole text and never decodes an event dtprof drops. It reads the
+# (gzip) stream in CHUNK-byte pieces and finds each event's byte range with numpy: the positions of quotes
+# (escaped ones removed), then of braces outside strings, whose running depth opens an event at 1 and closes it at
+# 0. An event is decoded with ``json`` only if its bytes hold one of the markers below, or any backslash (so an
+# escaped spelling of a marker cannot hide an event); the same filter as the reference path (``_reduce_batch``)
+# then runs on the decoded dicts, so both give the same tables (tests/test_interop_fast.py checks it).
+# Skipped events are checked for balanced strings and braces only, not decoded.
+
+CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it
+_TRACE_EVENTS_B = re.compile(rb'"traceEvents"\s*:\s*\[')
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
+# An event holding one of these is decoded (a superset of what _reduce_batch keeps).
+_KEEP = re.compile(rb'"(?:cat|name)"\s*:\s*"(?:kernel"|gpu_memcpy"|gpu_memset"|user_annotation"|c10d::'
+                   rb'|record_param|process_labels")')
+_PH_X = re.compile(rb'"ph"\s*:\s*"X"')
+
+
+def _open_stream(path: Path):
+    """A binary stream of the trace's JSON, gunzipped when it starts with gzip's magic bytes."""
+    try:
+        f = open(path, "rb")
+        magic = f.read(2)
+        f.seek(0)
+    except OSError as e:
+        raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
+    return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+
+
+def _read(stream, path, n: int) -> bytes:
+    try:
+        return stream.read(n)
+    except (OSError, EOFError, zlib.error) as e:
+        if isinstance(stream, gzip.GzipFile):
+            raise KinetoError(f"{path}: damaged gzip ({e})") from None
+        raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _unescaped(q: np.ndarray, bs: np.ndarray) -> np.ndarray:
+    """The quotes of ``q`` not escaped by the backslashes at ``bs``."""
+    escaped = []
+    i = 0
+    while i < len(bs):  # a run of L backslashes escapes every second one and, if L is odd, the next byte
+        j = i
+        while j + 1 < len(bs) and bs[j + 1] == bs[j] + 1:
+            j += 1
+        if (j - i + 1) % 2:
+            escaped.append(int(bs[j]) + 1)
+        i = j + 1
+    return q[~np.isin(q, escaped)] if escaped else q
+
+
+def _layout(buf: bytes) -> dict:
+    """Where the events are in ``buf``, which starts inside the traceEvents array at depth 0 and outside any
+    string: the complete events (``opens``/``closes``: positions of their outer braces), the closing "]"
+    (``array_end``, None if not in ``buf``) and the backslashes (``bs``)."""
+    a = np.frombuffer(buf, np.uint8)
+    q = np.flatnonzero(a == _QUOTE)
+    bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\") >= 0 else np.empty(0, np.int64)
+    if len(bs):
+        q = _unescaped(q, bs)
+    st = np.flatnonzero((a == _OPEN) | (a == _CLOSE) | (a == _END))
+    st = st[np.searchsorted(q, st) % 2 == 0]  # an even number of quotes before it: outside strings
+    sch = a[st]
+    depth = np.cumsum((sch == _OPEN).astype(np.int64) - (sch == _CLOSE))  # depth after each; "]" keeps it
+    ends = st[(sch == _END) & (depth == 0)]
+    array_end = int(ends[0]) if len(ends) else len(a)
+    inside = st < array_end
+    if (depth[inside] < 0).any():
+        raise ValueError(f"unbalanced '}}' at byte {int(st[np.argmax(depth < 0)])} of the array")
+    opens = st[inside & (sch == _OPEN) & (depth == 1)]
+    closes = st[inside & (sch == _CLOSE) & (depth == 0)]
+    return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
+            "bs": bs[bs < closes[-1]] if len(closes) else bs[:0]}
+
+
+def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
+    """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` marker or any
+    backslash); ``_reduce_batch`` then filters them exactly as the reference path does."""
+    opens, closes = lay["opens"], lay["closes"]
+    lo, hi = int(opens[0]), int(closes[-1]) + 1
+    parts["n_events"] += len(opens)
+    parts["x_events"] += len(_PH_X.findall(buf, lo, hi))
+    marks = np.fromiter((m.start() for m in _KEEP.finditer(buf, lo, hi)), np.int64)
+    cand = np.unique(np.searchsorted(opens, np.concatenate([marks, lay["bs"]]), side="right") - 1)
+    if len(cand):
+        sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
+        _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
+
+
+def scan_trace(path: Path, parts: dict, chunk: int = CHUNK) -> dict:
+    """Fast path: feed the events dtprof keeps to ``_reduce_batch``; return the top-level keys but traceEvents."""
+    stream = _open_stream(path)
+    with stream:
+        buf = _read(stream, path, chunk)
+        head = buf.lstrip()[:1]
+        m = _TRACE_EVENTS_B.search(buf)
+        while head == b"{" and not m and len(buf) < 256 * 2**20:  # metadata before traceEvents is rarely large
+            more = _read(stream, path, chunk)
+            if not more:
+                break
+            buf += more
+            m = _TRACE_EVENTS_B.search(buf)
+        if head == b"[":
+            prefix, pos = None, buf.index(b"[") + 1
+        elif head == b"{" and m:
+            prefix, pos = buf[:m.start()], m.end()
+        elif head == b"{":
+            raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+        else:
+            raise KinetoError(f"{path}: not JSON (starts with {buf[:20]!r})")
+        buf = buf[pos:]
+        eof = False
+        while True:
+            try:
+                lay = _layout(buf)
+                closes, array_end = lay["closes"], lay["array_end"]
+                if len(closes):
+                    _reduce_chunk(buf, lay, parts)
+            except ValueError as e:  # json's errors and UnicodeDecodeError included
+                raise KinetoError(f"{path}: invalid JSON in traceEvents ({str(e).splitlines()[0]})") from None
+            if array_end is not None:
+                tail = buf[array_end + 1:] + (b"" if eof else _read(stream, path, -1))
+                break
+            if eof:
+                raise KinetoError(f"{path}: truncated JSON (traceEvents never closed)")
+            buf = buf[int(closes[-1]) + 1:] if len(closes) else buf
+            more = _read(stream, path, chunk)
+            eof = not more
+            buf += more
+    if prefix is None:
+        return {}
+    try:
+        meta = json.loads(prefix + b'"traceEvents": []' + tail)
+    except ValueError as e:
+        raise KinetoError(f"{path}: invalid JSON around traceEvents ({e})") from None
+    meta.pop("traceEvents", None)
+    return meta
+
+
+# ---------------------------------------------------------------- reference path
+# Plain stdlib json over the whole text: slow, but obviously right. Kept to check the fast path against
+# (``parse_trace(path, fast=False)``).
 
 _TRACE_EVENTS = re.compile(r'"traceEvents"\s*:\s*\[')
 _SEP = re.compile(r"[\s,]*")
@@ -136,7 +279,6 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
 def _reduce_batch(events: list, parts: dict) -> None:
     """Keep only the columns dtprof uses from one batch of complete ("X") events."""
     x = [e for e in events if e.get("ph") == "X"]
-    parts["n_events"] += len(events)
     parts["pids"].update(e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_labels"
                          and "CPU" in str(e.get("args", {}).get("labels", "")))
     kern = [e for e in x if e.get("cat") in KERNEL_CATS]
@@ -166,22 +308,31 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "ext": [a.get("External id") for a in args],
             "dims": [a.get("Input Dims") for a in args], "types": [a.get("Input type") for a in args],
         }))
-    parts["other"] += len(x) - len(kern) - len(cpu)
+    parts["kept"] += len(kern) + len(cpu)
 
 
-def parse_trace(path: Path) -> dict:
-    """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}."""
-    text = read_text(path)
-    meta: dict = {}
-    parts = {"kernels": [], "cpu": [], "n_events": 0, "other": 0, "pids": set()}
-    for batch in iter_event_batches(text, path, meta):
-        _reduce_batch(batch, parts)
-    del text
+def parse_trace(path: Path, fast: bool = True) -> dict:
+    """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}.
+
+    ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
+    """
+    parts = {"kernels": [], "cpu": [], "n_events": 0, "x_events": 0, "kept": 0, "pids": set()}
+    if fast:
+        meta = scan_trace(Path(path), parts)
+    else:
+        text = read_text(path)
+        meta = {}
+        for batch in iter_event_batches(text, path, meta):
+            parts["n_events"] += len(batch)
+            parts["x_events"] += sum(e.get("ph") == "X" for e in batch)
+            _reduce_batch(batch, parts)
+        del text
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
     cat = lambda dfs: pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()  # noqa: E731
     return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
-            "n_events": parts["n_events"], "other": parts["other"], "pids": parts["pids"], "path": Path(path)}
+            "n_events": parts["n_events"], "other": parts["x_events"] - parts["kept"], "pids": parts["pids"],
+            "path": Path(path)}
 
 
 # ---------------------------------------------------------------- identity
@@ -416,9 +567,11 @@ def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size
 
 # ---------------------------------------------------------------- import and merge
 
-def load_traces(paths: list, warn=lambda msg: None) -> list[tuple[dict, dict]]:
-    """Parse every trace file (directories are searched for *.json and *.json.gz). A file that cannot be read is
-    skipped with a warning; mixed jobs and duplicate ranks raise KinetoError."""
+def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, dict, dict]], list[str]]:
+    """Parse every trace file (directories are searched for *.json and *.json.gz) into its rank's tables:
+    [(parsed, identity, tables)] and the skipped files' messages. ``parsed`` keeps the path and counts only: each
+    file's columns are turned into tables and dropped before the next file is read (peak memory is one file's).
+    A file that cannot be read is skipped with a warning; mixed jobs and duplicate ranks raise KinetoError."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -431,18 +584,21 @@ def load_traces(paths: list, warn=lambda msg: None) -> list[tuple[dict, dict]]:
     for f in files:
         try:
             parsed = parse_trace(f)
-            out.append((parsed, trace_identity(parsed, single=len(files) == 1)))
+            ident = trace_identity(parsed, single=len(files) == 1)
+            tables = rank_tables(parsed, ident)
+            parsed["kernels"] = parsed["cpu"] = None
+            out.append((parsed, ident, tables))
         except KinetoError as e:
             failed.append(str(e))
             warn(f"skipped {e}")
     if not out:
         raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
-    worlds = {i["world_size"] for _, i in out}
+    worlds = {i["world_size"] for _, i, _ in out}
     if len(worlds) > 1:
         raise KinetoError("traces come from different jobs (world sizes " + ", ".join(
-            f"{p['path'].name}={i['world_size']}" for p, i in out) + ")")
+            f"{p['path'].name}={i['world_size']}" for p, i, _ in out) + ")")
     seen: dict[int, Path] = {}
-    for p, i in out:
+    for p, i, _ in out:
         if i["rank"] in seen:
             raise KinetoError(f"{p['path']}: duplicate rank {i['rank']} (also in {seen[i['rank']]})")
         seen[i["rank"]] = p["path"]
@@ -463,8 +619,9 @@ def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg
     from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
 
     loaded, failed = load_traces(paths, warn)
-    per_rank = [rank_tables(p, i) for p, i in loaded]
-    tables = _concat(per_rank)
+    tables = _concat([t for _, _, t in loaded])
+    for _, _, t in loaded:  # the concatenated copies are all that is needed from here on
+        t.clear()
     tables["events"] = pd.concat([tables["events"], pd.DataFrame({
         "rank": -1, "host": "", "t_ns": 0, "level": "warning", "source": "kineto", "message": failed})],
         ignore_index=True) if failed else tables["events"]
@@ -477,7 +634,7 @@ def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg
                                              "time_base": "wall_clock"})
     node_dir = create_node_dir(run_dir, host="import")
     write_node_tables(node_dir, tables, {"command": command, "host": socket.gethostname(), "status": "imported",
-                                         "imported_files": [str(p["path"]) for p, _ in loaded],
+                                         "imported_files": [str(p["path"]) for p, _, _ in loaded],
                                          "skipped_files": failed, "time_base": "wall_clock"})
     return run_dir
 
