@@ -25,7 +25,9 @@ t = time.perf_counter()
 # HTA parses ranks in child processes: count the larger of this process and its largest child
 print(time.perf_counter() - t, max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024)
 """
-DTPROF = "from dtprof.collectors.kineto import import_kineto; import_kineto([sys.argv[1]], sys.argv[2])"
+# the command users run: `dtprof import kineto TRACES -o RUN`
+DTPROF = ("from dtprof.cli import main; "
+          "main(['import', 'kineto', sys.argv[1], '-o', sys.argv[2]], standalone_mode=False)")
 HTA = "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=sys.argv[1])"
 
 

@@ -408,6 +408,16 @@ def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
     return pd.Series(out)
 
 
+def _labels(prefix: str, values) -> pd.Categorical:
+    """``prefix + str(value)`` per value, or ``prefix`` repeated when ``values`` is a count, as a Categorical: a
+    span table's text columns repeat a few values over millions of rows, and the run format stores them as
+    categories anyway (a plain string column costs one Python string per row when written)."""
+    if isinstance(values, int):
+        return pd.Categorical.from_codes(np.zeros(values, np.int8), [prefix])
+    codes, uniq = pd.factorize(values, use_na_sentinel=False)
+    return pd.Categorical.from_codes(codes, [prefix + str(u) for u in uniq])
+
+
 def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int | None = None) -> dict:
     """One parsed trace -> run-format tables for its rank.
 
@@ -436,18 +446,18 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
     if len(kern):
         ks = _to_ns(kern["ts"], base)
         spans.append(pd.DataFrame({
-            "rank": rank, "step": _assign_step(ks, steps), "kind": "kernel", "name": kern["name"].to_numpy(),
-            "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
-            "lane": "cuda:" + kern["stream"].astype(str).to_numpy(), "source": "kineto"}))
+            "rank": rank, "step": _assign_step(ks, steps), "kind": _labels("kernel", len(kern)),
+            "name": pd.Categorical(kern["name"]), "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
+            "lane": _labels("cuda:", kern["stream"]), "source": _labels("kineto", len(kern))}))
     # user annotations on the CPU
     if len(cpu):
         ua = cpu[(cpu["cat"] == "user_annotation") & ~cpu["name"].str.startswith(("ProfilerStep#", "gloo:", "nccl:"))]
         if len(ua):
             us = _to_ns(ua["ts"], base)
             spans.append(pd.DataFrame({
-                "rank": rank, "step": _assign_step(us, steps), "kind": "user", "name": ua["name"].to_numpy(),
-                "start_ns": us, "end_ns": us + _to_ns(ua["dur"], 0),
-                "lane": "cpu:" + ua["tid"].astype(str).to_numpy(), "source": "kineto"}))
+                "rank": rank, "step": _assign_step(us, steps), "kind": _labels("user", len(ua)),
+                "name": pd.Categorical(ua["name"]), "start_ns": us, "end_ns": us + _to_ns(ua["dur"], 0),
+                "lane": _labels("cpu:", ua["tid"]), "source": _labels("kineto", len(ua))}))
     spans = pd.concat(spans, ignore_index=True) if spans else pd.DataFrame()
 
     group0, size0 = _default_group(ident["groups"])

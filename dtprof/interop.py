@@ -5,10 +5,16 @@ with a warning on stderr and recorded in the run's events table.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
+
+# pyarrow (pandas' text columns) allocates from mimalloc by default, which does not reuse the memory numpy and
+# Python free, nor they its: an import of 1M events peaked ~35 MiB higher (benchmarks/import_speed.py). Read by
+# pyarrow when it is first imported, which in `dtprof import|export` is after this module.
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 
 class InputError(click.ClickException):
