@@ -5,7 +5,7 @@ kernels with collective args, CPU ops, runtime calls, ProfilerStep markers), the
 (so peak RSS is each one's own, read from ru_maxrss):
 - dtprof: ``dtprof.collectors.kineto.import_kineto`` (parse + write the run directory);
 - HTA: ``hta.trace_analysis.TraceAnalysis(trace_dir=...)`` from a separate venv (never a dtprof dependency).
-Prints both and the ratios. Usage: python benchmarks/import_speed.py [--events 1000000] [--hta-venv /tmp/hta-venv]
+Prints both, the ratios and PASS/FAIL per target (issue 7: >= 10x faster, <= 1/3 of HTA's peak RSS). Usage: python benchmarks/import_speed.py [--events 1000000] [--hta-venv /tmp/hta-venv]
 """
 from __future__ import annotations
 
@@ -100,7 +100,9 @@ def main() -> None:
         hs, hm = measure(hta_py, HTA, traces)
     print(f"dtprof import: {ds:7.2f} s  peak RSS {dm / 2**20:8.0f} MiB")
     print(f"HTA load:      {hs:7.2f} s  peak RSS {hm / 2**20:8.0f} MiB")
-    print(f"speed-up: {hs / ds:.1f}x (target >= 10x)   memory: {dm / hm:.2f} of HTA's peak (target <= 0.33)")
+    speed, mem = hs / ds, dm / hm
+    print(f"speed-up: {speed:.1f}x (target >= 10x): {'PASS' if speed >= 10 else 'FAIL'}")
+    print(f"memory:   {mem:.2f} of HTA's peak RSS (target <= 1/3): {'PASS' if mem <= 1 / 3 else 'FAIL'}")
 
 
 if __name__ == "__main__":

@@ -153,8 +153,9 @@ def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
         _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
 
 
-def scan_trace(path: Path, parts: dict, chunk: int = CHUNK) -> dict:
+def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
     """Fast path: feed the events dtprof keeps to ``_reduce_batch``; return the top-level keys but traceEvents."""
+    chunk = chunk or CHUNK
     stream = _open_stream(path)
     with stream:
         buf = _read(stream, path, chunk)
@@ -311,6 +312,29 @@ def _reduce_batch(events: list, parts: dict) -> None:
     parts["kept"] += len(kern) + len(cpu)
 
 
+_TIMES = ("ts", "dur")
+_IDS = ("stream", "ext", "in_nelems", "out_nelems", "group_size", "seq", "pid", "tid")
+_TEXT = ("cat", "name", "coll", "dtype", "group")
+
+
+def _tidy(df: pd.DataFrame) -> pd.DataFrame:
+    """Column dtypes that do not depend on how the events were batched (pandas infers each batch's: a batch where
+    an arg is always absent gives object, another int64, their concat object or float64): times float64, ids
+    Int64 when every value is a whole number, text str. A column holding anything else is left as it is."""
+    for c in df.columns:
+        s = df[c]
+        if c in _TEXT and pd.api.types.infer_dtype(s, skipna=True) in ("string", "empty"):
+            df[c] = s.astype("str")
+        elif c in _TIMES + _IDS:
+            n = pd.to_numeric(s, errors="coerce")
+            if n.isna().sum() != s.isna().sum():  # some value was not a number: keep the column as read
+                continue
+            n = n.astype("float64")
+            whole = c in _IDS and bool((n.dropna() % 1 == 0).all())
+            df[c] = n.astype("Int64") if whole else n
+    return df
+
+
 def parse_trace(path: Path, fast: bool = True) -> dict:
     """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}.
 
@@ -329,7 +353,7 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
         del text
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
-    cat = lambda dfs: pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()  # noqa: E731
+    cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
     return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
             "n_events": parts["n_events"], "other": parts["x_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}
