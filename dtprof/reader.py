@@ -46,6 +46,8 @@ def conform(table: str, df):
             s = pd.to_numeric(s, errors="coerce").astype("float64")
         elif kind == "bool":
             s = s.fillna(False).astype("bool") if n else s.astype("bool")
+        elif kind == "str" and col in CATEGORICAL and isinstance(s.dtype, pd.CategoricalDtype) and n:
+            s = _conform_categorical(s)  # Parquet keeps categoricals: skip the per-row string round trip
         elif kind == "str":
             s = s.astype("object").where(s.notna(), "").astype(str)
             s = s.astype("category") if col in CATEGORICAL else s
@@ -53,6 +55,20 @@ def conform(table: str, df):
     return pd.DataFrame(out).reset_index(drop=True) if n else pd.DataFrame(
         {c: pd.Series(dtype=("category" if (k == "str" and c in CATEGORICAL) else _NUMPY_DTYPES[k]))
          for c, k in TABLES[table]})
+
+
+def _conform_categorical(s):
+    """A categorical column with string categories and "" for nulls, touching only the categories (fast at 10M rows)."""
+    cats = s.cat.categories
+    as_str = cats.astype(str)
+    if not as_str.is_unique:  # e.g. 1 and "1": fall back to the general path
+        return s.astype("object").where(s.notna(), "").astype(str).astype("category")
+    s = s.cat.rename_categories(as_str)
+    if s.isna().any():
+        if "" not in s.cat.categories:
+            s = s.cat.add_categories([""])
+        s = s.fillna("")
+    return s
 
 
 def _read_json(path: Path) -> dict:

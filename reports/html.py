@@ -54,15 +54,14 @@ ANCHOR_ALIASES = {"heatmap": "heatmaps", "step_time": "steps", "nvml": "gpu", "c
                   "headline": "headline", "bubble": "pipeline"}
 
 # (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
-HEADLINES = [
-    ("mfu", "MFU", ["mfu.mfu_frac", "mfu.value_frac", "mfu.mfu"], "frac"),
-    ("step_time_p50", "Step time p50", ["steps.step_time_p50_s", "steps.p50_s"], "s"),
-    ("step_time_p90", "Step time p90", ["steps.step_time_p90_s", "steps.p90_s"], "s"),
-    ("tokens_per_s", "Tokens / s", ["throughput.tokens_per_s", "steps.tokens_per_s"], "rate"),
-    ("samples_per_s", "Samples / s", ["throughput.samples_per_s", "steps.samples_per_s"], "rate"),
-    ("exposed_comm", "Exposed communication", ["comm.exposed_comm_frac", "communication.exposed_comm_frac"],
-     "frac"),
-    ("overlap", "Comm/compute overlap", ["comm.overlap_ratio", "communication.overlap_ratio"], "frac"),
+HEADLINES = [  # (card id, label, summary key — docs/summary-schema.md, unit kind)
+    ("mfu", "MFU", ["mfu.value"], "frac"),
+    ("step_time_p50", "Step time p50", ["steps.time_s.p50"], "s"),
+    ("step_time_p90", "Step time p90", ["steps.time_s.p90"], "s"),
+    ("tokens_per_s", "Tokens / s", ["steps.tokens_per_s"], "rate"),
+    ("samples_per_s", "Samples / s", ["steps.samples_per_s"], "rate"),
+    ("exposed_comm", "Exposed communication", ["overlap.exposed_comm_frac"], "frac"),
+    ("overlap", "Comm/compute overlap", ["overlap.ratio"], "frac"),
     ("bubble", "Pipeline bubble", ["pipeline.bubble_frac"], "frac"),
 ]
 SEVERITY_ORDER = {"critical": 0, "error": 1, "high": 1, "warning": 2, "medium": 2, "info": 3, "low": 4}
@@ -171,8 +170,14 @@ def _header(run, summary: dict) -> str:
         for s in ("hung", "crashed", "failed"):
             if s in statuses:
                 status = s
-    reason = srun.get("status_reason") or srun.get("reason") or "; ".join(
-        str(n.get("status_reason")) for n in nodes if n.get("status_reason"))
+    reason = ""
+    if status not in ("completed", "running", "unknown"):  # say why: triage's one-line verdict
+        from dtprof.analyzers.triage import triage
+
+        try:
+            reason = triage(run.path)["message"]
+        except Exception as e:  # a damaged run still gets its report
+            reason = f"triage could not tell why ({type(e).__name__}: {e})"
     exit_codes = sorted({n.get("exit_code") for n in nodes if n.get("exit_code") is not None})
     world = srun.get("world_size") or run.world_size
     hosts = run.hosts
@@ -211,13 +216,12 @@ def _cards(summary: dict) -> str:
         "mfu": " · ".join(x for x in (
             f"FLOPs: {esc(mfu.get('flops_source'))}" if mfu.get("flops_source") else "",
             f"peak: {esc(mfu.get('peak_source'))}" if mfu.get("peak_source") else "",
-            f"{esc(mfu.get('peak_tflops'))} TFLOP/s {esc(mfu.get('dtype') or '')}" if mfu.get("peak_tflops") else "",
-        ) if x) or esc(mfu.get("reason") or "no FLOP count or no peak: pass --flops-per-step / --peak-tflops"),
+            f"{mfu['peak_flops'] / 1e12:.4g} TFLOP/s {esc(mfu.get('dtype') or '')}" if mfu.get("peak_flops") else "",
+        ) if x) if mfu.get("value") is not None else esc(mfu.get("value_reason") or "unknown"),
         "step_time_p50": "median of the job's step time (slowest rank), warm-up excluded",
         "step_time_p90": "90th percentile of the job's step time",
         "tokens_per_s": "whole job", "samples_per_s": "whole job",
-        "exposed_comm": (f"{fmt_s(pick(summary, ['comm.exposed_comm_s', 'communication.exposed_comm_s']))} "
-                         "summed over ranks and steps; share of step time"),
+        "exposed_comm": "share of step time a rank could only communicate (mean over ranks and steps)",
         "overlap": "share of communication hidden under compute",
     }
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])

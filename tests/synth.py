@@ -39,6 +39,16 @@ class SynthSpec:
     device_name: str = "cpu"
     device_type: str = "cpu"
     seed: int = 0
+    # --- added for the analyzer tests (all default to "off") ---
+    host_drift_ppm: list[float] = field(default_factory=list)  # per host clock drift: t_host += ppm·1e-6·(t - 1 s)
+    module_spans: int = 0               # nested per-module forward/backward spans per step (bulk for benchmarks)
+    late_rank: int | None = None        # this rank's data wait is late_ms longer: it arrives late at collectives
+    late_ms: float = 0.0
+    nvml_interval_ms: float = 0.0       # >0: NVML samples for every rank's GPU at this interval
+    throttle_rank: int | None = None    # this rank's GPU reports HW thermal slowdown and a lower SM clock
+    device_mem_total_bytes: int | None = None
+    pipeline_stages: int = 0            # >0: a GPipe pipeline run, one stage per rank (world_size = stages)
+    microbatches: int = 4               # pipeline microbatches; fwd_ms/bwd_ms are per microbatch per stage
 
 
 def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
@@ -46,6 +56,8 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
     spec = spec or SynthSpec()
     for k, v in kw.items():
         setattr(spec, k, v)
+    if spec.pipeline_stages:
+        return _build_pipeline_run(path, spec)
     rng = np.random.default_rng(spec.seed)
     W, S = spec.world_size, spec.steps
     ranks = np.arange(W)
@@ -61,6 +73,8 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
         return base.astype(np.int64)
 
     data, fwd, bwd, opt = phase(spec.data_ms), phase(spec.fwd_ms), phase(spec.bwd_ms), phase(spec.opt_ms)
+    if spec.late_rank is not None:
+        data[spec.late_rank] += int(spec.late_ms * MS)
     # Collectives synchronise ranks: a step on all ranks lasts as long as the slowest rank's compute + last bucket.
     bucket_ns = int(spec.bucket_ms * MS)
     compute_to_last_issue = data + fwd + bwd
@@ -79,8 +93,12 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
     rk = np.repeat(ranks, S)
     st = np.tile(np.arange(S), W)
 
+    drift = np.array(spec.host_drift_ppm or [0.0] * spec.hosts, dtype=float)[host_of][:, None]
+
     def flat(a):
-        return (a + offs).ravel()
+        a = np.asarray(a, dtype=np.int64)
+        skew = np.rint(drift * 1e-6 * (a - 10**9)).astype(np.int64) if spec.host_drift_ppm else 0
+        return (a + offs + skew).ravel()
 
     steps = pd.DataFrame({"rank": rk, "step": st, "start_ns": flat(t0), "end_ns": flat(s_end),
                           "peak_mem_bytes": 2**30, "tokens": 4096, "samples": 8})
@@ -89,6 +107,13 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
                        ("comm_wait", b_end, wait_end), ("optimizer", wait_end, o_end)):
         spans.append(pd.DataFrame({"rank": rk, "step": st, "kind": kind, "name": kind,
                                    "start_ns": flat(a), "end_ns": flat(b), "lane": "main", "source": "hook"}))
+    for i in range(spec.module_spans):  # layer i's share of forward and backward, nested inside the phase
+        k = spec.module_spans
+        for kind, a, dur in (("forward", d_end, fwd), ("backward", f_end, bwd)):
+            s0 = a + (dur * i) // k
+            spans.append(pd.DataFrame({"rank": rk, "step": st, "kind": kind, "name": f"layers.{i}",
+                                       "start_ns": flat(s0), "end_ns": flat(a + (dur * (i + 1)) // k),
+                                       "lane": "main", "source": "hook"}))
     spans = pd.concat(spans, ignore_index=True)
 
     # Buckets: bucket j of B is issued at f_end + bwd*(j+1)/B; the instance ends when its last rank issued + transfer.
@@ -107,7 +132,8 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
     rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks % per_host, "world_size": W,
                              "node_rank": host_of, "host": [f"host{h}" for h in host_of], "pid": 1000 + ranks,
                              "device_type": spec.device_type, "device_index": ranks % per_host,
-                             "device_name": spec.device_name, "device_uuid": "", "backend": "gloo"})
+                             "device_name": spec.device_name, "device_uuid": "", "backend": "gloo",
+                             "device_mem_total_bytes": spec.device_mem_total_bytes})
     groups = pd.DataFrame({"rank": ranks, "group": "0", "ranks": ",".join(map(str, ranks)), "size": W,
                            "backend": "gloo", "desc": "default_pg", "mesh_dim": ""})
     wall0 = time.time_ns()
@@ -117,8 +143,73 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
     create_run_dir(path, {"command": ["synthetic"], "created": "synthetic"})
     tables = {"ranks": rank_tbl, "steps": steps, "spans": spans, "collectives": colls, "groups": groups,
               "clock": clock}
+    if spec.nvml_interval_ms:
+        tables["nvml"] = _nvml_samples(spec, rank_tbl, int(step_start[0]), int(step_start[-1] + step_len[-1]))
     node = Path(path) / "node-synthetic"
     node.mkdir()
     write_node_tables(node, tables, {"host": "synthetic", "command": ["synthetic"], "status": "completed",
                                      "exit_code": 0})
+    return Path(path)
+
+
+def _nvml_samples(spec: SynthSpec, rank_tbl: pd.DataFrame, t0: int, t1: int) -> pd.DataFrame:
+    """One sample per GPU per interval: 90 % SM busy, 1980 MHz, 60 °C; the throttled rank's GPU reports HW thermal
+    slowdown (0x40), 1400 MHz and 88 °C in every sample."""
+    ts = np.arange(t0, t1, int(spec.nvml_interval_ms * MS), dtype=np.int64)
+    n, T = len(rank_tbl), len(ts)
+    hot = np.zeros(n, bool)
+    if spec.throttle_rank is not None:
+        hot[spec.throttle_rank] = True
+    hot = np.repeat(hot, T)
+    return pd.DataFrame({
+        "host": np.repeat(rank_tbl["host"].to_numpy(), T), "node": "node-synthetic",
+        "gpu": np.repeat(rank_tbl["device_index"].to_numpy(), T), "uuid": "", "t_ns": np.tile(ts, n),
+        "sm_util_pct": 90.0, "mem_bw_util_pct": 40.0, "mem_used_bytes": 2.0**30,
+        "mem_total_bytes": float(spec.device_mem_total_bytes or 80 * 2**30),
+        "power_w": np.where(hot, 250.0, 500.0), "temp_c": np.where(hot, 88.0, 60.0),
+        "sm_clock_mhz": np.where(hot, 1400.0, 1980.0), "mem_clock_mhz": 2619.0,
+        "throttle_reasons": np.where(hot, 0x40, 0)})
+
+
+def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
+    """An ideal GPipe run: stage s on rank s; microbatch j's forward on stage s runs in slot s + j, then all
+    backwards in reverse stage order, then the optimizer. Stages are uniform (fwd_ms, bwd_ms per microbatch), so
+    every stage's bubble is exactly (p-1)/(m+p-1) of the pipeline phase."""
+    p, m = spec.pipeline_stages, spec.microbatches
+    f, b, o = int(spec.fwd_ms * MS), int(spec.bwd_ms * MS), int(spec.opt_ms * MS)
+    S = spec.steps
+    step_len = (m + p - 1) * (f + b) + o
+    step_start = 10**9 + np.arange(S, dtype=np.int64) * step_len
+    st_i, s_i, j_i = np.meshgrid(np.arange(S), np.arange(p), np.arange(m), indexing="ij")
+    st_i, s_i, j_i = st_i.ravel(), s_i.ravel(), j_i.ravel()
+    base = step_start[st_i]
+    f_start = base + (s_i + j_i) * f
+    b_start = base + (m + p - 1) * f + (p - 1 - s_i + j_i) * b
+    spans = [pd.DataFrame({"rank": s_i, "step": st_i, "kind": "pp_forward", "name": "forward_one_chunk",
+                           "start_ns": f_start, "end_ns": f_start + f, "stage": s_i, "microbatch": j_i,
+                           "lane": "main", "source": "hook"}),
+             pd.DataFrame({"rank": s_i, "step": st_i, "kind": "pp_backward", "name": "backward_one_chunk",
+                           "start_ns": b_start, "end_ns": b_start + b, "stage": s_i, "microbatch": j_i,
+                           "lane": "main", "source": "hook"})]
+    if o:
+        rr, ss = np.repeat(np.arange(p), S), np.tile(np.arange(S), p)
+        o_start = step_start[ss] + (m + p - 1) * (f + b)
+        spans.append(pd.DataFrame({"rank": rr, "step": ss, "kind": "optimizer", "name": "optimizer",
+                                   "start_ns": o_start, "end_ns": o_start + o, "lane": "main", "source": "hook"}))
+    rr, ss = np.repeat(np.arange(p), S), np.tile(np.arange(S), p)
+    steps = pd.DataFrame({"rank": rr, "step": ss, "start_ns": step_start[ss], "end_ns": step_start[ss] + step_len})
+    ranks = np.arange(p)
+    rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks, "world_size": p, "node_rank": 0, "host": "host0",
+                             "pid": 1000 + ranks, "device_type": spec.device_type, "device_index": ranks,
+                             "device_name": spec.device_name, "device_uuid": "", "backend": "gloo"})
+    events = pd.DataFrame({"rank": ranks, "host": "host0", "t_ns": 10**9, "level": "info", "source": "rank",
+                           "message": f"pipeline schedule: ScheduleGPipe, stages={p}, microbatches={m}, "
+                                      "stage_indices=" + pd.Series(ranks).astype(str)})
+    create_run_dir(path, {"command": ["synthetic-pipeline"], "created": "synthetic"})
+    node = Path(path) / "node-synthetic"
+    node.mkdir()
+    write_node_tables(node, {"ranks": rank_tbl, "steps": steps, "spans": pd.concat(spans, ignore_index=True),
+                             "events": events},
+                      {"host": "synthetic", "command": ["synthetic-pipeline"], "status": "completed",
+                       "exit_code": 0})
     return Path(path)

@@ -27,6 +27,25 @@ HOSTILE = {
 }
 
 
+FAILED_STDERR = """\
+[rank1]: RuntimeError: NCCL timeout: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1042, \
+OpType=ALLREDUCE, NumelIn=6553600, NumelOut=6553600, Timeout(ms)=600000) ran for 600012 milliseconds
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_10:16:01
+  host      : host0
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 4242)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
 def _rewrite(path: Path, tables: dict, node_info: dict) -> None:
     node = Path(path) / "node-synthetic"
     write_node_tables(node, tables, node_info)
@@ -77,12 +96,13 @@ def build_report_run(path: Path, *, world_size: int = 4, steps: int = 12, pipeli
         "start_ns": t0 - 2 * 10**9, "end_ns": t1 + 10**9,
         "start_time": "2026-11-22T10:15:00Z", "end_time": "2026-11-22T10:16:02Z",
         "exit_code": 0 if status == "completed" else 1, "status": status,
-        "status_reason": "" if status == "completed" else "rank 1 exited with code 1 (RuntimeError: NCCL timeout)",
         "versions": {"python": "3.11.9", "torch": "2.13.0", "nccl": "2.27.3", "dtprof": "0.1.0",
                      "driver": "560.35.03", "cuda": "12.8"},
         "env": {"NCCL_DEBUG": "WARN"}, "config": {"trace_steps": None, "count_flops": False},
     }
     _rewrite(path, tables, node_info)
+    if status != "completed":  # what torchrun prints when a rank fails: the report says why from it (triage)
+        (Path(path) / "node-synthetic" / "stderr.log").write_text(FAILED_STDERR)
     return Path(path)
 
 

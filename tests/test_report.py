@@ -200,7 +200,7 @@ def test_failed_run_header_says_why(browser, reports):
     try:
         assert loaded.errors == []
         header = loaded.page.inner_text("header")
-        assert "failed" in header and "NCCL timeout" in header and "exit code 1" in header
+        assert "failed" in header and "timeout in all_reduce #1042" in header and "exit code 1" in header
         assert "No NVML samples" in loaded.page.inner_text("#gpu")
     finally:
         loaded.page.close()

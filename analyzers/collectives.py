@@ -1,0 +1,188 @@
+"""Collective bandwidth per op, group and message size (metrics.md, "Collective bandwidth", nccl-tests).
+
+Per instance ``(group, seq)`` of a collective: S = max(in_bytes, out_bytes) (largest over its ranks); the transfer
+time is the shortest duration of the instance across its ranks (duration = ``end_ns`` or ``return_ns`` minus
+``issue_ns``), since longer ones include waiting for late peers. algbw = S / transfer time (GB/s = 1e9 bytes/s),
+busbw = algbw × factor(op, n) with n the group size:
+all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast, reduce, send, recv 1.
+
+Aggregated per (op, group, size bucket): count of instances, total_s (Σ of the instances' mean duration over
+ranks: what one rank spent in them), transfer_s (Σ transfer times), algbw/busbw = Σ S / Σ transfer time, the
+fraction of the link's peak where the link is known, and share_of_comm = total_s / Σ total_s.
+Size buckets are powers of 4 bytes, labelled "1-4 MiB". Point-to-point ops are matched per (group, seq) like the
+rest: the sender's and receiver's rows then form the instance, as the run format numbers them per pair.
+
+Link peaks (``LINK_PEAK_GBPS``, unidirectional per GPU, the figure busbw approaches in nccl-tests) are known only
+for single-host groups of the devices listed; everything else (CPU/gloo, inter-host, unknown GPU) gets null with a
+reason.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+NS = 1e9
+
+BUS_FACTOR = {  # function of n (group size)
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 + 0 * n,
+    "reduce": lambda n: 1.0 + 0 * n,
+    "send": lambda n: 1.0 + 0 * n,
+    "recv": lambda n: 1.0 + 0 * n,
+}
+
+# NVLink per-GPU unidirectional bandwidth, GB/s (substring of the device name as NVML/torch report it).
+LINK_PEAK_GBPS = (
+    ("H100 PCIe", 64.0),     # PCIe Gen5 x16 (no NVLink bridge assumed)
+    ("H100", 450.0),         # NVLink 4, 18 links
+    ("H200", 450.0),
+    ("B200", 900.0),         # NVLink 5
+    ("A100-PCIE", 32.0),     # PCIe Gen4 x16
+    ("A100 PCIe", 32.0),
+    ("A100", 300.0),         # NVLink 3, 12 links
+    ("V100", 150.0),         # NVLink 2, 6 links
+)
+
+COLUMNS = ["op", "group", "size_bucket", "count", "total_s", "transfer_s", "bytes", "algbw_gbps", "busbw_gbps",
+           "link_peak_gbps", "link_peak_frac", "link_peak_reason", "share_of_comm", "group_size", "bucket_lo_bytes"]
+
+_UNITS = [(2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")]
+
+
+def size_bucket_label(lo: int) -> str:
+    """Label of the power-of-4 bucket starting at ``lo`` bytes: "1-4 MiB", "256 KiB-1 MiB", "0-4 B"."""
+    hi = max(lo * 4, 4)
+    def part(b):
+        for u, name in _UNITS:
+            if b >= u:
+                return b // u, name
+        return 0, "B"
+    (a, ua), (b, ub) = part(lo), part(hi)
+    if lo == 0:
+        ua = ub
+    return f"{a}-{b} {ub}" if ua == ub else f"{a} {ua}-{b} {ub}"
+
+
+def bucket_lo(size: np.ndarray) -> np.ndarray:
+    s = np.maximum(np.asarray(size, dtype=np.int64), 1)
+    k = np.floor(np.log2(s) / 2).astype(np.int64)
+    lo = (4 ** k).astype(np.int64)
+    return np.where(np.asarray(size) < 4, 0, lo)
+
+
+def link_peak(device_names: list[str], hosts_in_group: int) -> tuple[float | None, str]:
+    if hosts_in_group > 1:
+        return None, "group spans hosts; inter-host link speed unknown"
+    names = set(device_names)
+    if len(names) != 1:
+        return None, "mixed or unknown devices in the group"
+    name = names.pop()
+    for key, gbps in LINK_PEAK_GBPS:
+        if key.lower() in name.lower():
+            return gbps, f"{key} link peak {gbps:g} GB/s"
+    return None, f"no link peak known for device {name!r}"
+
+
+def instance_ids(*keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """Dense ids 0..n-1 of the distinct tuples of non-negative int arrays ``keys`` (one id per instance)."""
+    if len(keys[0]) == 0:
+        return np.zeros(0, np.int64), 0
+    combined = np.zeros(len(keys[0]), np.int64)
+    room = 1
+    for k in keys:
+        k = np.asarray(k, np.int64)
+        size = int(k.max()) + 1
+        if room * size >= 2**62:  # would overflow: let pandas group the tuples
+            ids = pd.DataFrame({f"k{i}": np.asarray(x, np.int64) for i, x in enumerate(keys)}).groupby(
+                list(f"k{i}" for i in range(len(keys))), sort=True).ngroup().to_numpy(np.int64)
+            return ids, int(ids.max()) + 1
+        combined = combined * size + k
+        room *= size
+    uniq, inv = np.unique(combined, return_inverse=True)
+    return inv.astype(np.int64), len(uniq)
+
+
+def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
+    """Instance id of each collectives row: (group, seq) for collectives, (group, sender, receiver, seq) for p2p."""
+    gcode = c["group"].astype("category").cat.codes.to_numpy(np.int64)
+    seq = c["seq"].to_numpy(np.int64)
+    rank = c["rank"].to_numpy(np.int64)
+    peer = c["peer"].astype("Int64").fillna(-1).to_numpy(np.int64)
+    op = c["op"]
+    is_send = op.isin(["send"]).to_numpy()
+    is_recv = op.isin(["recv"]).to_numpy()
+    sender = np.where(is_send, rank, np.where(is_recv, peer, -1)) + 1
+    receiver = np.where(is_send, peer, np.where(is_recv, rank, -1)) + 1
+    if not (is_send | is_recv).any():
+        return instance_ids(gcode, seq - seq.min() if len(seq) else seq)
+    return instance_ids(gcode, np.maximum(sender, 0), np.maximum(receiver, 0), seq - seq.min())
+
+
+def instances(run) -> pd.DataFrame:
+    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks."""
+    co = run.collectives
+    cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks"]
+    if len(co) == 0:
+        return pd.DataFrame(columns=cols)
+    kineto = co["source"].isin(["kineto"]).to_numpy()
+    c = co[~kineto] if (~kineto).any() else co
+    inst, n = instance_keys(c)
+    end = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
+    dur = end - c["issue_ns"].to_numpy(np.int64)
+    nbytes = np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))
+    order = np.argsort(inst, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inst[order]) != 0])
+    count = np.diff(np.r_[starts, len(order)])
+    d = dur[order]
+    op = c["op"].astype("category").array
+    grp = c["group"].astype("category").array
+    first = order[starts]
+    return pd.DataFrame({
+        "op": op.take(first), "group": grp.take(first), "seq": c["seq"].to_numpy(np.int64)[first],
+        "group_size": np.maximum.reduceat(c["group_size"].to_numpy(np.int64)[order], starts),
+        "bytes": np.maximum.reduceat(nbytes[order], starts),
+        "transfer_s": np.minimum.reduceat(d, starts) / NS,
+        "mean_s": np.add.reduceat(d, starts) / count / NS, "ranks": count})
+
+
+def collective_table(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+    inst = instances(run) if inst is None else inst
+    if len(inst) == 0:
+        return pd.DataFrame(columns=COLUMNS)
+    inst = inst.copy()
+    inst["op"] = inst["op"].astype(str)
+    inst["group"] = inst["group"].astype(str)
+    inst["bucket_lo_bytes"] = bucket_lo(inst["bytes"].to_numpy())
+    agg = inst.groupby(["op", "group", "bucket_lo_bytes"], sort=True).agg(
+        count=("seq", "size"), total_s=("mean_s", "sum"), transfer_s=("transfer_s", "sum"), bytes=("bytes", "sum"),
+        group_size=("group_size", "max")).reset_index()
+    agg["size_bucket"] = [size_bucket_label(int(b)) for b in agg["bucket_lo_bytes"]]
+    tr = agg["transfer_s"].to_numpy(float)
+    algbw = np.divide(agg["bytes"].to_numpy(float), tr, out=np.full(len(agg), np.nan), where=tr > 0) / 1e9
+    n = agg["group_size"].to_numpy(float)
+    factor = np.array([BUS_FACTOR[o](k) if o in BUS_FACTOR and k > 0 else np.nan
+                       for o, k in zip(agg["op"], n)])  # one per table row (op × group × bucket), not per call
+    agg["algbw_gbps"] = algbw
+    agg["busbw_gbps"] = algbw * factor
+    # link peak per group: devices and hosts of the group's ranks (from the groups table, else all ranks)
+    ranks = run.ranks
+    dev = pd.Series(ranks["device_name"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
+    host = pd.Series(ranks["host"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
+    gr = run.groups.drop_duplicates("group") if len(run.groups) else run.groups
+    members = {str(g): [int(x) for x in str(rs).split(",") if x.strip().lstrip("-").isdigit()]
+               for g, rs in zip(gr["group"], gr["ranks"])} if len(gr) else {}
+    peaks, reasons = [], []
+    for gname in agg["group"]:  # one per table row
+        m = members.get(gname) or list(dev.index)
+        peak, why = link_peak(dev.reindex(m).dropna().tolist(), host.reindex(m).dropna().nunique())
+        peaks.append(peak)
+        reasons.append(why)
+    agg["link_peak_gbps"] = pd.array(peaks, dtype="Float64")
+    agg["link_peak_frac"] = agg["busbw_gbps"] / agg["link_peak_gbps"]
+    agg["link_peak_reason"] = reasons
+    tot = agg["total_s"].sum()
+    agg["share_of_comm"] = agg["total_s"] / tot if tot > 0 else np.nan
+    return agg[COLUMNS]

@@ -1,0 +1,184 @@
+"""MFU and HFU (metrics.md, "MFU and HFU", the dtprof convention).
+
+    MFU = model FLOPs per step / (step time × Σ peak FLOP/s of the job's devices)
+
+- Step time: the mean of the job's measured step times (so MFU × peak is the achieved FLOP/s over the run).
+- FLOPs per step, **for the whole job**, from the first available of:
+  1. the user: ``flops_per_step`` (``--flops-per-step``; the whole job's FLOPs per step, all ranks together),
+     else the ``steps.model_flops`` column (``dtprof.annotate(model_flops=...)``, **per rank**: each rank's share
+     of the step; the job's figure is the sum over ranks of each rank's median);
+  2. a described transformer (PaLM convention, appendix B): FLOPs per token = 6·N + 12·L·H·Q·T, attention dense,
+     recompute excluded; times the job's tokens per step (Σ over ranks of ``steps.tokens``);
+  3. FlopCounterMode measured in the job on one step (``steps.executed_flops``, per rank, summed): labelled
+     "executed FLOPs". It counts recomputation, so with activation checkpointing it is HFU rather than MFU.
+  When a model source is used and executed FLOPs exist too, ``hfu`` is the executed figure over the same
+  denominator; otherwise ``hfu`` is null.
+- Peak per device, from the first available of: ``peak_tflops`` (``--peak-tflops``, per device), a calibration
+  stored by ``dtprof calibrate`` for the device name and dtype ("calibrated on <date>"), the spec table below
+  (dense, no sparsity) matched on the device name and dtype. Unknown device and no peak: MFU is null with the
+  reason -- never a guess. On a CPU there is no spec peak.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# (substring of the device name, lowercase; {dtype: TFLOP/s}) -- first match wins, so specific names come first.
+PEAK_TFLOPS = (
+    ("h100 pcie", {"fp32": 51, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513}),
+    ("h100 nvl", {"fp32": 60, "tf32": 417.5, "bf16": 835, "fp16": 835, "fp8": 1670}),
+    ("h100", {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}),
+    ("h200", {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}),
+    ("b200", {"tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}),
+    ("a100", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}),
+    ("l4", {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5}),
+    ("a10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}),
+    ("v100-pcie", {"fp32": 14, "fp16": 112}),
+    ("v100", {"fp32": 15.7, "fp16": 125}),
+    ("mi300x", {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}),
+)
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                 "tensorfloat32": "tf32", "float8": "fp8", "e4m3": "fp8", "e5m2": "fp8"}
+
+
+def norm_dtype(dtype: str) -> str:
+    d = str(dtype).lower().replace("torch.", "")
+    return DTYPE_ALIASES.get(d, d)
+
+
+def spec_peak_tflops(device_name: str, dtype: str) -> float | None:
+    name = str(device_name).lower()
+    for key, table in PEAK_TFLOPS:
+        if key in name:
+            return table.get(norm_dtype(dtype))
+    return None
+
+
+def calibration_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dtprof" / "calibration.json"
+
+
+def calibration_key(device_name: str, dtype: str) -> str:
+    return f"{device_name}|{norm_dtype(dtype)}"
+
+
+def load_calibrations() -> dict:
+    try:
+        return json.loads(calibration_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def transformer_flops_per_token(n_params: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+    """PaLM appendix B: 6N + 12·L·H·Q·T (N non-embedding parameters)."""
+    return 6.0 * n_params + 12.0 * layers * heads * head_dim * seq_len
+
+
+def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None) -> tuple[np.ndarray, str, str]:
+    """Per rank peak FLOP/s (nan where unknown), the source label and a reason when any is unknown."""
+    names = ranks["device_name"].astype(str).to_numpy()
+    types = ranks["device_type"].astype(str).to_numpy()
+    if peak_tflops is not None:
+        return np.full(len(names), float(peak_tflops) * 1e12), f"user: {float(peak_tflops):g} TFLOP/s per device", ""
+    cal = load_calibrations()
+    peaks = np.full(len(names), np.nan)
+    labels = set()
+    missing = set()
+    for name in sorted(set(names)):  # one per distinct device name
+        m = names == name
+        entry = cal.get(calibration_key(name, dtype))
+        if entry and entry.get("tflops"):
+            peaks[m] = float(entry["tflops"]) * 1e12
+            labels.add(f"calibrated on {entry.get('date', '?')} ({name}, {norm_dtype(dtype)}: "
+                       f"{float(entry['tflops']):g} TFLOP/s)")
+            continue
+        if set(types[m]) == {"cpu"} or name in ("", "cpu"):
+            missing.add(f"{name or 'cpu'}: a CPU has no spec peak (give --peak-tflops or run dtprof calibrate)")
+            continue
+        spec = spec_peak_tflops(name, dtype)
+        if spec is None:
+            missing.add(f"{name}: no spec peak for dtype {norm_dtype(dtype)} (give --peak-tflops or run "
+                        f"dtprof calibrate)")
+            continue
+        peaks[m] = spec * 1e12
+        labels.add(f"spec sheet ({name}, {norm_dtype(dtype)} dense: {spec:g} TFLOP/s)")
+    return peaks, "; ".join(sorted(labels)), "; ".join(sorted(missing))
+
+
+def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_step: float | None = None,
+                peak_tflops: float | None = None, dtype: str = "bf16", transformer: dict | None = None) -> dict:
+    """summary.json ``mfu`` block. ``per_rank``/``job``: StepTimes tables (warm-up flagged)."""
+    out = {"value": None, "hfu": None, "flops_per_step": None, "flops_source": None, "peak_flops": None,
+           "peak_source": None, "dtype": norm_dtype(dtype), "step_time_s": None, "achieved_flops_per_s": None}
+    meas = per_rank[~per_rank["warmup"]]
+    jm = job[~job["warmup"]]
+    step_time = float(jm["time_s"].mean()) if len(jm) else None
+    out["step_time_s"] = step_time
+
+    def per_rank_sum(col):
+        v = meas[col].dropna()
+        if len(v) == 0:
+            v = per_rank[col].dropna()  # executed FLOPs are often measured on one (warm-up) step
+            if len(v) == 0:
+                return None
+            return float(per_rank.loc[v.index].groupby("rank")[col].median().sum())
+        return float(meas.loc[v.index].groupby("rank")[col].median().sum())
+
+    executed = per_rank_sum("executed_flops")
+    flops, source, reason = None, None, None
+    if flops_per_step is not None:
+        flops, source = float(flops_per_step), "user (--flops-per-step, whole job)"
+    elif (mf := per_rank_sum("model_flops")) is not None:
+        flops, source = mf, "user (steps.model_flops, summed over ranks)"
+    elif transformer:
+        tok = jm["tokens"].to_numpy(float) if len(jm) and (jm["tokens_known"] > 0).all() else None
+        if tok is None or not len(tok):
+            reason = "transformer described but the job reports no tokens per step (dtprof.annotate(tokens=...))"
+        else:
+            keys = ("n_params", "layers", "heads", "head_dim", "seq_len")
+            missing = [k for k in keys if k not in transformer]
+            if missing:
+                reason = f"transformer description lacks {', '.join(missing)}"
+            else:
+                ftok = transformer_flops_per_token(*(float(transformer[k]) for k in keys))
+                flops = ftok * float(np.mean(tok))
+                source = (f"transformer formula (PaLM: 6N + 12LHQT = {ftok:.4g} FLOPs/token × "
+                          f"{np.mean(tok):.0f} tokens/step)")
+    elif executed is not None:
+        flops, source = executed, "executed FLOPs (FlopCounterMode, summed over ranks)"
+    else:
+        reason = ("no FLOPs per step: give --flops-per-step, annotate model_flops, describe the transformer, or "
+                  "run with --count-flops")
+    out["flops_per_step"] = flops
+    out["flops_source"] = source
+    if reason:
+        out["flops_reason"] = reason
+    peaks, label, missing = device_peaks(run.ranks, dtype, peak_tflops)
+    if len(peaks) == 0:
+        missing = "no ranks recorded"
+    if missing:
+        out["peak_reason"] = missing
+    else:
+        out["peak_flops"] = float(peaks.sum())
+        out["peak_source"] = label
+    if step_time is None or step_time <= 0:
+        out["value_reason"] = "no measured steps"
+        return out
+    if flops is not None:
+        out["achieved_flops_per_s"] = flops / step_time
+    if out["peak_flops"] and flops is not None:
+        out["value"] = flops / (step_time * out["peak_flops"])
+        if executed is not None and not source.startswith("executed"):
+            out["hfu"] = executed / (step_time * out["peak_flops"])
+    else:
+        out["value_reason"] = "; ".join(x for x in (reason, missing) if x)
+    if out["hfu"] is None:
+        out["hfu_reason"] = ("executed FLOPs are the MFU source (they include recompute: the value is HFU)"
+                             if source and source.startswith("executed") else
+                             "no executed FLOPs measured (run with --count-flops)")
+    return out

@@ -1,0 +1,142 @@
+"""Compute / communication overlap per rank and step (metrics.md, "Compute / communication overlap", dtprof).
+
+For each rank and step, with every set merged first (a union, so nested or concurrent intervals count once):
+- compute = union of compute spans (forward, backward, optimizer, pp_forward, pp_backward) minus the union of
+  ``comm_wait`` spans: time blocked on communication is not compute, or the overlap ratio would mean nothing;
+- comm = union of collective intervals ``[issue_ns, end_ns]`` (``return_ns`` where ``end_ns`` is null);
+- overlap ratio = |comm ∩ compute| / |comm| (null for a step without communication);
+- exposed communication = |comm \\ compute|, the time the rank could only communicate;
+- comm_wait_s and data_wait_s = union lengths of those span kinds.
+
+Kernel level: for a rank-step that has ``kernel`` spans (a captured or imported GPU trace), compute is its kernels
+except communication kernels (names matching ``nccl``/``hccl``/``rccl``) and memcpy/memset/sync, and comm is its
+communication kernels plus collectives whose source is ``kineto``; comm_wait is not subtracted there (host waits
+do not stop the GPU). Every other rank-step uses the hook spans. The ``level`` column says which was used.
+
+Intervals are attributed to the rank's step whose window holds their start and clipped to that window; intervals
+starting outside every step (before step 0, after the last) are counted in ``unassigned``.
+
+Whole-run figures are time-weighted over the measured steps: ratio = Σ overlap / Σ comm,
+exposed fraction = Σ exposed / Σ step duration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers.intervals import assign_to_windows, measure
+from dtprof.schema import COMPUTE_KINDS
+
+NS = 1e9
+COMM_KERNEL_RE = r"(?i)nccl|hccl|rccl"
+NON_COMPUTE_KERNEL_RE = r"(?i)memcpy|memset|cudaDeviceSynchronize|cudaStreamSynchronize|^sync"
+
+COMPUTE, COMM_WAIT, COMM, DATA_WAIT = 0, 1, 2, 3
+
+
+@dataclass
+class OverlapResult:
+    per_step: pd.DataFrame   # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    unassigned: int          # intervals that fell outside every step window
+
+
+def _codes(cat: pd.Series, wanted) -> np.ndarray:
+    """Boolean mask of a categorical (or string) series being one of ``wanted``, without materialising strings."""
+    return cat.isin(list(wanted)).to_numpy()
+
+
+def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
+    """``windows``: rank, step, start_ns, end_ns (one row per rank-step, the order of the result)."""
+    n_win = len(windows)
+    wr = windows["rank"].to_numpy(np.int64)
+    ws = windows["start_ns"].to_numpy(np.int64)
+    we = windows["end_ns"].to_numpy(np.int64)
+
+    sp = run.spans
+    kind = sp["kind"]
+    is_kernel = _codes(kind, ["kernel"])
+    names = sp["name"]
+    if is_kernel.any():
+        kname = names.astype(str).where(is_kernel, "")
+        k_comm = is_kernel & kname.str.contains(COMM_KERNEL_RE, regex=True).to_numpy()
+        k_other = is_kernel & kname.str.contains(NON_COMPUTE_KERNEL_RE, regex=True).to_numpy()
+        k_compute = is_kernel & ~k_comm & ~k_other
+    else:
+        k_comm = k_compute = np.zeros(len(sp), bool)
+    h_compute = _codes(kind, COMPUTE_KINDS)
+    h_wait = _codes(kind, ["comm_wait"])
+    h_data = _codes(kind, ["data_wait"])
+
+    co = run.collectives
+    c_kineto = _codes(co["source"], ["kineto"])
+    c_end = co["end_ns"].astype("Int64").fillna(co["return_ns"]).to_numpy(np.int64) if len(co) else np.zeros(0, np.int64)
+
+    # Which rank-steps have kernel data.
+    sp_rank = sp["rank"].to_numpy(np.int64)
+    sp_start = sp["start_ns"].to_numpy(np.int64)
+    sp_end = sp["end_ns"].to_numpy(np.int64)
+    sp_win = assign_to_windows(wr, ws, we, sp_rank, sp_start)
+    has_kernel = np.zeros(n_win, bool)
+    if is_kernel.any():
+        has_kernel[sp_win[is_kernel & (sp_win >= 0)]] = True
+    sp_kernel_win = has_kernel[np.maximum(sp_win, 0)]
+
+    co_rank = co["rank"].to_numpy(np.int64)
+    co_start = co["issue_ns"].to_numpy(np.int64)
+    co_win = assign_to_windows(wr, ws, we, co_rank, co_start)
+    co_kernel_win = has_kernel[np.maximum(co_win, 0)]
+
+    # Set membership of each span (-1 = not used).
+    sp_set = np.full(len(sp), -1, np.int8)
+    sp_set[h_compute & ~sp_kernel_win] = COMPUTE
+    sp_set[h_wait & ~sp_kernel_win] = COMM_WAIT
+    sp_set[h_data] = DATA_WAIT
+    sp_set[k_compute] = COMPUTE
+    sp_set[k_comm] = COMM
+    co_set = np.where(c_kineto == co_kernel_win, COMM, -1).astype(np.int8)
+
+    win = np.concatenate([sp_win, co_win])
+    sset = np.concatenate([sp_set, co_set])
+    start = np.concatenate([sp_start, co_start])
+    end = np.concatenate([sp_end, c_end])
+    used = sset >= 0
+    unassigned = int((used & (win < 0)).sum())
+    m = used & (win >= 0)
+    win, sset, start, end = win[m], sset[m], start[m], end[m]
+    start = np.maximum(start, ws[win])
+    end = np.minimum(end, we[win])
+
+    r = measure(win, sset, start, end, n_win, 4, {
+        "compute": lambda c: c[COMPUTE] & ~c[COMM_WAIT],
+        "comm": lambda c: c[COMM],
+        "overlap": lambda c: c[COMM] & c[COMPUTE] & ~c[COMM_WAIT],
+        "comm_wait": lambda c: c[COMM_WAIT],
+        "data_wait": lambda c: c[DATA_WAIT],
+    })
+    comm = r["comm"]
+    out = pd.DataFrame({
+        "rank": wr, "step": windows["step"].to_numpy(np.int64),
+        "compute_s": r["compute"] / NS, "comm_s": comm / NS,
+        "exposed_comm_s": (comm - r["overlap"]) / NS,
+        "comm_wait_s": r["comm_wait"] / NS, "data_wait_s": r["data_wait"] / NS,
+        "overlap_s": r["overlap"] / NS,
+        "overlap_ratio": np.divide(r["overlap"], comm, out=np.full(n_win, np.nan), where=comm > 0),
+        "level": np.where(has_kernel, "kernel", "hook"),
+    })
+    return OverlapResult(out, unassigned)
+
+
+def whole_run(per_step: pd.DataFrame) -> dict:
+    """summary.json ``overlap``: time-weighted over the measured rank-steps given."""
+    comm = float(per_step["comm_s"].sum())
+    dur = float(per_step["duration_s"].sum())
+    out = {"ratio": float(per_step["overlap_s"].sum() / comm) if comm > 0 else None,
+           "exposed_comm_frac": float(per_step["exposed_comm_s"].sum() / dur) if dur > 0 else None,
+           "comm_s_total": comm, "level": "kernel" if (per_step["level"] == "kernel").any() else "hook"}
+    if comm <= 0:
+        out["ratio_reason"] = "no communication recorded in the measured steps"
+    if dur <= 0:
+        out["exposed_comm_frac_reason"] = "no measured steps"
+    return out

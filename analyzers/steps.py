@@ -1,0 +1,101 @@
+"""Steps and throughput: per rank and step durations, the job's step time, warm-up detection, percentiles.
+
+Definitions (metrics.md, "Stragglers" and BRIEF §4):
+- a rank's step k lasts ``end_ns - start_ns`` of its ``steps`` row;
+- the job's step time of step k is the maximum over ranks of that step's duration (a synchronous job waits for
+  its slowest rank);
+- jitter is the coefficient of variation (std / mean) of the job's measured step times;
+- throughput: ``tokens`` and ``samples`` of a ``steps`` row are what that rank consumed in that step
+  (``dtprof.annotate``), so the job's tokens per step is the sum over ranks and tokens/s = that sum / job step time.
+  (With tensor or pipeline parallelism only the ranks that own the data should annotate.)
+
+Warm-up (dtprof convention): by default the leading steps that are slow are excluded -- step 0 always when the run
+has at least 4 steps (it carries allocator, autotuning and DDP bucket set-up), plus any further leading steps
+whose job step time exceeds 1.2 x the median of the rest; at most half the steps. ``warmup=N`` overrides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+NS = 1e9
+WARMUP_SLOW_FACTOR = 1.2
+
+
+@dataclass
+class StepTimes:
+    per_rank: pd.DataFrame   # rank, step, start_ns, end_ns, duration_s, warmup, peak_mem_bytes, tokens, samples
+    job: pd.DataFrame        # step, time_s, warmup, ranks (how many ranks reported the step), tokens, samples
+    warmup_steps: int
+    warmup_source: str       # "detected" or "user"
+
+
+def detect_warmup(job_time_s: np.ndarray) -> int:
+    """Number of leading warm-up steps in a sequence of job step times (see module docstring)."""
+    n = len(job_time_s)
+    if n < 4:
+        return 0
+    cap = n // 2
+    k = 1
+    rest_median = float(np.median(job_time_s[1:]))
+    slow = job_time_s > WARMUP_SLOW_FACTOR * rest_median
+    # extend through the leading run of slow steps after step 0
+    while k < cap and slow[k]:
+        k += 1
+    return k
+
+
+def step_times(run, warmup: int | None = None) -> StepTimes:
+    s = run.steps
+    per = pd.DataFrame({
+        "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
+        "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
+    })
+    per["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
+    for col in ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops"):
+        per[col] = s[col].astype("Int64").to_numpy()
+    per = per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    job = per.groupby("step", sort=True).agg(time_s=("duration_s", "max"), ranks=("rank", "size"),
+                                              tokens=("tokens", "sum"), samples=("samples", "sum"),
+                                              tokens_known=("tokens", "count"), samples_known=("samples", "count"))
+    job = job.reset_index()
+    if warmup is None:
+        n_warm, source = detect_warmup(job["time_s"].to_numpy()), "detected"
+    else:
+        n_warm, source = max(0, min(int(warmup), len(job))), "user"
+    warm_steps = set(job["step"].to_numpy()[:n_warm].tolist())
+    job["warmup"] = job["step"].isin(warm_steps)
+    per["warmup"] = per["step"].isin(warm_steps)
+    return StepTimes(per, job, n_warm, source)
+
+
+def step_stats(st: StepTimes) -> dict:
+    """summary.json ``steps`` block: percentiles over the job's measured (non-warm-up) step times, throughput."""
+    meas = st.job[~st.job["warmup"]]
+    t = meas["time_s"].to_numpy(dtype=float)
+    out: dict = {"count": int(len(t)), "total_count": int(len(st.job)), "warmup_steps": int(st.warmup_steps),
+                 "warmup_source": st.warmup_source}
+    if len(t):
+        p50, p90, p99 = np.percentile(t, [50, 90, 99])
+        mean = float(t.mean())
+        out["time_s"] = {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": mean,
+                         "min": float(t.min()), "max": float(t.max())}
+        out["jitter_frac"] = float(t.std() / mean) if mean > 0 else None
+    else:
+        out["time_s"] = {"p50": None, "p90": None, "p99": None, "mean": None, "min": None, "max": None}
+        out["jitter_frac"] = None
+        out["time_s_reason"] = "no measured steps (all steps are warm-up or none were recorded)"
+    out["per_step_time_s"] = [float(x) for x in t]
+    out["per_step_index"] = [int(x) for x in meas["step"]]
+    total_t = float(t.sum()) if len(t) else 0.0
+    for what in ("tokens", "samples"):
+        known = (meas[f"{what}_known"] > 0).all() and len(meas) > 0
+        if known and total_t > 0:
+            out[f"{what}_per_s"] = float(meas[what].sum() / total_t)
+        else:
+            out[f"{what}_per_s"] = None
+            out[f"{what}_per_s_reason"] = (f"the job did not report {what} per step "
+                                           f"(dtprof.annotate({what}=...))")
+    return out

@@ -1,0 +1,186 @@
+"""Stragglers (metrics.md, "Stragglers").
+
+Arrival skew: a collective instance is ``(group, seq)``; its ranks' arrivals are their ``issue_ns`` moved onto the
+reference host's clock (clock.py). Lateness = arrival - first arrival of the instance. The last rank to arrive is
+the instance's straggler and the time its peers lost waiting for it is Σ over the other ranks of
+(last arrival - their arrival). Point-to-point ops are left out.
+
+Compute score (NVIDIA resiliency-ext, "relative" reference): score = median compute time per step of the fastest
+rank / this rank's median (1.0 = as fast as the fastest). Compute excludes comm_wait (overlap.py), so a rank that
+waits for a slow peer does not look slow itself.
+
+Classification (dtprof convention; DDP equalises step time, so step time alone is never used):
+- **persistent**: compute score < 0.75 *and* slow in most steps (its per-step score, the step's fastest compute ÷
+  its own, is below 0.75 in >= 75 % of the measured steps -- a median alone is fooled by noisy CPU timings), or the rank arrived last in >= 75 % of the measured instances *and* its
+  lead over the median arrival, summed per step, averages >= 2 % of the median step time;
+- **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
+  time, and in at least twice as many such steps as any other rank (so symmetric noise on a busy machine, where
+  every rank is sometimes late, names nobody);
+- **none** otherwise.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers.clock import align_by_rank
+from dtprof.analyzers.collectives import instance_keys
+
+NS = 1e9
+SCORE_THRESHOLD = 0.75
+PERSISTENT_LATE_FRAC = 0.75
+PERSISTENT_DELAY_FRAC = 0.02
+TRANSIENT_DELAY_FRAC = 0.50
+TRANSIENT_MIN_STEPS = 2
+P2P = ("send", "recv")
+LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (max)", "power_w_mean": "power (mean)",
+          "sm_util_mean_pct": "SM utilisation (mean)"}
+
+
+def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.DataFrame:
+    """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s."""
+    co = run.collectives
+    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "inst",
+            "peers_lost_s", "measured"]
+    empty = pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64")) for c in cols})
+    if len(co) == 0:
+        return empty
+    use = ~co["op"].isin(list(P2P)).to_numpy()
+    kineto = co["source"].isin(["kineto"]).to_numpy()
+    if (use & ~kineto).any():  # prefer the rank's own records over trace rows for the same calls
+        use &= ~kineto
+    c = co[use]
+    if len(c) == 0:  # only point-to-point traffic (e.g. a pipeline without data parallelism)
+        return empty
+    rank = c["rank"].to_numpy(np.int64)
+    arr = align_by_rank(run, c["issue_ns"].to_numpy(np.int64), rank, clock)
+    inst, n_inst = instance_keys(c)
+    # sort by (instance, arrival): first/last/median arrivals are then positions in each instance's run
+    amin = int(arr.min())
+    span = int(arr.max()) - amin + 1
+    if n_inst * span < 2**62:
+        order = np.argsort(inst * span + (arr - amin), kind="stable")
+    else:
+        order = np.lexsort((arr, inst))
+    si = inst[order]
+    sa = arr[order]
+    starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
+    ends = np.r_[starts[1:], len(order)] - 1
+    count = ends - starts + 1
+    first, lastt = sa[starts], sa[ends]
+    median_arr = sa[starts + (ends - starts) // 2].astype(float)
+    # the single last rank of each instance (latest arrival); none when all arrive together
+    is_last_row = np.zeros(len(inst), bool)
+    is_last_row[order[ends]] = (lastt > first) & (count > 1)
+    pos = inst  # ids are dense 0..n-1 and sorted first, so instance k's run is the k-th in ``starts``
+    lost = (lastt[pos] - arr) / NS  # each rank's wait for the last arrival of its instance
+    lost_per_inst = np.bincount(pos, weights=lost, minlength=len(starts))
+    out = pd.DataFrame({
+        "group": c["group"].astype("category").array, "seq": c["seq"].to_numpy(np.int64),
+        "op": c["op"].astype("category").array, "rank": rank, "step": c["step"].astype("Int64").array,
+        "arrival_ns": arr, "lateness_s": (arr - first[pos]) / NS, "last": is_last_row,
+        "lead_s": np.where(is_last_row, (arr - median_arr[pos]) / NS, 0.0),
+        "inst": inst,
+    })
+    out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[pos], 0.0)
+    if measured_steps is not None:
+        s = out["step"]
+        out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
+    else:
+        out["measured"] = True
+    return out
+
+
+def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float | None) -> pd.DataFrame:
+    """Per rank: rank, host, device, late_frac, time_lost_s, compute_score, delay_s_per_step, kind, late_steps."""
+    r = run.ranks
+    out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
+                        "device": r["device_name"].astype(str).to_numpy(),
+                        "device_index": r["device_index"].astype("Int64").to_numpy()}).sort_values("rank")
+    out = out.reset_index(drop=True)
+    meas = per_step[~per_step["warmup"]] if "warmup" in per_step else per_step
+    med = meas.groupby("rank")["compute_s"].median()
+    ref = med[med > 0].min() if (med > 0).any() else np.nan
+    out["compute_s_median"] = med.reindex(out["rank"]).to_numpy()
+    out["compute_score"] = np.where(out["compute_s_median"] > 0, ref / out["compute_s_median"], np.nan)
+    c = meas[meas["compute_s"] > 0]
+    step_ref = c.groupby("step")["compute_s"].transform("min")
+    slow = (step_ref / c["compute_s"]) < SCORE_THRESHOLD
+    out["slow_step_frac"] = slow.groupby(c["rank"]).mean().reindex(out["rank"]).fillna(0.0).to_numpy()
+    n_steps = max(int(meas["step"].nunique()), 1)
+    a = arr[arr["measured"]] if len(arr) else arr
+    if len(a):
+        g = a.groupby("rank")
+        n = g.size()
+        nl = g["last"].sum()
+        lost = g["peers_lost_s"].sum()
+        lead = g["lead_s"].sum()
+        late = a[a["last"]]
+        per_step_lead = late.groupby(["rank", "step"], dropna=False)["lead_s"].sum().reset_index()
+    else:
+        n = nl = lost = lead = pd.Series(dtype=float)
+        per_step_lead = pd.DataFrame(columns=["rank", "step", "lead_s"])
+    idx = out["rank"]
+    out["instances"] = n.reindex(idx).fillna(0).astype(int).to_numpy()
+    out["late_count"] = nl.reindex(idx).fillna(0).astype(int).to_numpy()
+    out["late_frac"] = np.where(out["instances"] > 0, out["late_count"] / out["instances"].clip(lower=1), 0.0)
+    out["time_lost_s"] = lost.reindex(idx).fillna(0.0).to_numpy()
+    out["delay_s_per_step"] = lead.reindex(idx).fillna(0.0).to_numpy() / n_steps
+    p50 = step_p50_s or 0.0
+    if p50 > 0 and len(per_step_lead):
+        big = per_step_lead[per_step_lead["lead_s"] >= TRANSIENT_DELAY_FRAC * p50]
+        late_steps = big.groupby("rank").size()
+    else:
+        late_steps = pd.Series(dtype=int)
+    out["late_steps"] = late_steps.reindex(idx).fillna(0).astype(int).to_numpy()
+    slow_compute = (out["compute_score"] < SCORE_THRESHOLD) & (out["slow_step_frac"] >= PERSISTENT_LATE_FRAC)
+    persistent_late = (out["late_frac"] >= PERSISTENT_LATE_FRAC) & (
+        out["delay_s_per_step"] >= PERSISTENT_DELAY_FRAC * p50) & (p50 > 0)
+    persistent = slow_compute | persistent_late
+    ls = out["late_steps"].to_numpy()
+    top = np.sort(ls)[::-1]
+    others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
+    transient = ~persistent & (ls >= TRANSIENT_MIN_STEPS) & (ls >= 2 * others_max)
+    out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
+    out["reason"] = np.where(slow_compute, "compute score below 0.75",
+                             np.where(persistent_late, "arrives last at most collectives",
+                                      np.where(transient, "late in some steps", "")))
+    return out
+
+
+def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame) -> dict[int, list[str]]:
+    """Lines of NVML evidence for each flagged rank: its GPU's clocks, temperature, power and throttling beside the
+    median of the other GPUs of the job."""
+    flagged = cls[cls["kind"] != "none"]
+    ev: dict[int, list[str]] = {}
+    if len(flagged) == 0:
+        return ev
+    rows = rank_gpu.set_index("rank")["gpu_row"]
+    for rk in flagged["rank"].tolist():  # one iteration per flagged rank, a handful at most
+        lines = []
+        gi = int(rows.get(rk, -1)) if rk in rows.index else -1
+        if len(gpus) == 0 or gi < 0:
+            lines.append("no NVML samples for this rank's GPU (CPU run, NVML unavailable, or GPU not matched)")
+            ev[rk] = lines
+            continue
+        me = gpus.iloc[gi]
+        others = gpus.drop(index=gpus.index[gi])
+        def cmp(col, unit, fmt="{:.0f}"):
+            v = me[col]
+            if pd.isna(v):
+                return None
+            o = others[col].median() if len(others) else np.nan
+            tail = f" (others' median {fmt.format(o)} {unit})" if pd.notna(o) else ""
+            return f"{LABELS[col]} {fmt.format(v)} {unit}{tail}"
+        for col, unit in (("sm_clock_mhz_mean", "MHz"), ("temp_c_max", "°C"), ("power_w_mean", "W"),
+                          ("sm_util_mean_pct", "%")):
+            line = cmp(col, unit)
+            if line:
+                lines.append(line)
+        if me["throttled_s"] > 0:
+            lines.append(f"throttled {me['throttled_s']:.2f} s ({me['throttled_frac']:.0%} of sampled time): "
+                         f"{me['throttle_reasons'] or 'unknown reason'}")
+        else:
+            lines.append("no throttling reported by NVML")
+        ev[rk] = [f"GPU {me['host']}:{int(me['gpu'])} " + lines[0]] + lines[1:]
+    return ev

@@ -1,0 +1,587 @@
+"""Incident triage: one verdict and its evidence, from a run directory (docs/triage.md). No torch import.
+
+Inputs, all optional: the run tables (``open_run``), each rank's ``heartbeat.json`` and ``dump-<id>.json``
+(collectors/heartbeat.py), the watchdog's ``node_dir/triage/{hang,crash,exit}.json`` (dtprof/watchdog.py), the
+job's ``node_dir/stderr.log`` / ``stdout.log``, and Flight Recorder entries (in the dumps, or external files).
+
+Verdicts, checked in this order (the first that applies is the root cause; the others still add evidence):
+
+1. **mismatch** — one collective instance, identified across ranks by (group, seq) as in the run format and
+   PyTorch's ``torchfrtrace``, was called with a different op, size (``in_bytes``) or dtype on different ranks.
+   From the ``collectives`` table and Flight Recorder entries.
+2. **hang** — the watchdog fired (or, live, no rank progressed for ``stale_s``), the job's output holds a
+   collective timeout, or Flight Recorder dumps given explicitly show ranks that never reached a collective the
+   others entered. The collective most waiting ranks are inside (group, seq, op) is "the collective"; the
+   culprits are the group's members that are not inside it (where they are instead comes from their stacks).
+   Without in-flight collectives, the Flight Recorder's newest seq per rank and group gives the same answer.
+3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
+   ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
+4. **straggler** — a rank classified "persistent" by ``dtprof.analyzers.summary.analyze`` (metrics.md,
+   "Stragglers"); when that module is absent, the compute score alone (fastest rank's median per-step compute /
+   this rank's, persistent below 0.75; compute = compute spans minus the comm_wait nested in them). Its GPU's NVML samples are the evidence: throttle reasons, SM clock,
+   temperature, power, ECC errors.
+5. **healthy** otherwise.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
+
+VERDICTS = ("hang", "crash", "mismatch", "straggler", "healthy")
+SCORE_THRESHOLD = 0.75
+P2P = ("send", "recv")
+# Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
+TIMEOUT_PATTERNS = [
+    re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
+    re.compile(r"WorkNCCL\(SeqNum=\d+, OpType=\w+[^\n]*timeout[^\n]*", re.I),
+    re.compile(r"[^\n]*gloo[^\n]*(?:Timed out|timeout|Connection closed by peer|Connection reset)[^\n]*", re.I),
+    re.compile(r"[^\n]*NCCL (?:error|WARN)[^\n]*", re.I),
+    re.compile(r"[^\n]*DistStoreError[^\n]*"),
+]
+_NCCL_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/dtprof/", "/collectors/", "<frozen")
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+def _load_json(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_rank_files(run_dir: Path) -> tuple[dict, dict]:
+    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run."""
+    hbs, dumps = {}, {}
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+        for rd in sorted(nd.glob(f"{RANK_PREFIX}*")):
+            try:
+                rank = int(rd.name[len(RANK_PREFIX):])
+            except ValueError:
+                continue
+            hb = _load_json(rd / "heartbeat.json")
+            if hb:
+                hbs[rank] = hb
+            for dp in rd.glob("dump-*.json"):
+                d = _load_json(dp)
+                if d:
+                    dumps.setdefault(rank, {})[dp.name[len("dump-"):-len(".json")]] = d
+    return hbs, dumps
+
+
+def read_watchdog(run_dir: Path) -> dict:
+    """The watchdog's findings of every node: {"hang": [...], "crash": [...], "exit": [...]}."""
+    out = {"hang": [], "crash": [], "exit": []}
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+        for kind in out:
+            d = _load_json(nd / "triage" / f"{kind}.json")
+            if d:
+                out[kind].append({**d, "node": nd.name})
+    return out
+
+
+def read_logs(run_dir: Path) -> str:
+    parts = []
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+        for name in ("stderr.log", "stdout.log"):
+            p = nd / name
+            if p.exists():
+                parts.append(p.read_text(errors="replace"))
+    return "\n".join(parts)
+
+
+def best_dump(dumps: dict, prefer=("hang", "crash", "sigterm")) -> dict | None:
+    """The dump of one rank that tells most about the incident: the watchdog's, else the newest."""
+    for k in prefer:
+        if k in dumps:
+            return dumps[k]
+    return max(dumps.values(), key=lambda d: d.get("t_ns") or 0) if dumps else None
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def where(dump: dict | None) -> str | None:
+    """'train.py:88 in __next__' for the innermost frame of the main thread that is the user's code."""
+    if not dump:
+        return None
+    main = next((s for s in dump.get("stacks") or [] if s.get("main")), None)
+    if not main or not main.get("frames"):
+        return None
+    frames = main["frames"]
+    user = [f for f in frames if not any(part in f["file"] for part in _LIBRARY_PARTS)]
+    f = (user or frames)[-1]
+    text = f"{Path(f['file']).name}:{f['line']} in {f['func']}"
+    inner = frames[-1]
+    if user and inner is not f:
+        text += f" (inside {Path(inner['file']).name}:{inner['line']} in {inner['func']})"
+    return text
+
+
+def rank_label(rank: int, ranks_tbl) -> str:
+    """'rank 3 (host n1, GPU 3)' or 'rank 3 (host n1, cpu)'."""
+    if ranks_tbl is not None and len(ranks_tbl):
+        row = ranks_tbl[ranks_tbl["rank"] == rank]
+        if len(row):
+            r = row.iloc[0]
+            dev = (f"GPU {int(r['device_index'])}" if str(r["device_type"]) == "cuda" and
+                   not _isna(r["device_index"]) else str(r["device_type"]) or "device ?")
+            return f"rank {rank} (host {r['host']}, {dev})"
+    return f"rank {rank}"
+
+
+def _isna(v) -> bool:
+    try:
+        import pandas as pd
+        return bool(pd.isna(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def ranks_text(ranks) -> str:
+    """[0,1,2,4,5] -> '0–2, 4–5'."""
+    ranks = sorted(set(int(r) for r in ranks))
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}–{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _group_members(groups_tbl, group: str, fallback) -> list[int]:
+    if groups_tbl is not None and len(groups_tbl):
+        g = groups_tbl[groups_tbl["group"].astype(str) == str(group)]
+        if len(g):
+            return sorted({int(x) for x in str(g["ranks"].iloc[0]).split(",") if x.strip()})
+    return sorted(fallback)
+
+
+def fr_entries_from_dumps(dumps: dict):
+    """Flight Recorder entries carried in rank dumps -> one DataFrame (collectors/flight_recorder.py columns)."""
+    import pandas as pd
+
+    from dtprof.collectors.flight_recorder import COLUMNS, entries_frame
+
+    frames = []
+    for rank, by_id in dumps.items():
+        d = best_dump(by_id)
+        if d and isinstance(d.get("flight_recorder"), dict):
+            frames.append(entries_frame(d["flight_recorder"], rank, f"rank-{rank} dump"))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+
+
+# ---------------------------------------------------------------------------------------------- detectors
+def find_mismatches(collectives, fr_entries) -> list[dict]:
+    """Collective instances (group, seq) whose op, size or dtype differ across ranks."""
+    import pandas as pd
+
+    parts = []
+    if collectives is not None and len(collectives):
+        c = collectives[~collectives["op"].astype(str).isin(P2P)]
+        parts.append(pd.DataFrame({"rank": c["rank"].astype("int64"), "group": c["group"].astype(str),
+                                   "seq": c["seq"].astype("int64"), "op": c["op"].astype(str),
+                                   "in_bytes": c["in_bytes"].astype("int64"), "dtype": c["dtype"].astype(str),
+                                   "source": "collectives table"}))
+    if fr_entries is not None and len(fr_entries):
+        f = fr_entries[~fr_entries["is_p2p"].astype(bool)].dropna(subset=["rank", "seq"])
+        parts.append(pd.DataFrame({"rank": f["rank"].astype("int64"), "group": f["group"].astype(str),
+                                   "seq": f["seq"].astype("int64"), "op": f["op"].astype(str),
+                                   "in_bytes": f["in_bytes"].astype("Int64").fillna(-1).astype("int64"),
+                                   "dtype": f["dtype"].astype(str), "source": "Flight Recorder"}))
+    if not parts:
+        return []
+    out = []
+    for source_df in parts:  # compare like with like: the two sources name dtypes and groups differently
+        if source_df.empty:
+            continue
+        g = source_df.groupby(["group", "seq"], sort=True)
+        n = g[["op", "in_bytes", "dtype"]].nunique()
+        bad = n[(n > 1).any(axis=1)]
+        for (group, seq), row in bad.iterrows():
+            inst = source_df[(source_df["group"] == group) & (source_df["seq"] == seq)]
+            fields = [c for c in ("op", "in_bytes", "dtype") if row[c] > 1]
+            # the odd ones out: ranks whose values differ from the most common combination
+            key = inst[["op", "in_bytes", "dtype"]].astype(str).agg("|".join, axis=1)
+            common = key.value_counts().index[0]
+            odd = sorted(inst.loc[key != common, "rank"].astype(int).unique())
+            per_rank = {int(r): {"op": o, "in_bytes": int(b), "dtype": d}
+                        for r, o, b, d in zip(inst["rank"], inst["op"], inst["in_bytes"], inst["dtype"])}
+            out.append({"group": str(group), "seq": int(seq), "fields": fields, "odd_ranks": odd,
+                        "per_rank": per_rank, "op": inst["op"].mode().iloc[0], "source": inst["source"].iloc[0]})
+        if out:
+            break
+    return out
+
+
+def _in_flight(hbs: dict, dumps: dict) -> dict[int, dict | None]:
+    """The collective each rank is inside, from its incident dump if any, else its heartbeat."""
+    out = {}
+    for r in set(hbs) | set(dumps):
+        d = best_dump(dumps.get(r, {}))
+        src = d if d is not None else hbs.get(r)
+        out[r] = src.get("collective") if src else None
+    return out
+
+
+def find_hang(hbs, dumps, known_ranks, groups_tbl, fr_entries, now_ns) -> dict:
+    """The collective most ranks wait in and the members that are not in it."""
+    inflight = _in_flight(hbs, dumps)
+    inside = {r: c for r, c in inflight.items() if c}
+    if inside:
+        key = Counter((str(c.get("group")), c.get("seq"), c.get("op")) for c in inside.values()).most_common(1)[0][0]
+        group, seq, op = key
+        waiting = sorted(r for r, c in inside.items() if (str(c.get("group")), c.get("seq"), c.get("op")) == key)
+        members = _group_members(groups_tbl, group, known_ranks)
+        culprits = [r for r in members if r not in waiting]
+        entered = [inside[r].get("entered_ns") for r in waiting if inside[r].get("entered_ns")]
+        waited_s = (now_ns - min(entered)) / 1e9 if entered and now_ns else None
+        return {"collective": {"op": op, "group": group, "seq": seq}, "waiting": waiting, "culprits": culprits,
+                "waited_s": waited_s, "source": "in-flight collectives"}
+    if fr_entries is not None and len(fr_entries):  # fall back on the Flight Recorder's newest seq per rank
+        from dtprof.collectors.flight_recorder import match_across_ranks
+        members = {}
+        if groups_tbl is not None and len(groups_tbl):
+            members = {str(g): [int(x) for x in str(rs).split(",") if x.strip()]
+                       for g, rs in zip(groups_tbl["group"], groups_tbl["ranks"])}
+        inst = match_across_ranks(fr_entries, members or None)
+        inst = inst[inst["ranks_missing"].str.len() > 0]
+        if len(inst):
+            last = inst.iloc[0]  # the earliest instance some rank never reached
+            op = last["ops"][0] if last["ops"] else None
+            return {"collective": {"op": op, "group": str(last["group"]), "seq": int(last["seq"])},
+                    "waiting": list(last["ranks_present"]), "culprits": list(last["ranks_missing"]),
+                    "waited_s": None, "source": "Flight Recorder"}
+    return {"collective": None, "waiting": [], "culprits": [], "waited_s": None, "source": None}
+
+
+# NCCL's OpType names -> dtprof's canonical op names (dtprof.schema.COLLECTIVE_OPS)
+_NCCL_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
+             "reducescatter": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+             "_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter"}
+
+
+def log_timeouts(text: str) -> list[str]:
+    out = []
+    for pat in TIMEOUT_PATTERNS:
+        for m in pat.finditer(text):
+            line = m.group(0).strip()
+            if line not in out:
+                out.append(line)
+    return out[:20]
+
+
+def _exception_line(text: str, rank: int) -> str | None:
+    """The last '[rankN]: SomeError: message' line torchrun's workers printed, if any."""
+    lines = re.findall(rf"^\[rank{rank}\]:\s*(\w[\w.]*(?:Error|Exception|Interrupt)\b[^\n]*)$", text, re.M)
+    return lines[-1].strip() if lines else None
+
+
+def find_stragglers(run) -> list[dict]:
+    """Persistent stragglers: the analyze helper's classification when present, else the compute score."""
+    try:
+        from dtprof.analyzers.summary import analyze
+    except ImportError:
+        analyze = None
+    if analyze is not None:
+        st = analyze(run).stragglers
+        st = st[st["kind"].astype(str) == "persistent"]
+        return [{"rank": int(r), "late_frac": float(lf), "time_lost_s": float(tl), "compute_score": float(cs),
+                 "method": "dtprof.analyzers.summary"}
+                for r, lf, tl, cs in zip(st["rank"], st["late_frac"], st["time_lost_s"], st["compute_score"])]
+    from dtprof.schema import COMPUTE_KINDS
+    sp = run.spans
+    kind = sp["kind"].astype(str)
+    comp = sp[kind.isin(COMPUTE_KINDS)][["rank", "step", "start_ns", "end_ns"]]
+    if comp.empty or comp["rank"].nunique() < 2:
+        return []
+    # compute time per (rank, step), minus the comm_wait spans nested inside it (DDP's end-of-backward wait)
+    busy = (comp["end_ns"] - comp["start_ns"]).groupby([comp["rank"], comp["step"]]).sum()
+    wait = sp[kind == "comm_wait"][["rank", "step", "start_ns", "end_ns"]]
+    pairs = comp.merge(wait, on=["rank", "step"], suffixes=("", "_w"))
+    overlap = (pairs[["end_ns", "end_ns_w"]].min(axis=1) - pairs[["start_ns", "start_ns_w"]].max(axis=1)).clip(lower=0)
+    overlap = overlap.groupby([pairs["rank"], pairs["step"]]).sum()
+    per_step = busy.sub(overlap, fill_value=0) / 1e9
+    med = per_step.groupby(level=0).median()
+    score = med.min() / med
+    slow = score[score < SCORE_THRESHOLD]
+    return [{"rank": int(r), "compute_score": float(s), "median_compute_s": float(med[r]),
+             "fastest_median_compute_s": float(med.min()), "method": "compute score"} for r, s in slow.items()]
+
+
+# NVML clocksEventReasons bits (nvml.h), for naming a throttle bitmask.
+THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                 0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+                 0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+
+
+def nvml_evidence(run, rank: int) -> dict | None:
+    """That rank's GPU over the run (matched by host and device index) next to the node's other GPUs."""
+    nv, rk = run.nvml, run.ranks
+    row = rk[rk["rank"] == rank]
+    if nv.empty or row.empty:
+        return None
+    # the rank's device; a rank without one (CPU) maps to GPU LOCAL_RANK, torchrun's usual convention
+    dev = row["device_index"].iloc[0]
+    host, gpu = str(row["host"].iloc[0]), int(row["local_rank"].iloc[0] if _isna(dev) else dev)
+    same_host = nv[nv["host"].astype(str) == host]
+    mine = same_host[same_host["gpu"] == gpu]
+    if mine.empty:
+        return None
+    others = same_host[same_host["gpu"] != gpu]
+    import numpy as np
+    reasons = int(np.bitwise_or.reduce(mine["throttle_reasons"].fillna(0).astype("int64").to_numpy()))
+    ignore = 0x1  # idle is not a throttle
+    throttled = mine["throttle_reasons"].fillna(0).astype("int64") & ~ignore
+    ev = {"host": host, "gpu": gpu, "samples": int(len(mine)),
+          "throttled_frac": float((throttled != 0).mean()),
+          "throttle_reasons": [n for b, n in THROTTLE_BITS.items() if reasons & b and b != ignore],
+          "sm_clock_mhz_mean": _mean(mine["sm_clock_mhz"]), "others_sm_clock_mhz_mean": _mean(others["sm_clock_mhz"]),
+          "temp_c_max": _max(mine["temp_c"]), "others_temp_c_max": _max(others["temp_c"]),
+          "power_w_mean": _mean(mine["power_w"]), "others_power_w_mean": _mean(others["power_w"]),
+          "ecc_errors_max": _max(mine["ecc_errors"].astype("float64"))}
+    return ev
+
+
+def _mean(s):
+    return None if s.dropna().empty else round(float(s.mean()), 1)
+
+
+def _max(s):
+    return None if s.dropna().empty else round(float(s.max()), 1)
+
+
+def _nvml_text(ev: dict) -> str:
+    def vs(a, b, unit):
+        return f"{a} {unit}" + (f" vs {b} {unit} on the other GPUs" if b is not None else "")
+    parts = []
+    if ev["throttle_reasons"]:
+        parts.append(f"throttled {ev['throttled_frac']:.0%} of samples ({', '.join(ev['throttle_reasons'])})")
+    if ev["sm_clock_mhz_mean"] is not None:
+        parts.append("SM clock " + vs(ev["sm_clock_mhz_mean"], ev["others_sm_clock_mhz_mean"], "MHz"))
+    if ev["temp_c_max"] is not None:
+        parts.append("max temperature " + vs(ev["temp_c_max"], ev["others_temp_c_max"], "°C"))
+    if ev["power_w_mean"] is not None:
+        parts.append("power " + vs(ev["power_w_mean"], ev["others_power_w_mean"], "W"))
+    if ev["ecc_errors_max"]:
+        parts.append(f"{int(ev['ecc_errors_max'])} uncorrected ECC error(s)")
+    return f"GPU {ev['gpu']} on {ev['host']}: " + "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ verdict
+def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None) -> dict:
+    """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
+    message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
+    directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
+    """
+    import pandas as pd
+
+    from dtprof.collectors.flight_recorder import load_dumps
+    from dtprof.reader import open_run
+
+    run_dir = Path(run_dir)
+    run = open_run(run_dir) if (run_dir / "run.json").exists() else None
+    ranks_tbl = run.ranks if run is not None else None
+    groups_tbl = run.groups if run is not None else None
+    hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
+    wd = read_watchdog(run_dir) if run is not None else {"hang": [], "crash": [], "exit": []}
+    logs = read_logs(run_dir) if run is not None else ""
+    fr = fr_entries_from_dumps(dumps)
+    if fr_paths:
+        ext = load_dumps(fr_paths)
+        fr = pd.concat([x for x in (fr, ext) if len(x)], ignore_index=True) if len(ext) else fr
+    known = set(hbs) | set(dumps)
+    if ranks_tbl is not None and len(ranks_tbl):
+        known |= set(int(r) for r in ranks_tbl["rank"])
+    if fr is not None and len(fr):
+        known |= set(int(r) for r in fr["rank"].dropna())
+    evidence: list[dict] = []
+    label = lambda r: rank_label(r, ranks_tbl)  # noqa: E731
+
+    timeouts = log_timeouts(logs)
+    for line in timeouts:
+        evidence.append({"kind": "log", "message": f"job output: {line[:300]}"})
+    if run is not None and run.problems:
+        evidence += [{"kind": "read", "message": p} for p in run.problems]
+
+    def result(verdict, culprits, collective, message):
+        return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
+                "message": message, "evidence": evidence}
+
+    def step_of(r):
+        """The step a rank was in: its newest heartbeat or dump, or the one after its last recorded step (the
+        heartbeat is written every 0.5 s, so a fast job can be past it)."""
+        cands = [hbs.get(r, {}).get("step")] + [d.get("step") for d in dumps.get(r, {}).values()]
+        if run is not None and len(run.steps):
+            done = run.steps.loc[run.steps["rank"] == r, "step"]
+            if len(done):
+                cands.append(int(done.max()) + 1)
+        cands = [int(c) for c in cands if c is not None]
+        return max(cands) if cands else "?"
+
+    def stacks_evidence(ranks, why):
+        for r in ranks:
+            d = best_dump(dumps.get(r, {}))
+            loc = where(d)
+            if loc:
+                evidence.append({"kind": "stack", "rank": r, "message": f"{label(r)} {why} at {loc}",
+                                 "dump": d.get("request")})
+
+    # 1. mismatch
+    mism = find_mismatches(run.collectives if run is not None else None, fr)
+    if mism:
+        m = mism[0]
+        odd = m["odd_ranks"]
+        details = "; ".join(f"rank {r}: {v['op']} {v['in_bytes']} B {v['dtype']}"
+                            for r, v in sorted(m["per_rank"].items()) if r in odd or r == min(m["per_rank"]))
+        msg = (f"mismatch: {m['op']} #{m['seq']} of group {m['group']} differs in {', '.join(m['fields'])} on "
+               f"{', '.join(label(r) for r in odd)} ({details})")
+        for other in mism[1:5]:
+            evidence.append({"kind": "mismatch", "message": f"also {other['op']} #{other['seq']} of group "
+                             f"{other['group']} differs in {', '.join(other['fields'])} on ranks "
+                             f"{ranks_text(other['odd_ranks'])}"})
+        evidence.insert(0, {"kind": "mismatch", "message": f"from the {m['source']}: " + ", ".join(
+            f"rank {r} {v['op']} {v['in_bytes']} B {v['dtype']}" for r, v in sorted(m["per_rank"].items())),
+            "per_rank": {str(k): v for k, v in m["per_rank"].items()}})
+        return result("mismatch", odd, {"op": m["op"], "group": m["group"], "seq": m["seq"]}, msg)
+
+    # 2. hang
+    hang_rec = wd["hang"][0] if wd["hang"] else None
+    now = (hang_rec or {}).get("detected_ns") or now_ns or time.monotonic_ns()
+    stale = None
+    if live and hbs:
+        newest = max(hb.get("last_progress_ns") or 0 for hb in hbs.values())
+        stale = (now - newest) / 1e9
+        evidence.append({"kind": "heartbeat", "message": f"newest progress on any rank {stale:.1f} s ago"})
+    nccl_timeout = next((m for m in (_NCCL_SEQ.search(t) for t in timeouts) if m), None)
+    # Dumps given with --fr are snapshots taken at one moment (usually a timeout): a rank behind the others in a
+    # group is a hang signature. Dumps inside a run only count once something else says the job hung.
+    fr_behind = False
+    if fr_paths and len(fr):
+        from dtprof.collectors.flight_recorder import match_across_ranks
+        fr_behind = bool((match_across_ranks(fr)["ranks_missing"].str.len() > 0).any())
+        if fr_behind:
+            evidence.append({"kind": "flight_recorder", "message": "Flight Recorder dumps: some ranks never "
+                             "reached a collective the others entered"})
+    if hang_rec or (stale is not None and stale >= stale_s) or nccl_timeout or fr_behind:
+        h = find_hang(hbs, dumps, known, groups_tbl, fr, now)
+        if h["collective"] is None and nccl_timeout:
+            op = nccl_timeout.group(2).lower()
+            h["collective"] = {"op": _NCCL_OPS.get(op, op), "group": None, "seq": int(nccl_timeout.group(1))}
+        if hang_rec:
+            evidence.insert(0, {"kind": "watchdog", "message": f"watchdog: no rank progressed for "
+                                f"{hang_rec['idle_s']:.0f} s (--hang-timeout {hang_rec['timeout_s']:g}); job stopped",
+                                "missing_dumps": hang_rec.get("missing_dumps", [])})
+            if hang_rec.get("missing_dumps"):
+                evidence.append({"kind": "watchdog", "message": "no state dump from ranks "
+                                 + ranks_text(hang_rec["missing_dumps"])})
+        c = h["collective"]
+        cname = (f"{c['op']} #{c['seq']}" + (f" of group {c['group']}" if c.get("group") is not None else "")
+                 if c else "a collective")
+        culprits = h["culprits"]
+        stacks_evidence(culprits, "was")
+        stacks_evidence(h["waiting"][:1], "waits (like the others)")
+        if culprits:
+            r0 = culprits[0]
+            loc = where(best_dump(dumps.get(r0, {})))
+            inflight = _in_flight(hbs, dumps).get(r0)
+            whats = (f"is inside {inflight.get('op')} #{inflight.get('seq')} of group {inflight.get('group')}"
+                     if inflight else "never entered")
+            who = ", ".join(label(r) for r in culprits[:4]) + (f" and {len(culprits) - 4} more" if len(culprits) > 4
+                                                                 else "")
+            waited = f" waited {h['waited_s']:.0f} s there" if h["waited_s"] is not None else " wait there"
+            msg = (f"hang: {who} {whats} {cname}" + ("" if inflight else "") +
+                   (f"; ranks {ranks_text(h['waiting'])}{waited}" if h["waiting"] else "") +
+                   (f"; rank {r0} was at {loc}" if loc else ""))
+            if inflight:
+                msg = msg.replace(f"{whats} {cname}", f"{whats} while the others wait in {cname}")
+        else:
+            if h["waiting"]:
+                msg = (f"hang: ranks {ranks_text(h['waiting'])} wait in {cname}; no rank is missing from it "
+                       f"(a rank on a node without dtprof, or a hang inside the collective itself)")
+            else:
+                msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
+                       f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
+        if h["source"]:
+            evidence.append({"kind": "method", "message": f"culprits from {h['source']}"})
+        return result("hang", culprits, c, msg)
+
+    # 3. crash
+    exits = wd["exit"]
+    failures = [f for e in exits for f in e.get("torchrun_failures") or []]
+    if not failures and logs:
+        from dtprof.watchdog import parse_torchrun_failures
+        failures = parse_torchrun_failures(logs)
+    dead = sorted((d for c in wd["crash"] for d in c.get("dead") or []), key=lambda d: d["detected_ns"])
+    exit_code = next((e.get("exit_code") for e in exits), None)
+    if failures or dead or (exit_code not in (None, 0)):
+        root = [f for f in failures if f["root_cause"]]
+        # A rank torchrun calls the root cause, else the first whose process vanished, else any non-SIGTERM exit.
+        culprits = [f["rank"] for f in root] or ([dead[0]["rank"]] if dead else []) or \
+                   [f["rank"] for f in failures if f["signal"] != "SIGTERM"]
+        first_dead_ns = dead[0]["detected_ns"] if dead else None
+        for f in failures:
+            how = f"killed by {f['signal']}" if f["signal"] else f"exit code {f['exit_code']}"
+            evidence.append({"kind": "exit", "rank": f["rank"], "message": f"torchrun: {label(f['rank'])} {how}"
+                             + (" (root cause)" if f["root_cause"] else "") + f"; {f['traceback']}"[:300],
+                             "exit_code": f["exit_code"], "signal": f["signal"]})
+        parts = []
+        for r in culprits:
+            f = next((x for x in failures if x["rank"] == r), None)
+            hb = hbs.get(r, {})
+            how = (f"was killed by {f['signal']}" if f and f["signal"] else
+                   f"exited with code {f['exit_code']}" if f else "exited")
+            exc = _exception_line(logs, r)
+            parts.append(f"{label(r)} {how} at step {step_of(r)}" + (f": {exc}" if exc else ""))
+        others = sorted(set(known) - set(culprits))
+        for r in others:
+            d = dumps.get(r, {})
+            snap = d.get("crash") or d.get("sigterm") or d.get("exception")
+            if snap:
+                c = snap.get("collective")
+                inside = f" inside {c.get('op')} #{c.get('seq')} of group {c.get('group')}" if c else ""
+                evidence.append({"kind": "state", "rank": r, "message": f"{label(r)} at step {snap.get('step')}"
+                                 f"{inside}, at {where(snap) or '?'} (dump '{snap.get('request')}'"
+                                 + (f": {snap.get('reason')}" if snap.get("request") == "exception" else "") + ")"})
+        msg = "crash: " + ("; ".join(parts) if parts else f"the job exited with code {exit_code}; no rank named")
+        if first_dead_ns and others:
+            msg += f"; {len(others)} other rank(s)' state captured" if any(
+                ({"crash", "sigterm", "exception"} & set(dumps.get(r, {}))) for r in others) else ""
+        return result("crash", culprits, None, msg)
+
+    # 4. straggler
+    if run is not None and len(run.steps):
+        try:
+            slow = find_stragglers(run)
+        except Exception as e:  # the analysis failing must not hide the rest of the triage
+            slow = []
+            evidence.append({"kind": "error", "message": f"straggler analysis failed: {type(e).__name__}: {e}"})
+        if slow:
+            parts = []
+            for s in slow:
+                r = s["rank"]
+                evidence.append({"kind": "straggler", "rank": r, "message":
+                                 f"{label(r)}: compute score {s['compute_score']:.2f} (1.0 = as fast as the "
+                                 f"fastest rank; {s['method']})", **{k: v for k, v in s.items() if k != 'rank'}})
+                ev = nvml_evidence(run, r)
+                if ev:
+                    evidence.append({"kind": "nvml", "rank": r, "message": _nvml_text(ev), **ev})
+                parts.append(label(r) + (f" ({', '.join(ev['throttle_reasons'])})" if ev and ev["throttle_reasons"]
+                                         else ""))
+            return result("straggler", [s["rank"] for s in slow], None,
+                          f"straggler: {', '.join(parts)} is persistently slower than its peers "
+                          f"(compute score {min(s['compute_score'] for s in slow):.2f})")
+    n = len(known)
+    return result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
+                                       f"({n} rank(s) examined)")
+
+
+def format_text(res: dict) -> str:
+    lines = [res["message"]]
+    lines += [f"  - {e['message']}" for e in res["evidence"]]
+    return "\n".join(lines)

@@ -1,0 +1,301 @@
+"""Rank-side heartbeat and on-demand state dumps, for hang and crash triage (docs/triage.md).
+
+``start(rank_dir, state)`` starts one daemon thread in the rank that
+
+- writes ``rank_dir/heartbeat.json`` atomically every ~0.5 s from the runtime's ``STATE`` (rank, step, the
+  collective the main thread is inside, ``last_progress_ns``; all times ``time.monotonic_ns()``);
+- polls the node directory (``rank_dir.parent``) for ``dump-request-<id>`` files, written by the launcher's
+  watchdog or by ``dtprof triage --live``, and answers each with ``rank_dir/dump-<id>.json``: Python stacks of all
+  threads, the in-flight collective and PyTorch's Flight Recorder entries where available;
+- on an uncaught exception writes ``dump-exception.json`` (then calls the previous ``sys.excepthook``), and at a
+  normal interpreter exit marks the heartbeat ``"exit": "clean"``;
+- on SIGTERM (torchrun stopping the survivors of a crash, or the watchdog stopping a hung job) writes
+  ``dump-sigterm.json`` from this thread, then lets the signal do what it did before.
+
+Why the SIGTERM dump is written from the heartbeat thread: a rank stuck in a collective is inside C++ and the
+main thread never runs a Python signal handler. ``signal.set_wakeup_fd`` makes the C-level handler wake this
+thread instead. If the previous disposition was the default (terminate), and the main thread has not run our
+handler within ``_SIGTERM_GRACE_S``, this thread restores the default with libc ``signal()`` and re-raises, so the
+process still dies of SIGTERM as it would have without dtprof. A previous Python handler (the user's) is called
+from the main thread as before. If a wakeup fd is already in use (asyncio), SIGTERM is left alone entirely.
+
+Nothing here raises into training: every fault disables the part that failed and is remembered in
+``_faults`` (written into the heartbeat file, so the launcher can record it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+INTERVAL_S = 0.5
+_SIGTERM_GRACE_S = 2.0
+
+_started = False
+_faults: list[str] = []
+# How the interpreter is ending: None while running, "exception: <type>: <msg>" after an uncaught exception,
+# "clean" at a normal interpreter exit (atexit). Written into the heartbeat so the watchdog can tell a rank that
+# finished from one that died (SIGKILL, abort, OOM killer never run atexit).
+_exit_status: str | None = None
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, default=str)
+    os.replace(tmp, path)
+
+
+def _jsonable_collective(c: Any) -> Any:
+    if c is None:
+        return None
+    try:
+        return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in dict(c).items()}
+    except Exception:
+        return str(c)
+
+
+def snapshot(state: Any) -> dict:
+    """The heartbeat record: what the rank is doing now (cheap: attribute reads only)."""
+    return {
+        "rank": getattr(state, "rank", None),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "step": getattr(state, "step", None),
+        "collective": _jsonable_collective(getattr(state, "collective", None)),
+        "last_progress_ns": getattr(state, "last_progress_ns", None),
+        "t_ns": time.monotonic_ns(),
+        "wall_ns": time.time_ns(),
+        "faults": list(_faults),
+        "exit": _exit_status,
+    }
+
+
+def thread_stacks() -> list[dict]:
+    """Python stacks of all threads, innermost frame last (as ``traceback`` prints them)."""
+    names = {t.ident: t for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        t = names.get(ident)
+        frames = [{"file": fs.filename, "line": fs.lineno, "func": fs.name, "code": fs.line or ""}
+                  for fs in traceback.extract_stack(frame)]
+        out.append({"thread_id": ident, "name": t.name if t else f"thread-{ident}",
+                    "main": t is threading.main_thread() if t else False,
+                    "daemon": t.daemon if t else None, "frames": frames})
+    out.sort(key=lambda s: (not s["main"], s["name"]))
+    return out
+
+
+def flight_recorder_entries(timeout_s: float = 3.0) -> tuple[Any, str | None]:
+    """PyTorch's Flight Recorder dump as a dict (JSON form), or (None, reason). Never imports torch itself.
+
+    The dump runs in its own thread with a time limit: if it blocks on a lock held by a stuck collective, the
+    rest of the dump is still written.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, "torch not imported in this process"
+    result: dict = {}
+
+    def work():
+        try:
+            c10d = torch._C._distributed_c10d
+            if hasattr(c10d, "_dump_fr_trace_json"):
+                raw = c10d._dump_fr_trace_json()
+                result["fr"] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            elif hasattr(c10d, "_dump_fr_trace"):
+                import pickle
+                result["fr"] = pickle.loads(c10d._dump_fr_trace())
+            else:
+                result["error"] = "this torch has no Flight Recorder dump function"
+        except Exception as e:  # FR disabled, not initialised, old torch: all acceptable
+            result["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=work, name="dtprof-fr-dump", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return None, f"Flight Recorder dump did not return within {timeout_s} s"
+    return result.get("fr"), result.get("error")
+
+
+def write_dump(rank_dir: Path, state: Any, dump_id: str, reason: str) -> Path:
+    """Write ``rank_dir/dump-<dump_id>.json``: heartbeat fields + stacks + Flight Recorder entries."""
+    rec = snapshot(state)
+    rec["request"] = dump_id
+    rec["reason"] = reason
+    rec["stacks"] = thread_stacks()
+    fr, fr_error = flight_recorder_entries()
+    rec["flight_recorder"] = fr
+    rec["flight_recorder_error"] = fr_error
+    path = Path(rank_dir) / f"dump-{dump_id}.json"
+    _write_json_atomic(path, rec)
+    return path
+
+
+class _Heartbeat:
+    def __init__(self, rank_dir: Path, state: Any):
+        self.rank_dir = Path(rank_dir)
+        self.node_dir = self.rank_dir.parent
+        self.state = state
+        self.answered: set[str] = set()
+        self.wake_r = None
+        self.prev_handler: Any = None
+        self.handler_ran = threading.Event()
+        self.sigterm_dumped = False
+
+    # -- SIGTERM -----------------------------------------------------------------------------------------------
+    def install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            _faults.append("heartbeat: not started from the main thread; no SIGTERM dump")
+            return
+        prev = signal.getsignal(signal.SIGTERM)
+        if prev is signal.SIG_IGN or prev is None:
+            return  # the job ignores SIGTERM (or it was set outside Python): leave it exactly as it is
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        if old_fd != -1:  # someone (asyncio) owns the wakeup fd: give it back and skip the SIGTERM dump
+            signal.set_wakeup_fd(old_fd)
+            r.close()
+            w.close()
+            return
+        self.wake_r, self._wake_w = r, w
+        self.prev_handler = prev
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        """Runs in the main thread when it reaches the interpreter: defer to what was there before."""
+        self.handler_ran.set()
+        try:
+            if not self.sigterm_dumped:
+                self.sigterm_dumped = True
+                write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
+        except Exception:
+            pass
+        prev = self.prev_handler
+        if callable(prev):
+            return prev(signum, frame)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _sigterm_from_thread(self) -> None:
+        """The C-level handler woke us: dump now (the main thread may be stuck in C++), then make sure the
+        default action still happens if the main thread cannot run Python."""
+        if not self.sigterm_dumped:
+            self.sigterm_dumped = True
+            write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
+        if callable(self.prev_handler):
+            return
+        if not self.handler_ran.wait(_SIGTERM_GRACE_S):
+            try:
+                import ctypes
+                libc = ctypes.CDLL(None)
+                libc.signal(signal.SIGTERM, 0)  # 0 == SIG_DFL, process-wide, allowed from any thread
+                os.kill(os.getpid(), signal.SIGTERM)
+            except Exception:
+                os._exit(128 + signal.SIGTERM)
+
+    def _drain_wakeup(self) -> bool:
+        if self.wake_r is None:
+            return False
+        try:
+            data = self.wake_r.recv(64)
+        except (BlockingIOError, OSError):
+            return False
+        return bytes([signal.SIGTERM]) in data
+
+    # -- exit ---------------------------------------------------------------------------------------------------
+    def install_exit_hooks(self) -> None:
+        import atexit
+        prev_hook = sys.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            global _exit_status
+            try:
+                _exit_status = f"exception: {exc_type.__name__}: {exc}"[:500]
+                write_dump(self.rank_dir, self.state, "exception", _exit_status)
+                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+            except Exception:
+                pass
+            prev_hook(exc_type, exc, tb)
+
+        def at_exit():
+            global _exit_status
+            try:
+                if _exit_status is None:
+                    _exit_status = "clean"
+                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+            except Exception:
+                pass
+
+        sys.excepthook = excepthook
+        atexit.register(at_exit)
+
+    # -- loop --------------------------------------------------------------------------------------------------
+    def poll_requests(self) -> None:
+        for req in self.node_dir.glob("dump-request-*"):
+            dump_id = req.name[len("dump-request-"):]
+            if dump_id in self.answered or dump_id.startswith("."):
+                continue
+            self.answered.add(dump_id)
+            try:
+                reason = req.read_text().strip() or "requested"
+            except OSError:
+                reason = "requested"
+            write_dump(self.rank_dir, self.state, dump_id, reason)
+
+    def run(self) -> None:
+        import select
+        hb_path = self.rank_dir / "heartbeat.json"
+        while True:
+            try:
+                _write_json_atomic(hb_path, snapshot(self.state))
+                self.poll_requests()
+            except Exception as e:  # keep beating: a full disk now may be fine later
+                msg = f"heartbeat: {type(e).__name__}: {e}"
+                if msg not in _faults:
+                    _faults.append(msg)
+            try:
+                if self.wake_r is not None:
+                    ready, _, _ = select.select([self.wake_r], [], [], INTERVAL_S)
+                    if ready and self._drain_wakeup():
+                        self._sigterm_from_thread()
+                else:
+                    time.sleep(INTERVAL_S)
+            except Exception as e:
+                _faults.append(f"heartbeat wait: {type(e).__name__}: {e}")
+                time.sleep(INTERVAL_S)
+
+
+def start(rank_dir, state) -> bool:
+    """Start the heartbeat thread for this rank (once per process). Returns False if it could not start."""
+    global _started
+    if _started:
+        return True
+    try:
+        rank_dir = Path(rank_dir)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        hb = _Heartbeat(rank_dir, state)
+        try:
+            hb.install_exit_hooks()
+        except Exception as e:
+            _faults.append(f"heartbeat: exit hooks disabled ({type(e).__name__}: {e})")
+        try:
+            hb.install_sigterm()
+        except Exception as e:
+            _faults.append(f"heartbeat: SIGTERM dump disabled ({type(e).__name__}: {e})")
+        threading.Thread(target=hb.run, name="dtprof-heartbeat", daemon=True).start()
+        _started = True
+        return True
+    except Exception as e:
+        _faults.append(f"heartbeat: disabled ({type(e).__name__}: {e})")
+        return False

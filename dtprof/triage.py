@@ -1,0 +1,82 @@
+"""`dtprof triage`: which rank hung or crashed, where, and the evidence. No torch import (starts fast).
+
+The analysis lives in ``dtprof.analyzers.triage``; this module parses options, asks a live job for dumps, prints.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+LIVE_DUMP_WAIT_S = 5.0
+
+
+class InputError(click.ClickException):
+    exit_code = 2  # dtprof's code for unreadable input (dtprof/cli.py)
+
+
+def _live_dumps(run_dir: Path) -> str:
+    """Ask every rank of a running job for a dump (without stopping it) and wait for the answers."""
+    from dtprof.runformat import NODE_PREFIX
+    from dtprof.watchdog import read_heartbeats, request_dumps, wait_for_dumps, pid_alive
+
+    dump_id = f"live-{time.strftime('%Y%m%dT%H%M%S')}"
+    for nd in sorted(run_dir.glob(f"{NODE_PREFIX}*")):
+        request_dumps(nd, dump_id, "dtprof triage --live")
+    total = 0
+    for nd in sorted(run_dir.glob(f"{NODE_PREFIX}*")):
+        live = [r for r, hb in read_heartbeats(nd).items() if pid_alive(hb.get("pid"))]
+        got = wait_for_dumps(nd, dump_id, live, LIVE_DUMP_WAIT_S)
+        total += len(got)
+    click.echo(f"dtprof triage: {total} rank(s) answered the live dump request {dump_id}", err=True)
+    return dump_id
+
+
+@click.command("triage")
+@click.argument("run_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable verdict (keys: verdict, culprit_ranks, "
+              "collective, message, evidence).")
+@click.option("--live", is_flag=True, help="The job is still running: read heartbeats and ask every rank for a "
+              "state dump without stopping it.")
+@click.option("--stale", "stale_s", type=float, default=60.0, show_default=True,
+              help="With --live: seconds without progress on any rank that count as a hang.")
+@click.option("--fr", "fr_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Flight Recorder dump file (pickle or JSON) or directory of dumps, e.g. from "
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT; repeatable. Usable without RUN_DIR.")
+def triage_command(run_dir, as_json, live, stale_s, fr_paths):
+    """Say which rank hung or crashed, where it is stuck, and the evidence.
+
+    \b
+    dtprof triage RUN_DIR                 verdict line, then the evidence
+    dtprof triage RUN_DIR --json          {verdict, culprit_ranks, collective, message, evidence}
+    dtprof triage --live RUN_DIR          a job still running (asks ranks for dumps, does not stop them)
+    dtprof triage --fr /tmp/nccl_trace_rank_*   Flight Recorder dumps written outside dtprof
+
+    Verdicts: hang, crash, mismatch, straggler, healthy. Exit codes: 0 healthy, 1 any other verdict (a problem
+    was found), 2 unreadable input. `dtprof run --hang-timeout` exits 124 when it stopped a hung job.
+    """
+    from dtprof.analyzers.triage import format_text, triage
+    from dtprof.collectors.flight_recorder import DumpError
+    from dtprof.reader import RunFormatError
+
+    if run_dir is None and not fr_paths:
+        raise click.UsageError("give RUN_DIR, or Flight Recorder dumps with --fr")
+    if run_dir is not None:
+        if not run_dir.exists():
+            raise InputError(f"{run_dir}: no such run directory")
+        if not (run_dir / "run.json").exists():
+            raise InputError(f"{run_dir}/run.json: missing; {run_dir} is not a dtprof run directory")
+    if live and run_dir is not None:
+        _live_dumps(run_dir)
+    try:
+        res = triage(run_dir if run_dir is not None else Path("."), fr_paths=fr_paths, live=live, stale_s=stale_s)
+    except (RunFormatError, DumpError) as e:
+        raise InputError(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(res, indent=1, default=str))
+    else:
+        click.echo(format_text(res))
+    sys.exit(0 if res["verdict"] == "healthy" else 1)

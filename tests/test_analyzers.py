@@ -1,0 +1,433 @@
+"""Analyzers against synthetic runs with known truth (tests/synth.py) and hand-built intervals."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synth import MS, build_run  # noqa: E402
+
+from dtprof.analyzers import findings as F  # noqa: E402
+from dtprof.analyzers.intervals import assign_to_windows, measure, union_length  # noqa: E402
+from dtprof.analyzers.summary import analyze, format_summary_text, write_summary  # noqa: E402
+from dtprof.reader import open_run  # noqa: E402
+from dtprof.runformat import create_run_dir, write_node_tables  # noqa: E402
+
+
+def hand_run(path: Path, spans: list[tuple], colls: list[tuple], steps=((0, 0, 100),), ranks=(0,),
+             device_name="cpu", device_type="cpu", groups=None) -> Path:
+    """A run from hand-written rows; times in ms. spans: (rank, kind, start, end); colls: (rank, op, seq, start,
+    end, bytes, group_size[, group])."""
+    create_run_dir(path, {"command": ["hand"]})
+    node = path / "node-hand"
+    node.mkdir()
+    st = pd.DataFrame([{"rank": r, "step": s, "start_ns": a * MS, "end_ns": b * MS} for r, (s, a, b) in
+                       ((r, x) for r in ranks for x in steps)])
+    sp = pd.DataFrame([{"rank": x[0], "step": 0, "kind": x[1], "name": x[4] if len(x) > 4 else x[1],
+                        "start_ns": int(x[2] * MS), "end_ns": int(x[3] * MS), "lane": "main",
+                        "source": "kineto" if x[1] == "kernel" else "hook"} for x in spans])
+    co = pd.DataFrame([{"rank": c[0], "op": c[1], "seq": c[2], "issue_ns": int(c[3] * MS),
+                        "return_ns": int(c[4] * MS), "end_ns": int(c[4] * MS), "in_bytes": c[5], "out_bytes": c[5],
+                        "group_size": c[6], "group": c[7] if len(c) > 7 else "0", "api": c[1], "source": "user",
+                        "dtype": "float32", "async_op": False} for c in colls])
+    rk = pd.DataFrame({"rank": list(ranks), "local_rank": list(ranks), "world_size": len(ranks), "host": "h0",
+                       "pid": 1, "device_type": device_type, "device_index": list(ranks),
+                       "device_name": device_name, "backend": "gloo"})
+    write_node_tables(node, {"ranks": rk, "steps": st, "spans": sp, "collectives": co, "groups": groups},
+                      {"host": "h0", "status": "completed", "exit_code": 0})
+    return path
+
+
+# ---------------------------------------------------------------- interval core
+
+def test_measure_exact_on_hand_built_intervals():
+    # group 0: compute [0,10)+[5,20) (union 20), wait [15,20), comm [8,30); group 1: comm only [0,4)
+    g = np.array([0, 0, 0, 0, 1])
+    sid = np.array([0, 0, 1, 2, 2])
+    s = np.array([0, 5, 15, 8, 0])
+    e = np.array([10, 20, 20, 30, 4])
+    r = measure(g, sid, s, e, 2, 3, {"compute": lambda c: c[0] & ~c[1], "comm": lambda c: c[2],
+                                     "overlap": lambda c: c[2] & c[0] & ~c[1]})
+    assert r["compute"].tolist() == [15, 0]
+    assert r["comm"].tolist() == [22, 4]
+    assert r["overlap"].tolist() == [7, 0]          # [8,15)
+    assert union_length(g, s, e, 2).tolist() == [30, 4]
+
+
+def test_assign_to_windows():
+    idx = assign_to_windows(np.array([0, 0, 1]), np.array([0, 10, 0]), np.array([10, 20, 50]),
+                            np.array([0, 0, 0, 1, 1, 2]), np.array([5, 10, 25, 49, 50, 1]))
+    assert idx.tolist() == [0, 1, -1, 2, -1, -1]
+
+
+# ---------------------------------------------------------------- overlap
+
+def test_overlap_and_exposed_on_hand_built_run(tmp_path):
+    # compute = forward [10,40) ∪ backward [40,90) minus comm_wait [70,90) = [10,70) -> 60 ms
+    # comm = [30,50) ∪ [60,95) = 55 ms; overlap = [30,50) + [60,70) = 30 ms; exposed = 25 ms
+    run = hand_run(tmp_path / "r", [(0, "forward", 10, 40), (0, "backward", 40, 90), (0, "comm_wait", 70, 90),
+                                    (0, "data_wait", 0, 10)],
+                   [(0, "all_reduce", 0, 30, 50, 1024, 1), (0, "all_reduce", 1, 60, 95, 1024, 1)])
+    a = analyze(run, warmup=0)
+    row = a.steps.iloc[0]
+    assert row["compute_s"] == pytest.approx(0.060)
+    assert row["comm_s"] == pytest.approx(0.055)
+    assert row["exposed_comm_s"] == pytest.approx(0.025)
+    assert row["overlap_ratio"] == pytest.approx(30 / 55)
+    assert row["comm_wait_s"] == pytest.approx(0.020)
+    assert row["data_wait_s"] == pytest.approx(0.010)
+    assert a.summary["overlap"]["ratio"] == pytest.approx(30 / 55)
+    assert a.summary["overlap"]["exposed_comm_frac"] == pytest.approx(0.25)
+
+
+def test_kernel_level_overlap_replaces_hook_spans(tmp_path):
+    # GPU kernels in the step: compute [10,50), an NCCL kernel [40,70), a memcpy [0,5) that is not compute;
+    # the host-side forward/comm_wait hook spans of the same step are ignored at kernel level
+    run = hand_run(tmp_path / "r", [(0, "forward", 0, 100), (0, "comm_wait", 60, 90),
+                                    (0, "kernel", 10, 50, "ampere_sgemm_128x64"),
+                                    (0, "kernel", 40, 70, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+                                    (0, "kernel", 0, 5, "Memcpy HtoD (Pageable -> Device)")], [])
+    row = analyze(run, warmup=0).steps.iloc[0]
+    assert row["level"] == "kernel"
+    assert row["compute_s"] == pytest.approx(0.040) and row["comm_s"] == pytest.approx(0.030)
+    assert row["exposed_comm_s"] == pytest.approx(0.020) and row["overlap_ratio"] == pytest.approx(1 / 3)
+
+
+def test_overlap_on_ddp_synth(tmp_path):
+    # bucket 0 runs inside backward compute (4 ms overlapped), bucket 1 after it (4 ms exposed)
+    a = analyze(build_run(tmp_path / "r", world_size=4, steps=6))
+    s = a.steps[~a.steps["warmup"]]
+    assert np.allclose(s["compute_s"], 0.032) and np.allclose(s["comm_s"], 0.008)
+    assert np.allclose(s["exposed_comm_s"], 0.004) and np.allclose(s["overlap_ratio"], 0.5)
+    assert a.summary["overlap"]["exposed_comm_frac"] == pytest.approx(0.004 / 0.037)
+
+
+# ---------------------------------------------------------------- steps
+
+def test_steps_warmup_detected_and_overridable(tmp_path):
+    run = build_run(tmp_path / "r", world_size=2, steps=10)
+    a = analyze(run)
+    st = a.summary["steps"]
+    assert st["warmup_steps"] == 1 and st["count"] == 9 and st["warmup_source"] == "detected"
+    assert st["per_step_time_s"] == pytest.approx([0.037] * 9)
+    assert st["time_s"]["p50"] == pytest.approx(0.037) and st["jitter_frac"] == pytest.approx(0.0, abs=1e-12)
+    # tokens/samples are per rank: 2 ranks × 4096 tokens per 37 ms
+    assert st["tokens_per_s"] == pytest.approx(2 * 4096 / 0.037)
+    b = analyze(run, warmup=3)
+    assert b.summary["steps"]["count"] == 7 and b.summary["steps"]["warmup_source"] == "user"
+    assert b.steps["warmup"].sum() == 2 * 3
+
+
+# ---------------------------------------------------------------- pipeline
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (3, 12)])
+def test_gpipe_uniform_bubble_matches_formula(tmp_path, p, m):
+    a = analyze(build_run(tmp_path / "r", pipeline_stages=p, microbatches=m, steps=5, opt_ms=0))
+    pp = a.summary["pipeline"]
+    truth = (p - 1) / (m + p - 1)
+    assert pp["stages"] == p and pp["microbatches"] == m and pp["schedule"] == "ScheduleGPipe"
+    assert pp["bubble_frac"] == pytest.approx(truth)
+    assert pp["theoretical_bubble_frac"] == pytest.approx(truth)
+    assert all(s["bubble_frac"] == pytest.approx(truth) for s in pp["per_stage"])
+    assert pp["imbalance"] == pytest.approx(1.0)
+    assert len(a.pipeline) == p * 5
+
+
+def test_pipeline_theory_includes_optimizer_time(tmp_path):
+    # with a 5 ms optimizer after the pipeline the generalised formula still predicts the measured bubble
+    a = analyze(build_run(tmp_path / "r", pipeline_stages=2, microbatches=8, steps=5, opt_ms=5))
+    pp = a.summary["pipeline"]
+    step = 9 * 0.030 + 0.005
+    assert pp["bubble_frac"] == pytest.approx(1 - (8 * 0.030 + 0.005) / step)
+    assert pp["theoretical_bubble_frac"] == pytest.approx(pp["bubble_frac"])
+    assert pp["schedule_bubble_frac"] == pytest.approx(1 / 9)
+
+
+def test_no_pipeline_is_null_with_reason(tmp_path):
+    a = analyze(build_run(tmp_path / "r", steps=5))
+    assert a.summary["pipeline"] is None and a.pipeline is None and "pp_forward" in a.summary["pipeline_reason"]
+
+
+# ---------------------------------------------------------------- collectives
+
+def test_busbw_factors_per_op(tmp_path):
+    n = 4
+    size = 64 * 2**20
+    ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+    colls = []
+    for i, op in enumerate(ops):
+        for r in range(n):
+            # rank r enters 1 ms late per rank; all leave at t+20: the transfer time is rank 3's 10 ms
+            colls.append((r, op, i, 30 * i + r, 30 * i + 13, size, n))
+    a = analyze(hand_run(tmp_path / "r", [], colls, steps=((0, 0, 200),), ranks=range(n)), warmup=0)
+    t = a.collectives.set_index("op")
+    algbw = size / 0.010 / 1e9
+    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+               "all_to_all": (n - 1) / n, "broadcast": 1.0}
+    for op, f in factors.items():
+        assert t.at[op, "count"] == 1
+        assert t.at[op, "transfer_s"] == pytest.approx(0.010)
+        assert t.at[op, "algbw_gbps"] == pytest.approx(algbw)
+        assert t.at[op, "busbw_gbps"] == pytest.approx(algbw * f)
+        assert t.at[op, "size_bucket"] == "64-256 MiB"
+        assert t.at[op, "total_s"] == pytest.approx(np.mean([0.013, 0.012, 0.011, 0.010]))
+        assert pd.isna(t.at[op, "link_peak_frac"]) and "cpu" in t.at[op, "link_peak_reason"]
+
+
+def test_link_peak_fraction_for_known_gpu(tmp_path):
+    size = 2**20
+    colls = [(r, "all_reduce", 0, 0, 1, size, 2) for r in range(2)]   # 1 MiB in 1 ms
+    a = analyze(hand_run(tmp_path / "r", [], colls, ranks=range(2), device_name="NVIDIA H100 80GB HBM3",
+                         device_type="cuda"), warmup=0)
+    row = a.collectives.iloc[0]
+    assert row["busbw_gbps"] == pytest.approx(size / 1e-3 / 1e9 * 1.0)
+    assert row["link_peak_gbps"] == 450 and row["link_peak_frac"] == pytest.approx(row["busbw_gbps"] / 450)
+    assert row["size_bucket"] == "1-4 MiB"
+
+
+# ---------------------------------------------------------------- stragglers and clocks
+
+def test_straggler_of_known_rank_and_lateness(tmp_path):
+    W, S = 6, 12
+    a = analyze(build_run(tmp_path / "r", world_size=W, steps=S, late_rank=4, late_ms=5, hosts=2))
+    arr = a.arrivals
+    late = arr[arr["rank"] == 4]
+    assert np.allclose(late["lateness_s"], 0.005) and late["last"].all()
+    assert np.allclose(arr.loc[arr["rank"] != 4, "lateness_s"], 0.0)
+    st = a.stragglers.set_index("rank")
+    assert st.at[4, "kind"] == "persistent" and st.at[4, "late_frac"] == 1.0
+    assert (st.drop(index=4)["kind"] == "none").all()
+    measured_instances = (S - 1) * 2
+    assert st.at[4, "time_lost_s"] == pytest.approx((W - 1) * 0.005 * measured_instances)
+    assert [s["rank"] for s in a.summary["stragglers"]] == [4]
+    assert a.summary["stragglers"][0]["host"] == "host1"
+
+
+def test_transient_straggler_late_in_two_steps_only(tmp_path):
+    run = build_run(tmp_path / "r", world_size=4, steps=12)
+    tbl = run / "node-synthetic/tables/collectives.parquet"
+    co = pd.read_parquet(tbl)
+    hit = (co["rank"] == 2) & co["step"].isin([4, 7])
+    co.loc[hit, "issue_ns"] += 30 * MS   # rank 2 comes 30 ms late to both buckets of steps 4 and 7
+    co.to_parquet(tbl, index=False)
+    a = analyze(run)
+    st = a.stragglers.set_index("rank")
+    assert st.at[2, "kind"] == "transient" and st.at[2, "late_steps"] == 2
+    assert (st.drop(index=2)["kind"] == "none").all()
+    assert a.summary["stragglers"][0]["time_lost_s"] == pytest.approx(4 * 3 * 0.030)
+    assert not any(f["id"] == "straggler" for f in a.findings)   # only persistent ones are findings
+
+
+def test_no_straggler_when_nobody_is_slow(tmp_path):
+    a = analyze(build_run(tmp_path / "r", world_size=4, steps=10, jitter_frac=0.01, seed=3))
+    assert a.summary["stragglers"] == [] and (a.stragglers["kind"] == "none").all()
+
+
+def test_slow_compute_rank_scores_and_nvml_evidence(tmp_path):
+    a = analyze(build_run(tmp_path / "r", world_size=4, steps=8, slow_rank=2, slow_factor=1.6,
+                          nvml_interval_ms=5, throttle_rank=2, device_name="NVIDIA H100 80GB HBM3",
+                          device_type="cuda"))
+    st = a.stragglers.set_index("rank")
+    assert st.at[2, "compute_score"] == pytest.approx(1 / 1.6)
+    assert st.at[2, "kind"] == "persistent" and (st.drop(index=2)["compute_score"] == 1.0).all()
+    ev = " | ".join(a.summary["stragglers"][0]["evidence"])
+    assert "1400 MHz" in ev and "1980 MHz" in ev and "hw_thermal" in ev and "88" in ev
+    g = a.gpu.set_index("gpu")
+    assert g.at[2, "throttled_frac"] == pytest.approx(1.0) and g.drop(index=2)["throttled_s"].eq(0).all()
+    assert any(f["id"] == "straggler" and f["evidence"]["rank"] == 2 for f in a.findings)
+
+
+def test_skewed_host_clocks_recovered_within_residual(tmp_path):
+    kw = dict(world_size=8, hosts=2, steps=30, jitter_frac=0.05, seed=1)
+    truth = open_run(build_run(tmp_path / "t", **kw))
+    skewed = build_run(tmp_path / "s", host_offset_ns=[0, -7_000_000], host_drift_ppm=[0.0, 40.0], **kw)
+    a = analyze(skewed)
+    c = a.clock.set_index("host")
+    assert c.at["host1", "n_pairs"] > 0
+    assert c.at["host1", "drift_ppm"] == pytest.approx(-40.0, abs=1.0)
+    from dtprof.analyzers.clock import align_by_rank
+    run = open_run(skewed)
+    co = run.collectives
+    aligned = align_by_rank(run, co["issue_ns"].to_numpy(), co["rank"].to_numpy(), a.clock)
+    err = np.abs(aligned - truth.collectives["issue_ns"].to_numpy())
+    assert err.max() <= c.at["host1", "residual_ns"] + 2  # +2 ns integer rounding
+    # arrivals are aligned: lateness matches the unskewed run's, so the skew invents no straggler
+    key = ["group", "seq", "rank"]
+    la = a.arrivals.sort_values(key)["lateness_s"].to_numpy()
+    lt = analyze(truth).arrivals.sort_values(key)["lateness_s"].to_numpy()
+    assert np.abs(la - lt).max() * 1e9 <= 2 * c.at["host1", "residual_ns"] + 4
+
+
+# ---------------------------------------------------------------- MFU
+
+def test_mfu_given_flops_and_peak(tmp_path):
+    run = build_run(tmp_path / "r", world_size=4, steps=6)
+    a = analyze(run, flops_per_step=2e12, peak_tflops=100)
+    m = a.summary["mfu"]
+    assert m["value"] == pytest.approx(2e12 / (0.037 * 100e12 * 4))
+    assert m["peak_flops"] == pytest.approx(4 * 100e12) and "user" in m["peak_source"]
+
+
+def test_mfu_spec_peak_for_known_gpu_and_null_for_unknown(tmp_path):
+    a = analyze(build_run(tmp_path / "h", world_size=2, steps=6, device_name="NVIDIA H100 80GB HBM3",
+                          device_type="cuda"), flops_per_step=1e13)
+    assert a.summary["mfu"]["value"] == pytest.approx(1e13 / (0.037 * 2 * 989.4e12))
+    assert "spec sheet" in a.summary["mfu"]["peak_source"]
+    u = analyze(build_run(tmp_path / "u", world_size=2, steps=6, device_name="Mystery GPU 9000",
+                          device_type="cuda"), flops_per_step=1e13)
+    m = u.summary["mfu"]
+    assert m["value"] is None and m["peak_flops"] is None and "Mystery GPU 9000" in m["value_reason"]
+    c = analyze(build_run(tmp_path / "c", world_size=2, steps=6), flops_per_step=1e13).summary["mfu"]
+    assert c["value"] is None and "CPU has no spec peak" in c["value_reason"]
+
+
+def test_mfu_uses_stored_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    from dtprof.calibrate import store
+    store({"device_name": "cpu", "dtype": "fp32", "tflops": 0.5, "date": "2026-01-02"})
+    a = analyze(build_run(tmp_path / "r", world_size=2, steps=6), flops_per_step=1e9, dtype="fp32")
+    m = a.summary["mfu"]
+    assert m["value"] == pytest.approx(1e9 / (0.037 * 2 * 0.5e12))
+    assert "calibrated on 2026-01-02" in m["peak_source"]
+    assert json.loads((tmp_path / "cache/dtprof/calibration.json").read_text())["cpu|fp32"]["tflops"] == 0.5
+
+
+def test_mfu_from_transformer_shape_and_model_flops(tmp_path):
+    run = build_run(tmp_path / "r", world_size=2, steps=6)
+    tf = dict(n_params=1e6, layers=2, heads=4, head_dim=16, seq_len=128)
+    a = analyze(run, peak_tflops=1, transformer=tf)
+    per_tok = 6 * 1e6 + 12 * 2 * 4 * 16 * 128
+    assert a.summary["mfu"]["flops_per_step"] == pytest.approx(per_tok * 2 * 4096)
+    assert "PaLM" in a.summary["mfu"]["flops_source"]
+    # steps.model_flops is per rank: the job's figure is the sum over ranks
+    p = tmp_path / "m"
+    build_run(p, world_size=2, steps=6)
+    tbl = p / "node-synthetic/tables/steps.parquet"
+    s = pd.read_parquet(tbl)
+    s["model_flops"] = 3_000_000_000
+    s["executed_flops"] = 4_000_000_000
+    s.to_parquet(tbl, index=False)
+    m = analyze(p, peak_tflops=1).summary["mfu"]
+    assert m["flops_per_step"] == pytest.approx(6e9) and "summed over ranks" in m["flops_source"]
+    assert m["hfu"] == pytest.approx(8e9 / (0.037 * 2e12)) and m["value"] == pytest.approx(6e9 / (0.037 * 2e12))
+
+
+def test_options_default_from_node_config(tmp_path):
+    run = build_run(tmp_path / "r", world_size=2, steps=6)
+    nj = run / "node-synthetic/node.json"
+    info = json.loads(nj.read_text())
+    info["config"] = {"flops_per_step": 1e12, "peak_tflops": 50, "dtype": None}
+    nj.write_text(json.dumps(info))
+    m = analyze(run).summary["mfu"]
+    assert m["value"] == pytest.approx(1e12 / (0.037 * 2 * 50e12))
+
+
+# ---------------------------------------------------------------- findings
+
+def _fake(summary, memory=None, gpu=None):
+    return SimpleNamespace(memory=memory if memory is not None else pd.DataFrame(
+        columns=["rank", "peak_mem_bytes", "device_mem_total_bytes", "device_type"]),
+        gpu=gpu if gpu is not None else pd.DataFrame())
+
+
+def _ids(summary, **kw):
+    return [f["id"] for f in F.find(summary, _fake(summary, **kw))]
+
+
+def test_findings_fire_on_thresholds_and_not_below():
+    pp = {"bubble_frac": 0.21, "microbatches": 4, "stages": 2, "schedule": "ScheduleGPipe",
+          "theoretical_bubble_frac": 0.2}
+    assert "pipeline_bubble" in _ids({"pipeline": pp})
+    assert "pipeline_bubble" not in _ids({"pipeline": dict(pp, bubble_frac=0.19)})
+    assert "pipeline_bubble" not in _ids({"pipeline": dict(pp, microbatches=8)})  # m >= 4p
+    assert "exposed_comm" in _ids({"overlap": {"exposed_comm_frac": 0.31, "ratio": 0.5}})
+    assert "exposed_comm" not in _ids({"overlap": {"exposed_comm_frac": 0.29, "ratio": 0.5}})
+    c = {"op": "all_reduce", "group": "0", "size_bucket": "1-4 MiB", "busbw_gbps": 200.0, "link_peak_gbps": 450.0,
+         "link_peak_frac": 0.44, "share_of_comm": 0.5}
+    assert "low_busbw" in _ids({"collectives": [c]})
+    assert "low_busbw" not in _ids({"collectives": [dict(c, link_peak_frac=0.55)]})
+    assert "low_busbw" not in _ids({"collectives": [dict(c, link_peak_frac=None)]})
+    s = {"rank": 3, "host": "h", "device": "d", "kind": "persistent", "score": 0.5, "late_frac": 0.9,
+         "time_lost_s": 1.0}
+    assert "straggler" in _ids({"stragglers": [s]})
+    assert "straggler" not in _ids({"stragglers": [dict(s, kind="transient")]})
+    mem = pd.DataFrame({"rank": [0], "peak_mem_bytes": [0.71], "device_mem_total_bytes": [1.0],
+                        "device_type": ["cuda"]})
+    assert "memory_high" in _ids({}, memory=mem)
+    assert "memory_high" not in _ids({}, memory=mem.assign(peak_mem_bytes=0.69))
+    gpu = pd.DataFrame({"host": ["h"], "gpu": [0], "sm_util_mean_pct": [40.0], "idle_frac": [0.5],
+                        "throttled_frac": [0.0], "throttle_reasons": [""]})
+    ranks = [{"step_time_s_p50": 1.0, "data_wait_s_per_step": 0.3}]
+    f = F.find({"ranks": ranks}, _fake({}, gpu=gpu))
+    low = [x for x in f if x["id"] == "low_gpu_util"]
+    assert low and "input data" in low[0]["evidence"]["cause"]
+    assert "low_gpu_util" not in _ids({"ranks": ranks}, gpu=gpu.assign(sm_util_mean_pct=60.0))
+
+
+def test_findings_end_to_end_memory_and_exposed_comm(tmp_path):
+    # last bucket 30 ms exposed of a ~63 ms step; peak 1 GiB of a 1.25 GiB device (80 %)
+    a = analyze(build_run(tmp_path / "r", world_size=2, steps=6, bucket_ms=30, device_type="cuda",
+                          device_name="NVIDIA H100 80GB HBM3", device_mem_total_bytes=int(1.25 * 2**30)))
+    ids = {f["id"] for f in a.findings}
+    assert {"exposed_comm", "memory_high"} <= ids
+    f = next(f for f in a.findings if f["id"] == "memory_high")
+    assert f["evidence"]["used_frac"] == pytest.approx(0.8) and f["recommendation"]
+    b = analyze(build_run(tmp_path / "b", world_size=2, steps=6, device_type="cuda",
+                          device_name="NVIDIA H100 80GB HBM3", device_mem_total_bytes=2 * 2**30))
+    assert not {"exposed_comm", "memory_high"} & {f["id"] for f in b.findings}
+    assert b.memory["headroom_frac"].tolist() == pytest.approx([0.5, 0.5])
+
+
+# ---------------------------------------------------------------- summary, text, CLI
+
+def test_summary_schema_keys_and_text(tmp_path):
+    run = build_run(tmp_path / "r", world_size=2, steps=6)
+    s = write_summary(run, flops_per_step=1e9, peak_tflops=1)
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk == s and s["schema"] == "dtprof.summary/1"
+    for k in ("run", "steps", "ranks", "mfu", "overlap", "pipeline", "stragglers", "collectives", "findings"):
+        assert k in s
+    assert s["run"] == {**s["run"], "world_size": 2, "hosts": ["host0"], "status": "completed", "exit_code": 0}
+    assert set(s["ranks"][0]) >= {"rank", "host", "device", "step_time_s_p50", "compute_s_per_step",
+                                  "comm_s_per_step", "exposed_comm_s_per_step", "overlap_ratio"}
+    text = format_summary_text(s)
+    assert "37.0 ms" in text and "32.0 ms" in text and "MFU: " in text and "%" in text
+    assert "stragglers: none" in text
+
+
+def test_summary_cli_json_and_bad_dir(tmp_path):
+    from dtprof.cli import main
+    run = build_run(tmp_path / "r", world_size=2, steps=6)
+    res = CliRunner().invoke(main, ["summary", str(run), "--json", "--flops-per-step", "1e9", "--peak-tflops", "1"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s["mfu"]["value"] == pytest.approx(1e9 / (0.037 * 2e12))
+    assert (run / "summary.json").exists()
+    res = CliRunner().invoke(main, ["summary", str(run), "--transformer", "n_params=1e6"])
+    assert res.exit_code == 2 and "--transformer" in res.output
+    bad = CliRunner().invoke(main, ["summary", str(tmp_path / "nope")])
+    assert bad.exit_code == 2 and "no such run directory" in bad.output and "Traceback" not in bad.output
+
+
+def test_analyzers_do_not_import_torch():
+    code = ("import sys, dtprof.analyzers.summary, dtprof.analyzers.cli; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_run_without_steps_gives_nulls_with_reasons(tmp_path):
+    # a job that died before its first step: every figure is null with its reason, nothing raises
+    run = hand_run(tmp_path / "r", [], [], steps=(), ranks=(0, 1))
+    s = analyze(run).summary
+    assert s["steps"]["count"] == 0 and s["steps"]["time_s"]["p50"] is None and s["steps"]["time_s_reason"]
+    assert s["mfu"]["value"] is None and s["mfu"]["value_reason"]
+    assert s["overlap"]["ratio"] is None and s["pipeline"] is None and s["stragglers"] == []
+    assert "0 measured" in format_summary_text(s)

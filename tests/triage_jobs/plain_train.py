@@ -1,0 +1,59 @@
+"""A plain gloo training script with no dtprof in it, for `dtprof run --hang-timeout` end-to-end tests.
+
+    torchrun --nproc_per_node=4 plain_train.py MODE [--culprit 1] [--steps 8] [--bad-step 3]
+
+MODE as in job.py: healthy | hang | raise | kill | mismatch | slow.
+"""
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("mode")
+p.add_argument("--culprit", type=int, default=1)
+p.add_argument("--steps", type=int, default=8)
+p.add_argument("--bad-step", type=int, default=3)
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+culprit = rank == args.culprit
+model = torch.nn.Linear(64, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+class DataIter:
+    def __init__(self):
+        self.step = 0
+
+    def __next__(self):
+        if args.mode == "hang" and culprit and self.step == args.bad_step:
+            time.sleep(3600)  # a stuck data loader
+        self.step += 1
+        return torch.ones(8, 64)
+
+
+data = DataIter()
+for step in range(args.steps):
+    x = next(data)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    if args.mode == "slow" and culprit:
+        time.sleep(0.06)
+    time.sleep(0.02)
+    if culprit and step == args.bad_step:
+        if args.mode == "raise":
+            raise RuntimeError(f"loss is NaN at step {step}")
+        if args.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    if args.mode == "mismatch" and step == args.bad_step:
+        dist.broadcast(torch.ones(12 if culprit else 10), src=0)
+    for prm in model.parameters():
+        dist.all_reduce(prm.grad)
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
