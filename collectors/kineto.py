@@ -75,10 +75,10 @@ def _op_key(name: str) -> str:
 CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it
 _TRACE_EVENTS_B = re.compile(rb'"traceEvents"\s*:\s*\[')
 _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
-# An event holding one of these is decoded (a superset of what _reduce_batch keeps).
-_KEEP = re.compile(rb'"(?:cat|name)"\s*:\s*"(?:kernel"|gpu_memcpy"|gpu_memset"|user_annotation"|c10d::'
-                   rb'|record_param|process_labels")')
-_PH_X = re.compile(rb'"ph"\s*:\s*"X"')
+# An event holding a string that starts with one of these is decoded (whatever its key: a superset of what
+# _reduce_batch keeps). A trailing quote means the whole string.
+_KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
+                                              b"c10d::", b"record_param", b'process_labels"')]
 
 
 def _open_stream(path: Path):
@@ -135,18 +135,29 @@ def _layout(buf: bytes) -> dict:
         raise ValueError(f"unbalanced '}}' at byte {int(st[np.argmax(depth < 0)])} of the array")
     opens = st[inside & (sch == _OPEN) & (depth == 1)]
     closes = st[inside & (sch == _CLOSE) & (depth == 0)]
+    hi = int(closes[-1]) if len(closes) else 0
     return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
-            "bs": bs[bs < closes[-1]] if len(closes) else bs[:0]}
+            "bs": bs[bs < hi], "q": q[q < hi]}
+
+
+def _strings_starting(a: np.ndarray, q: np.ndarray, prefixes: list) -> np.ndarray:
+    """Positions among the quotes ``q`` (each followed by at least one byte in ``a``) that open a string starting
+    with one of ``prefixes``: filtered on the first byte, then compared whole on the few left."""
+    first = a[q + 1]
+    found = []
+    for p in prefixes:
+        at = q[first == p[0]]
+        at = at[at + len(p) < len(a)]
+        found.append(at[(a[at[:, None] + 1 + np.arange(len(p))] == p).all(axis=1)])
+    return np.concatenate(found)
 
 
 def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
-    """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` marker or any
+    """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` string or any
     backslash); ``_reduce_batch`` then filters them exactly as the reference path does."""
     opens, closes = lay["opens"], lay["closes"]
-    lo, hi = int(opens[0]), int(closes[-1]) + 1
     parts["n_events"] += len(opens)
-    parts["x_events"] += len(_PH_X.findall(buf, lo, hi))
-    marks = np.fromiter((m.start() for m in _KEEP.finditer(buf, lo, hi)), np.int64)
+    marks = _strings_starting(np.frombuffer(buf, np.uint8), lay["q"], _KEEP)
     cand = np.unique(np.searchsorted(opens, np.concatenate([marks, lay["bs"]]), side="right") - 1)
     if len(cand):
         sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
@@ -340,7 +351,7 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
 
     ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
     """
-    parts = {"kernels": [], "cpu": [], "n_events": 0, "x_events": 0, "kept": 0, "pids": set()}
+    parts = {"kernels": [], "cpu": [], "n_events": 0, "kept": 0, "pids": set()}
     if fast:
         meta = scan_trace(Path(path), parts)
     else:
@@ -348,14 +359,13 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
         meta = {}
         for batch in iter_event_batches(text, path, meta):
             parts["n_events"] += len(batch)
-            parts["x_events"] += sum(e.get("ph") == "X" for e in batch)
             _reduce_batch(batch, parts)
         del text
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
     cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
     return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
-            "n_events": parts["n_events"], "other": parts["x_events"] - parts["kept"], "pids": parts["pids"],
+            "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}
 
 
@@ -517,7 +527,7 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
     t0 = int(spans["start_ns"].min()) if len(spans) else (int(steps["start_ns"].min()) if len(steps) else base)
     summary = (f"{parsed['path']}: rank {rank}: {parsed['n_events']} events read; imported {len(kern)} "
                f"GPU kernel/memcpy/memset spans, {len(steps)} ProfilerSteps, {len(coll)} collectives; "
-               f"{parsed['other']} other complete events (CPU ops, runtime calls) not represented")
+               f"{parsed['other']} other events (CPU ops, runtime calls, flows, metadata) not represented")
     events_df = pd.DataFrame({"rank": rank, "host": ranks["host"].iloc[0], "t_ns": t0,
                               "level": ["warning"] * len(events) + ["info"], "source": "kineto",
                               "message": events + [summary]})
@@ -601,11 +611,35 @@ def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size
 
 # ---------------------------------------------------------------- import and merge
 
+def _load_one(f: Path, single: bool):
+    """One file -> (parsed counts, identity, tables), or the KinetoError's message (picklable for a worker)."""
+    try:
+        parsed = parse_trace(f)
+        ident = trace_identity(parsed, single=single)
+        tables = rank_tables(parsed, ident)
+    except KinetoError as e:
+        return str(e)
+    parsed["kernels"] = parsed["cpu"] = None
+    return parsed, ident, tables
+
+
+def _workers(n_files: int) -> int:
+    """Processes to parse with: one per file up to the CPUs this process may use (1: parse here)."""
+    import os
+    import sys
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n_files, cpus)) if sys.platform == "linux" else 1
+
+
 def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, dict, dict]], list[str]]:
     """Parse every trace file (directories are searched for *.json and *.json.gz) into its rank's tables:
     [(parsed, identity, tables)] and the skipped files' messages. ``parsed`` keeps the path and counts only: each
-    file's columns are turned into tables and dropped before the next file is read (peak memory is one file's).
-    A file that cannot be read is skipped with a warning; mixed jobs and duplicate ranks raise KinetoError."""
+    file's columns are turned into tables and dropped at once (peak memory is one file's per process).
+
+    Files are parsed in parallel, one forked worker process per CPU (as HolisticTraceAnalysis does), each sending
+    back only its rank's tables. A file that cannot be read is skipped with a warning; mixed jobs and duplicate
+    ranks raise KinetoError."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -614,17 +648,23 @@ def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, di
             files.append(p)
     if not files:
         raise KinetoError(f"{', '.join(map(str, paths))}: no .json or .json.gz trace files")
+    single = len(files) == 1
+    n = _workers(len(files))
+    if n > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_load_one, files, [single] * len(files)))
+    else:
+        results = [_load_one(f, single) for f in files]
     out, failed = [], []
-    for f in files:
-        try:
-            parsed = parse_trace(f)
-            ident = trace_identity(parsed, single=len(files) == 1)
-            tables = rank_tables(parsed, ident)
-            parsed["kernels"] = parsed["cpu"] = None
-            out.append((parsed, ident, tables))
-        except KinetoError as e:
-            failed.append(str(e))
-            warn(f"skipped {e}")
+    for r in results:
+        if isinstance(r, str):
+            failed.append(r)
+            warn(f"skipped {r}")
+        else:
+            out.append(r)
     if not out:
         raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
     worlds = {i["world_size"] for _, i, _ in out}
