@@ -86,14 +86,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=1_000_000, help="events in all, over 2 ranks")
     ap.add_argument("--hta-venv", type=Path, default=Path("/tmp/hta-venv"))
+    ap.add_argument("--write-synthetic", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.write_synthetic:
+        for r in (0, 1):
+            synth_trace(a.write_synthetic / f"rank{r}.pt.trace.json.gz", r, a.events // 2)
+        return
     hta_py = ensure_hta(a.hta_venv)
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         traces = d / "traces"
         traces.mkdir()
-        for r in (0, 1):
-            synth_trace(traces / f"rank{r}.pt.trace.json.gz", r, a.events // 2)
+        # Written by a child process: Linux keeps a process's peak RSS across fork+exec, so a parent grown by
+        # building 1M event dicts would set the floor of both measurements below.
+        subprocess.run([sys.executable, __file__, "--write-synthetic", str(traces), "--events", str(a.events)],
+                       check=True)
         print(f"synthetic trace: 2 ranks, ~{a.events} events, "
               f"{sum(p.stat().st_size for p in traces.iterdir()) / 2**20:.1f} MiB gzipped", file=sys.stderr)
         ds, dm = measure(sys.executable, DTPROF, traces, d / "run")

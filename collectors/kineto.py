@@ -18,8 +18,9 @@ every range's start and end fell inside the brackets (docs/interop.md). Imported
 their time base (no monotonic reference exists); captured traces are shifted onto the rank's CLOCK_MONOTONIC with
 the (monotonic, wall) pair TraceCapture recorded next to the trace.
 
-Parsing is stdlib ``json`` without building the whole event list: events are decoded one by one from the text
-and reduced in batches to the few columns kept, so peak memory is the text plus one batch.
+Parsing (see "parsing" below): the (gzip) stream is read in chunks, events are located with numpy and only those
+dtprof keeps are decoded with stdlib ``json``; files are parsed in parallel worker processes. A plain ``json``
+reference path (``parse_trace(path, fast=False)``) is kept and tested to give identical tables.
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def _op_key(name: str) -> str:
 # The fast path (``scan_trace``) never holds the whole text and never decodes an event dtprof drops. It reads the
 # (gzip) stream in CHUNK-byte pieces and finds each event's byte range with numpy: the positions of quotes
 # (escaped ones removed), then of braces outside strings, whose running depth opens an event at 1 and closes it at
-# 0. An event is decoded with ``json`` only if its bytes hold one of the markers below, or any backslash (so an
-# escaped spelling of a marker cannot hide an event); the same filter as the reference path (``_reduce_batch``)
+# 0. An event is decoded with ``json`` only if it holds a string starting like a kept value (_KEEP), or any
+# backslash (so an escaped spelling cannot hide an event); the same filter as the reference path (``_reduce_batch``)
 # then runs on the decoded dicts, so both give the same tables (tests/test_interop_fast.py checks it).
 # Skipped events are checked for balanced strings and braces only, not decoded.
 
