@@ -142,8 +142,8 @@ def _layout(buf: bytes) -> dict:
 
 
 def _strings_starting(a: np.ndarray, q: np.ndarray, prefixes: list) -> np.ndarray:
-    """Positions among the quotes ``q`` (each followed by at least one byte in ``a``) that open a string starting
-    with one of ``prefixes``: filtered on the first byte, then compared whole on the few left."""
+    """Positions among the opening quotes ``q`` (each followed by at least one byte in ``a``) of the strings
+    starting with one of ``prefixes``: filtered on the first byte, then compared whole on the few left."""
     first = a[q + 1]
     found = []
     for p in prefixes:
@@ -158,7 +158,7 @@ def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
     backslash); ``_reduce_batch`` then filters them exactly as the reference path does."""
     opens, closes = lay["opens"], lay["closes"]
     parts["n_events"] += len(opens)
-    marks = _strings_starting(np.frombuffer(buf, np.uint8), lay["q"], _KEEP)
+    marks = _strings_starting(np.frombuffer(buf, np.uint8), lay["q"][0::2], _KEEP)  # opening quotes only
     cand = np.unique(np.searchsorted(opens, np.concatenate([marks, lay["bs"]]), side="right") - 1)
     if len(cand):
         sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
