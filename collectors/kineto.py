@@ -290,11 +290,19 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
 
 
 def _reduce_batch(events: list, parts: dict) -> None:
-    """Keep only the columns dtprof uses from one batch of complete ("X") events."""
-    x = [e for e in events if e.get("ph") == "X"]
-    parts["pids"].update(e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_labels"
-                         and "CPU" in str(e.get("args", {}).get("labels", "")))
-    kern = [e for e in x if e.get("cat") in KERNEL_CATS]
+    """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out)."""
+    kern, cpu, pids = [], [], parts["pids"]
+    for e in events:
+        ph = e.get("ph")
+        if ph == "X":
+            cat = e.get("cat")
+            if cat in KERNEL_CATS:
+                kern.append(e)
+            elif cat == "user_annotation" or (cat == "cpu_op" and str(e.get("name", "")).startswith(
+                    ("c10d::", "record_param"))):
+                cpu.append(e)
+        elif ph == "M" and e.get("name") == "process_labels" and "CPU" in str(e.get("args", {}).get("labels", "")):
+            pids.add(e.get("pid"))
     if kern:
         args = [e.get("args") or {} for e in kern]
         parts["kernels"].append(pd.DataFrame({
@@ -310,8 +318,6 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "group_size": [a.get("Group size") for a in args],
             "seq": [a.get("Seq") for a in args],
         }))
-    cpu = [e for e in x if e.get("cat") in ("cpu_op", "user_annotation")
-           and (e.get("cat") == "user_annotation" or str(e.get("name", "")).startswith(("c10d::", "record_param")))]
     if cpu:
         args = [e.get("args") or {} for e in cpu]
         parts["cpu"].append(pd.DataFrame({
