@@ -18,8 +18,9 @@ every range's start and end fell inside the brackets (docs/interop.md). Imported
 their time base (no monotonic reference exists); captured traces are shifted onto the rank's CLOCK_MONOTONIC with
 the (monotonic, wall) pair TraceCapture recorded next to the trace.
 
-Parsing is stdlib ``json`` without building the whole event list: events are decoded one by one from the text
-and reduced in batches to the few columns kept, so peak memory is the text plus one batch.
+Parsing (see "parsing" below): the (gzip) stream is read in chunks, events are located with numpy and only those
+dtprof keeps are decoded with stdlib ``json``; files are parsed in parallel worker processes. A plain ``json``
+reference path (``parse_trace(path, fast=False)``) is kept and tested to give identical tables.
 """
 from __future__ import annotations
 
@@ -63,6 +64,161 @@ def _op_key(name: str) -> str:
 
 
 # ---------------------------------------------------------------- parsing
+#
+# The fast path (``scan_trace``) never holds the whole text and never decodes an event dtprof drops. It reads the
+# (gzip) stream in CHUNK-byte pieces and finds each event's byte range with numpy: the positions of quotes
+# (escaped ones removed), then of braces outside strings, whose running depth opens an event at 1 and closes it at
+# 0. An event is decoded with ``json`` only if it holds a string starting like a kept value (_KEEP), or any
+# backslash (so an escaped spelling cannot hide an event); the same filter as the reference path (``_reduce_batch``)
+# then runs on the decoded dicts, so both give the same tables (tests/test_interop_fast.py checks it).
+# Skipped events are checked for balanced strings and braces only, not decoded.
+
+CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it
+_TRACE_EVENTS_B = re.compile(rb'"traceEvents"\s*:\s*\[')
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
+# An event holding a string that starts with one of these is decoded (whatever its key: a superset of what
+# _reduce_batch keeps). A trailing quote means the whole string.
+_KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
+                                              b"c10d::", b"record_param", b'process_labels"')]
+
+
+def _open_stream(path: Path):
+    """A binary stream of the trace's JSON, gunzipped when it starts with gzip's magic bytes."""
+    try:
+        f = open(path, "rb")
+        magic = f.read(2)
+        f.seek(0)
+    except OSError as e:
+        raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
+    return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+
+
+def _read(stream, path, n: int) -> bytes:
+    try:
+        return stream.read(n)
+    except (OSError, EOFError, zlib.error) as e:
+        if isinstance(stream, gzip.GzipFile):
+            raise KinetoError(f"{path}: damaged gzip ({e})") from None
+        raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _unescaped(q: np.ndarray, bs: np.ndarray) -> np.ndarray:
+    """The quotes of ``q`` not escaped by the backslashes at ``bs``."""
+    escaped = []
+    i = 0
+    while i < len(bs):  # a run of L backslashes escapes every second one and, if L is odd, the next byte
+        j = i
+        while j + 1 < len(bs) and bs[j + 1] == bs[j] + 1:
+            j += 1
+        if (j - i + 1) % 2:
+            escaped.append(int(bs[j]) + 1)
+        i = j + 1
+    return q[~np.isin(q, escaped)] if escaped else q
+
+
+def _layout(buf: bytes) -> dict:
+    """Where the events are in ``buf``, which starts inside the traceEvents array at depth 0 and outside any
+    string: the complete events (``opens``/``closes``: positions of their outer braces), the closing "]"
+    (``array_end``, None if not in ``buf``) and the backslashes (``bs``)."""
+    a = np.frombuffer(buf, np.uint8)
+    q = np.flatnonzero(a == _QUOTE)
+    bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\") >= 0 else np.empty(0, np.int64)
+    if len(bs):
+        q = _unescaped(q, bs)
+    st = np.flatnonzero((a == _OPEN) | (a == _CLOSE) | (a == _END))
+    st = st[np.searchsorted(q, st) % 2 == 0]  # an even number of quotes before it: outside strings
+    sch = a[st]
+    depth = np.cumsum((sch == _OPEN).astype(np.int64) - (sch == _CLOSE))  # depth after each; "]" keeps it
+    ends = st[(sch == _END) & (depth == 0)]
+    array_end = int(ends[0]) if len(ends) else len(a)
+    inside = st < array_end
+    if (depth[inside] < 0).any():
+        raise ValueError(f"unbalanced '}}' at byte {int(st[np.argmax(depth < 0)])} of the array")
+    opens = st[inside & (sch == _OPEN) & (depth == 1)]
+    closes = st[inside & (sch == _CLOSE) & (depth == 0)]
+    hi = int(closes[-1]) if len(closes) else 0
+    return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
+            "bs": bs[bs < hi], "q": q[q < hi]}
+
+
+def _strings_starting(a: np.ndarray, q: np.ndarray, prefixes: list) -> np.ndarray:
+    """Positions among the opening quotes ``q`` (each followed by at least one byte in ``a``) of the strings
+    starting with one of ``prefixes``: filtered on the first byte, then compared whole on the few left."""
+    first = a[q + 1]
+    found = []
+    for p in prefixes:
+        at = q[first == p[0]]
+        at = at[at + len(p) < len(a)]
+        found.append(at[(a[at[:, None] + 1 + np.arange(len(p))] == p).all(axis=1)])
+    return np.concatenate(found)
+
+
+def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
+    """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` string or any
+    backslash); ``_reduce_batch`` then filters them exactly as the reference path does."""
+    opens, closes = lay["opens"], lay["closes"]
+    parts["n_events"] += len(opens)
+    marks = _strings_starting(np.frombuffer(buf, np.uint8), lay["q"][0::2], _KEEP)  # opening quotes only
+    cand = np.unique(np.searchsorted(opens, np.concatenate([marks, lay["bs"]]), side="right") - 1)
+    if len(cand):
+        sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
+        _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
+
+
+def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
+    """Fast path: feed the events dtprof keeps to ``_reduce_batch``; return the top-level keys but traceEvents."""
+    chunk = chunk or CHUNK
+    stream = _open_stream(path)
+    with stream:
+        buf = _read(stream, path, chunk)
+        head = buf.lstrip()[:1]
+        m = _TRACE_EVENTS_B.search(buf)
+        while head == b"{" and not m and len(buf) < 256 * 2**20:  # metadata before traceEvents is rarely large
+            more = _read(stream, path, chunk)
+            if not more:
+                break
+            buf += more
+            m = _TRACE_EVENTS_B.search(buf)
+        if head == b"[":
+            prefix, pos = None, buf.index(b"[") + 1
+        elif head == b"{" and m:
+            prefix, pos = buf[:m.start()], m.end()
+        elif head == b"{":
+            raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+        else:
+            raise KinetoError(f"{path}: not JSON (starts with {buf[:20]!r})")
+        buf = buf[pos:]
+        eof = False
+        while True:
+            try:
+                lay = _layout(buf)
+                closes, array_end = lay["closes"], lay["array_end"]
+                if len(closes):
+                    _reduce_chunk(buf, lay, parts)
+            except ValueError as e:  # json's errors and UnicodeDecodeError included
+                raise KinetoError(f"{path}: invalid JSON in traceEvents ({str(e).splitlines()[0]})") from None
+            if array_end is not None:
+                tail = buf[array_end + 1:] + (b"" if eof else _read(stream, path, -1))
+                break
+            if eof:
+                raise KinetoError(f"{path}: truncated JSON (traceEvents never closed)")
+            buf = buf[int(closes[-1]) + 1:] if len(closes) else buf
+            more = _read(stream, path, chunk)
+            eof = not more
+            buf += more
+    if prefix is None:
+        return {}
+    try:
+        meta = json.loads(prefix + b'"traceEvents": []' + tail)
+    except ValueError as e:
+        raise KinetoError(f"{path}: invalid JSON around traceEvents ({e})") from None
+    meta.pop("traceEvents", None)
+    return meta
+
+
+# ---------------------------------------------------------------- reference path
+# Plain stdlib json over the whole text: slow, but obviously right. Kept to check the fast path against
+# (``parse_trace(path, fast=False)``).
 
 _TRACE_EVENTS = re.compile(r'"traceEvents"\s*:\s*\[')
 _SEP = re.compile(r"[\s,]*")
@@ -134,12 +290,19 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
 
 
 def _reduce_batch(events: list, parts: dict) -> None:
-    """Keep only the columns dtprof uses from one batch of complete ("X") events."""
-    x = [e for e in events if e.get("ph") == "X"]
-    parts["n_events"] += len(events)
-    parts["pids"].update(e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_labels"
-                         and "CPU" in str(e.get("args", {}).get("labels", "")))
-    kern = [e for e in x if e.get("cat") in KERNEL_CATS]
+    """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out)."""
+    kern, cpu, pids = [], [], parts["pids"]
+    for e in events:
+        ph = e.get("ph")
+        if ph == "X":
+            cat = e.get("cat")
+            if cat in KERNEL_CATS:
+                kern.append(e)
+            elif cat == "user_annotation" or (cat == "cpu_op" and str(e.get("name", "")).startswith(
+                    ("c10d::", "record_param"))):
+                cpu.append(e)
+        elif ph == "M" and e.get("name") == "process_labels" and "CPU" in str(e.get("args", {}).get("labels", "")):
+            pids.add(e.get("pid"))
     if kern:
         args = [e.get("args") or {} for e in kern]
         parts["kernels"].append(pd.DataFrame({
@@ -155,8 +318,6 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "group_size": [a.get("Group size") for a in args],
             "seq": [a.get("Seq") for a in args],
         }))
-    cpu = [e for e in x if e.get("cat") in ("cpu_op", "user_annotation")
-           and (e.get("cat") == "user_annotation" or str(e.get("name", "")).startswith(("c10d::", "record_param")))]
     if cpu:
         args = [e.get("args") or {} for e in cpu]
         parts["cpu"].append(pd.DataFrame({
@@ -166,22 +327,53 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "ext": [a.get("External id") for a in args],
             "dims": [a.get("Input Dims") for a in args], "types": [a.get("Input type") for a in args],
         }))
-    parts["other"] += len(x) - len(kern) - len(cpu)
+    parts["kept"] += len(kern) + len(cpu)
 
 
-def parse_trace(path: Path) -> dict:
-    """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}."""
-    text = read_text(path)
-    meta: dict = {}
-    parts = {"kernels": [], "cpu": [], "n_events": 0, "other": 0, "pids": set()}
-    for batch in iter_event_batches(text, path, meta):
-        _reduce_batch(batch, parts)
-    del text
+_TIMES = ("ts", "dur")
+_IDS = ("stream", "ext", "in_nelems", "out_nelems", "group_size", "seq", "pid", "tid")
+_TEXT = ("cat", "name", "coll", "dtype", "group")
+
+
+def _tidy(df: pd.DataFrame) -> pd.DataFrame:
+    """Column dtypes that do not depend on how the events were batched (pandas infers each batch's: a batch where
+    an arg is always absent gives object, another int64, their concat object or float64): times float64, ids
+    Int64 when every value is a whole number, text str. A column holding anything else is left as it is."""
+    for c in df.columns:
+        s = df[c]
+        if c in _TEXT and pd.api.types.infer_dtype(s, skipna=True) in ("string", "empty"):
+            df[c] = s.astype("str")
+        elif c in _TIMES + _IDS:
+            n = pd.to_numeric(s, errors="coerce")
+            if n.isna().sum() != s.isna().sum():  # some value was not a number: keep the column as read
+                continue
+            n = n.astype("float64")
+            whole = c in _IDS and bool((n.dropna() % 1 == 0).all())
+            df[c] = n.astype("Int64") if whole else n
+    return df
+
+
+def parse_trace(path: Path, fast: bool = True) -> dict:
+    """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}.
+
+    ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
+    """
+    parts = {"kernels": [], "cpu": [], "n_events": 0, "kept": 0, "pids": set()}
+    if fast:
+        meta = scan_trace(Path(path), parts)
+    else:
+        text = read_text(path)
+        meta = {}
+        for batch in iter_event_batches(text, path, meta):
+            parts["n_events"] += len(batch)
+            _reduce_batch(batch, parts)
+        del text
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
-    cat = lambda dfs: pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()  # noqa: E731
+    cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
     return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
-            "n_events": parts["n_events"], "other": parts["other"], "pids": parts["pids"], "path": Path(path)}
+            "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
+            "path": Path(path)}
 
 
 # ---------------------------------------------------------------- identity
@@ -257,6 +449,16 @@ def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
     return pd.Series(out)
 
 
+def _labels(prefix: str, values) -> pd.Categorical:
+    """``prefix + str(value)`` per value, or ``prefix`` repeated when ``values`` is a count, as a Categorical: a
+    span table's text columns repeat a few values over millions of rows, and the run format stores them as
+    categories anyway (a plain string column costs one Python string per row when written)."""
+    if isinstance(values, int):
+        return pd.Categorical.from_codes(np.zeros(values, np.int8), [prefix])
+    codes, uniq = pd.factorize(values, use_na_sentinel=False)
+    return pd.Categorical.from_codes(codes, [prefix + str(u) for u in uniq])
+
+
 def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int | None = None) -> dict:
     """One parsed trace -> run-format tables for its rank.
 
@@ -285,18 +487,18 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
     if len(kern):
         ks = _to_ns(kern["ts"], base)
         spans.append(pd.DataFrame({
-            "rank": rank, "step": _assign_step(ks, steps), "kind": "kernel", "name": kern["name"].to_numpy(),
-            "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
-            "lane": "cuda:" + kern["stream"].astype(str).to_numpy(), "source": "kineto"}))
+            "rank": rank, "step": _assign_step(ks, steps), "kind": _labels("kernel", len(kern)),
+            "name": pd.Categorical(kern["name"]), "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
+            "lane": _labels("cuda:", kern["stream"]), "source": _labels("kineto", len(kern))}))
     # user annotations on the CPU
     if len(cpu):
         ua = cpu[(cpu["cat"] == "user_annotation") & ~cpu["name"].str.startswith(("ProfilerStep#", "gloo:", "nccl:"))]
         if len(ua):
             us = _to_ns(ua["ts"], base)
             spans.append(pd.DataFrame({
-                "rank": rank, "step": _assign_step(us, steps), "kind": "user", "name": ua["name"].to_numpy(),
-                "start_ns": us, "end_ns": us + _to_ns(ua["dur"], 0),
-                "lane": "cpu:" + ua["tid"].astype(str).to_numpy(), "source": "kineto"}))
+                "rank": rank, "step": _assign_step(us, steps), "kind": _labels("user", len(ua)),
+                "name": pd.Categorical(ua["name"]), "start_ns": us, "end_ns": us + _to_ns(ua["dur"], 0),
+                "lane": _labels("cpu:", ua["tid"]), "source": _labels("kineto", len(ua))}))
     spans = pd.concat(spans, ignore_index=True) if spans else pd.DataFrame()
 
     group0, size0 = _default_group(ident["groups"])
@@ -332,7 +534,7 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
     t0 = int(spans["start_ns"].min()) if len(spans) else (int(steps["start_ns"].min()) if len(steps) else base)
     summary = (f"{parsed['path']}: rank {rank}: {parsed['n_events']} events read; imported {len(kern)} "
                f"GPU kernel/memcpy/memset spans, {len(steps)} ProfilerSteps, {len(coll)} collectives; "
-               f"{parsed['other']} other complete events (CPU ops, runtime calls) not represented")
+               f"{parsed['other']} other events (CPU ops, runtime calls, flows, metadata) not represented")
     events_df = pd.DataFrame({"rank": rank, "host": ranks["host"].iloc[0], "t_ns": t0,
                               "level": ["warning"] * len(events) + ["info"], "source": "kineto",
                               "message": events + [summary]})
@@ -416,9 +618,35 @@ def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size
 
 # ---------------------------------------------------------------- import and merge
 
-def load_traces(paths: list, warn=lambda msg: None) -> list[tuple[dict, dict]]:
-    """Parse every trace file (directories are searched for *.json and *.json.gz). A file that cannot be read is
-    skipped with a warning; mixed jobs and duplicate ranks raise KinetoError."""
+def _load_one(f: Path, single: bool):
+    """One file -> (parsed counts, identity, tables), or the KinetoError's message (picklable for a worker)."""
+    try:
+        parsed = parse_trace(f)
+        ident = trace_identity(parsed, single=single)
+        tables = rank_tables(parsed, ident)
+    except KinetoError as e:
+        return str(e)
+    parsed["kernels"] = parsed["cpu"] = None
+    return parsed, ident, tables
+
+
+def _workers(n_files: int) -> int:
+    """Processes to parse with: one per file up to the CPUs this process may use (1: parse here)."""
+    import os
+    import sys
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n_files, cpus)) if sys.platform == "linux" else 1
+
+
+def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, dict, dict]], list[str]]:
+    """Parse every trace file (directories are searched for *.json and *.json.gz) into its rank's tables:
+    [(parsed, identity, tables)] and the skipped files' messages. ``parsed`` keeps the path and counts only: each
+    file's columns are turned into tables and dropped at once (peak memory is one file's per process).
+
+    Files are parsed in parallel, one forked worker process per CPU (as HolisticTraceAnalysis does), each sending
+    back only its rank's tables. A file that cannot be read is skipped with a warning; mixed jobs and duplicate
+    ranks raise KinetoError."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -427,22 +655,31 @@ def load_traces(paths: list, warn=lambda msg: None) -> list[tuple[dict, dict]]:
             files.append(p)
     if not files:
         raise KinetoError(f"{', '.join(map(str, paths))}: no .json or .json.gz trace files")
+    single = len(files) == 1
+    n = _workers(len(files))
+    if n > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_load_one, files, [single] * len(files)))
+    else:
+        results = [_load_one(f, single) for f in files]
     out, failed = [], []
-    for f in files:
-        try:
-            parsed = parse_trace(f)
-            out.append((parsed, trace_identity(parsed, single=len(files) == 1)))
-        except KinetoError as e:
-            failed.append(str(e))
-            warn(f"skipped {e}")
+    for r in results:
+        if isinstance(r, str):
+            failed.append(r)
+            warn(f"skipped {r}")
+        else:
+            out.append(r)
     if not out:
         raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
-    worlds = {i["world_size"] for _, i in out}
+    worlds = {i["world_size"] for _, i, _ in out}
     if len(worlds) > 1:
         raise KinetoError("traces come from different jobs (world sizes " + ", ".join(
-            f"{p['path'].name}={i['world_size']}" for p, i in out) + ")")
+            f"{p['path'].name}={i['world_size']}" for p, i, _ in out) + ")")
     seen: dict[int, Path] = {}
-    for p, i in out:
+    for p, i, _ in out:
         if i["rank"] in seen:
             raise KinetoError(f"{p['path']}: duplicate rank {i['rank']} (also in {seen[i['rank']]})")
         seen[i["rank"]] = p["path"]
@@ -463,8 +700,9 @@ def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg
     from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
 
     loaded, failed = load_traces(paths, warn)
-    per_rank = [rank_tables(p, i) for p, i in loaded]
-    tables = _concat(per_rank)
+    tables = _concat([t for _, _, t in loaded])
+    for _, _, t in loaded:  # the concatenated copies are all that is needed from here on
+        t.clear()
     tables["events"] = pd.concat([tables["events"], pd.DataFrame({
         "rank": -1, "host": "", "t_ns": 0, "level": "warning", "source": "kineto", "message": failed})],
         ignore_index=True) if failed else tables["events"]
@@ -477,7 +715,7 @@ def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg
                                              "time_base": "wall_clock"})
     node_dir = create_node_dir(run_dir, host="import")
     write_node_tables(node_dir, tables, {"command": command, "host": socket.gethostname(), "status": "imported",
-                                         "imported_files": [str(p["path"]) for p, _ in loaded],
+                                         "imported_files": [str(p["path"]) for p, _, _ in loaded],
                                          "skipped_files": failed, "time_base": "wall_clock"})
     return run_dir
 

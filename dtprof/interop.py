@@ -5,10 +5,17 @@ with a warning on stderr and recorded in the run's events table.
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
 import click
+
+# pyarrow (pandas' text columns) allocates from mimalloc by default, which does not reuse the memory numpy and
+# Python free, nor they its: an import of 1M events peaked ~35 MiB higher (benchmarks/import_speed.py). Read by
+# pyarrow when it is first imported, which in `dtprof import|export` is after this module.
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 
 class InputError(click.ClickException):
@@ -26,6 +33,7 @@ def import_command():
 
     \b
     dtprof import kineto traces/ -o runs/imported      torch.profiler traces, one file per rank
+    dtprof import fr dumps/ -o runs/from-fr            Flight Recorder dumps, one file per rank
     """
 
 
@@ -55,11 +63,107 @@ def import_kineto_command(paths, out):
 
 @import_command.command("fr")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path),
+              help="New run directory to create (never overwritten).")
 def import_fr_command(paths, out):
-    """Import Flight Recorder dumps (not available yet in this version)."""
-    raise click.ClickException("importing Flight Recorder dumps is not implemented yet; "
-                               "use `dtprof triage` on a run recorded with `dtprof run`")
+    """Import PyTorch Flight Recorder dumps (pickle or JSON, one per rank; files or directories of them).
+
+    Each entry becomes a collectives row (source "flight_recorder"): group, seq = collective_seq_id (p2p_seq_id
+    for send/recv), op, bytes from the input/output sizes and dtype, issue = time_created_ns (wall clock).
+    Flight Recorder has no step and, on gloo, no completion times: those stay empty.
+
+    \b
+    Example: dtprof import fr /tmp/fr_trace_rank_0 /tmp/fr_trace_rank_1 -o runs/from-fr
+    """
+    from dtprof.collectors.flight_recorder import DumpError
+    from dtprof.runformat import RunExistsError
+
+    try:
+        run_dir = import_fr(list(paths), out, command=" ".join(sys.argv))
+    except (DumpError, RunExistsError) as e:
+        raise InputError(str(e)) from None
+    click.echo(str(run_dir))
+
+
+def _numel(sizes_json: str) -> int:
+    """Elements in all tensors of a Flight Recorder size list ('[[2, 4], [8]]' -> 16)."""
+    total = 0
+    for shape in json.loads(sizes_json or "[]"):
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+def fr_collectives(entries):
+    """Flight Recorder entries (``load_dump``'s columns) -> run-format collectives and groups tables.
+
+    group_size and the groups' rank lists are the imported ranks that have entries of that group (gloo dumps leave
+    pg_config empty, so the dumps cannot say more): a lower bound when some ranks' dumps are missing.
+    return_ns = issue_ns; end_ns, gpu_duration_ns and step stay null (gloo entries never record completion).
+    """
+    import pandas as pd
+
+    e = entries.reset_index(drop=True)
+    in_elems = e["input_sizes"].map(_numel)
+    elem_bytes = (e["in_bytes"].astype("float64") / in_elems.where(in_elems > 0)).fillna(0)
+    out_bytes = (e["output_sizes"].map(_numel) * elem_bytes).round().astype("int64")
+    seen = e.groupby("group")["rank"].agg(lambda r: sorted(set(int(x) for x in r.dropna())))
+    size = e["group"].map(lambda g: len(seen.get(g, [])))
+    is_p2p = e["is_p2p"].astype(bool)
+    issue = e["time_created_ns"]
+    coll = pd.DataFrame({
+        "rank": e["rank"], "step": pd.array([None] * len(e), dtype="Int64"), "op": e["op"], "api": e["op"],
+        "source": "flight_recorder", "group": e["group"], "group_size": size,
+        "seq": e["p2p_seq"].where(is_p2p, e["seq"]), "in_bytes": e["in_bytes"].fillna(0), "out_bytes": out_bytes,
+        "dtype": e["dtype"].fillna("").str.split(",").str[0], "async_op": False,
+        "issue_ns": issue, "return_ns": issue})
+    groups = (e.drop_duplicates(["rank", "group"])[["rank", "group", "group_desc"]]
+              .rename(columns={"group_desc": "desc"}).reset_index(drop=True))
+    groups["ranks"] = groups["group"].map(lambda g: ",".join(map(str, seen.get(g, []))))
+    groups["size"] = groups["group"].map(lambda g: len(seen.get(g, [])))
+    groups["backend"], groups["mesh_dim"] = "", ""
+    return coll, groups
+
+
+def import_fr(paths: list, out_dir: Path, command: str = "") -> Path:
+    """``dtprof import fr``: Flight Recorder dumps of one job -> a new run directory (time base: wall clock)."""
+    import socket
+    import time
+
+    import pandas as pd
+
+    from dtprof.collectors.flight_recorder import DumpError, load_dumps
+    from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
+
+    entries = load_dumps(paths)
+    if entries["rank"].isna().any():
+        bad = entries.loc[entries["rank"].isna(), "source"].iloc[0]
+        raise DumpError(f"{bad}: no rank in the dump or in the file name")
+    if not len(entries):
+        raise DumpError(f"{', '.join(map(str, paths))}: no Flight Recorder entries")
+    coll, groups = fr_collectives(entries)
+    ranks = sorted(int(r) for r in entries["rank"].unique())
+    world = max(ranks) + 1
+    counts = entries.groupby("rank").size()
+    tables = {
+        "collectives": coll, "groups": groups,
+        "ranks": pd.DataFrame({"rank": ranks, "local_rank": -1, "world_size": world, "host": "", "pid": 0,
+                               "device_type": "", "device_name": "", "device_uuid": "", "backend": ""}),
+        "clock": pd.DataFrame({"rank": ranks, "host": "", "mono_ns": 0, "wall_ns": 0}),
+        "events": pd.DataFrame({"rank": ranks, "host": "", "t_ns": 0, "level": "info",
+                                "source": "flight_recorder",
+                                "message": [f"{int(counts[r])} Flight Recorder entries imported" for r in ranks]}),
+    }
+    run_dir = create_run_dir(Path(out_dir), {"source": "flight-recorder-import", "command": command,
+                                             "created_wall_ns": time.time_ns(), "world_size": world,
+                                             "time_base": "wall_clock"})
+    node_dir = create_node_dir(run_dir, host="import")
+    write_node_tables(node_dir, tables, {"command": command, "host": socket.gethostname(), "status": "imported",
+                                         "imported_files": sorted(set(entries["source"])),
+                                         "time_base": "wall_clock"})
+    return run_dir
 
 
 @click.group("export")
