@@ -33,7 +33,6 @@ from pathlib import Path
 from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
 
 VERDICTS = ("hang", "crash", "mismatch", "straggler", "healthy")
-SCORE_THRESHOLD = 0.75
 P2P = ("send", "recv")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
 TIMEOUT_PATTERNS = [
@@ -283,35 +282,15 @@ def _exception_line(text: str, rank: int) -> str | None:
 
 
 def find_stragglers(run) -> list[dict]:
-    """Persistent stragglers: the analyze helper's classification when present, else the compute score."""
-    try:
-        from dtprof.analyzers.summary import analyze
-    except ImportError:
-        analyze = None
-    if analyze is not None:
-        st = analyze(run).stragglers
-        st = st[st["kind"].astype(str) == "persistent"]
-        return [{"rank": int(r), "late_frac": float(lf), "time_lost_s": float(tl), "compute_score": float(cs),
-                 "method": "dtprof.analyzers.summary"}
-                for r, lf, tl, cs in zip(st["rank"], st["late_frac"], st["time_lost_s"], st["compute_score"])]
-    from dtprof.schema import COMPUTE_KINDS
-    sp = run.spans
-    kind = sp["kind"].astype(str)
-    comp = sp[kind.isin(COMPUTE_KINDS)][["rank", "step", "start_ns", "end_ns"]]
-    if comp.empty or comp["rank"].nunique() < 2:
-        return []
-    # compute time per (rank, step), minus the comm_wait spans nested inside it (DDP's end-of-backward wait)
-    busy = (comp["end_ns"] - comp["start_ns"]).groupby([comp["rank"], comp["step"]]).sum()
-    wait = sp[kind == "comm_wait"][["rank", "step", "start_ns", "end_ns"]]
-    pairs = comp.merge(wait, on=["rank", "step"], suffixes=("", "_w"))
-    overlap = (pairs[["end_ns", "end_ns_w"]].min(axis=1) - pairs[["start_ns", "start_ns_w"]].max(axis=1)).clip(lower=0)
-    overlap = overlap.groupby([pairs["rank"], pairs["step"]]).sum()
-    per_step = busy.sub(overlap, fill_value=0) / 1e9
-    med = per_step.groupby(level=0).median()
-    score = med.min() / med
-    slow = score[score < SCORE_THRESHOLD]
-    return [{"rank": int(r), "compute_score": float(s), "median_compute_s": float(med[r]),
-             "fastest_median_compute_s": float(med.min()), "method": "compute score"} for r, s in slow.items()]
+    """Persistent stragglers as the analyzers classify them (dtprof.analyzers.stragglers)."""
+    from dtprof.analyzers.summary import analyze
+
+    st = analyze(run).stragglers
+    st = st[st["kind"].astype(str) == "persistent"]
+    return [{"rank": int(r), "late_frac": float(lf), "time_lost_s": float(tl), "compute_score": float(cs),
+             "reason": str(why), "method": "dtprof.analyzers.stragglers"}
+            for r, lf, tl, cs, why in zip(st["rank"], st["late_frac"], st["time_lost_s"], st["compute_score"],
+                                          st["reason"])]
 
 
 # NVML clocksEventReasons bits (nvml.h), for naming a throttle bitmask.
@@ -566,8 +545,10 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
             for s in slow:
                 r = s["rank"]
                 evidence.append({"kind": "straggler", "rank": r, "message":
-                                 f"{label(r)}: compute score {s['compute_score']:.2f} (1.0 = as fast as the "
-                                 f"fastest rank; {s['method']})", **{k: v for k, v in s.items() if k != 'rank'}})
+                                 f"{label(r)}: {s['reason']}; compute score {s['compute_score']:.2f} (1.0 = as "
+                                 f"fast as the fastest rank); last to arrive at {s['late_frac']:.0%} of "
+                                 f"collectives; peers lost {s['time_lost_s']:.2f} s waiting for it",
+                                 **{k: v for k, v in s.items() if k != 'rank'}})
                 ev = nvml_evidence(run, r)
                 if ev:
                     evidence.append({"kind": "nvml", "rank": r, "message": _nvml_text(ev), **ev})
@@ -575,7 +556,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                                          else ""))
             return result("straggler", [s["rank"] for s in slow], None,
                           f"straggler: {', '.join(parts)} is persistently slower than its peers "
-                          f"(compute score {min(s['compute_score'] for s in slow):.2f})")
+                          f"({slow[0]['reason']}; peers lost {sum(s['time_lost_s'] for s in slow):.2f} s)")
     n = len(known)
     return result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
                                        f"({n} rank(s) examined)")
