@@ -23,6 +23,8 @@ What is visible from Python (torch-facts "What each parallel style sends through
 """
 from __future__ import annotations
 
+import collections
+import os
 import sys
 import threading
 import time
@@ -40,6 +42,27 @@ MAX_PENDING = 4096
 
 # row indices (dtprof.schema.TABLES["collectives"])
 _END = 15
+_GPU_DURATION = 16
+
+# NCCL works completed on the host whose GPU-side duration (Work._get_duration(), needs TORCH_NCCL_ENABLE_TIMING=1,
+# which `dtprof run` sets unless the user did) is read by the flusher once the GPU has finished them. A deque:
+# future callbacks append from other threads while the flusher pops. Bounded, since each entry keeps its work alive.
+_timed: collections.deque = collections.deque()
+MAX_TIMED = 2048
+MAX_TIMED_TRIES = 5
+_nccl_timing = None   # decided on first use: timing enabled and CUDA present
+
+
+def _wants_gpu_duration() -> bool:
+    global _nccl_timing
+    if _nccl_timing is None:
+        try:
+            import torch
+
+            _nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1" and torch.cuda.is_available()
+        except Exception:
+            _nccl_timing = False
+    return _nccl_timing
 
 
 _C10D_INTERNAL = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger")
@@ -271,6 +294,28 @@ def _complete(key, t) -> None:
     if item is not None:
         for row in item[1]:
             row[_END] = t
+        if hasattr(item[0], "_get_duration") and _wants_gpu_duration() and len(_timed) < MAX_TIMED:
+            _timed.append((item[0], item[1], 0))
+        else:
+            rt.W.extend("collectives", item[1])
+
+
+def resolve_gpu_durations(final: bool = False) -> None:
+    """Flusher: fill gpu_duration_ns from NCCL's start/end events once the GPU has run them, then write the rows.
+    A work whose events are not ready is retried on the next flushes; after MAX_TIMED_TRIES (or at exit) its rows
+    are written without a duration."""
+    for _ in range(len(_timed)):
+        work, rows, tries = _timed.popleft()
+        try:
+            ms = work._get_duration()   # raises until the end event has completed on the GPU
+        except Exception:
+            if tries + 1 < MAX_TIMED_TRIES and not final:
+                _timed.append((work, rows, tries + 1))
+                continue
+            ms = None
+        for row in rows:
+            if ms is not None:
+                row[_GPU_DURATION] = int(ms * 1e6)
             rt.W.append("collectives", row)
 
 

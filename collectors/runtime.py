@@ -301,6 +301,7 @@ def _flush_once() -> None:
     from dtprof.collectors import hooks_collectives
 
     hooks_collectives.expire_pending()
+    hooks_collectives.resolve_gpu_durations()
     ident, _identity_new = _identity_new, None
     if ident is not None:
         W.write_identity(ident)
@@ -335,6 +336,7 @@ def _at_exit() -> None:
 
             torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
         hooks_collectives.expire_pending(all_=True)
+        hooks_collectives.resolve_gpu_durations(final=True)
         _flush_once()
         W.close()
     except BaseException:

@@ -187,6 +187,9 @@ def job_env(base: dict, node_dir: Path, rank_config: dict) -> dict:
     user_path = base.get("PYTHONPATH", "")
     env["PYTHONPATH"] = str(inject_dir()) + (os.pathsep + user_path if user_path else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # NCCL records start/end CUDA events per collective, so the rank side can read GPU-side durations
+    # (Work._get_duration); harmless on gloo. A user's own setting wins.
+    env.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     return env
 
 

@@ -1,0 +1,74 @@
+"""GPU-side collective durations: the flusher reads NCCL's Work._get_duration() once the GPU has finished the work.
+
+A CUDA/NCCL Work is what this machine cannot have, so a stand-in with the same method stands at that boundary; the
+rest (pending table, completion, flusher retries, rows in the run) is the real code. The real NCCL path is part of
+the GPU validation (docs/validation.md)."""
+from __future__ import annotations
+
+import pytest
+
+from dtprof.collectors import hooks_collectives as hc
+from dtprof.collectors import runtime as rt
+from dtprof.reader import open_run
+from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
+
+
+class NcclWorkStandIn:
+    """Raises like WorkNCCL::getDuration until its end event has completed, then returns milliseconds."""
+
+    def __init__(self, ready_after: int, ms: float):
+        self.calls, self.ready_after, self.ms = 0, ready_after, ms
+
+    def _get_duration(self):
+        self.calls += 1
+        if self.calls <= self.ready_after:
+            raise RuntimeError("CUDA error: device not ready")
+        return self.ms
+
+
+@pytest.fixture
+def writer(tmp_path, monkeypatch):
+    create_run_dir(tmp_path / "run", {"command": ["test"]})
+    node = create_node_dir(tmp_path / "run")
+    w = RankWriter(node, 0)
+    w.write_identity({"rank": 0, "local_rank": 0, "world_size": 1, "host": "h", "pid": 1, "device_type": "cuda"})
+    monkeypatch.setattr(rt, "W", w)
+    monkeypatch.setattr(hc, "_nccl_timing", True)
+    hc._timed.clear()
+    yield w, tmp_path / "run"
+    hc._timed.clear()
+
+
+def _row(seq):
+    return [0, 0, "all_reduce", "all_reduce", "user", "0", 2, seq, 64, 64, "float32", None, True, 1000, 1100,
+            None, None, None, None, None]
+
+
+def test_duration_filled_once_the_gpu_has_finished(writer):
+    w, run_dir = writer
+    slow, never = NcclWorkStandIn(ready_after=2, ms=1.5), NcclWorkStandIn(ready_after=10**6, ms=0)
+    hc._pending[id(slow)] = (slow, [_row(0)], 1000)
+    hc._pending[id(never)] = (never, [_row(1)], 1000)
+    hc._complete(id(slow), 2000)
+    hc._complete(id(never), 2100)
+    for _ in range(hc.MAX_TIMED_TRIES):   # flushes
+        hc.resolve_gpu_durations()
+    w.flush()
+    c = open_run(run_dir).collectives.set_index("seq")
+    assert c.loc[0, "gpu_duration_ns"] == 1_500_000 and c.loc[0, "end_ns"] == 2000
+    # a work whose events never complete is written anyway, without a duration, after the retries
+    assert c.loc[1, "end_ns"] == 2100 and c["gpu_duration_ns"].isna().loc[1]
+    assert not hc._timed
+
+
+def test_rows_wait_for_their_duration_but_exit_writes_them(writer):
+    w, run_dir = writer
+    work = NcclWorkStandIn(ready_after=10**6, ms=0)
+    hc._pending[id(work)] = (work, [_row(0)], 1000)
+    hc._complete(id(work), 2000)
+    hc.resolve_gpu_durations()
+    w.flush()
+    assert len(open_run(run_dir).collectives) == 0        # still waiting for the GPU
+    hc.resolve_gpu_durations(final=True)                  # the flusher at exit
+    w.flush()
+    assert len(open_run(run_dir).collectives) == 1
