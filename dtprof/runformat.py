@@ -50,8 +50,17 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir / RUN_MANIFEST
     info = {"schema": RUN_SCHEMA, "schema_version": SCHEMA_VERSION, "join_id": join_id or "", **run_info}
+    if not manifest.exists():
+        others = [p.name for p in run_dir.iterdir()
+                  if p.name != RUN_MANIFEST and not p.name.startswith(f".{RUN_MANIFEST}.")]
+        if others:
+            raise RunExistsError(f"{run_dir}: directory is not empty ({others[0]} ...); choose another --out")
+    # Write the whole manifest under a private name, then link it into place: the link fails if run.json exists,
+    # and a peer node that lost the race always reads a complete file (never a half-written one).
+    tmp = run_dir / f".{RUN_MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
     try:
-        fd = os.open(manifest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.link(tmp, manifest)
     except FileExistsError:
         try:
             existing = json.loads(manifest.read_text())
@@ -59,16 +68,9 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
             existing = {}
         if join_id and existing.get("join_id") == join_id:
             return run_dir
-        raise RunExistsError(f"{run_dir}: already holds a run (run.json exists); choose another --out")
-    else:
-        others = [p.name for p in run_dir.iterdir() if p.name != RUN_MANIFEST]
-        if others:
-            os.close(fd)
-            manifest.unlink()
-            raise RunExistsError(f"{run_dir}: directory is not empty ({others[0]} ...); choose another --out")
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f, indent=1, default=str)
-            f.write("\n")
+        raise RunExistsError(f"{run_dir}: already holds a run (run.json exists); choose another --out") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return run_dir
 
 
