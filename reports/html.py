@@ -155,7 +155,10 @@ class _Page:
         data_id = f"figdata-{self.n}"
         self.figures.append(f'<script type="application/json" id="{data_id}">{json_for_script(fig.to_json())}'
                             f"</script>")
-        return f'<div class="chart" id="{esc(anchor_id)}" data-fig="{data_id}"></div>'
+        # the final height is reserved before the chart draws (charts draw lazily, see assets/report.js)
+        height = fig.layout.height or 450
+        return (f'<div class="chart" id="{esc(anchor_id)}" data-fig="{data_id}" '
+                f'style="min-height:{int(height)}px"></div>')
 
 
 def _header(run, summary: dict) -> str:
