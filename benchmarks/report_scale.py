@@ -54,6 +54,7 @@ def measure(browser, url: str) -> dict:
     m["scroll_to_heatmap"] = page.evaluate("""() => new Promise(resolve => {
         const div = document.getElementById('heatmap-step');
         if (!div) return resolve(null);
+        if (div.getAttribute('data-drawn') === '1') return resolve(-1);   // drawn already while idle
         const t0 = performance.now();
         div.scrollIntoView();
         const check = () => div.getAttribute('data-drawn') === '1' ? resolve((performance.now() - t0) / 1e3)
@@ -127,6 +128,7 @@ def main() -> int:
             ("usable = max(load, first screen)", f"{usable:.2f} s", f"<= {USABLE_TARGET_S:.0f} s",
              "PASS" if ok_time else "FAIL"),
             ("scroll to step heatmap -> drawn", "n/a" if m["scroll_to_heatmap"] is None
+             else "drawn already (idle)" if m["scroll_to_heatmap"] < 0
              else f"{m['scroll_to_heatmap']:.2f} s after scrolling", "", ""),
             (f"all {m['drawn']}/{m['charts']} charts drawn (rest forced)", f"{m['all']:.2f} s", "(no target)", ""),
             ("plotly.js-only page load", f"{base_s:.2f} s", "", "")]

@@ -46,6 +46,28 @@
     }
   }
 
+  // Large heatmaps arrive as 16-bit codes (reports/html.py, quantize_heatmap_z): value = offset + code * scale,
+  // 65535 = no value. Rebuilt here as rows of numbers (null = gap) before plotting.
+  function dequantize(spec) {
+    (spec.data || []).forEach(function (trace) {
+      var q = trace.z && trace.z.dtprof_quantized;
+      if (!q) return;
+      var bin = atob(q.bdata), bytes = new Uint8Array(bin.length);
+      for (var k = 0; k < bin.length; k++) bytes[k] = bin.charCodeAt(k);
+      var codes = new Uint16Array(bytes.buffer), rows = q.shape[0], cols = q.shape[1], z = new Array(rows);
+      for (var r = 0; r < rows; r++) {
+        var row = new Array(cols);
+        for (var c = 0; c < cols; c++) {
+          var code = codes[r * cols + c];
+          row[c] = code === 65535 ? null : q.offset + code * q.scale;
+        }
+        z[r] = row;
+      }
+      trace.z = z;
+    });
+    return spec;
+  }
+
   function draw(div, then) {
     state.set(div, "drawing");
     busy = true;
@@ -53,7 +75,7 @@
     function done() { finishOne(div); busy = false; then(); }
     var spec;
     try {
-      spec = JSON.parse(document.getElementById(div.getAttribute("data-fig")).textContent);
+      spec = dequantize(JSON.parse(document.getElementById(div.getAttribute("data-fig")).textContent));
     } catch (e) {
       console.error("dtprof: figure " + div.id + " has unreadable data: " + e);
       setTimeout(done, 0);
