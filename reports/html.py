@@ -19,6 +19,11 @@ Decisions
   HTML in labels.
 - HoloViews is not used: plotly's subplots compose the views we need (shared time axes, secondary axes) and
   importing HoloViews would add seconds to every report build.
+- Charts draw lazily (assets/report.js): the first viewport's at once, others when scrolled near or when the
+  browser is idle; ``window.dtprofReport.drawAll()`` (or ``#draw-all`` in the URL, or printing) draws them all.
+  Each chart div reserves its figure's height so the page does not jump.
+- Heatmaps over ``QUANT_MIN_CELLS`` cells are stored as 16-bit codes (``quantize_heatmap_z``), half the bytes of
+  float32, at 1/65,534 of the colour range; report.js decodes them.
 - Large runs: see the scale rules in figures.py. Progress goes to stderr (``Progress``) when asked or when the
   run is large.
 """
