@@ -19,11 +19,17 @@ Decisions
   HTML in labels.
 - HoloViews is not used: plotly's subplots compose the views we need (shared time axes, secondary axes) and
   importing HoloViews would add seconds to every report build.
+- Charts draw lazily (assets/report.js): the first viewport's at once, others when scrolled near or when the
+  browser is idle; ``window.dtprofReport.drawAll()`` (or ``#draw-all`` in the URL, or printing) draws them all.
+  Each chart div reserves its figure's height so the page does not jump.
+- Heatmaps over ``QUANT_MIN_CELLS`` cells are stored as 16-bit codes (``quantize_heatmap_z``), half the bytes of
+  float32, at 1/65,534 of the colour range; report.js decodes them.
 - Large runs: see the scale rules in figures.py. Progress goes to stderr (``Progress``) when asked or when the
   run is large.
 """
 from __future__ import annotations
 
+import base64
 import html
 import json
 import math
@@ -32,6 +38,8 @@ import shlex
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from dtprof.reader import open_run
 
@@ -143,6 +151,40 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------------------------------ the page
+QUANT_MIN_CELLS = 10_000   # heatmaps with more cells than this are stored quantized (see figure_json)
+QUANT_NAN = 65535
+
+
+def quantize_heatmap_z(z: np.ndarray) -> dict:
+    """A float matrix as 16-bit codes: value = offset + code × scale, NaN = code 65535. The resolution is 1/65,534
+    of the matrix's range, far below the 2 decimals the hover shows for any realistic range; half the bytes of
+    float32. Decoded by report.js (``dequantize``) before plotting."""
+    finite = np.isfinite(z)
+    lo = float(z[finite].min()) if finite.any() else 0.0
+    hi = float(z[finite].max()) if finite.any() else 0.0
+    scale = (hi - lo) / (QUANT_NAN - 1) or 1.0
+    codes = np.full(z.shape, QUANT_NAN, dtype="<u2")
+    codes[finite] = np.rint((z[finite] - lo) / scale).astype("<u2")
+    return {"dtprof_quantized": {"bdata": base64.b64encode(codes.tobytes()).decode("ascii"),
+                                 "shape": list(z.shape), "offset": lo, "scale": scale}}
+
+
+def figure_json(fig) -> str:
+    """The figure as plotly JSON, with large heatmaps' z quantized to 16 bits (``quantize_heatmap_z``): at 1,024
+    ranks the four heatmaps are most of the page's bytes, and the browser's load time grows with the bytes."""
+    from plotly.io.json import to_json_plotly
+
+    d = fig.to_dict()
+    for trace in d.get("data", []):
+        z = trace.get("z")
+        if trace.get("type") == "heatmap" and isinstance(z, dict) and z.get("dtype") in ("f4", "f8"):
+            shape = [int(n) for n in str(z["shape"]).split(",")]
+            if math.prod(shape) > QUANT_MIN_CELLS:
+                arr = np.frombuffer(base64.b64decode(z["bdata"]), dtype="<" + z["dtype"]).reshape(shape)
+                trace["z"] = quantize_heatmap_z(arr.astype("float64"))
+    return to_json_plotly(d)
+
+
 class _Page:
     def __init__(self):
         self.figures: list[str] = []   # <script type=application/json> blocks
@@ -153,9 +195,12 @@ class _Page:
             return ""
         self.n += 1
         data_id = f"figdata-{self.n}"
-        self.figures.append(f'<script type="application/json" id="{data_id}">{json_for_script(fig.to_json())}'
+        self.figures.append(f'<script type="application/json" id="{data_id}">{json_for_script(figure_json(fig))}'
                             f"</script>")
-        return f'<div class="chart" id="{esc(anchor_id)}" data-fig="{data_id}"></div>'
+        # the final height is reserved before the chart draws (charts draw lazily, see assets/report.js)
+        height = fig.layout.height or 450
+        return (f'<div class="chart" id="{esc(anchor_id)}" data-fig="{data_id}" '
+                f'style="min-height:{int(height)}px"></div>')
 
 
 def _header(run, summary: dict) -> str:
