@@ -78,7 +78,7 @@ def main() -> int:
 
     from dtprof.reader import open_run
     from dtprof.reports.html import write_report
-    from fake_analysis import get_analysis
+    from dtprof.analyzers.summary import analyze
     from synth_report import build_report_run
 
     tmp = tempfile.TemporaryDirectory() if args.run_dir is None else None
@@ -92,10 +92,8 @@ def main() -> int:
         print(f"built run: {args.ranks} ranks x {args.steps} steps in {time.perf_counter() - t:.1f} s")
     run = open_run(run_dir)
     t = time.perf_counter()
-    analysis = get_analysis(run)
-    real = type(analysis).__module__.startswith("dtprof")
-    print(f"analysis ({'dtprof.analyzers' if real else 'tests/fake_analysis stand-in'}): "
-          f"{time.perf_counter() - t:.1f} s")
+    analysis = analyze(run)
+    print(f"analysis: {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     out = write_report(run_dir, analysis=analysis, progress=True)
     print(f"report written in {time.perf_counter() - t:.1f} s")

@@ -2,7 +2,7 @@
 
 Runs of one configuration must pass the default gate; runs whose rank 1 sleeps in every step must fail the
 step-time gate with exit code 1; a corrupt summary must exit 2 naming the file. See `runs` for why the slowdown is
-~25 % here and not 10 %.
+about +20 % here and not 10 %.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 STEPS = 40
 N_RUNS = 3
-SLOWDOWN = 0.25
+SLOWDOWN = 0.50
 
 pytestmark = [
     pytest.mark.slow,
@@ -59,10 +59,12 @@ def runs(tmp_path_factory):
 
     This machine (a 2-core VM) has a run-to-run spread of the median step time of about ±6 % (measured: 30-36 ms
     for one configuration, 34-41 ms on another day), so a ~10 % slowdown is at its noise floor: with three runs a
-    side the default gate caught it in about half of our trials, which would make a flaky test. The slowed runs
-    here are slowed by ~25 % (rank 1 sleeps a quarter of a step), which the gate must catch every time; the 5 %
-    case under a realistic noise model is measured by benchmarks/gate_power.py. Pooling makes run-to-run spread
-    part of the interval, so identical configurations pass.
+    side the default gate caught it in about half of our trials, which would make a flaky test. A sleep on one of
+    two ranks sharing two cores also slows the step by less than its length (the other rank's threads use the
+    freed core): sleeping a quarter of a step measured +11 %, +16 %. So rank 1 sleeps half a step here (about
+    +20-25 % measured), which the gate must catch every time; the 5 % case under a realistic noise model is
+    measured by benchmarks/gate_power.py. Pooling makes run-to-run spread part of the interval, so identical
+    configurations pass.
     """
     root = tmp_path_factory.mktemp("compare_real")
     base0 = record(root / "base0")
@@ -90,7 +92,7 @@ def test_a_slow_rank_fails_the_step_time_gate(runs):
     g = d["gates"][0]
     assert g["key"] == "steps.time_s.p50" and g["verdict"] == "fail"
     assert g["ci"][0] > 0.02            # confidently slower than the tolerance
-    assert 0.10 < g["change"] < 1.0     # and by roughly the injected ~25 % (plus this machine's noise)
+    assert 0.05 < g["change"] < 1.0     # and by roughly what the sleep costs on this machine
 
 
 def test_junit_output_of_a_real_comparison(runs, tmp_path):

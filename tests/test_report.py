@@ -2,7 +2,7 @@
 network request, every chart draws, the headline cards equal summary.json, findings link to their evidence, and a
 run full of hostile names executes nothing. Screenshots go to test-artifacts/ (gitignored).
 
-The analysis comes from ``fake_analysis.get_analysis``: the real analyzers when installed, else the stand-in.
+The analysis comes from the real analyzers (``dtprof.analyzers.summary.analyze``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from dtprof.reader import open_run
 from dtprof.reports import html as H
-from fake_analysis import get_analysis
+from dtprof.analyzers.summary import analyze
 from synth_report import HOSTILE, build_report_run
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -27,7 +27,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 
 def _report(path: Path, **kw) -> tuple[Path, dict]:
     build_report_run(path, **kw)
-    analysis = get_analysis(open_run(path))
+    analysis = analyze(open_run(path))
     (path / "summary.json").write_text(json.dumps(analysis.summary, default=float))
     return H.write_report(path, analysis=analysis), analysis
 
@@ -242,7 +242,7 @@ def test_large_run_is_binned_and_windowed(tmp_path, capsys, browser):
     from dtprof.reports import figures as F
 
     path = build_report_run(tmp_path / "big", world_size=64, steps=600, slow_rank=37, slow_factor=1.5)
-    analysis = get_analysis(open_run(path))
+    analysis = analyze(open_run(path))
     out = H.write_report(path, out_path=tmp_path / "r.html", analysis=analysis, progress=True)
     err = capsys.readouterr().err
     assert "dtprof report [" in err and "10/10" in err
