@@ -203,6 +203,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                     "transformer": transformer},
         "problems": problems,
     }
+    _add_mesh(summary, run, steps)
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) in this run"
     if not stragglers_list:
@@ -218,6 +219,26 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def _add_mesh(summary: dict, run, steps) -> None:
+    """Hybrid parallelism (analyzers/mesh.py): communication and exposed communication per DeviceMesh dimension,
+    the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
+    from dtprof.analyzers import mesh
+
+    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.events)
+    if block is None:
+        summary["mesh"] = None
+        summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"
+        return
+    pp = mesh.pipeline_bubble_by_group(run.groups, run.spans, steps)
+    block["pipeline_groups"] = [
+        {"group": str(r.group), "ranks": [int(x) for x in str(r.ranks).split(",")], "stages": int(r.stages),
+         "bubble_frac": float(r.bubble_frac), "bubble_frac_max": float(r.bubble_frac_max)}
+        for r in pp.itertuples()]
+    summary["mesh"] = block
+    for s in summary["stragglers"]:
+        s["mesh_groups"] = mesh.mesh_groups_of_rank(run.groups, s["rank"])
 
 
 def write_summary(run_dir, *, warmup=None, flops_per_step=None, peak_tflops=None, dtype=None, transformer=None,

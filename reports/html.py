@@ -54,6 +54,7 @@ SECTIONS = {
     "pipeline": "Pipeline schedule and bubble",
     "stragglers": "Stragglers",
     "collectives": "Collectives",
+    "mesh": "Parallelism dimensions (DeviceMesh)",
     "gpu": "GPU telemetry (NVML)",
     "memory": "Memory",
 }
@@ -412,6 +413,29 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
         "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (metrics.md); transfer time excludes "
         "waiting for late peers."))
     progress.step("collectives")
+
+    mesh = analysis.summary.get("mesh")
+    if mesh:
+        import pandas as pd
+
+        per_dim = pd.DataFrame(mesh["per_dim"]).sort_values("comm_s_per_step", ascending=False)
+        pipes = pd.DataFrame(mesh.get("pipeline_groups") or [])
+        if len(pipes):
+            pipes["ranks"] = pipes["ranks"].map(lambda r: ", ".join(map(str, r)))
+        shape = " × ".join(f"{n} {d}" for n, d in zip(mesh.get("shape") or [], mesh.get("dims") or []))
+        body = _table(per_dim, [
+            ("dim", "mesh dimension", None), ("comm_s_per_step", "communication / step", fmt_s),
+            ("exposed_comm_s_per_step", "exposed communication / step", fmt_s),
+            ("bytes_per_step", "bytes / step", F._fmt_bytes)],
+            20, "mesh dimensions")
+        if len(pipes):
+            body += "<h3>Pipeline groups</h3>" + _table(pipes, [
+                ("ranks", "ranks (stages)", None), ("bubble_frac", "bubble (mean)", _num("{:.1%}")),
+                ("bubble_frac_max", "bubble (worst stage-step)", _num("{:.1%}"))], 64, "pipeline groups")
+        sections.append(_section("mesh", body, f"DeviceMesh {esc(shape) or '(shape not recorded)'}; the costliest "
+                                 f"dimension is <b>{esc(mesh.get('costliest_dim'))}</b> (most exposed "
+                                 "communication per step). Exposed communication is split across dimensions in "
+                                 "proportion to each one's share of a rank-step's communication time."))
 
     gpu_fig = F.gpu_figure(ctx)
     gpu_tbl = _table(analysis.gpu.sort_values("sm_util_mean_pct") if analysis.gpu is not None and len(analysis.gpu)

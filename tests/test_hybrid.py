@@ -146,6 +146,29 @@ def test_dp_pp_bubble_per_pipeline_group_and_slow_rank(pp_run):
     assert set(np.maximum(measured["in_bytes"], measured["out_bytes"])) == {act}
 
 
+def test_summary_json_splits_by_mesh_dim(tp_run, pp_run):
+    """What `dtprof run` wrote: summary.json says which dimension costs the most, the bubble per pipeline group,
+    and the slowed rank's DP and PP groups beside its straggler entry."""
+    import json
+
+    tp = json.loads((tp_run.path / "summary.json").read_text())["mesh"]
+    assert tp["dims"] == ["dp", "tp"] and {d["dim"] for d in tp["per_dim"]} == {"dp", "tp"}
+    assert tp["costliest_dim"] in ("dp", "tp") and tp["pipeline_groups"] == []
+    pp = json.loads((pp_run.path / "summary.json").read_text())
+    groups = {tuple(g["ranks"]): g for g in pp["mesh"]["pipeline_groups"]}
+    assert set(groups) == {(0, 1), (2, 3)} and all(0 < g["bubble_frac"] < 1 for g in groups.values())
+    slow = [s for s in pp["stragglers"] if s["rank"] == SLOW_RANK]
+    assert slow and slow[0]["mesh_groups"]["pp"]["ranks"] == [0, 1] and slow[0]["mesh_groups"]["dp"]["ranks"] == [1, 3]
+    # and the report shows the split (its browser checks are in test_report.py)
+    from dtprof.reports.html import write_report
+
+    page = write_report(pp_run.path).read_text()
+    section = page[page.index('<section id="mesh">'):]
+    section = section[:section.index("</section>")]
+    assert f"costliest dimension is <b>{pp['mesh']['costliest_dim']}</b>" in section
+    assert "Pipeline groups" in section and "<td class=\"t\">0, 1</td>" in section
+
+
 # ---- fast checks (no jobs) ---------------------------------------------------------------------------------
 
 def _groups(rows):
