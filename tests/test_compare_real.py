@@ -92,7 +92,7 @@ def test_a_slow_rank_fails_the_step_time_gate(runs):
     g = d["gates"][0]
     assert g["key"] == "steps.time_s.p50" and g["verdict"] == "fail"
     assert g["ci"][0] > 0.02            # confidently slower than the tolerance
-    assert 0.05 < g["change"] < 1.0     # and by roughly what the sleep costs on this machine
+    assert g["change"] > 0.05          # slower; by how much varies a lot on this VM (+11 % to +117 % measured)
 
 
 def test_junit_output_of_a_real_comparison(runs, tmp_path):
