@@ -14,7 +14,7 @@ Decisions
 - ``finding["chart"]`` names a section anchor from ``SECTIONS`` (or a card id ``card-<key>``, or ``headline``);
   an unknown anchor is shown without a link.
 - Escaping: every run-supplied string in the page text goes through ``html.escape``; figure JSON lives in
-  ``<script type="application/json">`` with ``<``, ``>``, ``&`` and U+2028/2029 written as ``\\uXXXX`` so data can
+  ``<script type="application/json">`` with ``<``, ``>``, ``&`` and U+2028/2029 written as ``\\u`` escapes so data can
   never close the tag; strings inside figures are HTML-escaped too (figures.esc), since plotly renders a subset of
   HTML in labels.
 - HoloViews is not used: plotly's subplots compose the views we need (shared time axes, secondary axes) and

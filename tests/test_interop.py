@@ -60,7 +60,7 @@ def traces(tmp_path_factory):
     (d / "job.py").write_text(JOB)
     out = d / "traces"
     out.mkdir()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29571",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                         str(d / "job.py"), str(out)], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     return out

@@ -38,7 +38,7 @@ def dumps(tmp_path_factory):
     (d / "job.py").write_text(JOB)
     out = d / "dumps"
     out.mkdir()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29593",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                         str(d / "job.py"), str(out)], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     return out
