@@ -52,9 +52,8 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
 
     Exit codes: 0 done, 2 unreadable run directory or bad option.
     """
-    from dtprof.analyzers.summary import SUMMARY_FILE, analyze, format_summary_text
+    from dtprof.analyzers.summary import SUMMARY_FILE, analyze, format_summary_text, save_summary
     from dtprof.reader import RunFormatError, open_run
-    from dtprof.runformat import write_json_atomic
 
     tf = _parse_transformer(transformer)
 
@@ -69,7 +68,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
         raise InputError(str(e)) from None
     if not no_write:
         try:
-            write_json_atomic(run.path / SUMMARY_FILE, a.summary)
+            save_summary(run.path, a.summary)
         except OSError as e:
             click.echo(f"dtprof: could not write {run.path / SUMMARY_FILE}: {e}", err=True)
     if as_json:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
-THROTTLE_BITS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
-                 0x80: "hw_power_brake"}
+# NVML clocksEventReasons bits (nvml.h), named as NVML names them; the one table for naming a reasons bitmask.
+CLOCK_EVENT_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap",
+                       0x8: "hw_slowdown", 0x10: "sync_boost", 0x20: "sw_thermal_slowdown",
+                       0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80   # the reasons that slow the clocks down
+THROTTLE_BITS = {b: n for b, n in CLOCK_EVENT_REASONS.items() if b & THROTTLE_MASK}
 IDLE_PCT = 5.0
 
 GPU_COLUMNS = ["host", "gpu", "uuid", "samples", "sm_util_mean_pct", "mem_bw_util_mean_pct", "idle_frac",

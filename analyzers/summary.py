@@ -241,16 +241,24 @@ def _add_mesh(summary: dict, run, steps) -> None:
         s["mesh_groups"] = mesh.mesh_groups_of_rank(run.groups, s["rank"])
 
 
+def save_summary(run_dir, summary: dict) -> Path:
+    """Write ``summary`` as ``run_dir/summary.json`` (atomically: a reader sees the old file or the new one)."""
+    from dtprof.runformat import write_json_atomic
+
+    path = Path(run_dir) / SUMMARY_FILE
+    write_json_atomic(path, summary)
+    return path
+
+
 def write_summary(run_dir, *, warmup=None, flops_per_step=None, peak_tflops=None, dtype=None, transformer=None,
                   progress=None) -> dict:
     """Analyse the run at ``run_dir`` and write ``run_dir/summary.json`` (atomically). Returns the summary."""
     from dtprof.reader import open_run
-    from dtprof.runformat import write_json_atomic
 
     run = open_run(run_dir)
     a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
                 transformer=transformer, progress=progress)
-    write_json_atomic(run.path / SUMMARY_FILE, a.summary)
+    save_summary(run.path, a.summary)
     return a.summary
 
 

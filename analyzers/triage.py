@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dtprof.analyzers.gpu import CLOCK_EVENT_REASONS
 from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
 
 VERDICTS = ("hang", "crash", "mismatch", "straggler", "healthy")
@@ -293,10 +294,6 @@ def find_stragglers(run) -> list[dict]:
                                           st["reason"])]
 
 
-# NVML clocksEventReasons bits (nvml.h), for naming a throttle bitmask.
-THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-                 0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
-                 0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
 
 
 def nvml_evidence(run, rank: int) -> dict | None:
@@ -319,7 +316,7 @@ def nvml_evidence(run, rank: int) -> dict | None:
     throttled = mine["throttle_reasons"].fillna(0).astype("int64") & ~ignore
     ev = {"host": host, "gpu": gpu, "samples": int(len(mine)),
           "throttled_frac": float((throttled != 0).mean()),
-          "throttle_reasons": [n for b, n in THROTTLE_BITS.items() if reasons & b and b != ignore],
+          "throttle_reasons": [n for b, n in CLOCK_EVENT_REASONS.items() if reasons & b and b != ignore],
           "sm_clock_mhz_mean": _mean(mine["sm_clock_mhz"]), "others_sm_clock_mhz_mean": _mean(others["sm_clock_mhz"]),
           "temp_c_max": _max(mine["temp_c"]), "others_temp_c_max": _max(others["temp_c"]),
           "power_w_mean": _mean(mine["power_w"]), "others_power_w_mean": _mean(others["power_w"]),

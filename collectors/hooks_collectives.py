@@ -294,7 +294,7 @@ def _complete(key, t) -> None:
     if item is not None:
         for row in item[1]:
             row[_END] = t
-        if hasattr(item[0], "_get_duration") and _wants_gpu_duration() and len(_timed) < MAX_TIMED:
+        if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(_timed) < MAX_TIMED:
             _timed.append((item[0], item[1], 0))
         else:
             rt.W.extend("collectives", item[1])

@@ -331,11 +331,11 @@ def compact(node_dir: Path, say: Callable[[str], None]):
 
 def summarize(run_dir: Path):
     """Analyse once (options default to node.json's config), write summary.json, return the analysis."""
-    from dtprof.analyzers.summary import SUMMARY_FILE, analyze
+    from dtprof.analyzers.summary import analyze, save_summary
     from dtprof.reader import open_run
 
     analysis = analyze(open_run(run_dir))
-    write_json_atomic(Path(run_dir) / SUMMARY_FILE, analysis.summary)
+    save_summary(run_dir, analysis.summary)
     return analysis
 
 
