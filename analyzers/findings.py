@@ -6,6 +6,8 @@ Thresholds come from metrics.md (the seeds' rules of thumb) and are module const
 - ``exposed_comm``: exposed communication > 30 % of step time (communication-to-compute ratio above ~30 % calls
   the parallelism strategy into question);
 - ``low_busbw``: a collective bucket carrying >= 5 % of the communication time at busbw < 50 % of the link's peak;
+- ``pipeline_overhead``: the measured bubble exceeds the schedule replayed on its own op times (pipeline.py) by
+  more than 10 % of the step: idle time that more microbatches would not remove (p2p transfers, other communication, host gaps);
 - ``straggler``: a persistent straggler (stragglers.py);
 - ``memory_high``: peak memory above 70 % of the device's memory (warning above 90 %);
 - ``low_gpu_util``: mean SM utilisation below 50 % on a GPU, with the likeliest cause among data wait, exposed
@@ -20,6 +22,7 @@ import pandas as pd
 
 BUBBLE_FRAC = 0.20
 MICROBATCH_PER_STAGE = 4
+PIPELINE_OVERHEAD_FRAC = 0.10
 EXPOSED_COMM_FRAC = 0.30
 BUSBW_LINK_FRAC = 0.50
 BUSBW_MIN_SHARE = 0.05
@@ -59,6 +62,17 @@ def find(summary: dict, analysis) -> list[dict]:
              "threshold_bubble_frac": BUBBLE_FRAC, "theoretical_bubble_frac": pp.get("theoretical_bubble_frac")},
             f"Use at least {MICROBATCH_PER_STAGE * pp['stages']} microbatches ({MICROBATCH_PER_STAGE} × stages), "
             "or an interleaved / zero-bubble schedule.", "pipeline")
+
+    if pp and _ok(pp.get("overhead_frac")) and pp["overhead_frac"] > PIPELINE_OVERHEAD_FRAC:
+        add("pipeline_overhead", "warning",
+            f"Pipeline stages idle {pp['overhead_frac']:.0%} of the step beyond what the schedule needs (measured "
+            f"bubble {pp['bubble_frac']:.0%}, the schedule on these op times {pp['theoretical_bubble_frac']:.0%})",
+            {"overhead_frac": pp["overhead_frac"], "bubble_frac": pp["bubble_frac"],
+             "theoretical_bubble_frac": pp["theoretical_bubble_frac"],
+             "threshold_overhead_frac": PIPELINE_OVERHEAD_FRAC},
+            "The stages wait on something other than each other's compute: p2p transfers (put adjacent stages on "
+            "one node or NVLink), communication outside the schedule such as a data-parallel gradient reduction "
+            "that does not overlap, or host work between microbatches (gaps in the timeline).", "pipeline")
 
     ov = summary.get("overlap") or {}
     if _ok(ov.get("exposed_comm_frac")) and ov["exposed_comm_frac"] > EXPOSED_COMM_FRAC:

@@ -7,20 +7,27 @@ it the schedule is "unknown" (and the GPipe/1F1B formula is used, saying so in `
 Measured (per stage s and step k, on the rank that runs s): bubble = 1 - |union of s's compute spans in k| ÷ the
 rank's step k duration. A stage's compute spans are its pp spans plus, when its rank runs only that stage, the
 rank's other compute spans (the optimizer step). Pipeline-wide: 1 - Σ compute ÷ Σ duration over the measured
-stage-steps (time-weighted).
+rank-steps of the pipeline ranks (time-weighted; a rank's compute counts all its stages, so interleaved ranks are
+not counted once per stage).
 
-Theoretical, from measured times (dtprof's generalisation of (p-1)/(m+p-1) to non-uniform stages): with t_s the
-median forward + backward time of one microbatch on stage s (summed over its pp spans for that microbatch), o_s the
-median other compute per step of s's rank (optimizer) and m microbatches, a GPipe or 1F1B step lasts at least
+Theoretical, from measured times: the schedule replayed with its own measured op durations and nothing between
+ops (``replay_schedule``): each rank runs its compute ops of a step in the observed order; a forward of (stage s,
+microbatch j) waits for the forward of (s-1, j) and the backward of (s, j) for the backward of (s+1, j), in the same
+pipeline replica. The replayed makespan T_k of step k is the shortest step that schedule allows with these op
+times, and theoretical bubble = 1 - (rank's compute in k) ÷ T_k, time-weighted like the measured one. For uniform
+GPipe stages without optimizer time this is exactly (p-1)/(m+p-1); unlike a closed formula on median op times it
+also holds when some microbatches run slower (a slow op delays everything downstream of it). What the measured
+bubble exceeds it by (``overhead_frac``) is time the schedule itself does not explain: p2p transfers, Python and
+launch gaps between ops.
 
-    T = Σ_s t_s + (m - 1) · max_s t_s + max_s o_s
+``schedule_bubble_frac`` is the schedule's closed-form share from median per-stage times (dtprof's generalisation
+of (p-1)/(m+p-1) to non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
+1 - Σ_s m·t_s ÷ (p · (Σ_s t_s + (m-1)·max_s t_s)) for GPipe and 1F1B. Interleaved schedules (v stages per rank) use
+metrics.md's (p-1)/(v·m) relative to ideal compute, i.e. (p-1)/(v·m + p - 1) as a share of the step, with p the
+number of pipeline ranks; zero-bubble schedules use ZB-H1's (p-1)/(3m) likewise.
 
-(the first microbatch crosses every stage, the other m-1 follow at the pace of the slowest stage, then the
-optimizers run), and stage s is busy m·t_s + o_s of it: theoretical bubble_s = 1 - (m·t_s + o_s) / T, and the
-pipeline's is 1 - Σ_s (m·t_s + o_s) / (p·T). For uniform stages and no optimizer time this is (p-1)/(m+p-1).
-Interleaved schedules (v stages per rank) use metrics.md's (p-1)/(v·m) relative to ideal compute, i.e.
-(p-1)/(v·m + p - 1) as a share of the step, with p the number of pipeline ranks; zero-bubble schedules use ZB-H1's
-(p-1)/(3m) likewise. ``schedule_bubble_frac`` is the schedule's share without optimizer time.
+Pipeline replicas (DP×PP): the ranks that run a stage are paired with the other stages' ranks in rank order (the
+i-th rank holding stage s belongs to pipeline i), which is how row-major DeviceMesh layouts place them.
 
 Stage imbalance = max over stages of compute per step ÷ mean over stages; the bottleneck stage is the argmax.
 """
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.intervals import assign_to_windows, measure
+from dtprof.analyzers.intervals import assign_to_windows, union_length
 from dtprof.schema import COMPUTE_KINDS
 
 NS = 1e9
@@ -58,6 +65,55 @@ def schedule_info(run) -> tuple[str, int | None, int | None]:
     return "unknown", None, None
 
 
+def pipeline_replicas(pp_rank: np.ndarray, pp_stage: np.ndarray) -> pd.Series:
+    """rank -> pipeline replica: the i-th rank (in rank order) holding a rank's lowest stage is in replica i."""
+    low = pd.DataFrame({"rank": pp_rank, "stage": pp_stage}).groupby("rank")["stage"].min()
+    return low.groupby(low).cumcount().rename("replica")
+
+
+def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> np.ndarray | None:
+    """The makespan of each op's replica-step if the schedule ran with its measured op durations and nothing
+    between ops (no p2p transfer, no launch or Python gap), as ns per op; None when the observed order contradicts
+    the dependencies (a cycle).
+
+    Each rank runs its ops of a step one after another in the order given (arrays sorted by rank, step, start); a
+    forward of (stage s, microbatch j) also waits for the first forward of (s-1, j), and a backward of (s, j) for
+    the first backward of (s+1, j), in the same replica and step. Every rank starts the step at 0. Vectorised:
+    one relaxation pass over all ops per link of the longest dependency chain.
+    """
+    n = len(rank)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    idx = np.arange(n)
+    same = np.zeros(n, bool)
+    same[1:] = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])
+    res_pred = np.where(same, idx - 1, -1)
+    ops = pd.DataFrame({"replica": replica, "step": step, "stage": stage, "mb": mb, "kind": kind, "i": idx})
+    pp = ops[(ops["stage"] >= 0) & (ops["mb"] >= 0) & ops["kind"].isin(list(PP_KINDS))]
+    first = pp.groupby(["kind", "replica", "step", "stage", "mb"])["i"].min()
+    dep_pred = np.full(n, -1, np.int64)
+    for k, upstream in (("pp_forward", -1), ("pp_backward", 1)):
+        sub = pp[pp["kind"] == k]
+        if not len(sub) or k not in first.index.get_level_values(0):
+            continue
+        key = pd.MultiIndex.from_arrays([sub["replica"], sub["step"], sub["stage"] + upstream, sub["mb"]])
+        hit = first.xs(k, level="kind").reindex(key).to_numpy(dtype=float)
+        ok = ~np.isnan(hit)
+        dep_pred[sub["i"].to_numpy()[ok]] = hit[ok].astype(np.int64)
+    group = pd.Series(idx).groupby([replica, step])
+    longest_chain = int(group.size().max())
+    dur = dur_ns.astype(np.int64)
+    finish = dur.copy()
+    for _ in range(longest_chain + 1):
+        ready = np.maximum(np.where(res_pred >= 0, finish[np.maximum(res_pred, 0)], 0),
+                           np.where(dep_pred >= 0, finish[np.maximum(dep_pred, 0)], 0))
+        new = ready + dur
+        if np.array_equal(new, finish):
+            return pd.Series(finish).groupby([replica, step]).transform("max").to_numpy(np.int64)
+        finish = new
+    return None
+
+
 def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     """``windows``: per rank-step rank, step, start_ns, end_ns, duration_s, warmup. None when no pp spans."""
     sp = run.spans
@@ -67,46 +123,69 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     wr = windows["rank"].to_numpy(np.int64)
     ws = windows["start_ns"].to_numpy(np.int64)
     we = windows["end_ns"].to_numpy(np.int64)
+    wstep = windows["step"].to_numpy(np.int64)
+    wwarm = windows["warmup"].to_numpy(bool)
     rank = sp["rank"].to_numpy(np.int64)
     start = sp["start_ns"].to_numpy(np.int64)
     end = sp["end_ns"].to_numpy(np.int64)
+    kind = sp["kind"].astype(str).to_numpy()
     win = assign_to_windows(wr, ws, we, rank, start)
     stage = sp["stage"].astype("Int64").fillna(-1).to_numpy(np.int64)
+    micro = sp["microbatch"].astype("Int64").fillna(-1).to_numpy(np.int64)
 
-    pp = pd.DataFrame({"rank": rank[is_pp], "stage": stage[is_pp], "win": win[is_pp],
-                       "mb": sp["microbatch"].astype("Int64").fillna(-1).to_numpy(np.int64)[is_pp],
-                       "kind": sp["kind"].astype(str).to_numpy()[is_pp],
-                       "dur_ns": (end - start)[is_pp]})
+    pp = pd.DataFrame({"rank": rank[is_pp], "stage": stage[is_pp], "win": win[is_pp], "mb": micro[is_pp],
+                       "kind": kind[is_pp], "dur_ns": (end - start)[is_pp]})
     stages_of_rank = pp.groupby("rank")["stage"].nunique()
     single = stages_of_rank[stages_of_rank == 1]
     stage_of_single = pp.drop_duplicates("rank").set_index("rank")["stage"].reindex(single.index)
+    pp_ranks = stages_of_rank.index.to_numpy()
 
-    # groups = (stage, window); the rank's non-pp compute joins its only stage's group
-    other = np.isin(sp["kind"].astype(str).to_numpy(), [k for k in COMPUTE_KINDS if k not in PP_KINDS])
-    other &= np.isin(rank, single.index.to_numpy()) & (win >= 0)
-    st_other = stage_of_single.reindex(rank[other]).to_numpy(np.int64)
-    g_stage = np.concatenate([stage[is_pp], st_other])
-    g_win = np.concatenate([win[is_pp], win[other]])
-    g_start = np.concatenate([start[is_pp], start[other]])
-    g_end = np.concatenate([end[is_pp], end[other]])
-    ok = g_win >= 0
-    g_stage, g_win, g_start, g_end = g_stage[ok], g_win[ok], g_start[ok], g_end[ok]
-    uniq, codes = np.unique((g_stage - g_stage.min()) * len(windows) + g_win, return_inverse=True)
-    g_start = np.maximum(g_start, ws[g_win])
-    g_end = np.minimum(g_end, we[g_win])
-    busy = measure(codes, np.zeros(len(codes), np.int8), g_start, g_end, len(uniq), 1, {"u": lambda c: c[0]})["u"]
+    # every compute span of a pipeline rank inside a step window, clipped to it
+    comp = np.isin(kind, list(COMPUTE_KINDS)) & np.isin(rank, pp_ranks) & (win >= 0)
+    c_win, c_rank = win[comp], rank[comp]
+    c_start = np.maximum(start[comp], ws[c_win])
+    c_end = np.minimum(end[comp], we[c_win])
+    # a non-pp span belongs to its rank's stage when the rank runs only one
+    c_stage = np.where(stage[comp] >= 0, stage[comp],
+                       stage_of_single.reindex(c_rank).fillna(-1).to_numpy(np.int64))
+    c_pp = is_pp[comp]
+
+    # measured, per (stage, window): the union of that stage's compute spans
+    in_stage = c_stage >= 0
+    smin = int(c_stage[in_stage].min())
+    code_all = (c_stage[in_stage] - smin) * len(windows) + c_win[in_stage]
+    uniq, codes = np.unique(code_all, return_inverse=True)
+    busy = union_length(codes, c_start[in_stage], c_end[in_stage], len(uniq))
     uw = uniq % len(windows)
-    ustage = uniq // len(windows) + g_stage.min()
-    tbl = pd.DataFrame({"stage": ustage, "rank": wr[uw],
-                        "step": windows["step"].to_numpy()[uw], "compute_s": busy / NS,
-                        "duration_s": windows["duration_s"].to_numpy()[uw],
-                        "warmup": windows["warmup"].to_numpy()[uw]})
+    tbl = pd.DataFrame({"stage": uniq // len(windows) + smin, "rank": wr[uw], "step": wstep[uw],
+                        "compute_s": busy / NS, "duration_s": windows["duration_s"].to_numpy()[uw],
+                        "warmup": wwarm[uw], "win": uw})
     tbl["bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["duration_s"].where(tbl["duration_s"] > 0)
-    tbl = tbl.sort_values(["stage", "rank", "step"]).reset_index(drop=True)
+    # ... and per (rank, window): all the rank's compute, for the pipeline-wide figure
+    rw, rw_codes = np.unique(c_win, return_inverse=True)
+    rank_busy = pd.DataFrame({"win": rw, "compute_s": union_length(rw_codes, c_start, c_end, len(rw)) / NS,
+                              "duration_s": windows["duration_s"].to_numpy()[rw], "warmup": wwarm[rw]})
 
-    # measured per-microbatch forward/backward times per stage
+    # the schedule replayed on its measured op times (measured steps only)
+    order = np.lexsort((c_start, c_win))
+    o_win = c_win[order]
+    replica_of = pipeline_replicas(pp["rank"].to_numpy(), pp["stage"].to_numpy())
+    makespan = replay_schedule(wr[o_win], wstep[o_win], np.where(c_pp[order], c_stage[order], -1),
+                               micro[comp][order], kind[comp][order], (c_end - c_start)[order],
+                               replica_of.reindex(wr[o_win]).to_numpy(np.int64))
+    replay_reason = None
+    if makespan is None:
+        replay_reason = "the recorded op order contradicts the pipeline's dependencies; no replay"
+        ideal = pd.Series(np.nan, index=np.unique(o_win))
+    else:
+        ideal = pd.Series(makespan / NS).groupby(o_win).max()
+    tbl["ideal_step_s"] = tbl["win"].map(ideal)
+    tbl["theoretical_bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["ideal_step_s"].where(tbl["ideal_step_s"] > 0)
+    rank_busy["ideal_step_s"] = rank_busy["win"].map(ideal)
+
+    # median forward/backward time of one microbatch per stage, for the closed form
     ppm = pp[(pp["win"] >= 0)].copy()
-    ppm["warm"] = windows["warmup"].to_numpy()[ppm["win"].to_numpy()]
+    ppm["warm"] = wwarm[ppm["win"].to_numpy()]
     if (~ppm["warm"]).any():
         ppm = ppm[~ppm["warm"]]
     per_mb = ppm.groupby(["stage", "win", "mb", "kind"], sort=False)["dur_ns"].sum().unstack("kind", fill_value=0)
@@ -122,55 +201,48 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     stages = sorted(tbl["stage"].unique().tolist())
     p = ev_stages or len(stages)
     m = ev_mb or int(round(float(mb_count.median()))) if len(mb_count) else ev_mb or 0
-    meas = tbl[~tbl["warmup"]] if (~tbl["warmup"]).any() else tbl
-    # other compute (optimizer) per stage per step: stage busy minus its pp compute
-    pp_busy = (per_mb.groupby(["stage", "win"])[list(PP_KINDS)].sum().sum(axis=1) / NS).groupby("stage").median()
-    stage_busy = meas.groupby("stage")["compute_s"].median()
     t_s = (f_s + b_s).reindex(stages).fillna(0.0)
-    o_s = (stage_busy.reindex(stages) - pp_busy.reindex(stages)).clip(lower=0).fillna(0.0)
-    n_pp_ranks = int(tbl["rank"].nunique())
+    n_pp_ranks = int(len(pp_ranks))
     v = max(1, int(round(len(stages) / max(n_pp_ranks, 1))))
     sched_l = schedule.lower()
     reason = ""
     if "interleaved" in sched_l or "looped" in sched_l or v > 1:
-        pr = n_pp_ranks
-        sched_bubble = (pr - 1) / (v * m + pr - 1) if m else None
-        theo_stage = pd.Series(sched_bubble, index=stages)
-        theo = sched_bubble
+        sched_bubble = (n_pp_ranks - 1) / (v * m + n_pp_ranks - 1) if m else None
         formula = "(p-1)/(v·m+p-1), uniform stages"
     elif "zerobubble" in sched_l or "zbv" in sched_l or "dualpipe" in sched_l:
         r = (p - 1) / (3 * m) if m else None
         sched_bubble = r / (1 + r) if r is not None else None
-        theo_stage = pd.Series(sched_bubble, index=stages)
-        theo = sched_bubble
         formula = "ZB-H1 (p-1)/(3m) relative to ideal compute, uniform stages"
     else:
         if schedule == "unknown":
-            reason = "no schedule name recorded; GPipe/1F1B formula assumed"
+            reason = "no schedule name recorded; GPipe/1F1B assumed"
         t_pipe = float(t_s.sum() + (m - 1) * t_s.max()) if m else 0.0
-        T = t_pipe + float(o_s.max())
-        busy_s = m * t_s + o_s
-        theo_stage = 1.0 - busy_s / T if T > 0 else pd.Series(np.nan, index=stages)
-        theo = float(1.0 - busy_s.sum() / (len(stages) * T)) if T > 0 else None
         sched_bubble = float(1.0 - (m * t_s).sum() / (len(stages) * t_pipe)) if t_pipe > 0 else None
-        formula = "1 - (m·t_s + o_s) / (Σt + (m-1)·max t + max o), measured per-stage times"
-    tbl["theoretical_bubble_frac"] = tbl["stage"].map(theo_stage).astype(float)
+        formula = "1 - Σ m·t_s / (p·(Σ t_s + (m-1)·max t_s)), median per-stage microbatch times"
 
-    comp = meas.groupby("stage")["compute_s"].mean()
-    imbalance = float(comp.max() / comp.mean()) if len(comp) and comp.mean() > 0 else None
-    bottleneck = int(comp.idxmax()) if len(comp) else None
-    dur = float(meas["duration_s"].sum())
+    meas = tbl[~tbl["warmup"]] if (~tbl["warmup"]).any() else tbl
+    rmeas = rank_busy[~rank_busy["warmup"]] if (~rank_busy["warmup"]).any() else rank_busy
+    stage_comp = meas.groupby("stage")["compute_s"].mean()
+    imbalance = float(stage_comp.max() / stage_comp.mean()) if len(stage_comp) and stage_comp.mean() > 0 else None
+    bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None
+    dur = float(rmeas["duration_s"].sum())
+    bubble = float(1.0 - rmeas["compute_s"].sum() / dur) if dur > 0 else None
+    ideal_total = float(rmeas["ideal_step_s"].sum())
+    theo = float(1.0 - rmeas["compute_s"].sum() / ideal_total) if ideal_total > 0 else None
     per_stage = meas.groupby("stage").agg(rank=("rank", "min"), compute=("compute_s", "sum"),
-                                           duration=("duration_s", "sum"), steps=("step", "nunique"))
+                                           duration=("duration_s", "sum"), ideal=("ideal_step_s", "sum"),
+                                           steps=("step", "nunique"))
     summary = {
         "stages": int(p), "microbatches": int(m), "schedule": schedule,
-        "bubble_frac": float(1.0 - meas["compute_s"].sum() / dur) if dur > 0 else None,
-        "theoretical_bubble_frac": theo, "schedule_bubble_frac": sched_bubble,
-        "theoretical_formula": formula,
+        "bubble_frac": bubble, "theoretical_bubble_frac": theo,
+        "overhead_frac": (bubble - theo) if bubble is not None and theo is not None else None,
+        "schedule_bubble_frac": sched_bubble, "schedule_formula": formula,
+        "theoretical_method": "schedule replayed on its measured op times with no gap between ops",
         "imbalance": imbalance, "bottleneck_stage": bottleneck, "virtual_stages_per_rank": v,
+        "replicas": int(replica_of.max() + 1),
         "per_stage": [{"stage": int(s), "rank": int(r["rank"]),
                        "bubble_frac": float(1 - r["compute"] / r["duration"]) if r["duration"] > 0 else None,
-                       "theoretical_bubble_frac": (float(theo_stage[s]) if pd.notna(theo_stage.get(s)) else None),
+                       "theoretical_bubble_frac": float(1 - r["compute"] / r["ideal"]) if r["ideal"] > 0 else None,
                        "compute_s_per_step": float(r["compute"] / max(r["steps"], 1)),
                        "forward_s_per_microbatch": float(f_s.get(s, np.nan)),
                        "backward_s_per_microbatch": float(b_s.get(s, np.nan))}
@@ -178,4 +250,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     }
     if reason:
         summary["schedule_reason"] = reason
+    if replay_reason:
+        summary["theoretical_reason"] = replay_reason
+    tbl = tbl.drop(columns="win").sort_values(["stage", "rank", "step"]).reset_index(drop=True)
     return PipelineResult(tbl, summary)

@@ -271,8 +271,10 @@ def _cards(summary: dict) -> str:
         "overlap": "share of communication hidden under compute",
     }
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
-    subs["bubble"] = (f"theoretical for the schedule: {fmt_frac(theo)}" if theo is not None
-                      else "no pipeline parallelism")
+    over = pick(summary, ["pipeline.overhead_frac"])
+    subs["bubble"] = ((f"the schedule itself: {fmt_frac(theo)}" +
+                       (f"; p2p and gaps between ops: {fmt_frac(over)}" if over is not None else ""))
+                      if theo is not None else "no pipeline parallelism")
     for key, label, paths, kind in HEADLINES:
         value = pick(summary, paths)
         num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None

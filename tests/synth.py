@@ -49,6 +49,7 @@ class SynthSpec:
     device_mem_total_bytes: int | None = None
     pipeline_stages: int = 0            # >0: a GPipe pipeline run, one stage per rank (world_size = stages)
     microbatches: int = 4               # pipeline microbatches; fwd_ms/bwd_ms are per microbatch per stage
+    p2p_ms: float = 0.0                 # pipeline: transfer time between stages, per hop
 
 
 def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
@@ -172,19 +173,22 @@ def _nvml_samples(spec: SynthSpec, rank_tbl: pd.DataFrame, t0: int, t1: int) -> 
 
 
 def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
-    """An ideal GPipe run: stage s on rank s; microbatch j's forward on stage s runs in slot s + j, then all
-    backwards in reverse stage order, then the optimizer. Stages are uniform (fwd_ms, bwd_ms per microbatch), so
-    every stage's bubble is exactly (p-1)/(m+p-1) of the pipeline phase."""
+    """A GPipe run: stage s on rank s; microbatch j's forward on stage s starts s hops (forward + transfer) and j
+    forwards after the step start, then all backwards in reverse stage order likewise, then the optimizer. Stages
+    are uniform (fwd_ms, bwd_ms per microbatch), so without transfer time (p2p_ms=0) every stage's bubble is exactly
+    (p-1)/(m+p-1) of the pipeline phase; each hop's transfer (p2p_ms) adds idle time the schedule does not need."""
     p, m = spec.pipeline_stages, spec.microbatches
     f, b, o = int(spec.fwd_ms * MS), int(spec.bwd_ms * MS), int(spec.opt_ms * MS)
+    lat = int(spec.p2p_ms * MS)
     S = spec.steps
-    step_len = (m + p - 1) * (f + b) + o
+    fwd_phase = (p - 1) * (f + lat) + m * f
+    step_len = fwd_phase + (p - 1) * (b + lat) + m * b + o
     step_start = 10**9 + np.arange(S, dtype=np.int64) * step_len
     st_i, s_i, j_i = np.meshgrid(np.arange(S), np.arange(p), np.arange(m), indexing="ij")
     st_i, s_i, j_i = st_i.ravel(), s_i.ravel(), j_i.ravel()
     base = step_start[st_i]
-    f_start = base + (s_i + j_i) * f
-    b_start = base + (m + p - 1) * f + (p - 1 - s_i + j_i) * b
+    f_start = base + s_i * (f + lat) + j_i * f
+    b_start = base + fwd_phase + (p - 1 - s_i) * (b + lat) + j_i * b
     spans = [pd.DataFrame({"rank": s_i, "step": st_i, "kind": "pp_forward", "name": "forward_one_chunk",
                            "start_ns": f_start, "end_ns": f_start + f, "stage": s_i, "microbatch": j_i,
                            "lane": "main", "source": "hook"}),
@@ -193,7 +197,7 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
                            "lane": "main", "source": "hook"})]
     if o:
         rr, ss = np.repeat(np.arange(p), S), np.tile(np.arange(S), p)
-        o_start = step_start[ss] + (m + p - 1) * (f + b)
+        o_start = step_start[ss] + step_len - o
         spans.append(pd.DataFrame({"rank": rr, "step": ss, "kind": "optimizer", "name": "optimizer",
                                    "start_ns": o_start, "end_ns": o_start + o, "lane": "main", "source": "hook"}))
     rr, ss = np.repeat(np.arange(p), S), np.tile(np.arange(S), p)

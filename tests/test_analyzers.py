@@ -151,6 +151,56 @@ def test_pipeline_theory_includes_optimizer_time(tmp_path):
     assert pp["schedule_bubble_frac"] == pytest.approx(1 / 9)
 
 
+def test_pipeline_p2p_time_is_overhead_not_schedule(tmp_path):
+    # 3 ms per hop between stages: the measured bubble grows, the schedule's own share stays (p-1)/(m+p-1), and the
+    # difference is reported as overhead
+    p, m, f, b, lat = 4, 4, 10.0, 20.0, 3.0
+    a = analyze(build_run(tmp_path / "r", pipeline_stages=p, microbatches=m, steps=5, opt_ms=0, p2p_ms=lat))
+    pp = a.summary["pipeline"]
+    step = (p - 1) * (f + lat) + m * f + (p - 1) * (b + lat) + m * b
+    assert pp["bubble_frac"] == pytest.approx(1 - m * (f + b) / step)
+    assert pp["theoretical_bubble_frac"] == pytest.approx((p - 1) / (m + p - 1))
+    assert pp["overhead_frac"] == pytest.approx(pp["bubble_frac"] - (p - 1) / (m + p - 1))
+
+
+def _pipeline_hand_run(path: Path, ops: list[tuple], step_end_ms: float) -> Path:
+    """Two-stage GPipe step from hand-written ops (rank = stage, kind, microbatch, start ms, end ms)."""
+    create_run_dir(path, {"command": ["hand"]})
+    node = path / "node-hand"
+    node.mkdir()
+    sp = pd.DataFrame([{"rank": r, "step": 0, "kind": k, "name": k, "start_ns": int(a * MS), "end_ns": int(e * MS),
+                        "stage": r, "microbatch": j, "lane": "main", "source": "hook"} for r, k, j, a, e in ops])
+    st = pd.DataFrame({"rank": [0, 1], "step": 0, "start_ns": 0, "end_ns": int(step_end_ms * MS)})
+    rk = pd.DataFrame({"rank": [0, 1], "local_rank": [0, 1], "world_size": 2, "host": "h0", "pid": 1,
+                       "device_type": "cpu", "device_index": [0, 1], "device_name": "cpu", "backend": "gloo"})
+    ev = pd.DataFrame({"rank": [0, 1], "host": "h0", "t_ns": 0, "level": "info", "source": "rank",
+                       "message": "pipeline schedule: ScheduleGPipe, stages=2, microbatches=4"})
+    write_node_tables(node, {"ranks": rk, "steps": st, "spans": sp, "events": ev},
+                      {"host": "h0", "status": "completed", "exit_code": 0})
+    return path
+
+
+def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
+    # f=10, b=20 ms, but microbatch 2's forward on stage 0 takes 30 ms; with no gap between ops the step lasts
+    # 170 ms (worked by hand below). A closed formula on median op times would say 20 %; the replay matches.
+    F_, B_ = "pp_forward", "pp_backward"
+    ops = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (0, F_, 2, 20, 50), (0, F_, 3, 50, 60),
+           (1, F_, 0, 10, 20), (1, F_, 1, 20, 30), (1, F_, 2, 50, 60), (1, F_, 3, 60, 70),
+           (1, B_, 0, 70, 90), (1, B_, 1, 90, 110), (1, B_, 2, 110, 130), (1, B_, 3, 130, 150),
+           (0, B_, 0, 90, 110), (0, B_, 1, 110, 130), (0, B_, 2, 130, 150), (0, B_, 3, 150, 170)]
+    pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170), warmup=0).summary["pipeline"]
+    assert pp["bubble_frac"] == pytest.approx(1 - (140 + 120) / 340)
+    assert pp["theoretical_bubble_frac"] == pytest.approx(pp["bubble_frac"])
+    assert pp["overhead_frac"] == pytest.approx(0.0, abs=1e-12)
+    assert pp["schedule_bubble_frac"] == pytest.approx(0.2)
+    # the same ops with each stage-1 op 5 ms later than needed: the replay still says 170 ms, so 5 ms is overhead
+    late = [(r, k, j, a + 5 * r, e + 5 * r) for r, k, j, a, e in ops if r == 1] + [
+        (r, k, j, a + (5 if k == B_ else 0), e + (5 if k == B_ else 0)) for r, k, j, a, e in ops if r == 0]
+    pp2 = analyze(_pipeline_hand_run(tmp_path / "r2", late, 175), warmup=0).summary["pipeline"]
+    assert pp2["theoretical_bubble_frac"] == pytest.approx(1 - 260 / 340)
+    assert pp2["bubble_frac"] == pytest.approx(1 - 260 / 350)
+
+
 def test_no_pipeline_is_null_with_reason(tmp_path):
     a = analyze(build_run(tmp_path / "r", steps=5))
     assert a.summary["pipeline"] is None and a.pipeline is None and "pp_forward" in a.summary["pipeline_reason"]
@@ -348,6 +398,8 @@ def test_findings_fire_on_thresholds_and_not_below():
     assert "pipeline_bubble" in _ids({"pipeline": pp})
     assert "pipeline_bubble" not in _ids({"pipeline": dict(pp, bubble_frac=0.19)})
     assert "pipeline_bubble" not in _ids({"pipeline": dict(pp, microbatches=8)})  # m >= 4p
+    assert "pipeline_overhead" in _ids({"pipeline": dict(pp, bubble_frac=0.33, overhead_frac=0.13)})
+    assert "pipeline_overhead" not in _ids({"pipeline": dict(pp, overhead_frac=0.01)})
     assert "exposed_comm" in _ids({"overlap": {"exposed_comm_frac": 0.31, "ratio": 0.5}})
     assert "exposed_comm" not in _ids({"overlap": {"exposed_comm_frac": 0.29, "ratio": 0.5}})
     c = {"op": "all_reduce", "group": "0", "size_bucket": "1-4 MiB", "busbw_gbps": 200.0, "link_peak_gbps": 450.0,

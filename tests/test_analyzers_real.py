@@ -52,9 +52,10 @@ def plain_ddp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpipe(tmp_path_factory):
     _require_examples()
-    # a model large enough that stage compute, not gloo's p2p latency, fills the step (tiny models are all comm)
-    return _dtprof_run(tmp_path_factory.mktemp("real") / "pp", "train_pipeline.py", "--steps", "10",
-                       "--schedule", "gpipe", "--microbatches", "4", "--dim", "256", "--layers", "4", "--seq",
+    # Ops long enough that the ~0.5 ms of p2p posting and Python between ops stays a small share of the step:
+    # with 4 layers per stage that overhead was 3-5 % of the step on the 2-core CI machine, with 8 it is 2-3 %.
+    return _dtprof_run(tmp_path_factory.mktemp("real") / "pp", "train_pipeline.py", "--steps", "8",
+                       "--schedule", "gpipe", "--microbatches", "4", "--dim", "256", "--layers", "8", "--seq",
                        "128", "--batch", "16")
 
 
@@ -89,4 +90,6 @@ def test_two_stage_gpipe_bubble_near_theory(gpipe):
     pp = analyze(gpipe).summary["pipeline"]
     assert pp is not None and pp["stages"] == 2 and pp["microbatches"] == 4
     assert pp["schedule"] == "ScheduleGPipe"
+    # the theory replays this run's own op times; what the measured bubble exceeds it by is p2p and Python time
     assert abs(pp["bubble_frac"] - pp["theoretical_bubble_frac"]) <= 0.05, pp
+    assert pp["overhead_frac"] > -0.02 and 0.15 <= pp["schedule_bubble_frac"] <= 0.25, pp
