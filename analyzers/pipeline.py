@@ -51,6 +51,9 @@ PP_KINDS = ("pp_forward", "pp_backward")
 class PipelineResult:
     table: pd.DataFrame     # stage, rank, step, bubble_frac, compute_s, theoretical_bubble_frac, duration_s, warmup
     summary: dict
+    ops: pd.DataFrame       # per compute op of a pipeline rank: rank, step, replica, stage, microbatch, kind,
+                            # start_ns, end_ns (measured), warmup, ideal_start_s, ideal_end_s (replayed, from the
+                            # step's start)
 
 
 def schedule_info(run) -> tuple[str, int | None, int | None]:
@@ -71,10 +74,10 @@ def pipeline_replicas(pp_rank: np.ndarray, pp_stage: np.ndarray) -> pd.Series:
     return low.groupby(low).cumcount().rename("replica")
 
 
-def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> np.ndarray | None:
-    """The makespan of each op's replica-step if the schedule ran with its measured op durations and nothing
-    between ops (no p2p transfer, no launch or Python gap), as ns per op; None when the observed order contradicts
-    the dependencies (a cycle).
+def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each op's finish and its replica-step's makespan (ns from the step's start) if the schedule ran with its
+    measured op durations and nothing between ops (no p2p transfer, no launch or Python gap); None when the observed
+    order contradicts the dependencies (a cycle).
 
     Each rank runs its ops of a step one after another in the order given (arrays sorted by rank, step, start); a
     forward of (stage s, microbatch j) also waits for the first forward of (s-1, j), and a backward of (s, j) for
@@ -83,7 +86,7 @@ def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> np.ndarray 
     """
     n = len(rank)
     if n == 0:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     idx = np.arange(n)
     same = np.zeros(n, bool)
     same[1:] = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])
@@ -109,7 +112,7 @@ def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> np.ndarray 
                            np.where(dep_pred >= 0, finish[np.maximum(dep_pred, 0)], 0))
         new = ready + dur
         if np.array_equal(new, finish):
-            return pd.Series(finish).groupby([replica, step]).transform("max").to_numpy(np.int64)
+            return finish, pd.Series(finish).groupby([replica, step]).transform("max").to_numpy(np.int64)
         finish = new
     return None
 
@@ -170,15 +173,27 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     order = np.lexsort((c_start, c_win))
     o_win = c_win[order]
     replica_of = pipeline_replicas(pp["rank"].to_numpy(), pp["stage"].to_numpy())
-    makespan = replay_schedule(wr[o_win], wstep[o_win], np.where(c_pp[order], c_stage[order], -1),
-                               micro[comp][order], kind[comp][order], (c_end - c_start)[order],
+    o_dur = (c_end - c_start)[order]
+    replayed = replay_schedule(wr[o_win], wstep[o_win], np.where(c_pp[order], c_stage[order], -1),
+                               micro[comp][order], kind[comp][order], o_dur,
                                replica_of.reindex(wr[o_win]).to_numpy(np.int64))
     replay_reason = None
-    if makespan is None:
+    o_stage, o_mb = c_stage[order], micro[comp][order]
+    ops = pd.DataFrame({"rank": wr[o_win], "step": wstep[o_win],
+                        "replica": replica_of.reindex(wr[o_win]).to_numpy(np.int64),
+                        "stage": pd.array(np.where(o_stage >= 0, o_stage, None), dtype="Int64"),
+                        "microbatch": pd.array(np.where(o_mb >= 0, o_mb, None), dtype="Int64"),
+                        "kind": kind[comp][order], "start_ns": c_start[order], "end_ns": c_end[order],
+                        "warmup": wwarm[o_win]})
+    if replayed is None:
         replay_reason = "the recorded op order contradicts the pipeline's dependencies; no replay"
         ideal = pd.Series(np.nan, index=np.unique(o_win))
+        ops["ideal_start_s"] = ops["ideal_end_s"] = np.nan
     else:
+        finish, makespan = replayed
         ideal = pd.Series(makespan / NS).groupby(o_win).max()
+        ops["ideal_end_s"] = finish / NS
+        ops["ideal_start_s"] = (finish - o_dur) / NS
     tbl["ideal_step_s"] = tbl["win"].map(ideal)
     tbl["theoretical_bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["ideal_step_s"].where(tbl["ideal_step_s"] > 0)
     rank_busy["ideal_step_s"] = rank_busy["win"].map(ideal)
@@ -253,4 +268,4 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     if replay_reason:
         summary["theoretical_reason"] = replay_reason
     tbl = tbl.drop(columns="win").sort_values(["stage", "rank", "step"]).reset_index(drop=True)
-    return PipelineResult(tbl, summary)
+    return PipelineResult(tbl, summary, ops)

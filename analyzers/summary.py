@@ -48,6 +48,7 @@ class Analysis:
     findings: list = field(default_factory=list)
     job_steps: pd.DataFrame | None = None   # per step: step, time_s, warmup, tokens, samples
     instances: pd.DataFrame | None = None   # per collective instance: transfer time, bytes
+    pipeline_ops: pd.DataFrame | None = None  # per compute op of a pipeline rank: measured and replayed times
 
 
 def _node_config(run) -> dict:
@@ -211,7 +212,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     if summary["memory"]["headroom_frac_min"] is None:
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
-                        pipeline=pp.table if pp else None, gpu=gpus, memory=mem, clock=clk, job_steps=st.job,
+                        pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus, memory=mem, clock=clk, job_steps=st.job,
                         instances=inst)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)

@@ -8,7 +8,7 @@ Scale rules (so a 1,024-rank, 1,000-step run stays a page, not a trace):
   ``MAX_TIMELINE_RANKS`` ranks (rank 0, the stragglers, the fastest and slowest computing ranks, then evenly
   spaced ranks); the figure title names them;
 - NVML series draw one line per GPU up to ``MAX_GPU_LINES`` GPUs, else the p10–p90 band and median over GPUs, binned
-  to at most ``MAX_TIME_POINTS`` points.
+  to at most ``MAX_TIME_POINTS`` points (composed with HoloViews' plotly backend: panels that share the time axis).
 
 Every string that comes from a run goes through ``esc`` (HTML entities) before it enters a figure: plotly renders
 labels and hover text as a subset of HTML, so an escaped ``<script>`` shows as text.
@@ -295,59 +295,52 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
 
 # ---------------------------------------------------------------------------------------------------- pipeline
 def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
-    """Measured schedule of one step beside the ideal GPipe layout; bubble per stage measured vs theoretical."""
+    """One typical step of the first pipeline replica as measured, above the same ops replayed with no gap between
+    them (the analyzer's theoretical schedule); bubble per stage measured vs theoretical."""
     pipe = ctx.analysis.pipeline
     if pipe is None or len(pipe) == 0:
         return None, None
-    sp = ctx.run.spans
-    pp = sp[sp["kind"].astype(str).isin(["pp_forward", "pp_backward"])].dropna(subset=["stage", "step"])
     measured_steps = ctx.measured["step"].unique()
-    pp = pp[pp["step"].isin(measured_steps)]
+    ops = getattr(ctx.analysis, "pipeline_ops", None)
     sched = None
-    if len(pp):
+    if ops is not None and len(ops):
+        ops = ops[(ops["replica"] == 0) & ops["stage"].notna() & ops["step"].isin(measured_steps)]
+    if ops is not None and len(ops):
         job = ctx.measured.groupby("step")["duration_s"].max()
+        job = job[job.index.isin(ops["step"].unique())]
         step = int(job.sub(job.median()).abs().idxmin())  # a typical step
-        one = pp[pp["step"] == step]
-        off = one["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
-        start = one["start_ns"].to_numpy() + off
+        one = ops[ops["step"] == step]
+        start = one["start_ns"].to_numpy() + one["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
         first = start.min()
         kind = one["kind"].astype(str).to_numpy()
         stage = one["stage"].astype(int).to_numpy()
         mb = one["microbatch"].fillna(-1).astype(int).to_numpy()
         dur = (one["end_ns"] - one["start_ns"]).to_numpy() / 1e6
         p = int(stage.max()) + 1
-        m = int(mb.max()) + 1
-        tf = float(np.median(dur[kind == "pp_forward"])) if (kind == "pp_forward").any() else 0.0
-        tb = float(np.median(dur[kind == "pp_backward"])) if (kind == "pp_backward").any() else 0.0
-        # ideal GPipe: forward of microbatch i on stage s at (i+s)·tf; backwards in reverse after all forwards
-        ideal_s = np.arange(p).repeat(m)
-        ideal_i = np.tile(np.arange(m), p)
-        f_start = (ideal_i + ideal_s) * tf
-        b_start = (m + p - 1) * tf + (ideal_i + (p - 1 - ideal_s)) * tb
+        makespan = float(one["ideal_end_s"].max() * 1e3)
         sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                              subplot_titles=(f"measured, step {step}",
-                                              "ideal GPipe layout from the measured median forward "
-                                              f"({tf:.2f} ms) and backward ({tb:.2f} ms) times"))
-        for row, xs, ys, ds, ks, ms in (
-                (1, (start - first) / 1e6, stage, dur, kind, mb),
-                (2, np.concatenate([f_start, b_start]), np.concatenate([ideal_s, ideal_s]),
-                 np.concatenate([np.full(p * m, tf), np.full(p * m, tb)]),
-                 np.array(["pp_forward"] * (p * m) + ["pp_backward"] * (p * m)),
-                 np.concatenate([ideal_i, ideal_i]))):
+                              subplot_titles=(f"measured, step {step} ({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
+                                              " ms from the first op to the last)",
+                                              f"the same ops replayed with no time between them ({makespan:.1f} ms):"
+                                              " the schedule's own bubble"))
+        for row, xs in ((1, (start - first) / 1e6), (2, one["ideal_start_s"].to_numpy() * 1e3)):
             for k, name, color in (("pp_forward", "forward", COLORS["pipeline forward"]),
-                                   ("pp_backward", "backward", COLORS["pipeline backward"])):
-                sel = ks == k
+                                   ("pp_backward", "backward", COLORS["pipeline backward"]),
+                                   ("other", "other compute (optimizer…)", COLORS["compute"])):
+                sel = (kind == k) if k != "other" else ~np.isin(kind, ["pp_forward", "pp_backward"])
+                if not sel.any():
+                    continue
                 sched.add_trace(go.Bar(
-                    x=ds[sel], base=xs[sel], y=[f"stage {s}" for s in ys[sel]], orientation="h", name=name,
+                    x=dur[sel], base=xs[sel], y=[f"stage {s}" for s in stage[sel]], orientation="h", name=name,
                     marker_color=color, showlegend=row == 1, legendgroup=name,
-                    text=[f"{name[0].upper()}{i}" for i in ms[sel]], textposition="inside",
-                    insidetextanchor="middle", textfont={"color": "white", "size": 10},
-                    hovertemplate=f"%{{y}} {name} microbatch %{{text}}<br>start %{{base:.2f}} ms<br>"
+                    text=[f"{name[0].upper()}{i}" if i >= 0 else esc(kd) for i, kd in zip(mb[sel], kind[sel])],
+                    textposition="inside", insidetextanchor="middle", textfont={"color": "white", "size": 10},
+                    hovertemplate=f"%{{y}} {esc(name)} %{{text}}<br>start %{{base:.2f}} ms<br>"
                                   f"duration %{{x:.2f}} ms<extra></extra>"), row=row, col=1)
         cats = [f"stage {s}" for s in range(p)][::-1]
         sched.update_yaxes(categoryorder="array", categoryarray=cats, type="category", title_text="pipeline stage")
-        sched.update_xaxes(title_text="time since the stage's first microbatch (ms)", row=2, col=1)
-        layout(sched, "Pipeline schedule: stages × time, measured vs ideal", height=260 + 60 * p,
+        sched.update_xaxes(title_text="time since the step's first op (ms)", row=2, col=1)
+        layout(sched, "Pipeline schedule: stages × time, measured vs replayed without gaps", height=260 + 60 * p,
                barmode="overlay")
     by_stage = pipe[pipe["step"].isin(measured_steps)] if len(measured_steps) else pipe
     by_stage = by_stage.groupby("stage")[["bubble_frac", "theoretical_bubble_frac"]].mean() * 100
@@ -375,12 +368,21 @@ def straggler_figure(ctx: Context) -> go.Figure | None:
 
 
 # --------------------------------------------------------------------------------------------------------- NVML
+def _holoviews():
+    """HoloViews with its plotly backend, imported on first use: it costs about 2 s, paid only by runs with NVML."""
+    import holoviews as hv
+    from holoviews.plotting import plotly as _backend  # noqa: F401  (registers the plotly renderer)
+    return hv
+
+
 def gpu_figure(ctx: Context) -> go.Figure | None:
     """NVML series on the steps' time axis: job step time, SM and memory-bandwidth utilisation, power, SM clock,
-    temperature."""
+    temperature. Composed with HoloViews: one overlay per metric (a curve per GPU, or the p10–p90 band and median
+    over GPUs), stacked in a Layout whose panels share the time axis, rendered with its plotly backend."""
     nv = ctx.run.nvml
     if nv.empty:
         return None
+    hv = _holoviews()
     clock = ctx.analysis.clock
     offsets = dict(zip(clock["host"].astype(str), clock["offset_ns"].astype("int64"))) if len(clock) else {}
     host = nv["host"].astype(str)
@@ -388,47 +390,67 @@ def gpu_figure(ctx: Context) -> go.Figure | None:
     gpu_id = host + " · GPU " + nv["gpu"].astype(str)
     metrics = [("sm_util_pct", "SM util (%)"), ("mem_bw_util_pct", "mem-bw util (%)"),
                ("power_w", "power (W)"), ("sm_clock_mhz", "SM clock (MHz)"), ("temp_c", "temp (°C)")]
-    fig = make_subplots(rows=len(metrics) + 1, cols=1, shared_xaxes=True, vertical_spacing=0.03)
+    tdim = hv.Dimension("t", label="time since the first step started (s)")
     job = ctx.steps.groupby("step").agg(end=("end_ns", "max"), d=("duration_s", "max"))
-    fig.add_trace(go.Scatter(x=(job["end"] - ctx.t0_ns) / 1e9, y=job["d"] * 1e3, mode="lines+markers",
-                             marker={"size": 3}, line={"color": "#333"}, name="job step time",
-                             hovertemplate="t %{x:.2f} s<br>step time %{y:.2f} ms<extra></extra>"), row=1, col=1)
-    fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
+    panels = [hv.Curve(((job["end"] - ctx.t0_ns).to_numpy() / 1e9, job["d"].to_numpy() * 1e3), tdim,
+                       hv.Dimension("step_ms", label="step time (ms)"), label="job step time")]
     ids = pd.unique(gpu_id)
-    palette = ["#4C78A8", "#F58518", "#E45756", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6"]
-    if len(ids) <= MAX_GPU_LINES:
-        df = nv.assign(_t=t, _id=gpu_id)
-        span = (t.max() - t.min()) or 1.0
-        df["_bin"] = np.floor((t - t.min()) / span * (MAX_TIME_POINTS - 1)).astype(int)
-        for row, (col, label) in enumerate(metrics, start=2):
-            g = df.groupby(["_id", "_bin"], observed=True).agg(t=("_t", "mean"), v=(col, "mean")).reset_index()
-            for i, gid in enumerate(ids):
-                one = g[g["_id"] == gid]
-                fig.add_trace(go.Scatter(x=one["t"], y=one["v"], mode="lines", name=esc(gid), legendgroup=gid,
-                                         showlegend=row == 2, line={"color": palette[i % len(palette)], "width": 1},
-                                         hovertemplate=esc(gid) + f"<br>t %{{x:.2f}} s<br>{label}: %{{y:.1f}}"
-                                                       "<extra></extra>"), row=row, col=1)
-            fig.update_yaxes(title_text=label, row=row, col=1)
+    span = (t.max() - t.min()) or 1.0
+    bins = np.floor((t - t.min()) / span * (MAX_TIME_POINTS - 1)).astype(int)
+    per_gpu = len(ids) <= MAX_GPU_LINES
+    if per_gpu:
+        df = nv[[c for c, _ in metrics]].assign(_t=t, _id=gpu_id.to_numpy(), _bin=bins)
+        g = df.groupby(["_id", "_bin"], sort=False).mean(numeric_only=True).reset_index()
+        for col, label in metrics:
+            dim = hv.Dimension(col, label=label)
+            panels.append(hv.Overlay([hv.Curve((one["_t"].to_numpy(), one[col].to_numpy()), tdim, dim,
+                                               label=esc(gid)) for gid, one in g.groupby("_id", sort=False)]))
     else:
-        span = (t.max() - t.min()) or 1.0
-        b = np.floor((t - t.min()) / span * (MAX_TIME_POINTS - 1)).astype(int)
-        df = nv[[c for c, _ in metrics]].assign(_b=b, _t=t)
-        tb = df.groupby("_b")["_t"].mean()
+        df = nv[[c for c, _ in metrics]].assign(_b=bins, _t=t)
+        tb = df.groupby("_b")["_t"].mean().to_numpy()
         q = df.groupby("_b")[[c for c, _ in metrics]].quantile([0.1, 0.5, 0.9])
-        for row, (col, label) in enumerate(metrics, start=2):
+        for col, label in metrics:
             qq = q[col].unstack()
-            fig.add_trace(go.Scatter(x=tb, y=qq[0.9], mode="lines", line={"width": 0}, showlegend=False,
-                                     hoverinfo="skip"), row=row, col=1)
-            fig.add_trace(go.Scatter(x=tb, y=qq[0.1], mode="lines", line={"width": 0}, fill="tonexty",
-                                     fillcolor="rgba(76,120,168,0.25)", name=f"p10–p90 over {len(ids)} GPUs",
-                                     showlegend=row == 2, legendgroup="band", hoverinfo="skip"), row=row, col=1)
-            fig.add_trace(go.Scatter(x=tb, y=qq[0.5], mode="lines", line={"color": "#4C78A8", "width": 1},
-                                     name="median GPU", showlegend=row == 2, legendgroup="median",
-                                     hovertemplate=f"t %{{x:.2f}} s<br>median {label}: %{{y:.1f}}<extra></extra>"),
-                          row=row, col=1)
-            fig.update_yaxes(title_text=label, row=row, col=1)
-    fig.update_yaxes(title_font={"size": 10})
-    fig.update_xaxes(title_text="time since the first step started (s)", row=len(metrics) + 1, col=1)
+            dim = hv.Dimension(col, label=label)
+            panels.append(hv.Area((tb, qq[0.1].to_numpy(), qq[0.9].to_numpy()), tdim, [dim, f"{col}_p90"],
+                                  label=f"p10–p90 over {len(ids)} GPUs")
+                          * hv.Curve((tb, qq[0.5].to_numpy()), tdim, dim, label="median GPU"))
+    layout_hv = hv.Layout(panels).cols(1).opts(shared_axes=True)
+    fig = go.Figure(hv.render(layout_hv, backend="plotly"))
+
+    # house style on what HoloViews drew: panels top to bottom in the order composed, one colour per GPU in every
+    # panel, a legend entry once, hover with units, one time-axis title at the bottom, no per-panel titles
+    palette = ["#4C78A8", "#F58518", "#E45756", "#72B7B2", "#54A24B", "#EECA3B", "#B279A2", "#FF9DA6"]
+    colour = {esc(gid): palette[i % len(palette)] for i, gid in enumerate(ids)}
+    labels = ["step time (ms)"] + [label for _, label in metrics]
+    yaxes = sorted((k for k in fig.layout if k.startswith("yaxis")), key=lambda k: -fig.layout[k].domain[1])
+    panel_of = {("y" + k[5:]): i for i, k in enumerate(yaxes)}
+    for i, k in enumerate(yaxes):
+        fig.layout[k].title = {"text": labels[i] if i < len(labels) else "", "font": {"size": 10}}
+    seen: set[str] = set()
+    for tr in fig.data:
+        label = labels[panel_of.get(tr.yaxis or "y", 0)]
+        name = (tr.name or "").split(": ", 1)[-1]
+        tr.name = tr.legendgroup = name
+        tr.showlegend = bool(name) and name not in seen
+        seen.add(name)
+        if name == "job step time":
+            tr.update(line={"color": "#333", "width": 1.5}, mode="lines+markers", marker={"size": 3})
+        elif name in colour:
+            tr.line = {"color": colour[name], "width": 1}
+        elif name.startswith("p10"):
+            tr.update(fillcolor="rgba(76,120,168,0.25)", line={"width": 0}, hoverinfo="skip")
+            continue
+        elif name == "median GPU":
+            tr.line = {"color": "#4C78A8", "width": 1}
+        tr.hovertemplate = f"{name}<br>t %{{x:.2f}} s<br>{label}: %{{y:.1f}}<extra></extra>"
+    bottom = "x" + yaxes[-1][5:] if yaxes else "x"
+    fig.layout.annotations = ()
+    fig.layout.width = None
+    fig.layout.autosize = True   # HoloViews fixes the size; the page's column decides it
+    fig.update_xaxes(title_text=None, showticklabels=False, domain=[0.0, 1.0])
+    fig.update_yaxes(automargin=True)
+    fig.layout["xaxis" + bottom[1:]].update(title={"text": tdim.label}, showticklabels=True)
     return layout(fig, "GPU telemetry (NVML) on the steps' time axis", height=1000)
 
 

@@ -17,8 +17,9 @@ Decisions
   ``<script type="application/json">`` with ``<``, ``>``, ``&`` and U+2028/2029 written as ``\\u`` escapes so data can
   never close the tag; strings inside figures are HTML-escaped too (figures.esc), since plotly renders a subset of
   HTML in labels.
-- HoloViews is not used: plotly's subplots compose the views we need (shared time axes, secondary axes) and
-  importing HoloViews would add seconds to every report build.
+- HoloViews (plotly backend) composes the NVML telemetry view (an overlay per metric, stacked on one shared time
+  axis, figures.gpu_figure); the other views are single plotly figures or subplots. HoloViews is imported only when
+  a run has NVML samples, since the import adds ~2 s to a report build.
 - Charts draw lazily (assets/report.js): the first viewport's at once, others when scrolled near or when the
   browser is idle; ``window.dtprofReport.drawAll()`` (or ``#draw-all`` in the URL, or printing) draws them all.
   Each chart div reserves its figure's height so the page does not jump.

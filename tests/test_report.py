@@ -17,6 +17,7 @@ import pytest
 from dtprof.reader import open_run
 from dtprof.reports import html as H
 from dtprof.analyzers.summary import analyze
+from synth import build_run
 from synth_report import HOSTILE, build_report_run
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -279,3 +280,44 @@ def test_large_run_is_binned_and_windowed(tmp_path, capsys, browser):
     ranks = {int(re.match(r"rank (\d+)", y).group(1)) for y in lanes}
     assert 2 <= len(ranks) <= F.MAX_TIMELINE_RANKS and 37 in ranks and 0 in ranks
     assert "steps" in tl["layout"]["title"]["text"]
+
+
+def _values(y):
+    """A trace's values, whether plotly holds them as a list or as a typed array ({dtype, bdata: base64})."""
+    import base64
+
+    import numpy as np
+    if isinstance(y, dict):
+        return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"])
+    return np.asarray(y, dtype=float)
+
+
+@pytest.mark.parametrize("world_size", [4, 16])   # a line per GPU up to 8 GPUs, else the band over GPUs
+def test_nvml_view_panels_share_one_time_axis(tmp_path, world_size):
+    # The NVML view is composed with HoloViews: step time on top, then one panel per metric, every panel on the
+    # same time axis, one legend entry per series, hover with the panel's unit.
+    from dtprof.reports import figures as F
+
+    build_run(tmp_path / "r", world_size=world_size, steps=10, nvml_interval_ms=5, throttle_rank=1,
+              device_type="cuda", device_name="NVIDIA H100 80GB HBM3")
+    run = open_run(tmp_path / "r")
+    fig = F.gpu_figure(F.make_context(run, analyze(run)))
+    lay = fig.layout
+    yaxes = sorted((k for k in lay if k.startswith("yaxis")), key=lambda k: -lay[k].domain[1])
+    assert [lay[k].title.text for k in yaxes] == ["step time (ms)", "SM util (%)", "mem-bw util (%)", "power (W)",
+                                                  "SM clock (MHz)", "temp (°C)"]
+    xaxes = [k for k in lay if k.startswith("xaxis")]
+    assert len(xaxes) == 6 and all(lay[k].matches in (None, "x") for k in xaxes)
+    assert sum(1 for k in xaxes if lay[k].matches is None) == 1
+    names = [t.name for t in fig.data if t.showlegend]
+    assert len(names) == len(set(names)) and "job step time" in names
+    clock_axis = "y" + yaxes[4][5:]
+    clocks = [t for t in fig.data if (t.yaxis or "y") == clock_axis and t.hovertemplate]
+    assert clocks and all("SM clock (MHz)" in t.hovertemplate for t in clocks)
+    if world_size == 4:   # the throttled GPU's own line sits at its 1400 MHz
+        assert len(names) == 5
+        lows = {t.name: float(_values(t.y).min()) for t in clocks}
+        assert lows == {"host0 · GPU 0": 1980.0, "host0 · GPU 1": 1400.0, "host0 · GPU 2": 1980.0,
+                        "host0 · GPU 3": 1980.0}
+    else:
+        assert any(n.startswith("p10–p90 over 16 GPUs") for n in names) and "median GPU" in names
