@@ -80,6 +80,12 @@ def fsdp(tmp_path_factory):
     return open_run(run_dir)
 
 
+@pytest.fixture(scope="module")
+def fsdp1(tmp_path_factory):
+    run_dir, losses, _ = run_job(tmp_path_factory.mktemp("fsdp1"), "train_fsdp.py", SMALL + ["--fsdp1"])
+    return open_run(run_dir)
+
+
 @pytest.fixture(scope="module", params=["gpipe", "1f1b"])
 def pipeline(request, tmp_path_factory):
     args = SMALL + ["--schedule", request.param, "--microbatches", "4"]
@@ -185,6 +191,20 @@ def test_fsdp2_all_gather_and_reduce_scatter(fsdp):
     assert (ag.out_bytes == 2 * ag.in_bytes).all()         # world size 2: each rank holds half
     _assert_collectives_matched(run)
     assert run.steps.groupby("rank").size().to_dict() == {0: STEPS, 1: STEPS}
+
+
+def test_fsdp1_all_gather_and_reduce_scatter(fsdp1):
+    # FullyShardedDataParallel (FSDP1): its flat-parameter all-gathers and gradient reduce-scatters, from FSDP
+    c = fsdp1.collectives
+    assert set(c.op) >= {"all_gather", "reduce_scatter"}
+    sharded = c[c.op.isin(["all_gather", "reduce_scatter"])]
+    assert (sharded.source == "fsdp").all()
+    ag = c[c.op == "all_gather"]
+    assert (ag.out_bytes == 2 * ag.in_bytes).all()
+    rs = c[c.op == "reduce_scatter"]
+    assert (rs.in_bytes == 2 * rs.out_bytes).all()
+    _assert_collectives_matched(fsdp1)
+    assert fsdp1.steps.groupby("rank").size().to_dict() == {0: STEPS, 1: STEPS}
 
 
 # ---- pipelining -------------------------------------------------------------------------------------------------
