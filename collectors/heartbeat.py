@@ -149,7 +149,10 @@ class _Heartbeat:
         self.wake_r = None
         self.prev_handler: Any = None
         self.handler_ran = threading.Event()
-        self.sigterm_dumped = False
+        # Both the main thread's handler and this thread may try to dump; the first writes, the other waits for it
+        # (bounded), so neither lets the process die while the other is half way through writing.
+        self._sigterm_dump_claimed = threading.Lock()
+        self._sigterm_dump_done = threading.Event()
 
     # -- SIGTERM -----------------------------------------------------------------------------------------------
     def install_sigterm(self) -> None:
@@ -172,15 +175,22 @@ class _Heartbeat:
         self.prev_handler = prev
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
+    def _sigterm_dump(self) -> None:
+        """Write dump-sigterm.json once; a second caller waits (at most _SIGTERM_GRACE_S) for the first."""
+        if self._sigterm_dump_claimed.acquire(blocking=False):   # never released: one dump per process
+            try:
+                write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
+            except Exception:
+                pass
+            finally:
+                self._sigterm_dump_done.set()
+        else:
+            self._sigterm_dump_done.wait(_SIGTERM_GRACE_S)
+
     def _on_sigterm(self, signum, frame):
         """Runs in the main thread when it reaches the interpreter: defer to what was there before."""
         self.handler_ran.set()
-        try:
-            if not self.sigterm_dumped:
-                self.sigterm_dumped = True
-                write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
-        except Exception:
-            pass
+        self._sigterm_dump()
         prev = self.prev_handler
         if callable(prev):
             return prev(signum, frame)
@@ -190,9 +200,7 @@ class _Heartbeat:
     def _sigterm_from_thread(self) -> None:
         """The C-level handler woke us: dump now (the main thread may be stuck in C++), then make sure the
         default action still happens if the main thread cannot run Python."""
-        if not self.sigterm_dumped:
-            self.sigterm_dumped = True
-            write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
+        self._sigterm_dump()
         if callable(self.prev_handler):
             return
         if not self.handler_ran.wait(_SIGTERM_GRACE_S):

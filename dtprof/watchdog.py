@@ -30,6 +30,9 @@ from typing import Callable
 from dtprof.runformat import RANK_PREFIX, NodeTableWriter, write_json_atomic
 
 POLL_S = 0.25
+# A rank that died of one of these lost a peer: it is collateral damage of an earlier death, not a root cause.
+PEER_LOSS_RE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|"
+                          r"communicator was aborted", re.I)
 DUMP_WAIT_S = 8.0
 HANG_EXIT_CODE = 124
 
@@ -203,12 +206,15 @@ class Watchdog:
                 and not pid_alive(hb.get("pid"))]
         if not dead:
             return
+        # Several deaths seen in one poll (survivors die of the lost connection within milliseconds): the first to
+        # die goes first. Ranks that lost a peer come after the rest, then earlier heartbeats before later ones.
+        dead.sort(key=lambda r: (bool(PEER_LOSS_RE.search(str(hbs[r].get("exit") or ""))), hbs[r].get("t_ns") or 0))
         now = time.monotonic_ns()
         first = not self.crashed
         for r in dead:
             hb = hbs[r]
             self.crashed[r] = {"rank": r, "pid": hb.get("pid"), "detected_ns": now, "step": hb.get("step"),
-                               "exit": hb.get("exit"),
+                               "exit": hb.get("exit"), "lost_peer": bool(PEER_LOSS_RE.search(str(hb.get("exit") or ""))),
                                "collective": hb.get("collective"), "last_heartbeat_ns": hb.get("t_ns")}
         if first:  # the survivors' state at the moment of the first death
             request_dumps(self.node_dir, "crash", f"rank(s) {dead} exited")

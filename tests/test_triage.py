@@ -92,6 +92,40 @@ def test_heartbeat_answers_dump_requests_and_keeps_sigterm_default(tmp_path):
     assert where(dump).startswith("hb.py:")
 
 
+RACE_SCRIPT = textwrap.dedent('''
+    import os, signal, sys, time, types
+    from pathlib import Path
+    from dtprof.collectors import heartbeat
+    rank_dir = Path(sys.argv[1]) / "rank-0"
+    real_write_dump = heartbeat.write_dump
+    def slow_write_dump(*a, **k):   # a dump that takes a while (many threads, a long Flight Recorder buffer)
+        time.sleep(1.0)
+        return real_write_dump(*a, **k)
+    heartbeat.write_dump = slow_write_dump
+    state = types.SimpleNamespace(rank=0, step=5, last_progress_ns=time.monotonic_ns(), rank_dir=rank_dir,
+                                  collective=None)
+    heartbeat.start(rank_dir, state)
+    time.sleep(0.2)
+    # the main thread is away in C code: SIGTERM reaches the heartbeat thread, which starts the dump ...
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+    # ... and the main thread's handler runs while that dump is still being written
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    time.sleep(10)
+    print("SIGTERM did not stop us", flush=True)
+''')
+
+
+def test_sigterm_waits_for_a_dump_the_heartbeat_thread_is_writing(tmp_path):
+    script = tmp_path / "race.py"
+    script.write_text(RACE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    dump = json.loads((tmp_path / "rank-0" / "dump-sigterm.json").read_text())
+    assert dump["reason"] == "SIGTERM received" and dump["stacks"]
+
+
 def test_heartbeat_defers_to_the_users_sigterm_handler(tmp_path):
     proc = _run_hb(tmp_path, "user-handler")
     assert proc.returncode == 7 and "user handler ran" in proc.stdout, proc.stdout + proc.stderr
@@ -130,6 +164,26 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : Signal 9 (SIGKILL) received by PID 7974
 """
+
+
+def test_deaths_seen_in_one_poll_put_the_rank_that_lost_a_peer_last(tmp_path):
+    # A SIGKILLed rank leaves a stale heartbeat and no exit status; its peers die of the broken connection
+    # milliseconds later, all before the watchdog's next poll. Found together, the killed rank must come first
+    # whatever order the file system lists the rank directories in.
+    from dtprof.watchdog import Watchdog
+    lost = "exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+    beats = {0: (lost, 300), 1: (None, 100), 2: (lost, 310), 3: ("exception: ValueError: bad batch", 200)}
+    for rank, (exit_status, t) in beats.items():
+        d = tmp_path / f"rank-{rank}"
+        d.mkdir()
+        (d / "heartbeat.json").write_text(json.dumps({"rank": rank, "pid": 2**22 + rank, "step": 3, "t_ns": t,
+                                                       "exit": exit_status}))   # pids that do not exist: dead
+    wd = Watchdog(tmp_path, timeout_s=60, stop_job=lambda: None)
+    wd._check_crashes()
+    dead = json.loads((tmp_path / "triage" / "crash.json").read_text())["dead"]
+    assert [d["rank"] for d in dead] == [1, 3, 0, 2]
+    assert [d["lost_peer"] for d in dead] == [False, False, True, True]
+    assert (tmp_path / "dump-request-crash").exists()   # the survivors were asked for their state at once
 
 
 def test_parse_torchrun_failures_names_root_cause_and_signal():
@@ -298,7 +352,12 @@ def test_sigkill_named_with_its_signal(jobs):
     assert "killed by SIGKILL" in out["message"]
     crash = json.loads((r["node_dir"] / "triage" / "crash.json").read_text())
     assert crash["dead"][0]["rank"] == 1  # the watchdog saw rank 1's process vanish first
-    assert any(_dump(r["node_dir"], k, "crash") or _dump(r["node_dir"], k, "sigterm") for k in (0, 2, 3))
+    # every survivor's state was captured: by the watchdog's request, by torchrun's SIGTERM, or (a peer that died
+    # of the broken connection before either reached it) by its own exception hook
+    for k in (0, 2, 3):
+        assert any(_dump(r["node_dir"], k, i) for i in ("crash", "sigterm", "exception")), k
+    states = [e for e in out["evidence"] if e["kind"] == "state"]
+    assert sorted(e["rank"] for e in states) == [0, 2, 3]
 
 
 @pytest.mark.slow
