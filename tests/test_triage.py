@@ -57,7 +57,8 @@ HB_SCRIPT = textwrap.dedent('''
                                               "dtype": "float32", "peer": None, "entered_ns": time.monotonic_ns()})
     heartbeat.start(rank_dir, state)
     def stuck_in_user_code():
-        (Path(sys.argv[1]) / "dump-request-t1").write_text("test")
+        from dtprof.watchdog import request_dumps   # atomic, as the launcher writes it
+        request_dumps(Path(sys.argv[1]), "t1", "test")
         deadline = time.time() + 10
         while not (rank_dir / "dump-t1.json").exists() and time.time() < deadline:
             time.sleep(0.05)
