@@ -68,20 +68,35 @@ def schedule_info(run) -> tuple[str, int | None, int | None]:
     return "unknown", None, None
 
 
+def _codes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+    """Dense group codes of the pairs (a, b) and their count, for union_length."""
+    _, codes = np.unique(np.stack([a, b]), axis=1, return_inverse=True)
+    codes = codes.ravel()
+    return codes, int(codes.max()) + 1 if len(codes) else 0
+
+
+def _keys(a: np.ndarray, b: np.ndarray) -> pd.MultiIndex:
+    """The distinct pairs (a, b) in the order of their ``_codes``."""
+    u = np.unique(np.stack([a, b]), axis=1)
+    return pd.MultiIndex.from_arrays([u[0], u[1]])
+
+
 def pipeline_replicas(pp_rank: np.ndarray, pp_stage: np.ndarray) -> pd.Series:
     """rank -> pipeline replica: the i-th rank (in rank order) holding a rank's lowest stage is in replica i."""
     low = pd.DataFrame({"rank": pp_rank, "stage": pp_stage}).groupby("rank")["stage"].min()
     return low.groupby(low).cumcount().rename("replica")
 
 
-def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> tuple[np.ndarray, np.ndarray] | None:
+def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> tuple[np.ndarray, np.ndarray] | None:
     """Each op's finish and its replica-step's makespan (ns from the step's start) if the schedule ran with its
     measured op durations and nothing between ops (no p2p transfer, no launch or Python gap); None when the observed
     order contradicts the dependencies (a cycle).
 
-    Each rank runs its ops of a step one after another in the order given (arrays sorted by rank, step, start); a
-    forward of (stage s, microbatch j) also waits for the first forward of (s-1, j), and a backward of (s, j) for
-    the first backward of (s+1, j), in the same replica and step. Every rank starts the step at 0. Vectorised:
+    Each rank runs its ops of a step one after another in the order given (arrays sorted by rank, step, start). The
+    k-th forward of (stage s, microbatch j) in a step also waits for the k-th forward of (s-1, j), and the k-th
+    input backward of (s, j) for the k-th input backward of (s+1, j), in the same replica (k > 0 when a step runs
+    the schedule more than once, as with gradient accumulation). A split-off weight backward
+    (``backward_weight``) waits only for its own rank's earlier ops. Every rank starts the step at 0. Vectorised:
     one relaxation pass over all ops per link of the longest dependency chain.
     """
     n = len(rank)
@@ -91,22 +106,23 @@ def replay_schedule(rank, step, stage, mb, kind, dur_ns, replica) -> tuple[np.nd
     same = np.zeros(n, bool)
     same[1:] = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])
     res_pred = np.where(same, idx - 1, -1)
-    ops = pd.DataFrame({"replica": replica, "step": step, "stage": stage, "mb": mb, "kind": kind, "i": idx})
-    pp = ops[(ops["stage"] >= 0) & (ops["mb"] >= 0) & ops["kind"].isin(list(PP_KINDS))]
-    first = pp.groupby(["kind", "replica", "step", "stage", "mb"])["i"].min()
+    role = np.where(kind == "pp_forward", "F", np.where((kind == "pp_backward") & (name != "backward_weight"),
+                                                         "B", ""))
+    ops = pd.DataFrame({"role": role, "replica": replica, "step": step, "stage": stage, "mb": mb, "i": idx})
+    ops = ops[(ops["role"] != "") & (ops["stage"] >= 0) & (ops["mb"] >= 0)].copy()
+    keys = ["role", "replica", "step", "stage", "mb"]
+    ops["k"] = ops.groupby(keys, sort=False).cumcount()   # ops are in time order within each key (one rank)
+    by_key = ops.set_index(keys + ["k"])["i"]
+    upstream = ops["stage"] + np.where(ops["role"] == "F", -1, 1)
+    hit = by_key.reindex(pd.MultiIndex.from_arrays([ops["role"], ops["replica"], ops["step"], upstream, ops["mb"],
+                                                    ops["k"]])).to_numpy(dtype=float)
     dep_pred = np.full(n, -1, np.int64)
-    for k, upstream in (("pp_forward", -1), ("pp_backward", 1)):
-        sub = pp[pp["kind"] == k]
-        if not len(sub) or k not in first.index.get_level_values(0):
-            continue
-        key = pd.MultiIndex.from_arrays([sub["replica"], sub["step"], sub["stage"] + upstream, sub["mb"]])
-        hit = first.xs(k, level="kind").reindex(key).to_numpy(dtype=float)
-        ok = ~np.isnan(hit)
-        dep_pred[sub["i"].to_numpy()[ok]] = hit[ok].astype(np.int64)
-    group = pd.Series(idx).groupby([replica, step])
-    longest_chain = int(group.size().max())
+    ok = ~np.isnan(hit)
+    dep_pred[ops["i"].to_numpy()[ok]] = hit[ok].astype(np.int64)
     dur = dur_ns.astype(np.int64)
     finish = dur.copy()
+    # a dependency chain stays inside one replica-step, so it has at most that many ops; one more pass ends it
+    longest_chain = int(pd.Series(idx).groupby([replica, step]).size().max())
     for _ in range(longest_chain + 1):
         ready = np.maximum(np.where(res_pred >= 0, finish[np.maximum(res_pred, 0)], 0),
                            np.where(dep_pred >= 0, finish[np.maximum(dep_pred, 0)], 0))
@@ -132,6 +148,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     start = sp["start_ns"].to_numpy(np.int64)
     end = sp["end_ns"].to_numpy(np.int64)
     kind = sp["kind"].astype(str).to_numpy()
+    name = sp["name"].astype(str).to_numpy()
     win = assign_to_windows(wr, ws, we, rank, start)
     stage = sp["stage"].astype("Int64").fillna(-1).to_numpy(np.int64)
     micro = sp["microbatch"].astype("Int64").fillna(-1).to_numpy(np.int64)
@@ -152,51 +169,62 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     c_stage = np.where(stage[comp] >= 0, stage[comp],
                        stage_of_single.reindex(c_rank).fillna(-1).to_numpy(np.int64))
     c_pp = is_pp[comp]
+    if not (c_pp & (c_stage >= 0)).any():
+        return None   # pipeline spans, but none inside a step window
 
-    # measured, per (stage, window): the union of that stage's compute spans
+    # measured, per (stage, window) of every window of a pipeline rank (a window without ops is all bubble): the
+    # union of that stage's compute spans
     in_stage = c_stage >= 0
-    smin = int(c_stage[in_stage].min())
-    code_all = (c_stage[in_stage] - smin) * len(windows) + c_win[in_stage]
-    uniq, codes = np.unique(code_all, return_inverse=True)
-    busy = union_length(codes, c_start[in_stage], c_end[in_stage], len(uniq))
-    uw = uniq % len(windows)
-    tbl = pd.DataFrame({"stage": uniq // len(windows) + smin, "rank": wr[uw], "step": wstep[uw],
-                        "compute_s": busy / NS, "duration_s": windows["duration_s"].to_numpy()[uw],
-                        "warmup": wwarm[uw], "win": uw})
+    codes, n_codes = _codes(c_stage[in_stage], c_win[in_stage])
+    busy = pd.Series(union_length(codes, c_start[in_stage], c_end[in_stage], n_codes),
+                     index=_keys(c_stage[in_stage], c_win[in_stage]))
+    pairs = pp[["rank", "stage"]].drop_duplicates()
+    grid = pd.DataFrame({"rank": wr, "win": np.arange(len(windows))}).merge(pairs, on="rank")
+    tbl = pd.DataFrame({"stage": grid["stage"].to_numpy(), "rank": grid["rank"].to_numpy(),
+                        "step": wstep[grid["win"]], "duration_s": windows["duration_s"].to_numpy()[grid["win"]],
+                        "warmup": wwarm[grid["win"]], "win": grid["win"].to_numpy()})
+    tbl["compute_s"] = busy.reindex(pd.MultiIndex.from_arrays([tbl["stage"], tbl["win"]])).fillna(0).to_numpy() / NS
     tbl["bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["duration_s"].where(tbl["duration_s"] > 0)
     # ... and per (rank, window): all the rank's compute, for the pipeline-wide figure
+    pp_wins = np.flatnonzero(np.isin(wr, pp_ranks))
+    rank_busy = pd.DataFrame({"rank": wr[pp_wins], "step": wstep[pp_wins], "win": pp_wins,
+                              "duration_s": windows["duration_s"].to_numpy()[pp_wins], "warmup": wwarm[pp_wins]})
     rw, rw_codes = np.unique(c_win, return_inverse=True)
-    rank_busy = pd.DataFrame({"win": rw, "compute_s": union_length(rw_codes, c_start, c_end, len(rw)) / NS,
-                              "duration_s": windows["duration_s"].to_numpy()[rw], "warmup": wwarm[rw]})
+    rank_busy["compute_s"] = pd.Series(union_length(rw_codes, c_start, c_end, len(rw)) / NS,
+                                       index=rw).reindex(pp_wins).fillna(0).to_numpy()
 
-    # the schedule replayed on its measured op times (measured steps only)
+    # the schedule replayed on its measured op times
     order = np.lexsort((c_start, c_win))
     o_win = c_win[order]
     replica_of = pipeline_replicas(pp["rank"].to_numpy(), pp["stage"].to_numpy())
     o_dur = (c_end - c_start)[order]
+    o_replica = replica_of.reindex(wr[o_win]).to_numpy(np.int64)
     replayed = replay_schedule(wr[o_win], wstep[o_win], np.where(c_pp[order], c_stage[order], -1),
-                               micro[comp][order], kind[comp][order], o_dur,
-                               replica_of.reindex(wr[o_win]).to_numpy(np.int64))
+                               micro[comp][order], kind[comp][order], name[comp][order], o_dur, o_replica)
     replay_reason = None
     o_stage, o_mb = c_stage[order], micro[comp][order]
     ops = pd.DataFrame({"rank": wr[o_win], "step": wstep[o_win],
-                        "replica": replica_of.reindex(wr[o_win]).to_numpy(np.int64),
+                        "replica": o_replica,
                         "stage": pd.array(np.where(o_stage >= 0, o_stage, None), dtype="Int64"),
                         "microbatch": pd.array(np.where(o_mb >= 0, o_mb, None), dtype="Int64"),
                         "kind": kind[comp][order], "start_ns": c_start[order], "end_ns": c_end[order],
                         "warmup": wwarm[o_win]})
     if replayed is None:
         replay_reason = "the recorded op order contradicts the pipeline's dependencies; no replay"
-        ideal = pd.Series(np.nan, index=np.unique(o_win))
+        ideal = pd.Series(np.nan, index=pd.MultiIndex.from_arrays([o_replica[:0], o_win[:0]]), dtype=float)
         ops["ideal_start_s"] = ops["ideal_end_s"] = np.nan
     else:
         finish, makespan = replayed
-        ideal = pd.Series(makespan / NS).groupby(o_win).max()
+        ideal = pd.Series(makespan / NS).groupby([o_replica, wstep[o_win]]).max()   # per (replica, step)
         ops["ideal_end_s"] = finish / NS
         ops["ideal_start_s"] = (finish - o_dur) / NS
-    tbl["ideal_step_s"] = tbl["win"].map(ideal)
+
+    def ideal_of(ranks, steps):
+        key = pd.MultiIndex.from_arrays([replica_of.reindex(ranks).to_numpy(np.int64), np.asarray(steps)])
+        return ideal.reindex(key).to_numpy(dtype=float)
+    tbl["ideal_step_s"] = ideal_of(tbl["rank"], tbl["step"])
     tbl["theoretical_bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["ideal_step_s"].where(tbl["ideal_step_s"] > 0)
-    rank_busy["ideal_step_s"] = rank_busy["win"].map(ideal)
+    rank_busy["ideal_step_s"] = ideal_of(rank_busy["rank"], rank_busy["step"])
 
     # median forward/backward time of one microbatch per stage, for the closed form
     ppm = pp[(pp["win"] >= 0)].copy()
@@ -217,12 +245,14 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     p = ev_stages or len(stages)
     m = ev_mb or int(round(float(mb_count.median()))) if len(mb_count) else ev_mb or 0
     t_s = (f_s + b_s).reindex(stages).fillna(0.0)
-    n_pp_ranks = int(len(pp_ranks))
-    v = max(1, int(round(len(stages) / max(n_pp_ranks, 1))))
+    replicas = int(replica_of.max()) + 1
+    ranks_per_pipeline = max(1, len(pp_ranks) // replicas)
+    v = int(stages_of_rank.max())
     sched_l = schedule.lower()
     reason = ""
     if "interleaved" in sched_l or "looped" in sched_l or v > 1:
-        sched_bubble = (n_pp_ranks - 1) / (v * m + n_pp_ranks - 1) if m else None
+        pr = ranks_per_pipeline
+        sched_bubble = (pr - 1) / (v * m + pr - 1) if m else None
         formula = "(p-1)/(v·m+p-1), uniform stages"
     elif "zerobubble" in sched_l or "zbv" in sched_l or "dualpipe" in sched_l:
         r = (p - 1) / (3 * m) if m else None
@@ -242,23 +272,27 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None
     dur = float(rmeas["duration_s"].sum())
     bubble = float(1.0 - rmeas["compute_s"].sum() / dur) if dur > 0 else None
-    ideal_total = float(rmeas["ideal_step_s"].sum())
-    theo = float(1.0 - rmeas["compute_s"].sum() / ideal_total) if ideal_total > 0 else None
+    replayed_rows = rmeas[rmeas["ideal_step_s"].notna()]
+    ideal_total = float(replayed_rows["ideal_step_s"].sum())
+    theo = float(1.0 - replayed_rows["compute_s"].sum() / ideal_total) if ideal_total > 0 else None
+    # the share of the measured step the replayed schedule does not account for
+    replayed_dur = float(replayed_rows["duration_s"].sum())
+    overhead = float(1.0 - ideal_total / replayed_dur) if ideal_total > 0 and replayed_dur > 0 else None
     per_stage = meas.groupby("stage").agg(rank=("rank", "min"), compute=("compute_s", "sum"),
                                            duration=("duration_s", "sum"), ideal=("ideal_step_s", "sum"),
-                                           steps=("step", "nunique"))
+                                           rank_steps=("step", "size"))
     summary = {
         "stages": int(p), "microbatches": int(m), "schedule": schedule,
         "bubble_frac": bubble, "theoretical_bubble_frac": theo,
-        "overhead_frac": (bubble - theo) if bubble is not None and theo is not None else None,
+        "overhead_frac": overhead,
         "schedule_bubble_frac": sched_bubble, "schedule_formula": formula,
         "theoretical_method": "schedule replayed on its measured op times with no gap between ops",
         "imbalance": imbalance, "bottleneck_stage": bottleneck, "virtual_stages_per_rank": v,
-        "replicas": int(replica_of.max() + 1),
+        "replicas": replicas,
         "per_stage": [{"stage": int(s), "rank": int(r["rank"]),
                        "bubble_frac": float(1 - r["compute"] / r["duration"]) if r["duration"] > 0 else None,
                        "theoretical_bubble_frac": float(1 - r["compute"] / r["ideal"]) if r["ideal"] > 0 else None,
-                       "compute_s_per_step": float(r["compute"] / max(r["steps"], 1)),
+                       "compute_s_per_step": float(r["compute"] / max(r["rank_steps"], 1)),
                        "forward_s_per_microbatch": float(f_s.get(s, np.nan)),
                        "backward_s_per_microbatch": float(b_s.get(s, np.nan))}
                       for s, r in per_stage.iterrows()],  # one per stage

@@ -206,7 +206,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     }
     _add_mesh(summary, run, steps)
     if pp is None:
-        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) in this run"
+        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
         summary["stragglers_reason"] = "no rank is a straggler by compute score or collective arrival"
     if summary["memory"]["headroom_frac_min"] is None:

@@ -37,6 +37,8 @@ from typing import Any
 
 INTERVAL_S = 0.5
 _SIGTERM_GRACE_S = 2.0
+_FR_TIMEOUT_S = 3.0
+_SIGTERM_DUMP_WAIT_S = _FR_TIMEOUT_S + 2.0   # a dump waits up to the Flight Recorder's timeout, then writes
 
 _started = False
 _faults: list[str] = []
@@ -93,7 +95,7 @@ def thread_stacks() -> list[dict]:
     return out
 
 
-def flight_recorder_entries(timeout_s: float = 3.0) -> tuple[Any, str | None]:
+def flight_recorder_entries(timeout_s: float = _FR_TIMEOUT_S) -> tuple[Any, str | None]:
     """PyTorch's Flight Recorder dump as a dict (JSON form), or (None, reason). Never imports torch itself.
 
     The dump runs in its own thread with a time limit: if it blocks on a lock held by a stuck collective, the
@@ -153,6 +155,7 @@ class _Heartbeat:
         # (bounded), so neither lets the process die while the other is half way through writing.
         self._sigterm_dump_claimed = threading.Lock()
         self._sigterm_dump_done = threading.Event()
+        self._sigterm_dumper: int | None = None
 
     # -- SIGTERM -----------------------------------------------------------------------------------------------
     def install_sigterm(self) -> None:
@@ -175,22 +178,29 @@ class _Heartbeat:
         self.prev_handler = prev
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _sigterm_dump(self) -> None:
-        """Write dump-sigterm.json once; a second caller waits (at most _SIGTERM_GRACE_S) for the first."""
+    def _sigterm_dump(self) -> bool:
+        """Write dump-sigterm.json once; a caller from another thread waits (bounded) for the first one's dump.
+        False for a second SIGTERM handled inside the thread that is writing it: that caller must return at once
+        and leave the rest (the dump, then the signal's action) to the first."""
         if self._sigterm_dump_claimed.acquire(blocking=False):   # never released: one dump per process
+            self._sigterm_dumper = threading.get_ident()
             try:
                 write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
             except Exception:
                 pass
             finally:
                 self._sigterm_dump_done.set()
-        else:
-            self._sigterm_dump_done.wait(_SIGTERM_GRACE_S)
+            return True
+        if self._sigterm_dumper == threading.get_ident():
+            return False
+        self._sigterm_dump_done.wait(_SIGTERM_DUMP_WAIT_S)
+        return True
 
     def _on_sigterm(self, signum, frame):
         """Runs in the main thread when it reaches the interpreter: defer to what was there before."""
         self.handler_ran.set()
-        self._sigterm_dump()
+        if not self._sigterm_dump():
+            return
         prev = self.prev_handler
         if callable(prev):
             return prev(signum, frame)

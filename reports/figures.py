@@ -302,6 +302,7 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         return None, None
     measured_steps = ctx.measured["step"].unique()
     ops = getattr(ctx.analysis, "pipeline_ops", None)
+    pipe_reason = (ctx.analysis.summary.get("pipeline") or {}).get("theoretical_reason")
     sched = None
     if ops is not None and len(ops):
         ops = ops[(ops["replica"] == 0) & ops["stage"].notna() & ops["step"].isin(measured_steps)]
@@ -318,12 +319,15 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         dur = (one["end_ns"] - one["start_ns"]).to_numpy() / 1e6
         p = int(stage.max()) + 1
         makespan = float(one["ideal_end_s"].max() * 1e3)
+        replayed = bool(np.isfinite(makespan))
         sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                               subplot_titles=(f"measured, step {step} ({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
                                               " ms from the first op to the last)",
                                               f"the same ops replayed with no time between them ({makespan:.1f} ms):"
-                                              " the schedule's own bubble"))
-        for row, xs in ((1, (start - first) / 1e6), (2, one["ideal_start_s"].to_numpy() * 1e3)):
+                                              " the schedule's own bubble" if replayed else
+                                              "no replay: " + esc(pipe_reason or "unavailable")))
+        rows = [(1, (start - first) / 1e6)] + ([(2, one["ideal_start_s"].to_numpy() * 1e3)] if replayed else [])
+        for row, xs in rows:
             for k, name, color in (("pp_forward", "forward", COLORS["pipeline forward"]),
                                    ("pp_backward", "backward", COLORS["pipeline backward"]),
                                    ("other", "other compute (optimizer…)", COLORS["compute"])):
@@ -430,7 +434,7 @@ def gpu_figure(ctx: Context) -> go.Figure | None:
     seen: set[str] = set()
     for tr in fig.data:
         label = labels[panel_of.get(tr.yaxis or "y", 0)]
-        name = (tr.name or "").split(": ", 1)[-1]
+        name = tr.name or ""   # HoloViews names a trace by its element's label, verbatim
         tr.name = tr.legendgroup = name
         tr.showlegend = bool(name) and name not in seen
         seen.add(name)

@@ -160,20 +160,28 @@ def test_pipeline_p2p_time_is_overhead_not_schedule(tmp_path):
     step = (p - 1) * (f + lat) + m * f + (p - 1) * (b + lat) + m * b
     assert pp["bubble_frac"] == pytest.approx(1 - m * (f + b) / step)
     assert pp["theoretical_bubble_frac"] == pytest.approx((p - 1) / (m + p - 1))
-    assert pp["overhead_frac"] == pytest.approx(pp["bubble_frac"] - (p - 1) / (m + p - 1))
+    ideal = (m + p - 1) * (f + b)
+    assert pp["overhead_frac"] == pytest.approx(1 - ideal / step)   # the share of the step the schedule does not need
 
 
-def _pipeline_hand_run(path: Path, ops: list[tuple], step_end_ms: float) -> Path:
-    """Two-stage GPipe step from hand-written ops (rank = stage, kind, microbatch, start ms, end ms)."""
+def _pipeline_hand_run(path: Path, ops: list[tuple], step_end_ms: float, stage_of=None) -> Path:
+    """GPipe steps from hand-written ops (rank, kind, microbatch, start ms, end ms[, step]); a rank's stage is
+    ``stage_of[rank]`` (default: the rank). Every rank has the steps 0..max step, each [0, step_end_ms) long."""
+    stage_of = stage_of or {r: r for r in {o[0] for o in ops}}
+    ranks = sorted(stage_of)
+    n_steps = max((o[5] if len(o) > 5 else 0) for o in ops) + 1
     create_run_dir(path, {"command": ["hand"]})
     node = path / "node-hand"
     node.mkdir()
-    sp = pd.DataFrame([{"rank": r, "step": 0, "kind": k, "name": k, "start_ns": int(a * MS), "end_ns": int(e * MS),
-                        "stage": r, "microbatch": j, "lane": "main", "source": "hook"} for r, k, j, a, e in ops])
-    st = pd.DataFrame({"rank": [0, 1], "step": 0, "start_ns": 0, "end_ns": int(step_end_ms * MS)})
-    rk = pd.DataFrame({"rank": [0, 1], "local_rank": [0, 1], "world_size": 2, "host": "h0", "pid": 1,
-                       "device_type": "cpu", "device_index": [0, 1], "device_name": "cpu", "backend": "gloo"})
-    ev = pd.DataFrame({"rank": [0, 1], "host": "h0", "t_ns": 0, "level": "info", "source": "rank",
+    sp = pd.DataFrame([{"rank": o[0], "step": o[5] if len(o) > 5 else 0, "kind": o[1], "name": o[1][3:],
+                        "start_ns": int((o[3] + step_end_ms * (o[5] if len(o) > 5 else 0)) * MS),
+                        "end_ns": int((o[4] + step_end_ms * (o[5] if len(o) > 5 else 0)) * MS),
+                        "stage": stage_of[o[0]], "microbatch": o[2], "lane": "main", "source": "hook"} for o in ops])
+    st = pd.DataFrame([{"rank": r, "step": k, "start_ns": int(k * step_end_ms * MS),
+                        "end_ns": int((k + 1) * step_end_ms * MS)} for r in ranks for k in range(n_steps)])
+    rk = pd.DataFrame({"rank": ranks, "local_rank": ranks, "world_size": len(ranks), "host": "h0", "pid": 1,
+                       "device_type": "cpu", "device_index": ranks, "device_name": "cpu", "backend": "gloo"})
+    ev = pd.DataFrame({"rank": ranks, "host": "h0", "t_ns": 0, "level": "info", "source": "rank",
                        "message": "pipeline schedule: ScheduleGPipe, stages=2, microbatches=4"})
     write_node_tables(node, {"ranks": rk, "steps": st, "spans": sp, "events": ev},
                       {"host": "h0", "status": "completed", "exit_code": 0})
@@ -199,6 +207,43 @@ def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
     pp2 = analyze(_pipeline_hand_run(tmp_path / "r2", late, 175), warmup=0).summary["pipeline"]
     assert pp2["theoretical_bubble_frac"] == pytest.approx(1 - 260 / 340)
     assert pp2["bubble_frac"] == pytest.approx(1 - 260 / 350)
+
+
+def test_pipeline_replay_with_two_schedule_runs_per_step(tmp_path):
+    # gradient accumulation: the schedule runs twice (m=2 each) before one optimizer step, back to back with no gap;
+    # the second run's microbatch ids repeat, and each must wait for its own upstream op, not the first run's
+    F_, B_ = "pp_forward", "pp_backward"
+    one = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (1, F_, 0, 10, 20), (1, F_, 1, 20, 30),
+           (1, B_, 0, 30, 50), (1, B_, 1, 50, 70), (0, B_, 0, 50, 70), (0, B_, 1, 70, 90)]
+    ops = one + [(r, k, j, a + 90, e + 90) for r, k, j, a, e in one]
+    pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 180), warmup=0).summary["pipeline"]
+    assert pp["bubble_frac"] == pytest.approx(1 / 3)
+    assert pp["theoretical_bubble_frac"] == pytest.approx(1 / 3)
+    assert pp["overhead_frac"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_pipeline_replicas_and_an_idle_step(tmp_path):
+    # DP x PP: two pipelines (ranks 0,1 and 2,3, stages 0,1), the slow-microbatch step of the test above in each.
+    # Step 1 has the same ops except on rank 3, which ran nothing: its step is all bubble, and its replica's
+    # replayed step is stage 0's ops alone.
+    F_, B_ = "pp_forward", "pp_backward"
+    base = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (0, F_, 2, 20, 50), (0, F_, 3, 50, 60),
+            (1, F_, 0, 10, 20), (1, F_, 1, 20, 30), (1, F_, 2, 50, 60), (1, F_, 3, 60, 70),
+            (1, B_, 0, 70, 90), (1, B_, 1, 90, 110), (1, B_, 2, 110, 130), (1, B_, 3, 130, 150),
+            (0, B_, 0, 90, 110), (0, B_, 1, 110, 130), (0, B_, 2, 130, 150), (0, B_, 3, 150, 170)]
+    ops = [(r + 2 * rep, k, j, a, e, step) for rep in (0, 1) for step in (0, 1) for r, k, j, a, e in base
+           if not (rep == 1 and step == 1 and r == 1)]
+    a = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170, stage_of={0: 0, 1: 1, 2: 0, 3: 1}), warmup=0)
+    pp = a.summary["pipeline"]
+    assert pp["replicas"] == 2 and pp["stages"] == 2 and pp["virtual_stages_per_rank"] == 1
+    # busy: 140 + 120 ms per full pipeline-step, rank 2 alone in the last one (a 140 ms replay: stage 0 only)
+    assert pp["bubble_frac"] == pytest.approx(1 - (3 * 260 + 140) / (8 * 170))
+    assert pp["theoretical_bubble_frac"] == pytest.approx(1 - (3 * 260 + 140) / (6 * 170 + 2 * 140))
+    stage = {s["stage"]: s for s in pp["per_stage"]}
+    assert stage[0]["compute_s_per_step"] == pytest.approx(0.140)
+    assert stage[1]["compute_s_per_step"] == pytest.approx(3 * 0.120 / 4)
+    idle = a.pipeline[(a.pipeline["rank"] == 3) & (a.pipeline["step"] == 1)]
+    assert idle["bubble_frac"].tolist() == [1.0]
 
 
 def test_no_pipeline_is_null_with_reason(tmp_path):
