@@ -16,9 +16,9 @@ microbatch j) waits for the forward of (s-1, j) and the backward of (s, j) for t
 pipeline replica. The replayed makespan T_k of step k is the shortest step that schedule allows with these op
 times, and theoretical bubble = 1 - (rank's compute in k) ÷ T_k, time-weighted like the measured one. For uniform
 GPipe stages without optimizer time this is exactly (p-1)/(m+p-1); unlike a closed formula on median op times it
-also holds when some microbatches run slower (a slow op delays everything downstream of it). What the measured
-bubble exceeds it by (``overhead_frac``) is time the schedule itself does not explain: p2p transfers, Python and
-launch gaps between ops.
+also holds when some microbatches run slower (a slow op delays everything downstream of it).
+``overhead_frac`` = 1 - Σ T_k ÷ Σ measured step: the share of the step the schedule itself does not explain (p2p
+transfers, Python and launch gaps between ops), so bubble = overhead + theoretical · (1 - overhead).
 
 ``schedule_bubble_frac`` is the schedule's closed-form share from median per-stage times (dtprof's generalisation
 of (p-1)/(m+p-1) to non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
