@@ -188,14 +188,18 @@ def _pipeline_hand_run(path: Path, ops: list[tuple], step_end_ms: float, stage_o
     return path
 
 
+F_, B_ = "pp_forward", "pp_backward"
+# 2-stage GPipe, f=10, b=20 ms, microbatch 2's forward on stage 0 takes 30 ms; ops placed with no gap (170 ms)
+SLOW_MICROBATCH_STEP = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (0, F_, 2, 20, 50), (0, F_, 3, 50, 60),
+    (1, F_, 0, 10, 20), (1, F_, 1, 20, 30), (1, F_, 2, 50, 60), (1, F_, 3, 60, 70),
+    (1, B_, 0, 70, 90), (1, B_, 1, 90, 110), (1, B_, 2, 110, 130), (1, B_, 3, 130, 150),
+    (0, B_, 0, 90, 110), (0, B_, 1, 110, 130), (0, B_, 2, 130, 150), (0, B_, 3, 150, 170)]
+
+
 def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
     # f=10, b=20 ms, but microbatch 2's forward on stage 0 takes 30 ms; with no gap between ops the step lasts
     # 170 ms (worked by hand below). A closed formula on median op times would say 20 %; the replay matches.
-    F_, B_ = "pp_forward", "pp_backward"
-    ops = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (0, F_, 2, 20, 50), (0, F_, 3, 50, 60),
-           (1, F_, 0, 10, 20), (1, F_, 1, 20, 30), (1, F_, 2, 50, 60), (1, F_, 3, 60, 70),
-           (1, B_, 0, 70, 90), (1, B_, 1, 90, 110), (1, B_, 2, 110, 130), (1, B_, 3, 130, 150),
-           (0, B_, 0, 90, 110), (0, B_, 1, 110, 130), (0, B_, 2, 130, 150), (0, B_, 3, 150, 170)]
+    ops = SLOW_MICROBATCH_STEP
     pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170), warmup=0).summary["pipeline"]
     assert pp["bubble_frac"] == pytest.approx(1 - (140 + 120) / 340)
     assert pp["theoretical_bubble_frac"] == pytest.approx(pp["bubble_frac"])
@@ -212,7 +216,6 @@ def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
 def test_pipeline_replay_with_two_schedule_runs_per_step(tmp_path):
     # gradient accumulation: the schedule runs twice (m=2 each) before one optimizer step, back to back with no gap;
     # the second run's microbatch ids repeat, and each must wait for its own upstream op, not the first run's
-    F_, B_ = "pp_forward", "pp_backward"
     one = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (1, F_, 0, 10, 20), (1, F_, 1, 20, 30),
            (1, B_, 0, 30, 50), (1, B_, 1, 50, 70), (0, B_, 0, 50, 70), (0, B_, 1, 70, 90)]
     ops = one + [(r, k, j, a + 90, e + 90) for r, k, j, a, e in one]
@@ -226,12 +229,8 @@ def test_pipeline_replicas_and_an_idle_step(tmp_path):
     # DP x PP: two pipelines (ranks 0,1 and 2,3, stages 0,1), the slow-microbatch step of the test above in each.
     # Step 1 has the same ops except on rank 3, which ran nothing: its step is all bubble, and its replica's
     # replayed step is stage 0's ops alone.
-    F_, B_ = "pp_forward", "pp_backward"
-    base = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (0, F_, 2, 20, 50), (0, F_, 3, 50, 60),
-            (1, F_, 0, 10, 20), (1, F_, 1, 20, 30), (1, F_, 2, 50, 60), (1, F_, 3, 60, 70),
-            (1, B_, 0, 70, 90), (1, B_, 1, 90, 110), (1, B_, 2, 110, 130), (1, B_, 3, 130, 150),
-            (0, B_, 0, 90, 110), (0, B_, 1, 110, 130), (0, B_, 2, 130, 150), (0, B_, 3, 150, 170)]
-    ops = [(r + 2 * rep, k, j, a, e, step) for rep in (0, 1) for step in (0, 1) for r, k, j, a, e in base
+    ops = [(r + 2 * rep, k, j, a, e, step) for rep in (0, 1) for step in (0, 1)
+           for r, k, j, a, e in SLOW_MICROBATCH_STEP
            if not (rep == 1 and step == 1 and r == 1)]
     a = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170, stage_of={0: 0, 1: 1, 2: 0, 3: 1}), warmup=0)
     pp = a.summary["pipeline"]
