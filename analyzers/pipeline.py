@@ -68,17 +68,10 @@ def schedule_info(run) -> tuple[str, int | None, int | None]:
     return "unknown", None, None
 
 
-def _codes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
-    """Dense group codes of the pairs (a, b) and their count, for union_length."""
-    _, codes = np.unique(np.stack([a, b]), axis=1, return_inverse=True)
-    codes = codes.ravel()
-    return codes, int(codes.max()) + 1 if len(codes) else 0
-
-
-def _keys(a: np.ndarray, b: np.ndarray) -> pd.MultiIndex:
-    """The distinct pairs (a, b) in the order of their ``_codes``."""
-    u = np.unique(np.stack([a, b]), axis=1)
-    return pd.MultiIndex.from_arrays([u[0], u[1]])
+def _pair_groups(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int, pd.MultiIndex]:
+    """Dense group codes of the pairs (a, b), their count, and the distinct pairs in code order."""
+    u, codes = np.unique(np.stack([a, b]), axis=1, return_inverse=True)
+    return codes.ravel(), u.shape[1], pd.MultiIndex.from_arrays([u[0], u[1]])
 
 
 def pipeline_replicas(pp_rank: np.ndarray, pp_stage: np.ndarray) -> pd.Series:
@@ -87,8 +80,8 @@ def pipeline_replicas(pp_rank: np.ndarray, pp_stage: np.ndarray) -> pd.Series:
     return low.groupby(low).cumcount().rename("replica")
 
 
-def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each op's finish and its replica-step's makespan (ns from the step's start) if the schedule ran with its
+def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.ndarray | None:
+    """Each op's finish (ns from the step's start) if the schedule ran with its
     measured op durations and nothing between ops (no p2p transfer, no launch or Python gap); None when the observed
     order contradicts the dependencies (a cycle).
 
@@ -101,7 +94,7 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> tuple
     """
     n = len(rank)
     if n == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.zeros(0, np.int64)
     idx = np.arange(n)
     same = np.zeros(n, bool)
     same[1:] = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])
@@ -128,7 +121,7 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> tuple
                            np.where(dep_pred >= 0, finish[np.maximum(dep_pred, 0)], 0))
         new = ready + dur
         if np.array_equal(new, finish):
-            return finish, pd.Series(finish).groupby([replica, step]).transform("max").to_numpy(np.int64)
+            return finish
         finish = new
     return None
 
@@ -175,9 +168,8 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     # measured, per (stage, window) of every window of a pipeline rank (a window without ops is all bubble): the
     # union of that stage's compute spans
     in_stage = c_stage >= 0
-    codes, n_codes = _codes(c_stage[in_stage], c_win[in_stage])
-    busy = pd.Series(union_length(codes, c_start[in_stage], c_end[in_stage], n_codes),
-                     index=_keys(c_stage[in_stage], c_win[in_stage]))
+    codes, n_codes, pairs_of_code = _pair_groups(c_stage[in_stage], c_win[in_stage])
+    busy = pd.Series(union_length(codes, c_start[in_stage], c_end[in_stage], n_codes), index=pairs_of_code)
     pairs = pp[["rank", "stage"]].drop_duplicates()
     grid = pd.DataFrame({"rank": wr, "win": np.arange(len(windows))}).merge(pairs, on="rank")
     tbl = pd.DataFrame({"stage": grid["stage"].to_numpy(), "rank": grid["rank"].to_numpy(),
@@ -214,8 +206,8 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
         ideal = pd.Series(np.nan, index=pd.MultiIndex.from_arrays([o_replica[:0], o_win[:0]]), dtype=float)
         ops["ideal_start_s"] = ops["ideal_end_s"] = np.nan
     else:
-        finish, makespan = replayed
-        ideal = pd.Series(makespan / NS).groupby([o_replica, wstep[o_win]]).max()   # per (replica, step)
+        finish = replayed
+        ideal = pd.Series(finish / NS).groupby([o_replica, wstep[o_win]]).max()   # makespan per (replica, step)
         ops["ideal_end_s"] = finish / NS
         ops["ideal_start_s"] = (finish - o_dur) / NS
 

@@ -212,8 +212,8 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     if summary["memory"]["headroom_frac_min"] is None:
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
-                        pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus, memory=mem, clock=clk, job_steps=st.job,
-                        instances=inst)
+                        pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
+                        memory=mem, clock=clk, job_steps=st.job, instances=inst)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
