@@ -1,0 +1,58 @@
+"""A Hugging Face Trainer job: a tiny GPT-2 built from its config, trained on random tokens, on CPU (gloo).
+
+    torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6
+    torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --accumulate 2
+    dtprof run -- torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py   # profiled, unchanged
+
+Nothing is downloaded: the model comes from ``GPT2Config`` (2 layers, a 256-token vocabulary) and the data is a
+list of random token sequences. Rank 0 prints ``final loss <value>``.
+"""
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps")
+    p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--batch", type=int, default=4, help="per-device batch")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=64, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    data = RandomTokens(args.steps * args.accumulate * args.batch * world, args.seq, config.vocab_size)
+    import tempfile
+
+    training_args = TrainingArguments(
+        output_dir=args.out or tempfile.mkdtemp(prefix="hf-trainer-"), max_steps=args.steps,
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulate, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", seed=0,
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=training_args, train_dataset=data)
+    result = trainer.train()
+    if trainer.is_world_process_zero():
+        print(f"final loss {result.training_loss:.8f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

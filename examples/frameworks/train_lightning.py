@@ -1,0 +1,56 @@
+"""A PyTorch Lightning DDP job on CPU (gloo): a tiny regression model on in-memory data.
+
+    python examples/frameworks/train_lightning.py                        # Lightning's own launcher (2 processes)
+    torchrun --nproc_per_node=2 examples/frameworks/train_lightning.py   # torchrun starts the ranks
+    dtprof run -- python examples/frameworks/train_lightning.py          # either, profiled, unchanged
+
+Lightning detects torchrun from its environment; without it, ``Trainer(devices=2, strategy="ddp")`` re-runs this
+script once more as rank 1 (its subprocess launcher). Each rank prints its final loss as ``final loss <value>``.
+"""
+import argparse
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, dim: int, lr: float):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU(), torch.nn.Linear(dim, 1))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)     # sync_dist: an all-reduce per logged step
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per rank")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    args = p.parse_args()
+    L.seed_everything(0, verbose=False)
+    world = 2
+    n = args.steps * args.accumulate * args.batch * world
+    data = TensorDataset(torch.randn(n, args.dim), torch.randn(n, 1))
+    trainer = L.Trainer(devices=2, accelerator="cpu", strategy="ddp", max_steps=args.steps, max_epochs=1,
+                        accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    model = Regressor(args.dim, lr=0.05)
+    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    print(f"rank {trainer.global_rank} final loss {trainer.callback_metrics['train_loss'].item():.8f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
