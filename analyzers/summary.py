@@ -28,6 +28,7 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.runformat import UNIDENTIFIED_EVENT
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
@@ -70,7 +71,20 @@ def _run_block(run) -> dict:
            "path": str(run.path), "nodes": len(run.nodes)}
     if status is None:
         out["status_reason"] = "no node.json records the job's end (still running, or the launcher was killed)"
+    out.update(_rank_coverage(run))
     return out
+
+
+def _rank_coverage(run) -> dict:
+    """Ranks of the world that left no record, and processes that could not be recorded as a rank
+    (collectors/identity.py writes one error event for each)."""
+    recorded = set(run.ranks["rank"].astype(int)) if len(run.ranks) else set()
+    ev = run.events
+    unidentified = (ev.loc[ev["message"].astype(str).str.startswith(UNIDENTIFIED_EVENT), "message"].astype(str)
+                    .tolist() if len(ev) else [])
+    return {"ranks_recorded": len(recorded),
+            "ranks_missing": sorted(set(range(int(run.world_size))) - recorded),
+            "unidentified_processes": unidentified}
 
 
 def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame) -> list[dict]:
@@ -179,6 +193,11 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                                 "late_frac": float(s.late_frac), "delay_s_per_step": float(s.delay_s_per_step),
                                 "reason": s.reason, "evidence": evidence.get(int(s.rank), [])})
     problems = list(run.problems)
+    run_block = _run_block(run)
+    if run_block["ranks_missing"]:
+        problems.append(f"rank(s) {', '.join(map(str, run_block['ranks_missing']))} of world size "
+                        f"{run_block['world_size']} left no record")
+    problems += run_block["unidentified_processes"]
     if ov.unassigned:
         problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
                         f"counted in per-step figures")
@@ -186,7 +205,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     summary = {
         "schema": SUMMARY_SCHEMA,
         "generated_by": "dtprof.analyzers",
-        "run": _run_block(run),
+        "run": run_block,
         "steps": step_block,
         "ranks": _per_rank_block(run, steps, strag),
         "mfu": mfu,
@@ -285,6 +304,10 @@ def format_summary_text(summary: dict) -> str:
     t = st.get("time_s") or {}
     lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) on {len(run.get('hosts') or [])} host(s), "
                  f"status {run.get('status') or 'unknown'}, exit code {run.get('exit_code')}")
+    if run.get("ranks_missing"):
+        lines.append(f"[error] rank(s) {', '.join(map(str, run['ranks_missing']))} left no record")
+    for msg in run.get("unidentified_processes") or []:
+        lines.append(f"[error] {msg}")
     lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
                  f"step time p50 {_fmt_s(t.get('p50'))}, p90 {_fmt_s(t.get('p90'))}, "
                  f"p99 {_fmt_s(t.get('p99'))}")

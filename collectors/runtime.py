@@ -141,10 +141,12 @@ def _is_torchrun_launcher() -> bool:
 def _identity() -> dict:
     import torch
 
+    from dtprof.collectors import identity
+
     env = os.environ
     ident = {
-        "rank": STATE.rank, "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1)),
-        "node_rank": int(env["GROUP_RANK"]) if env.get("GROUP_RANK", "").isdigit() else None,
+        "rank": STATE.rank, "local_rank": identity.local_rank(env), "world_size": int(env.get("WORLD_SIZE", 1)),
+        "node_rank": identity.node_rank(env),
         "host": STATE.host, "pid": os.getpid(), "node": os.path.basename(os.path.dirname(STATE.rank_dir)),
         "device_type": "cpu", "device_index": None, "device_name": "cpu", "device_uuid": "",
         "device_mem_total_bytes": None, "backend": "",
@@ -173,37 +175,43 @@ def refresh_identity() -> None:
     _identity_new = _identity()
 
 
-def _claim_rank_dir(rank_dir) -> bool:
-    """One process per rank directory: a process spawned by a rank (it inherits RANK) must not write there too."""
+def _rank_dir_owner(rank_dir) -> int | None:
+    """One process per rank directory: the pid of another live process that records this rank, else None (the
+    directory is then claimed for this process). A process gone meanwhile (an elastic restart) is taken over."""
     owner = os.path.join(rank_dir, ".owner")
     try:
         with open(owner) as f:
             pid = int(f.read().strip() or 0)
         if pid and pid != os.getpid():
-            os.kill(pid, 0)        # raises if that process is gone (e.g. an elastic restart): take over
-            return False
+            os.kill(pid, 0)        # raises if that process is gone
+            return pid
     except (FileNotFoundError, ValueError, ProcessLookupError):
         pass
-    except PermissionError:
-        return False
+    except PermissionError:        # alive, another user's
+        return pid
     with open(owner, "w") as f:
         f.write(str(os.getpid()))
-    return True
+    return None
 
 
 def install_from_env() -> bool:
     """Called by the injected sitecustomize once torch is imported: profile this process if it is a rank."""
     if STATE.active or not os.environ.get("DTPROF_NODE_DIR"):
         return STATE.active
-    if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
+    from dtprof.collectors import identity
+
+    if identity.launcher_rank() is not None:
+        return init()
+    if "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
         return False
-    return init()
+    identity.wait_for_identity(lambda rank: init(rank=rank))   # collectors/identity.py: which launchers do this
+    return False
 
 
-def init(out=None, **options) -> bool:
+def init(out=None, *, rank: int | None = None, **options) -> bool:
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
-    gets its own node directory in it); default: ``DTPROF_NODE_DIR``. Options override ``DTPROF_CONFIG``.
-    Returns True when recording."""
+    gets its own node directory in it); default: ``DTPROF_NODE_DIR``. ``rank``: default the process group's rank,
+    else ``RANK``, else 0. Options override ``DTPROF_CONFIG``. Returns True when recording."""
     global W, _init_ns, _trace_capture
     if STATE.active:
         return True
@@ -228,10 +236,16 @@ def init(out=None, **options) -> bool:
             node_dir = env["DTPROF_NODE_DIR"]
         else:
             return False
-        rank = int(env.get("RANK", 0))
+        from dtprof.collectors import identity
+
+        if rank is None:
+            pg = identity.process_group_rank()
+            rank = pg[0] if pg else (identity.launcher_rank(env) or 0)
         rdir = rank_dir(node_dir, rank)
         os.makedirs(rdir, exist_ok=True)
-        if not _claim_rank_dir(str(rdir)):
+        owner = _rank_dir_owner(str(rdir))
+        if owner is not None:
+            identity.report_unidentified(node_dir, rank, owner, STATE.host)
             return False
         STATE.rank, STATE.rank_dir, STATE.options = rank, str(rdir), opts
         _set_fault_test(env.get("DTPROF_TEST_FAULT", ""), rank)
@@ -446,6 +460,12 @@ def _fwd_pre_hook(module, args):
     except Exception:
         _fault("forward pre-hook")
     return None
+
+
+def begin_forward(module, args) -> None:
+    """The forward pre-hook for a call already under way when recording started (collectors/identity.py)."""
+    if STATE.active:
+        _fwd_pre_hook(module, args)
 
 
 def _note_root(module) -> None:

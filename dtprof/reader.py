@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
-from dtprof.runformat import NODE_MANIFEST, NODE_PREFIX, RANK_PREFIX, RUN_MANIFEST, TABLES_COMPLETE, TABLES_DIR
+from dtprof.runformat import NODE_MANIFEST, NODE_PREFIX, RANK_PREFIX, RUN_MANIFEST, TABLES_COMPLETE, TABLES_DIR, \
+    UNIDENTIFIED_PREFIX
 
 
 class RunFormatError(Exception):
@@ -136,6 +137,8 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
         p = node_dir / f"{table}.jsonl"
         if p.exists():
             parts[table].append(_read_jsonl(p, table, problems))
+    for p in sorted(node_dir.glob(f"{UNIDENTIFIED_PREFIX}*.jsonl")):
+        parts["events"].append(_read_jsonl(p, "events", problems))
     out = {}
     for table, dfs in parts.items():
         dfs = [d for d in dfs if len(d)]

@@ -21,6 +21,9 @@ RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
 NODE_PREFIX = "node-"
 RANK_PREFIX = "rank-"
+# events of a process that could not be recorded as a rank (collectors/identity.py), one file per process
+UNIDENTIFIED_PREFIX = "unidentified-"
+UNIDENTIFIED_EVENT = "unidentified process"    # how those events' messages begin
 TABLES_DIR = "tables"
 TABLES_COMPLETE = "_complete"
 

@@ -1,11 +1,12 @@
 """An Accelerate training loop on CPU: a tiny MLP classifier on in-memory data.
 
     torchrun --nproc_per_node=2 examples/frameworks/train_accelerate.py
-    accelerate launch --cpu --multi_gpu --num_machines 1 --num_processes 2 examples/frameworks/train_accelerate.py
-    dtprof run -- accelerate launch --cpu --multi_gpu --num_machines 1 --num_processes 2 \\
+    accelerate launch --multi_gpu --num_machines 1 --num_processes 2 examples/frameworks/train_accelerate.py
+    dtprof run -- accelerate launch --multi_gpu --num_machines 1 --num_processes 2 \\
         examples/frameworks/train_accelerate.py                                   # profiled, unchanged
 
-``--cpu`` makes accelerate use gloo; ``--multi_gpu`` with ``--num_processes 2`` starts two ranks on one machine.
+``--multi_gpu --num_processes 2`` starts two ranks on one machine (through torchrun's launcher, inside the
+accelerate process); ``Accelerator(cpu=True)`` keeps them on the CPU with gloo, so no GPU is needed.
 The main process prints ``final loss <value>``.
 """
 import argparse
