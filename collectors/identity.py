@@ -10,6 +10,8 @@ Launchers differ in what a rank knows when it imports torch:
   Such a process is *unnamed* until it identifies itself: its rank is the one its process group reports when
   ``init_process_group`` returns; a process that reaches its first module forward with no process group is a
   single-process job (rank 0 of 1).
+- A process that inherited ``RANK`` from a rank that records it (a DataLoader worker, a helper subprocess) waits
+  the same way.
 - A process that never does either (the accelerate CLI, the parent of ``mp.spawn``, torchrun's own launcher) is
   never recorded.
 
@@ -62,7 +64,7 @@ class _Waiter:
         self.done = False
         self.handle = None
 
-    def identified(self, rank: int) -> None:
+    def identified(self, rank: int | None) -> None:
         if self.done:
             return
         self.done = True
@@ -74,8 +76,7 @@ class _Waiter:
         if self.done:
             return None
         try:
-            pg = process_group_rank()
-            self.identified(pg[0] if pg else 0)
+            self.identified(None)      # the runtime's default: the process group's rank, else RANK, else 0
             from dtprof.collectors import runtime
 
             runtime.begin_forward(module, args)   # this call's own pre-hook ran before recording started
@@ -85,7 +86,8 @@ class _Waiter:
 
 
 def wait_for_identity(start) -> None:
-    """Call ``start(rank)`` when this process's process group exists or it runs its first forward."""
+    """Call ``start(rank)`` when this process's process group exists (its rank), or at its first forward
+    (None: the process group's rank if one exists by then, else ``RANK``, else 0)."""
     import torch.distributed as dist
     from torch.nn.modules import module as nn_module
 

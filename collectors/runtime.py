@@ -23,8 +23,8 @@ Steps (the ``steps`` table)
 Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
 - ``forward``: first top-level module forward pre-hook to its forward hook (global module hooks, nesting depth
   tracked so only the outermost call counts); ``backward``: the duration of ``torch.autograd.backward`` /
-  ``Tensor.backward``; ``optimizer``: optimizer step pre- to post-hook; ``data_wait``: end of the previous step to
-  the first forward of the next. Inside a pipeline schedule these are replaced by ``pp_forward``/``pp_backward``
+  ``Tensor.backward``; ``optimizer``: optimizer step pre- to post-hook; ``data_wait``: the time in the DataLoader
+  iterator's ``__next__`` (what a framework does between steps, such as logging collectives, is not data wait). Inside a pipeline schedule these are replaced by ``pp_forward``/``pp_backward``
   (hooks_collectives.py). On CUDA, forward/backward/optimizer are timed with CUDA events recorded at the same
   points and converted to host ns through an anchor event (source "cuda_event"); on CPU they are host times
   (source "hook").
@@ -201,17 +201,21 @@ def install_from_env() -> bool:
     from dtprof.collectors import identity
 
     if identity.launcher_rank() is not None:
-        return init()
-    if "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
+        if init(report_taken=False) or STATE.disabled:
+            return STATE.active
+        # Another process records this RANK: this one inherited it (a DataLoader worker, a helper subprocess) and
+        # is named as unidentified only if it trains (collectors/identity.py).
+    elif "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
         return False
-    identity.wait_for_identity(lambda rank: init(rank=rank))   # collectors/identity.py: which launchers do this
+    identity.wait_for_identity(lambda rank: init(rank=rank))
     return False
 
 
-def init(out=None, *, rank: int | None = None, **options) -> bool:
+def init(out=None, *, rank: int | None = None, report_taken: bool = True, **options) -> bool:
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
     gets its own node directory in it); default: ``DTPROF_NODE_DIR``. ``rank``: default the process group's rank,
-    else ``RANK``, else 0. Options override ``DTPROF_CONFIG``. Returns True when recording."""
+    else ``RANK``, else 0. ``report_taken``: when another live process records that rank, name this one in the run as unidentified
+    (collectors/identity.py). Options override ``DTPROF_CONFIG``. Returns True when recording."""
     global W, _init_ns, _trace_capture
     if STATE.active:
         return True
@@ -245,7 +249,8 @@ def init(out=None, *, rank: int | None = None, **options) -> bool:
         os.makedirs(rdir, exist_ok=True)
         owner = _rank_dir_owner(str(rdir))
         if owner is not None:
-            identity.report_unidentified(node_dir, rank, owner, STATE.host)
+            if report_taken:
+                identity.report_unidentified(node_dir, rank, owner, STATE.host)
             return False
         STATE.rank, STATE.rank_dir, STATE.options = rank, str(rdir), opts
         _set_fault_test(env.get("DTPROF_TEST_FAULT", ""), rank)
@@ -452,8 +457,6 @@ def _fwd_pre_hook(module, args):
                 _fwd_seen_in_step = True
                 if _step_start_ns is None:
                     _step_start_ns = t
-                elif _prev_step_end_ns is not None:
-                    _span("data_wait", "data_wait", _prev_step_end_ns, t)
             _fwd_t0 = t
             _fwd_ev0 = _cuda_event() if _cuda else None
             STATE.last_progress_ns = t
@@ -525,6 +528,23 @@ def _timed_backward(orig):
     backward.__name__ = getattr(orig, "__name__", "backward")
     backward.__doc__ = getattr(orig, "__doc__", None)
     return backward
+
+
+def _timed_next(orig):
+    def __next__(self):
+        if STATE.disabled:
+            return orig(self)
+        t0 = now()
+        try:
+            return orig(self)
+        finally:
+            try:
+                _span("data_wait", "DataLoader.__next__", t0, now())
+            except Exception:
+                _fault("DataLoader.__next__")
+
+    __next__.__wrapped__ = orig
+    return __next__
 
 
 def _opt_pre_hook(optimizer, args, kwargs):
@@ -615,6 +635,7 @@ _hook_handles = []        # optimizer hooks
 _module_handles = []      # forward hooks: global ones during step 0, then on the root modules only
 _roots = None             # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
 _orig_backward = None
+_orig_next = None         # torch.utils.data's _BaseDataLoaderIter.__next__
 
 
 def _install_module_hooks() -> None:
@@ -659,6 +680,11 @@ def _install_train_hooks() -> None:
     _orig_backward = (torch.autograd.backward, torch.Tensor.backward)
     torch.autograd.backward = _timed_backward(_orig_backward[0])
     torch.Tensor.backward = _timed_backward(_orig_backward[1])
+    from torch.utils.data import dataloader
+
+    global _orig_next
+    _orig_next = dataloader._BaseDataLoaderIter.__next__
+    dataloader._BaseDataLoaderIter.__next__ = _timed_next(_orig_next)
 
 
 def _remove_train_hooks() -> None:
@@ -671,6 +697,10 @@ def _remove_train_hooks() -> None:
     _hook_handles.clear()
     if _orig_backward is not None:
         torch.autograd.backward, torch.Tensor.backward = _orig_backward
+    if _orig_next is not None:
+        from torch.utils.data import dataloader
+
+        dataloader._BaseDataLoaderIter.__next__ = _orig_next
 
 
 # ---------------------------------------------------------------------------------------------------------------
