@@ -16,6 +16,10 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 
+def tiny_gpt2_config(seq: int) -> GPT2Config:
+    return GPT2Config(vocab_size=256, n_positions=seq, n_embd=64, n_layer=2, n_head=2)
+
+
 class RandomTokens(torch.utils.data.Dataset):
     def __init__(self, n: int, seq: int, vocab: int):
         g = torch.Generator().manual_seed(0)
@@ -37,7 +41,7 @@ def main():
     p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
     args = p.parse_args()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=64, n_layer=2, n_head=2)
+    config = tiny_gpt2_config(args.seq)
     model = GPT2LMHeadModel(config)
     world = int(os.environ.get("WORLD_SIZE", 1))
     data = RandomTokens(args.steps * args.accumulate * args.batch * world, args.seq, config.vocab_size)

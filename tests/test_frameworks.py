@@ -1,0 +1,267 @@
+"""Real framework jobs under `dtprof run`, each as its framework documents it (examples/frameworks/), on CPU/gloo:
+Lightning through torchrun and through its own launcher, the Hugging Face Trainer with a tiny GPT-2 (with and
+without gradient accumulation), an Accelerate loop through torchrun and through `accelerate launch`; and plain
+torch jobs started by `torch.multiprocessing.spawn` and by a simulated `srun` (SLURM_PROCID and friends).
+
+Each framework job asserts what a user checks first: every rank recorded (none missing, no process named
+unidentified), the framework's real number of optimizer steps, DDP's bytes per step equal to the parameter bytes,
+no data-wait finding on in-memory data, and the same final loss as the same job run without dtprof.
+Jobs are tiny (a few steps) and each runs once per module; the suite shares them through fixtures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dtprof.reader import open_run
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "frameworks"
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+TORCHRUN = [str(BIN / "torchrun"), "--nproc_per_node=2"]
+ACCELERATE = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "1", "--num_processes", "2"]
+
+
+class Job:
+    def __init__(self, proc, run_dir=None):
+        self.proc, self.run_dir = proc, run_dir
+        self.run = open_run(run_dir) if run_dir else None
+        self.summary = json.loads((run_dir / "summary.json").read_text()) if run_dir else None
+
+    def final_losses(self) -> list[str]:
+        return re.findall(r"final loss (\S+)", self.proc.stdout)
+
+
+def job(command, tmp, profiled=True) -> Job:
+    """Run ``command`` (with ``dtprof run`` around it when profiled); fail with its output if it fails."""
+    run_dir = tmp / "run" if profiled else None
+    full = ([sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-nvml", "--no-report", "--"]
+            if profiled else []) + [str(c) for c in command]
+    proc = subprocess.run(full, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, f"{full} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return Job(proc, run_dir)
+
+
+def pair(tmp_path_factory, name, command) -> tuple[Job, Job]:
+    """The job under dtprof, and the same job without it."""
+    return (job(command, tmp_path_factory.mktemp(name)),
+            job(command, tmp_path_factory.mktemp(name + "-bare"), profiled=False))
+
+
+def mlp_param_bytes(dim: int, out: int) -> int:
+    return 4 * (dim * dim + dim + dim * out + out)      # float32 Linear(dim, dim) + Linear(dim, out)
+
+
+def gpt2_param_bytes(seq: int) -> int:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    sys.path.insert(0, str(EXAMPLES))
+    from train_hf_trainer import tiny_gpt2_config
+
+    model = GPT2LMHeadModel(tiny_gpt2_config(seq))
+    return 4 * sum(p.numel() for p in model.parameters())   # tied lm_head/wte counted once, as DDP reduces it
+
+
+def assert_every_rank(j: Job, world: int, optimizer_steps: int) -> None:
+    run, summary = j.run, j.summary
+    assert sorted(run.ranks["rank"].astype(int)) == list(range(world))
+    assert summary["run"]["world_size"] == world
+    assert summary["run"]["ranks_missing"] == [] and summary["run"]["unidentified_processes"] == []
+    steps = run.steps.groupby("rank").size().to_dict()
+    assert steps == {r: optimizer_steps for r in range(world)}, steps
+
+
+def assert_ddp_bytes(j: Job, param_bytes: int) -> None:
+    c = j.run.collectives
+    ddp = c[c["source"].astype(str) == "ddp"]
+    per_step = ddp.groupby(["rank", "step"])["in_bytes"].sum()
+    assert len(per_step) and (per_step == param_bytes).all(), per_step.value_counts()
+
+
+def assert_no_data_wait_finding(j: Job) -> None:
+    ids = [f["id"] for f in j.summary["findings"]]
+    assert "data_wait" not in ids, j.summary["findings"]
+
+
+# ---- Lightning ------------------------------------------------------------------------------------------------
+
+LIGHTNING_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def lightning_own_launcher(tmp_path_factory):
+    return pair(tmp_path_factory, "lightning", [sys.executable, EXAMPLES / "train_lightning.py",
+                                                "--steps", LIGHTNING_STEPS])
+
+
+@pytest.fixture(scope="module")
+def lightning_torchrun(tmp_path_factory):
+    return job([*TORCHRUN, EXAMPLES / "train_lightning.py", "--steps", LIGHTNING_STEPS],
+               tmp_path_factory.mktemp("lightning-torchrun"))
+
+
+def test_lightning_own_launcher_records_both_ranks(lightning_own_launcher):
+    profiled, bare = lightning_own_launcher
+    assert_every_rank(profiled, 2, LIGHTNING_STEPS)
+    assert_ddp_bytes(profiled, mlp_param_bytes(64, 1))
+    assert_no_data_wait_finding(profiled)
+    assert len(profiled.final_losses()) == 2 and sorted(profiled.final_losses()) == sorted(bare.final_losses())
+
+
+def test_lightning_torchrun(lightning_torchrun):
+    assert_every_rank(lightning_torchrun, 2, LIGHTNING_STEPS)
+    assert_ddp_bytes(lightning_torchrun, mlp_param_bytes(64, 1))
+    assert_no_data_wait_finding(lightning_torchrun)
+
+
+def test_lightning_between_step_collectives_are_communication_not_data_wait(lightning_torchrun):
+    """Lightning's logging all-reduce (sync_dist) runs between steps: it is counted as communication, and none of
+    the data_wait spans overlaps it."""
+    run = lightning_torchrun.run
+    c, s = run.collectives, run.spans
+    logged = c[(c["source"].astype(str) != "ddp") & (c["op"].astype(str) == "all_reduce")]
+    assert len(logged) >= LIGHTNING_STEPS
+    waits = s[s["kind"].astype(str) == "data_wait"]
+    for r in logged.itertuples():
+        w = waits[waits["rank"] == r.rank]
+        assert not ((w["start_ns"] < r.return_ns) & (w["end_ns"] > r.issue_ns)).any()
+
+
+# ---- Hugging Face Trainer ---------------------------------------------------------------------------------------
+
+HF_STEPS, HF_SEQ = 4, 32
+
+
+@pytest.fixture(scope="module")
+def hf_trainer(tmp_path_factory):
+    return pair(tmp_path_factory, "hf", [*TORCHRUN, EXAMPLES / "train_hf_trainer.py", "--steps", HF_STEPS,
+                                         "--seq", HF_SEQ])
+
+
+@pytest.fixture(scope="module")
+def hf_trainer_accumulating(tmp_path_factory):
+    return job([*TORCHRUN, EXAMPLES / "train_hf_trainer.py", "--steps", HF_STEPS, "--seq", HF_SEQ,
+                "--accumulate", 2], tmp_path_factory.mktemp("hf-accumulate"))
+
+
+def test_hf_trainer(hf_trainer):
+    profiled, bare = hf_trainer
+    assert_every_rank(profiled, 2, HF_STEPS)
+    assert_ddp_bytes(profiled, gpt2_param_bytes(HF_SEQ))
+    assert_no_data_wait_finding(profiled)
+    assert profiled.final_losses() and profiled.final_losses() == bare.final_losses()
+
+
+def test_hf_trainer_gradient_accumulation_counts_optimizer_steps(hf_trainer_accumulating):
+    """Two micro-batches per optimizer step: still HF_STEPS steps, and DDP reduces once per step (no_sync)."""
+    j = hf_trainer_accumulating
+    assert_every_rank(j, 2, HF_STEPS)
+    assert_ddp_bytes(j, gpt2_param_bytes(HF_SEQ))
+    fwd = j.run.spans[j.run.spans["kind"].astype(str) == "forward"]
+    assert (fwd.groupby(["rank", "step"]).size() == 2).all()
+    assert_no_data_wait_finding(j)
+
+
+# ---- Accelerate -------------------------------------------------------------------------------------------------
+
+ACC_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def accelerate_launch(tmp_path_factory):
+    return pair(tmp_path_factory, "accelerate", [*ACCELERATE, EXAMPLES / "train_accelerate.py",
+                                                 "--steps", ACC_STEPS])
+
+
+def test_accelerate_launch_records_the_ranks_not_the_cli(accelerate_launch):
+    profiled, bare = accelerate_launch
+    assert_every_rank(profiled, 2, ACC_STEPS)
+    argv0 = {Path(json.loads(a)[0] if a.startswith("[") else a).name for a in profiled.run.ranks["argv"].astype(str)}
+    assert argv0 == {"train_accelerate.py"}, argv0         # the accelerate CLI itself is not a rank
+    assert_ddp_bytes(profiled, mlp_param_bytes(64, 4))
+    assert_no_data_wait_finding(profiled)
+    assert profiled.final_losses() and profiled.final_losses() == bare.final_losses()
+
+
+def test_accelerate_torchrun(tmp_path):
+    j = job([*TORCHRUN, EXAMPLES / "train_accelerate.py", "--steps", ACC_STEPS], tmp_path)
+    assert_every_rank(j, 2, ACC_STEPS)
+    assert_ddp_bytes(j, mlp_param_bytes(64, 4))
+
+
+# ---- launchers without RANK: mp.spawn, srun; a process that cannot be a rank ----------------------------------
+
+PLAIN = """
+import os, sys, torch, torch.distributed as dist
+
+def train(rank, world, init_method):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mp_spawn_ranks_come_from_their_process_group(tmp_path):
+    (tmp_path / "spawn_job.py").write_text(PLAIN + textwrap.dedent(f"""
+        if __name__ == "__main__":
+            torch.multiprocessing.spawn(train, args=(2, "tcp://127.0.0.1:{free_port()}"), nprocs=2)
+        """))
+    j = job([sys.executable, "spawn_job.py"], tmp_path)
+    assert_every_rank(j, 2, 3)
+
+
+def test_slurm_style_tasks(tmp_path):
+    """Two tasks as `srun --ntasks 2` starts them: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, no RANK."""
+    (tmp_path / "task.py").write_text(PLAIN + textwrap.dedent("""
+        train(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), "tcp://127.0.0.1:" + sys.argv[1])
+        """))
+    port = free_port()
+    script = " ".join(
+        f"SLURM_PROCID={i} SLURM_NTASKS=2 SLURM_LOCALID={i} SLURM_NODEID=0 {sys.executable} task.py {port} &"
+        for i in range(2)) + " wait"
+    j = job(["bash", "-c", script], tmp_path)
+    assert_every_rank(j, 2, 3)
+    assert sorted(j.run.ranks["local_rank"].astype(int)) == [0, 1]
+    assert set(j.run.ranks["node_rank"].astype(int)) == {0}
+
+
+def test_a_process_that_finds_its_rank_taken_is_named(tmp_path):
+    """Rank 0 starts a helper that inherits RANK=0 and runs a forward: it cannot be recorded as rank 0 (rank 0
+    is), so the run and the summary name it instead of dropping it in silence."""
+    (tmp_path / "job.py").write_text(PLAIN + textwrap.dedent("""
+        if os.environ["RANK"] == "0":
+            import subprocess
+            subprocess.run([sys.executable, "-c", "import torch; torch.nn.Linear(2, 2)(torch.ones(1, 2))"],
+                           check=True)
+        train(int(os.environ["RANK"]), 2, "env://")
+        """))
+    j = job([*TORCHRUN, "job.py"], tmp_path)
+    assert sorted(j.run.ranks["rank"].astype(int)) == [0, 1] and j.summary["run"]["ranks_missing"] == []
+    (msg,) = j.summary["run"]["unidentified_processes"]
+    assert "rank 0" in msg and "not recorded" in msg
+    assert msg in j.summary["problems"]
+    assert "[error] unidentified process" in j.proc.stdout + j.proc.stderr
