@@ -12,6 +12,11 @@ fraction of the link's peak where the link is known, and share_of_comm = total_s
 Size buckets are powers of 4 bytes, labelled "1-4 MiB". Point-to-point ops are matched per (group, seq) like the
 rest: the sender's and receiver's rows then form the instance, as the run format numbers them per pair.
 
+Where each instance happened (``window``): ``"measured"`` when a row of it was issued inside a measured step of
+its rank, ``"warmup"`` inside a warm-up step, ``"outside"`` outside every step (set-up before the first forward,
+checkpointing or evaluation after the last optimizer step). The summary's collective table covers the measured
+steps; the traffic outside every step gets its own table (``collectives_outside_steps``).
+
 Link peaks (``LINK_PEAK_GBPS``, unidirectional per GPU, the figure busbw approaches in nccl-tests) are known only
 for single-host groups of the devices listed; everything else (CPU/gloo, inter-host, unknown GPU) gets null with a
 reason.
@@ -121,10 +126,29 @@ def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
     return instance_ids(gcode, np.maximum(sender, 0), np.maximum(receiver, 0), seq - seq.min())
 
 
-def instances(run) -> pd.DataFrame:
-    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks."""
+WINDOWS = ("measured", "warmup", "outside")
+
+
+def step_window(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """Index into WINDOWS of host time ``t`` on ``rank``: inside a measured step, a warm-up step, or no step.
+    ``steps``: rank, start_ns, end_ns, warmup (one row per rank-step)."""
+    out = np.full(len(t), WINDOWS.index("outside"), np.int64)
+    for r, g in steps.groupby("rank", sort=False):
+        g = g.sort_values("start_ns")
+        starts, ends = g["start_ns"].to_numpy(np.int64), g["end_ns"].to_numpy(np.int64)
+        warm = g["warmup"].to_numpy(bool)
+        sel = np.flatnonzero(rank == r)
+        i = np.searchsorted(starts, t[sel], side="right") - 1
+        ok = (i >= 0) & (t[sel] < ends[np.maximum(i, 0)])
+        out[sel[ok]] = np.where(warm[i[ok]], WINDOWS.index("warmup"), WINDOWS.index("measured"))
+    return out
+
+
+def instances(run, steps: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks, and with
+    ``steps`` (rank, start_ns, end_ns, warmup) its ``window`` (see WINDOWS)."""
     co = run.collectives
-    cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks"]
+    cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
     if len(co) == 0:
         return pd.DataFrame(columns=cols)
     kineto = co["source"].isin(["kineto"]).to_numpy()
@@ -140,12 +164,15 @@ def instances(run) -> pd.DataFrame:
     op = c["op"].astype("category").array
     grp = c["group"].astype("category").array
     first = order[starts]
+    where = (step_window(c["rank"].to_numpy(np.int64), c["issue_ns"].to_numpy(np.int64), steps)
+             if steps is not None else np.zeros(len(c), np.int64))
+    window = np.asarray(WINDOWS, dtype=object)[np.minimum.reduceat(where[order], starts)]
     return pd.DataFrame({
         "op": op.take(first), "group": grp.take(first), "seq": c["seq"].to_numpy(np.int64)[first],
         "group_size": np.maximum.reduceat(c["group_size"].to_numpy(np.int64)[order], starts),
         "bytes": np.maximum.reduceat(nbytes[order], starts),
         "transfer_s": np.minimum.reduceat(d, starts) / NS,
-        "mean_s": np.add.reduceat(d, starts) / count / NS, "ranks": count})
+        "mean_s": np.add.reduceat(d, starts) / count / NS, "ranks": count, "window": window})
 
 
 def collective_table(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:

@@ -178,8 +178,9 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances(run)
-    coll = coll_mod.collective_table(run, inst)
+    inst = coll_mod.instances(run, st.per_rank)
+    coll = coll_mod.collective_table(run, inst[inst["window"] == "measured"])
+    coll_outside = coll_mod.collective_table(run, inst[inst["window"] == "outside"])
     say("pipeline")
     pp = pipeline_mod.analyze_pipeline(run, steps)
     say("MFU")
@@ -213,6 +214,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
         "pipeline": pp.summary if pp else None,
         "stragglers": stragglers_list,
         "collectives": coll.to_dict("records"),
+        "collectives_outside_steps": coll_outside.to_dict("records"),
         "clock": clk.to_dict("records"),
         "gpus": gpus.to_dict("records"),
         "memory": {"peak_mem_bytes_max": (float(mem["peak_mem_bytes"].max())
@@ -327,6 +329,11 @@ def format_summary_text(summary: dict) -> str:
     ov = summary.get("overlap") or {}
     lines.append(f"overlap: {_fmt_frac(ov.get('ratio'))} of communication hidden behind compute; exposed "
                  f"communication {_fmt_frac(ov.get('exposed_comm_frac'))} of step time")
+    outside = summary.get("collectives_outside_steps") or []
+    if outside:
+        lines.append(f"collectives outside every step (set-up, checkpointing, evaluation): "
+                     f"{sum(c['count'] for c in outside)}, {sum(c['bytes'] for c in outside) / 2**20:.1f} MiB, "
+                     f"{_fmt_s(sum(c['total_s'] for c in outside))}")
     pp = summary.get("pipeline")
     if pp:
         lines.append(f"pipeline: {pp['stages']} stages × {pp['microbatches']} microbatches ({pp['schedule']}), "
