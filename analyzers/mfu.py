@@ -15,7 +15,8 @@
   denominator; otherwise ``hfu`` is null.
 - Peak per device, from the first available of: ``peak_tflops`` (``--peak-tflops``, per device), a calibration
   stored by ``dtprof calibrate`` for the device name and dtype ("calibrated on <date>"), the spec table below
-  (dense, no sparsity) matched on the device name and dtype. Unknown device and no peak: MFU is null with the
+  (dense, no sparsity) matched on the device name and dtype, the ~1 s calibration `dtprof run` made after the job
+  for a device with none of these (``run_calibration``, "calibrated by dtprof run"). Unknown device and no peak: MFU is null with the
   reason -- never a guess. On a CPU there is no spec peak.
 """
 from __future__ import annotations
@@ -79,7 +80,8 @@ def transformer_flops_per_token(n_params: float, layers: int, heads: int, head_d
     return 6.0 * n_params + 12.0 * layers * heads * head_dim * seq_len
 
 
-def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None) -> tuple[np.ndarray, str, str]:
+def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None,
+                 run_calibration: list | None = None) -> tuple[np.ndarray, str, str]:
     """Per rank peak FLOP/s (nan where unknown), the source label and a reason when any is unknown."""
     names = ranks["device_name"].astype(str).to_numpy()
     types = ranks["device_type"].astype(str).to_numpy()
@@ -97,6 +99,14 @@ def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None) -> 
             labels.add(f"calibrated on {entry.get('date', '?')} ({name}, {norm_dtype(dtype)}: "
                        f"{float(entry['tflops']):g} TFLOP/s)")
             continue
+        measured = [c for c in run_calibration or [] if c.get("device_name") == name and c.get("tflops")
+                    and norm_dtype(c.get("dtype", "")) == norm_dtype(dtype)]
+        if measured:
+            c = measured[0]
+            peaks[m] = float(c["tflops"]) * 1e12
+            labels.add(f"calibrated by dtprof run ({c.get('seconds', '?')} s {norm_dtype(dtype)} GEMM on {name}, "
+                       f"{c.get('threads', '?')} thread(s) per rank: {float(c['tflops']):.4g} TFLOP/s)")
+            continue
         if set(types[m]) == {"cpu"} or name in ("", "cpu"):
             missing.add(f"{name or 'cpu'}: a CPU has no spec peak (give --peak-tflops or run dtprof calibrate)")
             continue
@@ -111,7 +121,8 @@ def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None) -> 
 
 
 def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_step: float | None = None,
-                peak_tflops: float | None = None, dtype: str = "bf16", transformer: dict | None = None) -> dict:
+                peak_tflops: float | None = None, dtype: str = "bf16", transformer: dict | None = None,
+                run_calibration: list | None = None) -> dict:
     """summary.json ``mfu`` block. ``per_rank``/``job``: StepTimes tables (warm-up flagged)."""
     out = {"value": None, "hfu": None, "flops_per_step": None, "flops_source": None, "peak_flops": None,
            "peak_source": None, "dtype": norm_dtype(dtype), "step_time_s": None, "achieved_flops_per_s": None}
@@ -153,12 +164,12 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_ste
         flops, source = executed, "executed FLOPs (FlopCounterMode, summed over ranks)"
     else:
         reason = ("no FLOPs per step: give --flops-per-step, annotate model_flops, describe the transformer, or "
-                  "run with --count-flops")
+                  "run without --no-count-flops")
     out["flops_per_step"] = flops
     out["flops_source"] = source
     if reason:
         out["flops_reason"] = reason
-    peaks, label, missing = device_peaks(run.ranks, dtype, peak_tflops)
+    peaks, label, missing = device_peaks(run.ranks, dtype, peak_tflops, run_calibration)
     if len(peaks) == 0:
         missing = "no ranks recorded"
     if missing:
@@ -180,5 +191,5 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_ste
     if out["hfu"] is None:
         out["hfu_reason"] = ("executed FLOPs are the MFU source (they include recompute: the value is HFU)"
                              if source and source.startswith("executed") else
-                             "no executed FLOPs measured (run with --count-flops)")
+                             "no executed FLOPs measured (--no-count-flops)")
     return out

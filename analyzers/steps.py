@@ -12,6 +12,8 @@ Definitions (metrics.md, "Stragglers" and BRIEF §4):
 Warm-up (dtprof convention): by default the leading steps that are slow are excluded -- step 0 always when the run
 has at least 4 steps (it carries allocator, autotuning and DDP bucket set-up), plus any further leading steps
 whose job step time exceeds 1.2 x the median of the rest; at most half the steps. ``warmup=N`` overrides.
+A step that ran under FlopCounterMode (``executed_flops`` set, `dtprof run` counts one by default) is slow for
+dtprof's sake: it is excluded like a warm-up step (``warmup`` is True) and listed in ``flops_counted_steps``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class StepTimes:
     job: pd.DataFrame        # step, time_s, warmup, ranks (how many ranks reported the step), tokens, samples
     warmup_steps: int
     warmup_source: str       # "detected" or "user"
+    flops_counted_steps: list = None   # steps run under FlopCounterMode (excluded from statistics)
 
 
 def detect_warmup(job_time_s: np.ndarray) -> int:
@@ -61,14 +64,19 @@ def step_times(run, warmup: int | None = None) -> StepTimes:
                                               tokens=("tokens", "sum"), samples=("samples", "sum"),
                                               tokens_known=("tokens", "count"), samples_known=("samples", "count"))
     job = job.reset_index()
+    counted = set(per.loc[per["executed_flops"].notna(), "step"].tolist())
+    is_counted = job["step"].isin(counted).to_numpy()
     if warmup is None:
-        n_warm, source = detect_warmup(job["time_s"].to_numpy()), "detected"
+        times = job["time_s"].to_numpy(float).copy()
+        if is_counted.any() and (~is_counted).any():   # the counted step must not look like a slow warm-up step
+            times[is_counted] = np.median(times[~is_counted])
+        n_warm, source = detect_warmup(times), "detected"
     else:
         n_warm, source = max(0, min(int(warmup), len(job))), "user"
-    warm_steps = set(job["step"].to_numpy()[:n_warm].tolist())
-    job["warmup"] = job["step"].isin(warm_steps)
-    per["warmup"] = per["step"].isin(warm_steps)
-    return StepTimes(per, job, n_warm, source)
+    excluded = set(job["step"].to_numpy()[:n_warm].tolist()) | counted
+    job["warmup"] = job["step"].isin(excluded)
+    per["warmup"] = per["step"].isin(excluded)
+    return StepTimes(per, job, n_warm, source, sorted(int(s) for s in counted))
 
 
 def step_stats(st: StepTimes) -> dict:
@@ -76,7 +84,7 @@ def step_stats(st: StepTimes) -> dict:
     meas = st.job[~st.job["warmup"]]
     t = meas["time_s"].to_numpy(dtype=float)
     out: dict = {"count": int(len(t)), "total_count": int(len(st.job)), "warmup_steps": int(st.warmup_steps),
-                 "warmup_source": st.warmup_source}
+                 "warmup_source": st.warmup_source, "flops_counted_steps": st.flops_counted_steps or []}
     if len(t):
         p50, p90, p99 = np.percentile(t, [50, 90, 99])
         mean = float(t.mean())

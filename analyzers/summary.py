@@ -147,7 +147,8 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     warmup = warmup if warmup is not None else cfg.get("warmup")
     flops_per_step = flops_per_step if flops_per_step is not None else cfg.get("flops_per_step")
     peak_tflops = peak_tflops if peak_tflops is not None else cfg.get("peak_tflops")
-    dtype = dtype or cfg.get("dtype") or "bf16"
+    cpu_only = len(run.ranks) > 0 and set(run.ranks["device_type"].astype(str)) == {"cpu"}
+    dtype = dtype or cfg.get("dtype") or ("fp32" if cpu_only else "bf16")
     transformer = transformer if transformer is not None else cfg.get("transformer")
 
     say("reading tables")
@@ -185,7 +186,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     pp = pipeline_mod.analyze_pipeline(run, steps)
     say("MFU")
     mfu = mfu_mod.compute_mfu(run, st.per_rank, st.job, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
-                              dtype=dtype, transformer=transformer)
+                              dtype=dtype, transformer=transformer, run_calibration=cfg.get("peak_calibration"))
 
     stragglers_list = []
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only

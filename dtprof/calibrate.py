@@ -61,6 +61,44 @@ def measure_tflops(device: str = "cpu", dtype: str = "bf16", n: int | None = Non
             "date": _dt.date.today().isoformat(), "torch": torch.__version__}
 
 
+RUN_CALIBRATION_S = 1.0
+_MEASURE = ("import json, sys, torch; torch.set_num_threads(int(sys.argv[3])); "
+            "from dtprof.calibrate import measure_tflops; "
+            "print(json.dumps(measure_tflops(sys.argv[1], sys.argv[2], seconds=float(sys.argv[4]))))")
+
+
+def calibrate_for_run(node_dir, dtype: str) -> list[dict]:
+    """`dtprof run`, after the job: a ~1 s GEMM calibration of each device its ranks used that has neither a spec
+    peak nor a stored calibration (a CPU, an unlisted GPU), in a subprocess so the launcher never imports torch.
+    A CPU rank's device is its share of the host's cores (cores // ranks on the node), so each rank's peak is
+    measured with that many threads. Returns the results for node.json's ``config.peak_calibration``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dtprof.analyzers.mfu import calibration_key, load_calibrations, spec_peak_tflops
+
+    idents = [json.loads(p.read_text()) for p in sorted(Path(node_dir).glob("rank-*/rank.json"))]
+    stored = load_calibrations()
+    out, seen = [], set()
+    for ident in idents:
+        name, kind = str(ident.get("device_name") or "cpu"), str(ident.get("device_type") or "cpu")
+        if name in seen or calibration_key(name, dtype) in stored or (kind != "cpu" and spec_peak_tflops(name, dtype)):
+            continue
+        seen.add(name)
+        device = "cpu" if kind == "cpu" else f"cuda:{ident.get('device_index') or 0}"
+        threads = max(1, (os.cpu_count() or 1) // len(idents)) if kind == "cpu" else 1
+        proc = subprocess.run([sys.executable, "-c", _MEASURE, device, dtype, str(threads), str(RUN_CALIBRATION_S)],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"calibration on {device} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res.update(device_name=name, threads=threads, seconds=RUN_CALIBRATION_S)
+        out.append(res)
+    return out
+
+
 def store(result: dict) -> str:
     from dtprof.analyzers.mfu import calibration_key, calibration_path, load_calibrations
     from dtprof.runformat import write_json_atomic

@@ -384,9 +384,11 @@ Exit codes:
               help="Model FLOPs of one training step over all ranks, for MFU.")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Peak TFLOP/s of one device at --dtype (default: looked up from the device name).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
-              help="Math precision used for the peak in MFU.")
-@click.option("--count-flops", is_flag=True, help="Count executed FLOPs on one step per rank (FlopCounterMode).")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="Math precision used for the peak in MFU (default: bf16 on GPUs, fp32 on CPUs).")
+@click.option("--count-flops/--no-count-flops", default=True, show_default=True,
+              help="Count executed FLOPs on one measured step per rank (FlopCounterMode; that step is left out of "
+                   "the step statistics).")
 @click.option("--trace-steps", default=None, metavar="A:B",
               help="Capture a torch.profiler trace of steps A..B-1 on every rank.")
 @click.option("--hang-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
@@ -529,10 +531,25 @@ def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None
     events.append((-1, host, time.monotonic_ns(), level, "launcher", message))
 
 
+def _all_cpu(node_dir: Path) -> bool:
+    types = {json.loads(p.read_text()).get("device_type") for p in Path(node_dir).glob(f"{RANK_PREFIX}*/rank.json")}
+    return types == {"cpu"}
+
+
 def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_report: bool,
               say: Callable[[str], None], quiet: bool) -> None:
     """Merge traces, compact, summarise, report. Each step: one line on failure, and the run is kept."""
     post = {}
+    if config["peak_tflops"] is None:
+        from dtprof.calibrate import calibrate_for_run
+
+        dtype = config["dtype"] or ("fp32" if _all_cpu(node_dir) else "bf16")
+        cal = _guarded("calibration", warn, calibrate_for_run, node_dir, dtype)
+        if cal:
+            config["peak_calibration"] = cal
+            peaks = ", ".join(f"{c['device_name']} {c['tflops']:.3g}" for c in cal)
+            say(f"dtprof: calibrated for MFU ({peaks} TFLOP/s {dtype}, ~1 s each)")
+            _guarded("manifest", warn, write_json_atomic, node_dir / NODE_MANIFEST, node_info)
     if config["trace_steps"] or has_captured_traces(node_dir):
         post["kineto"] = _guarded("kineto", warn, merge_traces, node_dir) is not None
     post["compacted"] = _guarded("compact", warn, compact, node_dir, say) is not None
