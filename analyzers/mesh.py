@@ -3,8 +3,8 @@ the mesh groups a slow rank belongs to. Pure pandas/numpy (no torch), vectorised
 (``dtprof.reader.open_run``) and, when given, the analyzers' per-rank step DataFrame (``Analysis.steps``).
 
 Where dimensions come from: the rank side (collectors/mesh.py) writes a ``groups`` row with ``mesh_dim`` for the
-group each rank has along each DeviceMesh dimension, and an events row ``device mesh: shape=(2, 2), dims=(dp,
-tp)``. A group's dimension is its last non-empty ``mesh_dim`` (docs/run-format.md). Collectives on groups with no
+group each rank has along each DeviceMesh dimension, and a ``meta`` row of kind ``mesh``
+(``{"shape": [2, 2], "dims": ["dp", "tp"]}``). A group's dimension is its last non-empty ``mesh_dim`` (docs/run-format.md). Collectives on groups with no
 dimension (the world group, groups made outside a mesh) are reported under the dimension ``"(none)"``.
 
 Definitions (/work/shared/reference/metrics.md)
@@ -35,7 +35,6 @@ Proposed summary.json block (the integrator wires ``mesh_summary`` into ``summar
 """
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pandas as pd
@@ -43,7 +42,6 @@ import pandas as pd
 NO_DIM = "(none)"
 PP_DIM = "pp"
 _COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
-_MESH_EVENT = re.compile(r"device mesh: shape=\(([^)]*)\), dims=\(([^)]*)\)")
 
 
 def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
@@ -57,16 +55,14 @@ def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def mesh_shape(events: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
-    """(shape, dims) from the first ``device mesh:`` events row, or None."""
-    if events is None or events.empty:
+def mesh_shape(meta: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
+    """(shape, dims) from the first ``mesh`` meta row, or None."""
+    if meta is None or meta.empty:
         return None
-    found = events["message"].astype(str).str.extract(_MESH_EVENT).dropna()
-    if found.empty:
-        return None
-    shape, dims = found.iloc[0]
-    return ([int(s) for s in shape.replace(",", " ").split()],
-            [d.strip() for d in dims.split(",") if d.strip()])
+    for v in meta.loc[meta["kind"].astype(str) == "mesh", "value"]:
+        if isinstance(v, dict) and v.get("shape") is not None:
+            return [int(x) for x in v["shape"]], [str(d) for d in v.get("dims") or []]
+    return None
 
 
 def _rank_step_comm(groups: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
@@ -200,12 +196,12 @@ def attribute_slow_rank(groups: pd.DataFrame, spans: pd.DataFrame, rank: int | N
 
 
 def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
-                 events: pd.DataFrame | None = None) -> dict | None:
+                 meta: pd.DataFrame | None = None) -> dict | None:
     """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims."""
     per = comm_by_dim(groups, collectives, steps)
     if (per["dim"] != NO_DIM).sum() == 0:
         return None
-    found = mesh_shape(events)
+    found = mesh_shape(meta)
     shape, dims = found if found else ([], [d for d in per["dim"] if d != NO_DIM])
 
     def num(x):

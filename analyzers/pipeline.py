@@ -1,8 +1,8 @@
 """Pipeline bubble and stage imbalance (metrics.md, "Pipeline bubble and stage imbalance", dtprof).
 
-Input: ``pp_forward``/``pp_backward`` spans (``stage``, ``microbatch``), and the rank side's events row
-``pipeline schedule: <ClassName>, stages=<p>, microbatches=<m>, stage_indices=<i,j>`` for the schedule name; without
-it the schedule is "unknown" (and the GPipe/1F1B formula is used, saying so in ``schedule_reason``).
+Input: ``pp_forward``/``pp_backward`` spans (``stage``, ``microbatch``), and the ``meta`` row of kind
+``pipeline_schedule`` (schedule class name, stages, microbatches); without it the schedule is "unknown" (and the
+GPipe/1F1B formula is used, saying so in ``schedule_reason``).
 
 Measured (per stage s and step k, on the rank that runs s): bubble = 1 - |union of s's compute spans in k| ÷ the
 rank's step k duration. A stage's compute spans are its pp spans plus, when its rank runs only that stage, the
@@ -33,7 +33,6 @@ Stage imbalance = max over stages of compute per step ÷ mean over stages; the b
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +42,6 @@ from dtprof.analyzers.intervals import assign_to_windows, union_length
 from dtprof.schema import COMPUTE_KINDS
 
 NS = 1e9
-SCHEDULE_RE = re.compile(r"pipeline schedule:\s*(\w+)(?:.*?stages=(\d+))?(?:.*?microbatches=(\d+))?")
 PP_KINDS = ("pp_forward", "pp_backward")
 
 
@@ -56,15 +54,12 @@ class PipelineResult:
                             # step's start)
 
 
-def schedule_info(run) -> tuple[str, int | None, int | None]:
-    ev = run.events
-    if len(ev):
-        msgs = ev["message"].astype(str)
-        hits = msgs[msgs.str.contains("pipeline schedule:", regex=False)]
-        for msg in hits.unique()[:1]:
-            m = SCHEDULE_RE.search(msg)
-            if m:
-                return m.group(1), (int(m.group(2)) if m.group(2) else None), (int(m.group(3)) if m.group(3) else None)
+def schedule_info(meta: pd.DataFrame) -> tuple[str, int | None, int | None]:
+    """(schedule name, stages, microbatches) from the first ``pipeline_schedule`` meta row."""
+    rows = meta.loc[meta["kind"].astype(str) == "pipeline_schedule", "value"]
+    for v in rows:
+        if isinstance(v, dict) and v.get("schedule"):
+            return str(v["schedule"]), v.get("stages"), v.get("microbatches")
     return "unknown", None, None
 
 
@@ -232,7 +227,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     b_s = per_mb.groupby("stage")["pp_backward"].median() / NS
     mb_count = ppm.groupby(["stage", "win"])["mb"].nunique().groupby("stage").median()
 
-    schedule, ev_stages, ev_mb = schedule_info(run)
+    schedule, ev_stages, ev_mb = schedule_info(run.meta)
     stages = sorted(tbl["stage"].unique().tolist())
     p = ev_stages or len(stages)
     m = ev_mb or int(round(float(mb_count.median()))) if len(mb_count) else ev_mb or 0

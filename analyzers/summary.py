@@ -249,7 +249,7 @@ def _add_mesh(summary: dict, run, steps) -> None:
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
-    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.events)
+    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta)
     if block is None:
         summary["mesh"] = None
         summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"

@@ -79,7 +79,7 @@ class _Waiter:
             self.identified(None)      # the runtime's default: the process group's rank, else RANK, else 0
             from dtprof.collectors import runtime
 
-            runtime.begin_forward(module, args)   # this call's own pre-hook ran before recording started
+            runtime.STATE.begin_forward(module, args)   # this call's own pre-hook ran before recording started
         except Exception:
             pass
         return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dtprof.collectors import hooks_collectives as hc
 from dtprof.collectors import runtime as rt
+from dtprof.collectors.records import Group
 
 _installed = False
 _announced = set()          # (shape, dims) already written on this rank
@@ -50,9 +51,9 @@ def record_mesh(mesh) -> None:
             backend = str(dist.get_backend(pg))
         except Exception:
             backend = ""
-        rt.W.append("groups", (state.rank, name, ",".join(map(str, ranks)), size, backend,
-                               str(getattr(pg, "group_desc", "") or ""), dim))
-    rt.event("info", f"device mesh: shape=({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}), "
+        state.add(Group(rank=state.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
+                        desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=dim))
+    state.event("info", f"device mesh: shape=({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}), "
                      f"dims=({', '.join(dims)})")
 
 
@@ -64,7 +65,7 @@ def _wrap_init(orig):
         try:
             record_mesh(self)
         except Exception:
-            rt._fault("device mesh")
+            rt.STATE.fault("device mesh")
 
     __init__.__wrapped__ = orig
     __init__.__doc__ = orig.__doc__

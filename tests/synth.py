@@ -206,14 +206,14 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
     rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks, "world_size": p, "node_rank": 0, "host": "host0",
                              "pid": 1000 + ranks, "device_type": spec.device_type, "device_index": ranks,
                              "device_name": spec.device_name, "device_uuid": "", "backend": "gloo"})
-    events = pd.DataFrame({"rank": ranks, "host": "host0", "t_ns": 10**9, "level": "info", "source": "rank",
-                           "message": f"pipeline schedule: ScheduleGPipe, stages={p}, microbatches={m}, "
-                                      "stage_indices=" + pd.Series(ranks).astype(str)})
+    meta = pd.DataFrame({"rank": ranks, "host": "host0", "t_ns": 10**9, "kind": "pipeline_schedule",
+                         "value": [{"schedule": "ScheduleGPipe", "stages": p, "microbatches": m, "stage_indices": [r]}
+                                   for r in ranks]})
     create_run_dir(path, {"command": ["synthetic-pipeline"], "created": "synthetic"})
     node = Path(path) / "node-synthetic"
     node.mkdir()
     write_node_tables(node, {"ranks": rank_tbl, "steps": steps, "spans": pd.concat(spans, ignore_index=True),
-                             "events": events},
+                             "meta": meta},
                       {"host": "synthetic", "command": ["synthetic-pipeline"], "status": "completed",
                        "exit_code": 0})
     return Path(path)

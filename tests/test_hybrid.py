@@ -77,9 +77,8 @@ def test_mesh_dims_named_and_announced(tp_run, pp_run):
         dims = M.group_dims(run.groups)
         assert set(dims.loc[dims.mesh_dim == "dp", "ranks"]) == {"0,2", "1,3"}
         assert set(dims.loc[dims.mesh_dim == second, "ranks"]) == second_groups
-        msgs = run.events.loc[run.events["rank"] >= 0, "message"].astype(str)
-        assert (msgs == f"device mesh: shape=(2, 2), dims=(dp, {second})").sum() == 4   # one per rank
-        assert M.mesh_shape(run.events) == ([2, 2], ["dp", second])
+        assert (run.meta["kind"].astype(str) == "mesh").sum() == 4   # one per rank
+        assert M.mesh_shape(run.meta) == ([2, 2], ["dp", second])
 
 
 @pytest.mark.slow
@@ -116,7 +115,7 @@ def test_dp_and_tp_traffic_split_with_model_bytes(tp_run):
     assert per.loc["tp", "bytes_per_step"] == 4 * s["layers"] * s["batch"] * s["seq"] * s["dim"] * 4
     assert per.loc["dp", "bytes_per_step"] == _local_param_bytes_tp(tp=2)
     assert (per["comm_s_per_step"] > 0).all()
-    summary = M.mesh_summary(tp_run.groups, tp_run.collectives, _measured_steps(tp_run), tp_run.events)
+    summary = M.mesh_summary(tp_run.groups, tp_run.collectives, _measured_steps(tp_run), tp_run.meta)
     assert summary["shape"] == [2, 2] and summary["dims"] == ["dp", "tp"]
     assert summary["costliest_dim"] == max(summary["per_dim"], key=lambda d: d["comm_s_per_step"])["dim"]
     assert sorted(d["dim"] for d in summary["per_dim"]) == ["dp", "tp"]
