@@ -104,6 +104,6 @@ def step_stats(st: StepTimes) -> dict:
             out[f"{what}_per_s"] = float(meas[what].sum() / total_t)
         else:
             out[f"{what}_per_s"] = None
-            out[f"{what}_per_s_reason"] = (f"the job did not report {what} per step "
-                                           f"(dtprof.annotate({what}=...))")
+            out[f"{what}_per_s_reason"] = (f"no {what} per step: not inferable from the root module's input "
+                                           f"and not given with dtprof.annotate({what}=...)")
     return out

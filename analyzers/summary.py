@@ -166,6 +166,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                    "tokens", "samples", "model_flops", "executed_flops"]]
     measured = steps[~steps["warmup"]]
     step_block = steps_mod.step_stats(st)
+    _label_step_inputs(step_block, run.meta)
 
     say("clock alignment")
     clk = clock_mod.fit_clocks(run)
@@ -242,6 +243,18 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
+    """``samples_per_s_source``/``tokens_per_s_source``: "inferred: ..." when a rank inferred them from its root
+    module's input (a ``step_inputs`` meta row, collectors/inputs.py), else "dtprof.annotate"."""
+    rows = meta.loc[meta["kind"].astype(str) == "step_inputs", "value"] if len(meta) else []
+    inferred: dict = {}
+    for v in rows:
+        inferred.update(v if isinstance(v, dict) else {})
+    for what in ("samples", "tokens"):
+        if step_block.get(f"{what}_per_s") is not None:
+            step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
 def _add_mesh(summary: dict, run, steps) -> None:

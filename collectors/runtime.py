@@ -47,7 +47,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
-from dtprof.collectors.records import Clock, Event, Span, Step
+from dtprof.collectors.records import Clock, Event, Meta, Span, Step
 
 now = time.monotonic_ns
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
@@ -90,6 +90,8 @@ class Recorder:
         self.opt_ev0 = None
         self.manual_steps = False
         self.annot = {}
+        self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
+        self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
         self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
         self.trace_capture = None
@@ -337,13 +339,14 @@ class Recorder:
 
     # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
 
-    def fwd_pre_hook(self, module, args):
+    def fwd_pre_hook(self, module, args, kwargs=None):
         if self.disabled:
             return None
         try:
             self.fwd_depth += 1
             if self.fwd_depth == 1 and not self.in_backward:
                 t = now()
+                self.count_inputs(args, kwargs)
                 if self.step == 0:
                     self.note_root(module)
                 if self.fault_test == "forward":
@@ -360,6 +363,23 @@ class Recorder:
         except Exception:
             self.fault("forward pre-hook")
         return None
+
+    def root_pre_hook(self, module, args, kwargs):
+        self.fwd_pre_hook(module, args, kwargs)     # a root module's hook also sees keyword arguments
+
+    def count_inputs(self, args, kwargs) -> None:
+        """Samples/tokens of this top-level call, summed over the step (collectors/inputs.py)."""
+        from dtprof.collectors import inputs
+
+        got = inputs.batch_counts(args, kwargs)
+        if got is None:
+            return
+        for key, n in zip(("samples", "tokens"), got):
+            if n is not None:
+                self.inferred[key] = self.inferred.get(key, 0) + n
+                if key not in self.inferred_sources:
+                    self.inferred_sources[key] = inputs.SOURCE[key]
+                    self.add(Meta(self.rank, self.host, now(), "step_inputs", dict(self.inferred_sources)))
 
     def begin_forward(self, module, args) -> None:
         """The forward pre-hook for a call already under way when recording started (collectors/identity.py)."""
@@ -476,13 +496,14 @@ class Recorder:
         """Close the step in progress at host time ``t`` (main thread)."""
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
-        a = self.annot
-        self.add(Step(self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens"), a.get("samples"),
-                      a.get("model_flops"), self.flops_finish(step)))
+        a, inferred = self.annot, self.inferred
+        self.add(Step(self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
+                      a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step)))
         if step == 0:
             self.refresh_identity()           # the device and the process group are set up by now
             self.hooks_to_roots()
         self.annot = {}
+        self.inferred = {}
         self.prev_step_end_ns = self.step_start_ns = t
         self.fwd_seen_in_step = False
         self.fwd_depth = 0
@@ -525,7 +546,8 @@ class Recorder:
                                       nn_module.register_module_forward_hook(self.fwd_hook)]
         else:
             self.module_handles[:] = [h for m in list(self.roots) for h in (
-                m.register_forward_pre_hook(self.fwd_pre_hook, prepend=True), m.register_forward_hook(self.fwd_hook))]
+                m.register_forward_pre_hook(self.root_pre_hook, prepend=True, with_kwargs=True),
+                m.register_forward_hook(self.fwd_hook))]
 
     def remove_module_hooks(self) -> None:
         for h in self.module_handles:

@@ -102,6 +102,7 @@ META_KINDS = {
     "mesh": ("shape", "dims"),
     "trace_capture": ("steps", "start_ns", "end_ns"),   # monotonic ns the profiler capture disturbed the rank
     "fault": ("where", "error"),                        # dtprof disabled itself on this rank
+    "step_inputs": ("samples", "tokens"),               # how steps.samples/tokens were obtained when inferred
 }
 
 SPAN_KINDS = (

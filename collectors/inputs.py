@@ -1,0 +1,43 @@
+"""Samples and tokens per step, inferred from what the root module is called with (issue 14: throughput with no
+code change). Stdlib and torch only; called once per top-level forward.
+
+- samples: the batch dimension (dim 0) of the first tensor in the call's arguments (depth-first through lists,
+  tuples and dicts; a keyword ``input_ids`` first, as Hugging Face models are called with keywords);
+- tokens: batch × sequence when that tensor is an integer (batch, sequence) tensor (token ids), else unknown.
+A step's figures are the sums over its top-level forwards (gradient accumulation: every micro-batch).
+``dtprof.annotate(samples=..., tokens=...)`` overrides them for the step.
+"""
+from __future__ import annotations
+
+SOURCE = {"samples": "inferred: batch dimension of the root module's input",
+          "tokens": "inferred: batch × sequence of the root module's integer (batch, sequence) input"}
+
+
+def _first_tensor(x, torch, depth=0):
+    if isinstance(x, torch.Tensor):
+        return x if x.dim() >= 1 else None
+    if depth > 3:
+        return None
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            t = _first_tensor(v, torch, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_counts(args, kwargs) -> tuple[int, int | None] | None:
+    """(samples, tokens or None) of one root-module call, or None when no tensor is found."""
+    import torch
+
+    kwargs = kwargs or {}
+    t = _first_tensor(kwargs["input_ids"], torch) if "input_ids" in kwargs else None
+    if t is None:
+        t = _first_tensor((args, kwargs), torch)
+    if t is None:
+        return None
+    samples = int(t.shape[0])
+    integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    return samples, (samples * int(t.shape[1]) if integer and t.dim() == 2 else None)
