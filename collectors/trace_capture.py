@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 CAPTURE_DIR = "kineto"  # same names as dtprof.collectors.kineto (not imported here: it pulls in pandas)
@@ -55,9 +56,12 @@ class TraceCapture:
             if torch.cuda.is_available():
                 acts.append(ProfilerActivity.CUDA)
             # A schedule is what makes torch emit ProfilerStep#k ranges; one active cycle of the whole window.
-            self.prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._export,
-                                schedule=schedule(wait=0, warmup=0, active=self.end_step - self.start_step,
-                                                  repeat=1))
+            # No warm-up cycle on purpose (the capture's steps are kept out of the statistics anyway), so torch's
+            # "won't be using warmup" warning is silenced: nothing dtprof does may print into the job's stderr.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+                sched = schedule(wait=0, warmup=0, active=self.end_step - self.start_step, repeat=1)
+            self.prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._export, schedule=sched)
             self.prof.start()
         except Exception as e:
             self._fail(f"could not start torch.profiler: {type(e).__name__}: {e}")

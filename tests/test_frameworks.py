@@ -89,6 +89,23 @@ def assert_ddp_bytes(j: Job, param_bytes: int) -> None:
     assert len(per_step) and (per_step == param_bytes).all(), per_step.value_counts()
 
 
+def assert_inferred(j: Job, what: str, per_rank_step: int) -> None:
+    """samples/tokens per step inferred with no annotation: every measured step of every rank has the figure."""
+    st = j.summary["steps"]
+    assert st[f"{what}_per_s"] and st[f"{what}_per_s_source"].startswith("inferred"), st
+    steps = j.run.steps
+    measured = steps[steps["step"].isin(st["per_step_index"])]
+    assert len(measured) and (measured[what] == per_rank_step).all(), measured[what].tolist()
+
+
+def assert_mfu(j: Job) -> None:
+    """A real MFU with no flags: FLOPs counted on one step (left out of the statistics), peak calibrated."""
+    m, st = j.summary["mfu"], j.summary["steps"]
+    assert m["value"] is not None and 0 < m["value"] < 1, m
+    assert m["flops_source"].startswith("executed FLOPs") and m["peak_source"].startswith("calibrated by dtprof run")
+    assert st["flops_counted_steps"] and not set(st["flops_counted_steps"]) & set(st["per_step_index"])
+
+
 def assert_no_data_wait_finding(j: Job) -> None:
     ids = [f["id"] for f in j.summary["findings"]]
     assert "data_wait" not in ids, j.summary["findings"]
@@ -116,6 +133,8 @@ def test_lightning_own_launcher_records_both_ranks(lightning_own_launcher):
     assert_every_rank(profiled, 2, LIGHTNING_STEPS)
     assert_ddp_bytes(profiled, mlp_param_bytes(64, 1))
     assert_no_data_wait_finding(profiled)
+    assert_inferred(profiled, "samples", 16)
+    assert_mfu(profiled)
     assert len(profiled.final_losses()) == 2 and sorted(profiled.final_losses()) == sorted(bare.final_losses())
 
 
@@ -160,6 +179,9 @@ def test_hf_trainer(hf_trainer):
     assert_every_rank(profiled, 2, HF_STEPS)
     assert_ddp_bytes(profiled, gpt2_param_bytes(HF_SEQ))
     assert_no_data_wait_finding(profiled)
+    assert_inferred(profiled, "tokens", 4 * HF_SEQ)        # per-device batch 4
+    assert_inferred(profiled, "samples", 4)
+    assert_mfu(profiled)
     assert profiled.final_losses() and profiled.final_losses() == bare.final_losses()
 
 
@@ -170,6 +192,7 @@ def test_hf_trainer_gradient_accumulation_counts_optimizer_steps(hf_trainer_accu
     assert_ddp_bytes(j, gpt2_param_bytes(HF_SEQ))
     fwd = j.run.spans[j.run.spans["kind"].astype(str) == "forward"]
     assert (fwd.groupby(["rank", "step"]).size() == 2).all()
+    assert_inferred(j, "tokens", 2 * 4 * HF_SEQ)           # both micro-batches
     assert_no_data_wait_finding(j)
 
 
@@ -191,6 +214,8 @@ def test_accelerate_launch_records_the_ranks_not_the_cli(accelerate_launch):
     assert scripts == {"train_accelerate.py"}, scripts     # the accelerate CLI itself is not a rank
     assert_ddp_bytes(profiled, mlp_param_bytes(64, 4))
     assert_no_data_wait_finding(profiled)
+    assert_inferred(profiled, "samples", 16)
+    assert_mfu(profiled)
     assert profiled.final_losses() and profiled.final_losses() == bare.final_losses()
 
 
