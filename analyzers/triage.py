@@ -105,13 +105,15 @@ def best_dump(dumps: dict, prefer=("hang", "crash", "sigterm")) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------- helpers
 def where(dump: dict | None) -> str | None:
-    """'train.py:88 in __next__' for the innermost frame of the main thread that is the user's code."""
+    """'train.py:88 in __next__' for the innermost frame that is the user's code (outside dtprof, torch and other
+    installed packages): of the exception's traceback when the dump records one, else of the main thread."""
     if not dump:
         return None
+    exc = dump.get("exception") or {}
     main = next((s for s in dump.get("stacks") or [] if s.get("main")), None)
-    if not main or not main.get("frames"):
+    frames = exc.get("frames") or (main or {}).get("frames")
+    if not frames:
         return None
-    frames = main["frames"]
     user = [f for f in frames if not any(part in f["file"] for part in _LIBRARY_PARTS)]
     f = (user or frames)[-1]
     text = f"{Path(f['file']).name}:{f['line']} in {f['func']}"
@@ -498,7 +500,12 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     if failures or dead or (exit_code not in (None, 0)):
         root = [f for f in failures if f["root_cause"]]
         # A rank torchrun calls the root cause, else the first whose process vanished, else any non-SIGTERM exit.
-        culprits = [f["rank"] for f in root] or ([dead[0]["rank"]] if dead else []) or \
+        # Ranks that raised, in the order their own excepthook recorded it (dump-exception.json; wall clock, as
+        # the ranks may be on several hosts).
+        raised = sorted((x.get("wall_ns") or 0, r) for r, ds in dumps.items()
+                        if (x := ds.get("exception")) and x.get("exception"))
+        first_raised = [raised[0][1]] if raised else []
+        culprits = [f["rank"] for f in root] or first_raised or ([dead[0]["rank"]] if dead else []) or \
                    [f["rank"] for f in failures if f["signal"] != "SIGTERM"]
         first_dead_ns = dead[0]["detected_ns"] if dead else None
         for f in failures:
@@ -512,8 +519,14 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
             hb = hbs.get(r, {})
             how = (f"was killed by {f['signal']}" if f and f["signal"] else
                    f"exited with code {f['exit_code']}" if f else "exited")
-            exc = _exception_line(logs, r)
-            parts.append(f"{label(r)} {how} at step {step_of(r)}" + (f": {exc}" if exc else ""))
+            own = (dumps.get(r, {}).get("exception") or {})
+            if own.get("exception"):
+                e = own["exception"]
+                exc = f"{e['type']}: {e['message'].splitlines()[0] if e['message'] else ''} at {where(own)}"
+            else:
+                exc = _exception_line(logs, r)
+            first = " (failed first)" if len(raised) > 1 and first_raised == [r] else ""
+            parts.append(f"{label(r)} {how}{first} at step {step_of(r)}" + (f": {exc}" if exc else ""))
         others = sorted(set(known) - set(culprits))
         for r in others:
             d = dumps.get(r, {})

@@ -7,7 +7,8 @@
 - polls the node directory (``rank_dir.parent``) for ``dump-request-<id>`` files, written by the launcher's
   watchdog or by ``dtprof triage --live``, and answers each with ``rank_dir/dump-<id>.json``: Python stacks of all
   threads, the in-flight collective and PyTorch's Flight Recorder entries where available;
-- on an uncaught exception writes ``dump-exception.json`` (then calls the previous ``sys.excepthook``), and at a
+- on an uncaught exception writes ``dump-exception.json`` with the exception's type, message and traceback (then
+  calls the previous ``sys.excepthook``), and at a
   normal interpreter exit marks the heartbeat ``"exit": "clean"``;
 - on SIGTERM (torchrun stopping the survivors of a crash, or the watchdog stopping a hung job) writes
   ``dump-sigterm.json`` from this thread, then lets the signal do what it did before.
@@ -128,11 +129,22 @@ def flight_recorder_entries(timeout_s: float = _FR_TIMEOUT_S) -> tuple[Any, str 
     return result.get("fr"), result.get("error")
 
 
-def write_dump(rank_dir: Path, state: Any, dump_id: str, reason: str) -> Path:
-    """Write ``rank_dir/dump-<dump_id>.json``: heartbeat fields + stacks + Flight Recorder entries."""
+def exception_record(exc_type, exc, tb) -> dict:
+    """The uncaught exception itself: type, message and its traceback's frames (innermost last). The frames are
+    the exception's own, not the stack of the hook that records it."""
+    return {"type": exc_type.__name__, "message": str(exc)[:2000],
+            "frames": [{"file": fs.filename, "line": fs.lineno, "func": fs.name, "code": fs.line or ""}
+                       for fs in traceback.extract_tb(tb)]}
+
+
+def write_dump(rank_dir: Path, state: Any, dump_id: str, reason: str, exception: dict | None = None) -> Path:
+    """Write ``rank_dir/dump-<dump_id>.json``: heartbeat fields + stacks + Flight Recorder entries (+ the
+    exception, for the ``exception`` dump)."""
     rec = snapshot(state)
     rec["request"] = dump_id
     rec["reason"] = reason
+    if exception is not None:
+        rec["exception"] = exception
     rec["stacks"] = thread_stacks()
     fr, fr_error = flight_recorder_entries()
     rec["flight_recorder"] = fr
@@ -240,7 +252,8 @@ class _Heartbeat:
             global _exit_status
             try:
                 _exit_status = f"exception: {exc_type.__name__}: {exc}"[:500]
-                write_dump(self.rank_dir, self.state, "exception", _exit_status)
+                write_dump(self.rank_dir, self.state, "exception", _exit_status,
+                           exception_record(exc_type, exc, tb))
                 _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
             except Exception:
                 pass

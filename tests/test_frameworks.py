@@ -40,7 +40,7 @@ class Job:
         self.summary = json.loads((run_dir / "summary.json").read_text()) if run_dir else None
 
     def final_losses(self) -> list[str]:
-        return re.findall(r"final loss (\S+)", self.proc.stdout)
+        return re.findall(r"final loss (-?\d+\.\d+)", self.proc.stdout)   # ranks print concurrently
 
 
 def job(command, tmp, profiled=True) -> Job:

@@ -65,6 +65,9 @@ def test_crash_attributed(tmp_path, mode, words):
     assert proc.returncode not in (0, 124), proc.stderr[-2000:]
     out = triage_json(tmp_path / "r")
     assert out["verdict"] == "crash" and out["culprit_ranks"] == [1] and words in out["message"], out
+    if mode == "raise":   # the rank's own exception and where in the user's code it was raised
+        assert "RuntimeError: loss is NaN at step" in out["message"], out["message"]
+        assert "plain_train.py:" in out["message"] and "heartbeat.py" not in out["message"], out["message"]
 
 
 def test_mismatch_named(tmp_path):
