@@ -265,6 +265,7 @@ class Recorder:
                 torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
             hooks_collectives.expire_pending(all_=True)
             hooks_collectives.resolve_gpu_durations(final=True)
+            self.add(Meta(self.rank, self.host, now(), "dtprof_threads_cpu", {"threads": _own_threads_cpu_s()}))
             self.flush_once()
             self.writer.close()
         except BaseException:
@@ -594,6 +595,24 @@ class Recorder:
 
 
 STATE = Recorder()
+
+
+def _own_threads_cpu_s() -> dict:
+    """CPU seconds each of dtprof's own threads (``dtprof-*``: flusher, heartbeat) has used so far, from Linux's
+    per-thread accounting (/proc/self/task/<tid>/stat utime + stime); empty elsewhere."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith("dtprof") and t.native_id:
+            try:
+                with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[t.name] = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

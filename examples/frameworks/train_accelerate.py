@@ -7,7 +7,7 @@
 
 ``--multi_gpu --num_processes 2`` starts two ranks on one machine (through torchrun's launcher, inside the
 accelerate process); ``Accelerator(cpu=True)`` keeps them on the CPU with gloo, so no GPU is needed.
-The main process prints ``final loss <value>``.
+The main process prints each step's loss and ``final loss <value>``.
 """
 import argparse
 
@@ -31,12 +31,13 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt, loader = accelerator.prepare(model, opt, DataLoader(data, batch_size=args.batch))
     model.train()
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader):
         loss = torch.nn.functional.cross_entropy(model(x), y)
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
         mean_loss = accelerator.gather(loss.detach()).mean()     # an all-gather per step, as loss logging does
+        accelerator.print(f"step {step} loss {mean_loss.item():.6f}", flush=True)
     accelerator.print(f"final loss {mean_loss.item():.8f}")
     accelerator.end_training()
 
