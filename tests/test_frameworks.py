@@ -290,3 +290,31 @@ def test_a_process_that_finds_its_rank_taken_is_named(tmp_path):
     assert "rank 0" in msg and "not recorded" in msg
     assert msg in j.summary["problems"]
     assert "[error] unidentified process" in j.proc.stdout + j.proc.stderr
+
+
+def test_data_wait_is_time_in_the_data_loader(tmp_path):
+    """A DataLoader whose dataset sleeps 30 ms per batch, and a 100 ms pause between steps outside it (as a
+    framework's logging): data_wait is the first, per step, and never the second (a busy machine can stretch a
+    30 ms sleep, hardly past 100 ms)."""
+    (tmp_path / "loader_job.py").write_text(textwrap.dedent("""
+        import time, torch
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self):
+                return 6
+            def __getitem__(self, i):
+                time.sleep(0.03)
+                return torch.ones(4)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in torch.utils.data.DataLoader(Slow(), batch_size=1):
+            model(x).sum().backward()
+            opt.step()
+            time.sleep(0.1)
+        """))
+    j = job([sys.executable, "loader_job.py"], tmp_path)
+    waits = j.run.spans[j.run.spans["kind"].astype(str) == "data_wait"]
+    per_step = ((waits["end_ns"] - waits["start_ns"]) / 1e9).groupby(waits["step"]).sum()
+    # steps 1..5 each fetched one batch (step 0's came before its first forward, the last fetch after the last step)
+    per_step = per_step.reindex(range(1, 6))
+    assert (per_step >= 0.03).all() and (per_step < 0.1).all(), per_step
+

@@ -142,7 +142,7 @@ def test_ddp_steps_and_spans(ddp):
     for kind in ("forward", "backward", "optimizer"):
         counts = sp[sp.kind == kind].groupby("rank").size().to_dict()
         assert counts == {0: STEPS, 1: STEPS}, (kind, counts)
-    assert sp[sp.kind == "data_wait"].groupby("rank").size().to_dict() == {0: STEPS - 1, 1: STEPS - 1}
+    assert "data_wait" not in set(sp.kind.astype(str))   # batches are built in the loop: no DataLoader, no wait
     assert (sp[sp.kind == "comm_wait"].name == "ddp_final_wait").sum() == 2 * STEPS
     # spans lie inside their step
     m = sp[sp.kind.isin(["forward", "backward", "optimizer"])].merge(s, on=["rank", "step"], suffixes=("", "_s"))
