@@ -64,7 +64,7 @@ class _Waiter:
         self.done = False
         self.handle = None
 
-    def identified(self, rank: int | None) -> None:
+    def identified(self, rank: int) -> None:
         if self.done:
             return
         self.done = True
@@ -76,7 +76,8 @@ class _Waiter:
         if self.done:
             return None
         try:
-            self.identified(None)      # the runtime's default: the process group's rank, else RANK, else 0
+            pg = process_group_rank()
+            self.identified(pg[0] if pg else (launcher_rank() or 0))
             from dtprof.collectors import runtime
 
             runtime.STATE.begin_forward(module, args)   # this call's own pre-hook ran before recording started
@@ -86,8 +87,8 @@ class _Waiter:
 
 
 def wait_for_identity(start) -> None:
-    """Call ``start(rank)`` when this process's process group exists (its rank), or at its first forward
-    (None: the process group's rank if one exists by then, else ``RANK``, else 0)."""
+    """Call ``start(rank)`` when this process's process group exists (its rank), or at its first forward (the
+    process group's rank if one exists by then, else ``RANK``, else 0: a single-process job)."""
     import torch.distributed as dist
     from torch.nn.modules import module as nn_module
 

@@ -668,16 +668,18 @@ def install_from_env() -> bool:
             return STATE.active
         # Another process records this RANK: this one inherited it (a DataLoader worker, a helper subprocess) and
         # is named as unidentified only if it trains (collectors/identity.py).
-    elif "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
+        identity.wait_for_identity(lambda rank: init(rank=rank))
         return False
-    identity.wait_for_identity(lambda rank: init(rank=rank))
-    return False
+    if "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
+        return False
+    return init()               # no launcher named this process: recording starts once it identifies itself
 
 
 def init(out=None, *, rank: int | None = None, report_taken: bool = True, **options) -> bool:
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
     gets its own node directory in it); default: ``DTPROF_NODE_DIR``. ``rank``: default the process group's rank,
-    else ``RANK``, else 0. ``report_taken``: when another live process records that rank, name this one in the run
+    else ``RANK``; with neither (srun, mp.spawn, Lightning's launcher before init_process_group) recording starts
+    when this process identifies itself (collectors/identity.py) and True is returned now. ``report_taken``: when another live process records that rank, name this one in the run
     as unidentified (collectors/identity.py). Options override ``DTPROF_CONFIG``. Returns True when recording."""
     if STATE.active:
         return True
@@ -706,7 +708,10 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, **opti
 
         if rank is None:
             pg = identity.process_group_rank()
-            rank = pg[0] if pg else (identity.launcher_rank(env) or 0)
+            rank = pg[0] if pg else identity.launcher_rank(env)
+            if rank is None:
+                identity.wait_for_identity(lambda r: init(out, rank=r, report_taken=report_taken, **options))
+                return True
         rdir = rank_dir(node_dir, rank)
         os.makedirs(rdir, exist_ok=True)
         owner = _rank_dir_owner(str(rdir))
