@@ -125,7 +125,10 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    # Its own session, as `dtprof run` gives the job one: Linux's autogroup scheduler shares the CPU per session, so
+    # a bare job left in this session would compete with whatever else runs here and read slower than it is.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
     seen = []
     for line in proc.stdout:
         if STEP_LINE.match(line):
