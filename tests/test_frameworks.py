@@ -64,7 +64,7 @@ def mlp_param_bytes(dim: int, out: int) -> int:
 
 
 def gpt2_param_bytes(seq: int) -> int:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     sys.path.insert(0, str(EXAMPLES))
     from train_hf_trainer import tiny_gpt2_config
