@@ -8,7 +8,7 @@ group each rank has along each DeviceMesh dimension, and a ``meta`` row of kind 
 dimension (the world group, groups made outside a mesh) are reported under the dimension ``"(none)"``.
 
 Definitions (/work/shared/reference/metrics.md)
-- Communication time of a collective row = ``end_ns − issue_ns`` (``return_ns`` when the end was never seen), as
+- Communication time of a collective row = ``exit_ns − issue_ns`` (the run model's collectives), as
   the rank experienced it (peers' lateness included). Bytes = the nccl-tests message size ``max(in_bytes,
   out_bytes)``. ``*_per_step`` = mean over (rank, step) pairs of the ranks that have the dimension, steps with no
   traffic in the dimension counting as 0.
@@ -68,12 +68,11 @@ def mesh_shape(meta: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
 def _rank_step_comm(groups: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, step, mesh_dim): comm_s and bytes."""
     dims = group_dims(groups)[["group", "mesh_dim"]]
-    c = collectives[["rank", "step", "group", "issue_ns", "return_ns", "end_ns", "in_bytes", "out_bytes"]].copy()
+    c = collectives[["rank", "step", "group", "issue_ns", "exit_ns", "in_bytes", "out_bytes"]].copy()
     c["group"] = c["group"].astype(str)
     c = c.merge(dims, on="group", how="left")
     c["mesh_dim"] = c["mesh_dim"].fillna(NO_DIM)
-    end = c["end_ns"].astype("Float64").fillna(c["return_ns"].astype("float64")).astype("float64")
-    c["comm_s"] = (end - c["issue_ns"].astype("float64")) / 1e9
+    c["comm_s"] = (c["exit_ns"] - c["issue_ns"]).astype("float64") / 1e9
     c["bytes"] = np.maximum(c["in_bytes"].to_numpy("int64"), c["out_bytes"].to_numpy("int64"))
     c["step"] = c["step"].astype("float64")
     return c.groupby(["rank", "step", "mesh_dim"], sort=False, as_index=False)[["comm_s", "bytes"]].sum()
@@ -83,11 +82,11 @@ def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataF
     """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``steps``),
     bytes_per_step, groups (sorted list of group names), ranks (count of ranks with traffic in it).
 
-    ``steps``: per rank × step with ``exposed_comm_s`` (and ``warmup``, whose True rows are left out); without it
+    ``steps``: per rank × step with ``exposed_comm_s`` (and ``measured``: only those rows count); without it
     every step seen in the collectives counts."""
     rs = _rank_step_comm(groups, collectives)
     if steps is not None:
-        keep = steps if "warmup" not in steps else steps[~steps["warmup"].astype(bool)]
+        keep = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
         frame = keep[["rank", "step"] + (["exposed_comm_s"] if "exposed_comm_s" in keep else [])].copy()
         frame["step"] = frame["step"].astype("float64")
     else:
@@ -137,7 +136,7 @@ def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: p
     """Per pipeline group (the ``pp`` dimension's groups): group, ranks, stages, steps, bubble_frac,
     bubble_frac_max (worst stage-step), compute_s_per_step, step_s (mean step duration).
 
-    ``steps``: the run's steps table (rank, step, start_ns, end_ns) or the analyzers' (``warmup`` rows dropped)."""
+    ``steps``: the run's steps table (rank, step, start_ns, end_ns) or the analyzers' (only ``measured`` rows)."""
     dims = group_dims(groups)
     pp = dims[dims["mesh_dim"] == PP_DIM]
     cols = ["group", "ranks", "stages", "steps", "bubble_frac", "bubble_frac_max", "compute_s_per_step", "step_s"]
@@ -145,7 +144,7 @@ def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: p
         return pd.DataFrame(columns=cols)
     members = pp.assign(rank=pp["ranks"].str.split(",")).explode("rank")
     members["rank"] = members["rank"].astype("int64")
-    st = steps if "warmup" not in steps else steps[~steps["warmup"].astype(bool)]
+    st = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
     st = st[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
     st = st.assign(step_s=(st["end_ns"] - st["start_ns"]) / 1e9)
     sp = spans[spans["kind"].astype(str).isin(["pp_forward", "pp_backward"]) & spans["step"].notna()]

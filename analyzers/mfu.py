@@ -112,11 +112,11 @@ def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None) -> 
 
 def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_step: float | None = None,
                 peak_tflops: float | None = None, dtype: str = "bf16", transformer: dict | None = None) -> dict:
-    """summary.json ``mfu`` block. ``per_rank``/``job``: StepTimes tables (warm-up flagged)."""
+    """summary.json ``mfu`` block. ``per_rank``/``job``: the run model's steps and job tables (``measured`` flagged)."""
     out = {"value": None, "hfu": None, "flops_per_step": None, "flops_source": None, "peak_flops": None,
            "peak_source": None, "dtype": norm_dtype(dtype), "step_time_s": None, "achieved_flops_per_s": None}
-    meas = per_rank[~per_rank["warmup"]]
-    jm = job[~job["warmup"]]
+    meas = per_rank[per_rank["measured"]]
+    jm = job[job["measured"]]
     step_time = float(jm["time_s"].mean()) if len(jm) else None
     out["step_time_s"] = step_time
 

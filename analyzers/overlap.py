@@ -3,7 +3,7 @@
 For each rank and step, with every set merged first (a union, so nested or concurrent intervals count once):
 - compute = union of compute spans (forward, backward, optimizer, pp_forward, pp_backward) minus the union of
   ``comm_wait`` spans: time blocked on communication is not compute, or the overlap ratio would mean nothing;
-- comm = union of collective intervals ``[issue_ns, end_ns]`` (``return_ns`` where ``end_ns`` is null);
+- comm = union of collective intervals ``[issue_ns, exit_ns]`` (the run model's collectives);
 - overlap ratio = |comm ∩ compute| / |comm| (null for a step without communication);
 - exposed communication = |comm \\ compute|, the time the rank could only communicate;
 - comm_wait_s and data_wait_s = union lengths of those span kinds.
@@ -71,7 +71,7 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
 
     co = run.collectives
     c_kineto = _codes(co["source"], ["kineto"])
-    c_end = co["end_ns"].astype("Int64").fillna(co["return_ns"]).to_numpy(np.int64) if len(co) else np.zeros(0, np.int64)
+    c_end = co["exit_ns"].to_numpy(np.int64)
 
     # Which rank-steps have kernel data.
     sp_rank = sp["rank"].to_numpy(np.int64)

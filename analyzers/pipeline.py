@@ -122,7 +122,8 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.nd
 
 
 def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
-    """``windows``: per rank-step rank, step, start_ns, end_ns, duration_s, warmup. None when no pp spans."""
+    """``run``: the run model; ``windows``: per rank-step rank, step, start_ns, end_ns, duration_s, warmup,
+    measured (the model's steps). None when no pp spans."""
     sp = run.spans
     is_pp = sp["kind"].isin(list(PP_KINDS)).to_numpy() & sp["stage"].notna().to_numpy()
     if not is_pp.any():
@@ -132,6 +133,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     we = windows["end_ns"].to_numpy(np.int64)
     wstep = windows["step"].to_numpy(np.int64)
     wwarm = windows["warmup"].to_numpy(bool)
+    wmeas = windows["measured"].to_numpy(bool)   # neither warm-up nor disturbed by a trace capture
     rank = sp["rank"].to_numpy(np.int64)
     start = sp["start_ns"].to_numpy(np.int64)
     end = sp["end_ns"].to_numpy(np.int64)
@@ -169,13 +171,14 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     grid = pd.DataFrame({"rank": wr, "win": np.arange(len(windows))}).merge(pairs, on="rank")
     tbl = pd.DataFrame({"stage": grid["stage"].to_numpy(), "rank": grid["rank"].to_numpy(),
                         "step": wstep[grid["win"]], "duration_s": windows["duration_s"].to_numpy()[grid["win"]],
-                        "warmup": wwarm[grid["win"]], "win": grid["win"].to_numpy()})
+                        "warmup": wwarm[grid["win"]], "measured": wmeas[grid["win"]], "win": grid["win"].to_numpy()})
     tbl["compute_s"] = busy.reindex(pd.MultiIndex.from_arrays([tbl["stage"], tbl["win"]])).fillna(0).to_numpy() / NS
     tbl["bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["duration_s"].where(tbl["duration_s"] > 0)
     # ... and per (rank, window): all the rank's compute, for the pipeline-wide figure
     pp_wins = np.flatnonzero(np.isin(wr, pp_ranks))
     rank_busy = pd.DataFrame({"rank": wr[pp_wins], "step": wstep[pp_wins], "win": pp_wins,
-                              "duration_s": windows["duration_s"].to_numpy()[pp_wins], "warmup": wwarm[pp_wins]})
+                              "duration_s": windows["duration_s"].to_numpy()[pp_wins], "warmup": wwarm[pp_wins],
+                              "measured": wmeas[pp_wins]})
     rw, rw_codes = np.unique(c_win, return_inverse=True)
     rank_busy["compute_s"] = pd.Series(union_length(rw_codes, c_start, c_end, len(rw)) / NS,
                                        index=rw).reindex(pp_wins).fillna(0).to_numpy()
@@ -215,9 +218,9 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
 
     # median forward/backward time of one microbatch per stage, for the closed form
     ppm = pp[(pp["win"] >= 0)].copy()
-    ppm["warm"] = wwarm[ppm["win"].to_numpy()]
-    if (~ppm["warm"]).any():
-        ppm = ppm[~ppm["warm"]]
+    ppm["meas"] = wmeas[ppm["win"].to_numpy()]
+    if ppm["meas"].any():
+        ppm = ppm[ppm["meas"]]
     per_mb = ppm.groupby(["stage", "win", "mb", "kind"], sort=False)["dur_ns"].sum().unstack("kind", fill_value=0)
     for k in PP_KINDS:
         if k not in per_mb:
@@ -252,8 +255,8 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
         sched_bubble = float(1.0 - (m * t_s).sum() / (len(stages) * t_pipe)) if t_pipe > 0 else None
         formula = "1 - Σ m·t_s / (p·(Σ t_s + (m-1)·max t_s)), median per-stage microbatch times"
 
-    meas = tbl[~tbl["warmup"]] if (~tbl["warmup"]).any() else tbl
-    rmeas = rank_busy[~rank_busy["warmup"]] if (~rank_busy["warmup"]).any() else rank_busy
+    meas = tbl[tbl["measured"]] if tbl["measured"].any() else tbl
+    rmeas = rank_busy[rank_busy["measured"]] if rank_busy["measured"].any() else rank_busy
     stage_comp = meas.groupby("stage")["compute_s"].mean()
     imbalance = float(stage_comp.max() / stage_comp.mean()) if len(stage_comp) and stage_comp.mean() > 0 else None
     bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.clock import align_by_rank
 from dtprof.analyzers.collectives import instance_keys
 
 NS = 1e9
@@ -41,8 +40,10 @@ LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (ma
           "sm_util_mean_pct": "SM utilisation (mean)"}
 
 
-def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.DataFrame:
-    """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s."""
+def arrivals(model) -> pd.DataFrame:
+    """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns (aligned through the run
+    model's clocks), lateness_s, last, lead_s, measured (the model's measured steps, or no step)."""
+    run, measured_steps = model, model.measured_steps
     co = run.collectives
     cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "inst",
             "peers_lost_s", "measured"]
@@ -57,7 +58,7 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
     if len(c) == 0:  # only point-to-point traffic (e.g. a pipeline without data parallelism)
         return empty
     rank = c["rank"].to_numpy(np.int64)
-    arr = align_by_rank(run, c["issue_ns"].to_numpy(np.int64), rank, clock)
+    arr = model.align(c["issue_ns"].to_numpy(np.int64), rank)
     inst, n_inst = instance_keys(c)
     # sort by (instance, arrival): first/last/median arrivals are then positions in each instance's run
     amin = int(arr.min())
@@ -87,11 +88,8 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
         "inst": inst,
     })
     out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[pos], 0.0)
-    if measured_steps is not None:
-        s = out["step"]
-        out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
-    else:
-        out["measured"] = True
+    s = out["step"]
+    out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
     return out
 
 
@@ -102,7 +100,7 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
                         "device": r["device_name"].astype(str).to_numpy(),
                         "device_index": r["device_index"].astype("Int64").to_numpy()}).sort_values("rank")
     out = out.reset_index(drop=True)
-    meas = per_step[~per_step["warmup"]] if "warmup" in per_step else per_step
+    meas = per_step[per_step["measured"]]
     med = meas.groupby("rank")["compute_s"].median()
     ref = med[med > 0].min() if (med > 0).any() else np.nan
     out["compute_s_median"] = med.reindex(out["rank"]).to_numpy()

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
@@ -28,6 +27,7 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers.runmodel import RunModel
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
@@ -49,6 +49,7 @@ class Analysis:
     job_steps: pd.DataFrame | None = None   # per step: step, time_s, warmup, tokens, samples
     instances: pd.DataFrame | None = None   # per collective instance: transfer time, bytes
     pipeline_ops: pd.DataFrame | None = None  # per compute op of a pipeline rank: measured and replayed times
+    model: Any = None            # the run model (analyzers/runmodel.py): derived columns every view reads
 
 
 def _node_config(run) -> dict:
@@ -74,7 +75,7 @@ def _run_block(run) -> dict:
 
 
 def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame) -> list[dict]:
-    meas = steps[~steps["warmup"]]
+    meas = steps[steps["measured"]]
     if len(meas) == 0:
         meas = steps
     g = meas.groupby("rank")
@@ -137,26 +138,23 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     transformer = transformer if transformer is not None else cfg.get("transformer")
 
     say("reading tables")
-    _ = run.steps, run.spans, run.collectives
-    say("steps")
-    st = steps_mod.step_times(run, warmup)
+    model = RunModel.of(run, warmup)
     say("compute/communication overlap")
-    ov = overlap_mod.rank_step_overlap(run, st.per_rank)
-    steps = st.per_rank.copy()
+    ov = overlap_mod.rank_step_overlap(model, model.steps)
+    steps = model.steps.copy()
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
               "level"):
         steps[c] = ov.per_step[c].to_numpy()
-    steps = steps[["rank", "step", "start_ns", "end_ns", "duration_s", "compute_s", "comm_s", "exposed_comm_s",
-                   "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup", "peak_mem_bytes", "overlap_s", "level",
-                   "tokens", "samples", "model_flops", "executed_flops"]]
-    measured = steps[~steps["warmup"]]
-    step_block = steps_mod.step_stats(st)
+    steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
+                   "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
+                   "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
+                   "executed_flops"]]
+    measured = steps[steps["measured"]]
+    step_block = steps_mod.step_stats(model)
 
-    say("clock alignment")
-    clk = clock_mod.fit_clocks(run)
+    clk = model.clock
     say("collective arrivals and stragglers")
-    measured_steps = set(st.job.loc[~st.job["warmup"], "step"].tolist())
-    arr = strag_mod.arrivals(run, clk, measured_steps)
+    arr = strag_mod.arrivals(model)
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"])
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
@@ -164,12 +162,12 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances(run)
-    coll = coll_mod.collective_table(run, inst)
+    inst = coll_mod.instances(model)
+    coll = coll_mod.collective_table(model, inst)
     say("pipeline")
-    pp = pipeline_mod.analyze_pipeline(run, steps)
+    pp = pipeline_mod.analyze_pipeline(model, steps)
     say("MFU")
-    mfu = mfu_mod.compute_mfu(run, st.per_rank, st.job, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
+    mfu = mfu_mod.compute_mfu(run, model.steps, model.job, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
                               dtype=dtype, transformer=transformer)
 
     stragglers_list = []
@@ -204,7 +202,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                     "transformer": transformer},
         "problems": problems,
     }
-    _add_mesh(summary, run, steps)
+    _add_mesh(summary, model, steps)
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
@@ -213,7 +211,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
-                        memory=mem, clock=clk, job_steps=st.job, instances=inst)
+                        memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -227,7 +225,7 @@ def _add_mesh(summary: dict, run, steps) -> None:
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
-    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta)
+    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta)   # run: the run model
     if block is None:
         summary["mesh"] = None
         summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"

@@ -347,10 +347,9 @@ def test_skewed_host_clocks_recovered_within_residual(tmp_path):
     c = a.clock.set_index("host")
     assert c.at["host1", "n_pairs"] > 0
     assert c.at["host1", "drift_ppm"] == pytest.approx(-40.0, abs=1.0)
-    from dtprof.analyzers.clock import align_by_rank
     run = open_run(skewed)
     co = run.collectives
-    aligned = align_by_rank(run, co["issue_ns"].to_numpy(), co["rank"].to_numpy(), a.clock)
+    aligned = a.model.align(co["issue_ns"].to_numpy(), co["rank"].to_numpy())
     err = np.abs(aligned - truth.collectives["issue_ns"].to_numpy())
     assert err.max() <= c.at["host1", "residual_ns"] + 2  # +2 ns integer rounding
     # arrivals are aligned: lateness matches the unskewed run's, so the skew invents no straggler
