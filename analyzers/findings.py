@@ -101,13 +101,12 @@ def find(summary: dict, analysis) -> list[dict]:
         if s.get("kind") != "persistent":
             continue
         add("straggler", "critical",
-            f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: "
-            f"compute score {s['score']:.2f}, last to arrive at {s.get('late_frac', 0):.0%} of collectives, "
-            f"peers lost {s['time_lost_s']:.3f} s waiting for it" if _ok(s.get("score")) else
-            f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: last to arrive at "
-            f"{s.get('late_frac', 0):.0%} of collectives, peers lost {s['time_lost_s']:.3f} s waiting for it",
-            {"rank": s["rank"], "host": s["host"], "score": s.get("score"), "late_frac": s.get("late_frac"),
-             "time_lost_s": s["time_lost_s"], "nvml": s.get("evidence", [])},
+            f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: {s['reason']}"
+            + (f", compute score {s['score']:.2f}" if _ok(s.get("score")) else "")
+            + f"; peers lost {s['time_lost_s']:.3f} s waiting for it",
+            {"rank": s["rank"], "host": s["host"], "score": s.get("score"), "late_step_frac": s.get("late_step_frac"),
+             "slow_step_frac": s.get("slow_step_frac"), "time_lost_s": s["time_lost_s"],
+             "nvml": s.get("evidence", [])},
             "Look at the NVML evidence (clocks, temperature, power, throttling) and that rank's data loading; "
             "drain or replace the node if the GPU is degraded.", "stragglers")
 

@@ -136,7 +136,8 @@ def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: p
     """Per pipeline group (the ``pp`` dimension's groups): group, ranks, stages, steps, bubble_frac,
     bubble_frac_max (worst stage-step), compute_s_per_step, step_s (mean step duration).
 
-    ``steps``: the run's steps table (rank, step, start_ns, end_ns) or the analyzers' (only ``measured`` rows)."""
+    ``steps``: per rank-step rank, step, duration_s (the run model's steps) and, when given, ``measured`` (only
+    those rows count)."""
     dims = group_dims(groups)
     pp = dims[dims["mesh_dim"] == PP_DIM]
     cols = ["group", "ranks", "stages", "steps", "bubble_frac", "bubble_frac_max", "compute_s_per_step", "step_s"]
@@ -145,8 +146,7 @@ def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: p
     members = pp.assign(rank=pp["ranks"].str.split(",")).explode("rank")
     members["rank"] = members["rank"].astype("int64")
     st = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
-    st = st[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
-    st = st.assign(step_s=(st["end_ns"] - st["start_ns"]) / 1e9)
+    st = st[["rank", "step", "duration_s"]].astype({"step": "int64"}).rename(columns={"duration_s": "step_s"})
     sp = spans[spans["kind"].astype(str).isin(["pp_forward", "pp_backward"]) & spans["step"].notna()]
     sp = sp[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
     covered = _union_s(sp, ["rank", "step"]) if not sp.empty else pd.DataFrame(columns=["rank", "step", "covered_s"])

@@ -10,18 +10,22 @@ rank's other compute spans (the optimizer step). Pipeline-wide: 1 - Σ compute �
 rank-steps of the pipeline ranks (time-weighted; a rank's compute counts all its stages, so interleaved ranks are
 not counted once per stage).
 
-Theoretical, from measured times: the schedule replayed with its own measured op durations and nothing between
-ops (``replay_schedule``): each rank runs its compute ops of a step in the observed order; a forward of (stage s,
-microbatch j) waits for the forward of (s-1, j) and the backward of (s, j) for the backward of (s+1, j), in the same
-pipeline replica. The replayed makespan T_k of step k is the shortest step that schedule allows with these op
-times, and theoretical bubble = 1 - (rank's compute in k) ÷ T_k, time-weighted like the measured one. For uniform
-GPipe stages without optimizer time this is exactly (p-1)/(m+p-1); unlike a closed formula on median op times it
-also holds when some microbatches run slower (a slow op delays everything downstream of it).
-``overhead_frac`` = 1 - Σ T_k ÷ Σ measured step: the share of the step the schedule itself does not explain (p2p
-transfers, Python and launch gaps between ops), so bubble = overhead + theoretical · (1 - overhead).
+The measured bubble splits into two parts that add up exactly, both shares of the same measured step time:
+- theoretical (``theoretical_bubble_frac``): the idle time the schedule itself needs with these op times. The
+  schedule is replayed with its own measured op durations and nothing between ops (``replay_schedule``): each rank
+  runs its compute ops of a step in the observed order; a forward of (stage s, microbatch j) waits for the forward
+  of (s-1, j) and the backward of (s, j) for the backward of (s+1, j), in the same pipeline replica. The replayed
+  makespan T_k of step k is the shortest step that schedule allows with these op times; theoretical = Σ (T_k −
+  compute) ÷ Σ measured step. Unlike a closed formula on median op times it also holds when some microbatches run
+  slower (a slow op delays everything downstream of it);
+- overhead (``overhead_frac``): Σ (measured step − T_k) ÷ Σ measured step, the idle time the schedule does not
+  explain (p2p transfers, Python and launch gaps between ops, waits outside the schedule).
+So bubble = theoretical + overhead, over the same measured rank-steps (pipeline-wide and per stage). "Theoretical"
+means this and only this everywhere (summary.json, the terminal line, the report's card and per-stage bars).
 
-``schedule_bubble_frac`` is the schedule's closed-form share from median per-stage times (dtprof's generalisation
-of (p-1)/(m+p-1) to non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
+``schedule_bubble_frac`` is a reference, not a part of the bubble: the schedule's textbook closed form, as a share of
+the gap-free step (not of the measured one), on median per-stage times (dtprof's generalisation of (p-1)/(m+p-1) to
+non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
 1 - Σ_s m·t_s ÷ (p · (Σ_s t_s + (m-1)·max_s t_s)) for GPipe and 1F1B. Interleaved schedules (v stages per rank) use
 metrics.md's (p-1)/(v·m) relative to ideal compute, i.e. (p-1)/(v·m + p - 1) as a share of the step, with p the
 number of pipeline ranks; zero-bubble schedules use ZB-H1's (p-1)/(3m) likewise.
@@ -212,9 +216,14 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     def ideal_of(ranks, steps):
         key = pd.MultiIndex.from_arrays([replica_of.reindex(ranks).to_numpy(np.int64), np.asarray(steps)])
         return ideal.reindex(key).to_numpy(dtype=float)
+    # a rank-step whose replica ran no op needs no time by the schedule: its compute (none) is all it needs
     tbl["ideal_step_s"] = ideal_of(tbl["rank"], tbl["step"])
-    tbl["theoretical_bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["ideal_step_s"].where(tbl["ideal_step_s"] > 0)
     rank_busy["ideal_step_s"] = ideal_of(rank_busy["rank"], rank_busy["step"])
+    if replayed is not None:
+        tbl["ideal_step_s"] = tbl["ideal_step_s"].fillna(tbl["compute_s"])
+        rank_busy["ideal_step_s"] = rank_busy["ideal_step_s"].fillna(rank_busy["compute_s"])
+    tbl["theoretical_bubble_frac"] = (tbl["ideal_step_s"] - tbl["compute_s"]) / tbl["duration_s"].where(
+        tbl["duration_s"] > 0)
 
     # median forward/backward time of one microbatch per stage, for the closed form
     ppm = pp[(pp["win"] >= 0)].copy()
@@ -261,27 +270,32 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     imbalance = float(stage_comp.max() / stage_comp.mean()) if len(stage_comp) and stage_comp.mean() > 0 else None
     bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None
     dur = float(rmeas["duration_s"].sum())
-    bubble = float(1.0 - rmeas["compute_s"].sum() / dur) if dur > 0 else None
-    replayed_rows = rmeas[rmeas["ideal_step_s"].notna()]
-    ideal_total = float(replayed_rows["ideal_step_s"].sum())
-    theo = float(1.0 - replayed_rows["compute_s"].sum() / ideal_total) if ideal_total > 0 else None
-    # the share of the measured step the replayed schedule does not account for
-    replayed_dur = float(replayed_rows["duration_s"].sum())
-    overhead = float(1.0 - ideal_total / replayed_dur) if ideal_total > 0 and replayed_dur > 0 else None
+    busy = float(rmeas["compute_s"].sum())
+    bubble = float(1.0 - busy / dur) if dur > 0 else None
+    # bubble = theoretical + overhead, both over the same rank-steps and the same denominator (module docstring)
+    ideal_total = float(rmeas["ideal_step_s"].sum()) if replayed is not None else None
+    theo = (ideal_total - busy) / dur if ideal_total is not None and dur > 0 else None
+    overhead = (dur - ideal_total) / dur if ideal_total is not None and dur > 0 else None
     per_stage = meas.groupby("stage").agg(rank=("rank", "min"), compute=("compute_s", "sum"),
                                            duration=("duration_s", "sum"), ideal=("ideal_step_s", "sum"),
                                            rank_steps=("step", "size"))
+    replay_ok = replayed is not None
     summary = {
         "stages": int(p), "microbatches": int(m), "schedule": schedule,
         "bubble_frac": bubble, "theoretical_bubble_frac": theo,
         "overhead_frac": overhead,
         "schedule_bubble_frac": sched_bubble, "schedule_formula": formula,
-        "theoretical_method": "schedule replayed on its measured op times with no gap between ops",
+        "theoretical_method": "schedule replayed on its measured op times with no gap between ops; theoretical = "
+                              "Σ (replayed step − compute) ÷ Σ measured step, overhead = Σ (measured − replayed "
+                              "step) ÷ Σ measured step, bubble = theoretical + overhead",
         "imbalance": imbalance, "bottleneck_stage": bottleneck, "virtual_stages_per_rank": v,
         "replicas": replicas,
         "per_stage": [{"stage": int(s), "rank": int(r["rank"]),
                        "bubble_frac": float(1 - r["compute"] / r["duration"]) if r["duration"] > 0 else None,
-                       "theoretical_bubble_frac": float(1 - r["compute"] / r["ideal"]) if r["ideal"] > 0 else None,
+                       "theoretical_bubble_frac": (float((r["ideal"] - r["compute"]) / r["duration"])
+                                                   if replay_ok and r["duration"] > 0 else None),
+                       "overhead_frac": (float((r["duration"] - r["ideal"]) / r["duration"])
+                                         if replay_ok and r["duration"] > 0 else None),
                        "compute_s_per_step": float(r["compute"] / max(r["rank_steps"], 1)),
                        "forward_s_per_microbatch": float(f_s.get(s, np.nan)),
                        "backward_s_per_microbatch": float(b_s.get(s, np.nan))}

@@ -31,7 +31,13 @@ from dtprof.analyzers.runmodel import RunModel
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
-STATUS_ORDER = ("hung", "killed", "failed", "running", "completed")
+STATUS_ORDER = ("hung", "killed", "failed", "running", "completed", "imported")   # worst first
+
+
+def worst_status(statuses) -> str | None:
+    """The job's status from its nodes' statuses: the worst by STATUS_ORDER (the one place it is decided)."""
+    statuses = [str(s) for s in statuses if s]
+    return next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
 
 
 @dataclass
@@ -63,8 +69,7 @@ def _node_config(run) -> dict:
 
 
 def _run_block(run) -> dict:
-    statuses = [str(n.get("status", "")) for n in run.nodes if n.get("status")]
-    status = next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
+    status = worst_status(n.get("status") for n in run.nodes)
     codes = [n.get("exit_code") for n in run.nodes if n.get("exit_code") is not None]
     exit_code = next((c for c in codes if c != 0), codes[0] if codes else None)
     out = {"world_size": int(run.world_size), "hosts": run.hosts, "status": status, "exit_code": exit_code,
@@ -174,8 +179,11 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
         stragglers_list.append({"rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
                                 "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
-                                "late_frac": float(s.late_frac), "delay_s_per_step": float(s.delay_s_per_step),
-                                "reason": s.reason, "evidence": evidence.get(int(s.rank), [])})
+                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
+                                "slow_step_frac": float(s.slow_step_frac),
+                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "evidence": evidence[int(s.rank)]["lines"],
+                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
     if ov.unassigned:
         problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
@@ -305,8 +313,9 @@ def format_summary_text(summary: dict) -> str:
     pp = summary.get("pipeline")
     if pp:
         lines.append(f"pipeline: {pp['stages']} stages × {pp['microbatches']} microbatches ({pp['schedule']}), "
-                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} (theoretical "
-                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))}), imbalance "
+                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} = theoretical "
+                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))} + overhead {_fmt_frac(pp.get('overhead_frac'))}"
+                     f" of the step, imbalance "
                      f"{'—' if pp.get('imbalance') is None else format(pp['imbalance'], '.2f')}×")
     sl = summary.get("stragglers") or []
     if sl:

@@ -349,15 +349,17 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         sched.update_xaxes(title_text="time since the step's first op (ms)", row=2, col=1)
         layout(sched, "Pipeline schedule: stages × time, measured vs replayed without gaps", height=260 + 60 * p,
                barmode="overlay")
-    by_stage = pipe[pipe["step"].isin(measured_steps)] if len(measured_steps) else pipe
-    by_stage = by_stage.groupby("stage")[["bubble_frac", "theoretical_bubble_frac"]].mean() * 100
+    # the summary's per-stage values (time-weighted over the measured steps), the same numbers as summary.json
+    per_stage = (ctx.analysis.summary.get("pipeline") or {}).get("per_stage") or []
+    by_stage = pd.DataFrame(per_stage, columns=["stage", "bubble_frac", "theoretical_bubble_frac"]).set_index(
+        "stage").astype(float) * 100
     bub = go.Figure([
         go.Bar(x=[f"stage {s}" for s in by_stage.index], y=by_stage["bubble_frac"], name="measured bubble",
                marker_color="#E45756", hovertemplate="%{x}<br>measured: %{y:.1f} % of step<extra></extra>"),
         go.Bar(x=[f"stage {s}" for s in by_stage.index], y=by_stage["theoretical_bubble_frac"],
                name="theoretical bubble of the schedule", marker_color="#BAB0AC",
                hovertemplate="%{x}<br>theoretical: %{y:.1f} % of step<extra></extra>")])
-    layout(bub, "Pipeline bubble per stage (mean over measured steps)", height=340, xtitle="pipeline stage",
+    layout(bub, "Pipeline bubble per stage (over the measured steps)", height=340, xtitle="pipeline stage",
            ytitle="idle share of the step (%)", barmode="group")
     return sched, bub
 

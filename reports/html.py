@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from dtprof.reader import open_run
+from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -211,12 +212,7 @@ def _header(run, summary: dict) -> str:
     command = node.get("command") or run.manifest.get("command") or ""
     command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
     srun = summary.get("run") or {}
-    status = srun.get("status") or node.get("status") or "unknown"
-    statuses = {n.get("status") for n in nodes if n.get("status")}
-    if len(statuses) > 1:  # the worst node's status
-        for s in ("hung", "crashed", "failed"):
-            if s in statuses:
-                status = s
+    status = srun.get("status") or "unknown"   # the worst node's (analyzers/summary.py worst_status)
     reason = ""
     if status not in ("completed", "running", "unknown"):  # say why: triage's one-line verdict
         from dtprof.analyzers.triage import triage
@@ -240,7 +236,7 @@ def _header(run, summary: dict) -> str:
         duration = (node["end_ns"] - node["start_ns"]) / 1e9
     started = node.get("start_time") or run.manifest.get("created") or ""
     host_text = ", ".join(esc(h) for h in hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
-    cls = status if status in ("completed", "failed", "hung", "crashed") else "other"
+    cls = status if status in ("completed", "failed", "hung", "killed") else "other"
     reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
     return f"""<header class="top">
 <h1>dtprof report — {esc(run.path.name)}</h1>
@@ -273,9 +269,10 @@ def _cards(summary: dict) -> str:
     }
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
     over = pick(summary, ["pipeline.overhead_frac"])
-    subs["bubble"] = ((f"the schedule itself: {fmt_frac(theo)}" +
-                       (f"; p2p and gaps between ops: {fmt_frac(over)}" if over is not None else ""))
-                      if theo is not None else "no pipeline parallelism")
+    subs["bubble"] = ((f"= theoretical (the schedule itself) {fmt_frac(theo)} + overhead (p2p and gaps between "
+                       f"ops) {fmt_frac(over)}, shares of the step") if theo is not None and over is not None else
+                      "no pipeline parallelism" if pick(summary, ["pipeline.bubble_frac"]) is None else
+                      esc(pick(summary, ["pipeline.theoretical_reason"]) or ""))
     for key, label, paths, kind in HEADLINES:
         value = pick(summary, paths)
         num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -387,21 +384,24 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     if sched is not None or bub is not None:
         sections.append(_section("pipeline", page.figure(sched, "fig-pipeline-schedule") +
                                  page.figure(bub, "fig-pipeline-bubble"),
-                                 "Measured bubble of a stage = 1 − its compute ÷ step time; theoretical = "
-                                 "(p−1)/(m+p−1) for p stages and m microbatches (metrics.md)."))
+                                 "Bubble of a stage = 1 − its compute ÷ its measured step time = theoretical (the "
+                                 "idle time the schedule itself needs with these op times, replayed with no gap "
+                                 "between ops) + overhead (the rest: p2p transfers, gaps between ops), all as "
+                                 "shares of the measured step, summed over the measured steps."))
     progress.step("pipeline")
 
     st = analysis.stragglers
     flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
         and len(st) else st
     strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
-                                   ("kind", "kind", None), ("late_frac", "last to arrive", _num("{:.0%}")),
+                                   ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
                                    ("time_lost_s", "time lost", fmt_s),
                                    ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
                          50, "rank flagged as a straggler")
     sections.append(_section("stragglers", strag_table + page.figure(F.straggler_figure(ctx), "fig-stragglers"),
                              "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
-                             "aligned across hosts). Persistent = late in most steps; transient = some steps."))
+                             "aligned across hosts). " + esc(PERSISTENT_RULE.capitalize()) + "; "
+                             + esc(TRANSIENT_RULE) + "."))
     progress.step("stragglers")
 
     coll = analysis.collectives

@@ -159,9 +159,13 @@ def test_pipeline_p2p_time_is_overhead_not_schedule(tmp_path):
     pp = a.summary["pipeline"]
     step = (p - 1) * (f + lat) + m * f + (p - 1) * (b + lat) + m * b
     assert pp["bubble_frac"] == pytest.approx(1 - m * (f + b) / step)
-    assert pp["theoretical_bubble_frac"] == pytest.approx((p - 1) / (m + p - 1))
-    ideal = (m + p - 1) * (f + b)
+    ideal = (m + p - 1) * (f + b)   # the replayed step: (p-1)/(m+p-1) of it is the schedule's own idle time
+    assert pp["theoretical_bubble_frac"] == pytest.approx((ideal - m * (f + b)) / step)
     assert pp["overhead_frac"] == pytest.approx(1 - ideal / step)   # the share of the step the schedule does not need
+    # the two parts add up to the bubble, pipeline-wide and per stage, in the same unit (share of the measured step)
+    assert pp["theoretical_bubble_frac"] + pp["overhead_frac"] == pytest.approx(pp["bubble_frac"], abs=1e-12)
+    for st in pp["per_stage"]:
+        assert st["theoretical_bubble_frac"] + st["overhead_frac"] == pytest.approx(st["bubble_frac"], abs=1e-12)
 
 
 def _pipeline_hand_run(path: Path, ops: list[tuple], step_end_ms: float, stage_of=None) -> Path:
@@ -209,7 +213,8 @@ def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
     late = [(r, k, j, a + 5 * r, e + 5 * r) for r, k, j, a, e in ops if r == 1] + [
         (r, k, j, a + (5 if k == B_ else 0), e + (5 if k == B_ else 0)) for r, k, j, a, e in ops if r == 0]
     pp2 = analyze(_pipeline_hand_run(tmp_path / "r2", late, 175), warmup=0).summary["pipeline"]
-    assert pp2["theoretical_bubble_frac"] == pytest.approx(1 - 260 / 340)
+    assert pp2["theoretical_bubble_frac"] == pytest.approx((340 - 260) / 350)
+    assert pp2["overhead_frac"] == pytest.approx(10 / 350)
     assert pp2["bubble_frac"] == pytest.approx(1 - 260 / 350)
 
 
@@ -237,7 +242,9 @@ def test_pipeline_replicas_and_an_idle_step(tmp_path):
     assert pp["replicas"] == 2 and pp["stages"] == 2 and pp["virtual_stages_per_rank"] == 1
     # busy: 140 + 120 ms per full pipeline-step, rank 2 alone in the last one (a 140 ms replay: stage 0 only)
     assert pp["bubble_frac"] == pytest.approx(1 - (3 * 260 + 140) / (8 * 170))
-    assert pp["theoretical_bubble_frac"] == pytest.approx(1 - (3 * 260 + 140) / (6 * 170 + 2 * 140))
+    ideal = 6 * 170 + 2 * 140
+    assert pp["theoretical_bubble_frac"] == pytest.approx((ideal - (3 * 260 + 140)) / (8 * 170))
+    assert pp["theoretical_bubble_frac"] + pp["overhead_frac"] == pytest.approx(pp["bubble_frac"], abs=1e-12)
     stage = {s["stage"]: s for s in pp["per_stage"]}
     assert stage[0]["compute_s_per_step"] == pytest.approx(0.140)
     assert stage[1]["compute_s_per_step"] == pytest.approx(3 * 0.120 / 4)
@@ -450,8 +457,8 @@ def test_findings_fire_on_thresholds_and_not_below():
     assert "low_busbw" in _ids({"collectives": [c]})
     assert "low_busbw" not in _ids({"collectives": [dict(c, link_peak_frac=0.55)]})
     assert "low_busbw" not in _ids({"collectives": [dict(c, link_peak_frac=None)]})
-    s = {"rank": 3, "host": "h", "device": "d", "kind": "persistent", "score": 0.5, "late_frac": 0.9,
-         "time_lost_s": 1.0}
+    s = {"rank": 3, "host": "h", "device": "d", "kind": "persistent", "score": 0.5, "late_step_frac": 0.9,
+         "reason": "last to arrive, holding its peers up, in 90 % of measured steps", "time_lost_s": 1.0}
     assert "straggler" in _ids({"stragglers": [s]})
     assert "straggler" not in _ids({"stragglers": [dict(s, kind="transient")]})
     mem = pd.DataFrame({"rank": [0], "peak_mem_bytes": [0.71], "device_mem_total_bytes": [1.0],

@@ -39,7 +39,8 @@ def _dtprof_run(out: Path, mode: str, *extra: str):
 
 def _measured_steps(run):
     """The steps table with step 0 (set-up collectives, pipeline shape inference) marked as warm-up."""
-    return run.steps.assign(warmup=run.steps["step"] == 0, measured=run.steps["step"] != 0)
+    return run.steps.assign(warmup=run.steps["step"] == 0, measured=run.steps["step"] != 0,
+                            duration_s=(run.steps["end_ns"] - run.steps["start_ns"]) / 1e9)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,7 @@ def test_analyzer_on_hand_made_tables():
         "in_bytes": [8, 100, 0], "out_bytes": [0, 100, 8]})
     coll = with_exit(coll)
     steps = pd.DataFrame({"rank": [0, 1], "step": [0, 0], "start_ns": [0, 0], "end_ns": [100 * ms, 100 * ms],
-                          "exposed_comm_s": [0.035, 0.0]})
+                          "duration_s": [0.1, 0.1], "exposed_comm_s": [0.035, 0.0]})
     per = M.comm_by_dim(groups, coll, steps).set_index("dim")
     # rank 0: pp 5 ms (no end seen: return used), (none) 30 ms; rank 1: pp 10 ms
     assert per.loc["pp", "comm_s_per_step"] == pytest.approx((0.005 + 0.010) / 2)
