@@ -4,8 +4,9 @@
 DataFrames behind each figure (BRIEF §4). ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
 ``format_summary_text(summary)`` is the short per-rank table the launcher prints at the end of a job.
 
-Options default to the launcher's record in ``node.json`` ``config`` (keys ``flops_per_step``, ``peak_tflops``,
-``dtype``, ``transformer``, ``warmup``) and are overridden by explicit arguments.
+The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
+command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
+device peaks with their sources) and recorded in summary.json ``options``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.runmodel import RunModel
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
@@ -56,16 +58,6 @@ class Analysis:
     instances: pd.DataFrame | None = None   # per collective instance: transfer time, bytes
     pipeline_ops: pd.DataFrame | None = None  # per compute op of a pipeline rank: measured and replayed times
     model: Any = None            # the run model (analyzers/runmodel.py): derived columns every view reads
-
-
-def _node_config(run) -> dict:
-    cfg: dict = {}
-    for n in run.nodes:
-        c = n.get("config")
-        if isinstance(c, dict):
-            for k, v in c.items():
-                cfg.setdefault(k, v)
-    return cfg
 
 
 def _run_block(run) -> dict:
@@ -125,25 +117,19 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = None,
-            peak_tflops: float | None = None, dtype: str | None = None, transformer: dict | None = None,
+def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None) -> Analysis:
-    """Analyse a run (a ``Run`` or a path). ``dtype`` None means node.json config's dtype, else "bf16".
+    """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
     ``progress`` is called with a short message before each stage."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
+    options = options or AnalysisOptions()
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    cfg = _node_config(run)
-    warmup = warmup if warmup is not None else cfg.get("warmup")
-    flops_per_step = flops_per_step if flops_per_step is not None else cfg.get("flops_per_step")
-    peak_tflops = peak_tflops if peak_tflops is not None else cfg.get("peak_tflops")
-    dtype = dtype or cfg.get("dtype") or "bf16"
-    transformer = transformer if transformer is not None else cfg.get("transformer")
 
     say("reading tables")
-    model = RunModel.of(run, warmup)
+    model = RunModel.of(run, options.warmup)
     say("compute/communication overlap")
     ov = overlap_mod.rank_step_overlap(model, model.steps)
     steps = model.steps.copy()
@@ -172,8 +158,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     say("pipeline")
     pp = pipeline_mod.analyze_pipeline(model, steps)
     say("MFU")
-    mfu = mfu_mod.compute_mfu(run, model.steps, model.job, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
-                              dtype=dtype, transformer=transformer)
+    mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
     stragglers_list = []
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
@@ -206,8 +191,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                                           if mem["peak_mem_bytes"].notna().any() else None),
                    "headroom_frac_min": (float(mem["headroom_frac"].min())
                                          if mem["headroom_frac"].notna().any() else None)},
-        "options": {"warmup": warmup, "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
-                    "transformer": transformer},
+        "options": options.record(),
         "problems": problems,
     }
     _add_mesh(summary, model, steps)
@@ -257,14 +241,12 @@ def save_summary(run_dir, summary: dict) -> Path:
     return path
 
 
-def write_summary(run_dir, *, warmup=None, flops_per_step=None, peak_tflops=None, dtype=None, transformer=None,
-                  progress=None) -> dict:
+def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None) -> dict:
     """Analyse the run at ``run_dir`` and write ``run_dir/summary.json`` (atomically). Returns the summary."""
     from dtprof.reader import open_run
 
     run = open_run(run_dir)
-    a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
-                transformer=transformer, progress=progress)
+    a = analyze(run, options, progress=progress)
     save_summary(run.path, a.summary)
     return a.summary
 

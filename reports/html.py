@@ -508,14 +508,16 @@ def _plotly_js() -> str:
 def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None = None) -> Path:
     """Write the HTML report of ``run_dir`` to ``out_path`` (default ``run_dir/report.html``) and return its path.
 
-    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None.
+    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None, with the
+    options resolved as the command line does (dtprof/options.py).
     ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps or spans).
     The file is written to a temporary name and renamed, so a reader never sees half a report.
     """
     run = open_run(run_dir)
     if analysis is None:
         from dtprof.analyzers.summary import analyze
-        analysis = analyze(run)
+        from dtprof.options import resolve_options
+        analysis = analyze(run, resolve_options(run))
     if progress is None:
         progress = len(run.steps) > 50_000 or len(run.spans) > 200_000
     text = render_report(run, analysis, Progress(10, bool(progress)))

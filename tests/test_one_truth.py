@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from dtprof.analyzers.kernel_breakdown import kernel_breakdown
+from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.stragglers import PERSISTENT_RULE
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
@@ -42,7 +43,7 @@ def test_overlap_and_kernel_breakdown_classify_kernels_alike(tmp_path):
         ("kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 30, 60, "cuda:13"),
         ("kernel", "Memcpy DtoD (Device -> Device)", 60, 70, "cuda:7"),
         ("kernel", "rcclAllReduce_kernel", 70, 80, "cuda:13")])
-    a = analyze(run, warmup=0)
+    a = analyze(run, AnalysisOptions(warmup=0))
     row = a.steps.iloc[0]
     assert row["level"] == "kernel"
     kb = kernel_breakdown(open_run(run).spans).iloc[0]
