@@ -5,7 +5,6 @@ residual."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
