@@ -39,9 +39,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprof.schema import COMPUTE_KINDS
+
 NO_DIM = "(none)"
 PP_DIM = "pp"
-_COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
 
 
 def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
@@ -172,7 +173,7 @@ def mesh_groups_of_rank(groups: pd.DataFrame, rank: int) -> dict[str, dict]:
 def slowest_compute_rank(spans: pd.DataFrame) -> dict | None:
     """The rank with the most compute per step and its ratio to the median rank: {rank, compute_s_per_step,
     ratio_to_median}; None without compute spans."""
-    sp = spans[spans["kind"].astype(str).isin(_COMPUTE_KINDS) & spans["step"].notna()]
+    sp = spans[spans["kind"].astype(str).isin(COMPUTE_KINDS) & spans["step"].notna()]
     if sp.empty:
         return None
     covered = _union_s(sp[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"}), ["rank", "step"])
