@@ -14,7 +14,9 @@ Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
   group; a second one kills the group with SIGKILL.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
   it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
-- This process never imports torch (versions come from package metadata).
+- This process never imports torch, and dtprof does not depend on it: the job brings its own. Before starting the
+  job, the launcher asks the job's Python (``python`` in the command, or the interpreter in the shebang of
+  ``torchrun`` / the script) whether it can import torch and dtprof, and refuses with exit 2 when it cannot.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,8 +133,83 @@ def env_subset(env: dict) -> dict:
     return {k: v for k, v in sorted(env.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
-def versions() -> dict:
-    """dtprof, torch, python and NCCL versions, from package metadata: importing torch here would cost seconds."""
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
+
+# Run by the job's Python: can it import torch and dtprof (not from the cwd, which the ranks do not see), and
+# which versions. find_spec and package metadata only: importing torch would cost seconds.
+_PROBE = """
+import importlib.util, json, platform, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+from importlib import metadata
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+print(json.dumps({"python": platform.python_version(), "torch": importlib.util.find_spec("torch") is not None,
+                  "torch_version": version("torch"), "dtprof": importlib.util.find_spec("dtprof") is not None}))
+"""
+# pip's entry-point scripts for interpreters on long paths: "#!/bin/sh" then "'''exec' "/path/python" "$0" ..."
+_PIP_SH_EXEC = re.compile(r"""'''exec' "?([^"\s]+)""")
+
+
+def job_python(command: list[str], env: dict) -> str | None:
+    """The Python interpreter that will run the job: ``python…`` itself, or the interpreter in the shebang of the
+    command (torchrun's entry-point script, an executable train.py). None when it cannot be told (a shell script,
+    srun, a missing command): then nothing is checked."""
+    exe = shutil.which(command[0], path=env.get("PATH"))
+    if exe is None:
+        return None
+    if PYTHON_NAME.fullmatch(Path(exe).name):
+        return exe
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(512).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    words = head[0][2:].split() if head and head[0].startswith("#!") else []
+    interp: str | None = None
+    if words and Path(words[0]).name == "env":            # #!/usr/bin/env [-S] python3
+        args = [w for w in words[1:] if not w.startswith("-")]
+        interp = shutil.which(args[0], path=env.get("PATH")) if args else None
+    elif words and Path(words[0]).name == "sh" and len(head) > 1:
+        m = _PIP_SH_EXEC.match(head[1])
+        interp = m.group(1) if m else None
+    elif words:
+        interp = words[0]
+    return interp if interp and PYTHON_NAME.fullmatch(Path(interp).name) else None
+
+
+def probe_python(python: str, env: dict) -> dict | None:
+    """What the job's Python has (see _PROBE); None if it could not be asked."""
+    env = {k: v for k, v in env.items() if k not in ("DTPROF_NODE_DIR", "DTPROF_CONFIG")}
+    try:
+        out = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def check_job_python(command: list[str], env: dict) -> dict | None:
+    """Refuse (exit 2, one line) a job whose Python cannot import torch or dtprof; else return what it has
+    (``executable``, ``python``, ``torch_version``), or None when the job's Python cannot be told."""
+    python = job_python(command, env)
+    probe = probe_python(python, env) if python else None
+    if probe is None:
+        return None
+    probe["executable"] = python
+    if not probe["torch"]:
+        raise UsageExit(f"the job's Python ({python}) cannot import torch; dtprof uses the torch of the job it "
+                        "launches: install torch there, or run the job with a Python that has it")
+    if not probe["dtprof"]:
+        raise UsageExit(f"the job's Python ({python}) cannot import dtprof, so its ranks could not be recorded; "
+                        "install dtprof there")
+    return probe
+
+
+def versions(job: dict | None) -> dict:
+    """dtprof, torch, python and NCCL versions from package metadata; torch and python are the job's (``job`` is
+    check_job_python's answer): the launcher never imports torch, and the torch that matters is the job's."""
     from importlib import metadata
 
     import dtprof
@@ -142,8 +220,8 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    out = {"dtprof": dtprof.__version__, "torch": dist_version("torch"), "python": platform.python_version(),
-           "nccl": None, "nccl_reason": None}
+    out = {"dtprof": dtprof.__version__, "torch": job["torch_version"] if job else None,
+           "python": job["python"] if job else None, "nccl": None, "nccl_reason": None}
     for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
         v = dist_version(name)
         if v:
@@ -152,8 +230,9 @@ def versions() -> dict:
     else:
         out["nccl_reason"] = ("no nvidia-nccl wheel installed (CPU torch build, or NCCL bundled in torch); "
                               "ranks record torch.cuda.nccl.version() when they use NCCL")
-    if out["torch"] is None:
-        out["torch_reason"] = "torch is not installed in the launcher's environment"
+    if job is None:
+        out["torch_reason"] = ("the job's Python could not be told from the command; each rank records its "
+                               "torch_version and python in rank.json")
     return out
 
 
@@ -180,7 +259,7 @@ def inject_dir() -> Path:
 
 
 def job_env(base: dict, node_dir: Path, rank_config: dict) -> dict:
-    """The job's environment: BRIEF §1 contract plus live output."""
+    """The job's environment: what the rank side reads (docs/cli-run.md, step 4) plus live output."""
     env = dict(base)
     env["DTPROF_NODE_DIR"] = str(Path(node_dir).resolve())
     env["DTPROF_CONFIG"] = json.dumps(rank_config)
@@ -422,6 +501,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     cwd = Path.cwd()
     env = dict(os.environ)
     join_id = join_id_for(command, env)
+    job_python_info = check_job_python(command, env)
 
     run_dir = _create_run_dir(out, command, cwd, join_id)
     node_dir = create_node_dir(run_dir, host)
@@ -434,7 +514,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
         "join_id": join_id, "start_time": utc_iso(start_wall), "start_mono_ns": start_mono,
         "end_time": None, "end_mono_ns": None, "exit_code": None, "status": "running", "signal": None,
-        "versions": versions(), "env": env_subset(env), "git": git_info(cwd), "config": config,
+        "versions": versions(job_python_info), "env": env_subset(env), "git": git_info(cwd), "config": config,
         "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None,
     }
     write_json_atomic(node_dir / NODE_MANIFEST, node_info)
