@@ -1,4 +1,4 @@
-"""Compute / communication overlap per rank and step (metrics.md, "Compute / communication overlap", dtprof).
+"""Compute / communication overlap per rank and step (docs/metrics.md, "Compute / communication overlap", dtprof).
 
 For each rank and step, with every set merged first (a union, so nested or concurrent intervals count once):
 - compute = union of compute spans (forward, backward, optimizer, pp_forward, pp_backward) minus the union of
@@ -38,7 +38,8 @@ COMPUTE, COMM_WAIT, COMM, DATA_WAIT = 0, 1, 2, 3
 
 @dataclass
 class OverlapResult:
-    per_step: pd.DataFrame   # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    per_step: pd.DataFrame
     unassigned: int          # intervals that fell outside every step window
 
 
@@ -71,7 +72,8 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
 
     co = run.collectives
     c_kineto = _codes(co["source"], ["kineto"])
-    c_end = co["end_ns"].astype("Int64").fillna(co["return_ns"]).to_numpy(np.int64) if len(co) else np.zeros(0, np.int64)
+    c_end = (co["end_ns"].astype("Int64").fillna(co["return_ns"]).to_numpy(np.int64) if len(co)
+             else np.zeros(0, np.int64))
 
     # Which rank-steps have kernel data.
     sp_rank = sp["rank"].to_numpy(np.int64)

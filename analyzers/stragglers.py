@@ -1,4 +1,4 @@
-"""Stragglers (metrics.md, "Stragglers").
+"""Stragglers (docs/metrics.md, "Stragglers").
 
 Arrival skew: a collective instance is ``(group, seq)``; its ranks' arrivals are their ``issue_ns`` moved onto the
 reference host's clock (clock.py). Lateness = arrival - first arrival of the instance. The last rank to arrive is
@@ -177,7 +177,7 @@ def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame)
             continue
         me = gpus.iloc[gi]
         others = gpus.drop(index=gpus.index[gi])
-        def cmp(col, unit, fmt="{:.0f}"):
+        def cmp(col, unit, fmt="{:.0f}", me=me, others=others):
             v = me[col]
             if pd.isna(v):
                 return None

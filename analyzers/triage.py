@@ -16,10 +16,9 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
    Without in-flight collectives, the Flight Recorder's newest seq per rank and group gives the same answer.
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
-4. **straggler** — a rank classified "persistent" by ``dtprof.analyzers.summary.analyze`` (metrics.md,
-   "Stragglers"); when that module is absent, the compute score alone (fastest rank's median per-step compute /
-   this rank's, persistent below 0.75; compute = compute spans minus the comm_wait nested in them). Its GPU's NVML samples are the evidence: throttle reasons, SM clock,
-   temperature, power, ECC errors.
+4. **straggler** — a rank classified "persistent" by ``dtprof.analyzers.summary.analyze`` (docs/metrics.md,
+   "Stragglers"). Its GPU's NVML samples are the evidence: throttle reasons, SM clock, temperature, power, ECC
+   errors.
 5. **healthy** otherwise.
 """
 from __future__ import annotations
@@ -509,7 +508,6 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         parts = []
         for r in culprits:
             f = next((x for x in failures if x["rank"] == r), None)
-            hb = hbs.get(r, {})
             how = (f"was killed by {f['signal']}" if f and f["signal"] else
                    f"exited with code {f['exit_code']}" if f else "exited")
             exc = _exception_line(logs, r)

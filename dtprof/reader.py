@@ -28,7 +28,6 @@ _NUMPY_DTYPES = {"int": "int64", "Int": "Int64", "float": "float64", "bool": "bo
 
 def conform(table: str, df):
     """Return ``df`` with exactly the schema's columns, in order, with the schema's dtypes (nulls where missing)."""
-    import numpy as np
     import pandas as pd
 
     out = {}
@@ -101,7 +100,7 @@ def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any
     rows = []
     bad = 0
     loads = json.loads
-    for i, line in enumerate(lines[1:]):
+    for line in lines[1:]:
         if not line:
             continue
         try:

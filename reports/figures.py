@@ -12,7 +12,7 @@ Scale rules (so a 1,024-rank, 1,000-step run stays a page, not a trace):
 
 Every string that comes from a run goes through ``esc`` (HTML entities) before it enters a figure: plotly renders
 labels and hover text as a subset of HTML, so an escaped ``<script>`` shows as text.
-Times on shared axes are host-aligned with ``analysis.clock`` offsets (metrics.md, "Clock alignment across hosts")
+Times on shared axes are host-aligned with ``analysis.clock`` offsets (docs/metrics.md, "Clock alignment across hosts")
 and shown in seconds from the first step's start.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -49,8 +50,8 @@ def esc(value) -> str:
 
 @dataclass
 class Context:
-    run: object
-    analysis: object
+    run: Any                       # dtprof.reader.Run
+    analysis: Any                  # dtprof.analyzers.summary.Analysis
     offset_of_rank: pd.Series      # ns to add to a rank's times to align its host (from analysis.clock)
     t0_ns: int                     # aligned start of the first step: x = 0 on time axes
     steps: pd.DataFrame            # analysis.steps with aligned start/end
@@ -217,8 +218,9 @@ def _fmt_bytes(b) -> str:
     b = float(b)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if b < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+            break
         b /= 1024
+    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
 
 
 def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int]]:
@@ -321,7 +323,8 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         makespan = float(one["ideal_end_s"].max() * 1e3)
         replayed = bool(np.isfinite(makespan))
         sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                              subplot_titles=(f"measured, step {step} ({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
+                              subplot_titles=(f"measured, step {step} "
+                                              f"({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
                                               " ms from the first op to the last)",
                                               f"the same ops replayed with no time between them ({makespan:.1f} ms):"
                                               " the schedule's own bubble" if replayed else
