@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -37,24 +36,26 @@ from typing import Callable
 
 import click
 
-from dtprof.runformat import (NODE_MANIFEST, RANK_PREFIX, NodeTableWriter, RunExistsError, create_node_dir,
-                              create_run_dir, write_json_atomic)
+from dtprof.cli import InputError
+from dtprof.runformat import (
+    NODE_MANIFEST,
+    RANK_PREFIX,
+    NodeTableWriter,
+    RunExistsError,
+    create_node_dir,
+    create_run_dir,
+    write_json_atomic,
+)
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
-USAGE_EXIT = 2
+USAGE_EXIT = InputError.exit_code
 KILL_GRACE_S = 10.0    # after the watchdog's SIGTERM, SIGKILL the group if it is still alive
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
              "GROUP_RANK", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "HOSTNAME")
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-
-
-class UsageExit(click.ClickException):
-    """A dtprof usage error: one line on stderr, exit code 2."""
-
-    exit_code = USAGE_EXIT
 
 
 # ---- small pure helpers (unit-tested) ------------------------------------------------------------------------
@@ -125,7 +126,7 @@ def parse_trace_steps(value: str | None) -> str | None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value)
     if not m or int(m.group(1)) >= int(m.group(2)):
-        raise UsageExit(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
+        raise InputError(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
     return f"{int(m.group(1))}:{int(m.group(2))}"
 
 
@@ -199,10 +200,10 @@ def check_job_python(command: list[str], env: dict) -> dict | None:
         return None
     probe["executable"] = python
     if not probe["torch"]:
-        raise UsageExit(f"the job's Python ({python}) cannot import torch; dtprof uses the torch of the job it "
+        raise InputError(f"the job's Python ({python}) cannot import torch; dtprof uses the torch of the job it "
                         "launches: install torch there, or run the job with a Python that has it")
     if not probe["dtprof"]:
-        raise UsageExit(f"the job's Python ({python}) cannot import dtprof, so its ranks could not be recorded; "
+        raise InputError(f"the job's Python ({python}) cannot import dtprof, so its ranks could not be recorded; "
                         "install dtprof there")
     return probe
 
@@ -331,6 +332,7 @@ class Job:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _killpg(self, sig: int) -> None:
+        assert self.proc is not None, "start() first"
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -360,6 +362,7 @@ class Job:
         t.start()
 
     def wait(self) -> int:
+        assert self.proc is not None, "start() first"
         rc = self.proc.wait()
         for t in self._tees:
             t.join(timeout=10)   # a grandchild still holding the pipe must not keep us here forever
@@ -479,14 +482,8 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise UsageExit("no command given: dtprof run [OPTIONS] -- COMMAND...")
+        raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
     trace_steps = parse_trace_steps(trace_steps)
-    watchdog_cls = None
-    if hang_timeout is not None:
-        try:
-            from dtprof.watchdog import Watchdog as watchdog_cls
-        except ImportError as e:
-            raise UsageExit(f"--hang-timeout needs dtprof.watchdog, which cannot be imported ({e})") from None
 
     def say(msg: str) -> None:
         if not quiet:
@@ -543,8 +540,10 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         sys.exit(127)
 
     watchdog = None
-    if watchdog_cls is not None:
-        watchdog = _guarded("watchdog", warn, _start_watchdog, watchdog_cls, node_dir, hang_timeout,
+    if hang_timeout is not None:
+        from dtprof.watchdog import Watchdog
+
+        watchdog = _guarded("watchdog", warn, _start_watchdog, Watchdog, node_dir, hang_timeout,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
@@ -584,9 +583,9 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
         try:
             return create_run_dir(out.resolve(), info, join_id=join_id)
         except RunExistsError as e:
-            raise UsageExit(str(e)) from None
+            raise InputError(str(e)) from None
         except OSError as e:
-            raise UsageExit(f"{out}: cannot create the run directory ({e.strerror or e})") from None
+            raise InputError(f"{out}: cannot create the run directory ({e.strerror or e})") from None
     base = cwd / "dtprof-runs" / f"{utc_stamp()}-{script_name(command)}"
     for i in range(100):   # two jobs started in the same second get -1, -2, ...
         cand = base if i == 0 else base.with_name(f"{base.name}-{i}")
@@ -596,7 +595,7 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
             return create_run_dir(cand, info, join_id=None)
         except RunExistsError:
             continue
-    raise UsageExit(f"{base}: could not find a free run directory name")
+    raise InputError(f"{base}: could not find a free run directory name")
 
 
 def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[], None]):
@@ -612,7 +611,7 @@ def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None
 def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_report: bool,
               say: Callable[[str], None], quiet: bool) -> None:
     """Merge traces, compact, summarise, report. Each step: one line on failure, and the run is kept."""
-    post = {}
+    post: dict[str, object] = {}
     if config["trace_steps"] or has_captured_traces(node_dir):
         post["kineto"] = _guarded("kineto", warn, merge_traces, node_dir) is not None
     post["compacted"] = _guarded("compact", warn, compact, node_dir, say) is not None
