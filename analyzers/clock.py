@@ -1,4 +1,4 @@
-"""Clock alignment across hosts (metrics.md, "Clock alignment across hosts").
+"""Clock alignment across hosts (docs/metrics.md, "Clock alignment across hosts").
 
 Processes on one host share CLOCK_MONOTONIC; different hosts do not. The exit of a blocking collective is taken as
 simultaneous on all its ranks, so for every collective instance ``(group, seq)`` seen on the reference host (the

@@ -1,4 +1,4 @@
-"""Collective bandwidth per op, group and message size (metrics.md, "Collective bandwidth", nccl-tests).
+"""Collective bandwidth per op, group and message size (docs/metrics.md, "Collective bandwidth", nccl-tests).
 
 Per instance ``(group, seq)`` of a collective: S = max(in_bytes, out_bytes) (largest over its ranks); the transfer
 time is the shortest duration of the instance across its ranks (duration = ``end_ns`` or ``return_ns`` minus

@@ -1,6 +1,6 @@
 """Kernel-level temporal breakdown and comm/compute overlap, HolisticTraceAnalysis-compatible.
 
-Definitions (/work/shared/reference/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
+Definitions (docs/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
 and HTA's temporal breakdown):
 - kernel classes by name: communication ``^nccl.*Kernel`` (or ``^hccl``); memory ``^Memcpy|^Memset|^dma``;
   computation: every other kernel whose name does not match ``^nccl.*Kernel|.*Memcpy|Memset|.*Sync``.

@@ -7,7 +7,7 @@ group each rank has along each DeviceMesh dimension, and an events row ``device 
 tp)``. A group's dimension is its last non-empty ``mesh_dim`` (docs/run-format.md). Collectives on groups with no
 dimension (the world group, groups made outside a mesh) are reported under the dimension ``"(none)"``.
 
-Definitions (/work/shared/reference/metrics.md)
+Definitions (docs/metrics.md)
 - Communication time of a collective row = ``end_ns − issue_ns`` (``return_ns`` when the end was never seen), as
   the rank experienced it (peers' lateness included). Bytes = the nccl-tests message size ``max(in_bytes,
   out_bytes)``. ``*_per_step`` = mean over (rank, step) pairs of the ranks that have the dimension, steps with no
