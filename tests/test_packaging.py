@@ -147,6 +147,13 @@ def test_run_refuses_a_job_python_without_torch(reader, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_calibrate_without_torch_is_one_line(reader, tmp_path):
+    r = _dtprof(reader, "calibrate", "--device", "cpu", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "torch" in line
+
+
 @pytest.mark.slow
 def test_reader_install_reads_runs(reader, recorded):
     """summary, report, compare, triage, import kineto / fr and export perfetto, all without torch."""
