@@ -6,10 +6,7 @@ import sys
 
 import click
 
-
-class InputError(click.ClickException):
-    """Unreadable input: one line, exit code 2 (dtprof/cli.py's shared convention)."""
-    exit_code = 2
+from dtprof.cli import InputError
 
 
 def _parse_transformer(value: str | None) -> dict | None:

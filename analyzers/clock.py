@@ -1,4 +1,4 @@
-"""Clock alignment across hosts (metrics.md, "Clock alignment across hosts"). The run model
+"""Clock alignment across hosts (docs/metrics.md, "Clock alignment across hosts"). The run model
 (analyzers/runmodel.py) fits it once per run; every consumer aligns through the model.
 
 Processes on one host share CLOCK_MONOTONIC; different hosts do not. The exit of a blocking collective is taken as
@@ -9,8 +9,9 @@ ppm); ``residual_ns`` is the largest absolute residual of that fit, i.e. how far
 are after alignment (an upper bound on the alignment error the data can vouch for).
 
 To align, add ``offset_ns + drift_ppm * 1e-6 * (t - ref_t_ns)`` to a host's times (``align_times``).
-Exits are the run model's ``exit_ns`` (analyzers/runmodel.py) of blocking collectives; if a run has none, asynchronous ones whose
-completion was seen are used. Point-to-point ops are left out (their exits are not simultaneous).
+Exits are the run model's ``exit_ns`` (analyzers/runmodel.py) of blocking collectives; if a run has none,
+asynchronous ones whose completion was seen are used. Point-to-point ops are left out (their exits are not
+simultaneous).
 """
 from __future__ import annotations
 

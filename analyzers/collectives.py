@@ -1,4 +1,4 @@
-"""Collective bandwidth per op, group and message size (metrics.md, "Collective bandwidth", nccl-tests).
+"""Collective bandwidth per op, group and message size (docs/metrics.md, "Collective bandwidth", nccl-tests).
 
 Per instance ``(group, seq)`` of a collective: S = max(in_bytes, out_bytes) (largest over its ranks); the transfer
 time is the shortest duration of the instance across its ranks (duration = the run model's ``exit_ns`` minus
@@ -122,7 +122,8 @@ def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
 
 
 def instances(run) -> pd.DataFrame:
-    """``run``: the run model (analyzers/runmodel.py). One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks."""
+    """``run``: the run model (analyzers/runmodel.py). One row per collective instance: op, group, seq,
+    group_size, bytes, transfer_s, mean_s, ranks."""
     co = run.collectives
     cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks"]
     if len(co) == 0:

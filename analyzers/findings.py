@@ -1,13 +1,14 @@
 """Findings: rules over the analysis with a severity, the numbers that triggered them and a recommendation.
 
-Thresholds come from metrics.md (the seeds' rules of thumb) and are module constants so a report can cite them:
-- ``pipeline_bubble``: measured bubble > 20 % while microbatches < 4 × stages (metrics.md: m >= 4p keeps the GPipe
+Thresholds come from docs/metrics.md (the seeds' rules of thumb) and are module constants so a report can cite them:
+- ``pipeline_bubble``: measured bubble > 20 % while microbatches < 4 × stages (docs/metrics.md: m >= 4p keeps the GPipe
   bubble under 25 %);
 - ``exposed_comm``: exposed communication > 30 % of step time (communication-to-compute ratio above ~30 % calls
   the parallelism strategy into question);
 - ``low_busbw``: a collective bucket carrying >= 5 % of the communication time at busbw < 50 % of the link's peak;
 - ``pipeline_overhead``: the measured bubble exceeds the schedule replayed on its own op times (pipeline.py) by
-  more than 10 % of the step: idle time that more microbatches would not remove (p2p transfers, other communication, host gaps);
+  more than 10 % of the step: idle time that more microbatches would not remove (p2p transfers, other communication,
+  host gaps);
 - ``straggler``: a persistent straggler (stragglers.py);
 - ``memory_high``: peak memory above 70 % of the device's memory (warning above 90 %);
 - ``low_gpu_util``: mean SM utilisation below 50 % on a GPU, with the likeliest cause among data wait, exposed

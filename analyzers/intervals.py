@@ -3,7 +3,7 @@
 Intervals come as flat numpy arrays (group id, set id, start, end). ``measure`` answers questions such as
 "how long was set A covered and set B not, in each group" for any boolean combination of sets, with one sort of
 the 2N interval endpoints and a cumulative sum per set -- no Python loop over intervals. Overlapping intervals of
-the same set count once (the union), which is how metrics.md merges compute and communication intervals before
+the same set count once (the union), which is how docs/metrics.md merges compute and communication intervals before
 intersecting them (HTA ``get_comm_comp_overlap``; dtprof overlap definition).
 
 ``assign_to_windows`` maps intervals onto per-key windows (a rank's steps) with one ``searchsorted``.

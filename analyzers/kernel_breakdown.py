@@ -1,6 +1,6 @@
 """Kernel-level temporal breakdown and comm/compute overlap, HolisticTraceAnalysis-compatible.
 
-Definitions (/work/shared/reference/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
+Definitions (docs/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
 and HTA's temporal breakdown):
 - kernel classes by name: analyzers/kernels.py (communication, memory, computation), shared with the overlap
   analyzer.
@@ -19,7 +19,6 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers.kernels import kernel_classes
-
 
 
 def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

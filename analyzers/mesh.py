@@ -4,10 +4,11 @@ the mesh groups a slow rank belongs to. Pure pandas/numpy (no torch), vectorised
 
 Where dimensions come from: the rank side (collectors/mesh.py) writes a ``groups`` row with ``mesh_dim`` for the
 group each rank has along each DeviceMesh dimension, and a ``meta`` row of kind ``mesh``
-(``{"shape": [2, 2], "dims": ["dp", "tp"]}``). A group's dimension is its last non-empty ``mesh_dim`` (docs/run-format.md). Collectives on groups with no
+(``{"shape": [2, 2], "dims": ["dp", "tp"]}``). A group's dimension is its last non-empty ``mesh_dim``
+(docs/run-format.md). Collectives on groups with no
 dimension (the world group, groups made outside a mesh) are reported under the dimension ``"(none)"``.
 
-Definitions (/work/shared/reference/metrics.md)
+Definitions (docs/metrics.md)
 - Communication time of a collective row = ``exit_ns − issue_ns`` (the run model's collectives), as
   the rank experienced it (peers' lateness included). Bytes = the nccl-tests message size ``max(in_bytes,
   out_bytes)``. ``*_per_step`` = mean over (rank, step) pairs of the ranks that have the dimension, steps with no
@@ -34,7 +35,6 @@ Proposed summary.json block (the integrator wires ``mesh_summary`` into ``summar
     }
 """
 from __future__ import annotations
-
 
 import numpy as np
 import pandas as pd

@@ -1,4 +1,4 @@
-"""MFU and HFU (metrics.md, "MFU and HFU", the dtprof convention).
+"""MFU and HFU (docs/metrics.md, "MFU and HFU", the dtprof convention).
 
     MFU = model FLOPs per step / (step time × Σ peak FLOP/s of the job's devices)
 

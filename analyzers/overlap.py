@@ -1,4 +1,4 @@
-"""Compute / communication overlap per rank and step (metrics.md, "Compute / communication overlap", dtprof).
+"""Compute / communication overlap per rank and step (docs/metrics.md, "Compute / communication overlap", dtprof).
 
 For each rank and step, with every set merged first (a union, so nested or concurrent intervals count once):
 - compute = union of compute spans (forward, backward, optimizer, pp_forward, pp_backward) minus the union of
@@ -43,7 +43,8 @@ P2P_OPS = ("send", "recv")
 
 @dataclass
 class OverlapResult:
-    per_step: pd.DataFrame   # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    per_step: pd.DataFrame
     unassigned: int          # intervals that fell outside every step window
 
 

@@ -1,4 +1,4 @@
-"""Pipeline bubble and stage imbalance (metrics.md, "Pipeline bubble and stage imbalance", dtprof).
+"""Pipeline bubble and stage imbalance (docs/metrics.md, "Pipeline bubble and stage imbalance", dtprof).
 
 Input: ``pp_forward``/``pp_backward`` spans (``stage``, ``microbatch``), and the ``meta`` row of kind
 ``pipeline_schedule`` (schedule class name, stages, microbatches); without it the schedule is "unknown" (and the
@@ -27,7 +27,7 @@ means this and only this everywhere (summary.json, the terminal line, the report
 the gap-free step (not of the measured one), on median per-stage times (dtprof's generalisation of (p-1)/(m+p-1) to
 non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
 1 - Σ_s m·t_s ÷ (p · (Σ_s t_s + (m-1)·max_s t_s)) for GPipe and 1F1B. Interleaved schedules (v stages per rank) use
-metrics.md's (p-1)/(v·m) relative to ideal compute, i.e. (p-1)/(v·m + p - 1) as a share of the step, with p the
+docs/metrics.md's (p-1)/(v·m) relative to ideal compute, i.e. (p-1)/(v·m + p - 1) as a share of the step, with p the
 number of pipeline ranks; zero-bubble schedules use ZB-H1's (p-1)/(3m) likewise.
 
 Pipeline replicas (DP×PP): the ranks that run a stage are paired with the other stages' ranks in rank order (the

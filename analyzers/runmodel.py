@@ -24,6 +24,7 @@ analyzer takes the model wherever it took the run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -35,7 +36,7 @@ from dtprof.schema import TABLES
 
 @dataclass
 class RunModel:
-    run: object
+    run: Any                       # dtprof.reader.Run
     collectives: pd.DataFrame
     clock: pd.DataFrame
     steps: pd.DataFrame
@@ -52,7 +53,7 @@ class RunModel:
             cache[warmup] = build(run, warmup)
         return cache[warmup]
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name in TABLES:   # the run's own tables, for analyzers that take the model where they took the run
             return self.run.table(name)
         raise AttributeError(name)

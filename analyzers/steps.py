@@ -1,6 +1,6 @@
 """Steps and throughput: per rank and step durations, the job's step time, warm-up detection, percentiles.
 
-Definitions (metrics.md, "Stragglers" and BRIEF §4):
+Definitions (docs/metrics.md, "Steps, step time and warm-up"):
 - a rank's step k lasts ``end_ns - start_ns`` of its ``steps`` row;
 - the job's step time of step k is the maximum over ranks of that step's duration (a synchronous job waits for
   its slowest rank);

@@ -1,4 +1,4 @@
-"""Stragglers (metrics.md, "Stragglers").
+"""Stragglers (docs/metrics.md, "Stragglers").
 
 Arrival skew: a collective instance is ``(group, seq)``; its ranks' arrivals are their ``issue_ns`` moved onto the
 reference host's clock (clock.py). Lateness = arrival - first arrival of the instance. The last rank to arrive is

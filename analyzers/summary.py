@@ -1,7 +1,7 @@
 """The analysis of a run end to end, and summary.json (docs/summary-schema.md).
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
-DataFrames behind each figure (BRIEF §4). ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
+DataFrames behind each figure. ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
 ``format_summary_text(summary)`` is the short per-rank table the launcher prints at the end of a job.
 
 The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
@@ -10,7 +10,6 @@ device peaks with their sources) and recorded in summary.json ``options``.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field

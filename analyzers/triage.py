@@ -451,7 +451,6 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         parts = []
         for r in culprits:
             f = next((x for x in failures if x["rank"] == r), None)
-            hb = hbs.get(r, {})
             how = (f"was killed by {f['signal']}" if f and f["signal"] else
                    f"exited with code {f['exit_code']}" if f else "exited")
             exc = _exception_line(logs, r)

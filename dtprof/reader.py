@@ -10,14 +10,13 @@ files (a crashed or still-running job), tolerating a torn last line.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import re
-
-from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
 from dtprof.runformat import NODE_MANIFEST, NODE_PREFIX, RANK_PREFIX, RUN_MANIFEST, TABLES_COMPLETE, TABLES_DIR
+from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
 
 
 class RunFormatError(Exception):
@@ -30,7 +29,6 @@ _NUMPY_DTYPES = {"int": "int64", "Int": "Int64", "float": "float64", "bool": "bo
 
 def conform(table: str, df):
     """Return ``df`` with exactly the schema's columns, in order, with the schema's dtypes (nulls where missing)."""
-    import numpy as np
     import pandas as pd
 
     out = {}
@@ -170,7 +168,7 @@ def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any
     rows = []
     bad = 0
     loads = json.loads
-    for i, line in enumerate(lines[1:]):
+    for line in lines[1:]:
         if not line:
             continue
         try:

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import IO, Any, Iterable, Sequence
 
 from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
 
@@ -95,21 +95,22 @@ class _TableFile:
         self.table = table
         self.columns = [c for c, _ in TABLES[table]]
         self.rows: list[Sequence[Any]] = []
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def flush(self) -> None:
         rows, self.rows = self.rows, []   # swap under the GIL: appenders never wait on I/O
         if not rows and self._fh is not None:
             return
-        if self._fh is None:
-            self._fh = open(self.path, "a", buffering=1 << 16)
-            if self._fh.tell() == 0:
+        fh = self._fh
+        if fh is None:
+            fh = self._fh = open(self.path, "a", buffering=1 << 16)
+            if fh.tell() == 0:
                 header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION,
                           "schema_minor": SCHEMA_MINOR, "columns": self.columns}
-                self._fh.write(json.dumps(header) + "\n")
+                fh.write(json.dumps(header) + "\n")
         dumps = json.dumps
-        self._fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
-        self._fh.flush()
+        fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
+        fh.flush()
 
     def close(self) -> None:
         self.flush()

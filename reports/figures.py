@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -50,9 +51,9 @@ def esc(value) -> str:
 
 @dataclass
 class Context:
-    run: object
-    analysis: object
-    model: object                  # the run model (analyzers/runmodel.py): aligned times, job step time
+    run: Any                       # dtprof.reader.Run
+    analysis: Any                  # dtprof.analyzers.summary.Analysis
+    model: Any                     # the run model (analyzers/runmodel.py): aligned times, job step time
     t0_ns: int                     # aligned start of the first step: x = 0 on time axes
     steps: pd.DataFrame            # analysis.steps with start_ns/end_ns replaced by the aligned times
     measured: pd.DataFrame         # measured steps (all steps if none is measured)
@@ -220,8 +221,9 @@ def _fmt_bytes(b) -> str:
     b = float(b)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if b < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+            break
         b /= 1024
+    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
 
 
 def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int]]:
@@ -324,7 +326,8 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         makespan = float(one["ideal_end_s"].max() * 1e3)
         replayed = bool(np.isfinite(makespan))
         sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                              subplot_titles=(f"measured, step {step} ({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
+                              subplot_titles=(f"measured, step {step} "
+                                              f"({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
                                               " ms from the first op to the last)",
                                               f"the same ops replayed with no time between them ({makespan:.1f} ms):"
                                               " the schedule's own bubble" if replayed else

@@ -32,20 +32,23 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
-from dtprof.reader import open_run
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
+from dtprof.reader import open_run
 
 ASSETS = Path(__file__).parent / "assets"
+# The page loads nothing from the network: inline scripts and styles only, images and fonts as data: URIs.
+CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
+       "img-src data: blob:; font-src data:")
 
 # anchor -> section title, in page order
 SECTIONS = {
@@ -60,9 +63,6 @@ SECTIONS = {
     "gpu": "GPU telemetry (NVML)",
     "memory": "Memory",
 }
-ANCHOR_ALIASES = {"heatmap": "heatmaps", "step_time": "steps", "nvml": "gpu", "comm": "overlap",
-                  "communication": "overlap", "straggler": "stragglers", "mfu": "card-mfu",
-                  "headline": "headline", "bubble": "pipeline"}
 
 # (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
 HEADLINES = [  # (card id, label, summary key — docs/summary-schema.md, unit kind)
@@ -75,7 +75,7 @@ HEADLINES = [  # (card id, label, summary key — docs/summary-schema.md, unit k
     ("overlap", "Comm/compute overlap", ["overlap.ratio"], "frac"),
     ("bubble", "Pipeline bubble", ["pipeline.bubble_frac"], "frac"),
 ]
-SEVERITY_ORDER = {"critical": 0, "error": 1, "high": 1, "warning": 2, "medium": 2, "info": 3, "low": 4}
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}   # the severities analyzers/findings.py emits
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -86,7 +86,7 @@ def esc(value) -> str:
 def pick(d: dict, paths: list[str]):
     """The first value found at a dotted path of a nested dict, else None."""
     for path in paths:
-        cur = d
+        cur: Any = d
         for part in path.split("."):
             cur = cur.get(part) if isinstance(cur, dict) else None
         if cur is not None:
@@ -227,7 +227,7 @@ def _header(run, summary: dict) -> str:
     ranks = run.ranks
     devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
     dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in devices.items()) or "unknown"
-    versions = {}
+    versions: dict[str, object] = {}
     for n in nodes:
         versions.update(n.get("versions") or {})
     ver_text = " · ".join(f"{esc(k)} {esc(v)}" for k, v in versions.items()) or "not recorded"
@@ -298,12 +298,11 @@ def _cards(summary: dict) -> str:
 def _findings(findings: list, anchors: set) -> str:
     if not findings:
         return '<p class="empty">No findings: nothing in this run crossed a threshold.</p>'
-    items = sorted(findings, key=lambda f: SEVERITY_ORDER.get(str(f.get("severity", "")).lower(), 5))
+    items = sorted(findings, key=lambda f: SEVERITY_ORDER[f["severity"]])
     out = ['<ol class="findings">']
     for f in items:
-        sev = str(f.get("severity", "info")).lower()
-        chart = str(f.get("chart") or "").lstrip("#")
-        chart = ANCHOR_ALIASES.get(chart, chart)
+        sev = f["severity"]
+        chart = f.get("chart") or ""   # a section id of SECTIONS
         link = (f' <a href="#{esc(chart)}" class="evidence-link">show the evidence</a>' if chart in anchors
                 else "")
         ev = f'<div class="evidence">Evidence: {esc(f.get("evidence"))}</div>' if f.get("evidence") else ""
@@ -314,7 +313,7 @@ def _findings(findings: list, anchors: set) -> str:
     return "\n".join(out)
 
 
-def _table(df, columns: list[tuple[str, str, object]], limit: int, what: str) -> str:
+def _table(df, columns: list[tuple[str, str, Callable[[Any], str] | None]], limit: int, what: str) -> str:
     """An HTML table: columns are (column, header, formatter or None for text)."""
     if df is None or len(df) == 0:
         return f'<p class="empty">No {what}.</p>'
@@ -377,7 +376,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     sections.append(_section("overlap", page.figure(F.overlap_figure(ctx), "fig-overlap")
                              or '<p class="empty">No communication recorded.</p>',
                              "Overlap ratio = |comm ∩ compute| ÷ |comm|; exposed = comm not hidden under compute "
-                             "(metrics.md, compute/communication overlap)."))
+                             "(docs/metrics.md, compute/communication overlap)."))
     progress.step("overlap")
 
     sched, bub = F.pipeline_figures(ctx)
@@ -413,7 +412,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
         ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
         ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
                                                              _num("{:.1%}"))], 60, "collectives recorded"),
-        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (metrics.md); transfer time excludes "
+        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (docs/metrics.md); transfer time excludes "
         "waiting for late peers."))
     progress.step("collectives")
 
@@ -475,7 +474,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     js = (ASSETS / "report.js").read_text()
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:">
+<meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>dtprof report — {esc(run.path.name)}</title>
 <style>{css}</style></head>

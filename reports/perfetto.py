@@ -58,7 +58,8 @@ def build_trace(run) -> dict:
     for r in ranks:
         events.append({"ph": "M", "name": "process_name", "pid": int(r), "tid": 0,
                        "args": {"name": f"rank {r}" + (f" · {host_of[r]}" if host_of.get(r) else "")}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": int(r), "tid": 0, "args": {"sort_index": int(r)}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": int(r), "tid": 0,
+                       "args": {"sort_index": int(r)}})
     if len(steps):
         st = steps.assign(lane="steps")
         st_tid = [tid(r, "steps") for r in st["rank"]]
@@ -67,9 +68,9 @@ def build_trace(run) -> dict:
     if len(spans):
         lane = spans["lane"].astype(str).where(spans["lane"].astype(str) != "", "main")
         keys = pd.MultiIndex.from_arrays([spans["rank"], lane]).unique()
-        for r, l in keys:
-            tid(r, l)
-        tids = [lanes[(r, l)] for r, l in zip(spans["rank"], lane)]
+        for r, lane_name in keys:
+            tid(r, lane_name)
+        tids = [lanes[(r, lane_name)] for r, lane_name in zip(spans["rank"], lane)]
         events += _x_events(spans, spans["rank"].to_numpy(), tids, spans["name"].astype(str), sp_start, sp_end, t0,
                             "span", args=[{"kind": k, "source": s, "step": (None if pd.isna(x) else int(x))}
                                           for k, s, x in zip(spans["kind"], spans["source"], spans["step"])])
@@ -93,8 +94,8 @@ def build_trace(run) -> dict:
             fl = pd.DataFrame({"ph": ph, "cat": "collective", "name": c["op"].astype(str), "id": flow_id,
                                "pid": c["rank"], "tid": c["tid"], "ts": c["ts"], "bp": "e"})
             events += fl.to_dict("records")
-    for (r, l), t in lanes.items():
-        events.append({"ph": "M", "name": "thread_name", "pid": int(r), "tid": t, "args": {"name": l}})
+    for (r, name), t in lanes.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": int(r), "tid": t, "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": int(r), "tid": t, "args": {"sort_index": t}})
     nv = run.nvml
     if len(nv):
@@ -109,10 +110,12 @@ def build_trace(run) -> dict:
             ok = v.notna().to_numpy()
             if not ok.any():
                 continue
-            events += pd.DataFrame({"ph": "C", "name": "gpu" + nv["gpu"].astype(str)[ok] + " " + col, "pid": pid[ok],
-                                    "tid": 0, "ts": ts[ok], "args": [{col: float(x)} for x in v[ok]]}).to_dict("records")
+            events += pd.DataFrame({"ph": "C", "name": "gpu" + nv["gpu"].astype(str)[ok] + " " + col,
+                                    "pid": pid[ok], "tid": 0, "ts": ts[ok],
+                                    "args": [{col: float(x)} for x in v[ok]]}).to_dict("records")
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"dtprof_run": str(run.path), "t0_ns": t0, "clock": "reference host's monotonic clock (offset + drift per host)"}}
+            "otherData": {"dtprof_run": str(run.path), "t0_ns": t0,
+                          "clock": "reference host's monotonic clock (offset + drift per host)"}}
 
 
 def _clean(o):

@@ -156,7 +156,8 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
         cap_start, cap_end = flat(t0)[np.arange(W) * S + a], flat(d_end)[np.arange(W) * S + b]
         tables["meta"] = pd.DataFrame({"rank": ranks, "host": rank_tbl["host"], "t_ns": cap_end,
                                        "kind": "trace_capture",
-                                       "value": [{"steps": list(range(a, b + 1)), "start_ns": int(s0), "end_ns": int(e0)}
+                                       "value": [{"steps": list(range(a, b + 1)), "start_ns": int(s0),
+                                                  "end_ns": int(e0)}
                                                  for s0, e0 in zip(cap_start, cap_end)]})
     if spec.nvml_interval_ms:
         tables["nvml"] = _nvml_samples(spec, rank_tbl, int(step_start[0]), int(step_start[-1] + step_len[-1]))

@@ -13,8 +13,6 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synth import MS, build_run  # noqa: E402
-
 from dtprof.analyzers import findings as F  # noqa: E402
 from dtprof.analyzers.intervals import assign_to_windows, measure, union_length  # noqa: E402
 from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
@@ -22,6 +20,7 @@ from dtprof.analyzers.summary import analyze, format_summary_text, write_summary
 from dtprof.options import resolve_options  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.runformat import create_run_dir, write_node_tables  # noqa: E402
+from synth import MS, build_run  # noqa: E402
 
 
 def hand_run(path: Path, spans: list[tuple], colls: list[tuple], steps=((0, 0, 100),), ranks=(0,),

@@ -27,7 +27,8 @@ def _one_rank_run(path, spans: list[tuple], step_ms=100):
     node.mkdir()
     sp = pd.DataFrame([{"rank": 0, "step": 0, "kind": k, "name": n, "start_ns": a * MS, "end_ns": e * MS,
                         "lane": lane, "source": "kineto"} for k, n, a, e, lane in spans])
-    write_node_tables(node, {"ranks": pd.DataFrame({"rank": [0], "local_rank": [0], "world_size": [1], "host": ["h0"], "pid": [1],
+    write_node_tables(node, {"ranks": pd.DataFrame({"rank": [0], "local_rank": [0], "world_size": [1],
+                                                    "host": ["h0"], "pid": [1],
                                                     "device_type": ["cuda"], "device_name": ["gpu"]}),
                              "steps": pd.DataFrame({"rank": [0], "step": [0], "start_ns": [0],
                                                     "end_ns": [step_ms * MS]}),
@@ -100,6 +101,7 @@ def test_persistent_straggler_one_criterion_one_wording(tmp_path):
     page = H.write_report(run_dir, analysis=a).read_text()
     assert html.escape(s[0]["reason"]) in page and html.escape(PERSISTENT_RULE.capitalize()) in page
     from click.testing import CliRunner
+
     from dtprof.cli import main
     res = CliRunner().invoke(main, ["triage", str(run_dir), "--json"])
     verdict = json.loads(res.stdout)
@@ -160,6 +162,7 @@ def test_nvml_evidence_is_the_same_in_summary_and_triage(tmp_path):
     s = analyze(run_dir).summary["stragglers"][0]
     assert s["rank"] == 2 and s["nvml"]["gpu"] == 2 and s["nvml"]["throttle_reasons"] == ["hw_thermal_slowdown"]
     from click.testing import CliRunner
+
     from dtprof.cli import main
     verdict = json.loads(CliRunner().invoke(main, ["triage", str(run_dir), "--json"]).stdout)
     nv = next(e for e in verdict["evidence"] if e["kind"] == "nvml")

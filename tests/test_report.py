@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.reports import html as H
-from dtprof.analyzers.summary import analyze
 from synth import build_run
 from synth_report import HOSTILE, build_report_run
 
