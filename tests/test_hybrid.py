@@ -183,13 +183,14 @@ def test_analyzer_on_hand_made_tables():
         "rank": [0, 0, 1], "step": [0, 0, 0], "group": ["1", "0", "1"], "issue_ns": [0, 10 * ms, 0],
         "return_ns": [5 * ms, 30 * ms, 5 * ms], "end_ns": pd.array([None, 40 * ms, 10 * ms], dtype="Int64"),
         "in_bytes": [8, 100, 0], "out_bytes": [0, 100, 8]})
-    steps = pd.DataFrame({"rank": [0, 1], "step": [0, 0], "start_ns": [0, 0], "end_ns": [100 * ms, 100 * ms],
-                          "exposed_comm_s": [0.035, 0.0]})
-    per = M.comm_by_dim(groups, coll, steps).set_index("dim")
+    steps = pd.DataFrame({"rank": [0, 1], "step": [0, 0], "start_ns": [0, 0], "end_ns": [100 * ms, 100 * ms]})
+    exposed = pd.DataFrame({"rank": [0, 0], "step": [0, 0], "mesh_dim": ["pp", M.NO_DIM], "exposed_s": [0.005, 0.03]})
+    per = M.comm_by_dim(groups, coll, steps, exposed).set_index("dim")
     # rank 0: pp 5 ms (no end seen: return used), (none) 30 ms; rank 1: pp 10 ms
     assert per.loc["pp", "comm_s_per_step"] == pytest.approx((0.005 + 0.010) / 2)
     assert per.loc[M.NO_DIM, "comm_s_per_step"] == pytest.approx(0.030)
-    assert per.loc["pp", "exposed_comm_s_per_step"] == pytest.approx((0.035 * 5 / 35 + 0.0) / 2)
+    # exposed per dimension is the breakdown's, averaged over the rank-steps of ranks with traffic in it
+    assert per.loc["pp", "exposed_comm_s_per_step"] == pytest.approx((0.005 + 0.0) / 2)
     assert per.loc["pp", "bytes_per_step"] == 8
     assert M.costliest_dim(per.reset_index()) == "pp"
     spans = pd.DataFrame({"rank": [0, 0, 0, 1], "step": pd.array([0, 0, 0, 0], dtype="Int64"),
