@@ -9,10 +9,13 @@ elementary segment goes to exactly one part, the first that applies in this orde
    phase first (a forward recomputed inside backward is backward time);
 3. ``exposed_comm`` -- a collective is in flight (``issue_ns`` to its end) and no compute covers the instant;
 4. ``data_wait`` -- a ``data_wait`` span (between one step's end and the next step's first forward);
-5. ``other`` -- nothing recorded (Python, launch gaps, untraced work).
+5. ``bubble`` -- in a step that runs pipeline ops on this rank, the rest of the step: the stage idles (fill and
+   drain, waiting for a slower neighbour, transfers, host gaps between microbatches), as the pipeline analyzer's
+   measured bubble counts it;
+6. ``other`` -- otherwise, nothing recorded (Python, launch gaps, untraced work).
 
 On a pipeline rank (one with ``pp_forward``/``pp_backward`` spans) the time a point-to-point ``send``/``recv`` is in
-flight in case 1 or 3 is ``bubble`` instead: the stage waits for its neighbour (schedule fill and drain, stage
+flight in case 1 or 3 is ``bubble`` too: the stage waits for its neighbour (schedule fill and drain, stage
 imbalance and the transfer itself; the pipeline section separates the schedule's own share). So the pipeline's
 fill is never read as data wait: its ``recv`` outranks the ``data_wait`` span it sits in.
 
@@ -41,8 +44,8 @@ P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
 
 # span sets, in priority order; communication channels (dim, op) follow as sets N_SPAN_SETS, N_SPAN_SETS + 1, ...
-COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT = range(5)
-N_SPAN_SETS = 5
+COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION = range(6)
+N_SPAN_SETS = 6
 SPAN_SET = {"comm_wait": COMM_WAIT, "optimizer": OPTIMIZER, "backward": BACKWARD, "pp_backward": BACKWARD,
             "forward": FORWARD, "pp_forward": FORWARD, "data_wait": DATA_WAIT}
 
@@ -94,8 +97,15 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     end = np.concatenate([sp["end_ns"].to_numpy(np.int64), c_end])
     sset = np.concatenate([sp_set, N_SPAN_SETS + chan_codes])
     used = sset >= 0
+    is_pp = np.concatenate([kind.isin(PP_KINDS).to_numpy(), np.zeros(len(co), bool)])[used]
     item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
     sset = sset[used][item]
+    # a rank-step that runs pipeline ops: its whole window is pipeline time
+    pipe_win = np.unique(win[is_pp[item]])
+    win = np.concatenate([win, pipe_win])
+    sset = np.concatenate([sset, np.full(len(pipe_win), PIPE_REGION)])
+    s = np.concatenate([s, ws[pipe_win]])
+    e = np.concatenate([e, we[pipe_win]])
 
     n_sets = N_SPAN_SETS + n_chan
     g, seg, cov = coverage_segments(win, sset, s, e, n_sets)
@@ -124,6 +134,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         parts["bubble" if ch.bubble else "exposed_comm"] += t
         if not ch.bubble:
             exposed_rows.append((ch.dim, ch.op, t))
+    parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & cov[PIPE_REGION])
     orphan = total(waiting & (n_cover == 0))   # blocked, but no collective of this rank in flight
     parts["exposed_comm"] += orphan
     exposed_rows.append((NO_DIM, UNKNOWN_OP, orphan))
