@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers.intervals import coverage_segments, split_over_windows
-from dtprof.analyzers.mesh import NO_DIM, group_dims
+from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
 
 NS = 1e9
 PARTS = ("forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other")
@@ -60,12 +60,7 @@ class Breakdown:
 def _channels(run) -> tuple[pd.Series, pd.Series]:
     """Each collective's mesh dimension and op."""
     co = run.collectives
-    dims = group_dims(run.groups)[["group", "mesh_dim"]] if len(run.groups) else pd.DataFrame(
-        columns=["group", "mesh_dim"])
-    dim_of = dict(zip(dims["group"].astype(str), dims["mesh_dim"].astype(str)))
-    dim = co["group"].map(dim_of)   # a categorical column: maps its categories only
-    dim = dim.astype(object).where(dim.notna(), NO_DIM)
-    return dim.astype(str), co["op"].astype(str)
+    return mesh_dim_of(run.groups, co["group"]).astype(str), co["op"].astype(str)
 
 
 def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:

@@ -56,6 +56,15 @@ def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def mesh_dim_of(groups: pd.DataFrame, group: pd.Series) -> pd.Series:
+    """The mesh dimension of each group named in ``group`` (NO_DIM for groups outside a DeviceMesh)."""
+    dims = group_dims(groups) if len(groups) else pd.DataFrame(columns=["group", "mesh_dim"])
+    dim_of = dict(zip(dims["group"].astype(str), dims["mesh_dim"].astype(str)))
+    g = group if isinstance(group.dtype, pd.CategoricalDtype) else group.astype(str)
+    dim = g.map(dim_of)   # on a categorical column this maps its categories only
+    return dim.astype(object).where(dim.notna(), NO_DIM)
+
+
 def mesh_shape(events: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
     """(shape, dims) from the first ``device mesh:`` events row, or None."""
     if events is None or events.empty:

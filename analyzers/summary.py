@@ -24,6 +24,7 @@ from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
+from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import mfu as mfu_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
@@ -68,10 +69,21 @@ def _run_block(run) -> dict:
     status = next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
     codes = [n.get("exit_code") for n in run.nodes if n.get("exit_code") is not None]
     exit_code = next((c for c in codes if c != 0), codes[0] if codes else None)
-    out = {"world_size": int(run.world_size), "hosts": run.hosts, "status": status, "exit_code": exit_code,
-           "path": str(run.path), "nodes": len(run.nodes)}
+    durations = [n["duration_s"] for n in run.nodes if isinstance(n.get("duration_s"), (int, float))]
+    starts = sorted(str(n["start_time"]) for n in run.nodes if n.get("start_time"))
+    out = {"world_size": int(run.world_size), "hosts": [h for h in run.hosts if h], "status": status,
+           "exit_code": exit_code, "path": str(run.path), "nodes": len(run.nodes),
+           "duration_s": max(durations) if durations else None, "start_time": starts[0] if starts else None}
     if status is None:
         out["status_reason"] = "no node.json records the job's end (still running, or the launcher was killed)"
+    if exit_code is None:
+        out["exit_code_reason"] = ("an imported trace has no job exit code" if status == "imported" else
+                                   "no node.json records the job's exit code")
+    if not durations:
+        out["duration_s_reason"] = ("an imported trace records no job duration" if status == "imported" else
+                                    "no node.json records the job's end")
+    if not out["hosts"]:
+        out["hosts_reason"] = "not recorded" + (" in an imported trace" if status == "imported" else "")
     return out
 
 
@@ -208,6 +220,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     say("collective bandwidth")
     inst = coll_mod.instances(run)
     coll = coll_mod.collective_table(run, inst)
+    coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
     say("pipeline")
     pp = pipeline_mod.analyze_pipeline(run, steps)
     say("MFU")
@@ -257,12 +270,27 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
                         memory=mem, clock=clk, job_steps=st.job, instances=inst, exposed=bd.exposed)
+    say("triage")
+    _add_triage(summary, run, strag)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def _add_triage(summary: dict, run, strag: pd.DataFrame) -> None:
+    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here."""
+    from dtprof.analyzers import triage
+
+    try:
+        res = triage.triage(run.path, run=run, stragglers=strag)
+    except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
+        summary["triage"] = None
+        summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
+        return
+    summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
 
 
 def _add_mesh(summary: dict, run, steps, bd) -> None:
@@ -329,8 +357,13 @@ def format_summary_text(summary: dict) -> str:
     run = summary.get("run") or {}
     st = summary.get("steps") or {}
     t = st.get("time_s") or {}
-    lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) on {len(run.get('hosts') or [])} host(s), "
-                 f"status {run.get('status') or 'unknown'}, exit code {run.get('exit_code')}")
+    hosts = f"on {len(run['hosts'])} host(s)" if run.get("hosts") else "on unnamed hosts"
+    code = f", exit code {run['exit_code']}" if run.get("exit_code") is not None else ""
+    lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) {hosts}, "
+                 f"status {run.get('status') or 'unknown'}{code}")
+    tri = summary.get("triage")
+    if tri and tri.get("verdict") != "healthy":
+        lines.append(f"triage: {tri['message']}")
     lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
                  f"step time p50 {_fmt_s(t.get('p50'))}, p90 {_fmt_s(t.get('p90'))}, "
                  f"p99 {_fmt_s(t.get('p99'))}")

@@ -282,12 +282,9 @@ def _exception_line(text: str, rank: int) -> str | None:
     return lines[-1].strip() if lines else None
 
 
-def find_stragglers(run) -> list[dict]:
-    """Persistent stragglers as the analyzers classify them (dtprof.analyzers.stragglers)."""
-    from dtprof.analyzers.summary import analyze
-
-    st = analyze(run).stragglers
-    st = st[st["kind"].astype(str) == "persistent"]
+def find_stragglers(stragglers) -> list[dict]:
+    """Persistent stragglers of the analysis' per-rank stragglers table (dtprof.analyzers.stragglers)."""
+    st = stragglers[stragglers["kind"].astype(str) == "persistent"]
     return [{"rank": int(r), "late_frac": float(lf), "time_lost_s": float(tl), "compute_score": float(cs),
              "reason": str(why), "method": "dtprof.analyzers.stragglers"}
             for r, lf, tl, cs, why in zip(st["rank"], st["late_frac"], st["time_lost_s"], st["compute_score"],
@@ -350,10 +347,13 @@ def _nvml_text(ev: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ verdict
-def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None) -> dict:
+def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None,
+           run=None, stragglers=None) -> dict:
     """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
     message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
     directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
+    ``run`` and ``stragglers``: the run already open and its analysis' stragglers table (``Analysis.stragglers``),
+    as ``dtprof.analyzers.summary.analyze`` passes them; without them the run is opened and analysed here.
     """
     import pandas as pd
 
@@ -361,7 +361,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     from dtprof.reader import open_run
 
     run_dir = Path(run_dir)
-    run = open_run(run_dir) if (run_dir / "run.json").exists() else None
+    if run is None:
+        run = open_run(run_dir) if (run_dir / "run.json").exists() else None
     ranks_tbl = run.ranks if run is not None else None
     groups_tbl = run.groups if run is not None else None
     hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
@@ -533,7 +534,11 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     # 4. straggler
     if run is not None and len(run.steps):
         try:
-            slow = find_stragglers(run)
+            if stragglers is None:
+                from dtprof.analyzers.summary import analyze
+
+                stragglers = analyze(run).stragglers
+            slow = find_stragglers(stragglers)
         except Exception as e:  # the analysis failing must not hide the rest of the triage
             slow = []
             evidence.append({"kind": "error", "message": f"straggler analysis failed: {type(e).__name__}: {e}"})
