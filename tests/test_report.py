@@ -379,12 +379,26 @@ def test_breakdown_bars_on_the_first_screen_add_up_to_each_ranks_step(pipeline_p
     assert bubble > 0
 
 
+def _step_ticks(page, ids):
+    return page.evaluate(f"""() => {json.dumps(list(ids))}.map(id =>
+        [id, [...document.getElementById(id).querySelectorAll('.xtick text')].map(t => t.textContent)])""")
+
+
+@pytest.mark.browser
+def test_small_run_step_ticks_are_whole_numbers(browser, tmp_path):
+    path, _ = _report(tmp_path / "small", world_size=2, steps=4, nvml=False)   # 3 measured steps: 1, 2, 3
+    loaded = load(browser, path, "small-ticks")
+    try:
+        for cid, labels in _step_ticks(loaded.page, ["fig-step-time", "heatmap-step", "heatmap-compute"]):
+            assert labels and all(re.fullmatch(r"\d+", t) for t in labels), (cid, labels)
+    finally:
+        loaded.page.close()
+
+
 @pytest.mark.browser
 def test_step_axes_whole_numbers_and_one_warmup_rule(pipeline_page, reports):
     page = pipeline_page.page
-    ticks = page.evaluate("""() => ['fig-step-time', 'heatmap-step', 'fig-stragglers'].map(id =>
-        [id, [...document.getElementById(id).querySelectorAll('.xtick text')].map(t => t.textContent)])""")
-    for cid, labels in ticks:
+    for cid, labels in _step_ticks(page, ["fig-step-time", "heatmap-step", "fig-stragglers"]):
         assert labels and all(re.fullmatch(r"\d+", t) for t in labels), (cid, labels)
     summary = json.loads((reports["pipeline"][0].parent / "summary.json").read_text())
     measured = set(summary["steps"]["per_step_index"])
