@@ -169,6 +169,33 @@ def test_summary_json_splits_by_mesh_dim(tp_run, pp_run):
     assert "Pipeline groups" in section and "<td class=\"t\">0, 1</td>" in section
 
 
+@pytest.mark.slow
+def test_hybrid_breakdown_adds_up_and_names_each_dimension(tp_run, pp_run):
+    """Issue 13 on both hybrid jobs: each rank's parts sum to its step; DP×PP's pipeline p2p waits are bubble, so
+    its exposed communication is DP's all-reduce only, and no finding about it advises DDP buckets for pp; TP×DP
+    exposes tensor-parallel all-reduces under tp; every collectives row names its dimension."""
+    from breakdown_checks import assert_breakdown_adds_up
+
+    tp = assert_breakdown_adds_up(tp_run.path)
+    assert set(tp["breakdown"]["exposed_comm_by_dim_s_per_step"]) <= {"dp", "tp"}
+    assert tp["breakdown"]["exposed_comm_by_dim_s_per_step"].get("tp", 0) > 0
+    assert {c["mesh_dim"] for c in tp["collectives"]} == {"dp", "tp"}
+    pp = assert_breakdown_adds_up(pp_run.path)
+    assert pp["breakdown"]["pipeline_ranks"] == [0, 1, 2, 3]
+    for r in pp["ranks"]:
+        assert r["breakdown_s_per_step"]["bubble"] > 0
+        assert set(r["exposed_comm_s_per_step_by_dim"]) <= {"dp"}, r["exposed_comm_s_per_step_by_dim"]
+    assert {c["mesh_dim"] for c in pp["collectives"]} == {"dp", "pp"}
+    # the mesh table's exposed communication per dimension is the breakdown's: pp's waits are bubble there too
+    per_dim = {d["dim"]: d for d in pp["mesh"]["per_dim"]}
+    assert per_dim["pp"]["exposed_comm_s_per_step"] == 0
+    for f in pp["findings"]:
+        if f["id"] == "exposed_comm":
+            assert f["dim"] == "dp" and "bucket_cap_mb" in f["recommendation"]
+        if f["id"] in ("pipeline_bubble", "pipeline_overhead"):
+            assert f["part"] == "bubble" and f["dim"] == "pp" and "bucket" not in f["recommendation"]
+
+
 # ---- fast checks (no jobs) ---------------------------------------------------------------------------------
 
 def _groups(rows):
