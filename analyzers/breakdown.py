@@ -8,7 +8,8 @@ elementary segment goes to exactly one part, the first that applies in this orde
 2. ``optimizer``, ``backward`` (also ``pp_backward``), ``forward`` (also ``pp_forward``) -- compute, innermost
    phase first (a forward recomputed inside backward is backward time);
 3. ``exposed_comm`` -- a collective is in flight (``issue_ns`` to its end) and no compute covers the instant;
-4. ``data_wait`` -- a ``data_wait`` span (between one step's end and the next step's first forward);
+4. ``data_wait`` -- a ``data_wait`` span (between one step's end and the next step's first forward), except
+   while a profiler trace capture runs (its stop and export are not waiting for input: ``other``);
 5. ``bubble`` -- in a step that runs pipeline ops on this rank, the rest of the step: the stage idles (fill and
    drain, waiting for a slower neighbour, transfers, host gaps between microbatches), as the pipeline analyzer's
    measured bubble counts it;
@@ -44,8 +45,8 @@ P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
 
 # span sets, in priority order; communication channels (dim, op) follow as sets N_SPAN_SETS, N_SPAN_SETS + 1, ...
-COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION = range(6)
-N_SPAN_SETS = 6
+COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION, CAPTURE = range(7)
+N_SPAN_SETS = 7
 SPAN_SET = {"comm_wait": COMM_WAIT, "optimizer": OPTIMIZER, "backward": BACKWARD, "pp_backward": BACKWARD,
             "forward": FORWARD, "pp_forward": FORWARD, "data_wait": DATA_WAIT}
 
@@ -64,7 +65,8 @@ def _channels(run) -> tuple[pd.Series, pd.Series]:
 
 
 def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
-    """``windows``: rank, step, start_ns, end_ns (one row per rank-step; the result keeps their order)."""
+    """``run``: the run model (analyzers/runmodel.py); ``windows``: rank, step, start_ns, end_ns (one row per
+    rank-step; the result keeps their order)."""
     n_win = len(windows)
     wr = windows["rank"].to_numpy(np.int64)
     ws = windows["start_ns"].to_numpy(np.int64)
@@ -84,15 +86,17 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     chan_codes = chan.groupby(["dim", "op", "bubble"], sort=True).ngroup().to_numpy(np.int64)
     chans = chan.drop_duplicates().assign(code=chan_codes[~chan.duplicated().to_numpy()]).sort_values("code")
     n_chan = len(chans)
-    c_end = co["end_ns"].astype("Int64").fillna(co["return_ns"]).to_numpy(np.int64) if len(co) else \
-        np.zeros(0, np.int64)
+    cap = run.captures
 
-    key = np.concatenate([sp["rank"].to_numpy(np.int64), co["rank"].to_numpy(np.int64)])
-    start = np.concatenate([sp["start_ns"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64)])
-    end = np.concatenate([sp["end_ns"].to_numpy(np.int64), c_end])
-    sset = np.concatenate([sp_set, N_SPAN_SETS + chan_codes])
+    key = np.concatenate([sp["rank"].to_numpy(np.int64), co["rank"].to_numpy(np.int64),
+                          cap["rank"].to_numpy(np.int64)])
+    start = np.concatenate([sp["start_ns"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64),
+                            cap["start_ns"].to_numpy(np.int64)])
+    end = np.concatenate([sp["end_ns"].to_numpy(np.int64), co["exit_ns"].to_numpy(np.int64),
+                          cap["end_ns"].to_numpy(np.int64)])
+    sset = np.concatenate([sp_set, N_SPAN_SETS + chan_codes, np.full(len(cap), CAPTURE)])
     used = sset >= 0
-    is_pp = np.concatenate([kind.isin(PP_KINDS).to_numpy(), np.zeros(len(co), bool)])[used]
+    is_pp = np.concatenate([kind.isin(PP_KINDS).to_numpy(), np.zeros(len(co) + len(cap), bool)])[used]
     item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
     sset = sset[used][item]
     # a rank-step that runs pipeline ops: its whole window is pipeline time
@@ -119,7 +123,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         "optimizer": total(~waiting & cov[OPTIMIZER]),
         "backward": total(~waiting & ~cov[OPTIMIZER] & cov[BACKWARD]),
         "forward": total(~waiting & ~cov[OPTIMIZER] & ~cov[BACKWARD] & cov[FORWARD]),
-        "data_wait": total(~comm_time & ~compute & cov[DATA_WAIT]),
+        "data_wait": total(~comm_time & ~compute & ~cov[CAPTURE] & cov[DATA_WAIT]),
         "exposed_comm": np.zeros(n_win), "bubble": np.zeros(n_win),
     }
     exposed_rows = []
@@ -129,7 +133,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         parts["bubble" if ch.bubble else "exposed_comm"] += t
         if not ch.bubble:
             exposed_rows.append((ch.dim, ch.op, t))
-    parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & cov[PIPE_REGION])
+    parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & ~cov[CAPTURE] & cov[PIPE_REGION])
     orphan = total(waiting & (n_cover == 0))   # blocked, but no collective of this rank in flight
     parts["exposed_comm"] += orphan
     exposed_rows.append((NO_DIM, UNKNOWN_OP, orphan))

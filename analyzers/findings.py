@@ -173,13 +173,14 @@ def straggler(summary: dict, analysis) -> list[dict]:
     for s in summary.get("stragglers") or []:
         if s.get("kind") != "persistent":
             continue
-        score = f"compute score {s['score']:.2f}, " if _ok(s.get("score")) else ""
+        score = f", compute score {s['score']:.2f}" if _ok(s.get("score")) else ""
         out.append(finding(
             "straggler", "critical",
-            f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: {score}last to arrive at "
-            f"{s.get('late_frac', 0):.0%} of collectives, peers lost {s['time_lost_s']:.3f} s waiting for it",
-            {"rank": s["rank"], "host": s["host"], "score": s.get("score"), "late_frac": s.get("late_frac"),
-             "time_lost_s": s["time_lost_s"], "nvml": s.get("evidence", [])},
+            f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: {s['reason']}{score}; "
+            f"peers lost {s['time_lost_s']:.3f} s waiting for it",
+            {"rank": s["rank"], "host": s["host"], "score": s.get("score"), "late_step_frac": s.get("late_step_frac"),
+             "slow_step_frac": s.get("slow_step_frac"), "time_lost_s": s["time_lost_s"],
+             "nvml": s.get("evidence", [])},
             "Look at the NVML evidence (clocks, temperature, power, throttling) and that rank's data loading; "
             "drain or replace the node if the GPU is degraded.", "stragglers", part="exposed_comm"))
     return out

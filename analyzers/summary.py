@@ -4,8 +4,9 @@
 DataFrames behind each figure (BRIEF §4). ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
 ``format_summary_text(summary)`` is the short per-rank table the launcher prints at the end of a job.
 
-Options default to the launcher's record in ``node.json`` ``config`` (keys ``flops_per_step``, ``peak_tflops``,
-``dtype``, ``transformer``, ``warmup``) and are overridden by explicit arguments.
+The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
+command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
+device peaks with their sources) and recorded in summary.json ``options``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import breakdown as breakdown_mod
-from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
@@ -30,10 +30,18 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers.options import AnalysisOptions
+from dtprof.analyzers.runmodel import RunModel
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
-STATUS_ORDER = ("hung", "killed", "failed", "running", "completed")
+STATUS_ORDER = ("hung", "killed", "failed", "running", "completed", "imported")   # worst first
+
+
+def worst_status(statuses) -> str | None:
+    """The job's status from its nodes' statuses: the worst by STATUS_ORDER (the one place it is decided)."""
+    statuses = [str(s) for s in statuses if s]
+    return next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
 
 
 @dataclass
@@ -51,22 +59,12 @@ class Analysis:
     job_steps: pd.DataFrame | None = None   # per step: step, time_s, warmup, tokens, samples
     instances: pd.DataFrame | None = None   # per collective instance: transfer time, bytes
     pipeline_ops: pd.DataFrame | None = None  # per compute op of a pipeline rank: measured and replayed times
+    model: Any = None            # the run model (analyzers/runmodel.py): derived columns every view reads
     exposed: pd.DataFrame | None = None   # per rank × step × mesh dim × op: exposed communication (breakdown.py)
 
 
-def _node_config(run) -> dict:
-    cfg: dict = {}
-    for n in run.nodes:
-        c = n.get("config")
-        if isinstance(c, dict):
-            for k, v in c.items():
-                cfg.setdefault(k, v)
-    return cfg
-
-
 def _run_block(run) -> dict:
-    statuses = [str(n.get("status", "")) for n in run.nodes if n.get("status")]
-    status = next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
+    status = worst_status(n.get("status") for n in run.nodes)
     codes = [n.get("exit_code") for n in run.nodes if n.get("exit_code") is not None]
     exit_code = next((c for c in codes if c != 0), codes[0] if codes else None)
     durations = [n["duration_s"] for n in run.nodes if isinstance(n.get("duration_s"), (int, float))]
@@ -88,7 +86,7 @@ def _run_block(run) -> dict:
 
 
 def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[dict]:
-    meas = steps[~steps["warmup"]]
+    meas = steps[steps["measured"]]
     if len(meas) == 0:
         meas = steps
     parts = breakdown_mod.rank_means(bd, steps.index.isin(meas.index), steps["duration_s"].to_numpy())
@@ -148,6 +146,7 @@ def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
     return out
 
 
+
 def _clean(x: Any) -> Any:
     """JSON-safe: numpy scalars to Python, NaN/NA to None."""
     if isinstance(x, dict):
@@ -165,52 +164,43 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = None,
-            peak_tflops: float | None = None, dtype: str | None = None, transformer: dict | None = None,
+def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None) -> Analysis:
-    """Analyse a run (a ``Run`` or a path). ``dtype`` None means node.json config's dtype, else "bf16".
+    """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
     ``progress`` is called with a short message before each stage."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
+    options = options or AnalysisOptions()
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    cfg = _node_config(run)
-    warmup = warmup if warmup is not None else cfg.get("warmup")
-    flops_per_step = flops_per_step if flops_per_step is not None else cfg.get("flops_per_step")
-    peak_tflops = peak_tflops if peak_tflops is not None else cfg.get("peak_tflops")
-    dtype = dtype or cfg.get("dtype") or "bf16"
-    transformer = transformer if transformer is not None else cfg.get("transformer")
 
     say("reading tables")
-    _ = run.steps, run.spans, run.collectives
-    say("steps")
-    st = steps_mod.step_times(run, warmup)
+    model = RunModel.of(run, options.warmup)
     say("compute/communication overlap")
-    ov = overlap_mod.rank_step_overlap(run, st.per_rank)
-    steps = st.per_rank.copy()
+    ov = overlap_mod.rank_step_overlap(model, model.steps)
+    steps = model.steps.copy()
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
               "level"):
         steps[c] = ov.per_step[c].to_numpy()
     say("step breakdown")
-    bd = breakdown_mod.step_breakdown(run, st.per_rank)
+    bd = breakdown_mod.step_breakdown(model, model.steps)
     kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
     for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
         steps[f"{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
     # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
     steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
-    steps = steps[["rank", "step", "start_ns", "end_ns", "duration_s", "compute_s", "comm_s", "exposed_comm_s",
-                   "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup", "peak_mem_bytes", "overlap_s", "level",
-                   "tokens", "samples", "model_flops", "executed_flops"]
+    steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
+                   "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
+                   "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
+                   "executed_flops"]
                   + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
-    measured = steps[~steps["warmup"]]
-    step_block = steps_mod.step_stats(st)
+    measured = steps[steps["measured"]]
+    step_block = steps_mod.step_stats(model)
 
-    say("clock alignment")
-    clk = clock_mod.fit_clocks(run)
+    clk = model.clock
     say("collective arrivals and stragglers")
-    measured_steps = set(st.job.loc[~st.job["warmup"], "step"].tolist())
-    arr = strag_mod.arrivals(run, clk, measured_steps)
+    arr = strag_mod.arrivals(model)
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"])
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
@@ -218,21 +208,23 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances(run)
-    coll = coll_mod.collective_table(run, inst)
+    inst = coll_mod.instances(model)
+    coll = coll_mod.collective_table(model, inst)
     coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
     say("pipeline")
-    pp = pipeline_mod.analyze_pipeline(run, steps)
+    pp = pipeline_mod.analyze_pipeline(model, steps)
     say("MFU")
-    mfu = mfu_mod.compute_mfu(run, st.per_rank, st.job, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
-                              dtype=dtype, transformer=transformer)
+    mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
     stragglers_list = []
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
         stragglers_list.append({"rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
                                 "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
-                                "late_frac": float(s.late_frac), "delay_s_per_step": float(s.delay_s_per_step),
-                                "reason": s.reason, "evidence": evidence.get(int(s.rank), [])})
+                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
+                                "slow_step_frac": float(s.slow_step_frac),
+                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "evidence": evidence[int(s.rank)]["lines"],
+                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
     if ov.unassigned:
         problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
@@ -255,12 +247,11 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                                           if mem["peak_mem_bytes"].notna().any() else None),
                    "headroom_frac_min": (float(mem["headroom_frac"].min())
                                          if mem["headroom_frac"].notna().any() else None)},
-        "options": {"warmup": warmup, "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
-                    "transformer": transformer},
+        "options": options.record(),
         "problems": problems,
     }
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
-    _add_mesh(summary, run, steps, bd)
+    _add_mesh(summary, model, steps, bd)
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
@@ -269,9 +260,10 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
-                        memory=mem, clock=clk, job_steps=st.job, instances=inst, exposed=bd.exposed)
+                        memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
+                        exposed=bd.exposed)
     say("triage")
-    _add_triage(summary, run, strag)
+    _add_triage(summary, run, stragglers_list)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -280,12 +272,12 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     return analysis
 
 
-def _add_triage(summary: dict, run, strag: pd.DataFrame) -> None:
+def _add_triage(summary: dict, run, stragglers: list[dict]) -> None:
     """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here."""
     from dtprof.analyzers import triage
 
     try:
-        res = triage.triage(run.path, run=run, stragglers=strag)
+        res = triage.triage(run.path, run=run, stragglers=stragglers)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
@@ -298,7 +290,7 @@ def _add_mesh(summary: dict, run, steps, bd) -> None:
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
-    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.events,
+    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta,   # run: the run model
                               exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
     if block is None:
         summary["mesh"] = None
@@ -323,14 +315,12 @@ def save_summary(run_dir, summary: dict) -> Path:
     return path
 
 
-def write_summary(run_dir, *, warmup=None, flops_per_step=None, peak_tflops=None, dtype=None, transformer=None,
-                  progress=None) -> dict:
+def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None) -> dict:
     """Analyse the run at ``run_dir`` and write ``run_dir/summary.json`` (atomically). Returns the summary."""
     from dtprof.reader import open_run
 
     run = open_run(run_dir)
-    a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
-                transformer=transformer, progress=progress)
+    a = analyze(run, options, progress=progress)
     save_summary(run.path, a.summary)
     return a.summary
 
@@ -397,8 +387,9 @@ def format_summary_text(summary: dict) -> str:
     pp = summary.get("pipeline")
     if pp:
         lines.append(f"pipeline: {pp['stages']} stages × {pp['microbatches']} microbatches ({pp['schedule']}), "
-                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} (theoretical "
-                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))}), imbalance "
+                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} = theoretical "
+                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))} + overhead {_fmt_frac(pp.get('overhead_frac'))}"
+                     f" of the step, imbalance "
                      f"{'—' if pp.get('imbalance') is None else format(pp['imbalance'], '.2f')}×")
     sl = summary.get("stragglers") or []
     if sl:

@@ -62,7 +62,7 @@ def measure_tflops(device: str = "cpu", dtype: str = "bf16", n: int | None = Non
 
 
 def store(result: dict) -> str:
-    from dtprof.analyzers.mfu import calibration_key, calibration_path, load_calibrations
+    from dtprof.options import calibration_key, calibration_path, load_calibrations
     from dtprof.runformat import write_json_atomic
 
     cal = load_calibrations()

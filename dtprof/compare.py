@@ -48,11 +48,13 @@ def _analyze_run_dir(run_dir: Path) -> dict:
         from dtprof.analyzers.summary import analyze
     except ImportError:
         raise InputError(f"{run_dir}: no summary.json, and the analyzers are not installed to compute one") from None
+    from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
 
     click.echo(f"dtprof compare: analysing {run_dir} (no summary.json)", err=True)
     try:
-        return analyze(open_run(run_dir)).summary
+        run = open_run(run_dir)
+        return analyze(run, resolve_options(run)).summary
     except RunFormatError as e:
         raise InputError(str(e)) from None
 

@@ -330,11 +330,13 @@ def compact(node_dir: Path, say: Callable[[str], None]):
 
 
 def summarize(run_dir: Path):
-    """Analyse once (options default to node.json's config), write summary.json, return the analysis."""
+    """Analyse once (options from node.json's config: dtprof/options.py), write summary.json, return the analysis."""
     from dtprof.analyzers.summary import analyze, save_summary
+    from dtprof.options import resolve_options
     from dtprof.reader import open_run
 
-    analysis = analyze(open_run(run_dir))
+    run = open_run(run_dir)
+    analysis = analyze(run, resolve_options(run))
     save_summary(run_dir, analysis.summary)
     return analysis
 

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from dtprof.schema import RUN_SCHEMA, SCHEMA_VERSION, TABLES
+from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
 
 RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
@@ -49,7 +49,8 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir / RUN_MANIFEST
-    info = {"schema": RUN_SCHEMA, "schema_version": SCHEMA_VERSION, "join_id": join_id or "", **run_info}
+    info = {"schema": RUN_SCHEMA, "schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
+            "join_id": join_id or "", **run_info}
     if not manifest.exists():
         others = [p.name for p in run_dir.iterdir()
                   if p.name != RUN_MANIFEST and not p.name.startswith(f".{RUN_MANIFEST}.")]
@@ -103,7 +104,8 @@ class _TableFile:
         if self._fh is None:
             self._fh = open(self.path, "a", buffering=1 << 16)
             if self._fh.tell() == 0:
-                header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION, "columns": self.columns}
+                header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION,
+                          "schema_minor": SCHEMA_MINOR, "columns": self.columns}
                 self._fh.write(json.dumps(header) + "\n")
         dumps = json.dumps
         self._fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
@@ -178,7 +180,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     """
     import pandas as pd
 
-    from dtprof.reader import conform
+    from dtprof.reader import conform, json_text_columns
 
     node_dir = Path(node_dir)
     out = node_dir / TABLES_DIR
@@ -186,7 +188,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     (out / TABLES_COMPLETE).unlink(missing_ok=True)
     for table in TABLES:
         df = tables.get(table)
-        df = conform(table, df if df is not None else pd.DataFrame())
+        df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         df.to_parquet(tmp, index=False)
         os.replace(tmp, out / f"{table}.parquet")

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from dtprof.reader import open_run
+from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -212,9 +213,9 @@ def _header(run, summary: dict) -> str:
     command = node.get("command") or run.manifest.get("command") or ""
     command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
     srun = summary.get("run") or {}
-    status = srun.get("status") or "unknown"
+    status = srun.get("status") or "unknown"   # the worst node's (analyzers/summary.py worst_status)
     reason = ""
-    if status in ("failed", "hung", "killed", "crashed"):   # say why: the analysis' triage verdict
+    if status in ("failed", "hung", "killed"):   # say why: the analysis' triage verdict
         reason = (summary.get("triage") or {}).get("message") or summary.get("triage_reason") or ""
     code = srun.get("exit_code")
     code_html = f" (exit code {esc(code)})" if code is not None else ""
@@ -232,7 +233,7 @@ def _header(run, summary: dict) -> str:
     host_text = (f"{len(hosts)}: " + ", ".join(esc(h) for h in hosts[:8]) +
                  (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")) if hosts else \
         esc(srun.get("hosts_reason") or "not recorded")
-    cls = status if status in ("completed", "failed", "hung", "crashed") else "other"
+    cls = status if status in ("completed", "failed", "hung", "killed") else "other"
     reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
     return f"""<header class="top">
 <h1>dtprof report — {esc(run.path.name)}</h1>
@@ -264,9 +265,10 @@ def _cards(summary: dict) -> str:
     }
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
     over = pick(summary, ["pipeline.overhead_frac"])
-    subs["bubble"] = ((f"the schedule itself: {fmt_frac(theo)}" +
-                       (f"; p2p and gaps between ops: {fmt_frac(over)}" if over is not None else ""))
-                      if theo is not None else "no pipeline parallelism")
+    subs["bubble"] = ((f"= theoretical (the schedule itself) {fmt_frac(theo)} + overhead (p2p and gaps between "
+                       f"ops) {fmt_frac(over)}, shares of the step") if theo is not None and over is not None else
+                      "no pipeline parallelism" if pick(summary, ["pipeline.bubble_frac"]) is None else
+                      esc(pick(summary, ["pipeline.theoretical_reason"]) or ""))
     for key, label, paths, kind in HEADLINES:
         value = pick(summary, paths)
         num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -383,21 +385,24 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     if sched is not None or bub is not None:
         sections.append(_section("pipeline", page.figure(sched, "fig-pipeline-schedule") +
                                  page.figure(bub, "fig-pipeline-bubble"),
-                                 "Measured bubble of a stage = 1 − its compute ÷ step time; theoretical = "
-                                 "(p−1)/(m+p−1) for p stages and m microbatches (metrics.md)."))
+                                 "Bubble of a stage = 1 − its compute ÷ its measured step time = theoretical (the "
+                                 "idle time the schedule itself needs with these op times, replayed with no gap "
+                                 "between ops) + overhead (the rest: p2p transfers, gaps between ops), all as "
+                                 "shares of the measured step, summed over the measured steps."))
     progress.step("pipeline")
 
     st = analysis.stragglers
     flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
         and len(st) else st
     strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
-                                   ("kind", "kind", None), ("late_frac", "last to arrive", _num("{:.0%}")),
+                                   ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
                                    ("time_lost_s", "time lost", fmt_s),
                                    ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
                          50, "rank flagged as a straggler")
     sections.append(_section("stragglers", strag_table + page.figure(F.straggler_figure(ctx), "fig-stragglers"),
                              "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
-                             "aligned across hosts). Persistent = late in most steps; transient = some steps."))
+                             "aligned across hosts). " + esc(PERSISTENT_RULE.capitalize()) + "; "
+                             + esc(TRANSIENT_RULE) + "."))
     progress.step("stragglers")
 
     coll = analysis.collectives
@@ -505,14 +510,16 @@ def _plotly_js() -> str:
 def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None = None) -> Path:
     """Write the HTML report of ``run_dir`` to ``out_path`` (default ``run_dir/report.html``) and return its path.
 
-    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None.
+    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None, with the
+    options resolved as the command line does (dtprof/options.py).
     ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps or spans).
     The file is written to a temporary name and renamed, so a reader never sees half a report.
     """
     run = open_run(run_dir)
     if analysis is None:
         from dtprof.analyzers.summary import analyze
-        analysis = analyze(run)
+        from dtprof.options import resolve_options
+        analysis = analyze(run, resolve_options(run))
     if progress is None:
         progress = len(run.steps) > 50_000 or len(run.spans) > 200_000
     text = render_report(run, analysis, Progress(10, bool(progress)))

@@ -5,6 +5,7 @@ examples/train_ddp.py is absent. One job per fixture, shared by the module's tes
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -136,7 +137,9 @@ def test_slowed_rank_is_the_only_persistent_straggler(slowed_ddp):
 
 
 def test_mfu_with_given_flops_and_peak(slowed_ddp):
-    s = analyze(slowed_ddp).summary   # flops and peak come from node.json config, as the launcher records them
+    # flops and peak come from node.json config, as the launcher records them: summary.json the launcher wrote
+    s = json.loads((slowed_ddp / "summary.json").read_text())
+    assert s["options"]["flops_per_step"] == FLOPS and s["options"]["peaks"]["cpu"]["source"].startswith("user")
     m = s["mfu"]
     assert m["flops_source"].startswith("user") and m["peak_flops"] == pytest.approx(2 * PEAK_TFLOPS * 1e12)
     assert m["value"] == pytest.approx(FLOPS / (s["steps"]["time_s"]["mean"] * 2 * PEAK_TFLOPS * 1e12))

@@ -15,6 +15,7 @@ from test_analyzers import hand_run  # noqa: E402
 
 from dtprof.analyzers.breakdown import PARTS  # noqa: E402
 from dtprof.analyzers.intervals import split_over_windows  # noqa: E402
+from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
 from dtprof.analyzers.summary import analyze  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def test_overlapping_spans_and_comm_partitioned_by_priority(tmp_path):
     run = hand_run(tmp_path / "r", [(0, "data_wait", 0, 10), (0, "forward", 10, 40), (0, "backward", 40, 90),
                                     (0, "comm_wait", 70, 90), (0, "optimizer", 90, 95)],
                    [(0, "all_reduce", 0, 30, 50, 1024, 1), (0, "all_reduce", 1, 60, 98, 1024, 1)])
-    a = analyze(run, warmup=0)
+    a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a) == {"forward": 30, "backward": 30, "optimizer": 5, "exposed_comm": 23, "data_wait": 10,
                             "bubble": 0, "other": 2}
     r = a.summary["ranks"][0]
@@ -45,7 +46,7 @@ def test_concurrent_collectives_split_equally_by_mesh_dimension_and_op(tmp_path)
                            "backend": "gloo", "desc": "", "mesh_dim": ["dp", "tp"]})
     run = hand_run(tmp_path / "r", [], [(0, "all_reduce", 0, 0, 40, 8, 1, "1"), (0, "all_gather", 0, 20, 60, 8, 1, "2")],
                    groups=groups)
-    r = analyze(run, warmup=0).summary["ranks"][0]
+    r = analyze(run, AnalysisOptions(warmup=0)).summary["ranks"][0]
     assert r["breakdown_s_per_step"]["exposed_comm"] == pytest.approx(0.060)
     assert r["exposed_comm_s_per_step_by_dim"] == {"dp": pytest.approx(0.030), "tp": pytest.approx(0.030)}
     assert r["exposed_comm_s_per_step_by_op"] == {"all_reduce": pytest.approx(0.030),
@@ -59,7 +60,7 @@ def test_pipeline_fill_is_bubble_not_data_wait(tmp_path):
     # (no pipeline spans) sends at [80,90) with nothing else: that is exposed communication, not bubble.
     run = hand_run(tmp_path / "r", [(1, "data_wait", 0, 30), (1, "pp_forward", 30, 40), (1, "pp_backward", 60, 70)],
                    [(1, "recv", 0, 5, 30, 64, 2), (0, "send", 0, 80, 90, 64, 2)], ranks=(0, 1))
-    a = analyze(run, warmup=0)
+    a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a, rank=1) == {"forward": 10, "backward": 10, "optimizer": 0, "exposed_comm": 0,
                                     "data_wait": 5, "bubble": 75, "other": 0}
     assert _parts_ms(a, rank=0)["exposed_comm"] == 10 and _parts_ms(a, rank=0)["bubble"] == 0
@@ -68,7 +69,7 @@ def test_pipeline_fill_is_bubble_not_data_wait(tmp_path):
 
 def test_interval_crossing_a_step_boundary_counts_in_both_steps(tmp_path):
     run = hand_run(tmp_path / "r", [], [(0, "all_reduce", 0, 40, 60, 8, 1)], steps=((0, 0, 50), (1, 50, 100)))
-    a = analyze(run, warmup=0)
+    a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a, step=0)["exposed_comm"] == 10 and _parts_ms(a, step=1)["exposed_comm"] == 10
 
 
