@@ -122,15 +122,17 @@ def step_time_figure(ctx: Context) -> go.Figure | None:
     if len(warm):
         fig.add_vrect(x0=warm.min() - 0.5, x1=warm.max() + 0.5, fillcolor="#999", opacity=0.12, line_width=0,
                       annotation_text="warm-up (excluded)", annotation_position="top left")
-        # the y-axis fits the measured steps: a slow warm-up step (seconds of set-up) would flatten them; the
-        # warm-up's own values stay in the hover and the off-scale ones are named
-        top = float(job[~job.index.isin(warm)].max()) if (~job.index.isin(warm)).any() else float(job.max())
+    # the y-axis fits the measured steps: a slow warm-up or traced step (seconds of set-up) would flatten them;
+    # the excluded steps' values stay in the hover and the off-scale ones are named
+    measured = ctx.job.loc[ctx.job["measured"], "step"]
+    if 0 < len(measured) < len(job):
+        top = float(job[job.index.isin(measured)].max())
         fig.update_yaxes(range=[0, top * 1.15])
-        off = job[job.index.isin(warm) & (job > top * 1.15)]
+        off = job[~job.index.isin(measured) & (job > top * 1.15)]
         if len(off):
             fig.add_annotation(x=float(off.index[0]), y=top * 1.1, showarrow=False, yanchor="top", xanchor="left",
-                               text="warm-up off scale: " + ", ".join(f"step {k} {v:,.0f} ms" for k, v in
-                                                                      off.head(3).items()),
+                               text="excluded, off scale: " + ", ".join(f"step {k} {v:,.0f} ms" for k, v in
+                                                                       off.head(3).items()),
                                font={"size": 10, "color": "#666"})
     step_axis(fig, len(x))
     return layout(fig, "Step time per step", xtitle="step", ytitle="step time (ms)")

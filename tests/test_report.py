@@ -418,7 +418,8 @@ def test_step_time_axis_fits_the_measured_steps_not_the_warmup():
     d = [2.7] + [0.2, 0.21, 0.19, 0.2, 0.22]
     steps = pd.DataFrame({"rank": [0] * 6 + [1] * 6, "step": list(range(6)) * 2, "duration_s": d + d,
                           "warmup": [True] + [False] * 5 + [True] + [False] * 5})
-    fig = F.step_time_figure(SimpleNamespace(steps=steps))
+    job = pd.DataFrame({"step": range(6), "time_s": d, "measured": [False] + [True] * 5})
+    fig = F.step_time_figure(SimpleNamespace(steps=steps, job=job))
     lo, hi = fig.layout.yaxis.range
     assert lo == 0 and 220 <= hi < 300, "the axis must fit the measured steps' 190-220 ms"
     assert any("step 0 2,700 ms" in a.text for a in fig.layout.annotations), "the off-scale warm-up is named"
