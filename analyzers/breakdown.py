@@ -58,10 +58,32 @@ class Breakdown:
     pipeline_ranks: list[int]
 
 
-def _channels(run) -> tuple[pd.Series, pd.Series]:
-    """Each collective's mesh dimension and op."""
+def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(integer code per row, the distinct values) of a column, categorical or not, without per-row strings."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        return col.cat.codes.to_numpy(np.int64), np.asarray(col.cat.categories.astype(str))
+    codes, values = pd.factorize(col.astype(str))
+    return codes.astype(np.int64), np.asarray(values)
+
+
+def _channels(run, pipeline_ranks: list[int]) -> tuple[np.ndarray, pd.DataFrame]:
+    """Each collective's channel code and the channels: dim (its group's mesh dimension), op, and bubble (a p2p op
+    on a pipeline rank: its waits are the pipeline's bubble). Vectorised on the columns' integer codes."""
     co = run.collectives
-    return mesh_dim_of(run.groups, co["group"]).astype(str), co["op"].astype(str)
+    g_code, g_names = _codes(co["group"])
+    o_code, o_names = _codes(co["op"])
+    bubble = np.isin(co["rank"].to_numpy(np.int64), pipeline_ranks) & np.isin(o_names, P2P_OPS)[o_code]
+    raw = (g_code * len(o_names) + o_code) * 2 + bubble
+    uniq, inverse = np.unique(raw, return_inverse=True)
+    u_bubble = (uniq % 2).astype(bool)
+    u_op = o_names[(uniq // 2) % max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    u_group = g_names[(uniq // 2) // max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    dims = mesh_dim_of(run.groups, pd.Series(u_group, dtype=object)).to_numpy()
+    # channels that differ only by group collapse onto one (dim, op, bubble)
+    chans = pd.DataFrame({"dim": dims, "op": u_op, "bubble": u_bubble})
+    code = chans.groupby(["dim", "op", "bubble"], sort=True).ngroup().to_numpy(np.int64)
+    table = chans.assign(code=code).drop_duplicates("code").sort_values("code", ignore_index=True)
+    return code[inverse.ravel()], table
 
 
 def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
@@ -73,18 +95,15 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     we = windows["end_ns"].to_numpy(np.int64)
 
     sp = run.spans
-    kind = sp["kind"].astype(str)
-    sp_set = kind.map(SPAN_SET).fillna(-1).to_numpy(np.int64)
-    pipeline_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[kind.isin(PP_KINDS)]))
+    k_code, k_names = _codes(sp["kind"])
+    sp_set = np.array([SPAN_SET.get(k, -1) for k in k_names], np.int64)[k_code] if len(sp) else \
+        np.zeros(0, np.int64)
+    is_pp_span = np.isin(k_names, PP_KINDS)[k_code] if len(sp) else np.zeros(0, bool)
+    pipeline_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[is_pp_span]))
 
     co = run.collectives
-    dim, op = _channels(run)
-    is_pipe_rank = np.isin(co["rank"].to_numpy(np.int64), pipeline_ranks)
-    bubble = is_pipe_rank & op.isin(P2P_OPS).to_numpy()
-    # a channel is (dim, op, goes to bubble); its set id follows the span sets
-    chan = pd.DataFrame({"dim": dim.to_numpy(), "op": op.to_numpy(), "bubble": bubble})
-    chan_codes = chan.groupby(["dim", "op", "bubble"], sort=True).ngroup().to_numpy(np.int64)
-    chans = chan.drop_duplicates().assign(code=chan_codes[~chan.duplicated().to_numpy()]).sort_values("code")
+    # each collective's channel (dim, op, bubble) is a set after the span sets
+    chan_codes, chans = _channels(run, pipeline_ranks)
     n_chan = len(chans)
     cap = run.captures
 
@@ -96,7 +115,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
                           cap["end_ns"].to_numpy(np.int64)])
     sset = np.concatenate([sp_set, N_SPAN_SETS + chan_codes, np.full(len(cap), CAPTURE)])
     used = sset >= 0
-    is_pp = np.concatenate([kind.isin(PP_KINDS).to_numpy(), np.zeros(len(co) + len(cap), bool)])[used]
+    is_pp = np.concatenate([is_pp_span, np.zeros(len(co) + len(cap), bool)])[used]
     item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
     sset = sset[used][item]
     # a rank-step that runs pipeline ops: its whole window is pipeline time

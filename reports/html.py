@@ -305,8 +305,12 @@ def _findings(findings: list, anchors: set) -> str:
                 else "")
         ev = f'<div class="evidence">Evidence: {esc(f.get("evidence"))}</div>' if f.get("evidence") else ""
         rec = f'<div class="rec">What to do: {esc(f.get("recommendation"))}</div>' if f.get("recommendation") else ""
-        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}"><span class="sev">{esc(sev)}</span>'
-                   f'{esc(f.get("message"))}{link}{ev}{rec}</li>')
+        about = " · ".join(x for x in (f"part: {esc(f['part'])}" if f.get("part") else "",
+                                       f"mesh dimension: {esc(f['dim'])}" if f.get("dim") else "") if x)
+        about = f'<div class="about">About: {about}</div>' if about else ""
+        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}" data-part="{esc(f.get("part") or "")}" '
+                   f'data-dim="{esc(f.get("dim") or "")}"><span class="sev">{esc(sev)}</span>'
+                   f'{esc(f.get("message"))}{link}{about}{ev}{rec}</li>')
     out.append("</ol>")
     return "\n".join(out)
 

@@ -374,9 +374,13 @@ def test_breakdown_bars_on_the_first_screen_add_up_to_each_ranks_step(pipeline_p
         assert stacked == pytest.approx(r["step_time_s_mean"] * 1e3, rel=0.01)
         for (_, x, y), part in zip(bars, summary["breakdown"]["parts"]):
             assert y[x.index(label)] == pytest.approx(r["breakdown_s_per_step"][part] * 1e3, rel=1e-6)
-    # the pipeline ranks' idle time is their bubble, and it is what the pipeline section calls the bubble
+    # the pipeline ranks' idle time is their bubble; the bubble finding says it is about that part and pp
     bubble = sum(r["breakdown_s_per_step"]["bubble"] for r in summary["ranks"])
     assert bubble > 0
+    about = page.eval_on_selector_all("ol.findings li[data-id^=pipeline_]",
+                                      "els => els.map(e => [e.dataset.part, e.dataset.dim, e.innerText])")
+    assert about and all(p == "bubble" and d == "pp" and "About: part: bubble · mesh dimension: pp" in t
+                         for p, d, t in about)
 
 
 def _step_ticks(page, ids):
