@@ -13,10 +13,9 @@ Definitions (docs/metrics.md)
   the rank experienced it (peers' lateness included). Bytes = the nccl-tests message size ``max(in_bytes,
   out_bytes)``. ``*_per_step`` = mean over (rank, step) pairs of the ranks that have the dimension, steps with no
   traffic in the dimension counting as 0.
-- Exposed communication ("Compute / communication overlap": |comm \\ compute| per rank and step) comes from the
-  step DataFrame's ``exposed_comm_s``; it is split across dimensions in proportion to each dimension's share of
-  that rank-step's communication time (exact when collectives do not overlap each other, as on gloo).
-- ``costliest_dim``: the dimension with the largest exposed communication per step when a step DataFrame is
+- Exposed communication per dimension comes from the step breakdown (analyzers/breakdown.py), which splits each
+  exposed instant between the collectives in flight; pipeline p2p on pipeline ranks is bubble there, not exposed.
+- ``costliest_dim``: the dimension with the largest exposed communication per step when the breakdown's is
   given, else the largest communication time per step.
 - Pipeline bubble ("Pipeline bubble and stage imbalance"): for stage s in step k, 1 − |union of s's pp_forward
   and pp_backward spans in k| ÷ step k's duration; a pipeline group's bubble is the mean over its stages (ranks)
@@ -56,6 +55,15 @@ def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def mesh_dim_of(groups: pd.DataFrame, group: pd.Series) -> pd.Series:
+    """The mesh dimension of each group named in ``group`` (NO_DIM for groups outside a DeviceMesh)."""
+    dims = group_dims(groups) if len(groups) else pd.DataFrame(columns=["group", "mesh_dim"])
+    dim_of = dict(zip(dims["group"].astype(str), dims["mesh_dim"].astype(str)))
+    g = group if isinstance(group.dtype, pd.CategoricalDtype) else group.astype(str)
+    dim = g.map(dim_of)   # on a categorical column this maps its categories only
+    return dim.astype(object).where(dim.notna(), NO_DIM)
+
+
 def mesh_shape(meta: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
     """(shape, dims) from the first ``mesh`` meta row, or None."""
     if meta is None or meta.empty:
@@ -79,16 +87,17 @@ def _rank_step_comm(groups: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataF
     return c.groupby(["rank", "step", "mesh_dim"], sort=False, as_index=False)[["comm_s", "bytes"]].sum()
 
 
-def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``steps``),
+def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
+                exposed: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``exposed``),
     bytes_per_step, groups (sorted list of group names), ranks (count of ranks with traffic in it).
 
-    ``steps``: per rank × step with ``exposed_comm_s`` (and ``measured``: only those rows count); without it
-    every step seen in the collectives counts."""
+    ``steps``: per rank × step (with ``measured``: only those rows count); without it every step seen in the
+    collectives counts. ``exposed``: rank, step, mesh_dim, exposed_s (breakdown.exposed_by_dim_rank_step)."""
     rs = _rank_step_comm(groups, collectives)
     if steps is not None:
         keep = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
-        frame = keep[["rank", "step"] + (["exposed_comm_s"] if "exposed_comm_s" in keep else [])].copy()
+        frame = keep[["rank", "step"]].copy()
         frame["step"] = frame["step"].astype("float64")
     else:
         frame = rs[["rank", "step"]].drop_duplicates()
@@ -96,10 +105,9 @@ def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataF
     rank_dims = rs[["rank", "mesh_dim"]].drop_duplicates()
     grid = frame.merge(rank_dims, on="rank", how="inner")
     grid = grid.merge(rs, on=["rank", "step", "mesh_dim"], how="left").fillna({"comm_s": 0.0, "bytes": 0})
-    if "exposed_comm_s" in grid:
-        total = grid.groupby(["rank", "step"], sort=False)["comm_s"].transform("sum")
-        share = np.where(total > 0, grid["comm_s"] / total.where(total > 0, 1.0), 0.0)
-        grid["exposed_s"] = grid["exposed_comm_s"].astype("float64") * share
+    if exposed is not None:
+        ex = exposed.astype({"step": "float64"})[["rank", "step", "mesh_dim", "exposed_s"]]
+        grid = grid.merge(ex, on=["rank", "step", "mesh_dim"], how="left").fillna({"exposed_s": 0.0})
     else:
         grid["exposed_s"] = np.nan
     per = grid.groupby("mesh_dim", sort=False).agg(
@@ -196,9 +204,9 @@ def attribute_slow_rank(groups: pd.DataFrame, spans: pd.DataFrame, rank: int | N
 
 
 def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
-                 meta: pd.DataFrame | None = None) -> dict | None:
+                 meta: pd.DataFrame | None = None, exposed: pd.DataFrame | None = None) -> dict | None:
     """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims."""
-    per = comm_by_dim(groups, collectives, steps)
+    per = comm_by_dim(groups, collectives, steps, exposed)
     if (per["dim"] != NO_DIM).sum() == 0:
         return None
     found = mesh_shape(meta)

@@ -280,22 +280,23 @@ def _exception_line(text: str, rank: int) -> str | None:
     return lines[-1].strip() if lines else None
 
 
-def find_stragglers(run) -> list[dict]:
+def find_stragglers(stragglers: list[dict]) -> list[dict]:
     """Persistent stragglers as the analysis states them (summary ``stragglers``, analyzers/stragglers.py), each
     with its NVML evidence as the analysis built it."""
-    from dtprof.analyzers.summary import analyze
-
     return [{"rank": s["rank"], "late_step_frac": s["late_step_frac"], "time_lost_s": s["time_lost_s"],
              "compute_score": s["score"], "reason": s["reason"], "nvml": s["nvml"], "nvml_lines": s["evidence"],
              "method": "dtprof.analyzers.stragglers"}
-            for s in analyze(run).summary["stragglers"] if s["kind"] == "persistent"]
+            for s in stragglers if s["kind"] == "persistent"]
 
 
 # ------------------------------------------------------------------------------------------------ verdict
-def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None) -> dict:
+def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None,
+           run=None, stragglers=None) -> dict:
     """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
     message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
     directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
+    ``run`` and ``stragglers``: the run already open and its analysis' flagged ranks (summary ``stragglers``), as
+    ``dtprof.analyzers.summary.analyze`` passes them; without them the run is opened and analysed here.
     """
     import pandas as pd
 
@@ -303,7 +304,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     from dtprof.reader import open_run
 
     run_dir = Path(run_dir)
-    run = open_run(run_dir) if (run_dir / "run.json").exists() else None
+    if run is None:
+        run = open_run(run_dir) if (run_dir / "run.json").exists() else None
     ranks_tbl = run.ranks if run is not None else None
     groups_tbl = run.groups if run is not None else None
     hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
@@ -474,7 +476,11 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     # 4. straggler
     if run is not None and len(run.steps):
         try:
-            slow = find_stragglers(run)
+            if stragglers is None:
+                from dtprof.analyzers.summary import analyze
+
+                stragglers = analyze(run).summary["stragglers"]
+            slow = find_stragglers(stragglers)
         except Exception as e:  # the analysis failing must not hide the rest of the triage
             slow = []
             evidence.append({"kind": "error", "message": f"straggler analysis failed: {type(e).__name__}: {e}"})

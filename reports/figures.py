@@ -77,6 +77,12 @@ def _job_time_s(ctx: Context, measured: bool) -> pd.Series:
     return j.set_index("step")["time_s"]
 
 
+def step_axis(fig: go.Figure, n_steps: int, axis: str = "x") -> None:
+    """Whole-number step ticks (a few-step run would otherwise get 4.5, 5.5)."""
+    upd = fig.update_xaxes if axis == "x" else fig.update_yaxes
+    upd(dtick=1) if n_steps <= 20 else upd(tickformat="d")
+
+
 def rank_axis(fig: go.Figure, n_ranks: int, axis: str = "x") -> None:
     """Whole-number rank ticks (plotly would otherwise label 0.5, 1.5 on a few-rank axis)."""
     upd = fig.update_xaxes if axis == "x" else fig.update_yaxes
@@ -117,6 +123,19 @@ def step_time_figure(ctx: Context) -> go.Figure | None:
     if len(warm):
         fig.add_vrect(x0=warm.min() - 0.5, x1=warm.max() + 0.5, fillcolor="#999", opacity=0.12, line_width=0,
                       annotation_text="warm-up (excluded)", annotation_position="top left")
+    # the y-axis fits the measured steps: a slow warm-up or traced step (seconds of set-up) would flatten them;
+    # the excluded steps' values stay in the hover and the off-scale ones are named
+    measured = ctx.job.loc[ctx.job["measured"], "step"]
+    if 0 < len(measured) < len(job):
+        top = float(job[job.index.isin(measured)].max())
+        fig.update_yaxes(range=[0, top * 1.15])
+        off = job[~job.index.isin(measured) & (job > top * 1.15)]
+        if len(off):
+            fig.add_annotation(x=float(off.index[0]), y=top * 1.1, showarrow=False, yanchor="top", xanchor="left",
+                               text="excluded, off scale: " + ", ".join(f"step {k} {v:,.0f} ms" for k, v in
+                                                                       off.head(3).items()),
+                               font={"size": 10, "color": "#666"})
+    step_axis(fig, len(x))
     return layout(fig, "Step time per step", xtitle="step", ytitle="step time (ms)")
 
 
@@ -141,8 +160,11 @@ def _bin_matrix(df: pd.DataFrame, value: str, scale: float):
     return m.astype("float32"), ranks[::rb], steps[::sb], rb, sb
 
 
-def rank_step_heatmap(df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
+def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
                       scale: float = 1e3, colorscale: str = "Viridis") -> go.Figure | None:
+    """A rank × step heatmap of ``df[value]``. Every heatmap follows one rule: measured steps only (warm-up
+    excluded), whatever table its values come from."""
+    df = df[df["step"].isin(ctx.measured["step"].unique())]
     if df.empty or df[value].isna().all():
         return None
     z, ranks, steps, rb, sb = _bin_matrix(df, value, scale)
@@ -153,6 +175,7 @@ def rank_step_heatmap(df: pd.DataFrame, value: str, title: str, label: str, unit
         hovertemplate=f"rank %{{y}}<br>step %{{x}}<br>{label}: %{{z:.2f}} {unit}<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
     rank_axis(fig, len(ranks), "y")
+    step_axis(fig, len(steps))
     return layout(fig, title, height=min(700, 220 + 6 * len(ranks)), xtitle=xt, ytitle=yt)
 
 
@@ -283,9 +306,10 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
             x=b["dur"], base=b["start"], y=b["lane"], orientation="h", name=c, marker_color=color,
             opacity=0.9 if c != "blocked on communication" else 0.75, text=b["label"], textposition="inside",
             insidetextanchor="middle", textfont={"size": 10, "color": "white"},
-            customdata=np.stack([b["name"], b["op"], b["group"], b["bytes"]], axis=1),
+            # the duration goes in customdata: on a bar with a base, plotly's %{x} is where the bar ends
+            customdata=np.stack([b["name"], b["op"], b["group"], b["bytes"], b["dur"].to_numpy(float)], axis=1),
             hovertemplate=("<b>%{customdata[0]}</b><br>" + c + " · %{customdata[1]}<br>group: %{customdata[2]}"
-                           "<br>size: %{customdata[3]}<br>start: %{base:.3f} ms<br>duration: %{x:.3f} ms"
+                           "<br>size: %{customdata[3]}<br>start: %{base:.3f} ms<br>duration: %{customdata[4]:.3f} ms"
                            "<extra></extra>")))
     for step, start in win.groupby("step")["start_ns"].min().items():
         fig.add_vline(x=(start - t0) / 1e6, line={"color": "#999", "dash": "dot", "width": 1})
@@ -345,8 +369,9 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
                     marker_color=color, showlegend=row == 1, legendgroup=name,
                     text=[f"{name[0].upper()}{i}" if i >= 0 else esc(kd) for i, kd in zip(mb[sel], kind[sel])],
                     textposition="inside", insidetextanchor="middle", textfont={"color": "white", "size": 10},
+                    customdata=dur[sel],   # %{x} of a bar with a base is its end, not its length
                     hovertemplate=f"%{{y}} {esc(name)} %{{text}}<br>start %{{base:.2f}} ms<br>"
-                                  f"duration %{{x:.2f}} ms<extra></extra>"), row=row, col=1)
+                                  f"duration %{{customdata:.2f}} ms<extra></extra>"), row=row, col=1)
         cats = [f"stage {s}" for s in range(p)][::-1]
         sched.update_yaxes(categoryorder="array", categoryarray=cats, type="category", title_text="pipeline stage")
         sched.update_xaxes(title_text="time since the step's first op (ms)", row=2, col=1)
@@ -375,7 +400,7 @@ def straggler_figure(ctx: Context) -> go.Figure | None:
         return None
     a = arr.dropna(subset=["step"]).astype({"step": "int64"})
     a = a.groupby(["rank", "step"], observed=True)["lateness_s"].max().reset_index()
-    return rank_step_heatmap(a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
+    return rank_step_heatmap(ctx, a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
                              "0 = first to arrive)", "lateness", colorscale="Reds")
 
 

@@ -2,10 +2,12 @@
 
     write_report(run_dir, out_path=None, analysis=None) -> Path     (default: run_dir/report.html)
 
-The page: a header (command, world size, hosts and devices, versions, duration, status and why), headline cards
-(MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline bubble,
-stragglers), the findings most severe first (each links to the chart with its evidence), then one section per view
-(see ``SECTIONS``). Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
+The page: a header (command, world size, hosts and devices, versions, duration, status and why: the analysis'
+``run`` block and triage verdict), the step breakdown as one stacked bar per rank (reports/breakdown.py), headline
+cards (MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline
+bubble, stragglers), the findings most severe first (each links to the chart with its evidence), then one section
+per view (see ``SECTIONS``). The page only formats the ``Analysis``: it never runs an analyzer (or triage) again.
+Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
 package, so the page makes no network request.
 
 Decisions
@@ -207,46 +209,42 @@ class _Page:
 
 
 def _header(run, summary: dict) -> str:
-    nodes = run.nodes or [{}]
-    node = nodes[0]
+    """The run's identity from its manifests (command, devices, versions) and its state from the analysis
+    (summary ``run`` and ``triage``): nothing is derived here."""
+    node = (run.nodes or [{}])[0]
     command = node.get("command") or run.manifest.get("command") or ""
     command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
     srun = summary.get("run") or {}
     status = srun.get("status") or "unknown"   # the worst node's (analyzers/summary.py worst_status)
     reason = ""
-    if status not in ("completed", "running", "unknown"):  # say why: triage's one-line verdict
-        from dtprof.analyzers.triage import triage
-
-        try:
-            reason = triage(run.path)["message"]
-        except Exception as e:  # a damaged run still gets its report
-            reason = f"triage could not tell why ({type(e).__name__}: {e})"
-    exit_codes = sorted({n.get("exit_code") for n in nodes if n.get("exit_code") is not None})
-    world = srun.get("world_size") or run.world_size
-    hosts = run.hosts
+    if status in ("failed", "hung", "killed"):   # say why: the analysis' triage verdict
+        reason = (summary.get("triage") or {}).get("message") or summary.get("triage_reason") or ""
+    code = srun.get("exit_code")
+    code_html = f" (exit code {esc(code)})" if code is not None else ""
     ranks = run.ranks
     devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
     dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in devices.items()) or "unknown"
     versions: dict[str, object] = {}
-    for n in nodes:
+    for n in run.nodes:
         versions.update(n.get("versions") or {})
     ver_text = " · ".join(f"{esc(k)} {esc(v)}" for k, v in versions.items()) or "not recorded"
     duration = srun.get("duration_s")
-    if duration is None and node.get("start_ns") and node.get("end_ns"):
-        duration = (node["end_ns"] - node["start_ns"]) / 1e9
-    started = node.get("start_time") or run.manifest.get("created") or ""
-    host_text = ", ".join(esc(h) for h in hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
+    duration_text = fmt_s(duration) if duration is not None else f"n/a ({srun.get('duration_s_reason') or 'unknown'})"
+    started = srun.get("start_time") or ""
+    hosts = srun.get("hosts") or []
+    host_text = (f"{len(hosts)}: " + ", ".join(esc(h) for h in hosts[:8]) +
+                 (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")) if hosts else \
+        esc(srun.get("hosts_reason") or "not recorded")
     cls = status if status in ("completed", "failed", "hung", "killed") else "other"
     reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
     return f"""<header class="top">
 <h1>dtprof report — {esc(run.path.name)}</h1>
 <div><code id="command">{esc(command)}</code></div>
 <dl class="meta">
-<dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}
-{' (exit code ' + esc(', '.join(map(str, exit_codes))) + ')' if exit_codes else ''}</dd>
-<dt>duration</dt><dd>{esc(fmt_s(duration))}{' · started ' + esc(started) if started else ''}</dd>
-<dt>world size</dt><dd id="world-size">{esc(world)}</dd>
-<dt>hosts</dt><dd>{len(hosts)}: {host_text}</dd>
+<dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}{code_html}</dd>
+<dt>duration</dt><dd id="duration">{esc(duration_text)}{' · started ' + esc(started) if started else ''}</dd>
+<dt>world size</dt><dd id="world-size">{esc(srun.get("world_size"))}</dd>
+<dt>hosts</dt><dd id="hosts">{host_text}</dd>
 <dt>devices</dt><dd>{dev_text}</dd>
 <dt>versions</dt><dd>{ver_text}</dd>
 </dl></header>"""
@@ -307,8 +305,12 @@ def _findings(findings: list, anchors: set) -> str:
                 else "")
         ev = f'<div class="evidence">Evidence: {esc(f.get("evidence"))}</div>' if f.get("evidence") else ""
         rec = f'<div class="rec">What to do: {esc(f.get("recommendation"))}</div>' if f.get("recommendation") else ""
-        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}"><span class="sev">{esc(sev)}</span>'
-                   f'{esc(f.get("message"))}{link}{ev}{rec}</li>')
+        about = " · ".join(x for x in (f"part: {esc(f['part'])}" if f.get("part") else "",
+                                       f"mesh dimension: {esc(f['dim'])}" if f.get("dim") else "") if x)
+        about = f'<div class="about">About: {about}</div>' if about else ""
+        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}" data-part="{esc(f.get("part") or "")}" '
+                   f'data-dim="{esc(f.get("dim") or "")}"><span class="sev">{esc(sev)}</span>'
+                   f'{esc(f.get("message"))}{link}{about}{ev}{rec}</li>')
     out.append("</ol>")
     return "\n".join(out)
 
@@ -340,10 +342,14 @@ def _section(anchor: str, body: str, note: str = "") -> str:
 
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
+    from dtprof.reports.breakdown import breakdown_figure
 
     progress = progress or Progress(10, False)
     page = _Page()
     summary = analysis.summary or {}
+    # first on the page, so the first screen says where the step went
+    breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
+    breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
     ctx = F.make_context(run, analysis)
     progress.step("context")
     sections = []
@@ -363,7 +369,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
                              note))
     progress.step("timeline")
 
-    hm = [page.figure(F.rank_step_heatmap(ctx.measured, col, title, label, colorscale=cs), fid)
+    hm = [page.figure(F.rank_step_heatmap(ctx, ctx.steps, col, title, label, colorscale=cs), fid)
           for col, title, label, cs, fid in (
               ("duration_s", "Step time per rank and step", "step time", "Viridis", "heatmap-step"),
               ("compute_s", "Compute time per rank and step", "compute", "Viridis", "heatmap-compute"),
@@ -407,7 +413,8 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     if coll is not None and len(coll):
         coll = coll.sort_values("total_s", ascending=False)
     sections.append(_section("collectives", _table(coll, [
-        ("op", "op", None), ("group", "group", None), ("size_bucket", "message size", None),
+        ("op", "op", None), ("group", "group", None), ("mesh_dim", "mesh dimension", None),
+        ("size_bucket", "message size", None),
         ("count", "count", _num("{:,}")), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
         ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
         ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
@@ -456,7 +463,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     progress.step("memory")
 
     anchors = {s.split('"')[1] for s in sections} | {"headline"} | {f"card-{k}" for k, *_ in HEADLINES} | \
-        {"card-stragglers"}
+        {"card-stragglers"} | ({"breakdown"} if breakdown_chart else set())
     notices = list(run.problems)
     ev = run.events
     if len(ev):
@@ -482,7 +489,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 {_header(run, summary)}
 <nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
 <main>
-<section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div></section>
+<section id="headline"><h2>Headline</h2>{breakdown_chart}<div class="cards">{_cards(summary)}</div></section>
 <section id="findings"><h2>Findings</h2><p class="note">Most severe first.</p>
 {_findings(analysis.findings or [], anchors)}</section>
 {notice_html}

@@ -480,8 +480,8 @@ def test_findings_fire_on_thresholds_and_not_below():
     assert "pipeline_bubble" not in _ids({"pipeline": dict(pp, microbatches=8)})  # m >= 4p
     assert "pipeline_overhead" in _ids({"pipeline": dict(pp, bubble_frac=0.33, overhead_frac=0.13)})
     assert "pipeline_overhead" not in _ids({"pipeline": dict(pp, overhead_frac=0.01)})
-    assert "exposed_comm" in _ids({"overlap": {"exposed_comm_frac": 0.31, "ratio": 0.5}})
-    assert "exposed_comm" not in _ids({"overlap": {"exposed_comm_frac": 0.29, "ratio": 0.5}})
+    assert "exposed_comm" in _ids(_breakdown(exposed_comm=0.31))
+    assert "exposed_comm" not in _ids(_breakdown(exposed_comm=0.29))
     c = {"op": "all_reduce", "group": "0", "size_bucket": "1-4 MiB", "busbw_gbps": 200.0, "link_peak_gbps": 450.0,
          "link_peak_frac": 0.44, "share_of_comm": 0.5}
     assert "low_busbw" in _ids({"collectives": [c]})
@@ -497,11 +497,41 @@ def test_findings_fire_on_thresholds_and_not_below():
     assert "memory_high" not in _ids({}, memory=mem.assign(peak_mem_bytes=0.69))
     gpu = pd.DataFrame({"host": ["h"], "gpu": [0], "sm_util_mean_pct": [40.0], "idle_frac": [0.5],
                         "throttled_frac": [0.0], "throttle_reasons": [""]})
-    ranks = [{"step_time_s_p50": 1.0, "data_wait_s_per_step": 0.3}]
-    f = F.find({"ranks": ranks}, _fake({}, gpu=gpu))
+    waiting = _breakdown(data_wait=0.3)
+    f = F.find(waiting, _fake({}, gpu=gpu))
     low = [x for x in f if x["id"] == "low_gpu_util"]
-    assert low and "input data" in low[0]["evidence"]["cause"]
-    assert "low_gpu_util" not in _ids({"ranks": ranks}, gpu=gpu.assign(sm_util_mean_pct=60.0))
+    assert low and "input data" in low[0]["evidence"]["cause"] and low[0]["part"] == "data_wait"
+    assert "low_gpu_util" not in _ids(waiting, gpu=gpu.assign(sm_util_mean_pct=60.0))
+    assert "data_wait" in _ids(_breakdown(data_wait=0.11)) and "data_wait" not in _ids(_breakdown(data_wait=0.09))
+
+
+def _breakdown(by_dim=None, by_op=None, step=1.0, **parts):
+    """A summary whose breakdown block has the given parts (seconds of a ``step`` s step, the rest "other")."""
+    from dtprof.analyzers.breakdown import PARTS
+
+    mean = {p: parts.get(p, 0.0) for p in PARTS}
+    mean["other"] = step - sum(mean.values())
+    return {"breakdown": {"parts": list(PARTS), "step_time_s_mean": step, "mean_over_ranks_s_per_step": mean,
+                          "exposed_comm_by_dim_s_per_step": by_dim or {}, "exposed_comm_by_op_s_per_step": by_op or {}}}
+
+
+def test_exposed_comm_advice_fits_the_exposed_dimension_and_op():
+    # DP×PP (issue 13): 134 ms exposed on pp p2p, 14 ms on dp: pipeline advice, never DDP bucket sizes
+    dp_pp = _breakdown(step=0.4, exposed_comm=0.148, by_dim={"pp": 0.134, "dp": 0.014},
+                       by_op={"recv": 0.1, "send": 0.034, "all_reduce": 0.014})
+    f = next(x for x in F.find(dp_pp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["part"] == "exposed_comm" and f["dim"] == "pp"
+    assert "pp 134.0 ms" in f["message"] and "dp 14.0 ms" in f["message"]
+    assert "bucket" not in f["recommendation"] and "stages" in f["recommendation"]
+    ddp = _breakdown(exposed_comm=0.4, by_dim={"(none)": 0.4}, by_op={"all_reduce": 0.4})
+    f = next(x for x in F.find(ddp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["dim"] is None and "bucket_cap_mb" in f["recommendation"]
+    fsdp = _breakdown(exposed_comm=0.4, by_dim={"dp": 0.4}, by_op={"all_gather": 0.3, "reduce_scatter": 0.1})
+    f = next(x for x in F.find(fsdp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["dim"] == "dp" and "prefetch" in f["recommendation"]
+    tp = _breakdown(exposed_comm=0.4, by_dim={"tp": 0.3, "dp": 0.1}, by_op={"all_reduce": 0.4})
+    f = next(x for x in F.find(tp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["dim"] == "tp" and "tp group" in f["recommendation"] and "bucket" not in f["recommendation"]
 
 
 def test_findings_end_to_end_memory_and_exposed_comm(tmp_path):
@@ -530,8 +560,16 @@ def test_summary_schema_keys_and_text(tmp_path):
     assert s["run"] == {**s["run"], "world_size": 2, "hosts": ["host0"], "status": "completed", "exit_code": 0}
     assert set(s["ranks"][0]) >= {"rank", "host", "device", "step_time_s_p50", "compute_s_per_step",
                                   "comm_s_per_step", "exposed_comm_s_per_step", "overlap_ratio"}
+    assert set(s["ranks"][0]) >= {"step_time_s_mean", "breakdown_s_per_step"}
     text = format_summary_text(s)
-    assert "37.0 ms" in text and "32.0 ms" in text and "MFU: " in text and "%" in text
+    assert "MFU: " in text and "%" in text
+    # the breakdown as columns: the synthetic step is data 1, forward 10, backward 20, exposed 4, optimizer 2 ms
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("rank"))
+    assert header.split()[5:] == ["forward", "backward", "optim", "exposed", "data", "wait", "bubble", "other",
+                                  "overlap"]
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["0", "host0"])
+    assert row.split()[3:17] == ["37.0", "ms", "10.0", "ms", "20.0", "ms", "2.0", "ms", "4.0", "ms", "1.0", "ms",
+                                 "0", "0"]
     assert "stragglers: none" in text
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from breakdown_checks import assert_breakdown_adds_up
 from dtprof.analyzers.summary import analyze
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +63,68 @@ def gpipe(tmp_path_factory):
     return _dtprof_run(tmp_path_factory.mktemp("real") / "pp", "train_pipeline.py", "--steps", "8",
                        "--schedule", "gpipe", "--microbatches", "4", "--dim", "256", "--layers", "8", "--seq",
                        "128", "--batch", "16")
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    _require_examples()
+    return _dtprof_run(tmp_path_factory.mktemp("real") / "fsdp", "train_fsdp.py", "--steps", "6")
+
+
+def test_ddp_breakdown_adds_up_and_shows_in_the_terminal(plain_ddp):
+    s = assert_breakdown_adds_up(plain_ddp)
+    for r in s["ranks"]:
+        b = r["breakdown_s_per_step"]
+        assert b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0 and b["bubble"] == 0
+        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_reduce", "(unknown)"}
+    # `dtprof summary` prints the parts as columns
+    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "summary", str(plain_ddp), "--no-write"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    header = next(line for line in p.stdout.splitlines() if line.split()[:1] == ["rank"])
+    assert header.split()[5:12] == ["forward", "backward", "optim", "exposed", "data", "wait", "bubble"]
+
+
+@pytest.mark.browser
+def test_report_header_shows_the_launchers_duration(plain_ddp):
+    """The header's duration is node.json's, as `dtprof run` wrote it (it once read keys nobody writes: "n/a")."""
+    import json
+
+    from dtprof.reports.html import fmt_s, write_report
+    from test_report import ARGS, CHROMIUM
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    node = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())
+    out = write_report(plain_ddp, out_path=plain_ddp / "header-test.html")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        page.goto(out.as_uri())
+        duration, status = page.inner_text("#duration"), page.inner_text("header dl")
+        browser.close()
+    assert node["duration_s"] > 0 and duration.startswith(fmt_s(node["duration_s"]) + " · started 20")
+    assert "completed" in status and "(exit code 0)" in status
+
+
+def test_fsdp_breakdown_adds_up_with_fsdp_ops(fsdp):
+    s = assert_breakdown_adds_up(fsdp)
+    for r in s["ranks"]:
+        assert r["breakdown_s_per_step"]["forward"] > 0 and r["breakdown_s_per_step"]["backward"] > 0
+        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_gather", "reduce_scatter", "all_reduce", "(unknown)"}
+    assert s["breakdown"]["exposed_comm_by_op_s_per_step"].keys() & {"all_gather", "reduce_scatter"}
+
+
+def test_pipeline_breakdown_adds_up_and_fill_is_bubble_not_data_wait(gpipe):
+    s = assert_breakdown_adds_up(gpipe)
+    assert s["breakdown"]["pipeline_ranks"] == [0, 1]
+    for r in s["ranks"]:
+        b = r["breakdown_s_per_step"]
+        assert b["bubble"] > 0 and b["exposed_comm"] == 0, b   # p2p waits on a pipeline rank are its bubble
+        # the last stage waits for stage 0's first activation before its first forward: that is pipeline fill
+        assert b["data_wait"] < 0.1 * r["step_time_s_mean"], (r["rank"], b)
+    assert "data_wait" not in {f["id"] for f in s["findings"]}
 
 
 def test_slowed_rank_is_the_only_persistent_straggler(slowed_ddp):
