@@ -18,8 +18,9 @@ What is visible from Python (torch-facts "What each parallel style sends through
 - ``seq`` counts per group for collectives and per (group, src, dst) for point-to-point, in call order.
 - Pipelining: ``forward_one_chunk``/``backward_one_chunk``(/``backward_weight_one_chunk``) become ``pp_forward``
   / ``pp_backward`` spans with ``stage`` and ``microbatch``; P2P ops built by ``get_{fwd,bwd}_{send,recv}_ops``
-  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes an events
-  info row ``pipeline schedule: <ClassName>, stages=<n>, microbatches=<m>, stage_indices=<i,j>``.
+  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes a
+  ``pipeline_schedule`` meta row: {"schedule": <class name>, "stages": n, "microbatches": m,
+  "stage_indices": [i, ...]} (the stages this rank runs).
 """
 from __future__ import annotations
 
@@ -630,10 +631,10 @@ def _wrap_schedule_step(orig):
             if not getattr(self, "_dtprof_announced", False):
                 self._dtprof_announced = True
                 stages = getattr(self, "_stages", None) or [getattr(self, "_stage", None)]
-                idx = ",".join(str(s.stage_index) for s in stages if s is not None)
-                rec.event("info", f"pipeline schedule: {type(self).__name__}, "
-                                 f"stages={getattr(self, '_num_stages', '')}, "
-                                 f"microbatches={getattr(self, '_n_microbatches', '')}, stage_indices={idx}")
+                rec.meta("pipeline_schedule", {
+                    "schedule": type(self).__name__, "stages": _int_or_none(getattr(self, "_num_stages", None)),
+                    "microbatches": _int_or_none(getattr(self, "_n_microbatches", None)),
+                    "stage_indices": [int(s.stage_index) for s in stages if s is not None]})
         except Exception:
             rec.fault("pipeline schedule step")
         rec.pp_active += 1
@@ -644,6 +645,10 @@ def _wrap_schedule_step(orig):
 
     step.__wrapped__ = orig
     return step
+
+
+def _int_or_none(v):
+    return None if v is None else int(v)
 
 
 def _install_pipelining() -> None:

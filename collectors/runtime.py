@@ -46,7 +46,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
-from dtprof.collectors.records import Clock, Event, Span, Step
+from dtprof.collectors.records import Clock, Event, Meta, Span, Step
 
 now = time.monotonic_ns
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
@@ -119,11 +119,14 @@ class Recorder:
         self.writer.append(row.table, row)
 
     def fault(self, where: str) -> None:
-        """Record a dtprof fault as an events error row and disable dtprof on this rank. Never raises."""
+        """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
+        error row (the message the report lists). Never raises."""
         try:
             self.disabled = True
-            msg = f"dtprof disabled on this rank after a fault in {where}: {_last_error_line()}"
+            error = _last_error_line()
+            msg = f"dtprof disabled on this rank after a fault in {where}: {error}"
             if self.writer is not None:
+                self.meta("fault", {"where": where, "error": error})
                 self.add(Event(self.rank, self.host, now(), "error", "rank", msg))
             sys.stderr.write(f"dtprof[rank {self.rank}]: {msg}\n")
         except BaseException:
@@ -132,6 +135,16 @@ class Recorder:
     def event(self, level: str, message: str) -> None:
         if self.writer is not None:
             self.add(Event(self.rank, self.host, now(), level, "rank", message))
+
+    def meta(self, kind: str, value: dict) -> None:
+        """One structured fact (the ``meta`` table; kinds and keys in dtprof.schema.META_KINDS). The value is
+        stored as JSON text, the run format's form of a json column."""
+        self.add(Meta(self.rank, self.host, now(), kind, json.dumps(value, separators=(",", ":"))))
+
+    def trace_window(self, steps: list, start_ns: int, end_ns: int) -> None:
+        """The --trace-steps capture disturbed this rank from ``start_ns`` (profiler start) to ``end_ns`` (stop
+        and export done), overlapping ``steps``."""
+        self.meta("trace_capture", {"steps": steps, "start_ns": start_ns, "end_ns": end_ns})
 
     def span(self, kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
         self.writer.append("spans", Span(self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
@@ -211,7 +224,7 @@ class Recorder:
                 from dtprof.collectors.trace_capture import TraceCapture
 
                 a, b = str(opts["trace_steps"]).split(":")
-                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b))
+                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b), on_window=self.trace_window)
             except Exception:
                 self.event("warning", f"trace capture unavailable: {_last_error_line()}")
 
