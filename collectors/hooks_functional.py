@@ -163,7 +163,7 @@ class _OpProxy:
         if api == "wait_tensor":
             return _on_wait(args[0] if args else kwargs["tensor"], packet)
         issue = now()
-        result = packet(*args, **kwargs)
+        result = hc.call_recorded(packet, *args, **kwargs)
         try:
             ret = now()
             state.last_progress_ns = ret

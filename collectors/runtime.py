@@ -91,6 +91,7 @@ class Recorder:
         self.annot = {}
         self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
+        self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
         self.trace_capture = None
         self.flop_mode = None
         self.flops_step = None
@@ -402,6 +403,7 @@ class Recorder:
                 t0 = now()
                 ev0 = rec.cuda_event() if rec.cuda else None
                 rec.ddp_last_issue_ns = None
+                rec.ddp_next_bucket = 0
             except Exception:
                 rec.fault("backward")
                 return orig(*args, **kwargs)

@@ -249,7 +249,8 @@ def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
     faults = run.meta[run.meta["kind"].astype(str) == "fault"]
     assert faults["rank"].tolist() == [1]
     fault = faults["value"].iloc[0]
-    assert fault["where"].startswith("collective wrapper (")
+    # the first collective rank 1 records: a wrapped torch.distributed call or DDP's first bucket
+    assert fault["where"].startswith("collective wrapper (") or fault["where"] == "c10d::allreduce_ observer"
     assert fault["error"] == "RuntimeError: injected fault (DTPROF_TEST_FAULT=collective)"
     steps = run.steps.groupby("rank").size().to_dict()
     assert steps[0] == STEPS and steps.get(1, 0) < STEPS
