@@ -185,6 +185,8 @@ def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
             prefix, pos = buf[:m.start()], m.end()
         elif head == b"{":
             raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+        elif not buf.strip():
+            raise KinetoError(f"{path}: empty file (no JSON text), not a trace")
         else:
             raise KinetoError(f"{path}: not JSON (starts with {buf[:20]!r})")
         buf = buf[pos:]
@@ -256,6 +258,8 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
         pos, head_end = m.end(), m.start()
     elif start == "{":
         raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+    elif not text.strip():
+        raise KinetoError(f"{path}: empty file (no JSON text), not a trace")
     else:
         raise KinetoError(f"{path}: not JSON (starts with {text[:20]!r})")
     sep = _SEP.match
@@ -396,7 +400,8 @@ def trace_identity(parsed: dict, single: bool) -> dict:
             rank = 0
             warnings.append(f"{path}: no distributedInfo and no rank in the file name; imported as rank 0")
         else:
-            raise KinetoError(f"{path}: missing rank (no distributedInfo, no 'rank<N>' in the file name)")
+            raise KinetoError(f"{path}: missing rank (no distributedInfo, no 'rank<N>' in the file name); "
+                              f"import it alone to take it as rank 0")
     world = int(info.get("world_size") or 1)
     backend = str(info.get("backend") or "")
     groups = info.get("pg_config") or []
@@ -532,14 +537,32 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
         "device_name": props.get("name", "cpu" if not len(kern) else ""), "device_uuid": "",
         "device_mem_total_bytes": props.get("totalGlobalMem"), "backend": ident["backend"]}])
     t0 = int(spans["start_ns"].min()) if len(spans) else (int(steps["start_ns"].min()) if len(steps) else base)
-    summary = (f"{parsed['path']}: rank {rank}: {parsed['n_events']} events read; imported {len(kern)} "
-               f"GPU kernel/memcpy/memset spans, {len(steps)} ProfilerSteps, {len(coll)} collectives; "
-               f"{parsed['other']} other events (CPU ops, runtime calls, flows, metadata) not represented")
+    summary = _import_line(parsed, rank, steps, spans, coll,
+                           wall_clock=bool(meta.get("baseTimeNanoseconds")) and shift_ns == 0)
     events_df = pd.DataFrame({"rank": rank, "host": ranks["host"].iloc[0], "t_ns": t0,
                               "level": ["warning"] * len(events) + ["info"], "source": "kineto",
                               "message": events + [summary]})
     return {"ranks": ranks, "steps": steps, "spans": spans, "collectives": coll, "groups": groups,
             "events": events_df}
+
+
+def _import_line(parsed: dict, rank: int, steps: pd.DataFrame, spans: pd.DataFrame, coll: pd.DataFrame,
+                 wall_clock: bool) -> str:
+    """What one file became, in one line: rank, steps, the rows kept by kind and the time window they cover."""
+    kinds = spans["kind"].value_counts() if len(spans) else pd.Series(dtype="int64")
+    step_text = (f"steps {int(steps['step'].min())}-{int(steps['step'].max())} ({len(steps)} ProfilerSteps)"
+                 if len(steps) else "no ProfilerStep")
+    times = [t for t in (spans, steps) if len(t)]
+    if times:
+        lo = min(int(t["start_ns"].min()) for t in times)
+        hi = max(int(t["end_ns"].max()) for t in times)
+        clock = " from " + pd.Timestamp(lo, unit="ns").strftime("%Y-%m-%d %H:%M:%S UTC") if wall_clock else ""
+        window = f"window {(hi - lo) / 1e9:.3f} s{clock}"
+    else:
+        window = "no timed rows"
+    return (f"{parsed['path'].name}: rank {rank}, {step_text}; kept {int(kinds.get('kernel', 0))} GPU kernels "
+            f"(incl. memcpy/memset), {len(coll)} collectives, {int(kinds.get('user', 0))} annotations; {window}; "
+            f"{parsed['other']} of {parsed['n_events']} events not represented (CPU ops, runtime calls, flows)")
 
 
 def _nccl_collectives(kern: pd.DataFrame, cpu: pd.DataFrame, base: int, rank: int):
@@ -639,22 +662,26 @@ def _workers(n_files: int) -> int:
     return max(1, min(n_files, cpus)) if sys.platform == "linux" else 1
 
 
-def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, dict, dict]], list[str]]:
+def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tuple[list, list[str]]:
     """Parse every trace file (directories are searched for *.json and *.json.gz) into its rank's tables:
     [(parsed, identity, tables)] and the skipped files' messages. ``parsed`` keeps the path and counts only: each
     file's columns are turned into tables and dropped at once (peak memory is one file's per process).
 
     Files are parsed in parallel, one forked worker process per CPU (as HolisticTraceAnalysis does), each sending
-    back only its rank's tables. A file that cannot be read is skipped with a warning; mixed jobs and duplicate
-    ranks raise KinetoError."""
-    files = []
+    back only its rank's tables. ``info`` gets one line per imported file (what it became), ``warn`` one per
+    skipped file (why); mixed jobs and duplicate ranks raise KinetoError, as does a set where nothing imports."""
+    files, ignored = [], 0
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith((".json", ".json.gz")))
+            found = sorted(f for f in p.rglob("*") if f.is_file())
+            files += [f for f in found if f.name.endswith((".json", ".json.gz"))]
+            ignored += len(found) - len([f for f in found if f.name.endswith((".json", ".json.gz"))])
         else:
             files.append(p)
     if not files:
         raise KinetoError(f"{', '.join(map(str, paths))}: no .json or .json.gz trace files")
+    info(f"reading {len(files)} trace file(s)"
+         + (f" ({ignored} other file(s) in the folder(s) ignored: not .json/.json.gz)" if ignored else ""))
     single = len(files) == 1
     n = _workers(len(files))
     if n > 1:
@@ -665,24 +692,25 @@ def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, di
             results = list(pool.map(_load_one, files, [single] * len(files)))
     else:
         results = [_load_one(f, single) for f in files]
-    out, failed = [], []
-    for r in results:
-        if isinstance(r, str):
-            failed.append(r)
-            warn(f"skipped {r}")
-        else:
-            out.append(r)
+    out = [r for r in results if not isinstance(r, str)]
+    failed = [r for r in results if isinstance(r, str)]
     if not out:
         raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
     worlds = {i["world_size"] for _, i, _ in out}
     if len(worlds) > 1:
         raise KinetoError("traces come from different jobs (world sizes " + ", ".join(
-            f"{p['path'].name}={i['world_size']}" for p, i, _ in out) + ")")
+            f"{p['path'].name}={i['world_size']}" for p, i, _ in out) + "); import each job's files separately")
     seen: dict[int, Path] = {}
     for p, i, _ in out:
         if i["rank"] in seen:
             raise KinetoError(f"{p['path']}: duplicate rank {i['rank']} (also in {seen[i['rank']]})")
         seen[i["rank"]] = p["path"]
+    for msg in failed:
+        warn(f"skipped {msg}")
+    for _, i, t in out:
+        for w in i["warnings"]:
+            warn(w)
+        info(t["events"]["message"].iloc[-1])
     return out, failed
 
 
@@ -692,14 +720,16 @@ def _concat(tables: list[dict]) -> dict:
             if any(k in t and len(t[k]) for t in tables) else pd.DataFrame() for k in keys}
 
 
-def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg: None) -> Path:
-    """``dtprof import kineto``: trace files of one job -> a new run directory. Returns the run directory."""
+def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg: None,
+                  info=lambda msg: None) -> Path:
+    """``dtprof import kineto``: trace files of one job -> a new run directory. Returns the run directory.
+    ``info``/``warn``: see ``load_traces``."""
     import socket
     import time
 
     from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
 
-    loaded, failed = load_traces(paths, warn)
+    loaded, failed = load_traces(paths, warn, info)
     tables = _concat([t for _, _, t in loaded])
     for _, _, t in loaded:  # the concatenated copies are all that is needed from here on
         t.clear()
