@@ -23,6 +23,7 @@ from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
+from dtprof.analyzers import kernel_breakdown as kernels_mod
 from dtprof.analyzers import mfu as mfu_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
@@ -121,8 +122,9 @@ def _clean(x: Any) -> Any:
 
 def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = None,
             peak_tflops: float | None = None, dtype: str | None = None, transformer: dict | None = None,
-            progress: Callable[[str], None] | None = None) -> Analysis:
+            progress: Callable[[str], None] | None = None, gpu_window: str = "all") -> Analysis:
     """Analyse a run (a ``Run`` or a path). ``dtype`` None means node.json config's dtype, else "bf16".
+    ``gpu_window``: the kernels counted in ``ranks[i].gpu_time`` (analyzers/kernel_breakdown.py WINDOWS).
     ``progress`` is called with a short message before each stage."""
     from dtprof.reader import Run, open_run
 
@@ -201,10 +203,15 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                    "headroom_frac_min": (float(mem["headroom_frac"].min())
                                          if mem["headroom_frac"].notna().any() else None)},
         "options": {"warmup": warmup, "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
-                    "transformer": transformer},
+                    "transformer": transformer, "gpu_window": gpu_window},
         "problems": problems,
     }
     _add_mesh(summary, run, steps)
+    say("GPU kernels")
+    gpu_time = kernels_mod.gpu_time(run.spans, run.steps, gpu_window)
+    for r in summary["ranks"]:
+        r["gpu_time"] = gpu_time.get(int(r["rank"]))
+    summary["kernels"] = kernels_mod.top_kernels(run.spans)
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 BATCH = 100_000
 
 # Canonical op from c10d / gloo / NCCL names once lower-cased and stripped of "_" (see _op_key).
@@ -79,7 +80,8 @@ _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
 # An event holding a string that starts with one of these is decoded (whatever its key: a superset of what
 # _reduce_batch keeps). A trailing quote means the whole string.
 _KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
-                                              b"c10d::", b"record_param", b'process_labels"')]
+                                              b"c10d::", b"record_param", b'process_labels"', b'cuda_runtime"',
+                                              b'cuda_driver"')]
 
 
 def _open_stream(path: Path):
@@ -295,13 +297,15 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
 
 def _reduce_batch(events: list, parts: dict) -> None:
     """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out)."""
-    kern, cpu, pids = [], [], parts["pids"]
+    kern, cpu, launch, pids = [], [], [], parts["pids"]
     for e in events:
         ph = e.get("ph")
         if ph == "X":
             cat = e.get("cat")
             if cat in KERNEL_CATS:
                 kern.append(e)
+            elif cat in LAUNCH_CATS:
+                launch.append(e)
             elif cat == "user_annotation" or (cat == "cpu_op" and str(e.get("name", "")).startswith(
                     ("c10d::", "record_param"))):
                 cpu.append(e)
@@ -321,7 +325,11 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "group": [a.get("Process Group Name") for a in args],
             "group_size": [a.get("Group size") for a in args],
             "seq": [a.get("Seq") for a in args],
+            "corr": [a.get("correlation") for a in args],
         }))
+    if launch:  # the CPU side of each kernel launch, joined to its kernel by correlation id
+        parts["launch"].append(pd.DataFrame({
+            "corr": [(e.get("args") or {}).get("correlation") for e in launch], "ts": [e.get("ts") for e in launch]}))
     if cpu:
         args = [e.get("args") or {} for e in cpu]
         parts["cpu"].append(pd.DataFrame({
@@ -335,7 +343,7 @@ def _reduce_batch(events: list, parts: dict) -> None:
 
 
 _TIMES = ("ts", "dur")
-_IDS = ("stream", "ext", "in_nelems", "out_nelems", "group_size", "seq", "pid", "tid")
+_IDS = ("stream", "ext", "in_nelems", "out_nelems", "group_size", "seq", "pid", "tid", "corr")
 _TEXT = ("cat", "name", "coll", "dtype", "group")
 
 
@@ -362,7 +370,7 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
 
     ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
     """
-    parts = {"kernels": [], "cpu": [], "n_events": 0, "kept": 0, "pids": set()}
+    parts = {"kernels": [], "cpu": [], "launch": [], "n_events": 0, "kept": 0, "pids": set()}
     if fast:
         meta = scan_trace(Path(path), parts)
     else:
@@ -375,7 +383,7 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
     cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
-    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
+    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]), "launch": cat(parts["launch"]),
             "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}
 
@@ -454,6 +462,18 @@ def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
     return pd.Series(out)
 
 
+def _launch_ns(kern: pd.DataFrame, launch: pd.DataFrame, base: int) -> pd.array:
+    """Each kernel's CPU launch time (its cuda_runtime/cuda_driver call, same correlation id); null without one."""
+    out = pd.array([None] * len(kern), dtype="Int64")
+    if not len(launch) or "corr" not in kern.columns:
+        return out
+    lt = launch.dropna(subset=["corr"]).drop_duplicates("corr").set_index("corr")["ts"]
+    t = kern["corr"].map(lt)
+    has = t.notna().to_numpy()
+    out[has] = _to_ns(t[has], base)
+    return out
+
+
 def _labels(prefix: str, values) -> pd.Categorical:
     """``prefix + str(value)`` per value, or ``prefix`` repeated when ``values`` is a count, as a Categorical: a
     span table's text columns repeat a few values over millions of rows, and the run format stores them as
@@ -494,7 +514,8 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
         spans.append(pd.DataFrame({
             "rank": rank, "step": _assign_step(ks, steps), "kind": _labels("kernel", len(kern)),
             "name": pd.Categorical(kern["name"]), "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
-            "lane": _labels("cuda:", kern["stream"]), "source": _labels("kineto", len(kern))}))
+            "lane": _labels("cuda:", kern["stream"]), "source": _labels("kineto", len(kern)),
+            "launch_ns": _launch_ns(kern, parsed["launch"], base)}))
     # user annotations on the CPU
     if len(cpu):
         ua = cpu[(cpu["cat"] == "user_annotation") & ~cpu["name"].str.startswith(("ProfilerStep#", "gloo:", "nccl:"))]
@@ -649,7 +670,7 @@ def _load_one(f: Path, single: bool):
         tables = rank_tables(parsed, ident)
     except KinetoError as e:
         return str(e)
-    parsed["kernels"] = parsed["cpu"] = None
+    parsed["kernels"] = parsed["cpu"] = parsed["launch"] = None
     return parsed, ident, tables
 
 

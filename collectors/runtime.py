@@ -112,7 +112,7 @@ def event(level: str, message: str) -> None:
 
 def _span(kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
     W.append("spans", (STATE.rank, STATE.step if step is None else step, kind, name, t0, t1, stage, microbatch,
-                       lane, source))
+                       lane, source, None))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def _resolve_cuda_events() -> None:
 
 def _compute_span(kind, t0, ev0, t1) -> None:
     if _cuda and ev0 is not None:
-        _cuda_pending.append(([STATE.rank, STATE.step, kind, kind, t0, t1, None, None, "cuda", "cuda_event"],
+        _cuda_pending.append(([STATE.rank, STATE.step, kind, kind, t0, t1, None, None, "cuda", "cuda_event", None],
                               ev0, _cuda_event()))
     else:
         _span(kind, kind, t0, t1)
