@@ -162,3 +162,26 @@ def top_kernels(spans: pd.DataFrame, n: int = TOP_KERNELS) -> list[dict]:
     return [{"name": name, "category": str(c), "count": int(r["count"]), "time_s": int(r["sum"]) / 1e9,
              "share": int(r["sum"]) / total if total else None, "mean_s": int(r["sum"]) / int(r["count"]) / 1e9}
             for (name, r), c in zip(agg.iterrows(), cat)]
+
+
+def job_gpu_time(per_rank: dict) -> dict | None:
+    """The job's GPU time from ``gpu_time``'s per-rank dicts: shares weighted by each rank's kernel time, overlap by
+    its communication time, idle causes by its summed stream idle time. None without kernel spans."""
+    ranks = [g for g in per_rank.values() if g["kernel_time_s"]]
+    if not ranks:
+        return None
+    kt = np.array([g["kernel_time_s"] for g in ranks])
+
+    def mean(key, w):
+        v = np.array([np.nan if g[key] is None else g[key] for g in ranks], float)
+        ok = ~np.isnan(v) & (w > 0)
+        return float(np.sum(v[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
+
+    comm_w = kt * np.array([g["comm_frac"] for g in ranks])
+    idle_w = np.array([g["idle_causes"]["stream_idle_s"] for g in ranks])
+    causes = {c: (float(np.sum(idle_w * [g["idle_causes"][c] or 0 for g in ranks]) / idle_w.sum())
+                  if idle_w.sum() else None) for c in ("host_wait", "kernel_wait", "other")}
+    return {**{k: mean(k, kt) for k in ("idle_frac", "compute_frac", "non_compute_frac", "comm_frac",
+                                        "memory_frac")},
+            "comm_compute_overlap_frac": mean("comm_compute_overlap_frac", comm_w),
+            "idle_causes": causes, "ranks": len(ranks), "window": ranks[0]["window"]["name"]}

@@ -212,6 +212,9 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     for r in summary["ranks"]:
         r["gpu_time"] = gpu_time.get(int(r["rank"]))
     summary["kernels"] = kernels_mod.top_kernels(run.spans)
+    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
+    if summary["gpu_time"] is None:
+        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
