@@ -112,3 +112,22 @@ def test_cpu_only_trace_has_no_gpu_time(tmp_path):
     assert res.exit_code == 0, res.output
     s = _summary(tmp_path / "run")
     assert s["ranks"][0]["gpu_time"] is None and s["kernels"] == []
+
+
+def test_summary_terminal_shows_gpu_time_overlaps_and_kernel_table(runs):
+    res = CliRunner().invoke(main, ["summary", str(runs["nccl_single_rank.json.gz"]), "--no-write"])
+    assert res.exit_code == 0, res.output
+    s = _summary(runs["nccl_single_rank.json.gz"], "--no-write")
+    lines = res.output.splitlines()
+    g = s["ranks"][0]["gpu_time"]
+    row = next(x for x in lines if x.split()[:1] == ["0"] and "%" in x and x.split()[-1] == str(g["window"]["kernels"]))
+    assert row.split()[1] == f"{100 * g['idle_frac']:.1f}%"
+    assert any(x.startswith("overlap per step, collective records: ") and f"{100 * s['overlap']['ratio']:.1f}%" in x
+               for x in lines)
+    assert any(x.startswith("overlap of kernels only (HTA): ")
+               and f"{100 * g['comm_compute_overlap_frac']:.1f}%" in x for x in lines)
+    i = lines.index("top 20 kernels by total time:")
+    table = lines[i + 2:i + 22]
+    assert len(table) == 20
+    for line, k in zip(table, s["kernels"]):
+        assert k["category"] in line and (k["name"] in line or k["name"][:77] + "..." in line)
