@@ -138,15 +138,6 @@ def gpu_time(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str
     return out
 
 
-def kernel_breakdown(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str = "all") -> pd.DataFrame:
-    """``gpu_time`` as one row per rank (rank, kernel_time_s and the fractions)."""
-    cols = ["kernel_time_s", "idle_frac", "compute_frac", "non_compute_frac", "comm_frac", "memory_frac",
-            "comm_compute_overlap_frac"]
-    rows = [{"rank": r, **{c: (np.nan if v[c] is None else v[c]) for c in cols}}
-            for r, v in gpu_time(spans, steps, window).items()]
-    return pd.DataFrame(rows, columns=["rank", *cols])
-
-
 def top_kernels(spans: pd.DataFrame, n: int = TOP_KERNELS) -> list[dict]:
     """The ``n`` kernels with the most total time over all ranks, descending: name, category, count, time_s,
     share (of all kernel time summed, not of wall time), mean_s."""

@@ -86,8 +86,9 @@ _KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_
 # events took 1.7x as long with them decoded). One holding a backslash is decoded like any other candidate.
 _KEEP_LAUNCH = [np.frombuffer(s, np.uint8) for s in (b'cuda_runtime"', b'cuda_driver"')]
 # Kineto's own layout of such an event (others are decoded with json instead): ph, cat, name, pid, tid, ts, ...
-_LAUNCH_EVENT = re.compile(rb'\{\s*"ph"\s*:\s*"X"\s*,\s*"cat"\s*:\s*"(?:cuda_runtime|cuda_driver)"\s*,\s*"name"\s*:\s*"[^"]*"'
-                           rb'\s*,\s*"pid"\s*:\s*[-\w."]+\s*,\s*"tid"\s*:\s*[-\w."]+\s*,\s*"ts"\s*:\s*(-?[\d.eE+-]+)\s*,'
+_LAUNCH_EVENT = re.compile(rb'\{\s*"ph"\s*:\s*"X"\s*,\s*"cat"\s*:\s*"(?:cuda_runtime|cuda_driver)"\s*,'
+                           rb'\s*"name"\s*:\s*"[^"]*"\s*,\s*"pid"\s*:\s*[-\w."]+\s*,\s*"tid"\s*:\s*[-\w."]+\s*,'
+                           rb'\s*"ts"\s*:\s*(-?[\d.eE+-]+)\s*,'
                            rb'[^{}]*?"args"\s*:\s*\{[^{}]*?"correlation"\s*:\s*(\d+)\s*[,}]')
 
 

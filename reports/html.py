@@ -3,8 +3,8 @@
     write_report(run_dir, out_path=None, analysis=None) -> Path     (default: run_dir/report.html)
 
 The page: a header (command, world size, hosts and devices, versions, duration, status and why), headline cards
-(MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, GPU idle,
-pipeline bubble, stragglers), the findings most severe first (each links to the chart with its evidence), then one section per view
+(MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline bubble,
+stragglers), the findings most severe first (each links to the chart with its evidence), then one section per view
 (see ``SECTIONS``). Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
 package, so the page makes no network request.
 
