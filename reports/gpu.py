@@ -31,6 +31,11 @@ def _s(x) -> str:
     return f"{x * 1e3:.2f} ms" if x >= 1e-3 else f"{x * 1e6:.1f} µs"
 
 
+def _short(name: str, n: int = 100) -> str:
+    """A kernel name cut to ``n`` characters (templated names run to hundreds); the full name is the tooltip."""
+    return name if len(name) <= n else name[:n - 1] + "…"
+
+
 def overlap_labels(summary: dict) -> list[tuple[str, str, object]]:
     """(label, source, value) of both overlap figures: per step from collective records (analyzers/overlap.py)
     and kernels only (HTA's definition, analyzers/kernel_breakdown.py)."""
@@ -69,7 +74,7 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"top {len(kernels)} kernels by total time:")
         lines.append(f"{'time':>10} {'share':>6} {'count':>6} {'mean':>10}  {'category':<13} name")
         for k in kernels:
-            name = k["name"] if len(k["name"]) <= 80 else k["name"][:77] + "..."
+            name = _short(k["name"], 80)
             lines.append(f"{_s(k['time_s']):>10} {_pct(k['share']):>6} {k['count']:>6} {_s(k['mean_s']):>10}  "
                          f"{k['category']:<13} {name}")
     return lines
@@ -90,17 +95,17 @@ def tables_html(summary: dict) -> str:
         for r in ranks for g in [r["gpu_time"]])
     out = ('<table class="data" id="gpu-time-table"><thead><tr><th>rank</th><th>idle</th><th>compute</th>'
            "<th>non-compute</th><th>communication</th><th>memory copy/set</th>"
-           "<th>idle causes: host wait / kernel wait / other</th><th>overlap (kernel level)</th><th>steps</th>"
+           "<th>idle causes: host wait / kernel wait / other</th><th>overlap (kernels only, HTA)</th><th>steps</th>"
            f"<th>kernels</th></tr></thead><tbody>{rows}</tbody></table>")
     kernels = summary.get("kernels") or []
     if kernels:
         rows = "".join(
-            f'<tr><td class="kname" title="{e(k["name"])}">{e(k["name"])}</td><td>{e(k["category"])}</td>'
-            f"<td>{k['count']:,}</td><td>{_s(k['time_s'])}</td><td>{_pct(k['share'])}</td><td>{_s(k['mean_s'])}</td>"
-            "</tr>" for k in kernels)
+            f'<tr><td class="t" title="{e(k["name"])}">{e(_short(k["name"]))}</td>'
+            f'<td class="t">{e(k["category"])}</td><td>{k["count"]:,}</td><td>{_s(k["time_s"])}</td>'
+            f"<td>{_pct(k['share'])}</td><td>{_s(k['mean_s'])}</td></tr>" for k in kernels)
         out += (f'<h3>Top {len(kernels)} kernels by total time</h3><table class="data" id="kernel-table"><thead><tr>'
-                "<th>kernel</th><th>category</th><th>count</th><th>total time</th><th>share of kernel time</th>"
-                f"<th>mean</th></tr></thead><tbody>{rows}</tbody></table>")
+                '<th class="t">kernel</th><th class="t">category</th><th>count</th><th>total time</th>'
+                "<th>share of kernel time</th><th>mean</th></tr></thead><tbody>" + rows + "</tbody></table>")
     return out
 
 

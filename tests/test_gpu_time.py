@@ -130,4 +130,4 @@ def test_summary_terminal_shows_gpu_time_overlaps_and_kernel_table(runs):
     table = lines[i + 2:i + 22]
     assert len(table) == 20
     for line, k in zip(table, s["kernels"]):
-        assert k["category"] in line and (k["name"] in line or k["name"][:77] + "..." in line)
+        assert k["category"] in line and (k["name"] in line or k["name"][:79] + "…" in line)
