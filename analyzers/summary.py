@@ -23,6 +23,7 @@ from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
+from dtprof.analyzers import kernel_breakdown as kernels_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import mfu as mfu_mod
 from dtprof.analyzers import overlap as overlap_mod
@@ -251,6 +252,14 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     }
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
     _add_mesh(summary, model, steps, bd)
+    say("GPU kernels")
+    gpu_time = kernels_mod.gpu_time(run.spans, run.steps, options.gpu_window)
+    for r in summary["ranks"]:
+        r["gpu_time"] = gpu_time.get(int(r["rank"]))
+    summary["kernels"] = kernels_mod.top_kernels(run.spans)
+    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
+    if summary["gpu_time"] is None:
+        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:

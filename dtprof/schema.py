@@ -44,6 +44,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("stage", "Int"), ("microbatch", "Int"),
         ("lane", "str"),   # "main", "cuda:<stream>", a thread name: the timeline lane
         ("source", "str"),  # "hook", "cuda_event", "kineto"
+        ("launch_ns", "Int"),  # kernel spans from a trace: the CPU launch call's start (HTA's "host wait")
     ],
     # One row per collective or point-to-point operation as seen on one rank.
     "collectives": [
