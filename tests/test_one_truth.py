@@ -151,3 +151,17 @@ def test_bubble_parts_add_up_everywhere(tmp_path):
     _, bub = F.pipeline_figures(F.make_context(open_run(tmp_path / "r"), a))
     theo_bars = next(d for d in bub.data if d.name.startswith("theoretical"))
     assert np.allclose(np.array(theo_bars.y) / 100, [s["theoretical_bubble_frac"] for s in pp["per_stage"]])
+
+
+def test_nvml_evidence_is_the_same_in_summary_and_triage(tmp_path):
+    # one record per flagged rank, built by the analysis; triage shows that record, not one of its own
+    run_dir = build_run(tmp_path / "r", world_size=4, steps=8, slow_rank=2, slow_factor=1.6, nvml_interval_ms=5,
+                        throttle_rank=2, device_type="cuda", device_name="NVIDIA H100 80GB HBM3")
+    s = analyze(run_dir).summary["stragglers"][0]
+    assert s["rank"] == 2 and s["nvml"]["gpu"] == 2 and s["nvml"]["throttle_reasons"] == ["hw_thermal_slowdown"]
+    from click.testing import CliRunner
+    from dtprof.cli import main
+    verdict = json.loads(CliRunner().invoke(main, ["triage", str(run_dir), "--json"]).stdout)
+    nv = next(e for e in verdict["evidence"] if e["kind"] == "nvml")
+    assert {k: nv[k] for k in s["nvml"]} == s["nvml"]
+    assert nv["message"] == "; ".join(s["evidence"])
