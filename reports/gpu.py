@@ -132,7 +132,8 @@ def kernel_lanes(spans: pd.DataFrame, bars: pd.DataFrame, order: list[str], wind
     with_kernels = sorted(set(int(r) for r in k["rank"]))
     cpu_lane = {f"rank {r} · compute": f"rank {r} · CPU" for r in with_kernels}
     bars = bars.copy()
-    is_cpu = bars["lane"].isin(list(cpu_lane)) & (bars["cat"] == "compute")
+    # the host's phases and the trace's CPU annotations ("## forward ##", user spans) become outlines
+    is_cpu = bars["lane"].isin(list(cpu_lane)) & bars["cat"].isin(["compute", "user span"])
     bars.loc[is_cpu, "cat"] = CPU_OUTLINE
     bars["lane"] = bars["lane"].replace(cpu_lane)
     streams = kb.groupby("lane", sort=True).size().index.tolist()

@@ -519,7 +519,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 {_header(run, summary)}
 <nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
 <main>
-<section id="headline"><h2>Headline</h2>{breakdown_chart}<div class="cards">{_cards(summary)}</div></section>
+<section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div>{breakdown_chart}</section>
 <section id="findings"><h2>Findings</h2><p class="note">Most severe first.</p>
 {_findings(analysis.findings or [], anchors)}</section>
 {notice_html}

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dtprof.analyzers.kernel_breakdown import kernel_breakdown
+from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.stragglers import PERSISTENT_RULE
 from dtprof.analyzers.summary import analyze
@@ -47,7 +47,7 @@ def test_overlap_and_kernel_breakdown_classify_kernels_alike(tmp_path):
     a = analyze(run, AnalysisOptions(warmup=0))
     row = a.steps.iloc[0]
     assert row["level"] == "kernel"
-    kb = kernel_breakdown(open_run(run).spans).iloc[0]
+    kb = gpu_time(open_run(run).spans)[0]
     assert row["compute_s"] == pytest.approx(0.040) == kb["compute_frac"] * kb["kernel_time_s"]
     assert row["comm_s"] == pytest.approx(0.040)
     assert row["overlap_ratio"] == pytest.approx(0.25) == kb["comm_compute_overlap_frac"]
