@@ -31,7 +31,7 @@ from dtprof.analyzers import stragglers as strag_mod
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
-STATUS_ORDER = ("hung", "killed", "failed", "running", "completed")
+STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed")
 
 
 @dataclass
@@ -68,6 +68,8 @@ def _run_block(run) -> dict:
     exit_code = next((c for c in codes if c != 0), codes[0] if codes else None)
     out = {"world_size": int(run.world_size), "hosts": run.hosts, "status": status, "exit_code": exit_code,
            "path": str(run.path), "nodes": len(run.nodes)}
+    if status == "interrupted":
+        out["status_reason"] = next(n["status_reason"] for n in run.nodes if n.get("status") == "interrupted")
     if status is None:
         out["status_reason"] = "no node.json records the job's end (still running, or the launcher was killed)"
     return out
@@ -285,6 +287,8 @@ def format_summary_text(summary: dict) -> str:
     t = st.get("time_s") or {}
     lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) on {len(run.get('hosts') or [])} host(s), "
                  f"status {run.get('status') or 'unknown'}, exit code {run.get('exit_code')}")
+    if run.get("status") == "interrupted":
+        lines.append(run.get("status_reason") or "interrupted")
     lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
                  f"step time p50 {_fmt_s(t.get('p50'))}, p90 {_fmt_s(t.get('p90'))}, "
                  f"p99 {_fmt_s(t.get('p99'))}")

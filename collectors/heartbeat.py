@@ -211,8 +211,8 @@ class _Heartbeat:
         """The C-level handler woke us: dump now (the main thread may be stuck in C++), then make sure the
         default action still happens if the main thread cannot run Python."""
         self._sigterm_dump()
-        if callable(self.prev_handler):
-            return
+        if callable(self.prev_handler) and not getattr(self.prev_handler, "dtprof_default_action", False):
+            return   # the user's own handler decides (dtprof's runtime flush handler stands for the default)
         if not self.handler_ran.wait(_SIGTERM_GRACE_S):
             try:
                 import ctypes

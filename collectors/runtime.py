@@ -353,6 +353,9 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+_on_sigterm.dtprof_default_action = True   # the heartbeat's fallback must still kill a rank stuck in C++
+
+
 def _start_flusher(interval: float) -> None:
     t = threading.Thread(target=_flush_loop, args=(interval,), name="dtprof-flusher", daemon=True)
     t.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 from pathlib import Path
@@ -76,7 +77,7 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
 
 def create_node_dir(run_dir: Path, host: str | None = None) -> Path:
     """A fresh node sub-directory for this launcher: node-<host>-<pid>, never reused."""
-    host = host or socket.gethostname()
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())   # a host name may hold "/"
     node = Path(run_dir) / f"{NODE_PREFIX}{host}-{os.getpid()}"
     node.mkdir(parents=False, exist_ok=False)
     return node
