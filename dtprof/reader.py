@@ -254,6 +254,10 @@ def _read_node_tables(node_dir: Path) -> dict:
             df = pd.read_parquet(p)
         except Exception as e:  # pyarrow raises several types for damaged files
             raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
+        extra = [c for c in df.columns if c not in dict(TABLES[table])]
+        if extra:   # compaction writes exactly the schema's columns
+            raise RunFormatError(f"{p}: not a dtprof {table} table (columns {', '.join(map(str, extra[:3]))} "
+                                 f"are not in it; does it hold another table?)")
         out[table] = load_table(table, df, p)
     return out
 
