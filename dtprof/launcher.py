@@ -287,7 +287,8 @@ def stop_processes(root_pid: int, node_dir: Path, reason: str, grace_s: float = 
 
 def stop_text(stop: dict) -> str:
     """One line about a stop record, for the launcher's output and its events row."""
-    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) ({stop['reason']}): SIGTERM"
+    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
+            f"SIGTERM"
             + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
                if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
     if stop["survivors"]:
