@@ -50,9 +50,15 @@ _exit_status: str | None = None
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, default=str)
+        os.replace(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)   # only there after a failed write (a full disk): leave nothing half-written behind
+        except OSError:
+            pass
 
 
 def _jsonable_collective(c: Any) -> Any:
