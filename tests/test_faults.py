@@ -85,13 +85,19 @@ HANG_JOB = textwrap.dedent("""
 def test_hang_in_cpp_leaves_no_process_running(tmp_path):
     (tmp_path / "job.py").write_text(HANG_JOB)
     t0 = time.monotonic()
-    proc = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "--hang-timeout", "5", "--", *TORCHRUN, "job.py"],
-                      cwd=tmp_path)
+    # 20 s: longer than the ranks' start-up on a busy machine, so the watchdog fires on the hang inside C++, not
+    # on a slow `import torch` (checked below from the ranks' own hang dumps).
+    proc = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "--hang-timeout", "20", "--", *TORCHRUN,
+                       "job.py"], cwd=tmp_path)
     took = time.monotonic() - t0
     assert proc.returncode == 124, proc.stderr[-3000:]
     node = next((tmp_path / "r").glob("node-*"))
     pids = rank_pids(node)
     assert sorted(pids) == [0, 1]
+    where = {r: " | ".join(f"{f['func']}:{f['code']}" for t in json.loads(
+        (node / f"rank-{r}" / "dump-hang.json").read_text())["stacks"] if t["main"] for f in t["frames"])
+        for r in (0, 1)}
+    assert "dist.recv" in where[1] and "backward" in where[0], where   # both main threads inside C++ calls
     # No process of the job outlives `dtprof run`: not the ranks (in C++, in sessions of their own), not torchrun.
     assert [p for p in pids.values() if alive(p)] == [] and job_pids(node) == []
     info = json.loads((node / "node.json").read_text())
