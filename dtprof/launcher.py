@@ -13,7 +13,7 @@ Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
   ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python output stays live through the pipe.
 - The job runs in its own session. Its processes are tracked by parentage and by the ``DTPROF_NODE_DIR`` in their
   environment, whatever their process group (torchrun gives each worker its own). SIGINT/SIGTERM/SIGHUP to
-  ``dtprof run`` are forwarded to all of them; a second one SIGKILLs them all. When the hang watchdog fires, and
+  ``dtprof run`` are forwarded to the command's process group; a second one SIGKILLs every process of the job. When the hang watchdog fires, and
   whenever the command ends with processes of the job still running, they get SIGTERM, then SIGKILL after
   ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops") and the events table.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
@@ -305,7 +305,7 @@ def _start_relay(pipe, out_fd: int, log_path: Path) -> subprocess.Popen:
 
 
 class Job:
-    """The user's command in its own session, its output relayed, signals forwarded to all its processes."""
+    """The user's command in its own session, its output relayed, signals forwarded, all its processes tracked."""
 
     def __init__(self, command: list[str], env: dict, node_dir: Path, say: Callable[[str], None]):
         self.command, self.env, self.node_dir, self.say = command, env, node_dir, say
@@ -328,23 +328,21 @@ class Job:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
-    def _signal_all(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        _kill(job_processes(self.proc.pid, self.node_dir), sig)
-
     def _on_signal(self, signum, frame):
         if self.forwarded:   # second signal: escalate
             self.say(f"dtprof: {signal.Signals(signum).name} again: killing every process of the job (SIGKILL)")
             self.forwarded.append("SIGKILL")
-            self._signal_all(signal.SIGKILL)
+            _kill(job_processes(self.proc.pid, self.node_dir), signal.SIGKILL)
             return
         name = signal.Signals(signum).name
         self.forwarded.append(name)
         self.say(f"dtprof: forwarding {name} to the job; send it again to kill the job")
-        self._signal_all(signum)
+        # To the command's process group, as a terminal would: torchrun passes it on to its workers itself.
+        # Whatever is still running when the command has ended is stopped by wait().
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _stop(self, reason: str) -> None:
         rec = stop_processes(self.proc.pid, self.node_dir, reason)
@@ -454,7 +452,7 @@ Multi-node: run one `dtprof run --out SAME_DIR` per node on a shared file system
 
 \b
 The job runs in its own process group; its output passes through (and is saved in the node directory).
-Ctrl-C/SIGTERM are forwarded to every process of the job; a second one kills them. When the hang watchdog
+Ctrl-C/SIGTERM are forwarded to the job; a second one kills every process of the job. When the hang watchdog
 fires or the command ends, processes of the job still running get SIGTERM, then SIGKILL after a
 {KILL_GRACE_S:g} s grace; dtprof checks that none is left and records the stop in node.json.
 

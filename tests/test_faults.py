@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -107,9 +108,49 @@ def test_hang_in_cpp_leaves_no_process_running(tmp_path):
     # stop took a few seconds at most (the heartbeat's 2 s fallback plus its dump; not the 10 s grace).
     assert stop["sigkill_sent_to"] == 0 and stop["took_s"] < 10, stop
     assert "none left running" in proc.stderr and took < 200
+    assert "forcefully exiting via SIGKILL" not in proc.stderr   # torchrun's SIGTERM stopped the ranks too
     res = invoke(["triage", tmp_path / "r"])
     assert res.exit_code == 1 and res.output.startswith("hang:"), res.output
     assert "(hang-timeout)" in res.output and "none left running" in res.output
+
+
+def _wait_for_steps(node: Path, step: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        steps = []
+        for p in node.glob("rank-*/heartbeat.json"):
+            try:
+                steps.append(json.loads(p.read_text()).get("step") or 0)
+            except (OSError, ValueError):
+                pass
+        if len(steps) == 2 and min(steps) >= step:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the ranks never reached step {step}")
+
+
+def test_sigterm_to_dtprof_run_stops_ranks_stuck_in_cpp(tmp_path):
+    """SIGTERM to `dtprof run` while every rank is inside C++: SIGTERM alone stops them (torchrun need not fall
+    back to SIGKILL after its 30 s), and no process of the job is left."""
+    (tmp_path / "job.py").write_text(HANG_JOB)
+    launcher = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", "r", "--no-nvml",
+                                 "--no-report", "--", *TORCHRUN, "job.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "r").glob("node-*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        node = next((tmp_path / "r").glob("node-*"))
+        _wait_for_steps(node, 3)
+        time.sleep(2)   # rank 1 is in recv, rank 0 in the all-reduce of step 3's backward
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert "forcefully exiting via SIGKILL" not in err, err[-3000:]
+    pids = rank_pids(node)
+    assert sorted(pids) == [0, 1] and [p for p in pids.values() if alive(p)] == [] and job_pids(node) == []
+    assert json.loads((node / "node.json").read_text())["signals_forwarded"] == ["SIGTERM"]
 
 
 # ---- a full disk -------------------------------------------------------------------------------------------------

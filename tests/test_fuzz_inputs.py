@@ -197,7 +197,8 @@ RAW_CASES = {
     "tb-jsonl-link-loop": lambda run, node: _loop(node / "rank-0" / "steps.jsonl"),
     "tb-rank-json-list": lambda run, node: (node / "rank-0" / "rank.json").write_text("[0]") and "rank.json",
     "tb-jsonl-header-deep": lambda run, node: _replace_header(node, _deep()),
-    "tb-jsonl-header-columns-number": lambda run, node: _replace_header(node, '{"dtprof_table": "steps", "columns": 5}'),
+    "tb-jsonl-header-columns-number": lambda run, node: _replace_header(node, '{"dtprof_table": "steps", '
+                                                                                '"columns": 5}'),
     "tb-jsonl-bytes-beyond-int64": lambda run, node: _jsonl(node, "collectives", "in_bytes", 2**64),
     "tb-duplicate-ranks-raw": lambda run, node: _copied_node(run, node),
     "silent-jsonl-negative-step": lambda run, node: _jsonl(node, "steps", "end_ns", -1),

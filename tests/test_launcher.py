@@ -335,3 +335,18 @@ def test_host_name_with_a_slash(tmp_path):
     node = only_node(tmp_path / "r")
     assert node.name.startswith("node-rack_7-")
     assert json.loads((node / "node.json").read_text())["host"] == "rack/7"
+
+
+def test_processes_left_running_by_the_command_are_stopped_and_recorded(tmp_path):
+    """issue 15: no process of the job outlives `dtprof run`, whatever its process group or session (here a child
+    in a session of its own that the command leaves behind); the stop is recorded in node.json and on stderr."""
+    write(tmp_path / "job.py", "import subprocess, sys\n"
+          "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+          "open('child.pid', 'w').write(str(p.pid))\n")
+    proc = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "--", sys.executable, "job.py"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pid = int((tmp_path / "child.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    stop = json.loads((only_node(tmp_path / "r") / "node.json").read_text())["stops"][0]
+    assert stop["reason"] == "left running after the job's command ended" and stop["sigterm_sent_to"] == 1
+    assert stop["survivors"] == [] and "none left running" in proc.stderr
