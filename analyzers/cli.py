@@ -6,10 +6,7 @@ import sys
 
 import click
 
-
-class InputError(click.ClickException):
-    """Unreadable input: one line, exit code 2 (dtprof/cli.py's shared convention)."""
-    exit_code = 2
+from dtprof.cli import InputError
 
 
 def _parse_transformer(value: str | None) -> dict | None:
@@ -53,6 +50,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     Exit codes: 0 done, 2 unreadable run directory or bad option.
     """
     from dtprof.analyzers.summary import SUMMARY_FILE, analyze, format_summary_text, save_summary
+    from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
 
     tf = _parse_transformer(transformer)
@@ -62,8 +60,14 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
 
     try:
         run = open_run(run_dir)
-        a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
-                    transformer=tf, progress=progress if sys.stderr.isatty() else None)
+        options = resolve_options(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
+                                  dtype=dtype, transformer=tf)
+    except RunFormatError as e:
+        raise InputError(str(e)) from None
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    try:
+        a = analyze(run, options, progress=progress if sys.stderr.isatty() else None)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     if not no_write:

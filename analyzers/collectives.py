@@ -1,7 +1,7 @@
-"""Collective bandwidth per op, group and message size (metrics.md, "Collective bandwidth", nccl-tests).
+"""Collective bandwidth per op, group and message size (docs/metrics.md, "Collective bandwidth", nccl-tests).
 
 Per instance ``(group, seq)`` of a collective: S = max(in_bytes, out_bytes) (largest over its ranks); the transfer
-time is the shortest duration of the instance across its ranks (duration = ``end_ns`` or ``return_ns`` minus
+time is the shortest duration of the instance across its ranks (duration = the run model's ``exit_ns`` minus
 ``issue_ns``), since longer ones include waiting for late peers. algbw = S / transfer time (GB/s = 1e9 bytes/s),
 busbw = algbw × factor(op, n) with n the group size:
 all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast, reduce, send, recv 1.
@@ -122,7 +122,8 @@ def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
 
 
 def instances(run) -> pd.DataFrame:
-    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks."""
+    """``run``: the run model (analyzers/runmodel.py). One row per collective instance: op, group, seq,
+    group_size, bytes, transfer_s, mean_s, ranks."""
     co = run.collectives
     cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks"]
     if len(co) == 0:
@@ -130,8 +131,7 @@ def instances(run) -> pd.DataFrame:
     kineto = co["source"].isin(["kineto"]).to_numpy()
     c = co[~kineto] if (~kineto).any() else co
     inst, n = instance_keys(c)
-    end = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
-    dur = end - c["issue_ns"].to_numpy(np.int64)
+    dur = c["exit_ns"].to_numpy(np.int64) - c["issue_ns"].to_numpy(np.int64)
     nbytes = np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))
     order = np.argsort(inst, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(inst[order]) != 0])

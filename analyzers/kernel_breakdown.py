@@ -1,9 +1,9 @@
 """Kernel-level temporal breakdown and comm/compute overlap, HolisticTraceAnalysis-compatible.
 
-Definitions (/work/shared/reference/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
+Definitions (docs/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
 and HTA's temporal breakdown):
-- kernel classes by name: communication ``^nccl.*Kernel`` (or ``^hccl``); memory ``^Memcpy|^Memset|^dma``;
-  computation: every other kernel whose name does not match ``^nccl.*Kernel|.*Memcpy|Memset|.*Sync``.
+- kernel classes by name: analyzers/kernels.py (communication, memory, computation), shared with the overlap
+  analyzer.
 - overlap = |merged compute ∩ merged comm| ÷ |merged comm| per rank (NaN without comm kernels).
 - kernel time = last kernel end − first kernel start; idle = kernel time − |union of all kernels|;
   compute = |union of computation kernels|; non-compute = kernel time − compute − idle. Shares of kernel time.
@@ -18,9 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-COMM_RE = r"^(?:nccl.*Kernel|hccl)"
-MEMORY_RE = r"^(?:Memcpy|Memset|dma)"
-NOT_COMPUTE_RE = r"^(?:nccl.*Kernel|.*(?:Memcpy|Memset)|.*Sync)"
+from dtprof.analyzers.kernels import kernel_classes
 
 
 def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,9 +52,8 @@ def _kernels(spans: pd.DataFrame, steps: pd.DataFrame | None, window: str) -> pd
         k = k[k["start_ns"].to_numpy() < k["rank"].map(last).fillna(np.inf).to_numpy()]
     elif window not in ("all", "hta"):
         raise ValueError(f"window must be 'all' or 'hta', not {window!r}")
-    name = k["name"].astype(str)
-    return k.assign(comm=name.str.contains(COMM_RE, regex=True).to_numpy(),
-                    compute=(~name.str.contains(NOT_COMPUTE_RE, regex=True)).to_numpy())
+    comm, compute = kernel_classes(k["name"])
+    return k.assign(comm=comm, compute=compute)
 
 
 def kernel_breakdown(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str = "all") -> pd.DataFrame:

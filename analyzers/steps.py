@@ -1,6 +1,6 @@
 """Steps and throughput: per rank and step durations, the job's step time, warm-up detection, percentiles.
 
-Definitions (metrics.md, "Stragglers" and BRIEF §4):
+Definitions (docs/metrics.md, "Steps, step time and warm-up"):
 - a rank's step k lasts ``end_ns - start_ns`` of its ``steps`` row;
 - the job's step time of step k is the maximum over ranks of that step's duration (a synchronous job waits for
   its slowest rank);
@@ -9,27 +9,21 @@ Definitions (metrics.md, "Stragglers" and BRIEF §4):
   (``dtprof.annotate``), so the job's tokens per step is the sum over ranks and tokens/s = that sum / job step time.
   (With tensor or pipeline parallelism only the ranks that own the data should annotate.)
 
+Where these live: ``analyzers/runmodel.py`` calls ``rank_steps``, ``job_steps`` and ``warmup_of`` once per run; every
+consumer reads the model's ``steps``/``job`` columns. Steps a trace capture disturbed (``traced``) are kept out of
+the statistics like warm-up steps.
+
 Warm-up (dtprof convention): by default the leading steps that are slow are excluded -- step 0 always when the run
 has at least 4 steps (it carries allocator, autotuning and DDP bucket set-up), plus any further leading steps
 whose job step time exceeds 1.2 x the median of the rest; at most half the steps. ``warmup=N`` overrides.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 
 NS = 1e9
 WARMUP_SLOW_FACTOR = 1.2
-
-
-@dataclass
-class StepTimes:
-    per_rank: pd.DataFrame   # rank, step, start_ns, end_ns, duration_s, warmup, peak_mem_bytes, tokens, samples
-    job: pd.DataFrame        # step, time_s, warmup, ranks (how many ranks reported the step), tokens, samples
-    warmup_steps: int
-    warmup_source: str       # "detected" or "user"
 
 
 def detect_warmup(job_time_s: np.ndarray) -> int:
@@ -47,8 +41,8 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
     return k
 
 
-def step_times(run, warmup: int | None = None) -> StepTimes:
-    s = run.steps
+def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
+    """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers."""
     per = pd.DataFrame({
         "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
@@ -58,27 +52,38 @@ def step_times(run, warmup: int | None = None) -> StepTimes:
         per[col] = s[col].astype("Int64").to_numpy()
     for col in ("model_flops", "executed_flops"):   # float64: beyond int64's range for large models
         per[col] = s[col].to_numpy(np.float64)
-    per = per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    return per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+
+
+def job_steps(per: pd.DataFrame) -> pd.DataFrame:
+    """Per step: the job's step time ``time_s`` (max over ranks: the one place it is derived), ranks, tokens,
+    samples and ``traced`` (any rank's step was disturbed by a trace capture; needs ``per["traced"]``)."""
     job = per.groupby("step", sort=True).agg(time_s=("duration_s", "max"), ranks=("rank", "size"),
                                               tokens=("tokens", "sum"), samples=("samples", "sum"),
-                                              tokens_known=("tokens", "count"), samples_known=("samples", "count"))
-    job = job.reset_index()
-    if warmup is None:
-        n_warm, source = detect_warmup(job["time_s"].to_numpy()), "detected"
-    else:
-        n_warm, source = max(0, min(int(warmup), len(job))), "user"
-    warm_steps = set(job["step"].to_numpy()[:n_warm].tolist())
-    job["warmup"] = job["step"].isin(warm_steps)
-    per["warmup"] = per["step"].isin(warm_steps)
-    return StepTimes(per, job, n_warm, source)
+                                              tokens_known=("tokens", "count"), samples_known=("samples", "count"),
+                                              traced=("traced", "any"))
+    return job.reset_index()
 
 
-def step_stats(st: StepTimes) -> dict:
-    """summary.json ``steps`` block: percentiles over the job's measured (non-warm-up) step times, throughput."""
-    meas = st.job[~st.job["warmup"]]
+def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
+    """(leading warm-up steps, "detected" or "user"). Traced steps do not count as slow when detecting."""
+    if warmup is not None:
+        return max(0, min(int(warmup), len(job))), "user"
+    t = job["time_s"].to_numpy(dtype=float).copy()
+    traced = job["traced"].to_numpy(bool)
+    if traced.any() and (~traced).any():
+        t[traced] = np.median(t[~traced])
+    return detect_warmup(t), "detected"
+
+
+def step_stats(model) -> dict:
+    """summary.json ``steps`` block: percentiles over the job's measured step times (neither warm-up nor disturbed
+    by a trace capture), throughput. ``model``: the run model (analyzers/runmodel.py)."""
+    job = model.job
+    meas = job[job["measured"]]
     t = meas["time_s"].to_numpy(dtype=float)
-    out: dict = {"count": int(len(t)), "total_count": int(len(st.job)), "warmup_steps": int(st.warmup_steps),
-                 "warmup_source": st.warmup_source}
+    out: dict = {"count": int(len(t)), "total_count": int(len(job)), "warmup_steps": int(model.warmup_steps),
+                 "warmup_source": model.warmup_source, "traced_steps": [int(x) for x in job.loc[job["traced"], "step"]]}
     if len(t):
         p50, p90, p99 = np.percentile(t, [50, 90, 99])
         mean = float(t.mean())
@@ -88,7 +93,7 @@ def step_stats(st: StepTimes) -> dict:
     else:
         out["time_s"] = {"p50": None, "p90": None, "p99": None, "mean": None, "min": None, "max": None}
         out["jitter_frac"] = None
-        out["time_s_reason"] = "no measured steps (all steps are warm-up or none were recorded)"
+        out["time_s_reason"] = "no measured steps (all steps are warm-up or traced, or none were recorded)"
     out["per_step_time_s"] = [float(x) for x in t]
     out["per_step_index"] = [int(x) for x in meas["step"]]
     total_t = float(t.sum()) if len(t) else 0.0

@@ -138,7 +138,8 @@ def main() -> None:
     tiny = data["tiny"]
     added = statistics.median(d - b for d, b in zip(tiny["dtprof"], tiny["bare"]))
     print(f"absolute: dtprof adds {added * 1e6:.1f} us per step (root-module forward hooks, one backward, one "
-          f"optimizer step, {data['module_calls_per_step']} modules; tiny-model step {statistics.median(tiny['bare']) * 1e6:.0f} us bare) "
+          f"optimizer step, {data['module_calls_per_step']} modules; "
+          f"tiny-model step {statistics.median(tiny['bare']) * 1e6:.0f} us bare) "
           f"= {added / 0.010 * 100:.2f} % of a 10 ms step, {added / statistics.median(all_bare) * 100:.2f} % of "
           f"the TinyLM step above")
 

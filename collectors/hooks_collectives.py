@@ -494,7 +494,8 @@ def _wrap_comm_hook(hook):
         finally:
             _tls.bucket = None
         try:
-            if not ctx[2] and not rt.STATE.disabled:   # the hook's collective did not pass through Python: record the bucket itself
+            # the hook's collective did not pass through Python: record the bucket itself
+            if not ctx[2] and not rt.STATE.disabled:
                 buf = bucket.buffer()
                 b = _nbytes(buf)
                 pg = state if state is not None and hasattr(state, "group_name") else None

@@ -198,7 +198,7 @@ def _install_functional() -> None:
 
     if not dist.is_available():
         return
-    from torch.distributed import _functional_collectives as funcol   # registers the ops' Python parts
+    from torch.distributed import _functional_collectives as funcol  # registers the ops' Python parts
 
     _tracing = funcol._are_we_tracing
     plan = [("_c10d_functional", name, name, spec) for name, spec in _OPS.items()]

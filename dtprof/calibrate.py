@@ -14,6 +14,8 @@ import time
 
 import click
 
+from dtprof.cli import InputError
+
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32"}
 
 
@@ -30,10 +32,10 @@ def measure_tflops(device: str = "cpu", dtype: str = "bf16", n: int | None = Non
 
     dt = norm_dtype(dtype)
     if dt not in _TORCH_DTYPES:
-        raise click.ClickException(f"dtype {dtype!r} cannot be calibrated; use one of {', '.join(_TORCH_DTYPES)}")
+        raise InputError(f"dtype {dtype!r} cannot be calibrated; use one of {', '.join(_TORCH_DTYPES)}")
     tdtype = getattr(torch, _TORCH_DTYPES[dt])
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.ClickException("no CUDA device available; use --device cpu")
+        raise InputError("no CUDA device available; use --device cpu")
     n = n or (8192 if device.startswith("cuda") else 1024)
     if dt == "tf32" and device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -62,7 +64,7 @@ def measure_tflops(device: str = "cpu", dtype: str = "bf16", n: int | None = Non
 
 
 def store(result: dict) -> str:
-    from dtprof.analyzers.mfu import calibration_key, calibration_path, load_calibrations
+    from dtprof.options import calibration_key, calibration_path, load_calibrations
     from dtprof.runformat import write_json_atomic
 
     cal = load_calibrations()
@@ -86,7 +88,11 @@ def calibrate_command(device, dtype, n, seconds):
     dtprof calibrate                      # the first GPU, bf16
     dtprof calibrate --device cpu --dtype fp32
     """
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise InputError("dtprof calibrate times a matmul with torch, which this Python cannot import; run it "
+                         "with the Python of your training jobs") from None
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = measure_tflops(device, dtype, n, seconds)

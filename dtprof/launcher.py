@@ -18,7 +18,9 @@ Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
   ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops") and the events table.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
   it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
-- This process never imports torch (versions come from package metadata).
+- This process never imports torch, and dtprof does not depend on it: the job brings its own. Before starting the
+  job, the launcher asks the job's Python (``python`` in the command, or the interpreter in the shebang of
+  ``torchrun`` / the script) whether it can import torch and dtprof, and refuses with exit 2 when it cannot.
 """
 from __future__ import annotations
 
@@ -26,7 +28,6 @@ import datetime as _dt
 import errno
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -40,25 +41,27 @@ from typing import Callable
 
 import click
 
+from dtprof.cli import InputError
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
-from dtprof.runformat import (NODE_MANIFEST, RANK_PREFIX, NodeTableWriter, RunExistsError, create_node_dir,
-                              create_run_dir, write_json_atomic)
+from dtprof.runformat import (
+    NODE_MANIFEST,
+    RANK_PREFIX,
+    NodeTableWriter,
+    RunExistsError,
+    create_node_dir,
+    create_run_dir,
+    write_json_atomic,
+)
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
-USAGE_EXIT = 2
+USAGE_EXIT = InputError.exit_code
 KILL_GRACE_S = 10.0    # a stop's SIGTERM, then SIGKILL to every process of the job still alive this much later
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
              "GROUP_RANK", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "HOSTNAME")
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-
-
-class UsageExit(click.ClickException):
-    """A dtprof usage error: one line on stderr, exit code 2."""
-
-    exit_code = USAGE_EXIT
 
 
 # ---- small pure helpers (unit-tested) ------------------------------------------------------------------------
@@ -129,7 +132,7 @@ def parse_trace_steps(value: str | None) -> str | None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value)
     if not m or int(m.group(1)) >= int(m.group(2)):
-        raise UsageExit(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
+        raise InputError(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
     return f"{int(m.group(1))}:{int(m.group(2))}"
 
 
@@ -137,8 +140,83 @@ def env_subset(env: dict) -> dict:
     return {k: v for k, v in sorted(env.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
-def versions() -> dict:
-    """dtprof, torch, python and NCCL versions, from package metadata: importing torch here would cost seconds."""
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
+
+# Run by the job's Python: can it import torch and dtprof (not from the cwd, which the ranks do not see), and
+# which versions. find_spec and package metadata only: importing torch would cost seconds.
+_PROBE = """
+import importlib.util, json, platform, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+from importlib import metadata
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+print(json.dumps({"python": platform.python_version(), "torch": importlib.util.find_spec("torch") is not None,
+                  "torch_version": version("torch"), "dtprof": importlib.util.find_spec("dtprof") is not None}))
+"""
+# pip's entry-point scripts for interpreters on long paths: "#!/bin/sh" then "'''exec' "/path/python" "$0" ..."
+_PIP_SH_EXEC = re.compile(r"""'''exec' "?([^"\s]+)""")
+
+
+def job_python(command: list[str], env: dict) -> str | None:
+    """The Python interpreter that will run the job: ``python…`` itself, or the interpreter in the shebang of the
+    command (torchrun's entry-point script, an executable train.py). None when it cannot be told (a shell script,
+    srun, a missing command): then nothing is checked."""
+    exe = shutil.which(command[0], path=env.get("PATH"))
+    if exe is None:
+        return None
+    if PYTHON_NAME.fullmatch(Path(exe).name):
+        return exe
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(512).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    words = head[0][2:].split() if head and head[0].startswith("#!") else []
+    interp: str | None = None
+    if words and Path(words[0]).name == "env":            # #!/usr/bin/env [-S] python3
+        args = [w for w in words[1:] if not w.startswith("-")]
+        interp = shutil.which(args[0], path=env.get("PATH")) if args else None
+    elif words and Path(words[0]).name == "sh" and len(head) > 1:
+        m = _PIP_SH_EXEC.match(head[1])
+        interp = m.group(1) if m else None
+    elif words:
+        interp = words[0]
+    return interp if interp and PYTHON_NAME.fullmatch(Path(interp).name) else None
+
+
+def probe_python(python: str, env: dict) -> dict | None:
+    """What the job's Python has (see _PROBE); None if it could not be asked."""
+    env = {k: v for k, v in env.items() if k not in ("DTPROF_NODE_DIR", "DTPROF_CONFIG")}
+    try:
+        out = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def check_job_python(command: list[str], env: dict) -> dict | None:
+    """Refuse (exit 2, one line) a job whose Python cannot import torch or dtprof; else return what it has
+    (``executable``, ``python``, ``torch_version``), or None when the job's Python cannot be told."""
+    python = job_python(command, env)
+    probe = probe_python(python, env) if python else None
+    if probe is None:
+        return None
+    probe["executable"] = python
+    if not probe["torch"]:
+        raise InputError(f"the job's Python ({python}) cannot import torch; dtprof uses the torch of the job it "
+                        "launches: install torch there, or run the job with a Python that has it")
+    if not probe["dtprof"]:
+        raise InputError(f"the job's Python ({python}) cannot import dtprof, so its ranks could not be recorded; "
+                        "install dtprof there")
+    return probe
+
+
+def versions(job: dict | None) -> dict:
+    """dtprof, torch, python and NCCL versions from package metadata; torch and python are the job's (``job`` is
+    check_job_python's answer): the launcher never imports torch, and the torch that matters is the job's."""
     from importlib import metadata
 
     import dtprof
@@ -149,8 +227,8 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    out = {"dtprof": dtprof.__version__, "torch": dist_version("torch"), "python": platform.python_version(),
-           "nccl": None, "nccl_reason": None}
+    out = {"dtprof": dtprof.__version__, "torch": job["torch_version"] if job else None,
+           "python": job["python"] if job else None, "nccl": None, "nccl_reason": None}
     for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
         v = dist_version(name)
         if v:
@@ -159,8 +237,9 @@ def versions() -> dict:
     else:
         out["nccl_reason"] = ("no nvidia-nccl wheel installed (CPU torch build, or NCCL bundled in torch); "
                               "ranks record torch.cuda.nccl.version() when they use NCCL")
-    if out["torch"] is None:
-        out["torch_reason"] = "torch is not installed in the launcher's environment"
+    if job is None:
+        out["torch_reason"] = ("the job's Python could not be told from the command; each rank records its "
+                               "torch_version and python in rank.json")
     return out
 
 
@@ -187,7 +266,7 @@ def inject_dir() -> Path:
 
 
 def job_env(base: dict, node_dir: Path, rank_config: dict) -> dict:
-    """The job's environment: BRIEF §1 contract plus live output."""
+    """The job's environment: what the rank side reads (docs/cli-run.md, step 4) plus live output."""
     env = dict(base)
     env["DTPROF_NODE_DIR"] = str(Path(node_dir).resolve())
     env["DTPROF_CONFIG"] = json.dumps(rank_config)
@@ -328,6 +407,7 @@ class Job:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
+
     def _on_signal(self, signum, frame):
         if self.forwarded:   # second signal: escalate
             self.say(f"dtprof: {signal.Signals(signum).name} again: killing every process of the job (SIGKILL)")
@@ -358,6 +438,7 @@ class Job:
         self._stopper.start()
 
     def wait(self) -> int:
+        assert self.proc is not None, "start() first"
         rc = self.proc.wait()
         if self._stopper is not None:
             self._stopper.join()
@@ -420,11 +501,13 @@ def compact(node_dir: Path, say: Callable[[str], None]):
 
 
 def summarize(run_dir: Path):
-    """Analyse once (options default to node.json's config), write summary.json, return the analysis."""
+    """Analyse once (options from node.json's config: dtprof/options.py), write summary.json, return the analysis."""
     from dtprof.analyzers.summary import analyze, save_summary
+    from dtprof.options import resolve_options
     from dtprof.reader import open_run
 
-    analysis = analyze(open_run(run_dir))
+    run = open_run(run_dir)
+    analysis = analyze(run, resolve_options(run))
     save_summary(run_dir, analysis.summary)
     return analysis
 
@@ -492,14 +575,8 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise UsageExit("no command given: dtprof run [OPTIONS] -- COMMAND...")
+        raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
     trace_steps = parse_trace_steps(trace_steps)
-    watchdog_cls = None
-    if hang_timeout is not None:
-        try:
-            from dtprof.watchdog import Watchdog as watchdog_cls
-        except ImportError as e:
-            raise UsageExit(f"--hang-timeout needs dtprof.watchdog, which cannot be imported ({e})") from None
 
     def say(msg: str) -> None:
         if not quiet:
@@ -514,16 +591,16 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     cwd = Path.cwd()
     env = dict(os.environ)
     join_id = join_id_for(command, env)
-
     if shutil.which(command[0]) is None:   # before any directory exists: nothing to record, nothing left behind
         click.echo(f"dtprof: cannot start {command[0]!r}: command not found (nothing was run or recorded)",
                    err=True)
         sys.exit(127)
+    job_python_info = check_job_python(command, env)
     run_dir = _create_run_dir(out, command, cwd, join_id)
     try:
         node_dir = create_node_dir(run_dir, host)
     except OSError as e:
-        raise UsageExit(f"{run_dir}: cannot create the node directory ({e.strerror or e})") from None
+        raise InputError(f"{run_dir}: cannot create the node directory ({e.strerror or e})") from None
     if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
@@ -533,7 +610,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
         "join_id": join_id, "start_time": utc_iso(start_wall), "start_mono_ns": start_mono,
         "end_time": None, "end_mono_ns": None, "exit_code": None, "status": "running", "signal": None,
-        "versions": versions(), "env": env_subset(env), "git": git_info(cwd), "config": config,
+        "versions": versions(job_python_info), "env": env_subset(env), "git": git_info(cwd), "config": config,
         "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None,
     }
     _write_manifest(node_dir, node_info)
@@ -562,8 +639,10 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         sys.exit(127)
 
     watchdog = None
-    if watchdog_cls is not None:
-        watchdog = _guarded("watchdog", warn, _start_watchdog, watchdog_cls, node_dir, hang_timeout,
+    if hang_timeout is not None:
+        from dtprof.watchdog import Watchdog
+
+        watchdog = _guarded("watchdog", warn, _start_watchdog, Watchdog, node_dir, hang_timeout,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
@@ -609,9 +688,9 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
         try:
             return create_run_dir(out.resolve(), info, join_id=join_id)
         except RunExistsError as e:
-            raise UsageExit(str(e)) from None
+            raise InputError(str(e)) from None
         except OSError as e:
-            raise UsageExit(f"{out}: cannot create the run directory ({e.strerror or e})") from None
+            raise InputError(f"{out}: cannot create the run directory ({e.strerror or e})") from None
     base = cwd / "dtprof-runs" / f"{utc_stamp()}-{script_name(command)}"
     for i in range(100):   # two jobs started in the same second get -1, -2, ...
         cand = base if i == 0 else base.with_name(f"{base.name}-{i}")
@@ -621,7 +700,7 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
             return create_run_dir(cand, info, join_id=None)
         except RunExistsError:
             continue
-    raise UsageExit(f"{base}: could not find a free run directory name")
+    raise InputError(f"{base}: could not find a free run directory name")
 
 
 def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[], None]):
@@ -646,7 +725,7 @@ def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None
 def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_report: bool,
               say: Callable[[str], None], quiet: bool) -> None:
     """Merge traces, compact, summarise, report. Each step: one line on failure, and the run is kept."""
-    post = {}
+    post: dict[str, object] = {}
     if config["trace_steps"] or has_captured_traces(node_dir):
         post["kineto"] = _guarded("kineto", warn, merge_traces, node_dir) is not None
     post["compacted"] = _guarded("compact", warn, compact, node_dir, say) is not None

@@ -10,12 +10,13 @@ files (a crashed or still-running job), tolerating a torn last line.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
 from dtprof.runformat import NODE_MANIFEST, NODE_PREFIX, RANK_PREFIX, RUN_MANIFEST, TABLES_COMPLETE, TABLES_DIR
+from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
 
 
 class RunFormatError(Exception):
@@ -28,7 +29,6 @@ _NUMPY_DTYPES = {"int": "int64", "Int": "Int64", "float": "float64", "bool": "bo
 
 def conform(table: str, df):
     """Return ``df`` with exactly the schema's columns, in order, with the schema's dtypes (nulls where missing)."""
-    import numpy as np
     import pandas as pd
 
     out = {}
@@ -49,7 +49,9 @@ def conform(table: str, df):
         elif kind == "str":
             s = s.astype("object").where(s.notna(), "").astype(str)
             s = s.astype("category") if col in CATEGORICAL else s
-        out[col] = s.to_numpy() if kind == "json" else s
+        elif kind == "json":
+            s = s.map(_json_value).to_numpy()
+        out[col] = s
     return pd.DataFrame(out).reset_index(drop=True) if n else pd.DataFrame(
         {c: pd.Series(dtype=("category" if (k == "str" and c in CATEGORICAL) else _NUMPY_DTYPES[k]))
          for c, k in TABLES[table]})
@@ -104,6 +106,71 @@ def _integers(col: str, s, nullable: bool):
         ints = pd.Series(np.where(missing, 0, f).astype("int64"), index=s.index)
         return ints.astype("Int64").mask(missing) if nullable else ints
     return v.astype("Int64" if nullable else "int64")
+
+
+def _json_value(v):
+    """A json column's cell as a Python object: stored as JSON text (Parquet, JSON lines), or already an object."""
+    if isinstance(v, (bytes, str)):
+        try:
+            return json.loads(v)
+        except ValueError:
+            return None
+    return None if v is None or (isinstance(v, float) and v != v) else v
+
+
+def json_text_columns(table: str, df):
+    """``df`` with its json columns as JSON text, the stored form (Parquet has no column type for any JSON value)."""
+    cols = [c for c, k in TABLES[table] if k == "json" and c in df.columns]
+    if not cols:
+        return df
+    return df.assign(**{c: [json.dumps(v, separators=(",", ":"), default=str) for v in df[c]] for c in cols})
+
+
+# Runs written before the meta table (run format 1.0) carried these facts as events messages; the reader turns them
+# into meta rows here and nowhere else.
+_LEGACY_SCHEDULE = re.compile(r"pipeline schedule:\s*(\w+)(?:.*?stages=(\d+))?(?:.*?microbatches=(\d+))?"
+                              r"(?:.*?stage_indices=([\d,\s]*))?")
+_LEGACY_MESH = re.compile(r"device mesh: shape=\(([^)]*)\), dims=\(([^)]*)\)")
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(x) for x in (text or "").replace(",", " ").split()]
+
+
+def legacy_meta(events, meta):
+    """``meta`` plus the rows that legacy ``events`` messages stand for (kinds the meta table lacks only)."""
+    import pandas as pd
+
+    if not len(events):
+        return meta
+    have = set(meta["kind"].astype(str))
+    msgs = events["message"].astype(str)
+    rows = []
+    if "pipeline_schedule" not in have:
+        for i in msgs.index[msgs.str.contains("pipeline schedule:", regex=False)]:
+            m = _LEGACY_SCHEDULE.search(msgs[i])
+            if m:
+                rows.append((i, "pipeline_schedule", {
+                    "schedule": m.group(1), "stages": int(m.group(2)) if m.group(2) else None,
+                    "microbatches": int(m.group(3)) if m.group(3) else None, "stage_indices": _ints(m.group(4))}))
+    if "mesh" not in have:
+        for i in msgs.index[msgs.str.contains("device mesh:", regex=False)]:
+            m = _LEGACY_MESH.search(msgs[i])
+            if m:
+                rows.append((i, "mesh", {"shape": _ints(m.group(1)),
+                                         "dims": [d.strip() for d in m.group(2).split(",") if d.strip()]}))
+    if "fault" not in have:
+        for i in msgs.index[msgs.str.startswith("dtprof disabled on this rank after a fault in ")]:
+            where, _, error = msgs[i][len("dtprof disabled on this rank after a fault in "):].partition(": ")
+            rows.append((i, "fault", {"where": where, "error": error}))
+    if not rows:
+        return meta
+    ev = events.loc[[i for i, _, _ in rows]]
+    add = pd.DataFrame({"rank": ev["rank"].to_numpy(), "host": ev["host"].astype(str).to_numpy(),
+                        "t_ns": ev["t_ns"].to_numpy(), "kind": [k for _, k, _ in rows],
+                        "value": [v for _, _, v in rows]})
+    base = meta.astype({c: "object" for c in meta.columns if meta[c].dtype == "category"})
+    return conform("meta", pd.concat([base, add], ignore_index=True) if len(meta) else add)
 
 
 def _conform_categorical(s):
@@ -197,7 +264,7 @@ def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any
     rows = []
     bad = 0
     loads = json.loads
-    for i, line in enumerate(lines[1:]):
+    for line in lines[1:]:
         if not line:
             continue
         try:
@@ -242,13 +309,19 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
     return out
 
 
+_LATER_TABLES = ("meta",)   # added after run format 1.0: absent from older runs' complete tables
+
+
 def _read_node_tables(node_dir: Path) -> dict:
     import pandas as pd
 
     out = {}
     for table in TABLES:
         p = node_dir / TABLES_DIR / f"{table}.parquet"
-        if not _present(p):   # the _complete marker says every table was written
+        if not _present(p):
+            if table in _LATER_TABLES:   # a run written before this table existed
+                out[table] = conform(table, pd.DataFrame())
+                continue
             raise RunFormatError(f"{p}: missing (the node's tables are marked complete)")
         try:
             df = pd.read_parquet(p)
@@ -268,7 +341,7 @@ class Run:
     Attributes: ``path``, ``manifest`` (run.json), ``nodes`` (each node.json, with ``node`` = directory name),
     ``problems`` (lines about anything skipped while reading), and one DataFrame per table in
     ``dtprof.schema.TABLES``: ``ranks``, ``steps``, ``spans``, ``collectives``, ``groups``, ``nvml``, ``clock``,
-    ``events``.
+    ``events``, ``meta`` (a run written before the meta table gets its rows from the legacy events messages).
     """
 
     def __init__(self, path: Path):
@@ -324,6 +397,7 @@ class Run:
             where = sorted(set(out["ranks"].loc[out["ranks"]["rank"] == r, "node"].astype(str)))
             raise RunFormatError(f"{self.path}: rank {r} is recorded more than once (in {', '.join(where)}; "
                                  f"a copied node directory?)")
+        out["meta"] = legacy_meta(out["events"], out["meta"])
         return out
 
     def table(self, name: str):

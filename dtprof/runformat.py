@@ -14,9 +14,9 @@ import re
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import IO, Any, Iterable, Sequence
 
-from dtprof.schema import RUN_SCHEMA, SCHEMA_VERSION, TABLES
+from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
 
 RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
@@ -53,7 +53,8 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir / RUN_MANIFEST
-    info = {"schema": RUN_SCHEMA, "schema_version": SCHEMA_VERSION, "join_id": join_id or "", **run_info}
+    info = {"schema": RUN_SCHEMA, "schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
+            "join_id": join_id or "", **run_info}
     if not manifest.exists():
         others = [p.name for p in run_dir.iterdir()
                   if p.name != RUN_MANIFEST and not p.name.startswith(f".{RUN_MANIFEST}.")]
@@ -98,20 +99,22 @@ class _TableFile:
         self.table = table
         self.columns = [c for c, _ in TABLES[table]]
         self.rows: list[Sequence[Any]] = []
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def flush(self) -> None:
         rows, self.rows = self.rows, []   # swap under the GIL: appenders never wait on I/O
         if not rows and self._fh is not None:
             return
-        if self._fh is None:
-            self._fh = open(self.path, "a", buffering=1 << 16)
-            if self._fh.tell() == 0:
-                header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION, "columns": self.columns}
-                self._fh.write(json.dumps(header) + "\n")
+        fh = self._fh
+        if fh is None:
+            fh = self._fh = open(self.path, "a", buffering=1 << 16)
+            if fh.tell() == 0:
+                header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION,
+                          "schema_minor": SCHEMA_MINOR, "columns": self.columns}
+                fh.write(json.dumps(header) + "\n")
         dumps = json.dumps
-        self._fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
-        self._fh.flush()
+        fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
+        fh.flush()
 
     def close(self) -> None:
         self.flush()
@@ -182,7 +185,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     """
     import pandas as pd
 
-    from dtprof.reader import conform
+    from dtprof.reader import conform, json_text_columns
 
     node_dir = Path(node_dir)
     out = node_dir / TABLES_DIR
@@ -190,7 +193,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     (out / TABLES_COMPLETE).unlink(missing_ok=True)
     for table in TABLES:
         df = tables.get(table)
-        df = conform(table, df if df is not None else pd.DataFrame())
+        df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         try:
             df.to_parquet(tmp, index=False)

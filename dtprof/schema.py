@@ -10,8 +10,9 @@ Conventions
 """
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
-RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}"
+SCHEMA_VERSION = 1      # major: a reader refuses a newer one
+SCHEMA_MINOR = 1        # minor: additions only (1: the ``meta`` table); every older minor still opens
+RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
 # low-cardinality columns listed in CATEGORICAL), "bool", "json" (any JSON value, kept as Python objects).
@@ -92,6 +93,16 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("source", "str"),    # "rank", "nvml", "launcher", "import", ...
         ("message", "str"),
     ],
+    # Structured facts about the run, one JSON object per row; ``kind`` is one of META_KINDS (docs/run-format.md).
+    "meta": [("rank", "int"), ("host", "str"), ("t_ns", "int"), ("kind", "str"), ("value", "json")],
+}
+
+# meta kinds and the keys of their ``value`` objects
+META_KINDS = {
+    "pipeline_schedule": ("schedule", "stages", "microbatches", "stage_indices"),
+    "mesh": ("shape", "dims"),
+    "trace_capture": ("steps", "start_ns", "end_ns"),   # monotonic ns the profiler capture disturbed the rank
+    "fault": ("where", "error"),                        # dtprof disabled itself on this rank
 }
 
 SPAN_KINDS = (

@@ -11,17 +11,15 @@ from pathlib import Path
 
 import click
 
+from dtprof.cli import InputError
+
 LIVE_DUMP_WAIT_S = 5.0
-
-
-class InputError(click.ClickException):
-    exit_code = 2  # dtprof's code for unreadable input (dtprof/cli.py)
 
 
 def _live_dumps(run_dir: Path) -> str:
     """Ask every rank of a running job for a dump (without stopping it) and wait for the answers."""
     from dtprof.runformat import NODE_PREFIX
-    from dtprof.watchdog import read_heartbeats, request_dumps, wait_for_dumps, pid_alive
+    from dtprof.watchdog import pid_alive, read_heartbeats, request_dumps, wait_for_dumps
 
     dump_id = f"live-{time.strftime('%Y%m%dT%H%M%S')}"
     for nd in sorted(run_dir.glob(f"{NODE_PREFIX}*")):

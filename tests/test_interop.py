@@ -181,7 +181,8 @@ def _maybe_trace_processor(path: Path, expected_slices: int) -> None:
         from perfetto.trace_processor import TraceProcessor
         tp = TraceProcessor(trace=str(path))
     except Exception as e:  # no binary and no network: the structural checks above are what ran
-        warnings.warn(f"perfetto trace_processor unavailable offline ({type(e).__name__}); structure checked only")
+        warnings.warn(f"perfetto trace_processor unavailable offline ({type(e).__name__}); structure checked only",
+                      stacklevel=2)
         return
     n = tp.query("select count(*) as n from slice").as_pandas_dataframe()["n"][0]
     assert n == expected_slices

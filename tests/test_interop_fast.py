@@ -86,7 +86,8 @@ def test_fast_path_equals_json_reference_on_tricky_trace(tmp_path, monkeypatch, 
     assert not got["cpu"]["name"].str.startswith("aten::").any()  # "cat": "kernel" inside a name is not a cat
     assert got["meta"]["baseTimeNanoseconds"] == 1_700_000_000_000_000_000
     assert got["meta"]["distributedInfo"]["rank"] == 1 and got["meta"]["traceName"] == 'x "]}" y'
-    assert got["n_events"] == 31 and got["other"] == 13  # 31 - 9 kernels - 9 CPU rows (3 steps: ProfilerStep, forward, record_param_comms)
+    # 31 - 9 kernels - 9 CPU rows (3 steps: ProfilerStep, forward, record_param_comms)
+    assert got["n_events"] == 31 and got["other"] == 13
     assert got["pids"] == {7}
 
 

@@ -14,7 +14,6 @@ its Flight Recorder dump there at the end (pickle for even ranks, JSON for odd r
 import argparse
 import os
 import signal
-import sys
 import time
 import types
 from pathlib import Path
