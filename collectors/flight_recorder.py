@@ -136,7 +136,7 @@ def _entry_row(e: dict, rank, source: str) -> dict:
         "rank": rank, "group": str(pg[0]), "group_desc": str(pg[1]) if len(pg) > 1 else "",
         "seq": e.get("collective_seq_id"), "p2p_seq": e.get("p2p_seq_id"), "is_p2p": bool(e.get("is_p2p")),
         "op": _op_name(e.get("profiling_name", "")), "in_bytes": nbytes,
-        "input_sizes": json.dumps(sizes), "dtype": ",".join(_DTYPE_NAMES.get(d, d) for d in dtypes),
+        "input_sizes": json.dumps(sizes), "dtype": ",".join(str(_DTYPE_NAMES.get(d, d)) for d in dtypes),
         "output_sizes": json.dumps(e.get("output_sizes") or []), "state": e.get("state"),
         "time_created_ns": e.get("time_created_ns"), "thread_name": e.get("thread_name"),
         "record_id": e.get("record_id"),

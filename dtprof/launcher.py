@@ -13,9 +13,10 @@ Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
   ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python output stays live through the pipe.
 - The job runs in its own session. Its processes are tracked by parentage and by the ``DTPROF_NODE_DIR`` in their
   environment, whatever their process group (torchrun gives each worker its own). SIGINT/SIGTERM/SIGHUP to
-  ``dtprof run`` are forwarded to the command's process group; a second one SIGKILLs every process of the job. When the hang watchdog fires, and
-  whenever the command ends with processes of the job still running, they get SIGTERM, then SIGKILL after
-  ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops") and the events table.
+  ``dtprof run`` are forwarded to the command's process group; a second one SIGKILLs every process of the job.
+  When the hang watchdog fires, and whenever the command ends with processes of the job still running, they get
+  SIGTERM, then SIGKILL after ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops")
+  and the events table.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
   it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
 - This process never imports torch, and dtprof does not depend on it: the job brings its own. Before starting the
@@ -397,18 +398,19 @@ class Job:
         self._old_handlers: dict = {}
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        self._relays = [(_start_relay(self.proc.stdout, 1, self.node_dir / "stdout.log"), "stdout.log"),
-                        (_start_relay(self.proc.stderr, 2, self.node_dir / "stderr.log"), "stderr.log")]
-        self.proc.stdout.close()   # the relays hold the read ends now
-        self.proc.stderr.close()
+        proc = self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        self._relays = [(_start_relay(proc.stdout, 1, self.node_dir / "stdout.log"), "stdout.log"),
+                        (_start_relay(proc.stderr, 2, self.node_dir / "stderr.log"), "stderr.log")]
+        proc.stdout.close()   # the relays hold the read ends now
+        proc.stderr.close()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
-
     def _on_signal(self, signum, frame):
+        assert self.proc is not None, "start() first"
         if self.forwarded:   # second signal: escalate
             self.say(f"dtprof: {signal.Signals(signum).name} again: killing every process of the job (SIGKILL)")
             self.forwarded.append("SIGKILL")
@@ -425,6 +427,7 @@ class Job:
             pass
 
     def _stop(self, reason: str) -> None:
+        assert self.proc is not None, "start() first"
         rec = stop_processes(self.proc.pid, self.node_dir, reason)
         if rec is not None:
             self.stops.append(rec)
