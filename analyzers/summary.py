@@ -35,7 +35,7 @@ from dtprof.analyzers.runmodel import RunModel
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
-STATUS_ORDER = ("hung", "killed", "failed", "running", "completed", "imported")   # worst first
+STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed", "imported")   # worst first
 
 
 def worst_status(statuses) -> str | None:
@@ -72,6 +72,8 @@ def _run_block(run) -> dict:
     out = {"world_size": int(run.world_size), "hosts": [h for h in run.hosts if h], "status": status,
            "exit_code": exit_code, "path": str(run.path), "nodes": len(run.nodes),
            "duration_s": max(durations) if durations else None, "start_time": starts[0] if starts else None}
+    if status == "interrupted":
+        out["status_reason"] = next(n["status_reason"] for n in run.nodes if n.get("status") == "interrupted")
     if status is None:
         out["status_reason"] = "no node.json records the job's end (still running, or the launcher was killed)"
     if exit_code is None:
@@ -359,6 +361,8 @@ def format_summary_text(summary: dict) -> str:
     code = f", exit code {run['exit_code']}" if run.get("exit_code") is not None else ""
     lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) {hosts}, "
                  f"status {run.get('status') or 'unknown'}{code}")
+    if run.get("status") == "interrupted":
+        lines.append(run.get("status_reason") or "interrupted")
     tri = summary.get("triage")
     if tri and tri.get("verdict") != "healthy":
         lines.append(f"triage: {tri['message']}")

@@ -697,14 +697,35 @@ def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size
 
 # ---------------------------------------------------------------- import and merge
 
+def check_times(parsed: dict) -> None:
+    """Refuse a trace whose kept events have times that cannot be true (absent, not numbers, NaN, inf, negative
+    ts or dur, or beyond int64 nanoseconds): imported, they would become spans ending anywhere."""
+    path = parsed["path"]
+    for kind in ("kernels", "cpu"):
+        df = parsed[kind]
+        for c in ("ts", "dur"):
+            if not len(df) or c not in df:
+                continue
+            v = pd.to_numeric(df[c], errors="coerce").to_numpy("float64")
+            bad = ~np.isfinite(v) | (v < 0) | (v * 1000 >= 2.0**62)
+            if bad.any():
+                raise KinetoError(f"{path}: {int(bad.sum())} event(s) with an impossible {c} (missing, not a "
+                                  f"number, NaN, inf, negative or too large; e.g. {df[c][bad].iloc[0]!r})")
+
+
 def _load_one(f: Path, single: bool):
     """One file -> (parsed counts, identity, tables), or the KinetoError's message (picklable for a worker)."""
     try:
         parsed = parse_trace(f)
+        check_times(parsed)
         ident = trace_identity(parsed, single=single)
         tables = rank_tables(parsed, ident)
     except KinetoError as e:
         return str(e)
+    except RecursionError:
+        return f"{f}: JSON nested too deeply (not a torch.profiler trace?)"
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        return f"{f}: unexpected trace content ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''})"
     parsed["kernels"] = parsed["cpu"] = parsed["launch"] = None
     return parsed, ident, tables
 
@@ -748,8 +769,9 @@ def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tu
             results = list(pool.map(_load_one, files, [single] * len(files)))
     else:
         results = [_load_one(f, single) for f in files]
-    out = [r for r in results if not isinstance(r, str)]
-    failed = [r for r in results if isinstance(r, str)]
+    out, failed = [], []
+    for r in results:
+        (failed if isinstance(r, str) else out).append(r)
     if not out:
         raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
     worlds = {i["world_size"] for _, i, _ in out}

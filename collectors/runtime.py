@@ -554,6 +554,8 @@ class Recorder:
             torch.autograd.backward, torch.Tensor.backward = self.orig_backward
 
 
+# The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
+Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
 
 

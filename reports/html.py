@@ -560,6 +560,9 @@ def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None
     out = Path(out_path) if out_path else run.path / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)   # a full disk must not leave half a report behind under a hidden name
     return out
