@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch for the demo and the tests; the package itself accepts any torch>=2.4 the user has.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo lint test bench clean-venv
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,12 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/dtprof run -- $(VENV)/bin/torchrun --nproc_per_node=2 examples/train_ddp.py --steps 30 --dim 128 --seq 64
 
-test: venv
+# ruff (lint + import order) and mypy, configured in pyproject.toml; `make test` runs them first and fails on them
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q -ra
 
 bench: venv

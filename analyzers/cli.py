@@ -6,10 +6,7 @@ import sys
 
 import click
 
-
-class InputError(click.ClickException):
-    """Unreadable input: one line, exit code 2 (dtprof/cli.py's shared convention)."""
-    exit_code = 2
+from dtprof.cli import InputError
 
 
 def _parse_transformer(value: str | None) -> dict | None:
@@ -42,7 +39,11 @@ def _parse_transformer(value: str | None) -> dict | None:
 @click.option("--transformer", default=None, metavar="n_params=N,layers=L,heads=H,head_dim=Q,seq_len=T",
               help="Model FLOPs from a transformer's shape (PaLM: 6N + 12·L·H·Q·T per token × tokens/step).")
 @click.option("--no-write", is_flag=True, help="Do not write summary.json into the run.")
-def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype, transformer, no_write):
+@click.option("--gpu-window", type=click.Choice(["all", "hta"]), default="all", show_default=True,
+              help="Kernels counted in GPU time: all of them, or HolisticTraceAnalysis' window (launched before "
+                   "the last step) to compare with HTA.")
+def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype, transformer, no_write,
+                    gpu_window):
     """Per-rank summary of a recorded run; also writes RUN_DIR/summary.json (docs/summary-schema.md).
 
     \b
@@ -53,6 +54,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     Exit codes: 0 done, 2 unreadable run directory or bad option.
     """
     from dtprof.analyzers.summary import SUMMARY_FILE, analyze, format_summary_text, save_summary
+    from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
 
     tf = _parse_transformer(transformer)
@@ -62,8 +64,14 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
 
     try:
         run = open_run(run_dir)
-        a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
-                    transformer=tf, progress=progress if sys.stderr.isatty() else None)
+        options = resolve_options(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
+                                  dtype=dtype, transformer=tf, gpu_window=gpu_window)
+    except RunFormatError as e:
+        raise InputError(str(e)) from None
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    try:
+        a = analyze(run, options, progress=progress if sys.stderr.isatty() else None)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     if not no_write:
@@ -74,4 +82,6 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     if as_json:
         click.echo(json.dumps(a.summary, indent=2))
     else:
-        click.echo(format_summary_text(a.summary))
+        from dtprof.reports.gpu import summary_lines
+
+        click.echo("\n".join([format_summary_text(a.summary), *summary_lines(a.summary)]))

@@ -1,4 +1,5 @@
-"""Clock alignment across hosts (metrics.md, "Clock alignment across hosts").
+"""Clock alignment across hosts (docs/metrics.md, "Clock alignment across hosts"). The run model
+(analyzers/runmodel.py) fits it once per run; every consumer aligns through the model.
 
 Processes on one host share CLOCK_MONOTONIC; different hosts do not. The exit of a blocking collective is taken as
 simultaneous on all its ranks, so for every collective instance ``(group, seq)`` seen on the reference host (the
@@ -8,8 +9,9 @@ ppm); ``residual_ns`` is the largest absolute residual of that fit, i.e. how far
 are after alignment (an upper bound on the alignment error the data can vouch for).
 
 To align, add ``offset_ns + drift_ppm * 1e-6 * (t - ref_t_ns)`` to a host's times (``align_times``).
-Exits are ``end_ns`` (``return_ns`` when null) of blocking collectives; if a run has none, asynchronous ones whose
-completion was seen are used. Point-to-point ops are left out (their exits are not simultaneous).
+Exits are the run model's ``exit_ns`` (analyzers/runmodel.py) of blocking collectives; if a run has none,
+asynchronous ones whose completion was seen are used. Point-to-point ops are left out (their exits are not
+simultaneous).
 """
 from __future__ import annotations
 
@@ -21,14 +23,14 @@ from dtprof.analyzers.collectives import instance_ids, instance_keys
 P2P = ("send", "recv")
 
 
-def _host_of_rank(run) -> pd.Series:
-    r = run.ranks
+def _host_of_rank(r: pd.DataFrame) -> pd.Series:
     return pd.Series(r["host"].astype(str).to_numpy(), index=r["rank"].to_numpy(np.int64))
 
 
-def fit_clocks(run) -> pd.DataFrame:
-    """Per host: host, offset_ns, drift_ppm, residual_ns, n_pairs, ref_t_ns, reference (bool), reason."""
-    host_of = _host_of_rank(run)
+def fit_clocks(ranks: pd.DataFrame, co: pd.DataFrame) -> pd.DataFrame:
+    """Per host: host, offset_ns, drift_ppm, residual_ns, n_pairs, ref_t_ns, reference (bool), reason.
+    ``ranks``: the ranks table; ``co``: the run model's collectives (with ``exit_ns``)."""
+    host_of = _host_of_rank(ranks)
     hosts = sorted(set(host_of.tolist()))
     rows = {h: {"host": h, "offset_ns": 0.0, "drift_ppm": 0.0, "residual_ns": 0.0, "n_pairs": 0, "ref_t_ns": 0,
                 "reference": False, "reason": ""} for h in hosts}
@@ -38,17 +40,16 @@ def fit_clocks(run) -> pd.DataFrame:
     ref = host_of.get(0, hosts[0])
     rows[ref]["reference"] = True
     rows[ref]["reason"] = "reference host (rank 0)"
-    co = run.collectives
     if len(hosts) == 1 or len(co) == 0:
         return pd.DataFrame(list(rows.values()))
     coll = ~co["op"].isin(list(P2P)).to_numpy()
     blocking = coll & ~co["async_op"].to_numpy(bool)
     use = blocking if blocking.any() else coll & co["end_ns"].notna().to_numpy()
     c = co[use]
-    exit_ns = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
-    n_rank = int(run.ranks["rank"].max()) + 1
+    exit_ns = c["exit_ns"].to_numpy(np.int64)
+    n_rank = int(ranks["rank"].max()) + 1
     host_code_of_rank = np.full(n_rank, -1, np.int64)
-    host_code_of_rank[run.ranks["rank"].to_numpy(np.int64)] = pd.Categorical(
+    host_code_of_rank[ranks["rank"].to_numpy(np.int64)] = pd.Categorical(
         host_of.to_numpy(), categories=hosts).codes
     rank = c["rank"].to_numpy(np.int64)
     hcode = host_code_of_rank[np.clip(rank, 0, n_rank - 1)]

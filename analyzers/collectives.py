@@ -1,7 +1,7 @@
-"""Collective bandwidth per op, group and message size (metrics.md, "Collective bandwidth", nccl-tests).
+"""Collective bandwidth per op, group and message size (docs/metrics.md, "Collective bandwidth", nccl-tests).
 
 Per instance ``(group, seq)`` of a collective: S = max(in_bytes, out_bytes) (largest over its ranks); the transfer
-time is the shortest duration of the instance across its ranks (duration = ``end_ns`` or ``return_ns`` minus
+time is the shortest duration of the instance across its ranks (duration = the run model's ``exit_ns`` minus
 ``issue_ns``), since longer ones include waiting for late peers. algbw = S / transfer time (GB/s = 1e9 bytes/s),
 busbw = algbw × factor(op, n) with n the group size:
 all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast, reduce, send, recv 1.
@@ -13,7 +13,8 @@ Size buckets are powers of 4 bytes, labelled "1-4 MiB". Point-to-point ops are m
 rest: the sender's and receiver's rows then form the instance, as the run format numbers them per pair.
 
 Where each instance happened (``window``): ``"measured"`` when a row of it was issued inside a measured step of
-its rank, ``"warmup"`` inside a warm-up step, ``"outside"`` outside every step (set-up before the first forward,
+its rank, ``"excluded"`` inside a step kept out of the statistics (warm-up, traced or FLOP-counted: the run
+model's ``measured`` flag), ``"outside"`` outside every step (set-up before the first forward,
 checkpointing or evaluation after the last optimizer step). The summary's collective table covers the measured
 steps; the traffic outside every step gets its own table (``collectives_outside_steps``).
 
@@ -126,27 +127,28 @@ def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
     return instance_ids(gcode, np.maximum(sender, 0), np.maximum(receiver, 0), seq - seq.min())
 
 
-WINDOWS = ("measured", "warmup", "outside")
+WINDOWS = ("measured", "excluded", "outside")
 
 
 def step_window(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
-    """Index into WINDOWS of host time ``t`` on ``rank``: inside a measured step, a warm-up step, or no step.
-    ``steps``: rank, start_ns, end_ns, warmup (one row per rank-step)."""
+    """Index into WINDOWS of host time ``t`` on ``rank``: inside a measured step, a step kept out of the statistics
+    (warm-up, traced, FLOP-counted), or no step. ``steps``: the run model's rank-steps (rank, start_ns, end_ns,
+    measured)."""
     out = np.full(len(t), WINDOWS.index("outside"), np.int64)
     for r, g in steps.groupby("rank", sort=False):
         g = g.sort_values("start_ns")
         starts, ends = g["start_ns"].to_numpy(np.int64), g["end_ns"].to_numpy(np.int64)
-        warm = g["warmup"].to_numpy(bool)
+        measured = g["measured"].to_numpy(bool)
         sel = np.flatnonzero(rank == r)
         i = np.searchsorted(starts, t[sel], side="right") - 1
         ok = (i >= 0) & (t[sel] < ends[np.maximum(i, 0)])
-        out[sel[ok]] = np.where(warm[i[ok]], WINDOWS.index("warmup"), WINDOWS.index("measured"))
+        out[sel[ok]] = np.where(measured[i[ok]], WINDOWS.index("measured"), WINDOWS.index("excluded"))
     return out
 
 
-def instances(run, steps: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per collective instance: op, group, seq, group_size, bytes, transfer_s, mean_s, ranks, and with
-    ``steps`` (rank, start_ns, end_ns, warmup) its ``window`` (see WINDOWS)."""
+def instances(run) -> pd.DataFrame:
+    """``run``: the run model (analyzers/runmodel.py). One row per collective instance: op, group, seq,
+    group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see WINDOWS)."""
     co = run.collectives
     cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
     if len(co) == 0:
@@ -154,8 +156,7 @@ def instances(run, steps: pd.DataFrame | None = None) -> pd.DataFrame:
     kineto = co["source"].isin(["kineto"]).to_numpy()
     c = co[~kineto] if (~kineto).any() else co
     inst, n = instance_keys(c)
-    end = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64)
-    dur = end - c["issue_ns"].to_numpy(np.int64)
+    dur = c["exit_ns"].to_numpy(np.int64) - c["issue_ns"].to_numpy(np.int64)
     nbytes = np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))
     order = np.argsort(inst, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(inst[order]) != 0])
@@ -164,8 +165,7 @@ def instances(run, steps: pd.DataFrame | None = None) -> pd.DataFrame:
     op = c["op"].astype("category").array
     grp = c["group"].astype("category").array
     first = order[starts]
-    where = (step_window(c["rank"].to_numpy(np.int64), c["issue_ns"].to_numpy(np.int64), steps)
-             if steps is not None else np.zeros(len(c), np.int64))
+    where = step_window(c["rank"].to_numpy(np.int64), c["issue_ns"].to_numpy(np.int64), run.steps)
     window = np.asarray(WINDOWS, dtype=object)[np.minimum.reduceat(where[order], starts)]
     return pd.DataFrame({
         "op": op.take(first), "group": grp.take(first), "seq": c["seq"].to_numpy(np.int64)[first],

@@ -1,4 +1,4 @@
-"""GPU utilisation and memory (NVML samples; metrics.md has no formula beyond these definitions).
+"""GPU utilisation and memory (NVML samples; docs/metrics.md has no formula beyond these definitions).
 
 Per GPU (host, gpu index) over the samples of the run:
 - ``sm_util_mean_pct`` / ``mem_bw_util_mean_pct``: mean of NVML's utilisation samples;
@@ -26,7 +26,7 @@ IDLE_PCT = 5.0
 
 GPU_COLUMNS = ["host", "gpu", "uuid", "samples", "sm_util_mean_pct", "mem_bw_util_mean_pct", "idle_frac",
                "throttled_s", "throttled_frac", "throttle_reasons", "power_w_mean", "temp_c_max", "sm_clock_mhz_mean",
-               "sampled_s"]
+               "ecc_errors_max", "sampled_s"]
 
 
 def gpu_stats(run) -> pd.DataFrame:
@@ -38,8 +38,10 @@ def gpu_stats(run) -> pd.DataFrame:
     for c in ("sm_util_pct", "mem_bw_util_pct", "power_w", "temp_c", "sm_clock_mhz"):
         d[c] = nv[c].to_numpy(float)
     d["reasons"] = nv["throttle_reasons"].astype("Int64").fillna(0).to_numpy(np.int64)
+    d["ecc"] = nv["ecc_errors"].astype("float64").to_numpy()
     d = d.sort_values(["host", "gpu", "t_ns"], kind="stable").reset_index(drop=True)
-    same = (d["host"].to_numpy()[1:] == d["host"].to_numpy()[:-1]) & (d["gpu"].to_numpy()[1:] == d["gpu"].to_numpy()[:-1])
+    host, gpu = d["host"].to_numpy(), d["gpu"].to_numpy()
+    same = (host[1:] == host[:-1]) & (gpu[1:] == gpu[:-1])
     dt = np.full(len(d), np.nan)
     dt[:-1] = np.where(same, np.diff(d["t_ns"].to_numpy()), np.nan)
     d["dt_s"] = dt / 1e9
@@ -52,11 +54,12 @@ def gpu_stats(run) -> pd.DataFrame:
     out = g.agg(uuid=("uuid", "first"), samples=("t_ns", "size"), sm_util_mean_pct=("sm_util_pct", "mean"),
                 mem_bw_util_mean_pct=("mem_bw_util_pct", "mean"), sampled_s=("dt_s", "sum"),
                 idle_s=("idle_s", "sum"), throttled_s=("thr_s", "sum"), power_w_mean=("power_w", "mean"),
-                temp_c_max=("temp_c", "max"), sm_clock_mhz_mean=("sm_clock_mhz", "mean"),
+                temp_c_max=("temp_c", "max"), sm_clock_mhz_mean=("sm_clock_mhz", "mean"), ecc_errors_max=("ecc", "max"),
                 reasons_any=("reasons", lambda s: int(np.bitwise_or.reduce(s.to_numpy())) if len(s) else 0))
     out = out.reset_index()
-    out["idle_frac"] = np.where(out["sampled_s"] > 0, out["idle_s"] / out["sampled_s"].where(out["sampled_s"] > 0, 1), np.nan)
-    out["throttled_frac"] = np.where(out["sampled_s"] > 0, out["throttled_s"] / out["sampled_s"].where(out["sampled_s"] > 0, 1), np.nan)
+    sampled = out["sampled_s"].where(out["sampled_s"] > 0)   # NaN where nothing was sampled
+    out["idle_frac"] = out["idle_s"] / sampled
+    out["throttled_frac"] = out["throttled_s"] / sampled
     out["throttle_reasons"] = [",".join(n for b, n in THROTTLE_BITS.items() if r & b) for r in out["reasons_any"]]
     return out[GPU_COLUMNS]
 

@@ -3,7 +3,7 @@
 Intervals come as flat numpy arrays (group id, set id, start, end). ``measure`` answers questions such as
 "how long was set A covered and set B not, in each group" for any boolean combination of sets, with one sort of
 the 2N interval endpoints and a cumulative sum per set -- no Python loop over intervals. Overlapping intervals of
-the same set count once (the union), which is how metrics.md merges compute and communication intervals before
+the same set count once (the union), which is how docs/metrics.md merges compute and communication intervals before
 intersecting them (HTA ``get_comm_comp_overlap``; dtprof overlap definition).
 
 ``assign_to_windows`` maps intervals onto per-key windows (a rank's steps) with one ``searchsorted``.
@@ -25,21 +25,38 @@ def measure(group: np.ndarray, set_id: np.ndarray, start: np.ndarray, end: np.nd
     that set covers the elementary segment; e.g. ``{"overlap": lambda c: c[0] & c[2] & ~c[1]}``.
     Returns ``{name: float64 array of length n_groups}``. Zero- or negative-length intervals are ignored.
     """
+    out = {name: np.zeros(n_groups, dtype=np.float64) for name in exprs}
+    gg, seg, covered = coverage_segments(group, set_id, start, end, n_sets)
+    if len(seg) == 0:
+        return out
+    for name, fn in exprs.items():
+        mask = fn(covered)
+        out[name] = np.bincount(gg[mask], weights=seg[mask].astype(np.float64), minlength=n_groups)
+    return out
+
+
+def coverage_segments(group: np.ndarray, set_id: np.ndarray, start: np.ndarray, end: np.ndarray,
+                      n_sets: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The elementary segments of every group's time line between consecutive interval endpoints.
+
+    Returns ``(group, length, covered)`` for the segments of non-zero length: ``covered[k]`` tells whether set
+    ``k`` covers the segment. Overlapping intervals of one set count once. Zero- or negative-length intervals are
+    ignored. One sort of the 2N endpoints and a cumulative sum per set.
+    """
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
     keep = end > start
     g = np.asarray(group, dtype=np.int64)[keep]
-    sid = np.asarray(set_id, dtype=np.int8)[keep]
+    sid = np.asarray(set_id, dtype=np.int16)[keep]
     s, e = start[keep], end[keep]
-    out = {name: np.zeros(n_groups, dtype=np.float64) for name in exprs}
     if len(s) == 0:
-        return out
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), [np.zeros(0, bool) for _ in range(n_sets)]
     n = len(s)
     t = np.concatenate([s, e])
     del s, e
     gg = np.concatenate([g, g])
     # set id and direction in one small code: 2*set + 1 for a start, 2*set for an end
-    code = np.concatenate([sid.astype(np.int8) * 2 + 1, sid.astype(np.int8) * 2])
+    code = np.concatenate([sid * 2 + 1, sid * 2])
     tmin, tmax = int(t.min()), int(t.max())
     span = tmax - tmin + 1
     if (int(gg.max()) + 1) * span < _INT64_SAFE:
@@ -65,10 +82,7 @@ def measure(group: np.ndarray, set_id: np.ndarray, start: np.ndarray, end: np.nd
     seg[:-1] = t[1:] - t[:-1]
     seg[:-1][gg[1:] != gg[:-1]] = 0
     nonzero = seg > 0
-    for name, fn in exprs.items():
-        mask = fn(covered) & nonzero
-        out[name] = np.bincount(gg[mask], weights=seg[mask].astype(np.float64), minlength=n_groups)
-    return out
+    return gg[nonzero], seg[nonzero], [c[nonzero] for c in covered]
 
 
 def union_length(group: np.ndarray, start: np.ndarray, end: np.ndarray, n_groups: int) -> np.ndarray:
@@ -113,3 +127,41 @@ def assign_to_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.nd
     ok &= t < win_end[np.maximum(idx, 0)]
     ok &= t >= win_start[np.maximum(idx, 0)]
     return np.where(ok, idx, -1)
+
+
+def split_over_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.ndarray,
+                       key: np.ndarray, start: np.ndarray, end: np.ndarray):
+    """Each interval cut into its pieces inside the windows of the same key (a rank's steps) it overlaps.
+
+    Returns ``(item, window, start, end)``, one row per piece: the interval's index, the window's row index and the
+    piece's clipped bounds. Parts outside every window are dropped. Windows must not overlap within a key.
+    """
+    win_key = np.asarray(win_key, np.int64)
+    win_start = np.asarray(win_start, np.int64)
+    win_end = np.asarray(win_end, np.int64)
+    key = np.asarray(key, np.int64)
+    start = np.asarray(start, np.int64)
+    end = np.asarray(end, np.int64)
+    empty = np.zeros(0, np.int64)
+    if len(win_start) == 0 or len(start) == 0:
+        return empty, empty, empty, empty
+    order = np.lexsort((win_start, win_key))
+    wk, ws, we = win_key[order], win_start[order], win_end[order]
+    # windows sorted by (key, start) also have sorted ends within a key; search within each key's block
+    lo_k = np.searchsorted(wk, key, side="left")
+    hi_k = np.searchsorted(wk, key, side="right")
+    first = np.empty(len(start), np.int64)
+    last = np.empty(len(start), np.int64)
+    for k in np.unique(key):  # one pass per key (rank), not per interval
+        m = key == k
+        a, b = int(lo_k[m][0]), int(hi_k[m][0])
+        first[m] = a + np.searchsorted(we[a:b], start[m], side="right")      # first window ending after start
+        last[m] = a + np.searchsorted(ws[a:b], end[m], side="left") - 1     # last window starting before end
+    n = np.maximum(last - first + 1, 0)
+    item = np.repeat(np.arange(len(start)), n)
+    offset = np.arange(len(item)) - np.repeat(np.cumsum(n) - n, n)
+    pos = np.repeat(first, n) + offset
+    s = np.maximum(start[item], ws[pos])
+    e = np.minimum(end[item], we[pos])
+    keep = e > s
+    return item[keep], order[pos[keep]], s[keep], e[keep]

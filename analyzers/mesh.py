@@ -4,18 +4,18 @@ the mesh groups a slow rank belongs to. Pure pandas/numpy (no torch), vectorised
 
 Where dimensions come from: the rank side (collectors/mesh.py) writes a ``groups`` row with ``mesh_dim`` for the
 group each rank has along each DeviceMesh dimension, and a ``meta`` row of kind ``mesh``
-(``{"shape": [2, 2], "dims": ["dp", "tp"]}``). A group's dimension is its last non-empty ``mesh_dim`` (docs/run-format.md). Collectives on groups with no
+(``{"shape": [2, 2], "dims": ["dp", "tp"]}``). A group's dimension is its last non-empty ``mesh_dim``
+(docs/run-format.md). Collectives on groups with no
 dimension (the world group, groups made outside a mesh) are reported under the dimension ``"(none)"``.
 
-Definitions (/work/shared/reference/metrics.md)
-- Communication time of a collective row = ``end_ns − issue_ns`` (``return_ns`` when the end was never seen), as
+Definitions (docs/metrics.md)
+- Communication time of a collective row = ``exit_ns − issue_ns`` (the run model's collectives), as
   the rank experienced it (peers' lateness included). Bytes = the nccl-tests message size ``max(in_bytes,
   out_bytes)``. ``*_per_step`` = mean over (rank, step) pairs of the ranks that have the dimension, steps with no
   traffic in the dimension counting as 0.
-- Exposed communication ("Compute / communication overlap": |comm \\ compute| per rank and step) comes from the
-  step DataFrame's ``exposed_comm_s``; it is split across dimensions in proportion to each dimension's share of
-  that rank-step's communication time (exact when collectives do not overlap each other, as on gloo).
-- ``costliest_dim``: the dimension with the largest exposed communication per step when a step DataFrame is
+- Exposed communication per dimension comes from the step breakdown (analyzers/breakdown.py), which splits each
+  exposed instant between the collectives in flight; pipeline p2p on pipeline ranks is bubble there, not exposed.
+- ``costliest_dim``: the dimension with the largest exposed communication per step when the breakdown's is
   given, else the largest communication time per step.
 - Pipeline bubble ("Pipeline bubble and stage imbalance"): for stage s in step k, 1 − |union of s's pp_forward
   and pp_backward spans in k| ÷ step k's duration; a pipeline group's bubble is the mean over its stages (ranks)
@@ -35,13 +35,13 @@ Proposed summary.json block (the integrator wires ``mesh_summary`` into ``summar
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 
+from dtprof.schema import COMPUTE_KINDS
+
 NO_DIM = "(none)"
 PP_DIM = "pp"
-_COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
 
 
 def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
@@ -53,6 +53,15 @@ def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
     out["mesh_dim"] = out["mesh_dim"].fillna(NO_DIM).astype(str)
     out["ranks"] = out["ranks"].astype(str)
     return out.reset_index(drop=True)
+
+
+def mesh_dim_of(groups: pd.DataFrame, group: pd.Series) -> pd.Series:
+    """The mesh dimension of each group named in ``group`` (NO_DIM for groups outside a DeviceMesh)."""
+    dims = group_dims(groups) if len(groups) else pd.DataFrame(columns=["group", "mesh_dim"])
+    dim_of = dict(zip(dims["group"].astype(str), dims["mesh_dim"].astype(str)))
+    g = group if isinstance(group.dtype, pd.CategoricalDtype) else group.astype(str)
+    dim = g.map(dim_of)   # on a categorical column this maps its categories only
+    return dim.astype(object).where(dim.notna(), NO_DIM)
 
 
 def mesh_shape(meta: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
@@ -68,27 +77,27 @@ def mesh_shape(meta: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
 def _rank_step_comm(groups: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, step, mesh_dim): comm_s and bytes."""
     dims = group_dims(groups)[["group", "mesh_dim"]]
-    c = collectives[["rank", "step", "group", "issue_ns", "return_ns", "end_ns", "in_bytes", "out_bytes"]].copy()
+    c = collectives[["rank", "step", "group", "issue_ns", "exit_ns", "in_bytes", "out_bytes"]].copy()
     c["group"] = c["group"].astype(str)
     c = c.merge(dims, on="group", how="left")
     c["mesh_dim"] = c["mesh_dim"].fillna(NO_DIM)
-    end = c["end_ns"].astype("Float64").fillna(c["return_ns"].astype("float64")).astype("float64")
-    c["comm_s"] = (end - c["issue_ns"].astype("float64")) / 1e9
+    c["comm_s"] = (c["exit_ns"] - c["issue_ns"]).astype("float64") / 1e9
     c["bytes"] = np.maximum(c["in_bytes"].to_numpy("int64"), c["out_bytes"].to_numpy("int64"))
     c["step"] = c["step"].astype("float64")
     return c.groupby(["rank", "step", "mesh_dim"], sort=False, as_index=False)[["comm_s", "bytes"]].sum()
 
 
-def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``steps``),
+def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
+                exposed: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``exposed``),
     bytes_per_step, groups (sorted list of group names), ranks (count of ranks with traffic in it).
 
-    ``steps``: per rank × step with ``exposed_comm_s`` (and ``warmup``, whose True rows are left out); without it
-    every step seen in the collectives counts."""
+    ``steps``: per rank × step (with ``measured``: only those rows count); without it every step seen in the
+    collectives counts. ``exposed``: rank, step, mesh_dim, exposed_s (breakdown.exposed_by_dim_rank_step)."""
     rs = _rank_step_comm(groups, collectives)
     if steps is not None:
-        keep = steps if "warmup" not in steps else steps[~steps["warmup"].astype(bool)]
-        frame = keep[["rank", "step"] + (["exposed_comm_s"] if "exposed_comm_s" in keep else [])].copy()
+        keep = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
+        frame = keep[["rank", "step"]].copy()
         frame["step"] = frame["step"].astype("float64")
     else:
         frame = rs[["rank", "step"]].drop_duplicates()
@@ -96,10 +105,9 @@ def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataF
     rank_dims = rs[["rank", "mesh_dim"]].drop_duplicates()
     grid = frame.merge(rank_dims, on="rank", how="inner")
     grid = grid.merge(rs, on=["rank", "step", "mesh_dim"], how="left").fillna({"comm_s": 0.0, "bytes": 0})
-    if "exposed_comm_s" in grid:
-        total = grid.groupby(["rank", "step"], sort=False)["comm_s"].transform("sum")
-        share = np.where(total > 0, grid["comm_s"] / total.where(total > 0, 1.0), 0.0)
-        grid["exposed_s"] = grid["exposed_comm_s"].astype("float64") * share
+    if exposed is not None:
+        ex = exposed.astype({"step": "float64"})[["rank", "step", "mesh_dim", "exposed_s"]]
+        grid = grid.merge(ex, on=["rank", "step", "mesh_dim"], how="left").fillna({"exposed_s": 0.0})
     else:
         grid["exposed_s"] = np.nan
     per = grid.groupby("mesh_dim", sort=False).agg(
@@ -137,7 +145,8 @@ def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: p
     """Per pipeline group (the ``pp`` dimension's groups): group, ranks, stages, steps, bubble_frac,
     bubble_frac_max (worst stage-step), compute_s_per_step, step_s (mean step duration).
 
-    ``steps``: the run's steps table (rank, step, start_ns, end_ns) or the analyzers' (``warmup`` rows dropped)."""
+    ``steps``: per rank-step rank, step, duration_s (the run model's steps) and, when given, ``measured`` (only
+    those rows count)."""
     dims = group_dims(groups)
     pp = dims[dims["mesh_dim"] == PP_DIM]
     cols = ["group", "ranks", "stages", "steps", "bubble_frac", "bubble_frac_max", "compute_s_per_step", "step_s"]
@@ -145,9 +154,8 @@ def pipeline_bubble_by_group(groups: pd.DataFrame, spans: pd.DataFrame, steps: p
         return pd.DataFrame(columns=cols)
     members = pp.assign(rank=pp["ranks"].str.split(",")).explode("rank")
     members["rank"] = members["rank"].astype("int64")
-    st = steps if "warmup" not in steps else steps[~steps["warmup"].astype(bool)]
-    st = st[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
-    st = st.assign(step_s=(st["end_ns"] - st["start_ns"]) / 1e9)
+    st = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
+    st = st[["rank", "step", "duration_s"]].astype({"step": "int64"}).rename(columns={"duration_s": "step_s"})
     sp = spans[spans["kind"].astype(str).isin(["pp_forward", "pp_backward"]) & spans["step"].notna()]
     sp = sp[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"})
     covered = _union_s(sp, ["rank", "step"]) if not sp.empty else pd.DataFrame(columns=["rank", "step", "covered_s"])
@@ -173,7 +181,7 @@ def mesh_groups_of_rank(groups: pd.DataFrame, rank: int) -> dict[str, dict]:
 def slowest_compute_rank(spans: pd.DataFrame) -> dict | None:
     """The rank with the most compute per step and its ratio to the median rank: {rank, compute_s_per_step,
     ratio_to_median}; None without compute spans."""
-    sp = spans[spans["kind"].astype(str).isin(_COMPUTE_KINDS) & spans["step"].notna()]
+    sp = spans[spans["kind"].astype(str).isin(COMPUTE_KINDS) & spans["step"].notna()]
     if sp.empty:
         return None
     covered = _union_s(sp[["rank", "step", "start_ns", "end_ns"]].astype({"step": "int64"}), ["rank", "step"])
@@ -196,9 +204,9 @@ def attribute_slow_rank(groups: pd.DataFrame, spans: pd.DataFrame, rank: int | N
 
 
 def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
-                 meta: pd.DataFrame | None = None) -> dict | None:
+                 meta: pd.DataFrame | None = None, exposed: pd.DataFrame | None = None) -> dict | None:
     """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims."""
-    per = comm_by_dim(groups, collectives, steps)
+    per = comm_by_dim(groups, collectives, steps, exposed)
     if (per["dim"] != NO_DIM).sum() == 0:
         return None
     found = mesh_shape(meta)

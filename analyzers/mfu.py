@@ -1,4 +1,4 @@
-"""MFU and HFU (metrics.md, "MFU and HFU", the dtprof convention).
+"""MFU and HFU (docs/metrics.md, "MFU and HFU", the dtprof convention).
 
     MFU = model FLOPs per step / (step time × Σ peak FLOP/s of the job's devices)
 
@@ -13,20 +13,18 @@
      "executed FLOPs". It counts recomputation, so with activation checkpointing it is HFU rather than MFU.
   When a model source is used and executed FLOPs exist too, ``hfu`` is the executed figure over the same
   denominator; otherwise ``hfu`` is null.
-- Peak per device, from the first available of: ``peak_tflops`` (``--peak-tflops``, per device), a calibration
-  stored by ``dtprof calibrate`` for the device name and dtype ("calibrated on <date>"), the spec table below
-  (dense, no sparsity) matched on the device name and dtype, the ~1 s calibration `dtprof run` made after the job
-  for a device with none of these (``run_calibration``, "calibrated by dtprof run"). Unknown device and no peak: MFU is null with the
-  reason -- never a guess. On a CPU there is no spec peak.
+- Peak per device: ``options.peaks``, resolved at the command-line edge (dtprof/options.py) from the first
+  available of ``--peak-tflops`` (per device), a calibration stored by ``dtprof calibrate`` for the device name and
+  dtype ("calibrated on <date>"), the ~1 s calibration `dtprof run` made after the job for a device with no spec
+  peak ("calibrated by dtprof run"), the spec table below (dense, no sparsity) matched on the device name and
+  dtype. Unknown device and no peak: MFU is null with the reason -- never a guess. On a CPU there is no spec peak.
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
+
+from dtprof.analyzers.options import AnalysisOptions
 
 # (substring of the device name, lowercase; {dtype: TFLOP/s}) -- first match wins, so specific names come first.
 PEAK_TFLOPS = (
@@ -59,75 +57,35 @@ def spec_peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def calibration_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dtprof" / "calibration.json"
-
-
-def calibration_key(device_name: str, dtype: str) -> str:
-    return f"{device_name}|{norm_dtype(dtype)}"
-
-
-def load_calibrations() -> dict:
-    try:
-        return json.loads(calibration_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def transformer_flops_per_token(n_params: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
     """PaLM appendix B: 6N + 12·L·H·Q·T (N non-embedding parameters)."""
     return 6.0 * n_params + 12.0 * layers * heads * head_dim * seq_len
 
 
-def device_peaks(ranks: pd.DataFrame, dtype: str, peak_tflops: float | None,
-                 run_calibration: list | None = None) -> tuple[np.ndarray, str, str]:
-    """Per rank peak FLOP/s (nan where unknown), the source label and a reason when any is unknown."""
+def device_peaks(ranks: pd.DataFrame, options: AnalysisOptions) -> tuple[np.ndarray, str, str]:
+    """Per rank peak FLOP/s (nan where unknown), the source label and a reason when any is unknown, from the peaks
+    resolved at the command-line edge (``options.peaks``)."""
     names = ranks["device_name"].astype(str).to_numpy()
-    types = ranks["device_type"].astype(str).to_numpy()
-    if peak_tflops is not None:
-        return np.full(len(names), float(peak_tflops) * 1e12), f"user: {float(peak_tflops):g} TFLOP/s per device", ""
-    cal = load_calibrations()
     peaks = np.full(len(names), np.nan)
-    labels = set()
-    missing = set()
+    labels, missing = set(), set()
     for name in sorted(set(names)):  # one per distinct device name
-        m = names == name
-        entry = cal.get(calibration_key(name, dtype))
-        if entry and entry.get("tflops"):
-            peaks[m] = float(entry["tflops"]) * 1e12
-            labels.add(f"calibrated on {entry.get('date', '?')} ({name}, {norm_dtype(dtype)}: "
-                       f"{float(entry['tflops']):g} TFLOP/s)")
+        p = options.peaks.get(name)
+        if p is None or p.tflops is None:
+            missing.add(p.reason if p is not None else f"{name or 'device'}: no peak given (give --peak-tflops or "
+                                                       f"run dtprof calibrate)")
             continue
-        measured = [c for c in run_calibration or [] if c.get("device_name") == name and c.get("tflops")
-                    and norm_dtype(c.get("dtype", "")) == norm_dtype(dtype)]
-        if measured:
-            c = measured[0]
-            peaks[m] = float(c["tflops"]) * 1e12
-            labels.add(f"calibrated by dtprof run ({c.get('seconds', '?')} s {norm_dtype(dtype)} GEMM on {name}, "
-                       f"{c.get('threads', '?')} thread(s) per rank: {float(c['tflops']):.4g} TFLOP/s)")
-            continue
-        if set(types[m]) == {"cpu"} or name in ("", "cpu"):
-            missing.add(f"{name or 'cpu'}: a CPU has no spec peak (give --peak-tflops or run dtprof calibrate)")
-            continue
-        spec = spec_peak_tflops(name, dtype)
-        if spec is None:
-            missing.add(f"{name}: no spec peak for dtype {norm_dtype(dtype)} (give --peak-tflops or run "
-                        f"dtprof calibrate)")
-            continue
-        peaks[m] = spec * 1e12
-        labels.add(f"spec sheet ({name}, {norm_dtype(dtype)} dense: {spec:g} TFLOP/s)")
+        peaks[names == name] = p.tflops * 1e12
+        labels.add(p.source)
     return peaks, "; ".join(sorted(labels)), "; ".join(sorted(missing))
 
 
-def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_step: float | None = None,
-                peak_tflops: float | None = None, dtype: str = "bf16", transformer: dict | None = None,
-                run_calibration: list | None = None) -> dict:
-    """summary.json ``mfu`` block. ``per_rank``/``job``: StepTimes tables (warm-up flagged)."""
+def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, options: AnalysisOptions) -> dict:
+    """summary.json ``mfu`` block. ``per_rank``/``job``: the run model's steps and job tables (``measured`` flagged)."""
     out = {"value": None, "hfu": None, "flops_per_step": None, "flops_source": None, "peak_flops": None,
-           "peak_source": None, "dtype": norm_dtype(dtype), "step_time_s": None, "achieved_flops_per_s": None}
-    meas = per_rank[~per_rank["warmup"]]
-    jm = job[~job["warmup"]]
+           "peak_source": None, "dtype": options.dtype, "step_time_s": None, "achieved_flops_per_s": None}
+    flops_per_step, transformer = options.flops_per_step, options.transformer
+    meas = per_rank[per_rank["measured"]]
+    jm = job[job["measured"]]
     step_time = float(jm["time_s"].mean()) if len(jm) else None
     out["step_time_s"] = step_time
 
@@ -169,7 +127,7 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, *, flops_per_ste
     out["flops_source"] = source
     if reason:
         out["flops_reason"] = reason
-    peaks, label, missing = device_peaks(run.ranks, dtype, peak_tflops, run_calibration)
+    peaks, label, missing = device_peaks(run.ranks, options)
     if len(peaks) == 0:
         missing = "no ranks recorded"
     if missing:

@@ -1,16 +1,20 @@
-"""Compute / communication overlap per rank and step (metrics.md, "Compute / communication overlap", dtprof).
+"""Compute / communication overlap per rank and step (docs/metrics.md, "Compute / communication overlap", dtprof).
 
 For each rank and step, with every set merged first (a union, so nested or concurrent intervals count once):
 - compute = union of compute spans (forward, backward, optimizer, pp_forward, pp_backward) minus the union of
   ``comm_wait`` spans: time blocked on communication is not compute, or the overlap ratio would mean nothing;
-- comm = union of collective intervals ``[issue_ns, end_ns]`` (``return_ns`` where ``end_ns`` is null);
+- comm = union of collective intervals ``[issue_ns, exit_ns]`` (the run model's collectives);
 - overlap ratio = |comm ∩ compute| / |comm| (null for a step without communication);
 - exposed communication = |comm \\ compute|, the time the rank could only communicate;
-- comm_wait_s and data_wait_s = union lengths of those span kinds.
+- comm_wait_s = union length of ``comm_wait`` spans;
+- data_wait_s = union length of ``data_wait`` spans, minus the time that is not waiting for input: on a pipeline
+  rank everything from the start of its schedule in that step (its first pipeline op or point-to-point transfer:
+  from then on it waits for its upstream stage -- pipeline fill, part of the bubble), and every interval a trace
+  capture disturbed (the run model's ``captures``: the profiler's own start, stop and export).
 
-Kernel level: for a rank-step that has ``kernel`` spans (a captured or imported GPU trace), compute is its kernels
-except communication kernels (names matching ``nccl``/``hccl``/``rccl``) and memcpy/memset/sync, and comm is its
-communication kernels plus collectives whose source is ``kineto``; comm_wait is not subtracted there (host waits
+Kernel level: for a rank-step that has ``kernel`` spans (a captured or imported GPU trace), compute is its
+computation kernels and comm its communication kernels (classes in analyzers/kernels.py, shared with the kernel
+breakdown) plus collectives whose source is ``kineto``; comm_wait is not subtracted there (host waits
 do not stop the GPU). Every other rank-step uses the hook spans. The ``level`` column says which was used.
 
 Intervals are attributed to the rank's step whose window holds their start and clipped to that window; intervals
@@ -27,18 +31,20 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers.intervals import assign_to_windows, measure
+from dtprof.analyzers.kernels import kernel_classes
 from dtprof.schema import COMPUTE_KINDS
 
 NS = 1e9
-COMM_KERNEL_RE = r"(?i)nccl|hccl|rccl"
-NON_COMPUTE_KERNEL_RE = r"(?i)memcpy|memset|cudaDeviceSynchronize|cudaStreamSynchronize|^sync"
 
-COMPUTE, COMM_WAIT, COMM, DATA_WAIT = 0, 1, 2, 3
+COMPUTE, COMM_WAIT, COMM, DATA_WAIT, NOT_INPUT = 0, 1, 2, 3, 4
+PP_KINDS = ("pp_forward", "pp_backward")
+P2P_OPS = ("send", "recv")
 
 
 @dataclass
 class OverlapResult:
-    per_step: pd.DataFrame   # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    # rank, step, compute_s, comm_s, exposed_comm_s, comm_wait_s, data_wait_s, overlap_ratio, level
+    per_step: pd.DataFrame
     unassigned: int          # intervals that fell outside every step window
 
 
@@ -47,8 +53,31 @@ def _codes(cat: pd.Series, wanted) -> np.ndarray:
     return cat.isin(list(wanted)).to_numpy()
 
 
+def _not_input(sp_win, sp_start, is_pp, co_win, co_start, is_p2p, windows, captures) -> tuple:
+    """(window, start, end) of the intervals that are not waiting for input (module docstring)."""
+    n_win = len(windows)
+    wr = windows["rank"].to_numpy(np.int64)
+    ws = windows["start_ns"].to_numpy(np.int64)
+    we = windows["end_ns"].to_numpy(np.int64)
+    never = np.iinfo(np.int64).max
+    first = np.full(n_win, never, np.int64)
+    m = is_pp & (sp_win >= 0)
+    np.minimum.at(first, sp_win[m], sp_start[m])
+    m = is_p2p & (co_win >= 0)
+    np.minimum.at(first, co_win[m], co_start[m])
+    sched = np.flatnonzero(first < never)
+    wins, starts, ends = [sched], [first[sched]], [we[sched]]
+    for c in captures.itertuples(index=False):   # a handful per run
+        hit = np.flatnonzero((wr == c.rank) & (ws < c.end_ns) & (we > c.start_ns))
+        wins.append(hit)
+        starts.append(np.maximum(ws[hit], c.start_ns))
+        ends.append(np.minimum(we[hit], c.end_ns))
+    return np.concatenate(wins), np.concatenate(starts), np.concatenate(ends)
+
+
 def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
-    """``windows``: rank, step, start_ns, end_ns (one row per rank-step, the order of the result)."""
+    """``run``: the run model (analyzers/runmodel.py); ``windows``: rank, step, start_ns, end_ns (one row per
+    rank-step, the order of the result)."""
     n_win = len(windows)
     wr = windows["rank"].to_numpy(np.int64)
     ws = windows["start_ns"].to_numpy(np.int64)
@@ -59,10 +88,9 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     is_kernel = _codes(kind, ["kernel"])
     names = sp["name"]
     if is_kernel.any():
-        kname = names.astype(str).where(is_kernel, "")
-        k_comm = is_kernel & kname.str.contains(COMM_KERNEL_RE, regex=True).to_numpy()
-        k_other = is_kernel & kname.str.contains(NON_COMPUTE_KERNEL_RE, regex=True).to_numpy()
-        k_compute = is_kernel & ~k_comm & ~k_other
+        comm, compute = kernel_classes(names.astype(str).where(is_kernel, ""))
+        k_comm = is_kernel & comm
+        k_compute = is_kernel & compute
     else:
         k_comm = k_compute = np.zeros(len(sp), bool)
     h_compute = _codes(kind, COMPUTE_KINDS)
@@ -71,7 +99,7 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
 
     co = run.collectives
     c_kineto = _codes(co["source"], ["kineto"])
-    c_end = co["end_ns"].astype("Int64").fillna(co["return_ns"]).to_numpy(np.int64) if len(co) else np.zeros(0, np.int64)
+    c_end = co["exit_ns"].to_numpy(np.int64)
 
     # Which rank-steps have kernel data.
     sp_rank = sp["rank"].to_numpy(np.int64)
@@ -97,10 +125,12 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     sp_set[k_comm] = COMM
     co_set = np.where(c_kineto == co_kernel_win, COMM, -1).astype(np.int8)
 
-    win = np.concatenate([sp_win, co_win])
-    sset = np.concatenate([sp_set, co_set])
-    start = np.concatenate([sp_start, co_start])
-    end = np.concatenate([sp_end, c_end])
+    ni_win, ni_start, ni_end = _not_input(sp_win, sp_start, _codes(kind, PP_KINDS), co_win, co_start,
+                                          _codes(co["op"], P2P_OPS), windows, run.captures)
+    win = np.concatenate([sp_win, co_win, ni_win])
+    sset = np.concatenate([sp_set, co_set, np.full(len(ni_win), NOT_INPUT, np.int8)])
+    start = np.concatenate([sp_start, co_start, ni_start])
+    end = np.concatenate([sp_end, c_end, ni_end])
     used = sset >= 0
     unassigned = int((used & (win < 0)).sum())
     m = used & (win >= 0)
@@ -108,12 +138,12 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     start = np.maximum(start, ws[win])
     end = np.minimum(end, we[win])
 
-    r = measure(win, sset, start, end, n_win, 4, {
+    r = measure(win, sset, start, end, n_win, 5, {
         "compute": lambda c: c[COMPUTE] & ~c[COMM_WAIT],
         "comm": lambda c: c[COMM],
         "overlap": lambda c: c[COMM] & c[COMPUTE] & ~c[COMM_WAIT],
         "comm_wait": lambda c: c[COMM_WAIT],
-        "data_wait": lambda c: c[DATA_WAIT],
+        "data_wait": lambda c: c[DATA_WAIT] & ~c[NOT_INPUT],
     })
     comm = r["comm"]
     out = pd.DataFrame({

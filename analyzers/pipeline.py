@@ -1,4 +1,4 @@
-"""Pipeline bubble and stage imbalance (metrics.md, "Pipeline bubble and stage imbalance", dtprof).
+"""Pipeline bubble and stage imbalance (docs/metrics.md, "Pipeline bubble and stage imbalance", dtprof).
 
 Input: ``pp_forward``/``pp_backward`` spans (``stage``, ``microbatch``), and the ``meta`` row of kind
 ``pipeline_schedule`` (schedule class name, stages, microbatches); without it the schedule is "unknown" (and the
@@ -10,20 +10,24 @@ rank's other compute spans (the optimizer step). Pipeline-wide: 1 - Σ compute �
 rank-steps of the pipeline ranks (time-weighted; a rank's compute counts all its stages, so interleaved ranks are
 not counted once per stage).
 
-Theoretical, from measured times: the schedule replayed with its own measured op durations and nothing between
-ops (``replay_schedule``): each rank runs its compute ops of a step in the observed order; a forward of (stage s,
-microbatch j) waits for the forward of (s-1, j) and the backward of (s, j) for the backward of (s+1, j), in the same
-pipeline replica. The replayed makespan T_k of step k is the shortest step that schedule allows with these op
-times, and theoretical bubble = 1 - (rank's compute in k) ÷ T_k, time-weighted like the measured one. For uniform
-GPipe stages without optimizer time this is exactly (p-1)/(m+p-1); unlike a closed formula on median op times it
-also holds when some microbatches run slower (a slow op delays everything downstream of it).
-``overhead_frac`` = 1 - Σ T_k ÷ Σ measured step: the share of the step the schedule itself does not explain (p2p
-transfers, Python and launch gaps between ops), so bubble = overhead + theoretical · (1 - overhead).
+The measured bubble splits into two parts that add up exactly, both shares of the same measured step time:
+- theoretical (``theoretical_bubble_frac``): the idle time the schedule itself needs with these op times. The
+  schedule is replayed with its own measured op durations and nothing between ops (``replay_schedule``): each rank
+  runs its compute ops of a step in the observed order; a forward of (stage s, microbatch j) waits for the forward
+  of (s-1, j) and the backward of (s, j) for the backward of (s+1, j), in the same pipeline replica. The replayed
+  makespan T_k of step k is the shortest step that schedule allows with these op times; theoretical = Σ (T_k −
+  compute) ÷ Σ measured step. Unlike a closed formula on median op times it also holds when some microbatches run
+  slower (a slow op delays everything downstream of it);
+- overhead (``overhead_frac``): Σ (measured step − T_k) ÷ Σ measured step, the idle time the schedule does not
+  explain (p2p transfers, Python and launch gaps between ops, waits outside the schedule).
+So bubble = theoretical + overhead, over the same measured rank-steps (pipeline-wide and per stage). "Theoretical"
+means this and only this everywhere (summary.json, the terminal line, the report's card and per-stage bars).
 
-``schedule_bubble_frac`` is the schedule's closed-form share from median per-stage times (dtprof's generalisation
-of (p-1)/(m+p-1) to non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
+``schedule_bubble_frac`` is a reference, not a part of the bubble: the schedule's textbook closed form, as a share of
+the gap-free step (not of the measured one), on median per-stage times (dtprof's generalisation of (p-1)/(m+p-1) to
+non-uniform stages, t_s the median forward + backward time of one microbatch on stage s):
 1 - Σ_s m·t_s ÷ (p · (Σ_s t_s + (m-1)·max_s t_s)) for GPipe and 1F1B. Interleaved schedules (v stages per rank) use
-metrics.md's (p-1)/(v·m) relative to ideal compute, i.e. (p-1)/(v·m + p - 1) as a share of the step, with p the
+docs/metrics.md's (p-1)/(v·m) relative to ideal compute, i.e. (p-1)/(v·m + p - 1) as a share of the step, with p the
 number of pipeline ranks; zero-bubble schedules use ZB-H1's (p-1)/(3m) likewise.
 
 Pipeline replicas (DP×PP): the ranks that run a stage are paired with the other stages' ranks in rank order (the
@@ -122,7 +126,8 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.nd
 
 
 def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
-    """``windows``: per rank-step rank, step, start_ns, end_ns, duration_s, warmup. None when no pp spans."""
+    """``run``: the run model; ``windows``: per rank-step rank, step, start_ns, end_ns, duration_s, warmup,
+    measured (the model's steps). None when no pp spans."""
     sp = run.spans
     is_pp = sp["kind"].isin(list(PP_KINDS)).to_numpy() & sp["stage"].notna().to_numpy()
     if not is_pp.any():
@@ -132,6 +137,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     we = windows["end_ns"].to_numpy(np.int64)
     wstep = windows["step"].to_numpy(np.int64)
     wwarm = windows["warmup"].to_numpy(bool)
+    wmeas = windows["measured"].to_numpy(bool)   # neither warm-up nor disturbed by a trace capture
     rank = sp["rank"].to_numpy(np.int64)
     start = sp["start_ns"].to_numpy(np.int64)
     end = sp["end_ns"].to_numpy(np.int64)
@@ -169,13 +175,14 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     grid = pd.DataFrame({"rank": wr, "win": np.arange(len(windows))}).merge(pairs, on="rank")
     tbl = pd.DataFrame({"stage": grid["stage"].to_numpy(), "rank": grid["rank"].to_numpy(),
                         "step": wstep[grid["win"]], "duration_s": windows["duration_s"].to_numpy()[grid["win"]],
-                        "warmup": wwarm[grid["win"]], "win": grid["win"].to_numpy()})
+                        "warmup": wwarm[grid["win"]], "measured": wmeas[grid["win"]], "win": grid["win"].to_numpy()})
     tbl["compute_s"] = busy.reindex(pd.MultiIndex.from_arrays([tbl["stage"], tbl["win"]])).fillna(0).to_numpy() / NS
     tbl["bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["duration_s"].where(tbl["duration_s"] > 0)
     # ... and per (rank, window): all the rank's compute, for the pipeline-wide figure
     pp_wins = np.flatnonzero(np.isin(wr, pp_ranks))
     rank_busy = pd.DataFrame({"rank": wr[pp_wins], "step": wstep[pp_wins], "win": pp_wins,
-                              "duration_s": windows["duration_s"].to_numpy()[pp_wins], "warmup": wwarm[pp_wins]})
+                              "duration_s": windows["duration_s"].to_numpy()[pp_wins], "warmup": wwarm[pp_wins],
+                              "measured": wmeas[pp_wins]})
     rw, rw_codes = np.unique(c_win, return_inverse=True)
     rank_busy["compute_s"] = pd.Series(union_length(rw_codes, c_start, c_end, len(rw)) / NS,
                                        index=rw).reindex(pp_wins).fillna(0).to_numpy()
@@ -209,15 +216,20 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     def ideal_of(ranks, steps):
         key = pd.MultiIndex.from_arrays([replica_of.reindex(ranks).to_numpy(np.int64), np.asarray(steps)])
         return ideal.reindex(key).to_numpy(dtype=float)
+    # a rank-step whose replica ran no op needs no time by the schedule: its compute (none) is all it needs
     tbl["ideal_step_s"] = ideal_of(tbl["rank"], tbl["step"])
-    tbl["theoretical_bubble_frac"] = 1.0 - tbl["compute_s"] / tbl["ideal_step_s"].where(tbl["ideal_step_s"] > 0)
     rank_busy["ideal_step_s"] = ideal_of(rank_busy["rank"], rank_busy["step"])
+    if replayed is not None:
+        tbl["ideal_step_s"] = tbl["ideal_step_s"].fillna(tbl["compute_s"])
+        rank_busy["ideal_step_s"] = rank_busy["ideal_step_s"].fillna(rank_busy["compute_s"])
+    tbl["theoretical_bubble_frac"] = (tbl["ideal_step_s"] - tbl["compute_s"]) / tbl["duration_s"].where(
+        tbl["duration_s"] > 0)
 
     # median forward/backward time of one microbatch per stage, for the closed form
     ppm = pp[(pp["win"] >= 0)].copy()
-    ppm["warm"] = wwarm[ppm["win"].to_numpy()]
-    if (~ppm["warm"]).any():
-        ppm = ppm[~ppm["warm"]]
+    ppm["meas"] = wmeas[ppm["win"].to_numpy()]
+    if ppm["meas"].any():
+        ppm = ppm[ppm["meas"]]
     per_mb = ppm.groupby(["stage", "win", "mb", "kind"], sort=False)["dur_ns"].sum().unstack("kind", fill_value=0)
     for k in PP_KINDS:
         if k not in per_mb:
@@ -252,33 +264,38 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
         sched_bubble = float(1.0 - (m * t_s).sum() / (len(stages) * t_pipe)) if t_pipe > 0 else None
         formula = "1 - Σ m·t_s / (p·(Σ t_s + (m-1)·max t_s)), median per-stage microbatch times"
 
-    meas = tbl[~tbl["warmup"]] if (~tbl["warmup"]).any() else tbl
-    rmeas = rank_busy[~rank_busy["warmup"]] if (~rank_busy["warmup"]).any() else rank_busy
+    meas = tbl[tbl["measured"]] if tbl["measured"].any() else tbl
+    rmeas = rank_busy[rank_busy["measured"]] if rank_busy["measured"].any() else rank_busy
     stage_comp = meas.groupby("stage")["compute_s"].mean()
     imbalance = float(stage_comp.max() / stage_comp.mean()) if len(stage_comp) and stage_comp.mean() > 0 else None
     bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None
     dur = float(rmeas["duration_s"].sum())
-    bubble = float(1.0 - rmeas["compute_s"].sum() / dur) if dur > 0 else None
-    replayed_rows = rmeas[rmeas["ideal_step_s"].notna()]
-    ideal_total = float(replayed_rows["ideal_step_s"].sum())
-    theo = float(1.0 - replayed_rows["compute_s"].sum() / ideal_total) if ideal_total > 0 else None
-    # the share of the measured step the replayed schedule does not account for
-    replayed_dur = float(replayed_rows["duration_s"].sum())
-    overhead = float(1.0 - ideal_total / replayed_dur) if ideal_total > 0 and replayed_dur > 0 else None
+    busy = float(rmeas["compute_s"].sum())
+    bubble = float(1.0 - busy / dur) if dur > 0 else None
+    # bubble = theoretical + overhead, both over the same rank-steps and the same denominator (module docstring)
+    ideal_total = float(rmeas["ideal_step_s"].sum()) if replayed is not None else None
+    theo = (ideal_total - busy) / dur if ideal_total is not None and dur > 0 else None
+    overhead = (dur - ideal_total) / dur if ideal_total is not None and dur > 0 else None
     per_stage = meas.groupby("stage").agg(rank=("rank", "min"), compute=("compute_s", "sum"),
                                            duration=("duration_s", "sum"), ideal=("ideal_step_s", "sum"),
                                            rank_steps=("step", "size"))
+    replay_ok = replayed is not None
     summary = {
         "stages": int(p), "microbatches": int(m), "schedule": schedule,
         "bubble_frac": bubble, "theoretical_bubble_frac": theo,
         "overhead_frac": overhead,
         "schedule_bubble_frac": sched_bubble, "schedule_formula": formula,
-        "theoretical_method": "schedule replayed on its measured op times with no gap between ops",
+        "theoretical_method": "schedule replayed on its measured op times with no gap between ops; theoretical = "
+                              "Σ (replayed step − compute) ÷ Σ measured step, overhead = Σ (measured − replayed "
+                              "step) ÷ Σ measured step, bubble = theoretical + overhead",
         "imbalance": imbalance, "bottleneck_stage": bottleneck, "virtual_stages_per_rank": v,
         "replicas": replicas,
         "per_stage": [{"stage": int(s), "rank": int(r["rank"]),
                        "bubble_frac": float(1 - r["compute"] / r["duration"]) if r["duration"] > 0 else None,
-                       "theoretical_bubble_frac": float(1 - r["compute"] / r["ideal"]) if r["ideal"] > 0 else None,
+                       "theoretical_bubble_frac": (float((r["ideal"] - r["compute"]) / r["duration"])
+                                                   if replay_ok and r["duration"] > 0 else None),
+                       "overhead_frac": (float((r["duration"] - r["ideal"]) / r["duration"])
+                                         if replay_ok and r["duration"] > 0 else None),
                        "compute_s_per_step": float(r["compute"] / max(r["rank_steps"], 1)),
                        "forward_s_per_microbatch": float(f_s.get(s, np.nan)),
                        "backward_s_per_microbatch": float(b_s.get(s, np.nan))}

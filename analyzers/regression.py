@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -327,11 +327,13 @@ def evaluate_gate(gate: Gate, base: Sequence[dict], head: Sequence[dict], *, tes
 def _evaluate_step_gate(gate, base, head, *, test, confidence, n_boot, seed, min_steps) -> GateResult:
     stat = _step_stat(gate.key)
     res = GateResult(gate, INCONCLUSIVE)
-    hs = [step_samples(s) for s in head]
-    bs = [step_samples(s) for s in base]
-    if any(x is None for x in hs) or (gate.mode != "absolute" and any(x is None for x in bs)):
+    head_samples = [step_samples(s) for s in head]
+    base_samples = [step_samples(s) for s in base]
+    if any(x is None for x in head_samples) or (gate.mode != "absolute" and any(x is None for x in base_samples)):
         res.note = f"no {STEP_SAMPLES_KEY} in a summary"
         return res
+    hs = [x for x in head_samples if x is not None]
+    bs = [x for x in base_samples if x is not None]   # an absolute gate may have base runs without samples
     res.n_head = int(sum(len(x) for x in hs))
     res.n_base = int(sum(len(x) for x in bs)) if bs else None
     short = [side for side, runs in (("head", hs), ("base", bs if gate.mode != "absolute" else []))
@@ -367,8 +369,7 @@ def _side_value(summaries: Sequence[dict], key: str) -> tuple[float | None, bool
     """Median over a side's runs of the key's value; (None, present?)."""
     raw = [lookup(s, key) for s in summaries]
     present = any(v is not _MISSING for v in raw)
-    vals = [scalar_value(v) for v in raw if v is not _MISSING]
-    vals = [v for v in vals if v is not None]
+    vals = [x for x in (scalar_value(v) for v in raw if v is not _MISSING) if x is not None]
     return (float(np.median(vals)) if vals else None), present
 
 
@@ -391,6 +392,8 @@ def _evaluate_scalar_gate(gate, base, head) -> GateResult:
         return res
     if gate.mode == "absolute":
         res.change = h
+    elif b is None:
+        raise AssertionError("unreachable: a relative gate returned above without a base value")
     elif gate.mode == "ratio":
         if b == 0:
             res.verdict, res.note = INCONCLUSIVE, "base value is 0; use an absolute or signed limit"

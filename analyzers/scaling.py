@@ -1,11 +1,11 @@
 """Scaling efficiency across runs of one job at different world sizes. Pure python/numpy over summary dicts.
 
-Definition (metrics.md, "Scaling efficiency", and the issue): for the same global work per step (strong scaling)
+Definition (docs/metrics.md, "Scaling efficiency"): for the same global work per step (strong scaling)
 η = T₁ ÷ (N·T_N); for work per GPU held constant (weak scaling) η = T₁ ÷ T_N. Both are the per-GPU throughput of
 the N-GPU run divided by that of the reference run, which is how it is computed here, with the run of the smallest
 world size N₀ as the reference (T₁ is rarely measured on one GPU): η = (W_N / (N·T_N)) ÷ (W₀ / (N₀·T₀)).
-(metrics.md calls T₁ ÷ (N·T_N) "weak scaling efficiency for the same global work"; same global work is strong
-scaling, so dtprof labels it strong.)
+(The project's seed notes call T₁ ÷ (N·T_N) "weak scaling efficiency for the same global work"; same global work
+is strong scaling, so dtprof labels it strong.)
 
 Where the lost time went, per step: the ideal step time is T_ideal = T₀·(N₀/N)·(W_N/W₀); lost = T_N − T_ideal is
 split into the growth of exposed communication (``overlap.exposed_comm_frac`` × step time), of pipeline bubble

@@ -1,6 +1,6 @@
 """Steps and throughput: per rank and step durations, the job's step time, warm-up detection, percentiles.
 
-Definitions (metrics.md, "Stragglers" and BRIEF §4):
+Definitions (docs/metrics.md, "Steps, step time and warm-up"):
 - a rank's step k lasts ``end_ns - start_ns`` of its ``steps`` row;
 - the job's step time of step k is the maximum over ranks of that step's duration (a synchronous job waits for
   its slowest rank);
@@ -9,30 +9,23 @@ Definitions (metrics.md, "Stragglers" and BRIEF §4):
   (``dtprof.annotate``), so the job's tokens per step is the sum over ranks and tokens/s = that sum / job step time.
   (With tensor or pipeline parallelism only the ranks that own the data should annotate.)
 
+Where these live: ``analyzers/runmodel.py`` calls ``rank_steps``, ``job_steps`` and ``warmup_of`` once per run; every
+consumer reads the model's ``steps``/``job`` columns. Steps a trace capture disturbed (``traced``) and steps that
+ran under FlopCounterMode (``flops_counted``: ``executed_flops`` set; `dtprof run` counts one by default) are slow
+for dtprof's sake: they are kept out of the statistics like warm-up steps (``measured`` is False) and listed in
+``traced_steps`` / ``flops_counted_steps``.
+
 Warm-up (dtprof convention): by default the leading steps that are slow are excluded -- step 0 always when the run
 has at least 4 steps (it carries allocator, autotuning and DDP bucket set-up), plus any further leading steps
 whose job step time exceeds 1.2 x the median of the rest; at most half the steps. ``warmup=N`` overrides.
-A step that ran under FlopCounterMode (``executed_flops`` set, `dtprof run` counts one by default) is slow for
-dtprof's sake: it is excluded like a warm-up step (``warmup`` is True) and listed in ``flops_counted_steps``.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 NS = 1e9
 WARMUP_SLOW_FACTOR = 1.2
-
-
-@dataclass
-class StepTimes:
-    per_rank: pd.DataFrame   # rank, step, start_ns, end_ns, duration_s, warmup, peak_mem_bytes, tokens, samples
-    job: pd.DataFrame        # step, time_s, warmup, ranks (how many ranks reported the step), tokens, samples
-    warmup_steps: int
-    warmup_source: str       # "detected" or "user"
-    flops_counted_steps: list = None   # steps run under FlopCounterMode (excluded from statistics)
 
 
 def detect_warmup(job_time_s: np.ndarray) -> int:
@@ -50,41 +43,52 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
     return k
 
 
-def step_times(run, warmup: int | None = None) -> StepTimes:
-    s = run.steps
+def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
+    """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers."""
     per = pd.DataFrame({
         "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
     })
     per["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
-    for col in ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops"):
+    for col in ("peak_mem_bytes", "tokens", "samples"):
         per[col] = s[col].astype("Int64").to_numpy()
-    per = per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    for col in ("model_flops", "executed_flops"):   # float64: beyond int64's range for large models
+        per[col] = s[col].to_numpy(np.float64)
+    return per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+
+
+def job_steps(per: pd.DataFrame) -> pd.DataFrame:
+    """Per step: the job's step time ``time_s`` (max over ranks: the one place it is derived), ranks, tokens,
+    samples, ``traced`` (any rank's step was disturbed by a trace capture; needs ``per["traced"]``) and
+    ``flops_counted`` (any rank ran it under FlopCounterMode; needs ``per["flops_counted"]``)."""
     job = per.groupby("step", sort=True).agg(time_s=("duration_s", "max"), ranks=("rank", "size"),
                                               tokens=("tokens", "sum"), samples=("samples", "sum"),
-                                              tokens_known=("tokens", "count"), samples_known=("samples", "count"))
-    job = job.reset_index()
-    counted = set(per.loc[per["executed_flops"].notna(), "step"].tolist())
-    is_counted = job["step"].isin(counted).to_numpy()
-    if warmup is None:
-        times = job["time_s"].to_numpy(float).copy()
-        if is_counted.any() and (~is_counted).any():   # the counted step must not look like a slow warm-up step
-            times[is_counted] = np.median(times[~is_counted])
-        n_warm, source = detect_warmup(times), "detected"
-    else:
-        n_warm, source = max(0, min(int(warmup), len(job))), "user"
-    excluded = set(job["step"].to_numpy()[:n_warm].tolist()) | counted
-    job["warmup"] = job["step"].isin(excluded)
-    per["warmup"] = per["step"].isin(excluded)
-    return StepTimes(per, job, n_warm, source, sorted(int(s) for s in counted))
+                                              tokens_known=("tokens", "count"), samples_known=("samples", "count"),
+                                              traced=("traced", "any"), flops_counted=("flops_counted", "any"))
+    return job.reset_index()
 
 
-def step_stats(st: StepTimes) -> dict:
-    """summary.json ``steps`` block: percentiles over the job's measured (non-warm-up) step times, throughput."""
-    meas = st.job[~st.job["warmup"]]
+def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
+    """(leading warm-up steps, "detected" or "user"). Steps dtprof disturbed (traced, FLOP-counted) do not count as
+    slow when detecting."""
+    if warmup is not None:
+        return max(0, min(int(warmup), len(job))), "user"
+    t = job["time_s"].to_numpy(dtype=float).copy()
+    disturbed = job["traced"].to_numpy(bool) | job["flops_counted"].to_numpy(bool)
+    if disturbed.any() and (~disturbed).any():
+        t[disturbed] = np.median(t[~disturbed])
+    return detect_warmup(t), "detected"
+
+
+def step_stats(model) -> dict:
+    """summary.json ``steps`` block: percentiles over the job's measured step times (neither warm-up nor disturbed
+    by a trace capture nor FLOP-counted), throughput. ``model``: the run model (analyzers/runmodel.py)."""
+    job = model.job
+    meas = job[job["measured"]]
     t = meas["time_s"].to_numpy(dtype=float)
-    out: dict = {"count": int(len(t)), "total_count": int(len(st.job)), "warmup_steps": int(st.warmup_steps),
-                 "warmup_source": st.warmup_source, "flops_counted_steps": st.flops_counted_steps or []}
+    out: dict = {"count": int(len(t)), "total_count": int(len(job)), "warmup_steps": int(model.warmup_steps),
+                 "warmup_source": model.warmup_source, "traced_steps": [int(x) for x in job.loc[job["traced"], "step"]],
+                 "flops_counted_steps": [int(x) for x in job.loc[job["flops_counted"], "step"]]}
     if len(t):
         p50, p90, p99 = np.percentile(t, [50, 90, 99])
         mean = float(t.mean())
@@ -94,7 +98,8 @@ def step_stats(st: StepTimes) -> dict:
     else:
         out["time_s"] = {"p50": None, "p90": None, "p99": None, "mean": None, "min": None, "max": None}
         out["jitter_frac"] = None
-        out["time_s_reason"] = "no measured steps (all steps are warm-up or none were recorded)"
+        out["time_s_reason"] = ("no measured steps (all steps are warm-up, traced or FLOP-counted, or none were "
+                                "recorded)")
     out["per_step_time_s"] = [float(x) for x in t]
     out["per_step_index"] = [int(x) for x in meas["step"]]
     total_t = float(t.sum()) if len(t) else 0.0

@@ -1,4 +1,4 @@
-"""Stragglers (metrics.md, "Stragglers").
+"""Stragglers (docs/metrics.md, "Stragglers").
 
 Arrival skew: a collective instance is ``(group, seq)``; its ranks' arrivals are their ``issue_ns`` moved onto the
 reference host's clock (clock.py). Lateness = arrival - first arrival of the instance. The last rank to arrive is
@@ -9,12 +9,14 @@ Compute score (NVIDIA resiliency-ext, "relative" reference): score = median comp
 rank / this rank's median (1.0 = as fast as the fastest). Compute excludes comm_wait (overlap.py), so a rank that
 waits for a slow peer does not look slow itself.
 
-Classification (dtprof convention; DDP equalises step time, so step time alone is never used):
-- **persistent**: compute score < 0.75 *and* slow in most steps (its per-step score, the step's fastest compute ÷
-  its own, is below 0.75 in >= 75 % of the measured steps -- a median alone is fooled by noisy CPU timings); or
-  the rank arrived last in >= 75 % of the measured instances *and* its lead over the median arrival, summed per
-  step, averages >= 15 % of the median step time; or in >= 75 % of the measured steps it arrived last somewhere
-  with a lead >= 15 % of the median step (late work outside the hooked compute spans, e.g. a slow data path);
+Classification (dtprof convention; DDP equalises step time, so step time alone is never used). The criteria are
+stated once, in ``PERSISTENT_RULE`` and ``TRANSIENT_RULE``; the summary, the report, triage and the docs quote
+them, and each flagged rank's ``reason`` gives the share of steps the criterion counted:
+- **persistent**: in >= 75 % of the measured steps the rank is slow -- either its compute is below 0.75 of the
+  step's fastest rank (and its overall compute score is below 0.75; a median alone is fooled by noisy CPU
+  timings), or it arrived last at some collective with a lead over the median arrival of >= 15 % of the median
+  step (late work outside the hooked compute spans, e.g. a slow data path). Per step, not per collective: a rank
+  late to a step's first all-reduce arrives with everyone at the next ones, so its share of collectives is small;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
   time, and in at least twice as many such steps as any other rank (so symmetric noise on a busy machine, where
   every rank is sometimes late, names nobody);
@@ -25,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.clock import align_by_rank
 from dtprof.analyzers.collectives import instance_keys
 
 NS = 1e9
@@ -37,12 +38,19 @@ PERSISTENT_DELAY_FRAC = 0.15
 TRANSIENT_DELAY_FRAC = 0.50
 TRANSIENT_MIN_STEPS = 2
 P2P = ("send", "recv")
+PERSISTENT_RULE = (f"persistent: slow in at least {PERSISTENT_LATE_FRAC:.0%} of the measured steps -- compute below "
+                   f"{SCORE_THRESHOLD} of the fastest rank's, or last to arrive at a collective holding its peers up "
+                   f"by at least {PERSISTENT_DELAY_FRAC:.0%} of the median step")
+TRANSIENT_RULE = (f"transient: holds its peers up by at least {TRANSIENT_DELAY_FRAC:.0%} of the median step in "
+                  f"{TRANSIENT_MIN_STEPS} or more measured steps, twice as many as any other rank")
 LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (max)", "power_w_mean": "power (mean)",
-          "sm_util_mean_pct": "SM utilisation (mean)"}
+          "sm_util_mean_pct": "SM utilisation (mean)", "ecc_errors_max": "uncorrected ECC errors (max)"}
 
 
-def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.DataFrame:
-    """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s."""
+def arrivals(model) -> pd.DataFrame:
+    """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns (aligned through the run
+    model's clocks), lateness_s, last, lead_s, measured (the model's measured steps, or no step)."""
+    run, measured_steps = model, model.measured_steps
     co = run.collectives
     cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "inst",
             "peers_lost_s", "measured"]
@@ -57,7 +65,7 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
     if len(c) == 0:  # only point-to-point traffic (e.g. a pipeline without data parallelism)
         return empty
     rank = c["rank"].to_numpy(np.int64)
-    arr = align_by_rank(run, c["issue_ns"].to_numpy(np.int64), rank, clock)
+    arr = model.align(c["issue_ns"].to_numpy(np.int64), rank)
     inst, n_inst = instance_keys(c)
     # sort by (instance, arrival): first/last/median arrivals are then positions in each instance's run
     amin = int(arr.min())
@@ -87,11 +95,8 @@ def arrivals(run, clock: pd.DataFrame, measured_steps: set | None = None) -> pd.
         "inst": inst,
     })
     out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[pos], 0.0)
-    if measured_steps is not None:
-        s = out["step"]
-        out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
-    else:
-        out["measured"] = True
+    s = out["step"]
+    out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
     return out
 
 
@@ -102,7 +107,7 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
                         "device": r["device_name"].astype(str).to_numpy(),
                         "device_index": r["device_index"].astype("Int64").to_numpy()}).sort_values("rank")
     out = out.reset_index(drop=True)
-    meas = per_step[~per_step["warmup"]] if "warmup" in per_step else per_step
+    meas = per_step[per_step["measured"]]
     med = meas.groupby("rank")["compute_s"].median()
     ref = med[med > 0].min() if (med > 0).any() else np.nan
     out["compute_s_median"] = med.reindex(out["rank"]).to_numpy()
@@ -145,54 +150,57 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
         held = pd.Series(dtype=int)
     out["late_step_frac"] = held.reindex(idx).fillna(0).to_numpy() / n_steps
     slow_compute = (out["compute_score"] < SCORE_THRESHOLD) & (out["slow_step_frac"] >= PERSISTENT_LATE_FRAC)
-    persistent_late = ((out["late_frac"] >= PERSISTENT_LATE_FRAC) & (
-        out["delay_s_per_step"] >= PERSISTENT_DELAY_FRAC * p50) & (p50 > 0)) | (
-        out["late_step_frac"] >= PERSISTENT_LATE_FRAC)
+    persistent_late = out["late_step_frac"] >= PERSISTENT_LATE_FRAC
     persistent = slow_compute | persistent_late
     ls = out["late_steps"].to_numpy()
     top = np.sort(ls)[::-1]
     others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
     transient = ~persistent & (ls >= TRANSIENT_MIN_STEPS) & (ls >= 2 * others_max)
     out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
-    out["reason"] = np.where(slow_compute, "compute score below 0.75",
-                             np.where(persistent_late, "arrives last, holding its peers up, in most steps",
-                                      np.where(transient, "late in some steps", "")))
+    out["reason"] = [
+        (f"compute below {SCORE_THRESHOLD} of the fastest rank's in {sf:.0%} of measured steps" if sc else
+         f"last to arrive, holding its peers up by >= {PERSISTENT_DELAY_FRAC:.0%} of the median step, in {lf:.0%} "
+         f"of measured steps" if pl else
+         f"held its peers up by >= {TRANSIENT_DELAY_FRAC:.0%} of the median step in {n} measured steps" if tr else "")
+        for sc, pl, tr, sf, lf, n in zip(slow_compute, persistent_late, transient, out["slow_step_frac"],
+                                         out["late_step_frac"], out["late_steps"])]
     return out
 
 
-def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame) -> dict[int, list[str]]:
-    """Lines of NVML evidence for each flagged rank: its GPU's clocks, temperature, power and throttling beside the
-    median of the other GPUs of the job."""
+def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame) -> dict[int, dict]:
+    """NVML evidence for each flagged rank, built once (summary, report and triage all read it): its GPU's
+    clocks, temperature, power, utilisation, ECC and throttling (analyzers/gpu.py's per-GPU table) beside the median
+    of the job's other GPUs, and ``lines``, the same as sentences. ``gpu`` is None when the rank has no samples."""
     flagged = cls[cls["kind"] != "none"]
-    ev: dict[int, list[str]] = {}
-    if len(flagged) == 0:
-        return ev
-    rows = rank_gpu.set_index("rank")["gpu_row"]
+    ev: dict[int, dict] = {}
+    rows = rank_gpu.set_index("rank")["gpu_row"] if len(rank_gpu) else pd.Series(dtype=int)
     for rk in flagged["rank"].tolist():  # one iteration per flagged rank, a handful at most
-        lines = []
         gi = int(rows.get(rk, -1)) if rk in rows.index else -1
         if len(gpus) == 0 or gi < 0:
-            lines.append("no NVML samples for this rank's GPU (CPU run, NVML unavailable, or GPU not matched)")
-            ev[rk] = lines
+            ev[rk] = {"host": None, "gpu": None, "lines": [
+                "no NVML samples for this rank's GPU (CPU run, NVML unavailable, or GPU not matched)"]}
             continue
         me = gpus.iloc[gi]
         others = gpus.drop(index=gpus.index[gi])
-        def cmp(col, unit, fmt="{:.0f}"):
-            v = me[col]
-            if pd.isna(v):
-                return None
-            o = others[col].median() if len(others) else np.nan
-            tail = f" (others' median {fmt.format(o)} {unit})" if pd.notna(o) else ""
-            return f"{LABELS[col]} {fmt.format(v)} {unit}{tail}"
+        rec: dict = {"host": str(me["host"]), "gpu": int(me["gpu"]), "samples": int(me["samples"]),
+                     "throttled_frac": float(me["throttled_frac"]),
+                     "throttle_reasons": [r for r in str(me["throttle_reasons"] or "").split(",") if r]}
+        lines = []
         for col, unit in (("sm_clock_mhz_mean", "MHz"), ("temp_c_max", "°C"), ("power_w_mean", "W"),
-                          ("sm_util_mean_pct", "%")):
-            line = cmp(col, unit)
-            if line:
-                lines.append(line)
+                          ("sm_util_mean_pct", "%"), ("ecc_errors_max", "")):
+            v = me[col]
+            o = others[col].median() if len(others) else np.nan
+            rec[col] = None if pd.isna(v) else round(float(v), 1)
+            rec["others_" + col] = None if pd.isna(o) else round(float(o), 1)
+            if pd.isna(v) or (col == "ecc_errors_max" and not v):
+                continue
+            tail = f" (others' median {o:.0f} {unit})".replace(" )", ")") if pd.notna(o) else ""
+            lines.append(f"{LABELS[col]} {v:.0f} {unit}{tail}".replace("  ", " "))
         if me["throttled_s"] > 0:
             lines.append(f"throttled {me['throttled_s']:.2f} s ({me['throttled_frac']:.0%} of sampled time): "
                          f"{me['throttle_reasons'] or 'unknown reason'}")
         else:
             lines.append("no throttling reported by NVML")
-        ev[rk] = [f"GPU {me['host']}:{int(me['gpu'])} " + lines[0]] + lines[1:]
+        rec["lines"] = [f"GPU {me['host']}:{int(me['gpu'])} " + lines[0]] + lines[1:]
+        ev[rk] = rec
     return ev

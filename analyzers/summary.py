@@ -1,15 +1,15 @@
 """The analysis of a run end to end, and summary.json (docs/summary-schema.md).
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
-DataFrames behind each figure (BRIEF §4). ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
+DataFrames behind each figure. ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
 ``format_summary_text(summary)`` is the short per-rank table the launcher prints at the end of a job.
 
-Options default to the launcher's record in ``node.json`` ``config`` (keys ``flops_per_step``, ``peak_tflops``,
-``dtype``, ``transformer``, ``warmup``) and are overridden by explicit arguments.
+The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
+command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
+device peaks with their sources) and recorded in summary.json ``options``.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,20 +19,30 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers import clock as clock_mod
+from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
+from dtprof.analyzers import kernel_breakdown as kernels_mod
+from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import mfu as mfu_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers.options import AnalysisOptions
+from dtprof.analyzers.runmodel import RunModel
 from dtprof.runformat import UNIDENTIFIED_EVENT
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
-STATUS_ORDER = ("hung", "killed", "failed", "running", "completed")
+STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed", "imported")   # worst first
+
+
+def worst_status(statuses) -> str | None:
+    """The job's status from its nodes' statuses: the worst by STATUS_ORDER (the one place it is decided)."""
+    statuses = [str(s) for s in statuses if s]
+    return next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
 
 
 @dataclass
@@ -50,27 +60,31 @@ class Analysis:
     job_steps: pd.DataFrame | None = None   # per step: step, time_s, warmup, tokens, samples
     instances: pd.DataFrame | None = None   # per collective instance: transfer time, bytes
     pipeline_ops: pd.DataFrame | None = None  # per compute op of a pipeline rank: measured and replayed times
-
-
-def _node_config(run) -> dict:
-    cfg: dict = {}
-    for n in run.nodes:
-        c = n.get("config")
-        if isinstance(c, dict):
-            for k, v in c.items():
-                cfg.setdefault(k, v)
-    return cfg
+    model: Any = None            # the run model (analyzers/runmodel.py): derived columns every view reads
+    exposed: pd.DataFrame | None = None   # per rank × step × mesh dim × op: exposed communication (breakdown.py)
 
 
 def _run_block(run) -> dict:
-    statuses = [str(n.get("status", "")) for n in run.nodes if n.get("status")]
-    status = next((s for s in STATUS_ORDER if s in statuses), statuses[0] if statuses else None)
+    status = worst_status(n.get("status") for n in run.nodes)
     codes = [n.get("exit_code") for n in run.nodes if n.get("exit_code") is not None]
     exit_code = next((c for c in codes if c != 0), codes[0] if codes else None)
-    out = {"world_size": int(run.world_size), "hosts": run.hosts, "status": status, "exit_code": exit_code,
-           "path": str(run.path), "nodes": len(run.nodes)}
+    durations = [n["duration_s"] for n in run.nodes if isinstance(n.get("duration_s"), (int, float))]
+    starts = sorted(str(n["start_time"]) for n in run.nodes if n.get("start_time"))
+    out = {"world_size": int(run.world_size), "hosts": [h for h in run.hosts if h], "status": status,
+           "exit_code": exit_code, "path": str(run.path), "nodes": len(run.nodes),
+           "duration_s": max(durations) if durations else None, "start_time": starts[0] if starts else None}
+    if status == "interrupted":
+        out["status_reason"] = next(n["status_reason"] for n in run.nodes if n.get("status") == "interrupted")
     if status is None:
         out["status_reason"] = "no node.json records the job's end (still running, or the launcher was killed)"
+    if exit_code is None:
+        out["exit_code_reason"] = ("an imported trace has no job exit code" if status == "imported" else
+                                   "no node.json records the job's exit code")
+    if not durations:
+        out["duration_s_reason"] = ("an imported trace records no job duration" if status == "imported" else
+                                    "no node.json records the job's end")
+    if not out["hosts"]:
+        out["hosts_reason"] = "not recorded" + (" in an imported trace" if status == "imported" else "")
     out.update(_rank_coverage(run))
     return out
 
@@ -87,10 +101,11 @@ def _rank_coverage(run) -> dict:
             "unidentified_processes": unidentified}
 
 
-def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame) -> list[dict]:
-    meas = steps[~steps["warmup"]]
+def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[dict]:
+    meas = steps[steps["measured"]]
     if len(meas) == 0:
         meas = steps
+    parts = breakdown_mod.rank_means(bd, steps.index.isin(meas.index), steps["duration_s"].to_numpy())
     g = meas.groupby("rank")
     agg = g.agg(steps=("step", "size"), step_time_s_p50=("duration_s", "median"),
                 compute_s_per_step=("compute_s", "mean"), comm_s_per_step=("comm_s", "mean"),
@@ -113,7 +128,39 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame) -> list[dict]
         out[k] = agg[k].reindex(out["rank"]).astype(float).to_numpy()
     score = strag.set_index("rank")["compute_score"] if len(strag) else pd.Series(dtype=float)
     out["compute_score"] = score.reindex(out["rank"]).astype(float).to_numpy()
-    return out.to_dict("records")
+    records = out.to_dict("records")
+    for rec in records:   # the step breakdown (breakdown.py): parts that sum to step_time_s_mean
+        r = rec["rank"]
+        known = r in parts.index
+        rec["step_time_s_mean"] = float(parts.at[r, "step_time_s_mean"]) if known else None
+        rec["breakdown_s_per_step"] = ({p: float(parts.at[r, f"{p}_s"]) for p in breakdown_mod.PARTS}
+                                       if known else None)
+        rec["exposed_comm_s_per_step_by_dim"] = parts.at[r, "exposed_by_dim"] if known else None
+        rec["exposed_comm_s_per_step_by_op"] = parts.at[r, "exposed_by_op"] if known else None
+    return records
+
+
+def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
+    """summary.json ``breakdown``: the parts' order and the mean over ranks of each rank's breakdown."""
+    rows = [r for r in ranks if r.get("breakdown_s_per_step")]
+    out: dict = {"parts": list(breakdown_mod.PARTS), "pipeline_ranks": pipeline_ranks}
+    if not rows:
+        out["mean_over_ranks_s_per_step"] = None
+        out["mean_over_ranks_s_per_step_reason"] = "no measured steps"
+        return out
+    n = len(rows)
+    out["step_time_s_mean"] = sum(r["step_time_s_mean"] for r in rows) / n
+    out["mean_over_ranks_s_per_step"] = {p: sum(r["breakdown_s_per_step"][p] for r in rows) / n
+                                         for p in breakdown_mod.PARTS}
+    for key, col in (("exposed_comm_by_dim_s_per_step", "exposed_comm_s_per_step_by_dim"),
+                     ("exposed_comm_by_op_s_per_step", "exposed_comm_s_per_step_by_op")):
+        tot: dict = {}
+        for r in rows:
+            for k, v in (r[col] or {}).items():
+                tot[k] = tot.get(k, 0.0) + v / n
+        out[key] = dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+    return out
+
 
 
 def _clean(x: Any) -> Any:
@@ -133,46 +180,44 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = None,
-            peak_tflops: float | None = None, dtype: str | None = None, transformer: dict | None = None,
+def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None) -> Analysis:
-    """Analyse a run (a ``Run`` or a path). ``dtype`` None means node.json config's dtype, else "bf16".
+    """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
     ``progress`` is called with a short message before each stage."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
+    options = options or AnalysisOptions()
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    cfg = _node_config(run)
-    warmup = warmup if warmup is not None else cfg.get("warmup")
-    flops_per_step = flops_per_step if flops_per_step is not None else cfg.get("flops_per_step")
-    peak_tflops = peak_tflops if peak_tflops is not None else cfg.get("peak_tflops")
-    cpu_only = len(run.ranks) > 0 and set(run.ranks["device_type"].astype(str)) == {"cpu"}
-    dtype = dtype or cfg.get("dtype") or ("fp32" if cpu_only else "bf16")
-    transformer = transformer if transformer is not None else cfg.get("transformer")
 
     say("reading tables")
-    _ = run.steps, run.spans, run.collectives
-    say("steps")
-    st = steps_mod.step_times(run, warmup)
+    model = RunModel.of(run, options.warmup)
     say("compute/communication overlap")
-    ov = overlap_mod.rank_step_overlap(run, st.per_rank)
-    steps = st.per_rank.copy()
+    ov = overlap_mod.rank_step_overlap(model, model.steps)
+    steps = model.steps.copy()
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
               "level"):
         steps[c] = ov.per_step[c].to_numpy()
-    steps = steps[["rank", "step", "start_ns", "end_ns", "duration_s", "compute_s", "comm_s", "exposed_comm_s",
-                   "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup", "peak_mem_bytes", "overlap_s", "level",
-                   "tokens", "samples", "model_flops", "executed_flops"]]
-    measured = steps[~steps["warmup"]]
-    step_block = steps_mod.step_stats(st)
+    say("step breakdown")
+    bd = breakdown_mod.step_breakdown(model, model.steps)
+    kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
+    for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
+        steps[f"{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
+    # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
+    steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
+    steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
+                   "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
+                   "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
+                   "executed_flops"]
+                  + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
+    measured = steps[steps["measured"]]
+    step_block = steps_mod.step_stats(model)
     _label_step_inputs(step_block, run.meta)
 
-    say("clock alignment")
-    clk = clock_mod.fit_clocks(run)
+    clk = model.clock
     say("collective arrivals and stragglers")
-    measured_steps = set(st.job.loc[~st.job["warmup"], "step"].tolist())
-    arr = strag_mod.arrivals(run, clk, measured_steps)
+    arr = strag_mod.arrivals(model)
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"])
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
@@ -180,21 +225,25 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances(run, st.per_rank)
-    coll = coll_mod.collective_table(run, inst[inst["window"] == "measured"])
-    coll_outside = coll_mod.collective_table(run, inst[inst["window"] == "outside"])
+    inst = coll_mod.instances(model)
+    coll = coll_mod.collective_table(model, inst[inst["window"] == "measured"])
+    coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
+    coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])
+    coll_outside["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll_outside["group"]).to_numpy()
     say("pipeline")
-    pp = pipeline_mod.analyze_pipeline(run, steps)
+    pp = pipeline_mod.analyze_pipeline(model, steps)
     say("MFU")
-    mfu = mfu_mod.compute_mfu(run, st.per_rank, st.job, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
-                              dtype=dtype, transformer=transformer, run_calibration=cfg.get("peak_calibration"))
+    mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
     stragglers_list = []
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
         stragglers_list.append({"rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
                                 "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
-                                "late_frac": float(s.late_frac), "delay_s_per_step": float(s.delay_s_per_step),
-                                "reason": s.reason, "evidence": evidence.get(int(s.rank), [])})
+                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
+                                "slow_step_frac": float(s.slow_step_frac),
+                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "evidence": evidence[int(s.rank)]["lines"],
+                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
     run_block = _run_block(run)
     if run_block["ranks_missing"]:
@@ -210,7 +259,7 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
         "generated_by": "dtprof.analyzers",
         "run": run_block,
         "steps": step_block,
-        "ranks": _per_rank_block(run, steps, strag),
+        "ranks": _per_rank_block(run, steps, strag, bd),
         "mfu": mfu,
         "overlap": overlap_mod.whole_run(measured if len(measured) else steps),
         "pipeline": pp.summary if pp else None,
@@ -223,11 +272,19 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
                                           if mem["peak_mem_bytes"].notna().any() else None),
                    "headroom_frac_min": (float(mem["headroom_frac"].min())
                                          if mem["headroom_frac"].notna().any() else None)},
-        "options": {"warmup": warmup, "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
-                    "transformer": transformer},
+        "options": options.record(),
         "problems": problems,
     }
-    _add_mesh(summary, run, steps)
+    summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
+    _add_mesh(summary, model, steps, bd)
+    say("GPU kernels")
+    gpu_time = kernels_mod.gpu_time(run.spans, run.steps, options.gpu_window)
+    for r in summary["ranks"]:
+        r["gpu_time"] = gpu_time.get(int(r["rank"]))
+    summary["kernels"] = kernels_mod.top_kernels(run.spans)
+    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
+    if summary["gpu_time"] is None:
+        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
@@ -236,7 +293,10 @@ def analyze(run, *, warmup: int | None = None, flops_per_step: float | None = No
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
-                        memory=mem, clock=clk, job_steps=st.job, instances=inst)
+                        memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
+                        exposed=bd.exposed)
+    say("triage")
+    _add_triage(summary, run, stragglers_list)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -257,12 +317,26 @@ def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
             step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
-def _add_mesh(summary: dict, run, steps) -> None:
+def _add_triage(summary: dict, run, stragglers: list[dict]) -> None:
+    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here."""
+    from dtprof.analyzers import triage
+
+    try:
+        res = triage.triage(run.path, run=run, stragglers=stragglers)
+    except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
+        summary["triage"] = None
+        summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
+        return
+    summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
+
+
+def _add_mesh(summary: dict, run, steps, bd) -> None:
     """Hybrid parallelism (analyzers/mesh.py): communication and exposed communication per DeviceMesh dimension,
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
-    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta)
+    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta,   # run: the run model
+                              exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
     if block is None:
         summary["mesh"] = None
         summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"
@@ -286,14 +360,12 @@ def save_summary(run_dir, summary: dict) -> Path:
     return path
 
 
-def write_summary(run_dir, *, warmup=None, flops_per_step=None, peak_tflops=None, dtype=None, transformer=None,
-                  progress=None) -> dict:
+def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None) -> dict:
     """Analyse the run at ``run_dir`` and write ``run_dir/summary.json`` (atomically). Returns the summary."""
     from dtprof.reader import open_run
 
     run = open_run(run_dir)
-    a = analyze(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype,
-                transformer=transformer, progress=progress)
+    a = analyze(run, options, progress=progress)
     save_summary(run.path, a.summary)
     return a.summary
 
@@ -301,6 +373,8 @@ def write_summary(run_dir, *, warmup=None, flops_per_step=None, peak_tflops=None
 def _fmt_s(x) -> str:
     if x is None:
         return "—"
+    if x == 0:
+        return "0"
     if x >= 1:
         return f"{x:.2f} s"
     if x >= 1e-3:
@@ -318,23 +392,41 @@ def format_summary_text(summary: dict) -> str:
     run = summary.get("run") or {}
     st = summary.get("steps") or {}
     t = st.get("time_s") or {}
-    lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) on {len(run.get('hosts') or [])} host(s), "
-                 f"status {run.get('status') or 'unknown'}, exit code {run.get('exit_code')}")
+    hosts = f"on {len(run['hosts'])} host(s)" if run.get("hosts") else "on unnamed hosts"
+    code = f", exit code {run['exit_code']}" if run.get("exit_code") is not None else ""
+    lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) {hosts}, "
+                 f"status {run.get('status') or 'unknown'}{code}")
     if run.get("ranks_missing"):
         lines.append(f"[error] rank(s) {', '.join(map(str, run['ranks_missing']))} left no record")
     for msg in run.get("unidentified_processes") or []:
         lines.append(f"[error] {msg}")
+    if run.get("status") == "interrupted":
+        lines.append(run.get("status_reason") or "interrupted")
+    tri = summary.get("triage")
+    if tri and tri.get("verdict") != "healthy":
+        lines.append(f"triage: {tri['message']}")
     lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
                  f"step time p50 {_fmt_s(t.get('p50'))}, p90 {_fmt_s(t.get('p90'))}, "
                  f"p99 {_fmt_s(t.get('p99'))}")
-    hdr = f"{'rank':>5} {'host':<14} {'steps':>5} {'step p50':>10} {'compute/step':>13} {'comm/step':>10} " \
-          f"{'exposed/step':>13} {'overlap':>8}"
-    lines.append(hdr)
+    # where the step went (breakdown.py): one column per part, summing to the mean step time
+    parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
+    short = {"exposed_comm": "exposed", "data_wait": "data wait", "optimizer": "optim"}
+    lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
+                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}")
     for r in summary.get("ranks") or []:
+        b = r.get("breakdown_s_per_step") or {}
         lines.append(f"{r['rank']:>5} {str(r.get('host') or '')[:14]:<14} {r.get('steps', 0):>5} "
-                     f"{_fmt_s(r.get('step_time_s_p50')):>10} {_fmt_s(r.get('compute_s_per_step')):>13} "
-                     f"{_fmt_s(r.get('comm_s_per_step')):>10} {_fmt_s(r.get('exposed_comm_s_per_step')):>13} "
-                     f"{_fmt_frac(r.get('overlap_ratio')):>8}")
+                     f"{_fmt_s(r.get('step_time_s_mean')):>10} "
+                     + " ".join(f"{_fmt_s(b.get(p)):>9}" for p in parts)
+                     + f" {_fmt_frac(r.get('overlap_ratio')):>8}")
+    bd = summary.get("breakdown") or {}
+    by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
+    by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}
+    if by_op:
+        dims = ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_dim.items()) if set(by_dim) != {"(none)"} else ""
+        lines.append("exposed communication per step (mean over ranks): "
+                     + (f"by mesh dimension {dims}; " if dims else "")
+                     + "by op " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_op.items()))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
@@ -351,8 +443,9 @@ def format_summary_text(summary: dict) -> str:
     pp = summary.get("pipeline")
     if pp:
         lines.append(f"pipeline: {pp['stages']} stages × {pp['microbatches']} microbatches ({pp['schedule']}), "
-                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} (theoretical "
-                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))}), imbalance "
+                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} = theoretical "
+                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))} + overhead {_fmt_frac(pp.get('overhead_frac'))}"
+                     f" of the step, imbalance "
                      f"{'—' if pp.get('imbalance') is None else format(pp['imbalance'], '.2f')}×")
     sl = summary.get("stragglers") or []
     if sl:

@@ -16,11 +16,15 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
    Without in-flight collectives, the Flight Recorder's newest seq per rank and group gives the same answer.
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
-4. **straggler** — a rank classified "persistent" by ``dtprof.analyzers.summary.analyze`` (metrics.md,
-   "Stragglers"); when that module is absent, the compute score alone (fastest rank's median per-step compute /
-   this rank's, persistent below 0.75; compute = compute spans minus the comm_wait nested in them). Its GPU's NVML samples are the evidence: throttle reasons, SM clock,
-   temperature, power, ECC errors.
-5. **healthy** otherwise.
+4. **interrupted** — a node's ``dtprof run`` launcher was killed before it recorded the job's end (node.json
+   still "running", its process gone: ``dtprof.reader.launcher_killed``); its timings are not a straggler's.
+5. **straggler** — a rank the analysis classifies as a persistent straggler (``stragglers.PERSISTENT_RULE``:
+   slow in at least 75 % of the measured steps, by compute or by holding its peers up at a collective), with the
+   NVML evidence the analysis built for it (throttle reasons, SM clock, temperature, power, ECC errors).
+6. **healthy** otherwise.
+
+Every stop of the job's processes by the launcher (node.json "stops": the hang watchdog's, or leftovers after the
+command ended) is named in the evidence, with its signals, grace period and whether any process survived it.
 """
 from __future__ import annotations
 
@@ -30,10 +34,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dtprof.analyzers.gpu import CLOCK_EVENT_REASONS
 from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
 
-VERDICTS = ("hang", "crash", "mismatch", "straggler", "healthy")
+VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy")
 P2P = ("send", "recv")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
 TIMEOUT_PATTERNS = [
@@ -284,86 +287,33 @@ def _exception_line(text: str, rank: int) -> str | None:
     return lines[-1].strip() if lines else None
 
 
-def find_stragglers(run) -> list[dict]:
-    """Persistent stragglers as the analyzers classify them (dtprof.analyzers.stragglers)."""
-    from dtprof.analyzers.summary import analyze
-
-    st = analyze(run).stragglers
-    st = st[st["kind"].astype(str) == "persistent"]
-    return [{"rank": int(r), "late_frac": float(lf), "time_lost_s": float(tl), "compute_score": float(cs),
-             "reason": str(why), "method": "dtprof.analyzers.stragglers"}
-            for r, lf, tl, cs, why in zip(st["rank"], st["late_frac"], st["time_lost_s"], st["compute_score"],
-                                          st["reason"])]
-
-
-
-
-def nvml_evidence(run, rank: int) -> dict | None:
-    """That rank's GPU over the run (matched by host and device index) next to the node's other GPUs."""
-    nv, rk = run.nvml, run.ranks
-    row = rk[rk["rank"] == rank]
-    if nv.empty or row.empty:
-        return None
-    # the rank's device; a rank without one (CPU) maps to GPU LOCAL_RANK, torchrun's usual convention
-    dev = row["device_index"].iloc[0]
-    host, gpu = str(row["host"].iloc[0]), int(row["local_rank"].iloc[0] if _isna(dev) else dev)
-    same_host = nv[nv["host"].astype(str) == host]
-    mine = same_host[same_host["gpu"] == gpu]
-    if mine.empty:
-        return None
-    others = same_host[same_host["gpu"] != gpu]
-    import numpy as np
-    reasons = int(np.bitwise_or.reduce(mine["throttle_reasons"].fillna(0).astype("int64").to_numpy()))
-    ignore = 0x1  # idle is not a throttle
-    throttled = mine["throttle_reasons"].fillna(0).astype("int64") & ~ignore
-    ev = {"host": host, "gpu": gpu, "samples": int(len(mine)),
-          "throttled_frac": float((throttled != 0).mean()),
-          "throttle_reasons": [n for b, n in CLOCK_EVENT_REASONS.items() if reasons & b and b != ignore],
-          "sm_clock_mhz_mean": _mean(mine["sm_clock_mhz"]), "others_sm_clock_mhz_mean": _mean(others["sm_clock_mhz"]),
-          "temp_c_max": _max(mine["temp_c"]), "others_temp_c_max": _max(others["temp_c"]),
-          "power_w_mean": _mean(mine["power_w"]), "others_power_w_mean": _mean(others["power_w"]),
-          "ecc_errors_max": _max(mine["ecc_errors"].astype("float64"))}
-    return ev
-
-
-def _mean(s):
-    return None if s.dropna().empty else round(float(s.mean()), 1)
-
-
-def _max(s):
-    return None if s.dropna().empty else round(float(s.max()), 1)
-
-
-def _nvml_text(ev: dict) -> str:
-    def vs(a, b, unit):
-        return f"{a} {unit}" + (f" vs {b} {unit} on the other GPUs" if b is not None else "")
-    parts = []
-    if ev["throttle_reasons"]:
-        parts.append(f"throttled {ev['throttled_frac']:.0%} of samples ({', '.join(ev['throttle_reasons'])})")
-    if ev["sm_clock_mhz_mean"] is not None:
-        parts.append("SM clock " + vs(ev["sm_clock_mhz_mean"], ev["others_sm_clock_mhz_mean"], "MHz"))
-    if ev["temp_c_max"] is not None:
-        parts.append("max temperature " + vs(ev["temp_c_max"], ev["others_temp_c_max"], "°C"))
-    if ev["power_w_mean"] is not None:
-        parts.append("power " + vs(ev["power_w_mean"], ev["others_power_w_mean"], "W"))
-    if ev["ecc_errors_max"]:
-        parts.append(f"{int(ev['ecc_errors_max'])} uncorrected ECC error(s)")
-    return f"GPU {ev['gpu']} on {ev['host']}: " + "; ".join(parts)
+def find_stragglers(stragglers: list[dict]) -> list[dict]:
+    """Persistent stragglers as the analysis states them (summary ``stragglers``, analyzers/stragglers.py), each
+    with its NVML evidence as the analysis built it."""
+    return [{"rank": s["rank"], "late_step_frac": s["late_step_frac"], "time_lost_s": s["time_lost_s"],
+             "compute_score": s["score"], "reason": s["reason"], "nvml": s["nvml"], "nvml_lines": s["evidence"],
+             "method": "dtprof.analyzers.stragglers"}
+            for s in stragglers if s["kind"] == "persistent"]
 
 
 # ------------------------------------------------------------------------------------------------ verdict
-def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None) -> dict:
+def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None,
+           run=None, stragglers=None) -> dict:
     """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
     message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
     directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
+    ``run`` and ``stragglers``: the run already open and its analysis' flagged ranks (summary ``stragglers``), as
+    ``dtprof.analyzers.summary.analyze`` passes them; without them the run is opened and analysed here.
     """
     import pandas as pd
 
     from dtprof.collectors.flight_recorder import load_dumps
+    from dtprof.launcher import stop_text
     from dtprof.reader import open_run
 
     run_dir = Path(run_dir)
-    run = open_run(run_dir) if (run_dir / "run.json").exists() else None
+    if run is None:
+        run = open_run(run_dir) if (run_dir / "run.json").exists() else None
     ranks_tbl = run.ranks if run is not None else None
     groups_tbl = run.groups if run is not None else None
     hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
@@ -386,6 +336,10 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         evidence.append({"kind": "log", "message": f"job output: {line[:300]}"})
     if run is not None and run.problems:
         evidence += [{"kind": "read", "message": p} for p in run.problems]
+    for node in run.nodes if run is not None else []:
+        for stop in node.get("stops") or []:
+            evidence.append({"kind": "stop", "message": f"dtprof run on {node.get('host') or '?'} {stop_text(stop)}",
+                             **stop})
 
     def result(verdict, culprits, collective, message):
         return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
@@ -516,7 +470,6 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         parts = []
         for r in culprits:
             f = next((x for x in failures if x["rank"] == r), None)
-            hb = hbs.get(r, {})
             how = (f"was killed by {f['signal']}" if f and f["signal"] else
                    f"exited with code {f['exit_code']}" if f else "exited")
             own = (dumps.get(r, {}).get("exception") or {})
@@ -543,10 +496,20 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                 ({"crash", "sigterm", "exception"} & set(dumps.get(r, {}))) for r in others) else ""
         return result("crash", culprits, None, msg)
 
-    # 4. straggler
+    # 4. interrupted
+    cut = [n for n in (run.nodes if run is not None else []) if n.get("status") == "interrupted"]
+    if cut:
+        return result("interrupted", [], None, f"{cut[0]['status_reason']} ({', '.join(n['node'] for n in cut)}); "
+                      f"the job's end was not recorded, so no straggler verdict is drawn from its timings")
+
+    # 5. straggler
     if run is not None and len(run.steps):
         try:
-            slow = find_stragglers(run)
+            if stragglers is None:
+                from dtprof.analyzers.summary import analyze
+
+                stragglers = analyze(run).summary["stragglers"]
+            slow = find_stragglers(stragglers)
         except Exception as e:  # the analysis failing must not hide the rest of the triage
             slow = []
             evidence.append({"kind": "error", "message": f"straggler analysis failed: {type(e).__name__}: {e}"})
@@ -554,15 +517,15 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
             parts = []
             for s in slow:
                 r = s["rank"]
+                score = "n/a" if s["compute_score"] is None else f"{s['compute_score']:.2f}"
                 evidence.append({"kind": "straggler", "rank": r, "message":
-                                 f"{label(r)}: {s['reason']}; compute score {s['compute_score']:.2f} (1.0 = as "
-                                 f"fast as the fastest rank); last to arrive at {s['late_frac']:.0%} of "
-                                 f"collectives; peers lost {s['time_lost_s']:.2f} s waiting for it",
-                                 **{k: v for k, v in s.items() if k != 'rank'}})
-                ev = nvml_evidence(run, r)
-                if ev:
-                    evidence.append({"kind": "nvml", "rank": r, "message": _nvml_text(ev), **ev})
-                parts.append(label(r) + (f" ({', '.join(ev['throttle_reasons'])})" if ev and ev["throttle_reasons"]
+                                 f"{label(r)}: persistent straggler, {s['reason']}; compute score {score} (1.0 = "
+                                 f"as fast as the fastest rank); peers lost {s['time_lost_s']:.2f} s waiting for it",
+                                 **{k: v for k, v in s.items() if k not in ("rank", "nvml", "nvml_lines")}})
+                ev = s["nvml"]
+                if ev.get("gpu") is not None:
+                    evidence.append({"kind": "nvml", "rank": r, "message": "; ".join(s["nvml_lines"]), **ev})
+                parts.append(label(r) + (f" ({', '.join(ev['throttle_reasons'])})" if ev.get("throttle_reasons")
                                          else ""))
             return result("straggler", [s["rank"] for s in slow], None,
                           f"straggler: {', '.join(parts)} is persistently slower than its peers "

@@ -45,7 +45,9 @@ def main():
         n_rows = len(run.spans) + len(run.collectives)
         t_read = time.perf_counter() - t1
 
-        def progress(msg, t_start=time.perf_counter()):
+        t_start = time.perf_counter()
+
+        def progress(msg):
             print(f"  {time.perf_counter() - t_start:6.1f} s  {msg}", file=sys.stderr)
 
         a = analyze(run, progress=progress)

@@ -5,7 +5,8 @@ kernels with collective args, CPU ops, runtime calls, ProfilerStep markers), the
 (so peak RSS is each one's own, read from ru_maxrss):
 - dtprof: ``dtprof.collectors.kineto.import_kineto`` (parse + write the run directory);
 - HTA: ``hta.trace_analysis.TraceAnalysis(trace_dir=...)`` from a separate venv (never a dtprof dependency).
-Prints both, the ratios and PASS/FAIL per target (issue 7: >= 10x faster, <= 1/3 of HTA's peak RSS). Usage: python benchmarks/import_speed.py [--events 1000000] [--hta-venv /tmp/hta-venv]
+Prints both, the ratios and PASS/FAIL per target (issue 7: >= 10x faster, <= 1/3 of HTA's peak RSS).
+Usage: python benchmarks/import_speed.py [--events 1000000] [--hta-venv /tmp/hta-venv]
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import resource, sys, time
 t = time.perf_counter()
 {body}
 # HTA parses ranks in child processes: count the larger of this process and its largest child
-print(time.perf_counter() - t, max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024)
+rss = max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(time.perf_counter() - t, rss * 1024)
 """
 # the command users run: `dtprof import kineto TRACES -o RUN`
 DTPROF = ("from dtprof.cli import main; "

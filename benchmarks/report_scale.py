@@ -76,9 +76,9 @@ def main() -> int:
     ap.add_argument("--run-dir", type=Path, default=None, help="build the run here and keep it (reused if there)")
     args = ap.parse_args()
 
+    from dtprof.analyzers.summary import analyze
     from dtprof.reader import open_run
     from dtprof.reports.html import write_report
-    from dtprof.analyzers.summary import analyze
     from synth_report import build_report_run
 
     tmp = tempfile.TemporaryDirectory() if args.run_dir is None else None

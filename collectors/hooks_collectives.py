@@ -8,8 +8,15 @@ What is visible from Python (torch-facts "What each parallel style sends through
 - ``source`` is taken from the module of the direct caller (one frame, cached per module name): code under
   ``torch.distributed.fsdp`` / ``torch.distributed._composable.fsdp`` -> "fsdp", ``torch.distributed.pipelining``
   -> "pipeline", a DDP comm hook -> "ddp", anything else -> "user".
-- DDP's Reducer runs in C++; we see its buckets through a comm hook (``allreduce_hook`` wrapped, or the user's own
-  hook wrapped when they register one). Bucket collectives get api "ddp_bucket", ``bucket`` = index.
+- DDP's Reducer runs in C++ and all-reduces each bucket through the dispatcher op ``c10d::allreduce_``. A Python
+  kernel for that op at the autograd dispatch keys (AutogradCPU/AutogradCUDA, above the backends' kernels) sees
+  each call and redispatches it unchanged, so DDP's own reduction (its division by the world size while copying
+  into the bucket, then a SUM all-reduce) runs exactly as without dtprof: no comm hook is registered, training is
+  bit-identical and the user may register their own hook at any time. A user's hook is wrapped only to label its
+  collectives with the bucket (``bucket.index()``); a hook whose collective passes neither through Python nor
+  through the dispatcher is recorded as the bucket buffer itself. Bucket collectives get api "ddp_bucket",
+  ``bucket`` = index (the Reducer launches buckets in index order; without a hook the index is counted per
+  backward). Calls already inside a wrapped ``torch.distributed`` function are not counted twice (``_tls.busy``).
 - Completion: ``work.get_future().then(cb)`` where the backend supports it; gloo point-to-point works have no
   future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and completes the
   rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
@@ -18,8 +25,9 @@ What is visible from Python (torch-facts "What each parallel style sends through
 - ``seq`` counts per group for collectives and per (group, src, dst) for point-to-point, in call order.
 - Pipelining: ``forward_one_chunk``/``backward_one_chunk``(/``backward_weight_one_chunk``) become ``pp_forward``
   / ``pp_backward`` spans with ``stage`` and ``microbatch``; P2P ops built by ``get_{fwd,bwd}_{send,recv}_ops``
-  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes an events
-  info row ``pipeline schedule: <ClassName>, stages=<n>, microbatches=<m>, stage_indices=<i,j>``.
+  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes a
+  ``pipeline_schedule`` meta row: {"schedule": <class name>, "stages": n, "microbatches": m,
+  "stage_indices": [i, ...]} (the stages this rank runs).
 """
 from __future__ import annotations
 
@@ -339,6 +347,17 @@ def resolve_gpu_durations(final: bool = False) -> None:
         rec.writer.extend("collectives", rows)
 
 
+def call_recorded(fn, *args, **kwargs):
+    """Call ``fn``, a collective its caller records: what it issues through c10d is not recorded a second time
+    (functional collectives reach ``c10d::allreduce_`` too)."""
+    outer = getattr(_tls, "busy", False)
+    _tls.busy = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _tls.busy = outer
+
+
 def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
@@ -517,7 +536,8 @@ def _wrap_comm_hook(hook):
         finally:
             _tls.bucket = None
         try:
-            if not ctx[2] and not rec.disabled:   # the hook's collective did not pass through Python: record the bucket itself
+            # the hook's collective did not pass through Python: record the bucket itself
+            if not ctx[2] and not rec.disabled:
                 buf = bucket.buffer()
                 b = _nbytes(buf)
                 pg = state if state is not None and hasattr(state, "group_name") else None
@@ -537,38 +557,78 @@ def _wrap_comm_hook(hook):
     return dtprof_comm_hook
 
 
+_libraries = []      # the torch.library registrations (kept alive: dropping one removes its kernels)
+
+
+def _record_dispatched_allreduce(tensors, process_group, work, issue: int) -> None:
+    """A ``c10d::allreduce_`` issued from C++ (DDP's Reducer, a built-in or C++-calling comm hook, a direct
+    ``ProcessGroup.allreduce``): one async row, completed by the work's future."""
+    import torch.distributed as dist
+
+    rec = rt.STATE
+    ret = now()
+    if rec.fault_test == "collective":
+        raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
+    pg = dist.ProcessGroup.unbox(process_group)
+    b = _nbytes_list(tensors)
+    dtype = _dtype(_first(tensors))
+    ctx = getattr(_tls, "bucket", None)
+    if ctx is not None:                                   # inside a (wrapped) user comm hook
+        ctx[2] = True
+        source, api, bucket = "ddp", "ddp_bucket", ctx[0]
+    elif rec.in_backward or threading.current_thread() is not threading.main_thread():
+        source = "ddp"
+        if tensors and tensors[0].is_floating_point():    # a gradient bucket (else the unused-parameter map)
+            api, bucket = "ddp_bucket", rec.ddp_next_bucket
+            rec.ddp_next_bucket += 1
+        else:
+            api, bucket = "all_reduce", None
+    else:
+        source, api, bucket = "user", "ProcessGroup.allreduce", None
+    if source == "ddp":
+        rec.ddp_last_issue_ns = issue
+    _track(dist.Work.unbox(work), [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, dtype,
+                                             None, True, issue, ret, bucket=bucket)])
+
+
+def _observe_dispatched_allreduce() -> None:
+    """Put a recording kernel for ``c10d::allreduce_`` above the CPU and CUDA kernels (module docstring)."""
+    import torch
+
+    op = torch.ops.c10d.allreduce_.default
+    below_autograd = torch._C._after_autograd_keyset
+
+    def allreduce_(keyset, tensors, process_group, *args):
+        rec = rt.STATE
+        if rec.disabled or not rec.active or getattr(_tls, "busy", False):
+            return op.redispatch(keyset & below_autograd, tensors, process_group, *args)
+        issue = now()
+        out = op.redispatch(keyset & below_autograd, tensors, process_group, *args)
+        try:
+            _record_dispatched_allreduce(tensors, process_group, out[1], issue)
+        except Exception:
+            rec.fault("c10d::allreduce_ observer")
+        return out
+
+    lib = torch.library.Library("c10d", "IMPL")
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        lib.impl("allreduce_", allreduce_, key, with_keyset=True)
+    _libraries.append(lib)
+
+
 def _install_ddp() -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     orig_register = DDP.register_comm_hook
-    orig_builtin = DDP._register_builtin_comm_hook
-    orig_forward = DDP.forward
 
     def register_comm_hook(self, state, hook):
-        self._dtprof_hooked = True
         if rt.STATE.disabled or not rt.STATE.active:
             return orig_register(self, state, hook)
         return orig_register(self, state, _wrap_comm_hook(hook))
 
-    def _register_builtin_comm_hook(self, comm_hook_type):
-        self._dtprof_hooked = True      # a C++ hook: its buckets stay invisible
-        return orig_builtin(self, comm_hook_type)
-
-    def forward(self, *args, **kwargs):
-        if not getattr(self, "_dtprof_hooked", False):
-            self._dtprof_hooked = True
-            try:
-                if rt.STATE.active and not rt.STATE.disabled:
-                    orig_register(self, self.process_group, _wrap_comm_hook(default_hooks.allreduce_hook))
-            except Exception:
-                rt.STATE.fault("DDP default comm hook")
-        return orig_forward(self, *args, **kwargs)
-
     register_comm_hook.__doc__ = orig_register.__doc__
     DDP.register_comm_hook = register_comm_hook
-    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
-    DDP.forward = forward
+    _observe_dispatched_allreduce()
 
 
 # ---- pipelining ---------------------------------------------------------------------------------------------
@@ -630,10 +690,10 @@ def _wrap_schedule_step(orig):
             if not getattr(self, "_dtprof_announced", False):
                 self._dtprof_announced = True
                 stages = getattr(self, "_stages", None) or [getattr(self, "_stage", None)]
-                idx = ",".join(str(s.stage_index) for s in stages if s is not None)
-                rec.event("info", f"pipeline schedule: {type(self).__name__}, "
-                                 f"stages={getattr(self, '_num_stages', '')}, "
-                                 f"microbatches={getattr(self, '_n_microbatches', '')}, stage_indices={idx}")
+                rec.meta("pipeline_schedule", {
+                    "schedule": type(self).__name__, "stages": _int_or_none(getattr(self, "_num_stages", None)),
+                    "microbatches": _int_or_none(getattr(self, "_n_microbatches", None)),
+                    "stage_indices": [int(s.stage_index) for s in stages if s is not None]})
         except Exception:
             rec.fault("pipeline schedule step")
         rec.pp_active += 1
@@ -644,6 +704,10 @@ def _wrap_schedule_step(orig):
 
     step.__wrapped__ = orig
     return step
+
+
+def _int_or_none(v):
+    return None if v is None else int(v)
 
 
 def _install_pipelining() -> None:

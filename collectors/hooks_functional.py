@@ -163,7 +163,7 @@ class _OpProxy:
         if api == "wait_tensor":
             return _on_wait(args[0] if args else kwargs["tensor"], packet)
         issue = now()
-        result = packet(*args, **kwargs)
+        result = hc.call_recorded(packet, *args, **kwargs)
         try:
             ret = now()
             state.last_progress_ns = ret
@@ -183,7 +183,8 @@ def install() -> None:
         try:
             installer()
         except Exception as e:
-            rt.STATE.event("warning", f"{installer.__module__}.{installer.__name__} unavailable: {type(e).__name__}: {e}")
+            rt.STATE.event("warning",
+                           f"{installer.__module__}.{installer.__name__} unavailable: {type(e).__name__}: {e}")
 
 
 def _install_functional() -> None:
@@ -196,7 +197,7 @@ def _install_functional() -> None:
 
     if not dist.is_available():
         return
-    from torch.distributed import _functional_collectives as funcol   # registers the ops' Python parts
+    from torch.distributed import _functional_collectives as funcol  # registers the ops' Python parts
 
     _tracing = funcol._are_we_tracing
     plan = [("_c10d_functional", name, name, spec) for name, spec in _OPS.items()]

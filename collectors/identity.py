@@ -16,8 +16,9 @@ Launchers differ in what a rank knows when it imports torch:
   never recorded.
 
 A process that identifies as a rank another live process already records (e.g. a subprocess that inherited
-``RANK``) is not dropped in silence: it writes an ``error`` event (``unidentified-<pid>.jsonl`` in the node directory) naming its pid,
-command line and the rank it claimed; the analysis lists it under ``run.unidentified_processes``.
+``RANK``) is not dropped in silence: it writes an ``error`` event (``unidentified-<pid>.jsonl`` in the node
+directory) naming its pid, command line and the rank it claimed; the analysis lists it under
+``run.unidentified_processes``.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def wait_for_identity(start) -> None:
                 pass
             return result
 
-        init_process_group.__wrapped__ = orig
+        init_process_group.__wrapped__ = orig  # type: ignore[attr-defined]
         init_process_group.__doc__ = orig.__doc__
         c10d.init_process_group = dist.init_process_group = init_process_group
     waiter.handle = nn_module.register_module_forward_pre_hook(waiter.first_forward)

@@ -8,7 +8,7 @@ created its process groups, this rank records:
   when the mesh has no names. The group's first row (written by ``hooks_collectives._group`` when the group is
   first seen, ``mesh_dim`` empty) stays; readers take the last non-empty ``mesh_dim`` per (rank, group)
   (docs/run-format.md).
-- one ``events`` info row ``device mesh: shape=(2, 2), dims=(dp, tp)``.
+- one ``mesh`` meta row {"shape": [2, 2], "dims": ["dp", "tp"]}.
 A mesh dimension of size 1 still gets its row (its group has one rank). Faults disable dtprof on the rank as in
 runtime.py; the mesh itself is never affected (the original ``__init__`` has already returned).
 """
@@ -28,7 +28,7 @@ def dim_names(mesh) -> tuple[str, ...]:
 
 
 def record_mesh(mesh) -> None:
-    """Write the groups rows and the events row for ``mesh`` (once per shape and names)."""
+    """Write the groups rows and the meta row for ``mesh`` (once per shape and names)."""
     state = rt.STATE
     if state.disabled or not state.active:
         return
@@ -53,8 +53,7 @@ def record_mesh(mesh) -> None:
             backend = ""
         state.add(Group(rank=state.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
                         desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=dim))
-    state.event("info", f"device mesh: shape=({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}), "
-                     f"dims=({', '.join(dims)})")
+    state.meta("mesh", {"shape": list(shape), "dims": list(dims)})
 
 
 def _wrap_init(orig):

@@ -281,7 +281,8 @@ class NvmlSampler:
 
     def _failed(self, g: _Gpu, metric: str, code, detail: str) -> None:
         nv = self._nv
-        unsupported = code in (getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3), getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13))
+        unsupported = code in (getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3),
+                               getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13))
         if unsupported:
             g.skip.add(metric)
         if metric in g.reported:

@@ -14,8 +14,15 @@ from dtprof.schema import TABLES
 
 
 def _record(class_name: str, table: str):
-    cls = namedtuple(class_name, [c for c, _ in TABLES[table]])
-    cls.table = table          # the table a row of this class is appended to
+    cols = TABLES[table]
+    # Trailing nullable integer columns default to None, so a column added at the end of a table (a minor format
+    # version) needs no change at every place that builds such a row.
+    n_optional = 0
+    while n_optional < len(cols) and cols[len(cols) - 1 - n_optional][1] == "Int":
+        n_optional += 1
+    cls = namedtuple(class_name, [c for c, _ in cols],  # type: ignore[misc]  # generated from the schema on purpose
+                     defaults=[None] * n_optional)  # type: ignore[misc]
+    cls.table = table  # type: ignore[attr-defined]  # the table a row of this class is appended to
     return cls
 
 

@@ -7,7 +7,8 @@ How it stays out of training's way
 - The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here and in hooks_collectives.py /
   hooks_functional.py / mesh.py are its methods or read and set its attributes (no module changes another's
   globals). The hot path only reads a few of its attributes and appends typed rows (collectors/records.py,
-  namedtuples generated from the schema) to the ``RankWriter``'s in-memory lists. All file I/O, CUDA event resolution and clock readings happen in one daemon
+  namedtuples generated from the schema) to the ``RankWriter``'s in-memory lists.
+  All file I/O, CUDA event resolution and clock readings happen in one daemon
   flusher thread (every ``flush_interval_s``, default 1 s) and at exit (atexit).
 - Every hook body runs under try/except. A fault records an ``events`` error row (the traceback's last line),
   sets ``STATE.disabled`` (every hook becomes a pass-through) and never raises into training.
@@ -94,6 +95,7 @@ class Recorder:
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
         self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
+        self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
         self.trace_capture = None
         self.flop_mode = None
         self.flops_step = None
@@ -123,11 +125,14 @@ class Recorder:
         self.writer.append(row.table, row)
 
     def fault(self, where: str) -> None:
-        """Record a dtprof fault as an events error row and disable dtprof on this rank. Never raises."""
+        """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
+        error row (the message the report lists). Never raises."""
         try:
             self.disabled = True
-            msg = f"dtprof disabled on this rank after a fault in {where}: {_last_error_line()}"
+            error = _last_error_line()
+            msg = f"dtprof disabled on this rank after a fault in {where}: {error}"
             if self.writer is not None:
+                self.meta("fault", {"where": where, "error": error})
                 self.add(Event(self.rank, self.host, now(), "error", "rank", msg))
             sys.stderr.write(f"dtprof[rank {self.rank}]: {msg}\n")
         except BaseException:
@@ -136,6 +141,16 @@ class Recorder:
     def event(self, level: str, message: str) -> None:
         if self.writer is not None:
             self.add(Event(self.rank, self.host, now(), level, "rank", message))
+
+    def meta(self, kind: str, value: dict) -> None:
+        """One structured fact (the ``meta`` table; kinds and keys in dtprof.schema.META_KINDS). The value is
+        stored as JSON text, the run format's form of a json column."""
+        self.add(Meta(self.rank, self.host, now(), kind, json.dumps(value, separators=(",", ":"))))
+
+    def trace_window(self, steps: list, start_ns: int, end_ns: int) -> None:
+        """The --trace-steps capture disturbed this rank from ``start_ns`` (profiler start) to ``end_ns`` (stop
+        and export done), overlapping ``steps``."""
+        self.meta("trace_capture", {"steps": steps, "start_ns": start_ns, "end_ns": end_ns})
 
     def span(self, kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
         self.writer.append("spans", Span(self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
@@ -217,7 +232,7 @@ class Recorder:
                 from dtprof.collectors.trace_capture import TraceCapture
 
                 a, b = str(opts["trace_steps"]).split(":")
-                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b))
+                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b), on_window=self.trace_window)
             except Exception:
                 self.event("warning", f"trace capture unavailable: {_last_error_line()}")
 
@@ -417,6 +432,7 @@ class Recorder:
                 t0 = now()
                 ev0 = rec.cuda_event() if rec.cuda else None
                 rec.ddp_last_issue_ns = None
+                rec.ddp_next_bucket = 0
             except Exception:
                 rec.fault("backward")
                 return orig(*args, **kwargs)
@@ -594,6 +610,8 @@ class Recorder:
             dataloader._BaseDataLoaderIter.__next__ = self.orig_next
 
 
+# The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
+Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
 
 
@@ -679,8 +697,9 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, **opti
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
     gets its own node directory in it); default: ``DTPROF_NODE_DIR``. ``rank``: default the process group's rank,
     else ``RANK``; with neither (srun, mp.spawn, Lightning's launcher before init_process_group) recording starts
-    when this process identifies itself (collectors/identity.py) and True is returned now. ``report_taken``: when another live process records that rank, name this one in the run
-    as unidentified (collectors/identity.py). Options override ``DTPROF_CONFIG``. Returns True when recording."""
+    when this process identifies itself (collectors/identity.py) and True is returned now. ``report_taken``: when
+    another live process records that rank, name this one in the run as unidentified (collectors/identity.py).
+    Options override ``DTPROF_CONFIG``. Returns True when recording."""
     if STATE.active:
         return True
     if STATE.disabled:

@@ -14,6 +14,8 @@ import time
 
 import click
 
+from dtprof.cli import InputError
+
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32"}
 
 
@@ -30,10 +32,10 @@ def measure_tflops(device: str = "cpu", dtype: str = "bf16", n: int | None = Non
 
     dt = norm_dtype(dtype)
     if dt not in _TORCH_DTYPES:
-        raise click.ClickException(f"dtype {dtype!r} cannot be calibrated; use one of {', '.join(_TORCH_DTYPES)}")
+        raise InputError(f"dtype {dtype!r} cannot be calibrated; use one of {', '.join(_TORCH_DTYPES)}")
     tdtype = getattr(torch, _TORCH_DTYPES[dt])
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.ClickException("no CUDA device available; use --device cpu")
+        raise InputError("no CUDA device available; use --device cpu")
     n = n or (8192 if device.startswith("cuda") else 1024)
     if dt == "tf32" and device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -67,17 +69,18 @@ _MEASURE = ("import json, sys, torch; torch.set_num_threads(int(sys.argv[3])); "
             "print(json.dumps(measure_tflops(sys.argv[1], sys.argv[2], seconds=float(sys.argv[4]))))")
 
 
-def calibrate_for_run(node_dir, dtype: str) -> list[dict]:
+def calibrate_for_run(node_dir, dtype: str, python: str) -> list[dict]:
     """`dtprof run`, after the job: a ~1 s GEMM calibration of each device its ranks used that has neither a spec
     peak nor a stored calibration (a CPU, an unlisted GPU), in a subprocess so the launcher never imports torch.
     A CPU rank's device is its share of the host's cores (cores // ranks on the node), so each rank's peak is
-    measured with that many threads. Returns the results for node.json's ``config.peak_calibration``."""
+    measured with that many threads. ``python``: the job's Python (it has the job's torch and dtprof). Returns the
+    results for node.json's ``config.peak_calibration``."""
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
-    from dtprof.analyzers.mfu import calibration_key, load_calibrations, spec_peak_tflops
+    from dtprof.analyzers.mfu import spec_peak_tflops
+    from dtprof.options import calibration_key, load_calibrations
 
     idents = [json.loads(p.read_text()) for p in sorted(Path(node_dir).glob("rank-*/rank.json"))]
     stored = load_calibrations()
@@ -89,7 +92,7 @@ def calibrate_for_run(node_dir, dtype: str) -> list[dict]:
         seen.add(name)
         device = "cpu" if kind == "cpu" else f"cuda:{ident.get('device_index') or 0}"
         threads = max(1, (os.cpu_count() or 1) // len(idents)) if kind == "cpu" else 1
-        proc = subprocess.run([sys.executable, "-c", _MEASURE, device, dtype, str(threads), str(RUN_CALIBRATION_S)],
+        proc = subprocess.run([python, "-c", _MEASURE, device, dtype, str(threads), str(RUN_CALIBRATION_S)],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"calibration on {device} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -100,7 +103,7 @@ def calibrate_for_run(node_dir, dtype: str) -> list[dict]:
 
 
 def store(result: dict) -> str:
-    from dtprof.analyzers.mfu import calibration_key, calibration_path, load_calibrations
+    from dtprof.options import calibration_key, calibration_path, load_calibrations
     from dtprof.runformat import write_json_atomic
 
     cal = load_calibrations()
@@ -124,7 +127,11 @@ def calibrate_command(device, dtype, n, seconds):
     dtprof calibrate                      # the first GPU, bf16
     dtprof calibrate --device cpu --dtype fp32
     """
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise InputError("dtprof calibrate times a matmul with torch, which this Python cannot import; run it "
+                         "with the Python of your training jobs") from None
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = measure_tflops(device, dtype, n, seconds)

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import click
 
-EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+from dtprof.cli import InputError
 
-
-class InputError(click.ClickException):
-    """Bad usage or unreadable input: exit 2 with a one-line message."""
-    exit_code = EXIT_USAGE
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, InputError.exit_code, 3
 
 
 def load_summary(path: str | Path) -> tuple[str, dict]:
@@ -35,8 +32,8 @@ def load_summary(path: str | Path) -> tuple[str, dict]:
         data = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{f}: cannot read ({e.__class__.__name__}: {e})") from None
-    except ValueError as e:
-        raise InputError(f"{f}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"{f}: not valid JSON ({str(e)[:200] or 'nested too deeply'})") from None
     if not isinstance(data, dict) or not isinstance(data.get("steps"), dict):
         raise InputError(f"{f}: not a dtprof summary (no 'steps' section)")
     return str(p), data
@@ -44,15 +41,14 @@ def load_summary(path: str | Path) -> tuple[str, dict]:
 
 def _analyze_run_dir(run_dir: Path) -> dict:
     """Summary of a run directory without summary.json, computed by the analyzers (not written to the run)."""
-    try:
-        from dtprof.analyzers.summary import analyze
-    except ImportError:
-        raise InputError(f"{run_dir}: no summary.json, and the analyzers are not installed to compute one") from None
+    from dtprof.analyzers.summary import analyze
+    from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
 
     click.echo(f"dtprof compare: analysing {run_dir} (no summary.json)", err=True)
     try:
-        return analyze(open_run(run_dir)).summary
+        run = open_run(run_dir)
+        return analyze(run, resolve_options(run)).summary
     except RunFormatError as e:
         raise InputError(str(e)) from None
 

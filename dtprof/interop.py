@@ -12,15 +12,12 @@ from pathlib import Path
 
 import click
 
+from dtprof.cli import InputError
+
 # pyarrow (pandas' text columns) allocates from mimalloc by default, which does not reuse the memory numpy and
 # Python free, nor they its: an import of 1M events peaked ~35 MiB higher (benchmarks/import_speed.py). Read by
 # pyarrow when it is first imported, which in `dtprof import|export` is after this module.
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-
-
-class InputError(click.ClickException):
-    """Unreadable or inconsistent input: one line naming the file, exit code 2 (dtprof.cli's convention)."""
-    exit_code = 2
 
 
 def _warn(msg: str) -> None:
@@ -53,9 +50,9 @@ def import_kineto_command(paths, out):
     from dtprof.collectors.kineto import KinetoError, import_kineto
     from dtprof.runformat import RunExistsError
 
-    click.echo(f"dtprof: reading {len(paths)} path(s)...", err=True)
     try:
-        run_dir = import_kineto(list(paths), out, command=" ".join(sys.argv), warn=_warn)
+        run_dir = import_kineto(list(paths), out, command=" ".join(sys.argv), warn=_warn,
+                                info=lambda msg: click.echo(f"dtprof: {msg}", err=True))
     except (KinetoError, RunExistsError) as e:
         raise InputError(str(e)) from None
     click.echo(str(run_dir))

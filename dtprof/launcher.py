@@ -7,22 +7,30 @@ directory of ``dtprof/_inject/sitecustomize.py`` first on ``PYTHONPATH``). After
 Kineto traces, compacts the node to Parquet, writes summary.json and report.html, and exits with the job's code.
 
 Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
-- The job's stdout/stderr are pipes that the launcher copies through as bytes arrive (and tees to
-  ``node_dir/stdout.log`` / ``stderr.log``); ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python
-  output stays live through the pipe.
-- The job runs in its own session (process group). SIGINT/SIGTERM/SIGHUP to ``dtprof run`` are forwarded to that
-  group; a second one kills the group with SIGKILL.
+- The job's stdout/stderr are pipes that two relay processes (dtprof/relay.py) copy through as bytes arrive (and
+  tee to ``node_dir/stdout.log`` / ``stderr.log``); they outlive a killed launcher and put the terminal before the
+  log, so neither a full disk nor ``kill -9`` of ``dtprof run`` blocks, silences or breaks the job.
+  ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python output stays live through the pipe.
+- The job runs in its own session. Its processes are tracked by parentage and by the ``DTPROF_NODE_DIR`` in their
+  environment, whatever their process group (torchrun gives each worker its own). SIGINT/SIGTERM/SIGHUP to
+  ``dtprof run`` are forwarded to the command's process group; a second one SIGKILLs every process of the job.
+  When the hang watchdog fires, and whenever the command ends with processes of the job still running, they get
+  SIGTERM, then SIGKILL after ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops")
+  and the events table.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
   it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
-- This process never imports torch (versions come from package metadata).
+- This process never imports torch, and dtprof does not depend on it: the job brings its own. Before starting the
+  job, the launcher asks the job's Python (``python`` in the command, or the interpreter in the shebang of
+  ``torchrun`` / the script) whether it can import torch and dtprof, and refuses with exit 2 when it cannot.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
-import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,24 +42,27 @@ from typing import Callable
 
 import click
 
-from dtprof.runformat import (NODE_MANIFEST, RANK_PREFIX, NodeTableWriter, RunExistsError, create_node_dir,
-                              create_run_dir, write_json_atomic)
+from dtprof.cli import InputError
+from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
+from dtprof.runformat import (
+    NODE_MANIFEST,
+    RANK_PREFIX,
+    NodeTableWriter,
+    RunExistsError,
+    create_node_dir,
+    create_run_dir,
+    write_json_atomic,
+)
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
-USAGE_EXIT = 2
-KILL_GRACE_S = 10.0    # after the watchdog's SIGTERM, SIGKILL the group if it is still alive
+USAGE_EXIT = InputError.exit_code
+KILL_GRACE_S = 10.0    # a stop's SIGTERM, then SIGKILL to every process of the job still alive this much later
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
              "GROUP_RANK", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "HOSTNAME")
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-
-
-class UsageExit(click.ClickException):
-    """A dtprof usage error: one line on stderr, exit code 2."""
-
-    exit_code = USAGE_EXIT
 
 
 # ---- small pure helpers (unit-tested) ------------------------------------------------------------------------
@@ -122,7 +133,7 @@ def parse_trace_steps(value: str | None) -> str | None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value)
     if not m or int(m.group(1)) >= int(m.group(2)):
-        raise UsageExit(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
+        raise InputError(f"--trace-steps {value!r}: expected A:B with integers 0 <= A < B (steps A..B-1 are traced)")
     return f"{int(m.group(1))}:{int(m.group(2))}"
 
 
@@ -130,8 +141,83 @@ def env_subset(env: dict) -> dict:
     return {k: v for k, v in sorted(env.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
-def versions() -> dict:
-    """dtprof, torch, python and NCCL versions, from package metadata: importing torch here would cost seconds."""
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
+
+# Run by the job's Python: can it import torch and dtprof (not from the cwd, which the ranks do not see), and
+# which versions. find_spec and package metadata only: importing torch would cost seconds.
+_PROBE = """
+import importlib.util, json, platform, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+from importlib import metadata
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+print(json.dumps({"python": platform.python_version(), "torch": importlib.util.find_spec("torch") is not None,
+                  "torch_version": version("torch"), "dtprof": importlib.util.find_spec("dtprof") is not None}))
+"""
+# pip's entry-point scripts for interpreters on long paths: "#!/bin/sh" then "'''exec' "/path/python" "$0" ..."
+_PIP_SH_EXEC = re.compile(r"""'''exec' "?([^"\s]+)""")
+
+
+def job_python(command: list[str], env: dict) -> str | None:
+    """The Python interpreter that will run the job: ``python…`` itself, or the interpreter in the shebang of the
+    command (torchrun's entry-point script, an executable train.py). None when it cannot be told (a shell script,
+    srun, a missing command): then nothing is checked."""
+    exe = shutil.which(command[0], path=env.get("PATH"))
+    if exe is None:
+        return None
+    if PYTHON_NAME.fullmatch(Path(exe).name):
+        return exe
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(512).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    words = head[0][2:].split() if head and head[0].startswith("#!") else []
+    interp: str | None = None
+    if words and Path(words[0]).name == "env":            # #!/usr/bin/env [-S] python3
+        args = [w for w in words[1:] if not w.startswith("-")]
+        interp = shutil.which(args[0], path=env.get("PATH")) if args else None
+    elif words and Path(words[0]).name == "sh" and len(head) > 1:
+        m = _PIP_SH_EXEC.match(head[1])
+        interp = m.group(1) if m else None
+    elif words:
+        interp = words[0]
+    return interp if interp and PYTHON_NAME.fullmatch(Path(interp).name) else None
+
+
+def probe_python(python: str, env: dict) -> dict | None:
+    """What the job's Python has (see _PROBE); None if it could not be asked."""
+    env = {k: v for k, v in env.items() if k not in ("DTPROF_NODE_DIR", "DTPROF_CONFIG")}
+    try:
+        out = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def check_job_python(command: list[str], env: dict) -> dict | None:
+    """Refuse (exit 2, one line) a job whose Python cannot import torch or dtprof; else return what it has
+    (``executable``, ``python``, ``torch_version``), or None when the job's Python cannot be told."""
+    python = job_python(command, env)
+    probe = probe_python(python, env) if python else None
+    if probe is None:
+        return None
+    probe["executable"] = python
+    if not probe["torch"]:
+        raise InputError(f"the job's Python ({python}) cannot import torch; dtprof uses the torch of the job it "
+                        "launches: install torch there, or run the job with a Python that has it")
+    if not probe["dtprof"]:
+        raise InputError(f"the job's Python ({python}) cannot import dtprof, so its ranks could not be recorded; "
+                        "install dtprof there")
+    return probe
+
+
+def versions(job: dict | None) -> dict:
+    """dtprof, torch, python and NCCL versions from package metadata; torch and python are the job's (``job`` is
+    check_job_python's answer): the launcher never imports torch, and the torch that matters is the job's."""
     from importlib import metadata
 
     import dtprof
@@ -142,8 +228,8 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    out = {"dtprof": dtprof.__version__, "torch": dist_version("torch"), "python": platform.python_version(),
-           "nccl": None, "nccl_reason": None}
+    out = {"dtprof": dtprof.__version__, "torch": job["torch_version"] if job else None,
+           "python": job["python"] if job else None, "nccl": None, "nccl_reason": None}
     for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
         v = dist_version(name)
         if v:
@@ -152,8 +238,9 @@ def versions() -> dict:
     else:
         out["nccl_reason"] = ("no nvidia-nccl wheel installed (CPU torch build, or NCCL bundled in torch); "
                               "ranks record torch.cuda.nccl.version() when they use NCCL")
-    if out["torch"] is None:
-        out["torch_reason"] = "torch is not installed in the launcher's environment"
+    if job is None:
+        out["torch_reason"] = ("the job's Python could not be told from the command; each rank records its "
+                               "torch_version and python in rank.json")
     return out
 
 
@@ -180,7 +267,7 @@ def inject_dir() -> Path:
 
 
 def job_env(base: dict, node_dir: Path, rank_config: dict) -> dict:
-    """The job's environment: BRIEF §1 contract plus live output."""
+    """The job's environment: what the rank side reads (docs/cli-run.md, step 4) plus live output."""
     env = dict(base)
     env["DTPROF_NODE_DIR"] = str(Path(node_dir).resolve())
     env["DTPROF_CONFIG"] = json.dumps(rank_config)
@@ -198,92 +285,179 @@ def exit_code_for(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+# ---- the job's processes ---------------------------------------------------------------------------------------
+
+def _proc_table() -> dict[int, int]:
+    """Live (non-zombie) processes of this host: pid -> parent pid, from /proc."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and fields[0] not in (b"Z", b"X"):
+            out[int(name)] = int(fields[1])
+    return out
+
+
+def _has_env(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def job_processes(root_pid: int, node_dir: Path) -> set[int]:
+    """Every live process of the job: the command's process and all its descendants, whatever their process group
+    or session (torchrun starts each worker in a session of its own), plus any that outlived their parent and
+    were re-parented (found by the ``DTPROF_NODE_DIR`` of this node in their environment)."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root_pid] if root_pid in table else []
+    entry = f"DTPROF_NODE_DIR={Path(node_dir).resolve()}".encode()
+    todo += [pid for pid in table if pid != os.getpid() and _has_env(pid, entry)]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    found.discard(os.getpid())
+    return found
+
+
+def _kill(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_processes(root_pid: int, node_dir: Path, reason: str, grace_s: float = KILL_GRACE_S) -> dict | None:
+    """SIGTERM every process of the job, SIGKILL those still alive after ``grace_s``, then check that none is left.
+    Returns the record of the stop (for node.json), or None when no process of the job was running."""
+    pids = job_processes(root_pid, node_dir)
+    if not pids:
+        return None
+    t0, started = time.monotonic(), utc_iso()
+    termed = set(pids)
+    _kill(pids, signal.SIGTERM)
+    while pids and time.monotonic() - t0 < grace_s:
+        time.sleep(0.1)
+        pids = job_processes(root_pid, node_dir)
+        _kill(pids - termed, signal.SIGTERM)   # one started meanwhile (a restarted worker) gets its SIGTERM too
+        termed |= pids
+    killed = set()
+    deadline = time.monotonic() + 5.0
+    while pids and time.monotonic() < deadline:
+        _kill(pids, signal.SIGKILL)
+        killed |= pids
+        time.sleep(0.1)
+        pids = job_processes(root_pid, node_dir)
+    return {"reason": reason, "started": started, "grace_s": grace_s, "sigterm_sent_to": len(termed),
+            "sigkill_sent_to": len(killed), "took_s": round(time.monotonic() - t0, 3), "survivors": sorted(pids)}
+
+
+def stop_text(stop: dict) -> str:
+    """One line about a stop record, for the launcher's output and its events row."""
+    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
+            f"SIGTERM"
+            + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
+               if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
+    if stop["survivors"]:
+        return text + f"still running: pid(s) {', '.join(map(str, stop['survivors']))}"
+    return text + "none left running"
+
+
 # ---- the job ---------------------------------------------------------------------------------------------------
 
-class _Tee(threading.Thread):
-    """Copy a pipe to our own stream and to a log file as bytes arrive."""
-
-    def __init__(self, pipe, stream, log_path: Path):
-        super().__init__(name=f"dtprof-tee-{log_path.stem}", daemon=True)
-        self.pipe, self.stream, self.log_path = pipe, stream, log_path
-
-    def run(self):
-        fd = self.pipe.fileno()
-        with open(self.log_path, "wb") as log:
-            while True:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                log.write(chunk)
-                log.flush()
-                try:
-                    self.stream.write(chunk)
-                    self.stream.flush()
-                except (OSError, ValueError):  # our own stdout closed (e.g. `| head`): keep logging
-                    pass
-
-
-def _binary(stream):
-    return getattr(stream, "buffer", stream)
+def _start_relay(pipe, out_fd: int, log_path: Path) -> subprocess.Popen:
+    """The relay process that copies one of the job's pipes to our terminal and its log (dtprof/relay.py)."""
+    return subprocess.Popen([sys.executable, "-m", "dtprof.relay", str(out_fd), str(log_path)], stdin=pipe,
+                            close_fds=True)
 
 
 class Job:
-    """The user's command in its own session, with output tee'd and signals forwarded to its process group."""
+    """The user's command in its own session, its output relayed, signals forwarded, all its processes tracked."""
 
     def __init__(self, command: list[str], env: dict, node_dir: Path, say: Callable[[str], None]):
         self.command, self.env, self.node_dir, self.say = command, env, node_dir, say
         self.forwarded: list[str] = []   # names of the signals forwarded to the job
         self.stopped_by_watchdog = False
+        self.stops: list[dict] = []      # records of stop_processes() (node.json "stops")
+        self.log_problems: list[str] = []
         self.proc: subprocess.Popen | None = None
+        self._stopper: threading.Thread | None = None
         self._old_handlers: dict = {}
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        self._tees = [_Tee(self.proc.stdout, _binary(sys.stdout), self.node_dir / "stdout.log"),
-                      _Tee(self.proc.stderr, _binary(sys.stderr), self.node_dir / "stderr.log")]
-        for t in self._tees:
-            t.start()
+        proc = self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        self._relays = [(_start_relay(proc.stdout, 1, self.node_dir / "stdout.log"), "stdout.log"),
+                        (_start_relay(proc.stderr, 2, self.node_dir / "stderr.log"), "stderr.log")]
+        proc.stdout.close()   # the relays hold the read ends now
+        proc.stderr.close()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
-    def _killpg(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
     def _on_signal(self, signum, frame):
+        assert self.proc is not None, "start() first"
         if self.forwarded:   # second signal: escalate
-            self.say(f"dtprof: {signal.Signals(signum).name} again: killing the job's process group (SIGKILL)")
+            self.say(f"dtprof: {signal.Signals(signum).name} again: killing every process of the job (SIGKILL)")
             self.forwarded.append("SIGKILL")
-            self._killpg(signal.SIGKILL)
+            _kill(job_processes(self.proc.pid, self.node_dir), signal.SIGKILL)
             return
         name = signal.Signals(signum).name
         self.forwarded.append(name)
         self.say(f"dtprof: forwarding {name} to the job; send it again to kill the job")
-        self._killpg(signum)
+        # To the command's process group, as a terminal would: torchrun passes it on to its workers itself.
+        # Whatever is still running when the command has ended is stopped by wait().
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop(self, reason: str) -> None:
+        assert self.proc is not None, "start() first"
+        rec = stop_processes(self.proc.pid, self.node_dir, reason)
+        if rec is not None:
+            self.stops.append(rec)
 
     def stop_by_watchdog(self) -> None:
-        """Called by the hang watchdog (from its thread): SIGTERM the group, SIGKILL after a grace period."""
+        """Called by the hang watchdog (from its thread): SIGTERM every process of the job, SIGKILL after a
+        grace period, check (in a thread of its own; wait() waits for it)."""
         self.stopped_by_watchdog = True
-        self._killpg(signal.SIGTERM)
-
-        def escalate():
-            if self.proc.poll() is None:
-                self._killpg(signal.SIGKILL)
-        t = threading.Timer(KILL_GRACE_S, escalate)
-        t.daemon = True
-        t.start()
+        self._stopper = threading.Thread(target=self._stop, args=("hang-timeout",), name="dtprof-stop",
+                                         daemon=True)
+        self._stopper.start()
 
     def wait(self) -> int:
+        assert self.proc is not None, "start() first"
         rc = self.proc.wait()
-        for t in self._tees:
-            t.join(timeout=10)   # a grandchild still holding the pipe must not keep us here forever
+        if self._stopper is not None:
+            self._stopper.join()
+        # The command ended (its own failure, a signal, the watchdog): none of its processes may outlive it.
+        self._stop("left running after the job's command ended")
+        for relay, name in self._relays:
+            try:
+                code = relay.wait(timeout=10)   # a process outside the job still holding the pipe must not
+            except subprocess.TimeoutExpired:   # keep us here forever; the relay keeps copying its output
+                continue
+            if code == DISK_FULL_EXIT:
+                self.log_problems.append(f"{name}: disk full; the job's output from then on reached only the "
+                                         f"terminal")
+            elif code == LOG_FAILED_EXIT:
+                self.log_problems.append(f"{name}: could not be written; the job's output reached only the "
+                                         f"terminal")
         for sig, h in self._old_handlers.items():
             signal.signal(sig, h)
         return rc
@@ -330,11 +504,13 @@ def compact(node_dir: Path, say: Callable[[str], None]):
 
 
 def summarize(run_dir: Path):
-    """Analyse once (options default to node.json's config), write summary.json, return the analysis."""
+    """Analyse once (options from node.json's config: dtprof/options.py), write summary.json, return the analysis."""
     from dtprof.analyzers.summary import analyze, save_summary
+    from dtprof.options import resolve_options
     from dtprof.reader import open_run
 
-    analysis = analyze(open_run(run_dir))
+    run = open_run(run_dir)
+    analysis = analyze(run, resolve_options(run))
     save_summary(run_dir, analysis.summary)
     return analysis
 
@@ -362,7 +538,9 @@ Multi-node: run one `dtprof run --out SAME_DIR` per node on a shared file system
 
 \b
 The job runs in its own process group; its output passes through (and is saved in the node directory).
-Ctrl-C/SIGTERM are forwarded to the job; a second one kills it.
+Ctrl-C/SIGTERM are forwarded to the job; a second one kills every process of the job. When the hang watchdog
+fires or the command ends, processes of the job still running get SIGTERM, then SIGKILL after a
+{KILL_GRACE_S:g} s grace; dtprof checks that none is left and records the stop in node.json.
 
 \b
 Exit codes:
@@ -402,14 +580,8 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise UsageExit("no command given: dtprof run [OPTIONS] -- COMMAND...")
+        raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
     trace_steps = parse_trace_steps(trace_steps)
-    watchdog_cls = None
-    if hang_timeout is not None:
-        try:
-            from dtprof.watchdog import Watchdog as watchdog_cls
-        except ImportError as e:
-            raise UsageExit(f"--hang-timeout needs dtprof.watchdog, which cannot be imported ({e})") from None
 
     def say(msg: str) -> None:
         if not quiet:
@@ -424,9 +596,16 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     cwd = Path.cwd()
     env = dict(os.environ)
     join_id = join_id_for(command, env)
-
+    if shutil.which(command[0]) is None:   # before any directory exists: nothing to record, nothing left behind
+        click.echo(f"dtprof: cannot start {command[0]!r}: command not found (nothing was run or recorded)",
+                   err=True)
+        sys.exit(127)
+    job_python_info = check_job_python(command, env)
     run_dir = _create_run_dir(out, command, cwd, join_id)
-    node_dir = create_node_dir(run_dir, host)
+    try:
+        node_dir = create_node_dir(run_dir, host)
+    except OSError as e:
+        raise InputError(f"{run_dir}: cannot create the node directory ({e.strerror or e})") from None
     if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
@@ -436,10 +615,10 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
         "join_id": join_id, "start_time": utc_iso(start_wall), "start_mono_ns": start_mono,
         "end_time": None, "end_mono_ns": None, "exit_code": None, "status": "running", "signal": None,
-        "versions": versions(), "env": env_subset(env), "git": git_info(cwd), "config": config,
+        "versions": versions(job_python_info), "env": env_subset(env), "git": git_info(cwd), "config": config,
         "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None,
     }
-    write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    _write_manifest(node_dir, node_info)
     say(f"dtprof: recording to {node_dir}")
 
     events = NodeTableWriter(node_dir, "events")
@@ -449,7 +628,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
 
         sampler = NvmlSampler(node_dir, interval_s=nvml_interval, events=events, host=host)
         node_info["nvml"] = sampler.start()
-        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+        _write_manifest(node_dir, node_info)
 
     job = Job(command, job_env(env, node_dir, rank_config), node_dir, say)
     try:
@@ -458,15 +637,17 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         if sampler is not None:
             node_info["nvml"] = sampler.stop()
         _event(events, host, "error", f"could not start the job: {e}")
-        events.close()
+        _guarded("events", warn, events.close)
         node_info.update(end_time=utc_iso(), end_mono_ns=time.monotonic_ns(), exit_code=127, status="failed")
-        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+        _write_manifest(node_dir, node_info)
         click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
         sys.exit(127)
 
     watchdog = None
-    if watchdog_cls is not None:
-        watchdog = _guarded("watchdog", warn, _start_watchdog, watchdog_cls, node_dir, hang_timeout,
+    if hang_timeout is not None:
+        from dtprof.watchdog import Watchdog
+
+        watchdog = _guarded("watchdog", warn, _start_watchdog, Watchdog, node_dir, hang_timeout,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
@@ -490,13 +671,20 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         status = "failed"
     node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
                      exit_code=exit_code, job_returncode=returncode, status=status,
-                     signal=died_of, signals_forwarded=job.forwarded or None)
+                     signal=died_of, signals_forwarded=job.forwarded or None, stops=job.stops or None,
+                     log_problems=job.log_problems or None)
     _event(events, host, "info" if status == "completed" else "warning",
            f"job {status} with exit code {exit_code}" + (f" (signal {died_of})" if died_of else ""))
-    events.close()
-    write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    for stop in job.stops:
+        warn(f"dtprof: {stop_text(stop)}")
+        _event(events, host, "error" if stop["survivors"] else "warning", stop_text(stop))
+    for problem in job.log_problems:
+        _event(events, host, "error", problem)
+    _guarded("events", warn, events.close)
+    _write_manifest(node_dir, node_info)
 
-    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet)
+    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet,
+              job_python_info["executable"] if job_python_info else None)
     sys.exit(exit_code)
 
 
@@ -506,9 +694,9 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
         try:
             return create_run_dir(out.resolve(), info, join_id=join_id)
         except RunExistsError as e:
-            raise UsageExit(str(e)) from None
+            raise InputError(str(e)) from None
         except OSError as e:
-            raise UsageExit(f"{out}: cannot create the run directory ({e.strerror or e})") from None
+            raise InputError(f"{out}: cannot create the run directory ({e.strerror or e})") from None
     base = cwd / "dtprof-runs" / f"{utc_stamp()}-{script_name(command)}"
     for i in range(100):   # two jobs started in the same second get -1, -2, ...
         cand = base if i == 0 else base.with_name(f"{base.name}-{i}")
@@ -518,13 +706,22 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
             return create_run_dir(cand, info, join_id=None)
         except RunExistsError:
             continue
-    raise UsageExit(f"{base}: could not find a free run directory name")
+    raise InputError(f"{base}: could not find a free run directory name")
 
 
 def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[], None]):
     wd = cls(node_dir, timeout_s, stop_job)
     wd.start()
     return wd
+
+
+def _write_manifest(node_dir: Path, node_info: dict) -> None:
+    """node.json; a failing disk costs the record, never the job (one line, the job runs on)."""
+    try:
+        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    except OSError as e:
+        why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        warn(f"dtprof: {node_dir / NODE_MANIFEST}: not written ({why})")
 
 
 def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None:
@@ -537,14 +734,16 @@ def _all_cpu(node_dir: Path) -> bool:
 
 
 def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_report: bool,
-              say: Callable[[str], None], quiet: bool) -> None:
-    """Merge traces, compact, summarise, report. Each step: one line on failure, and the run is kept."""
-    post = {}
-    if config["peak_tflops"] is None:
+              say: Callable[[str], None], quiet: bool, job_python: str | None) -> None:
+    """Calibrate (with the job's Python, which has torch: the launcher never imports it; skipped when the job's
+    Python cannot be told), merge traces, compact, summarise, report. Each step: one line on failure, and the run
+    is kept."""
+    post: dict[str, object] = {}
+    if config["peak_tflops"] is None and job_python is not None:
         from dtprof.calibrate import calibrate_for_run
 
         dtype = config["dtype"] or ("fp32" if _all_cpu(node_dir) else "bf16")
-        cal = _guarded("calibration", warn, calibrate_for_run, node_dir, dtype)
+        cal = _guarded("calibration", warn, calibrate_for_run, node_dir, dtype, job_python)
         if cal:
             config["peak_calibration"] = cal
             peaks = ", ".join(f"{c['device_name']} {c['tflops']:.3g}" for c in cal)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import IO, Any, Iterable, Sequence
 
 from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
 
@@ -36,10 +37,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON so that a reader sees the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)   # after a failure (a full disk) no temporary file is left behind
 
 
 def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) -> Path:
@@ -62,15 +66,15 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
     # Write the whole manifest under a private name, then link it into place: the link fails if run.json exists,
     # and a peer node that lost the race always reads a complete file (never a half-written one).
     tmp = run_dir / f".{RUN_MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
     try:
+        tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
         os.link(tmp, manifest)
     except FileExistsError:
         try:
             existing = json.loads(manifest.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             existing = {}
-        if join_id and existing.get("join_id") == join_id:
+        if join_id and isinstance(existing, dict) and existing.get("join_id") == join_id:
             return run_dir
         raise RunExistsError(f"{run_dir}: already holds a run (run.json exists); choose another --out") from None
     finally:
@@ -80,7 +84,7 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
 
 def create_node_dir(run_dir: Path, host: str | None = None) -> Path:
     """A fresh node sub-directory for this launcher: node-<host>-<pid>, never reused."""
-    host = host or socket.gethostname()
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())   # a host name may hold "/"
     node = Path(run_dir) / f"{NODE_PREFIX}{host}-{os.getpid()}"
     node.mkdir(parents=False, exist_ok=False)
     return node
@@ -98,21 +102,22 @@ class _TableFile:
         self.table = table
         self.columns = [c for c, _ in TABLES[table]]
         self.rows: list[Sequence[Any]] = []
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def flush(self) -> None:
         rows, self.rows = self.rows, []   # swap under the GIL: appenders never wait on I/O
         if not rows and self._fh is not None:
             return
-        if self._fh is None:
-            self._fh = open(self.path, "a", buffering=1 << 16)
-            if self._fh.tell() == 0:
+        fh = self._fh
+        if fh is None:
+            fh = self._fh = open(self.path, "a", buffering=1 << 16)
+            if fh.tell() == 0:
                 header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION,
                           "schema_minor": SCHEMA_MINOR, "columns": self.columns}
-                self._fh.write(json.dumps(header) + "\n")
+                fh.write(json.dumps(header) + "\n")
         dumps = json.dumps
-        self._fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
-        self._fh.flush()
+        fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
+        fh.flush()
 
     def close(self) -> None:
         self.flush()
@@ -193,8 +198,11 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
         df = tables.get(table)
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, out / f"{table}.parquet")
+        try:
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, out / f"{table}.parquet")
+        finally:
+            tmp.unlink(missing_ok=True)
     if node_info is not None:
         write_json_atomic(node_dir / NODE_MANIFEST, node_info)
     (out / TABLES_COMPLETE).write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")

@@ -11,17 +11,15 @@ from pathlib import Path
 
 import click
 
+from dtprof.cli import InputError
+
 LIVE_DUMP_WAIT_S = 5.0
-
-
-class InputError(click.ClickException):
-    exit_code = 2  # dtprof's code for unreadable input (dtprof/cli.py)
 
 
 def _live_dumps(run_dir: Path) -> str:
     """Ask every rank of a running job for a dump (without stopping it) and wait for the answers."""
     from dtprof.runformat import NODE_PREFIX
-    from dtprof.watchdog import read_heartbeats, request_dumps, wait_for_dumps, pid_alive
+    from dtprof.watchdog import pid_alive, read_heartbeats, request_dumps, wait_for_dumps
 
     dump_id = f"live-{time.strftime('%Y%m%dT%H%M%S')}"
     for nd in sorted(run_dir.glob(f"{NODE_PREFIX}*")):
@@ -55,8 +53,9 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     dtprof triage --live RUN_DIR          a job still running (asks ranks for dumps, does not stop them)
     dtprof triage --fr /tmp/nccl_trace_rank_*   Flight Recorder dumps written outside dtprof
 
-    Verdicts: hang, crash, mismatch, straggler, healthy. Exit codes: 0 healthy, 1 any other verdict (a problem
-    was found), 2 unreadable input. `dtprof run --hang-timeout` exits 124 when it stopped a hung job.
+    Verdicts: hang, crash, mismatch, interrupted (the launcher was killed), straggler, healthy. Exit codes:
+    0 healthy, 1 any other verdict (a problem was found), 2 unreadable input. `dtprof run --hang-timeout` exits
+    124 when it stopped a hung job.
     """
     from dtprof.analyzers.triage import format_text, triage
     from dtprof.collectors.flight_recorder import DumpError

@@ -5,8 +5,8 @@ Runs as a thread in the ``dtprof run`` launcher process and reads what the ranks
 
 - **Hang**: when no rank has made progress (``last_progress_ns``, the newest over all ranks; the clock starts at
   the first heartbeat, so start-up and rendezvous are left to torchrun's own timeouts; once every rank has
-  exited cleanly, a slow teardown is not a hang) for ``timeout_s``, it writes ``node_dir/dump-request-hang``, waits up to
-  ``DUMP_WAIT_S`` for every live rank's ``dump-hang.json``, records ``node_dir/triage/hang.json``, calls
+  exited cleanly, a slow teardown is not a hang) for ``timeout_s``, it writes ``node_dir/dump-request-hang``, waits
+  up to ``DUMP_WAIT_S`` for every live rank's ``dump-hang.json``, records ``node_dir/triage/hang.json``, calls
   ``stop_job()`` (the launcher's SIGTERM, then SIGKILL after a grace period) and sets ``fired``; ``dtprof run``
   then exits with 124.
 - **Crash**: when a rank's process disappears while the job runs (exception, signal, OOM killer), it writes
@@ -100,14 +100,15 @@ def parse_torchrun_failures(text: str) -> list[dict]:
     """torchrun's per-rank failure report: rank, exit code (negative = signal), pid, and whether it is the root
     cause (the block under "Root Cause (first observed failure)")."""
     root_at = text.rfind("Root Cause")
-    out = {}
+    out: dict[int, dict] = {}
     for m in _FAIL_BLOCK.finditer(text):
         code = int(m["code"])
         sig = _signal_name(-code) if code < 0 else None
-        rec = {"rank": int(m["rank"]), "local_rank": int(m["local"]), "exit_code": code, "pid": int(m["pid"]),
+        rank = int(m["rank"])
+        rec = {"rank": rank, "local_rank": int(m["local"]), "exit_code": code, "pid": int(m["pid"]),
                "signal": sig, "root_cause": root_at >= 0 and m.start() > root_at, "traceback": m["tb"].strip()}
-        prev = out.get(rec["rank"])
-        out[rec["rank"]] = {**rec, "root_cause": rec["root_cause"] or bool(prev and prev["root_cause"])}
+        prev = out.get(rank)
+        out[rank] = {**rec, "root_cause": rec["root_cause"] or bool(prev and prev["root_cause"])}
     return sorted(out.values(), key=lambda r: (not r["root_cause"], r["rank"]))
 
 
@@ -130,7 +131,7 @@ class Watchdog:
         self.crashed: dict[int, dict] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._events = NodeTableWriter(self.node_dir, "events")
+        self._events: NodeTableWriter | None = NodeTableWriter(self.node_dir, "events")
         self._host = socket.gethostname()
         self._started_ns = time.monotonic_ns()
         self._seen: dict[int, dict] = {}
@@ -154,7 +155,7 @@ class Watchdog:
         """Record how the job ended; for a failed job, add torchrun's own account of which rank failed how."""
         self.stop()
         try:
-            failures = []
+            failures: list[dict] = []
             for name in ("stderr.log", "stdout.log"):
                 p = self.node_dir / name
                 if p.exists():
@@ -174,7 +175,8 @@ class Watchdog:
         except Exception as e:
             self._event("warning", f"watchdog could not record the job's exit: {type(e).__name__}: {e}")
         finally:
-            self._events.close()
+            if self._events is not None:
+                self._events.close()
             self._events = None  # stop() and on_job_exit() may both be called, in either order
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -213,8 +215,9 @@ class Watchdog:
         first = not self.crashed
         for r in dead:
             hb = hbs[r]
+            lost_peer = bool(PEER_LOSS_RE.search(str(hb.get("exit") or "")))
             self.crashed[r] = {"rank": r, "pid": hb.get("pid"), "detected_ns": now, "step": hb.get("step"),
-                               "exit": hb.get("exit"), "lost_peer": bool(PEER_LOSS_RE.search(str(hb.get("exit") or ""))),
+                               "exit": hb.get("exit"), "lost_peer": lost_peer,
                                "collective": hb.get("collective"), "last_heartbeat_ns": hb.get("t_ns")}
         if first:  # the survivors' state at the moment of the first death
             request_dumps(self.node_dir, "crash", f"rank(s) {dead} exited")

@@ -5,10 +5,7 @@ from pathlib import Path
 
 import click
 
-
-class BadInput(click.ClickException):
-    """Unreadable input: exit code 2, as for every dtprof verb (dtprof/cli.py)."""
-    exit_code = 2
+from dtprof.cli import InputError
 
 
 @click.command("report")
@@ -34,8 +31,8 @@ def report_command(run_dir: Path, out: Path | None, progress: bool | None) -> No
     try:
         path = write_report(run_dir, out_path=out, progress=progress)
     except RunFormatError as e:
-        raise BadInput(str(e)) from None
+        raise InputError(str(e)) from None
     except OSError as e:
-        raise BadInput(f"{e.filename or out or run_dir}: cannot write the report ({e.strerror})") \
+        raise InputError(f"{e.filename or out or run_dir}: cannot write the report ({e.strerror})") \
             from None
     click.echo(str(path))

@@ -12,19 +12,23 @@ Scale rules (so a 1,024-rank, 1,000-step run stays a page, not a trace):
 
 Every string that comes from a run goes through ``esc`` (HTML entities) before it enters a figure: plotly renders
 labels and hover text as a subset of HTML, so an escaped ``<script>`` shows as text.
-Times on shared axes are host-aligned with ``analysis.clock`` offsets (metrics.md, "Clock alignment across hosts")
-and shown in seconds from the first step's start.
+Times on shared axes are host-aligned through the run model (``analysis.model.align``: offset + drift per host,
+analyzers/runmodel.py), the same alignment the Perfetto export uses, and shown from the first step's start.
 """
 from __future__ import annotations
 
 import html
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from dtprof.reports import gpu as gpu_view
+from dtprof.schema import COMPUTE_KINDS
 
 MAX_HEATMAP_COLS = 250
 MAX_HEATMAP_ROWS = 1024
@@ -33,10 +37,9 @@ MAX_TIMELINE_RANKS = 16
 MAX_GPU_LINES = 8
 MAX_TIME_POINTS = 400
 
-COMPUTE_KINDS = ("forward", "backward", "optimizer", "user")
 P2P_OPS = ("send", "recv")
 # colour per timeline category; the same names appear in the legend
-COLORS = {"compute": "#4C78A8", "pipeline forward": "#72B7B2", "pipeline backward": "#54A24B",
+COLORS = {"compute": "#4C78A8", "user span": "#9D755D", "pipeline forward": "#72B7B2", "pipeline backward": "#54A24B",
           "data wait": "#EECA3B", "blocked on communication": "#E45756", "collective": "#F58518",
           "p2p send/recv": "#B279A2"}
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
@@ -49,28 +52,36 @@ def esc(value) -> str:
 
 @dataclass
 class Context:
-    run: object
-    analysis: object
-    offset_of_rank: pd.Series      # ns to add to a rank's times to align its host (from analysis.clock)
+    run: Any                       # dtprof.reader.Run
+    analysis: Any                  # dtprof.analyzers.summary.Analysis
+    model: Any                     # the run model (analyzers/runmodel.py): aligned times, job step time
     t0_ns: int                     # aligned start of the first step: x = 0 on time axes
-    steps: pd.DataFrame            # analysis.steps with aligned start/end
-    measured: pd.DataFrame         # steps without warm-up (all steps if every step is warm-up)
+    steps: pd.DataFrame            # analysis.steps with start_ns/end_ns replaced by the aligned times
+    measured: pd.DataFrame         # measured steps (all steps if none is measured)
+    job: pd.DataFrame              # the model's per-step job table (time_s, warmup, measured)
 
 
 def make_context(run, analysis) -> Context:
-    ranks = run.ranks[["rank", "host"]].astype({"host": str})
-    clock = analysis.clock
-    offsets = dict(zip(clock["host"].astype(str), clock["offset_ns"].astype("int64"))) if len(clock) else {}
-    offset_of_rank = ranks.set_index("rank")["host"].map(offsets).fillna(0).astype("int64")
     steps = analysis.steps.copy()
-    off = steps["rank"].map(offset_of_rank).fillna(0).astype("int64")
-    steps["start_ns"] = steps["start_ns"].astype("int64") + off
-    steps["end_ns"] = steps["end_ns"].astype("int64") + off
-    measured = steps[~steps["warmup"].astype(bool)]
+    steps["start_ns"] = steps["aligned_start_ns"]
+    steps["end_ns"] = steps["aligned_end_ns"]
+    measured = steps[steps["measured"].astype(bool)]
     if measured.empty:
         measured = steps
     t0 = int(steps["start_ns"].min()) if len(steps) else 0
-    return Context(run, analysis, offset_of_rank, t0, steps, measured)
+    return Context(run, analysis, analysis.model, t0, steps, measured, analysis.model.job)
+
+
+def _job_time_s(ctx: Context, measured: bool) -> pd.Series:
+    """The job's step time per step (the run model's), measured steps only when asked."""
+    j = ctx.job[ctx.job["measured"]] if measured and ctx.job["measured"].any() else ctx.job
+    return j.set_index("step")["time_s"]
+
+
+def step_axis(fig: go.Figure, n_steps: int, axis: str = "x") -> None:
+    """Whole-number step ticks (a few-step run would otherwise get 4.5, 5.5)."""
+    upd = fig.update_xaxes if axis == "x" else fig.update_yaxes
+    upd(dtick=1) if n_steps <= 20 else upd(tickformat="d")
 
 
 def rank_axis(fig: go.Figure, n_ranks: int, axis: str = "x") -> None:
@@ -99,7 +110,7 @@ def step_time_figure(ctx: Context) -> go.Figure | None:
         return None
     g = s.groupby("step")["duration_s"]
     q = g.quantile([0.1, 0.5, 0.9]).unstack() * 1e3
-    job = g.max() * 1e3
+    job = _job_time_s(ctx, measured=False).reindex(q.index) * 1e3
     x = q.index.to_numpy()
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=q[0.9], mode="lines", line={"width": 0}, showlegend=False, hoverinfo="skip"))
@@ -113,6 +124,19 @@ def step_time_figure(ctx: Context) -> go.Figure | None:
     if len(warm):
         fig.add_vrect(x0=warm.min() - 0.5, x1=warm.max() + 0.5, fillcolor="#999", opacity=0.12, line_width=0,
                       annotation_text="warm-up (excluded)", annotation_position="top left")
+    # the y-axis fits the measured steps: a slow warm-up or traced step (seconds of set-up) would flatten them;
+    # the excluded steps' values stay in the hover and the off-scale ones are named
+    measured = ctx.job.loc[ctx.job["measured"], "step"]
+    if 0 < len(measured) < len(job):
+        top = float(job[job.index.isin(measured)].max())
+        fig.update_yaxes(range=[0, top * 1.15])
+        off = job[~job.index.isin(measured) & (job > top * 1.15)]
+        if len(off):
+            fig.add_annotation(x=float(off.index[0]), y=top * 1.1, showarrow=False, yanchor="top", xanchor="left",
+                               text="excluded, off scale: " + ", ".join(f"step {k} {v:,.0f} ms" for k, v in
+                                                                       off.head(3).items()),
+                               font={"size": 10, "color": "#666"})
+    step_axis(fig, len(x))
     return layout(fig, "Step time per step", xtitle="step", ytitle="step time (ms)")
 
 
@@ -137,8 +161,11 @@ def _bin_matrix(df: pd.DataFrame, value: str, scale: float):
     return m.astype("float32"), ranks[::rb], steps[::sb], rb, sb
 
 
-def rank_step_heatmap(df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
+def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
                       scale: float = 1e3, colorscale: str = "Viridis") -> go.Figure | None:
+    """A rank × step heatmap of ``df[value]``. Every heatmap follows one rule: measured steps only (warm-up
+    excluded), whatever table its values come from."""
+    df = df[df["step"].isin(ctx.measured["step"].unique())]
     if df.empty or df[value].isna().all():
         return None
     z, ranks, steps, rb, sb = _bin_matrix(df, value, scale)
@@ -149,6 +176,7 @@ def rank_step_heatmap(df: pd.DataFrame, value: str, title: str, label: str, unit
         hovertemplate=f"rank %{{y}}<br>step %{{x}}<br>{label}: %{{z:.2f}} {unit}<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
     rank_axis(fig, len(ranks), "y")
+    step_axis(fig, len(steps))
     return layout(fig, title, height=min(700, 220 + 6 * len(ranks)), xtitle=xt, ytitle=yt)
 
 
@@ -183,7 +211,7 @@ def overlap_figure(ctx: Context) -> go.Figure | None:
 # ---------------------------------------------------------------------------------------------------- timeline
 def timeline_window(ctx: Context) -> list[int]:
     """The slowest measured step and its neighbours (TIMELINE_STEPS steps)."""
-    job = ctx.measured.groupby("step")["duration_s"].max()
+    job = _job_time_s(ctx, measured=True)
     if job.empty:
         return []
     steps = np.sort(ctx.steps["step"].unique())
@@ -217,8 +245,9 @@ def _fmt_bytes(b) -> str:
     b = float(b)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if b < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+            break
         b /= 1024
+    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
 
 
 def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int]]:
@@ -232,7 +261,7 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
     # cheap numpy filters first (millions of rows on a large run), string work only on the window
     sp = sp[np.isin(sp["rank"].to_numpy(), ranks) & np.isin(sp["step"].fillna(-1).to_numpy("int64"), window)]
     sp = sp[~sp["kind"].isin(["kernel", "flops_count"])]
-    co = run.collectives
+    co = ctx.model.collectives
     co = co[np.isin(co["rank"].to_numpy(), ranks) & np.isin(co["step"].fillna(-1).to_numpy("int64"), window)]
     win = ctx.steps[ctx.steps["step"].isin(window)]
     t0 = int(win["start_ns"].min())
@@ -241,26 +270,26 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
         return f"rank {r} · {row}"
 
     kind = sp["kind"].astype(str)
-    cat = np.select([kind.isin(COMPUTE_KINDS), kind == "pp_forward", kind == "pp_backward", kind == "data_wait",
-                     kind == "comm_wait"],
-                    ["compute", "pipeline forward", "pipeline backward", "data wait", "blocked on communication"],
-                    default="")
-    off = sp["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
+    # pipeline kinds first: they are compute kinds drawn in their own colours
+    cat = np.select([kind == "pp_forward", kind == "pp_backward", kind.isin(COMPUTE_KINDS), kind == "user",
+                     kind == "data_wait", kind == "comm_wait"],
+                    ["pipeline forward", "pipeline backward", "compute", "user span", "data wait",
+                     "blocked on communication"], default="")
+    sp_start = ctx.model.align(sp["start_ns"].to_numpy(np.int64), sp["rank"].to_numpy(np.int64))
     spans = pd.DataFrame({
         "cat": cat, "lane": [lanes(r, "compute") for r in sp["rank"]],
-        "start": (sp["start_ns"].to_numpy() + off - t0) / 1e6, "dur": (sp["end_ns"] - sp["start_ns"]).to_numpy() / 1e6,
+        "start": (sp_start - t0) / 1e6, "dur": (sp["end_ns"] - sp["start_ns"]).to_numpy() / 1e6,
         "name": [esc(n) for n in sp["name"].astype(str)], "op": kind.to_numpy(), "group": "", "bytes": "",
         "label": [f"{'F' if k == 'pp_forward' else 'B'} s{s} mb{m}" if k.startswith("pp_") else ""
                   for k, s, m in zip(kind, sp["stage"], sp["microbatch"])],
     })
     spans = spans[spans["cat"] != ""]
     op = co["op"].astype(str)
-    cend = co["end_ns"].fillna(co["return_ns"]).astype("int64").to_numpy()
-    coff = co["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
+    co_start = ctx.model.align(co["issue_ns"].to_numpy(np.int64), co["rank"].to_numpy(np.int64))
     colls = pd.DataFrame({
         "cat": np.where(op.isin(P2P_OPS), "p2p send/recv", "collective"),
         "lane": [lanes(r, "comm") for r in co["rank"]],
-        "start": (co["issue_ns"].to_numpy() + coff - t0) / 1e6, "dur": (cend - co["issue_ns"].to_numpy()) / 1e6,
+        "start": (co_start - t0) / 1e6, "dur": (co["exit_ns"] - co["issue_ns"]).to_numpy() / 1e6,
         "name": [esc(a) for a in co["api"].astype(str)], "op": op.to_numpy(),
         "group": [esc(g) + (f" → rank {p}" if not pd.isna(p) else "") for g, p in zip(co["group"].astype(str),
                                                                                       co["peer"])],
@@ -269,18 +298,26 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
     })
     bars = pd.concat([spans, colls], ignore_index=True)
     order = [lanes(r, row) for r in ranks for row in ("compute", "comm")]
+    bars, order, not_drawn = gpu_view.kernel_lanes(run.spans, bars, order, window, ranks, ctx.model.align,
+                                                    t0, esc)
     fig = go.Figure()
-    for c, color in COLORS.items():
+    for c, color in {**COLORS, **gpu_view.KERNEL_COLORS, gpu_view.CPU_OUTLINE: "#4C78A8"}.items():
         b = bars[bars["cat"] == c]
         if b.empty:
             continue
+        outline = c == gpu_view.CPU_OUTLINE
         fig.add_trace(go.Bar(
-            x=b["dur"], base=b["start"], y=b["lane"], orientation="h", name=c, marker_color=color,
+            x=b["dur"], base=b["start"], y=b["lane"], orientation="h", name=c,
+            # outline: the CPU-side spans over a GPU trace; a kernel bar gets a border so a µs kernel shows
+            marker={"color": "rgba(0,0,0,0)" if outline else color, "line": {"color": color, "width": 1.5}}
+            if outline else {"color": color, "line": {"color": color, "width": 1}}
+            if c in gpu_view.KERNEL_COLORS else {"color": color},
             opacity=0.9 if c != "blocked on communication" else 0.75, text=b["label"], textposition="inside",
             insidetextanchor="middle", textfont={"size": 10, "color": "white"},
-            customdata=np.stack([b["name"], b["op"], b["group"], b["bytes"]], axis=1),
+            # the duration goes in customdata: on a bar with a base, plotly's %{x} is where the bar ends
+            customdata=np.stack([b["name"], b["op"], b["group"], b["bytes"], b["dur"].to_numpy(float)], axis=1),
             hovertemplate=("<b>%{customdata[0]}</b><br>" + c + " · %{customdata[1]}<br>group: %{customdata[2]}"
-                           "<br>size: %{customdata[3]}<br>start: %{base:.3f} ms<br>duration: %{x:.3f} ms"
+                           "<br>size: %{customdata[3]}<br>start: %{base:.3f} ms<br>duration: %{customdata[4]:.3f} ms"
                            "<extra></extra>")))
     for step, start in win.groupby("step")["start_ns"].min().items():
         fig.add_vline(x=(start - t0) / 1e6, line={"color": "#999", "dash": "dot", "width": 1})
@@ -288,8 +325,9 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
                            xanchor="left", yanchor="bottom", font={"size": 11, "color": "#666"})
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], type="category", title_text="rank · lane")
     fig.update_layout(barmode="overlay", bargap=0.25)
+    more = f"; the {not_drawn:,} shortest kernels not drawn" if not_drawn else ""
     return (layout(fig, f"Timeline of steps {window[0]}–{window[-1]} (the slowest measured step and its "
-                        f"neighbours)", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
+                        f"neighbours{more})", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
                         f"started (ms); drag to zoom, double-click to reset"), window, ranks)
 
 
@@ -307,11 +345,11 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
     if ops is not None and len(ops):
         ops = ops[(ops["replica"] == 0) & ops["stage"].notna() & ops["step"].isin(measured_steps)]
     if ops is not None and len(ops):
-        job = ctx.measured.groupby("step")["duration_s"].max()
+        job = _job_time_s(ctx, measured=True)
         job = job[job.index.isin(ops["step"].unique())]
         step = int(job.sub(job.median()).abs().idxmin())  # a typical step
         one = ops[ops["step"] == step]
-        start = one["start_ns"].to_numpy() + one["rank"].map(ctx.offset_of_rank).fillna(0).to_numpy()
+        start = ctx.model.align(one["start_ns"].to_numpy(np.int64), one["rank"].to_numpy(np.int64))
         first = start.min()
         kind = one["kind"].astype(str).to_numpy()
         stage = one["stage"].astype(int).to_numpy()
@@ -321,7 +359,8 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         makespan = float(one["ideal_end_s"].max() * 1e3)
         replayed = bool(np.isfinite(makespan))
         sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                              subplot_titles=(f"measured, step {step} ({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
+                              subplot_titles=(f"measured, step {step} "
+                                              f"({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
                                               " ms from the first op to the last)",
                                               f"the same ops replayed with no time between them ({makespan:.1f} ms):"
                                               " the schedule's own bubble" if replayed else
@@ -339,22 +378,25 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
                     marker_color=color, showlegend=row == 1, legendgroup=name,
                     text=[f"{name[0].upper()}{i}" if i >= 0 else esc(kd) for i, kd in zip(mb[sel], kind[sel])],
                     textposition="inside", insidetextanchor="middle", textfont={"color": "white", "size": 10},
+                    customdata=dur[sel],   # %{x} of a bar with a base is its end, not its length
                     hovertemplate=f"%{{y}} {esc(name)} %{{text}}<br>start %{{base:.2f}} ms<br>"
-                                  f"duration %{{x:.2f}} ms<extra></extra>"), row=row, col=1)
+                                  f"duration %{{customdata:.2f}} ms<extra></extra>"), row=row, col=1)
         cats = [f"stage {s}" for s in range(p)][::-1]
         sched.update_yaxes(categoryorder="array", categoryarray=cats, type="category", title_text="pipeline stage")
         sched.update_xaxes(title_text="time since the step's first op (ms)", row=2, col=1)
         layout(sched, "Pipeline schedule: stages × time, measured vs replayed without gaps", height=260 + 60 * p,
                barmode="overlay")
-    by_stage = pipe[pipe["step"].isin(measured_steps)] if len(measured_steps) else pipe
-    by_stage = by_stage.groupby("stage")[["bubble_frac", "theoretical_bubble_frac"]].mean() * 100
+    # the summary's per-stage values (time-weighted over the measured steps), the same numbers as summary.json
+    per_stage = (ctx.analysis.summary.get("pipeline") or {}).get("per_stage") or []
+    by_stage = pd.DataFrame(per_stage, columns=["stage", "bubble_frac", "theoretical_bubble_frac"]).set_index(
+        "stage").astype(float) * 100
     bub = go.Figure([
         go.Bar(x=[f"stage {s}" for s in by_stage.index], y=by_stage["bubble_frac"], name="measured bubble",
                marker_color="#E45756", hovertemplate="%{x}<br>measured: %{y:.1f} % of step<extra></extra>"),
         go.Bar(x=[f"stage {s}" for s in by_stage.index], y=by_stage["theoretical_bubble_frac"],
                name="theoretical bubble of the schedule", marker_color="#BAB0AC",
                hovertemplate="%{x}<br>theoretical: %{y:.1f} % of step<extra></extra>")])
-    layout(bub, "Pipeline bubble per stage (mean over measured steps)", height=340, xtitle="pipeline stage",
+    layout(bub, "Pipeline bubble per stage (over the measured steps)", height=340, xtitle="pipeline stage",
            ytitle="idle share of the step (%)", barmode="group")
     return sched, bub
 
@@ -367,7 +409,7 @@ def straggler_figure(ctx: Context) -> go.Figure | None:
         return None
     a = arr.dropna(subset=["step"]).astype({"step": "int64"})
     a = a.groupby(["rank", "step"], observed=True)["lateness_s"].max().reset_index()
-    return rank_step_heatmap(a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
+    return rank_step_heatmap(ctx, a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
                              "0 = first to arrive)", "lateness", colorscale="Reds")
 
 
@@ -387,15 +429,13 @@ def gpu_figure(ctx: Context) -> go.Figure | None:
     if nv.empty:
         return None
     hv = _holoviews()
-    clock = ctx.analysis.clock
-    offsets = dict(zip(clock["host"].astype(str), clock["offset_ns"].astype("int64"))) if len(clock) else {}
     host = nv["host"].astype(str)
-    t = (nv["t_ns"].to_numpy() + host.map(offsets).fillna(0).to_numpy() - ctx.t0_ns) / 1e9
+    t = (ctx.model.align_host(nv["t_ns"].to_numpy(np.int64), host.to_numpy()) - ctx.t0_ns) / 1e9
     gpu_id = host + " · GPU " + nv["gpu"].astype(str)
     metrics = [("sm_util_pct", "SM util (%)"), ("mem_bw_util_pct", "mem-bw util (%)"),
                ("power_w", "power (W)"), ("sm_clock_mhz", "SM clock (MHz)"), ("temp_c", "temp (°C)")]
     tdim = hv.Dimension("t", label="time since the first step started (s)")
-    job = ctx.steps.groupby("step").agg(end=("end_ns", "max"), d=("duration_s", "max"))
+    job = ctx.steps.groupby("step")["end_ns"].max().to_frame("end").join(_job_time_s(ctx, measured=False).rename("d"))
     panels = [hv.Curve(((job["end"] - ctx.t0_ns).to_numpy() / 1e9, job["d"].to_numpy() * 1e3), tdim,
                        hv.Dimension("step_ms", label="step time (ms)"), label="job step time")]
     ids = pd.unique(gpu_id)

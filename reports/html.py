@@ -2,10 +2,12 @@
 
     write_report(run_dir, out_path=None, analysis=None) -> Path     (default: run_dir/report.html)
 
-The page: a header (command, world size, hosts and devices, versions, duration, status and why), headline cards
-(MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline bubble,
-stragglers), the findings most severe first (each links to the chart with its evidence), then one section per view
-(see ``SECTIONS``). Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
+The page: a header (command, world size, hosts and devices, versions, duration, status and why: the analysis'
+``run`` block and triage verdict), the step breakdown as one stacked bar per rank (reports/breakdown.py), headline
+cards (MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline
+bubble, stragglers), the findings most severe first (each links to the chart with its evidence), then one section
+per view (see ``SECTIONS``). The page only formats the ``Analysis``: it never runs an analyzer (or triage) again.
+Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
 package, so the page makes no network request.
 
 Decisions
@@ -32,24 +34,29 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
+from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 from dtprof.reader import open_run
 
 ASSETS = Path(__file__).parent / "assets"
+# The page loads nothing from the network: inline scripts and styles only, images and fonts as data: URIs.
+CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
+       "img-src data: blob:; font-src data:")
 
 # anchor -> section title, in page order
 SECTIONS = {
     "steps": "Step time",
     "timeline": "Timeline",
+    "kernels": "GPU time and top kernels",
     "heatmaps": "Rank × step heatmaps",
     "overlap": "Communication overlap",
     "pipeline": "Pipeline schedule and bubble",
@@ -59,9 +66,6 @@ SECTIONS = {
     "gpu": "GPU telemetry (NVML)",
     "memory": "Memory",
 }
-ANCHOR_ALIASES = {"heatmap": "heatmaps", "step_time": "steps", "nvml": "gpu", "comm": "overlap",
-                  "communication": "overlap", "straggler": "stragglers", "mfu": "card-mfu",
-                  "headline": "headline", "bubble": "pipeline"}
 
 # (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
 HEADLINES = [  # (card id, label, summary key — docs/summary-schema.md, unit kind)
@@ -72,9 +76,10 @@ HEADLINES = [  # (card id, label, summary key — docs/summary-schema.md, unit k
     ("samples_per_s", "Samples / s", ["steps.samples_per_s"], "rate"),
     ("exposed_comm", "Exposed communication", ["overlap.exposed_comm_frac"], "frac"),
     ("overlap", "Comm/compute overlap", ["overlap.ratio"], "frac"),
+    ("gpu_idle", "GPU idle", ["gpu_time.idle_frac"], "frac"),
     ("bubble", "Pipeline bubble", ["pipeline.bubble_frac"], "frac"),
 ]
-SEVERITY_ORDER = {"critical": 0, "error": 1, "high": 1, "warning": 2, "medium": 2, "info": 3, "low": 4}
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}   # the severities analyzers/findings.py emits
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -85,7 +90,7 @@ def esc(value) -> str:
 def pick(d: dict, paths: list[str]):
     """The first value found at a dotted path of a nested dict, else None."""
     for path in paths:
-        cur = d
+        cur: Any = d
         for part in path.split("."):
             cur = cur.get(part) if isinstance(cur, dict) else None
         if cur is not None:
@@ -206,54 +211,62 @@ class _Page:
 
 
 def _header(run, summary: dict) -> str:
-    nodes = run.nodes or [{}]
-    node = nodes[0]
+    """The run's identity from its manifests (command, devices, versions) and its state from the analysis
+    (summary ``run`` and ``triage``): nothing is derived here."""
+    node = (run.nodes or [{}])[0]
     command = node.get("command") or run.manifest.get("command") or ""
     command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
     srun = summary.get("run") or {}
-    status = srun.get("status") or node.get("status") or "unknown"
-    statuses = {n.get("status") for n in nodes if n.get("status")}
-    if len(statuses) > 1:  # the worst node's status
-        for s in ("hung", "crashed", "failed"):
-            if s in statuses:
-                status = s
+    status = srun.get("status") or "unknown"   # the worst node's (analyzers/summary.py worst_status)
     reason = ""
-    if status not in ("completed", "running", "unknown"):  # say why: triage's one-line verdict
-        from dtprof.analyzers.triage import triage
-
-        try:
-            reason = triage(run.path)["message"]
-        except Exception as e:  # a damaged run still gets its report
-            reason = f"triage could not tell why ({type(e).__name__}: {e})"
-    exit_codes = sorted({n.get("exit_code") for n in nodes if n.get("exit_code") is not None})
-    world = srun.get("world_size") or run.world_size
-    hosts = run.hosts
+    if status in ("failed", "hung", "killed"):   # say why: the analysis' triage verdict
+        reason = (summary.get("triage") or {}).get("message") or summary.get("triage_reason") or ""
+    code = srun.get("exit_code")
+    code_html = f" (exit code {esc(code)})" if code is not None else ""
     ranks = run.ranks
     devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
     dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in devices.items()) or "unknown"
-    versions = {}
-    for n in nodes:
+    versions: dict[str, object] = {}
+    for n in run.nodes:
         versions.update(n.get("versions") or {})
     ver_text = " · ".join(f"{esc(k)} {esc(v)}" for k, v in versions.items()) or "not recorded"
     duration = srun.get("duration_s")
-    if duration is None and node.get("start_ns") and node.get("end_ns"):
-        duration = (node["end_ns"] - node["start_ns"]) / 1e9
-    started = node.get("start_time") or run.manifest.get("created") or ""
-    host_text = ", ".join(esc(h) for h in hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
-    cls = status if status in ("completed", "failed", "hung", "crashed") else "other"
+    duration_text = fmt_s(duration) if duration is not None else f"n/a ({srun.get('duration_s_reason') or 'unknown'})"
+    started = srun.get("start_time") or ""
+    hosts = srun.get("hosts") or []
+    host_text = (f"{len(hosts)}: " + ", ".join(esc(h) for h in hosts[:8]) +
+                 (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")) if hosts else \
+        esc(srun.get("hosts_reason") or "not recorded")
+    cls = status if status in ("completed", "failed", "hung", "killed") else "other"
     reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
     return f"""<header class="top">
 <h1>dtprof report — {esc(run.path.name)}</h1>
 <div><code id="command">{esc(command)}</code></div>
 <dl class="meta">
-<dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}
-{' (exit code ' + esc(', '.join(map(str, exit_codes))) + ')' if exit_codes else ''}</dd>
-<dt>duration</dt><dd>{esc(fmt_s(duration))}{' · started ' + esc(started) if started else ''}</dd>
-<dt>world size</dt><dd id="world-size">{esc(world)}</dd>
-<dt>hosts</dt><dd>{len(hosts)}: {host_text}</dd>
+<dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}{code_html}</dd>
+<dt>duration</dt><dd id="duration">{esc(duration_text)}{' · started ' + esc(started) if started else ''}</dd>
+<dt>world size</dt><dd id="world-size">{esc(srun.get("world_size"))}</dd>
+<dt>hosts</dt><dd id="hosts">{host_text}</dd>
 <dt>devices</dt><dd>{dev_text}</dd>
 <dt>versions</dt><dd>{ver_text}</dd>
 </dl></header>"""
+
+
+def gpu_card_subs(summary: dict) -> dict:
+    """Card notes that say where the overlap figure comes from and what GPU idle is made of."""
+    from dtprof.reports.gpu import overlap_labels
+
+    labels = overlap_labels(summary)
+    subs = {"overlap": "; ".join(f"{esc(label)}: {fmt_frac(v)} ({esc(src)})" for label, src, v in labels)}
+    g = summary.get("gpu_time")
+    if g:
+        c = g.get("idle_causes") or {}
+        subs["gpu_idle"] = (f"no kernel running, share of kernel time (HTA); of it host wait "
+                            f"{fmt_frac(c.get('host_wait'))}, kernel wait {fmt_frac(c.get('kernel_wait'))}, "
+                            f'other {fmt_frac(c.get("other"))} <a href="#kernels">details</a>')
+    else:
+        subs["gpu_idle"] = esc(summary.get("gpu_time_reason") or "no GPU kernel trace")
+    return subs
 
 
 def _cards(summary: dict) -> str:
@@ -271,11 +284,13 @@ def _cards(summary: dict) -> str:
         "exposed_comm": "share of step time a rank could only communicate (mean over ranks and steps)",
         "overlap": "share of communication hidden under compute",
     }
+    subs.update(gpu_card_subs(summary))
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
     over = pick(summary, ["pipeline.overhead_frac"])
-    subs["bubble"] = ((f"the schedule itself: {fmt_frac(theo)}" +
-                       (f"; p2p and gaps between ops: {fmt_frac(over)}" if over is not None else ""))
-                      if theo is not None else "no pipeline parallelism")
+    subs["bubble"] = ((f"= theoretical (the schedule itself) {fmt_frac(theo)} + overhead (p2p and gaps between "
+                       f"ops) {fmt_frac(over)}, shares of the step") if theo is not None and over is not None else
+                      "no pipeline parallelism" if pick(summary, ["pipeline.bubble_frac"]) is None else
+                      esc(pick(summary, ["pipeline.theoretical_reason"]) or ""))
     for key, label, paths, kind in HEADLINES:
         value = pick(summary, paths)
         num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -301,23 +316,26 @@ def _cards(summary: dict) -> str:
 def _findings(findings: list, anchors: set) -> str:
     if not findings:
         return '<p class="empty">No findings: nothing in this run crossed a threshold.</p>'
-    items = sorted(findings, key=lambda f: SEVERITY_ORDER.get(str(f.get("severity", "")).lower(), 5))
+    items = sorted(findings, key=lambda f: SEVERITY_ORDER[f["severity"]])
     out = ['<ol class="findings">']
     for f in items:
-        sev = str(f.get("severity", "info")).lower()
-        chart = str(f.get("chart") or "").lstrip("#")
-        chart = ANCHOR_ALIASES.get(chart, chart)
+        sev = f["severity"]
+        chart = f.get("chart") or ""   # a section id of SECTIONS
         link = (f' <a href="#{esc(chart)}" class="evidence-link">show the evidence</a>' if chart in anchors
                 else "")
         ev = f'<div class="evidence">Evidence: {esc(f.get("evidence"))}</div>' if f.get("evidence") else ""
         rec = f'<div class="rec">What to do: {esc(f.get("recommendation"))}</div>' if f.get("recommendation") else ""
-        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}"><span class="sev">{esc(sev)}</span>'
-                   f'{esc(f.get("message"))}{link}{ev}{rec}</li>')
+        about = " · ".join(x for x in (f"part: {esc(f['part'])}" if f.get("part") else "",
+                                       f"mesh dimension: {esc(f['dim'])}" if f.get("dim") else "") if x)
+        about = f'<div class="about">About: {about}</div>' if about else ""
+        out.append(f'<li class="{esc(sev)}" data-id="{esc(f.get("id"))}" data-part="{esc(f.get("part") or "")}" '
+                   f'data-dim="{esc(f.get("dim") or "")}"><span class="sev">{esc(sev)}</span>'
+                   f'{esc(f.get("message"))}{link}{about}{ev}{rec}</li>')
     out.append("</ol>")
     return "\n".join(out)
 
 
-def _table(df, columns: list[tuple[str, str, object]], limit: int, what: str) -> str:
+def _table(df, columns: list[tuple[str, str, Callable[[Any], str] | None]], limit: int, what: str) -> str:
     """An HTML table: columns are (column, header, formatter or None for text)."""
     if df is None or len(df) == 0:
         return f'<p class="empty">No {what}.</p>'
@@ -344,10 +362,15 @@ def _section(anchor: str, body: str, note: str = "") -> str:
 
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
+    from dtprof.reports.breakdown import breakdown_figure
+    from dtprof.reports.gpu import tables_html
 
     progress = progress or Progress(10, False)
     page = _Page()
     summary = analysis.summary or {}
+    # first on the page, so the first screen says where the step went
+    breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
+    breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
     ctx = F.make_context(run, analysis)
     progress.step("context")
     sections = []
@@ -362,12 +385,21 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     world = run.world_size or n_ranks
     note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" (of {world}: rank 0, stragglers, the slowest "
             "and fastest computing ranks, then evenly spaced)" if len(tl_ranks) < world else "") +
-            ". Each rank has a compute row and a communication row; red marks time blocked on communication.")
+            ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
+            "Where a GPU trace exists, each CUDA stream gets a row of kernels (compute and communication "
+            "coloured apart) under the rank's CPU-side spans, drawn as outlines.")
     sections.append(_section("timeline", page.figure(tl, "fig-timeline") or '<p class="empty">No steps.</p>',
                              note))
     progress.step("timeline")
+    gpu_tables = tables_html(summary)
+    if gpu_tables:
+        sections.append(_section("kernels", gpu_tables, "From the trace's GPU kernels, HolisticTraceAnalysis' "
+                                 "definitions (docs/metrics.md, GPU time): idle = no kernel running on any stream, "
+                                 "compute = computation kernels, non-compute = only communication / memory / sync "
+                                 "kernels running; shares of kernel time. Window: "
+                                 f"{esc(pick(summary, ['gpu_time.window']))} (options.gpu_window)."))
 
-    hm = [page.figure(F.rank_step_heatmap(ctx.measured, col, title, label, colorscale=cs), fid)
+    hm = [page.figure(F.rank_step_heatmap(ctx, ctx.steps, col, title, label, colorscale=cs), fid)
           for col, title, label, cs, fid in (
               ("duration_s", "Step time per rank and step", "step time", "Viridis", "heatmap-step"),
               ("compute_s", "Compute time per rank and step", "compute", "Viridis", "heatmap-compute"),
@@ -380,40 +412,44 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     sections.append(_section("overlap", page.figure(F.overlap_figure(ctx), "fig-overlap")
                              or '<p class="empty">No communication recorded.</p>',
                              "Overlap ratio = |comm ∩ compute| ÷ |comm|; exposed = comm not hidden under compute "
-                             "(metrics.md, compute/communication overlap)."))
+                             "(docs/metrics.md, compute/communication overlap)."))
     progress.step("overlap")
 
     sched, bub = F.pipeline_figures(ctx)
     if sched is not None or bub is not None:
         sections.append(_section("pipeline", page.figure(sched, "fig-pipeline-schedule") +
                                  page.figure(bub, "fig-pipeline-bubble"),
-                                 "Measured bubble of a stage = 1 − its compute ÷ step time; theoretical = "
-                                 "(p−1)/(m+p−1) for p stages and m microbatches (metrics.md)."))
+                                 "Bubble of a stage = 1 − its compute ÷ its measured step time = theoretical (the "
+                                 "idle time the schedule itself needs with these op times, replayed with no gap "
+                                 "between ops) + overhead (the rest: p2p transfers, gaps between ops), all as "
+                                 "shares of the measured step, summed over the measured steps."))
     progress.step("pipeline")
 
     st = analysis.stragglers
     flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
         and len(st) else st
     strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
-                                   ("kind", "kind", None), ("late_frac", "last to arrive", _num("{:.0%}")),
+                                   ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
                                    ("time_lost_s", "time lost", fmt_s),
                                    ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
                          50, "rank flagged as a straggler")
     sections.append(_section("stragglers", strag_table + page.figure(F.straggler_figure(ctx), "fig-stragglers"),
                              "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
-                             "aligned across hosts). Persistent = late in most steps; transient = some steps."))
+                             "aligned across hosts). " + esc(PERSISTENT_RULE.capitalize()) + "; "
+                             + esc(TRANSIENT_RULE) + "."))
     progress.step("stragglers")
 
     coll = analysis.collectives
     if coll is not None and len(coll):
         coll = coll.sort_values("total_s", ascending=False)
     sections.append(_section("collectives", _table(coll, [
-        ("op", "op", None), ("group", "group", None), ("size_bucket", "message size", None),
+        ("op", "op", None), ("group", "group", None), ("mesh_dim", "mesh dimension", None),
+        ("size_bucket", "message size", None),
         ("count", "count", _num("{:,}")), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
         ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
         ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
                                                              _num("{:.1%}"))], 60, "collectives recorded"),
-        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (metrics.md); transfer time excludes "
+        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (docs/metrics.md); transfer time excludes "
         "waiting for late peers."))
     progress.step("collectives")
 
@@ -457,7 +493,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     progress.step("memory")
 
     anchors = {s.split('"')[1] for s in sections} | {"headline"} | {f"card-{k}" for k, *_ in HEADLINES} | \
-        {"card-stragglers"}
+        {"card-stragglers"} | ({"breakdown"} if breakdown_chart else set())
     notices = list(run.problems)
     ev = run.events
     if len(ev):
@@ -475,7 +511,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     js = (ASSETS / "report.js").read_text()
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:">
+<meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>dtprof report — {esc(run.path.name)}</title>
 <style>{css}</style></head>
@@ -483,7 +519,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 {_header(run, summary)}
 <nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
 <main>
-<section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div></section>
+<section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div>{breakdown_chart}</section>
 <section id="findings"><h2>Findings</h2><p class="note">Most severe first.</p>
 {_findings(analysis.findings or [], anchors)}</section>
 {notice_html}
@@ -508,20 +544,25 @@ def _plotly_js() -> str:
 def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None = None) -> Path:
     """Write the HTML report of ``run_dir`` to ``out_path`` (default ``run_dir/report.html``) and return its path.
 
-    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None.
+    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None, with the
+    options resolved as the command line does (dtprof/options.py).
     ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps or spans).
     The file is written to a temporary name and renamed, so a reader never sees half a report.
     """
     run = open_run(run_dir)
     if analysis is None:
         from dtprof.analyzers.summary import analyze
-        analysis = analyze(run)
+        from dtprof.options import resolve_options
+        analysis = analyze(run, resolve_options(run))
     if progress is None:
         progress = len(run.steps) > 50_000 or len(run.spans) > 200_000
     text = render_report(run, analysis, Progress(10, bool(progress)))
     out = Path(out_path) if out_path else run.path / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)   # a full disk must not leave half a report behind under a hidden name
     return out

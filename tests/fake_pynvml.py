@@ -79,7 +79,8 @@ def make(gpus: int = 1, values: dict | None = None, unsupported: dict | None = N
 
     @api("nvmlDeviceGetPcieThroughput", "pcie")
     def _(s, counter):
-        return {_real.NVML_PCIE_UTIL_TX_BYTES: s["pcie_tx_kbs"], _real.NVML_PCIE_UTIL_RX_BYTES: s["pcie_rx_kbs"]}[counter]
+        return {_real.NVML_PCIE_UTIL_TX_BYTES: s["pcie_tx_kbs"],
+                _real.NVML_PCIE_UTIL_RX_BYTES: s["pcie_rx_kbs"]}[counter]
 
     @api("nvmlDeviceGetFieldValues", "nvlink")
     def _(s, field_ids):

@@ -50,6 +50,11 @@ class SynthSpec:
     pipeline_stages: int = 0            # >0: a GPipe pipeline run, one stage per rank (world_size = stages)
     microbatches: int = 4               # pipeline microbatches; fwd_ms/bwd_ms are per microbatch per stage
     p2p_ms: float = 0.0                 # pipeline: transfer time between stages, per hop
+    pp_data_ms: float = 0.0             # pipeline: >0: every rank waits this long for input before its schedule,
+                                        # recorded as the collector does (data_wait to its first forward) with the
+                                        # first microbatch's recv on stages > 0
+    trace_steps: tuple | None = None    # (a, b): a trace capture of steps a..b-1 (meta trace_capture rows) ...
+    trace_export_ms: float = 0.0        # ... whose stop and export delay step b's first forward by this much
 
 
 def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
@@ -74,6 +79,8 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
         return base.astype(np.int64)
 
     data, fwd, bwd, opt = phase(spec.data_ms), phase(spec.fwd_ms), phase(spec.bwd_ms), phase(spec.opt_ms)
+    if spec.trace_steps:   # the profiler's stop/export runs after step b-1 ends, before step b's first forward
+        data[:, spec.trace_steps[1]] += int(spec.trace_export_ms * MS)
     if spec.late_rank is not None:
         data[spec.late_rank] += int(spec.late_ms * MS)
     # Collectives synchronise ranks: a step on all ranks lasts as long as the slowest rank's compute + last bucket.
@@ -144,6 +151,14 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
     create_run_dir(path, {"command": ["synthetic"], "created": "synthetic"})
     tables = {"ranks": rank_tbl, "steps": steps, "spans": spans, "collectives": colls, "groups": groups,
               "clock": clock}
+    if spec.trace_steps:
+        a, b = spec.trace_steps
+        cap_start, cap_end = flat(t0)[np.arange(W) * S + a], flat(d_end)[np.arange(W) * S + b]
+        tables["meta"] = pd.DataFrame({"rank": ranks, "host": rank_tbl["host"], "t_ns": cap_end,
+                                       "kind": "trace_capture",
+                                       "value": [{"steps": list(range(a, b + 1)), "start_ns": int(s0),
+                                                  "end_ns": int(e0)}
+                                                 for s0, e0 in zip(cap_start, cap_end)]})
     if spec.nvml_interval_ms:
         tables["nvml"] = _nvml_samples(spec, rank_tbl, int(step_start[0]), int(step_start[-1] + step_len[-1]))
     node = Path(path) / "node-synthetic"
@@ -180,13 +195,14 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
     p, m = spec.pipeline_stages, spec.microbatches
     f, b, o = int(spec.fwd_ms * MS), int(spec.bwd_ms * MS), int(spec.opt_ms * MS)
     lat = int(spec.p2p_ms * MS)
+    d = int(spec.pp_data_ms * MS)
     S = spec.steps
     fwd_phase = (p - 1) * (f + lat) + m * f
-    step_len = fwd_phase + (p - 1) * (b + lat) + m * b + o
+    step_len = d + fwd_phase + (p - 1) * (b + lat) + m * b + o
     step_start = 10**9 + np.arange(S, dtype=np.int64) * step_len
     st_i, s_i, j_i = np.meshgrid(np.arange(S), np.arange(p), np.arange(m), indexing="ij")
     st_i, s_i, j_i = st_i.ravel(), s_i.ravel(), j_i.ravel()
-    base = step_start[st_i]
+    base = step_start[st_i] + d
     f_start = base + s_i * (f + lat) + j_i * f
     b_start = base + fwd_phase + (p - 1 - s_i) * (b + lat) + j_i * b
     spans = [pd.DataFrame({"rank": s_i, "step": st_i, "kind": "pp_forward", "name": "forward_one_chunk",
@@ -202,6 +218,17 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
                                    "start_ns": o_start, "end_ns": o_start + o, "lane": "main", "source": "hook"}))
     rr, ss = np.repeat(np.arange(p), S), np.tile(np.arange(S), p)
     steps = pd.DataFrame({"rank": rr, "step": ss, "start_ns": step_start[ss], "end_ns": step_start[ss] + step_len})
+    colls = pd.DataFrame()
+    if d:   # the collector's data_wait: the step's start to the rank's first forward (after the fill on stage > 0)
+        first_f = step_start[ss] + d + rr * (f + lat)
+        spans.append(pd.DataFrame({"rank": rr, "step": ss, "kind": "data_wait", "name": "data_wait",
+                                   "start_ns": step_start[ss], "end_ns": first_f, "lane": "main", "source": "hook"}))
+        up = rr > 0   # stage s > 0 posts the recv of microbatch 0 when its schedule starts
+        colls = pd.DataFrame({"rank": rr[up], "step": ss[up], "op": "recv", "api": "irecv", "source": "pipeline",
+                              "group": "0", "group_size": 2, "seq": ss[up], "in_bytes": 0, "out_bytes": 4096,
+                              "dtype": "float32", "peer": rr[up] - 1, "async_op": True,
+                              "issue_ns": step_start[ss][up] + d, "return_ns": step_start[ss][up] + d + 10_000,
+                              "end_ns": first_f[up], "stage": rr[up], "microbatch": 0})
     ranks = np.arange(p)
     rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks, "world_size": p, "node_rank": 0, "host": "host0",
                              "pid": 1000 + ranks, "device_type": spec.device_type, "device_index": ranks,
@@ -213,7 +240,7 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
     node = Path(path) / "node-synthetic"
     node.mkdir()
     write_node_tables(node, {"ranks": rank_tbl, "steps": steps, "spans": pd.concat(spans, ignore_index=True),
-                             "meta": meta},
+                             "collectives": colls, "meta": meta},
                       {"host": "synthetic", "command": ["synthetic-pipeline"], "status": "completed",
                        "exit_code": 0})
     return Path(path)

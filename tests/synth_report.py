@@ -93,7 +93,8 @@ def build_report_run(path: Path, *, world_size: int = 4, steps: int = 12, pipeli
         command = ["torchrun", HOSTILE["command"]]
     node_info = {
         "command": command, "cwd": "/home/user/proj", "host": ranks["host"].iloc[0],
-        "start_ns": t0 - 2 * 10**9, "end_ns": t1 + 10**9,
+        # the keys dtprof/launcher.py writes
+        "start_mono_ns": t0 - 2 * 10**9, "end_mono_ns": t1 + 10**9, "duration_s": 62.0,
         "start_time": "2026-11-22T10:15:00Z", "end_time": "2026-11-22T10:16:02Z",
         "exit_code": 0 if status == "completed" else 1, "status": status,
         "versions": {"python": "3.11.9", "torch": "2.13.0", "nccl": "2.27.3", "dtprof": "0.1.0",

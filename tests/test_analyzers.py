@@ -13,13 +13,14 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synth import MS, build_run  # noqa: E402
-
 from dtprof.analyzers import findings as F  # noqa: E402
 from dtprof.analyzers.intervals import assign_to_windows, measure, union_length  # noqa: E402
+from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
 from dtprof.analyzers.summary import analyze, format_summary_text, write_summary  # noqa: E402
+from dtprof.options import resolve_options  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.runformat import create_run_dir, write_node_tables  # noqa: E402
+from synth import MS, build_run  # noqa: E402
 
 
 def hand_run(path: Path, spans: list[tuple], colls: list[tuple], steps=((0, 0, 100),), ranks=(0,),
@@ -76,7 +77,7 @@ def test_overlap_and_exposed_on_hand_built_run(tmp_path):
     run = hand_run(tmp_path / "r", [(0, "forward", 10, 40), (0, "backward", 40, 90), (0, "comm_wait", 70, 90),
                                     (0, "data_wait", 0, 10)],
                    [(0, "all_reduce", 0, 30, 50, 1024, 1), (0, "all_reduce", 1, 60, 95, 1024, 1)])
-    a = analyze(run, warmup=0)
+    a = analyze(run, AnalysisOptions(warmup=0))
     row = a.steps.iloc[0]
     assert row["compute_s"] == pytest.approx(0.060)
     assert row["comm_s"] == pytest.approx(0.055)
@@ -95,7 +96,7 @@ def test_kernel_level_overlap_replaces_hook_spans(tmp_path):
                                     (0, "kernel", 10, 50, "ampere_sgemm_128x64"),
                                     (0, "kernel", 40, 70, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
                                     (0, "kernel", 0, 5, "Memcpy HtoD (Pageable -> Device)")], [])
-    row = analyze(run, warmup=0).steps.iloc[0]
+    row = analyze(run, AnalysisOptions(warmup=0)).steps.iloc[0]
     assert row["level"] == "kernel"
     assert row["compute_s"] == pytest.approx(0.040) and row["comm_s"] == pytest.approx(0.030)
     assert row["exposed_comm_s"] == pytest.approx(0.020) and row["overlap_ratio"] == pytest.approx(1 / 3)
@@ -121,7 +122,7 @@ def test_steps_warmup_detected_and_overridable(tmp_path):
     assert st["time_s"]["p50"] == pytest.approx(0.037) and st["jitter_frac"] == pytest.approx(0.0, abs=1e-12)
     # tokens/samples are per rank: 2 ranks × 4096 tokens per 37 ms
     assert st["tokens_per_s"] == pytest.approx(2 * 4096 / 0.037)
-    b = analyze(run, warmup=3)
+    b = analyze(run, AnalysisOptions(warmup=3))
     assert b.summary["steps"]["count"] == 7 and b.summary["steps"]["warmup_source"] == "user"
     assert b.steps["warmup"].sum() == 2 * 3
 
@@ -159,9 +160,13 @@ def test_pipeline_p2p_time_is_overhead_not_schedule(tmp_path):
     pp = a.summary["pipeline"]
     step = (p - 1) * (f + lat) + m * f + (p - 1) * (b + lat) + m * b
     assert pp["bubble_frac"] == pytest.approx(1 - m * (f + b) / step)
-    assert pp["theoretical_bubble_frac"] == pytest.approx((p - 1) / (m + p - 1))
-    ideal = (m + p - 1) * (f + b)
+    ideal = (m + p - 1) * (f + b)   # the replayed step: (p-1)/(m+p-1) of it is the schedule's own idle time
+    assert pp["theoretical_bubble_frac"] == pytest.approx((ideal - m * (f + b)) / step)
     assert pp["overhead_frac"] == pytest.approx(1 - ideal / step)   # the share of the step the schedule does not need
+    # the two parts add up to the bubble, pipeline-wide and per stage, in the same unit (share of the measured step)
+    assert pp["theoretical_bubble_frac"] + pp["overhead_frac"] == pytest.approx(pp["bubble_frac"], abs=1e-12)
+    for st in pp["per_stage"]:
+        assert st["theoretical_bubble_frac"] + st["overhead_frac"] == pytest.approx(st["bubble_frac"], abs=1e-12)
 
 
 def _pipeline_hand_run(path: Path, ops: list[tuple], step_end_ms: float, stage_of=None) -> Path:
@@ -200,7 +205,7 @@ def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
     # f=10, b=20 ms, but microbatch 2's forward on stage 0 takes 30 ms; with no gap between ops the step lasts
     # 170 ms (worked by hand below). A closed formula on median op times would say 20 %; the replay matches.
     ops = SLOW_MICROBATCH_STEP
-    pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170), warmup=0).summary["pipeline"]
+    pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170), AnalysisOptions(warmup=0)).summary["pipeline"]
     assert pp["bubble_frac"] == pytest.approx(1 - (140 + 120) / 340)
     assert pp["theoretical_bubble_frac"] == pytest.approx(pp["bubble_frac"])
     assert pp["overhead_frac"] == pytest.approx(0.0, abs=1e-12)
@@ -208,8 +213,9 @@ def test_pipeline_theory_replays_a_slow_microbatch(tmp_path):
     # the same ops with each stage-1 op 5 ms later than needed: the replay still says 170 ms, so 5 ms is overhead
     late = [(r, k, j, a + 5 * r, e + 5 * r) for r, k, j, a, e in ops if r == 1] + [
         (r, k, j, a + (5 if k == B_ else 0), e + (5 if k == B_ else 0)) for r, k, j, a, e in ops if r == 0]
-    pp2 = analyze(_pipeline_hand_run(tmp_path / "r2", late, 175), warmup=0).summary["pipeline"]
-    assert pp2["theoretical_bubble_frac"] == pytest.approx(1 - 260 / 340)
+    pp2 = analyze(_pipeline_hand_run(tmp_path / "r2", late, 175), AnalysisOptions(warmup=0)).summary["pipeline"]
+    assert pp2["theoretical_bubble_frac"] == pytest.approx((340 - 260) / 350)
+    assert pp2["overhead_frac"] == pytest.approx(10 / 350)
     assert pp2["bubble_frac"] == pytest.approx(1 - 260 / 350)
 
 
@@ -219,7 +225,7 @@ def test_pipeline_replay_with_two_schedule_runs_per_step(tmp_path):
     one = [(0, F_, 0, 0, 10), (0, F_, 1, 10, 20), (1, F_, 0, 10, 20), (1, F_, 1, 20, 30),
            (1, B_, 0, 30, 50), (1, B_, 1, 50, 70), (0, B_, 0, 50, 70), (0, B_, 1, 70, 90)]
     ops = one + [(r, k, j, a + 90, e + 90) for r, k, j, a, e in one]
-    pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 180), warmup=0).summary["pipeline"]
+    pp = analyze(_pipeline_hand_run(tmp_path / "r", ops, 180), AnalysisOptions(warmup=0)).summary["pipeline"]
     assert pp["bubble_frac"] == pytest.approx(1 / 3)
     assert pp["theoretical_bubble_frac"] == pytest.approx(1 / 3)
     assert pp["overhead_frac"] == pytest.approx(0.0, abs=1e-12)
@@ -232,12 +238,15 @@ def test_pipeline_replicas_and_an_idle_step(tmp_path):
     ops = [(r + 2 * rep, k, j, a, e, step) for rep in (0, 1) for step in (0, 1)
            for r, k, j, a, e in SLOW_MICROBATCH_STEP
            if not (rep == 1 and step == 1 and r == 1)]
-    a = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170, stage_of={0: 0, 1: 1, 2: 0, 3: 1}), warmup=0)
+    a = analyze(_pipeline_hand_run(tmp_path / "r", ops, 170, stage_of={0: 0, 1: 1, 2: 0, 3: 1}),
+                AnalysisOptions(warmup=0))
     pp = a.summary["pipeline"]
     assert pp["replicas"] == 2 and pp["stages"] == 2 and pp["virtual_stages_per_rank"] == 1
     # busy: 140 + 120 ms per full pipeline-step, rank 2 alone in the last one (a 140 ms replay: stage 0 only)
     assert pp["bubble_frac"] == pytest.approx(1 - (3 * 260 + 140) / (8 * 170))
-    assert pp["theoretical_bubble_frac"] == pytest.approx(1 - (3 * 260 + 140) / (6 * 170 + 2 * 140))
+    ideal = 6 * 170 + 2 * 140
+    assert pp["theoretical_bubble_frac"] == pytest.approx((ideal - (3 * 260 + 140)) / (8 * 170))
+    assert pp["theoretical_bubble_frac"] + pp["overhead_frac"] == pytest.approx(pp["bubble_frac"], abs=1e-12)
     stage = {s["stage"]: s for s in pp["per_stage"]}
     assert stage[0]["compute_s_per_step"] == pytest.approx(0.140)
     assert stage[1]["compute_s_per_step"] == pytest.approx(3 * 0.120 / 4)
@@ -261,7 +270,7 @@ def test_busbw_factors_per_op(tmp_path):
         for r in range(n):
             # rank r enters 1 ms late per rank; all leave at t+20: the transfer time is rank 3's 10 ms
             colls.append((r, op, i, 30 * i + r, 30 * i + 13, size, n))
-    a = analyze(hand_run(tmp_path / "r", [], colls, steps=((0, 0, 200),), ranks=range(n)), warmup=0)
+    a = analyze(hand_run(tmp_path / "r", [], colls, steps=((0, 0, 200),), ranks=range(n)), AnalysisOptions(warmup=0))
     t = a.collectives.set_index("op")
     algbw = size / 0.010 / 1e9
     factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
@@ -280,7 +289,7 @@ def test_link_peak_fraction_for_known_gpu(tmp_path):
     size = 2**20
     colls = [(r, "all_reduce", 0, 0, 1, size, 2) for r in range(2)]   # 1 MiB in 1 ms
     a = analyze(hand_run(tmp_path / "r", [], colls, ranks=range(2), device_name="NVIDIA H100 80GB HBM3",
-                         device_type="cuda"), warmup=0)
+                         device_type="cuda"), AnalysisOptions(warmup=0))
     row = a.collectives.iloc[0]
     assert row["busbw_gbps"] == pytest.approx(size / 1e-3 / 1e9 * 1.0)
     assert row["link_peak_gbps"] == 450 and row["link_peak_frac"] == pytest.approx(row["busbw_gbps"] / 450)
@@ -311,6 +320,8 @@ def test_transient_straggler_late_in_two_steps_only(tmp_path):
     co = pd.read_parquet(tbl)
     hit = (co["rank"] == 2) & co["step"].isin([4, 7])
     co.loc[hit, "issue_ns"] += 30 * MS   # rank 2 comes 30 ms late to both buckets of steps 4 and 7
+    for col in ("return_ns", "end_ns"):   # a call never returns before it was issued
+        co[col] = co[col].where(co[col] >= co["issue_ns"], co["issue_ns"])
     co.to_parquet(tbl, index=False)
     a = analyze(run)
     st = a.stragglers.set_index("rank")
@@ -347,10 +358,9 @@ def test_skewed_host_clocks_recovered_within_residual(tmp_path):
     c = a.clock.set_index("host")
     assert c.at["host1", "n_pairs"] > 0
     assert c.at["host1", "drift_ppm"] == pytest.approx(-40.0, abs=1.0)
-    from dtprof.analyzers.clock import align_by_rank
     run = open_run(skewed)
     co = run.collectives
-    aligned = align_by_rank(run, co["issue_ns"].to_numpy(), co["rank"].to_numpy(), a.clock)
+    aligned = a.model.align(co["issue_ns"].to_numpy(), co["rank"].to_numpy())
     err = np.abs(aligned - truth.collectives["issue_ns"].to_numpy())
     assert err.max() <= c.at["host1", "residual_ns"] + 2  # +2 ns integer rounding
     # arrivals are aligned: lateness matches the unskewed run's, so the skew invents no straggler
@@ -362,24 +372,30 @@ def test_skewed_host_clocks_recovered_within_residual(tmp_path):
 
 # ---------------------------------------------------------------- MFU
 
+def edge(path, **options):
+    """Analyse as the command line does: the options (and device peaks) resolved at the edge."""
+    run = open_run(path)
+    return analyze(run, resolve_options(run, **options))
+
+
 def test_mfu_given_flops_and_peak(tmp_path):
     run = build_run(tmp_path / "r", world_size=4, steps=6)
-    a = analyze(run, flops_per_step=2e12, peak_tflops=100)
+    a = edge(run, flops_per_step=2e12, peak_tflops=100)
     m = a.summary["mfu"]
     assert m["value"] == pytest.approx(2e12 / (0.037 * 100e12 * 4))
     assert m["peak_flops"] == pytest.approx(4 * 100e12) and "user" in m["peak_source"]
 
 
 def test_mfu_spec_peak_for_known_gpu_and_null_for_unknown(tmp_path):
-    a = analyze(build_run(tmp_path / "h", world_size=2, steps=6, device_name="NVIDIA H100 80GB HBM3",
-                          device_type="cuda"), flops_per_step=1e13)
+    a = edge(build_run(tmp_path / "h", world_size=2, steps=6, device_name="NVIDIA H100 80GB HBM3",
+                       device_type="cuda"), flops_per_step=1e13)
     assert a.summary["mfu"]["value"] == pytest.approx(1e13 / (0.037 * 2 * 989.4e12))
     assert "spec sheet" in a.summary["mfu"]["peak_source"]
-    u = analyze(build_run(tmp_path / "u", world_size=2, steps=6, device_name="Mystery GPU 9000",
-                          device_type="cuda"), flops_per_step=1e13)
+    u = edge(build_run(tmp_path / "u", world_size=2, steps=6, device_name="Mystery GPU 9000",
+                       device_type="cuda"), flops_per_step=1e13)
     m = u.summary["mfu"]
     assert m["value"] is None and m["peak_flops"] is None and "Mystery GPU 9000" in m["value_reason"]
-    c = analyze(build_run(tmp_path / "c", world_size=2, steps=6), flops_per_step=1e13).summary["mfu"]
+    c = edge(build_run(tmp_path / "c", world_size=2, steps=6), flops_per_step=1e13).summary["mfu"]
     assert c["value"] is None and "CPU has no spec peak" in c["value_reason"]
 
 
@@ -387,7 +403,7 @@ def test_mfu_uses_stored_calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     from dtprof.calibrate import store
     store({"device_name": "cpu", "dtype": "fp32", "tflops": 0.5, "date": "2026-01-02"})
-    a = analyze(build_run(tmp_path / "r", world_size=2, steps=6), flops_per_step=1e9, dtype="fp32")
+    a = edge(build_run(tmp_path / "r", world_size=2, steps=6), flops_per_step=1e9, dtype="fp32")
     m = a.summary["mfu"]
     assert m["value"] == pytest.approx(1e9 / (0.037 * 2 * 0.5e12))
     assert "calibrated on 2026-01-02" in m["peak_source"]
@@ -397,7 +413,7 @@ def test_mfu_uses_stored_calibration(tmp_path, monkeypatch):
 def test_mfu_from_transformer_shape_and_model_flops(tmp_path):
     run = build_run(tmp_path / "r", world_size=2, steps=6)
     tf = dict(n_params=1e6, layers=2, heads=4, head_dim=16, seq_len=128)
-    a = analyze(run, peak_tflops=1, transformer=tf)
+    a = edge(run, peak_tflops=1, transformer=tf)
     per_tok = 6 * 1e6 + 12 * 2 * 4 * 16 * 128
     assert a.summary["mfu"]["flops_per_step"] == pytest.approx(per_tok * 2 * 4096)
     assert "PaLM" in a.summary["mfu"]["flops_source"]
@@ -409,7 +425,7 @@ def test_mfu_from_transformer_shape_and_model_flops(tmp_path):
     s["model_flops"] = 3_000_000_000
     s["executed_flops"] = 4_000_000_000
     s.to_parquet(tbl, index=False)
-    m = analyze(p, peak_tflops=1).summary["mfu"]
+    m = edge(p, peak_tflops=1).summary["mfu"]
     assert m["flops_per_step"] == pytest.approx(6e9) and "summed over ranks" in m["flops_source"]
     assert m["hfu"] == pytest.approx(8e9 / (0.037 * 2e12)) and m["value"] == pytest.approx(6e9 / (0.037 * 2e12))
 
@@ -420,8 +436,30 @@ def test_options_default_from_node_config(tmp_path):
     info = json.loads(nj.read_text())
     info["config"] = {"flops_per_step": 1e12, "peak_tflops": 50, "dtype": None}
     nj.write_text(json.dumps(info))
-    m = analyze(run).summary["mfu"]
-    assert m["value"] == pytest.approx(1e12 / (0.037 * 2 * 50e12))
+    s = edge(run).summary
+    assert s["mfu"]["value"] == pytest.approx(1e12 / (0.037 * 2 * 50e12))
+    # summary.json records the options as used, each peak with its source
+    assert s["options"]["flops_per_step"] == 1e12 and s["options"]["dtype"] == "bf16"
+    assert s["options"]["peaks"] == {"cpu": {"tflops": 50.0, "source": "user: 50 TFLOP/s per device", "reason": ""}}
+
+
+def test_analysis_reads_nothing_outside_the_run(tmp_path, monkeypatch):
+    # a calibration on this machine reaches the analysis only through the options resolved at the edge
+    run = build_run(tmp_path / "r", world_size=2, steps=6)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    from dtprof.calibrate import store
+    store({"device_name": "cpu", "dtype": "bf16", "tflops": 0.5, "date": "2026-01-02"})
+    plain = analyze(run, AnalysisOptions(flops_per_step=1e9)).summary
+    assert plain["mfu"]["peak_flops"] is None and plain["options"]["peaks"] == {}
+    at_edge = edge(run, flops_per_step=1e9).summary
+    assert at_edge["mfu"]["peak_flops"] == pytest.approx(2 * 0.5e12)
+    assert "calibrated on 2026-01-02" in at_edge["options"]["peaks"]["cpu"]["source"]
+
+
+def test_options_are_validated():
+    for bad in (dict(warmup=-1), dict(flops_per_step=0), dict(dtype="int4"), dict(transformer={"layers": 2})):
+        with pytest.raises(ValueError):
+            AnalysisOptions(**bad)
 
 
 # ---------------------------------------------------------------- findings
@@ -444,15 +482,15 @@ def test_findings_fire_on_thresholds_and_not_below():
     assert "pipeline_bubble" not in _ids({"pipeline": dict(pp, microbatches=8)})  # m >= 4p
     assert "pipeline_overhead" in _ids({"pipeline": dict(pp, bubble_frac=0.33, overhead_frac=0.13)})
     assert "pipeline_overhead" not in _ids({"pipeline": dict(pp, overhead_frac=0.01)})
-    assert "exposed_comm" in _ids({"overlap": {"exposed_comm_frac": 0.31, "ratio": 0.5}})
-    assert "exposed_comm" not in _ids({"overlap": {"exposed_comm_frac": 0.29, "ratio": 0.5}})
+    assert "exposed_comm" in _ids(_breakdown(exposed_comm=0.31))
+    assert "exposed_comm" not in _ids(_breakdown(exposed_comm=0.29))
     c = {"op": "all_reduce", "group": "0", "size_bucket": "1-4 MiB", "busbw_gbps": 200.0, "link_peak_gbps": 450.0,
          "link_peak_frac": 0.44, "share_of_comm": 0.5}
     assert "low_busbw" in _ids({"collectives": [c]})
     assert "low_busbw" not in _ids({"collectives": [dict(c, link_peak_frac=0.55)]})
     assert "low_busbw" not in _ids({"collectives": [dict(c, link_peak_frac=None)]})
-    s = {"rank": 3, "host": "h", "device": "d", "kind": "persistent", "score": 0.5, "late_frac": 0.9,
-         "time_lost_s": 1.0}
+    s = {"rank": 3, "host": "h", "device": "d", "kind": "persistent", "score": 0.5, "late_step_frac": 0.9,
+         "reason": "last to arrive, holding its peers up, in 90 % of measured steps", "time_lost_s": 1.0}
     assert "straggler" in _ids({"stragglers": [s]})
     assert "straggler" not in _ids({"stragglers": [dict(s, kind="transient")]})
     mem = pd.DataFrame({"rank": [0], "peak_mem_bytes": [0.71], "device_mem_total_bytes": [1.0],
@@ -461,11 +499,41 @@ def test_findings_fire_on_thresholds_and_not_below():
     assert "memory_high" not in _ids({}, memory=mem.assign(peak_mem_bytes=0.69))
     gpu = pd.DataFrame({"host": ["h"], "gpu": [0], "sm_util_mean_pct": [40.0], "idle_frac": [0.5],
                         "throttled_frac": [0.0], "throttle_reasons": [""]})
-    ranks = [{"step_time_s_p50": 1.0, "data_wait_s_per_step": 0.3}]
-    f = F.find({"ranks": ranks}, _fake({}, gpu=gpu))
+    waiting = _breakdown(data_wait=0.3)
+    f = F.find(waiting, _fake({}, gpu=gpu))
     low = [x for x in f if x["id"] == "low_gpu_util"]
-    assert low and "input data" in low[0]["evidence"]["cause"]
-    assert "low_gpu_util" not in _ids({"ranks": ranks}, gpu=gpu.assign(sm_util_mean_pct=60.0))
+    assert low and "input data" in low[0]["evidence"]["cause"] and low[0]["part"] == "data_wait"
+    assert "low_gpu_util" not in _ids(waiting, gpu=gpu.assign(sm_util_mean_pct=60.0))
+    assert "data_wait" in _ids(_breakdown(data_wait=0.11)) and "data_wait" not in _ids(_breakdown(data_wait=0.09))
+
+
+def _breakdown(by_dim=None, by_op=None, step=1.0, **parts):
+    """A summary whose breakdown block has the given parts (seconds of a ``step`` s step, the rest "other")."""
+    from dtprof.analyzers.breakdown import PARTS
+
+    mean = {p: parts.get(p, 0.0) for p in PARTS}
+    mean["other"] = step - sum(mean.values())
+    return {"breakdown": {"parts": list(PARTS), "step_time_s_mean": step, "mean_over_ranks_s_per_step": mean,
+                          "exposed_comm_by_dim_s_per_step": by_dim or {}, "exposed_comm_by_op_s_per_step": by_op or {}}}
+
+
+def test_exposed_comm_advice_fits_the_exposed_dimension_and_op():
+    # DP×PP (issue 13): 134 ms exposed on pp p2p, 14 ms on dp: pipeline advice, never DDP bucket sizes
+    dp_pp = _breakdown(step=0.4, exposed_comm=0.148, by_dim={"pp": 0.134, "dp": 0.014},
+                       by_op={"recv": 0.1, "send": 0.034, "all_reduce": 0.014})
+    f = next(x for x in F.find(dp_pp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["part"] == "exposed_comm" and f["dim"] == "pp"
+    assert "pp 134.0 ms" in f["message"] and "dp 14.0 ms" in f["message"]
+    assert "bucket" not in f["recommendation"] and "stages" in f["recommendation"]
+    ddp = _breakdown(exposed_comm=0.4, by_dim={"(none)": 0.4}, by_op={"all_reduce": 0.4})
+    f = next(x for x in F.find(ddp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["dim"] is None and "bucket_cap_mb" in f["recommendation"]
+    fsdp = _breakdown(exposed_comm=0.4, by_dim={"dp": 0.4}, by_op={"all_gather": 0.3, "reduce_scatter": 0.1})
+    f = next(x for x in F.find(fsdp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["dim"] == "dp" and "prefetch" in f["recommendation"]
+    tp = _breakdown(exposed_comm=0.4, by_dim={"tp": 0.3, "dp": 0.1}, by_op={"all_reduce": 0.4})
+    f = next(x for x in F.find(tp, _fake({})) if x["id"] == "exposed_comm")
+    assert f["dim"] == "tp" and "tp group" in f["recommendation"] and "bucket" not in f["recommendation"]
 
 
 def test_findings_end_to_end_memory_and_exposed_comm(tmp_path):
@@ -486,7 +554,7 @@ def test_findings_end_to_end_memory_and_exposed_comm(tmp_path):
 
 def test_summary_schema_keys_and_text(tmp_path):
     run = build_run(tmp_path / "r", world_size=2, steps=6)
-    s = write_summary(run, flops_per_step=1e9, peak_tflops=1)
+    s = write_summary(run, resolve_options(open_run(run), flops_per_step=1e9, peak_tflops=1))
     on_disk = json.loads((run / "summary.json").read_text())
     assert on_disk == s and s["schema"] == "dtprof.summary/1"
     for k in ("run", "steps", "ranks", "mfu", "overlap", "pipeline", "stragglers", "collectives", "findings"):
@@ -494,8 +562,16 @@ def test_summary_schema_keys_and_text(tmp_path):
     assert s["run"] == {**s["run"], "world_size": 2, "hosts": ["host0"], "status": "completed", "exit_code": 0}
     assert set(s["ranks"][0]) >= {"rank", "host", "device", "step_time_s_p50", "compute_s_per_step",
                                   "comm_s_per_step", "exposed_comm_s_per_step", "overlap_ratio"}
+    assert set(s["ranks"][0]) >= {"step_time_s_mean", "breakdown_s_per_step"}
     text = format_summary_text(s)
-    assert "37.0 ms" in text and "32.0 ms" in text and "MFU: " in text and "%" in text
+    assert "MFU: " in text and "%" in text
+    # the breakdown as columns: the synthetic step is data 1, forward 10, backward 20, exposed 4, optimizer 2 ms
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("rank"))
+    assert header.split()[5:] == ["forward", "backward", "optim", "exposed", "data", "wait", "bubble", "other",
+                                  "overlap"]
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["0", "host0"])
+    assert row.split()[3:17] == ["37.0", "ms", "10.0", "ms", "20.0", "ms", "2.0", "ms", "4.0", "ms", "1.0", "ms",
+                                 "0", "0"]
     assert "stragglers: none" in text
 
 

@@ -5,12 +5,14 @@ examples/train_ddp.py is absent. One job per fixture, shared by the module's tes
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from breakdown_checks import assert_breakdown_adds_up
 from dtprof.analyzers.summary import analyze
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +65,68 @@ def gpipe(tmp_path_factory):
                        "128", "--batch", "16")
 
 
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    _require_examples()
+    return _dtprof_run(tmp_path_factory.mktemp("real") / "fsdp", "train_fsdp.py", "--steps", "6")
+
+
+def test_ddp_breakdown_adds_up_and_shows_in_the_terminal(plain_ddp):
+    s = assert_breakdown_adds_up(plain_ddp)
+    for r in s["ranks"]:
+        b = r["breakdown_s_per_step"]
+        assert b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0 and b["bubble"] == 0
+        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_reduce", "(unknown)"}
+    # `dtprof summary` prints the parts as columns
+    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "summary", str(plain_ddp), "--no-write"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    header = next(line for line in p.stdout.splitlines() if line.split()[:1] == ["rank"])
+    assert header.split()[5:12] == ["forward", "backward", "optim", "exposed", "data", "wait", "bubble"]
+
+
+@pytest.mark.browser
+def test_report_header_shows_the_launchers_duration(plain_ddp):
+    """The header's duration is node.json's, as `dtprof run` wrote it (it once read keys nobody writes: "n/a")."""
+    import json
+
+    from dtprof.reports.html import fmt_s, write_report
+    from test_report import ARGS, CHROMIUM
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    node = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())
+    out = write_report(plain_ddp, out_path=plain_ddp / "header-test.html")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        page.goto(out.as_uri())
+        duration, status = page.inner_text("#duration"), page.inner_text("header dl")
+        browser.close()
+    assert node["duration_s"] > 0 and duration.startswith(fmt_s(node["duration_s"]) + " · started 20")
+    assert "completed" in status and "(exit code 0)" in status
+
+
+def test_fsdp_breakdown_adds_up_with_fsdp_ops(fsdp):
+    s = assert_breakdown_adds_up(fsdp)
+    for r in s["ranks"]:
+        assert r["breakdown_s_per_step"]["forward"] > 0 and r["breakdown_s_per_step"]["backward"] > 0
+        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_gather", "reduce_scatter", "all_reduce", "(unknown)"}
+    assert s["breakdown"]["exposed_comm_by_op_s_per_step"].keys() & {"all_gather", "reduce_scatter"}
+
+
+def test_pipeline_breakdown_adds_up_and_fill_is_bubble_not_data_wait(gpipe):
+    s = assert_breakdown_adds_up(gpipe)
+    assert s["breakdown"]["pipeline_ranks"] == [0, 1]
+    for r in s["ranks"]:
+        b = r["breakdown_s_per_step"]
+        assert b["bubble"] > 0 and b["exposed_comm"] == 0, b   # p2p waits on a pipeline rank are its bubble
+        # the last stage waits for stage 0's first activation before its first forward: that is pipeline fill
+        assert b["data_wait"] < 0.1 * r["step_time_s_mean"], (r["rank"], b)
+    assert "data_wait" not in {f["id"] for f in s["findings"]}
+
+
 def test_slowed_rank_is_the_only_persistent_straggler(slowed_ddp):
     a = analyze(slowed_ddp)
     persistent = [s for s in a.summary["stragglers"] if s["kind"] == "persistent"]
@@ -73,7 +137,9 @@ def test_slowed_rank_is_the_only_persistent_straggler(slowed_ddp):
 
 
 def test_mfu_with_given_flops_and_peak(slowed_ddp):
-    s = analyze(slowed_ddp).summary   # flops and peak come from node.json config, as the launcher records them
+    # flops and peak come from node.json config, as the launcher records them: summary.json the launcher wrote
+    s = json.loads((slowed_ddp / "summary.json").read_text())
+    assert s["options"]["flops_per_step"] == FLOPS and s["options"]["peaks"]["cpu"]["source"].startswith("user")
     m = s["mfu"]
     assert m["flops_source"].startswith("user") and m["peak_flops"] == pytest.approx(2 * PEAK_TFLOPS * 1e12)
     assert m["value"] == pytest.approx(FLOPS / (s["steps"]["time_s"]["mean"] * 2 * PEAK_TFLOPS * 1e12))

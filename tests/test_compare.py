@@ -326,3 +326,11 @@ def test_scaling_cli(tmp_path):
     assert code == 2
     with pytest.raises(ScalingError, match="world size"):
         scaling([("x", {"steps": {"time_s": {"p50": 1.0}}}), ("y", scal(2, 1.0))])
+
+
+def test_absolute_step_gate_needs_no_base_samples():
+    """An absolute limit is decided on the head alone: a base summary without per-step times (e.g. an older
+    summary.json) must not matter (it used to raise TypeError on len(None))."""
+    head = [{"steps": {"per_step_time_s": [0.1] * 30}}]
+    res = rg.evaluate_gate(rg.parse_gate("steps.time_s.p50 < 0.2"), [{"steps": {}}], head)
+    assert res.verdict == rg.PASS and res.n_head == 30

@@ -210,7 +210,8 @@ def accelerate_launch(tmp_path_factory):
 def test_accelerate_launch_records_the_ranks_not_the_cli(accelerate_launch):
     profiled, bare = accelerate_launch
     assert_every_rank(profiled, 2, ACC_STEPS)
-    scripts = {Path(json.loads(p.read_text())["argv"][0]).name for p in profiled.run_dir.glob("node-*/rank-*/rank.json")}
+    scripts = {Path(json.loads(p.read_text())["argv"][0]).name
+               for p in profiled.run_dir.glob("node-*/rank-*/rank.json")}
     assert scripts == {"train_accelerate.py"}, scripts     # the accelerate CLI itself is not a rank
     assert_ddp_bytes(profiled, mlp_param_bytes(64, 4))
     assert_no_data_wait_finding(profiled)

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from dtprof.analyzers import mesh as M
+from dtprof.analyzers.runmodel import RunModel, with_exit
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = dict(batch=2, seq=16, dim=32, layers=2, vocab=256, steps=3)
@@ -38,7 +39,8 @@ def _dtprof_run(out: Path, mode: str, *extra: str):
 
 def _measured_steps(run):
     """The steps table with step 0 (set-up collectives, pipeline shape inference) marked as warm-up."""
-    return run.steps.assign(warmup=run.steps["step"] == 0)
+    return run.steps.assign(warmup=run.steps["step"] == 0, measured=run.steps["step"] != 0,
+                            duration_s=(run.steps["end_ns"] - run.steps["start_ns"]) / 1e9)
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +112,12 @@ def test_every_tp_collective_matched_across_its_group(tp_run):
 @pytest.mark.slow
 def test_dp_and_tp_traffic_split_with_model_bytes(tp_run):
     s = SIZES
-    per = M.comm_by_dim(tp_run.groups, tp_run.collectives, _measured_steps(tp_run)).set_index("dim")
+    per = M.comm_by_dim(tp_run.groups, RunModel.of(tp_run).collectives, _measured_steps(tp_run)).set_index("dim")
     assert set(per.index) == {"dp", "tp"}
     assert per.loc["tp", "bytes_per_step"] == 4 * s["layers"] * s["batch"] * s["seq"] * s["dim"] * 4
     assert per.loc["dp", "bytes_per_step"] == _local_param_bytes_tp(tp=2)
     assert (per["comm_s_per_step"] > 0).all()
-    summary = M.mesh_summary(tp_run.groups, tp_run.collectives, _measured_steps(tp_run), tp_run.meta)
+    summary = M.mesh_summary(tp_run.groups, RunModel.of(tp_run).collectives, _measured_steps(tp_run), tp_run.meta)
     assert summary["shape"] == [2, 2] and summary["dims"] == ["dp", "tp"]
     assert summary["costliest_dim"] == max(summary["per_dim"], key=lambda d: d["comm_s_per_step"])["dim"]
     assert sorted(d["dim"] for d in summary["per_dim"]) == ["dp", "tp"]
@@ -135,7 +137,7 @@ def test_dp_pp_bubble_per_pipeline_group_and_slow_rank(pp_run):
     assert slow["rank"] == SLOW_RANK and slow["ratio_to_median"] > 2
     assert slow["groups"]["pp"]["ranks"] == [0, 1] and slow["groups"]["dp"]["ranks"] == [1, 3]
     # DP traffic: one all-reduce of the stage's gradients; PP traffic: activations and their gradients
-    per = M.comm_by_dim(pp_run.groups, pp_run.collectives, steps).set_index("dim")
+    per = M.comm_by_dim(pp_run.groups, RunModel.of(pp_run).collectives, steps).set_index("dim")
     assert set(per.index) == {"dp", "pp"}
     pp_rows = pp_run.collectives[pp_run.collectives["op"].astype(str).isin(["send", "recv"])]
     pp_groups = set(M.group_dims(pp_run.groups).query("mesh_dim == 'pp'")["group"])
@@ -168,6 +170,33 @@ def test_summary_json_splits_by_mesh_dim(tp_run, pp_run):
     assert "Pipeline groups" in section and "<td class=\"t\">0, 1</td>" in section
 
 
+@pytest.mark.slow
+def test_hybrid_breakdown_adds_up_and_names_each_dimension(tp_run, pp_run):
+    """Issue 13 on both hybrid jobs: each rank's parts sum to its step; DP×PP's pipeline p2p waits are bubble, so
+    its exposed communication is DP's all-reduce only, and no finding about it advises DDP buckets for pp; TP×DP
+    exposes tensor-parallel all-reduces under tp; every collectives row names its dimension."""
+    from breakdown_checks import assert_breakdown_adds_up
+
+    tp = assert_breakdown_adds_up(tp_run.path)
+    assert set(tp["breakdown"]["exposed_comm_by_dim_s_per_step"]) <= {"dp", "tp"}
+    assert tp["breakdown"]["exposed_comm_by_dim_s_per_step"].get("tp", 0) > 0
+    assert {c["mesh_dim"] for c in tp["collectives"]} == {"dp", "tp"}
+    pp = assert_breakdown_adds_up(pp_run.path)
+    assert pp["breakdown"]["pipeline_ranks"] == [0, 1, 2, 3]
+    for r in pp["ranks"]:
+        assert r["breakdown_s_per_step"]["bubble"] > 0
+        assert set(r["exposed_comm_s_per_step_by_dim"]) <= {"dp"}, r["exposed_comm_s_per_step_by_dim"]
+    assert {c["mesh_dim"] for c in pp["collectives"]} == {"dp", "pp"}
+    # the mesh table's exposed communication per dimension is the breakdown's: pp's waits are bubble there too
+    per_dim = {d["dim"]: d for d in pp["mesh"]["per_dim"]}
+    assert per_dim["pp"]["exposed_comm_s_per_step"] == 0
+    for f in pp["findings"]:
+        if f["id"] == "exposed_comm":
+            assert f["dim"] == "dp" and "bucket_cap_mb" in f["recommendation"]
+        if f["id"] in ("pipeline_bubble", "pipeline_overhead"):
+            assert f["part"] == "bubble" and f["dim"] == "pp" and "bucket" not in f["recommendation"]
+
+
 # ---- fast checks (no jobs) ---------------------------------------------------------------------------------
 
 def _groups(rows):
@@ -182,13 +211,16 @@ def test_analyzer_on_hand_made_tables():
         "rank": [0, 0, 1], "step": [0, 0, 0], "group": ["1", "0", "1"], "issue_ns": [0, 10 * ms, 0],
         "return_ns": [5 * ms, 30 * ms, 5 * ms], "end_ns": pd.array([None, 40 * ms, 10 * ms], dtype="Int64"),
         "in_bytes": [8, 100, 0], "out_bytes": [0, 100, 8]})
+    coll = with_exit(coll)
     steps = pd.DataFrame({"rank": [0, 1], "step": [0, 0], "start_ns": [0, 0], "end_ns": [100 * ms, 100 * ms],
-                          "exposed_comm_s": [0.035, 0.0]})
-    per = M.comm_by_dim(groups, coll, steps).set_index("dim")
+                          "duration_s": [0.1, 0.1]})
+    exposed = pd.DataFrame({"rank": [0, 0], "step": [0, 0], "mesh_dim": ["pp", M.NO_DIM], "exposed_s": [0.005, 0.03]})
+    per = M.comm_by_dim(groups, coll, steps, exposed).set_index("dim")
     # rank 0: pp 5 ms (no end seen: return used), (none) 30 ms; rank 1: pp 10 ms
     assert per.loc["pp", "comm_s_per_step"] == pytest.approx((0.005 + 0.010) / 2)
     assert per.loc[M.NO_DIM, "comm_s_per_step"] == pytest.approx(0.030)
-    assert per.loc["pp", "exposed_comm_s_per_step"] == pytest.approx((0.035 * 5 / 35 + 0.0) / 2)
+    # exposed per dimension is the breakdown's, averaged over the rank-steps of ranks with traffic in it
+    assert per.loc["pp", "exposed_comm_s_per_step"] == pytest.approx((0.005 + 0.0) / 2)
     assert per.loc["pp", "bytes_per_step"] == 8
     assert M.costliest_dim(per.reset_index()) == "pp"
     spans = pd.DataFrame({"rank": [0, 0, 0, 1], "step": pd.array([0, 0, 0, 0], dtype="Int64"),

@@ -69,7 +69,7 @@ def multinode(tmp_path_factory):
 
 def test_two_nodes_one_run(multinode):
     d, procs, results = multinode
-    for p, (out, err) in zip(procs, results):
+    for p, (_out, err) in zip(procs, results):
         assert p.returncode == 0, err
     run_dir = d / "shared_run"
     nodes = sorted(run_dir.glob("node-*"))

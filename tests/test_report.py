@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.reports import html as H
-from dtprof.analyzers.summary import analyze
 from synth import build_run
 from synth_report import HOSTILE, build_report_run
 
@@ -321,3 +321,170 @@ def test_nvml_view_panels_share_one_time_axis(tmp_path, world_size):
                         "host0 · GPU 3": 1980.0}
     else:
         assert any(n.startswith("p10–p90 over 16 GPUs") for n in names) and "median GPU" in names
+
+
+# ---- issue 13: numbers the page shows are the analysis' numbers -------------------------------------------------
+
+@pytest.mark.browser
+def test_tooltips_show_each_bars_length_as_its_duration(pipeline_page):
+    # every horizontal bar chart with a base (timeline, pipeline schedule): the hover's duration is the bar's
+    # length, not where it ends (an optimizer bar of 15.2 ms once read "duration 186.514 ms")
+    page = pipeline_page.page
+    checked = []
+    for cid in ("fig-timeline", "fig-pipeline-schedule"):
+        bars = page.evaluate(f"""() => document.getElementById('{cid}')._fullData   // arrays decoded
+            .filter(t => t.type === 'bar' && t.orientation === 'h' && t.x.length)
+            .map(t => [t.index, t.x.length - 1, t.xaxis + t.yaxis])""")
+        for curve, point, subplot in bars:   # the last bar of each trace: far from 0, so end and length differ
+            page.wait_for_timeout(60)   # plotly throttles hover events to one per 50 ms
+            got = page.evaluate(f"""() => {{
+                const div = document.getElementById('{cid}');
+                Plotly.Fx.unhover(div);
+                Plotly.Fx.hover(div, [{{curveNumber: {curve}, pointNumber: {point}}}], '{subplot}');
+                // the bar plotly hovered (of overlapping bars, the closest wins)
+                const hovered = (div._hoverdata || [])[0];
+                if (!hovered) return null;
+                const p = hovered.fullData, k = hovered.pointNumber;
+                return [p.name, div.querySelector('.hoverlayer').textContent, Number(p.x[k]), Number(p.base[k])];
+            }}""")
+            if got:
+                checked.append([cid, *got])
+    assert {c[0] for c in checked} == {"fig-timeline", "fig-pipeline-schedule"}
+    for fig, name, text, length, base in checked:
+        m = re.search(r"duration:? ([\d.]+) ms", text)
+        assert m, (fig, name, text)
+        shown = float(m.group(1))
+        assert shown == pytest.approx(length, abs=0.006), (fig, name, text)
+        assert base > 1 and abs(shown - (base + length)) > 0.5, "the duration must not be the bar's end"
+
+
+@pytest.mark.browser
+def test_breakdown_bars_on_the_first_screen_add_up_to_each_ranks_step(pipeline_page, reports):
+    page = pipeline_page.page
+    assert "fig-breakdown" in page.evaluate("window.dtprofReport.times.firstScreen")
+    summary = json.loads((reports["pipeline"][0].parent / "summary.json").read_text())
+    bars = page.evaluate("""() => { const div = document.getElementById('fig-breakdown');
+        return div._fullData.map(t => [t.name, Array.from(t.x), Array.from(t.y)]); }""")   # decoded arrays
+    names = [b[0] for b in bars]
+    assert names == ["forward", "backward", "optimizer", "exposed communication", "data wait", "pipeline bubble",
+                     "other"]
+    for r in summary["ranks"]:
+        label = f"rank {r['rank']}"
+        stacked = sum(y[x.index(label)] for _, x, y in bars)
+        assert stacked == pytest.approx(r["step_time_s_mean"] * 1e3, rel=0.01)
+        for (_, x, y), part in zip(bars, summary["breakdown"]["parts"]):
+            assert y[x.index(label)] == pytest.approx(r["breakdown_s_per_step"][part] * 1e3, rel=1e-6)
+    # the pipeline ranks' idle time is their bubble; the bubble finding says it is about that part and pp
+    bubble = sum(r["breakdown_s_per_step"]["bubble"] for r in summary["ranks"])
+    assert bubble > 0
+    about = page.eval_on_selector_all("ol.findings li[data-id^=pipeline_]",
+                                      "els => els.map(e => [e.dataset.part, e.dataset.dim, e.innerText])")
+    assert about and all(p == "bubble" and d == "pp" and "About: part: bubble · mesh dimension: pp" in t
+                         for p, d, t in about)
+
+
+def _step_ticks(page, ids):
+    return page.evaluate(f"""() => {json.dumps(list(ids))}.map(id =>
+        [id, [...document.getElementById(id).querySelectorAll('.xtick text')].map(t => t.textContent)])""")
+
+
+@pytest.mark.browser
+def test_small_run_step_ticks_are_whole_numbers(browser, tmp_path):
+    path, _ = _report(tmp_path / "small", world_size=2, steps=4, nvml=False)   # 3 measured steps: 1, 2, 3
+    loaded = load(browser, path, "small-ticks")
+    try:
+        for cid, labels in _step_ticks(loaded.page, ["fig-step-time", "heatmap-step", "heatmap-compute"]):
+            assert labels and all(re.fullmatch(r"\d+", t) for t in labels), (cid, labels)
+    finally:
+        loaded.page.close()
+
+
+@pytest.mark.browser
+def test_step_axes_whole_numbers_and_one_warmup_rule(pipeline_page, reports):
+    page = pipeline_page.page
+    for cid, labels in _step_ticks(page, ["fig-step-time", "heatmap-step", "fig-stragglers"]):
+        assert labels and all(re.fullmatch(r"\d+", t) for t in labels), (cid, labels)
+    summary = json.loads((reports["pipeline"][0].parent / "summary.json").read_text())
+    measured = set(summary["steps"]["per_step_index"])
+    for cid in ("heatmap-step", "heatmap-compute", "heatmap-exposed-comm", "fig-stragglers"):
+        xs = page.evaluate(f"Array.from(document.getElementById('{cid}')._fullData[0].x)")
+        assert set(xs) == measured, cid   # measured steps only, whatever table the heatmap reads
+
+
+def test_step_time_axis_fits_the_measured_steps_not_the_warmup():
+    # an FSDP-like run: step 0 takes 2.7 s of set-up, the measured steps ~0.2 s
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from dtprof.reports import figures as F
+
+    d = [2.7] + [0.2, 0.21, 0.19, 0.2, 0.22]
+    steps = pd.DataFrame({"rank": [0] * 6 + [1] * 6, "step": list(range(6)) * 2, "duration_s": d + d,
+                          "warmup": [True] + [False] * 5 + [True] + [False] * 5})
+    job = pd.DataFrame({"step": range(6), "time_s": d, "measured": [False] + [True] * 5})
+    fig = F.step_time_figure(SimpleNamespace(steps=steps, job=job))
+    lo, hi = fig.layout.yaxis.range
+    assert lo == 0 and 220 <= hi < 300, "the axis must fit the measured steps' 190-220 ms"
+    assert any("step 0 2,700 ms" in a.text for a in fig.layout.annotations), "the off-scale warm-up is named"
+    assert fig.layout.xaxis.dtick == 1
+
+
+def test_breakdown_groups_beyond_64_ranks_naming_the_worst():
+    from dtprof.reports.breakdown import MAX_BARS, breakdown_table
+
+    parts = ["forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other"]
+
+    def summary(n, hosts):
+        ranks = []
+        for r in range(n):
+            b = dict.fromkeys(parts, 0.01)
+            b["exposed_comm"] = 0.05 if r == 77 else 0.01
+            ranks.append({"rank": r, "host": f"node{r * hosts // n}", "step_time_s_mean": sum(b.values()),
+                          "breakdown_s_per_step": b})
+        return {"ranks": ranks, "breakdown": {"parts": parts}}
+
+    by_host = breakdown_table(summary(128, 16))
+    assert len(by_host) == 16 and by_host.loc[9, "label"].startswith("node9 (ranks 72–79)")
+    assert by_host.loc[9, "worst_rank"] == 77 and "worst 77" in by_host.loc[9, "label"]
+    buckets = breakdown_table(summary(130, 1))   # one host: buckets of consecutive ranks
+    assert len(buckets) <= MAX_BARS and buckets["n"].sum() == 130
+    row = buckets[buckets["worst_rank"] == 77].iloc[0]
+    assert row["exposed_comm"] == pytest.approx((0.05 + 0.01 * (row["n"] - 1)) / row["n"])
+    assert len(breakdown_table(summary(64, 1))) == 64   # up to 64 ranks: a bar each
+
+
+def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
+    from click.testing import CliRunner
+
+    from dtprof.analyzers.summary import format_summary_text
+    from dtprof.cli import main
+
+    trace = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared/data/kineto",
+                              Path("/work/shared/data/kineto")) if p.exists()), None)
+    if trace is None:
+        pytest.skip("shared Kineto traces not present")
+    res = CliRunner().invoke(main, ["import", "kineto", str(trace / "cpu_only_rank34.json.gz"), "-o",
+                                    str(tmp_path / "imp")])
+    assert res.exit_code == 0, res.output
+    analysis = analyze(open_run(tmp_path / "imp"))
+    text = format_summary_text(analysis.summary)
+    assert "None" not in text.splitlines()[0] and "on unnamed hosts" in text
+    out = H.write_report(tmp_path / "imp", analysis=analysis)
+    loaded = load(browser, out, "imported")
+    try:
+        header = loaded.page.inner_text("header")
+        assert "None" not in header and not re.search(r"hosts\s*1:\s*\n", header), header
+        assert loaded.page.inner_text("#hosts") == "not recorded in an imported trace"
+        assert loaded.page.inner_text("#duration").startswith("n/a (an imported trace")
+    finally:
+        loaded.page.close()
+
+
+def test_collectives_rows_carry_their_mesh_dimension(tmp_path):
+    # DDP-like synthetic run on a world group outside any mesh, then the same run with its group named "dp"
+    run = build_run(tmp_path / "r", world_size=2, steps=4)
+    a = analyze(open_run(run))
+    assert {c["mesh_dim"] for c in a.summary["collectives"]} == {"(none)"}
+    html_text = H.write_report(run, analysis=a).read_text()
+    assert "<th class=\"t\">mesh dimension</th>" in html_text

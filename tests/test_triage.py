@@ -15,14 +15,13 @@ import textwrap
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "triage_jobs"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dtprof.analyzers.triage import ranks_text, triage, where  # noqa: E402
+from dtprof.analyzers.triage import ranks_text, where  # noqa: E402
 from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps, match_across_ranks  # noqa: E402
 from dtprof.runformat import NodeTableWriter  # noqa: E402
 from dtprof.triage import triage_command  # noqa: E402

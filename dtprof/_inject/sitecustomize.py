@@ -6,7 +6,7 @@ break the program:
 
 - It does nothing unless ``DTPROF_NODE_DIR`` is set.
 - It never imports torch itself (~2 s). It puts a plain finder object on ``sys.meta_path`` (importing
-  ``importlib.abc`` would double start-up cost, see torch-facts "Launching") that waits for ``import torch``,
+  ``importlib.abc`` would double the interpreter's start-up cost) that waits for ``import torch``,
   lets torch load, then calls ``dtprof.collectors.runtime.install_from_env()``.
 - Which processes are ranks is decided when torch has been imported, in ``runtime.install_from_env``: a process
   with ``RANK``/``LOCAL_RANK`` is a torchrun worker; one without them is the torchrun launcher if its main module is

@@ -1,0 +1,192 @@
+"""Where each step went: a partition of every rank-step into parts that add up to the step (docs/metrics.md,
+"Step breakdown").
+
+Each rank's step window ``[start_ns, end_ns)`` is cut at every endpoint of its spans and collectives; each
+elementary segment goes to exactly one part, the first that applies in this order:
+
+1. ``exposed_comm`` -- the rank is blocked on communication (a ``comm_wait`` span), even inside a compute span;
+2. ``optimizer``, ``backward`` (also ``pp_backward``), ``forward`` (also ``pp_forward``) -- compute, innermost
+   phase first (a forward recomputed inside backward is backward time);
+3. ``exposed_comm`` -- a collective is in flight (``issue_ns`` to its end) and no compute covers the instant;
+4. ``data_wait`` -- a ``data_wait`` span (between one step's end and the next step's first forward), except
+   while a profiler trace capture runs (its stop and export are not waiting for input: ``other``);
+5. ``bubble`` -- in a step that runs pipeline ops on this rank, the rest of the step: the stage idles (fill and
+   drain, waiting for a slower neighbour, transfers, host gaps between microbatches), as the pipeline analyzer's
+   measured bubble counts it;
+6. ``other`` -- otherwise, nothing recorded (Python, launch gaps, untraced work).
+
+On a pipeline rank (one with ``pp_forward``/``pp_backward`` spans) the time a point-to-point ``send``/``recv`` is in
+flight in case 1 or 3 is ``bubble`` too: the stage waits for its neighbour (schedule fill and drain, stage
+imbalance and the transfer itself; the pipeline section separates the schedule's own share). So the pipeline's
+fill is never read as data wait: its ``recv`` outranks the ``data_wait`` span it sits in.
+
+Where several collectives are in flight at once, the instant is split equally between them. Exposed
+communication is also split by mesh dimension (the group's ``mesh_dim``, ``"(none)"`` outside a DeviceMesh) and by
+op; a ``comm_wait`` with no collective in flight counts under op ``"(unknown)"``.
+
+``other`` is the window minus the other parts, so the parts of every rank-step sum to its duration exactly (up to
+float rounding), and their means over a rank's measured steps sum to its mean step time. Spans and collectives are
+cut at step boundaries (a piece of an interval counts in the step it falls in).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers.intervals import coverage_segments, split_over_windows
+from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
+
+NS = 1e9
+PARTS = ("forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other")
+UNKNOWN_OP = "(unknown)"
+P2P_OPS = ("send", "recv")
+PP_KINDS = ("pp_forward", "pp_backward")
+
+# span sets, in priority order; communication channels (dim, op) follow as sets N_SPAN_SETS, N_SPAN_SETS + 1, ...
+COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION, CAPTURE = range(7)
+N_SPAN_SETS = 7
+SPAN_SET = {"comm_wait": COMM_WAIT, "optimizer": OPTIMIZER, "backward": BACKWARD, "pp_backward": BACKWARD,
+            "forward": FORWARD, "pp_forward": FORWARD, "data_wait": DATA_WAIT}
+
+
+@dataclass
+class Breakdown:
+    per_step: pd.DataFrame   # rank, step, one ``<part>_s`` column per PARTS (same row order as the windows)
+    exposed: pd.DataFrame    # rank, step, dim, op, exposed_s: exposed communication of a rank-step per channel
+    pipeline_ranks: list[int]
+
+
+def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(integer code per row, the distinct values) of a column, categorical or not, without per-row strings."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        return col.cat.codes.to_numpy(np.int64), np.asarray(col.cat.categories.astype(str))
+    codes, values = pd.factorize(col.astype(str))
+    return codes.astype(np.int64), np.asarray(values)
+
+
+def _channels(run, pipeline_ranks: list[int]) -> tuple[np.ndarray, pd.DataFrame]:
+    """Each collective's channel code and the channels: dim (its group's mesh dimension), op, and bubble (a p2p op
+    on a pipeline rank: its waits are the pipeline's bubble). Vectorised on the columns' integer codes."""
+    co = run.collectives
+    g_code, g_names = _codes(co["group"])
+    o_code, o_names = _codes(co["op"])
+    bubble = np.isin(co["rank"].to_numpy(np.int64), pipeline_ranks) & np.isin(o_names, P2P_OPS)[o_code]
+    raw = (g_code * len(o_names) + o_code) * 2 + bubble
+    uniq, inverse = np.unique(raw, return_inverse=True)
+    u_bubble = (uniq % 2).astype(bool)
+    u_op = o_names[(uniq // 2) % max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    u_group = g_names[(uniq // 2) // max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    dims = mesh_dim_of(run.groups, pd.Series(u_group, dtype=object)).to_numpy()
+    # channels that differ only by group collapse onto one (dim, op, bubble)
+    chans = pd.DataFrame({"dim": dims, "op": u_op, "bubble": u_bubble})
+    code = chans.groupby(["dim", "op", "bubble"], sort=True).ngroup().to_numpy(np.int64)
+    table = chans.assign(code=code).drop_duplicates("code").sort_values("code", ignore_index=True)
+    return code[inverse.ravel()], table
+
+
+def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
+    """``run``: the run model (analyzers/runmodel.py); ``windows``: rank, step, start_ns, end_ns (one row per
+    rank-step; the result keeps their order)."""
+    n_win = len(windows)
+    wr = windows["rank"].to_numpy(np.int64)
+    ws = windows["start_ns"].to_numpy(np.int64)
+    we = windows["end_ns"].to_numpy(np.int64)
+
+    sp = run.spans
+    k_code, k_names = _codes(sp["kind"])
+    sp_set = np.array([SPAN_SET.get(k, -1) for k in k_names], np.int64)[k_code] if len(sp) else \
+        np.zeros(0, np.int64)
+    is_pp_span = np.isin(k_names, PP_KINDS)[k_code] if len(sp) else np.zeros(0, bool)
+    pipeline_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[is_pp_span]))
+
+    co = run.collectives
+    # each collective's channel (dim, op, bubble) is a set after the span sets
+    chan_codes, chans = _channels(run, pipeline_ranks)
+    n_chan = len(chans)
+    cap = run.captures
+
+    key = np.concatenate([sp["rank"].to_numpy(np.int64), co["rank"].to_numpy(np.int64),
+                          cap["rank"].to_numpy(np.int64)])
+    start = np.concatenate([sp["start_ns"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64),
+                            cap["start_ns"].to_numpy(np.int64)])
+    end = np.concatenate([sp["end_ns"].to_numpy(np.int64), co["exit_ns"].to_numpy(np.int64),
+                          cap["end_ns"].to_numpy(np.int64)])
+    sset = np.concatenate([sp_set, N_SPAN_SETS + chan_codes, np.full(len(cap), CAPTURE)])
+    used = sset >= 0
+    is_pp = np.concatenate([is_pp_span, np.zeros(len(co) + len(cap), bool)])[used]
+    item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
+    sset = sset[used][item]
+    # a rank-step that runs pipeline ops: its whole window is pipeline time
+    pipe_win = np.unique(win[is_pp[item]])
+    win = np.concatenate([win, pipe_win])
+    sset = np.concatenate([sset, np.full(len(pipe_win), PIPE_REGION)])
+    s = np.concatenate([s, ws[pipe_win]])
+    e = np.concatenate([e, we[pipe_win]])
+
+    n_sets = N_SPAN_SETS + n_chan
+    g, seg, cov = coverage_segments(win, sset, s, e, n_sets)
+    seg = seg.astype(np.float64)
+    compute = cov[OPTIMIZER] | cov[BACKWARD] | cov[FORWARD]
+    chan_cov = np.stack(cov[N_SPAN_SETS:]) if n_chan else np.zeros((0, len(seg)), bool)
+    n_cover = chan_cov.sum(axis=0)
+    waiting = cov[COMM_WAIT]
+    comm_time = waiting | (~compute & (n_cover > 0))   # case 1 or 3 of the module docstring
+
+    def total(mask, weight=None):
+        w = seg if weight is None else seg * weight
+        return np.bincount(g[mask], weights=w[mask], minlength=n_win)
+
+    parts = {
+        "optimizer": total(~waiting & cov[OPTIMIZER]),
+        "backward": total(~waiting & ~cov[OPTIMIZER] & cov[BACKWARD]),
+        "forward": total(~waiting & ~cov[OPTIMIZER] & ~cov[BACKWARD] & cov[FORWARD]),
+        "data_wait": total(~comm_time & ~compute & ~cov[CAPTURE] & cov[DATA_WAIT]),
+        "exposed_comm": np.zeros(n_win), "bubble": np.zeros(n_win),
+    }
+    exposed_rows = []
+    share = np.divide(1.0, n_cover, out=np.zeros(len(seg)), where=n_cover > 0)
+    for i, ch in enumerate(chans.itertuples(index=False)):
+        t = total(comm_time & chan_cov[i], share)
+        parts["bubble" if ch.bubble else "exposed_comm"] += t
+        if not ch.bubble:
+            exposed_rows.append((ch.dim, ch.op, t))
+    parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & ~cov[CAPTURE] & cov[PIPE_REGION])
+    orphan = total(waiting & (n_cover == 0))   # blocked, but no collective of this rank in flight
+    parts["exposed_comm"] += orphan
+    exposed_rows.append((NO_DIM, UNKNOWN_OP, orphan))
+
+    duration = (we - ws).astype(np.float64)
+    known = sum(parts.values())
+    parts["other"] = np.maximum(duration - known, 0.0)
+    per_step = pd.DataFrame({"rank": wr, "step": windows["step"].to_numpy(np.int64)})
+    for p in PARTS:
+        per_step[f"{p}_s"] = parts[p] / NS
+    exposed = [pd.DataFrame({"rank": wr, "step": per_step["step"].to_numpy(), "dim": d, "op": o, "exposed_s": t / NS})
+               for d, o, t in exposed_rows]
+    exposed = pd.concat(exposed, ignore_index=True)
+    exposed = exposed.groupby(["rank", "step", "dim", "op"], as_index=False, sort=False)["exposed_s"].sum()
+    return Breakdown(per_step, exposed[exposed["exposed_s"] > 0].reset_index(drop=True), pipeline_ranks)
+
+
+def rank_means(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarray) -> pd.DataFrame:
+    """Per rank, mean over its measured steps: ``step_time_s_mean``, each part's ``<part>_s``, and the exposed
+    communication per step by dimension and by op as dicts (``exposed_by_dim``, ``exposed_by_op``)."""
+    ps = bd.per_step.assign(duration_s=duration_s)[measured]
+    cols = [f"{p}_s" for p in PARTS]
+    out = ps.groupby("rank")[["duration_s"] + cols].mean().rename(columns={"duration_s": "step_time_s_mean"})
+    n_steps = ps.groupby("rank").size()
+    meas_keys = pd.MultiIndex.from_frame(ps[["rank", "step"]])
+    ex = bd.exposed[pd.MultiIndex.from_frame(bd.exposed[["rank", "step"]]).isin(meas_keys)]
+    for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op")):
+        tot = ex.groupby(["rank", what])["exposed_s"].sum()
+        out[col] = [{str(k): float(v) / n_steps[r] for k, v in tot.loc[r].items()} if r in tot.index.get_level_values(0)
+                    else {} for r in out.index]
+    return out
+
+
+def exposed_by_dim_rank_step(bd: Breakdown) -> pd.DataFrame:
+    """rank, step, mesh_dim, exposed_s: exposed communication of each rank-step per mesh dimension."""
+    e = bd.exposed.groupby(["rank", "step", "dim"], as_index=False)["exposed_s"].sum()
+    return e.rename(columns={"dim": "mesh_dim"})

@@ -1,0 +1,135 @@
+"""The run model: a run's derived columns, computed once when the run is loaded. This is their only home.
+
+``RunModel.of(run, warmup)`` builds (and caches on the ``Run``) everything that more than one consumer needs and
+that used to be derived again in each of them. Analyzers, the HTML report and its figures, the Perfetto export,
+compare and triage read these columns; none derives them again.
+
+- ``collectives`` = the run's collectives plus ``exit_ns``: when the operation was seen to end (``end_ns``, else
+  ``return_ns`` when completion was never seen).
+- ``clock``: one clock model per host (``analyzers/clock.py``: offset + drift fitted on collective exits against
+  the reference host, ``residual_ns`` the stated uncertainty). ``align(t, rank)`` / ``align_host(t, host)`` put a
+  rank's or host's monotonic times on the reference host's clock; every aligned time anywhere comes from them.
+- ``steps``: per rank-step ``start_ns``, ``end_ns``, ``duration_s``, ``aligned_start_ns``, ``aligned_end_ns``,
+  ``warmup``, ``traced`` (a trace capture disturbed it), ``flops_counted`` (it ran under FlopCounterMode),
+  ``measured`` (none of these), plus the steps table's per-step
+  numbers (peak memory, tokens, samples, FLOPs).
+- ``job``: per step ``time_s`` (the job's step time: the slowest rank's duration, ``analyzers/steps.py``),
+  ``warmup``, ``traced``, ``flops_counted``, ``measured``; ``measured_steps`` the set of measured step indices.
+- ``captures``: the ``trace_capture`` meta rows as rank, start_ns, end_ns: the intervals the profiler capture
+  disturbed (kept out of step statistics, never read as data wait).
+- ``pipeline_schedule`` / ``mesh``: the first meta row of that kind (dict) or None.
+
+Other tables (``ranks``, ``spans``, ``groups``, ...) are the run's own and are reached through the model too, so an
+analyzer takes the model wherever it took the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers import clock as clock_mod
+from dtprof.analyzers import steps as steps_mod
+from dtprof.schema import TABLES
+
+
+@dataclass
+class RunModel:
+    run: Any                       # dtprof.reader.Run
+    collectives: pd.DataFrame
+    clock: pd.DataFrame
+    steps: pd.DataFrame
+    job: pd.DataFrame
+    warmup_steps: int
+    warmup_source: str
+    captures: pd.DataFrame
+
+    @classmethod
+    def of(cls, run, warmup: int | None = None) -> RunModel:
+        """The model of ``run`` for this warm-up choice (None: detected), built once per ``Run`` and choice."""
+        cache = run.__dict__.setdefault("_run_models", {})
+        if warmup not in cache:
+            cache[warmup] = build(run, warmup)
+        return cache[warmup]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in TABLES:   # the run's own tables, for analyzers that take the model where they took the run
+            return self.run.table(name)
+        raise AttributeError(name)
+
+    @property
+    def path(self):
+        return self.run.path
+
+    @property
+    def measured_steps(self) -> set[int]:
+        return set(self.job.loc[self.job["measured"], "step"].tolist())
+
+    def align(self, t, rank) -> np.ndarray:
+        """Times ``t`` (ns) of ranks ``rank`` on the reference host's clock."""
+        return clock_mod.align_by_rank(self.run, t, rank, self.clock)
+
+    def align_host(self, t, host) -> np.ndarray:
+        """Times ``t`` (ns) of hosts ``host`` (host names) on the reference host's clock."""
+        return clock_mod.align_times(t, host, self.clock)
+
+    def meta_value(self, kind: str) -> dict | None:
+        m = self.run.meta
+        for v in m.loc[m["kind"].astype(str) == kind, "value"]:
+            if isinstance(v, dict):
+                return v
+        return None
+
+
+def with_exit(collectives: pd.DataFrame) -> pd.DataFrame:
+    """``collectives`` plus ``exit_ns``: ``end_ns``, else ``return_ns`` (completion never seen)."""
+    c = collectives
+    exit_ns = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64) if len(c) else np.zeros(0, np.int64)
+    return c.assign(exit_ns=exit_ns)
+
+
+def captures(meta: pd.DataFrame) -> pd.DataFrame:
+    """The trace_capture meta rows: rank, start_ns, end_ns, steps (list)."""
+    rows = [(int(r), int(v["start_ns"]), int(v["end_ns"]), [int(s) for s in v.get("steps") or []])
+            for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
+            if k == "trace_capture" and isinstance(v, dict) and v.get("start_ns") is not None
+            and v.get("end_ns") is not None]
+    return pd.DataFrame(rows, columns=["rank", "start_ns", "end_ns", "steps"]).astype(
+        {"rank": "int64", "start_ns": "int64", "end_ns": "int64"})
+
+
+def _traced(per: pd.DataFrame, cap: pd.DataFrame) -> np.ndarray:
+    """Per rank-step: a capture on that rank overlaps the step's window or names the step."""
+    out = np.zeros(len(per), bool)
+    if cap.empty or per.empty:
+        return out
+    rank, step = per["rank"].to_numpy(np.int64), per["step"].to_numpy(np.int64)
+    s, e = per["start_ns"].to_numpy(np.int64), per["end_ns"].to_numpy(np.int64)
+    for c in cap.itertuples(index=False):   # one per capture (a handful per run)
+        mine = rank == c.rank
+        out |= mine & (s < c.end_ns) & (e > c.start_ns)
+        out |= mine & np.isin(step, c.steps)
+    return out
+
+
+def build(run, warmup: int | None = None) -> RunModel:
+    coll = with_exit(run.collectives)
+    clk = clock_mod.fit_clocks(run.ranks, coll)
+    cap = captures(run.meta)
+    per = steps_mod.rank_steps(run.steps)
+    per["traced"] = _traced(per, cap)
+    per["flops_counted"] = per["executed_flops"].notna()   # ran under FlopCounterMode: slow for dtprof's sake
+    job = steps_mod.job_steps(per)
+    n_warm, source = steps_mod.warmup_of(job, warmup)
+    warm = set(job["step"].to_numpy()[:n_warm].tolist())
+    job["warmup"] = job["step"].isin(warm)
+    job["measured"] = ~job["warmup"] & ~job["traced"] & ~job["flops_counted"]
+    per["warmup"] = per["step"].isin(warm)
+    per["measured"] = per["step"].isin(set(job.loc[job["measured"], "step"].tolist()))
+    rank = per["rank"].to_numpy(np.int64)
+    per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
+    per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)
+    return RunModel(run=run, collectives=coll, clock=clk, steps=per, job=job, warmup_steps=n_warm,
+                    warmup_source=source, captures=cap)
