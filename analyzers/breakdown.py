@@ -8,8 +8,8 @@ elementary segment goes to exactly one part, the first that applies in this orde
 2. ``optimizer``, ``backward`` (also ``pp_backward``), ``forward`` (also ``pp_forward``) -- compute, innermost
    phase first (a forward recomputed inside backward is backward time);
 3. ``exposed_comm`` -- a collective is in flight (``issue_ns`` to its end) and no compute covers the instant;
-4. ``data_wait`` -- a ``data_wait`` span (between one step's end and the next step's first forward), except
-   while a profiler trace capture runs (its stop and export are not waiting for input: ``other``);
+4. ``data_wait`` -- a ``data_wait`` span (time in the DataLoader iterator's ``__next__``), except while a profiler
+   trace capture runs (its stop and export are not waiting for input: ``other``);
 5. ``bubble`` -- in a step that runs pipeline ops on this rank, the rest of the step: the stage idles (fill and
    drain, waiting for a slower neighbour, transfers, host gaps between microbatches), as the pipeline analyzer's
    measured bubble counts it;
@@ -19,6 +19,11 @@ On a pipeline rank (one with ``pp_forward``/``pp_backward`` spans) the time a po
 flight in case 1 or 3 is ``bubble`` too: the stage waits for its neighbour (schedule fill and drain, stage
 imbalance and the transfer itself; the pipeline section separates the schedule's own share). So the pipeline's
 fill is never read as data wait: its ``recv`` outranks the ``data_wait`` span it sits in.
+
+A collective issued outside every forward, backward and optimizer span of its rank (between steps: a framework's
+logging or SIGTERM check, a loss all-gather after the optimizer) counts, in case 1 or 3, as
+``comm_outside_fwd_bwd`` ("collectives outside forward/backward") instead of ``exposed_comm``: communication, never
+data wait, and apart from the training collectives that overlap could hide.
 
 Where several collectives are in flight at once, the instant is split equally between them. Exposed
 communication is also split by mesh dimension (the group's ``mesh_dim``, ``"(none)"`` outside a DeviceMesh) and by
@@ -39,7 +44,7 @@ from dtprof.analyzers.intervals import coverage_segments, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
 
 NS = 1e9
-PARTS = ("forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other")
+PARTS = ("forward", "backward", "optimizer", "exposed_comm", "comm_outside_fwd_bwd", "data_wait", "bubble", "other")
 UNKNOWN_OP = "(unknown)"
 P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
@@ -66,22 +71,49 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     return codes.astype(np.int64), np.asarray(values)
 
 
-def _channels(run, pipeline_ranks: list[int]) -> tuple[np.ndarray, pd.DataFrame]:
-    """Each collective's channel code and the channels: dim (its group's mesh dimension), op, and bubble (a p2p op
-    on a pipeline rank: its waits are the pipeline's bubble). Vectorised on the columns' integer codes."""
+def issued_outside_compute(sp: pd.DataFrame, sp_set: np.ndarray, co: pd.DataFrame) -> np.ndarray:
+    """Per collective: issued outside every forward/backward/optimizer span (``pp_*`` included) of its rank. A rank
+    with no such span at all (an imported trace without them) cannot tell: its collectives are not outside."""
+    compute = np.isin(sp_set, (OPTIMIZER, BACKWARD, FORWARD))
+    s_rank, s_start = sp["rank"].to_numpy(np.int64)[compute], sp["start_ns"].to_numpy(np.int64)[compute]
+    s_end = sp["end_ns"].to_numpy(np.int64)[compute]
+    c_rank, c_issue = co["rank"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64)
+    out = np.zeros(len(co), bool)
+    for r in np.unique(c_rank):
+        mine = s_rank == r
+        sel = np.flatnonzero(c_rank == r)
+        if not mine.any():
+            continue
+        order = np.argsort(s_start[mine], kind="stable")
+        starts, ends = s_start[mine][order], np.maximum.accumulate(s_end[mine][order])
+        i = np.searchsorted(starts, c_issue[sel], side="right") - 1   # last span starting at or before the issue
+        out[sel] = ~((i >= 0) & (c_issue[sel] < ends[np.maximum(i, 0)]))
+    return out
+
+
+CHANNEL_KINDS = ("exposed_comm", "bubble", "comm_outside_fwd_bwd")   # the part a channel's exposed time goes to
+
+
+def _channels(run, pipeline_ranks: list[int], outside: np.ndarray) -> tuple[np.ndarray, pd.DataFrame]:
+    """Each collective's channel code and the channels: dim (its group's mesh dimension), op, and part (one of
+    CHANNEL_KINDS: ``bubble`` for a p2p op on a pipeline rank, whose waits are the pipeline's bubble;
+    ``comm_outside_fwd_bwd`` for a collective issued outside compute, ``outside``; else ``exposed_comm``).
+    Vectorised on the columns' integer codes."""
     co = run.collectives
     g_code, g_names = _codes(co["group"])
     o_code, o_names = _codes(co["op"])
     bubble = np.isin(co["rank"].to_numpy(np.int64), pipeline_ranks) & np.isin(o_names, P2P_OPS)[o_code]
-    raw = (g_code * len(o_names) + o_code) * 2 + bubble
+    kind = np.where(bubble, 1, np.where(outside, 2, 0))
+    nk = len(CHANNEL_KINDS)
+    raw = (g_code * len(o_names) + o_code) * nk + kind
     uniq, inverse = np.unique(raw, return_inverse=True)
-    u_bubble = (uniq % 2).astype(bool)
-    u_op = o_names[(uniq // 2) % max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
-    u_group = g_names[(uniq // 2) // max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    u_part = np.asarray(CHANNEL_KINDS, dtype=object)[uniq % nk]
+    u_op = o_names[(uniq // nk) % max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    u_group = g_names[(uniq // nk) // max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
     dims = mesh_dim_of(run.groups, pd.Series(u_group, dtype=object)).to_numpy()
-    # channels that differ only by group collapse onto one (dim, op, bubble)
-    chans = pd.DataFrame({"dim": dims, "op": u_op, "bubble": u_bubble})
-    code = chans.groupby(["dim", "op", "bubble"], sort=True).ngroup().to_numpy(np.int64)
+    # channels that differ only by group collapse onto one (dim, op, part)
+    chans = pd.DataFrame({"dim": dims, "op": u_op, "part": u_part})
+    code = chans.groupby(["dim", "op", "part"], sort=True).ngroup().to_numpy(np.int64)
     table = chans.assign(code=code).drop_duplicates("code").sort_values("code", ignore_index=True)
     return code[inverse.ravel()], table
 
@@ -102,8 +134,8 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     pipeline_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[is_pp_span]))
 
     co = run.collectives
-    # each collective's channel (dim, op, bubble) is a set after the span sets
-    chan_codes, chans = _channels(run, pipeline_ranks)
+    # each collective's channel (dim, op, part) is a set after the span sets
+    chan_codes, chans = _channels(run, pipeline_ranks, issued_outside_compute(sp, sp_set, co))
     n_chan = len(chans)
     cap = run.captures
 
@@ -143,14 +175,14 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         "backward": total(~waiting & ~cov[OPTIMIZER] & cov[BACKWARD]),
         "forward": total(~waiting & ~cov[OPTIMIZER] & ~cov[BACKWARD] & cov[FORWARD]),
         "data_wait": total(~comm_time & ~compute & ~cov[CAPTURE] & cov[DATA_WAIT]),
-        "exposed_comm": np.zeros(n_win), "bubble": np.zeros(n_win),
+        "exposed_comm": np.zeros(n_win), "comm_outside_fwd_bwd": np.zeros(n_win), "bubble": np.zeros(n_win),
     }
     exposed_rows = []
     share = np.divide(1.0, n_cover, out=np.zeros(len(seg)), where=n_cover > 0)
     for i, ch in enumerate(chans.itertuples(index=False)):
         t = total(comm_time & chan_cov[i], share)
-        parts["bubble" if ch.bubble else "exposed_comm"] += t
-        if not ch.bubble:
+        parts[ch.part] += t
+        if ch.part == "exposed_comm":
             exposed_rows.append((ch.dim, ch.op, t))
     parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & ~cov[CAPTURE] & cov[PIPE_REGION])
     orphan = total(waiting & (n_cover == 0))   # blocked, but no collective of this rank in flight

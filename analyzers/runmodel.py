@@ -120,7 +120,10 @@ def build(run, warmup: int | None = None) -> RunModel:
     cap = captures(run.meta)
     per = steps_mod.rank_steps(run.steps)
     per["traced"] = _traced(per, cap)
-    per["flops_counted"] = per["executed_flops"].notna()   # ran under FlopCounterMode: slow for dtprof's sake
+    # ran under FlopCounterMode while other steps did not: slow for dtprof's sake (`dtprof run` counts one step).
+    # When every step carries executed FLOPs (a run annotated that way) there is no undisturbed step to prefer.
+    counted = per["executed_flops"].notna().to_numpy()
+    per["flops_counted"] = counted & ~counted.all()
     job = steps_mod.job_steps(per)
     n_warm, source = steps_mod.warmup_of(job, warmup)
     warm = set(job["step"].to_numpy()[:n_warm].tolist())

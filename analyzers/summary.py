@@ -410,7 +410,8 @@ def format_summary_text(summary: dict) -> str:
                  f"p99 {_fmt_s(t.get('p99'))}")
     # where the step went (breakdown.py): one column per part, summing to the mean step time
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
-    short = {"exposed_comm": "exposed", "data_wait": "data wait", "optimizer": "optim"}
+    short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
+             "optimizer": "optim"}
     lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
                  + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}")
     for r in summary.get("ranks") or []:

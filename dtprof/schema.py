@@ -110,7 +110,7 @@ META_KINDS = {
 
 SPAN_KINDS = (
     "forward", "backward", "optimizer",  # the training step's phases
-    "data_wait",         # between the end of one step and the first forward of the next
+    "data_wait",         # time in the DataLoader iterator's __next__ (collectors/runtime.py)
     "comm_wait",         # the rank is blocked on communication (a sync collective, Work.wait, DDP's final wait)
     "pp_forward", "pp_backward",  # pipeline stage work for one microbatch (stage, microbatch set)
     "user",              # dtprof.span(name)

@@ -439,7 +439,8 @@ def test_options_default_from_node_config(tmp_path):
     s = edge(run).summary
     assert s["mfu"]["value"] == pytest.approx(1e12 / (0.037 * 2 * 50e12))
     # summary.json records the options as used, each peak with its source
-    assert s["options"]["flops_per_step"] == 1e12 and s["options"]["dtype"] == "bf16"
+    # an all-CPU run's dtype defaults to fp32 (a CPU has no bf16 peak worth dividing by)
+    assert s["options"]["flops_per_step"] == 1e12 and s["options"]["dtype"] == "fp32"
     assert s["options"]["peaks"] == {"cpu": {"tflops": 50.0, "source": "user: 50 TFLOP/s per device", "reason": ""}}
 
 
@@ -448,7 +449,7 @@ def test_analysis_reads_nothing_outside_the_run(tmp_path, monkeypatch):
     run = build_run(tmp_path / "r", world_size=2, steps=6)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     from dtprof.calibrate import store
-    store({"device_name": "cpu", "dtype": "bf16", "tflops": 0.5, "date": "2026-01-02"})
+    store({"device_name": "cpu", "dtype": "fp32", "tflops": 0.5, "date": "2026-01-02"})   # an all-CPU run: fp32
     plain = analyze(run, AnalysisOptions(flops_per_step=1e9)).summary
     assert plain["mfu"]["peak_flops"] is None and plain["options"]["peaks"] == {}
     at_edge = edge(run, flops_per_step=1e9).summary
@@ -567,11 +568,11 @@ def test_summary_schema_keys_and_text(tmp_path):
     assert "MFU: " in text and "%" in text
     # the breakdown as columns: the synthetic step is data 1, forward 10, backward 20, exposed 4, optimizer 2 ms
     header = next(line for line in text.splitlines() if line.lstrip().startswith("rank"))
-    assert header.split()[5:] == ["forward", "backward", "optim", "exposed", "data", "wait", "bubble", "other",
-                                  "overlap"]
+    assert header.split()[5:] == ["forward", "backward", "optim", "exposed", "comm", "out", "data", "wait", "bubble",
+                                  "other", "overlap"]
     row = next(line for line in text.splitlines() if line.split()[:2] == ["0", "host0"])
-    assert row.split()[3:17] == ["37.0", "ms", "10.0", "ms", "20.0", "ms", "2.0", "ms", "4.0", "ms", "1.0", "ms",
-                                 "0", "0"]
+    assert row.split()[3:18] == ["37.0", "ms", "10.0", "ms", "20.0", "ms", "2.0", "ms", "4.0", "ms", "0", "1.0",
+                                 "ms", "0", "0"]
     assert "stragglers: none" in text
 
 

@@ -31,12 +31,29 @@ def test_overlapping_spans_and_comm_partitioned_by_priority(tmp_path):
                                     (0, "comm_wait", 70, 90), (0, "optimizer", 90, 95)],
                    [(0, "all_reduce", 0, 30, 50, 1024, 1), (0, "all_reduce", 1, 60, 98, 1024, 1)])
     a = analyze(run, AnalysisOptions(warmup=0))
-    assert _parts_ms(a) == {"forward": 30, "backward": 30, "optimizer": 5, "exposed_comm": 23, "data_wait": 10,
-                            "bubble": 0, "other": 2}
+    assert _parts_ms(a) == {"forward": 30, "backward": 30, "optimizer": 5, "exposed_comm": 23,
+                            "comm_outside_fwd_bwd": 0, "data_wait": 10, "bubble": 0, "other": 2}
     r = a.summary["ranks"][0]
     assert r["step_time_s_mean"] == pytest.approx(0.1)
     assert sum(r["breakdown_s_per_step"].values()) == pytest.approx(0.1, rel=1e-12)
     assert r["exposed_comm_s_per_step_by_op"] == {"all_reduce": pytest.approx(0.023)}
+
+
+def test_collective_issued_between_steps_is_communication_outside_forward_backward(tmp_path):
+    # step [0,100): data_wait [0,10), forward [10,40), backward [40,80), optimizer [80,85); DDP's all_reduce issued
+    # in backward, in flight [50,90); a framework's broadcast issued after the optimizer, in flight [88,95), the rank
+    # blocked on it [90,95) (comm_wait); the next batch's DataLoader.__next__ [92,100).
+    # exposed_comm = all_reduce alone [85,88) + half of [88,90) = 4; comm_outside_fwd_bwd = the other half + [90,95)
+    # = 6 (it outranks the data_wait span it overlaps); data_wait = 10 + [95,100) = 15.
+    run = hand_run(tmp_path / "r", [(0, "data_wait", 0, 10), (0, "forward", 10, 40), (0, "backward", 40, 80),
+                                    (0, "optimizer", 80, 85), (0, "comm_wait", 90, 95), (0, "data_wait", 92, 100)],
+                   [(0, "all_reduce", 0, 50, 90, 1024, 1), (0, "broadcast", 1, 88, 95, 8, 1)])
+    a = analyze(run, AnalysisOptions(warmup=0))
+    assert _parts_ms(a) == {"forward": 30, "backward": 40, "optimizer": 5, "exposed_comm": 4,
+                            "comm_outside_fwd_bwd": 6, "data_wait": 15, "bubble": 0, "other": 0}
+    r = a.summary["ranks"][0]
+    assert sum(r["breakdown_s_per_step"].values()) == pytest.approx(r["step_time_s_mean"], rel=1e-12)
+    assert r["exposed_comm_s_per_step_by_op"] == {"all_reduce": pytest.approx(0.004)}
 
 
 def test_concurrent_collectives_split_equally_by_mesh_dimension_and_op(tmp_path):
@@ -61,7 +78,7 @@ def test_pipeline_fill_is_bubble_not_data_wait(tmp_path):
                    [(1, "recv", 0, 5, 30, 64, 2), (0, "send", 0, 80, 90, 64, 2)], ranks=(0, 1))
     a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a, rank=1) == {"forward": 10, "backward": 10, "optimizer": 0, "exposed_comm": 0,
-                                    "data_wait": 5, "bubble": 75, "other": 0}
+                                    "comm_outside_fwd_bwd": 0, "data_wait": 5, "bubble": 75, "other": 0}
     assert _parts_ms(a, rank=0)["exposed_comm"] == 10 and _parts_ms(a, rank=0)["bubble"] == 0
     assert a.summary["breakdown"]["pipeline_ranks"] == [1]
 
@@ -85,8 +102,8 @@ def test_ddp_synth_breakdown_is_the_built_step(tmp_path):
     a = analyze(build_run(tmp_path / "r", world_size=4, steps=6))
     for r in a.summary["ranks"]:
         b = {k: round(v * 1e3, 6) for k, v in r["breakdown_s_per_step"].items()}
-        assert b == {"forward": 10, "backward": 20, "optimizer": 2, "exposed_comm": 4, "data_wait": 1, "bubble": 0,
-                     "other": 0}
+        assert b == {"forward": 10, "backward": 20, "optimizer": 2, "exposed_comm": 4, "comm_outside_fwd_bwd": 0,
+                     "data_wait": 1, "bubble": 0, "other": 0}
         assert r["step_time_s_mean"] == pytest.approx(0.037)
 
 

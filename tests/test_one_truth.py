@@ -89,7 +89,9 @@ def test_persistent_straggler_one_criterion_one_wording(tmp_path):
     run_dir = build_run(tmp_path / "r", world_size=4, steps=12, buckets=10)
     tbl = run_dir / "node-synthetic/tables/collectives.parquet"
     co = pd.read_parquet(tbl)
-    co.loc[(co["rank"] == 3) & (co["bucket"] == 0), "issue_ns"] += 20 * MS
+    late = (co["rank"] == 3) & (co["bucket"] == 0)
+    for c in ("issue_ns", "return_ns", "end_ns"):   # the whole call is late (the reader refuses a return before issue)
+        co.loc[late, c] += 20 * MS
     co.to_parquet(tbl, index=False)
     a = analyze(run_dir)
     s = a.summary["stragglers"]
