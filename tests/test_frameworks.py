@@ -146,7 +146,10 @@ def test_lightning_torchrun(lightning_torchrun):
 
 def test_lightning_between_step_collectives_are_communication_not_data_wait(lightning_torchrun):
     """Lightning's logging all-reduce (sync_dist) runs between steps: it is counted as communication, and none of
-    the data_wait spans overlaps it."""
+    the data_wait spans overlaps it. Lightning's per-step collectives issued between steps are the breakdown's
+    "collectives outside forward/backward" part on every rank."""
+    for r in lightning_torchrun.summary["ranks"]:
+        assert r["breakdown_s_per_step"]["comm_outside_fwd_bwd"] > 0, r["breakdown_s_per_step"]
     run = lightning_torchrun.run
     c, s = run.collectives, run.spans
     logged = c[(c["source"].astype(str) != "ddp") & (c["op"].astype(str) == "all_reduce")]
