@@ -442,8 +442,9 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
 def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
     """Share of the critical path by rank and by part over the measured steps ``steps``. The path starts at the
     slowest rank's end and walks back: work items count for their rank and part; at a wait that held the rank
-    (its slack grew there) the transfer counts as the rank's ``exposed_comm`` and the walk continues at the
-    instance's last arriver, from its arrival."""
+    (its slack grew there) the walk continues at the instance's last arriver, from its arrival, and the transfer
+    after that arrival counts as the last arriver's ``exposed_comm``. Where ranks tie at the end, the lowest
+    rank's end starts the walk."""
     n = len(g.kind)
     idx = np.arange(n)
     first = np.r_[True, g.win[1:] != g.win[:-1]] if n else np.zeros(0, bool)
@@ -469,7 +470,6 @@ def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
     by_rank: dict[int, float] = {}
     by_part = dict.fromkeys(WORK_PARTS, 0.0)
     wsteps = g.windows["step"].to_numpy()
-    dur = pd.Series(r.duration, index=np.arange(len(r.duration)))
     for s in steps.tolist():
         wins = np.flatnonzero(wsteps == s)
         if not len(wins):
@@ -491,14 +491,14 @@ def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
                     by_rank[rk] = by_rank.get(rk, 0.0) + v
             if j < 0:
                 break
-            by_part["exposed_comm"] += float(g.lag[j])
-            by_rank[rk] = by_rank.get(rk, 0.0) + float(g.lag[j])
             nxt = int(last_item[g.key[j]])
             if nxt < 0:
                 break
             wcur, i = int(g.win[nxt]), nxt
+            by_part["exposed_comm"] += float(g.lag[j])   # the transfer: the collective the last arriver started
+            rk = int(ranks[wcur])
+            by_rank[rk] = by_rank.get(rk, 0.0) + float(g.lag[j])
     total = sum(by_part.values())
-    del dur
     if total <= 0:
         return {"by_rank": {}, "by_part": {}}
     return {"by_rank": {str(k): v / total for k, v in sorted(by_rank.items(), key=lambda kv: -kv[1])},
