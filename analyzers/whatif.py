@@ -8,8 +8,9 @@ The model (``build``), per rank-step, from what the run recorded:
   items. The rank is *blocked* where the step breakdown counts communication as blocking (analyzers/breakdown.py,
   cases 1 and 3: a ``comm_wait`` span, or a collective in flight while no compute runs); a blocked stretch waits
   for each collective of the rank that completes inside it (one wait item per exit, for that instance), or, when
-  none completes inside it, for the in-flight collective whose exit is nearest its end. Blocked time is not work:
-  the replay recomputes it;
+  none completes inside it, for a collective that exits within ``EXIT_TOLERANCE_NS`` after it. Waited time is not
+  work: the replay recomputes it. A blocked stretch that waits for nothing (the rank went on while its collectives
+  were still in flight, e.g. host gaps between a pipeline's ops) is fixed ``exposed_comm`` time;
 - collectives are synchronisation points matched across ranks by instance (``collectives.instance_keys``: (group,
   seq), and (group, sender, receiver, seq) for point-to-point, so a pipeline's send/recv are its p2p edges): an
   instance completes on rank r at its last participant's arrival plus r's measured transfer (``lag``: r's release
@@ -52,6 +53,10 @@ S_WIN, S_OPT, S_BWD, S_FWD, S_CWAIT, S_DATA, S_COLL, S_CAP = range(8)
 SPAN_SETS = {"optimizer": S_OPT, "backward": S_BWD, "pp_backward": S_BWD, "forward": S_FWD, "pp_forward": S_FWD,
              "comm_wait": S_CWAIT, "data_wait": S_DATA}
 MAX_PASSES = 100_000
+# a blocked stretch with no exit inside waits for a collective only if one exits this close after it (a wait that
+# returns just before the collector sees the end); otherwise the rank resumed with the collective still in flight:
+# it was not waiting for it, and the stretch is fixed time
+EXIT_TOLERANCE_NS = 200_000
 
 
 @dataclass
@@ -179,7 +184,8 @@ def build(model) -> StepGraph:
         # no exit inside: the first exit after the stretch of a collective in flight at its end
         nxt = np.minimum(hi, len(order) - 1)
         cand = order[nxt]
-        has_next = (n_in == 0) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
+        has_next = ((n_in == 0) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
+                    & (c_exit[cand] - b1 <= EXIT_TOLERANCE_NS))
         items.append(pd.DataFrame({"win": b_win[has_next], "t": b1[has_next], "kind": WAIT, "part": -1, "dur": 0,
                                    "ci": cand[has_next], "release": b1[has_next]}))
         tail_start = np.where(has_next, b1, last_exit)
@@ -407,7 +413,9 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
             rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
     parts = _part_totals(g, g.dur)
     has = {p: bool(parts.loc[g.windows["measured"].to_numpy(), p].sum() > 0) for p in WORK_PARTS}
-    comm = bool((g.lag[(g.kind == WAIT) & ~g.p2p] > 0).any()) or has["exposed_comm"]
+    pipe_win = g.windows["pipeline"].to_numpy()
+    exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)
+    comm = bool((g.lag[(g.kind == WAIT) & ~g.p2p] > 0).any() or exposed_off_pipe.any())
     if comm:
         d, la = perfect_overlap(g)
         e = entry("perfect_overlap", [], d, la, "every collective done the moment its last participant arrives and "
