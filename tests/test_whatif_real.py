@@ -56,8 +56,9 @@ def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
     # one rank's extra work saves something in some steps, never in 75 % of them: no rank is persistent
     import subprocess
 
-    from dtprof.analyzers.summary import analyze
     from what_if_accuracy import SMALL, run_job
+
+    from dtprof.analyzers.summary import analyze
     hog = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 120: pass"])
     try:
         run_dir = run_job(tmp_path, "train_ddp.py", 2, ["--steps", "14"] + SMALL)
