@@ -92,3 +92,15 @@ def test_scenarios_are_pure_edits(tmp_path):
     whatif.perfect_overlap(g)
     whatif.no_data_wait(g)
     assert (g.dur == before[0]).all() and (g.lag == before[1]).all()
+
+
+def test_terminal_summary_prints_the_top_three(tmp_path):
+    from dtprof.analyzers.summary import format_summary_text
+
+    a = analyze(build_run(tmp_path / "r", world_size=3, steps=8, slow_rank=1, slow_factor=1.5, data_ms=4.0))
+    line = next(ln for ln in format_summary_text(a.summary).splitlines() if ln.startswith("what if"))
+    top = a.summary["what_if"][:3]
+    assert len(a.summary["what_if"]) > 3 or len(top) == len(a.summary["what_if"])
+    for w in top:
+        assert f"{w['scenario']}" in line and f"(-{w['saving_frac']:.0%})" in line
+    assert line.index(top[0]["scenario"]) < line.index(top[-1]["scenario"]) or len(top) == 1
