@@ -31,8 +31,8 @@ from dtprof.analyzers.collectives import instance_keys
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
-# A persistent straggler by arrival must hold its peers up by 15 % of the median step: healthy ranks on busy CPUs
-# arrive last systematically by a few percent (measured: 2.2 ms/step, ~9 %, on an unslowed 2-rank job).
+# late_step_frac (evidence, not a criterion) counts steps where a rank held its peers up by 15 % of the median
+# step: healthy ranks on busy CPUs arrive last systematically by a few percent (measured: 2.2 ms/step, ~9 %).
 PERSISTENT_DELAY_FRAC = 0.15
 TRANSIENT_DELAY_FRAC = 0.50
 TRANSIENT_MIN_STEPS = 2
