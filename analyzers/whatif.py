@@ -148,8 +148,14 @@ def build(model) -> StepGraph:
     blocked = cov[S_CWAIT] | (cov[S_COLL] & ~compute)
     label = np.select([blocked, cov[S_OPT], cov[S_BWD], cov[S_FWD], cov[S_DATA] & ~cov[S_CAP]],
                       [-1, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT], OTHER)
-    # runs of one label within a window
+    # runs of one label within a window, also cut where a collective is issued (its arrival keeps its place in the
+    # work: a functional collective issued mid-forward arrives mid-forward in the replay too)
     new = np.r_[True, (g[1:] != g[:-1]) | (label[1:] != label[:-1])] if len(g) else np.zeros(0, bool)
+    if len(g) and len(co):
+        t_lo = int(min(seg_start.min(), c_issue.min()))
+        t_span = int(max(seg_start.max(), c_issue.max())) - t_lo + 1
+        on_issue = np.isin(g * t_span + (seg_start - t_lo), c_win[c_win >= 0] * t_span + (c_issue[c_win >= 0] - t_lo))
+        new |= on_issue
     run_id = np.cumsum(new) - 1
     r_win, r_start = g[new], seg_start[new]
     r_label = label[new]
