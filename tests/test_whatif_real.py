@@ -48,13 +48,6 @@ def test_balanced_stages_points_the_right_way_on_a_70_30_pipeline(tmp_path):
     assert 0 < r["predicted_saving"] <= 2 * max(r["measured_saving"], 0) + 0.10, r
 
 
-def test_perfect_overlap_is_an_upper_bound(tmp_path):
-    # the same per-rank work on one rank (no communication at all) is the best any overlap could do: its saving
-    # must not beat the prediction by more than the noise (10 % of the step)
-    r = measure("overlap_bound", STEPS, tmp_path)
-    assert r["measured_saving"] <= r["predicted_saving"] + 0.10, r
-
-
 def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
     # a busy-looping process beside an unslowed 2-rank DDP job: either rank is sometimes descheduled, so removing
     # one rank's extra work saves something in some steps, never in 75 % of them: no rank is persistent
