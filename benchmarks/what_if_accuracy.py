@@ -8,9 +8,10 @@ Each case runs two real torchrun jobs under the profiler (the injected sitecusto
   straggler_removed scenario for rank 1 against the same job without the sleep;
 - gpipe_balance: GPipe, 2 stages sleeping 70 and 30 ms per step in forward -> balanced_stages against 50 and 50;
 - data_wait: DDP, 2 ranks, every rank waits 30 ms for each batch -> no_data_wait against no wait;
-- overlap_bound: DDP, 2 ranks, its gradient all-reduce exposed -> perfect_overlap against the same per-rank work
-  on one rank (no communication at all): no real overlap can beat the prediction (predicted saving >= measured,
-  up to noise).
+- overlap_bound: DDP, 2 ranks, its gradient all-reduce exposed -> perfect_overlap against the same 2-rank job that
+  never communicates (DDP no_sync, --no-sync): no real overlap can beat the prediction (predicted saving >=
+  measured, up to noise). (A 1-rank reference is unfair on a 2-core machine: it also removes the other rank's CPU
+  contention, and beat the bound.)
 Saving = 1 - step ÷ the slowed run's step (median over measured steps; predicted: the slowed median × (1 - the
 scenario's saving_frac)); error = (predicted - measured saving) ÷
 measured saving. Timings on a shared machine are noisy; say so beside any figure you quote.
@@ -38,7 +39,7 @@ CASES = {
     "gpipe_balance": ("train_pipeline.py", 2, ["--stage-ms", "70,30"], ["--stage-ms", "50,50"], "balanced_stages",
                       []),
     "data_wait": ("train_ddp.py", 2, ["--data-ms", "30"], [], "no_data_wait", []),
-    "overlap_bound": ("train_ddp.py", 2, [], ["--nproc", "1"], "perfect_overlap", []),
+    "overlap_bound": ("train_ddp.py", 2, [], ["--no-sync"], "perfect_overlap", []),
 }
 _port = [29700 + os.getpid() % 200]
 
@@ -66,8 +67,6 @@ def measure(case: str, steps: int, tmp: Path) -> dict:
     script, nproc, slowed, fixed, scenario, ranks = CASES[case]
     common = ["--steps", str(steps)] + SMALL
     a = analyze(run_job(tmp, script, nproc, common + slowed)).summary
-    if fixed[:1] == ["--nproc"]:
-        nproc, fixed = int(fixed[1]), fixed[2:]
     b = analyze(run_job(tmp, script, nproc, common + fixed)).summary
     entry = next((w for w in a["what_if"] if w["scenario"] == scenario and w["ranks"] == ranks), None)
     # medians: on a shared machine a few steps descheduled for tens of ms move a mean of 12 steps by 10 %
