@@ -30,6 +30,7 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.runmodel import RunModel
 
@@ -203,7 +204,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     clk = model.clock
     say("collective arrivals and stragglers")
     arr = strag_mod.arrivals(model)
-    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"])
+    say("what-if replay")
+    on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
+    wi = whatif_mod.analyze_whatif(model, on_gpu=on_gpu)
+    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
+                               wi.straggler_savings if wi else None, options.straggler_min_saving)
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
     rg = gpu_mod.rank_gpu(run, gpus)
@@ -225,6 +230,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                                 "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
                                 "slow_step_frac": float(s.slow_step_frac),
                                 "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
@@ -253,6 +259,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "problems": problems,
     }
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
+    if wi is None:
+        summary.update(replay=None, what_if=[], critical_path=None,
+                       what_if_reason="no measured steps to replay")
+    else:
+        summary.update(wi.summary)
     _add_mesh(summary, model, steps, bd)
     say("GPU kernels")
     gpu_time = kernels_mod.gpu_time(run.spans, run.steps, options.gpu_window)
@@ -388,6 +399,13 @@ def format_summary_text(summary: dict) -> str:
         lines.append("exposed communication per step (mean over ranks): "
                      + (f"by mesh dimension {dims}; " if dims else "")
                      + "by op " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_op.items()))
+    wif = summary.get("what_if") or []
+    if wif:   # the what-if model's top three (analyzers/whatif.py)
+        rep = summary.get("replay") or {}
+        err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
+        lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
+            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''} "
+            f"{_fmt_s(w['predicted_step_s'])} (-{w['saving_frac']:.0%})" for w in wif[:3]))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")

@@ -364,6 +364,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
     from dtprof.reports.gpu import tables_html
+    from dtprof.reports.whatif import whatif_html
 
     progress = progress or Progress(10, False)
     page = _Page()
@@ -371,6 +372,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     # first on the page, so the first screen says where the step went
     breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
     breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
+    breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
     ctx = F.make_context(run, analysis)
     progress.step("context")
     sections = []
