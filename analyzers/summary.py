@@ -223,9 +223,12 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     say("MFU")
     mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
-    stragglers_list = []
+    # Named stragglers are the persistent ones; transient lateness is listed apart and never made a headline.
+    stragglers_list: list[dict] = []
+    transient_list: list[dict] = []
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
-        stragglers_list.append({"rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
+        (stragglers_list if s.kind == "persistent" else transient_list).append({
+                                "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
                                 "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
                                 "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
                                 "slow_step_frac": float(s.slow_step_frac),
@@ -248,6 +251,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "overlap": overlap_mod.whole_run(measured if len(measured) else steps),
         "pipeline": pp.summary if pp else None,
         "stragglers": stragglers_list,
+        "transient_lateness": transient_list,
         "collectives": coll.to_dict("records"),
         "clock": clk.to_dict("records"),
         "gpus": gpus.to_dict("records"),
@@ -276,7 +280,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
-        summary["stragglers_reason"] = "no rank is a straggler by compute score or collective arrival"
+        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
     if summary["memory"]["headroom_frac_min"] is None:
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
@@ -427,6 +431,11 @@ def format_summary_text(summary: dict) -> str:
             f"rank {s['rank']} ({s['host']}) {s['kind']}, peers lost {_fmt_s(s['time_lost_s'])}" for s in sl))
     else:
         lines.append("stragglers: none")
+    tl = summary.get("transient_lateness") or []
+    if tl:
+        lines.append("transient lateness (not a straggler): " + "; ".join(
+            f"rank {s['rank']} held its peers up in a few steps, peers lost {_fmt_s(s['time_lost_s'])}"
+            for s in tl))
     for f in summary.get("findings") or []:
         lines.append(f"[{f['severity']}] {f['message']}")
     return "\n".join(lines)

@@ -305,9 +305,12 @@ def _cards(summary: dict) -> str:
     strag = strag if isinstance(strag, list) else []
     names = ", ".join(f"rank {esc(s.get('rank'))} ({esc(s.get('kind', ''))})" for s in strag[:4]
                       if isinstance(s, dict))
+    late = [s for s in summary.get("transient_lateness") or [] if isinstance(s, dict)]
+    transient = ("; transient lateness (not a straggler): " + ", ".join(f"rank {esc(s.get('rank'))}" for s in late[:4])
+                 if late else "")
     out.append(f'<div class="card" id="card-stragglers" data-key="stragglers" data-value="{len(strag)}">'
                f'<div class="label">Stragglers</div><div class="value">{len(strag)}</div>'
-               f'<div class="sub">{names or "no rank flagged"}'
+               f'<div class="sub">{names or "no rank flagged"}{transient}'
                f'{" <a href=&quot;#stragglers&quot;>details</a>".replace("&quot;", chr(34)) if strag else ""}'
                f"</div></div>")
     return "\n".join(out)
