@@ -30,6 +30,7 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.runformat import UNIDENTIFIED_EVENT
@@ -218,7 +219,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     clk = model.clock
     say("collective arrivals and stragglers")
     arr = strag_mod.arrivals(model)
-    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"])
+    say("what-if replay")
+    on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
+    wi = whatif_mod.analyze_whatif(model, on_gpu=on_gpu)
+    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
+                               wi.straggler_savings if wi else None, options.straggler_min_saving)
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
     rg = gpu_mod.rank_gpu(run, gpus)
@@ -235,13 +240,17 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     say("MFU")
     mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
-    stragglers_list = []
+    # Named stragglers are the persistent ones; transient lateness is listed apart and never made a headline.
+    stragglers_list: list[dict] = []
+    transient_list: list[dict] = []
     for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
-        stragglers_list.append({"rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
+        (stragglers_list if s.kind == "persistent" else transient_list).append({
+                                "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
                                 "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
                                 "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
                                 "slow_step_frac": float(s.slow_step_frac),
                                 "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
@@ -264,6 +273,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "overlap": overlap_mod.whole_run(measured if len(measured) else steps),
         "pipeline": pp.summary if pp else None,
         "stragglers": stragglers_list,
+        "transient_lateness": transient_list,
         "collectives": coll.to_dict("records"),
         "collectives_outside_steps": coll_outside.to_dict("records"),
         "clock": clk.to_dict("records"),
@@ -276,6 +286,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "problems": problems,
     }
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
+    if wi is None:
+        summary.update(replay=None, what_if=[], critical_path=None,
+                       what_if_reason="no measured steps to replay")
+    else:
+        summary.update(wi.summary)
     _add_mesh(summary, model, steps, bd)
     say("GPU kernels")
     gpu_time = kernels_mod.gpu_time(run.spans, run.steps, options.gpu_window)
@@ -288,7 +303,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
-        summary["stragglers_reason"] = "no rank is a straggler by compute score or collective arrival"
+        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
     if summary["memory"]["headroom_frac_min"] is None:
         summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
@@ -428,6 +443,13 @@ def format_summary_text(summary: dict) -> str:
         lines.append("exposed communication per step (mean over ranks): "
                      + (f"by mesh dimension {dims}; " if dims else "")
                      + "by op " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_op.items()))
+    wif = summary.get("what_if") or []
+    if wif:   # the what-if model's top three (analyzers/whatif.py)
+        rep = summary.get("replay") or {}
+        err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
+        lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
+            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''} "
+            f"{_fmt_s(w['predicted_step_s'])} (-{w['saving_frac']:.0%})" for w in wif[:3]))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
@@ -454,6 +476,11 @@ def format_summary_text(summary: dict) -> str:
             f"rank {s['rank']} ({s['host']}) {s['kind']}, peers lost {_fmt_s(s['time_lost_s'])}" for s in sl))
     else:
         lines.append("stragglers: none")
+    tl = summary.get("transient_lateness") or []
+    if tl:
+        lines.append("transient lateness (not a straggler): " + "; ".join(
+            f"rank {s['rank']} held its peers up in a few steps, peers lost {_fmt_s(s['time_lost_s'])}"
+            for s in tl))
     for f in summary.get("findings") or []:
         lines.append(f"[{f['severity']}] {f['message']}")
     return "\n".join(lines)

@@ -305,9 +305,12 @@ def _cards(summary: dict) -> str:
     strag = strag if isinstance(strag, list) else []
     names = ", ".join(f"rank {esc(s.get('rank'))} ({esc(s.get('kind', ''))})" for s in strag[:4]
                       if isinstance(s, dict))
+    late = [s for s in summary.get("transient_lateness") or [] if isinstance(s, dict)]
+    transient = ("; transient lateness (not a straggler): " + ", ".join(f"rank {esc(s.get('rank'))}" for s in late[:4])
+                 if late else "")
     out.append(f'<div class="card" id="card-stragglers" data-key="stragglers" data-value="{len(strag)}">'
                f'<div class="label">Stragglers</div><div class="value">{len(strag)}</div>'
-               f'<div class="sub">{names or "no rank flagged"}'
+               f'<div class="sub">{names or "no rank flagged"}{transient}'
                f'{" <a href=&quot;#stragglers&quot;>details</a>".replace("&quot;", chr(34)) if strag else ""}'
                f"</div></div>")
     return "\n".join(out)
@@ -364,6 +367,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
     from dtprof.reports.gpu import tables_html
+    from dtprof.reports.whatif import whatif_html
 
     progress = progress or Progress(10, False)
     page = _Page()
@@ -371,6 +375,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     # first on the page, so the first screen says where the step went
     breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
     breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
+    breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
     ctx = F.make_context(run, analysis)
     progress.step("context")
     sections = []
