@@ -33,16 +33,24 @@ class Block(nn.Module):
 
 
 class SlowDown(nn.Module):
-    """Sleeps inside forward (so the delay counts as compute) on the rank chosen by --slow-rank."""
+    """Sleeps each step on the rank chosen by --slow-rank: inside forward, or (``phase="backward"``) when the
+    gradient passes this point of the backward pass, so the delay counts as that phase's compute."""
 
-    def __init__(self, seconds: float = 0.0):
+    def __init__(self, seconds: float = 0.0, phase: str = "forward"):
         super().__init__()
         self.seconds = seconds
+        self.phase = phase
 
     def forward(self, x):
-        if self.seconds > 0:
+        if self.seconds > 0 and self.phase == "forward":
             time.sleep(self.seconds)
+        elif self.seconds > 0 and x.requires_grad:
+            x.register_hook(self._sleep_in_backward)
         return x
+
+    def _sleep_in_backward(self, grad):
+        time.sleep(self.seconds)
+        return grad
 
 
 class TinyLM(nn.Module):
@@ -74,6 +82,8 @@ def parse_args(description: str, extra=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms in its forward each step")
     p.add_argument("--slow-ms", type=float, default=0.0)
+    p.add_argument("--slow-in", choices=("forward", "backward"), default="forward",
+                   help="the phase in which --slow-rank sleeps")
     if extra:
         extra(p)
     return p.parse_args()

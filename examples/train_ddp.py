@@ -19,7 +19,7 @@ def main():
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, seq=args.seq).to(device)
     if rank == args.slow_rank:
-        model.slow.seconds = args.slow_ms / 1000
+        model.slow.seconds, model.slow.phase = args.slow_ms / 1000, args.slow_in
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     for step in range(args.steps):
