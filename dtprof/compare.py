@@ -200,8 +200,7 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
     identity = rg.config_differences(b, h)
     probe = rg.probe_change(b, h, confidence=confidence, seed=seed)
     reasons = []
-    if code == EXIT_OK and any(r["verdict"] == rg.FAIL for r in strag):
-        code = EXIT_REGRESSION
+    worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == rg.FAIL]
     blocking = [x for x in identity if x["blocking"]]
     if blocking and not allow_different:
         reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
@@ -212,6 +211,9 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
                        f"{'slower' if probe['ratio'] > 1 else 'faster'} on the probe (head vs base)")
     if reasons:
         code = EXIT_INCONCLUSIVE
+    elif worse:
+        code = EXIT_REGRESSION
+        reasons.append("a straggler got worse: " + "; ".join(worse))
     return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe, "reasons": reasons}
 
 

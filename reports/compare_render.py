@@ -10,7 +10,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from dtprof.analyzers.regression import FAIL, INCONCLUSIVE, NA, PASS, WARN, GateResult
 
-EXIT_MEANING = {0: "all gates passed", 1: "regression: a gate failed", 3: "inconclusive"}
+EXIT_MEANING = {0: "all gates passed", 1: "regression", 3: "inconclusive"}
 
 
 def comparison_dict(results: list[GateResult], base_names: list[str], head_names: list[str], exit_code: int,
@@ -20,7 +20,9 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
     outcome is what it is, one line each)."""
     ex = explain or {}
     reasons = ex.get("reasons") or []
-    outcome = EXIT_MEANING[exit_code] + (": " + "; ".join(reasons) if reasons else "")
+    failed = [r.gate.expr for r in results if r.verdict == FAIL and not r.gate.advisory]
+    why = ([f"gate {', '.join(failed)} failed"] if failed and exit_code == 1 else []) + reasons
+    outcome = EXIT_MEANING[exit_code] + (": " + "; ".join(why) if why else "")
     return {"schema": "dtprof.compare/1", "exit_code": exit_code, "outcome": outcome,
             "base": base_names, "head": head_names, "settings": settings,
             "gates": [r.to_dict() for r in results], "reasons": reasons,
