@@ -97,6 +97,7 @@ def test_a_straggler_that_became_persistent_fails_on_its_own(tmp_path):
     d = json.loads(out)
     assert code == 1, out
     assert d["gates"][0]["verdict"] == "pass"      # the step time did not move: the straggler row decides
+    assert d["outcome"] == "regression: a straggler got worse: rank 1 became persistent"
     assert d["stragglers"] == [{"rank": 1, "what": "became persistent", "base": "transient", "head": "persistent",
                                 "verdict": "fail"}]
 
