@@ -83,15 +83,18 @@ def runs(tmp_path_factory):
         if i:
             base.append(record(root / f"base{i}"))
         same.append(record(root / f"same{i}"))
+        if i == N_RUNS - 1:   # right after the last 'same' run: the machine's other load is as alike as it gets
+            hog = record_while_hogged(root / "hog")
         slow.append(record(root / f"slow{i}", "--slow-rank", 1, "--slow-ms", slow_ms, "--slow-in", "backward"))
-    hog = record_while_hogged(root / "hog")
     ws1 = record(root / "ws1", nproc=1)
     return {"base": base, "same": same, "slow": slow, "slow_ms": slow_ms, "hog": hog, "ws1": ws1}
 
 
-# Busy-looping processes, one more than this machine has cores, so that the probe (one thread) gets a clearly
-# smaller share of a core while they run (measured: the probe's median about 1.5-3x slower on the 2-core VM).
-HOGS = (os.cpu_count() or 2) + 1
+# Busy-looping processes, twice as many as this machine has cores plus one, so that the probe (one thread) gets a
+# clearly smaller share of a core while they run (measured with 3 hogs on the 2-core VM, other helpers' jobs also
+# running: the probe's median 3-4x slower). Other load on this shared machine varies from run to run, so the hog
+# run is compared with the 'same' run recorded just before it (same configuration, nearest in time).
+HOGS = 2 * (os.cpu_count() or 2) + 1
 
 
 def record_while_hogged(out: Path) -> Path:
@@ -133,10 +136,10 @@ def test_a_rank_slowed_in_backward_fails_naming_backward_and_the_rank(runs):
 
 
 def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
-    code, d = compare_json(*runs["base"], "--head", runs["hog"])
-    assert code == 3, d
+    code, d = compare_json(runs["same"][-1], "--head", runs["hog"])
+    assert code == 3, (d["outcome"], d["probe"])
     assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
-    assert d["probe"]["ratio"] > 1.1
+    assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"]
 
 
 def test_a_different_world_size_is_inconclusive_unless_allowed(runs):
@@ -174,3 +177,12 @@ def test_corrupt_summary_exits_2_naming_the_file(runs, tmp_path):
     r = dtprof("compare", runs["base"][0], "--head", corrupt, check=False)
     assert r.returncode == 2
     assert str(summary) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_scaling_across_world_sizes_parts_add_up_to_the_lost_time(runs):
+    r = dtprof("compare", "--scaling", runs["ws1"], runs["base"][0], "--format", "json")
+    two = json.loads(r.stdout)["runs"][1]
+    assert two["world_size"] == 2
+    parts = [two[f"lost_{k}_s"] for k in ("compute", "comm", "bubble", "data_wait", "other")]
+    assert sum(parts) == pytest.approx(two["lost_s"], rel=1e-9, abs=1e-12)
+    assert abs(two["lost_other_s"]) <= abs(two["lost_s"])   # a remainder, not a large negative correction
