@@ -39,7 +39,11 @@ def _parse_transformer(value: str | None) -> dict | None:
 @click.option("--transformer", default=None, metavar="n_params=N,layers=L,heads=H,head_dim=Q,seq_len=T",
               help="Model FLOPs from a transformer's shape (PaLM: 6N + 12·L·H·Q·T per token × tokens/step).")
 @click.option("--no-write", is_flag=True, help="Do not write summary.json into the run.")
-def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype, transformer, no_write):
+@click.option("--gpu-window", type=click.Choice(["all", "hta"]), default="all", show_default=True,
+              help="Kernels counted in GPU time: all of them, or HolisticTraceAnalysis' window (launched before "
+                   "the last step) to compare with HTA.")
+def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype, transformer, no_write,
+                    gpu_window):
     """Per-rank summary of a recorded run; also writes RUN_DIR/summary.json (docs/summary-schema.md).
 
     \b
@@ -61,7 +65,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     try:
         run = open_run(run_dir)
         options = resolve_options(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
-                                  dtype=dtype, transformer=tf)
+                                  dtype=dtype, transformer=tf, gpu_window=gpu_window)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     except ValueError as e:
@@ -78,4 +82,6 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     if as_json:
         click.echo(json.dumps(a.summary, indent=2))
     else:
-        click.echo(format_summary_text(a.summary))
+        from dtprof.reports.gpu import summary_lines
+
+        click.echo("\n".join([format_summary_text(a.summary), *summary_lines(a.summary)]))

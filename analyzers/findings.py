@@ -15,7 +15,11 @@ Thresholds come from docs/metrics.md (the seeds' rules of thumb) and are module 
 - ``pipeline_overhead``: the measured bubble exceeds the schedule replayed on its own op times (pipeline.py) by
   more than 10 % of the step: idle time that more microbatches would not remove (p2p transfers, other communication,
   host gaps);
-- ``straggler``: a persistent straggler (stragglers.py);
+- ``straggler``: a persistent straggler (stragglers.py: removing it would save >= 5 % of the step);
+
+Each finding whose fix has a what-if scenario (analyzers/whatif.py) cites its saving in its message and evidence
+(``saving_frac``): exposed_comm -> perfect_overlap, data_wait -> no_data_wait, pipeline_bubble -> balanced_stages,
+pipeline_overhead -> no_pipeline_gaps, straggler -> straggler_removed (its reason).
 - ``memory_high``: peak memory above 70 % of the device's memory (warning above 90 %);
 - ``low_gpu_util``: mean SM utilisation below 50 % on a GPU, with the likeliest cause among data wait, exposed
   communication, throttling, else host overhead;
@@ -64,17 +68,35 @@ def _part_frac(summary: dict, part: str) -> float | None:
     return parts[part] / step
 
 
+def saving_of(summary: dict, scenario: str, rank: int | None = None) -> dict | None:
+    """The what-if entry (analyzers/whatif.py) of ``scenario`` (for ``rank``), or None."""
+    for w in summary.get("what_if") or []:
+        if w["scenario"] == scenario and (rank is None or w["ranks"] == [rank]):
+            return w
+    return None
+
+
+def _cite(summary: dict, scenario: str, what: str) -> tuple[str, float | None]:
+    """(", <what> would save about X % of the step", the saving) from the what-if list, or ("", None)."""
+    w = saving_of(summary, scenario)
+    if w is None or not _ok(w["saving_frac"]):
+        return "", None
+    return f"; {what} would save about {max(w['saving_frac'], 0):.0%} of the step", w["saving_frac"]
+
+
 def pipeline_bubble(summary: dict, analysis) -> list[dict]:
     pp = summary.get("pipeline")
     if not (pp and _ok(pp.get("bubble_frac")) and pp["bubble_frac"] > BUBBLE_FRAC and
             pp["microbatches"] < MICROBATCH_PER_STAGE * pp["stages"]):
         return []
     theo = f"; theoretical {pp['theoretical_bubble_frac']:.0%}" if _ok(pp.get("theoretical_bubble_frac")) else ""
+    cite, saving = _cite(summary, "balanced_stages", "balancing the stages")
     return [finding(
         "pipeline_bubble", "warning",
         f"Pipeline bubble {pp['bubble_frac']:.0%} of the step with {pp['microbatches']} microbatches over "
-        f"{pp['stages']} stages (schedule {pp['schedule']}{theo})",
+        f"{pp['stages']} stages (schedule {pp['schedule']}{theo}){cite}",
         {"bubble_frac": pp["bubble_frac"], "microbatches": pp["microbatches"], "stages": pp["stages"],
+         "saving_frac": saving,
          "threshold_bubble_frac": BUBBLE_FRAC, "theoretical_bubble_frac": pp.get("theoretical_bubble_frac"),
          "breakdown_bubble_frac": _part_frac(summary, "bubble")},
         f"Use at least {MICROBATCH_PER_STAGE * pp['stages']} microbatches ({MICROBATCH_PER_STAGE} × stages), "
@@ -85,11 +107,12 @@ def pipeline_overhead(summary: dict, analysis) -> list[dict]:
     pp = summary.get("pipeline")
     if not (pp and _ok(pp.get("overhead_frac")) and pp["overhead_frac"] > PIPELINE_OVERHEAD_FRAC):
         return []
+    cite, saving = _cite(summary, "no_pipeline_gaps", "removing the transfers and gaps between ops")
     return [finding(
         "pipeline_overhead", "warning",
         f"Pipeline stages idle {pp['overhead_frac']:.0%} of the step beyond what the schedule needs (measured "
-        f"bubble {pp['bubble_frac']:.0%}, the schedule on these op times {pp['theoretical_bubble_frac']:.0%})",
-        {"overhead_frac": pp["overhead_frac"], "bubble_frac": pp["bubble_frac"],
+        f"bubble {pp['bubble_frac']:.0%}, the schedule on these op times {pp['theoretical_bubble_frac']:.0%}){cite}",
+        {"overhead_frac": pp["overhead_frac"], "saving_frac": saving, "bubble_frac": pp["bubble_frac"],
          "theoretical_bubble_frac": pp["theoretical_bubble_frac"], "threshold_overhead_frac": PIPELINE_OVERHEAD_FRAC},
         "The stages wait on something other than each other's compute: p2p transfers (put adjacent stages on "
         "one node or NVLink), communication outside the schedule such as a data-parallel gradient reduction "
@@ -141,12 +164,14 @@ def exposed_comm(summary: dict, analysis) -> list[dict]:
     where = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_dim.items() if v > 0)
     ops = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_op.items() if v > 0)
     exposed_ms = bd["mean_over_ranks_s_per_step"]["exposed_comm"] * 1e3
+    cite, saving = _cite(summary, "perfect_overlap", "overlapping it perfectly")
     return [finding(
         "exposed_comm", "warning",
         f"Exposed communication is {frac:.0%} of the step ({exposed_ms:.1f} ms a step, mean over ranks)"
         + (f"; by mesh dimension: {where}" if where and set(by_dim) != {"(none)"} else "")
-        + (f"; by op: {ops}" if ops else ""),
-        {"exposed_comm_frac": frac, "exposed_comm_s_per_step": exposed_ms / 1e3, "by_dim_s_per_step": by_dim,
+        + (f"; by op: {ops}" if ops else "") + cite,
+        {"exposed_comm_frac": frac, "saving_frac": saving, "exposed_comm_s_per_step": exposed_ms / 1e3,
+         "by_dim_s_per_step": by_dim,
          "by_op_s_per_step": by_op, "threshold_frac": EXPOSED_COMM_FRAC},
         comm_advice(dim, op), "breakdown", part="exposed_comm", dim=None if dim == "(none)" else dim)]
 
@@ -180,6 +205,7 @@ def straggler(summary: dict, analysis) -> list[dict]:
             f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: {s['reason']}{score}; "
             f"peers lost {s['time_lost_s']:.3f} s waiting for it",
             {"rank": s["rank"], "host": s["host"], "score": s.get("score"), "late_step_frac": s.get("late_step_frac"),
+             "saving_frac": s.get("saving_frac"), "saving_step_frac": s.get("saving_step_frac"),
              "slow_step_frac": s.get("slow_step_frac"), "time_lost_s": s["time_lost_s"],
              "nvml": s.get("evidence", [])},
             "Look at the NVML evidence (clocks, temperature, power, throttling) and that rank's data loading; "
@@ -240,8 +266,9 @@ def data_wait(summary: dict, analysis) -> list[dict]:
     frac = _part_frac(summary, "data_wait")
     if not (_ok(frac) and frac > DATA_WAIT_FRAC):
         return []
-    return [finding("data_wait", "warning", f"Ranks wait for input data {frac:.0%} of the step",
-                    {"data_wait_frac": frac, "threshold_frac": DATA_WAIT_FRAC},
+    cite, saving = _cite(summary, "no_data_wait", "removing the wait")
+    return [finding("data_wait", "warning", f"Ranks wait for input data {frac:.0%} of the step{cite}",
+                    {"data_wait_frac": frac, "threshold_frac": DATA_WAIT_FRAC, "saving_frac": saving},
                     "Use more DataLoader workers, pin_memory and prefetching, or move preprocessing offline.",
                     "breakdown", part="data_wait")]
 

@@ -1,24 +1,32 @@
-"""Kernel-level temporal breakdown and comm/compute overlap, HolisticTraceAnalysis-compatible.
+"""What the GPU did, from kernel spans (traces): GPU time per rank, top kernels, kernel-level comm/compute overlap.
 
-Definitions (docs/metrics.md, "Compute / communication overlap", HTA ``get_comm_comp_overlap``
-and HTA's temporal breakdown):
-- kernel classes by name: analyzers/kernels.py (communication, memory, computation), shared with the overlap
-  analyzer.
-- overlap = |merged compute ∩ merged comm| ÷ |merged comm| per rank (NaN without comm kernels).
+HolisticTraceAnalysis' definitions (HTA 0.5/0.6 ``hta/analyzers/breakdown_analysis.py``, ``hta/utils/utils.py``;
+docs/metrics.md "GPU time" cites them):
+- kernel classes by name: analyzers/kernels.py (communication, memory, computation, other), the one definition
+  shared with the overlap analyzer.
 - kernel time = last kernel end − first kernel start; idle = kernel time − |union of all kernels|;
   compute = |union of computation kernels|; non-compute = kernel time − compute − idle. Shares of kernel time.
+- idle causes, per CUDA stream, for the gap before each kernel after the stream's first: host wait when the
+  kernel's CPU launch started after the previous kernel on that stream ended; kernel wait when not host wait and
+  the gap is under ``KERNEL_WAIT_NS`` (HTA's ``consecutive_kernel_delay`` = 30 in trace units, µs); other
+  otherwise. Summed over streams, given as shares of that summed idle time.
+- overlap = |merged compute ∩ merged comm| ÷ |merged comm| per rank (NaN without comm kernels).
 
-Window (``window=``): "all" (every kernel span of the rank, dtprof's default) or "hta": kernels that start
-before the start of the rank's last step, which is how HTA filters (it drops the last ProfilerStep; it selects by
-the CPU launch time, which the run format does not keep, so a kernel launched in the next-to-last step but run
-after the last step began is left out here and kept by HTA). Pure vectorised pandas/numpy over ``spans``.
+Windows (``window=``): "all" (dtprof's default: every kernel span of the rank, the last step included because
+it is real work) or "hta": kernels launched before the start of the rank's last ProfilerStep, as HTA filters
+(a kernel without a recorded launch is dropped, as HTA's join on the correlation id drops it; on a run without
+launch times the kernel's own start is used). Pure vectorised pandas/numpy over ``spans``.
 """
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.kernels import kernel_classes
+from dtprof.analyzers.kernels import kernel_category
+
+KERNEL_WAIT_NS = 30_000
+WINDOWS = ("all", "hta")
+TOP_KERNELS = 20
 
 
 def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -46,37 +54,114 @@ def _intersection_length(a_s, a_e, b_s, b_e) -> int:
 
 
 def _kernels(spans: pd.DataFrame, steps: pd.DataFrame | None, window: str) -> pd.DataFrame:
-    k = spans[spans["kind"] == "kernel"][["rank", "name", "start_ns", "end_ns"]]
+    if window not in WINDOWS:
+        raise ValueError(f"window must be one of {WINDOWS}, not {window!r}")
+    cols = ["rank", "name", "start_ns", "end_ns", "lane", "step"] + (["launch_ns"] if "launch_ns" in spans else [])
+    k = spans[spans["kind"] == "kernel"][cols]
+    if "launch_ns" not in k:
+        k = k.assign(launch_ns=pd.array([None] * len(k), dtype="Int64"))
     if window == "hta" and steps is not None and len(steps):
-        last = steps.groupby("rank")["start_ns"].max()
-        k = k[k["start_ns"].to_numpy() < k["rank"].map(last).fillna(np.inf).to_numpy()]
-    elif window not in ("all", "hta"):
-        raise ValueError(f"window must be 'all' or 'hta', not {window!r}")
-    comm, compute = kernel_classes(k["name"])
-    return k.assign(comm=comm, compute=compute)
+        last = k["rank"].map(steps.groupby("rank")["start_ns"].max()).astype("Float64").fillna(np.inf).to_numpy()
+        has_launch = k.groupby("rank")["launch_ns"].transform(lambda s: s.notna().any()).to_numpy(bool)
+        t = np.where(has_launch, k["launch_ns"].astype("Float64").fillna(np.inf).to_numpy(float),
+                     k["start_ns"].to_numpy(float))
+        k = k[t < last]
+    return k.assign(category=kernel_category(k["name"]))
 
 
-def kernel_breakdown(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str = "all") -> pd.DataFrame:
-    """Per rank: kernel_time_s, idle_frac, compute_frac, non_compute_frac, comm_compute_overlap_frac.
+def _idle_causes(g: pd.DataFrame) -> dict:
+    """HTA's idle time breakdown of one rank's kernels: per stream, summed; shares of the summed idle time."""
+    g = g.sort_values(["lane", "start_ns"], kind="stable")
+    prev_end = g.groupby("lane", observed=True)["end_ns"].shift(1)
+    gap = (g["start_ns"] - prev_end).to_numpy(float)
+    launch = g["launch_ns"].astype("Float64").to_numpy(float, na_value=np.nan)
+    has = ~np.isnan(gap)
+    host = has & (launch > prev_end.to_numpy(float))
+    kernel = has & ~host & (gap < KERNEL_WAIT_NS)
+    other = has & ~host & ~kernel
+    total = float(np.nansum(gap[has]))
+    sums = {"host_wait": float(gap[host].sum()), "kernel_wait": float(gap[kernel].sum()),
+            "other": float(gap[other].sum())}
+    return {k: (v / total if total else None) for k, v in sums.items()} | {
+        "stream_idle_s": total / 1e9, "launch_known_frac": float(g["launch_ns"].notna().mean()) if len(g) else None}
 
-    One group per rank (ranks are few); inside, all interval work is vectorised.
-    """
+
+def _rank_time(g: pd.DataFrame) -> dict:
+    s, e = g["start_ns"].to_numpy(np.int64), g["end_ns"].to_numpy(np.int64)
+    cat = g["category"].to_numpy()
+    us, ue = _union(s, e)
+    kernel_time = int(ue.max() - us.min()) if len(us) else 0
+    busy = int((ue - us).sum())
+    parts = {c: _union(s[cat == c], e[cat == c]) for c in ("computation", "communication", "memory")}
+    length = {c: int((pe - ps).sum()) for c, (ps, pe) in parts.items()}
+    cs, ce = parts["computation"]
+    ms, me = parts["communication"]
+    idle = kernel_time - busy
+    frac = (lambda x: x / kernel_time) if kernel_time else (lambda x: None)
+    return {"kernel_time_s": kernel_time / 1e9, "idle_frac": frac(idle), "compute_frac": frac(length["computation"]),
+            "non_compute_frac": frac(kernel_time - length["computation"] - idle),
+            "comm_frac": frac(length["communication"]), "memory_frac": frac(length["memory"]),
+            "comm_compute_overlap_frac": (_intersection_length(ms, me, cs, ce) / length["communication"]
+                                          if length["communication"] else None),
+            "start_ns": int(us.min()) if len(us) else None, "end_ns": int(ue.max()) if len(ue) else None}
+
+
+def gpu_time(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str = "all") -> dict:
+    """rank -> ``gpu_time`` dict (docs/summary-schema.md) for every rank with kernel spans."""
     k = _kernels(spans, steps, window)
-    rows = []
+    out = {}
     for rank, g in k.groupby("rank", sort=True):
-        s, e = g["start_ns"].to_numpy(np.int64), g["end_ns"].to_numpy(np.int64)
-        us, ue = _union(s, e)
-        kernel_time = int(ue.max() - us.min()) if len(us) else 0
-        busy = int((ue - us).sum())
-        cs, ce = _union(s[g["compute"].to_numpy()], e[g["compute"].to_numpy()])
-        ms, me = _union(s[g["comm"].to_numpy()], e[g["comm"].to_numpy()])
-        compute = int((ce - cs).sum())
-        comm = int((me - ms).sum())
-        idle = kernel_time - busy
-        rows.append({"rank": rank, "kernel_time_s": kernel_time / 1e9,
-                     "idle_frac": idle / kernel_time if kernel_time else np.nan,
-                     "compute_frac": compute / kernel_time if kernel_time else np.nan,
-                     "non_compute_frac": (kernel_time - compute - idle) / kernel_time if kernel_time else np.nan,
-                     "comm_compute_overlap_frac": _intersection_length(ms, me, cs, ce) / comm if comm else np.nan})
-    return pd.DataFrame(rows, columns=["rank", "kernel_time_s", "idle_frac", "compute_frac", "non_compute_frac",
-                                       "comm_compute_overlap_frac"])
+        t = _rank_time(g)
+        counted_steps = sorted(int(x) for x in g["step"].dropna().unique())
+        out[int(rank)] = {
+            "idle_frac": t["idle_frac"], "compute_frac": t["compute_frac"],
+            "non_compute_frac": t["non_compute_frac"], "comm_frac": t["comm_frac"],
+            "memory_frac": t["memory_frac"], "comm_compute_overlap_frac": t["comm_compute_overlap_frac"],
+            "kernel_time_s": t["kernel_time_s"],
+            "window": {"name": window, "steps": counted_steps, "kernels": int(len(g)),
+                       "streams": sorted(str(x) for x in g["lane"].unique()),
+                       "start_ns": t["start_ns"], "end_ns": t["end_ns"],
+                       "rule": ("every kernel span of the rank" if window == "all" else
+                                "kernels launched before the rank's last ProfilerStep starts (HTA)")},
+            "idle_causes": _idle_causes(g)}
+    return out
+
+
+def top_kernels(spans: pd.DataFrame, n: int = TOP_KERNELS) -> list[dict]:
+    """The ``n`` kernels with the most total time over all ranks, descending: name, category, count, time_s,
+    share (of all kernel time summed, not of wall time), mean_s."""
+    k = spans[spans["kind"] == "kernel"]
+    if not len(k):
+        return []
+    d = pd.DataFrame({"name": k["name"].astype(str).to_numpy(),
+                      "dur": (k["end_ns"] - k["start_ns"]).to_numpy(np.int64)})
+    agg = d.groupby("name", sort=False)["dur"].agg(["count", "sum"]).sort_values(
+        ["sum", "count"], ascending=[False, False], kind="stable").head(n)
+    total = int(d["dur"].sum())
+    cat = kernel_category(pd.Series(agg.index))
+    return [{"name": name, "category": str(c), "count": int(r["count"]), "time_s": int(r["sum"]) / 1e9,
+             "share": int(r["sum"]) / total if total else None, "mean_s": int(r["sum"]) / int(r["count"]) / 1e9}
+            for (name, r), c in zip(agg.iterrows(), cat)]
+
+
+def job_gpu_time(per_rank: dict) -> dict | None:
+    """The job's GPU time from ``gpu_time``'s per-rank dicts: shares weighted by each rank's kernel time, overlap by
+    its communication time, idle causes by its summed stream idle time. None without kernel spans."""
+    ranks = [g for g in per_rank.values() if g["kernel_time_s"]]
+    if not ranks:
+        return None
+    kt = np.array([g["kernel_time_s"] for g in ranks])
+
+    def mean(key, w):
+        v = np.array([np.nan if g[key] is None else g[key] for g in ranks], float)
+        ok = ~np.isnan(v) & (w > 0)
+        return float(np.sum(v[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
+
+    comm_w = kt * np.array([g["comm_frac"] for g in ranks])
+    idle_w = np.array([g["idle_causes"]["stream_idle_s"] for g in ranks])
+    causes = {c: (float(np.sum(idle_w * [g["idle_causes"][c] or 0 for g in ranks]) / idle_w.sum())
+                  if idle_w.sum() else None) for c in ("host_wait", "kernel_wait", "other")}
+    return {**{k: mean(k, kt) for k in ("idle_frac", "compute_frac", "non_compute_frac", "comm_frac",
+                                        "memory_frac")},
+            "comm_compute_overlap_frac": mean("comm_compute_overlap_frac", comm_w),
+            "idle_causes": causes, "ranks": len(ranks), "window": ranks[0]["window"]["name"]}

@@ -22,3 +22,12 @@ def kernel_classes(names: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     names = names.astype(str)
     return (names.str.contains(COMM_KERNEL_RE, regex=True).to_numpy(),
             ~names.str.contains(NOT_COMPUTE_KERNEL_RE, regex=True).to_numpy())
+
+
+def kernel_category(names: pd.Series) -> np.ndarray:
+    """"communication" / "memory" / "computation" / "other" (synchronisation) per kernel name."""
+    names = names.astype(str)
+    comm = names.str.contains(COMM_KERNEL_RE, regex=True).to_numpy()
+    memory = names.str.contains(MEMORY_KERNEL_RE, regex=True).to_numpy()
+    compute = ~names.str.contains(NOT_COMPUTE_KERNEL_RE, regex=True).to_numpy()
+    return np.select([comm, memory, compute], ["communication", "memory", "computation"], "other")

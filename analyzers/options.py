@@ -43,8 +43,17 @@ class AnalysisOptions:
     peaks: dict[str, DevicePeak] = field(default_factory=dict)
     """Device name (``ranks.device_name``) -> its peak, resolved at the command-line edge. A device with no entry has
     no known peak (MFU is null, saying so)."""
+    gpu_window: str = "all"
+    """Which kernels ``ranks[i].gpu_time`` counts: "all" (every kernel span) or "hta" (HolisticTraceAnalysis'
+    window: kernels launched before the rank's last ProfilerStep; analyzers/kernel_breakdown.py WINDOWS)."""
+
+    straggler_min_saving: float = 0.05
+    """A rank is a persistent straggler only when removing its extra work saves at least this share of the step
+    (analyzers/stragglers.py, from the what-if model of analyzers/whatif.py)."""
 
     def __post_init__(self):
+        if not 0 < self.straggler_min_saving < 1:
+            raise ValueError(f"straggler_min_saving {self.straggler_min_saving!r}: must be between 0 and 1")
         if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
             raise ValueError(f"warmup {self.warmup!r}: must be a whole number >= 0")
         if self.flops_per_step is not None and not self.flops_per_step > 0:
@@ -55,6 +64,8 @@ class AnalysisOptions:
             missing = [k for k in TRANSFORMER_KEYS if k not in self.transformer]
             if missing:
                 raise ValueError(f"transformer: needs {', '.join(missing)}")
+        if self.gpu_window not in ("all", "hta"):
+            raise ValueError(f"gpu_window {self.gpu_window!r}: must be 'all' or 'hta'")
         for name, p in self.peaks.items():
             if not isinstance(p, DevicePeak):
                 raise ValueError(f"peaks[{name!r}]: must be a DevicePeak")

@@ -526,10 +526,12 @@ def _kinds(summary: dict) -> dict[int, str]:
 
 
 def _savings(summary: dict) -> dict[tuple[int, ...], float]:
-    """Predicted saving (share of the step) per what-if scenario's ranks (summary.json ``what_if``, if any)."""
+    """Predicted saving (share of the step) of removing each straggler (summary.json ``what_if`` entries of
+    scenario ``straggler_removed``, analyzers/whatif.py), by the scenario's ranks."""
     out = {}
     for w in summary.get("what_if") or []:
-        if isinstance(w, dict) and isinstance(w.get("saving_frac"), (int, float)) and w.get("ranks"):
+        if isinstance(w, dict) and w.get("scenario") == "straggler_removed" and w.get("ranks") \
+                and isinstance(w.get("saving_frac"), (int, float)):
             out[tuple(sorted(int(r) for r in w["ranks"]))] = float(w["saving_frac"])
     return out
 

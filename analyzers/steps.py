@@ -48,8 +48,10 @@ def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
     })
     per["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
-    for col in ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops"):
+    for col in ("peak_mem_bytes", "tokens", "samples"):
         per[col] = s[col].astype("Int64").to_numpy()
+    for col in ("model_flops", "executed_flops"):   # float64: beyond int64's range for large models
+        per[col] = s[col].to_numpy(np.float64)
     return per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
 
 

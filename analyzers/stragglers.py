@@ -9,14 +9,14 @@ Compute score (NVIDIA resiliency-ext, "relative" reference): score = median comp
 rank / this rank's median (1.0 = as fast as the fastest). Compute excludes comm_wait (overlap.py), so a rank that
 waits for a slow peer does not look slow itself.
 
-Classification (dtprof convention; DDP equalises step time, so step time alone is never used). The criteria are
-stated once, in ``PERSISTENT_RULE`` and ``TRANSIENT_RULE``; the summary, the report, triage and the docs quote
-them, and each flagged rank's ``reason`` gives the share of steps the criterion counted:
-- **persistent**: in >= 75 % of the measured steps the rank is slow -- either its compute is below 0.75 of the
-  step's fastest rank (and its overall compute score is below 0.75; a median alone is fooled by noisy CPU
-  timings), or it arrived last at some collective with a lead over the median arrival of >= 15 % of the median
-  step (late work outside the hooked compute spans, e.g. a slow data path). Per step, not per collective: a rank
-  late to a step's first all-reduce arrives with everyone at the next ones, so its share of collectives is small;
+Classification by impact (dtprof convention, docs/what-if.md; DDP equalises step time, so step time alone is never
+used). The criteria are stated once, in ``PERSISTENT_RULE`` and ``TRANSIENT_RULE``; the summary, the report, triage
+and the docs quote them, and each flagged rank's ``reason`` gives the numbers the criterion counted:
+- **persistent**: the what-if model's ``straggler_removed`` scenario (analyzers/whatif.py: the rank's work set to
+  its peers' median, part by part) saves at least ``AnalysisOptions.straggler_min_saving`` (5 %) of the job's step
+  over the measured steps, and at least that much in >= 50 % of them (a saving that holds, not a few slow steps).
+  The compute score and arrival lead below are evidence, not criteria: a rank that is slower but that nobody waits
+  for (or that a busy machine slows as much as its peers) costs nothing and is named by nobody;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
   time, and in at least twice as many such steps as any other rank (so symmetric noise on a busy machine, where
   every rank is sometimes late, names nobody);
@@ -31,16 +31,26 @@ from dtprof.analyzers.collectives import instance_keys
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
-PERSISTENT_LATE_FRAC = 0.75
-# A persistent straggler by arrival must hold its peers up by 15 % of the median step: healthy ranks on busy CPUs
-# arrive last systematically by a few percent (measured: 2.2 ms/step, ~9 %, on an unslowed 2-rank job).
+# late_step_frac (evidence, not a criterion) counts steps where a rank held its peers up by 15 % of the median
+# step: healthy ranks on busy CPUs arrive last systematically by a few percent (measured: 2.2 ms/step, ~9 %).
 PERSISTENT_DELAY_FRAC = 0.15
 TRANSIENT_DELAY_FRAC = 0.50
 TRANSIENT_MIN_STEPS = 2
 P2P = ("send", "recv")
-PERSISTENT_RULE = (f"persistent: slow in at least {PERSISTENT_LATE_FRAC:.0%} of the measured steps -- compute below "
-                   f"{SCORE_THRESHOLD} of the fastest rank's, or last to arrive at a collective holding its peers up "
-                   f"by at least {PERSISTENT_DELAY_FRAC:.0%} of the median step")
+DEFAULT_MIN_SAVING = 0.05   # AnalysisOptions.straggler_min_saving's default
+# the saving must hold in at least this share of the measured steps: most of them, not a few (a 2-core machine's
+# scheduling makes a few steps of any rank slow; a real 40 ms straggler held in 5 of 7 steps of a busy hybrid run)
+PERSISTENT_HELD_FRAC = 0.5
+
+
+def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
+    """The persistent-straggler criterion in words, for ``min_saving`` (the options' threshold)."""
+    return (f"persistent: removing the rank's extra work (its work set to its peers' median) would save at least "
+            f"{min_saving:.0%} of the step over the measured steps, and at least that much in at least "
+            f"{PERSISTENT_HELD_FRAC:.0%} of them")
+
+
+PERSISTENT_RULE = persistent_rule()
 TRANSIENT_RULE = (f"transient: holds its peers up by at least {TRANSIENT_DELAY_FRAC:.0%} of the median step in "
                   f"{TRANSIENT_MIN_STEPS} or more measured steps, twice as many as any other rank")
 LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (max)", "power_w_mean": "power (mean)",
@@ -100,8 +110,11 @@ def arrivals(model) -> pd.DataFrame:
     return out
 
 
-def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float | None) -> pd.DataFrame:
-    """Per rank: rank, host, device, late_frac, time_lost_s, compute_score, delay_s_per_step, kind, late_steps."""
+def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float | None,
+             savings: pd.DataFrame | None = None, min_saving: float = DEFAULT_MIN_SAVING) -> pd.DataFrame:
+    """Per rank: rank, host, device, late_frac, time_lost_s, compute_score, delay_s_per_step, saving_frac,
+    saving_step_frac, kind, late_steps. ``savings``: rank, step, saving_frac of the what-if's straggler_removed per
+    measured step (analyzers/whatif.py); ranks without a row save nothing."""
     r = run.ranks
     out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
                         "device": r["device_name"].astype(str).to_numpy(),
@@ -149,21 +162,23 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     else:
         held = pd.Series(dtype=int)
     out["late_step_frac"] = held.reindex(idx).fillna(0).to_numpy() / n_steps
-    slow_compute = (out["compute_score"] < SCORE_THRESHOLD) & (out["slow_step_frac"] >= PERSISTENT_LATE_FRAC)
-    persistent_late = out["late_step_frac"] >= PERSISTENT_LATE_FRAC
-    persistent = slow_compute | persistent_late
+    sv = savings if savings is not None and len(savings) else pd.DataFrame(columns=["rank", "step", "saving_frac"])
+    sv = sv.astype({"rank": "int64", "saving_frac": "float64"})
+    out["saving_frac"] = sv.groupby("rank")["saving_frac"].mean().reindex(idx).fillna(0.0).to_numpy()
+    held_steps = (sv["saving_frac"] >= min_saving).groupby(sv["rank"]).sum()
+    out["saving_step_frac"] = held_steps.reindex(idx).fillna(0).to_numpy() / n_steps
+    persistent = (out["saving_frac"] >= min_saving) & (out["saving_step_frac"] >= PERSISTENT_HELD_FRAC)
     ls = out["late_steps"].to_numpy()
     top = np.sort(ls)[::-1]
     others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
     transient = ~persistent & (ls >= TRANSIENT_MIN_STEPS) & (ls >= 2 * others_max)
     out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
     out["reason"] = [
-        (f"compute below {SCORE_THRESHOLD} of the fastest rank's in {sf:.0%} of measured steps" if sc else
-         f"last to arrive, holding its peers up by >= {PERSISTENT_DELAY_FRAC:.0%} of the median step, in {lf:.0%} "
-         f"of measured steps" if pl else
+        (f"removing its extra work would save about {sf:.0%} of the step ({hf:.0%} of measured steps save at least "
+         f"{min_saving:.0%})" if pe else
          f"held its peers up by >= {TRANSIENT_DELAY_FRAC:.0%} of the median step in {n} measured steps" if tr else "")
-        for sc, pl, tr, sf, lf, n in zip(slow_compute, persistent_late, transient, out["slow_step_frac"],
-                                         out["late_step_frac"], out["late_steps"])]
+        for pe, tr, sf, hf, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
+                                     out["late_steps"])]
     return out
 
 

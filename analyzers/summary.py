@@ -23,18 +23,20 @@ from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
+from dtprof.analyzers import kernel_breakdown as kernels_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import mfu as mfu_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
+from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.runmodel import RunModel
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
-STATUS_ORDER = ("hung", "killed", "failed", "running", "completed", "imported")   # worst first
+STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed", "imported")   # worst first
 
 
 def worst_status(statuses) -> str | None:
@@ -72,6 +74,8 @@ def _run_block(run) -> dict:
            "exit_code": exit_code, "path": str(run.path), "nodes": len(run.nodes),
            "duration_s": max(durations) if durations else None, "start_time": starts[0] if starts else None}
     out.update(_machine_block(run.nodes))
+    if status == "interrupted":
+        out["status_reason"] = next(n["status_reason"] for n in run.nodes if n.get("status") == "interrupted")
     if status is None:
         out["status_reason"] = "no node.json records the job's end (still running, or the launcher was killed)"
     if exit_code is None:
@@ -231,7 +235,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     clk = model.clock
     say("collective arrivals and stragglers")
     arr = strag_mod.arrivals(model)
-    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"])
+    say("what-if replay")
+    on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
+    wi = whatif_mod.analyze_whatif(model, on_gpu=on_gpu)
+    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
+                               wi.straggler_savings if wi else None, options.straggler_min_saving)
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
     rg = gpu_mod.rank_gpu(run, gpus)
@@ -253,6 +261,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                                 "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
                                 "slow_step_frac": float(s.slow_step_frac),
                                 "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
@@ -282,7 +291,20 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     }
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
+    if wi is None:
+        summary.update(replay=None, what_if=[], critical_path=None,
+                       what_if_reason="no measured steps to replay")
+    else:
+        summary.update(wi.summary)
     _add_mesh(summary, model, steps, bd)
+    say("GPU kernels")
+    gpu_time = kernels_mod.gpu_time(run.spans, run.steps, options.gpu_window)
+    for r in summary["ranks"]:
+        r["gpu_time"] = gpu_time.get(int(r["rank"]))
+    summary["kernels"] = kernels_mod.top_kernels(run.spans)
+    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
+    if summary["gpu_time"] is None:
+        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
     if pp is None:
         summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
     if not stragglers_list:
@@ -382,6 +404,8 @@ def format_summary_text(summary: dict) -> str:
     code = f", exit code {run['exit_code']}" if run.get("exit_code") is not None else ""
     lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) {hosts}, "
                  f"status {run.get('status') or 'unknown'}{code}")
+    if run.get("status") == "interrupted":
+        lines.append(run.get("status_reason") or "interrupted")
     tri = summary.get("triage")
     if tri and tri.get("verdict") != "healthy":
         lines.append(f"triage: {tri['message']}")
@@ -407,6 +431,13 @@ def format_summary_text(summary: dict) -> str:
         lines.append("exposed communication per step (mean over ranks): "
                      + (f"by mesh dimension {dims}; " if dims else "")
                      + "by op " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_op.items()))
+    wif = summary.get("what_if") or []
+    if wif:   # the what-if model's top three (analyzers/whatif.py)
+        rep = summary.get("replay") or {}
+        err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
+        lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
+            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''} "
+            f"{_fmt_s(w['predicted_step_s'])} (-{w['saving_frac']:.0%})" for w in wif[:3]))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")

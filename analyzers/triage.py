@@ -16,10 +16,15 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
    Without in-flight collectives, the Flight Recorder's newest seq per rank and group gives the same answer.
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
-4. **straggler** — a rank the analysis classifies as a persistent straggler (``stragglers.PERSISTENT_RULE``:
+4. **interrupted** — a node's ``dtprof run`` launcher was killed before it recorded the job's end (node.json
+   still "running", its process gone: ``dtprof.reader.launcher_killed``); its timings are not a straggler's.
+5. **straggler** — a rank the analysis classifies as a persistent straggler (``stragglers.PERSISTENT_RULE``:
    slow in at least 75 % of the measured steps, by compute or by holding its peers up at a collective), with the
    NVML evidence the analysis built for it (throttle reasons, SM clock, temperature, power, ECC errors).
-5. **healthy** otherwise.
+6. **healthy** otherwise.
+
+Every stop of the job's processes by the launcher (node.json "stops": the hang watchdog's, or leftovers after the
+command ended) is named in the evidence, with its signals, grace period and whether any process survived it.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
 
-VERDICTS = ("hang", "crash", "mismatch", "straggler", "healthy")
+VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy")
 P2P = ("send", "recv")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
 TIMEOUT_PATTERNS = [
@@ -301,6 +306,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     import pandas as pd
 
     from dtprof.collectors.flight_recorder import load_dumps
+    from dtprof.launcher import stop_text
     from dtprof.reader import open_run
 
     run_dir = Path(run_dir)
@@ -328,6 +334,10 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         evidence.append({"kind": "log", "message": f"job output: {line[:300]}"})
     if run is not None and run.problems:
         evidence += [{"kind": "read", "message": p} for p in run.problems]
+    for node in run.nodes if run is not None else []:
+        for stop in node.get("stops") or []:
+            evidence.append({"kind": "stop", "message": f"dtprof run on {node.get('host') or '?'} {stop_text(stop)}",
+                             **stop})
 
     def result(verdict, culprits, collective, message):
         return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
@@ -473,7 +483,13 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                 ({"crash", "sigterm", "exception"} & set(dumps.get(r, {}))) for r in others) else ""
         return result("crash", culprits, None, msg)
 
-    # 4. straggler
+    # 4. interrupted
+    cut = [n for n in (run.nodes if run is not None else []) if n.get("status") == "interrupted"]
+    if cut:
+        return result("interrupted", [], None, f"{cut[0]['status_reason']} ({', '.join(n['node'] for n in cut)}); "
+                      f"the job's end was not recorded, so no straggler verdict is drawn from its timings")
+
+    # 5. straggler
     if run is not None and len(run.steps):
         try:
             if stragglers is None:

@@ -3,7 +3,7 @@
 One process, started the way `dtprof run` starts a rank (the injected sitecustomize on PYTHONPATH), trains the
 example TinyLM on CPU (compute-bound, one thread, steps of tens of ms). It alternates short blocks of steps in three
 modes, rotating their order, so the machine's noise (other jobs) hits every mode alike:
-- bare: dtprof's training hooks removed (``runtime._remove_train_hooks``); its idle flusher thread stays.
+- bare: dtprof's training hooks removed (``runtime.STATE.remove_train_hooks``); its idle flusher thread stays.
 - dtprof: hooks installed and recording (steps, forward/backward/optimizer/data_wait spans, flushed every 1 s).
 - torch.profiler: CPU activities, entered before the block (not timed) and left after it; no trace export.
 The first step of each block is discarded. Reported: the median step per mode and, the figure to judge by, the
@@ -63,7 +63,7 @@ def worker(blocks: int, steps: int) -> None:
         for mode in MODES[b % 3:] + MODES[: b % 3]:
             want = mode == "dtprof"
             if want != installed:
-                (runtime._install_train_hooks if want else runtime._remove_train_hooks)()
+                (runtime.STATE.install_train_hooks if want else runtime.STATE.remove_train_hooks)()
                 installed = want
             if mode == "torch.profiler":
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -76,10 +76,10 @@ def worker(blocks: int, steps: int) -> None:
     # whose step is ~1 ms; it is made a root module like TinyLM, so each step runs dtprof's forward hooks on the
     # root, its backward wrapper and its optimizer hooks, and writes the step and span rows.
     tiny = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(sum(1 for _ in model.modules()))])
-    runtime._note_root(tiny)
+    runtime.STATE.note_root(tiny)
     if installed:
-        runtime._remove_train_hooks()
-        runtime._install_train_hooks()
+        runtime.STATE.remove_train_hooks()
+        runtime.STATE.install_train_hooks()
     topt = torch.optim.SGD(tiny.parameters(), lr=1e-3)
     xt = torch.randn(4, 8)
     tiny_res = {"bare": [], "dtprof": []}
@@ -87,7 +87,7 @@ def worker(blocks: int, steps: int) -> None:
         for mode in ("bare", "dtprof") if b % 2 else ("dtprof", "bare"):
             want = mode == "dtprof"
             if want != installed:
-                (runtime._install_train_hooks if want else runtime._remove_train_hooks)()
+                (runtime.STATE.install_train_hooks if want else runtime.STATE.remove_train_hooks)()
                 installed = want
             t0 = time.perf_counter()
             for _ in range(100):

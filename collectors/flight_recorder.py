@@ -50,6 +50,8 @@ def parse_dump(raw: bytes | str | dict, source: str = "<memory>") -> dict:
     if isinstance(raw, bytes) and raw[:1] == b"\x80":  # pickle protocol 2+ header
         try:
             obj = _PlainUnpickler(io.BytesIO(raw)).load()
+        except RecursionError:
+            raise DumpError(f"{source}: unreadable pickle (nested too deeply)") from None
         except Exception as e:
             raise DumpError(f"{source}: unreadable pickle ({type(e).__name__}: {e})") from None
     else:
@@ -57,8 +59,12 @@ def parse_dump(raw: bytes | str | dict, source: str = "<memory>") -> dict:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise DumpError(f"{source}: neither a Flight Recorder pickle nor JSON ({e})") from None
+        except RecursionError:
+            raise DumpError(f"{source}: JSON nested too deeply (not a Flight Recorder dump)") from None
     if not isinstance(obj, dict) or "entries" not in obj:
         raise DumpError(f"{source}: not a Flight Recorder dump (no 'entries')")
+    if not isinstance(obj["entries"], (list, tuple)) or not all(isinstance(e, dict) for e in obj["entries"]):
+        raise DumpError(f"{source}: 'entries' is a {type(obj['entries']).__name__}, expected a list of entries")
     return obj
 
 
@@ -81,32 +87,62 @@ def entries_frame(dump: dict, rank: int | None, source: str = ""):
 
     rank = dump.get("rank", rank)
     rows = []
-    for e in dump.get("entries") or []:
-        pg = e.get("process_group") or ["", ""]
-        sizes = e.get("input_sizes") or []
-        dtypes = e.get("input_dtypes") or []
-        nbytes = 0
-        for shape, dt in zip(sizes, dtypes):
-            n = 1
-            for d in shape:
-                n *= int(d)
-            nbytes += n * _DTYPE_BYTES.get(dt, 0)
-        frames = e.get("frames") or []
-        rows.append({
-            "rank": rank, "group": str(pg[0]), "group_desc": str(pg[1]) if len(pg) > 1 else "",
-            "seq": e.get("collective_seq_id"), "p2p_seq": e.get("p2p_seq_id"), "is_p2p": bool(e.get("is_p2p")),
-            "op": _op_name(e.get("profiling_name", "")), "in_bytes": nbytes,
-            "input_sizes": json.dumps(sizes), "dtype": ",".join(_DTYPE_NAMES.get(d, d) for d in dtypes),
-            "output_sizes": json.dumps(e.get("output_sizes") or []), "state": e.get("state"),
-            "time_created_ns": e.get("time_created_ns"), "thread_name": e.get("thread_name"),
-            "record_id": e.get("record_id"),
-            "frame": (f"{frames[-1].get('filename')}:{frames[-1].get('line')} in {frames[-1].get('name')}"
-                      if frames else ""),
-            "source": source})
+    for i, e in enumerate(dump.get("entries") or []):
+        try:
+            rows.append(_entry_row(e, rank, source))
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as err:
+            raise DumpError(f"{source}: entry {i} has fields of the wrong type ({type(err).__name__}: "
+                            f"{str(err)[:120]})") from None
     df = pd.DataFrame(rows, columns=COLUMNS)
     for c in ("rank", "seq", "p2p_seq", "in_bytes", "time_created_ns", "record_id"):
-        df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
+        v = pd.to_numeric(df[c], errors="coerce")
+        bad = (v.isna() & df[c].notna()) | (v < 0) | (v % 1 != 0) | (v.abs() >= 2.0**63)
+        if bad.any():
+            raise DumpError(f"{source}: {int(bad.sum())} entr(ies) with an impossible {c} "
+                            f"(e.g. {df.loc[bad, c].iloc[0]!r}; expected a whole number >= 0)")
+        df[c] = v.astype("Int64")
     return df
+
+
+def _shapes(e: dict, key: str) -> list:
+    shapes = e.get(key) or []
+    if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+            for s in shapes):
+        raise TypeError(f"{key} is not a list of tensor shapes")
+    return shapes
+
+
+def _entry_row(e: dict, rank, source: str) -> dict:
+    """One entry's row; the field types are the ones Flight Recorder writes (anything else raises)."""
+    pg = e.get("process_group") or ["", ""]
+    if isinstance(pg, (str, bytes)) or not isinstance(pg, (list, tuple)):
+        raise TypeError(f"process_group is a {type(pg).__name__}")
+    sizes = _shapes(e, "input_sizes")
+    _shapes(e, "output_sizes")
+    dtypes = e.get("input_dtypes") or []
+    if not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes):
+        raise TypeError("input_dtypes is not a list of names")
+    nbytes = 0
+    for shape, dt in zip(sizes, dtypes):
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes += n * _DTYPE_BYTES.get(dt, 0)
+    frames = e.get("frames") or []
+    if not isinstance(frames, list) or not all(isinstance(f, dict) for f in frames):
+        raise TypeError("frames is not a list of frames")
+    return {
+        "rank": rank, "group": str(pg[0]), "group_desc": str(pg[1]) if len(pg) > 1 else "",
+        "seq": e.get("collective_seq_id"), "p2p_seq": e.get("p2p_seq_id"), "is_p2p": bool(e.get("is_p2p")),
+        "op": _op_name(e.get("profiling_name", "")), "in_bytes": nbytes,
+        "input_sizes": json.dumps(sizes), "dtype": ",".join(str(_DTYPE_NAMES.get(d, d)) for d in dtypes),
+        "output_sizes": json.dumps(e.get("output_sizes") or []), "state": e.get("state"),
+        "time_created_ns": e.get("time_created_ns"), "thread_name": e.get("thread_name"),
+        "record_id": e.get("record_id"),
+        "frame": (f"{frames[-1].get('filename')}:{frames[-1].get('line')} in {frames[-1].get('name')}"
+                  if frames else ""),
+        "source": source}
 
 
 def load_dump(path) -> Any:
@@ -133,8 +169,17 @@ def load_dumps(paths) -> Any:
             files += sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
         else:
             files.append(p)
+    if not files:
+        raise DumpError(f"{', '.join(map(str, paths))}: no Flight Recorder dump files")
     frames = [load_dump(f) for f in files]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+    seen: dict[int, str] = {}
+    for f, df in zip(files, frames):
+        for r in df["rank"].dropna().unique():
+            if int(r) in seen and seen[int(r)] != str(f):
+                raise DumpError(f"{f}: duplicate rank {int(r)} (also in {seen[int(r)]}): dumps of two jobs, "
+                                f"or one rank dumped twice?")
+            seen[int(r)] = str(f)
+    return pd.concat(frames, ignore_index=True)
 
 
 def match_across_ranks(entries, group_ranks: dict[str, list[int]] | None = None):

@@ -50,9 +50,15 @@ _exit_status: str | None = None
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, default=str)
+        os.replace(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)   # only there after a failed write (a full disk): leave nothing half-written behind
+        except OSError:
+            pass
 
 
 def _jsonable_collective(c: Any) -> Any:
@@ -211,8 +217,8 @@ class _Heartbeat:
         """The C-level handler woke us: dump now (the main thread may be stuck in C++), then make sure the
         default action still happens if the main thread cannot run Python."""
         self._sigterm_dump()
-        if callable(self.prev_handler):
-            return
+        if callable(self.prev_handler) and not getattr(self.prev_handler, "dtprof_default_action", False):
+            return   # the user's own handler decides (dtprof's runtime flush handler stands for the default)
         if not self.handler_ran.wait(_SIGTERM_GRACE_S):
             try:
                 import ctypes

@@ -8,8 +8,15 @@ What is visible from Python (torch-facts "What each parallel style sends through
 - ``source`` is taken from the module of the direct caller (one frame, cached per module name): code under
   ``torch.distributed.fsdp`` / ``torch.distributed._composable.fsdp`` -> "fsdp", ``torch.distributed.pipelining``
   -> "pipeline", a DDP comm hook -> "ddp", anything else -> "user".
-- DDP's Reducer runs in C++; we see its buckets through a comm hook (``allreduce_hook`` wrapped, or the user's own
-  hook wrapped when they register one). Bucket collectives get api "ddp_bucket", ``bucket`` = index.
+- DDP's Reducer runs in C++ and all-reduces each bucket through the dispatcher op ``c10d::allreduce_``. A Python
+  kernel for that op at the autograd dispatch keys (AutogradCPU/AutogradCUDA, above the backends' kernels) sees
+  each call and redispatches it unchanged, so DDP's own reduction (its division by the world size while copying
+  into the bucket, then a SUM all-reduce) runs exactly as without dtprof: no comm hook is registered, training is
+  bit-identical and the user may register their own hook at any time. A user's hook is wrapped only to label its
+  collectives with the bucket (``bucket.index()``); a hook whose collective passes neither through Python nor
+  through the dispatcher is recorded as the bucket buffer itself. Bucket collectives get api "ddp_bucket",
+  ``bucket`` = index (the Reducer launches buckets in index order; without a hook the index is counted per
+  backward). Calls already inside a wrapped ``torch.distributed`` function are not counted twice (``_tls.busy``).
 - Completion: ``work.get_future().then(cb)`` where the backend supports it; gloo point-to-point works have no
   future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and completes the
   rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
@@ -18,36 +25,29 @@ What is visible from Python (torch-facts "What each parallel style sends through
 - ``seq`` counts per group for collectives and per (group, src, dst) for point-to-point, in call order.
 - Pipelining: ``forward_one_chunk``/``backward_one_chunk``(/``backward_weight_one_chunk``) become ``pp_forward``
   / ``pp_backward`` spans with ``stage`` and ``microbatch``; P2P ops built by ``get_{fwd,bwd}_{send,recv}_ops``
-  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes an events
-  info row ``pipeline schedule: <ClassName>, stages=<n>, microbatches=<m>, stage_indices=<i,j>``.
+  carry their stage and microbatch into the rows. The first ``step()`` of each schedule object writes a
+  ``pipeline_schedule`` meta row: {"schedule": <class name>, "stages": n, "microbatches": m,
+  "stage_indices": [i, ...]} (the stages this rank runs).
 """
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import threading
 import time
 
 from dtprof.collectors import runtime as rt
+from dtprof.collectors.records import Collective, Group
 
 now = time.monotonic_ns
 _tls = threading.local()          # .busy: inside a wrapped call; .bucket: (index, is_last, used) in a DDP hook
-_group_info = {}                  # id(pg) or None -> (name, size, pg)
-_seq = {}                         # group name or (group, src, dst) -> next seq
-_pending = {}                     # id(work) -> (work, rows, issue_ns): async ops awaiting completion
 _source_by_module = {}
 _originals = {}                   # original function -> our wrapper (for P2POp built with an original)
 MAX_PENDING = 4096
 
-# row indices (dtprof.schema.TABLES["collectives"])
-_END = 15
-_GPU_DURATION = 16
-
-# NCCL works completed on the host whose GPU-side duration (Work._get_duration(), needs TORCH_NCCL_ENABLE_TIMING=1,
-# which `dtprof run` sets unless the user did) is read by the flusher once the GPU has finished them. A deque:
-# future callbacks append from other threads while the flusher pops. Bounded, since each entry keeps its work alive.
-_timed: collections.deque = collections.deque()
+# NCCL works whose GPU-side duration (Work._get_duration(), needs TORCH_NCCL_ENABLE_TIMING=1, which `dtprof run`
+# sets unless the user did) the flusher reads once the GPU has finished them (``rt.STATE.timed``). Bounded, since
+# each entry keeps its work alive.
 MAX_TIMED = 2048
 MAX_TIMED_TRIES = 5
 _nccl_timing = None   # decided on first use: timing enabled and CUDA present
@@ -116,13 +116,14 @@ def _first(ts):
 
 def _group(group):
     """(name, size, pg) for a ProcessGroup or None (the default group), cached; records new groups."""
-    info = _group_info.get(None if group is None else id(group))
+    rec = rt.STATE
+    info = rec.groups.get(None if group is None else id(group))
     if info is not None:
         return info
     import torch.distributed as dist
 
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    info = _group_info.get(id(pg))
+    info = rec.groups.get(id(pg))
     if info is None:
         name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
         ranks = dist.get_process_group_ranks(pg)
@@ -131,10 +132,10 @@ def _group(group):
             backend = str(dist.get_backend(pg))
         except Exception:
             backend = ""
-        rt.W.append("groups", (rt.STATE.rank, info[0], ",".join(map(str, ranks)), len(ranks), backend,
-                               str(getattr(pg, "group_desc", "") or ""), ""))
-        _group_info[id(pg)] = info
-    _group_info[None if group is None else id(group)] = info
+        rec.add(Group(rank=rec.rank, group=info[0], ranks=",".join(map(str, ranks)), size=len(ranks),
+                      backend=backend, desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=""))
+        rec.groups[id(pg)] = info
+    rec.groups[None if group is None else id(group)] = info
     return info
 
 
@@ -150,8 +151,9 @@ def _global_peer(group, peer, group_peer):
 
 
 def _next_seq(key) -> int:
-    s = _seq.get(key, 0)
-    _seq[key] = s + 1
+    seqs = rt.STATE.seq
+    s = seqs.get(key, 0)
+    seqs[key] = s + 1
     return s
 
 
@@ -276,69 +278,108 @@ _APIS = {
 _P2P = ("send", "recv")
 
 
-def _make_row(op, api, source, group, in_b, out_b, dtype, peer, async_op, issue, bucket=None, stage=None,
-              microbatch=None):
+def _where(op, group, peer):
+    """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call."""
     name, size, _pg = _group(group)
-    me = rt.STATE.rank
     if op in _P2P:
+        me = rt.STATE.rank
         key = (name, me, peer) if op == "send" else (name, peer, me)
     else:
         key = name
-    return [me, rt.STATE.step, op, api, source, name, size, _next_seq(key), in_b, out_b, dtype, peer,
-            bool(async_op), issue, None, None, None, bucket, stage, microbatch]
+    return name, size, _next_seq(key)
 
 
-def _complete(key, t) -> None:
+def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue, return_ns, end_ns=None,
+              bucket=None, stage=None, microbatch=None, step=None):
+    rec = rt.STATE
+    name, size, seq = where
+    return Collective(rank=rec.rank, step=rec.step if step is None else step, op=op, api=api, source=source,
+                      group=name, group_size=size, seq=seq, in_bytes=in_b, out_bytes=out_b, dtype=dtype, peer=peer,
+                      async_op=bool(async_op), issue_ns=issue, return_ns=return_ns, end_ns=end_ns,
+                      gpu_duration_ns=None, bucket=bucket, stage=stage, microbatch=microbatch)
+
+
+def _in_flight(row: Collective, entered_ns: int) -> dict:
+    """``STATE.collective`` while the main thread waits for ``row``'s operation (read by heartbeat/watchdog)."""
+    return {"op": row.op, "group": row.group, "seq": row.seq, "in_bytes": row.in_bytes, "dtype": row.dtype,
+            "peer": row.peer, "entered_ns": entered_ns}
+
+
+def add_pending(key, work, rows) -> None:
+    """Hold ``rows`` until ``complete(key, t)`` (or expiry) gives them their end time."""
+    rt.STATE.pending[key] = (work, rows, rows[0].issue_ns)
+
+
+def pending_rows(key):
+    item = rt.STATE.pending.get(key)
+    return None if item is None else item[1]
+
+
+def complete(key, t) -> None:
     """First completion of an async work wins (future callback thread or main thread's wait())."""
-    item = _pending.pop(key, None)
+    rec = rt.STATE
+    item = rec.pending.pop(key, None)
     if item is not None:
-        for row in item[1]:
-            row[_END] = t
-        if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(_timed) < MAX_TIMED:
-            _timed.append((item[0], item[1], 0))
+        rows = [r._replace(end_ns=t) for r in item[1]]
+        if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(rec.timed) < MAX_TIMED:
+            rec.timed.append((item[0], rows, 0))
         else:
-            rt.W.extend("collectives", item[1])
+            rec.writer.extend("collectives", rows)
 
 
 def resolve_gpu_durations(final: bool = False) -> None:
     """Flusher: fill gpu_duration_ns from NCCL's start/end events once the GPU has run them, then write the rows.
     A work whose events are not ready is retried on the next flushes; after MAX_TIMED_TRIES (or at exit) its rows
     are written without a duration."""
-    for _ in range(len(_timed)):
-        work, rows, tries = _timed.popleft()
+    rec = rt.STATE
+    timed = rec.timed
+    for _ in range(len(timed)):
+        work, rows, tries = timed.popleft()
         try:
             ms = work._get_duration()   # raises until the end event has completed on the GPU
         except Exception:
             if tries + 1 < MAX_TIMED_TRIES and not final:
-                _timed.append((work, rows, tries + 1))
+                timed.append((work, rows, tries + 1))
                 continue
             ms = None
-        for row in rows:
-            if ms is not None:
-                row[_GPU_DURATION] = int(ms * 1e6)
-            rt.W.append("collectives", row)
+        if ms is not None:
+            rows = [r._replace(gpu_duration_ns=int(ms * 1e6)) for r in rows]
+        rec.writer.extend("collectives", rows)
+
+
+def call_recorded(fn, *args, **kwargs):
+    """Call ``fn``, a collective its caller records: what it issues through c10d is not recorded a second time
+    (functional collectives reach ``c10d::allreduce_`` too)."""
+    outer = getattr(_tls, "busy", False)
+    _tls.busy = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _tls.busy = outer
 
 
 def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
-    _pending[key] = (work, rows, rows[0][13])
+    add_pending(key, work, rows)
     try:
         fut = work.get_future()
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
         return
-    fut.then(lambda _f: _complete(key, now()))
+    fut.then(lambda _f: complete(key, now()))
 
 
 def expire_pending(all_=False) -> None:
     """Flusher: write rows whose work was never seen to complete (end_ns null) when too many or at exit."""
-    if not _pending or (not all_ and len(_pending) <= MAX_PENDING):
+    rec = rt.STATE
+    pending = rec.pending
+    if not pending or (not all_ and len(pending) <= MAX_PENDING):
         return
-    keys = sorted(_pending, key=lambda k: _pending[k][2])
+    keys = sorted(pending, key=lambda k: pending[k][2])
     for k in keys if all_ else keys[: len(keys) - MAX_PENDING // 2]:
-        item = _pending.pop(k, None)
+        item = pending.pop(k, None)
         if item is not None:
-            rt.W.extend("collectives", item[1])
+            rec.writer.extend("collectives", item[1])
 
 
 def _wrap_collective(api, orig):
@@ -351,7 +392,7 @@ def _wrap_collective(api, orig):
             return orig(*args, **kwargs)
         try:
             issue = now()
-            if rt._fault_test == "collective":
+            if state.fault_test == "collective":
                 raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
             in_b, out_b, dtype, group, peer, async_op = extract(*args, **kwargs)
             bucket = getattr(_tls, "bucket", None)
@@ -359,18 +400,18 @@ def _wrap_collective(api, orig):
                 source, api_name, bucket_index = "ddp", "ddp_bucket", bucket[0]
                 bucket[2] = True
                 if bucket[1]:
-                    rt._ddp_last_issue_ns = issue
+                    state.ddp_last_issue_ns = issue
             else:
                 source = _caller_source(sys._getframe(1))
                 api_name, bucket_index = api, None
-            stage_mb = getattr(_tls, "stage_mb", None) or (None, None)
-            row = _make_row(op, api_name, source, group, in_b, out_b, dtype, peer, async_op, issue, bucket_index,
-                            *stage_mb)
+            stage, microbatch = getattr(_tls, "stage_mb", None) or (None, None)
+            step = state.step
+            where = _where(op, group, peer)
             if not async_op:
-                state.collective = {"op": op, "group": row[5], "seq": row[7], "in_bytes": in_b, "dtype": dtype,
+                state.collective = {"op": op, "group": where[0], "seq": where[2], "in_bytes": in_b, "dtype": dtype,
                                     "peer": peer, "entered_ns": issue}
         except Exception:
-            rt._fault(f"collective wrapper ({api})")
+            state.fault(f"collective wrapper ({api})")
             return orig(*args, **kwargs)
         _tls.busy = True
         try:
@@ -380,18 +421,18 @@ def _wrap_collective(api, orig):
             state.collective = None
         try:
             ret = now()
-            row[14] = ret
             state.last_progress_ns = ret
             if async_op and result is not None:
-                _track(result, [row])
+                _track(result, [_make_row(op, api_name, source, where, in_b, out_b, dtype, peer, True, issue, ret,
+                                          None, bucket_index, stage, microbatch, step)])
             else:
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
-                    row[11] = result
-                row[_END] = ret
-                rt.W.append("collectives", row)
-                rt._span("comm_wait", api, issue, ret)
+                    peer = result
+                state.add(_make_row(op, api_name, source, where, in_b, out_b, dtype, peer, async_op, issue, ret, ret,
+                                    bucket_index, stage, microbatch, step))
+                state.span("comm_wait", api, issue, ret)
         except Exception:
-            rt._fault(f"collective wrapper ({api})")
+            state.fault(f"collective wrapper ({api})")
         return result
 
     wrapper.__wrapped__ = orig
@@ -409,17 +450,18 @@ def _wrap_batch_isend_irecv(orig):
             return orig(p2p_op_list)
         try:
             issue = now()
-            rows = []
+            step = state.step
+            calls = []          # the arguments of each op's row, complete but for return_ns
             for p in p2p_op_list:
                 is_send = getattr(p.op, "__name__", "") == "isend"
+                op = "send" if is_send else "recv"
                 b = _nbytes(p.tensor)
                 stage, mb = getattr(p, "_dtprof_stage_mb", (None, None))
                 source = "pipeline" if stage is not None else _caller_source(sys._getframe(1))
-                rows.append(_make_row("send" if is_send else "recv", "batch_isend_irecv", source, p.group,
-                                      b if is_send else 0, 0 if is_send else b, _dtype(p.tensor), p.peer, True,
-                                      issue, None, stage, mb))
+                calls.append((op, source, _where(op, p.group, p.peer), b if is_send else 0, 0 if is_send else b,
+                              _dtype(p.tensor), p.peer, stage, mb))
         except Exception:
-            rt._fault("batch_isend_irecv wrapper")
+            state.fault("batch_isend_irecv wrapper")
             return orig(p2p_op_list)
         _tls.busy = True
         try:
@@ -428,17 +470,18 @@ def _wrap_batch_isend_irecv(orig):
             _tls.busy = False
         try:
             ret = now()
-            for r in rows:
-                r[14] = ret
+            rows = [_make_row(op, "batch_isend_irecv", source, where, in_b, out_b, dtype, peer, True, issue, ret,
+                              None, None, stage, mb, step)
+                    for op, source, where, in_b, out_b, dtype, peer, stage, mb in calls]
             if works and len(works) == len(rows):
                 for w, r in zip(works, rows):
                     _track(w, [r])
             elif works:                      # coalesced (NCCL): one work for the whole batch
                 _track(works[-1], rows)
             else:
-                rt.W.extend("collectives", rows)
+                state.writer.extend("collectives", rows)
         except Exception:
-            rt._fault("batch_isend_irecv wrapper")
+            state.fault("batch_isend_irecv wrapper")
         return works
 
     batch_isend_irecv.__wrapped__ = orig
@@ -453,11 +496,9 @@ def _wrap_work_wait(orig):
             return orig(self, *args, **kwargs)
         key = id(self)
         t0 = now()
-        item = _pending.get(key)
-        if item is not None:
-            r = item[1][0]
-            state.collective = {"op": r[2], "group": r[5], "seq": r[7], "in_bytes": r[8], "dtype": r[10],
-                                "peer": r[11], "entered_ns": t0}
+        rows = pending_rows(key)
+        if rows is not None:
+            state.collective = _in_flight(rows[0], t0)
         try:
             return orig(self, *args, **kwargs)
         finally:
@@ -465,10 +506,10 @@ def _wrap_work_wait(orig):
             try:
                 t1 = now()
                 state.last_progress_ns = t1
-                rt._span("comm_wait", "wait", t0, t1)
-                _complete(key, t1)
+                state.span("comm_wait", "wait", t0, t1)
+                complete(key, t1)
             except Exception:
-                rt._fault("Work.wait wrapper")
+                state.fault("Work.wait wrapper")
 
     wait.__wrapped__ = orig
     return wait
@@ -480,13 +521,14 @@ def _wrap_comm_hook(hook):
     """A DDP comm hook that records each bucket; the future DDP gets back is the hook's own, unchanged."""
 
     def dtprof_comm_hook(state, bucket):
-        if rt.STATE.disabled or not rt.STATE.active:
+        rec = rt.STATE
+        if rec.disabled or not rec.active:
             return hook(state, bucket)
         try:
             issue = now()
             ctx = [bucket.index(), bucket.is_last(), False]
         except Exception:
-            rt._fault("DDP comm hook")
+            rec.fault("DDP comm hook")
             return hook(state, bucket)
         _tls.bucket = ctx
         try:
@@ -495,19 +537,19 @@ def _wrap_comm_hook(hook):
             _tls.bucket = None
         try:
             # the hook's collective did not pass through Python: record the bucket itself
-            if not ctx[2] and not rt.STATE.disabled:
+            if not ctx[2] and not rec.disabled:
                 buf = bucket.buffer()
                 b = _nbytes(buf)
                 pg = state if state is not None and hasattr(state, "group_name") else None
-                row = _make_row("all_reduce", "ddp_bucket", "ddp", pg, b, b, _dtype(buf), None, True, issue, ctx[0])
-                row[14] = now()
+                row = _make_row("all_reduce", "ddp_bucket", "ddp", _where("all_reduce", pg, None), b, b, _dtype(buf),
+                                None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
-                _pending[key] = (fut, [row], issue)
-                fut.then(lambda _f: _complete(key, now()))
+                add_pending(key, fut, [row])
+                fut.then(lambda _f: complete(key, now()))
                 if ctx[1]:
-                    rt._ddp_last_issue_ns = issue
+                    rec.ddp_last_issue_ns = issue
         except Exception:
-            rt._fault("DDP comm hook")
+            rec.fault("DDP comm hook")
         return fut
 
     dtprof_comm_hook.__qualname__ = getattr(hook, "__qualname__", "hook")
@@ -515,38 +557,78 @@ def _wrap_comm_hook(hook):
     return dtprof_comm_hook
 
 
+_libraries = []      # the torch.library registrations (kept alive: dropping one removes its kernels)
+
+
+def _record_dispatched_allreduce(tensors, process_group, work, issue: int) -> None:
+    """A ``c10d::allreduce_`` issued from C++ (DDP's Reducer, a built-in or C++-calling comm hook, a direct
+    ``ProcessGroup.allreduce``): one async row, completed by the work's future."""
+    import torch.distributed as dist
+
+    rec = rt.STATE
+    ret = now()
+    if rec.fault_test == "collective":
+        raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
+    pg = dist.ProcessGroup.unbox(process_group)
+    b = _nbytes_list(tensors)
+    dtype = _dtype(_first(tensors))
+    ctx = getattr(_tls, "bucket", None)
+    if ctx is not None:                                   # inside a (wrapped) user comm hook
+        ctx[2] = True
+        source, api, bucket = "ddp", "ddp_bucket", ctx[0]
+    elif rec.in_backward or threading.current_thread() is not threading.main_thread():
+        source = "ddp"
+        if tensors and tensors[0].is_floating_point():    # a gradient bucket (else the unused-parameter map)
+            api, bucket = "ddp_bucket", rec.ddp_next_bucket
+            rec.ddp_next_bucket += 1
+        else:
+            api, bucket = "all_reduce", None
+    else:
+        source, api, bucket = "user", "ProcessGroup.allreduce", None
+    if source == "ddp":
+        rec.ddp_last_issue_ns = issue
+    _track(dist.Work.unbox(work), [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, dtype,
+                                             None, True, issue, ret, bucket=bucket)])
+
+
+def _observe_dispatched_allreduce() -> None:
+    """Put a recording kernel for ``c10d::allreduce_`` above the CPU and CUDA kernels (module docstring)."""
+    import torch
+
+    op = torch.ops.c10d.allreduce_.default
+    below_autograd = torch._C._after_autograd_keyset
+
+    def allreduce_(keyset, tensors, process_group, *args):
+        rec = rt.STATE
+        if rec.disabled or not rec.active or getattr(_tls, "busy", False):
+            return op.redispatch(keyset & below_autograd, tensors, process_group, *args)
+        issue = now()
+        out = op.redispatch(keyset & below_autograd, tensors, process_group, *args)
+        try:
+            _record_dispatched_allreduce(tensors, process_group, out[1], issue)
+        except Exception:
+            rec.fault("c10d::allreduce_ observer")
+        return out
+
+    lib = torch.library.Library("c10d", "IMPL")
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        lib.impl("allreduce_", allreduce_, key, with_keyset=True)
+    _libraries.append(lib)
+
+
 def _install_ddp() -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     orig_register = DDP.register_comm_hook
-    orig_builtin = DDP._register_builtin_comm_hook
-    orig_forward = DDP.forward
 
     def register_comm_hook(self, state, hook):
-        self._dtprof_hooked = True
         if rt.STATE.disabled or not rt.STATE.active:
             return orig_register(self, state, hook)
         return orig_register(self, state, _wrap_comm_hook(hook))
 
-    def _register_builtin_comm_hook(self, comm_hook_type):
-        self._dtprof_hooked = True      # a C++ hook: its buckets stay invisible
-        return orig_builtin(self, comm_hook_type)
-
-    def forward(self, *args, **kwargs):
-        if not getattr(self, "_dtprof_hooked", False):
-            self._dtprof_hooked = True
-            try:
-                if rt.STATE.active and not rt.STATE.disabled:
-                    orig_register(self, self.process_group, _wrap_comm_hook(default_hooks.allreduce_hook))
-            except Exception:
-                rt._fault("DDP default comm hook")
-        return orig_forward(self, *args, **kwargs)
-
     register_comm_hook.__doc__ = orig_register.__doc__
     DDP.register_comm_hook = register_comm_hook
-    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
-    DDP.forward = forward
+    _observe_dispatched_allreduce()
 
 
 # ---- pipelining ---------------------------------------------------------------------------------------------
@@ -562,9 +644,9 @@ def _wrap_chunk(orig, kind, name):
             try:
                 t1 = now()
                 rt.STATE.last_progress_ns = t1
-                rt._span(kind, name, t0, t1, stage=self.stage_index, microbatch=int(chunk_id))
+                rt.STATE.span(kind, name, t0, t1, stage=self.stage_index, microbatch=int(chunk_id))
             except Exception:
-                rt._fault(f"pipeline {name}")
+                rt.STATE.fault(f"pipeline {name}")
 
     chunk.__wrapped__ = orig
     return chunk
@@ -601,26 +683,31 @@ def _wrap_batch_p2p(orig):
 
 def _wrap_schedule_step(orig):
     def step(self, *args, **kwargs):
-        if rt.STATE.disabled or not rt.STATE.active:
+        rec = rt.STATE
+        if rec.disabled or not rec.active:
             return orig(self, *args, **kwargs)
         try:
             if not getattr(self, "_dtprof_announced", False):
                 self._dtprof_announced = True
                 stages = getattr(self, "_stages", None) or [getattr(self, "_stage", None)]
-                idx = ",".join(str(s.stage_index) for s in stages if s is not None)
-                rt.event("info", f"pipeline schedule: {type(self).__name__}, "
-                                 f"stages={getattr(self, '_num_stages', '')}, "
-                                 f"microbatches={getattr(self, '_n_microbatches', '')}, stage_indices={idx}")
+                rec.meta("pipeline_schedule", {
+                    "schedule": type(self).__name__, "stages": _int_or_none(getattr(self, "_num_stages", None)),
+                    "microbatches": _int_or_none(getattr(self, "_n_microbatches", None)),
+                    "stage_indices": [int(s.stage_index) for s in stages if s is not None]})
         except Exception:
-            rt._fault("pipeline schedule step")
-        rt._pp_active += 1
+            rec.fault("pipeline schedule step")
+        rec.pp_active += 1
         try:
             return orig(self, *args, **kwargs)
         finally:
-            rt._pp_active -= 1
+            rec.pp_active -= 1
 
     step.__wrapped__ = orig
     return step
+
+
+def _int_or_none(v):
+    return None if v is None else int(v)
 
 
 def _install_pipelining() -> None:
@@ -676,7 +763,7 @@ def _install_later(module_name, installer) -> None:
         try:
             installer()
         except Exception:
-            rt.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
+            rt.STATE.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
                                 f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")
 
     if module_name in sys.modules:
@@ -689,8 +776,8 @@ def _wrap_init_process_group(orig):
     def init_process_group(*args, **kwargs):
         result = orig(*args, **kwargs)
         try:
-            _group_info.pop(None, None)
-            rt.refresh_identity()
+            rt.STATE.groups.pop(None, None)
+            rt.STATE.refresh_identity()
         except Exception:
             pass
         return result

@@ -93,17 +93,17 @@ def _record(api, op, group_arg, args, kwargs, result, issue, ret):
         peer = dist.get_global_rank(pg, int(args[1])) if len(args) > 1 else None
     else:
         pg = _resolve_group(group_arg)
-    row = hc._make_row(op, api, "functional", pg, hc._nbytes_list(ins), hc._nbytes_list(outs),
-                       hc._dtype(first_in), peer, True, issue)
-    row[14] = ret
+    row = hc._make_row(op, api, "functional", hc._where(op, pg, peer), hc._nbytes_list(ins), hc._nbytes_list(outs),
+                       hc._dtype(first_in), peer, True, issue, ret)
+    rec = rt.STATE
     key = _storage_key(outs[0]) if outs else None
     if key is None:
-        rt.W.append("collectives", row)
+        rec.add(row)
         return
-    old = hc._pending.pop(key, None)
+    old = rec.pending.pop(key, None)
     if old is not None:          # that storage was never waited on and got reused: keep the old rows, end unknown
-        rt.W.extend("collectives", old[1])
-    hc._pending[key] = (None, [row], issue)
+        rec.writer.extend("collectives", old[1])
+    hc.add_pending(key, None, [row])
 
 
 def _on_wait(tensor, orig):
@@ -113,27 +113,25 @@ def _on_wait(tensor, orig):
         return orig(tensor)
     try:
         key = _storage_key(tensor)
-        item = hc._pending.get(key) if key is not None else None
+        rows = hc.pending_rows(key) if key is not None else None
         t0 = now()
-        if item is not None:
-            row = item[1][0]
-            state.collective = {"op": row[2], "group": row[5], "seq": row[7], "in_bytes": row[8], "dtype": row[10],
-                                "peer": row[11], "entered_ns": t0}
+        if rows is not None:
+            state.collective = hc._in_flight(rows[0], t0)
     except Exception:
-        rt._fault("functional wait_tensor")
+        state.fault("functional wait_tensor")
         return orig(tensor)
     try:
         return orig(tensor)
     finally:
         try:
-            if item is not None:
+            if rows is not None:
                 state.collective = None
                 t1 = now()
                 state.last_progress_ns = t1
-                hc._complete(key, t1)
-                rt._span("comm_wait", "wait_tensor", t0, t1)
+                hc.complete(key, t1)
+                state.span("comm_wait", "wait_tensor", t0, t1)
         except Exception:
-            rt._fault("functional wait_tensor")
+            state.fault("functional wait_tensor")
 
 
 class _OpProxy:
@@ -165,14 +163,14 @@ class _OpProxy:
         if api == "wait_tensor":
             return _on_wait(args[0] if args else kwargs["tensor"], packet)
         issue = now()
-        result = packet(*args, **kwargs)
+        result = hc.call_recorded(packet, *args, **kwargs)
         try:
             ret = now()
             state.last_progress_ns = ret
             group_arg = args[group_pos] if len(args) > group_pos else kwargs.get("group_name")
             _record(api, op, group_arg, args, kwargs, result, issue, ret)
         except Exception:
-            rt._fault(f"functional collective ({api})")
+            state.fault(f"functional collective ({api})")
         return result
 
 
@@ -185,7 +183,8 @@ def install() -> None:
         try:
             installer()
         except Exception as e:
-            rt.event("warning", f"{installer.__module__}.{installer.__name__} unavailable: {type(e).__name__}: {e}")
+            rt.STATE.event("warning",
+                           f"{installer.__module__}.{installer.__name__} unavailable: {type(e).__name__}: {e}")
 
 
 def _install_functional() -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 BATCH = 100_000
 
 # Canonical op from c10d / gloo / NCCL names once lower-cased and stripped of "_" (see _op_key).
@@ -80,6 +81,15 @@ _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
 # _reduce_batch keeps). A trailing quote means the whole string.
 _KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
                                               b"c10d::", b"record_param", b'process_labels"')]
+# CUDA runtime/driver calls: only their start and correlation id are kept (a kernel's CPU launch, ``launch_ns``).
+# They are as many as the kernels and more; read with a regex rather than decoded with json (an import of 1M
+# events took 1.7x as long with them decoded). One holding a backslash is decoded like any other candidate.
+_KEEP_LAUNCH = [np.frombuffer(s, np.uint8) for s in (b'cuda_runtime"', b'cuda_driver"')]
+# Kineto's own layout of such an event (others are decoded with json instead): ph, cat, name, pid, tid, ts, ...
+_LAUNCH_EVENT = re.compile(rb'\{\s*"ph"\s*:\s*"X"\s*,\s*"cat"\s*:\s*"(?:cuda_runtime|cuda_driver)"\s*,'
+                           rb'\s*"name"\s*:\s*"[^"]*"\s*,\s*"pid"\s*:\s*[-\w."]+\s*,\s*"tid"\s*:\s*[-\w."]+\s*,'
+                           rb'\s*"ts"\s*:\s*(-?[\d.eE+-]+)\s*,'
+                           rb'[^{}]*?"args"\s*:\s*\{[^{}]*?"correlation"\s*:\s*(\d+)\s*[,}]')
 
 
 def _open_stream(path: Path):
@@ -158,11 +168,36 @@ def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
     backslash); ``_reduce_batch`` then filters them exactly as the reference path does."""
     opens, closes = lay["opens"], lay["closes"]
     parts["n_events"] += len(opens)
-    marks = _strings_starting(np.frombuffer(buf, np.uint8), lay["q"][0::2], _KEEP)  # opening quotes only
+    a, opening = np.frombuffer(buf, np.uint8), lay["q"][0::2]
+    marks = _strings_starting(a, opening, _KEEP)  # opening quotes only
     cand = np.unique(np.searchsorted(opens, np.concatenate([marks, lay["bs"]]), side="right") - 1)
     if len(cand):
         sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
         _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
+    launch = np.setdiff1d(np.searchsorted(opens, _strings_starting(a, opening, _KEEP_LAUNCH), side="right") - 1,
+                          cand)
+    if len(launch):
+        _reduce_launches([buf[o:c + 1] for o, c in zip(opens[launch].tolist(), closes[launch].tolist())], parts)
+
+
+def _reduce_launches(events: list[bytes], parts: dict) -> None:
+    """``_reduce_batch``'s launch rows, read by one regex from events laid out as Kineto writes them; when some
+    event is laid out otherwise, those are decoded with json and go through ``_reduce_batch`` (same rows)."""
+    found = _LAUNCH_EVENT.findall(b"\n".join(events))  # the pattern cannot cross an event's braces
+    other = []
+    if len(found) != len(events):  # one at a time, to know which
+        found = []
+        for ev in events:
+            m = _LAUNCH_EVENT.match(ev)
+            if m:
+                found.append(m.groups())
+            else:
+                other.append(ev)
+    if found:
+        f = np.array(found, dtype=bytes)
+        parts["launch"].append(pd.DataFrame({"corr": f[:, 1].astype(np.int64), "ts": f[:, 0].astype(np.float64)}))
+    if other:
+        _reduce_batch(json.loads(b"[" + b",".join(other) + b"]"), parts)
 
 
 def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
@@ -185,6 +220,8 @@ def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
             prefix, pos = buf[:m.start()], m.end()
         elif head == b"{":
             raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+        elif not buf.strip():
+            raise KinetoError(f"{path}: empty file (no JSON text), not a trace")
         else:
             raise KinetoError(f"{path}: not JSON (starts with {buf[:20]!r})")
         buf = buf[pos:]
@@ -256,6 +293,8 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
         pos, head_end = m.end(), m.start()
     elif start == "{":
         raise KinetoError(f"{path}: no \"traceEvents\" in this JSON (not a torch.profiler trace?)")
+    elif not text.strip():
+        raise KinetoError(f"{path}: empty file (no JSON text), not a trace")
     else:
         raise KinetoError(f"{path}: not JSON (starts with {text[:20]!r})")
     sep = _SEP.match
@@ -291,13 +330,15 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
 
 def _reduce_batch(events: list, parts: dict) -> None:
     """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out)."""
-    kern, cpu, pids = [], [], parts["pids"]
+    kern, cpu, launch, pids = [], [], [], parts["pids"]
     for e in events:
         ph = e.get("ph")
         if ph == "X":
             cat = e.get("cat")
             if cat in KERNEL_CATS:
                 kern.append(e)
+            elif cat in LAUNCH_CATS:
+                launch.append(e)
             elif cat == "user_annotation" or (cat == "cpu_op" and str(e.get("name", "")).startswith(
                     ("c10d::", "record_param"))):
                 cpu.append(e)
@@ -317,7 +358,11 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "group": [a.get("Process Group Name") for a in args],
             "group_size": [a.get("Group size") for a in args],
             "seq": [a.get("Seq") for a in args],
+            "corr": [a.get("correlation") for a in args],
         }))
+    if launch:  # the CPU side of each kernel launch, joined to its kernel by correlation id
+        parts["launch"].append(pd.DataFrame({
+            "corr": [(e.get("args") or {}).get("correlation") for e in launch], "ts": [e.get("ts") for e in launch]}))
     if cpu:
         args = [e.get("args") or {} for e in cpu]
         parts["cpu"].append(pd.DataFrame({
@@ -331,7 +376,7 @@ def _reduce_batch(events: list, parts: dict) -> None:
 
 
 _TIMES = ("ts", "dur")
-_IDS = ("stream", "ext", "in_nelems", "out_nelems", "group_size", "seq", "pid", "tid")
+_IDS = ("stream", "ext", "in_nelems", "out_nelems", "group_size", "seq", "pid", "tid", "corr")
 _TEXT = ("cat", "name", "coll", "dtype", "group")
 
 
@@ -358,7 +403,7 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
 
     ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
     """
-    parts = {"kernels": [], "cpu": [], "n_events": 0, "kept": 0, "pids": set()}
+    parts = {"kernels": [], "cpu": [], "launch": [], "n_events": 0, "kept": 0, "pids": set()}
     if fast:
         meta = scan_trace(Path(path), parts)
     else:
@@ -371,7 +416,9 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
     cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
-    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]),
+    launch = cat(parts["launch"])  # a lookup by correlation id: sorted, so both paths give the same table
+    launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True) if len(launch) else launch
+    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]), "launch": launch,
             "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}
 
@@ -396,7 +443,8 @@ def trace_identity(parsed: dict, single: bool) -> dict:
             rank = 0
             warnings.append(f"{path}: no distributedInfo and no rank in the file name; imported as rank 0")
         else:
-            raise KinetoError(f"{path}: missing rank (no distributedInfo, no 'rank<N>' in the file name)")
+            raise KinetoError(f"{path}: missing rank (no distributedInfo, no 'rank<N>' in the file name); "
+                              f"import it alone to take it as rank 0")
     world = int(info.get("world_size") or 1)
     backend = str(info.get("backend") or "")
     groups = info.get("pg_config") or []
@@ -449,6 +497,18 @@ def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
     return pd.Series(out)
 
 
+def _launch_ns(kern: pd.DataFrame, launch: pd.DataFrame, base: int) -> pd.array:
+    """Each kernel's CPU launch time (its cuda_runtime/cuda_driver call, same correlation id); null without one."""
+    out = pd.array([None] * len(kern), dtype="Int64")
+    if not len(launch) or "corr" not in kern.columns:
+        return out
+    lt = launch.dropna(subset=["corr"]).drop_duplicates("corr").set_index("corr")["ts"]
+    t = kern["corr"].map(lt)
+    has = t.notna().to_numpy()
+    out[has] = _to_ns(t[has], base)
+    return out
+
+
 def _labels(prefix: str, values) -> pd.Categorical:
     """``prefix + str(value)`` per value, or ``prefix`` repeated when ``values`` is a count, as a Categorical: a
     span table's text columns repeat a few values over millions of rows, and the run format stores them as
@@ -489,7 +549,8 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
         spans.append(pd.DataFrame({
             "rank": rank, "step": _assign_step(ks, steps), "kind": _labels("kernel", len(kern)),
             "name": pd.Categorical(kern["name"]), "start_ns": ks, "end_ns": ks + _to_ns(kern["dur"], 0),
-            "lane": _labels("cuda:", kern["stream"]), "source": _labels("kineto", len(kern))}))
+            "lane": _labels("cuda:", kern["stream"]), "source": _labels("kineto", len(kern)),
+            "launch_ns": _launch_ns(kern, parsed["launch"], base)}))
     # user annotations on the CPU
     if len(cpu):
         ua = cpu[(cpu["cat"] == "user_annotation") & ~cpu["name"].str.startswith(("ProfilerStep#", "gloo:", "nccl:"))]
@@ -532,14 +593,32 @@ def rank_tables(parsed: dict, ident: dict, shift_ns: int = 0, step_offset: int |
         "device_name": props.get("name", "cpu" if not len(kern) else ""), "device_uuid": "",
         "device_mem_total_bytes": props.get("totalGlobalMem"), "backend": ident["backend"]}])
     t0 = int(spans["start_ns"].min()) if len(spans) else (int(steps["start_ns"].min()) if len(steps) else base)
-    summary = (f"{parsed['path']}: rank {rank}: {parsed['n_events']} events read; imported {len(kern)} "
-               f"GPU kernel/memcpy/memset spans, {len(steps)} ProfilerSteps, {len(coll)} collectives; "
-               f"{parsed['other']} other events (CPU ops, runtime calls, flows, metadata) not represented")
+    summary = _import_line(parsed, rank, steps, spans, coll,
+                           wall_clock=bool(meta.get("baseTimeNanoseconds")) and shift_ns == 0)
     events_df = pd.DataFrame({"rank": rank, "host": ranks["host"].iloc[0], "t_ns": t0,
                               "level": ["warning"] * len(events) + ["info"], "source": "kineto",
                               "message": events + [summary]})
     return {"ranks": ranks, "steps": steps, "spans": spans, "collectives": coll, "groups": groups,
             "events": events_df}
+
+
+def _import_line(parsed: dict, rank: int, steps: pd.DataFrame, spans: pd.DataFrame, coll: pd.DataFrame,
+                 wall_clock: bool) -> str:
+    """What one file became, in one line: rank, steps, the rows kept by kind and the time window they cover."""
+    kinds = spans["kind"].value_counts() if len(spans) else pd.Series(dtype="int64")
+    step_text = (f"steps {int(steps['step'].min())}-{int(steps['step'].max())} ({len(steps)} ProfilerSteps)"
+                 if len(steps) else "no ProfilerStep")
+    times = [t for t in (spans, steps) if len(t)]
+    if times:
+        lo = min(int(t["start_ns"].min()) for t in times)
+        hi = max(int(t["end_ns"].max()) for t in times)
+        clock = " from " + pd.Timestamp(lo, unit="ns").strftime("%Y-%m-%d %H:%M:%S UTC") if wall_clock else ""
+        window = f"window {(hi - lo) / 1e9:.3f} s{clock}"
+    else:
+        window = "no timed rows"
+    return (f"{parsed['path'].name}: rank {rank}, {step_text}; kept {int(kinds.get('kernel', 0))} GPU kernels "
+            f"(incl. memcpy/memset), {len(coll)} collectives, {int(kinds.get('user', 0))} annotations; {window}; "
+            f"{parsed['other']} of {parsed['n_events']} events not represented (CPU ops, runtime calls, flows)")
 
 
 def _nccl_collectives(kern: pd.DataFrame, cpu: pd.DataFrame, base: int, rank: int):
@@ -618,15 +697,36 @@ def _gloo_collectives(cpu: pd.DataFrame, base: int, rank: int, group0: str, size
 
 # ---------------------------------------------------------------- import and merge
 
+def check_times(parsed: dict) -> None:
+    """Refuse a trace whose kept events have times that cannot be true (absent, not numbers, NaN, inf, negative
+    ts or dur, or beyond int64 nanoseconds): imported, they would become spans ending anywhere."""
+    path = parsed["path"]
+    for kind in ("kernels", "cpu"):
+        df = parsed[kind]
+        for c in ("ts", "dur"):
+            if not len(df) or c not in df:
+                continue
+            v = pd.to_numeric(df[c], errors="coerce").to_numpy("float64")
+            bad = ~np.isfinite(v) | (v < 0) | (v * 1000 >= 2.0**62)
+            if bad.any():
+                raise KinetoError(f"{path}: {int(bad.sum())} event(s) with an impossible {c} (missing, not a "
+                                  f"number, NaN, inf, negative or too large; e.g. {df[c][bad].iloc[0]!r})")
+
+
 def _load_one(f: Path, single: bool):
     """One file -> (parsed counts, identity, tables), or the KinetoError's message (picklable for a worker)."""
     try:
         parsed = parse_trace(f)
+        check_times(parsed)
         ident = trace_identity(parsed, single=single)
         tables = rank_tables(parsed, ident)
     except KinetoError as e:
         return str(e)
-    parsed["kernels"] = parsed["cpu"] = None
+    except RecursionError:
+        return f"{f}: JSON nested too deeply (not a torch.profiler trace?)"
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        return f"{f}: unexpected trace content ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''})"
+    parsed["kernels"] = parsed["cpu"] = parsed["launch"] = None
     return parsed, ident, tables
 
 
@@ -639,22 +739,26 @@ def _workers(n_files: int) -> int:
     return max(1, min(n_files, cpus)) if sys.platform == "linux" else 1
 
 
-def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, dict, dict]], list[str]]:
+def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tuple[list, list[str]]:
     """Parse every trace file (directories are searched for *.json and *.json.gz) into its rank's tables:
     [(parsed, identity, tables)] and the skipped files' messages. ``parsed`` keeps the path and counts only: each
     file's columns are turned into tables and dropped at once (peak memory is one file's per process).
 
     Files are parsed in parallel, one forked worker process per CPU (as HolisticTraceAnalysis does), each sending
-    back only its rank's tables. A file that cannot be read is skipped with a warning; mixed jobs and duplicate
-    ranks raise KinetoError."""
-    files = []
+    back only its rank's tables. ``info`` gets one line per imported file (what it became), ``warn`` one per
+    skipped file (why); mixed jobs and duplicate ranks raise KinetoError, as does a set where nothing imports."""
+    files, ignored = [], 0
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith((".json", ".json.gz")))
+            found = sorted(f for f in p.rglob("*") if f.is_file())
+            files += [f for f in found if f.name.endswith((".json", ".json.gz"))]
+            ignored += len(found) - len([f for f in found if f.name.endswith((".json", ".json.gz"))])
         else:
             files.append(p)
     if not files:
         raise KinetoError(f"{', '.join(map(str, paths))}: no .json or .json.gz trace files")
+    info(f"reading {len(files)} trace file(s)"
+         + (f" ({ignored} other file(s) in the folder(s) ignored: not .json/.json.gz)" if ignored else ""))
     single = len(files) == 1
     n = _workers(len(files))
     if n > 1:
@@ -667,22 +771,24 @@ def load_traces(paths: list, warn=lambda msg: None) -> tuple[list[tuple[dict, di
         results = [_load_one(f, single) for f in files]
     out, failed = [], []
     for r in results:
-        if isinstance(r, str):
-            failed.append(r)
-            warn(f"skipped {r}")
-        else:
-            out.append(r)
+        (failed if isinstance(r, str) else out).append(r)
     if not out:
         raise KinetoError(failed[0] if len(failed) == 1 else f"no trace could be imported: {'; '.join(failed)}")
     worlds = {i["world_size"] for _, i, _ in out}
     if len(worlds) > 1:
         raise KinetoError("traces come from different jobs (world sizes " + ", ".join(
-            f"{p['path'].name}={i['world_size']}" for p, i, _ in out) + ")")
+            f"{p['path'].name}={i['world_size']}" for p, i, _ in out) + "); import each job's files separately")
     seen: dict[int, Path] = {}
     for p, i, _ in out:
         if i["rank"] in seen:
             raise KinetoError(f"{p['path']}: duplicate rank {i['rank']} (also in {seen[i['rank']]})")
         seen[i["rank"]] = p["path"]
+    for msg in failed:
+        warn(f"skipped {msg}")
+    for _, i, t in out:
+        for w in i["warnings"]:
+            warn(w)
+        info(t["events"]["message"].iloc[-1])
     return out, failed
 
 
@@ -692,14 +798,16 @@ def _concat(tables: list[dict]) -> dict:
             if any(k in t and len(t[k]) for t in tables) else pd.DataFrame() for k in keys}
 
 
-def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg: None) -> Path:
-    """``dtprof import kineto``: trace files of one job -> a new run directory. Returns the run directory."""
+def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg: None,
+                  info=lambda msg: None) -> Path:
+    """``dtprof import kineto``: trace files of one job -> a new run directory. Returns the run directory.
+    ``info``/``warn``: see ``load_traces``."""
     import socket
     import time
 
     from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
 
-    loaded, failed = load_traces(paths, warn)
+    loaded, failed = load_traces(paths, warn, info)
     tables = _concat([t for _, _, t in loaded])
     for _, _, t in loaded:  # the concatenated copies are all that is needed from here on
         t.clear()

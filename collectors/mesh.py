@@ -8,7 +8,7 @@ created its process groups, this rank records:
   when the mesh has no names. The group's first row (written by ``hooks_collectives._group`` when the group is
   first seen, ``mesh_dim`` empty) stays; readers take the last non-empty ``mesh_dim`` per (rank, group)
   (docs/run-format.md).
-- one ``events`` info row ``device mesh: shape=(2, 2), dims=(dp, tp)``.
+- one ``mesh`` meta row {"shape": [2, 2], "dims": ["dp", "tp"]}.
 A mesh dimension of size 1 still gets its row (its group has one rank). Faults disable dtprof on the rank as in
 runtime.py; the mesh itself is never affected (the original ``__init__`` has already returned).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dtprof.collectors import hooks_collectives as hc
 from dtprof.collectors import runtime as rt
+from dtprof.collectors.records import Group
 
 _installed = False
 _announced = set()          # (shape, dims) already written on this rank
@@ -27,7 +28,7 @@ def dim_names(mesh) -> tuple[str, ...]:
 
 
 def record_mesh(mesh) -> None:
-    """Write the groups rows and the events row for ``mesh`` (once per shape and names)."""
+    """Write the groups rows and the meta row for ``mesh`` (once per shape and names)."""
     state = rt.STATE
     if state.disabled or not state.active:
         return
@@ -50,10 +51,9 @@ def record_mesh(mesh) -> None:
             backend = str(dist.get_backend(pg))
         except Exception:
             backend = ""
-        rt.W.append("groups", (state.rank, name, ",".join(map(str, ranks)), size, backend,
-                               str(getattr(pg, "group_desc", "") or ""), dim))
-    rt.event("info", f"device mesh: shape=({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}), "
-                     f"dims=({', '.join(dims)})")
+        state.add(Group(rank=state.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
+                        desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=dim))
+    state.meta("mesh", {"shape": list(shape), "dims": list(dims)})
 
 
 def _wrap_init(orig):
@@ -64,7 +64,7 @@ def _wrap_init(orig):
         try:
             record_mesh(self)
         except Exception:
-            rt._fault("device mesh")
+            rt.STATE.fault("device mesh")
 
     __init__.__wrapped__ = orig
     __init__.__doc__ = orig.__doc__

@@ -4,8 +4,11 @@ Public interface (BRIEF §2): ``init(out=None, **options) -> bool``, ``step()``,
 ``annotate(**fields)``, ``install_from_env()`` and the module-level ``STATE``.
 
 How it stays out of training's way
-- The hot path (hooks, wrapped collectives) only reads a few module globals and appends tuples/lists to the
-  ``RankWriter``'s in-memory lists. All file I/O, CUDA event resolution and clock readings happen in one daemon
+- The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here and in hooks_collectives.py /
+  hooks_functional.py / mesh.py are its methods or read and set its attributes (no module changes another's
+  globals). The hot path only reads a few of its attributes and appends typed rows (collectors/records.py,
+  namedtuples generated from the schema) to the ``RankWriter``'s in-memory lists.
+  All file I/O, CUDA event resolution and clock readings happen in one daemon
   flusher thread (every ``flush_interval_s``, default 1 s) and at exit (atexit).
 - Every hook body runs under try/except. A fault records an ``events`` error row (the traceback's last line),
   sets ``STATE.disabled`` (every hook becomes a pass-through) and never raises into training.
@@ -34,6 +37,7 @@ Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import socket
@@ -43,11 +47,23 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from dtprof.collectors.records import Clock, Event, Meta, Span, Step
+
 now = time.monotonic_ns
+_OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
+_ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
 
-class _State:
-    """What other parts of dtprof (heartbeat, watchdog) may read about this rank. Plain attributes only."""
+def _last_error_line() -> str:
+    return traceback.format_exc().strip().splitlines()[-1]
+
+
+class Recorder:
+    """Everything dtprof knows and does inside one rank. ``STATE`` is the only instance.
+
+    Heartbeat and watchdog read ``active``, ``disabled``, ``rank``, ``step``, ``collective`` (a dict naming the
+    blocking collective the main thread is in, else None), ``last_progress_ns`` and ``rank_dir``: plain attributes.
+    The rest is bookkeeping of the main thread's step, kept here so that one object holds the rank's state."""
 
     def __init__(self):
         self.active = False        # recording
@@ -59,60 +75,488 @@ class _State:
         self.rank_dir = None
         self.host = socket.gethostname()
         self.options = {}
+        self.writer = None         # the RankWriter (None until init)
+        self.fault_test = ""       # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
+        # ---- per-step bookkeeping (main thread only) ----
+        self.init_ns = 0
+        self.step_start_ns = None  # start of the step in progress (None before the first forward)
+        self.prev_step_end_ns = None
+        self.fwd_depth = 0
+        self.fwd_t0 = 0
+        self.fwd_ev0 = None
+        self.fwd_seen_in_step = False
+        self.in_backward = False
+        self.opt_t0 = 0
+        self.opt_ev0 = None
+        self.manual_steps = False
+        self.annot = {}
+        self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
+        self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
+        self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
+        self.trace_capture = None
+        self.flop_mode = None
+        self.flops_step = None
+        self.identity_new = None   # a fresh rank.json dict computed on the main thread, written by the flusher
+        # ---- collectives (hooks_collectives.py, hooks_functional.py) ----
+        self.groups = {}           # id(pg) or None -> (name, size, pg)
+        self.seq = {}              # group name or (group, src, dst) -> next seq
+        self.pending = {}          # completion key -> (work, rows, issue_ns): async ops awaiting completion
+        # NCCL works completed on the host whose GPU-side duration the flusher reads once the GPU has run them
+        # (hooks_collectives.resolve_gpu_durations). A deque: future callbacks append while the flusher pops.
+        self.timed = collections.deque()
+        # ---- CUDA timing (decided at the first forward) ----
+        self.cuda = None           # None undecided, False host timing, True CUDA events
+        self.cuda_anchor = None    # (event, host_ns) recorded after one synchronize
+        self.cuda_pending = []     # [row, start_event, end_event] resolved by the flusher
+        # ---- installed hooks ----
+        self.hook_handles = []     # optimizer hooks
+        self.module_handles = []   # forward hooks: global ones during step 0, then on the root modules only
+        self.roots = None          # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
+        self.orig_backward = None
+
+    # ---- rows ----------------------------------------------------------------------------------------------
+
+    def add(self, row) -> None:
+        """Append one typed row (collectors/records.py) to its table."""
+        self.writer.append(row.table, row)
+
+    def fault(self, where: str) -> None:
+        """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
+        error row (the message the report lists). Never raises."""
+        try:
+            self.disabled = True
+            error = _last_error_line()
+            msg = f"dtprof disabled on this rank after a fault in {where}: {error}"
+            if self.writer is not None:
+                self.meta("fault", {"where": where, "error": error})
+                self.add(Event(self.rank, self.host, now(), "error", "rank", msg))
+            sys.stderr.write(f"dtprof[rank {self.rank}]: {msg}\n")
+        except BaseException:
+            pass
+
+    def event(self, level: str, message: str) -> None:
+        if self.writer is not None:
+            self.add(Event(self.rank, self.host, now(), level, "rank", message))
+
+    def meta(self, kind: str, value: dict) -> None:
+        """One structured fact (the ``meta`` table; kinds and keys in dtprof.schema.META_KINDS). The value is
+        stored as JSON text, the run format's form of a json column."""
+        self.add(Meta(self.rank, self.host, now(), kind, json.dumps(value, separators=(",", ":"))))
+
+    def trace_window(self, steps: list, start_ns: int, end_ns: int) -> None:
+        """The --trace-steps capture disturbed this rank from ``start_ns`` (profiler start) to ``end_ns`` (stop
+        and export done), overlapping ``steps``."""
+        self.meta("trace_capture", {"steps": steps, "start_ns": start_ns, "end_ns": end_ns})
+
+    def span(self, kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
+        self.writer.append("spans", Span(self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
+                                         microbatch, lane, source))
+
+    def clock_row(self) -> None:
+        self.add(Clock(self.rank, self.host, time.monotonic_ns(), time.time_ns()))
+
+    # ---- identity ------------------------------------------------------------------------------------------
+
+    def identity(self) -> dict:
+        import torch
+
+        env = os.environ
+        ident = {
+            "rank": self.rank, "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "world_size": int(env.get("WORLD_SIZE", 1)),
+            "node_rank": int(env["GROUP_RANK"]) if env.get("GROUP_RANK", "").isdigit() else None,
+            "host": self.host, "pid": os.getpid(), "node": os.path.basename(os.path.dirname(self.rank_dir)),
+            "device_type": "cpu", "device_index": None, "device_name": "cpu", "device_uuid": "",
+            "device_mem_total_bytes": None, "backend": "",
+            "torch_version": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv,
+            "options": self.options,
+        }
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                ident["backend"] = str(dist.get_backend())
+                ident["world_size"] = dist.get_world_size()
+        except Exception:
+            pass
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            i = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(i)
+            ident.update(device_type="cuda", device_index=i, device_name=props.name,
+                         device_uuid=str(getattr(props, "uuid", "")),
+                         device_mem_total_bytes=int(props.total_memory))
+        return ident
+
+    def refresh_identity(self) -> None:
+        """Recompute rank.json on the calling (main) thread, e.g. after init_process_group; the flusher writes
+        it."""
+        self.identity_new = self.identity()
+
+    # ---- start-up ------------------------------------------------------------------------------------------
+
+    def start(self, rank: int, rdir: str, node_dir, opts: dict) -> None:
+        from dtprof.collectors import hooks_collectives, hooks_functional
+        from dtprof.runformat import RankWriter
+
+        self.rank, self.rank_dir, self.options = rank, rdir, opts
+        where, _, only_rank = os.environ.get("DTPROF_TEST_FAULT", "").partition("@")
+        self.fault_test = where if (not only_rank or int(only_rank) == rank) else ""
+        self.writer = RankWriter(node_dir, rank)
+        self.init_ns = now()
+        self.last_progress_ns = self.init_ns
+        self.writer.write_identity(self.identity())
+        self.clock_row()
+        self.install_train_hooks()
+        hooks_collectives.install()
+        hooks_functional.install()     # hybrid hook-in: functional collectives, DeviceMesh
+        self.active = True
+        self.start_flusher(float(opts.get("flush_interval_s") or 1.0))
+        self.start_companions(opts)
+
+    def start_companions(self, opts) -> None:
+        """The heartbeat (triage) and the trace capture (--trace-steps)."""
+        from dtprof.collectors import heartbeat
+
+        try:
+            heartbeat.start(self.rank_dir, self)
+        except Exception:
+            self.event("warning", f"heartbeat did not start: {_last_error_line()}")
+        if opts.get("trace_steps"):
+            try:
+                from dtprof.collectors.trace_capture import TraceCapture
+
+                a, b = str(opts["trace_steps"]).split(":")
+                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b), on_window=self.trace_window)
+            except Exception:
+                self.event("warning", f"trace capture unavailable: {_last_error_line()}")
+
+    # ---- the flusher thread --------------------------------------------------------------------------------
+
+    def flush_once(self) -> None:
+        from dtprof.collectors import hooks_collectives
+
+        if self.writer is None:
+            return
+        if self.cuda:
+            self.resolve_cuda_events()
+        hooks_collectives.expire_pending()
+        hooks_collectives.resolve_gpu_durations()
+        ident, self.identity_new = self.identity_new, None
+        if ident is not None:
+            self.writer.write_identity(ident)
+        self.clock_row()
+        self.writer.flush()
+
+    def flush_loop(self, interval: float) -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                self.flush_once()
+            except Exception:
+                self.fault("flusher")
+                try:
+                    self.writer.flush()
+                except Exception:
+                    return
+
+    def at_exit(self) -> None:
+        try:
+            from dtprof.collectors import hooks_collectives
+
+            if self.trace_capture is not None:
+                try:
+                    self.trace_capture.close()
+                except Exception:
+                    self.event("warning", "trace capture close failed: " + _last_error_line())
+            if self.cuda:
+                import torch
+
+                torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
+            hooks_collectives.expire_pending(all_=True)
+            hooks_collectives.resolve_gpu_durations(final=True)
+            self.flush_once()
+            self.writer.close()
+        except BaseException:
+            pass
+
+    def on_sigterm(self, signum, frame) -> None:
+        """torchrun stops the surviving workers with SIGTERM when one fails; Python's default action skips
+        atexit. Flush what we have, then die of SIGTERM as the default action would."""
+        import signal
+
+        self.at_exit()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def start_flusher(self, interval: float) -> None:
+        t = threading.Thread(target=self.flush_loop, args=(interval,), name="dtprof-flusher", daemon=True)
+        t.start()
+        atexit.register(self.at_exit)
+        try:
+            import signal
+
+            if threading.current_thread() is threading.main_thread() and \
+                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:   # never replace the program's own handler
+                signal.signal(signal.SIGTERM, self.on_sigterm)
+        except Exception:
+            pass
+
+    # ---- CUDA event timing (recorded in hooks, resolved in the flusher, never synchronising training) ------
+
+    def decide_cuda(self) -> None:
+        import torch
+
+        self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+        if self.cuda:
+            torch.cuda.synchronize()          # once, before the first step: pairs a GPU event with a host time
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ev.synchronize()
+            self.cuda_anchor = (ev, now())
+
+    @staticmethod
+    def cuda_event():
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def resolve_cuda_events(self) -> None:
+        """Turn finished event pairs into spans. The hot path only appends to ``cuda_pending``; this thread
+        removes the prefix it looked at (list slice operations are atomic under the GIL)."""
+        anchor, anchor_ns = self.cuda_anchor
+        pending = self.cuda_pending
+        n = len(pending)
+        keep = []
+        for item in pending[:n]:
+            row, e0, e1 = item
+            if e1.query() and e0.query():
+                self.add(row._replace(start_ns=anchor_ns + int(anchor.elapsed_time(e0) * 1e6),
+                                      end_ns=anchor_ns + int(anchor.elapsed_time(e1) * 1e6)))
+            else:
+                keep.append(item)
+        del pending[:n]
+        pending[:0] = keep
+
+    def compute_span(self, kind, t0, ev0, t1) -> None:
+        if self.cuda and ev0 is not None:
+            self.cuda_pending.append((Span(self.rank, self.step, kind, kind, t0, t1, None, None, "cuda",
+                                           "cuda_event"), ev0, self.cuda_event()))
+        else:
+            self.span(kind, kind, t0, t1)
+
+    # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
+
+    def fwd_pre_hook(self, module, args):
+        if self.disabled:
+            return None
+        try:
+            self.fwd_depth += 1
+            if self.fwd_depth == 1 and not self.in_backward:
+                t = now()
+                if self.step == 0:
+                    self.note_root(module)
+                if self.fault_test == "forward":
+                    raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
+                if self.cuda is None:
+                    self.decide_cuda()
+                if not self.fwd_seen_in_step:
+                    self.fwd_seen_in_step = True
+                    if self.step_start_ns is None:
+                        self.step_start_ns = t
+                    elif self.prev_step_end_ns is not None:
+                        self.span("data_wait", "data_wait", self.prev_step_end_ns, t)
+                self.fwd_t0 = t
+                self.fwd_ev0 = self.cuda_event() if self.cuda else None
+                self.last_progress_ns = t
+        except Exception:
+            self.fault("forward pre-hook")
+        return None
+
+    def note_root(self, module) -> None:
+        if self.roots is None:
+            import weakref
+
+            self.roots = weakref.WeakSet()
+        self.roots.add(module)
+
+    def fwd_hook(self, module, args, output):
+        if self.disabled:
+            return None
+        try:
+            self.fwd_depth -= 1
+            if self.fwd_depth <= 0:
+                self.fwd_depth = 0
+                if not self.in_backward and not self.pp_active:
+                    self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
+        except Exception:
+            self.fault("forward hook")
+        return None
+
+    def timed_backward(self, orig):
+        rec = self
+
+        def backward(*args, **kwargs):
+            if rec.disabled or rec.in_backward:
+                return orig(*args, **kwargs)
+            try:
+                t0 = now()
+                ev0 = rec.cuda_event() if rec.cuda else None
+                rec.ddp_last_issue_ns = None
+                rec.ddp_next_bucket = 0
+            except Exception:
+                rec.fault("backward")
+                return orig(*args, **kwargs)
+            rec.in_backward = True
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                rec.in_backward = False
+                try:
+                    t1 = now()
+                    rec.last_progress_ns = t1
+                    if not rec.pp_active:
+                        rec.compute_span("backward", t0, ev0, t1)
+                    if rec.ddp_last_issue_ns is not None:
+                        # DDP blocks at the end of backward until its last buckets are reduced.
+                        rec.span("comm_wait", "ddp_final_wait", rec.ddp_last_issue_ns, t1)
+                        rec.ddp_last_issue_ns = None
+                except Exception:
+                    rec.fault("backward")
+
+        backward.__wrapped__ = orig
+        backward.__name__ = getattr(orig, "__name__", "backward")
+        backward.__doc__ = getattr(orig, "__doc__", None)
+        return backward
+
+    def opt_pre_hook(self, optimizer, args, kwargs):
+        if self.disabled:
+            return None
+        try:
+            self.opt_t0 = now()
+            self.opt_ev0 = self.cuda_event() if self.cuda else None
+        except Exception:
+            self.fault("optimizer pre-hook")
+        return None
+
+    def opt_post_hook(self, optimizer, args, kwargs):
+        if self.disabled:
+            return None
+        try:
+            t = now()
+            self.compute_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
+            if not self.manual_steps:
+                self.end_step(t)
+        except Exception:
+            self.fault("optimizer post-hook")
+        return None
+
+    def peak_mem_bytes(self):
+        if self.cuda:
+            import torch
+
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return int(peak)
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
+
+    def end_step(self, t: int) -> None:
+        """Close the step in progress at host time ``t`` (main thread)."""
+        step = self.step
+        start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
+        a = self.annot
+        self.add(Step(self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens"), a.get("samples"),
+                      a.get("model_flops"), self.flops_finish(step)))
+        if step == 0:
+            self.refresh_identity()           # the device and the process group are set up by now
+            self.hooks_to_roots()
+        self.annot = {}
+        self.prev_step_end_ns = self.step_start_ns = t
+        self.fwd_seen_in_step = False
+        self.fwd_depth = 0
+        self.step = step + 1
+        self.last_progress_ns = t
+        if self.trace_capture is not None:
+            try:
+                self.trace_capture.on_step_end(step)
+            except Exception:
+                self.event("warning", "trace capture failed: " + _last_error_line())
+        if self.options.get("count_flops") and self.step == 1:
+            self.flops_start()
+
+    def flops_start(self) -> None:
+        """Run the next step (step 1) under FlopCounterMode."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.flop_mode = FlopCounterMode(display=False)
+        self.flop_mode.__enter__()
+        self.flops_step = (self.step, now())
+
+    def flops_finish(self, step):
+        if self.flop_mode is None or self.flops_step is None or self.flops_step[0] != step:
+            return None
+        mode, (s, t0) = self.flop_mode, self.flops_step
+        self.flop_mode = self.flops_step = None
+        mode.__exit__(None, None, None)
+        self.span("flops_count", "FlopCounterMode", t0, now(), step=s)
+        return int(mode.get_total_flops())
+
+    def install_module_hooks(self) -> None:
+        """Global module hooks put every module call of the program on nn.Module's slow path (~4 us each,
+        measured in benchmarks/overhead.py), so they are used only in step 0 to find the top-level modules; after
+        that the forward hooks sit on those root modules alone. Forward spans after step 0 therefore come from the
+        modules that were top-level in step 0 (a model first called later is not timed as ``forward``)."""
+        from torch.nn.modules import module as nn_module
+
+        if self.roots is None:
+            self.module_handles[:] = [nn_module.register_module_forward_pre_hook(self.fwd_pre_hook),
+                                      nn_module.register_module_forward_hook(self.fwd_hook)]
+        else:
+            self.module_handles[:] = [h for m in list(self.roots) for h in (
+                m.register_forward_pre_hook(self.fwd_pre_hook, prepend=True), m.register_forward_hook(self.fwd_hook))]
+
+    def remove_module_hooks(self) -> None:
+        for h in self.module_handles:
+            h.remove()
+        self.module_handles.clear()
+
+    def hooks_to_roots(self) -> None:
+        if self.roots is None or not self.module_handles:
+            return
+        self.remove_module_hooks()         # the global ones (installed while roots was None)
+        self.install_module_hooks()
+
+    def install_train_hooks(self) -> None:
+        import torch
+        from torch.optim import optimizer as optim
+
+        self.install_module_hooks()
+        self.hook_handles[:] = [
+            optim.register_optimizer_step_pre_hook(self.opt_pre_hook),
+            optim.register_optimizer_step_post_hook(self.opt_post_hook),
+        ]
+        self.orig_backward = (torch.autograd.backward, torch.Tensor.backward)
+        torch.autograd.backward = self.timed_backward(self.orig_backward[0])
+        torch.Tensor.backward = self.timed_backward(self.orig_backward[1])
+
+    def remove_train_hooks(self) -> None:
+        """Take the step/span hooks out again (benchmarks/overhead.py alternates with and without them)."""
+        import torch
+
+        self.remove_module_hooks()
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles.clear()
+        if self.orig_backward is not None:
+            torch.autograd.backward, torch.Tensor.backward = self.orig_backward
 
 
-STATE = _State()
-W = None                 # the RankWriter (None until init)
-_OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
-
-# ---- per-step bookkeeping (main thread only) ----
-_init_ns = 0
-_step_start_ns = None     # start of the step in progress (None before the first forward)
-_prev_step_end_ns = None
-_fwd_depth = 0
-_fwd_t0 = 0
-_fwd_ev0 = None
-_fwd_seen_in_step = False
-_in_backward = False
-_opt_t0 = 0
-_opt_ev0 = None
-_manual_steps = False
-_annot = {}
-_pp_active = 0            # >0 while a pipeline schedule's step() runs (set by hooks_collectives)
-_ddp_last_issue_ns = None  # issue time of DDP's last bucket in the backward in progress (set by the DDP hook)
-_trace_capture = None
-_flop_mode = None
-_flops_step = None
-_identity_new = None       # a fresh rank.json dict computed on the main thread, written by the flusher
-_fault_test = ""          # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", "forward")
-
-# ---- CUDA timing (decided at the first forward) ----
-_cuda = None              # None undecided, False host timing, True CUDA events
-_cuda_anchor = None       # (event, host_ns) recorded after one synchronize
-_cuda_pending = []        # [row, start_event, end_event] resolved by the flusher
-
-
-def _fault(where: str) -> None:
-    """Record a dtprof fault as an events error row and disable dtprof on this rank. Never raises."""
-    try:
-        STATE.disabled = True
-        last = traceback.format_exc().strip().splitlines()[-1]
-        msg = f"dtprof disabled on this rank after a fault in {where}: {last}"
-        if W is not None:
-            W.append("events", (STATE.rank, STATE.host, now(), "error", "rank", msg))
-        sys.stderr.write(f"dtprof[rank {STATE.rank}]: {msg}\n")
-    except BaseException:
-        pass
-
-
-def event(level: str, message: str) -> None:
-    if W is not None:
-        W.append("events", (STATE.rank, STATE.host, now(), level, "rank", message))
-
-
-def _span(kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
-    W.append("spans", (STATE.rank, STATE.step if step is None else step, kind, name, t0, t1, stage, microbatch,
-                       lane, source))
+# The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
+Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
+STATE = Recorder()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,41 +580,6 @@ def _is_torchrun_launcher() -> bool:
         if a.replace(os.sep, "/").endswith(("torch/distributed/run.py", "torch/distributed/launch.py")):
             return True
     return False
-
-
-def _identity() -> dict:
-    import torch
-
-    env = os.environ
-    ident = {
-        "rank": STATE.rank, "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1)),
-        "node_rank": int(env["GROUP_RANK"]) if env.get("GROUP_RANK", "").isdigit() else None,
-        "host": STATE.host, "pid": os.getpid(), "node": os.path.basename(os.path.dirname(STATE.rank_dir)),
-        "device_type": "cpu", "device_index": None, "device_name": "cpu", "device_uuid": "",
-        "device_mem_total_bytes": None, "backend": "",
-        "torch_version": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv,
-        "options": STATE.options,
-    }
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            ident["backend"] = str(dist.get_backend())
-            ident["world_size"] = dist.get_world_size()
-    except Exception:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        i = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(i)
-        ident.update(device_type="cuda", device_index=i, device_name=props.name,
-                     device_uuid=str(getattr(props, "uuid", "")), device_mem_total_bytes=int(props.total_memory))
-    return ident
-
-
-def refresh_identity() -> None:
-    """Recompute rank.json on the calling (main) thread, e.g. after init_process_group; the flusher writes it."""
-    global _identity_new
-    _identity_new = _identity()
 
 
 def _claim_rank_dir(rank_dir) -> bool:
@@ -204,13 +613,12 @@ def init(out=None, **options) -> bool:
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
     gets its own node directory in it); default: ``DTPROF_NODE_DIR``. Options override ``DTPROF_CONFIG``.
     Returns True when recording."""
-    global W, _init_ns, _trace_capture
     if STATE.active:
         return True
     if STATE.disabled:
         return False
     try:
-        from dtprof.runformat import RankWriter, create_node_dir, create_run_dir, rank_dir
+        from dtprof.runformat import create_node_dir, create_run_dir, rank_dir
 
         env = os.environ
         opts = dict(_OPTIONS_DEFAULT)
@@ -233,424 +641,12 @@ def init(out=None, **options) -> bool:
         os.makedirs(rdir, exist_ok=True)
         if not _claim_rank_dir(str(rdir)):
             return False
-        STATE.rank, STATE.rank_dir, STATE.options = rank, str(rdir), opts
-        _set_fault_test(env.get("DTPROF_TEST_FAULT", ""), rank)
-        W = RankWriter(node_dir, rank)
-        _init_ns = now()
-        STATE.last_progress_ns = _init_ns
-        W.write_identity(_identity())
-        _clock_row()
-        from dtprof.collectors import hooks_collectives
-
-        _install_train_hooks()
-        hooks_collectives.install()
-        from dtprof.collectors import hooks_functional  # hybrid hook-in: functional collectives, DeviceMesh
-
-        hooks_functional.install()
-        STATE.active = True
-        _start_flusher(float(opts.get("flush_interval_s") or 1.0))
-        _start_companions(opts)
+        STATE.start(rank, str(rdir), node_dir, opts)
         return True
     except BaseException:
-        _fault("init")
+        STATE.fault("init")
         STATE.active = False
         return False
-
-
-def _set_fault_test(spec: str, rank: int) -> None:
-    global _fault_test
-    where, _, only_rank = spec.partition("@")
-    _fault_test = where if (not only_rank or int(only_rank) == rank) else ""
-
-
-def _start_companions(opts) -> None:
-    """The heartbeat (triage helper) and the trace capture (interop helper), when those modules exist."""
-    global _trace_capture
-    try:
-        from dtprof.collectors import heartbeat
-    except ImportError:
-        heartbeat = None
-    if heartbeat is not None:
-        try:
-            heartbeat.start(STATE.rank_dir, STATE)
-        except Exception:
-            event("warning", f"heartbeat did not start: {traceback.format_exc().strip().splitlines()[-1]}")
-    if opts.get("trace_steps"):
-        try:
-            from dtprof.collectors.trace_capture import TraceCapture
-
-            a, b = str(opts["trace_steps"]).split(":")
-            _trace_capture = TraceCapture(STATE.rank_dir, int(a), int(b))
-        except Exception:
-            event("warning", f"trace capture unavailable: {traceback.format_exc().strip().splitlines()[-1]}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The flusher thread
-
-def _clock_row() -> None:
-    W.append("clock", (STATE.rank, STATE.host, time.monotonic_ns(), time.time_ns()))
-
-
-def _flush_once() -> None:
-    global _identity_new
-    if W is None:
-        return
-    if _cuda:
-        _resolve_cuda_events()
-    from dtprof.collectors import hooks_collectives
-
-    hooks_collectives.expire_pending()
-    hooks_collectives.resolve_gpu_durations()
-    ident, _identity_new = _identity_new, None
-    if ident is not None:
-        W.write_identity(ident)
-    _clock_row()
-    W.flush()
-
-
-def _flush_loop(interval: float) -> None:
-    while True:
-        time.sleep(interval)
-        try:
-            _flush_once()
-        except Exception:
-            _fault("flusher")
-            try:
-                W.flush()
-            except Exception:
-                return
-
-
-def _at_exit() -> None:
-    try:
-        if _trace_capture is not None:
-            try:
-                _trace_capture.close()
-            except Exception:
-                event("warning", "trace capture close failed: " + traceback.format_exc().strip().splitlines()[-1])
-        from dtprof.collectors import hooks_collectives
-
-        if _cuda:
-            import torch
-
-            torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
-        hooks_collectives.expire_pending(all_=True)
-        hooks_collectives.resolve_gpu_durations(final=True)
-        _flush_once()
-        W.close()
-    except BaseException:
-        pass
-
-
-def _on_sigterm(signum, frame) -> None:
-    """torchrun stops the surviving workers with SIGTERM when one fails; Python's default action skips atexit.
-    Flush what we have, then die of SIGTERM as the default action would."""
-    import signal
-
-    _at_exit()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _start_flusher(interval: float) -> None:
-    t = threading.Thread(target=_flush_loop, args=(interval,), name="dtprof-flusher", daemon=True)
-    t.start()
-    atexit.register(_at_exit)
-    try:
-        import signal
-
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:   # never replace the program's own handler
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except Exception:
-        pass
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CUDA event timing (small on purpose: recorded in hooks, resolved in the flusher, never synchronising training)
-
-def _decide_cuda() -> None:
-    global _cuda, _cuda_anchor
-    import torch
-
-    _cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized())
-    if _cuda:
-        torch.cuda.synchronize()          # once, before the first step: pairs a GPU event with a host time
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        ev.synchronize()
-        _cuda_anchor = (ev, now())
-
-
-def _cuda_event():
-    import torch
-
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
-
-
-def _resolve_cuda_events() -> None:
-    """Turn finished event pairs into spans. The hot path only appends to ``_cuda_pending``; this thread removes
-    the prefix it looked at (list slice operations are atomic under the GIL)."""
-    anchor, anchor_ns = _cuda_anchor
-    n = len(_cuda_pending)
-    keep = []
-    for item in _cuda_pending[:n]:
-        row, e0, e1 = item
-        if e1.query() and e0.query():
-            row[4] = anchor_ns + int(anchor.elapsed_time(e0) * 1e6)
-            row[5] = anchor_ns + int(anchor.elapsed_time(e1) * 1e6)
-            W.append("spans", row)
-        else:
-            keep.append(item)
-    del _cuda_pending[:n]
-    _cuda_pending[:0] = keep
-
-
-def _compute_span(kind, t0, ev0, t1) -> None:
-    if _cuda and ev0 is not None:
-        _cuda_pending.append(([STATE.rank, STATE.step, kind, kind, t0, t1, None, None, "cuda", "cuda_event"],
-                              ev0, _cuda_event()))
-    else:
-        _span(kind, kind, t0, t1)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Training hooks: module forward, backward, optimizer
-
-def _fwd_pre_hook(module, args):
-    global _fwd_depth, _fwd_t0, _fwd_ev0, _step_start_ns, _fwd_seen_in_step
-    if STATE.disabled:
-        return None
-    try:
-        _fwd_depth += 1
-        if _fwd_depth == 1 and not _in_backward:
-            t = now()
-            if STATE.step == 0:
-                _note_root(module)
-            if _fault_test == "forward":
-                raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
-            if _cuda is None:
-                _decide_cuda()
-            if not _fwd_seen_in_step:
-                _fwd_seen_in_step = True
-                if _step_start_ns is None:
-                    _step_start_ns = t
-                elif _prev_step_end_ns is not None:
-                    _span("data_wait", "data_wait", _prev_step_end_ns, t)
-            _fwd_t0 = t
-            _fwd_ev0 = _cuda_event() if _cuda else None
-            STATE.last_progress_ns = t
-    except Exception:
-        _fault("forward pre-hook")
-    return None
-
-
-def _note_root(module) -> None:
-    global _roots
-    if _roots is None:
-        import weakref
-
-        _roots = weakref.WeakSet()
-    _roots.add(module)
-
-
-def _fwd_hook(module, args, output):
-    global _fwd_depth
-    if STATE.disabled:
-        return None
-    try:
-        _fwd_depth -= 1
-        if _fwd_depth <= 0:
-            _fwd_depth = 0
-            if not _in_backward and not _pp_active:
-                _compute_span("forward", _fwd_t0, _fwd_ev0, now())
-    except Exception:
-        _fault("forward hook")
-    return None
-
-
-def _timed_backward(orig):
-    def backward(*args, **kwargs):
-        global _in_backward, _ddp_last_issue_ns
-        if STATE.disabled or _in_backward:
-            return orig(*args, **kwargs)
-        try:
-            t0 = now()
-            ev0 = _cuda_event() if _cuda else None
-            _ddp_last_issue_ns = None
-        except Exception:
-            _fault("backward")
-            return orig(*args, **kwargs)
-        _in_backward = True
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            _in_backward = False
-            try:
-                t1 = now()
-                STATE.last_progress_ns = t1
-                if not _pp_active:
-                    _compute_span("backward", t0, ev0, t1)
-                if _ddp_last_issue_ns is not None:
-                    # DDP blocks at the end of backward until its last buckets are reduced.
-                    _span("comm_wait", "ddp_final_wait", _ddp_last_issue_ns, t1)
-                    _ddp_last_issue_ns = None
-            except Exception:
-                _fault("backward")
-
-    backward.__wrapped__ = orig
-    backward.__name__ = getattr(orig, "__name__", "backward")
-    backward.__doc__ = getattr(orig, "__doc__", None)
-    return backward
-
-
-def _opt_pre_hook(optimizer, args, kwargs):
-    global _opt_t0, _opt_ev0
-    if STATE.disabled:
-        return None
-    try:
-        _opt_t0 = now()
-        _opt_ev0 = _cuda_event() if _cuda else None
-    except Exception:
-        _fault("optimizer pre-hook")
-    return None
-
-
-def _opt_post_hook(optimizer, args, kwargs):
-    if STATE.disabled:
-        return None
-    try:
-        t = now()
-        _compute_span("optimizer", _opt_t0 or t, _opt_ev0, t)
-        if not _manual_steps:
-            _end_step(t)
-    except Exception:
-        _fault("optimizer post-hook")
-    return None
-
-
-def _peak_mem_bytes():
-    if _cuda:
-        import torch
-
-        peak = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        return int(peak)
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
-
-
-def _end_step(t: int) -> None:
-    """Close the step in progress at host time ``t`` (main thread)."""
-    global _step_start_ns, _prev_step_end_ns, _fwd_seen_in_step, _annot, _fwd_depth
-    step = STATE.step
-    start = _step_start_ns if _step_start_ns is not None else _init_ns
-    a = _annot
-    W.append("steps", (STATE.rank, step, start, t, _peak_mem_bytes(), a.get("tokens"), a.get("samples"),
-                       a.get("model_flops"), _flops_finish(step)))
-    if step == 0:
-        refresh_identity()           # the device and the process group are set up by now
-        _hooks_to_roots()
-    _annot = {}
-    _prev_step_end_ns = _step_start_ns = t
-    _fwd_seen_in_step = False
-    _fwd_depth = 0
-    STATE.step = step + 1
-    STATE.last_progress_ns = t
-    if _trace_capture is not None:
-        try:
-            _trace_capture.on_step_end(step)
-        except Exception:
-            event("warning", "trace capture failed: " + traceback.format_exc().strip().splitlines()[-1])
-    if STATE.options.get("count_flops") and STATE.step == 1:
-        _flops_start()
-
-
-def _flops_start() -> None:
-    """Run the next step (step 1) under FlopCounterMode."""
-    global _flop_mode, _flops_step
-    from torch.utils.flop_counter import FlopCounterMode
-
-    _flop_mode = FlopCounterMode(display=False)
-    _flop_mode.__enter__()
-    _flops_step = (STATE.step, now())
-
-
-def _flops_finish(step):
-    global _flop_mode, _flops_step
-    if _flop_mode is None or _flops_step is None or _flops_step[0] != step:
-        return None
-    mode, (s, t0) = _flop_mode, _flops_step
-    _flop_mode = _flops_step = None
-    mode.__exit__(None, None, None)
-    _span("flops_count", "FlopCounterMode", t0, now(), step=s)
-    return int(mode.get_total_flops())
-
-
-_hook_handles = []        # optimizer hooks
-_module_handles = []      # forward hooks: global ones during step 0, then on the root modules only
-_roots = None             # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
-_orig_backward = None
-
-
-def _install_module_hooks() -> None:
-    """Global module hooks put every module call of the program on nn.Module's slow path (~4 us each, measured in
-    benchmarks/overhead.py), so they are used only in step 0 to find the top-level modules; after that the
-    forward hooks sit on those root modules alone. Forward spans after step 0 therefore come from the modules
-    that were top-level in step 0 (a model first called later is not timed as ``forward``)."""
-    from torch.nn.modules import module as nn_module
-
-    if _roots is None:
-        _module_handles[:] = [nn_module.register_module_forward_pre_hook(_fwd_pre_hook),
-                              nn_module.register_module_forward_hook(_fwd_hook)]
-    else:
-        _module_handles[:] = [h for m in list(_roots) for h in (
-            m.register_forward_pre_hook(_fwd_pre_hook, prepend=True), m.register_forward_hook(_fwd_hook))]
-
-
-def _remove_module_hooks() -> None:
-    for h in _module_handles:
-        h.remove()
-    _module_handles.clear()
-
-
-def _hooks_to_roots() -> None:
-    global _roots
-    if _roots is None or not _module_handles:
-        return
-    _remove_module_hooks()         # the global ones (installed while _roots was None)
-    _install_module_hooks()
-
-
-def _install_train_hooks() -> None:
-    global _orig_backward
-    import torch
-    from torch.optim import optimizer as optim
-
-    _install_module_hooks()
-    _hook_handles[:] = [
-        optim.register_optimizer_step_pre_hook(_opt_pre_hook),
-        optim.register_optimizer_step_post_hook(_opt_post_hook),
-    ]
-    _orig_backward = (torch.autograd.backward, torch.Tensor.backward)
-    torch.autograd.backward = _timed_backward(_orig_backward[0])
-    torch.Tensor.backward = _timed_backward(_orig_backward[1])
-
-
-def _remove_train_hooks() -> None:
-    """Take the step/span hooks out again (benchmarks/overhead.py alternates with and without them)."""
-    import torch
-
-    _remove_module_hooks()
-    for h in _hook_handles:
-        h.remove()
-    _hook_handles.clear()
-    if _orig_backward is not None:
-        torch.autograd.backward, torch.Tensor.backward = _orig_backward
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -658,23 +654,24 @@ def _remove_train_hooks() -> None:
 
 def step() -> None:
     """End the current step now (for loops without torch.optim; see the double-counting rule above)."""
-    global _manual_steps
-    if not STATE.active or STATE.disabled:
+    rec = STATE
+    if not rec.active or rec.disabled:
         return
     try:
-        first_manual = not _manual_steps
-        _manual_steps = True
-        if first_manual and STATE.step > 0 and not _fwd_seen_in_step:
+        first_manual = not rec.manual_steps
+        rec.manual_steps = True
+        if first_manual and rec.step > 0 and not rec.fwd_seen_in_step:
             return                   # the optimizer hook just ended this step
-        _end_step(now())
+        rec.end_step(now())
     except Exception:
-        _fault("dtprof.step")
+        rec.fault("dtprof.step")
 
 
 @contextmanager
 def span(name: str):
     """Record a ``user`` span named ``name`` around the block (cheap no-op when not recording)."""
-    if not STATE.active or STATE.disabled:
+    rec = STATE
+    if not rec.active or rec.disabled:
         yield
         return
     t0 = now()
@@ -682,25 +679,24 @@ def span(name: str):
         yield
     finally:
         try:
-            _span("user", str(name), t0, now(), stage=_annot.get("stage"), microbatch=_annot.get("microbatch"))
+            rec.span("user", str(name), t0, now(), stage=rec.annot.get("stage"),
+                     microbatch=rec.annot.get("microbatch"))
         except Exception:
-            _fault("dtprof.span")
-
-
-_ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
+            rec.fault("dtprof.span")
 
 
 def annotate(**fields) -> None:
     """Attach facts to the step in progress: tokens=, samples=, model_flops= (steps table); stage=, microbatch=
     (put on the ``user`` spans that follow in this step)."""
-    if not STATE.active or STATE.disabled:
+    rec = STATE
+    if not rec.active or rec.disabled:
         return
     try:
         for k, v in fields.items():
             if k not in _ANNOTATABLE:
                 raise ValueError(f"dtprof.annotate: unknown field {k!r} (known: {', '.join(_ANNOTATABLE)})")
-            _annot[k] = None if v is None else int(v)
+            rec.annot[k] = None if v is None else int(v)
     except ValueError as e:
-        event("warning", str(e))
+        rec.event("warning", str(e))
     except Exception:
-        _fault("dtprof.annotate")
+        rec.fault("dtprof.annotate")

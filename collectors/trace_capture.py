@@ -8,6 +8,11 @@ The profiler starts at the end of step A-1 (at creation when A == 0) and stops a
 timestamps are wall-clock (ts µs + baseTimeNanoseconds = CLOCK_REALTIME ns, checked on torch 2.13), and the pair
 moves them onto the rank's monotonic clock. Any fault disables the capture and is written to ``error.txt`` (the
 merge turns it into an events row); training is never interrupted.
+
+The capture disturbs the rank from the profiler's start to the end of its stop and export (~0.2 s on CPU), which
+runs after step B-1 has ended and so lands in step B. ``on_window(steps, start_ns, end_ns)`` is told that window
+and the steps it overlaps (A..B; A..the step in progress when the job ends first); the runtime writes it as a
+``trace_capture`` meta row so that analyses keep those steps out of step statistics and data wait.
 """
 from __future__ import annotations
 
@@ -22,11 +27,14 @@ TRACE_NAME = "trace.json"
 
 
 class TraceCapture:
-    def __init__(self, rank_dir, start_step: int, end_step: int):
+    def __init__(self, rank_dir, start_step: int, end_step: int, on_window=None):
         self.dir = Path(rank_dir) / CAPTURE_DIR
         self.start_step, self.end_step = int(start_step), int(end_step)
         self.prof = None
         self.done = False
+        self.on_window = on_window
+        self.started_ns = None       # monotonic ns the profiler was started
+        self.last_step_end = None    # the last step that ended while the profiler ran
         if self.end_step <= self.start_step:
             self._fail(f"empty --trace-steps window {start_step}:{end_step}")
         elif self.start_step == 0:
@@ -45,12 +53,14 @@ class TraceCapture:
                 prof.stop()
             except Exception:
                 pass
+            self._window_closed()
 
     def _start(self) -> None:
         try:
             import torch
             from torch.profiler import ProfilerActivity, profile, schedule
 
+            self.started_ns = time.monotonic_ns()
             acts = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(ProfilerActivity.CUDA)
@@ -70,6 +80,7 @@ class TraceCapture:
             if self.prof is None and step == self.start_step - 1:
                 self._start()
             elif self.prof is not None:
+                self.last_step_end = step
                 if step >= self.end_step - 1:
                     self._finish()
                 else:
@@ -81,6 +92,16 @@ class TraceCapture:
         prof, self.prof = self.prof, None
         self.done = True
         prof.stop()  # ends the active cycle: on_trace_ready (self._export) writes the trace
+        self._window_closed()
+
+    def _window_closed(self) -> None:
+        """Report the disturbed window: from the profiler's start to now (its stop and export are done)."""
+        end_ns = time.monotonic_ns()
+        if self.on_window is None or self.started_ns is None:
+            return
+        last = self.start_step if self.last_step_end is None else self.last_step_end + 1
+        started, self.started_ns = self.started_ns, None
+        self.on_window(list(range(self.start_step, last + 1)), started, end_ns)
 
     def _export(self, prof) -> None:
         mono, wall = time.monotonic_ns(), time.time_ns()

@@ -32,8 +32,8 @@ def load_summary(path: str | Path) -> tuple[str, dict]:
         data = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{f}: cannot read ({e.__class__.__name__}: {e})") from None
-    except ValueError as e:
-        raise InputError(f"{f}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"{f}: not valid JSON ({str(e)[:200] or 'nested too deeply'})") from None
     if not isinstance(data, dict) or not isinstance(data.get("steps"), dict):
         raise InputError(f"{f}: not a dtprof summary (no 'steps' section)")
     return str(p), data

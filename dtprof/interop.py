@@ -50,9 +50,9 @@ def import_kineto_command(paths, out):
     from dtprof.collectors.kineto import KinetoError, import_kineto
     from dtprof.runformat import RunExistsError
 
-    click.echo(f"dtprof: reading {len(paths)} path(s)...", err=True)
     try:
-        run_dir = import_kineto(list(paths), out, command=" ".join(sys.argv), warn=_warn)
+        run_dir = import_kineto(list(paths), out, command=" ".join(sys.argv), warn=_warn,
+                                info=lambda msg: click.echo(f"dtprof: {msg}", err=True))
     except (KinetoError, RunExistsError) as e:
         raise InputError(str(e)) from None
     click.echo(str(run_dir))

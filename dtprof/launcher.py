@@ -7,11 +7,16 @@ directory of ``dtprof/_inject/sitecustomize.py`` first on ``PYTHONPATH``). After
 Kineto traces, compacts the node to Parquet, writes summary.json and report.html, and exits with the job's code.
 
 Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
-- The job's stdout/stderr are pipes that the launcher copies through as bytes arrive (and tees to
-  ``node_dir/stdout.log`` / ``stderr.log``); ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python
-  output stays live through the pipe.
-- The job runs in its own session (process group). SIGINT/SIGTERM/SIGHUP to ``dtprof run`` are forwarded to that
-  group; a second one kills the group with SIGKILL.
+- The job's stdout/stderr are pipes that two relay processes (dtprof/relay.py) copy through as bytes arrive (and
+  tee to ``node_dir/stdout.log`` / ``stderr.log``); they outlive a killed launcher and put the terminal before the
+  log, so neither a full disk nor ``kill -9`` of ``dtprof run`` blocks, silences or breaks the job.
+  ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python output stays live through the pipe.
+- The job runs in its own session. Its processes are tracked by parentage and by the ``DTPROF_NODE_DIR`` in their
+  environment, whatever their process group (torchrun gives each worker its own). SIGINT/SIGTERM/SIGHUP to
+  ``dtprof run`` are forwarded to the command's process group; a second one SIGKILLs every process of the job.
+  When the hang watchdog fires, and whenever the command ends with processes of the job still running, they get
+  SIGTERM, then SIGKILL after ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops")
+  and the events table.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
   it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
 - This process never imports torch, and dtprof does not depend on it: the job brings its own. Before starting the
@@ -21,6 +26,7 @@ Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import re
@@ -38,6 +44,7 @@ import click
 
 from dtprof import machine
 from dtprof.cli import InputError
+from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.runformat import (
     NODE_MANIFEST,
     RANK_PREFIX,
@@ -51,7 +58,7 @@ from dtprof.runformat import (
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
 USAGE_EXIT = InputError.exit_code
-KILL_GRACE_S = 10.0    # after the watchdog's SIGTERM, SIGKILL the group if it is still alive
+KILL_GRACE_S = 10.0    # a stop's SIGTERM, then SIGKILL to every process of the job still alive this much later
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
@@ -279,94 +286,179 @@ def exit_code_for(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+# ---- the job's processes ---------------------------------------------------------------------------------------
+
+def _proc_table() -> dict[int, int]:
+    """Live (non-zombie) processes of this host: pid -> parent pid, from /proc."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and fields[0] not in (b"Z", b"X"):
+            out[int(name)] = int(fields[1])
+    return out
+
+
+def _has_env(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def job_processes(root_pid: int, node_dir: Path) -> set[int]:
+    """Every live process of the job: the command's process and all its descendants, whatever their process group
+    or session (torchrun starts each worker in a session of its own), plus any that outlived their parent and
+    were re-parented (found by the ``DTPROF_NODE_DIR`` of this node in their environment)."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root_pid] if root_pid in table else []
+    entry = f"DTPROF_NODE_DIR={Path(node_dir).resolve()}".encode()
+    todo += [pid for pid in table if pid != os.getpid() and _has_env(pid, entry)]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    found.discard(os.getpid())
+    return found
+
+
+def _kill(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_processes(root_pid: int, node_dir: Path, reason: str, grace_s: float = KILL_GRACE_S) -> dict | None:
+    """SIGTERM every process of the job, SIGKILL those still alive after ``grace_s``, then check that none is left.
+    Returns the record of the stop (for node.json), or None when no process of the job was running."""
+    pids = job_processes(root_pid, node_dir)
+    if not pids:
+        return None
+    t0, started = time.monotonic(), utc_iso()
+    termed = set(pids)
+    _kill(pids, signal.SIGTERM)
+    while pids and time.monotonic() - t0 < grace_s:
+        time.sleep(0.1)
+        pids = job_processes(root_pid, node_dir)
+        _kill(pids - termed, signal.SIGTERM)   # one started meanwhile (a restarted worker) gets its SIGTERM too
+        termed |= pids
+    killed = set()
+    deadline = time.monotonic() + 5.0
+    while pids and time.monotonic() < deadline:
+        _kill(pids, signal.SIGKILL)
+        killed |= pids
+        time.sleep(0.1)
+        pids = job_processes(root_pid, node_dir)
+    return {"reason": reason, "started": started, "grace_s": grace_s, "sigterm_sent_to": len(termed),
+            "sigkill_sent_to": len(killed), "took_s": round(time.monotonic() - t0, 3), "survivors": sorted(pids)}
+
+
+def stop_text(stop: dict) -> str:
+    """One line about a stop record, for the launcher's output and its events row."""
+    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
+            f"SIGTERM"
+            + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
+               if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
+    if stop["survivors"]:
+        return text + f"still running: pid(s) {', '.join(map(str, stop['survivors']))}"
+    return text + "none left running"
+
+
 # ---- the job ---------------------------------------------------------------------------------------------------
 
-class _Tee(threading.Thread):
-    """Copy a pipe to our own stream and to a log file as bytes arrive."""
-
-    def __init__(self, pipe, stream, log_path: Path):
-        super().__init__(name=f"dtprof-tee-{log_path.stem}", daemon=True)
-        self.pipe, self.stream, self.log_path = pipe, stream, log_path
-
-    def run(self):
-        fd = self.pipe.fileno()
-        with open(self.log_path, "wb") as log:
-            while True:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                log.write(chunk)
-                log.flush()
-                try:
-                    self.stream.write(chunk)
-                    self.stream.flush()
-                except (OSError, ValueError):  # our own stdout closed (e.g. `| head`): keep logging
-                    pass
-
-
-def _binary(stream):
-    return getattr(stream, "buffer", stream)
+def _start_relay(pipe, out_fd: int, log_path: Path) -> subprocess.Popen:
+    """The relay process that copies one of the job's pipes to our terminal and its log (dtprof/relay.py)."""
+    return subprocess.Popen([sys.executable, "-m", "dtprof.relay", str(out_fd), str(log_path)], stdin=pipe,
+                            close_fds=True)
 
 
 class Job:
-    """The user's command in its own session, with output tee'd and signals forwarded to its process group."""
+    """The user's command in its own session, its output relayed, signals forwarded, all its processes tracked."""
 
     def __init__(self, command: list[str], env: dict, node_dir: Path, say: Callable[[str], None]):
         self.command, self.env, self.node_dir, self.say = command, env, node_dir, say
         self.forwarded: list[str] = []   # names of the signals forwarded to the job
         self.stopped_by_watchdog = False
+        self.stops: list[dict] = []      # records of stop_processes() (node.json "stops")
+        self.log_problems: list[str] = []
         self.proc: subprocess.Popen | None = None
+        self._stopper: threading.Thread | None = None
         self._old_handlers: dict = {}
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        self._tees = [_Tee(self.proc.stdout, _binary(sys.stdout), self.node_dir / "stdout.log"),
-                      _Tee(self.proc.stderr, _binary(sys.stderr), self.node_dir / "stderr.log")]
-        for t in self._tees:
-            t.start()
+        proc = self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        self._relays = [(_start_relay(proc.stdout, 1, self.node_dir / "stdout.log"), "stdout.log"),
+                        (_start_relay(proc.stderr, 2, self.node_dir / "stderr.log"), "stderr.log")]
+        proc.stdout.close()   # the relays hold the read ends now
+        proc.stderr.close()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
-    def _killpg(self, sig: int) -> None:
-        assert self.proc is not None, "start() first"
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
     def _on_signal(self, signum, frame):
+        assert self.proc is not None, "start() first"
         if self.forwarded:   # second signal: escalate
-            self.say(f"dtprof: {signal.Signals(signum).name} again: killing the job's process group (SIGKILL)")
+            self.say(f"dtprof: {signal.Signals(signum).name} again: killing every process of the job (SIGKILL)")
             self.forwarded.append("SIGKILL")
-            self._killpg(signal.SIGKILL)
+            _kill(job_processes(self.proc.pid, self.node_dir), signal.SIGKILL)
             return
         name = signal.Signals(signum).name
         self.forwarded.append(name)
         self.say(f"dtprof: forwarding {name} to the job; send it again to kill the job")
-        self._killpg(signum)
+        # To the command's process group, as a terminal would: torchrun passes it on to its workers itself.
+        # Whatever is still running when the command has ended is stopped by wait().
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop(self, reason: str) -> None:
+        assert self.proc is not None, "start() first"
+        rec = stop_processes(self.proc.pid, self.node_dir, reason)
+        if rec is not None:
+            self.stops.append(rec)
 
     def stop_by_watchdog(self) -> None:
-        """Called by the hang watchdog (from its thread): SIGTERM the group, SIGKILL after a grace period."""
+        """Called by the hang watchdog (from its thread): SIGTERM every process of the job, SIGKILL after a
+        grace period, check (in a thread of its own; wait() waits for it)."""
         self.stopped_by_watchdog = True
-        self._killpg(signal.SIGTERM)
-
-        def escalate():
-            if self.proc.poll() is None:
-                self._killpg(signal.SIGKILL)
-        t = threading.Timer(KILL_GRACE_S, escalate)
-        t.daemon = True
-        t.start()
+        self._stopper = threading.Thread(target=self._stop, args=("hang-timeout",), name="dtprof-stop",
+                                         daemon=True)
+        self._stopper.start()
 
     def wait(self) -> int:
         assert self.proc is not None, "start() first"
         rc = self.proc.wait()
-        for t in self._tees:
-            t.join(timeout=10)   # a grandchild still holding the pipe must not keep us here forever
+        if self._stopper is not None:
+            self._stopper.join()
+        # The command ended (its own failure, a signal, the watchdog): none of its processes may outlive it.
+        self._stop("left running after the job's command ended")
+        for relay, name in self._relays:
+            try:
+                code = relay.wait(timeout=10)   # a process outside the job still holding the pipe must not
+            except subprocess.TimeoutExpired:   # keep us here forever; the relay keeps copying its output
+                continue
+            if code == DISK_FULL_EXIT:
+                self.log_problems.append(f"{name}: disk full; the job's output from then on reached only the "
+                                         f"terminal")
+            elif code == LOG_FAILED_EXIT:
+                self.log_problems.append(f"{name}: could not be written; the job's output reached only the "
+                                         f"terminal")
         for sig, h in self._old_handlers.items():
             signal.signal(sig, h)
         return rc
@@ -447,7 +539,9 @@ Multi-node: run one `dtprof run --out SAME_DIR` per node on a shared file system
 
 \b
 The job runs in its own process group; its output passes through (and is saved in the node directory).
-Ctrl-C/SIGTERM are forwarded to the job; a second one kills it.
+Ctrl-C/SIGTERM are forwarded to the job; a second one kills every process of the job. When the hang watchdog
+fires or the command ends, processes of the job still running get SIGTERM, then SIGKILL after a
+{KILL_GRACE_S:g} s grace; dtprof checks that none is left and records the stop in node.json.
 
 \b
 Exit codes:
@@ -501,10 +595,16 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     cwd = Path.cwd()
     env = dict(os.environ)
     join_id = join_id_for(command, env)
+    if shutil.which(command[0]) is None:   # before any directory exists: nothing to record, nothing left behind
+        click.echo(f"dtprof: cannot start {command[0]!r}: command not found (nothing was run or recorded)",
+                   err=True)
+        sys.exit(127)
     job_python_info = check_job_python(command, env)
-
     run_dir = _create_run_dir(out, command, cwd, join_id)
-    node_dir = create_node_dir(run_dir, host)
+    try:
+        node_dir = create_node_dir(run_dir, host)
+    except OSError as e:
+        raise InputError(f"{run_dir}: cannot create the node directory ({e.strerror or e})") from None
     if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
@@ -518,7 +618,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         "versions": versions(job_python_info), "env": env_subset(env), "git": git_info(cwd), "config": config,
         "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None, **machine_info,
     }
-    write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    _write_manifest(node_dir, node_info)
     say(f"dtprof: recording to {node_dir}")
 
     events = NodeTableWriter(node_dir, "events")
@@ -528,7 +628,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
 
         sampler = NvmlSampler(node_dir, interval_s=nvml_interval, events=events, host=host)
         node_info["nvml"] = sampler.start()
-        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+        _write_manifest(node_dir, node_info)
 
     job = Job(command, job_env(env, node_dir, rank_config), node_dir, say)
     try:
@@ -537,9 +637,9 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         if sampler is not None:
             node_info["nvml"] = sampler.stop()
         _event(events, host, "error", f"could not start the job: {e}")
-        events.close()
+        _guarded("events", warn, events.close)
         node_info.update(end_time=utc_iso(), end_mono_ns=time.monotonic_ns(), exit_code=127, status="failed")
-        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+        _write_manifest(node_dir, node_info)
         click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
         sys.exit(127)
 
@@ -572,11 +672,17 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         status = "failed"
     node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
                      exit_code=exit_code, job_returncode=returncode, status=status,
-                     signal=died_of, signals_forwarded=job.forwarded or None)
+                     signal=died_of, signals_forwarded=job.forwarded or None, stops=job.stops or None,
+                     log_problems=job.log_problems or None)
     _event(events, host, "info" if status == "completed" else "warning",
            f"job {status} with exit code {exit_code}" + (f" (signal {died_of})" if died_of else ""))
-    events.close()
-    write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    for stop in job.stops:
+        warn(f"dtprof: {stop_text(stop)}")
+        _event(events, host, "error" if stop["survivors"] else "warning", stop_text(stop))
+    for problem in job.log_problems:
+        _event(events, host, "error", problem)
+    _guarded("events", warn, events.close)
+    _write_manifest(node_dir, node_info)
 
     _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet)
     sys.exit(exit_code)
@@ -607,6 +713,15 @@ def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[]
     wd = cls(node_dir, timeout_s, stop_job)
     wd.start()
     return wd
+
+
+def _write_manifest(node_dir: Path, node_info: dict) -> None:
+    """node.json; a failing disk costs the record, never the job (one line, the job runs on)."""
+    try:
+        write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+    except OSError as e:
+        why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        warn(f"dtprof: {node_dir / NODE_MANIFEST}: not written ({why})")
 
 
 def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None:

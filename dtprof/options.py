@@ -63,7 +63,7 @@ def device_peak(name: str, device_type: str, dtype: str, peak_tflops: float | No
 
 def resolve_options(run, *, warmup: int | None = None, flops_per_step: float | None = None,
                     peak_tflops: float | None = None, dtype: str | None = None,
-                    transformer: dict | None = None) -> AnalysisOptions:
+                    transformer: dict | None = None, gpu_window: str = "all") -> AnalysisOptions:
     """The options for analysing ``run`` (a dtprof.reader.Run). Raises ValueError on an invalid value."""
     cfg = _node_config(run)
     dtype = norm_dtype(dtype or cfg.get("dtype") or "bf16")
@@ -76,4 +76,5 @@ def resolve_options(run, *, warmup: int | None = None, flops_per_step: float | N
         flops_per_step=flops_per_step if flops_per_step is not None else cfg.get("flops_per_step"),
         dtype=dtype, transformer=transformer if transformer is not None else cfg.get("transformer"),
         peaks={name: device_peak(name, dtype_, dtype, peak_tflops, calibrations)
-               for name, dtype_ in sorted(devices.items())})
+               for name, dtype_ in sorted(devices.items())},
+        gpu_window=gpu_window)

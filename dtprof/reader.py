@@ -38,12 +38,10 @@ def conform(table: str, df):
             s = df[col]
         else:
             s = pd.Series([None] * n, index=df.index, dtype="object")
-        if kind == "int":
-            s = pd.to_numeric(s, errors="raise").astype("int64") if n else s.astype("int64")
-        elif kind == "Int":
-            s = pd.to_numeric(s, errors="coerce").astype("Int64") if n else s.astype("Int64")
+        if kind in ("int", "Int"):
+            s = _integers(col, s, nullable=kind == "Int") if n else s.astype(_NUMPY_DTYPES[kind])
         elif kind == "float":
-            s = pd.to_numeric(s, errors="coerce").astype("float64")
+            s = _numbers(col, s).astype("float64")
         elif kind == "bool":
             s = s.fillna(False).astype("bool") if n else s.astype("bool")
         elif kind == "str" and col in CATEGORICAL and isinstance(s.dtype, pd.CategoricalDtype) and n:
@@ -57,6 +55,57 @@ def conform(table: str, df):
     return pd.DataFrame(out).reset_index(drop=True) if n else pd.DataFrame(
         {c: pd.Series(dtype=("category" if (k == "str" and c in CATEGORICAL) else _NUMPY_DTYPES[k]))
          for c, k in TABLES[table]})
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _numbers(col: str, s):
+    """``s`` as numbers; a value that is not one (a string in a time column) is an error naming the column."""
+    import pandas as pd
+
+    if s.dtype.kind in "iufb":
+        return s
+    v = pd.to_numeric(s, errors="coerce")
+    bad = v.isna() & s.notna()
+    if bad.any():
+        raise ValueError(f"column {col}: {int(bad.sum())} value(s) are not numbers (e.g. {s[bad].iloc[0]!r})")
+    return v
+
+
+def _integers(col: str, s, nullable: bool):
+    """``s`` as int64 (``Int64`` if nullable). NaN, inf, fractions and values beyond int64's range are errors
+    naming the column and the count: converting them would silently give wrong numbers."""
+    import numpy as np
+    import pandas as pd
+
+    if s.dtype.kind == "i" or (nullable and isinstance(s.dtype, pd.Int64Dtype)):
+        return s.astype("Int64" if nullable else "int64")
+    if s.dtype == object:   # JSON ints beyond int64 stay Python ints: check them before numpy sees them
+        big = s.map(lambda x: isinstance(x, int) and not -_INT64_MAX - 1 <= x <= _INT64_MAX)
+        if big.any():
+            raise ValueError(f"column {col}: {int(big.sum())} value(s) beyond the int64 range "
+                             f"(e.g. {s[big].iloc[0]})")
+    v = _numbers(col, s)
+    if v.dtype.kind == "u":
+        if (v > _INT64_MAX).any():
+            raise ValueError(f"column {col}: {int((v > _INT64_MAX).sum())} value(s) beyond the int64 range")
+        return v.astype("Int64" if nullable else "int64")
+    if v.dtype.kind == "b":
+        v = v.astype("int64")
+    f = v.astype("float64").to_numpy()
+    missing = np.isnan(f)
+    if missing.any() and not nullable:
+        raise ValueError(f"column {col}: {int(missing.sum())} missing or NaN value(s) in an integer column")
+    finite = f[~missing]
+    bad = ~np.isfinite(finite) | (np.abs(finite) >= 2.0**63) | (finite != np.round(finite))
+    if bad.any():
+        raise ValueError(f"column {col}: {int(bad.sum())} value(s) are not int64 integers "
+                         f"(e.g. {finite[bad][0]!r})")
+    if v.dtype.kind == "f":
+        ints = pd.Series(np.where(missing, 0, f).astype("int64"), index=s.index)
+        return ints.astype("Int64").mask(missing) if nullable else ints
+    return v.astype("Int64" if nullable else "int64")
 
 
 def _json_value(v):
@@ -139,29 +188,76 @@ def _conform_categorical(s):
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON manifest (run.json, node.json, rank.json): must hold one JSON object."""
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except FileNotFoundError:
         raise RunFormatError(f"{path}: file not found") from None
-    except (OSError, ValueError) as e:
-        raise RunFormatError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise RunFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise RunFormatError(f"{path}: not valid JSON ({str(e)[:200] or 'nested too deeply'})") from None
+    if not isinstance(obj, dict):
+        raise RunFormatError(f"{path}: holds a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def _present(p: Path) -> bool:
+    """True if ``p`` exists, or is a link that cannot be followed (a loop, a dangling link): reading it then
+    names the problem instead of the file silently counting as absent."""
+    return p.exists() or p.is_symlink()
+
+
+# Longest plausible duration of one step, span or collective: more is a corrupt time, not a slow job.
+MAX_DURATION_NS = 366 * 24 * 3600 * 10**9
+_INTERVALS = {"steps": [("start_ns", "end_ns")], "spans": [("start_ns", "end_ns")],
+              "collectives": [("issue_ns", "return_ns"), ("issue_ns", "end_ns")]}
+
+
+def load_table(table: str, df, source) -> Any:
+    """The one validation step every table read from a file goes through: the schema's columns and types
+    (``conform``), and times that can be true. Any violation is one RunFormatError naming ``source``."""
+    import numpy as np
+
+    missing = [c for c, kind in TABLES[table] if kind == "int" and c not in df.columns] if len(df) else []
+    if missing:
+        raise RunFormatError(f"{source}: not a dtprof {table} table (no column {', '.join(missing[:3])}; does it "
+                             f"hold another table?)")
+    try:
+        out = conform(table, df)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise RunFormatError(f"{source}: {table} table: {str(e).splitlines()[0]}") from None
+    for start, end in _INTERVALS.get(table, []):
+        d = out[end].to_numpy("float64", na_value=np.nan) - out[start].to_numpy("float64")
+        bad = int(((d < 0) | (d > MAX_DURATION_NS)).sum())
+        if bad:
+            raise RunFormatError(f"{source}: {bad} {table} row(s) with impossible times ({end} before {start}, or "
+                                 f"more than a year after it)")
+    return out
 
 
 def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any:
     """Rows of one JSON-lines table file as a DataFrame. A torn or corrupt line is skipped and reported."""
     import pandas as pd
 
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise RunFormatError(f"{path}: cannot read ({e.strerror or e})") from None
     if not lines or not lines[0].strip():
         return pd.DataFrame()
     try:
         header = json.loads(lines[0])
         cols = header["columns"]
-    except (ValueError, KeyError, TypeError):
+        version = header.get("schema_version", SCHEMA_VERSION)
+        if not (isinstance(cols, list) and all(isinstance(c, str) for c in cols) and isinstance(version, int)):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise RunFormatError(f"{path}: first line is not a dtprof table header") from None
-    version = header.get("schema_version", SCHEMA_VERSION)
+    if header.get("dtprof_table", table) != table:
+        raise RunFormatError(f"{path}: holds the {header['dtprof_table']!r} table, expected {table!r}")
     if version > SCHEMA_VERSION:
         raise RunFormatError(f"{path}: written with run-format schema {version}, this dtprof reads up to "
                              f"{SCHEMA_VERSION}; upgrade dtprof")
@@ -173,16 +269,16 @@ def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any
             continue
         try:
             row = loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             bad += 1
             continue
-        if len(row) != len(cols):
+        if not isinstance(row, list) or len(row) != len(cols):
             bad += 1
             continue
         rows.append(row)
     if bad:
         problems.append(f"{path}: skipped {bad} unreadable line(s) (torn write of a killed process?)")
-    return pd.DataFrame(rows, columns=cols)
+    return load_table(table, pd.DataFrame(rows, columns=cols), path)
 
 
 def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
@@ -193,15 +289,15 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
     parts: dict[str, list] = {t: [] for t in TABLES}
     for rdir in sorted(node_dir.glob(f"{RANK_PREFIX}*")):
         ident = rdir / "rank.json"
-        if ident.exists():
-            parts["ranks"].append(pd.DataFrame([_read_json(ident)]))
+        if _present(ident):
+            parts["ranks"].append(load_table("ranks", pd.DataFrame([_read_json(ident)]), ident))
         for table in TABLES:
             p = rdir / f"{table}.jsonl"
-            if p.exists():
+            if _present(p):
                 parts[table].append(_read_jsonl(p, table, problems))
     for table in ("nvml", "events"):
         p = node_dir / f"{table}.jsonl"
-        if p.exists():
+        if _present(p):
             parts[table].append(_read_jsonl(p, table, problems))
     out = {}
     for table, dfs in parts.items():
@@ -213,17 +309,29 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
     return out
 
 
+_LATER_TABLES = ("meta",)   # added after run format 1.0: absent from older runs' complete tables
+
+
 def _read_node_tables(node_dir: Path) -> dict:
     import pandas as pd
 
     out = {}
     for table in TABLES:
         p = node_dir / TABLES_DIR / f"{table}.parquet"
+        if not _present(p):
+            if table in _LATER_TABLES:   # a run written before this table existed
+                out[table] = conform(table, pd.DataFrame())
+                continue
+            raise RunFormatError(f"{p}: missing (the node's tables are marked complete)")
         try:
-            df = pd.read_parquet(p) if p.exists() else pd.DataFrame()
+            df = pd.read_parquet(p)
         except Exception as e:  # pyarrow raises several types for damaged files
             raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
-        out[table] = conform(table, df)
+        extra = [c for c in df.columns if c not in dict(TABLES[table])]
+        if extra:   # compaction writes exactly the schema's columns
+            raise RunFormatError(f"{p}: not a dtprof {table} table (columns {', '.join(map(str, extra[:3]))} "
+                                 f"are not in it; does it hold another table?)")
+        out[table] = load_table(table, df, p)
     return out
 
 
@@ -255,8 +363,10 @@ class Run:
         self.node_dirs = sorted(p for p in self.path.glob(f"{NODE_PREFIX}*") if p.is_dir())
         self.nodes = []
         for nd in self.node_dirs:
-            info = _read_json(nd / NODE_MANIFEST) if (nd / NODE_MANIFEST).exists() else {}
+            info = _read_json(nd / NODE_MANIFEST) if _present(nd / NODE_MANIFEST) else {}
             info["node"] = nd.name
+            if info.get("status") == "running" and launcher_killed(info):
+                info["status"], info["status_reason"] = "interrupted", "interrupted: the launcher was killed"
             self.nodes.append(info)
         self.problems: list[str] = []
 
@@ -281,6 +391,12 @@ class Run:
                 out[table] = conform(table, pd.concat([d.astype({c: "object" for c in d.columns
                                                                  if d[c].dtype == "category"}) for d in dfs],
                                                       ignore_index=True))
+        dup = out["ranks"]["rank"].duplicated(keep=False)
+        if dup.any():
+            r = int(out["ranks"].loc[dup, "rank"].iloc[0])
+            where = sorted(set(out["ranks"].loc[out["ranks"]["rank"] == r, "node"].astype(str)))
+            raise RunFormatError(f"{self.path}: rank {r} is recorded more than once (in {', '.join(where)}; "
+                                 f"a copied node directory?)")
         out["meta"] = legacy_meta(out["events"], out["meta"])
         return out
 
@@ -305,6 +421,21 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, nodes={len(self.node_dirs)})"
+
+
+def launcher_killed(node_info: dict) -> bool:
+    """A node.json still saying "running" whose ``dtprof run`` process, on this host, is gone: the launcher was
+    killed (kill -9, OOM killer) before it could record the job's end. Unknown (False) for other hosts."""
+    import socket
+
+    pid = node_info.get("pid")
+    if node_info.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dtprof" not in f.read()   # a reused pid belongs to another program
+    except OSError:
+        return True
 
 
 def open_run(path) -> Run:

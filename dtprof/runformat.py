@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 from pathlib import Path
@@ -33,10 +34,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON so that a reader sees the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)   # after a failure (a full disk) no temporary file is left behind
 
 
 def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) -> Path:
@@ -59,15 +63,15 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
     # Write the whole manifest under a private name, then link it into place: the link fails if run.json exists,
     # and a peer node that lost the race always reads a complete file (never a half-written one).
     tmp = run_dir / f".{RUN_MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
     try:
+        tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
         os.link(tmp, manifest)
     except FileExistsError:
         try:
             existing = json.loads(manifest.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             existing = {}
-        if join_id and existing.get("join_id") == join_id:
+        if join_id and isinstance(existing, dict) and existing.get("join_id") == join_id:
             return run_dir
         raise RunExistsError(f"{run_dir}: already holds a run (run.json exists); choose another --out") from None
     finally:
@@ -77,7 +81,7 @@ def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) ->
 
 def create_node_dir(run_dir: Path, host: str | None = None) -> Path:
     """A fresh node sub-directory for this launcher: node-<host>-<pid>, never reused."""
-    host = host or socket.gethostname()
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())   # a host name may hold "/"
     node = Path(run_dir) / f"{NODE_PREFIX}{host}-{os.getpid()}"
     node.mkdir(parents=False, exist_ok=False)
     return node
@@ -191,8 +195,11 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
         df = tables.get(table)
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, out / f"{table}.parquet")
+        try:
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, out / f"{table}.parquet")
+        finally:
+            tmp.unlink(missing_ok=True)
     if node_info is not None:
         write_json_atomic(node_dir / NODE_MANIFEST, node_info)
     (out / TABLES_COMPLETE).write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")

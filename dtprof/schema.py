@@ -32,8 +32,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
         ("peak_mem_bytes", "Int"),        # CUDA allocator peak on GPU, process RSS high-water on CPU
         ("tokens", "Int"), ("samples", "Int"),   # from dtprof.annotate(tokens=..., samples=...)
-        ("model_flops", "Int"),      # model FLOPs of this step on this rank, from dtprof.annotate(model_flops=...)
-        ("executed_flops", "Int"),   # FLOPs counted by FlopCounterMode on this step (--count-flops), else null
+        # FLOPs are float64 (null = unknown): a large model's step exceeds int64's 9.2e18 (1e27 still fits).
+        ("model_flops", "float"),    # model FLOPs of this step on this rank, from dtprof.annotate(model_flops=...)
+        ("executed_flops", "float"),  # FLOPs counted by FlopCounterMode on this step (--count-flops), else null
     ],
     # Compute and other intervals on a rank.
     "spans": [
@@ -44,6 +45,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("stage", "Int"), ("microbatch", "Int"),
         ("lane", "str"),   # "main", "cuda:<stream>", a thread name: the timeline lane
         ("source", "str"),  # "hook", "cuda_event", "kineto"
+        ("launch_ns", "Int"),  # kernel spans from a trace: the CPU launch call's start (HTA's "host wait")
     ],
     # One row per collective or point-to-point operation as seen on one rank.
     "collectives": [

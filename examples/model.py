@@ -32,25 +32,33 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class SlowDown(nn.Module):
-    """Sleeps each step on the rank chosen by --slow-rank: inside forward, or (``phase="backward"``) when the
-    gradient passes this point of the backward pass, so the delay counts as that phase's compute."""
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
 
-    def __init__(self, seconds: float = 0.0, phase: str = "forward"):
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowDown(nn.Module):
+    """Sleeps inside forward (so the delay counts as compute) on the rank chosen by --slow-rank; with
+    ``in_backward`` inside backward instead (so DDP's gradient all-reduce waits for it)."""
+
+    def __init__(self, seconds: float = 0.0, in_backward: bool = False):
         super().__init__()
         self.seconds = seconds
-        self.phase = phase
+        self.in_backward = in_backward
 
     def forward(self, x):
-        if self.seconds > 0 and self.phase == "forward":
+        if self.seconds > 0 and self.in_backward:
+            return _SleepInBackward.apply(x, self.seconds)
+        if self.seconds > 0:
             time.sleep(self.seconds)
-        elif self.seconds > 0 and x.requires_grad:
-            x.register_hook(self._sleep_in_backward)
         return x
-
-    def _sleep_in_backward(self, grad):
-        time.sleep(self.seconds)
-        return grad
 
 
 class TinyLM(nn.Module):
@@ -82,8 +90,9 @@ def parse_args(description: str, extra=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms in its forward each step")
     p.add_argument("--slow-ms", type=float, default=0.0)
-    p.add_argument("--slow-in", choices=("forward", "backward"), default="forward",
-                   help="the phase in which --slow-rank sleeps")
+    p.add_argument("--slow-in", choices=["forward", "backward"], default="forward",
+                   help="where --slow-rank sleeps: in forward (compute) or in backward (DDP's all-reduce waits)")
+    p.add_argument("--data-ms", type=float, default=0.0, help="every rank waits this long for each batch")
     if extra:
         extra(p)
     return p.parse_args()
@@ -108,6 +117,8 @@ def setup_distributed():
 
 def batch_for(step: int, rank: int, args, device):
     """Synthetic next-token data: a fixed function of (seed, step, rank), the same with or without profiling."""
+    if args.data_ms > 0:   # a slow input pipeline
+        time.sleep(args.data_ms / 1000)
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     return data[:, :-1].to(device), data[:, 1:].to(device)

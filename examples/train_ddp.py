@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 examples/train_ddp.py --steps 20
     python examples/train_ddp.py              # a single process (world size 1) works too
 """
+import contextlib
 import os
 import sys
 
@@ -14,19 +15,25 @@ from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # n
 
 
 def main():
-    args = parse_args(__doc__)
+    def extra(p):
+        p.add_argument("--no-sync", action="store_true",
+                       help="never all-reduce gradients (DDP no_sync): the job with its communication removed")
+
+    args = parse_args(__doc__, extra)
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, seq=args.seq).to(device)
     if rank == args.slow_rank:
-        model.slow.seconds, model.slow.phase = args.slow_ms / 1000, args.slow_in
+        model.slow.seconds = args.slow_ms / 1000
+        model.slow.in_backward = args.slow_in == "backward"
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     for step in range(args.steps):
         x, y = batch_for(step, rank, args, device)
-        loss = lm_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with ddp.no_sync() if args.no_sync else contextlib.nullcontext():
+            loss = lm_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         opt.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)

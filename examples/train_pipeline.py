@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import SlowDown, TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
 
 
 class StageModule(nn.Module):
@@ -22,13 +22,15 @@ class StageModule(nn.Module):
         n = len(full.blocks)
         lo, hi = stage * n // stages, (stage + 1) * n // stages
         self.first, self.last = stage == 0, stage == stages - 1
-        self.embed, self.pos, self.slow = (full.embed, full.pos, full.slow) if self.first else (None, None, None)
+        self.embed, self.pos = (full.embed, full.pos) if self.first else (None, None)
+        self.slow = full.slow if self.first else SlowDown()
         self.blocks = nn.ModuleList(full.blocks[lo:hi])
         self.ln, self.head = (full.ln, full.head) if self.last else (None, None)
 
     def forward(self, x):
         if self.first:
-            x = self.slow(self.embed(x) + self.pos[:, : x.shape[1]])
+            x = self.embed(x) + self.pos[:, : x.shape[1]]
+        x = self.slow(x)
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln(x)) if self.last else x
@@ -38,6 +40,8 @@ def main():
     def extra(p):
         p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
         p.add_argument("--microbatches", type=int, default=4)
+        p.add_argument("--stage-ms", default="", help="comma-separated: each stage sleeps this long per step in its "
+                                                      "forward (split over the microbatches), e.g. 70,30")
 
     args = parse_args(__doc__, extra)
     rank, world, device = setup_distributed()
@@ -50,6 +54,8 @@ def main():
     if rank == args.slow_rank:
         full.slow.seconds = args.slow_ms / 1000 / args.microbatches   # per microbatch: X ms per step in total
     module = StageModule(full, rank, world).to(device)
+    if args.stage_ms:
+        module.slow.seconds = float(args.stage_ms.split(",")[rank]) / 1000 / args.microbatches
     stage = PipelineStage(module, rank, world, device)
     cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
     schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=lm_loss)

@@ -27,6 +27,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dtprof.reports import gpu as gpu_view
 from dtprof.schema import COMPUTE_KINDS
 
 MAX_HEATMAP_COLS = 250
@@ -297,13 +298,20 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
     })
     bars = pd.concat([spans, colls], ignore_index=True)
     order = [lanes(r, row) for r in ranks for row in ("compute", "comm")]
+    bars, order, not_drawn = gpu_view.kernel_lanes(run.spans, bars, order, window, ranks, ctx.model.align,
+                                                    t0, esc)
     fig = go.Figure()
-    for c, color in COLORS.items():
+    for c, color in {**COLORS, **gpu_view.KERNEL_COLORS, gpu_view.CPU_OUTLINE: "#4C78A8"}.items():
         b = bars[bars["cat"] == c]
         if b.empty:
             continue
+        outline = c == gpu_view.CPU_OUTLINE
         fig.add_trace(go.Bar(
-            x=b["dur"], base=b["start"], y=b["lane"], orientation="h", name=c, marker_color=color,
+            x=b["dur"], base=b["start"], y=b["lane"], orientation="h", name=c,
+            # outline: the CPU-side spans over a GPU trace; a kernel bar gets a border so a µs kernel shows
+            marker={"color": "rgba(0,0,0,0)" if outline else color, "line": {"color": color, "width": 1.5}}
+            if outline else {"color": color, "line": {"color": color, "width": 1}}
+            if c in gpu_view.KERNEL_COLORS else {"color": color},
             opacity=0.9 if c != "blocked on communication" else 0.75, text=b["label"], textposition="inside",
             insidetextanchor="middle", textfont={"size": 10, "color": "white"},
             # the duration goes in customdata: on a bar with a base, plotly's %{x} is where the bar ends
@@ -317,8 +325,9 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
                            xanchor="left", yanchor="bottom", font={"size": 11, "color": "#666"})
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], type="category", title_text="rank · lane")
     fig.update_layout(barmode="overlay", bargap=0.25)
+    more = f"; the {not_drawn:,} shortest kernels not drawn" if not_drawn else ""
     return (layout(fig, f"Timeline of steps {window[0]}–{window[-1]} (the slowest measured step and its "
-                        f"neighbours)", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
+                        f"neighbours{more})", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
                         f"started (ms); drag to zoom, double-click to reset"), window, ranks)
 
 

@@ -56,6 +56,7 @@ CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 
 SECTIONS = {
     "steps": "Step time",
     "timeline": "Timeline",
+    "kernels": "GPU time and top kernels",
     "heatmaps": "Rank × step heatmaps",
     "overlap": "Communication overlap",
     "pipeline": "Pipeline schedule and bubble",
@@ -75,6 +76,7 @@ HEADLINES = [  # (card id, label, summary key — docs/summary-schema.md, unit k
     ("samples_per_s", "Samples / s", ["steps.samples_per_s"], "rate"),
     ("exposed_comm", "Exposed communication", ["overlap.exposed_comm_frac"], "frac"),
     ("overlap", "Comm/compute overlap", ["overlap.ratio"], "frac"),
+    ("gpu_idle", "GPU idle", ["gpu_time.idle_frac"], "frac"),
     ("bubble", "Pipeline bubble", ["pipeline.bubble_frac"], "frac"),
 ]
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}   # the severities analyzers/findings.py emits
@@ -250,6 +252,23 @@ def _header(run, summary: dict) -> str:
 </dl></header>"""
 
 
+def gpu_card_subs(summary: dict) -> dict:
+    """Card notes that say where the overlap figure comes from and what GPU idle is made of."""
+    from dtprof.reports.gpu import overlap_labels
+
+    labels = overlap_labels(summary)
+    subs = {"overlap": "; ".join(f"{esc(label)}: {fmt_frac(v)} ({esc(src)})" for label, src, v in labels)}
+    g = summary.get("gpu_time")
+    if g:
+        c = g.get("idle_causes") or {}
+        subs["gpu_idle"] = (f"no kernel running, share of kernel time (HTA); of it host wait "
+                            f"{fmt_frac(c.get('host_wait'))}, kernel wait {fmt_frac(c.get('kernel_wait'))}, "
+                            f'other {fmt_frac(c.get("other"))} <a href="#kernels">details</a>')
+    else:
+        subs["gpu_idle"] = esc(summary.get("gpu_time_reason") or "no GPU kernel trace")
+    return subs
+
+
 def _cards(summary: dict) -> str:
     out = []
     mfu = summary.get("mfu") or {}
@@ -265,6 +284,7 @@ def _cards(summary: dict) -> str:
         "exposed_comm": "share of step time a rank could only communicate (mean over ranks and steps)",
         "overlap": "share of communication hidden under compute",
     }
+    subs.update(gpu_card_subs(summary))
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
     over = pick(summary, ["pipeline.overhead_frac"])
     subs["bubble"] = ((f"= theoretical (the schedule itself) {fmt_frac(theo)} + overhead (p2p and gaps between "
@@ -343,6 +363,8 @@ def _section(anchor: str, body: str, note: str = "") -> str:
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
+    from dtprof.reports.gpu import tables_html
+    from dtprof.reports.whatif import whatif_html
 
     progress = progress or Progress(10, False)
     page = _Page()
@@ -350,6 +372,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     # first on the page, so the first screen says where the step went
     breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
     breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
+    breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
     ctx = F.make_context(run, analysis)
     progress.step("context")
     sections = []
@@ -364,10 +387,19 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     world = run.world_size or n_ranks
     note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" (of {world}: rank 0, stragglers, the slowest "
             "and fastest computing ranks, then evenly spaced)" if len(tl_ranks) < world else "") +
-            ". Each rank has a compute row and a communication row; red marks time blocked on communication.")
+            ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
+            "Where a GPU trace exists, each CUDA stream gets a row of kernels (compute and communication "
+            "coloured apart) under the rank's CPU-side spans, drawn as outlines.")
     sections.append(_section("timeline", page.figure(tl, "fig-timeline") or '<p class="empty">No steps.</p>',
                              note))
     progress.step("timeline")
+    gpu_tables = tables_html(summary)
+    if gpu_tables:
+        sections.append(_section("kernels", gpu_tables, "From the trace's GPU kernels, HolisticTraceAnalysis' "
+                                 "definitions (docs/metrics.md, GPU time): idle = no kernel running on any stream, "
+                                 "compute = computation kernels, non-compute = only communication / memory / sync "
+                                 "kernels running; shares of kernel time. Window: "
+                                 f"{esc(pick(summary, ['gpu_time.window']))} (options.gpu_window)."))
 
     hm = [page.figure(F.rank_step_heatmap(ctx, ctx.steps, col, title, label, colorscale=cs), fid)
           for col, title, label, cs, fid in (
@@ -489,7 +521,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 {_header(run, summary)}
 <nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
 <main>
-<section id="headline"><h2>Headline</h2>{breakdown_chart}<div class="cards">{_cards(summary)}</div></section>
+<section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div>{breakdown_chart}</section>
 <section id="findings"><h2>Findings</h2><p class="note">Most severe first.</p>
 {_findings(analysis.findings or [], anchors)}</section>
 {notice_html}
@@ -530,6 +562,9 @@ def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None
     out = Path(out_path) if out_path else run.path / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)   # a full disk must not leave half a report behind under a hidden name
     return out

@@ -320,6 +320,8 @@ def test_transient_straggler_late_in_two_steps_only(tmp_path):
     co = pd.read_parquet(tbl)
     hit = (co["rank"] == 2) & co["step"].isin([4, 7])
     co.loc[hit, "issue_ns"] += 30 * MS   # rank 2 comes 30 ms late to both buckets of steps 4 and 7
+    for col in ("return_ns", "end_ns"):   # a call never returns before it was issued
+        co[col] = co[col].where(co[col] >= co["issue_ns"], co["issue_ns"])
     co.to_parquet(tbl, index=False)
     a = analyze(run)
     st = a.stragglers.set_index("rank")

@@ -104,8 +104,8 @@ def test_a_straggler_that_became_persistent_fails_on_its_own(tmp_path):
 
 def test_a_grown_what_if_saving_fails(tmp_path):
     b, h = run_summary(1), run_summary(2)
-    b["what_if"] = [{"scenario": "straggler", "ranks": [1], "saving_frac": 0.01}]
-    h["what_if"] = [{"scenario": "straggler", "ranks": [1], "saving_frac": 0.08}]
+    b["what_if"] = [{"scenario": "straggler_removed", "ranks": [1], "saving_frac": 0.01}]
+    h["what_if"] = [{"scenario": "straggler_removed", "ranks": [1], "saving_frac": 0.08}]
     code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h), "--format", "json")
     assert code == 1 and json.loads(out)["stragglers"][0]["what"] == "saving grew"
 

@@ -9,6 +9,7 @@ import pytest
 
 from dtprof.collectors import hooks_collectives as hc
 from dtprof.collectors import runtime as rt
+from dtprof.collectors.records import Collective
 from dtprof.reader import open_run
 from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
 
@@ -32,25 +33,26 @@ def writer(tmp_path, monkeypatch):
     node = create_node_dir(tmp_path / "run")
     w = RankWriter(node, 0)
     w.write_identity({"rank": 0, "local_rank": 0, "world_size": 1, "host": "h", "pid": 1, "device_type": "cuda"})
-    monkeypatch.setattr(rt, "W", w)
+    monkeypatch.setattr(rt.STATE, "writer", w)
     monkeypatch.setattr(hc, "_nccl_timing", True)
-    hc._timed.clear()
+    rt.STATE.timed.clear()
     yield w, tmp_path / "run"
-    hc._timed.clear()
+    rt.STATE.timed.clear()
 
 
 def _row(seq):
-    return [0, 0, "all_reduce", "all_reduce", "user", "0", 2, seq, 64, 64, "float32", None, True, 1000, 1100,
-            None, None, None, None, None]
+    return Collective(rank=0, step=0, op="all_reduce", api="all_reduce", source="user", group="0", group_size=2,
+                      seq=seq, in_bytes=64, out_bytes=64, dtype="float32", peer=None, async_op=True, issue_ns=1000,
+                      return_ns=1100, end_ns=None, gpu_duration_ns=None, bucket=None, stage=None, microbatch=None)
 
 
 def test_duration_filled_once_the_gpu_has_finished(writer):
     w, run_dir = writer
     slow, never = NcclWorkStandIn(ready_after=2, ms=1.5), NcclWorkStandIn(ready_after=10**6, ms=0)
-    hc._pending[id(slow)] = (slow, [_row(0)], 1000)
-    hc._pending[id(never)] = (never, [_row(1)], 1000)
-    hc._complete(id(slow), 2000)
-    hc._complete(id(never), 2100)
+    hc.add_pending(id(slow), slow, [_row(0)])
+    hc.add_pending(id(never), never, [_row(1)])
+    hc.complete(id(slow), 2000)
+    hc.complete(id(never), 2100)
     for _ in range(hc.MAX_TIMED_TRIES):   # flushes
         hc.resolve_gpu_durations()
     w.flush()
@@ -58,14 +60,14 @@ def test_duration_filled_once_the_gpu_has_finished(writer):
     assert c.loc[0, "gpu_duration_ns"] == 1_500_000 and c.loc[0, "end_ns"] == 2000
     # a work whose events never complete is written anyway, without a duration, after the retries
     assert c.loc[1, "end_ns"] == 2100 and c["gpu_duration_ns"].isna().loc[1]
-    assert not hc._timed
+    assert not rt.STATE.timed
 
 
 def test_rows_wait_for_their_duration_but_exit_writes_them(writer):
     w, run_dir = writer
     work = NcclWorkStandIn(ready_after=10**6, ms=0)
-    hc._pending[id(work)] = (work, [_row(0)], 1000)
-    hc._complete(id(work), 2000)
+    hc.add_pending(id(work), work, [_row(0)])
+    hc.complete(id(work), 2000)
     hc.resolve_gpu_durations()
     w.flush()
     assert len(open_run(run_dir).collectives) == 0        # still waiting for the GPU

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from dtprof.analyzers.kernel_breakdown import kernel_breakdown
+from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.cli import main
 from dtprof.reader import open_run
 
@@ -199,7 +199,7 @@ def test_shared_nccl_trace_matches_hta(tmp_path):
     c = run.collectives
     assert len(c) == 21 and set(c["op"]) == {"all_reduce", "broadcast"} and c["gpu_duration_ns"].notna().all()
     assert (c["issue_ns"] < c["end_ns"]).all() and set(c["group"]) == {"0"} and set(c["group_size"]) == {2}
-    b = kernel_breakdown(run.spans, run.steps, window="hta").iloc[0]
+    b = gpu_time(run.spans, run.steps, window="hta")[0]
     assert abs(b["comm_compute_overlap_frac"] * 100 - 14.31) < 1
     assert abs(b["idle_frac"] * 100 - 77.78) < 1
     assert abs(b["compute_frac"] * 100 - 17.26) < 1

@@ -28,7 +28,10 @@ def _events() -> list:
         ev.append({"ph": "X", "cat": "cpu_op", "name": 'aten::mm "cat": "kernel" {', "pid": 7, "tid": 7,
                    "ts": t + 1, "dur": 2.0, "args": {"Input Dims": [[8, 64], [64, 32]], "note": TRICKY}})
         ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 7, "tid": 7,
-                   "ts": t + 2, "dur": 1.0, "args": {"External id": 10 + s, "cbid": 211}})
+                   "ts": t + 2, "dur": 1.0, "args": {"External id": 10 + s, "cbid": 211, "correlation": s}})
+        # laid out unlike Kineto (args first): read by json, not by the launch regex; same rows expected
+        ev.append({"args": {"correlation": 100 + s}, "ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel",
+                   "pid": 7, "tid": 7, "ts": t + 2.5, "dur": 0.5})
         ev.append({"ph": "X", "cat": "kernel", "name": f"gemm<{s}> {TRICKY}", "pid": 0, "tid": 7,
                    "ts": t + 3, "dur": 5.5, "args": {"stream": 7, "External id": 10 + s, "correlation": s}})
         ev.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "pid": 0,
@@ -64,7 +67,7 @@ def _same(path: Path) -> dict:
     fast, ref = parse_trace(path, fast=True), parse_trace(path, fast=False)
     assert fast["meta"] == ref["meta"]
     assert (fast["n_events"], fast["other"], fast["pids"]) == (ref["n_events"], ref["other"], ref["pids"])
-    for part in ("kernels", "cpu"):
+    for part in ("kernels", "cpu", "launch"):
         pd.testing.assert_frame_equal(fast[part], ref[part])
     tf, tr = rank_tables(fast, trace_identity(fast, True)), rank_tables(ref, trace_identity(ref, True))
     for table in tr:
@@ -86,8 +89,9 @@ def test_fast_path_equals_json_reference_on_tricky_trace(tmp_path, monkeypatch, 
     assert not got["cpu"]["name"].str.startswith("aten::").any()  # "cat": "kernel" inside a name is not a cat
     assert got["meta"]["baseTimeNanoseconds"] == 1_700_000_000_000_000_000
     assert got["meta"]["distributedInfo"]["rank"] == 1 and got["meta"]["traceName"] == 'x "]}" y'
-    # 31 - 9 kernels - 9 CPU rows (3 steps: ProfilerStep, forward, record_param_comms)
-    assert got["n_events"] == 31 and got["other"] == 13
+    # 34 - 9 kernels - 9 CPU rows (3 steps: ProfilerStep, forward, record_param_comms); launches count as other
+    assert got["n_events"] == 34 and got["other"] == 16
+    assert sorted(got["launch"]["corr"]) == [0, 1, 2, 100, 101, 102]  # both launch layouts read
     assert got["pids"] == {7}
 
 

@@ -309,9 +309,37 @@ def test_launcher_never_imports_torch(tmp_path):
     assert proc.stderr.strip().endswith("torch not imported")
 
 
-def test_command_not_found_exits_127_and_keeps_the_run(tmp_path):
-    proc = dtprof_run(["--out", "r", "--no-nvml", "--", "no-such-command-xyz"], cwd=tmp_path)
-    assert proc.returncode == 127 and "cannot start 'no-such-command-xyz'" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    info = json.loads((only_node(tmp_path / "r") / "node.json").read_text())
-    assert info["status"] == "failed" and info["exit_code"] == 127
+def test_command_not_found_exits_127_and_leaves_no_run_directory(tmp_path):
+    """issue 15: a command that does not exist must not leave an (empty) run directory behind."""
+    for args in (["--out", "r"], []):
+        proc = dtprof_run([*args, "--no-nvml", "--", "no-such-command-xyz"], cwd=tmp_path)
+        assert proc.returncode == 127 and "cannot start 'no-such-command-xyz'" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "dtprof-runs").exists()
+
+
+def test_host_name_with_a_slash(tmp_path):
+    """issue 15: a host name holding "/" must not break `dtprof run` (it becomes "_" in the node directory)."""
+    boot = "import socket; socket.gethostname = lambda: 'rack/7'; from dtprof.cli import main; main()"
+    proc = subprocess.run([sys.executable, "-c", boot, "run", "--out", "r", "--no-nvml", "--no-report", "--",
+                           sys.executable, "-c", "print('hi')"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    node = only_node(tmp_path / "r")
+    assert node.name.startswith("node-rack_7-")
+    assert json.loads((node / "node.json").read_text())["host"] == "rack/7"
+
+
+def test_processes_left_running_by_the_command_are_stopped_and_recorded(tmp_path):
+    """issue 15: no process of the job outlives `dtprof run`, whatever its process group or session (here a child
+    in a session of its own that the command leaves behind); the stop is recorded in node.json and on stderr."""
+    write(tmp_path / "job.py", "import subprocess, sys\n"
+          "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+          "open('child.pid', 'w').write(str(p.pid))\n")
+    proc = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "--", sys.executable, "job.py"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pid = int((tmp_path / "child.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    stop = json.loads((only_node(tmp_path / "r") / "node.json").read_text())["stops"][0]
+    assert stop["reason"] == "left running after the job's command ended" and stop["sigterm_sent_to"] == 1
+    assert stop["survivors"] == [] and "none left running" in proc.stderr

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dtprof.analyzers.kernel_breakdown import kernel_breakdown
+from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.stragglers import PERSISTENT_RULE
 from dtprof.analyzers.summary import analyze
@@ -47,7 +47,7 @@ def test_overlap_and_kernel_breakdown_classify_kernels_alike(tmp_path):
     a = analyze(run, AnalysisOptions(warmup=0))
     row = a.steps.iloc[0]
     assert row["level"] == "kernel"
-    kb = kernel_breakdown(open_run(run).spans).iloc[0]
+    kb = gpu_time(open_run(run).spans)[0]
     assert row["compute_s"] == pytest.approx(0.040) == kb["compute_frac"] * kb["kernel_time_s"]
     assert row["comm_s"] == pytest.approx(0.040)
     assert row["overlap_ratio"] == pytest.approx(0.25) == kb["comm_compute_overlap_frac"]
@@ -84,18 +84,15 @@ def test_compute_kinds_have_one_meaning(tmp_path):
 
 
 def test_persistent_straggler_one_criterion_one_wording(tmp_path):
-    # rank 3 is 20 ms late to the first of 10 all-reduces of every step: late at 10 % of the collectives but in
-    # every step, holding its peers up each time -- persistent by the one rule, and every view says why in its words
-    run_dir = build_run(tmp_path / "r", world_size=4, steps=12, buckets=10)
-    tbl = run_dir / "node-synthetic/tables/collectives.parquet"
-    co = pd.read_parquet(tbl)
-    co.loc[(co["rank"] == 3) & (co["bucket"] == 0), "issue_ns"] += 20 * MS
-    co.to_parquet(tbl, index=False)
+    # rank 3 waits 20 ms longer for its input every step, so every all-reduce waits for it: removing that saves
+    # 20 of the 57 ms step (35 %) in every step -- persistent by the one rule (impact), and every view says why in
+    # its words
+    run_dir = build_run(tmp_path / "r", world_size=4, steps=12, buckets=10, late_rank=3, late_ms=20.0)
     a = analyze(run_dir)
     s = a.summary["stragglers"]
     assert [x["rank"] for x in s] == [3] and s[0]["kind"] == "persistent"
-    assert s[0]["late_frac"] == pytest.approx(0.1) and s[0]["late_step_frac"] == 1.0
-    assert "in 100% of measured steps" in s[0]["reason"]
+    assert s[0]["saving_frac"] == pytest.approx(20 / 57, abs=0.01) and s[0]["saving_step_frac"] == 1.0
+    assert "(100% of measured steps save at least 5%)" in s[0]["reason"]
     finding = next(f for f in a.findings if f["id"] == "straggler")
     assert s[0]["reason"] in finding["message"]
     page = H.write_report(run_dir, analysis=a).read_text()

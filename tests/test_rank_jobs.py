@@ -220,8 +220,10 @@ def test_pipeline_chunks_per_stage_and_step(pipeline):
         assert sorted(k.microbatch.unique()) == [0, 1, 2, 3]
     assert not (sp.kind == "forward").any()      # replaced by pp_forward inside the schedule
     name = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
-    msgs = run.events.message.astype(str)
-    assert msgs.str.contains(f"pipeline schedule: {name}, stages=2, microbatches=4").sum() == 2
+    meta = run.meta[run.meta["kind"].astype(str) == "pipeline_schedule"].sort_values("rank")
+    assert meta["value"].tolist() == [{"schedule": name, "stages": 2, "microbatches": 4, "stage_indices": [r]}
+                                      for r in (0, 1)]
+    assert not run.events.message.astype(str).str.contains("pipeline schedule:").any()   # a fact, not a message
 
 
 def test_pipeline_p2p_matched(pipeline):
@@ -244,6 +246,12 @@ def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
     err = ev[(ev.level == "error") & (ev["rank"] == 1)]
     assert len(err) == 1 and "injected fault" in err.message.iloc[0]
     assert not (ev[ev["rank"] == 0].level == "error").any()
+    faults = run.meta[run.meta["kind"].astype(str) == "fault"]
+    assert faults["rank"].tolist() == [1]
+    fault = faults["value"].iloc[0]
+    # the first collective rank 1 records: a wrapped torch.distributed call or DDP's first bucket
+    assert fault["where"].startswith("collective wrapper (") or fault["where"] == "c10d::allreduce_ observer"
+    assert fault["error"] == "RuntimeError: injected fault (DTPROF_TEST_FAULT=collective)"
     steps = run.steps.groupby("rank").size().to_dict()
     assert steps[0] == STEPS and steps.get(1, 0) < STEPS
 
@@ -289,6 +297,26 @@ def test_single_process_is_rank_zero_with_flop_count(tmp_path):
     assert s.executed_flops[1] > 1e6
     fc = run.spans[run.spans.kind == "flops_count"]
     assert fc.step.tolist() == [1]
+
+
+def test_trace_capture_window_is_a_meta_row(tmp_path):
+    """--trace-steps 1:3 on a real job: one trace_capture meta row whose window runs from the profiler's start
+    (after step 0 ended) to the end of its stop and export (after step 2 ended, before step 3 did), and names the
+    steps it disturbed: 1 and 2 (captured) and 3 (the stop and export run in its time)."""
+    run_dir = create_run_dir(tmp_path / "run", {"test": "trace capture"})
+    node_dir = create_node_dir(run_dir)
+    p = subprocess.run([sys.executable, str(EXAMPLES / "train_ddp.py"), *SMALL],
+                       env=_env(node_dir, {"trace_steps": "1:3"}),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = open_run(run_dir)
+    meta = run.meta[run.meta["kind"].astype(str) == "trace_capture"]
+    assert len(meta) == 1
+    w = meta["value"].iloc[0]
+    s = run.steps.set_index("step")
+    assert w["steps"] == [1, 2, 3]
+    assert s.end_ns[0] <= w["start_ns"] < s.end_ns[1]
+    assert s.end_ns[2] < w["end_ns"] < s.end_ns[3]
 
 
 USER_HOOK_SCRIPT = """

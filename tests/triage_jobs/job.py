@@ -93,9 +93,9 @@ for step in range(args.steps):
         collective(dist.broadcast, "broadcast", torch.ones(12 if culprit else 10), src=0)
     collective(dist.all_reduce, "all_reduce", torch.ones(64) * y)
     t3 = time.monotonic_ns()
-    writer.append("spans", [rank, step, "data_wait", "data_wait", t0, t1, None, None, "main", "hook"])
-    writer.append("spans", [rank, step, "forward", "forward", t1, t2, None, None, "main", "hook"])
-    writer.append("spans", [rank, step, "comm_wait", "all_reduce", t2, t3, None, None, "main", "hook"])
+    writer.append("spans", [rank, step, "data_wait", "data_wait", t0, t1, None, None, "main", "hook", None])
+    writer.append("spans", [rank, step, "forward", "forward", t1, t2, None, None, "main", "hook", None])
+    writer.append("spans", [rank, step, "comm_wait", "all_reduce", t2, t3, None, None, "main", "hook", None])
     writer.append("steps", [rank, step, t0, t3, None, None, None, None, None])
     STATE.last_progress_ns = t3
     writer.flush()

@@ -1,0 +1,521 @@
+"""What-if: a cross-rank dependency model of every step, its replay, counterfactual scenarios and the critical path
+(docs/what-if.md).
+
+The model (``build``), per rank-step, from what the run recorded:
+
+- the rank's timeline cut into **work** items (forward, backward, optimizer, data_wait, other, and ``exposed_comm``
+  for blocked time no collective explains), **arrive** items (a collective issued: its ``issue_ns``) and **wait**
+  items. The rank is *blocked* where the step breakdown counts communication as blocking (analyzers/breakdown.py,
+  cases 1 and 3: a ``comm_wait`` span, or a collective in flight while no compute runs); a blocked stretch waits
+  for each collective of the rank that completes inside it (one wait item per exit, for that instance), or, when
+  none completes inside it, for a collective that exits within ``EXIT_TOLERANCE_NS`` after it. Waited time is not
+  work: the replay recomputes it. A blocked stretch that waits for nothing (the rank went on while its collectives
+  were still in flight, e.g. host gaps between a pipeline's ops) is fixed ``exposed_comm`` time;
+- collectives are synchronisation points matched across ranks by instance (``collectives.instance_keys``: (group,
+  seq), and (group, sender, receiver, seq) for point-to-point, so a pipeline's send/recv are its p2p edges): an
+  instance completes on rank r at its last participant's arrival plus r's measured transfer (``lag``: r's release
+  minus the measured last arrival, on the run model's aligned clock);
+- each rank starts the step at its measured aligned offset from the step's earliest rank.
+
+``replay`` recomputes every rank's step from the model by fixed-point relaxation (vectorised: each pass recomputes
+all times from the previous pass's instance completions; a dependency chain of n links settles in n + 1 passes).
+The job's step time is the slowest rank's step (analyzers/steps.py). Replaying the unmodified model reproduces the
+measured steps up to the model's error (``replay_error``, reported per run).
+
+Scenarios are pure edits of the work durations and transfers (``scenarios``); a scenario's saving is relative to
+the unmodified replay, so the replay's own error cancels: predicted = measured × (scenario ÷ identity replay).
+
+``critical_path``: per measured step, the chain of work and transfers that sets the slowest rank's end, walked back
+through each binding wait to the instance's last arriver; its length by rank and by part.
+
+This generalises the pipeline's schedule replay (analyzers/pipeline.py ``replay_schedule``, which replays compute
+ops only, with no gaps, for the theoretical bubble) to every kind of job; the pipeline analyzer keeps its own
+gap-free replay for that definition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers.collectives import instance_keys
+from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, split_over_windows
+
+NS = 1e9
+WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")
+FORWARD, BACKWARD, OPTIMIZER, DATA_WAIT, OTHER, EXPOSED = range(6)
+COMPUTE_PARTS = (FORWARD, BACKWARD, OPTIMIZER)
+WAIT, ARRIVE, WORKI = 0, 1, 2          # item kinds, in their order at equal times
+P2P_OPS = ("send", "recv")
+# interval sets of the timeline
+S_WIN, S_OPT, S_BWD, S_FWD, S_CWAIT, S_DATA, S_COLL, S_CAP = range(8)
+SPAN_SETS = {"optimizer": S_OPT, "backward": S_BWD, "pp_backward": S_BWD, "forward": S_FWD, "pp_forward": S_FWD,
+             "comm_wait": S_CWAIT, "data_wait": S_DATA}
+MAX_PASSES = 100_000
+# a blocked stretch with no exit inside waits for a collective only if one exits this close after it (a wait that
+# returns just before the collector sees the end); otherwise the rank resumed with the collective still in flight:
+# it was not waiting for it, and the stretch is fixed time
+EXIT_TOLERANCE_NS = 200_000
+
+
+@dataclass
+class StepGraph:
+    """The dependency model: windows (rank-steps) and their items, sorted by (window, time, kind)."""
+    windows: pd.DataFrame      # rank, step, offset_ns (aligned start - the step's earliest), measured, pipeline
+    win: np.ndarray            # per item: window row
+    kind: np.ndarray           # WAIT / ARRIVE / WORKI
+    part: np.ndarray           # WORK_PARTS index for work items, -1 otherwise
+    dur: np.ndarray            # work duration (ns, int64); 0 for arrive/wait
+    key: np.ndarray            # instance-in-step id for arrive/wait items, -1 for work
+    lag: np.ndarray            # wait items: measured transfer after the last arrival (ns); 0 otherwise
+    p2p: np.ndarray            # arrive/wait items of a point-to-point op
+    n_keys: int
+    stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
+
+
+@dataclass
+class Replay:
+    end: np.ndarray            # per window: replayed end (ns from the step's earliest start)
+    t: np.ndarray              # per item: time after it
+    slack: np.ndarray          # per item: accumulated waiting up to it
+    last_arrival: np.ndarray   # per key: latest arrival
+    duration: np.ndarray       # per window: replayed step of the rank (ns)
+
+
+def _cumsum_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Inclusive running sum of ``x`` within each run of equal ``win`` (items sorted by window)."""
+    c = np.cumsum(x)
+    first = np.r_[True, win[1:] != win[:-1]]
+    base = np.maximum.accumulate(np.where(first, np.arange(len(x)), 0))
+    return c - (c[base] - x[base])
+
+
+def _cummax_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Running max of non-negative int64 ``x`` within each window (sorted by window)."""
+    if len(x) == 0:
+        return x
+    span = int(x.max()) + 1
+    w = win.astype(np.int64) - int(win.min())
+    return np.maximum.accumulate(x + w * span) - w * span
+
+
+def build(model) -> StepGraph:
+    """The dependency model of every rank-step of the run model ``model`` (analyzers/runmodel.py)."""
+    w = model.steps
+    wr = w["rank"].to_numpy(np.int64)
+    ws = w["start_ns"].to_numpy(np.int64)
+    we = w["end_ns"].to_numpy(np.int64)
+    wstep = w["step"].to_numpy(np.int64)
+    astart = w["aligned_start_ns"].to_numpy(np.int64)
+    base = pd.Series(astart).groupby(wstep).transform("min").to_numpy(np.int64)
+    sp = model.spans
+    kinds = sp["kind"].astype(str).to_numpy()
+    is_pp = np.isin(kinds, ["pp_forward", "pp_backward"])
+    pipe_ranks = set(np.unique(sp["rank"].to_numpy(np.int64)[is_pp]).tolist())
+    stage = {}
+    if is_pp.any():
+        st = sp.loc[is_pp, ["rank", "stage"]].dropna()
+        stage = {int(r): int(s) for r, s in st.groupby("rank")["stage"].min().items()}
+    windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
+                            "measured": w["measured"].to_numpy(bool), "pipeline": np.isin(wr, list(pipe_ranks))})
+
+    co = model.collectives
+    if len(co) and (~co["source"].isin(["kineto"])).any():   # the rank's own records over trace rows
+        co = co[~co["source"].isin(["kineto"]).to_numpy()]
+    inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
+    c_rank = co["rank"].to_numpy(np.int64)
+    c_issue = co["issue_ns"].to_numpy(np.int64)
+    c_exit = co["exit_ns"].to_numpy(np.int64)
+    c_p2p = co["op"].astype(str).isin(P2P_OPS).to_numpy()
+    c_win = assign_to_windows(wr, ws, we, c_rank, c_issue)
+
+    # the timeline's elementary segments (the window itself is a set, so segments tile it)
+    sp_set = np.array([SPAN_SETS.get(k, -1) for k in kinds], np.int64)
+    cap = model.captures
+    key = np.concatenate([wr, sp["rank"].to_numpy(np.int64), c_rank, cap["rank"].to_numpy(np.int64)])
+    start = np.concatenate([ws, sp["start_ns"].to_numpy(np.int64), c_issue, cap["start_ns"].to_numpy(np.int64)])
+    end = np.concatenate([we, sp["end_ns"].to_numpy(np.int64), c_exit, cap["end_ns"].to_numpy(np.int64)])
+    sset = np.concatenate([np.full(len(wr), S_WIN), sp_set, np.full(len(co), S_COLL), np.full(len(cap), S_CAP)])
+    used = sset >= 0
+    item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
+    g, seg, cov = coverage_segments(win, sset[used][item], s, e, 8)
+    cs = np.cumsum(seg)
+    first = np.r_[True, g[1:] != g[:-1]] if len(g) else np.zeros(0, bool)
+    first_idx = np.maximum.accumulate(np.where(first, np.arange(len(g)), 0)) if len(g) else first.astype(int)
+    seg_start = ws[g] + cs - seg - (cs[first_idx] - seg[first_idx]) if len(g) else np.zeros(0, np.int64)
+    compute = cov[S_OPT] | cov[S_BWD] | cov[S_FWD]
+    blocked = cov[S_CWAIT] | (cov[S_COLL] & ~compute)
+    label = np.select([blocked, cov[S_OPT], cov[S_BWD], cov[S_FWD], cov[S_DATA] & ~cov[S_CAP]],
+                      [-1, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT], OTHER)
+    # runs of one label within a window, also cut where a collective is issued (its arrival keeps its place in the
+    # work: a functional collective issued mid-forward arrives mid-forward in the replay too)
+    new = np.r_[True, (g[1:] != g[:-1]) | (label[1:] != label[:-1])] if len(g) else np.zeros(0, bool)
+    if len(g) and len(co):
+        t_lo = int(min(seg_start.min(), c_issue.min()))
+        t_span = int(max(seg_start.max(), c_issue.max())) - t_lo + 1
+        on_issue = np.isin(g * t_span + (seg_start - t_lo), c_win[c_win >= 0] * t_span + (c_issue[c_win >= 0] - t_lo))
+        new |= on_issue
+    run_id = np.cumsum(new) - 1
+    r_win, r_start = g[new], seg_start[new]
+    r_label = label[new]
+    r_dur = np.bincount(run_id, weights=seg, minlength=len(r_win)).astype(np.int64) if len(g) else \
+        np.zeros(0, np.int64)
+    r_end = r_start + r_dur
+
+    work = r_label >= 0
+    items = [pd.DataFrame({"win": r_win[work], "t": r_start[work], "kind": WORKI, "part": r_label[work],
+                           "dur": r_dur[work], "ci": -1, "release": 0})]
+    ok = c_win >= 0
+    items.append(pd.DataFrame({"win": c_win[ok], "t": c_issue[ok], "kind": ARRIVE, "part": -1, "dur": 0,
+                               "ci": np.flatnonzero(ok), "release": 0}))
+    # blocked stretches: a wait for each exit inside, else for the nearest exit of a collective in flight
+    b_win, b0, b1 = r_win[~work], r_start[~work], r_end[~work]
+    if len(b_win) and ok.any():
+        ci_ok = np.flatnonzero(ok)
+        order = ci_ok[np.lexsort((c_exit[ci_ok], c_win[ci_ok]))]
+        span = int(max(we.max(), c_exit.max()) - min(ws.min(), c_issue.min())) + 2
+        lo_t = int(min(ws.min(), c_issue.min()))
+        ck = c_win[order] * span + (c_exit[order] - lo_t)
+        lo = np.searchsorted(ck, b_win * span + (b0 - lo_t), side="right")
+        hi = np.searchsorted(ck, b_win * span + (b1 - lo_t), side="right")
+        n_in = hi - lo
+        rep = np.repeat(np.arange(len(b_win)), n_in)
+        pos = np.arange(len(rep)) - np.repeat(np.cumsum(n_in) - n_in, n_in) + np.repeat(lo, n_in)
+        ci = order[pos]
+        items.append(pd.DataFrame({"win": b_win[rep], "t": c_exit[ci], "kind": WAIT, "part": -1, "dur": 0,
+                                   "ci": ci, "release": c_exit[ci]}))
+        # the tail after the last exit inside: fixed blocked time
+        last_exit = np.where(n_in > 0, c_exit[order[np.maximum(hi - 1, 0)]], b0)
+        # no exit inside: the first exit after the stretch of a collective in flight at its end
+        nxt = np.minimum(hi, len(order) - 1)
+        cand = order[nxt]
+        has_next = ((n_in == 0) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
+                    & (c_exit[cand] - b1 <= EXIT_TOLERANCE_NS))
+        items.append(pd.DataFrame({"win": b_win[has_next], "t": b1[has_next], "kind": WAIT, "part": -1, "dur": 0,
+                                   "ci": cand[has_next], "release": b1[has_next]}))
+        tail_start = np.where(has_next, b1, last_exit)
+        tail = b1 - tail_start
+        keep = tail > 0
+        items.append(pd.DataFrame({"win": b_win[keep], "t": tail_start[keep], "kind": WORKI, "part": EXPOSED,
+                                   "dur": tail[keep], "ci": -1, "release": 0}))
+    elif len(b_win):
+        items.append(pd.DataFrame({"win": b_win, "t": b0, "kind": WORKI, "part": EXPOSED, "dur": b1 - b0,
+                                   "ci": -1, "release": 0}))
+    it = pd.concat(items, ignore_index=True).sort_values(["win", "t", "kind"], kind="stable", ignore_index=True)
+    i_win = it["win"].to_numpy(np.int64)
+    ci = it["ci"].to_numpy(np.int64)
+    has_c = ci >= 0
+    # instance-in-step keys and each wait's measured transfer after the instance's last arrival (aligned clock)
+    step_of = wstep[i_win]
+    k_raw = np.where(has_c, inst[np.maximum(ci, 0)] if len(inst) else 0, -1)
+    kdf = pd.DataFrame({"k": k_raw, "s": step_of})
+    key_id = np.where(has_c, kdf.groupby(["k", "s"], sort=False).ngroup().to_numpy(np.int64), -1)
+    n_keys = int(key_id.max()) + 1 if has_c.any() else 0
+    al_issue = model.align(c_issue, c_rank) if len(co) else np.zeros(0, np.int64)
+    arrive = it["kind"].to_numpy() == ARRIVE
+    last_al = np.full(max(n_keys, 1), np.iinfo(np.int64).min)
+    np.maximum.at(last_al, key_id[arrive], al_issue[ci[arrive]])
+    waiting = it["kind"].to_numpy() == WAIT
+    rel_al = model.align(it["release"].to_numpy(np.int64)[waiting], wr[i_win[waiting]])
+    lag = np.zeros(len(it), np.int64)
+    lw = last_al[key_id[waiting]]
+    lag[waiting] = np.where(lw > np.iinfo(np.int64).min, np.maximum(rel_al - lw, 0), 0)
+    p2p = np.where(has_c, c_p2p[np.maximum(ci, 0)] if len(co) else False, False)
+    return StepGraph(windows=windows, win=i_win, kind=it["kind"].to_numpy(np.int64),
+                     part=it["part"].to_numpy(np.int64), dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag,
+                     p2p=p2p, n_keys=n_keys, stage=stage)
+
+
+def replay(g: StepGraph, dur: np.ndarray | None = None, lag: np.ndarray | None = None) -> Replay | None:
+    """Replay the model with work durations ``dur`` and transfers ``lag`` (default: as measured). None when the
+    dependencies do not settle (a cycle: the recorded order contradicts the matching)."""
+    dur = g.dur if dur is None else dur
+    lag = g.lag if lag is None else lag
+    off = g.windows["offset_ns"].to_numpy(np.int64)
+    n_win = len(off)
+    c = _cumsum_by(g.win, dur) + off[g.win]
+    wait = g.kind == WAIT
+    arrive = g.kind == ARRIVE
+    lowest = np.iinfo(np.int64).min
+    last = np.full(max(g.n_keys, 1), lowest)
+    constrained = wait & (g.key >= 0)
+    for _ in range(MAX_PASSES):
+        rel = np.where(constrained, last[np.maximum(g.key, 0)], lowest)
+        cand = np.where(rel > lowest, rel + lag - c, 0)
+        slack = _cummax_by(g.win, np.maximum(cand, 0))
+        t = c + slack
+        new = np.full(max(g.n_keys, 1), lowest)
+        np.maximum.at(new, g.key[arrive], t[arrive])
+        if np.array_equal(new, last):
+            break
+        last = new
+    else:
+        return None
+    end = off.copy()
+    if len(t):
+        is_last = np.r_[g.win[1:] != g.win[:-1], True]
+        end[g.win[is_last]] = t[is_last]
+    assert len(end) == n_win
+    return Replay(end=end, t=t, slack=slack, last_arrival=last, duration=end - off)
+
+
+def job_steps(g: StepGraph, r: Replay) -> pd.Series:
+    """Per step: the replayed job step (s), the slowest rank's replayed step."""
+    return pd.Series(r.duration / NS).groupby(g.windows["step"].to_numpy()).max()
+
+
+# ---------------------------------------------------------------- scenarios: pure edits of (dur, lag)
+
+def _part_totals(g: StepGraph, dur: np.ndarray) -> pd.DataFrame:
+    """Per window and work part: total work (ns)."""
+    work = g.kind == WORKI
+    n = len(g.windows)
+    tot = np.zeros((n, len(WORK_PARTS)))
+    np.add.at(tot, (g.win[work], g.part[work]), dur[work])
+    return pd.DataFrame(tot, columns=list(WORK_PARTS))
+
+
+def _scaled(g: StepGraph, target: np.ndarray, parts: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
+    """Work durations with each window in ``rows``'s parts ``parts`` scaled so the part totals become ``target``
+    (windows × len(WORK_PARTS), NaN: unchanged)."""
+    own = _part_totals(g, g.dur).to_numpy()
+    factor = np.ones_like(own)
+    for p in parts:
+        f = np.divide(target[:, p], own[:, p], out=np.ones(len(own)), where=own[:, p] > 0)
+        f = np.where(np.isnan(f), 1.0, f)
+        factor[rows, p] = f[rows]
+    work = g.kind == WORKI
+    out = g.dur.astype(np.float64)
+    out[work] *= factor[g.win[work], g.part[work]]
+    return np.rint(out).astype(np.int64)
+
+
+def peers_of(g: StepGraph) -> dict[int, list[int]]:
+    """Each rank's peers: ranks doing the same work (same pipeline stage on a pipeline run; else every other)."""
+    ranks = sorted(set(g.windows["rank"].tolist()))
+    if g.stage:
+        return {r: [q for q in ranks if q != r and g.stage.get(q) == g.stage.get(r)] for r in ranks}
+    return {r: [q for q in ranks if q != r] for r in ranks}
+
+
+def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, list[int]]) -> np.ndarray:
+    """Work durations with ``ranks``' work, part by part in each step, set to the median of their peers'."""
+    tot = _part_totals(g, g.dur)
+    tot["rank"] = g.windows["rank"].to_numpy()
+    tot["step"] = g.windows["step"].to_numpy()
+    target = np.full((len(tot), len(WORK_PARTS)), np.nan)
+    rows = []
+    for r in ranks:
+        pr = [q for q in peers.get(r, []) if q not in ranks]
+        if not pr:
+            continue
+        med = tot[tot["rank"].isin(pr)].groupby("step")[list(WORK_PARTS)].median()
+        mine = np.flatnonzero(tot["rank"].to_numpy() == r)
+        target[mine] = med.reindex(tot["step"].to_numpy()[mine]).to_numpy()
+        rows.extend(mine.tolist())
+    parts = tuple(i for i, p in enumerate(WORK_PARTS) if p != "exposed_comm")
+    return _scaled(g, target, parts, np.asarray(rows, np.int64))
+
+
+def balanced_stages(g: StepGraph) -> np.ndarray:
+    """Work durations with every pipeline rank's forward and backward compute in each step set to the mean over
+    pipeline ranks (each stage's ops equalised to the mean op)."""
+    tot = _part_totals(g, g.dur)
+    pipe = g.windows["pipeline"].to_numpy()
+    steps = g.windows["step"].to_numpy()
+    mean = tot[pipe].groupby(steps[pipe]).mean()
+    target = mean.reindex(steps).to_numpy()
+    return _scaled(g, target, (FORWARD, BACKWARD), np.flatnonzero(pipe))
+
+
+def no_data_wait(g: StepGraph) -> np.ndarray:
+    return np.where((g.kind == WORKI) & (g.part == DATA_WAIT), 0, g.dur)
+
+
+def perfect_overlap(g: StepGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Collectives (not point-to-point) cost nothing after their last arrival, and blocked time no collective
+    explains is gone: communication is never exposed; ranks still wait for their peers' arrival."""
+    dur = np.where((g.kind == WORKI) & (g.part == EXPOSED) & ~g.windows["pipeline"].to_numpy()[g.win], 0, g.dur)
+    return dur, np.where(g.p2p, g.lag, 0)
+
+
+def no_pipeline_gaps(g: StepGraph) -> tuple[np.ndarray, np.ndarray]:
+    """On pipeline ranks: point-to-point transfers and the host gaps (other, blocked time no collective explains)
+    between ops removed."""
+    pipe = g.windows["pipeline"].to_numpy()[g.win]
+    gap = (g.kind == WORKI) & pipe & np.isin(g.part, [OTHER, EXPOSED])
+    return np.where(gap, 0, g.dur), np.where(g.p2p, 0, g.lag)
+
+
+# ---------------------------------------------------------------- the analysis: replay error, scenarios, path
+
+@dataclass
+class WhatIf:
+    graph: StepGraph
+    identity: Replay | None
+    summary: dict                       # summary.json: replay, what_if, critical_path
+    straggler_savings: pd.DataFrame     # rank, step, saving_frac: straggler_removed per measured step
+
+
+def _measured(g: StepGraph) -> np.ndarray:
+    return np.array(sorted(set(g.windows.loc[g.windows["measured"], "step"].tolist())), np.int64)
+
+
+def suspects(g: StepGraph, peers: dict[int, list[int]], limit: int = 8) -> list[int]:
+    """Ranks whose own work (no waiting) exceeds their peers' median in the mean measured step, most first."""
+    tot = _part_totals(g, g.dur)
+    tot = tot.drop(columns="exposed_comm").sum(axis=1)
+    w = g.windows.assign(work=tot.to_numpy())
+    w = w[w["measured"]]
+    mean = w.groupby("rank")["work"].mean()
+    excess = {r: mean[r] - float(np.median(mean.reindex(p).dropna())) for r, p in peers.items()
+              if r in mean.index and len(mean.reindex(p).dropna())}
+    return [r for r, x in sorted(excess.items(), key=lambda kv: -kv[1]) if x > 0][:limit]
+
+
+def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
+    """The what-if analysis of the run model: None when the run has no measured step."""
+    g = build(model)
+    steps = _measured(g)
+    if not len(steps):
+        return None
+    job = model.job.set_index("step")["time_s"]
+    measured_s = job.reindex(steps).to_numpy(float)
+    ident = replay(g)
+    out: dict = {}
+    if ident is None:
+        out["replay"] = {"error_frac": None, "reason": "the recorded order contradicts the collectives' matching"}
+        return WhatIf(g, None, {"replay": out["replay"], "what_if": [], "critical_path": None},
+                      pd.DataFrame(columns=["rank", "step", "saving_frac"]))
+    base = job_steps(g, ident).reindex(steps).to_numpy(float)
+    err = np.abs(base - measured_s) / measured_s
+    out["replay"] = {"error_frac": float(err.mean()), "error_frac_max": float(err.max()),
+                     "steps": int(len(steps)),
+                     "method": "each measured step replayed from the unmodified model; mean over measured steps of "
+                               "|replayed - measured| ÷ measured job step"}
+    mean_meas = float(measured_s.mean())
+
+    def entry(name, ranks, dur=None, lag=None, basis="") -> tuple[dict, np.ndarray] | None:
+        r = replay(g, dur, lag)
+        if r is None:
+            return None
+        per = job_steps(g, r).reindex(steps).to_numpy(float)
+        saving = 1.0 - per.sum() / base.sum()
+        return ({"scenario": name, "ranks": list(ranks), "predicted_step_s": mean_meas * (1.0 - saving),
+                 "measured_step_s": mean_meas, "saving_frac": float(saving), "basis": basis},
+                1.0 - per / base)
+
+    entries = []
+    skipped = []
+    peers = peers_of(g)
+    rows = []
+    for r in suspects(g, peers):
+        e = entry("straggler_removed", [r], straggler_removed(g, [r], peers),
+                  basis=f"rank {r}'s work in each step set to the median of its peers' "
+                        f"({'same stage' if g.stage else 'every other rank'}), part by part")
+        if e:
+            entries.append(e[0])
+            rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
+    parts = _part_totals(g, g.dur)
+    has = {p: bool(parts.loc[g.windows["measured"].to_numpy(), p].sum() > 0) for p in WORK_PARTS}
+    pipe_win = g.windows["pipeline"].to_numpy()
+    exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)
+    comm = bool((g.lag[(g.kind == WAIT) & ~g.p2p] > 0).any() or exposed_off_pipe.any())
+    if comm:
+        d, la = perfect_overlap(g)
+        e = entry("perfect_overlap", [], d, la, "every collective done the moment its last participant arrives and "
+                  "no other blocked time: an upper bound for overlapping communication with compute")
+        if e:
+            entries.append(e[0])
+    if has["data_wait"]:
+        e = entry("no_data_wait", [], no_data_wait(g), basis="every data_wait span of every rank removed")
+        if e:
+            entries.append(e[0])
+    if g.stage:
+        e = entry("balanced_stages", [], balanced_stages(g),
+                  basis="each pipeline rank's forward and backward compute in a step set to the mean over stages")
+        if e:
+            entries.append(e[0])
+        d, la = no_pipeline_gaps(g)
+        e = entry("no_pipeline_gaps", [], d, la, "pipeline point-to-point transfers and host gaps between ops "
+                  "removed")
+        if e:
+            entries.append(e[0])
+    if not on_gpu:
+        skipped.append({"scenario": "collectives_at_link_peak", "reason": "CPU run: no link peak bandwidth"})
+    else:
+        skipped.append({"scenario": "collectives_at_link_peak", "reason": "not modelled yet"})
+    out["what_if"] = sorted(entries, key=lambda x: -x["saving_frac"])
+    out["what_if_skipped"] = skipped
+    out["critical_path"] = critical_path(g, ident, steps)
+    sav = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=["rank", "step", "saving_frac"])
+    return WhatIf(g, ident, out, sav)
+
+
+def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
+    """Share of the critical path by rank and by part over the measured steps ``steps``. The path starts at the
+    slowest rank's end and walks back: work items count for their rank and part; at a wait that held the rank
+    (its slack grew there) the walk continues at the instance's last arriver, from its arrival, and the transfer
+    after that arrival counts as the last arriver's ``exposed_comm``. Where ranks tie at the end, the lowest
+    rank's end starts the walk."""
+    n = len(g.kind)
+    idx = np.arange(n)
+    first = np.r_[True, g.win[1:] != g.win[:-1]] if n else np.zeros(0, bool)
+    prev_slack = np.where(first, 0, np.r_[0, r.slack[:-1]])
+    binding = (g.kind == WAIT) & (r.slack > prev_slack)
+    w_first = np.full(len(g.windows), -1)
+    w_first[g.win[first]] = idx[first]
+    w_last = np.full(len(g.windows), -1)
+    is_last = np.r_[g.win[1:] != g.win[:-1], True] if n else np.zeros(0, bool)
+    w_last[g.win[is_last]] = idx[is_last]
+    # each key's last arriver's arrive item
+    arrive = np.flatnonzero(g.kind == ARRIVE)
+    order = arrive[np.lexsort((r.t[arrive], g.key[arrive]))]
+    last_item = np.full(g.n_keys, -1)
+    last_item[g.key[order]] = order   # later rows overwrite: the latest arrival wins
+    # per window, work per part accumulated up to each item
+    work = g.kind == WORKI
+    acc = np.zeros((n, len(WORK_PARTS)))
+    if n:
+        acc[idx[work], g.part[work]] = g.dur[work]
+        acc = np.cumsum(acc, axis=0)
+    ranks = g.windows["rank"].to_numpy()
+    by_rank: dict[int, float] = {}
+    by_part = dict.fromkeys(WORK_PARTS, 0.0)
+    wsteps = g.windows["step"].to_numpy()
+    for s in steps.tolist():
+        wins = np.flatnonzero(wsteps == s)
+        if not len(wins):
+            continue
+        wcur = int(wins[np.argmax(r.end[wins])])
+        i = int(w_last[wcur])
+        for _ in range(n + 1):
+            if i < 0:
+                break
+            lo = int(w_first[wcur])
+            seg = binding[lo:i + 1]
+            j = lo + int(np.flatnonzero(seg)[-1]) if seg.any() else -1
+            stop = j if j >= 0 else lo - 1
+            add = acc[i] - (acc[stop] if stop >= 0 else 0)
+            rk = int(ranks[wcur])
+            for p, v in zip(WORK_PARTS, add):
+                if v > 0:
+                    by_part[p] += v
+                    by_rank[rk] = by_rank.get(rk, 0.0) + v
+            if j < 0:
+                break
+            nxt = int(last_item[g.key[j]])
+            if nxt < 0:
+                break
+            wcur, i = int(g.win[nxt]), nxt
+            by_part["exposed_comm"] += float(g.lag[j])   # the transfer: the collective the last arriver started
+            rk = int(ranks[wcur])
+            by_rank[rk] = by_rank.get(rk, 0.0) + float(g.lag[j])
+    total = sum(by_part.values())
+    if total <= 0:
+        return {"by_rank": {}, "by_part": {}}
+    return {"by_rank": {str(k): v / total for k, v in sorted(by_rank.items(), key=lambda kv: -kv[1])},
+            "by_part": {k: v / total for k, v in by_part.items() if v > 0},
+            "method": "per measured step, from the slowest rank's end back through each wait that held a rank to "
+                      "the instance's last arriver; shares of the path's total length"}
