@@ -61,7 +61,7 @@ def fail_rate(gate: rg.Gate, effect: float, trials: int, seed: int, test: str = 
 PART_SHARES = {"forward": 0.30, "backward": 0.50, "optimizer": 0.05, "exposed_comm": 0.10, "data_wait": 0.0,
                "bubble": 0.0, "other": 0.05}
 PART_JITTER = 0.05
-PROBE_SPREAD, PROBE_TIMINGS = 0.30, 14   # a few-ms probe on a busy machine: ±30 % per timing, 7 before + 7 after
+PROBE_SPREAD, PROBE_TIMINGS = 0.30, 10   # the probe on a busy machine: ±30 % per timing, 5 before + 5 after
 
 
 def synth_parts(rng: np.random.Generator, backward_effect: float = 0.0) -> dict:

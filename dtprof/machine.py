@@ -14,8 +14,11 @@ import hashlib
 import time
 from pathlib import Path
 
-PROBE_REPEATS = 7
-PROBE_WORK = "sum of 60000 int squares in Python + SHA-256 of 1 MiB, timed 7 times (about 5-10 ms each)"
+# Each timing spans several scheduler time slices (~15-20 ms on an idle core), so that a loaded machine shows as a
+# longer timing every time rather than as a mix of full-speed and preempted ones (3 ms timings were bimodal and
+# their median's interval too wide to see a 3x slowdown).
+PROBE_REPEATS = 5
+PROBE_WORK = "sum of 360000 int squares in Python + SHA-256 of 1 MiB, timed 5 times (about 15-20 ms each)"
 _BLOB = bytes(range(256)) * 4096   # 1 MiB
 
 
@@ -39,7 +42,7 @@ def config_identity(command: list[str], cwd: Path) -> dict:
 
 def _work() -> int:
     s = 0
-    for i in range(60000):
+    for i in range(360000):
         s += i * i
     return s + len(hashlib.sha256(_BLOB).digest())
 
