@@ -222,3 +222,23 @@ def exposed_by_dim_rank_step(bd: Breakdown) -> pd.DataFrame:
     """rank, step, mesh_dim, exposed_s: exposed communication of each rank-step per mesh dimension."""
     e = bd.exposed.groupby(["rank", "step", "dim"], as_index=False)["exposed_s"].sum()
     return e.rename(columns={"dim": "mesh_dim"})
+
+
+def critical_per_step(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarray) -> pd.DataFrame:
+    """The job's breakdown per measured step: for each step, the parts of its **critical rank**, the rank that
+    waited least on its peers (the largest step duration minus ``exposed_comm`` and ``bubble``; ties to the lower
+    rank). Its parts sum to its own step duration, and a rank slowed in one phase shows that phase growing there,
+    not its peers' waiting. Columns: step, rank, ``<part>_s`` per PARTS, and ``exposed:<dim|op>:<name>_s`` for the
+    critical rank's exposed communication by mesh dimension and by op (0 where it had none)."""
+    ps = bd.per_step.assign(duration_s=duration_s)[measured]
+    if ps.empty:
+        return pd.DataFrame(columns=["step", "rank"] + [f"{p}_s" for p in PARTS])
+    busy = ps["duration_s"] - ps["exposed_comm_s"] - ps["bubble_s"]
+    crit = ps.assign(busy=busy.to_numpy()).sort_values(["step", "busy", "rank"], ascending=[True, False, True])
+    crit = crit.drop_duplicates("step")[["step", "rank"] + [f"{p}_s" for p in PARTS]].reset_index(drop=True)
+    ex = bd.exposed.merge(crit[["step", "rank"]], on=["step", "rank"])
+    for what in ("dim", "op"):
+        wide = ex.pivot_table(index="step", columns=what, values="exposed_s", aggfunc="sum", fill_value=0.0)
+        for name in wide.columns:
+            crit[f"exposed:{what}:{name}_s"] = wide[name].reindex(crit["step"]).fillna(0.0).to_numpy()
+    return crit

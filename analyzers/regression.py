@@ -413,3 +413,233 @@ def overall_exit(results: Sequence[GateResult]) -> int:
     if any(r.verdict == INCONCLUSIVE for r in deciding):
         return 3
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which part of the step moved (the breakdown's per-step series, summary.json ``breakdown.per_step``)
+
+# A part is reported as moved when its whole interval lies beyond this share of the base's mean step time: half
+# the step gate's tolerance, so the parts of a failing step change show, while the ~0.5 % run-to-run offset of
+# identical configurations (benchmarks/gate_power.py) does not.
+PART_FLOOR_FRAC = DEFAULT_STEP_TOLERANCE / 2
+
+
+def part_series(summary: dict) -> dict[str, np.ndarray] | None:
+    """``{row name: per-step seconds}`` of one run: the parts (``backward``), and exposed communication by mesh
+    dimension (``exposed_comm[dim=dp]``) and by op (``exposed_comm[op=all_reduce]``); None without the series."""
+    ps = lookup(summary, "breakdown.per_step")
+    if not isinstance(ps, dict) or not ps.get("parts"):
+        return None
+    out = {p: np.asarray(v, float) for p, v in ps["parts"].items()}
+    for what, key in (("dim", "exposed_comm_by_dim"), ("op", "exposed_comm_by_op")):
+        for name, v in (ps.get(key) or {}).items():
+            out[f"exposed_comm[{what}={name}]"] = np.asarray(v, float)
+    return out
+
+
+def _rank_part_means(summary: dict, row: str) -> dict[int, float]:
+    """Per rank, the mean seconds per step of one row (ranks[].breakdown_s_per_step and its exposed splits)."""
+    m = re.fullmatch(r"exposed_comm\[(dim|op)=(.*)\]", row)
+    out = {}
+    for r in summary.get("ranks") or []:
+        if m:
+            d = r.get(f"exposed_comm_s_per_step_by_{m[1]}") or {}
+            v = d.get(m[2], 0.0)
+        else:
+            v = (r.get("breakdown_s_per_step") or {}).get(row)
+        if isinstance(v, (int, float)) and r.get("rank") is not None:
+            out[int(r["rank"])] = float(v)
+    return out
+
+
+def _mover_rank(base: Sequence[dict], head: Sequence[dict], row: str, sign: float) -> tuple[int | None, float | None]:
+    """The rank whose mean of ``row`` moved most in the direction of the job's change (median over a side's runs)."""
+    def side(runs):
+        per: dict[int, list[float]] = {}
+        for s in runs:
+            for r, v in _rank_part_means(s, row).items():
+                per.setdefault(r, []).append(v)
+        return {r: float(np.median(v)) for r, v in per.items()}
+    b, h = side(base), side(head)
+    deltas = {r: h[r] - b[r] for r in h if r in b}
+    if not deltas:
+        return None, None
+    r = max(deltas, key=lambda k: sign * deltas[k])
+    return r, deltas[r]
+
+
+def _row_runs(side: list[dict[str, np.ndarray]], name: str) -> list[np.ndarray]:
+    """One row's per-step series of each run of a side; zeros where a run never had it (no exposed comm on a dim)."""
+    return [x[name] if name in x else np.zeros(len(next(iter(x.values())))) for x in side]
+
+
+def part_changes(base: Sequence[dict], head: Sequence[dict], *, confidence: float = DEFAULT_CONFIDENCE,
+                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0, floor_frac: float = PART_FLOOR_FRAC) -> dict:
+    """The parts of the step that moved beyond the noise, largest first.
+
+    Each row's change is median(head) − median(base) of the critical rank's part per measured step (medians, as
+    the step gate's p50: a few 2-3x outlier steps must not hide or fake a change), with a block-bootstrap interval
+    (runs resampled first, as for step time); it *moved* when the whole interval lies beyond ±``floor_frac`` × the
+    base's mean step time. Each row names the rank whose own mean of that part moved most.
+    Returns ``{"rows": [...], "floor_s", "note"}``; rows explain a change, they never decide the exit code."""
+    bs, hs = [part_series(s) for s in base], [part_series(s) for s in head]
+    if any(x is None for x in bs + hs):
+        return {"rows": [], "floor_s": None,
+                "note": "no per-step breakdown (breakdown.per_step) in a summary: re-run dtprof summary"}
+    b_series = [x for x in bs if x is not None]
+    h_series = [x for x in hs if x is not None]
+    base_steps = [step_samples(s) for s in base]
+    step_mean = float(np.mean(np.concatenate([x for x in base_steps if x is not None] or [np.zeros(1)])))
+    floor = floor_frac * step_mean
+    names = sorted(set().union(*[set(x) for x in b_series + h_series]))
+    a = (1.0 - confidence) / 2.0
+    rows: list[dict[str, Any]] = []
+    for i, name in enumerate(names):
+        br, hr = _row_runs(b_series, name), _row_runs(h_series, name)
+        if min(min(len(x) for x in br), min(len(x) for x in hr)) < 2:
+            continue
+        rng = np.random.default_rng(seed + i)
+        rb = _stat(side_resamples(br, n_boot, rng), 0.5)
+        rh = _stat(side_resamples(hr, n_boot, rng), 0.5)
+        lo, hi = np.quantile(rh - rb, [a, 1.0 - a])
+        b_med, h_med = float(np.median(_pooled(br))), float(np.median(_pooled(hr)))
+        change = h_med - b_med
+        if not (lo > floor or hi < -floor):
+            continue
+        rank, rank_change = _mover_rank(base, head, name, 1.0 if change > 0 else -1.0)
+        rows.append({"part": name, "base_s": b_med, "head_s": h_med, "change_s": change,
+                     "ci_s": [float(lo), float(hi)], "change_frac_of_step": change / step_mean if step_mean else None,
+                     "rank": rank, "rank_change_s": rank_change})
+    rows.sort(key=lambda r: -abs(r["change_s"]))
+    return {"rows": rows, "floor_s": floor, "note": ""}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stragglers compared by kind and by predicted saving
+
+# A flagged straggler's predicted saving (share of the step) must grow by this much to count: what-if savings of
+# identical configurations differ by a few points from run to run (real runs of one configuration on the busy
+# 2-core VM showed +2-4 points), and a single number per run has no noise model of its own.
+SAVING_GROWTH = 0.05
+
+
+def _kinds(summary: dict) -> dict[int, str]:
+    return {int(s["rank"]): str(s.get("kind")) for s in summary.get("stragglers") or []
+            if isinstance(s, dict) and s.get("rank") is not None and s.get("kind") not in (None, "none")}
+
+
+def _savings(summary: dict) -> dict[tuple[int, ...], float]:
+    """Predicted saving (share of the step) of removing each straggler (summary.json ``what_if`` entries of
+    scenario ``straggler_removed``, analyzers/whatif.py), by the scenario's ranks."""
+    out = {}
+    for w in summary.get("what_if") or []:
+        if isinstance(w, dict) and w.get("scenario") == "straggler_removed" and w.get("ranks") \
+                and isinstance(w.get("saving_frac"), (int, float)):
+            out[tuple(sorted(int(r) for r in w["ranks"]))] = float(w["saving_frac"])
+    return out
+
+
+def straggler_changes(base: Sequence[dict], head: Sequence[dict]) -> list[dict]:
+    """Rows for stragglers that got worse: a rank persistent in most head runs but in no base run (``fail``); a rank
+    newly transient (``warn``); a rank flagged in most head runs whose ``straggler_removed`` saving grew by
+    ``SAVING_GROWTH`` (``fail``)."""
+    def persistent_in(runs, r):
+        return sum(_kinds(s).get(r) == "persistent" for s in runs)
+    rows = []
+    head_ranks = sorted(set().union(*[set(_kinds(s)) for s in head])) if head else []
+    for r in head_ranks:
+        b_kinds = sorted({_kinds(s).get(r, "none") for s in base})
+        h_kinds = sorted({_kinds(s).get(r, "none") for s in head})
+        if persistent_in(head, r) * 2 > len(head) and persistent_in(base, r) == 0:
+            rows.append({"rank": r, "what": "became persistent", "base": "/".join(b_kinds), "head": "/".join(h_kinds),
+                         "verdict": FAIL})
+        elif all(k == "none" for k in b_kinds):
+            rows.append({"rank": r, "what": "new straggler", "base": "none", "head": "/".join(h_kinds),
+                         "verdict": WARN})
+    b_sav = [_savings(s) for s in base]
+    h_sav = [_savings(s) for s in head]
+    for ranks in sorted(set().union(*[set(x) for x in h_sav])) if h_sav else []:
+        if sum(all(r in _kinds(s) for r in ranks) for s in head) * 2 <= len(head):
+            continue   # only a rank flagged as a straggler in most head runs: others' savings are noise
+        hv = [x[ranks] for x in h_sav if ranks in x]
+        bv = [x.get(ranks, 0.0) for x in b_sav]
+        if hv and bv and float(np.median(hv)) - float(np.median(bv)) >= SAVING_GROWTH:
+            rows.append({"rank": list(ranks)[0] if len(ranks) == 1 else list(ranks), "what": "saving grew",
+                         "base": f"{float(np.median(bv)):.1%}", "head": f"{float(np.median(hv)):.1%}",
+                         "verdict": FAIL})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparable or not: what identifies a configuration (summary.json run.identity, run.versions and the run's facts)
+
+# (name, how to read it from a summary, blocking: a difference makes the comparison inconclusive)
+IDENTITY_KEYS = (
+    ("world size", lambda s: lookup(s, "run.world_size"), True),
+    ("script (SHA-256)", lambda s: lookup(s, "run.identity.script_sha256"), True),
+    ("devices", lambda s: sorted({str(r.get("device")) for r in s.get("ranks") or [] if r.get("device")}) or None,
+     True),
+    ("command", lambda s: lookup(s, "run.identity.command"), False),
+    ("mesh shape", lambda s: lookup(s, "mesh.shape"), False),
+    ("FLOPs per step", lambda s: lookup(s, "mfu.flops_per_step"), False),
+    ("torch", lambda s: lookup(s, "run.versions.torch"), False),
+    ("NCCL", lambda s: lookup(s, "run.versions.nccl"), False),
+    ("dtprof", lambda s: lookup(s, "run.versions.dtprof"), False),
+)
+
+
+def _side_identity(runs: Sequence[dict], read) -> str | None:
+    vals = set()
+    for s in runs:
+        v = read(s)
+        if v is _MISSING or v is None:
+            continue
+        vals.add(", ".join(map(str, v)) if isinstance(v, list) else str(v))
+    return " | ".join(sorted(vals)) if vals else None
+
+
+def config_differences(base: Sequence[dict], head: Sequence[dict]) -> list[dict]:
+    """What differs between the sides' configurations: ``{key, base, head, blocking}``; a key unknown on a side
+    (an older or imported run) is not a difference."""
+    out = []
+    for name, read, blocking in IDENTITY_KEYS:
+        b, h = _side_identity(base, read), _side_identity(head, read)
+        if b is not None and h is not None and b != h:
+            out.append({"key": name, "base": b, "head": h, "blocking": blocking})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The machine as a suspect: the launcher's CPU probe (summary.json run.probe), before and after each job
+
+# The probe moved when the whole interval of its median ratio lies beyond ±15 %: its timings are a few ms each
+# and spread ~±30 % on a busy 2-core machine; at ±10 % identical runs were inconclusive in 1.3 % of simulated
+# pairs (benchmarks/gate_power.py), above the gate's 1 % false-alarm target.
+PROBE_TOLERANCE = 0.15
+
+
+def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: float = DEFAULT_CONFIDENCE,
+                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> dict | None:
+    """Ratio of the probe's median time head ÷ base with its bootstrap interval (runs, then timings resampled);
+    ``moved`` when the interval lies beyond ±PROBE_TOLERANCE. None when a side has no probe."""
+    def side(runs):
+        out = []
+        for s in runs:
+            p = lookup(s, "run.probe")
+            t = [] if not isinstance(p, dict) else (p.get("cpu_start_s") or []) + (p.get("cpu_end_s") or [])
+            if len(t) < 2:
+                return None
+            out.append(np.asarray(t, float))
+        return out
+    b, h = side(base), side(head)
+    if not b or not h:
+        return None
+    est, lo, hi = bootstrap_ratio(b, h, 0.5, confidence, n_boot, seed, block=1)
+    moved = lo > 1 + PROBE_TOLERANCE or hi < 1 - PROBE_TOLERANCE
+    word = "slower" if est >= 1 else "faster"
+    line = (f"machine probe (CPU): head {abs(est - 1) * 100:.0f} % {word} than base "
+            f"[{(lo - 1) * 100:+.0f}, {(hi - 1) * 100:+.0f} %]"
+            + (" -- beyond its noise: the machine changed" if moved else " (within its noise)"))
+    return {"ratio": est, "ci": [lo, hi], "moved": bool(moved), "tolerance": PROBE_TOLERANCE,
+            "base_median_s": float(np.median(_pooled(b))), "head_median_s": float(np.median(_pooled(h))),
+            "line": line}

@@ -8,10 +8,12 @@ world size N₀ as the reference (T₁ is rarely measured on one GPU): η = (W_N
 is strong scaling, so dtprof labels it strong.)
 
 Where the lost time went, per step: the ideal step time is T_ideal = T₀·(N₀/N)·(W_N/W₀); lost = T_N − T_ideal is
-split into the growth of exposed communication (``overlap.exposed_comm_frac`` × step time), of pipeline bubble
-(``pipeline.bubble_frac`` × step time) and of straggler wait (Σ ``stragglers[].time_lost_s`` ÷ measured steps),
-each against the reference's share scaled by the same ideal factor, and "other" (the remainder: compute that did
-not shrink, framework overhead).
+split into the growth of each part of the step (compute, exposed communication, bubble, data wait, other: the
+means of summary.json ``breakdown.per_step``, the critical rank's partition of each measured step, whose sum is
+the step time used here), each against the reference's share scaled by the same ideal factor, so the parts add
+up to the lost time exactly. A summary without ``breakdown.per_step`` uses its p50 step time, exposed comm and
+bubble from their fractions, and "other" the rest. Straggler wait (Σ ``stragglers[].time_lost_s`` ÷ measured
+steps) is context, not a part: the time peers wait for a straggler is already their exposed communication.
 
 Summary keys read (docs/summary-schema.md); a missing optional key counts as 0 and is named in the notes.
 """
@@ -66,6 +68,7 @@ def run_facts(name: str, summary: dict) -> dict:
                 work, unit = float(v) * t, u
                 break
     notes = []
+    parts = _critical_part_means(summary)
     comm_frac = lookup(summary, "overlap.exposed_comm_frac")
     bubble_frac = lookup(summary, "pipeline.bubble_frac")
     strag = lookup(summary, "stragglers")
@@ -78,9 +81,26 @@ def run_facts(name: str, summary: dict) -> dict:
     lost_strag = 0.0
     if isinstance(strag, list) and n_steps:
         lost_strag = sum(float(s.get("time_lost_s") or 0.0) for s in strag if isinstance(s, dict)) / n_steps
-    return {"name": name, "world_size": int(ws), "step_time_s": t, "work_per_step": work, "work_unit": unit,
-            "comm_s": float(comm_frac) * t, "bubble_s": bubble_frac * t, "straggler_s": lost_strag,
-            "notes": notes}
+    if parts is not None:   # the partition of the step (breakdown.per_step): lost time splits into its parts exactly
+        t = sum(parts.values())
+        part_s: dict[str, float | None] = {"compute": parts["forward"] + parts["backward"] + parts["optimizer"],
+                  "comm": parts["exposed_comm"], "bubble": parts["bubble"], "data_wait": parts["data_wait"],
+                  "other": parts["other"]}
+        basis = "mean step of the critical rank (breakdown.per_step)"
+    else:
+        comm_s, bubble_s = float(comm_frac) * t, bubble_frac * t
+        part_s = {"compute": None, "comm": comm_s, "bubble": bubble_s, "data_wait": None,
+                  "other": t - comm_s - bubble_s}
+        basis = "step time p50 (no breakdown.per_step: comm and bubble from their fractions, the rest 'other')"
+    return {"name": name, "world_size": int(ws), "step_time_s": t, "step_time_basis": basis,
+            "work_per_step": work, "work_unit": unit, "parts_s": part_s, "straggler_s": lost_strag, "notes": notes}
+
+
+def _critical_part_means(summary: dict) -> dict[str, float] | None:
+    ps = lookup(summary, "breakdown.per_step")
+    if not isinstance(ps, dict) or not ps.get("parts") or not ps.get("step"):
+        return None
+    return {p: float(np.mean(v)) for p, v in ps["parts"].items()}
 
 
 def scaling(runs: Sequence[tuple[str, dict]]) -> dict:
@@ -110,21 +130,24 @@ def scaling(runs: Sequence[tuple[str, dict]]) -> dict:
     for f, w in zip(facts, rel):
         scale = (ref["world_size"] / f["world_size"]) * w        # ideal T_N / T_0
         ideal = ref["step_time_s"] * scale
-        d_comm = f["comm_s"] - ref["comm_s"] * scale
-        d_bubble = f["bubble_s"] - ref["bubble_s"] * scale
-        d_strag = f["straggler_s"] - ref["straggler_s"] * scale
+        # each part's growth beyond the reference's share scaled by the ideal factor; they sum to `lost` exactly
+        lost_parts = {k: (None if v is None or ref["parts_s"][k] is None else v - ref["parts_s"][k] * scale)
+                      for k, v in f["parts_s"].items()}
         lost = f["step_time_s"] - ideal
+        known = sum(v for k, v in lost_parts.items() if v is not None and k != "other")
+        lost_parts["other"] = lost - known   # exact remainder (float rounding, or the fallback's 'the rest')
         if have_work:
             tput, tunit = f["work_per_step"] / (f["world_size"] * f["step_time_s"]), f"{f['work_unit']}/s/GPU"
         else:
             tput, tunit = 1.0 / (f["world_size"] * f["step_time_s"]), "steps/s/GPU"
         out.append({**f, "throughput_per_gpu": tput, "throughput_unit": tunit, "ideal_step_time_s": ideal,
-                    "efficiency": ideal / f["step_time_s"], "lost_s": lost, "lost_comm_s": d_comm,
-                    "lost_bubble_s": d_bubble, "lost_straggler_s": d_strag,
-                    "lost_other_s": lost - d_comm - d_bubble - d_strag})
+                    "efficiency": ideal / f["step_time_s"], "lost_s": lost,
+                    **{f"lost_{k}_s": v for k, v in lost_parts.items()},
+                    "lost_straggler_s": f["straggler_s"] - ref["straggler_s"] * scale})
     explanation = (f"Scaling mode: {mode}. Efficiency = per-GPU throughput ÷ that of the {ref['world_size']}-GPU "
-                   f"run (strong scaling: T₀·N₀ ÷ (N·T_N); weak: T₀ ÷ T_N). Lost time per step = step time − ideal; "
-                   f"comm, bubble and stragglers are each one's growth beyond the reference's share, 'other' the "
-                   f"rest.")
+                   f"run (strong scaling: T₀·N₀ ÷ (N·T_N); weak: T₀ ÷ T_N). Lost time per step = step time − ideal, "
+                   f"split into each part's growth beyond the reference's share (compute, exposed comm, bubble, data "
+                   f"wait, other): the parts add up to the lost time. Straggler wait is not a part of its own (the "
+                   f"ranks waiting for a straggler spend it in exposed comm); it is shown as context.")
     return {"schema": "dtprof.scaling/1", "mode": mode, "reference": ref["name"], "runs": out,
             "explanation": explanation}

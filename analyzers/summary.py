@@ -74,6 +74,7 @@ def _run_block(run) -> dict:
     out = {"world_size": int(run.world_size), "hosts": [h for h in run.hosts if h], "status": status,
            "exit_code": exit_code, "path": str(run.path), "nodes": len(run.nodes),
            "duration_s": max(durations) if durations else None, "start_time": starts[0] if starts else None}
+    out.update(_machine_block(run.nodes))
     if status == "interrupted":
         out["status_reason"] = next(n["status_reason"] for n in run.nodes if n.get("status") == "interrupted")
     if status is None:
@@ -100,6 +101,24 @@ def _rank_coverage(run) -> dict:
     return {"ranks_recorded": len(recorded),
             "ranks_missing": sorted(set(range(int(run.world_size))) - recorded),
             "unidentified_processes": unidentified}
+
+
+def _machine_block(nodes: list[dict]) -> dict:
+    """``identity``, ``versions`` and ``probe`` of the run from its nodes' node.json (dtprof/machine.py): the first
+    node's identity and versions; the CPU probe's timings pooled over nodes (start and end of the job)."""
+    ident = next((n["identity"] for n in nodes if isinstance(n.get("identity"), dict)), None)
+    vers = next((n["versions"] for n in nodes if isinstance(n.get("versions"), dict)), None)
+    probes = [n["probe"] for n in nodes if isinstance(n.get("probe"), dict)]
+    start = [float(x) for p in probes for x in (p.get("cpu_start_s") or [])]
+    end = [float(x) for p in probes for x in (p.get("cpu_end_s") or [])]
+    probe = None
+    if start or end:
+        probe = {"work": probes[0].get("work"), "cpu_start_s": start, "cpu_end_s": end,
+                 "cpu_s_median": float(np.median(start + end))}
+    out: dict = {"identity": ident, "versions": vers, "probe": probe}
+    if probe is None:
+        out["probe_reason"] = "no node.json records a machine probe (imported, or recorded by an older dtprof)"
+    return out
 
 
 def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[dict]:
@@ -162,6 +181,18 @@ def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
         out[key] = dict(sorted(tot.items(), key=lambda kv: -kv[1]))
     return out
 
+
+
+def _critical_series(bd, steps: pd.DataFrame) -> dict:
+    """summary.json ``breakdown.per_step``: per measured step, the critical rank's parts (breakdown.py
+    ``critical_per_step``) as series aligned with ``steps.per_step_index``; what `dtprof compare` decides on."""
+    crit = breakdown_mod.critical_per_step(bd, steps["measured"].to_numpy(), steps["duration_s"].to_numpy())
+    out: dict = {"step": crit["step"].astype(int).tolist(), "critical_rank": crit["rank"].astype(int).tolist(),
+                 "parts": {p: crit[f"{p}_s"].astype(float).tolist() for p in breakdown_mod.PARTS}}
+    for what, key in (("dim", "exposed_comm_by_dim"), ("op", "exposed_comm_by_op")):
+        prefix = f"exposed:{what}:"
+        out[key] = {c[len(prefix):-2]: crit[c].astype(float).tolist() for c in crit.columns if c.startswith(prefix)}
+    return out
 
 
 def _clean(x: Any) -> Any:
@@ -286,6 +317,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "problems": problems,
     }
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
+    summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:
         summary.update(replay=None, what_if=[], critical_path=None,
                        what_if_reason="no measured steps to replay")

@@ -9,7 +9,9 @@ Identical configurations draw base and head from the same model; a slowdown mult
 
 Prints, at the default settings (the gate DEFAULT_GATES[0], its test and confidence), the false-alarm rate over
 identical configurations and the detection rate of a true 5 % slowdown, then a power curve over effect sizes for a
-few tolerances and both tests, which is how the defaults were chosen (docs/compare.md). Deterministic (seeded).
+few tolerances and both tests, which is how the defaults were chosen (docs/compare.md); then the same for the rows
+beside the gate: how often identical configurations show a "what moved" part row or a machine-probe change, and
+how often a 5 % slowdown placed in backward lists backward first. Deterministic (seeded).
 
     .venv/bin/python benchmarks/gate_power.py          # ~30-50 s on a 2-core machine
 """
@@ -55,6 +57,43 @@ def fail_rate(gate: rg.Gate, effect: float, trials: int, seed: int, test: str = 
     return fails / trials
 
 
+# The step split into parts (shares of the step), each part with its own extra jitter; the parts sum to the step.
+PART_SHARES = {"forward": 0.30, "backward": 0.50, "optimizer": 0.05, "exposed_comm": 0.10, "data_wait": 0.0,
+               "bubble": 0.0, "other": 0.05}
+PART_JITTER = 0.05
+PROBE_SPREAD, PROBE_TIMINGS = 0.30, 10   # the probe on a busy machine: ±30 % per timing, 5 before + 5 after
+
+
+def synth_parts(rng: np.random.Generator, backward_effect: float = 0.0) -> dict:
+    """A summary with per-step parts: the step (synth_steps) split by PART_SHARES with per-part jitter, plus
+    ``backward_effect`` × the base step added to backward, and a probe of this machine (no change)."""
+    x = synth_steps(rng)
+    w = {p: s * np.exp(rng.normal(0.0, PART_JITTER, len(x))) for p, s in PART_SHARES.items()}
+    tot = sum(w.values())
+    parts = {p: x * v / tot for p, v in w.items()}
+    parts["backward"] = parts["backward"] + backward_effect * 0.25
+    step = sum(parts.values())
+    probe = 0.01 * np.exp(rng.normal(0.0, PROBE_SPREAD, PROBE_TIMINGS))
+    return {"steps": {"per_step_time_s": step.tolist()},
+            "breakdown": {"per_step": {"step": list(range(len(x))),
+                                       "parts": {p: v.tolist() for p, v in parts.items()}}},
+            "run": {"probe": {"cpu_start_s": probe.tolist(), "cpu_end_s": []}}}
+
+
+def part_rates(effect: float, trials: int, seed: int) -> tuple[float, float, float]:
+    """(share of pairs with any part row, share whose first row is backward, share with the probe 'moved')."""
+    rng = np.random.default_rng(seed)
+    any_row = first_bw = probe_moved = 0
+    for t in range(trials):
+        base, head = synth_parts(rng), synth_parts(rng, backward_effect=effect)
+        rows = rg.part_changes([base], [head], n_boot=500, seed=t)["rows"]
+        any_row += bool(rows)
+        first_bw += bool(rows) and rows[0]["part"] == "backward"
+        pc = rg.probe_change([base], [head], n_boot=500, seed=t)
+        probe_moved += bool(pc and pc["moved"])
+    return any_row / trials, first_bw / trials, probe_moved / trials
+
+
 def main() -> int:
     t0 = time.perf_counter()
     gate = rg.parse_gate(rg.DEFAULT_GATES[0])
@@ -74,8 +113,15 @@ def main() -> int:
         g = rg.parse_gate(f"steps.time_s.p50 < +{tol * 100:g}%")
         row = [fail_rate(g, e, 100, seed=100 + i, test=test, n_boot=300) for i, e in enumerate(effects)]
         print(f"{test:<10}{tol:>10.0%}  " + "".join(f"{r:>7.1%}" for r in row))
+    print(f"\nwhat-moved rows (parts beyond ±1 % of the step) and the machine probe (±{rg.PROBE_TOLERANCE:.0%}), "
+          f"300 pairs, 500 resamples")
+    null_rows, _, null_probe = part_rates(0.0, 300, seed=7)
+    _, bw_first, _ = part_rates(0.05, 300, seed=8)
+    print(f"identical configurations: a part row in {null_rows:.1%} of pairs; probe 'machine changed' in "
+          f"{null_probe:.1%} (the probe's spread alone: ±{PROBE_SPREAD:.0%} per timing, {PROBE_TIMINGS} timings)")
+    print(f"true 5 % slowdown, all in backward: backward is the first row in {bw_first:.1%} of pairs")
     print(f"\n(runtime {time.perf_counter() - t0:.1f} s)")
-    ok = fa <= 0.01 and power >= 0.95
+    ok = fa <= 0.01 and power >= 0.95 and null_rows <= 0.05 and null_probe <= 0.01 and bw_first >= 0.95
     print("PASS" if ok else "FAIL: the default settings miss a target")
     return 0 if ok else 1
 

@@ -119,7 +119,8 @@ Exit codes:
   0  every gate passed
   1  a gate failed (regression)
   2  bad usage or unreadable input
-  3  inconclusive (too few measured steps to decide)
+  3  inconclusive: too few measured steps, runs of a different world size, script or
+     device (unless --allow-different), or the machine probe moved beyond its noise
 
 \b
 Example:
@@ -141,7 +142,9 @@ Example:
               help="Step-time test [default: bootstrap].")
 @click.option("--scaling", is_flag=True, help="Scaling efficiency across the given runs (world sizes).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed (results are reproducible).")
-def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed):
+@click.option("--allow-different", is_flag=True,
+              help="Decide even when the runs differ in world size, script or devices (the differences are shown).")
+def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed, allow_different):
     from dtprof.analyzers import regression as rg
     from dtprof.reports import compare_render as cr
 
@@ -175,14 +178,43 @@ def compare_command(base, head, gates, gates_file, fmt, output, confidence, test
         results = [rg.evaluate_gate(g, b, h, test=test, confidence=confidence, seed=seed) for g in parsed]
     except rg.GateError as e:
         raise InputError(str(e)) from None
-    code = rg.overall_exit(results)
+    code, explain = _explain(rg.overall_exit(results), b, h, confidence, seed, allow_different)
     d = cr.comparison_dict(results, [n for n, _ in base_runs], [n for n, _ in head_runs], code,
                            {"test": test, "confidence": confidence, "seed": seed, "n_boot": rg.DEFAULT_N_BOOT,
-                            "min_steps": rg.MIN_STEPS})
+                            "min_steps": rg.MIN_STEPS, "allow_different": allow_different}, explain)
     _emit(cr.RENDERERS[fmt](d), output)
     if output and fmt != "text":
         click.echo(f"dtprof compare: {d['outcome']} (exit {code}); wrote {output}", err=True)
     sys.exit(code)
+
+
+def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: int,
+             allow_different: bool) -> tuple[int, dict]:
+    """The exit code after the checks beside the gates, and what explains it: which parts moved, stragglers that
+    got worse (a rank that became persistent fails), a machine that changed and configurations that differ
+    (inconclusive, exit 3: neither is a regression of the code)."""
+    from dtprof.analyzers import regression as rg
+
+    parts = rg.part_changes(b, h, confidence=confidence, seed=seed)
+    strag = rg.straggler_changes(b, h)
+    identity = rg.config_differences(b, h)
+    probe = rg.probe_change(b, h, confidence=confidence, seed=seed)
+    reasons = []
+    worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == rg.FAIL]
+    blocking = [x for x in identity if x["blocking"]]
+    if blocking and not allow_different:
+        reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
+                                                                   for x in blocking)
+                       + " (--allow-different to decide anyway)")
+    if probe and probe["moved"]:
+        reasons.append(f"the machine ran {abs(probe['ratio'] - 1) * 100:.0f} % "
+                       f"{'slower' if probe['ratio'] > 1 else 'faster'} on the probe (head vs base)")
+    if reasons:
+        code = EXIT_INCONCLUSIVE
+    elif worse:
+        code = EXIT_REGRESSION
+        reasons.append("a straggler got worse: " + "; ".join(worse))
+    return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe, "reasons": reasons}
 
 
 def _emit(text: str, output: str | None) -> None:

@@ -42,6 +42,7 @@ from typing import Callable
 
 import click
 
+from dtprof import machine
 from dtprof.cli import InputError
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.runformat import (
@@ -610,13 +611,14 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
 
+    machine_info = machine.start_record(command, cwd)   # identity and the start probe (dtprof/machine.py)
     start_wall, start_mono = time.time(), time.monotonic_ns()
     node_info = {
         "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
         "join_id": join_id, "start_time": utc_iso(start_wall), "start_mono_ns": start_mono,
         "end_time": None, "end_mono_ns": None, "exit_code": None, "status": "running", "signal": None,
         "versions": versions(job_python_info), "env": env_subset(env), "git": git_info(cwd), "config": config,
-        "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None,
+        "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None, **machine_info,
     }
     _write_manifest(node_dir, node_info)
     say(f"dtprof: recording to {node_dir}")
@@ -651,6 +653,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
+    _guarded("probe", warn, machine.end_record, node_info)
     fired = False
     if watchdog is not None:
         _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))

@@ -10,14 +10,75 @@ from xml.sax.saxutils import escape, quoteattr
 
 from dtprof.analyzers.regression import FAIL, INCONCLUSIVE, NA, PASS, WARN, GateResult
 
-EXIT_MEANING = {0: "all gates passed", 1: "regression: a gate failed", 3: "inconclusive: too few steps to decide"}
+EXIT_MEANING = {0: "all gates passed", 1: "regression", 3: "inconclusive"}
 
 
 def comparison_dict(results: list[GateResult], base_names: list[str], head_names: list[str], exit_code: int,
-                    settings: dict) -> dict:
-    return {"schema": "dtprof.compare/1", "exit_code": exit_code, "outcome": EXIT_MEANING[exit_code],
+                    settings: dict, explain: dict | None = None) -> dict:
+    """``explain``: ``parts`` (regression.part_changes), ``stragglers`` (regression.straggler_changes),
+    ``identity`` (dtprof.identity.differences), ``probe`` (regression.probe_change) and ``reasons`` (why the
+    outcome is what it is, one line each)."""
+    ex = explain or {}
+    reasons = ex.get("reasons") or []
+    failed = [r.gate.expr for r in results if r.verdict == FAIL and not r.gate.advisory]
+    why = ([f"gate {', '.join(failed)} failed"] if failed and exit_code == 1 else []) + reasons
+    outcome = EXIT_MEANING[exit_code] + (": " + "; ".join(why) if why else "")
+    return {"schema": "dtprof.compare/1", "exit_code": exit_code, "outcome": outcome,
             "base": base_names, "head": head_names, "settings": settings,
-            "gates": [r.to_dict() for r in results]}
+            "gates": [r.to_dict() for r in results], "reasons": reasons,
+            "parts": ex.get("parts") or {"rows": [], "floor_s": None, "note": ""},
+            "stragglers": ex.get("stragglers") or [], "identity": ex.get("identity") or [],
+            "probe": ex.get("probe")}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:+.1f} ms"
+
+
+def part_lines(d: dict) -> list[str]:
+    """One line per part that moved, largest first: change [CI] per step, and the rank that moved most."""
+    p = d["parts"]
+    out = []
+    for r in p["rows"]:
+        who = f"; most on rank {r['rank']} ({_ms(r['rank_change_s'])})" if r.get("rank") is not None else ""
+        out.append(f"{r['part']}: {_ms(r['change_s'])} per step [{_ms(r['ci_s'][0])}, {_ms(r['ci_s'][1])}]{who}")
+    return out
+
+
+def straggler_lines(d: dict) -> list[str]:
+    return [f"stragglers: rank {r['rank']} {r['what']} ({r['base']} -> {r['head']}): {_MARK[r['verdict']]}"
+            for r in d["stragglers"]]
+
+
+def identity_lines(d: dict) -> list[str]:
+    return [f"differs: {x['key']}: {x['base']} -> {x['head']}" + (" (makes the runs not comparable)"
+                                                                  if x.get("blocking") else "")
+            for x in d["identity"]]
+
+
+def probe_line(d: dict) -> str | None:
+    p = d.get("probe")
+    return None if not p else p["line"]
+
+
+def explain_lines(d: dict) -> list[str]:
+    """Everything beside the gate table, in the order a reader needs it: what moved, stragglers, machine, config."""
+    out = []
+    parts = part_lines(d)
+    if parts:
+        floor = d["parts"]["floor_s"]
+        out += [f"what moved (the critical rank's step parts, interval beyond ±{floor * 1e3:.1f} ms), largest first:"]
+        out += ["  " + x for x in parts]
+    elif d["parts"].get("note"):
+        out.append("what moved: " + d["parts"]["note"])
+    else:
+        out.append("what moved: no part of the step moved beyond the noise")
+    out += straggler_lines(d)
+    line = probe_line(d)
+    if line:
+        out.append(line)
+    out += identity_lines(d)
+    return out
 
 
 def _num(x: float | None, key: str = "") -> str:
@@ -78,6 +139,7 @@ def render_text(d: dict) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     s = d["settings"]
+    lines += [""] + explain_lines(d)
     lines += ["", f"base: {', '.join(d['base'])}", f"head: {', '.join(d['head'])}",
               f"step-time gates: {s['test']} test, {s['confidence']:.0%} CI; a gate fails only when its whole "
               f"interval is past its limit",
@@ -91,6 +153,7 @@ def render_markdown(d: dict) -> str:
            "|" + "---|" * len(HEADER)]
     for r in _rows(d):
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |")
+    out += [""] + [f"- {x.strip()}" for x in explain_lines(d)]
     s = d["settings"]
     out += ["", f"Base: {', '.join(f'`{b}`' for b in d['base'])} · Head: {', '.join(f'`{h}`' for h in d['head'])}"
             f" · step-time test: {s['test']}, {s['confidence']:.0%} CI (a gate fails only when the whole interval "
@@ -105,11 +168,13 @@ def render_json(d: dict) -> str:
 def render_junit(d: dict) -> str:
     """One <testcase> per gate; failed gates are <failure>, inconclusive and n/a ones <skipped>."""
     gates = d["gates"]
-    failures = sum(g["verdict"] == FAIL for g in gates)
-    skipped = sum(g["verdict"] in (INCONCLUSIVE, NA) for g in gates)
+    blocked = bool(d["reasons"]) and d["exit_code"] == 3
+    n_tests = len(gates) + len(d["parts"]["rows"]) + len(d["stragglers"]) + blocked
+    failures = sum(g["verdict"] == FAIL for g in gates) + sum(r["verdict"] == FAIL for r in d["stragglers"])
+    skipped = sum(g["verdict"] in (INCONCLUSIVE, NA) for g in gates) + blocked
     out = ['<?xml version="1.0" encoding="UTF-8"?>',
-           f'<testsuites name="dtprof compare" tests="{len(gates)}" failures="{failures}">',
-           f'  <testsuite name="dtprof compare" tests="{len(gates)}" failures="{failures}" errors="0" '
+           f'<testsuites name="dtprof compare" tests="{n_tests}" failures="{failures}">',
+           f'  <testsuite name="dtprof compare" tests="{n_tests}" failures="{failures}" errors="0" '
            f'skipped="{skipped}">']
     for g, row in zip(gates, _rows(d)):
         detail = f"base {row[1]}, head {row[2]}, change {row[3]}" + (f"; {g['note']}" if g["note"] else "")
@@ -120,6 +185,22 @@ def render_junit(d: dict) -> str:
             out.append(f'      <skipped message={quoteattr(g["verdict"] + ": " + detail)}/>')
         out.append(f"      <system-out>{escape(g['verdict'] + ': ' + detail)}</system-out>")
         out.append("    </testcase>")
+    for r, line in zip(d["parts"]["rows"], part_lines(d)):   # what moved: context for a failure, never a failure
+        out.append(f'    <testcase classname="dtprof.compare.parts" name={quoteattr(r["part"])}>')
+        out.append(f"      <system-out>{escape(line)}</system-out>")
+        out.append("    </testcase>")
+    for r, line in zip(d["stragglers"], straggler_lines(d)):
+        name = quoteattr(f"rank {r['rank']}")
+        out.append(f'    <testcase classname="dtprof.compare.stragglers" name={name}>')
+        if r["verdict"] == FAIL:
+            out.append(f'      <failure message={quoteattr(line)}>{escape(line)}</failure>')
+        out.append(f"      <system-out>{escape(line)}</system-out>")
+        out.append("    </testcase>")
+    if blocked:
+        msg = "inconclusive: " + "; ".join(d["reasons"])
+        out.append('    <testcase classname="dtprof.compare" name="comparable">')
+        out.append(f'      <skipped message={quoteattr(msg)}/>')
+        out.append("    </testcase>")
     out += ["  </testsuite>", "</testsuites>"]
     return "\n".join(out) + "\n"
 
@@ -129,8 +210,8 @@ RENDERERS = {"text": render_text, "markdown": render_markdown, "json": render_js
 
 def render_scaling_text(d: dict) -> str:
     """Text table for `dtprof compare --scaling`."""
-    head = ["run", "GPUs", "step p50", "work/step", "per-GPU throughput", "efficiency", "lost/step",
-            "comm", "bubble", "stragglers", "other"]
+    head = ["run", "GPUs", "step", "work/step", "per-GPU throughput", "efficiency", "lost/step",
+            "= compute", "+ comm", "+ bubble", "+ data wait", "+ other", "(straggler wait)"]
     rows = [head]
     for r in d["runs"]:
         def ms(x):
@@ -139,8 +220,8 @@ def render_scaling_text(d: dict) -> str:
                      "—" if r["work_per_step"] is None else f"{r['work_per_step']:.4g} {r['work_unit']}",
                      f"{r['throughput_per_gpu']:.4g} {r['throughput_unit']}",
                      "—" if r["efficiency"] is None else f"{r['efficiency'] * 100:.1f} %",
-                     ms(r["lost_s"]), ms(r["lost_comm_s"]), ms(r["lost_bubble_s"]), ms(r["lost_straggler_s"]),
-                     ms(r["lost_other_s"])])
+                     ms(r["lost_s"]), ms(r["lost_compute_s"]), ms(r["lost_comm_s"]), ms(r["lost_bubble_s"]),
+                     ms(r["lost_data_wait_s"]), ms(r["lost_other_s"]), ms(r["lost_straggler_s"])])
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

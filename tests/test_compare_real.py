@@ -1,13 +1,20 @@
 """`dtprof compare` on real torchrun jobs (gloo, CPU) recorded with `dtprof run`.
 
-Runs of one configuration must pass the default gate; runs whose rank 1 sleeps in every step must fail the
-step-time gate with exit code 1; a corrupt summary must exit 2 naming the file. See `runs` for why the slowdown is
-about +20 % here and not 10 %.
+Runs of one configuration must pass the default gate; runs whose rank 1 sleeps inside backward in every step must
+fail the step-time gate with exit code 1 and name backward and rank 1 as what moved; the same configuration run
+while CPU-hogging processes load the machine is inconclusive with the machine named (exit 3, not 1); a run of
+another world size is inconclusive unless --allow-different; a corrupt summary must exit 2 naming the file. See
+`runs` for why the slowdown is about +20 % here and not 10 %.
+
+The machine probe (run.probe) can flag a real change of this shared machine's load between two recordings (other
+jobs start or stop): then a comparison is rightly inconclusive (exit 3, the machine named) rather than a pass or a
+fail, and the tests below accept exactly that outcome besides the expected one -- never the other verdict.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 STEPS = 40
 N_RUNS = 3
-SLOWDOWN = 0.50
+SLOWDOWN = 1.0
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,9 +48,9 @@ def dtprof(*args, check=True, timeout=300):
 MODEL = ("--dim", 128, "--seq", 64)
 
 
-def record(out: Path, *train_args) -> Path:
+def record(out: Path, *train_args, nproc: int = 2) -> Path:
     dtprof("run", "--out", out, "--no-report", "--", sys.executable, "-m", "torch.distributed.run",
-           "--nproc_per_node=2", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args)
+           f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args)
     return out
 
 
@@ -61,8 +68,10 @@ def runs(tmp_path_factory):
     for one configuration, 34-41 ms on another day), so a ~10 % slowdown is at its noise floor: with three runs a
     side the default gate caught it in about half of our trials, which would make a flaky test. A sleep on one of
     two ranks sharing two cores also slows the step by less than its length (the other rank's threads use the
-    freed core): sleeping a quarter of a step measured +11 %, +16 %. So rank 1 sleeps half a step here (about
-    +20-25 % measured), which the gate must catch every time; the 5 % case under a realistic noise model is
+    freed core): sleeping a quarter of a step measured +11 %, +16 %; half a step inside forward +20-25 %, but half
+    a step inside backward (the rank-1 sleep of this fixture, where peers overlap it with their own backward and
+    the all-reduce) once passed the gate. So rank 1 sleeps a whole step's length in backward here, which the gate
+    must catch every time; the 5 % case under a realistic noise model is
     measured by benchmarks/gate_power.py. Pooling makes run-to-run spread part of the interval, so identical
     configurations pass.
     """
@@ -74,21 +83,76 @@ def runs(tmp_path_factory):
         if i:
             base.append(record(root / f"base{i}"))
         same.append(record(root / f"same{i}"))
-        slow.append(record(root / f"slow{i}", "--slow-rank", 1, "--slow-ms", slow_ms))
-    return {"base": base, "same": same, "slow": slow, "slow_ms": slow_ms}
+        if i == N_RUNS - 1:   # right after the last 'same' run: the machine's other load is as alike as it gets
+            hog = record_while_hogged(root / "hog")
+        slow.append(record(root / f"slow{i}", "--slow-rank", 1, "--slow-ms", slow_ms, "--slow-in", "backward"))
+    ws1 = record(root / "ws1", nproc=1)
+    return {"base": base, "same": same, "slow": slow, "slow_ms": slow_ms, "hog": hog, "ws1": ws1}
+
+
+# Busy-looping processes, twice as many as this machine has cores plus one, so that the probe (one thread) gets a
+# clearly smaller share of a core while they run (measured with 3 hogs on the 2-core VM, other helpers' jobs also
+# running: the probe's median 3-4x slower). Other load on this shared machine varies from run to run, so the hog
+# run is compared with the 'same' run recorded just before it (same configuration, nearest in time).
+HOGS = 2 * (os.cpu_count() or 2) + 1
+
+
+def record_while_hogged(out: Path) -> Path:
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
+    try:
+        return record(out)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+def compare_json(*args) -> tuple[int, dict]:
+    r = dtprof("compare", *args, "--format", "json", check=False)
+    assert r.returncode in (0, 1, 3), r.stdout + r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def machine_changed(d: dict) -> bool:
+    """Inconclusive only because the probe moved (this shared machine's load changed between recordings)."""
+    return d["exit_code"] == 3 and bool(d["probe"]) and d["probe"]["moved"] and all(
+        "machine ran" in x for x in d["reasons"])
 
 
 def test_two_runs_of_one_configuration_pass(runs):
-    r = dtprof("compare", *runs["base"], "--head", *runs["same"], "--format", "json", check=False)
-    d = json.loads(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr
+    code, d = compare_json(*runs["base"], "--head", *runs["same"])
+    assert code == 0 or machine_changed(d), d
     assert d["gates"][0]["key"] == "steps.time_s.p50" and d["gates"][0]["verdict"] == "pass"
+    assert d["identity"] == []          # same command, script, world size and devices
+
+
+def test_a_rank_slowed_in_backward_fails_naming_backward_and_the_rank(runs):
+    code, d = compare_json(*runs["base"], "--head", *runs["slow"])
+    assert code == 1 or machine_changed(d), d
+    top = d["parts"]["rows"][0]
+    assert top["part"] == "backward" and top["rank"] == 1, d["parts"]
+    assert top["ci_s"][0] > 0        # confidently longer; the sleep is slow_ms, the step grows by less (see runs)
+    assert not any(r["blocking"] for r in d["identity"])   # only the command differs (its --slow-* flags)
+
+
+def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
+    code, d = compare_json(runs["same"][-1], "--head", runs["hog"])
+    assert code == 3, (d["outcome"], d["probe"])
+    assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
+    assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"]
+
+
+def test_a_different_world_size_is_inconclusive_unless_allowed(runs):
+    code, d = compare_json(runs["base"][0], "--head", runs["ws1"])
+    assert code == 3 and any("world size 2 -> 1" in x for x in d["reasons"]), d["reasons"]
+    code, d = compare_json(runs["base"][0], "--head", runs["ws1"], "--allow-different")
+    assert not any("not comparable" in x for x in d["reasons"])
+    assert any(x["key"] == "world size" for x in d["identity"])   # still shown
 
 
 def test_a_slow_rank_fails_the_step_time_gate(runs):
-    r = dtprof("compare", *runs["base"], "--head", *runs["slow"], "--format", "json", check=False)
-    d = json.loads(r.stdout)
-    assert r.returncode == 1, r.stdout + r.stderr
+    code, d = compare_json(*runs["base"], "--head", *runs["slow"])
+    assert code == 1 or machine_changed(d), d
     g = d["gates"][0]
     assert g["key"] == "steps.time_s.p50" and g["verdict"] == "fail"
     assert g["ci"][0] > 0.02            # confidently slower than the tolerance
@@ -98,8 +162,10 @@ def test_a_slow_rank_fails_the_step_time_gate(runs):
 def test_junit_output_of_a_real_comparison(runs, tmp_path):
     out = tmp_path / "gates.xml"
     r = dtprof("compare", *runs["base"], "--head", *runs["slow"], "--format", "junit", "-o", out, check=False)
-    assert r.returncode == 1
-    assert "<failure" in out.read_text() and 'name="steps.time_s.p50 &lt; +' in out.read_text()
+    assert r.returncode in (1, 3)       # 3 only when the machine probe moved (see the module docstring)
+    text = out.read_text()
+    assert "<failure" in text and 'name="steps.time_s.p50 &lt; +' in text
+    assert '<testcase classname="dtprof.compare.parts" name="backward">' in text
 
 
 def test_corrupt_summary_exits_2_naming_the_file(runs, tmp_path):
@@ -111,3 +177,12 @@ def test_corrupt_summary_exits_2_naming_the_file(runs, tmp_path):
     r = dtprof("compare", runs["base"][0], "--head", corrupt, check=False)
     assert r.returncode == 2
     assert str(summary) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_scaling_across_world_sizes_parts_add_up_to_the_lost_time(runs):
+    r = dtprof("compare", "--scaling", runs["ws1"], runs["base"][0], "--format", "json")
+    two = json.loads(r.stdout)["runs"][1]
+    assert two["world_size"] == 2
+    parts = [two[f"lost_{k}_s"] for k in ("compute", "comm", "bubble", "data_wait", "other")]
+    assert sum(parts) == pytest.approx(two["lost_s"], rel=1e-9, abs=1e-12)
+    assert abs(two["lost_other_s"]) <= abs(two["lost_s"])   # a remainder, not a large negative correction

@@ -1,0 +1,146 @@
+"""`dtprof compare` explains its verdict: which part of the step moved (with the rank that moved it), stragglers
+that got worse, configurations that differ, and a machine that changed. Synthetic summary.json files with the
+keys `dtprof summary` writes (breakdown.per_step, run.identity, run.probe); real jobs are in
+test_compare_explain_real.py."""
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dtprof.analyzers import regression as rg
+from dtprof.analyzers.scaling import scaling
+from dtprof.compare import compare_command
+
+PARTS = ("forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other")
+
+
+def run_summary(seed, n=60, backward_extra=0.0, slow_rank=1, world=2, script="aaa", probe_s=0.010,
+                stragglers=(), device="cpu"):
+    """A run whose critical rank's parts per step are jittered; ``backward_extra`` seconds more backward on
+    ``slow_rank`` (its peers wait that long in exposed comm, which the critical rank does not)."""
+    rng = np.random.default_rng(seed)
+    parts = {"forward": 0.030, "backward": 0.060, "optimizer": 0.010, "exposed_comm": 0.015, "data_wait": 0.002,
+             "bubble": 0.0, "other": 0.003}
+    series = {p: (v * np.exp(rng.normal(0, 0.03, n)) if v else np.zeros(n)) for p, v in parts.items()}
+    series["backward"] = series["backward"] + backward_extra
+    steps = sum(series.values())
+    by_dim = {"(none)": series["exposed_comm"].tolist()}
+    by_op = {"all_reduce": series["exposed_comm"].tolist()}
+    ranks = []
+    for r in range(world):
+        b = dict(parts, backward=parts["backward"] + (backward_extra if r == slow_rank else 0.0),
+                 exposed_comm=parts["exposed_comm"] + (0.0 if r == slow_rank else backward_extra))
+        ranks.append({"rank": r, "device": device, "breakdown_s_per_step": b,
+                      "exposed_comm_s_per_step_by_dim": {"(none)": b["exposed_comm"]},
+                      "exposed_comm_s_per_step_by_op": {"all_reduce": b["exposed_comm"]}})
+    probe = probe_s * np.exp(rng.normal(0, 0.05, 14))
+    return {"steps": {"per_step_time_s": steps.tolist(), "time_s": {"p50": float(np.median(steps))},
+                      "count": n},
+            "run": {"world_size": world, "identity": {"command": "python train.py", "script_sha256": script},
+                    "versions": {"torch": "2.13.0", "dtprof": "0.1"},
+                    "probe": {"cpu_start_s": probe[:7].tolist(), "cpu_end_s": probe[7:].tolist()}},
+            "ranks": ranks, "stragglers": list(stragglers), "mfu": {"value": None}, "overlap": {},
+            "pipeline": None,
+            "breakdown": {"per_step": {"step": list(range(n)), "critical_rank": [0] * n,
+                                       "parts": {p: v.tolist() for p, v in series.items()},
+                                       "exposed_comm_by_dim": by_dim, "exposed_comm_by_op": by_op}}}
+
+
+def write(tmp_path, name, s):
+    p = tmp_path / f"{name}.json"
+    p.write_text(json.dumps(s))
+    return str(p)
+
+
+def cli(*args):
+    r = CliRunner().invoke(compare_command, list(map(str, args)))
+    return r.exit_code, r.output
+
+
+def test_backward_on_one_rank_is_named_as_what_moved(tmp_path):
+    base = write(tmp_path, "b", run_summary(1))
+    head = write(tmp_path, "h", run_summary(2, backward_extra=0.012))   # +10 % of the step, all backward on rank 1
+    code, out = cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert code == 1
+    rows = d["parts"]["rows"]
+    assert rows[0]["part"] == "backward" and rows[0]["rank"] == 1
+    assert rows[0]["ci_s"][0] < 0.012 < rows[0]["ci_s"][1]
+    assert rows[0]["rank_change_s"] == pytest.approx(0.012)
+    assert all(r["part"] != "exposed_comm" for r in rows)   # the critical rank does not wait: no false mover
+    code, text = cli(base, "--head", head)
+    assert re.search(r"backward: \+1[12]\.\d ms per step \[.*\]; most on rank 1 \(\+12\.0 ms\)", text)
+    _, md = cli(base, "--head", head, "--format", "markdown")
+    assert re.search(r"- backward: \+1[12]\.\d ms per step", md)
+    _, xml = cli(base, "--head", head, "--format", "junit")
+    names = [tc.get("name") for tc in ET.fromstring(xml).iter("testcase") if tc.get("classname") ==
+             "dtprof.compare.parts"]
+    assert names == [r["part"] for r in rows]
+
+
+def test_identical_configurations_move_no_part(tmp_path):
+    code, out = cli(write(tmp_path, "b", run_summary(1)), "--head", write(tmp_path, "h", run_summary(2)),
+                    "--format", "json")
+    d = json.loads(out)
+    assert code == 0 and d["parts"]["rows"] == [] and d["probe"]["moved"] is False
+
+
+def test_a_straggler_that_became_persistent_fails_on_its_own(tmp_path):
+    base = write(tmp_path, "b", run_summary(1, stragglers=[{"rank": 1, "kind": "transient"}]))
+    head = write(tmp_path, "h", run_summary(2, stragglers=[{"rank": 1, "kind": "persistent"}]))
+    code, out = cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert code == 1, out
+    assert d["gates"][0]["verdict"] == "pass"      # the step time did not move: the straggler row decides
+    assert d["outcome"] == "regression: a straggler got worse: rank 1 became persistent"
+    assert d["stragglers"] == [{"rank": 1, "what": "became persistent", "base": "transient", "head": "persistent",
+                                "verdict": "fail"}]
+
+
+def test_a_grown_what_if_saving_fails(tmp_path):
+    b, h = run_summary(1), run_summary(2, stragglers=[{"rank": 1, "kind": "transient"}])
+    b["what_if"] = [{"scenario": "straggler_removed", "ranks": [1], "saving_frac": 0.01}]
+    h["what_if"] = [{"scenario": "straggler_removed", "ranks": [1], "saving_frac": 0.08}]
+    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h), "--format", "json")
+    assert code == 1 and [r["what"] for r in json.loads(out)["stragglers"]] == ["new straggler", "saving grew"]
+    h["stragglers"] = []                      # an unflagged rank's saving is run-to-run noise: no row
+    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h2", h), "--format", "json")
+    assert code == 0 and json.loads(out)["stragglers"] == []
+
+
+def test_different_world_size_or_script_is_inconclusive_unless_allowed(tmp_path):
+    base = write(tmp_path, "b", run_summary(1))
+    head = write(tmp_path, "h", run_summary(2, world=4, script="bbb"))
+    code, out = cli(base, "--head", head)
+    assert code == 3
+    assert "not comparable: world size 2 -> 4; script (SHA-256) aaa -> bbb" in out
+    code, out = cli(base, "--head", head, "--allow-different")
+    assert code == 0 and "differs: world size: 2 -> 4" in out
+
+
+def test_a_slower_machine_is_inconclusive_with_the_probe_named(tmp_path):
+    base = write(tmp_path, "b", run_summary(1))
+    head = write(tmp_path, "h", run_summary(2, backward_extra=0.012, probe_s=0.015))   # probe 50 % slower
+    code, out = cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert code == 3
+    assert re.search(r"the machine ran [3-6]\d % slower on the probe", d["outcome"])
+    assert d["parts"]["rows"][0]["part"] == "backward"   # what moved is still shown
+
+
+def test_scaling_parts_add_up_to_the_lost_time():
+    small, big = run_summary(1, world=2), run_summary(2, world=4, backward_extra=-0.030)
+    d = scaling([("n2", small), ("n4", big)])
+    r = d["runs"][1]
+    parts = [r[f"lost_{k}_s"] for k in ("compute", "comm", "bubble", "data_wait", "other")]
+    assert sum(parts) == pytest.approx(r["lost_s"], abs=1e-12)
+    assert abs(r["lost_other_s"]) < 0.1 * abs(r["lost_s"])   # not a large negative remainder any more
+
+
+def test_part_floor_is_half_the_step_tolerance():
+    assert rg.PART_FLOOR_FRAC == rg.DEFAULT_STEP_TOLERANCE / 2
