@@ -65,10 +65,12 @@ def gpu_stats(run) -> pd.DataFrame:
 
 
 def rank_gpu(run, gpus: pd.DataFrame) -> pd.DataFrame:
-    """rank -> row of ``gpus`` (its GPU), matched by host + device uuid, else host + device_index. -1 if none."""
+    """rank -> row of ``gpus`` (its GPU), matched by host + device uuid, else host + device_index; a rank without a
+    device index (a CPU rank on a GPU host) maps to the GPU of its local rank, as torchrun assigns them. -1 if none."""
     r = run.ranks
+    index = r["device_index"].astype("Int64").fillna(r["local_rank"].astype("Int64")).fillna(-1)
     out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
-                        "device_index": r["device_index"].astype("Int64").fillna(-1).to_numpy(np.int64),
+                        "device_index": index.to_numpy(np.int64),
                         "uuid": r["device_uuid"].astype(str).to_numpy()})
     if len(gpus) == 0:
         out["gpu_row"] = -1

@@ -115,10 +115,31 @@ def setup_distributed():
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
+class SlowBatches(torch.utils.data.Dataset):
+    """A slow input pipeline (``--data-ms``): batch ``step`` waits that long before it is made. Read through a
+    DataLoader, as real input is, so the wait is time in the loader's ``__next__``."""
+
+    def __init__(self, rank: int, args):
+        self.rank, self.args = rank, args
+
+    def __len__(self):
+        return self.args.steps
+
+    def __getitem__(self, step):
+        time.sleep(self.args.data_ms / 1000)
+        return batch_for(step, self.rank, self.args, torch.device("cpu"))
+
+
+def batches(rank: int, args, device):
+    """The job's batches in step order: made in the loop, or through a DataLoader when ``--data-ms`` slows input."""
+    if args.data_ms <= 0:
+        return (batch_for(step, rank, args, device) for step in range(args.steps))
+    loader = torch.utils.data.DataLoader(SlowBatches(rank, args), batch_size=None)
+    return ((x.to(device), y.to(device)) for x, y in loader)
+
+
 def batch_for(step: int, rank: int, args, device):
     """Synthetic next-token data: a fixed function of (seed, step, rank), the same with or without profiling."""
-    if args.data_ms > 0:   # a slow input pipeline
-        time.sleep(args.data_ms / 1000)
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     return data[:, :-1].to(device), data[:, 1:].to(device)

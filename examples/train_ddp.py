@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import TinyLM, batches, lm_loss, parse_args, setup_distributed  # noqa: E402
 
 
 def main():
@@ -28,8 +28,7 @@ def main():
         model.slow.in_backward = args.slow_in == "backward"
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    for step in range(args.steps):
-        x, y = batch_for(step, rank, args, device)
+    for step, (x, y) in enumerate(batches(rank, args, device)):
         with ddp.no_sync() if args.no_sync else contextlib.nullcontext():
             loss = lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)

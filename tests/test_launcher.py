@@ -172,9 +172,12 @@ def test_usage_errors_exit_2(tmp_path):
 
 def _start_and_wait_ready(tmp_path, code, extra=()):
     write(tmp_path / "job.py", code)
+    # SIGINT as in a terminal: a test suite started in the background (`make test &`) inherits SIGINT ignored, and
+    # a job that starts with SIGINT ignored never installs Python's KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", "r", "--no-nvml", "--no-report",
                              *extra, "--", sys.executable, "job.py"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
