@@ -14,7 +14,7 @@ used). The criteria are stated once, in ``PERSISTENT_RULE`` and ``TRANSIENT_RULE
 and the docs quote them, and each flagged rank's ``reason`` gives the numbers the criterion counted:
 - **persistent**: the what-if model's ``straggler_removed`` scenario (analyzers/whatif.py: the rank's work set to
   its peers' median, part by part) saves at least ``AnalysisOptions.straggler_min_saving`` (5 %) of the job's step
-  over the measured steps, and at least that much in >= 50 % of them (a saving that holds, not a few slow steps).
+  over the measured steps, and at least that much in >= 75 % of them (a saving that holds, not a few slow steps).
   The compute score and arrival lead below are evidence, not criteria: a rank that is slower but that nobody waits
   for (or that a busy machine slows as much as its peers) costs nothing and is named by nobody;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
@@ -40,7 +40,7 @@ P2P = ("send", "recv")
 DEFAULT_MIN_SAVING = 0.05   # AnalysisOptions.straggler_min_saving's default
 # the saving must hold in at least this share of the measured steps: most of them, not a few (a 2-core machine's
 # scheduling makes a few steps of any rank slow; a real 40 ms straggler held in 5 of 7 steps of a busy hybrid run)
-PERSISTENT_HELD_FRAC = 0.5
+PERSISTENT_HELD_FRAC = 0.75   # "holds": an unslowed job on a busy 2-core box reached 58 % of steps
 
 
 def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
