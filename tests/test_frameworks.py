@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from dtprof.reader import open_run
+from test_launcher_torchrun import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -247,13 +248,6 @@ def train(rank, world, init_method):
     dist.destroy_process_group()
 """
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_mp_spawn_ranks_come_from_their_process_group(tmp_path):
