@@ -48,6 +48,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from dtprof.collectors import inputs
 from dtprof.collectors.records import Clock, Event, Meta, Span, Step
 
 now = time.monotonic_ns
@@ -385,8 +386,6 @@ class Recorder:
 
     def count_inputs(self, args, kwargs) -> None:
         """Samples/tokens of this top-level call, summed over the step (collectors/inputs.py)."""
-        from dtprof.collectors import inputs
-
         got = inputs.batch_counts(args, kwargs)
         if got is None:
             return
@@ -395,7 +394,7 @@ class Recorder:
                 self.inferred[key] = self.inferred.get(key, 0) + n
                 if key not in self.inferred_sources:
                     self.inferred_sources[key] = inputs.SOURCE[key]
-                    self.add(Meta(self.rank, self.host, now(), "step_inputs", dict(self.inferred_sources)))
+                    self.meta("step_inputs", dict(self.inferred_sources))
 
     def begin_forward(self, module, args) -> None:
         """The forward pre-hook for a call already under way when recording started (collectors/identity.py)."""
