@@ -584,3 +584,52 @@ def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
             "by_part": {k: v / total for k, v in by_part.items() if v > 0},
             "method": "per measured step, from the slowest rank's end back through each wait that held a rank to "
                       "the instance's last arriver; shares of the path's total length"}
+
+
+# ---------------------------------------------------------------- checking a prediction against the fixed run
+
+BOUND_SCENARIOS = ("perfect_overlap",)   # upper bounds of the saving, not estimates of it
+
+
+def parse_prediction(spec: str) -> tuple[str, list[int] | None]:
+    """``SCENARIO[:RANK[,RANK...]]`` -> (scenario, ranks or None when not given). ValueError when malformed."""
+    name, _, ranks = spec.partition(":")
+    if not name.strip():
+        raise ValueError(f"--check-prediction {spec!r}: expected SCENARIO[:RANK[,RANK...]]")
+    try:
+        return name.strip(), sorted(int(x) for x in ranks.split(",")) if ranks.strip() else None
+    except ValueError:
+        raise ValueError(f"--check-prediction {spec!r}: ranks must be integers, e.g. straggler_removed:1") from None
+
+
+def check_prediction(base: list[dict], head: list[dict], scenario: str, ranks: list[int] | None) -> dict:
+    """A prediction of the base runs' what-if list (summary.json ``what_if``) against the head runs, which applied
+    the fix: predicted and measured mean step and saving (pooled: the mean over the runs of a side) and the
+    prediction's error. ValueError, naming what the base runs offer, when a base run lacks the entry."""
+    entries = []
+    for s in base:
+        wi = s.get("what_if") or []
+        hits = [w for w in wi
+                if w.get("scenario") == scenario and (ranks is None or sorted(w.get("ranks", [])) == ranks)]
+        if len(hits) != 1:
+            have = ", ".join(w["scenario"] + (":" + ",".join(map(str, w["ranks"])) if w.get("ranks") else "")
+                             for w in wi) or "none"
+            raise ValueError(f"--check-prediction {scenario}{':' + ','.join(map(str, ranks)) if ranks else ''}: "
+                             f"{'ambiguous' if hits else 'not'} in the base run's what-if list (it has: {have})")
+        entries.append(hits[0])
+    base_step = float(np.mean([w["measured_step_s"] for w in entries]))
+    predicted = float(np.mean([w["predicted_step_s"] for w in entries]))
+    head_step = float(np.mean([s["steps"]["time_s"]["mean"] for s in head]))
+    pred_saving = 1.0 - predicted / base_step
+    meas_saving = 1.0 - head_step / base_step
+    out = {"scenario": scenario, "ranks": entries[0]["ranks"], "basis": entries[0]["basis"],
+           "kind": "bound" if scenario in BOUND_SCENARIOS else "estimate",
+           "base_step_s": base_step, "predicted_step_s": predicted, "measured_step_s": head_step,
+           "predicted_saving_frac": pred_saving, "measured_saving_frac": meas_saving,
+           "step_error_frac": (predicted - head_step) / head_step,
+           "saving_error_frac": (pred_saving - meas_saving) / meas_saving if meas_saving else None,
+           "method": "mean measured step of each side (pooled over its runs); error = (predicted - measured) ÷ "
+                     "measured, of the step and of the saving"}
+    if out["kind"] == "bound":
+        out["bound_held"] = head_step >= predicted
+    return out

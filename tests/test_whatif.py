@@ -160,3 +160,61 @@ def test_the_pipeline_schedule_replay_runs_on_the_what_if_engine_and_detects_a_c
     kind_ok = np.array(["pp_forward", "pp_backward", "pp_forward", "pp_backward"])
     # F0 0-10, F1 10-20, B1 20-30, B0 30-40
     assert replay_schedule(rank, *args[1:4], kind_ok, *args[5:]).tolist() == [10, 40, 20, 30]
+
+
+def test_collectives_at_link_peak_on_a_real_imported_nccl_trace(tmp_path):
+    # rank 0 of a real 2-rank NCCL job on A100s (shared/data/kineto): the run records the device, so the link peak
+    # is known (NVLink 3, 300 GB/s). Cutting transfers to their bytes at that peak saves something, and never more
+    # than perfect_overlap, which removes the transfers altogether
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+    from tests.test_interop import SHARED
+    if not SHARED.exists():
+        pytest.skip(f"shared Kineto traces not found at {SHARED}")
+    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "nccl_single_rank.json.gz"), "-o",
+                                    str(tmp_path / "k")])
+    assert res.exit_code == 0, res.output
+    s = analyze(tmp_path / "k").summary
+    peak = _entry(s, "collectives_at_link_peak")
+    assert "A100 link peak 300 GB/s" in peak["basis"]
+    assert 0 < peak["saving_frac"] <= _entry(s, "perfect_overlap")["saving_frac"]
+
+
+def test_compare_checks_a_prediction_against_the_run_that_applied_the_fix(tmp_path):
+    # base: rank 1 slowed 1.5x (53.5 ms steps; straggler_removed predicts 38 ms, worked above); head: the same job
+    # without the slowdown, 37 ms. The prediction's error: of the step (38 - 37) / 37, of the saving
+    # (15.5 - 16.5) / 16.5 ms of 53.5
+    import json
+
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+    base = build_run(tmp_path / "base", world_size=3, steps=8, slow_rank=1, slow_factor=1.5)
+    head = build_run(tmp_path / "head", world_size=3, steps=8)
+    args = ["compare", str(base), "--head", str(head), "--check-prediction", "straggler_removed:1"]
+    res = CliRunner().invoke(main, args + ["--format", "json"])
+    p = json.loads(res.stdout)["prediction"]
+    assert p["predicted_step_s"] == pytest.approx(0.038) and p["measured_step_s"] == pytest.approx(0.037)
+    assert p["step_error_frac"] == pytest.approx(1 / 37)
+    assert p["saving_error_frac"] == pytest.approx((15.5 - 16.5) / 16.5)
+    assert p["ranks"] == [1] and p["kind"] == "estimate"
+    text = CliRunner().invoke(main, args).stdout
+    assert "prediction check: straggler_removed rank 1" in text and "error of the step +3%" in text
+    md = CliRunner().invoke(main, args + ["--format", "markdown"]).stdout
+    assert "- prediction check: straggler_removed rank 1" in md and "of the saving -6%" in md
+    # a prediction the base run did not make: one line naming what it has, exit 2
+    bad = CliRunner().invoke(main, args[:-1] + ["straggler_removed:0"])
+    assert bad.exit_code == 2 and "not in the base run's what-if list (it has: straggler_removed:1" in bad.output
+    # perfect_overlap is an upper bound of what better communication can give: 37 -> 33 ms on the unslowed job. A
+    # head whose last bucket takes 0.5 ms instead of 4 (33.5 ms) does not beat it; a head that also made forward
+    # faster (a different fix) does, and the check says so
+    ok = build_run(tmp_path / "fast_comm", world_size=3, steps=8, bucket_ms=0.5)
+    over = build_run(tmp_path / "fast_fwd", world_size=3, steps=8, bucket_ms=0.5, fwd_ms=5)
+    check = ["--check-prediction", "perfect_overlap", "--format", "json"]
+    held = json.loads(CliRunner().invoke(main, ["compare", str(head), "--head", str(ok), *check]).stdout)
+    assert held["prediction"]["kind"] == "bound" and held["prediction"]["bound_held"] is True
+    assert held["prediction"]["predicted_step_s"] == pytest.approx(0.033)
+    assert held["prediction"]["measured_step_s"] == pytest.approx(0.0335)
+    beaten = CliRunner().invoke(main, ["compare", str(head), "--head", str(over), *check[:2]]).stdout
+    assert "an upper bound of the saving: BEATEN by the head run" in beaten
