@@ -26,8 +26,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 import dtprof._inject
+from dtprof.analyzers import whatif
+from dtprof.analyzers.runmodel import build as build_model
 from dtprof.analyzers.summary import analyze
+from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,21 +87,72 @@ def measure(case: str, steps: int, tmp: Path) -> dict:
             "fixed_replay_error": (b.get("replay") or {}).get("error_frac")}
 
 
+INTERLEAVED = ("ddp_straggler", "data_wait", "overlap_bound")
+
+
+def _scenario_edit(g, scenario: str, ranks: list[int]):
+    """The scenario's (work durations, transfers) edit of the step model (analyzers/whatif.py)."""
+    if scenario == "straggler_removed":
+        return whatif.straggler_removed(g, ranks, whatif.peers_of(g)), None
+    if scenario == "no_data_wait":
+        return whatif.no_data_wait(g), None
+    if scenario == "perfect_overlap":
+        return whatif.perfect_overlap(g)
+    raise ValueError(f"{scenario}: no interleaved measurement")
+
+
+def measure_interleaved(case: str, steps: int, tmp: Path) -> dict:
+    """Like ``measure``, but the slowed and the fixed job alternate step by step in ONE run (``--fix-every 2``: odd
+    steps run fixed), so the machine's load hits both alike. Predicted: the scenario's replay of the slowed (even)
+    measured steps; measured: the median fixed (odd) step against the median slowed step."""
+    script, nproc, slowed, fixed, scenario, ranks = CASES[case]
+    run_dir = run_job(tmp, script, nproc, ["--steps", str(steps)] + SMALL + slowed + fixed + ["--fix-every", "2"])
+    model = build_model(open_run(run_dir))
+    g = whatif.build(model)
+    job = model.job.set_index("step")["time_s"]
+    measured = sorted(model.measured_steps)
+    slow = [s for s in measured if s % 2 == 0]
+    fix = [s for s in measured if s % 2 == 1]
+    ident = whatif.job_steps(g, whatif.replay(g)).reindex(slow)
+    scen = whatif.job_steps(g, whatif.replay(g, *_scenario_edit(g, scenario, ranks))).reindex(slow)
+    predicted = 1.0 - scen.sum() / ident.sum()
+    slow_s, fixed_s = float(job.reindex(slow).median()), float(job.reindex(fix).median())
+    measured_saving = 1.0 - fixed_s / slow_s
+    replay_err = float((np.abs(ident - job.reindex(slow)) / job.reindex(slow)).mean())
+    # the model keeps every other rank's work fixed: how much that work changed between slowed and fixed steps
+    # (median per rank, mean over the ranks the scenario does not edit)
+    parts = whatif._part_totals(g, g.dur)[["forward", "backward", "optimizer"]].sum(axis=1).to_numpy() / 1e9
+    w = g.windows.assign(work=parts)
+    w = w[~w["rank"].isin(ranks) & w["step"].isin(measured)]
+    by = w.assign(fixed=w["step"] % 2 == 1).groupby(["rank", "fixed"])["work"].median().unstack()
+    work_change = float((by[True] - by[False]).mean())
+    return {"case": case + "/il", "scenario": scenario, "ranks": ranks, "slowed_step_s": slow_s,
+            "predicted_step_s": slow_s * (1.0 - predicted), "fixed_step_s": fixed_s,
+            "predicted_saving": predicted, "measured_saving": measured_saving,
+            "error_of_saving": (predicted - measured_saving) / measured_saving if measured_saving else None,
+            "replay_error": replay_err, "fixed_replay_error": replay_err, "steps": (len(slow), len(fix)),
+            "other_work_change_s": work_change}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--interleaved", action="store_true",
+                    help="slowed and fixed steps alternate in one run (cases " + ", ".join(INTERLEAVED) + ")")
     args = ap.parse_args()
     print(f"{'case':<15} {'scenario':<18} {'slowed':>9} {'predicted':>9} {'fixed':>9} {'pred.sav':>8} "
-          f"{'meas.sav':>8} {'error':>7} {'replay err':>10}")
+          f"{'meas.sav':>8} {'error':>7} {'replay err':>10}" + (f" {'work Δ':>11}" if args.interleaved else ""))
     with tempfile.TemporaryDirectory() as d:
         for case in args.cases.split(","):
-            r = measure(case, args.steps, Path(d))
+            r = (measure_interleaved if args.interleaved else measure)(case, args.steps, Path(d))
             err = "—" if r["error_of_saving"] is None else f"{r['error_of_saving']:+.0%}"
             print(f"{case:<15} {r['scenario']:<18} {r['slowed_step_s'] * 1e3:7.1f}ms "
                   f"{r['predicted_step_s'] * 1e3:7.1f}ms {r['fixed_step_s'] * 1e3:7.1f}ms "
                   f"{r['predicted_saving']:8.1%} {r['measured_saving']:8.1%} {err:>7} "
-                  f"{r['replay_error']:.1%}/{r['fixed_replay_error']:.1%}", flush=True)
+                  f"{r['replay_error']:.1%}/{r['fixed_replay_error']:.1%}"
+                  + (f" {r['other_work_change_s'] * 1e3:+9.1f}ms" if "other_work_change_s" in r else ""),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ def parse_args(description: str, extra=None):
     p.add_argument("--slow-in", choices=["forward", "backward"], default="forward",
                    help="where --slow-rank sleeps: in forward (compute) or in backward (DDP's all-reduce waits)")
     p.add_argument("--data-ms", type=float, default=0.0, help="every rank waits this long for each batch")
+    p.add_argument("--fix-every", type=int, default=0,
+                   help="every N-th step runs as the fixed job: without --slow-ms and --data-ms (and, in "
+                        "train_ddp.py, with --no-sync on those steps only): the slowed and the fixed job interleaved "
+                        "step by step in one run, so a busy machine's load hits both alike")
     if extra:
         extra(p)
     return p.parse_args()
@@ -126,8 +130,14 @@ class SlowBatches(torch.utils.data.Dataset):
         return self.args.steps
 
     def __getitem__(self, step):
-        time.sleep(self.args.data_ms / 1000)
+        if not fixed_step(self.args, step):
+            time.sleep(self.args.data_ms / 1000)
         return batch_for(step, self.rank, self.args, torch.device("cpu"))
+
+
+def fixed_step(args, step: int) -> bool:
+    """Whether ``step`` runs as the fixed job (``--fix-every``)."""
+    return args.fix_every > 0 and step % args.fix_every == args.fix_every - 1
 
 
 def batches(rank: int, args, device):

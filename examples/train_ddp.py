@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batches, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import TinyLM, batches, fixed_step, lm_loss, parse_args, setup_distributed  # noqa: E402
 
 
 def main():
@@ -29,7 +29,11 @@ def main():
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     for step, (x, y) in enumerate(batches(rank, args, device)):
-        with ddp.no_sync() if args.no_sync else contextlib.nullcontext():
+        fixed = fixed_step(args, step)
+        if rank == args.slow_rank and args.fix_every:
+            model.slow.seconds = 0.0 if fixed else args.slow_ms / 1000
+        no_sync = args.no_sync and (fixed or not args.fix_every)
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():
             loss = lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
