@@ -18,6 +18,9 @@ def main():
     def extra(p):
         p.add_argument("--no-sync", action="store_true",
                        help="never all-reduce gradients (DDP no_sync): the job with its communication removed")
+        p.add_argument("--sync-point", action="store_true",
+                       help="with --no-sync: all-reduce one number after backward instead, so the ranks still meet "
+                            "where the gradient all-reduce met them but (almost) nothing is transferred")
 
     args = parse_args(__doc__, extra)
     rank, world, device = setup_distributed()
@@ -37,6 +40,8 @@ def main():
             loss = lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+        if no_sync and args.sync_point:
+            torch.distributed.all_reduce(torch.zeros(1, device=device))
         opt.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
