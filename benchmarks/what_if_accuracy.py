@@ -47,6 +47,10 @@ CASES = {
                       []),
     "data_wait": ("train_ddp.py", 2, ["--data-ms", "30"], [], "no_data_wait", []),
     "overlap_bound": ("train_ddp.py", 2, [], ["--no-sync", "--sync-point"], "perfect_overlap", []),
+    # the same with a model 8x wider (about 3 M parameters, 12 MB of gradients per all-reduce): bytes, not only the
+    # meeting, cost time
+    "overlap_bound_wide": ("train_ddp.py", 2, ["--dim", "256"], ["--dim", "256", "--no-sync", "--sync-point"],
+                           "perfect_overlap", []),
 }
 _port = [29700 + os.getpid() % 200]
 
@@ -89,7 +93,7 @@ def measure(case: str, steps: int, tmp: Path) -> dict:
             "fixed_replay_error": (b.get("replay") or {}).get("error_frac")}
 
 
-INTERLEAVED = ("ddp_straggler", "data_wait", "overlap_bound")
+INTERLEAVED = ("ddp_straggler", "data_wait", "overlap_bound", "overlap_bound_wide")
 
 
 def _scenario_edit(g, scenario: str, ranks: list[int]):

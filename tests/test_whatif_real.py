@@ -12,33 +12,45 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from what_if_accuracy import measure  # noqa: E402
+from what_if_accuracy import measure, measure_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STEPS = 12
+STEPS_INTERLEAVED = 30   # 15 slowed and 15 fixed steps, less the warm-up
 
 
 def test_straggler_removed_predicts_the_saving_of_removing_a_slow_backward(tmp_path):
-    # The issue's bar is within 25 % of the measured saving (a 40 ms sleep in a ~45 ms step saves ~25-35 %; 25 % of
-    # that is 6-9 % of the step, just above the run-to-run noise of the step itself). Measured errors so far: -15 %,
-    # +19 %, -23 % on a busy machine, -31 % and -43 % on a quiet one: the prediction runs low and the bar is not met
-    # reliably yet (issue 16 stays open for it). Asserted here: within half the measured saving, which every
-    # measured run met and a prediction of no saving fails.
-    r = measure("ddp_straggler", STEPS, tmp_path)
+    # The slowed and the fixed job alternate step by step in one run (--fix-every 2), so the machine's load hits both
+    # alike; between two separate runs it did not (measured with 4 helpers' jobs beside: fixed runs at 2x their usual
+    # step, errors +59 % and +148 %). The issue's bar is within 25 % of the measured saving; measured errors of the
+    # interleaved run (docs/what-if.md): +26, +98, +41, +31, +7, -6 %, ... with the load average at 9-15 on the
+    # 2-core machine: the bar is not met reliably here. Asserted: within half the measured saving, which a
+    # prediction of no saving (or of twice the saving) fails
+    r = measure_interleaved("ddp_straggler", STEPS_INTERLEAVED, tmp_path)
     assert r["measured_saving"] > 0.1, r   # the injected slowdown is real
-    assert r["replay_error"] < 0.05 and r["fixed_replay_error"] < 0.05, r
+    assert r["replay_error"] < 0.05, r
     assert abs(r["error_of_saving"]) <= 0.50, r
 
 
-def test_no_data_wait_predicts_the_run_without_the_input_delay(tmp_path):
-    # 30 ms of input wait in every step: the saving is large (50-80 %). The model keeps each all-reduce's measured
-    # transfer, and on this busy machine the slowed run's transfers were inflated (up to 15 ms after the last arrival
-    # against ~1 ms in the run without the delay), so the prediction runs low: measured errors -6 % and -38 % in two
-    # runs; a third run's fixed job ran at twice its usual step (the machine's load), +159 %. Medians of the steps
-    # (not means) are compared since; asserted: within half the measured saving either way
-    r = measure("data_wait", STEPS, tmp_path)
+def test_no_data_wait_predicts_the_steps_without_the_input_delay(tmp_path):
+    # 30 ms of input wait in every other step of one run: the saving is large (50-70 %); measured errors of the
+    # interleaved run -12 %, +22 %, -1 % on the busy machine. Asserted: within half the measured saving either way
+    r = measure_interleaved("data_wait", STEPS_INTERLEAVED, tmp_path)
     assert r["measured_saving"] > 0.2, r
     assert abs(r["error_of_saving"]) <= 0.5, r
+
+
+def test_perfect_overlap_bounds_a_run_whose_communication_costs_nothing_once_its_cpu_cost_is_counted(tmp_path):
+    # DDP, 2 ranks, a model whose gradient all-reduce moves 12 MB; every other step skips it (no_sync) and only
+    # meets the other rank (an all-reduce of one number): communication that costs nothing, synchronisation kept,
+    # the counterfactual perfect_overlap models. On CPU/gloo the all-reduce also takes CPU from the compute it
+    # overlaps: the ranks' compute was 7-10 ms shorter in the no-communication steps of the same run, which the
+    # model (work fixed) does not see, and the bound alone was beaten by that much (predicted saving 19.6 % and 21.6 %
+    # against 28.3 % and 30.9 % measured; docs/what-if.md). Asserted: the prediction less the compute change
+    # measured in the same job bounds the fixed steps, up to 10 % of the step of noise
+    r = measure_interleaved("overlap_bound_wide", STEPS_INTERLEAVED, tmp_path)
+    assert r["predicted_saving"] > 0.05, r   # the communication is exposed
+    assert r["fixed_step_s"] >= r["predicted_step_s"] + r["other_work_change_s"] - 0.1 * r["slowed_step_s"], r
 
 
 def test_balanced_stages_points_the_right_way_on_a_70_30_pipeline(tmp_path):
