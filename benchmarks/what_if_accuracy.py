@@ -2,18 +2,26 @@
 slowed run's what-if list (analyzers/whatif.py), run without it, and compare predicted with measured.
 
     .venv/bin/python benchmarks/what_if_accuracy.py [--steps 14] [--cases ddp_straggler,gpipe_balance,...]
+    .venv/bin/python benchmarks/what_if_accuracy.py --interleaved --steps 30 [--cases ddp_straggler,...]
 
-Each case runs two real torchrun jobs under the profiler (the injected sitecustomize, as `dtprof run` does):
+--interleaved runs ONE job per case whose slowed and fixed steps alternate (``measure_interleaved``); without it
+each case is two separate runs (``measure``).
+
+The jobs are real torchrun jobs under the profiler (the injected sitecustomize, as `dtprof run` does):
 - ddp_straggler: DDP, 3 ranks, rank 1 sleeps 40 ms inside backward (DDP's all-reduce waits for it) -> the
   straggler_removed scenario for rank 1 against the same job without the sleep;
+- ddp_straggler_busy: the same, the slow rank spinning on its core for 40 ms instead of sleeping;
 - gpipe_balance: GPipe, 2 stages sleeping 70 and 30 ms per step in forward -> balanced_stages against 50 and 50;
 - data_wait: DDP, 2 ranks, every rank waits 30 ms for each batch -> no_data_wait against no wait;
 - overlap_bound: DDP, 2 ranks, its gradient all-reduce exposed -> perfect_overlap against the same 2-rank job whose
   gradients are never all-reduced (DDP no_sync) but whose ranks still meet after backward (an all-reduce of one
   number, --sync-point): communication that costs nothing, with the synchronisation kept, which is what
-  perfect_overlap models (it keeps waiting for late peers). No real overlap can beat the prediction (predicted
+  perfect_overlap models (it keeps waiting for late peers). No real overlap should beat the prediction (predicted
   saving >= measured, up to noise). Without the sync point the ranks drift apart and absorb each other's jitter,
-  which is not an overlap gain; a 1-rank reference also removes the other rank's CPU contention; both beat it.
+  which is not an overlap gain; a 1-rank reference also removes the other rank's CPU contention; both beat it;
+- overlap_bound_wide: the same with a model 8x wider (12 MB of gradients per all-reduce). On CPU/gloo the
+  all-reduce's own CPU work slows the compute it overlaps, which the model keeps fixed: --interleaved prints that
+  compute change (work Δ), and docs/what-if.md shows the bound beaten by about that much.
 Saving = 1 - step ÷ the slowed run's step (median over measured steps; predicted: the slowed median × (1 - the
 scenario's saving_frac)); error = (predicted - measured saving) ÷
 measured saving. Timings on a shared machine are noisy; say so beside any figure you quote.
@@ -43,6 +51,9 @@ SMALL = ["--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
 CASES = {
     "ddp_straggler": ("train_ddp.py", 3, ["--slow-rank", "1", "--slow-ms", "40", "--slow-in", "backward"], [],
                       "straggler_removed", [1]),
+    # the same straggler spinning on its core instead of sleeping (slow compute burns CPU)
+    "ddp_straggler_busy": ("train_ddp.py", 3, ["--slow-rank", "1", "--slow-ms", "40", "--slow-in", "backward",
+                                               "--slow-busy"], [], "straggler_removed", [1]),
     "gpipe_balance": ("train_pipeline.py", 2, ["--stage-ms", "70,30"], ["--stage-ms", "50,50"], "balanced_stages",
                       []),
     "data_wait": ("train_ddp.py", 2, ["--data-ms", "30"], [], "no_data_wait", []),
@@ -93,7 +104,7 @@ def measure(case: str, steps: int, tmp: Path) -> dict:
             "fixed_replay_error": (b.get("replay") or {}).get("error_frac")}
 
 
-INTERLEAVED = ("ddp_straggler", "data_wait", "overlap_bound", "overlap_bound_wide")
+INTERLEAVED = ("ddp_straggler", "ddp_straggler_busy", "data_wait", "overlap_bound", "overlap_bound_wide")
 
 
 def _scenario_edit(g, scenario: str, ranks: list[int]):

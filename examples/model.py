@@ -40,8 +40,21 @@ class _SleepInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
+        _delay(ctx.seconds)
         return grad, None
+
+
+BUSY = [False]   # --slow-busy: the delays spin on the CPU instead of sleeping
+
+
+def _delay(seconds: float) -> None:
+    """Sleep ``seconds``, or with --slow-busy spin that long (a straggler that burns its core, as slow compute does)."""
+    if not BUSY[0]:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class SlowDown(nn.Module):
@@ -57,7 +70,7 @@ class SlowDown(nn.Module):
         if self.seconds > 0 and self.in_backward:
             return _SleepInBackward.apply(x, self.seconds)
         if self.seconds > 0:
-            time.sleep(self.seconds)
+            _delay(self.seconds)
         return x
 
 
@@ -92,6 +105,8 @@ def parse_args(description: str, extra=None):
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--slow-in", choices=["forward", "backward"], default="forward",
                    help="where --slow-rank sleeps: in forward (compute) or in backward (DDP's all-reduce waits)")
+    p.add_argument("--slow-busy", action="store_true",
+                   help="--slow-rank spins on the CPU for --slow-ms instead of sleeping")
     p.add_argument("--data-ms", type=float, default=0.0, help="every rank waits this long for each batch")
     p.add_argument("--fix-every", type=int, default=0,
                    help="every N-th step runs as the fixed job: without --slow-ms and --data-ms (and, in "
@@ -99,7 +114,9 @@ def parse_args(description: str, extra=None):
                         "step by step in one run, so a busy machine's load hits both alike")
     if extra:
         extra(p)
-    return p.parse_args()
+    args = p.parse_args()
+    BUSY[0] = args.slow_busy
+    return args
 
 
 def setup_distributed():
