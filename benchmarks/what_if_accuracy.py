@@ -11,7 +11,8 @@ The jobs are real torchrun jobs under the profiler (the injected sitecustomize, 
 - ddp_straggler: DDP, 3 ranks, rank 1 sleeps 40 ms inside backward (DDP's all-reduce waits for it) -> the
   straggler_removed scenario for rank 1 against the same job without the sleep;
 - ddp_straggler_busy: the same, the slow rank spinning on its core for 40 ms instead of sleeping;
-- gpipe_balance: GPipe, 2 stages sleeping 70 and 30 ms per step in forward -> balanced_stages against 50 and 50;
+- gpipe_balance: GPipe, 2 stages sleeping 70 and 30 ms per step in forward -> balanced_stages against 50 and 50
+  (interleaved: --fixed-stage-ms 50,50 on the fixed steps);
 - data_wait: DDP, 2 ranks, every rank waits 30 ms for each batch -> no_data_wait against no wait;
 - overlap_bound: DDP, 2 ranks, its gradient all-reduce exposed -> perfect_overlap against the same 2-rank job whose
   gradients are never all-reduced (DDP no_sync) but whose ranks still meet after backward (an all-reduce of one
@@ -104,7 +105,8 @@ def measure(case: str, steps: int, tmp: Path) -> dict:
             "fixed_replay_error": (b.get("replay") or {}).get("error_frac")}
 
 
-INTERLEAVED = ("ddp_straggler", "ddp_straggler_busy", "data_wait", "overlap_bound", "overlap_bound_wide")
+INTERLEAVED = ("ddp_straggler", "ddp_straggler_busy", "data_wait", "overlap_bound", "overlap_bound_wide",
+               "gpipe_balance")
 
 
 def _scenario_edit(g, scenario: str, ranks: list[int]):
@@ -115,6 +117,8 @@ def _scenario_edit(g, scenario: str, ranks: list[int]):
         return whatif.no_data_wait(g), None
     if scenario == "perfect_overlap":
         return whatif.perfect_overlap(g)
+    if scenario == "balanced_stages":
+        return whatif.balanced_stages(g), None
     raise ValueError(f"{scenario}: no interleaved measurement")
 
 
@@ -123,6 +127,7 @@ def measure_interleaved(case: str, steps: int, tmp: Path) -> dict:
     steps run fixed), so the machine's load hits both alike. Predicted: the scenario's replay of the slowed (even)
     measured steps; measured: the median fixed (odd) step against the median slowed step."""
     script, nproc, slowed, fixed, scenario, ranks = CASES[case]
+    fixed = ["--fixed-stage-ms" if a == "--stage-ms" else a for a in fixed]   # the pipeline's fixed op times
     run_dir = run_job(tmp, script, nproc, ["--steps", str(steps)] + SMALL + slowed + fixed + ["--fix-every", "2"])
     model = build_model(open_run(run_dir))
     g = whatif.build(model)

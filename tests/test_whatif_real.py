@@ -2,9 +2,10 @@
 run's prediction against the run with the slowdown removed (benchmarks/what_if_accuracy.py runs the same cases and
 prints the table of docs/what-if.md).
 
-Tolerances: the machine is a shared 2-core box where several jobs run at once; the same job's mean step moves by
-about 10 % from one run to the next (measured: the unslowed 3-rank DDP job at 41.6 and 46.0 ms in two runs), so a
-saving measured as the difference of two runs carries that noise. Each tolerance below says what it allows.
+Each case is ONE job whose slowed and fixed steps alternate (``measure_interleaved``, the examples' --fix-every 2):
+the machine is a shared 2-core box where several jobs run at once, and the same job's step moved from 14 to 44 ms
+between separate runs (2026-11-23), more than the savings measured; interleaved, the load hits both sides alike.
+Each tolerance below says what it allows.
 """
 import sys
 from pathlib import Path
@@ -12,20 +13,19 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from what_if_accuracy import measure, measure_interleaved  # noqa: E402
+from what_if_accuracy import measure_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 12
 STEPS_INTERLEAVED = 30   # 15 slowed and 15 fixed steps, less the warm-up
 
 
 def test_straggler_removed_predicts_the_saving_of_removing_a_slow_backward(tmp_path):
     # The slowed and the fixed job alternate step by step in one run (--fix-every 2), so the machine's load hits both
     # alike; between two separate runs it did not (measured with 4 helpers' jobs beside: fixed runs at 2x their usual
-    # step, errors +59 % and +148 %). The issue's bar is within 25 % of the measured saving; measured errors of the
-    # interleaved run (docs/what-if.md): +26, +98, +41, +31, +7, -6 %, ... with the load average at 9-15 on the
-    # 2-core machine: the bar is not met reliably here. Asserted: within half the measured saving, which a
-    # prediction of no saving (or of twice the saving) fails
+    # step, errors +59 %, +148 %, -380 %). The issue's bar is within 25 % of the measured saving; the interleaved
+    # run met it in 15 of 19 measurements (docs/what-if.md), all 4 misses (+26, +31, +41, +98 %) while the 2-core
+    # machine was saturated by other jobs (load average 9-15). Asserted: within half the measured saving, which 18
+    # of 19 met and a prediction of no saving (or of twice the saving) fails
     r = measure_interleaved("ddp_straggler", STEPS_INTERLEAVED, tmp_path)
     assert r["measured_saving"] > 0.1, r   # the injected slowdown is real
     assert r["replay_error"] < 0.05, r
@@ -57,8 +57,10 @@ def test_balanced_stages_points_the_right_way_on_a_70_30_pipeline(tmp_path):
     # GPipe, 2 stages sleeping 70 and 30 ms per step, against 50 and 50. The model keeps each op's own overheads and
     # the p2p waits as recorded, and the busy machine slows the sleeping stage's neighbour too (docs/what-if.md,
     # where it is wrong), so only the sign and a loose size are asserted: a positive saving no larger than twice the
-    # measured one plus the noise (10 % of the step)
-    r = measure("gpipe_balance", STEPS, tmp_path)
+    # measured one plus the noise (10 % of the step). Interleaved in one run (--fixed-stage-ms 50,50 on odd steps):
+    # between two separate runs the 50/50 run was once 11 % slower than the 70/30 one under the machine's load;
+    # interleaved runs measured savings of 9.4, 3.8 and -3.3 % against predicted 9.5, 8.2 and 8.0 %
+    r = measure_interleaved("gpipe_balance", STEPS_INTERLEAVED, tmp_path)
     assert r["replay_error"] < 0.05, r
     assert 0 < r["predicted_saving"] <= 2 * max(r["measured_saving"], 0) + 0.10, r
 
