@@ -127,15 +127,21 @@ class Recorder:
 
     def fault(self, where: str) -> None:
         """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
-        error row (the message the report lists). Never raises."""
+        error row (the message the report lists; before the rank has a writer, in this process's own events
+        file). Nothing is printed into the job's output: the launcher names the fault once, at the end.
+        Never raises."""
         try:
+            from dtprof.runformat import FAULT_EVENT, process_event
+
             self.disabled = True
             error = _last_error_line()
-            msg = f"dtprof disabled on this rank after a fault in {where}: {error}"
             if self.writer is not None:
                 self.meta("fault", {"where": where, "error": error})
-                self.add(Event(self.rank, self.host, now(), "error", "rank", msg))
-            sys.stderr.write(f"dtprof[rank {self.rank}]: {msg}\n")
+                self.add(Event(self.rank, self.host, now(), "error", "rank",
+                               f"{FAULT_EVENT} on this rank after a fault in {where}: {error}"))
+            elif os.environ.get("DTPROF_NODE_DIR"):
+                process_event(os.environ["DTPROF_NODE_DIR"], self.host, "error",
+                              f"{FAULT_EVENT} in pid {os.getpid()} after a fault in {where}: {error}")
         except BaseException:
             pass
 
