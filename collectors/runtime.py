@@ -621,19 +621,16 @@ STATE = Recorder()
 
 
 def _own_threads_cpu_s() -> dict:
-    """CPU seconds each of dtprof's own threads (``dtprof-*``: flusher, heartbeat) has used so far, from Linux's
-    per-thread accounting (/proc/self/task/<tid>/stat utime + stime); empty elsewhere."""
+    """CPU seconds each of dtprof's own threads (``dtprof-*``: flusher, heartbeat) has used so far, read from the
+    thread's own CPU clock (nanosecond resolution; /proc's utime/stime count 10 ms ticks)."""
     import threading
 
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for t in threading.enumerate():
-        if t.name.startswith("dtprof") and t.native_id:
+        if t.name.startswith("dtprof") and t.ident is not None:
             try:
-                with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                out[t.name] = (int(fields[11]) + int(fields[12])) / tick
-            except (OSError, IndexError, ValueError):
+                out[t.name] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident)) / 1e9
+            except OSError:                       # the thread just ended
                 pass
     return out
 
