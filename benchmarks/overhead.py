@@ -149,7 +149,7 @@ JOBS = {
     "ddp": ["examples/train_ddp.py", *MODEL],
     "fsdp2": ["examples/train_fsdp.py", *MODEL],
     "pipeline": ["examples/train_pipeline.py", *MODEL],
-    "lightning": ["examples/frameworks/train_lightning.py", "--dim", "1024", "--batch", "64"],
+    "lightning": ["examples/frameworks/train_lightning.py", "--dim", "1024", "--batch", "64", "--lr", "0.001"],
     "accelerate": ["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"],
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
