@@ -199,6 +199,7 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
     strag = rg.straggler_changes(b, h)
     identity = rg.config_differences(b, h)
     probe = rg.probe_change(b, h, confidence=confidence, seed=seed)
+    gpu_probe = rg.probe_change(b, h, confidence=confidence, seed=seed, kind="gpu")
     reasons = []
     worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == rg.FAIL]
     blocking = [x for x in identity if x["blocking"]]
@@ -209,12 +210,38 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
     if probe and probe["moved"]:
         reasons.append(f"the machine ran {abs(probe['ratio'] - 1) * 100:.0f} % "
                        f"{'slower' if probe['ratio'] > 1 else 'faster'} on the probe (head vs base)")
+    reasons += _gpu_probe_reasons(gpu_probe)
     if reasons:
         code = EXIT_INCONCLUSIVE
     elif worse:
         code = EXIT_REGRESSION
         reasons.append("a straggler got worse: " + "; ".join(worse))
-    return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe, "reasons": reasons}
+    return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe,
+                  "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
+                  "reasons": reasons}
+
+
+def _gpu_probe_reasons(gpu_probe: dict | None) -> list[str]:
+    """Why the GPU probe makes the comparison inconclusive: it moved beyond its noise."""
+    if not gpu_probe or not gpu_probe["moved"]:
+        return []
+    r = gpu_probe["ratio"]
+    return [f"the GPUs ran {abs(r - 1) * 100:.0f} % {'slower' if r > 1 else 'faster'} on the GPU probe "
+            f"(head vs base)"]
+
+
+def _no_gpu_probe(b: list[dict], h: list[dict]) -> str:
+    """Why there is no GPU probe comparison: the first run without one, and its reason (a CPU-only node, an older
+    run)."""
+    from dtprof.analyzers.regression import lookup
+
+    for side, runs in (("base", b), ("head", h)):
+        for s in runs:
+            p = lookup(s, "run.probe")
+            if not isinstance(p, dict) or not p.get("gpu_start_s"):
+                why = p.get("gpu_reason") if isinstance(p, dict) else None
+                return f"{side}: {why or 'no GPU probe recorded'}"
+    return "no GPU probe recorded"
 
 
 def _emit(text: str, output: str | None) -> None:
