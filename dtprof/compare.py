@@ -207,10 +207,7 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
         reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
                                                                    for x in blocking)
                        + " (--allow-different to decide anyway)")
-    if probe and probe["moved"]:
-        reasons.append(f"the machine ran {abs(probe['ratio'] - 1) * 100:.0f} % "
-                       f"{'slower' if probe['ratio'] > 1 else 'faster'} on the probe (head vs base)")
-    reasons += _gpu_probe_reasons(gpu_probe)
+    reasons += _machine_reasons(probe, gpu_probe, slower=code == EXIT_REGRESSION or bool(worse))
     if reasons:
         code = EXIT_INCONCLUSIVE
     elif worse:
@@ -221,13 +218,21 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
                   "reasons": reasons}
 
 
-def _gpu_probe_reasons(gpu_probe: dict | None) -> list[str]:
-    """Why the GPU probe makes the comparison inconclusive: it moved beyond its noise."""
-    if not gpu_probe or not gpu_probe["moved"]:
-        return []
-    r = gpu_probe["ratio"]
-    return [f"the GPUs ran {abs(r - 1) * 100:.0f} % {'slower' if r > 1 else 'faster'} on the GPU probe "
-            f"(head vs base)"]
+def _machine_reasons(probe: dict | None, gpu_probe: dict | None, slower: bool) -> list[str]:
+    """Why a machine probe that moved makes the comparison inconclusive: only when the change could explain the
+    verdict. A slower machine explains a slower head (``slower``: a gate or a straggler row failed); a faster one
+    could hide a slowdown behind a pass. A faster machine with a slower head, or a slower one with a head that still
+    passed, leaves the verdict standing (the probe's line still shows it). Sets each moved probe's
+    ``explains_verdict``."""
+    out = []
+    for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
+        if not p or not p["moved"]:
+            continue
+        p["explains_verdict"] = (p["ratio"] > 1) == slower
+        if p["explains_verdict"]:
+            out.append(f"the {what} ran {abs(p['ratio'] - 1) * 100:.0f} % {'slower' if p['ratio'] > 1 else 'faster'}"
+                       f" on the {where} (head vs base)")
+    return out
 
 
 def _no_gpu_probe(b: list[dict], h: list[dict]) -> str:

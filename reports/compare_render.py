@@ -58,16 +58,24 @@ def identity_lines(d: dict) -> list[str]:
             for x in d["identity"]]
 
 
+def _probe_text(p: dict) -> str:
+    """The probe's line; a probe that moved but does not explain the verdict (dtprof.compare) says so."""
+    if p.get("explains_verdict") is False:
+        return p["line"] + (", but a slower machine does not explain a head that passed" if p["ratio"] > 1
+                            else ", but a faster machine does not explain a slower head")
+    return p["line"]
+
+
 def probe_line(d: dict) -> str | None:
     p = d.get("probe")
-    return None if not p else p["line"]
+    return None if not p else _probe_text(p)
 
 
 def gpu_probe_line(d: dict) -> str | None:
     """The GPU probe's change, or why there is none (a CPU-only node, an older run)."""
     p = d.get("gpu_probe")
     if p:
-        return p["line"]
+        return _probe_text(p)
     return f"machine probe (GPU): none -- {d['gpu_probe_reason']}" if d.get("gpu_probe_reason") else None
 
 
