@@ -582,11 +582,15 @@ IDENTITY_KEYS = (
     ("model parameters", lambda s: _model_parameters(s), True),
     ("command", lambda s: lookup(s, "run.identity.command"), False),
     ("mesh shape", lambda s: lookup(s, "mesh.shape"), False),
-    ("FLOPs per step", lambda s: lookup(s, "mfu.flops_per_step"), False),
+    ("FLOPs per step", lambda s: _flops(lookup(s, "mfu.flops_per_step")), False),
     ("torch", lambda s: lookup(s, "run.versions.torch"), False),
     ("NCCL", lambda s: lookup(s, "run.versions.nccl"), False),
     ("dtprof", lambda s: lookup(s, "run.versions.dtprof"), False),
 )
+
+
+def _flops(v: Any) -> str | None:
+    return f"{float(v):.4g}" if isinstance(v, (int, float)) else None
 
 
 def _model_parameters(summary: dict) -> str | None:
