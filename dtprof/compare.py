@@ -119,8 +119,9 @@ Exit codes:
   0  every gate passed
   1  a gate failed (regression)
   2  bad usage or unreadable input
-  3  inconclusive: too few measured steps, runs of a different world size, script or
-     device (unless --allow-different), or the machine probe moved beyond its noise
+  3  inconclusive: too few measured steps, runs of a different world size, script, model
+     parameter count or device (unless --allow-different), or a machine probe (CPU, GPU)
+     moved beyond its noise in the direction that could explain the verdict
 
 \b
 Example:
@@ -143,7 +144,8 @@ Example:
 @click.option("--scaling", is_flag=True, help="Scaling efficiency across the given runs (world sizes).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed (results are reproducible).")
 @click.option("--allow-different", is_flag=True,
-              help="Decide even when the runs differ in world size, script or devices (the differences are shown).")
+              help="Decide even when the runs differ in world size, script, model parameter count or devices (the "
+                   "differences are shown).")
 def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed, allow_different):
     from dtprof.analyzers import regression as rg
     from dtprof.reports import compare_render as cr
