@@ -47,6 +47,9 @@ _faults: list[str] = []
 # "clean" at a normal interpreter exit (atexit). Written into the heartbeat so the watchdog can tell a rank that
 # finished from one that died (SIGKILL, abort, OOM killer never run atexit).
 _exit_status: str | None = None
+# When the rank received SIGTERM (monotonic ns): torchrun stops the survivors of a crash that way, and the watchdog
+# must not take such a survivor for the rank that died first.
+_sigterm_ns: int | None = None
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
@@ -88,6 +91,7 @@ def snapshot(state: Any) -> dict:
         "wall_ns": time.time_ns(),
         "faults": list(_faults),
         "exit": _exit_status,
+        "sigterm_ns": _sigterm_ns,
     }
 
 
@@ -204,10 +208,13 @@ class _Heartbeat:
         """Write dump-sigterm.json once; a caller from another thread waits (bounded) for the first one's dump.
         False for a second SIGTERM handled inside the thread that is writing it: that caller must return at once
         and leave the rest (the dump, then the signal's action) to the first."""
+        global _sigterm_ns
         if self._sigterm_dump_claimed.acquire(blocking=False):   # never released: one dump per process
             self._sigterm_dumper = threading.get_ident()
+            _sigterm_ns = time.monotonic_ns()
             try:
                 write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
+                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
             except Exception:
                 pass
             finally:

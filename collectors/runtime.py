@@ -414,6 +414,20 @@ class Recorder:
             self.roots = weakref.WeakSet()
         self.roots.add(module)
 
+    def record_model(self) -> None:
+        """A ``model`` meta row at the end of step 0: the parameters of the root modules (each parameter once; a
+        DTensor counts its global shape, a plain shard its local one), part of what identifies a configuration
+        (`dtprof compare`). Once per run; a model that cannot be counted is left out, never a fault."""
+        try:
+            roots = list(self.roots or ())
+            if not roots:
+                return
+            params = {id(p): p for m in roots for p in m.parameters()}
+            self.meta("model", {"parameters": int(sum(p.numel() for p in params.values())),
+                                "modules": sorted({type(m).__name__ for m in roots})})
+        except Exception:
+            pass
+
     def fwd_hook(self, module, args, output):
         if self.disabled:
             return None
@@ -523,6 +537,7 @@ class Recorder:
                       a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step)))
         if step == 0:
             self.refresh_identity()           # the device and the process group are set up by now
+            self.record_model()
             self.hooks_to_roots()
         self.annot = {}
         self.inferred = {}

@@ -613,7 +613,9 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
 
-    machine_info = machine.start_record(command, cwd)   # identity and the start probe (dtprof/machine.py)
+    job_python_exe = job_python_info["executable"] if job_python_info else None
+    # identity and the start probes (dtprof/machine.py; the GPU one in the job's Python)
+    machine_info = machine.start_record(command, cwd, job_python_exe, env)
     start_wall, start_mono = time.time(), time.monotonic_ns()
     node_info = {
         "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
@@ -655,7 +657,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
-    _guarded("probe", warn, machine.end_record, node_info)
+    _guarded("probe", warn, machine.end_record, node_info, job_python_exe, env)
     fired = False
     if watchdog is not None:
         _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
@@ -691,8 +693,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     if faults:
         warn(faults)
 
-    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet,
-              job_python_info["executable"] if job_python_info else None)
+    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet, job_python_exe)
     sys.exit(exit_code)
 
 
