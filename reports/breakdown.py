@@ -1,9 +1,10 @@
 """The report's "where the step went" chart: one stacked bar per rank of summary.json's
 ``ranks[].breakdown_s_per_step`` (analyzers/breakdown.py), whose parts sum to the rank's mean step time.
 
-Beyond ``MAX_BARS`` ranks the bars are groups: one per host when the job has 2..MAX_BARS hosts, else buckets of
-consecutive ranks. A group's bar is the mean of its ranks' breakdowns; its label and hover name its worst rank (the
-longest mean step) and that rank's step time. Only formats the analysis: nothing is computed from the run here.
+Beyond ``MAX_BARS`` ranks the bars are groups (reports/rankgroups.py): one per node when the job has 2..MAX_BARS
+nodes, else per pipeline stage, else per mesh coordinate, else buckets of consecutive ranks. A group's bar is the
+mean of its ranks' breakdowns; its label and hover name its worst rank (the longest mean step) and that rank's step
+time. Only formats the analysis: nothing is computed from the run here.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from dtprof.reports import rankgroups as RG
 from dtprof.reports.figures import layout
 
 MAX_BARS = 64
@@ -24,12 +26,7 @@ PART_COLORS = {"forward": "#4C78A8", "backward": "#72B7B2", "optimizer": "#54A24
                "data_wait": "#EECA3B", "bubble": "#B279A2", "other": "#BAB0AC"}
 
 
-def _ranks_text(ranks) -> str:
-    ranks = sorted(int(r) for r in ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}–{ranks[-1]}"
-
-
-def breakdown_table(summary: dict) -> pd.DataFrame:
+def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per bar: label, ranks (text), worst rank and its step time, and the mean seconds of each part."""
     parts = (summary.get("breakdown") or {}).get("parts") or list(PART_LABELS)
     rows = [r for r in summary.get("ranks") or [] if r.get("breakdown_s_per_step")]
@@ -43,18 +40,14 @@ def breakdown_table(summary: dict) -> pd.DataFrame:
         df["group"] = np.arange(len(df))
         df["label"] = "rank " + df["rank"].astype(str)
     else:
-        hosts = df["host"].nunique()
-        if 2 <= hosts <= MAX_BARS and (df["host"] != "").all():
-            df["group"] = pd.factorize(df["host"])[0]
-            df["label"] = df["host"].map(html.escape)
-        else:
-            size = -(-len(df) // MAX_BARS)
-            df["group"] = np.arange(len(df)) // size
-            df["label"] = ""
+        grouping = RG.choose(summary, pipeline, df["rank"], MAX_BARS)
+        df["group"] = grouping.codes.reindex(df["rank"]).to_numpy()
+        df["label"] = ("" if grouping.kind == "consecutive ranks" else
+                       df["group"].map(lambda c: html.escape(grouping.labels[c])))
     worst = df.loc[df.groupby("group")["step_s"].idxmax(), ["group", "rank", "step_s"]].set_index("group")
     g = df.groupby("group", sort=True)
     out = g[parts + ["step_s"]].mean()
-    out["ranks"] = g["rank"].agg(_ranks_text)
+    out["ranks"] = g["rank"].agg(RG.ranks_text)
     out["n"] = g.size()
     out["worst_rank"] = worst["rank"]
     out["worst_step_s"] = worst["step_s"]
@@ -66,8 +59,8 @@ def breakdown_table(summary: dict) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def breakdown_figure(summary: dict) -> go.Figure | None:
-    t = breakdown_table(summary)
+def breakdown_figure(summary: dict, pipeline: pd.DataFrame | None = None) -> go.Figure | None:
+    t = breakdown_table(summary, pipeline)
     if t.empty:
         return None
     parts = (summary.get("breakdown") or {}).get("parts") or list(PART_LABELS)

@@ -46,6 +46,7 @@ import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 from dtprof.reader import open_run
+from dtprof.reports import rankgroups as RG
 
 ASSETS = Path(__file__).parent / "assets"
 # The page loads nothing from the network: inline scripts and styles only, images and fonts as data: URIs.
@@ -55,6 +56,7 @@ CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 
 # anchor -> section title, in page order
 SECTIONS = {
     "steps": "Step time",
+    "ranks": "Ranks by group",
     "timeline": "Timeline",
     "kernels": "GPU time and top kernels",
     "heatmaps": "Rank × step heatmaps",
@@ -363,6 +365,39 @@ def _section(anchor: str, body: str, note: str = "") -> str:
     return f'<section id="{anchor}"><h2>{esc(SECTIONS[anchor])}</h2>{note_html}{body}</section>'
 
 
+def _ranks_by_group(analysis) -> str:
+    """Beyond GROUP_ABOVE ranks: the ranks computing the longest per step, named with their node, stage and mesh
+    coordinates, then per grouping (reports/rankgroups.py) its groups with the longest worst rank."""
+    import pandas as pd
+
+    rows = [r for r in (analysis.summary or {}).get("ranks") or [] if r.get("compute_s_per_step") is not None]
+    if not rows:
+        return '<p class="empty">No measured steps.</p>'
+    ranks = pd.DataFrame(rows).set_index("rank", drop=False)
+    compute = ranks["compute_s_per_step"].astype(float)
+    groupings = RG.groupings(analysis.summary, analysis.pipeline)
+    worst = ranks.loc[RG.worst_ranks(compute, RG.WORST_NAMED * 2).index].copy()
+    cols: list[tuple[str, str, Callable[[Any], str] | None]] = [("rank", "rank", _num("{}"))]
+    for g in groupings:
+        worst[g.kind] = [g.labels[c] if c == c else "" for c in g.codes.reindex(worst.index)]
+        cols.append((g.kind, g.kind, None))
+    cols += [("compute_s_per_step", "compute / step", fmt_s), ("exposed_comm_s_per_step", "exposed comm / step",
+                                                                fmt_s),
+             ("step_time_s_mean", "step (mean)", fmt_s), ("compute_score", "compute score (1 = fastest)",
+                                                          _num("{:.2f}"))]
+    out = ['<h3>Ranks computing the longest per step</h3><div id="worst-ranks">',
+           _table(worst, cols, RG.WORST_NAMED * 2, "ranks"), "</div>"]
+    for g in groupings or [RG.consecutive(compute.index, 64)]:
+        t = RG.group_stats(compute, g).sort_values("max", ascending=False)
+        out.append(f'<h3>By {esc(g.kind)} ({g.n:,} groups): the {min(RG.WORST_NAMED, g.n)} with the longest worst '
+                   f'rank</h3><div class="by-group" data-kind="{esc(g.kind)}">')
+        out.append(_table(t, [("label", g.kind, None), ("ranks", "ranks", None), ("min", "min", fmt_s),
+                              ("median", "median", fmt_s), ("max", "max", fmt_s),
+                              ("worst_rank", "worst rank", _num("{}"))], RG.WORST_NAMED, "groups"))
+        out.append("</div>")
+    return "".join(out)
+
+
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
@@ -373,7 +408,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     page = _Page()
     summary = analysis.summary or {}
     # first on the page, so the first screen says where the step went
-    breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
+    breakdown_chart = page.figure(breakdown_figure(summary, analysis.pipeline), "fig-breakdown")
     breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
     breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
     ctx = F.make_context(run, analysis)
@@ -385,11 +420,18 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
                              f"{n_ranks} ranks; the band shows the spread over ranks, the red line the job's step "
                              "time (a step ends when its slowest rank ends)."))
     progress.step("step time")
+    if n_ranks > RG.GROUP_ABOVE:
+        sections.append(_section("ranks", _ranks_by_group(analysis), (
+            f"{n_ranks:,} ranks: beyond {RG.GROUP_ABOVE} ranks the per-rank charts below show groups of ranks "
+            "(node, pipeline stage or mesh coordinate), each group's spread and its worst rank. Ranks are compared "
+            "by compute per step, not step time: in synchronous training every rank's step lasts as long as the "
+            "slowest rank's (docs/metrics.md, Stragglers).")))
 
     tl, window, tl_ranks = F.timeline_figure(ctx)
     world = run.world_size or n_ranks
-    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" (of {world}: rank 0, stragglers, the slowest "
-            "and fastest computing ranks, then evenly spaced)" if len(tl_ranks) < world else "") +
+    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" — a slice of {len(tl_ranks)} of the {world:,} "
+            "ranks: rank 0, the stragglers, the slowest and fastest computing ranks, then an even sample"
+            if len(tl_ranks) < world else "") +
             ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
             "Where a GPU trace exists, each CUDA stream gets a row of kernels (compute and communication "
             "coloured apart) under the rank's CPU-side spans, drawn as outlines.")
@@ -465,6 +507,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
         per_dim = pd.DataFrame(mesh["per_dim"]).sort_values("comm_s_per_step", ascending=False)
         pipes = pd.DataFrame(mesh.get("pipeline_groups") or [])
         if len(pipes):
+            pipes = pipes.sort_values("bubble_frac_max", ascending=False)   # past the table's limit: worst first
             pipes["ranks"] = pipes["ranks"].map(lambda r: ", ".join(map(str, r)))
         shape = " × ".join(f"{n} {d}" for n, d in zip(mesh.get("shape") or [], mesh.get("dims") or []))
         body = _table(per_dim, [

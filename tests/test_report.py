@@ -261,7 +261,7 @@ def test_large_run_is_binned_and_windowed(tmp_path, capsys, browser):
     shape = hm["z"]["dtprof_quantized"]["shape"]
     assert shape[0] == 64 and shape[1] <= F.MAX_HEATMAP_COLS
     ctx = F.make_context(open_run(path), analysis)
-    want = F._bin_matrix(ctx.measured, "duration_s", 1e3)[0]
+    want = F._bin_matrix(ctx, ctx.measured, "duration_s", 1e3)[0]
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     try:
         page.goto(out.as_uri())
