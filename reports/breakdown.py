@@ -4,7 +4,9 @@
 Beyond ``MAX_BARS`` ranks the bars are groups (reports/rankgroups.py): one per node when the job has 2..MAX_BARS
 nodes, else per pipeline stage, else per mesh coordinate, else buckets of consecutive ranks. A group's bar is the
 mean of its ranks' breakdowns; its label and hover name its worst rank (the longest mean step) and that rank's step
-time. Only formats the analysis: nothing is computed from the run here.
+time. With too many nodes for bars and no stage or mesh grouping (1,024 ranks on 128 nodes), the bars are the mean
+of all ranks, then the ``WORST_BARS`` ranks computing longest, each its own breakdown. Only formats the analysis:
+nothing is computed from the run here.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dtprof.reports import rankgroups as RG
 from dtprof.reports.figures import layout
 
 MAX_BARS = 64
+WORST_BARS = 8
 PART_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer",
                "exposed_comm": "exposed communication", "comm_outside_fwd_bwd": "collectives outside forward/backward",
                "data_wait": "data wait", "bubble": "pipeline bubble", "other": "other"}
@@ -34,6 +37,7 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
         return pd.DataFrame()
     df = pd.DataFrame({"rank": [r["rank"] for r in rows], "host": [str(r.get("host") or "") for r in rows],
                        "step_s": [r["step_time_s_mean"] for r in rows],
+                       "compute_s": [r.get("compute_s_per_step") for r in rows],
                        **{p: [r["breakdown_s_per_step"][p] for r in rows] for p in parts}})
     df = df.sort_values("rank", ignore_index=True)
     if len(df) <= MAX_BARS:
@@ -41,6 +45,8 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
         df["label"] = "rank " + df["rank"].astype(str)
     else:
         grouping = RG.choose(summary, pipeline, df["rank"], MAX_BARS)
+        if grouping.kind == "consecutive ranks":
+            return _mean_and_worst(df, parts)
         df["group"] = grouping.codes.reindex(df["rank"]).to_numpy()
         df["label"] = ("" if grouping.kind == "consecutive ranks" else
                        df["group"].map(lambda c: html.escape(grouping.labels[c])))
@@ -59,6 +65,21 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
     return out.reset_index(drop=True)
 
 
+def _mean_and_worst(df: pd.DataFrame, parts: list[str]) -> pd.DataFrame:
+    """Bars: the mean of all ranks, then the WORST_BARS ranks computing longest (summary ranks[].compute_s_per_step),
+    each labelled with its node."""
+    worst = df.sort_values("compute_s", ascending=False, kind="stable").head(WORST_BARS)
+    top = worst.iloc[0]
+    mean = {**df[parts + ["step_s"]].mean().to_dict(), "ranks": RG.ranks_text(df["rank"]), "n": len(df),
+            "worst_rank": int(top["rank"]), "worst_step_s": float(top["step_s"]),
+            "label": f"all {len(df):,} ranks (mean)"}
+    each = worst.assign(ranks="rank " + worst["rank"].astype(str), n=1, worst_rank=worst["rank"],
+                        worst_step_s=worst["step_s"],
+                        label="rank " + worst["rank"].astype(str) + " (" + worst["host"].map(html.escape) + ")")
+    cols = parts + ["step_s", "ranks", "n", "worst_rank", "worst_step_s", "label"]
+    return pd.concat([pd.DataFrame([mean]), each[cols]], ignore_index=True)[cols]
+
+
 def breakdown_figure(summary: dict, pipeline: pd.DataFrame | None = None) -> go.Figure | None:
     t = breakdown_table(summary, pipeline)
     if t.empty:
@@ -66,16 +87,19 @@ def breakdown_figure(summary: dict, pipeline: pd.DataFrame | None = None) -> go.
     parts = (summary.get("breakdown") or {}).get("parts") or list(PART_LABELS)
     grouped = bool((t["n"] > 1).any())
     fig = go.Figure()
-    custom = np.stack([t["ranks"], t["worst_rank"].astype(str), t["worst_step_s"] * 1e3, t["step_s"] * 1e3], axis=1)
-    who = ("%{customdata[0]} (mean of each rank's)<br>worst: rank %{customdata[1]}, %{customdata[2]:.2f} ms a step"
-           if grouped else "%{customdata[0]}")
+    worst = np.where(t["n"] > 1, " (mean of each rank's)<br>worst: rank " + t["worst_rank"].astype(str) + ", "
+                     + (t["worst_step_s"] * 1e3).map("{:.2f}".format) + " ms a step", "")
+    custom = np.stack([t["ranks"], worst, t["step_s"] * 1e3], axis=1)
+    who = "%{customdata[0]}%{customdata[1]}"
     for p in parts:
         fig.add_trace(go.Bar(
             x=t["label"], y=t[p] * 1e3, name=PART_LABELS.get(p, p), marker_color=PART_COLORS.get(p, "#999"),
             customdata=custom,
             hovertemplate=f"{who}<br>{html.escape(PART_LABELS.get(p, p))}: %{{y:.2f}} ms of "
-                          "%{customdata[3]:.2f} ms a step<extra></extra>"))
+                          "%{customdata[2]:.2f} ms a step<extra></extra>"))
     fig.update_xaxes(type="category")
-    return layout(fig, "Where the step went: mean per measured step, per " + ("group of ranks" if grouped else "rank"),
+    title = ("rank" if not grouped else "group of ranks" if t["n"].iloc[1:].gt(1).any() else
+             f"rank: the mean of all ranks, then the {len(t) - 1} computing longest")
+    return layout(fig, "Where the step went: mean per measured step, per " + title,
                   height=360, xtitle="ranks (grouped)" if grouped else "rank", ytitle="time per step (ms)",
                   barmode="stack")

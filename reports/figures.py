@@ -174,8 +174,13 @@ def _bin_matrix(ctx: Context, df: pd.DataFrame, value: str, scale: float):
 
 
 def _worst_text(values: pd.Series, unit: str, fmt: str = "{:.1f}") -> str:
-    """"rank 5461 (45.2 ms), rank 12 (40.1 ms)": the worst ranks of a per-rank series (rankgroups.WORST_NAMED)."""
-    return ", ".join(f"rank {r} ({fmt.format(v)} {unit})" for r, v in RG.worst_ranks(values).items())
+    """"rank 5461 (45.2 ms), rank 12 (40.1 ms)": the worst ranks of a per-rank series (rankgroups.WORST_NAMED),
+    unless none stands out (synchronous steps: every rank's step time is the job's)."""
+    top = RG.worst_ranks(values)
+    median = float(values.median())
+    if len(top) == 0 or abs(float(top.iloc[0]) - median) <= RG.STANDS_OUT * abs(median):
+        return f"none stands out (every rank within {RG.STANDS_OUT:.0%} of the median, {fmt.format(median)} {unit})"
+    return ", ".join(f"rank {r} ({fmt.format(v)} {unit})" for r, v in top.items())
 
 
 def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
@@ -214,11 +219,11 @@ def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, la
 
 
 def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, unit: str, *,
-                        fmt: str = "{:.2f}", worst: str = "max") -> go.Figure:
+                        fmt: str = "{:.2f}") -> go.Figure:
     """Beyond GROUP_ABOVE ranks, a per-rank series (indexed by rank) as one min–max bar per group of ranks with its
     median marked; the hover names the group's worst rank, the title the job's worst ranks."""
     g = RG.choose(ctx.analysis.summary or {}, ctx.analysis.pipeline, values.index, MAX_DIST_GROUPS)
-    t = RG.group_stats(values, g, worst)
+    t = RG.group_stats(values, g)
     labels = [esc(x) for x in t["label"]]
     custom = np.stack([t["ranks"], t["n"].astype(str), t["worst_rank"].astype(str), t["worst"], t["min"],
                        t["median"], t["max"]], axis=1)
@@ -232,8 +237,7 @@ def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, 
                    marker={"color": "#1d2330", "size": 4, "symbol": "line-ew-open"}, customdata=custom,
                    hovertemplate=hover)])
     fig.update_xaxes(type="category", categoryorder="array", categoryarray=labels)
-    worst_of_job = _worst_text(values, unit, fmt) if worst == "max" else ", ".join(
-        f"rank {r} ({fmt.format(v)} {unit})" for r, v in RG.worst_ranks(values, worst="min").items())
+    worst_of_job = _worst_text(values, unit, fmt)
     return layout(fig, f"{title}, per {g.kind}: min–max and median over each one's ranks<br><sup>worst ranks: "
                   f"{worst_of_job}</sup>", xtitle=f"{g.kind} ({g.n:,} groups of ranks)", ytitle=f"{what} ({unit})",
                   bargap=0.1).update_layout(margin={"t": 70})

@@ -21,6 +21,7 @@ import pandas as pd
 
 GROUP_ABOVE = 256    # more ranks than this: per-rank charts show groups
 WORST_NAMED = 5      # the worst ranks named in a grouped chart's title
+STANDS_OUT = 0.01    # ... when the worst is more than this share away from the median rank
 
 
 @dataclass
@@ -91,16 +92,16 @@ def ranks_text(ranks) -> str:
     return f"ranks {shown} … ({len(r)})" if len(r) > 3 else f"ranks {shown}"
 
 
-def group_stats(values: pd.Series, g: Grouping, worst: str = "max") -> pd.DataFrame:
+def group_stats(values: pd.Series, g: Grouping) -> pd.DataFrame:
     """Per group (display order): label, n, min, median, max of ``values`` (indexed by rank), the worst rank (the
-    largest value, or the smallest with ``worst="min"``) and its value, and the ranks as text."""
+    largest value) and its value, and the ranks as text."""
     v = values.dropna()
     code = g.codes.reindex(v.index)
     v, code = v[code.notna()], code[code.notna()].astype("int64")
     df = pd.DataFrame({"code": code.to_numpy(), "rank": v.index.to_numpy(), "v": v.to_numpy(dtype=float)})
     grp = df.groupby("code", sort=True)
     out = grp["v"].agg(["size", "min", "median", "max"]).rename(columns={"size": "n"})
-    pick = grp["v"].idxmax() if worst == "max" else grp["v"].idxmin()
+    pick = grp["v"].idxmax()
     out["worst_rank"] = df.loc[pick.to_numpy(), "rank"].to_numpy()
     out["worst"] = df.loc[pick.to_numpy(), "v"].to_numpy()
     out["ranks"] = grp["rank"].agg(ranks_text)
@@ -108,10 +109,9 @@ def group_stats(values: pd.Series, g: Grouping, worst: str = "max") -> pd.DataFr
     return out.reset_index(drop=True)
 
 
-def worst_ranks(values: pd.Series, n: int = WORST_NAMED, worst: str = "max") -> pd.Series:
-    """The ``n`` worst ranks of ``values`` (indexed by rank), worst first."""
-    v = values.dropna()
-    return v.nlargest(n) if worst == "max" else v.nsmallest(n)
+def worst_ranks(values: pd.Series, n: int = WORST_NAMED) -> pd.Series:
+    """The ``n`` worst (largest) ranks of ``values`` (indexed by rank), worst first."""
+    return values.dropna().nlargest(n)
 
 
 def reduce_rows(m: np.ndarray, ranks: np.ndarray, g: Grouping, max_rows: int) -> tuple[np.ndarray, list[str]]:
