@@ -27,8 +27,9 @@ Decisions
   Each chart div reserves its figure's height so the page does not jump.
 - Heatmaps over ``QUANT_MIN_CELLS`` cells are stored as 16-bit codes (``quantize_heatmap_z``), half the bytes of
   float32, at 1/65,534 of the colour range; report.js decodes them.
-- Large runs: see the scale rules in figures.py. Progress goes to stderr (``Progress``) when asked or when the
-  run is large.
+- Large runs: see the scale rules in figures.py; beyond ``rankgroups.GROUP_ABOVE`` ranks per-rank charts show
+  groups of ranks and a "Ranks by group" section names the worst ranks (reports/rankgroups.py,
+  docs/report-scale.md). Progress goes to stderr (``Progress``) when asked or when the run is large.
 """
 from __future__ import annotations
 
