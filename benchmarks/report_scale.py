@@ -124,13 +124,14 @@ def widened_analysis(template, raw, n_ranks: int, n_steps: int, slow_rank: int, 
                             time_s={k: float(np.percentile(per_step, q)) for k, q in
                                     (("p50", 50), ("p90", 90), ("p99", 99))} | {"mean": float(per_step.mean())})
     lost = float((comp_mean[slow_rank] - np.median(comp_mean)) * (S - 1))
-    for lst in (summary["stragglers"], summary["what_if"]):
-        for item in lst:
-            if "rank" in item:
-                item.update(rank=slow_rank, host=hosts[slow_rank], time_lost_s=lost)
-            if item.get("ranks"):
-                item["ranks"] = [slow_rank]
-    summary["findings"] = []   # the template's findings name the template's ranks
+    # the template's straggler becomes the injected one; what names other template ranks is left out
+    summary["stragglers"] = [{**s, "rank": slow_rank, "host": hosts[slow_rank], "time_lost_s": lost}
+                             for s in summary["stragglers"][:1]]
+    first = next((w for w in summary["what_if"] if w["ranks"]), None)
+    summary["what_if"] = [{**w, "ranks": [slow_rank]} if w is first else w for w in summary["what_if"]
+                          if not w["ranks"] or w is first]
+    summary["critical_path"] = None
+    summary["findings"] = []
     strag = pd.DataFrame({c: 0.0 for c in template.stragglers.columns}, index=range(W))
     strag = strag.assign(rank=np.arange(W), host=hosts, device=tpl["device"], compute_score=score, kind="none",
                          reason="", time_lost_s=0.0)

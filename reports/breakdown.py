@@ -72,10 +72,10 @@ def _mean_and_worst(df: pd.DataFrame, parts: list[str]) -> pd.DataFrame:
     top = worst.iloc[0]
     mean = {**df[parts + ["step_s"]].mean().to_dict(), "ranks": RG.ranks_text(df["rank"]), "n": len(df),
             "worst_rank": int(top["rank"]), "worst_step_s": float(top["step_s"]),
-            "label": f"all {len(df):,} ranks (mean)"}
-    each = worst.assign(ranks="rank " + worst["rank"].astype(str), n=1, worst_rank=worst["rank"],
-                        worst_step_s=worst["step_s"],
-                        label="rank " + worst["rank"].astype(str) + " (" + worst["host"].map(html.escape) + ")")
+            "label": f"all {len(df):,} (mean)"}
+    each = worst.assign(ranks="rank " + worst["rank"].astype(str) + " (" + worst["host"].map(html.escape) + ")",
+                        n=1, worst_rank=worst["rank"], worst_step_s=worst["step_s"],
+                        label="rank " + worst["rank"].astype(str))
     cols = parts + ["step_s", "ranks", "n", "worst_rank", "worst_step_s", "label"]
     return pd.concat([pd.DataFrame([mean]), each[cols]], ignore_index=True)[cols]
 
@@ -99,7 +99,7 @@ def breakdown_figure(summary: dict, pipeline: pd.DataFrame | None = None) -> go.
                           "%{customdata[2]:.2f} ms a step<extra></extra>"))
     fig.update_xaxes(type="category")
     title = ("rank" if not grouped else "group of ranks" if t["n"].iloc[1:].gt(1).any() else
-             f"rank: the mean of all ranks, then the {len(t) - 1} computing longest")
+             f"rank: all, then the {len(t) - 1} computing longest")
     return layout(fig, "Where the step went: mean per measured step, per " + title,
                   height=360, xtitle="ranks (grouped)" if grouped else "rank", ytitle="time per step (ms)",
                   barmode="stack")

@@ -160,7 +160,8 @@ def _bin_matrix(ctx: Context, df: pd.DataFrame, value: str, scale: float):
     m[ri, si] = df[value].to_numpy(dtype=float) * scale
     rows, grouping = ranks, None
     if len(ranks) > RG.GROUP_ABOVE:
-        grouping = RG.choose(ctx.analysis.summary or {}, ctx.analysis.pipeline, ranks, MAX_HEATMAP_ROWS)
+        # groups beyond MAX_HEATMAP_ROWS (2,048 nodes) are merged in order, a row the worst of a few nodes
+        grouping = RG.choose(ctx.analysis.summary or {}, ctx.analysis.pipeline, ranks, MAX_DIST_GROUPS)
         m, rows = RG.reduce_rows(m, ranks, grouping, MAX_HEATMAP_ROWS)
     sb = int(np.ceil(len(steps) / MAX_HEATMAP_COLS))
     if sb > 1:
@@ -195,7 +196,9 @@ def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, la
     xt = "step" if sb == 1 else f"step (each column: mean of {sb} steps)"
     who = "rank %{y}"
     if grouping is not None:
-        yt = f"{grouping.kind} (each row: its worst rank)"
+        per = -(-grouping.n // MAX_HEATMAP_ROWS)
+        yt = f"{grouping.kind} (each row: its worst rank)" if per == 1 else \
+            f"{grouping.kind} (each row: the worst rank of {per} of {grouping.n:,})"
         who = "%{y}"
         means = df.groupby("rank")[value].mean() * scale
         title = f"{title}<br><sup>worst ranks (mean over the measured steps): {_worst_text(means, unit)}</sup>"
@@ -232,12 +235,14 @@ def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, 
     hover = (f"%{{customdata[0]}}<br>{esc(what)} over its %{{customdata[1]}} ranks: min "
              f"%{{customdata[4]:.2f}}, median %{{customdata[5]:.2f}}, max %{{customdata[6]:.2f}} {unit}"
              f"<br>worst: rank %{{customdata[2]}}, %{{customdata[3]:.2f}} {unit}<extra></extra>")
-    fig = go.Figure([
-        go.Bar(x=x, y=(t["max"] - t["min"]).to_numpy(), base=t["min"].to_numpy(), name="min–max over the ranks",
-               marker_color="rgba(76,120,168,0.45)", customdata=custom, hovertemplate=hover),
-        go.Scatter(x=x, y=t["median"].to_numpy(), mode="markers", name="median rank",
-                   marker={"color": "#1d2330", "size": 4, "symbol": "line-ew-open"}, customdata=custom,
-                   hovertemplate=hover)])
+    # the median as a marker and the min–max as an error bar: a line stays visible where 2,048 groups leave a bar
+    # less than a pixel wide
+    med = t["median"].to_numpy()
+    fig = go.Figure(go.Scatter(
+        x=x, y=med, mode="markers", name="median rank; bar: min–max over the group's ranks",
+        marker={"color": "#1d2330", "size": 3}, showlegend=True, customdata=custom, hovertemplate=hover,
+        error_y={"type": "data", "symmetric": False, "array": t["max"].to_numpy() - med,
+                 "arrayminus": med - t["min"].to_numpy(), "width": 0, "thickness": 1.5, "color": "#4C78A8"}))
     every = max(1, -(-len(t) // 24))
     fig.update_xaxes(tickvals=x[::every], ticktext=labels[::every], range=[-0.5, len(t) - 0.5])
     worst_of_job = _worst_text(values, unit, fmt)

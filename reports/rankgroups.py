@@ -129,6 +129,6 @@ def reduce_rows(m: np.ndarray, ranks: np.ndarray, g: Grouping, max_rows: int) ->
     with np.errstate(invalid="ignore"):
         out = np.fmax.reduceat(m[keep][order], starts, axis=0)
     present = sorted_rows[starts]
-    labels = [g.labels[r * per] if per == 1 else f"{g.labels[r * per]} … {g.labels[min(g.n, (r + 1) * per) - 1]}"
+    labels = [g.labels[r * per] if per == 1 else f"{g.labels[r * per]}…{g.labels[min(g.n, (r + 1) * per) - 1]}"
               for r in present]
     return out, labels

@@ -455,9 +455,10 @@ def test_breakdown_groups_beyond_64_ranks_naming_the_worst():
     assert by_host.loc[9, "forward"] == pytest.approx((0.05 + 0.01 * 7) / 8)   # the mean of the node's ranks
     # one host, no stage or mesh: the mean of all ranks, then the ranks computing longest, each its own bar
     bars = breakdown_table(summary(130, 1))
-    assert bars.loc[0, "label"] == "all 130 ranks (mean)" and bars.loc[0, "n"] == 130
+    assert bars.loc[0, "label"] == "all 130 (mean)" and bars.loc[0, "n"] == 130
     assert bars.loc[0, "forward"] == pytest.approx((0.05 + 0.01 * 129) / 130)
-    assert bars.loc[1, "label"] == "rank 77 (node0)" and bars.loc[1, "forward"] == 0.05
+    assert bars.loc[1, "label"] == "rank 77" and bars.loc[1, "ranks"] == "rank 77 (node0)"
+    assert bars.loc[1, "forward"] == 0.05
     assert len(bars) == 1 + WORST_BARS
     assert len(breakdown_table(summary(64, 1))) == 64   # up to 64 ranks: a bar each
 
