@@ -234,10 +234,11 @@ def main() -> int:
     size_mb = out.stat().st_size / 1e6
 
     from playwright.sync_api import sync_playwright
-    from plotly.offline import get_plotlyjs
+
+    from dtprof.reports.html import _plotly_js
 
     base = run_dir / "plotly-only.html"
-    base.write_text(f"<!DOCTYPE html><html><body><script>{get_plotlyjs()}</script></body></html>")
+    base.write_text(f"<!DOCTYPE html><html><body><script>{_plotly_js()}</script></body></html>")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
         bpage = browser.new_page()

@@ -7,8 +7,8 @@ The page: a header (command, world size, hosts and devices, versions, duration, 
 cards (MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline
 bubble, stragglers), the findings most severe first (each links to the chart with its evidence), then one section
 per view (see ``SECTIONS``). The page only formats the ``Analysis``: it never runs an analyzer (or triage) again.
-Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
-package, so the page makes no network request.
+Figures are plotly (``reports/figures.py``); plotly.js (its cartesian bundle, ``_plotly_js``) is inlined once, so
+the page makes no network request.
 
 Decisions
 - Headline numbers are read from ``analysis.summary`` (summary.json) only, never recomputed here, so the page and
@@ -50,6 +50,9 @@ from dtprof.reader import open_run
 from dtprof.reports import rankgroups as RG
 
 ASSETS = Path(__file__).parent / "assets"
+# plotly.js's cartesian bundle, from npm plotly.js-cartesian-dist-min (MIT, assets/plotly-cartesian.LICENSE);
+# update it with the plotly package (same plotly.js version, see _plotly_js)
+CARTESIAN_JS = ASSETS / "plotly-cartesian.min.js"
 # The page loads nothing from the network: inline scripts and styles only, images and fonts as data: URIs.
 CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
        "img-src data: blob:; font-src data:")
@@ -582,9 +585,15 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 
 
 def _plotly_js() -> str:
-    from plotly.offline import get_plotlyjs
+    """plotly.js for the page: its cartesian partial bundle (``CARTESIAN_JS``: every figure here is a bar, scatter
+    or heatmap; 1.5 MB instead of the full 4.8 MB, which the browser must parse before any chart draws: at
+    16,384 ranks the page is usable in half the time, docs/report-scale.md) when it is the plotly.js version the
+    installed plotly writes figures for, else that version's full bundle from the plotly package."""
+    from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
-    js = get_plotlyjs()
+    js = CARTESIAN_JS.read_text(encoding="utf-8")
+    if f"(cartesian - minified) v{get_plotlyjs_version()}\n" not in js[:200]:
+        js = get_plotlyjs()
     if "</script" in js.lower():  # never seen, but an inlined script must not close its own tag
         js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
     return js

@@ -215,6 +215,19 @@ def test_failed_run_header_says_why(browser, reports):
         loaded.page.close()
 
 
+def test_page_inlines_the_cartesian_bundle_of_the_plotly_js_version_figures_are_written_for(monkeypatch):
+    # the cartesian bundle (a third of the bytes the browser parses before any chart draws) when its version is
+    # the installed plotly's; another version's figures get that version's full bundle
+    import plotly.offline
+    from plotly.offline import get_plotlyjs, get_plotlyjs_version
+
+    js = H._plotly_js()
+    assert f"plotly.js (cartesian - minified) v{get_plotlyjs_version()}" in js[:200]
+    assert len(js) < len(get_plotlyjs()) / 2
+    monkeypatch.setattr(plotly.offline, "get_plotlyjs_version", lambda: "0.0.1")
+    assert H._plotly_js() == get_plotlyjs()
+
+
 def test_json_in_script_cannot_close_the_tag():
     text = json.dumps({"name": "</script><script>alert(1)</script>", "x": "a & b\u2028"})
     safe = H.json_for_script(text)
