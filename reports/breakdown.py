@@ -48,8 +48,7 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
         if grouping.kind == "consecutive ranks":
             return _mean_and_worst(df, parts)
         df["group"] = grouping.codes.reindex(df["rank"]).to_numpy()
-        df["label"] = ("" if grouping.kind == "consecutive ranks" else
-                       df["group"].map(lambda c: html.escape(grouping.labels[c])))
+        df["label"] = df["group"].map(lambda c: html.escape(grouping.labels[c]))
     worst = df.loc[df.groupby("group")["step_s"].idxmax(), ["group", "rank", "step_s"]].set_index("group")
     g = df.groupby("group", sort=True)
     out = g[parts + ["step_s"]].mean()
@@ -57,9 +56,7 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
     out["n"] = g.size()
     out["worst_rank"] = worst["rank"]
     out["worst_step_s"] = worst["step_s"]
-    label = g["label"].first()
-    out["label"] = np.where(out["n"] == 1, label, np.where(label != "", label + " (" + out["ranks"] + ")",
-                                                           out["ranks"]))
+    out["label"] = g["label"].first()   # the group's ranks are in the hover
     if len(df) > MAX_BARS:
         out["label"] = out["label"] + " · worst " + out["worst_rank"].astype(str)
     return out.reset_index(drop=True)
@@ -72,7 +69,7 @@ def _mean_and_worst(df: pd.DataFrame, parts: list[str]) -> pd.DataFrame:
     top = worst.iloc[0]
     mean = {**df[parts + ["step_s"]].mean().to_dict(), "ranks": RG.ranks_text(df["rank"]), "n": len(df),
             "worst_rank": int(top["rank"]), "worst_step_s": float(top["step_s"]),
-            "label": f"all {len(df):,} (mean)"}
+            "label": "all (mean)"}
     each = worst.assign(ranks="rank " + worst["rank"].astype(str) + " (" + worst["host"].map(html.escape) + ")",
                         n=1, worst_rank=worst["rank"], worst_step_s=worst["step_s"],
                         label="rank " + worst["rank"].astype(str))
@@ -97,9 +94,11 @@ def breakdown_figure(summary: dict, pipeline: pd.DataFrame | None = None) -> go.
             customdata=custom,
             hovertemplate=f"{who}<br>{html.escape(PART_LABELS.get(p, p))}: %{{y:.2f}} ms of "
                           "%{customdata[2]:.2f} ms a step<extra></extra>"))
-    fig.update_xaxes(type="category")
+    fig.update_xaxes(type="category", tickangle=0 if len(t) <= 12 else None)   # up to 12 bars: labels level
     title = ("rank" if not grouped else "group of ranks" if t["n"].iloc[1:].gt(1).any() else
              f"rank: all, then the {len(t) - 1} computing longest")
-    return layout(fig, "Where the step went: mean per measured step, per " + title,
-                  height=360, xtitle="ranks (grouped)" if grouped else "rank", ytitle="time per step (ms)",
-                  barmode="stack")
+    layout(fig, "Where the step went: mean per measured step, per " + title,
+           height=400, xtitle="ranks (grouped)" if grouped else "rank", ytitle="time per step (ms)", barmode="stack")
+    # the legend beside the bars, so group labels below have the room they need
+    fig.update_xaxes(automargin=True)
+    return fig.update_layout(legend={"orientation": "v", "x": 1.01, "y": 1, "yanchor": "top", "font": {"size": 11}})

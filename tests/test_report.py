@@ -463,12 +463,12 @@ def test_breakdown_groups_beyond_64_ranks_naming_the_worst():
         return {"ranks": ranks, "breakdown": {"parts": parts}}
 
     by_host = breakdown_table(summary(128, 16))
-    assert len(by_host) == 16 and by_host.loc[9, "label"].startswith("node9 (ranks 72–79)")
-    assert by_host.loc[9, "worst_rank"] == 77 and "worst 77" in by_host.loc[9, "label"]
+    assert len(by_host) == 16 and by_host.loc[9, "label"] == "node9 · worst 77"
+    assert by_host.loc[9, "ranks"] == "ranks 72–79" and by_host.loc[9, "worst_rank"] == 77
     assert by_host.loc[9, "forward"] == pytest.approx((0.05 + 0.01 * 7) / 8)   # the mean of the node's ranks
     # one host, no stage or mesh: the mean of all ranks, then the ranks computing longest, each its own bar
     bars = breakdown_table(summary(130, 1))
-    assert bars.loc[0, "label"] == "all 130 (mean)" and bars.loc[0, "n"] == 130
+    assert bars.loc[0, "label"] == "all (mean)" and bars.loc[0, "n"] == 130 and bars.loc[0, "ranks"] == "ranks 0–129"
     assert bars.loc[0, "forward"] == pytest.approx((0.05 + 0.01 * 129) / 130)
     assert bars.loc[1, "label"] == "rank 77" and bars.loc[1, "ranks"] == "rank 77 (node0)"
     assert bars.loc[1, "forward"] == 0.05
