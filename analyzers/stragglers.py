@@ -15,7 +15,10 @@ and the docs quote them, and each flagged rank's ``reason`` gives the numbers th
 - **persistent**: the what-if model's ``straggler_removed`` scenario (analyzers/whatif.py: the rank's work set to
   its peers' median, part by part) saves at least ``AnalysisOptions.straggler_min_saving`` (5 %) of the job's step
   over the measured steps, and at least that much in >= 75 % of them, or its median step saves at least 3x the
-  threshold (a saving that holds, not a few slow steps: one long preemption raises the mean, not the median).
+  threshold (a saving that holds, not a few slow steps: one long preemption raises the mean, not the median), and
+  its typical extra work (what-if ``typical_excess``: per part, the median over steps of its part minus its peers',
+  summed) is at least that share of the median step: a slow rank's excess recurs in the same part, while a rank
+  that a busy machine preempts in a different part each step saves something in many steps but has none.
   The compute score and arrival lead below are evidence, not criteria: a rank that is slower but that nobody waits
   for (or that a busy machine slows as much as its peers) costs nothing and is named by nobody;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
@@ -54,7 +57,9 @@ def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
     return (f"persistent: removing the rank's extra work (its work set to its peers' median) would save at least "
             f"{min_saving:.0%} of the step over the measured steps, and at least that much in at least "
             f"{PERSISTENT_HELD_FRAC:.0%} of them (or its median measured step would save at least "
-            f"{LARGE_SAVING_FACTOR * min_saving:.0%})")
+            f"{LARGE_SAVING_FACTOR * min_saving:.0%}), and a typical step of it does at least {min_saving:.0%} of the "
+            f"median step more work than its peers in the same parts (a recurring excess, not preemptions of a busy "
+            f"machine that hit a different part each step)")
 
 
 PERSISTENT_RULE = persistent_rule()
@@ -118,10 +123,12 @@ def arrivals(model) -> pd.DataFrame:
 
 
 def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float | None,
-             savings: pd.DataFrame | None = None, min_saving: float = DEFAULT_MIN_SAVING) -> pd.DataFrame:
+             savings: pd.DataFrame | None = None, min_saving: float = DEFAULT_MIN_SAVING,
+             typical_excess: dict[int, float] | None = None) -> pd.DataFrame:
     """Per rank: rank, host, device, late_frac, time_lost_s, compute_score, delay_s_per_step, saving_frac,
     saving_step_frac, kind, late_steps. ``savings``: rank, step, saving_frac of the what-if's straggler_removed per
-    measured step (analyzers/whatif.py); ranks without a row save nothing."""
+    measured step (analyzers/whatif.py); ranks without a row save nothing. ``typical_excess``: rank -> the what-if's
+    typical_excess (s); a rank without one has none."""
     r = run.ranks
     out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
                         "device": r["device_name"].astype(str).to_numpy(),
@@ -175,8 +182,10 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     held_steps = (sv["saving_frac"] >= min_saving).groupby(sv["rank"]).sum()
     out["saving_step_frac"] = held_steps.reindex(idx).fillna(0).to_numpy() / n_steps
     out["saving_frac_median"] = sv.groupby("rank")["saving_frac"].median().reindex(idx).fillna(0.0).to_numpy()
+    out["typical_excess_s"] = pd.Series(typical_excess or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
     held = out["saving_step_frac"]
-    persistent = (out["saving_frac"] >= min_saving) & (
+    consistent = out["typical_excess_s"] >= min_saving * p50 if p50 > 0 else np.zeros(len(out), bool)
+    persistent = (out["saving_frac"] >= min_saving) & consistent & (
         (held >= PERSISTENT_HELD_FRAC) | (out["saving_frac_median"] >= LARGE_SAVING_FACTOR * min_saving))
     ls = out["late_steps"].to_numpy()
     top = np.sort(ls)[::-1]
@@ -185,10 +194,10 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
     out["reason"] = [
         (f"removing its extra work would save about {sf:.0%} of the step ({hf:.0%} of measured steps save at least "
-         f"{min_saving:.0%})" if pe else
+         f"{min_saving:.0%}; a typical step does {ex * 1e3:.1f} ms more work than its peers)" if pe else
          f"held its peers up by >= {TRANSIENT_DELAY_FRAC:.0%} of the median step in {n} measured steps" if tr else "")
-        for pe, tr, sf, hf, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
-                                     out["late_steps"])]
+        for pe, tr, sf, hf, ex, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
+                                         out["typical_excess_s"], out["late_steps"])]
     return out
 
 

@@ -297,7 +297,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
     wi = whatif_mod.analyze_whatif(model, on_gpu=on_gpu)
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
-                               wi.straggler_savings if wi else None, options.straggler_min_saving)
+                               wi.straggler_savings if wi else None, options.straggler_min_saving,
+                               wi.typical_excess if wi else None)
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
     rg = gpu_mod.rank_gpu(run, gpus)
@@ -326,6 +327,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                                 "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
                                 "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
                                 "saving_frac_median": float(s.saving_frac_median),
+                                "typical_excess_s": float(s.typical_excess_s),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)

@@ -416,17 +416,34 @@ class WhatIf:
     identity: Replay | None
     summary: dict                       # summary.json: replay, what_if, critical_path
     straggler_savings: pd.DataFrame     # rank, step, saving_frac: straggler_removed per measured step
+    typical_excess: dict[int, float]    # per suspected rank: typical_excess (s)
 
 
 def _measured(g: StepGraph) -> np.ndarray:
     return np.array(sorted(set(g.windows.loc[g.windows["measured"], "step"].tolist())), np.int64)
 
 
+def _own_work(g: StepGraph) -> pd.DataFrame:
+    """The windows with ``work``: each rank-step's own work in ns (every work part but exposed communication)."""
+    tot = _part_totals(g, g.dur).drop(columns="exposed_comm").sum(axis=1)
+    return g.windows.assign(work=tot.to_numpy())
+
+
+def typical_excess(g: StepGraph, rank: int, peers: list[int], steps: np.ndarray) -> float:
+    """``rank``'s typical extra work in seconds: over the work parts, the sum of the median over ``steps`` of its
+    part minus its peers' median part. A slow rank's excess recurs in the same part; a rank that a busy machine
+    preempts in a different part each step has none."""
+    tot = _part_totals(g, g.dur).drop(columns="exposed_comm")
+    tot["rank"], tot["step"] = g.windows["rank"].to_numpy(), g.windows["step"].to_numpy()
+    tot = tot[tot["step"].isin(steps)]
+    own = tot[tot["rank"] == rank].groupby("step").sum().drop(columns="rank")
+    peer = tot[tot["rank"].isin(peers)].groupby("step").median().drop(columns="rank")
+    return float((own - peer).dropna().median().sum()) / NS
+
+
 def suspects(g: StepGraph, peers: dict[int, list[int]], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting) exceeds their peers' median in the mean measured step, most first."""
-    tot = _part_totals(g, g.dur)
-    tot = tot.drop(columns="exposed_comm").sum(axis=1)
-    w = g.windows.assign(work=tot.to_numpy())
+    w = _own_work(g)
     w = w[w["measured"]]
     mean = w.groupby("rank")["work"].mean()
     excess = {r: mean[r] - float(np.median(mean.reindex(p).dropna())) for r, p in peers.items()
@@ -447,7 +464,7 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
     if ident is None:
         out["replay"] = {"error_frac": None, "reason": "the recorded order contradicts the collectives' matching"}
         return WhatIf(g, None, {"replay": out["replay"], "what_if": [], "critical_path": None},
-                      pd.DataFrame(columns=["rank", "step", "saving_frac"]))
+                      pd.DataFrame(columns=["rank", "step", "saving_frac"]), {})
     base = job_steps(g, ident).reindex(steps).to_numpy(float)
     err = np.abs(base - measured_s) / measured_s
     out["replay"] = {"error_frac": float(err.mean()), "error_frac_max": float(err.max()),
@@ -470,6 +487,7 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
     skipped = []
     peers = peers_of(g)
     rows = []
+    excess: dict[int, float] = {}
     for r in suspects(g, peers):
         e = entry("straggler_removed", [r], straggler_removed(g, [r], peers),
                   basis=f"rank {r}'s work in each step set to the median of its peers' "
@@ -477,6 +495,7 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
         if e:
             entries.append(e[0])
             rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
+            excess[r] = typical_excess(g, r, peers[r], steps)
     parts = _part_totals(g, g.dur)
     has = {p: bool(parts.loc[g.windows["measured"].to_numpy(), p].sum() > 0) for p in WORK_PARTS}
     pipe_win = g.windows["pipeline"].to_numpy()
@@ -521,7 +540,7 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
     out["what_if_skipped"] = skipped
     out["critical_path"] = critical_path(g, ident, steps)
     sav = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=["rank", "step", "saving_frac"])
-    return WhatIf(g, ident, out, sav)
+    return WhatIf(g, ident, out, sav, excess)
 
 
 def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
