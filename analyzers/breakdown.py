@@ -42,9 +42,10 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import coverage_segments, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
+from dtprof.schema import BREAKDOWN_PARTS
 
 NS = 1e9
-PARTS = ("forward", "backward", "optimizer", "exposed_comm", "comm_outside_fwd_bwd", "data_wait", "bubble", "other")
+PARTS = BREAKDOWN_PARTS   # declared with the run format: node summaries store them (dtprof/schema.py)
 UNKNOWN_OP = "(unknown)"
 P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")

@@ -100,34 +100,51 @@ def _cummax_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(x + w * span) - w * span
 
 
+ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "ci", "release")
+
+
+def replay_collectives(co: pd.DataFrame) -> pd.DataFrame:
+    """The collectives the model uses: the rank's own records over trace rows of the same calls."""
+    if len(co) and (~co["source"].isin(["kineto"])).any():
+        return co[~co["source"].isin(["kineto"]).to_numpy()]
+    return co
+
+
+@dataclass
+class RankItems:
+    """The rank-local part of the model (each rank's own spans and collectives; no other rank, no clock): what a
+    node summary stores (analyzers/nodesummary.py) and ``graph`` joins across ranks."""
+    items: pd.DataFrame        # ITEM_COLUMNS, sorted by (rank, step, t, kind); ``ci``: the collective's place
+                               # among its rank's rows of replay_collectives (-1: a work item)
+    stage: dict                # pipeline rank -> its (lowest) stage
+    pipeline_ranks: list
+
+
 def build(model) -> StepGraph:
     """The dependency model of every rank-step of the run model ``model`` (analyzers/runmodel.py)."""
+    return graph(model, rank_items(model))
+
+
+def rank_items(model) -> RankItems:
+    """Work, arrival and wait items of every rank-step of ``model``, from that rank's own records only."""
     w = model.steps
     wr = w["rank"].to_numpy(np.int64)
     ws = w["start_ns"].to_numpy(np.int64)
     we = w["end_ns"].to_numpy(np.int64)
     wstep = w["step"].to_numpy(np.int64)
-    astart = w["aligned_start_ns"].to_numpy(np.int64)
-    base = pd.Series(astart).groupby(wstep).transform("min").to_numpy(np.int64)
     sp = model.spans
     kinds = sp["kind"].astype(str).to_numpy()
     is_pp = np.isin(kinds, ["pp_forward", "pp_backward"])
-    pipe_ranks = set(np.unique(sp["rank"].to_numpy(np.int64)[is_pp]).tolist())
+    pipe_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[is_pp]))
     stage = {}
     if is_pp.any():
         st = sp.loc[is_pp, ["rank", "stage"]].dropna()
         stage = {int(r): int(s) for r, s in st.groupby("rank")["stage"].min().items()}
-    windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
-                            "measured": w["measured"].to_numpy(bool), "pipeline": np.isin(wr, list(pipe_ranks))})
 
-    co = model.collectives
-    if len(co) and (~co["source"].isin(["kineto"])).any():   # the rank's own records over trace rows
-        co = co[~co["source"].isin(["kineto"]).to_numpy()]
-    inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
+    co = replay_collectives(model.collectives)
     c_rank = co["rank"].to_numpy(np.int64)
     c_issue = co["issue_ns"].to_numpy(np.int64)
     c_exit = co["exit_ns"].to_numpy(np.int64)
-    c_p2p = co["op"].astype(str).isin(P2P_OPS).to_numpy()
     c_win = assign_to_windows(wr, ws, we, c_rank, c_issue)
 
     # the timeline's elementary segments (the window itself is a set, so segments tile it)
@@ -205,7 +222,52 @@ def build(model) -> StepGraph:
     it = pd.concat(items, ignore_index=True).sort_values(["win", "t", "kind"], kind="stable", ignore_index=True)
     i_win = it["win"].to_numpy(np.int64)
     ci = it["ci"].to_numpy(np.int64)
+    # a collective is named by its place among its rank's rows (the same in a node's table and the whole run's)
+    it = it.assign(rank=wr[i_win], step=wstep[i_win],
+                   ci=np.where(ci >= 0, _rank_position(c_rank)[np.maximum(ci, 0)] if len(co) else -1, -1))
+    return RankItems(items=it[list(ITEM_COLUMNS)], stage=stage, pipeline_ranks=pipe_ranks)
+
+
+def _rank_position(rank: np.ndarray) -> np.ndarray:
+    """Per row: its place among the rows of its rank (0, 1, ...), in table order."""
+    order = np.argsort(rank, kind="stable")
+    sr = rank[order]
+    first = np.searchsorted(sr, sr, side="left")
+    pos = np.empty(len(rank), np.int64)
+    pos[order] = np.arange(len(rank)) - first
+    return pos
+
+
+def _rank_rows(rank: np.ndarray, item_rank: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The table rows of (rank, place among its rank's rows) pairs; the inverse of ``_rank_position``."""
+    order = np.argsort(rank, kind="stable")
+    first = np.searchsorted(rank[order], item_rank, side="left")
+    return order[np.minimum(first + pos, len(order) - 1)]
+
+
+def graph(model, ri: RankItems) -> StepGraph:
+    """The dependency model from the rank-local items ``ri`` (of one run, or concatenated from node summaries)
+    and the run model's windows, collectives and clocks: the cross-rank part."""
+    w = model.steps
+    wr = w["rank"].to_numpy(np.int64)
+    wstep = w["step"].to_numpy(np.int64)
+    astart = w["aligned_start_ns"].to_numpy(np.int64)
+    base = pd.Series(astart).groupby(wstep).transform("min").to_numpy(np.int64)
+    windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
+                            "measured": w["measured"].to_numpy(bool),
+                            "pipeline": np.isin(wr, ri.pipeline_ranks)})
+    co = replay_collectives(model.collectives)
+    inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
+    c_rank = co["rank"].to_numpy(np.int64)
+    c_issue = co["issue_ns"].to_numpy(np.int64)
+    c_p2p = co["op"].astype(str).isin(P2P_OPS).to_numpy()
+    it = ri.items
+    # windows are sorted by (rank, step) (steps.rank_steps): each item's window row by binary search
+    wkey = wr * (1 << 32) + wstep
+    i_win = np.searchsorted(wkey, it["rank"].to_numpy(np.int64) * (1 << 32) + it["step"].to_numpy(np.int64))
+    ci = it["ci"].to_numpy(np.int64)
     has_c = ci >= 0
+    ci = np.where(has_c, _rank_rows(c_rank, it["rank"].to_numpy(np.int64), ci), -1) if len(co) else ci
     # instance-in-step keys and each wait's measured transfer after the instance's last arrival (aligned clock)
     step_of = wstep[i_win]
     k_raw = np.where(has_c, inst[np.maximum(ci, 0)] if len(inst) else 0, -1)
@@ -224,7 +286,7 @@ def build(model) -> StepGraph:
     p2p = np.where(has_c, c_p2p[np.maximum(ci, 0)] if len(co) else False, False)
     return StepGraph(windows=windows, win=i_win, kind=it["kind"].to_numpy(np.int64),
                      part=it["part"].to_numpy(np.int64), dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag,
-                     p2p=p2p, n_keys=n_keys, stage=stage)
+                     p2p=p2p, n_keys=n_keys, stage=ri.stage)
 
 
 def replay(g: StepGraph, dur: np.ndarray | None = None, lag: np.ndarray | None = None) -> Replay | None:
@@ -374,9 +436,10 @@ def suspects(g: StepGraph, peers: dict[int, list[int]], limit: int = 8) -> list[
     return [r for r, x in sorted(excess.items(), key=lambda kv: -kv[1]) if x > 0][:limit]
 
 
-def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
-    """The what-if analysis of the run model: None when the run has no measured step."""
-    g = build(model)
+def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False) -> WhatIf | None:
+    """The what-if analysis of the run model from its rank-local items (``rank_items``, or the node summaries'):
+    None when the run has no measured step."""
+    g = graph(model, items if items is not None else rank_items(model))
     steps = _measured(g)
     if not len(steps):
         return None

@@ -244,3 +244,29 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
                       {"host": "synthetic", "command": ["synthetic-pipeline"], "status": "completed",
                        "exit_code": 0})
     return Path(path)
+
+
+def split_by_host(path: Path) -> Path:
+    """Rewrite a one-node synthetic run as one node directory per host (what a multi-node job's launchers write),
+    each with only its ranks' rows."""
+    import json
+    import shutil
+
+    from dtprof.reader import open_run
+    from dtprof.runformat import NODE_MANIFEST
+
+    run = open_run(path)
+    (src,) = run.node_dirs
+    tables = {t: run.table(t) for t in ("ranks", "steps", "spans", "collectives", "groups", "nvml", "clock",
+                                          "events", "meta")}
+    info = json.loads((src / NODE_MANIFEST).read_text()) if (src / NODE_MANIFEST).exists() else {}
+    shutil.rmtree(src)
+    for host, rk in tables["ranks"].groupby("host", observed=True):
+        ranks = set(rk["rank"].tolist())
+        node = Path(path) / f"node-{host}"
+        part = {t: (df[df["host"].astype(str) == str(host)] if t == "nvml" else
+                    df[df["rank"].isin(ranks)] if "rank" in df.columns else df)
+                for t, df in tables.items()}
+        part["ranks"] = part["ranks"].assign(node=node.name)
+        write_node_tables(node, part, {**info, "host": str(host)})
+    return Path(path)
