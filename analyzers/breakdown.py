@@ -200,7 +200,10 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
                for d, o, t in exposed_rows]
     exposed = pd.concat(exposed, ignore_index=True)
     exposed = exposed.groupby(["rank", "step", "dim", "op"], as_index=False, sort=False)["exposed_s"].sum()
-    return Breakdown(per_step, exposed[exposed["exposed_s"] > 0].reset_index(drop=True), pipeline_ranks)
+    # rank-step order (channels in their sorted order within one): the same rows in the same order whether the
+    # breakdown ran on one node or on the whole run, so sums over them agree to the last bit (nodesummary.combine)
+    exposed = exposed[exposed["exposed_s"] > 0].sort_values(["rank", "step"], kind="stable", ignore_index=True)
+    return Breakdown(per_step, exposed, pipeline_ranks)
 
 
 def rank_means(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarray) -> pd.DataFrame:

@@ -32,7 +32,7 @@ OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data
 @dataclass
 class NodeSummary:
     rank_steps: pd.DataFrame   # rank, step, start_ns, end_ns, OVERLAP_COLUMNS, ``bd_<part>_s`` per breakdown PARTS
-    exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed)
+    exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
     items: pd.DataFrame        # whatif.ITEM_COLUMNS (``ci``: place among the rank's collectives)
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
@@ -88,7 +88,7 @@ def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> Nod
     for c in computed:
         stage.update(c.stage)
     return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
-                       exposed=pd.concat(exposed, ignore_index=True),
+                       exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
                        items=_by_rank_step(pd.concat(items, ignore_index=True)),
                        pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
                                              | {r for c in computed for r in c.pipeline_ranks}),

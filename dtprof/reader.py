@@ -482,7 +482,7 @@ class Run:
         try:
             for table, cols in SUMMARY_TABLES.items():
                 names = [c for c, _ in cols]
-                dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else "object") for c, k in cols}
+                dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else "str") for c, k in cols}
                 if not have:
                     tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})
                     continue
