@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 import pytest
-from scale_checks import assert_summaries_equal_raw
-from synth import build_run, split_by_host
 
 from dtprof.reader import open_run
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
 from dtprof.summarize import make_summaries, summarize_node
+from scale_checks import assert_summaries_equal_raw
+from synth import build_run, split_by_host
 
 # 4 hosts of 2 ranks, a slow rank on host 2, host clocks apart: every cross-node part of the analysis is exercised
 SPEC = dict(world_size=8, steps=12, hosts=4, buckets=3, jitter_frac=0.05, slow_rank=5, slow_factor=1.3,
