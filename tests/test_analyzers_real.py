@@ -14,6 +14,7 @@ import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
 from dtprof.analyzers.summary import analyze
+from scale_checks import assert_summaries_equal_raw
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -164,3 +165,11 @@ def test_two_stage_gpipe_bubble_near_theory(gpipe):
     # the theory replays this run's own op times; what the measured bubble exceeds it by is p2p and Python time
     assert abs(pp["bubble_frac"] - pp["theoretical_bubble_frac"]) <= 0.05, pp
     assert pp["overhead_frac"] > -0.02 and 0.15 <= pp["schedule_bubble_frac"] <= 0.25, pp
+
+
+def test_ddp_and_pipeline_analysed_from_node_summaries_equal_raw(plain_ddp, gpipe):
+    """The launcher wrote each node's summary; the analysis from them equals the one from the raw tables
+    (docs/scale.md), on a DDP job and on a GPipe pipeline (its stage spans read as a slice)."""
+    assert_summaries_equal_raw(plain_ddp)
+    s = assert_summaries_equal_raw(gpipe)
+    assert s["pipeline"] is not None and s["breakdown"]["pipeline_ranks"] == [0, 1]
