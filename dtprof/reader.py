@@ -470,10 +470,11 @@ class Run:
         """The run restricted to one of its node directories (what that node's summary is made from)."""
         return Run(self.path, [Path(node_dir)])
 
-    def read_spans(self, kinds=(), ranks=()):
-        """The spans whose kind is in ``kinds`` or whose rank is in ``ranks``, in the run's row order, reading only
-        those rows (DuckDB filters each node's Parquet file, skipping row groups by their statistics): for views
-        and analyzers that need a slice of the spans, never all of them."""
+    def read_spans(self, kinds=(), ranks=(), steps: tuple[int, int] | None = None):
+        """The spans whose kind is in ``kinds`` or whose rank is in ``ranks`` (and, given ``steps`` = (first,
+        last), whose step is in that range), in the run's row order, reading only those rows (DuckDB filters each
+        node's Parquet file, skipping files and row groups by their rank and step statistics): for views and
+        analyzers that need a slice of the spans, never all of them."""
         import pandas as pd
 
         kinds, ranks = list(kinds), [int(r) for r in ranks]
@@ -487,6 +488,8 @@ class Run:
             files = [str(nd / TABLES_DIR / "spans.parquet") for nd in complete]
             where = " OR ".join(([f"kind IN ({_sql_list(kinds)})"] if kinds else [])
                                 + ([f"rank IN ({', '.join(map(str, ranks))})"] if ranks else []))
+            if steps is not None:
+                where = f"({where}) AND step BETWEEN {int(steps[0])} AND {int(steps[1])}"
             con = duckdb.connect()
             try:
                 con.execute("SET preserve_insertion_order = true")
@@ -499,7 +502,10 @@ class Run:
         for nd in self.node_dirs:   # nodes still in JSON lines (their order among nodes kept)
             if not self._complete(nd):
                 sp = self._raw_nodes[nd]["spans"]
-                parts.append(sp[sp["kind"].astype(str).isin(kinds) | sp["rank"].isin(ranks)])
+                keep = sp["kind"].astype(str).isin(kinds) | sp["rank"].isin(ranks)
+                if steps is not None:
+                    keep &= sp["step"].between(int(steps[0]), int(steps[1])).fillna(False).astype(bool)
+                parts.append(sp[keep])
         return _concat("spans", parts)
 
     def node_summaries(self) -> tuple[list, dict]:

@@ -180,6 +180,11 @@ class NodeTableWriter:
             self._file.close()
 
 
+# Parquet row groups of this many rows: rows come rank by rank, so a reader of one rank's or some steps' slice
+# (Run.read_spans) skips the other row groups by their rank and step statistics (docs/scale.md)
+ROW_GROUP_ROWS = 64 * 1024
+
+
 def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = None) -> Path:
     """Write whole tables (pandas DataFrames, columns as in the schema) into ``node_dir/tables/*.parquet``.
 
@@ -199,7 +204,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         try:
-            df.to_parquet(tmp, index=False)
+            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS)
             os.replace(tmp, out / f"{table}.parquet")
         finally:
             tmp.unlink(missing_ok=True)

@@ -88,6 +88,11 @@ def test_read_spans_reads_the_slice(four_nodes):
     assert len(want) and set(want["rank"]) == set(range(8))
     assert (sl[["rank", "kind", "start_ns", "end_ns"]].astype({"kind": str})
             .equals(want[["rank", "kind", "start_ns", "end_ns"]].astype({"kind": str})))
+    # one rank's steps 3..4, as a timeline of a few steps reads them
+    few = run.read_spans(ranks=[6], steps=(3, 4))
+    mine = sp[(sp["rank"] == 6) & sp["step"].between(3, 4).fillna(False).astype(bool)]
+    assert len(few) == len(mine) > 0 and set(few["step"]) == {3, 4}
+    assert "spans" not in run._loaded
 
 
 def test_damaged_summary_is_one_line(four_nodes):
