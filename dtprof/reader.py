@@ -447,8 +447,8 @@ class Run:
             raise KeyError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
         if name not in self._loaded:
             complete = [nd for nd in self.node_dirs if self._complete(nd)]
-            bulk = _read_tables_at_once(complete, name) if len(complete) > 1 else None
-            if bulk is not None and len(complete) == len(self.node_dirs):
+            bulk = _read_tables_at_once(complete, name) if len(complete) == len(self.node_dirs) > 1 else None
+            if bulk is not None:
                 df = bulk
             else:
                 parts = [_read_node_table(nd, name) if self._complete(nd) else self._raw_nodes[nd][name]

@@ -199,6 +199,9 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     out = node_dir / TABLES_DIR
     out.mkdir(parents=True, exist_ok=True)
     (out / TABLES_COMPLETE).unlink(missing_ok=True)
+    # a summary of the tables being replaced would be stale: it is remade from the new ones (dtprof summarize, or
+    # in memory by the analysis)
+    (node_dir / SUMMARY_DIR / SUMMARY_COMPLETE).unlink(missing_ok=True)
     for table in TABLES:
         df = tables.get(table)
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dtprof.reader import open_run
-from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
 from scale_checks import assert_summaries_equal_raw
 from synth import build_run, split_by_host
@@ -102,3 +102,13 @@ def test_damaged_summary_is_one_line(four_nodes):
     assert r.returncode == 2
     assert "node summaries' rank_steps tables" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_rewritten_tables_drop_the_stale_summary(four_nodes):
+    make_summaries(open_run(four_nodes), workers=1)
+    nd = four_nodes / "node-host1"
+    node = open_run(four_nodes).node_run(nd)
+    tables = {t: node.table(t) for t in ("ranks", "steps", "spans", "collectives", "groups", "clock")}
+    write_node_tables(nd, tables)   # e.g. a trace merged into the node after the job
+    assert summarised(four_nodes) == ["node-host0", "node-host2", "node-host3"]
+    assert_summaries_equal_raw(four_nodes, stored=False)
