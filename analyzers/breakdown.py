@@ -5,8 +5,10 @@ Each rank's step window ``[start_ns, end_ns)`` is cut at every endpoint of its s
 elementary segment goes to exactly one part, the first that applies in this order:
 
 1. ``exposed_comm`` -- the rank is blocked on communication (a ``comm_wait`` span), even inside a compute span;
-2. ``optimizer``, ``backward`` (also ``pp_backward``), ``forward`` (also ``pp_forward``) -- compute, innermost
-   phase first (a forward recomputed inside backward is backward time);
+2. ``forward`` (also ``pp_forward``), ``backward`` (also ``pp_backward``), ``optimizer`` -- compute: the innermost
+   phase, the one whose span began last (intervals.innermost): Lightning runs forward and backward inside
+   ``optimizer.step(closure)``, and they stay forward and backward; the optimizer's own time is the rest of its span
+   (a forward recomputed inside backward records no forward span: it is backward time);
 3. ``exposed_comm`` -- a collective is in flight (``issue_ns`` to its end) and no compute covers the instant;
 4. ``data_wait`` -- a ``data_wait`` span (time in the DataLoader iterator's ``__next__``), except while a profiler
    trace capture runs (its stop and export are not waiting for input: ``other``);
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.intervals import coverage_segments, split_over_windows
+from dtprof.analyzers.intervals import coverage_segments, innermost, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
 from dtprof.schema import BREAKDOWN_PARTS
 
@@ -50,9 +52,10 @@ UNKNOWN_OP = "(unknown)"
 P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
 
-# span sets, in priority order; communication channels (dim, op) follow as sets N_SPAN_SETS, N_SPAN_SETS + 1, ...
+# span sets; communication channels (dim, op) follow as sets N_SPAN_SETS, N_SPAN_SETS + 1, ...
 COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION, CAPTURE = range(7)
 N_SPAN_SETS = 7
+COMPUTE_SETS = (OPTIMIZER, BACKWARD, FORWARD)
 SPAN_SET = {"comm_wait": COMM_WAIT, "optimizer": OPTIMIZER, "backward": BACKWARD, "pp_backward": BACKWARD,
             "forward": FORWARD, "pp_forward": FORWARD, "data_wait": DATA_WAIT}
 
@@ -75,7 +78,7 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
 def issued_outside_compute(sp: pd.DataFrame, sp_set: np.ndarray, co: pd.DataFrame) -> np.ndarray:
     """Per collective: issued outside every forward/backward/optimizer span (``pp_*`` included) of its rank. A rank
     with no such span at all (an imported trace without them) cannot tell: its collectives are not outside."""
-    compute = np.isin(sp_set, (OPTIMIZER, BACKWARD, FORWARD))
+    compute = np.isin(sp_set, COMPUTE_SETS)
     s_rank, s_start = sp["rank"].to_numpy(np.int64)[compute], sp["start_ns"].to_numpy(np.int64)[compute]
     s_end = sp["end_ns"].to_numpy(np.int64)[compute]
     c_rank, c_issue = co["rank"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64)
@@ -140,19 +143,21 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     n_chan = len(chans)
     cap = run.captures
 
-    key = np.concatenate([sp["rank"].to_numpy(np.int64), co["rank"].to_numpy(np.int64),
+    sp_rank, sp_start, sp_end = (sp[c].to_numpy(np.int64) for c in ("rank", "start_ns", "end_ns"))
+    other_span = (sp_set >= 0) & ~np.isin(sp_set, COMPUTE_SETS)
+    phases = innermost(*(a[np.isin(sp_set, COMPUTE_SETS)] for a in (sp_rank, sp_set, sp_start, sp_end)))
+    key = np.concatenate([sp_rank[other_span], phases[0], co["rank"].to_numpy(np.int64),
                           cap["rank"].to_numpy(np.int64)])
-    start = np.concatenate([sp["start_ns"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64),
+    start = np.concatenate([sp_start[other_span], phases[2], co["issue_ns"].to_numpy(np.int64),
                             cap["start_ns"].to_numpy(np.int64)])
-    end = np.concatenate([sp["end_ns"].to_numpy(np.int64), co["exit_ns"].to_numpy(np.int64),
+    end = np.concatenate([sp_end[other_span], phases[3], co["exit_ns"].to_numpy(np.int64),
                           cap["end_ns"].to_numpy(np.int64)])
-    sset = np.concatenate([sp_set, N_SPAN_SETS + chan_codes, np.full(len(cap), CAPTURE)])
-    used = sset >= 0
-    is_pp = np.concatenate([is_pp_span, np.zeros(len(co) + len(cap), bool)])[used]
-    item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
-    sset = sset[used][item]
+    sset = np.concatenate([sp_set[other_span], phases[1], N_SPAN_SETS + chan_codes, np.full(len(cap), CAPTURE)])
+    item, win, s, e = split_over_windows(wr, ws, we, key, start, end)
+    sset = sset[item]
     # a rank-step that runs pipeline ops: its whole window is pipeline time
-    pipe_win = np.unique(win[is_pp[item]])
+    pipe_win = np.unique(split_over_windows(wr, ws, we, sp_rank[is_pp_span], sp_start[is_pp_span],
+                                            sp_end[is_pp_span])[1])
     win = np.concatenate([win, pipe_win])
     sset = np.concatenate([sset, np.full(len(pipe_win), PIPE_REGION)])
     s = np.concatenate([s, ws[pipe_win]])
@@ -172,9 +177,9 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         return np.bincount(g[mask], weights=w[mask], minlength=n_win)
 
     parts = {
-        "optimizer": total(~waiting & cov[OPTIMIZER]),
-        "backward": total(~waiting & ~cov[OPTIMIZER] & cov[BACKWARD]),
-        "forward": total(~waiting & ~cov[OPTIMIZER] & ~cov[BACKWARD] & cov[FORWARD]),
+        "optimizer": total(~waiting & cov[OPTIMIZER]),   # compute sets never overlap (innermost phase only)
+        "backward": total(~waiting & cov[BACKWARD]),
+        "forward": total(~waiting & cov[FORWARD]),
         "data_wait": total(~comm_time & ~compute & ~cov[CAPTURE] & cov[DATA_WAIT]),
         "exposed_comm": np.zeros(n_win), "comm_outside_fwd_bwd": np.zeros(n_win), "bubble": np.zeros(n_win),
     }

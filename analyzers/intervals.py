@@ -165,3 +165,89 @@ def split_over_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.n
     e = np.minimum(end[item], we[pos])
     keep = e > s
     return item[keep], order[pos[keep]], s[keep], e[keep]
+
+
+def _sorted_distinct(x: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy's hash-based unique is several times slower on millions of int64)."""
+    x = np.sort(x)
+    return x[np.r_[True, x[1:] != x[:-1]]] if len(x) else x
+
+
+def innermost(group: np.ndarray, set_id: np.ndarray, start: np.ndarray, end: np.ndarray):
+    """The intervals flattened so that none overlap within a group: an instant covered by several sets goes to the
+    set whose covering stretch began last -- the innermost one when intervals nest (Lightning runs forward and
+    backward inside ``optimizer.step(closure)``). Intervals of one set are merged first (their union), so a set's
+    stretch begins where its union block begins; at equal beginnings the stretch that ends first (the inner one)
+    wins, then the lower set id.
+
+    Returns ``(group, set_id, start, end)`` of disjoint intervals, sorted by group and start. Vectorised: times are
+    replaced by their rank among all endpoints (so group * time fits an int64), one sort, one ``searchsorted`` per
+    set; intervals that overlap nothing pass through untouched.
+    """
+    group = np.asarray(group, np.int64)
+    set_id = np.asarray(set_id, np.int64)
+    start = np.asarray(start, np.int64)
+    end = np.asarray(end, np.int64)
+    keep = end > start
+    group, set_id, start, end = group[keep], set_id[keep], start[keep], end[keep]
+    if len(start) == 0:
+        return group, set_id, start, end
+    times = _sorted_distinct(np.concatenate([start, end]))
+    n_t = len(times)
+    order = np.lexsort((start, group))
+    group, set_id = group[order], set_id[order]
+    s, e = np.searchsorted(times, start[order]), np.searchsorted(times, end[order])
+    # clusters of overlapping intervals in (group, start) order; one of a single interval stays as it is
+    reach = np.maximum.accumulate(group * n_t + e)
+    opens = np.r_[True, group[1:] * n_t + s[1:] >= reach[:-1]]
+    cluster = np.cumsum(opens)
+    alone = np.bincount(cluster)[cluster] == 1
+    if not alone.all():
+        g2, k2, s2, e2 = _flatten(group[~alone], set_id[~alone], s[~alone], e[~alone], n_t)
+        group, set_id = np.concatenate([group[alone], g2]), np.concatenate([set_id[alone], k2])
+        s, e = np.concatenate([s[alone], s2]), np.concatenate([e[alone], e2])
+        order = np.lexsort((s, group))
+        group, set_id, s, e = group[order], set_id[order], s[order], e[order]
+    return group, set_id, times[s], times[e]
+
+
+def _flatten(group, set_id, s, e, n_t):
+    """innermost() of overlapping intervals, on compressed times ``s``, ``e`` (< ``n_t``)."""
+    sets = np.unique(set_id)
+    # union blocks per (group, set): sorted by (group, set, start), a new block where a start passes every earlier
+    # end of the same (group, set)
+    gs = group * len(sets) + np.searchsorted(sets, set_id)
+    order = np.lexsort((s, gs))
+    gs, s, e = gs[order], s[order], e[order]
+    reach = np.maximum.accumulate(gs * n_t + e)         # latest end so far, offset per (group, set)
+    new = np.r_[True, gs[1:] * n_t + s[1:] > reach[:-1]]
+    b_gs, b_s = gs[new], s[new]
+    b_e = reach[np.r_[new[1:], True]] - b_gs * n_t
+    b_group, b_set = b_gs // len(sets), b_gs % len(sets)
+    # elementary segments between consecutive block endpoints of a group
+    pts = _sorted_distinct(np.concatenate([b_group * n_t + b_s, b_group * n_t + b_e]))
+    seg_g, seg_a = pts[:-1] // n_t, pts[:-1] % n_t
+    seg_b = pts[1:] % n_t
+    same = seg_g == pts[1:] // n_t
+    seg_g, seg_a, seg_b = seg_g[same], seg_a[same], seg_b[same]
+    best_k = np.full(len(seg_a), -1, np.int64)
+    best_s = np.full(len(seg_a), -1, np.int64)
+    best_e = np.full(len(seg_a), n_t, np.int64)
+    for k in range(len(sets)):
+        mine = b_set == k
+        bkey = b_group[mine] * n_t + b_s[mine]            # sorted: blocks are in (group, set, start) order
+        be = b_e[mine]
+        pos = np.searchsorted(bkey, seg_g * n_t + seg_a, side="right") - 1
+        p = np.maximum(pos, 0)
+        b_start = bkey[p] - seg_g * n_t                   # every set has a block, so bkey is never empty
+        cov = (pos >= 0) & (b_start >= 0) & (be[p] > seg_a)
+        better = cov & ((b_start > best_s) | ((b_start == best_s) & (be[p] < best_e)))
+        best_k = np.where(better, k, best_k)
+        best_s = np.where(better, b_start, best_s)
+        best_e = np.where(better, be[p], best_e)
+    got = best_k >= 0
+    seg_g, seg_k, seg_a, seg_b = seg_g[got], best_k[got], seg_a[got], seg_b[got]
+    # adjacent segments of one set join into one interval
+    first = np.r_[True, (seg_g[1:] != seg_g[:-1]) | (seg_k[1:] != seg_k[:-1]) | (seg_a[1:] != seg_b[:-1])]
+    last = np.r_[first[1:], True]
+    return seg_g[first], sets[seg_k[first]], seg_a[first], seg_b[last]

@@ -579,13 +579,29 @@ IDENTITY_KEYS = (
     ("script (SHA-256)", lambda s: lookup(s, "run.identity.script_sha256"), True),
     ("devices", lambda s: sorted({str(r.get("device")) for r in s.get("ranks") or [] if r.get("device")}) or None,
      True),
+    ("model parameters", lambda s: _model_parameters(s), True),
     ("command", lambda s: lookup(s, "run.identity.command"), False),
     ("mesh shape", lambda s: lookup(s, "mesh.shape"), False),
-    ("FLOPs per step", lambda s: lookup(s, "mfu.flops_per_step"), False),
+    ("FLOPs per step", lambda s: _flops(lookup(s, "mfu.flops_per_step")), False),
     ("torch", lambda s: lookup(s, "run.versions.torch"), False),
     ("NCCL", lambda s: lookup(s, "run.versions.nccl"), False),
     ("dtprof", lambda s: lookup(s, "run.versions.dtprof"), False),
 )
+
+
+def _flops(v: Any) -> str | None:
+    return f"{float(v):.4g}" if isinstance(v, (int, float)) else None
+
+
+def _model_parameters(summary: dict) -> str | None:
+    """The model's parameter count as printed ("1,234,567"), or each rank's where ranks differ (pipeline stages)."""
+    m = lookup(summary, "run.model")
+    if not isinstance(m, dict):
+        return None
+    if m.get("parameters") is not None:
+        return f"{int(m['parameters']):,}"
+    by_rank = m.get("parameters_by_rank") or {}
+    return ", ".join(f"rank {r}: {int(n):,}" for r, n in sorted(by_rank.items(), key=lambda x: int(x[0]))) or None
 
 
 def _side_identity(runs: Sequence[dict], read) -> str | None:
@@ -610,23 +626,25 @@ def config_differences(base: Sequence[dict], head: Sequence[dict]) -> list[dict]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The machine as a suspect: the launcher's CPU probe (summary.json run.probe), before and after each job
+# The machine as a suspect: the launcher's CPU and GPU probes (summary.json run.probe), before and after each job
 
 # The probe moved when the whole interval of its median ratio lies beyond ±15 %: its timings are a few ms each
 # and spread ~±30 % on a busy 2-core machine; at ±10 % identical runs were inconclusive in 1.3 % of simulated
-# pairs (benchmarks/gate_power.py), above the gate's 1 % false-alarm target.
+# pairs (benchmarks/gate_power.py), above the gate's 1 % false-alarm target. The GPU probe (CUDA event timings of
+# the GPU alone) uses the same band: its spread on a GPU has not been measured (no GPU here).
 PROBE_TOLERANCE = 0.15
 
 
 def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: float = DEFAULT_CONFIDENCE,
-                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> dict | None:
-    """Ratio of the probe's median time head ÷ base with its bootstrap interval (runs, then timings resampled);
-    ``moved`` when the interval lies beyond ±PROBE_TOLERANCE. None when a side has no probe."""
+                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0, kind: str = "cpu") -> dict | None:
+    """Ratio of the ``kind`` probe's (``cpu`` or ``gpu``) median time head ÷ base with its bootstrap interval (runs,
+    then timings resampled); ``moved`` when the interval lies beyond ±PROBE_TOLERANCE. None when a side has no such
+    probe (the GPU one on a CPU-only node)."""
     def side(runs):
         out = []
         for s in runs:
             p = lookup(s, "run.probe")
-            t = [] if not isinstance(p, dict) else (p.get("cpu_start_s") or []) + (p.get("cpu_end_s") or [])
+            t = [] if not isinstance(p, dict) else (p.get(f"{kind}_start_s") or []) + (p.get(f"{kind}_end_s") or [])
             if len(t) < 2:
                 return None
             out.append(np.asarray(t, float))
@@ -637,9 +655,9 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
     est, lo, hi = bootstrap_ratio(b, h, 0.5, confidence, n_boot, seed, block=1)
     moved = lo > 1 + PROBE_TOLERANCE or hi < 1 - PROBE_TOLERANCE
     word = "slower" if est >= 1 else "faster"
-    line = (f"machine probe (CPU): head {abs(est - 1) * 100:.0f} % {word} than base "
+    line = (f"machine probe ({kind.upper()}): head {abs(est - 1) * 100:.0f} % {word} than base "
             f"[{(lo - 1) * 100:+.0f}, {(hi - 1) * 100:+.0f} %]"
             + (" -- beyond its noise: the machine changed" if moved else " (within its noise)"))
-    return {"ratio": est, "ci": [lo, hi], "moved": bool(moved), "tolerance": PROBE_TOLERANCE,
+    return {"kind": kind, "ratio": est, "ci": [lo, hi], "moved": bool(moved), "tolerance": PROBE_TOLERANCE,
             "base_median_s": float(np.median(_pooled(b))), "head_median_s": float(np.median(_pooled(h))),
             "line": line}

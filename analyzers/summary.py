@@ -78,6 +78,7 @@ def _run_block(run) -> dict:
            "exit_code": exit_code, "path": str(run.path), "nodes": len(run.nodes),
            "duration_s": max(durations) if durations else None, "start_time": starts[0] if starts else None}
     out.update(_machine_block(run.nodes))
+    out["model"] = _model_block(run.meta)
     if status == "interrupted":
         out["status_reason"] = next(n["status_reason"] for n in run.nodes if n.get("status") == "interrupted")
     if status is None:
@@ -118,9 +119,51 @@ def _machine_block(nodes: list[dict]) -> dict:
     if start or end:
         probe = {"work": probes[0].get("work"), "cpu_start_s": start, "cpu_end_s": end,
                  "cpu_s_median": float(np.median(start + end))}
+        probe.update(_gpu_probe(probes))
     out: dict = {"identity": ident, "versions": vers, "probe": probe}
     if probe is None:
         out["probe_reason"] = "no node.json records a machine probe (imported, or recorded by an older dtprof)"
+    return out
+
+
+def _model_block(meta: pd.DataFrame) -> dict:
+    """The model each rank ran (``model`` meta rows, collectors/runtime.py): ``parameters`` when every recorded rank
+    holds the same count (data parallel, DTensor-sharded), else null beside ``parameters_by_rank`` (pipeline
+    stages, plain tensor-parallel shards); ``parameters_reason`` when no rank recorded one."""
+    rows = meta.loc[meta["kind"].astype(str) == "model", ["rank", "value"]] if len(meta) else meta
+    by_rank = {int(r): int(v["parameters"]) for r, v in zip(rows["rank"], rows["value"]) if isinstance(v, dict)}
+    if not by_rank:
+        return {"parameters": None, "parameters_by_rank": None,
+                "parameters_reason": "no rank recorded its model (no module forward in step 0, an imported trace, "
+                                     "or recorded by an older dtprof)"}
+    counts = set(by_rank.values())
+    modules = sorted({m for v in rows["value"] if isinstance(v, dict) for m in v.get("modules") or []})
+    return {"parameters": counts.pop() if len(counts) == 1 else None,
+            "parameters_by_rank": {str(r): n for r, n in sorted(by_rank.items())}, "modules": modules}
+
+
+def _gpu_probe(probes: list[dict]) -> dict:
+    """The GPU probe's timings pooled over nodes and devices (``gpu_start_s``, ``gpu_end_s``, the ``gpu_devices``
+    probed as "node N:index name", N the node's position in the run), or ``gpu_reason``: why there is none (the
+    first node's reason)."""
+    start: list[float] = []
+    end: list[float] = []
+    devices: list[str] = []
+    for i, p in enumerate(probes):
+        for key, pooled in (("gpu_start", start), ("gpu_end", end)):
+            for d in p.get(key) or []:
+                pooled += [float(x) for x in d.get("timings_s") or []]
+                if key == "gpu_start":
+                    devices.append(f"node {i}:{d.get('index')} {d.get('name')}")
+    if not start and not end:
+        reason = next((p["gpu_reason"] for p in probes if p.get("gpu_reason")),
+                      "no node.json records a GPU probe (recorded by an older dtprof)")
+        return {"gpu_start_s": None, "gpu_end_s": None, "gpu_reason": reason}
+    out = {"gpu_work": next(p.get("gpu_work") for p in probes if p.get("gpu_start")), "gpu_start_s": start,
+           "gpu_end_s": end, "gpu_s_median": float(np.median(start + end)), "gpu_devices": devices}
+    end_reasons = [p["gpu_end_reason"] for p in probes if p.get("gpu_end_reason")]
+    if end_reasons:
+        out["gpu_end_reason"] = end_reasons[0]
     return out
 
 

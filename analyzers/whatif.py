@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers.collectives import instance_keys
-from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, split_over_windows
+from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
 
 NS = 1e9
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")
@@ -149,14 +149,20 @@ def rank_items(model) -> RankItems:
 
     # the timeline's elementary segments (the window itself is a set, so segments tile it)
     sp_set = np.array([SPAN_SETS.get(k, -1) for k in kinds], np.int64)
+    # compute spans: the innermost phase only, as the step breakdown counts them (intervals.innermost)
+    is_phase = np.isin(sp_set, (S_OPT, S_BWD, S_FWD))
+    sp_rank, sp_start, sp_end = (sp[c].to_numpy(np.int64) for c in ("rank", "start_ns", "end_ns"))
+    ph_rank, ph_set, ph_start, ph_end = innermost(sp_rank[is_phase], sp_set[is_phase], sp_start[is_phase],
+                                                  sp_end[is_phase])
+    other = (sp_set >= 0) & ~is_phase
     cap = model.captures
-    key = np.concatenate([wr, sp["rank"].to_numpy(np.int64), c_rank, cap["rank"].to_numpy(np.int64)])
-    start = np.concatenate([ws, sp["start_ns"].to_numpy(np.int64), c_issue, cap["start_ns"].to_numpy(np.int64)])
-    end = np.concatenate([we, sp["end_ns"].to_numpy(np.int64), c_exit, cap["end_ns"].to_numpy(np.int64)])
-    sset = np.concatenate([np.full(len(wr), S_WIN), sp_set, np.full(len(co), S_COLL), np.full(len(cap), S_CAP)])
-    used = sset >= 0
-    item, win, s, e = split_over_windows(wr, ws, we, key[used], start[used], end[used])
-    g, seg, cov = coverage_segments(win, sset[used][item], s, e, 8)
+    key = np.concatenate([wr, sp_rank[other], ph_rank, c_rank, cap["rank"].to_numpy(np.int64)])
+    start = np.concatenate([ws, sp_start[other], ph_start, c_issue, cap["start_ns"].to_numpy(np.int64)])
+    end = np.concatenate([we, sp_end[other], ph_end, c_exit, cap["end_ns"].to_numpy(np.int64)])
+    sset = np.concatenate([np.full(len(wr), S_WIN), sp_set[other], ph_set, np.full(len(co), S_COLL),
+                           np.full(len(cap), S_CAP)])
+    item, win, s, e = split_over_windows(wr, ws, we, key, start, end)
+    g, seg, cov = coverage_segments(win, sset[item], s, e, 8)
     cs = np.cumsum(seg)
     first = np.r_[True, g[1:] != g[:-1]] if len(g) else np.zeros(0, bool)
     first_idx = np.maximum.accumulate(np.where(first, np.arange(len(g)), 0)) if len(g) else first.astype(int)

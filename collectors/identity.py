@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from pathlib import Path
 
 
 def launcher_rank(env=os.environ) -> int | None:
@@ -115,11 +113,9 @@ def wait_for_identity(start) -> None:
 def report_unidentified(node_dir, rank: int, owner_pid: int | None, host: str) -> None:
     """An ``error`` event naming this process, in its own file ``unidentified-<pid>.jsonl`` of the node directory
     (an events table the reader merges into the node's events): this process is a rank nobody will see."""
-    from dtprof.runformat import UNIDENTIFIED_EVENT, UNIDENTIFIED_PREFIX, _TableFile
+    from dtprof.runformat import UNIDENTIFIED_EVENT, process_event
 
     argv = " ".join(sys.argv)[:300]
-    msg = (f"{UNIDENTIFIED_EVENT} pid {os.getpid()} ({argv}) identified as rank {rank}, which pid {owner_pid} "
-           f"already records; this process is not recorded")
-    f = _TableFile(Path(node_dir) / f"{UNIDENTIFIED_PREFIX}{os.getpid()}.jsonl", "events")
-    f.rows.append((-1, host, time.monotonic_ns(), "error", "rank", msg))
-    f.close()
+    process_event(node_dir, host, "error", f"{UNIDENTIFIED_EVENT} pid {os.getpid()} ({argv}) identified as rank "
+                                           f"{rank}, which pid {owner_pid} already records; this process is not "
+                                           f"recorded")

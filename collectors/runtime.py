@@ -127,15 +127,21 @@ class Recorder:
 
     def fault(self, where: str) -> None:
         """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
-        error row (the message the report lists). Never raises."""
+        error row (the message the report lists; before the rank has a writer, in this process's own events
+        file). Nothing is printed into the job's output: the launcher names the fault once, at the end.
+        Never raises."""
         try:
+            from dtprof.runformat import FAULT_EVENT, process_event
+
             self.disabled = True
             error = _last_error_line()
-            msg = f"dtprof disabled on this rank after a fault in {where}: {error}"
             if self.writer is not None:
                 self.meta("fault", {"where": where, "error": error})
-                self.add(Event(self.rank, self.host, now(), "error", "rank", msg))
-            sys.stderr.write(f"dtprof[rank {self.rank}]: {msg}\n")
+                self.add(Event(self.rank, self.host, now(), "error", "rank",
+                               f"{FAULT_EVENT} on this rank after a fault in {where}: {error}"))
+            elif os.environ.get("DTPROF_NODE_DIR"):
+                process_event(os.environ["DTPROF_NODE_DIR"], self.host, "error",
+                              f"{FAULT_EVENT} in pid {os.getpid()} after a fault in {where}: {error}")
         except BaseException:
             pass
 
@@ -408,6 +414,20 @@ class Recorder:
             self.roots = weakref.WeakSet()
         self.roots.add(module)
 
+    def record_model(self) -> None:
+        """A ``model`` meta row at the end of step 0: the parameters of the root modules (each parameter once; a
+        DTensor counts its global shape, a plain shard its local one), part of what identifies a configuration
+        (`dtprof compare`). Once per run; a model that cannot be counted is left out, never a fault."""
+        try:
+            roots = list(self.roots or ())
+            if not roots:
+                return
+            params = {id(p): p for m in roots for p in m.parameters()}
+            self.meta("model", {"parameters": int(sum(p.numel() for p in params.values())),
+                                "modules": sorted({type(m).__name__ for m in roots})})
+        except Exception:
+            pass
+
     def fwd_hook(self, module, args, output):
         if self.disabled:
             return None
@@ -517,6 +537,7 @@ class Recorder:
                       a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step)))
         if step == 0:
             self.refresh_identity()           # the device and the process group are set up by now
+            self.record_model()
             self.hooks_to_roots()
         self.annot = {}
         self.inferred = {}
@@ -615,19 +636,16 @@ STATE = Recorder()
 
 
 def _own_threads_cpu_s() -> dict:
-    """CPU seconds each of dtprof's own threads (``dtprof-*``: flusher, heartbeat) has used so far, from Linux's
-    per-thread accounting (/proc/self/task/<tid>/stat utime + stime); empty elsewhere."""
+    """CPU seconds each of dtprof's own threads (``dtprof-*``: flusher, heartbeat) has used so far, read from the
+    thread's own CPU clock (nanosecond resolution; /proc's utime/stime count 10 ms ticks)."""
     import threading
 
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for t in threading.enumerate():
-        if t.name.startswith("dtprof") and t.native_id:
+        if t.name.startswith("dtprof") and t.ident is not None:
             try:
-                with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                out[t.name] = (int(fields[11]) + int(fields[12])) / tick
-            except (OSError, IndexError, ValueError):
+                out[t.name] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident)) / 1e9
+            except OSError:                       # the thread just ended
                 pass
     return out
 

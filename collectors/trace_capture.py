@@ -17,6 +17,7 @@ and the steps it overlaps (A..B; A..the step in progress when the job ends first
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 import warnings
@@ -71,8 +72,19 @@ class TraceCapture:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
                 sched = schedule(wait=0, warmup=0, active=self.end_step - self.start_step, repeat=1)
-            self.prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._export, schedule=sched)
-            self.prof.start()
+            # Kineto (C++) writes "profiler_start"/"profiler_stop" lines to fd 2 at its default log level. It reads
+            # KINETO_LOG_LEVEL once, when the process first profiles: raised above its highest level (USDT, 5) for
+            # that moment only, unless the user set it, and not left for the job's child processes to inherit.
+            quiet_kineto = "KINETO_LOG_LEVEL" not in os.environ
+            if quiet_kineto:
+                os.environ["KINETO_LOG_LEVEL"] = "6"
+            try:
+                self.prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._export,
+                                    schedule=sched)
+                self.prof.start()
+            finally:
+                if quiet_kineto:
+                    os.environ.pop("KINETO_LOG_LEVEL", None)
         except Exception as e:
             self._fail(f"could not start torch.profiler: {type(e).__name__}: {e}")
 

@@ -119,8 +119,9 @@ Exit codes:
   0  every gate passed
   1  a gate failed (regression)
   2  bad usage or unreadable input
-  3  inconclusive: too few measured steps, runs of a different world size, script or
-     device (unless --allow-different), or the machine probe moved beyond its noise
+  3  inconclusive: too few measured steps, runs of a different world size, script, model
+     parameter count or device (unless --allow-different), or a machine probe (CPU, GPU)
+     moved beyond its noise in the direction that could explain the verdict
 
 \b
 Example:
@@ -143,7 +144,8 @@ Example:
 @click.option("--scaling", is_flag=True, help="Scaling efficiency across the given runs (world sizes).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed (results are reproducible).")
 @click.option("--allow-different", is_flag=True,
-              help="Decide even when the runs differ in world size, script or devices (the differences are shown).")
+              help="Decide even when the runs differ in world size, script, model parameter count or devices (the "
+                   "differences are shown).")
 def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed, allow_different):
     from dtprof.analyzers import regression as rg
     from dtprof.reports import compare_render as cr
@@ -199,6 +201,7 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
     strag = rg.straggler_changes(b, h)
     identity = rg.config_differences(b, h)
     probe = rg.probe_change(b, h, confidence=confidence, seed=seed)
+    gpu_probe = rg.probe_change(b, h, confidence=confidence, seed=seed, kind="gpu")
     reasons = []
     worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == rg.FAIL]
     blocking = [x for x in identity if x["blocking"]]
@@ -206,15 +209,46 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
         reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
                                                                    for x in blocking)
                        + " (--allow-different to decide anyway)")
-    if probe and probe["moved"]:
-        reasons.append(f"the machine ran {abs(probe['ratio'] - 1) * 100:.0f} % "
-                       f"{'slower' if probe['ratio'] > 1 else 'faster'} on the probe (head vs base)")
+    reasons += _machine_reasons(probe, gpu_probe, slower=code == EXIT_REGRESSION or bool(worse))
     if reasons:
         code = EXIT_INCONCLUSIVE
     elif worse:
         code = EXIT_REGRESSION
         reasons.append("a straggler got worse: " + "; ".join(worse))
-    return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe, "reasons": reasons}
+    return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe,
+                  "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
+                  "reasons": reasons}
+
+
+def _machine_reasons(probe: dict | None, gpu_probe: dict | None, slower: bool) -> list[str]:
+    """Why a machine probe that moved makes the comparison inconclusive: only when the change could explain the
+    verdict. A slower machine explains a slower head (``slower``: a gate or a straggler row failed); a faster one
+    could hide a slowdown behind a pass. A faster machine with a slower head, or a slower one with a head that still
+    passed, leaves the verdict standing (the probe's line still shows it). Sets each moved probe's
+    ``explains_verdict``."""
+    out = []
+    for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
+        if not p or not p["moved"]:
+            continue
+        p["explains_verdict"] = (p["ratio"] > 1) == slower
+        if p["explains_verdict"]:
+            out.append(f"the {what} ran {abs(p['ratio'] - 1) * 100:.0f} % {'slower' if p['ratio'] > 1 else 'faster'}"
+                       f" on the {where} (head vs base)")
+    return out
+
+
+def _no_gpu_probe(b: list[dict], h: list[dict]) -> str:
+    """Why there is no GPU probe comparison: the first run without one, and its reason (a CPU-only node, an older
+    run)."""
+    from dtprof.analyzers.regression import lookup
+
+    for side, runs in (("base", b), ("head", h)):
+        for s in runs:
+            p = lookup(s, "run.probe")
+            if not isinstance(p, dict) or not p.get("gpu_start_s"):
+                why = p.get("gpu_reason") if isinstance(p, dict) else None
+                return f"{side}: {why or 'no GPU probe recorded'}"
+    return "no GPU probe recorded"
 
 
 def _emit(text: str, output: str | None) -> None:

@@ -46,8 +46,10 @@ from dtprof import machine
 from dtprof.cli import InputError
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.runformat import (
+    FAULT_EVENT,
     NODE_MANIFEST,
     RANK_PREFIX,
+    UNIDENTIFIED_PREFIX,
     NodeTableWriter,
     RunExistsError,
     create_node_dir,
@@ -611,7 +613,9 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
 
-    machine_info = machine.start_record(command, cwd)   # identity and the start probe (dtprof/machine.py)
+    job_python_exe = job_python_info["executable"] if job_python_info else None
+    # identity and the start probes (dtprof/machine.py; the GPU one in the job's Python)
+    machine_info = machine.start_record(command, cwd, job_python_exe, env)
     start_wall, start_mono = time.time(), time.monotonic_ns()
     node_info = {
         "node": node_dir.name, "host": host, "pid": os.getpid(), "command": command, "cwd": str(cwd),
@@ -653,7 +657,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
-    _guarded("probe", warn, machine.end_record, node_info)
+    _guarded("probe", warn, machine.end_record, node_info, job_python_exe, env)
     fired = False
     if watchdog is not None:
         _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
@@ -685,9 +689,11 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         _event(events, host, "error", problem)
     _guarded("events", warn, events.close)
     _write_manifest(node_dir, node_info)
+    faults = _guarded("events", warn, own_faults_line, node_dir)
+    if faults:
+        warn(faults)
 
-    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet,
-              job_python_info["executable"] if job_python_info else None)
+    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet, job_python_exe)
     sys.exit(exit_code)
 
 
@@ -729,6 +735,30 @@ def _write_manifest(node_dir: Path, node_info: dict) -> None:
 
 def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None:
     events.append((-1, host, time.monotonic_ns(), level, "launcher", message))
+
+
+def own_faults_line(node_dir: Path) -> str | None:
+    """One line naming the faults dtprof had in the job's processes (their ``FAULT_EVENT`` events rows), or None.
+    The ranks record them and print nothing into the job's output, so this is the only place a user hears of them
+    at once."""
+    faults = []
+    files = [*sorted(node_dir.glob(f"{RANK_PREFIX}*/events.jsonl")),
+             *sorted(node_dir.glob(f"{UNIDENTIFIED_PREFIX}*.jsonl"))]
+    for path in files:
+        with open(path, errors="replace") as f:
+            for line in f.readlines()[1:]:       # after the header
+                try:
+                    rank, _host, _t, level, _source, message = json.loads(line)
+                except ValueError:
+                    continue                     # a torn last line (the reader reports it)
+                if level == "error" and str(message).startswith(FAULT_EVENT):
+                    faults.append((rank, str(message)))
+    if not faults:
+        return None
+    rank, message = faults[0]
+    first = message.replace("on this rank", f"on rank {rank}") if rank >= 0 else message
+    more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+    return f"{first}{more}; the job ran on unprofiled there; see the events in {node_dir}"
 
 
 def _all_cpu(node_dir: Path) -> bool:

@@ -5,12 +5,18 @@
   already and are read from summary.json).
 - ``cpu_probe``: a short fixed CPU micro-benchmark, timed before the job starts and after it ends, so that
   `dtprof compare` can tell a slower machine (a noisy neighbour, a throttled host) from slower code. Pure Python
-  and hashlib: the launcher never imports torch, so a GPU probe would cost a torch import (seconds) and is not
-  run here.
+  and hashlib, in the launcher.
+- ``gpu_probe``: a short fixed matmul on each of the node's GPUs, timed with CUDA events right after the CPU probe.
+  The launcher never imports torch, so it runs in a subprocess of the job's Python (as dtprof/calibrate.py's
+  calibration does), and only where the node has a GPU device: a CPU-only node pays nothing and its node.json
+  says why there is no GPU probe. A probe that fails or overruns is recorded as a reason; the job runs anyway.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -58,13 +64,104 @@ def cpu_probe(repeats: int = PROBE_REPEATS) -> list[float]:
     return out
 
 
-def start_record(command: list[str], cwd: Path) -> dict:
-    """node.json keys written before the job starts: ``identity`` and ``probe`` (its ``start`` timings)."""
+# The GPU probe: per timing, GPU_MATMULS fp16 matmuls of GPU_N x GPU_N (1.1 TFLOP): about 1.5 ms on an H100's
+# ~700 dense TFLOP/s, 3.5 ms on an A100, 40 ms on a T4 (from their spec peaks; not measured here, no GPU), so the
+# 7 works per device take 10-300 ms.
+# CUDA events time the GPU alone: a busy host CPU shows in the CPU probe, a slow or throttled GPU here.
+GPU_N, GPU_MATMULS, GPU_REPEATS = 4096, 8, 5
+GPU_PROBE_WORK = (f"{GPU_MATMULS} fp16 matmuls of {GPU_N}x{GPU_N} on each GPU, timed {GPU_REPEATS} times with CUDA "
+                  "events after 2 untimed")
+# The subprocess also imports torch and initialises CUDA (seconds); a hung driver must not hold the job back longer.
+GPU_PROBE_TIMEOUT_S = 30.0
+_GPU_PROBE = ("import json, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+              "from dtprof.machine import gpu_timings; print(json.dumps(gpu_timings()))")
+
+
+def _matmuls(a, b) -> None:
+    for _ in range(GPU_MATMULS):
+        a @ b
+
+
+def gpu_timings() -> dict:
+    """Run by the job's Python (it has torch): ``{"devices": [{index, name, timings_s}]}`` for each visible GPU, or
+    ``{"reason": ...}`` when torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"reason": f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        with torch.cuda.device(i):
+            a = torch.randn(GPU_N, GPU_N, device=f"cuda:{i}", dtype=torch.float16)
+            b = torch.randn(GPU_N, GPU_N, device=f"cuda:{i}", dtype=torch.float16)
+            _matmuls(a, b)
+            _matmuls(a, b)
+            timings = []
+            for _ in range(GPU_REPEATS):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                _matmuls(a, b)
+                e1.record()
+                e1.synchronize()
+                timings.append(e0.elapsed_time(e1) / 1e3)
+            devices.append({"index": i, "name": torch.cuda.get_device_name(i), "timings_s": timings})
+    return {"devices": devices}
+
+
+def gpu_device_files() -> list[str]:
+    """The node's GPU device files (NVIDIA, or AMD's /dev/kfd for ROCm torch): none means no GPU to probe."""
+    return sorted(glob.glob("/dev/nvidia[0-9]*")) + sorted(glob.glob("/dev/kfd"))
+
+
+def run_gpu_probe(python: str, env: dict) -> dict:
+    """``gpu_timings()`` in a subprocess of the job's Python; ``{"reason": ...}`` when it fails or overruns."""
+    env = {k: v for k, v in env.items() if k not in ("DTPROF_NODE_DIR", "DTPROF_CONFIG")}
+    try:
+        proc = subprocess.run([python, "-c", _GPU_PROBE], env=env, capture_output=True, text=True,
+                              timeout=GPU_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"reason": f"the GPU probe took over {GPU_PROBE_TIMEOUT_S:.0f} s and was stopped"}
+    except (OSError, ValueError) as e:   # ValueError: output that is not text
+        return {"reason": f"the GPU probe could not run {python}: {getattr(e, 'strerror', None) or e}"}
+    lines = proc.stdout.strip().splitlines()
+    try:
+        if proc.returncode != 0 or not lines:
+            raise ValueError
+        out = json.loads(lines[-1])
+        if not isinstance(out, dict):
+            raise ValueError
+        return out
+    except ValueError:
+        err = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"reason": f"the GPU probe failed: {err[:300]}"}
+
+
+def gpu_probe(python: str | None, env: dict) -> dict:
+    """The GPU probe of this node, or why there is none."""
+    if not gpu_device_files():
+        return {"reason": "no GPU on this node (no /dev/nvidia* or /dev/kfd device)"}
+    if python is None:
+        return {"reason": "the job's Python could not be told from the command, so no GPU probe ran"}
+    return run_gpu_probe(python, env)
+
+
+def start_record(command: list[str], cwd: Path, python: str | None, env: dict) -> dict:
+    """node.json keys written before the job starts: ``identity`` and ``probe`` (its ``start`` timings).
+    ``python``: the job's Python (the GPU probe runs there), ``env``: the launcher's environment."""
+    gpu = gpu_probe(python, env)
     return {"identity": config_identity(command, cwd),
             "probe": {"work": PROBE_WORK, "cpu_start_s": cpu_probe(), "cpu_end_s": None,
-                      "gpu_reason": "no GPU probe: the launcher does not import torch"}}
+                      "gpu_work": GPU_PROBE_WORK if "devices" in gpu else None,
+                      "gpu_start": gpu.get("devices"), "gpu_end": None, "gpu_reason": gpu.get("reason")}}
 
 
-def end_record(node_info: dict) -> None:
-    """Adds the end probe's timings to node.json's ``probe`` (after the job has exited)."""
-    node_info["probe"]["cpu_end_s"] = cpu_probe()
+def end_record(node_info: dict, python: str | None, env: dict) -> None:
+    """Adds the end probes' timings to node.json's ``probe`` (after the job has exited); the GPU one only where
+    the start one ran."""
+    probe = node_info["probe"]
+    probe["cpu_end_s"] = cpu_probe()
+    if probe.get("gpu_start"):
+        gpu = gpu_probe(python, env)
+        probe["gpu_end"] = gpu.get("devices")
+        if "reason" in gpu:
+            probe["gpu_end_reason"] = gpu["reason"]

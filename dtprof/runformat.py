@@ -22,9 +22,13 @@ RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
 NODE_PREFIX = "node-"
 RANK_PREFIX = "rank-"
-# events of a process that could not be recorded as a rank (collectors/identity.py), one file per process
+# events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
+# dtprof failed in it before recording began (process_event); one file per process
 UNIDENTIFIED_PREFIX = "unidentified-"
 UNIDENTIFIED_EVENT = "unidentified process"    # how those events' messages begin
+# how the events of dtprof's own faults begin (a rank or a process that dtprof switched itself off in): they are
+# recorded, never printed into the job's output; the launcher names them in one line at the end
+FAULT_EVENT = "dtprof disabled"
 TABLES_DIR = "tables"
 TABLES_COMPLETE = "_complete"
 
@@ -124,6 +128,16 @@ class _TableFile:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def process_event(node_dir, host: str, level: str, message: str) -> None:
+    """One events row in this process's own file ``unidentified-<pid>.jsonl`` of the node directory, for a
+    process with no rank writer; the reader merges it into the node's events."""
+    import time
+
+    f = _TableFile(Path(node_dir) / f"{UNIDENTIFIED_PREFIX}{os.getpid()}.jsonl", "events")
+    f.rows.append((-1, host, time.monotonic_ns(), level, "rank", message))
+    f.close()
 
 
 class RankWriter:

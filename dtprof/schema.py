@@ -106,6 +106,7 @@ META_KINDS = {
     "fault": ("where", "error"),                        # dtprof disabled itself on this rank
     "step_inputs": ("samples", "tokens"),               # how steps.samples/tokens were obtained when inferred
     "dtprof_threads_cpu": ("threads",),                 # at exit: CPU seconds of each of dtprof's own threads
+    "model": ("parameters", "modules"),                 # end of step 0: parameters of the root modules
 }
 
 SPAN_KINDS = (

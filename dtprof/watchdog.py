@@ -208,9 +208,14 @@ class Watchdog:
                 and not pid_alive(hb.get("pid"))]
         if not dead:
             return
-        # Several deaths seen in one poll (survivors die of the lost connection within milliseconds): the first to
-        # die goes first. Ranks that lost a peer come after the rest, then earlier heartbeats before later ones.
-        dead.sort(key=lambda r: (bool(PEER_LOSS_RE.search(str(hbs[r].get("exit") or ""))), hbs[r].get("t_ns") or 0))
+        # Several deaths seen in one poll (survivors die of the lost connection within milliseconds, or torchrun
+        # stops them with SIGTERM; on a busy machine the poll can come after both): the first to die goes first.
+        # Ranks that lost a peer come after the rest, ranks stopped by SIGTERM last, then earlier heartbeats first.
+        def order(r):
+            hb = hbs[r]
+            how = 2 if hb.get("sigterm_ns") is not None else 1 if PEER_LOSS_RE.search(str(hb.get("exit") or "")) else 0
+            return how, hb.get("t_ns") or 0
+        dead.sort(key=order)
         now = time.monotonic_ns()
         first = not self.crashed
         for r in dead:

@@ -16,7 +16,8 @@ EXIT_MEANING = {0: "all gates passed", 1: "regression", 3: "inconclusive"}
 def comparison_dict(results: list[GateResult], base_names: list[str], head_names: list[str], exit_code: int,
                     settings: dict, explain: dict | None = None) -> dict:
     """``explain``: ``parts`` (regression.part_changes), ``stragglers`` (regression.straggler_changes),
-    ``identity`` (dtprof.identity.differences), ``probe`` (regression.probe_change) and ``reasons`` (why the
+    ``identity`` (regression.config_differences), ``probe`` and ``gpu_probe`` (regression.probe_change; without a GPU
+    probe ``gpu_probe_reason`` says why) and ``reasons`` (why the
     outcome is what it is, one line each)."""
     ex = explain or {}
     reasons = ex.get("reasons") or []
@@ -28,7 +29,8 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
             "gates": [r.to_dict() for r in results], "reasons": reasons,
             "parts": ex.get("parts") or {"rows": [], "floor_s": None, "note": ""},
             "stragglers": ex.get("stragglers") or [], "identity": ex.get("identity") or [],
-            "probe": ex.get("probe")}
+            "probe": ex.get("probe"), "gpu_probe": ex.get("gpu_probe"),
+            "gpu_probe_reason": ex.get("gpu_probe_reason")}
 
 
 def _ms(x: float) -> str:
@@ -56,9 +58,25 @@ def identity_lines(d: dict) -> list[str]:
             for x in d["identity"]]
 
 
+def _probe_text(p: dict) -> str:
+    """The probe's line; a probe that moved but does not explain the verdict (dtprof.compare) says so."""
+    if p.get("explains_verdict") is False:
+        return p["line"] + (", but a slower machine does not explain a head that passed" if p["ratio"] > 1
+                            else ", but a faster machine does not explain a slower head")
+    return p["line"]
+
+
 def probe_line(d: dict) -> str | None:
     p = d.get("probe")
-    return None if not p else p["line"]
+    return None if not p else _probe_text(p)
+
+
+def gpu_probe_line(d: dict) -> str | None:
+    """The GPU probe's change, or why there is none (a CPU-only node, an older run)."""
+    p = d.get("gpu_probe")
+    if p:
+        return _probe_text(p)
+    return f"machine probe (GPU): none -- {d['gpu_probe_reason']}" if d.get("gpu_probe_reason") else None
 
 
 def explain_lines(d: dict) -> list[str]:
@@ -74,9 +92,7 @@ def explain_lines(d: dict) -> list[str]:
     else:
         out.append("what moved: no part of the step moved beyond the noise")
     out += straggler_lines(d)
-    line = probe_line(d)
-    if line:
-        out.append(line)
+    out += [x for x in (probe_line(d), gpu_probe_line(d)) if x]
     out += identity_lines(d)
     return out
 

@@ -167,6 +167,27 @@ def test_two_stage_gpipe_bubble_near_theory(gpipe):
     assert pp["overhead_frac"] > -0.02 and 0.15 <= pp["schedule_bubble_frac"] <= 0.25, pp
 
 
+def tiny_lm_parameters(vocab: int, dim: int, layers: int, seq: int) -> int:
+    """The example model's parameter count, built here as the examples build it."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from model import TinyLM
+    finally:
+        sys.path.pop(0)
+    return sum(p.numel() for p in TinyLM(vocab, dim, layers, seq=seq).parameters())
+
+
+def test_model_parameters_fsdp_counts_the_whole_model_and_pipeline_stages_their_own(fsdp, gpipe):
+    # FSDP2 shards every parameter as a DTensor: each rank counts the whole model (the DTensor's global shape), so
+    # the count does not change with the world size. Each pipeline stage holds its own blocks: one count per rank,
+    # which together are the whole model (examples/model.py defaults: vocab 256, dim 64, 2 layers, seq 32).
+    m = json.loads((fsdp / "summary.json").read_text())["run"]["model"]
+    assert m["parameters"] == tiny_lm_parameters(256, 64, 2, 32)
+    m = json.loads((gpipe / "summary.json").read_text())["run"]["model"]
+    assert m["parameters"] is None and len(m["parameters_by_rank"]) == 2
+    assert sum(m["parameters_by_rank"].values()) == tiny_lm_parameters(256, 256, 8, 128)
+
+
 def test_ddp_and_pipeline_analysed_from_node_summaries_equal_raw(plain_ddp, gpipe):
     """The launcher wrote each node's summary; the analysis from them equals the one from the raw tables
     (docs/scale.md), on a DDP job and on a GPipe pipeline (its stage spans read as a slice)."""

@@ -10,10 +10,13 @@ import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dtprof.analyzers import whatif  # noqa: E402
 from dtprof.analyzers.breakdown import PARTS  # noqa: E402
 from dtprof.analyzers.intervals import split_over_windows  # noqa: E402
 from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
+from dtprof.analyzers.runmodel import RunModel  # noqa: E402
 from dtprof.analyzers.summary import analyze  # noqa: E402
+from dtprof.reader import open_run  # noqa: E402
 from synth import build_run  # noqa: E402
 from test_analyzers import hand_run  # noqa: E402
 
@@ -37,6 +40,31 @@ def test_overlapping_spans_and_comm_partitioned_by_priority(tmp_path):
     assert r["step_time_s_mean"] == pytest.approx(0.1)
     assert sum(r["breakdown_s_per_step"].values()) == pytest.approx(0.1, rel=1e-12)
     assert r["exposed_comm_s_per_step_by_op"] == {"all_reduce": pytest.approx(0.023)}
+
+
+def test_phases_nested_in_optimizer_step_closure_are_the_innermost(tmp_path):
+    # Lightning's step: optimizer.step(closure) runs forward and backward inside the optimizer span.
+    # Rank 0, step [0,100): data_wait [0,10), optimizer [10,95) holding forward [15,35) and backward [40,90); DDP's
+    # all_reduce in flight [60,88) (hidden under backward), the rank blocked on it [75,90) (comm_wait in backward).
+    # forward 20, backward [40,75) = 35, exposed 15, optimizer [10,15)+[35,40)+[90,95) = 15, other [95,100) = 5.
+    # Rank 1: spans that cross rather than nest, forward [10,40) and optimizer [30,60): the one that began last
+    # wins where both run (forward 20, optimizer 30).
+    run = hand_run(tmp_path / "r", [(0, "data_wait", 0, 10), (0, "optimizer", 10, 95), (0, "forward", 15, 35),
+                                    (0, "backward", 40, 90), (0, "comm_wait", 75, 90),
+                                    (1, "forward", 10, 40), (1, "optimizer", 30, 60)],
+                   [(0, "all_reduce", 0, 60, 88, 1024, 1)], ranks=(0, 1))
+    a = analyze(run, AnalysisOptions(warmup=0))
+    assert _parts_ms(a) == {"forward": 20, "backward": 35, "optimizer": 15, "exposed_comm": 15,
+                            "comm_outside_fwd_bwd": 0, "data_wait": 10, "bubble": 0, "other": 5}
+    assert _parts_ms(a, rank=1) == {"forward": 20, "backward": 0, "optimizer": 30, "exposed_comm": 0,
+                                    "comm_outside_fwd_bwd": 0, "data_wait": 0, "bubble": 0, "other": 50}
+    # the what-if model cuts the same timeline into the same work (its blocked time is waits, not work)
+    g = whatif.build(RunModel.of(open_run(run)))
+    work = g.kind == whatif.WORKI
+    for rank, want in ((0, {"forward": 20, "backward": 35, "optimizer": 15}), (1, {"forward": 20, "optimizer": 30})):
+        mine = work & (g.windows["rank"].to_numpy()[g.win] == rank)
+        got = {whatif.WORK_PARTS[p]: g.dur[mine & (g.part == p)].sum() / 1e6 for p in whatif.COMPUTE_PARTS}
+        assert got == {p: want.get(p, 0) for p in ("forward", "backward", "optimizer")}
 
 
 def test_collective_issued_between_steps_is_communication_outside_forward_backward(tmp_path):

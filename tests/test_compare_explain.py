@@ -144,3 +144,47 @@ def test_scaling_parts_add_up_to_the_lost_time():
 
 def test_part_floor_is_half_the_step_tolerance():
     assert rg.PART_FLOOR_FRAC == rg.DEFAULT_STEP_TOLERANCE / 2
+
+
+def test_a_different_model_parameter_count_is_not_comparable(tmp_path):
+    b, h = run_summary(1), run_summary(2)
+    b["run"]["model"] = {"parameters": 1234567, "parameters_by_rank": {"0": 1234567, "1": 1234567}}
+    h["run"]["model"] = {"parameters": None, "parameters_by_rank": {"0": 700000, "1": 534567}}   # pipeline stages
+    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h))
+    assert code == 3
+    assert "model parameters 1,234,567 -> rank 0: 700,000, rank 1: 534,567" in out
+    del h["run"]["model"]                     # unknown on a side (an imported trace) is not a difference
+    assert cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h2", h))[0] == 0
+
+
+def test_a_slower_gpu_is_inconclusive_with_the_gpu_probe_named(tmp_path):
+    rng = np.random.default_rng(0)
+    b, h = run_summary(1), run_summary(2, backward_extra=0.012)   # the head is slower, and so are its GPUs
+    for s, sec in ((b, 0.0015), (h, 0.0015 * 1.3)):   # CUDA-event timings of the fixed matmul, 2 % jitter
+        t = sec * np.exp(rng.normal(0, 0.02, 20))
+        s["run"]["probe"].update(gpu_start_s=t[:10].tolist(), gpu_end_s=t[10:].tolist())
+    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h), "--format", "json")
+    d = json.loads(out)
+    assert code == 3 and d["reasons"] == ["the GPUs ran 30 % slower on the GPU probe (head vs base)"]
+    assert d["probe"]["moved"] is False and d["gpu_probe"]["kind"] == "gpu"
+    code, text = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h))
+    assert re.search(r"machine probe \(GPU\): head 30 % slower than base \[\+2\d, \+3\d %\] -- beyond its noise", text)
+
+
+@pytest.mark.parametrize("probe_s, backward_extra, code, words", [
+    (0.015, 0.012, 3, "the machine ran [3-6]\\d % slower on the probe"),   # a slower machine explains a slower head
+    (0.005, 0.0, 3, "the machine ran [4-6]\\d % faster on the probe"),    # a faster one could hide a slowdown
+    (0.005, 0.012, 1, "gate steps.time_s.p50 < \\+2% failed$"),          # ... but cannot explain one
+    (0.015, 0.0, 0, "all gates passed$"),                                 # a slower one cannot hide one
+])
+def test_a_machine_that_changed_is_inconclusive_only_when_it_explains_the_verdict(tmp_path, probe_s, backward_extra,
+                                                                                   code, words):
+    base = write(tmp_path, "b", run_summary(1))
+    head = write(tmp_path, "h", run_summary(2, backward_extra=backward_extra, probe_s=probe_s))
+    got, out = cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert got == code and re.search(words, d["outcome"]), d["outcome"]
+    assert d["probe"]["moved"] and d["probe"]["explains_verdict"] is (code == 3)
+    if code != 3:
+        _, text = cli(base, "--head", head)
+        assert "-- beyond its noise: the machine changed, but a " in text

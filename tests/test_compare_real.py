@@ -6,6 +6,10 @@ while CPU-hogging processes load the machine is inconclusive with the machine na
 another world size is inconclusive unless --allow-different; a corrupt summary must exit 2 naming the file. See
 `runs` for why the slowdown is about +20 % here and not 10 %.
 
+A run of a bigger model (same script and world size) is inconclusive naming both parameter counts. CPU runs
+record no GPU probe and say why; compare's handling of a GPU probe that moved is run on these real runs with GPU
+probe rows written into node.json as the launcher records them on a GPU node (this machine has no GPU).
+
 The machine probe (run.probe) can flag a real change of this shared machine's load between two recordings (other
 jobs start or stop): then a comparison is rightly inconclusive (exit 3, the machine named) rather than a pass or a
 fail, and the tests below accept exactly that outcome besides the expected one -- never the other verdict.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +51,7 @@ def dtprof(*args, check=True, timeout=300):
 
 # ~30 ms steps: big enough that scheduler jitter on a 2-core machine is a small part of a step
 MODEL = ("--dim", 128, "--seq", 64)
+WIDE_DIM = 160
 
 
 def record(out: Path, *train_args, nproc: int = 2) -> Path:
@@ -87,7 +93,8 @@ def runs(tmp_path_factory):
             hog = record_while_hogged(root / "hog")
         slow.append(record(root / f"slow{i}", "--slow-rank", 1, "--slow-ms", slow_ms, "--slow-in", "backward"))
     ws1 = record(root / "ws1", nproc=1)
-    return {"base": base, "same": same, "slow": slow, "slow_ms": slow_ms, "hog": hog, "ws1": ws1}
+    wide = record(root / "wide", "--dim", WIDE_DIM)     # the same script and world size, a bigger model
+    return {"base": base, "same": same, "slow": slow, "slow_ms": slow_ms, "hog": hog, "ws1": ws1, "wide": wide}
 
 
 # Busy-looping processes, twice as many as this machine has cores plus one, so that the probe (one thread) gets a
@@ -137,6 +144,7 @@ def test_a_rank_slowed_in_backward_fails_naming_backward_and_the_rank(runs):
 
 def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
     code, d = compare_json(runs["same"][-1], "--head", runs["hog"])
+    assert d["gates"][0]["verdict"] == "fail"      # the hogs slow the job's steps too (2 ranks, 2 cores, 5 hogs)
     assert code == 3, (d["outcome"], d["probe"])
     assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
     assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"]
@@ -186,3 +194,88 @@ def test_scaling_across_world_sizes_parts_add_up_to_the_lost_time(runs):
     parts = [two[f"lost_{k}_s"] for k in ("compute", "comm", "bubble", "data_wait", "other")]
     assert sum(parts) == pytest.approx(two["lost_s"], rel=1e-9, abs=1e-12)
     assert abs(two["lost_other_s"]) <= abs(two["lost_s"])   # a remainder, not a large negative correction
+
+
+def summary_of(run: Path) -> dict:
+    from dtprof.compare import load_summary
+
+    return load_summary(run)[1]
+
+
+def tiny_lm_parameters(dim: int) -> int:
+    """The example model's parameter count, built here as train_ddp.py builds it (examples/model.py defaults)."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        from model import TinyLM
+    finally:
+        sys.path.pop(0)
+    return sum(p.numel() for p in TinyLM(256, dim, 2, seq=64).parameters())
+
+
+def test_the_model_parameter_count_is_recorded_and_a_bigger_model_is_not_comparable(runs):
+    small, wide = summary_of(runs["base"][0]), summary_of(runs["wide"])
+    assert small["run"]["model"]["parameters"] == tiny_lm_parameters(128)
+    assert small["run"]["model"]["parameters_by_rank"] == {"0": tiny_lm_parameters(128), "1": tiny_lm_parameters(128)}
+    assert wide["run"]["model"]["parameters"] == tiny_lm_parameters(WIDE_DIM)
+    code, d = compare_json(runs["base"][0], "--head", runs["wide"])
+    both = f"model parameters {tiny_lm_parameters(128):,} -> {tiny_lm_parameters(WIDE_DIM):,}"
+    assert code == 3 and any("not comparable" in x and both in x for x in d["reasons"]), d["reasons"]
+    code, d = compare_json(runs["base"][0], "--head", runs["wide"], "--allow-different")
+    assert code in (0, 1) or machine_changed(d), d["reasons"]
+    assert [x["key"] for x in d["identity"] if x["blocking"]] == ["model parameters"]   # still shown
+
+
+def test_cpu_runs_have_no_gpu_probe_and_say_so(runs):
+    probe = summary_of(runs["base"][0])["run"]["probe"]
+    assert probe["gpu_start_s"] is None and probe["gpu_end_s"] is None
+    assert probe["gpu_reason"] == "no GPU on this node (no /dev/nvidia* or /dev/kfd device)"
+    code, d = compare_json(runs["base"][0], "--head", runs["same"][0])
+    assert d["gpu_probe"] is None and "no GPU on this node" in d["gpu_probe_reason"]
+    assert not any("GPU" in x for x in d["reasons"])
+    text = dtprof("compare", runs["base"][0], "--head", runs["same"][0], check=False).stdout
+    assert "machine probe (GPU): none -- base: no GPU on this node" in text
+
+
+# GPU probe rows as dtprof/machine.py records them on a GPU node: per device, 5 CUDA-event timings of the fixed
+# matmul work (about 1.5 ms on an H100; the figure only sets the scale, the test is about the ratio).
+def gpu_rows(seconds: float, seed: int) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [{"index": i, "name": "NVIDIA H100 80GB HBM3",
+             "timings_s": (seconds * np.exp(rng.normal(0, 0.02, 5))).tolist()} for i in range(2)]
+
+
+def with_gpu_probe(run: Path, out: Path, seconds: float, seed: int) -> Path:
+    """A copy of a real run whose node.json carries GPU probe rows; summary.json is dropped so that compare
+    analyses the run (node.json -> summary's run.probe -> compare)."""
+    shutil.copytree(run, out)
+    (out / "summary.json").unlink(missing_ok=True)
+    for node_json in out.glob("node-*/node.json"):
+        node = json.loads(node_json.read_text())
+        node["probe"].update(gpu_work="test rows", gpu_start=gpu_rows(seconds, seed),
+                             gpu_end=gpu_rows(seconds, seed + 1), gpu_reason=None)
+        node_json.write_text(json.dumps(node))
+    return out
+
+
+def test_a_gpu_probe_that_moved_is_the_machine_not_a_regression(runs, tmp_path):
+    run = runs["same"][0]          # one run on both sides: only the GPU probe rows differ
+    base = with_gpu_probe(run, tmp_path / "base", 0.0015, seed=1)
+    code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "same", 0.0015, seed=3))
+    assert code == 0 and d["gpu_probe"]["moved"] is False and d["gpu_probe_reason"] is None, d["reasons"]
+    assert summary_of(base)["run"]["probe"]["gpu_devices"] == ["node 0:0 NVIDIA H100 80GB HBM3",
+                                                               "node 0:1 NVIDIA H100 80GB HBM3"]
+    # faster GPUs could hide a slowdown behind this pass: inconclusive
+    code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "fast", 0.0015 / 1.4, seed=5))
+    assert code == 3 and len(d["reasons"]) == 1, d["reasons"]
+    assert re.fullmatch(r"the GPUs ran (2\d|30) % faster on the GPU probe \(head vs base\)", d["reasons"][0])
+    # slower GPUs cannot have hidden one: the pass stands, and the probe's line says why
+    code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "slowgpu", 0.0015 * 1.4, seed=5))
+    assert code == 0 and d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is False, d["reasons"]
+    # a head slowed in backward on slower GPUs: the machine may explain the slowdown, so it is not called a regression
+    code, d = compare_json(base, "--head", with_gpu_probe(runs["slow"][0], tmp_path / "slow", 0.0015 * 1.4, seed=7))
+    assert code == 3, d["outcome"]
+    assert any(re.fullmatch(r"the GPUs ran [34]\d % slower on the GPU probe \(head vs base\)", x)
+               for x in d["reasons"]), d["reasons"]
+    assert d["gpu_probe"]["ci"][0] > 1 + d["gpu_probe"]["tolerance"]

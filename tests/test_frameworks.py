@@ -18,8 +18,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dtprof.analyzers.intervals import split_over_windows, union_length
+from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from test_launcher_torchrun import free_port
 
@@ -161,6 +164,28 @@ def test_lightning_between_step_collectives_are_communication_not_data_wait(ligh
     for r in logged.itertuples():
         w = waits[waits["rank"] == r.rank]
         assert not ((w["start_ns"] < r.return_ns) & (w["end_ns"] > r.issue_ns)).any()
+
+
+def test_lightning_closure_phases_are_forward_and_backward(lightning_torchrun):
+    """Lightning runs forward and backward inside ``optimizer.step(closure)``: the breakdown still shows them (the
+    innermost phase), and its communication parts are only time the rank really had a collective in flight or was
+    blocked on one, measured from the collectives and the comm_wait spans of its measured steps."""
+    run = lightning_torchrun.run
+    model = RunModel.of(run)
+    w = model.steps[model.steps["measured"]]
+    s = run.spans[run.spans["kind"].astype(str) == "comm_wait"]
+    c = model.collectives
+    for r in lightning_torchrun.summary["ranks"]:
+        b = r["breakdown_s_per_step"]
+        assert b["forward"] > 0 and b["backward"] > 0, b
+        mine = w[w["rank"] == r["rank"]]
+        ws, we = mine["start_ns"].to_numpy(), mine["end_ns"].to_numpy()
+        keys = np.zeros(len(ws), np.int64)
+        a = np.r_[s.loc[s["rank"] == r["rank"], "start_ns"], c.loc[c["rank"] == r["rank"], "issue_ns"]]
+        e = np.r_[s.loc[s["rank"] == r["rank"], "end_ns"], c.loc[c["rank"] == r["rank"], "exit_ns"]]
+        _, win, ps, pe = split_over_windows(keys, ws, we, np.zeros(len(a), np.int64), a, e)
+        comm_s = union_length(win, ps, pe, len(ws)).sum() / len(ws) / 1e9
+        assert b["exposed_comm"] + b["comm_outside_fwd_bwd"] <= comm_s * (1 + 1e-9), (b, comm_s)
 
 
 # ---- Hugging Face Trainer ---------------------------------------------------------------------------------------

@@ -48,3 +48,21 @@ def test_torchrun_launcher_is_not_a_rank(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", [sys.executable, "train.py"], raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     assert not runtime._is_torchrun_launcher()
+
+
+def test_a_fault_at_start_up_is_recorded_not_printed(tmp_path):
+    """dtprof fails in a process before it has a rank writer (here its config cannot be read): the job runs on with
+    nothing of dtprof in its output, and the fault is an events row of the run, which `dtprof run` names at the
+    end."""
+    from dtprof.launcher import own_faults_line
+    from dtprof.reader import read_node_raw
+
+    node = tmp_path / "node"
+    node.mkdir()
+    code = "import torch; print(torch.nn.Linear(2, 1)(torch.ones(1, 2)).shape)"
+    r = _python(code, {"DTPROF_NODE_DIR": str(node), "DTPROF_CONFIG": "{not json", "RANK": "0"}, tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "torch.Size([1, 1])" and r.stderr == "", r.stderr
+    ev = read_node_raw(node)["events"]
+    assert len(ev) == 1 and ev["level"].iloc[0] == "error"
+    assert ev["message"].iloc[0].startswith("dtprof disabled in pid ") and "JSONDecodeError" in ev["message"].iloc[0]
+    assert own_faults_line(node).startswith("dtprof disabled in pid ")

@@ -239,8 +239,22 @@ def test_pipeline_p2p_matched(pipeline):
 # ---- robustness ---------------------------------------------------------------------------------------------------
 
 def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
-    run_dir, losses, _ = run_job(tmp_path, "train_ddp.py", SMALL, extra_env={"DTPROF_TEST_FAULT": "collective@1"})
-    assert losses == bare_ddp
+    """A fault of dtprof's own on rank 1, under `dtprof run`: that rank runs on unprofiled with the same losses,
+    the run records the fault, nothing of it reaches the job's output (what the relay logged of the job's stdout
+    and stderr), and `dtprof run` names it in one line of its own at the end."""
+    env = _env(extra={"DTPROF_TEST_FAULT": "collective@1"})
+    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "run", "--out", "run", "--no-nvml", "--no-report", "--",
+                        *_torchrun("train_ddp.py", SMALL)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _loss_lines(p.stdout) == bare_ddp
+    run_dir = tmp_path / "run"
+    (node,) = run_dir.glob("node-*")
+    job_output = (node / "stdout.log").read_text() + (node / "stderr.log").read_text()
+    assert "step 0 loss" in job_output and "dtprof" not in job_output.lower(), job_output[-2000:]
+    said = [ln for ln in p.stderr.splitlines() if "after a fault" in ln]
+    assert len(said) == 1 and said[0].startswith("dtprof disabled on rank 1 after a fault in"), said
+    assert "injected fault" in said[0]
     run = open_run(run_dir)
     ev = run.events
     err = ev[(ev.level == "error") & (ev["rank"] == 1)]
@@ -309,6 +323,8 @@ def test_trace_capture_window_is_a_meta_row(tmp_path):
                        env=_env(node_dir, {"trace_steps": "1:3"}),
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
+    # neither torch's "won't be using warmup" warning nor Kineto's profiler_start/stop lines reach the job's stderr
+    assert not [ln for ln in p.stderr.splitlines() if "profiler" in ln.lower() or "warmup" in ln.lower()], p.stderr
     run = open_run(run_dir)
     meta = run.meta[run.meta["kind"].astype(str) == "trace_capture"]
     assert len(meta) == 1

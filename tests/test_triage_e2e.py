@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 PLAIN = TESTS / "triage_jobs" / "plain_train.py"
-HANG_TIMEOUT_S = 8.0
+HANG_TIMEOUT_S = 15.0  # above the stalls a loaded 2-core CI machine shows in a healthy job (see test_triage.py)
 
 missing = [name for name, path in (("dtprof.launcher", ROOT / "dtprof" / "launcher.py"),
                                    ("collectors/runtime.py", ROOT / "collectors" / "runtime.py"))

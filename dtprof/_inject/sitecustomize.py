@@ -13,8 +13,9 @@ break the program:
   ``torch.distributed.run``/``launch`` or its argv[0] is ``torchrun`` (then nothing is recorded), and otherwise a
   plain single-process job, recorded as rank 0 of world 1.
 - It hides any other ``sitecustomize`` further down the path (Debian ships one), so it loads that one afterwards.
-- Any fault is swallowed: the job runs unprofiled and the fault is written to stderr (and to the run's events
-  table when the runtime got far enough to have a writer).
+- Any fault is swallowed: the job runs unprofiled and the fault is recorded in the run's events (the rank's, or
+  this process's own ``unidentified-<pid>.jsonl``), never printed into the job's output; the launcher names it in
+  one line at the end. An error in the sitecustomize ours hides is printed as Python itself prints it.
 """
 import os
 import sys
@@ -52,16 +53,26 @@ class _TorchImportWatcher:
         return spec
 
 
+def _record_fault(e):
+    """dtprof failed in this process: an events row in the run (never a line in the job's output)."""
+    try:
+        import socket
+
+        from dtprof.runformat import FAULT_EVENT, process_event
+
+        process_event(os.environ["DTPROF_NODE_DIR"], socket.gethostname(), "error",
+                      f"{FAULT_EVENT} in pid {os.getpid()} at start-up: {type(e).__name__}: {e}")
+    except BaseException:
+        pass
+
+
 def _after_torch_import():
     try:
         from dtprof.collectors import runtime
 
         runtime.install_from_env()
     except BaseException as e:  # never break the user's import of torch
-        try:
-            sys.stderr.write(f"dtprof: disabled in this process ({type(e).__name__}: {e})\n")
-        except Exception:
-            pass
+        _record_fault(e)
 
 
 def _chain_original_sitecustomize():
@@ -74,10 +85,11 @@ def _chain_original_sitecustomize():
         del sys.modules["sitecustomize"]
         try:
             import sitecustomize  # noqa: F401  (the original, if any)
-        except ImportError:
-            pass
-    except Exception as e:
-        sys.stderr.write(f"dtprof: the original sitecustomize failed ({type(e).__name__}: {e})\n")
+        except ImportError as exc:
+            if exc.name != "sitecustomize":   # a missing original is fine; its own failing import is not
+                raise
+    except Exception as e:   # the job's own sitecustomize: reported as Python's site.py reports it
+        sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(e).__name__}: {e}\n")
     finally:
         sys.path[:] = saved
         if ours is not None:
@@ -97,7 +109,5 @@ try:
     _chain_original_sitecustomize()
     _install()
 except Exception as _e:  # pragma: no cover - last resort
-    try:
-        sys.stderr.write(f"dtprof: injection failed ({type(_e).__name__}: {_e})\n")
-    except Exception:
-        pass
+    if os.environ.get("DTPROF_NODE_DIR"):
+        _record_fault(_e)

@@ -5,7 +5,9 @@
     dtprof run -- python examples/frameworks/train_lightning.py          # either, profiled, unchanged
 
 Lightning detects torchrun from its environment; without it, ``Trainer(devices=2, strategy="ddp")`` re-runs this
-script once more as rank 1 (its subprocess launcher). Each rank prints its final loss as ``final loss <value>``.
+script once more as rank 1 (its subprocess launcher). Rank 0 prints each step's loss as ``step <n> loss <value>``
+(as the other examples do; benchmarks/overhead.py times the steps by these lines), and each rank its final loss as
+``final loss <value>``.
 """
 import argparse
 
@@ -33,6 +35,12 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class PrintSteps(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            print(f"step {trainer.global_step - 1} loss {outputs['loss'].item():.6f}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per rank")
@@ -46,7 +54,8 @@ def main():
     data = TensorDataset(torch.randn(n, args.dim), torch.randn(n, 1))
     trainer = L.Trainer(devices=2, accelerator="cpu", strategy="ddp", max_steps=args.steps, max_epochs=1,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        callbacks=[PrintSteps()])
     model = Regressor(args.dim, lr=0.05)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     print(f"rank {trainer.global_rank} final loss {trainer.callback_metrics['train_loss'].item():.8f}", flush=True)
