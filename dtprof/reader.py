@@ -480,6 +480,12 @@ class Run:
         kinds, ranks = list(kinds), [int(r) for r in ranks]
         if not kinds and not ranks:
             return conform("spans", pd.DataFrame())
+        if "spans" in self._loaded:   # all of them are in memory already (a run analysed from its raw tables)
+            sp = self._loaded["spans"]
+            keep = sp["kind"].astype(str).isin(kinds) | sp["rank"].isin(ranks)
+            if steps is not None:
+                keep &= sp["step"].between(int(steps[0]), int(steps[1])).fillna(False).astype(bool)
+            return sp[keep.to_numpy()].reset_index(drop=True)
         complete = [nd for nd in self.node_dirs if self._complete(nd)]
         parts = []
         if complete:
