@@ -359,26 +359,31 @@ def _scaled(g: StepGraph, target: np.ndarray, parts: tuple[int, ...], rows: np.n
     return np.rint(out).astype(np.int64)
 
 
-def peers_of(g: StepGraph) -> dict[int, list[int]]:
-    """Each rank's peers: ranks doing the same work (same pipeline stage on a pipeline run; else every other)."""
+def peers_of(g: StepGraph) -> dict[int, int]:
+    """Each rank's peer group: its peers are the other ranks of the group, doing the same work (the same pipeline
+    stage on a pipeline run, -1 for a rank with none; else one group). A group key, not a list of peers per rank:
+    those lists grow with the square of the ranks (16,384 ranks: 268 M entries)."""
     ranks = sorted(set(g.windows["rank"].tolist()))
     if g.stage:
-        return {r: [q for q in ranks if q != r and g.stage.get(q) == g.stage.get(r)] for r in ranks}
-    return {r: [q for q in ranks if q != r] for r in ranks}
+        return {r: g.stage.get(r, -1) for r in ranks}
+    return {r: 0 for r in ranks}
 
 
-def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, list[int]]) -> np.ndarray:
+def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, int]) -> np.ndarray:
     """Work durations with ``ranks``' work, part by part in each step, set to the median of their peers'."""
     tot = _part_totals(g, g.dur)
     tot["rank"] = g.windows["rank"].to_numpy()
     tot["step"] = g.windows["step"].to_numpy()
+    group = tot["rank"].map(peers).to_numpy()
     target = np.full((len(tot), len(WORK_PARTS)), np.nan)
     rows = []
     for r in ranks:
-        pr = [q for q in peers.get(r, []) if q not in ranks]
-        if not pr:
+        if r not in peers:
             continue
-        med = tot[tot["rank"].isin(pr)].groupby("step")[list(WORK_PARTS)].median()
+        pr = (group == peers[r]) & ~tot["rank"].isin(ranks).to_numpy()
+        if not pr.any():
+            continue
+        med = tot[pr].groupby("step")[list(WORK_PARTS)].median()
         mine = np.flatnonzero(tot["rank"].to_numpy() == r)
         target[mine] = med.reindex(tot["step"].to_numpy()[mine]).to_numpy()
         rows.extend(mine.tolist())
@@ -430,15 +435,28 @@ def _measured(g: StepGraph) -> np.ndarray:
     return np.array(sorted(set(g.windows.loc[g.windows["measured"], "step"].tolist())), np.int64)
 
 
-def suspects(g: StepGraph, peers: dict[int, list[int]], limit: int = 8) -> list[int]:
+def suspects(g: StepGraph, peers: dict[int, int], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting) exceeds their peers' median in the mean measured step, most first."""
     tot = _part_totals(g, g.dur)
     tot = tot.drop(columns="exposed_comm").sum(axis=1)
     w = g.windows.assign(work=tot.to_numpy())
     w = w[w["measured"]]
     mean = w.groupby("rank")["work"].mean()
-    excess = {r: mean[r] - float(np.median(mean.reindex(p).dropna())) for r, p in peers.items()
-              if r in mean.index and len(mean.reindex(p).dropna())}
+    excess = {}
+    for key in sorted(set(peers.values())):   # per peer group: each rank against the median of the others
+        members = [r for r, k in peers.items() if k == key and r in mean.index]
+        v = mean.reindex(members).to_numpy(float)
+        order = np.argsort(v, kind="stable")
+        sv = v[order]
+        for pos, i in enumerate(order):
+            n = len(sv) - 1   # the others
+            if n == 0:
+                continue
+            # the k-th smallest of the others is sv[k], or sv[k + 1] from the rank's own place on
+            mid = [k + (k >= pos) for k in ((n // 2,) if n % 2 else (n // 2 - 1, n // 2))]
+            med = sv[mid[0]] if len(mid) == 1 else (sv[mid[0]] + sv[mid[1]]) / 2
+            excess[members[i]] = mean[members[i]] - float(med)
+    excess = dict(sorted(excess.items()))
     return [r for r, x in sorted(excess.items(), key=lambda kv: -kv[1]) if x > 0][:limit]
 
 
