@@ -92,6 +92,18 @@ def link_peak(device_names: list[str], hosts_in_group: int) -> tuple[float | Non
     return None, f"no link peak known for device {name!r}"
 
 
+def group_link_peak(run, group: str) -> tuple[float | None, str]:
+    """(link peak GB/s or None, why) of the process group ``group`` of the run model ``run``: from the devices and
+    hosts of the group's ranks (the groups table, else all ranks)."""
+    ranks = run.ranks
+    dev = pd.Series(ranks["device_name"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
+    host = pd.Series(ranks["host"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
+    gr = run.groups[run.groups["group"].astype(str) == str(group)] if len(run.groups) else run.groups
+    m = [int(x) for x in str(gr["ranks"].iloc[0]).split(",") if x.strip().lstrip("-").isdigit()] if len(gr) else []
+    m = m or list(dev.index)
+    return link_peak(dev.reindex(m).dropna().tolist(), host.reindex(m).dropna().nunique())
+
+
 def instance_ids(*keys: np.ndarray) -> tuple[np.ndarray, int]:
     """Dense ids 0..n-1 of the distinct tuples of non-negative int arrays ``keys`` (one id per instance)."""
     if len(keys[0]) == 0:
@@ -194,22 +206,10 @@ def collective_table(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
                        for o, k in zip(agg["op"], n)])  # one per table row (op × group × bucket), not per call
     agg["algbw_gbps"] = algbw
     agg["busbw_gbps"] = algbw * factor
-    # link peak per group: devices and hosts of the group's ranks (from the groups table, else all ranks)
-    ranks = run.ranks
-    dev = pd.Series(ranks["device_name"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
-    host = pd.Series(ranks["host"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
-    gr = run.groups.drop_duplicates("group") if len(run.groups) else run.groups
-    members = {str(g): [int(x) for x in str(rs).split(",") if x.strip().lstrip("-").isdigit()]
-               for g, rs in zip(gr["group"], gr["ranks"])} if len(gr) else {}
-    peaks, reasons = [], []
-    for gname in agg["group"]:  # one per table row
-        m = members.get(gname) or list(dev.index)
-        peak, why = link_peak(dev.reindex(m).dropna().tolist(), host.reindex(m).dropna().nunique())
-        peaks.append(peak)
-        reasons.append(why)
-    agg["link_peak_gbps"] = pd.array(peaks, dtype="Float64")
+    peaks, reasons = zip(*[group_link_peak(run, g) for g in agg["group"]]) if len(agg) else ((), ())
+    agg["link_peak_gbps"] = pd.array(list(peaks), dtype="Float64")
     agg["link_peak_frac"] = agg["busbw_gbps"] / agg["link_peak_gbps"]
-    agg["link_peak_reason"] = reasons
+    agg["link_peak_reason"] = list(reasons)
     tot = agg["total_s"].sum()
     agg["share_of_comm"] = agg["total_s"] / tot if tot > 0 else np.nan
     return agg[COLUMNS]

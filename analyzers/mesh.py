@@ -203,6 +203,24 @@ def attribute_slow_rank(groups: pd.DataFrame, spans: pd.DataFrame, rank: int | N
     return {**found, "groups": mesh_groups_of_rank(groups, found["rank"])}
 
 
+def rank_coords(groups: pd.DataFrame) -> dict:
+    """Each rank's coordinate along every mesh dimension: its index in its group of that dimension (groups list
+    their ranks sorted, which is the mesh order of a mesh laid out in rank order, as ``init_device_mesh`` does):
+    ``{"ranks": [sorted ranks], "coords": {dim: [coordinate per rank, -1 where it has no group in dim]}}``. The
+    report groups ranks by these beyond a few hundred ranks (reports/rankgroups.py)."""
+    dims = group_dims(groups)
+    dims = dims[dims["mesh_dim"] != NO_DIM]
+    members = dims.assign(rank=dims["ranks"].str.split(",")).explode("rank")
+    members["rank"] = members["rank"].astype("int64")
+    members["coord"] = members.groupby("group", sort=False).cumcount()
+    ranks = np.sort(members["rank"].unique())
+    coords = {}
+    for dim, m in members.groupby("mesh_dim", sort=False):
+        c = m.drop_duplicates("rank").set_index("rank")["coord"].reindex(ranks).fillna(-1).astype(int)
+        coords[str(dim)] = c.tolist()
+    return {"ranks": ranks.tolist(), "coords": coords}
+
+
 def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
                  meta: pd.DataFrame | None = None, exposed: pd.DataFrame | None = None) -> dict | None:
     """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims."""
@@ -222,4 +240,5 @@ def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.Data
                      "bytes_per_step": num(r.bytes_per_step), "groups": list(r.groups or [])}
                     for r in per.itertuples()],
         "costliest_dim": costliest_dim(per),
+        "rank_coords": rank_coords(groups),
     }

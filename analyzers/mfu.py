@@ -141,7 +141,16 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, options: Analysi
     if flops is not None:
         out["achieved_flops_per_s"] = flops / step_time
     if out["peak_flops"] and flops is not None:
-        out["value"] = flops / (step_time * out["peak_flops"])
+        value = flops / (step_time * out["peak_flops"])
+        if value > 1:
+            # Above the peak is impossible: the peak is too low (a calibration that ran while the machine was busier
+            # than during the job) or the FLOPs are too high. Say so instead of printing an MFU over 100 %.
+            out["value_reason"] = (f"the job achieved {value:.0%} of the peak ({flops / step_time / 1e12:.4g} of "
+                                   f"{out['peak_flops'] / 1e12:.4g} TFLOP/s, {out['peak_source']}), so the peak is "
+                                   f"too low or the FLOPs too high; give --peak-tflops or run dtprof calibrate on "
+                                   f"a quiet machine")
+            return out
+        out["value"] = value
         if executed is not None and not source.startswith("executed"):
             out["hfu"] = executed / (step_time * out["peak_flops"])
     else:

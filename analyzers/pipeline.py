@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers import whatif
 from dtprof.analyzers.intervals import assign_to_windows, union_length
 from dtprof.schema import COMPUTE_KINDS
 
@@ -88,8 +89,8 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.nd
     k-th forward of (stage s, microbatch j) in a step also waits for the k-th forward of (s-1, j), and the k-th
     input backward of (s, j) for the k-th input backward of (s+1, j), in the same replica (k > 0 when a step runs
     the schedule more than once, as with gradient accumulation). A split-off weight backward
-    (``backward_weight``) waits only for its own rank's earlier ops. Every rank starts the step at 0. Vectorised:
-    one relaxation pass over all ops per link of the longest dependency chain.
+    (``backward_weight``) waits only for its own rank's earlier ops. Every rank starts the step at 0. Replayed by
+    the what-if engine (``whatif.relax``), the one replay of dtprof.
     """
     n = len(rank)
     if n == 0:
@@ -97,7 +98,6 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.nd
     idx = np.arange(n)
     same = np.zeros(n, bool)
     same[1:] = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])
-    res_pred = np.where(same, idx - 1, -1)
     role = np.where(kind == "pp_forward", "F", np.where((kind == "pp_backward") & (name != "backward_weight"),
                                                          "B", ""))
     ops = pd.DataFrame({"role": role, "replica": replica, "step": step, "stage": stage, "mb": mb, "i": idx})
@@ -111,18 +111,22 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.nd
     dep_pred = np.full(n, -1, np.int64)
     ok = ~np.isnan(hit)
     dep_pred[ops["i"].to_numpy()[ok]] = hit[ok].astype(np.int64)
-    dur = dur_ns.astype(np.int64)
-    finish = dur.copy()
-    # a dependency chain stays inside one replica-step, so it has at most that many ops; one more pass ends it
-    longest_chain = int(pd.Series(idx).groupby([replica, step]).size().max())
-    for _ in range(longest_chain + 1):
-        ready = np.maximum(np.where(res_pred >= 0, finish[np.maximum(res_pred, 0)], 0),
-                           np.where(dep_pred >= 0, finish[np.maximum(dep_pred, 0)], 0))
-        new = ready + dur
-        if np.array_equal(new, finish):
-            return finish
-        finish = new
-    return None
+    # the engine's model (analyzers/whatif.py ``relax``): one window per (rank, step) starting at 0; each op is
+    # [a wait for its upstream op's finish] its work [an arrival: its own finish, key = the op's index]
+    win = np.cumsum(~same) - 1
+    has_dep = dep_pred >= 0
+    sub = np.tile(np.arange(3), n)                  # 0 wait, 1 work, 2 arrive, per op
+    op = np.repeat(idx, 3)
+    keep = (sub != 0) | has_dep[op]
+    op, sub = op[keep], sub[keep]
+    item_kind = np.choose(sub, [whatif.WAIT, whatif.WORKI, whatif.ARRIVE])
+    key = np.choose(sub, [dep_pred[op], np.full(len(op), -1), op])
+    dur = np.where(sub == 1, dur_ns.astype(np.int64)[op], 0)
+    out = whatif.relax(win[op], item_kind, dur, key, np.zeros(len(op), np.int64), np.zeros(int(win[-1]) + 1, np.int64),
+                       n)
+    if out is None:
+        return None
+    return out[0][sub == 2]
 
 
 def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:

@@ -338,6 +338,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                                 "slow_step_frac": float(s.slow_step_frac),
                                 "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
                                 "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
+                                "saving_frac_median": float(s.saving_frac_median),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)

@@ -17,8 +17,9 @@ The model (``build``), per rank-step, from what the run recorded:
   minus the measured last arrival, on the run model's aligned clock);
 - each rank starts the step at its measured aligned offset from the step's earliest rank.
 
-``replay`` recomputes every rank's step from the model by fixed-point relaxation (vectorised: each pass recomputes
-all times from the previous pass's instance completions; a dependency chain of n links settles in n + 1 passes).
+``replay`` recomputes every rank's step from the model with ``relax``, the one replay engine of dtprof (vectorised
+fixed-point relaxation: each pass recomputes all times from the previous pass's instance completions; a dependency
+chain of n links settles in n + 1 passes).
 The job's step time is the slowest rank's step (analyzers/steps.py). Replaying the unmodified model reproduces the
 measured steps up to the model's error (``replay_error``, reported per run).
 
@@ -28,9 +29,9 @@ the unmodified replay, so the replay's own error cancels: predicted = measured �
 ``critical_path``: per measured step, the chain of work and transfers that sets the slowest rank's end, walked back
 through each binding wait to the instance's last arriver; its length by rank and by part.
 
-This generalises the pipeline's schedule replay (analyzers/pipeline.py ``replay_schedule``, which replays compute
-ops only, with no gaps, for the theoretical bubble) to every kind of job; the pipeline analyzer keeps its own
-gap-free replay for that definition.
+``relax`` is also the engine of the pipeline's theoretical bubble (analyzers/pipeline.py ``replay_schedule``): that
+definition replays a different model (compute ops only, each waiting for its upstream stage's op, nothing between
+ops) on the same engine, so there is one replay and one place where its semantics live.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.collectives import instance_keys
+from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_keys
 from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
 
 NS = 1e9
@@ -52,10 +53,13 @@ P2P_OPS = ("send", "recv")
 S_WIN, S_OPT, S_BWD, S_FWD, S_CWAIT, S_DATA, S_COLL, S_CAP = range(8)
 SPAN_SETS = {"optimizer": S_OPT, "backward": S_BWD, "pp_backward": S_BWD, "forward": S_FWD, "pp_forward": S_FWD,
              "comm_wait": S_CWAIT, "data_wait": S_DATA}
-MAX_PASSES = 100_000
 # a blocked stretch with no exit inside waits for a collective only if one exits this close after it (a wait that
 # returns just before the collector sees the end); otherwise the rank resumed with the collective still in flight:
-# it was not waiting for it, and the stretch is fixed time
+# it was not waiting for it, and the stretch is fixed time. A stretch with an explicit wait (a comm_wait span) waits
+# for the first collective in flight at its end whatever its recorded exit: the wait returned, so the collective had
+# completed; its exit is recorded by a completion callback that, on a busy machine, runs milliseconds later (seen:
+# DDP's all-reduce exit 1.2-1.5 ms after ddp_final_wait returned, which made 50 ms of waiting for a straggler fixed
+# time and the straggler's removal save nothing on those ranks)
 EXIT_TOLERANCE_NS = 200_000
 
 
@@ -72,6 +76,9 @@ class StepGraph:
     p2p: np.ndarray            # arrive/wait items of a point-to-point op
     n_keys: int
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
+    # wait items: the instance's transfer at its group's link peak bus bandwidth (ns), -1 where no peak is known
+    peak_lag: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    link_peaks: dict = field(default_factory=dict)     # group -> (link peak GB/s or None, why)
 
 
 @dataclass
@@ -185,6 +192,9 @@ def rank_items(model) -> RankItems:
     r_dur = np.bincount(run_id, weights=seg, minlength=len(r_win)).astype(np.int64) if len(g) else \
         np.zeros(0, np.int64)
     r_end = r_start + r_dur
+    # runs with an explicit wait (a comm_wait span, e.g. DDP's final wait for its buckets)
+    r_explicit = (np.bincount(run_id, weights=cov[S_CWAIT] * seg, minlength=len(r_win)) > 0) if len(g) else \
+        np.zeros(0, bool)
 
     work = r_label >= 0
     items = [pd.DataFrame({"win": r_win[work], "t": r_start[work], "kind": WORKI, "part": r_label[work],
@@ -193,7 +203,7 @@ def rank_items(model) -> RankItems:
     items.append(pd.DataFrame({"win": c_win[ok], "t": c_issue[ok], "kind": ARRIVE, "part": -1, "dur": 0,
                                "ci": np.flatnonzero(ok), "release": 0}))
     # blocked stretches: a wait for each exit inside, else for the nearest exit of a collective in flight
-    b_win, b0, b1 = r_win[~work], r_start[~work], r_end[~work]
+    b_win, b0, b1, b_explicit = r_win[~work], r_start[~work], r_end[~work], r_explicit[~work]
     if len(b_win) and ok.any():
         ci_ok = np.flatnonzero(ok)
         order = ci_ok[np.lexsort((c_exit[ci_ok], c_win[ci_ok]))]
@@ -210,11 +220,12 @@ def rank_items(model) -> RankItems:
                                    "ci": ci, "release": c_exit[ci]}))
         # the tail after the last exit inside: fixed blocked time
         last_exit = np.where(n_in > 0, c_exit[order[np.maximum(hi - 1, 0)]], b0)
-        # no exit inside: the first exit after the stretch of a collective in flight at its end
+        # no exit inside (or an explicit wait, which also waits after its last exit inside): the first exit after
+        # the stretch of a collective in flight at its end
         nxt = np.minimum(hi, len(order) - 1)
         cand = order[nxt]
-        has_next = ((n_in == 0) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
-                    & (c_exit[cand] - b1 <= EXIT_TOLERANCE_NS))
+        has_next = (((n_in == 0) | b_explicit) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
+                    & ((c_exit[cand] - b1 <= EXIT_TOLERANCE_NS) | b_explicit))
         items.append(pd.DataFrame({"win": b_win[has_next], "t": b1[has_next], "kind": WAIT, "part": -1, "dur": 0,
                                    "ci": cand[has_next], "release": b1[has_next]}))
         tail_start = np.where(has_next, b1, last_exit)
@@ -290,41 +301,78 @@ def graph(model, ri: RankItems) -> StepGraph:
     lw = last_al[key_id[waiting]]
     lag[waiting] = np.where(lw > np.iinfo(np.int64).min, np.maximum(rel_al - lw, 0), 0)
     p2p = np.where(has_c, c_p2p[np.maximum(ci, 0)] if len(co) else False, False)
+    peak_lag, link_peaks = _link_peak_lags(model, co, ci, key_id, waiting, n_keys)
     return StepGraph(windows=windows, win=i_win, kind=it["kind"].to_numpy(np.int64),
                      part=it["part"].to_numpy(np.int64), dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag,
-                     p2p=p2p, n_keys=n_keys, stage=ri.stage)
+                     p2p=p2p, n_keys=n_keys, stage=ri.stage, peak_lag=peak_lag, link_peaks=link_peaks)
+
+
+def _link_peak_lags(model, co: pd.DataFrame, ci: np.ndarray, key_id: np.ndarray, waiting: np.ndarray,
+                    n_keys: int) -> tuple[np.ndarray, dict]:
+    """Per item: for a wait, its instance's transfer at the group's link peak bus bandwidth, S × factor(op, n) ÷
+    peak (analyzers/collectives.py: S the instance's largest message over its ranks, busbw = algbw × factor); -1
+    where the group's link peak is unknown. And each waited-on group's (peak, why)."""
+    out = np.full(len(ci), -1, np.int64)
+    if not waiting.any():
+        return out, {}
+    rows = ci[waiting]
+    size = np.maximum(co["in_bytes"].to_numpy(np.int64), co["out_bytes"].to_numpy(np.int64))[rows]
+    inst_size = np.zeros(max(n_keys, 1), np.int64)
+    np.maximum.at(inst_size, key_id[waiting], size)
+    op = co["op"].astype(str).to_numpy()[rows]
+    n = co["group_size"].to_numpy(np.int64)[rows]
+    grp = co["group"].astype(str).to_numpy()[rows]
+    peaks = {g: group_link_peak(model, g) for g in np.unique(grp).tolist()}
+    gbps = np.array([peaks[g][0] or np.nan for g in grp], float)
+    factor = np.array([BUS_FACTOR[o](k) if o in BUS_FACTOR and k > 0 else np.nan for o, k in zip(op, n)])
+    t = inst_size[key_id[waiting]] * factor / (gbps * 1e9) * NS
+    out[waiting] = np.where(np.isfinite(t), np.rint(np.nan_to_num(t)), -1).astype(np.int64)
+    return out, peaks
+
+
+def relax(win: np.ndarray, kind: np.ndarray, dur: np.ndarray, key: np.ndarray, lag: np.ndarray, off: np.ndarray,
+          n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The replay engine, shared by every model of the run (this module's step model, and the pipeline analyzer's
+    gap-free schedule, analyzers/pipeline.py). Items are sorted by window; in each window they run one after another
+    from the window's offset ``off``: a work item takes ``dur``, an ARRIVE item marks the time ``key`` is reached by
+    this window, a WAIT item holds the window until ``key``'s latest arrival plus the item's ``lag``. Returns (time
+    after each item, accumulated waiting up to each item, latest arrival per key), or None when the dependencies do
+    not settle (a cycle: the recorded order contradicts them).
+
+    Vectorised fixed-point relaxation: each pass recomputes all times from the previous pass's latest arrivals. An
+    acyclic chain of dependencies passes through each key at most once, so it settles within n_keys + 1 passes;
+    one more pass that changes nothing confirms it."""
+    c = _cumsum_by(win, dur) + off[win]
+    wait = kind == WAIT
+    arrive = kind == ARRIVE
+    lowest = np.iinfo(np.int64).min
+    last = np.full(max(n_keys, 1), lowest)
+    constrained = wait & (key >= 0)
+    for _ in range(n_keys + 2):
+        rel = np.where(constrained, last[np.maximum(key, 0)], lowest)
+        cand = np.where(rel > lowest, rel + lag - c, 0)
+        slack = _cummax_by(win, np.maximum(cand, 0))
+        t = c + slack
+        new = np.full(max(n_keys, 1), lowest)
+        np.maximum.at(new, key[arrive], t[arrive])
+        if np.array_equal(new, last):
+            return t, slack, last
+        last = new
+    return None
 
 
 def replay(g: StepGraph, dur: np.ndarray | None = None, lag: np.ndarray | None = None) -> Replay | None:
     """Replay the model with work durations ``dur`` and transfers ``lag`` (default: as measured). None when the
     dependencies do not settle (a cycle: the recorded order contradicts the matching)."""
-    dur = g.dur if dur is None else dur
-    lag = g.lag if lag is None else lag
     off = g.windows["offset_ns"].to_numpy(np.int64)
-    n_win = len(off)
-    c = _cumsum_by(g.win, dur) + off[g.win]
-    wait = g.kind == WAIT
-    arrive = g.kind == ARRIVE
-    lowest = np.iinfo(np.int64).min
-    last = np.full(max(g.n_keys, 1), lowest)
-    constrained = wait & (g.key >= 0)
-    for _ in range(MAX_PASSES):
-        rel = np.where(constrained, last[np.maximum(g.key, 0)], lowest)
-        cand = np.where(rel > lowest, rel + lag - c, 0)
-        slack = _cummax_by(g.win, np.maximum(cand, 0))
-        t = c + slack
-        new = np.full(max(g.n_keys, 1), lowest)
-        np.maximum.at(new, g.key[arrive], t[arrive])
-        if np.array_equal(new, last):
-            break
-        last = new
-    else:
+    out = relax(g.win, g.kind, g.dur if dur is None else dur, g.key, g.lag if lag is None else lag, off, g.n_keys)
+    if out is None:
         return None
+    t, slack, last = out
     end = off.copy()
     if len(t):
         is_last = np.r_[g.win[1:] != g.win[:-1], True]
         end[g.win[is_last]] = t[is_last]
-    assert len(end) == n_win
     return Replay(end=end, t=t, slack=slack, last_arrival=last, duration=end - off)
 
 
@@ -419,6 +467,12 @@ def no_pipeline_gaps(g: StepGraph) -> tuple[np.ndarray, np.ndarray]:
     pipe = g.windows["pipeline"].to_numpy()[g.win]
     gap = (g.kind == WORKI) & pipe & np.isin(g.part, [OTHER, EXPOSED])
     return np.where(gap, 0, g.dur), np.where(g.p2p, 0, g.lag)
+
+
+def collectives_at_link_peak(g: StepGraph) -> np.ndarray:
+    """Transfers: every collective whose group's link peak is known takes no longer after its last arrival than its
+    bytes need at that peak bus bandwidth (a measured transfer already faster stays)."""
+    return np.where(g.peak_lag >= 0, np.minimum(g.lag, g.peak_lag), g.lag)
 
 
 # ---------------------------------------------------------------- the analysis: replay error, scenarios, path
@@ -529,10 +583,21 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False) 
                   "removed")
         if e:
             entries.append(e[0])
+    known = (g.kind == WAIT) & (g.peak_lag >= 0)
     if not on_gpu:
-        skipped.append({"scenario": "collectives_at_link_peak", "reason": "CPU run: no link peak bandwidth"})
+        skipped.append({"scenario": "collectives_at_link_peak",
+                        "reason": "CPU run: gloo moves data through the CPU's memory and sockets, no device link "
+                                  "with a peak bus bandwidth"})
+    elif not known.any():
+        skipped.append({"scenario": "collectives_at_link_peak",
+                        "reason": "no collective of a group with a known link peak: "
+                                  + "; ".join(sorted({why for _, why in g.link_peaks.values()}))})
     else:
-        skipped.append({"scenario": "collectives_at_link_peak", "reason": "not modelled yet"})
+        e = entry("collectives_at_link_peak", [], lag=collectives_at_link_peak(g),
+                  basis="each collective's transfer after its last arrival cut to its bytes at the link's peak bus "
+                        "bandwidth (" + "; ".join(sorted({why for p, why in g.link_peaks.values() if p})) + ")")
+        if e:
+            entries.append(e[0])
     out["what_if"] = sorted(entries, key=lambda x: -x["saving_frac"])
     out["what_if_skipped"] = skipped
     out["critical_path"] = critical_path(g, ident, steps)
@@ -606,3 +671,52 @@ def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
             "by_part": {k: v / total for k, v in by_part.items() if v > 0},
             "method": "per measured step, from the slowest rank's end back through each wait that held a rank to "
                       "the instance's last arriver; shares of the path's total length"}
+
+
+# ---------------------------------------------------------------- checking a prediction against the fixed run
+
+BOUND_SCENARIOS = ("perfect_overlap",)   # upper bounds of the saving, not estimates of it
+
+
+def parse_prediction(spec: str) -> tuple[str, list[int] | None]:
+    """``SCENARIO[:RANK[,RANK...]]`` -> (scenario, ranks or None when not given). ValueError when malformed."""
+    name, _, ranks = spec.partition(":")
+    if not name.strip():
+        raise ValueError(f"--check-prediction {spec!r}: expected SCENARIO[:RANK[,RANK...]]")
+    try:
+        return name.strip(), sorted(int(x) for x in ranks.split(",")) if ranks.strip() else None
+    except ValueError:
+        raise ValueError(f"--check-prediction {spec!r}: ranks must be integers, e.g. straggler_removed:1") from None
+
+
+def check_prediction(base: list[dict], head: list[dict], scenario: str, ranks: list[int] | None) -> dict:
+    """A prediction of the base runs' what-if list (summary.json ``what_if``) against the head runs, which applied
+    the fix: predicted and measured mean step and saving (pooled: the mean over the runs of a side) and the
+    prediction's error. ValueError, naming what the base runs offer, when a base run lacks the entry."""
+    entries = []
+    for s in base:
+        wi = s.get("what_if") or []
+        hits = [w for w in wi
+                if w.get("scenario") == scenario and (ranks is None or sorted(w.get("ranks", [])) == ranks)]
+        if len(hits) != 1:
+            have = ", ".join(w["scenario"] + (":" + ",".join(map(str, w["ranks"])) if w.get("ranks") else "")
+                             for w in wi) or "none"
+            raise ValueError(f"--check-prediction {scenario}{':' + ','.join(map(str, ranks)) if ranks else ''}: "
+                             f"{'ambiguous' if hits else 'not'} in the base run's what-if list (it has: {have})")
+        entries.append(hits[0])
+    base_step = float(np.mean([w["measured_step_s"] for w in entries]))
+    predicted = float(np.mean([w["predicted_step_s"] for w in entries]))
+    head_step = float(np.mean([s["steps"]["time_s"]["mean"] for s in head]))
+    pred_saving = 1.0 - predicted / base_step
+    meas_saving = 1.0 - head_step / base_step
+    out = {"scenario": scenario, "ranks": entries[0]["ranks"], "basis": entries[0]["basis"],
+           "kind": "bound" if scenario in BOUND_SCENARIOS else "estimate",
+           "base_step_s": base_step, "predicted_step_s": predicted, "measured_step_s": head_step,
+           "predicted_saving_frac": pred_saving, "measured_saving_frac": meas_saving,
+           "step_error_frac": (predicted - head_step) / head_step,
+           "saving_error_frac": (pred_saving - meas_saving) / meas_saving if meas_saving else None,
+           "method": "mean measured step of each side (pooled over its runs); error = (predicted - measured) ÷ "
+                     "measured, of the step and of the saving"}
+    if out["kind"] == "bound":
+        out["bound_held"] = head_step >= predicted
+    return out

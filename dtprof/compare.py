@@ -146,7 +146,11 @@ Example:
 @click.option("--allow-different", is_flag=True,
               help="Decide even when the runs differ in world size, script, model parameter count or devices (the "
                    "differences are shown).")
-def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed, allow_different):
+@click.option("--check-prediction", "prediction", metavar="SCENARIO[:RANKS]",
+              help="Check the base run's what-if prediction (e.g. straggler_removed:1) against the head run, "
+                   "which applied the fix; prints the prediction's error.")
+def compare_command(base, head, gates, gates_file, fmt, output, confidence, test, scaling, seed, allow_different,
+                    prediction):
     from dtprof.analyzers import regression as rg
     from dtprof.reports import compare_render as cr
 
@@ -184,6 +188,7 @@ def compare_command(base, head, gates, gates_file, fmt, output, confidence, test
     d = cr.comparison_dict(results, [n for n, _ in base_runs], [n for n, _ in head_runs], code,
                            {"test": test, "confidence": confidence, "seed": seed, "n_boot": rg.DEFAULT_N_BOOT,
                             "min_steps": rg.MIN_STEPS, "allow_different": allow_different}, explain)
+    d["prediction"] = _check_prediction(prediction, b, h) if prediction else None
     _emit(cr.RENDERERS[fmt](d), output)
     if output and fmt != "text":
         click.echo(f"dtprof compare: {d['outcome']} (exit {code}); wrote {output}", err=True)
@@ -281,3 +286,13 @@ def _scaling(paths: list[str], fmt: str, output: str | None) -> None:
     else:
         raise InputError("--scaling supports --format text, markdown or json")
     _emit(text, output)
+
+
+def _check_prediction(spec: str, b: list[dict], h: list[dict]) -> dict:
+    """--check-prediction: the base runs' what-if entry ``spec`` against the head runs (analyzers/whatif.py)."""
+    from dtprof.analyzers.whatif import check_prediction, parse_prediction
+
+    try:
+        return check_prediction(b, h, *parse_prediction(spec))
+    except ValueError as e:
+        raise InputError(str(e)) from None

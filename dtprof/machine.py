@@ -148,9 +148,10 @@ def gpu_probe(python: str | None, env: dict) -> dict:
 def start_record(command: list[str], cwd: Path, python: str | None, env: dict) -> dict:
     """node.json keys written before the job starts: ``identity`` and ``probe`` (its ``start`` timings).
     ``python``: the job's Python (the GPU probe runs there), ``env``: the launcher's environment."""
-    gpu = gpu_probe(python, env)
+    cpu = cpu_probe()
+    gpu = gpu_probe(python, env)        # after the CPU one: its torch import would load the CPU probe's cores
     return {"identity": config_identity(command, cwd),
-            "probe": {"work": PROBE_WORK, "cpu_start_s": cpu_probe(), "cpu_end_s": None,
+            "probe": {"work": PROBE_WORK, "cpu_start_s": cpu, "cpu_end_s": None,
                       "gpu_work": GPU_PROBE_WORK if "devices" in gpu else None,
                       "gpu_start": gpu.get("devices"), "gpu_end": None, "gpu_reason": gpu.get("reason")}}
 

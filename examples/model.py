@@ -40,8 +40,21 @@ class _SleepInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
+        _delay(ctx.seconds)
         return grad, None
+
+
+BUSY = [False]   # --slow-busy: the delays spin on the CPU instead of sleeping
+
+
+def _delay(seconds: float) -> None:
+    """Sleep ``seconds``, or with --slow-busy spin that long (a straggler that burns its core, as slow compute does)."""
+    if not BUSY[0]:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class SlowDown(nn.Module):
@@ -57,7 +70,7 @@ class SlowDown(nn.Module):
         if self.seconds > 0 and self.in_backward:
             return _SleepInBackward.apply(x, self.seconds)
         if self.seconds > 0:
-            time.sleep(self.seconds)
+            _delay(self.seconds)
         return x
 
 
@@ -92,10 +105,18 @@ def parse_args(description: str, extra=None):
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--slow-in", choices=["forward", "backward"], default="forward",
                    help="where --slow-rank sleeps: in forward (compute) or in backward (DDP's all-reduce waits)")
+    p.add_argument("--slow-busy", action="store_true",
+                   help="--slow-rank spins on the CPU for --slow-ms instead of sleeping")
     p.add_argument("--data-ms", type=float, default=0.0, help="every rank waits this long for each batch")
+    p.add_argument("--fix-every", type=int, default=0,
+                   help="every N-th step runs as the fixed job: without --slow-ms and --data-ms (and, in "
+                        "train_ddp.py, with --no-sync on those steps only): the slowed and the fixed job interleaved "
+                        "step by step in one run, so a busy machine's load hits both alike")
     if extra:
         extra(p)
-    return p.parse_args()
+    args = p.parse_args()
+    BUSY[0] = args.slow_busy
+    return args
 
 
 def setup_distributed():
@@ -126,8 +147,14 @@ class SlowBatches(torch.utils.data.Dataset):
         return self.args.steps
 
     def __getitem__(self, step):
-        time.sleep(self.args.data_ms / 1000)
+        if not fixed_step(self.args, step):
+            time.sleep(self.args.data_ms / 1000)
         return batch_for(step, self.rank, self.args, torch.device("cpu"))
+
+
+def fixed_step(args, step: int) -> bool:
+    """Whether ``step`` runs as the fixed job (``--fix-every``)."""
+    return args.fix_every > 0 and step % args.fix_every == args.fix_every - 1
 
 
 def batches(rank: int, args, device):

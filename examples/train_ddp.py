@@ -11,13 +11,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batches, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import TinyLM, batches, fixed_step, lm_loss, parse_args, setup_distributed  # noqa: E402
 
 
 def main():
     def extra(p):
         p.add_argument("--no-sync", action="store_true",
                        help="never all-reduce gradients (DDP no_sync): the job with its communication removed")
+        p.add_argument("--sync-point", action="store_true",
+                       help="with --no-sync: all-reduce one number after backward instead, so the ranks still meet "
+                            "where the gradient all-reduce met them but (almost) nothing is transferred")
 
     args = parse_args(__doc__, extra)
     rank, world, device = setup_distributed()
@@ -29,10 +32,16 @@ def main():
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     for step, (x, y) in enumerate(batches(rank, args, device)):
-        with ddp.no_sync() if args.no_sync else contextlib.nullcontext():
+        fixed = fixed_step(args, step)
+        if rank == args.slow_rank and args.fix_every:
+            model.slow.seconds = 0.0 if fixed else args.slow_ms / 1000
+        no_sync = args.no_sync and (fixed or not args.fix_every)
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():
             loss = lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+        if no_sync and args.sync_point:
+            torch.distributed.all_reduce(torch.zeros(1, device=device))
         opt.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)

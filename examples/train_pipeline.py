@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import SlowDown, TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import SlowDown, TinyLM, batch_for, fixed_step, lm_loss, parse_args, setup_distributed  # noqa: E402
 
 
 class StageModule(nn.Module):
@@ -42,6 +42,7 @@ def main():
         p.add_argument("--microbatches", type=int, default=4)
         p.add_argument("--stage-ms", default="", help="comma-separated: each stage sleeps this long per step in its "
                                                       "forward (split over the microbatches), e.g. 70,30")
+        p.add_argument("--fixed-stage-ms", default="", help="with --fix-every: --stage-ms of the fixed steps")
 
     args = parse_args(__doc__, extra)
     rank, world, device = setup_distributed()
@@ -62,6 +63,9 @@ def main():
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
     last = rank == world - 1
     for step in range(args.steps):
+        if args.fix_every and args.stage_ms:
+            ms = args.fixed_stage_ms if fixed_step(args, step) else args.stage_ms
+            module.slow.seconds = float(ms.split(",")[rank]) / 1000 / args.microbatches if ms else 0.0
         x, y = batch_for(step, 0, args, device)     # one data stream for the whole pipeline
         opt.zero_grad(set_to_none=True)
         losses = []

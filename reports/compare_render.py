@@ -97,6 +97,23 @@ def explain_lines(d: dict) -> list[str]:
     return out
 
 
+def prediction_lines(d: dict) -> list[str]:
+    """--check-prediction: the base run's what-if prediction against the head run that applied the fix."""
+    p = d.get("prediction")
+    if not p:
+        return []
+    who = f" rank {','.join(map(str, p['ranks']))}" if p["ranks"] else ""
+    line = (f"prediction check: {p['scenario']}{who} (base run's what-if): predicted {p['predicted_step_s'] * 1e3:.1f}"
+            f" ms per step (saving {p['predicted_saving_frac']:.1%}), head measured {p['measured_step_s'] * 1e3:.1f}"
+            f" ms (saving {p['measured_saving_frac']:.1%}); error of the step {p['step_error_frac']:+.0%}")
+    if p["saving_error_frac"] is not None:
+        line += f", of the saving {p['saving_error_frac']:+.0%}"
+    if p["kind"] == "bound":
+        line += ("; an upper bound of the saving: " + ("held" if p["bound_held"] else "BEATEN by the head run "
+                                                       "(docs/what-if.md: where the model is wrong)"))
+    return [line]
+
+
 def _num(x: float | None, key: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "—"
@@ -155,7 +172,7 @@ def render_text(d: dict) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     s = d["settings"]
-    lines += [""] + explain_lines(d)
+    lines += [""] + explain_lines(d) + prediction_lines(d)
     lines += ["", f"base: {', '.join(d['base'])}", f"head: {', '.join(d['head'])}",
               f"step-time gates: {s['test']} test, {s['confidence']:.0%} CI; a gate fails only when its whole "
               f"interval is past its limit",
@@ -169,7 +186,7 @@ def render_markdown(d: dict) -> str:
            "|" + "---|" * len(HEADER)]
     for r in _rows(d):
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |")
-    out += [""] + [f"- {x.strip()}" for x in explain_lines(d)]
+    out += [""] + [f"- {x.strip()}" for x in explain_lines(d) + prediction_lines(d)]
     s = d["settings"]
     out += ["", f"Base: {', '.join(f'`{b}`' for b in d['base'])} · Head: {', '.join(f'`{h}`' for h in d['head'])}"
             f" · step-time test: {s['test']}, {s['confidence']:.0%} CI (a gate fails only when the whole interval "

@@ -2,11 +2,16 @@
 the run has nothing to show for that view). No figure reads anything but the run's tables and the ``Analysis``.
 
 Scale rules (so a 1,024-rank, 1,000-step run stays a page, not a trace):
-- rank × step heatmaps keep every rank up to ``MAX_HEATMAP_ROWS`` and bin steps to at most ``MAX_HEATMAP_COLS``
-  columns (mean of the steps in a column; the axis title says how many steps a column holds);
-- the timeline shows a window of ``TIMELINE_STEPS`` steps around the slowest measured step, for at most
-  ``MAX_TIMELINE_RANKS`` ranks (rank 0, the stragglers, the fastest and slowest computing ranks, then evenly
-  spaced ranks); the figure title names them;
+- rank × step heatmaps keep every rank up to ``rankgroups.GROUP_ABOVE`` ranks; beyond, a row is a group of ranks
+  (node, pipeline stage or mesh coordinate: reports/rankgroups.py), at most ``MAX_HEATMAP_ROWS`` rows, each cell
+  the worst of its ranks (a slow rank is not averaged away), the title naming the worst ranks; steps are binned to
+  at most ``MAX_HEATMAP_COLS`` columns (mean of the steps in a column; the axis title says how many steps a column
+  holds);
+- per-rank bar charts (communication overlap, peak memory) beyond ``GROUP_ABOVE`` ranks show each group's min,
+  median and max over its ranks, up to ``MAX_DIST_GROUPS`` groups, and name the worst ranks;
+- the timeline is a bounded slice: a window of ``TIMELINE_STEPS`` steps around the slowest measured step, for at
+  most ``MAX_TIMELINE_RANKS`` ranks (rank 0, the stragglers, the slowest and fastest computing ranks, then an even
+  sample); the section's note names them and says they are a slice;
 - NVML series draw one line per GPU up to ``MAX_GPU_LINES`` GPUs, else the p10–p90 band and median over GPUs, binned
   to at most ``MAX_TIME_POINTS`` points (composed with HoloViews' plotly backend: panels that share the time axis).
 
@@ -28,10 +33,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dtprof.reports import gpu as gpu_view
+from dtprof.reports import rankgroups as RG
 from dtprof.schema import COMPUTE_KINDS
 
 MAX_HEATMAP_COLS = 250
-MAX_HEATMAP_ROWS = 1024
+MAX_HEATMAP_ROWS = 512      # groups of ranks beyond rankgroups.GROUP_ABOVE ranks
+MAX_DIST_GROUPS = 4096      # groups in a min/median/max chart (16,384 ranks on 2,048 nodes: a group per node)
 TIMELINE_STEPS = 3
 MAX_TIMELINE_RANKS = 16
 MAX_GPU_LINES = 8
@@ -61,10 +68,14 @@ class Context:
     job: pd.DataFrame              # the model's per-step job table (time_s, warmup, measured)
 
 
+# the columns of Analysis.steps the figures read (16 M rank-steps at 16,384 × 1,000: the other ~20 stay uncopied)
+STEP_COLUMNS = ["rank", "step", "aligned_start_ns", "aligned_end_ns", "duration_s", "compute_s", "comm_s",
+                "exposed_comm_s", "warmup", "measured"]
+
+
 def make_context(run, analysis) -> Context:
-    steps = analysis.steps.copy()
-    steps["start_ns"] = steps["aligned_start_ns"]
-    steps["end_ns"] = steps["aligned_end_ns"]
+    steps = analysis.steps[STEP_COLUMNS].rename(columns={"aligned_start_ns": "start_ns",
+                                                         "aligned_end_ns": "end_ns"})
     measured = steps[steps["measured"].astype(bool)]
     if measured.empty:
         measured = steps
@@ -141,43 +152,107 @@ def step_time_figure(ctx: Context) -> go.Figure | None:
 
 
 # ------------------------------------------------------------------------------------------- rank × step heatmaps
-def _bin_matrix(df: pd.DataFrame, value: str, scale: float):
-    """Pivot rank × step to a matrix, then average blocks so it has at most MAX_HEATMAP_ROWS × MAX_HEATMAP_COLS."""
+def _bin_matrix(ctx: Context, df: pd.DataFrame, value: str, scale: float):
+    """Pivot rank × step to a matrix; beyond GROUP_ABOVE ranks reduce its rows to groups of ranks (the worst rank's
+    value, rankgroups.reduce_rows); average blocks of steps so it has at most MAX_HEATMAP_COLS columns.
+    Returns (matrix, row labels: ranks or group labels, steps, the grouping or None, steps per column)."""
     ranks = np.sort(df["rank"].unique())
     steps = np.sort(df["step"].unique())
     ri = np.searchsorted(ranks, df["rank"].to_numpy())
     si = np.searchsorted(steps, df["step"].to_numpy())
     m = np.full((len(ranks), len(steps)), np.nan)
     m[ri, si] = df[value].to_numpy(dtype=float) * scale
-    rb = int(np.ceil(len(ranks) / MAX_HEATMAP_ROWS))
+    rows, grouping = ranks, None
+    if len(ranks) > RG.GROUP_ABOVE:
+        # groups beyond MAX_HEATMAP_ROWS (2,048 nodes) are merged in order, a row the worst of a few nodes
+        grouping = RG.choose(ctx.analysis.summary or {}, ctx.analysis.pipeline, ranks, MAX_DIST_GROUPS)
+        m, rows = RG.reduce_rows(m, ranks, grouping, MAX_HEATMAP_ROWS)
     sb = int(np.ceil(len(steps) / MAX_HEATMAP_COLS))
-    if rb > 1 or sb > 1:
-        R, S = -(-len(ranks) // rb) * rb, -(-len(steps) // sb) * sb
-        pad = np.full((R, S), np.nan)
-        pad[:len(ranks), :len(steps)] = m
-        with warnings.catch_warnings():  # an all-NaN block (a rank without that step) stays NaN, quietly
+    if sb > 1:
+        S = -(-len(steps) // sb) * sb
+        pad = np.full((len(m), S), np.nan)
+        pad[:, :len(steps)] = m
+        with warnings.catch_warnings():  # an all-NaN block (a rank without those steps) stays NaN, quietly
             warnings.simplefilter("ignore", RuntimeWarning)
-            m = np.nanmean(pad.reshape(R // rb, rb, S // sb, sb), axis=(1, 3))
-    return m.astype("float32"), ranks[::rb], steps[::sb], rb, sb
+            m = np.nanmean(pad.reshape(len(m), S // sb, sb), axis=2)
+    return m.astype("float32"), rows, steps[::sb], grouping, sb
+
+
+def _worst_text(values: pd.Series, unit: str, fmt: str = "{:.1f}") -> str:
+    """"rank 5461 (45.2 ms), rank 12 (40.1 ms)": the worst ranks of a per-rank series (rankgroups.WORST_NAMED),
+    unless none stands out (synchronous steps: every rank's step time is the job's)."""
+    top = RG.worst_ranks(values)
+    median = float(values.median())
+    if len(top) == 0 or abs(float(top.iloc[0]) - median) <= RG.STANDS_OUT * abs(median):
+        return f"none stands out (every rank within {RG.STANDS_OUT:.0%} of the median, {fmt.format(median)} {unit})"
+    return ", ".join(f"rank {r} ({fmt.format(v)} {unit})" for r, v in top.items())
 
 
 def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
                       scale: float = 1e3, colorscale: str = "Viridis") -> go.Figure | None:
     """A rank × step heatmap of ``df[value]``. Every heatmap follows one rule: measured steps only (warm-up
-    excluded), whatever table its values come from."""
-    df = df[df["step"].isin(ctx.measured["step"].unique())]
+    excluded), whatever table its values come from. Beyond GROUP_ABOVE ranks a row is a group of ranks showing its
+    worst rank's value, and the title names the worst ranks (by their mean over the measured steps)."""
+    df = df.loc[df["step"].isin(ctx.measured["step"].unique()), ["rank", "step", value]]   # 16 M rows: 3 columns
     if df.empty or df[value].isna().all():
         return None
-    z, ranks, steps, rb, sb = _bin_matrix(df, value, scale)
+    z, rows, steps, grouping, sb = _bin_matrix(ctx, df, value, scale)
     xt = "step" if sb == 1 else f"step (each column: mean of {sb} steps)"
-    yt = "rank" if rb == 1 else f"rank (each row: mean of {rb} ranks)"
+    who = "rank %{y}"
+    if grouping is not None:
+        per = -(-grouping.n // MAX_HEATMAP_ROWS)
+        yt = f"{grouping.kind} (each row: its worst rank)" if per == 1 else \
+            f"{grouping.kind} (each row: the worst rank of {per} of {grouping.n:,})"
+        who = "%{y}"
+        means = df.groupby("rank")[value].mean() * scale
+        title = f"{title}<br><sup>worst ranks (mean over the measured steps): {_worst_text(means, unit)}</sup>"
+        rows = [esc(r) for r in rows]
+    else:
+        yt = "rank"
     fig = go.Figure(go.Heatmap(
-        z=z, x=steps, y=ranks, colorscale=colorscale, colorbar={"title": {"text": unit}},
-        hovertemplate=f"rank %{{y}}<br>step %{{x}}<br>{label}: %{{z:.2f}} {unit}<extra></extra>"))
+        z=z, x=steps, y=rows, colorscale=colorscale, colorbar={"title": {"text": unit}},
+        hovertemplate=f"{who}<br>step %{{x}}<br>{label}{' (worst rank)' if grouping else ''}: %{{z:.2f}} {unit}"
+                      "<extra></extra>"))
     fig.update_yaxes(autorange="reversed")
-    rank_axis(fig, len(ranks), "y")
+    if grouping is None:
+        rank_axis(fig, len(rows), "y")
+    else:
+        fig.update_yaxes(type="category")
     step_axis(fig, len(steps))
-    return layout(fig, title, height=min(700, 220 + 6 * len(ranks)), xtitle=xt, ytitle=yt)
+    layout(fig, title, height=min(700, 220 + 6 * len(rows)), xtitle=xt, ytitle=yt)
+    if grouping is not None:
+        fig.update_layout(margin={"t": 70})   # room for the worst ranks under the title
+    return fig
+
+
+def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, unit: str, *,
+                        fmt: str = "{:.2f}") -> go.Figure:
+    """Beyond GROUP_ABOVE ranks, a per-rank series (indexed by rank) as one min–max bar per group of ranks with its
+    median marked; the hover names the group's worst rank, the title the job's worst ranks."""
+    g = RG.choose(ctx.analysis.summary or {}, ctx.analysis.pipeline, values.index, MAX_DIST_GROUPS)
+    t = RG.group_stats(values, g)
+    labels = [esc(x) for x in t["label"]]
+    # a numeric axis with some groups' labels as ticks: thousands of category labels make plotly slow to draw
+    x = np.arange(len(t))
+    custom = np.stack([[f"{lab} ({r})" for lab, r in zip(labels, t["ranks"])], t["n"].astype(str),
+                       t["worst_rank"].astype(str), t["worst"], t["min"], t["median"], t["max"]], axis=1)
+    hover = (f"%{{customdata[0]}}<br>{esc(what)} over its %{{customdata[1]}} ranks: min "
+             f"%{{customdata[4]:.2f}}, median %{{customdata[5]:.2f}}, max %{{customdata[6]:.2f}} {unit}"
+             f"<br>worst: rank %{{customdata[2]}}, %{{customdata[3]:.2f}} {unit}<extra></extra>")
+    # the median as a marker and the min–max as an error bar: a line stays visible where 2,048 groups leave a bar
+    # less than a pixel wide
+    med = t["median"].to_numpy()
+    fig = go.Figure(go.Scatter(
+        x=x, y=med, mode="markers", name="median rank; bar: min–max over the group's ranks",
+        marker={"color": "#1d2330", "size": 3}, showlegend=True, customdata=custom, hovertemplate=hover,
+        error_y={"type": "data", "symmetric": False, "array": t["max"].to_numpy() - med,
+                 "arrayminus": med - t["min"].to_numpy(), "width": 0, "thickness": 1.5, "color": "#4C78A8"}))
+    every = max(1, -(-len(t) // 24))
+    fig.update_xaxes(tickvals=x[::every], ticktext=labels[::every], range=[-0.5, len(t) - 0.5])
+    worst_of_job = _worst_text(values, unit, fmt)
+    return layout(fig, f"{title}, per {g.kind}: min–max and median over each one's ranks<br><sup>worst ranks: "
+                  f"{worst_of_job}</sup>", xtitle=f"{g.kind} ({g.n:,} groups of ranks)", ytitle=f"{what} ({unit})",
+                  bargap=0.1).update_layout(margin={"t": 70})
 
 
 # ----------------------------------------------------------------------------------------------------- overlap
@@ -187,6 +262,9 @@ def overlap_figure(ctx: Context) -> go.Figure | None:
     if m.empty or m["comm_s"].fillna(0).sum() == 0:
         return None
     g = m.groupby("rank")[["comm_s", "exposed_comm_s"]].mean() * 1e3
+    if len(g) > RG.GROUP_ABOVE:
+        return distribution_figure(ctx, g["exposed_comm_s"], "Exposed communication per measured step",
+                                   "exposed communication per step", "ms")
     hidden = (g["comm_s"] - g["exposed_comm_s"]).clip(lower=0)
     ratio = m.groupby("rank")[["comm_s", "exposed_comm_s"]].sum()
     ratio = 1 - ratio["exposed_comm_s"] / ratio["comm_s"].where(ratio["comm_s"] > 0)
@@ -504,6 +582,14 @@ def memory_figure(ctx: Context) -> go.Figure | None:
     if mem is None or len(mem) == 0 or mem["peak_mem_bytes"].isna().all():
         return None
     gib = 2**30
+    if len(mem) > RG.GROUP_ABOVE:
+        fig = distribution_figure(ctx, mem.set_index("rank")["peak_mem_bytes"].astype(float) / gib,
+                                  "Peak memory", "peak memory", "GiB")
+        total = mem["device_mem_total_bytes"].astype(float)
+        if total.notna().any():
+            fig.add_hline(y=float(total.min()) / gib, line={"color": "#E45756", "dash": "dash"},
+                          annotation_text=f"smallest device memory {total.min() / gib:.1f} GiB")
+        return fig
     fig = go.Figure(go.Bar(x=mem["rank"], y=mem["peak_mem_bytes"].astype(float) / gib, name="peak memory",
                            marker_color="#4C78A8",
                            customdata=(mem["headroom_frac"].astype(float) * 100).to_numpy(),

@@ -7,8 +7,8 @@ The page: a header (command, world size, hosts and devices, versions, duration, 
 cards (MFU with its FLOP and peak sources, step time p50/p90, throughput, exposed communication, overlap, pipeline
 bubble, stragglers), the findings most severe first (each links to the chart with its evidence), then one section
 per view (see ``SECTIONS``). The page only formats the ``Analysis``: it never runs an analyzer (or triage) again.
-Figures are plotly (``reports/figures.py``); plotly.js is inlined once from the installed plotly
-package, so the page makes no network request.
+Figures are plotly (``reports/figures.py``); plotly.js (its cartesian bundle, ``_plotly_js``) is inlined once, so
+the page makes no network request.
 
 Decisions
 - Headline numbers are read from ``analysis.summary`` (summary.json) only, never recomputed here, so the page and
@@ -27,8 +27,9 @@ Decisions
   Each chart div reserves its figure's height so the page does not jump.
 - Heatmaps over ``QUANT_MIN_CELLS`` cells are stored as 16-bit codes (``quantize_heatmap_z``), half the bytes of
   float32, at 1/65,534 of the colour range; report.js decodes them.
-- Large runs: see the scale rules in figures.py. Progress goes to stderr (``Progress``) when asked or when the
-  run is large.
+- Large runs: see the scale rules in figures.py; beyond ``rankgroups.GROUP_ABOVE`` ranks per-rank charts show
+  groups of ranks and a "Ranks by group" section names the worst ranks (reports/rankgroups.py,
+  docs/report-scale.md). Progress goes to stderr (``Progress``) when asked or when the run is large.
 """
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 from dtprof.reader import open_run
+from dtprof.reports import rankgroups as RG
 
 ASSETS = Path(__file__).parent / "assets"
+# plotly.js's cartesian bundle, from npm plotly.js-cartesian-dist-min (MIT, assets/plotly-cartesian.LICENSE);
+# update it with the plotly package (same plotly.js version, see _plotly_js)
+CARTESIAN_JS = ASSETS / "plotly-cartesian.min.js"
 # The page loads nothing from the network: inline scripts and styles only, images and fonts as data: URIs.
 CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
        "img-src data: blob:; font-src data:")
@@ -55,6 +60,7 @@ CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 
 # anchor -> section title, in page order
 SECTIONS = {
     "steps": "Step time",
+    "ranks": "Ranks by group",
     "timeline": "Timeline",
     "kernels": "GPU time and top kernels",
     "heatmaps": "Rank × step heatmaps",
@@ -363,6 +369,39 @@ def _section(anchor: str, body: str, note: str = "") -> str:
     return f'<section id="{anchor}"><h2>{esc(SECTIONS[anchor])}</h2>{note_html}{body}</section>'
 
 
+def _ranks_by_group(analysis) -> str:
+    """Beyond GROUP_ABOVE ranks: the ranks computing the longest per step, named with their node, stage and mesh
+    coordinates, then per grouping (reports/rankgroups.py) its groups with the longest worst rank."""
+    import pandas as pd
+
+    rows = [r for r in (analysis.summary or {}).get("ranks") or [] if r.get("compute_s_per_step") is not None]
+    if not rows:
+        return '<p class="empty">No measured steps.</p>'
+    ranks = pd.DataFrame(rows).set_index("rank", drop=False)
+    compute = ranks["compute_s_per_step"].astype(float)
+    groupings = RG.groupings(analysis.summary, analysis.pipeline)
+    worst = ranks.loc[RG.worst_ranks(compute, RG.WORST_NAMED * 2).index].copy()
+    cols: list[tuple[str, str, Callable[[Any], str] | None]] = [("rank", "rank", _num("{}"))]
+    for g in groupings:
+        worst[g.kind] = [g.labels[c] if c == c else "" for c in g.codes.reindex(worst.index)]
+        cols.append((g.kind, g.kind, None))
+    cols += [("compute_s_per_step", "compute / step", fmt_s), ("exposed_comm_s_per_step", "exposed comm / step",
+                                                                fmt_s),
+             ("step_time_s_mean", "step (mean)", fmt_s), ("compute_score", "compute score (1 = fastest)",
+                                                          _num("{:.2f}"))]
+    out = ['<h3>Ranks computing the longest per step</h3><div id="worst-ranks">',
+           _table(worst, cols, RG.WORST_NAMED * 2, "ranks"), "</div>"]
+    for g in groupings or [RG.consecutive(compute.index, 64)]:
+        t = RG.group_stats(compute, g).sort_values("max", ascending=False)
+        out.append(f'<h3>By {esc(g.kind)} ({g.n:,} groups): the {min(RG.WORST_NAMED, g.n)} with the longest worst '
+                   f'rank</h3><div class="by-group" data-kind="{esc(g.kind)}">')
+        out.append(_table(t, [("label", g.kind, None), ("ranks", "ranks", None), ("min", "min", fmt_s),
+                              ("median", "median", fmt_s), ("max", "max", fmt_s),
+                              ("worst_rank", "worst rank", _num("{}"))], RG.WORST_NAMED, "groups"))
+        out.append("</div>")
+    return "".join(out)
+
+
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
@@ -373,7 +412,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     page = _Page()
     summary = analysis.summary or {}
     # first on the page, so the first screen says where the step went
-    breakdown_chart = page.figure(breakdown_figure(summary), "fig-breakdown")
+    breakdown_chart = page.figure(breakdown_figure(summary, analysis.pipeline), "fig-breakdown")
     breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
     breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
     ctx = F.make_context(run, analysis)
@@ -385,11 +424,18 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
                              f"{n_ranks} ranks; the band shows the spread over ranks, the red line the job's step "
                              "time (a step ends when its slowest rank ends)."))
     progress.step("step time")
+    if n_ranks > RG.GROUP_ABOVE:
+        sections.append(_section("ranks", _ranks_by_group(analysis), (
+            f"{n_ranks:,} ranks: beyond {RG.GROUP_ABOVE} ranks the per-rank charts below show groups of ranks "
+            "(node, pipeline stage or mesh coordinate), each group's spread and its worst rank. Ranks are compared "
+            "by compute per step, not step time: in synchronous training every rank's step lasts as long as the "
+            "slowest rank's (docs/metrics.md, Stragglers).")))
 
     tl, window, tl_ranks = F.timeline_figure(ctx)
     world = run.world_size or n_ranks
-    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" (of {world}: rank 0, stragglers, the slowest "
-            "and fastest computing ranks, then evenly spaced)" if len(tl_ranks) < world else "") +
+    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" — a slice of {len(tl_ranks)} of the {world:,} "
+            "ranks: rank 0, the stragglers, the slowest and fastest computing ranks, then an even sample"
+            if len(tl_ranks) < world else "") +
             ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
             "Where a GPU trace exists, each CUDA stream gets a row of kernels (compute and communication "
             "coloured apart) under the rank's CPU-side spans, drawn as outlines.")
@@ -465,6 +511,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
         per_dim = pd.DataFrame(mesh["per_dim"]).sort_values("comm_s_per_step", ascending=False)
         pipes = pd.DataFrame(mesh.get("pipeline_groups") or [])
         if len(pipes):
+            pipes = pipes.sort_values("bubble_frac_max", ascending=False)   # past the table's limit: worst first
             pipes["ranks"] = pipes["ranks"].map(lambda r: ", ".join(map(str, r)))
         shape = " × ".join(f"{n} {d}" for n, d in zip(mesh.get("shape") or [], mesh.get("dims") or []))
         body = _table(per_dim, [
@@ -538,9 +585,15 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 
 
 def _plotly_js() -> str:
-    from plotly.offline import get_plotlyjs
+    """plotly.js for the page: its cartesian partial bundle (``CARTESIAN_JS``: every figure here is a bar, scatter
+    or heatmap; 1.5 MB instead of the full 4.8 MB, which the browser must parse before any chart draws: at
+    16,384 ranks the page is usable in half the time, docs/report-scale.md) when it is the plotly.js version the
+    installed plotly writes figures for, else that version's full bundle from the plotly package."""
+    from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
-    js = get_plotlyjs()
+    js = CARTESIAN_JS.read_text(encoding="utf-8")
+    if f"(cartesian - minified) v{get_plotlyjs_version()}\n" not in js[:200]:
+        js = get_plotlyjs()
     if "</script" in js.lower():  # never seen, but an inlined script must not close its own tag
         js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
     return js

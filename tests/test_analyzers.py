@@ -411,6 +411,16 @@ def test_mfu_uses_stored_calibration(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "cache/dtprof/calibration.json").read_text())["cpu|fp32"]["tflops"] == 0.5
 
 
+def test_mfu_above_the_peak_is_refused_with_both_figures(tmp_path):
+    # a calibration that ran while the machine was busier than during the job gives a peak below what the job did
+    a = edge(build_run(tmp_path / "r", world_size=2, steps=6), flops_per_step=1e12, peak_tflops=1)
+    m = a.summary["mfu"]
+    achieved = 1e12 / 0.037 / 1e12
+    assert m["value"] is None and m["achieved_flops_per_s"] == pytest.approx(1e12 / 0.037)
+    assert f"{achieved / 2:.0%} of the peak" in m["value_reason"] and "too low" in m["value_reason"]
+    assert "MFU: n/a (the job achieved" in format_summary_text(a.summary)
+
+
 def test_mfu_from_transformer_shape_and_model_flops(tmp_path):
     run = build_run(tmp_path / "r", world_size=2, steps=6)
     tf = dict(n_params=1e6, layers=2, heads=4, head_dim=16, seq_len=128)

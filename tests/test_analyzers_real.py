@@ -188,6 +188,25 @@ def test_model_parameters_fsdp_counts_the_whole_model_and_pipeline_stages_their_
     assert sum(m["parameters_by_rank"].values()) == tiny_lm_parameters(256, 256, 8, 128)
 
 
+def test_a_different_model_is_not_comparable_naming_both_parameter_counts(slowed_ddp, plain_ddp):
+    # the same script and world size; plain_ddp's model is wider (PLAIN_MODEL) than slowed_ddp's (the defaults)
+    small, wide = tiny_lm_parameters(256, 64, 2, 32), tiny_lm_parameters(256, 128, 2, 64)
+    assert json.loads((plain_ddp / "summary.json").read_text())["run"]["model"]["parameters_by_rank"] == {
+        "0": wide, "1": wide}
+
+    def compare(*extra):
+        p = subprocess.run([sys.executable, "-m", "dtprof.cli", "compare", str(slowed_ddp), "--head", str(plain_ddp),
+                            "--format", "json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 3, p.stdout + p.stderr   # 14-step jobs: too few measured steps to decide anyway
+        return json.loads(p.stdout)
+
+    d = compare()
+    assert any(f"not comparable: model parameters {small:,} -> {wide:,}" in x for x in d["reasons"]), d["reasons"]
+    d = compare("--allow-different")
+    assert not any("not comparable" in x for x in d["reasons"])
+    assert [x["key"] for x in d["identity"] if x["blocking"]] == ["model parameters"]   # still shown
+
+
 def test_ddp_and_pipeline_analysed_from_node_summaries_equal_raw(plain_ddp, gpipe):
     """The launcher wrote each node's summary; the analysis from them equals the one from the raw tables
     (docs/scale.md), on a DDP job and on a GPipe pipeline (its stage spans read as a slice)."""

@@ -234,6 +234,17 @@ def test_analyzer_on_hand_made_tables():
     assert M.mesh_summary(groups.assign(mesh_dim=""), coll) is None
 
 
+def test_rank_coordinates_along_each_mesh_dimension():
+    # a 2 (dp) x 2 (tp) mesh laid out in rank order: tp groups {0,1} {2,3}, dp groups {0,2} {1,3}; rank 4 is in
+    # no mesh (only the world group)
+    rows = [(r, "0", "0,1,2,3,4", 5, "gloo", "", "") for r in range(5)]
+    rows += [(r, g, rk, 2, "gloo", "", dim) for dim, g, rk, members in
+             (("tp", "1", "0,1", (0, 1)), ("tp", "2", "2,3", (2, 3)), ("dp", "3", "0,2", (0, 2)),
+              ("dp", "4", "1,3", (1, 3))) for r in members]
+    coords = M.rank_coords(_groups(rows))
+    assert coords == {"ranks": [0, 1, 2, 3], "coords": {"tp": [0, 1, 0, 1], "dp": [0, 0, 1, 1]}}
+
+
 def test_op_proxy_is_transparent():
     torch = pytest.importorskip("torch")
     from dtprof.collectors import hooks_functional

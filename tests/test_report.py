@@ -12,6 +12,8 @@ import re
 import shlex
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from dtprof.analyzers.summary import analyze
@@ -213,6 +215,19 @@ def test_failed_run_header_says_why(browser, reports):
         loaded.page.close()
 
 
+def test_page_inlines_the_cartesian_bundle_of_the_plotly_js_version_figures_are_written_for(monkeypatch):
+    # the cartesian bundle (a third of the bytes the browser parses before any chart draws) when its version is
+    # the installed plotly's; another version's figures get that version's full bundle
+    import plotly.offline
+    from plotly.offline import get_plotlyjs, get_plotlyjs_version
+
+    js = H._plotly_js()
+    assert f"plotly.js (cartesian - minified) v{get_plotlyjs_version()}" in js[:200]
+    assert len(js) < len(get_plotlyjs()) / 2
+    monkeypatch.setattr(plotly.offline, "get_plotlyjs_version", lambda: "0.0.1")
+    assert H._plotly_js() == get_plotlyjs()
+
+
 def test_json_in_script_cannot_close_the_tag():
     text = json.dumps({"name": "</script><script>alert(1)</script>", "x": "a & b\u2028"})
     safe = H.json_for_script(text)
@@ -261,7 +276,7 @@ def test_large_run_is_binned_and_windowed(tmp_path, capsys, browser):
     shape = hm["z"]["dtprof_quantized"]["shape"]
     assert shape[0] == 64 and shape[1] <= F.MAX_HEATMAP_COLS
     ctx = F.make_context(open_run(path), analysis)
-    want = F._bin_matrix(ctx.measured, "duration_s", 1e3)[0]
+    want = F._bin_matrix(ctx, ctx.measured, "duration_s", 1e3)[0]
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     try:
         page.goto(out.as_uri())
@@ -433,7 +448,7 @@ def test_step_time_axis_fits_the_measured_steps_not_the_warmup():
 
 
 def test_breakdown_groups_beyond_64_ranks_naming_the_worst():
-    from dtprof.reports.breakdown import MAX_BARS, breakdown_table
+    from dtprof.reports.breakdown import WORST_BARS, breakdown_table
 
     parts = ["forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other"]
 
@@ -441,18 +456,23 @@ def test_breakdown_groups_beyond_64_ranks_naming_the_worst():
         ranks = []
         for r in range(n):
             b = dict.fromkeys(parts, 0.01)
-            b["exposed_comm"] = 0.05 if r == 77 else 0.01
+            b["forward"] = 0.05 if r == 77 else 0.01
             ranks.append({"rank": r, "host": f"node{r * hosts // n}", "step_time_s_mean": sum(b.values()),
+                          "compute_s_per_step": b["forward"] + b["backward"] + b["optimizer"],
                           "breakdown_s_per_step": b})
         return {"ranks": ranks, "breakdown": {"parts": parts}}
 
     by_host = breakdown_table(summary(128, 16))
-    assert len(by_host) == 16 and by_host.loc[9, "label"].startswith("node9 (ranks 72–79)")
-    assert by_host.loc[9, "worst_rank"] == 77 and "worst 77" in by_host.loc[9, "label"]
-    buckets = breakdown_table(summary(130, 1))   # one host: buckets of consecutive ranks
-    assert len(buckets) <= MAX_BARS and buckets["n"].sum() == 130
-    row = buckets[buckets["worst_rank"] == 77].iloc[0]
-    assert row["exposed_comm"] == pytest.approx((0.05 + 0.01 * (row["n"] - 1)) / row["n"])
+    assert len(by_host) == 16 and by_host.loc[9, "label"] == "node9 · worst 77"
+    assert by_host.loc[9, "ranks"] == "ranks 72–79" and by_host.loc[9, "worst_rank"] == 77
+    assert by_host.loc[9, "forward"] == pytest.approx((0.05 + 0.01 * 7) / 8)   # the mean of the node's ranks
+    # one host, no stage or mesh: the mean of all ranks, then the ranks computing longest, each its own bar
+    bars = breakdown_table(summary(130, 1))
+    assert bars.loc[0, "label"] == "all (mean)" and bars.loc[0, "n"] == 130 and bars.loc[0, "ranks"] == "ranks 0–129"
+    assert bars.loc[0, "forward"] == pytest.approx((0.05 + 0.01 * 129) / 130)
+    assert bars.loc[1, "label"] == "rank 77" and bars.loc[1, "ranks"] == "rank 77 (node0)"
+    assert bars.loc[1, "forward"] == 0.05
+    assert len(bars) == 1 + WORST_BARS
     assert len(breakdown_table(summary(64, 1))) == 64   # up to 64 ranks: a bar each
 
 
@@ -505,3 +525,73 @@ def test_what_if_list_on_the_first_screen_beside_the_breakdown(pipeline_page, re
     box = page.eval_on_selector("#what-if", "e => e.getBoundingClientRect().toJSON()")
     chart = page.eval_on_selector("#breakdown", "e => e.getBoundingClientRect().toJSON()")
     assert box["top"] < 900 and box["left"] >= chart["right"] - 1   # beside it, on the first screen
+
+
+# ---- issue 19: beyond a few hundred ranks the per-rank charts group ranks and name the worst ----------------------
+
+@pytest.mark.browser
+def test_a_thousand_ranks_grouped_by_node_with_the_worst_ranks_named(tmp_path, browser):
+    # 1,024 ranks on 128 nodes of 8 (beyond rankgroups.GROUP_ABOVE): rank 677 computes 1.3x longer (the straggler),
+    # rank 300 arrives 8 ms late at every step's all-reduces. Per-rank charts show one group per node, and the
+    # injected ranks are named, as a user would look for them, in the real page.
+    from dtprof.reports import rankgroups as RG
+
+    slow, late, n = 677, 300, 1024
+    path = build_report_run(tmp_path / "k", world_size=n, steps=8, hosts=n // 8, slow_rank=slow, slow_factor=1.3,
+                            late_rank=late, late_ms=8.0, jitter_frac=0.02, nvml=False)
+    analysis = analyze(open_run(path))
+    out = H.write_report(path, analysis=analysis)
+    loaded = load(browser, out, "1024-ranks")
+    page = loaded.page
+    try:
+        assert loaded.errors == [] and loaded.requests == [out.as_uri()]
+        assert n > RG.GROUP_ABOVE
+        # the ranks computing longest: the straggler first, with its node
+        first = page.eval_on_selector("#worst-ranks tbody tr", "e => [...e.cells].map(c => c.innerText)")
+        assert first[:2] == [str(slow), f"host{slow // 8}"]
+        # by node: the straggler's node first, naming it as the worst rank
+        by_node = page.eval_on_selector_all(".by-group[data-kind='node'] tbody tr",
+                                            "els => els.map(e => [...e.cells].map(c => c.innerText))")
+        assert by_node[0][0] == f"host{slow // 8}" and by_node[0][-1] == str(slow)
+        assert by_node[0][1] == f"ranks {slow // 8 * 8}–{slow // 8 * 8 + 7}"
+        # heatmaps: a row per node, each the worst of its 8 ranks; titles name the worst ranks
+        figs = page.evaluate("""() => ['heatmap-compute', 'fig-stragglers', 'fig-overlap', 'fig-memory'].map(id => {
+            const d = document.getElementById(id);
+            const t = d._fullData[0];   // typed arrays decoded
+            return [id, d.layout.title.text, Array.from(t.y), t.z ? Array.from(t.z, r => Array.from(r)) : null,
+                    d.layout.yaxis.title.text, Array.from(t.x).length]; })""")
+        compute, late_fig, overlap, memory = figs
+        assert len(compute[2]) == n // 8 and compute[4] == "node (each row: its worst rank)"
+        assert f"rank {slow} (" in compute[1].split("worst ranks")[1].split(",")[0]   # named first
+        z = np.array([[np.nan if v is None else v for v in row] for row in compute[3]], dtype=float)
+        row_means = np.nanmean(z, axis=1)
+        hot = compute[2].index(f"host{slow // 8}")
+        assert row_means[hot] > 1.2 * np.median(row_means), "the straggler's node row must stand out"
+        named = late_fig[1].split("worst ranks")[1]
+        assert f"rank {slow} (" in named and f"rank {late} (" in named   # the two that arrive late
+        for fig in (overlap, memory):   # min/median/max per node
+            assert fig[5] == n // 8 and "per node" in fig[1] and "worst ranks: rank " in fig[1]
+        # the timeline is a bounded slice that includes the straggler, and says so
+        note = page.inner_text("#timeline p.note")
+        assert f"of the {n:,} ranks" in note and str(slow) in note.split("—")[0]
+    finally:
+        page.close()
+
+
+def test_rank_groupings_by_stage_and_mesh_coordinate(reports):
+    # the pipeline run (one host, 4 stages): grouping by pipeline stage; a mesh's coordinates give a grouping per
+    # dimension (analyzers/mesh.py rank_coords); with neither, consecutive ranks
+    from dtprof.reports import rankgroups as RG
+
+    analysis = reports["pipeline"][1]
+    g = RG.choose(analysis.summary, analysis.pipeline, range(4), 64)
+    assert g.kind == "pipeline stage" and g.labels == ["stage 0", "stage 1", "stage 2", "stage 3"]
+    summary = {"ranks": [{"rank": r, "host": "h"} for r in range(4)],
+               "mesh": {"rank_coords": {"ranks": [0, 1, 2, 3], "coords": {"dp": [0, 0, 1, 1], "tp": [0, 1, 0, 1]}}}}
+    kinds = {x.kind: x for x in RG.groupings(summary)}
+    assert set(kinds) == {"dp coordinate", "tp coordinate"}
+    assert kinds["tp coordinate"].codes.tolist() == [0, 1, 0, 1] and kinds["tp coordinate"].labels == ["tp 0", "tp 1"]
+    t = RG.group_stats(pd.Series([1.0, 5.0, 2.0, 3.0], index=range(4)), kinds["tp coordinate"])
+    assert t[["label", "n", "min", "max", "worst_rank"]].values.tolist() == [["tp 0", 2, 1.0, 2.0, 2],
+                                                                             ["tp 1", 2, 3.0, 5.0, 1]]
+    assert RG.choose({"ranks": summary["ranks"]}, None, range(4), 2).kind == "consecutive ranks"

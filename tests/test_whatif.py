@@ -40,6 +40,9 @@ def test_straggler_removed_predicts_the_step_without_the_slow_rank(tmp_path):
     # the fast ranks save nothing, so only rank 1 is a suspect; it is named persistent by its impact
     assert [x["ranks"] for x in a.summary["what_if"] if x["scenario"] == "straggler_removed"] == [[1]]
     assert [(s["rank"], s["kind"]) for s in a.summary["stragglers"]] == [(1, "persistent")]
+    # its finding cites the saving (1 - 38 / 53.5 = 29 %)
+    f = next(f for f in a.findings if f["id"] == "straggler")
+    assert "removing its extra work would save about 29% of the step" in f["message"]
     assert [x["saving_frac"] for x in a.summary["what_if"]] == sorted(
         (x["saving_frac"] for x in a.summary["what_if"]), reverse=True)
 
@@ -104,3 +107,117 @@ def test_terminal_summary_prints_the_top_three(tmp_path):
     for w in top:
         assert f"{w['scenario']}" in line and f"(-{w['saving_frac']:.0%})" in line
     assert line.index(top[0]["scenario"]) < line.index(top[-1]["scenario"]) or len(top) == 1
+
+
+def test_a_wait_that_returned_before_its_collective_exit_was_recorded_still_waits_for_the_straggler(tmp_path):
+    # On a busy machine the completion callback that records a DDP all-reduce's exit runs after ddp_final_wait has
+    # returned (seen: 1.2-1.5 ms later). The comm_wait still waited for that collective: removing the slow rank
+    # must save the same as when the exit is recorded on time (the hand-worked 53.5 -> 38 ms of the test above)
+    import pandas as pd
+    run = build_run(tmp_path / "r", world_size=3, steps=8, slow_rank=1, slow_factor=1.5)
+    f = next(run.glob("node-*")) / "tables" / "collectives.parquet"
+    co = pd.read_parquet(f)
+    last = co["bucket"] == co["bucket"].max()
+    co.loc[last, "end_ns"] += 1_500_000
+    co.to_parquet(f)
+    a = analyze(run)
+    assert a.summary["replay"]["error_frac"] == pytest.approx(0.0, abs=1e-6)
+    w = _entry(a.summary, "straggler_removed", [1])
+    assert w["saving_frac"] == pytest.approx(1 - 38 / 53.5, rel=1e-6)
+
+
+def test_collectives_at_link_peak_on_a_gpu_run(tmp_path):
+    # Two A100s (NVLink 3: 300 GB/s per GPU, analyzers/collectives.py): the last 25 MiB bucket's 4 ms after the last
+    # arrival becomes 25 MiB × 2(n-1)/n ÷ 300 GB/s = 87.4 µs, so the 37 ms step becomes 33.087 ms. The first
+    # bucket completes during backward and nobody waits for it, so it changes nothing
+    a = analyze(build_run(tmp_path / "r", world_size=2, steps=8, device_type="cuda",
+                          device_name="NVIDIA A100-SXM4-40GB"))
+    w = _entry(a.summary, "collectives_at_link_peak")
+    at_peak_ms = 25 * 2**20 * 1.0 / 300e9 * 1e3
+    assert w["ranks"] == [] and "A100 link peak 300 GB/s" in w["basis"]
+    assert w["predicted_step_s"] * 1e3 == pytest.approx(33 + at_peak_ms, rel=1e-4)
+    assert "collectives_at_link_peak" not in {x["scenario"] for x in a.summary["what_if_skipped"]}
+
+
+def test_collectives_at_link_peak_is_absent_on_cpu_and_unknown_links_say_why(tmp_path):
+    a = analyze(build_run(tmp_path / "cpu", world_size=2, steps=8))
+    assert "collectives_at_link_peak" not in {x["scenario"] for x in a.summary["what_if"]}
+    skip = next(x for x in a.summary["what_if_skipped"] if x["scenario"] == "collectives_at_link_peak")
+    assert skip["reason"].startswith("CPU run")
+    b = analyze(build_run(tmp_path / "gpu", world_size=2, steps=8, device_type="cuda", device_name="Tesla T4"))
+    skip = next(x for x in b.summary["what_if_skipped"] if x["scenario"] == "collectives_at_link_peak")
+    assert "no link peak known for device 'Tesla T4'" in skip["reason"]
+
+
+def test_the_pipeline_schedule_replay_runs_on_the_what_if_engine_and_detects_a_cycle():
+    # one engine (whatif.relax) replays both models. Stage 0 runs B(mb 0) before F(mb 0) while stage 1 runs F then B:
+    # B(0) waits for stage 1's B, which follows stage 1's F, which waits for stage 0's F, which follows B(0): a cycle
+    import numpy as np
+
+    from dtprof.analyzers.pipeline import replay_schedule
+    rank = np.array([0, 0, 1, 1])
+    kind = np.array(["pp_backward", "pp_forward", "pp_forward", "pp_backward"])
+    args = (rank, np.zeros(4, np.int64), rank, np.zeros(4, np.int64), kind, np.array(["x"] * 4),
+            np.full(4, 10, np.int64), np.zeros(4, np.int64))
+    assert replay_schedule(*args) is None
+    kind_ok = np.array(["pp_forward", "pp_backward", "pp_forward", "pp_backward"])
+    # F0 0-10, F1 10-20, B1 20-30, B0 30-40
+    assert replay_schedule(rank, *args[1:4], kind_ok, *args[5:]).tolist() == [10, 40, 20, 30]
+
+
+def test_collectives_at_link_peak_on_a_real_imported_nccl_trace(tmp_path):
+    # rank 0 of a real 2-rank NCCL job on A100s (shared/data/kineto): the run records the device, so the link peak
+    # is known (NVLink 3, 300 GB/s). Cutting transfers to their bytes at that peak saves something, and never more
+    # than perfect_overlap, which removes the transfers altogether
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+    from tests.test_interop import SHARED
+    if not SHARED.exists():
+        pytest.skip(f"shared Kineto traces not found at {SHARED}")
+    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "nccl_single_rank.json.gz"), "-o",
+                                    str(tmp_path / "k")])
+    assert res.exit_code == 0, res.output
+    s = analyze(tmp_path / "k").summary
+    peak = _entry(s, "collectives_at_link_peak")
+    assert "A100 link peak 300 GB/s" in peak["basis"]
+    assert 0 < peak["saving_frac"] <= _entry(s, "perfect_overlap")["saving_frac"]
+
+
+def test_compare_checks_a_prediction_against_the_run_that_applied_the_fix(tmp_path):
+    # base: rank 1 slowed 1.5x (53.5 ms steps; straggler_removed predicts 38 ms, worked above); head: the same job
+    # without the slowdown, 37 ms. The prediction's error: of the step (38 - 37) / 37, of the saving
+    # (15.5 - 16.5) / 16.5 ms of 53.5
+    import json
+
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+    base = build_run(tmp_path / "base", world_size=3, steps=8, slow_rank=1, slow_factor=1.5)
+    head = build_run(tmp_path / "head", world_size=3, steps=8)
+    args = ["compare", str(base), "--head", str(head), "--check-prediction", "straggler_removed:1"]
+    res = CliRunner().invoke(main, args + ["--format", "json"])
+    p = json.loads(res.stdout)["prediction"]
+    assert p["predicted_step_s"] == pytest.approx(0.038) and p["measured_step_s"] == pytest.approx(0.037)
+    assert p["step_error_frac"] == pytest.approx(1 / 37)
+    assert p["saving_error_frac"] == pytest.approx((15.5 - 16.5) / 16.5)
+    assert p["ranks"] == [1] and p["kind"] == "estimate"
+    text = CliRunner().invoke(main, args).stdout
+    assert "prediction check: straggler_removed rank 1" in text and "error of the step +3%" in text
+    md = CliRunner().invoke(main, args + ["--format", "markdown"]).stdout
+    assert "- prediction check: straggler_removed rank 1" in md and "of the saving -6%" in md
+    # a prediction the base run did not make: one line naming what it has, exit 2
+    bad = CliRunner().invoke(main, args[:-1] + ["straggler_removed:0"])
+    assert bad.exit_code == 2 and "not in the base run's what-if list (it has: straggler_removed:1" in bad.output
+    # perfect_overlap is an upper bound of what better communication can give: 37 -> 33 ms on the unslowed job. A
+    # head whose last bucket takes 0.5 ms instead of 4 (33.5 ms) does not beat it; a head that also made forward
+    # faster (a different fix) does, and the check says so
+    ok = build_run(tmp_path / "fast_comm", world_size=3, steps=8, bucket_ms=0.5)
+    over = build_run(tmp_path / "fast_fwd", world_size=3, steps=8, bucket_ms=0.5, fwd_ms=5)
+    check = ["--check-prediction", "perfect_overlap", "--format", "json"]
+    held = json.loads(CliRunner().invoke(main, ["compare", str(head), "--head", str(ok), *check]).stdout)
+    assert held["prediction"]["kind"] == "bound" and held["prediction"]["bound_held"] is True
+    assert held["prediction"]["predicted_step_s"] == pytest.approx(0.033)
+    assert held["prediction"]["measured_step_s"] == pytest.approx(0.0335)
+    beaten = CliRunner().invoke(main, ["compare", str(head), "--head", str(over), *check[:2]]).stdout
+    assert "an upper bound of the saving: BEATEN by the head run" in beaten

@@ -2,9 +2,10 @@
 run's prediction against the run with the slowdown removed (benchmarks/what_if_accuracy.py runs the same cases and
 prints the table of docs/what-if.md).
 
-Tolerances: the machine is a shared 2-core box where several jobs run at once; the same job's mean step moves by
-about 10 % from one run to the next (measured: the unslowed 3-rank DDP job at 41.6 and 46.0 ms in two runs), so a
-saving measured as the difference of two runs carries that noise. Each tolerance below says what it allows.
+Each case is ONE job whose slowed and fixed steps alternate (``measure_interleaved``, the examples' --fix-every 2):
+the machine is a shared 2-core box where several jobs run at once, and the same job's step moved from 14 to 44 ms
+between separate runs (2026-11-23), more than the savings measured; interleaved, the load hits both sides alike.
+Each tolerance below says what it allows.
 """
 import sys
 from pathlib import Path
@@ -12,54 +13,81 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from what_if_accuracy import measure  # noqa: E402
+from what_if_accuracy import measure_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 12
+STEPS_INTERLEAVED = 30   # 15 slowed and 15 fixed steps, less the warm-up
 
 
 def test_straggler_removed_predicts_the_saving_of_removing_a_slow_backward(tmp_path):
-    # The issue's bar is within 25 % of the measured saving (a 40 ms sleep in a ~45 ms step saves ~25-35 %; 25 % of
-    # that is 6-9 % of the step, just above the run-to-run noise of the step itself). Measured errors so far: -15 %,
-    # +19 %, -23 % on a busy machine, -31 % and -43 % on a quiet one: the prediction runs low and the bar is not met
-    # reliably yet (issue 16 stays open for it). Asserted here: within half the measured saving, which every
-    # measured run met and a prediction of no saving fails.
-    r = measure("ddp_straggler", STEPS, tmp_path)
+    # The slowed and the fixed job alternate step by step in one run (--fix-every 2), so the machine's load hits both
+    # alike; between two separate runs it did not (measured with 4 helpers' jobs beside: fixed runs at 2x their usual
+    # step, errors +59 %, +148 %, -380 %). The issue's bar is within 25 % of the measured saving; the interleaved
+    # run met it in 15 of 19 measurements (docs/what-if.md), all 4 misses (+26, +31, +41, +98 %) while the 2-core
+    # machine was saturated by other jobs (load average 9-15). Asserted: within half the measured saving, which 18
+    # of 19 met and a prediction of no saving (or of twice the saving) fails
+    r = measure_interleaved("ddp_straggler", STEPS_INTERLEAVED, tmp_path)
     assert r["measured_saving"] > 0.1, r   # the injected slowdown is real
-    assert r["replay_error"] < 0.05 and r["fixed_replay_error"] < 0.05, r
+    assert r["replay_error"] < 0.05, r
     assert abs(r["error_of_saving"]) <= 0.50, r
 
 
-def test_no_data_wait_predicts_the_run_without_the_input_delay(tmp_path):
-    # 30 ms of input wait in every step: the saving is large (50-80 %). The model keeps each all-reduce's measured
-    # transfer, and on this busy machine the slowed run's transfers were inflated (up to 15 ms after the last arrival
-    # against ~1 ms in the run without the delay), so the prediction runs low: measured errors -6 % and -38 % in two
-    # runs; a third run's fixed job ran at twice its usual step (the machine's load), +159 %. Medians of the steps
-    # (not means) are compared since; asserted: within half the measured saving either way
-    r = measure("data_wait", STEPS, tmp_path)
+def test_no_data_wait_predicts_the_steps_without_the_input_delay(tmp_path):
+    # 30 ms of input wait in every other step of one run: the saving is large (50-70 %); measured errors of the
+    # interleaved run -12 %, +22 %, -1 % on the busy machine. Asserted: within half the measured saving either way
+    r = measure_interleaved("data_wait", STEPS_INTERLEAVED, tmp_path)
     assert r["measured_saving"] > 0.2, r
     assert abs(r["error_of_saving"]) <= 0.5, r
+
+
+def test_perfect_overlap_bounds_a_run_whose_communication_costs_nothing_once_its_cpu_cost_is_counted(tmp_path):
+    # DDP, 2 ranks, a model whose gradient all-reduce moves 12 MB; every other step skips it (no_sync) and only
+    # meets the other rank (an all-reduce of one number): communication that costs nothing, synchronisation kept,
+    # the counterfactual perfect_overlap models. On CPU/gloo the all-reduce also takes CPU from the compute it
+    # overlaps: the ranks' compute was 7-10 ms shorter in the no-communication steps of the same run, which the
+    # model (work fixed) does not see, and the bound alone was beaten by that much (predicted saving 19.6 % and 21.6 %
+    # against 28.3 % and 30.9 % measured; docs/what-if.md). Asserted: the prediction less the compute change
+    # measured in the same job bounds the fixed steps, up to 10 % of the step of noise
+    r = measure_interleaved("overlap_bound_wide", STEPS_INTERLEAVED, tmp_path)
+    assert r["predicted_saving"] > 0.05, r   # the communication is exposed
+    assert r["fixed_step_s"] >= r["predicted_step_s"] + r["other_work_change_s"] - 0.1 * r["slowed_step_s"], r
 
 
 def test_balanced_stages_points_the_right_way_on_a_70_30_pipeline(tmp_path):
     # GPipe, 2 stages sleeping 70 and 30 ms per step, against 50 and 50. The model keeps each op's own overheads and
     # the p2p waits as recorded, and the busy machine slows the sleeping stage's neighbour too (docs/what-if.md,
     # where it is wrong), so only the sign and a loose size are asserted: a positive saving no larger than twice the
-    # measured one plus the noise (10 % of the step)
-    r = measure("gpipe_balance", STEPS, tmp_path)
+    # measured one plus the noise (10 % of the step). Interleaved in one run (--fixed-stage-ms 50,50 on odd steps):
+    # between two separate runs the 50/50 run was once 11 % slower than the 70/30 one under the machine's load;
+    # interleaved runs measured savings of 9.4, 3.8 and -3.3 % against predicted 9.5, 8.2 and 8.0 %
+    r = measure_interleaved("gpipe_balance", STEPS_INTERLEAVED, tmp_path)
     assert r["replay_error"] < 0.05, r
     assert 0 < r["predicted_saving"] <= 2 * max(r["measured_saving"], 0) + 0.10, r
 
 
+HOG = """import os, time
+t, i = time.time(), 0
+while time.time() - t < 120:
+    os.sched_setaffinity(0, {i % os.cpu_count()})
+    i += 1
+    end = time.perf_counter() + 0.03
+    while time.perf_counter() < end:
+        pass
+"""
+
+
 def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
     # a busy-looping process beside an unslowed 2-rank DDP job: either rank is sometimes descheduled, so removing
-    # one rank's extra work saves something in some steps, never in 75 % of them: no rank is persistent
+    # one rank's extra work saves something in some steps, never in 75 % of them: no rank is persistent. The hog
+    # moves to the next core every 30 ms, so it takes time from both ranks: a hog left where the scheduler put it
+    # shared rank 0's core for the whole job in 2 of 4 runs on this 2-core machine (rank 0 lost 10-18 ms in 10 of
+    # 12 steps, rank 1 none), which makes rank 0 a persistent straggler in fact, not the symmetric noise meant here
     import subprocess
 
     from what_if_accuracy import SMALL, run_job
 
     from dtprof.analyzers.summary import analyze
-    hog = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 120: pass"])
+    hog = subprocess.Popen([sys.executable, "-c", HOG])
     try:
         run_dir = run_job(tmp_path, "train_ddp.py", 2, ["--steps", "14"] + SMALL)
     finally:

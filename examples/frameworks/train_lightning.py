@@ -47,6 +47,7 @@ def main():
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    p.add_argument("--lr", type=float, default=0.05)
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     world = 2
@@ -56,7 +57,7 @@ def main():
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         callbacks=[PrintSteps()])
-    model = Regressor(args.dim, lr=0.05)
+    model = Regressor(args.dim, lr=args.lr)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     print(f"rank {trainer.global_rank} final loss {trainer.callback_metrics['train_loss'].item():.8f}", flush=True)
 
