@@ -44,9 +44,10 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import coverage_segments, innermost, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
+from dtprof.schema import BREAKDOWN_PARTS
 
 NS = 1e9
-PARTS = ("forward", "backward", "optimizer", "exposed_comm", "comm_outside_fwd_bwd", "data_wait", "bubble", "other")
+PARTS = BREAKDOWN_PARTS   # declared with the run format: node summaries store them (dtprof/schema.py)
 UNKNOWN_OP = "(unknown)"
 P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
@@ -204,7 +205,10 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
                for d, o, t in exposed_rows]
     exposed = pd.concat(exposed, ignore_index=True)
     exposed = exposed.groupby(["rank", "step", "dim", "op"], as_index=False, sort=False)["exposed_s"].sum()
-    return Breakdown(per_step, exposed[exposed["exposed_s"] > 0].reset_index(drop=True), pipeline_ranks)
+    # rank-step order (channels in their sorted order within one): the same rows in the same order whether the
+    # breakdown ran on one node or on the whole run, so sums over them agree to the last bit (nodesummary.combine)
+    exposed = exposed[exposed["exposed_s"] > 0].sort_values(["rank", "step"], kind="stable", ignore_index=True)
+    return Breakdown(per_step, exposed, pipeline_ranks)
 
 
 def rank_means(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarray) -> pd.DataFrame:

@@ -70,6 +70,15 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
         raise InputError(str(e)) from None
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if not no_write:   # first analysis of a run without node summaries: make them (dtprof summarize)
+        from dtprof.summarize import make_summaries
+
+        try:
+            make_summaries(run)
+        except OSError as e:   # a read-only run is analysed from its tables
+            click.echo(f"dtprof: could not write node summaries into {run.path}: {e}", err=True)
+        except RunFormatError as e:
+            raise InputError(str(e)) from None
     try:
         a = analyze(run, options, progress=progress if sys.stderr.isatty() else None)
     except RunFormatError as e:

@@ -24,7 +24,7 @@ analyzer takes the model wherever it took the run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,12 @@ class RunModel:
     warmup_steps: int
     warmup_source: str
     captures: pd.DataFrame
+    span_slice: pd.DataFrame | None = None   # ``spans`` is this slice of the run's spans (``sliced``), not all
+
+    def sliced(self, spans: pd.DataFrame) -> RunModel:
+        """This model whose ``spans`` are ``spans`` (a slice read with ``Run.read_spans``): for analyzers that
+        need only some spans, so the others are never loaded."""
+        return replace(self, span_slice=spans)
 
     @classmethod
     def of(cls, run, warmup: int | None = None) -> RunModel:
@@ -55,6 +61,8 @@ class RunModel:
         return cache[warmup]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "spans" and self.span_slice is not None:
+            return self.span_slice
         if name in TABLES:   # the run's own tables, for analyzers that take the model where they took the run
             return self.run.table(name)
         raise AttributeError(name)

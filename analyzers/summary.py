@@ -26,6 +26,7 @@ from dtprof.analyzers import gpu as gpu_mod
 from dtprof.analyzers import kernel_breakdown as kernels_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import mfu as mfu_mod
+from dtprof.analyzers import nodesummary as nodesummary_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import pipeline as pipeline_mod
 from dtprof.analyzers import steps as steps_mod
@@ -37,6 +38,8 @@ from dtprof.runformat import UNIDENTIFIED_EVENT
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
+# the spans the summaries path reads (besides every span of a pipeline rank): GPU kernels, for the kernel views
+SLICE_KINDS = ("kernel",)
 STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed", "imported")   # worst first
 
 
@@ -256,9 +259,12 @@ def _clean(x: Any) -> Any:
 
 
 def analyze(run, options: AnalysisOptions | None = None, *,
-            progress: Callable[[str], None] | None = None) -> Analysis:
+            progress: Callable[[str], None] | None = None, source: str = "summaries") -> Analysis:
     """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
-    ``progress`` is called with a short message before each stage."""
+    ``progress`` is called with a short message before each stage. ``source``: "summaries" (the rank-local
+    figures from the node summaries, made here in memory for nodes that have none; only the spans the pipeline
+    and kernel views need are read) or "raw" (from the whole run's tables at once); the results are equal
+    (docs/scale.md)."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
@@ -268,14 +274,21 @@ def analyze(run, options: AnalysisOptions | None = None, *,
 
     say("reading tables")
     model = RunModel.of(run, options.warmup)
-    say("compute/communication overlap")
-    ov = overlap_mod.rank_step_overlap(model, model.steps)
+    if source == "raw":
+        say("rank-local figures (overlap, breakdown, what-if items) of the whole run")
+        ns = nodesummary_mod.summarize(model)
+        spans_view = model
+    else:
+        say("node summaries")
+        ns = nodesummary_mod.of_run(run, model)
+        # the views below read only these spans (the Analysis keeps the whole model for the renderers)
+        spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
+    ov = ns.overlap()
     steps = model.steps.copy()
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
               "level"):
         steps[c] = ov.per_step[c].to_numpy()
-    say("step breakdown")
-    bd = breakdown_mod.step_breakdown(model, model.steps)
+    bd = ns.breakdown()
     kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
     for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
         steps[f"{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
@@ -295,7 +308,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     arr = strag_mod.arrivals(model)
     say("what-if replay")
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
-    wi = whatif_mod.analyze_whatif(model, on_gpu=on_gpu)
+    wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu)
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None)
@@ -311,7 +324,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])
     coll_outside["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll_outside["group"]).to_numpy()
     say("pipeline")
-    pp = pipeline_mod.analyze_pipeline(model, steps)
+    pp = pipeline_mod.analyze_pipeline(spans_view, steps)
     say("MFU")
     mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
@@ -369,12 +382,12 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                        what_if_reason="no measured steps to replay")
     else:
         summary.update(wi.summary)
-    _add_mesh(summary, model, steps, bd)
+    _add_mesh(summary, spans_view, steps, bd)
     say("GPU kernels")
-    gpu_time = kernels_mod.gpu_time(run.spans, run.steps, options.gpu_window)
+    gpu_time = kernels_mod.gpu_time(spans_view.spans, run.steps, options.gpu_window)
     for r in summary["ranks"]:
         r["gpu_time"] = gpu_time.get(int(r["rank"]))
-    summary["kernels"] = kernels_mod.top_kernels(run.spans)
+    summary["kernels"] = kernels_mod.top_kernels(spans_view.spans)
     summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
     if summary["gpu_time"] is None:
         summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"

@@ -107,34 +107,51 @@ def _cummax_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(x + w * span) - w * span
 
 
+ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "ci", "release")
+
+
+def replay_collectives(co: pd.DataFrame) -> pd.DataFrame:
+    """The collectives the model uses: the rank's own records over trace rows of the same calls."""
+    if len(co) and (~co["source"].isin(["kineto"])).any():
+        return co[~co["source"].isin(["kineto"]).to_numpy()]
+    return co
+
+
+@dataclass
+class RankItems:
+    """The rank-local part of the model (each rank's own spans and collectives; no other rank, no clock): what a
+    node summary stores (analyzers/nodesummary.py) and ``graph`` joins across ranks."""
+    items: pd.DataFrame        # ITEM_COLUMNS, sorted by (rank, step, t, kind); ``ci``: the collective's place
+                               # among its rank's rows of replay_collectives (-1: a work item)
+    stage: dict                # pipeline rank -> its (lowest) stage
+    pipeline_ranks: list
+
+
 def build(model) -> StepGraph:
     """The dependency model of every rank-step of the run model ``model`` (analyzers/runmodel.py)."""
+    return graph(model, rank_items(model))
+
+
+def rank_items(model) -> RankItems:
+    """Work, arrival and wait items of every rank-step of ``model``, from that rank's own records only."""
     w = model.steps
     wr = w["rank"].to_numpy(np.int64)
     ws = w["start_ns"].to_numpy(np.int64)
     we = w["end_ns"].to_numpy(np.int64)
     wstep = w["step"].to_numpy(np.int64)
-    astart = w["aligned_start_ns"].to_numpy(np.int64)
-    base = pd.Series(astart).groupby(wstep).transform("min").to_numpy(np.int64)
     sp = model.spans
     kinds = sp["kind"].astype(str).to_numpy()
     is_pp = np.isin(kinds, ["pp_forward", "pp_backward"])
-    pipe_ranks = set(np.unique(sp["rank"].to_numpy(np.int64)[is_pp]).tolist())
+    pipe_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[is_pp]))
     stage = {}
     if is_pp.any():
         st = sp.loc[is_pp, ["rank", "stage"]].dropna()
         stage = {int(r): int(s) for r, s in st.groupby("rank")["stage"].min().items()}
-    windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
-                            "measured": w["measured"].to_numpy(bool), "pipeline": np.isin(wr, list(pipe_ranks))})
 
-    co = model.collectives
-    if len(co) and (~co["source"].isin(["kineto"])).any():   # the rank's own records over trace rows
-        co = co[~co["source"].isin(["kineto"]).to_numpy()]
-    inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
+    co = replay_collectives(model.collectives)
     c_rank = co["rank"].to_numpy(np.int64)
     c_issue = co["issue_ns"].to_numpy(np.int64)
     c_exit = co["exit_ns"].to_numpy(np.int64)
-    c_p2p = co["op"].astype(str).isin(P2P_OPS).to_numpy()
     c_win = assign_to_windows(wr, ws, we, c_rank, c_issue)
 
     # the timeline's elementary segments (the window itself is a set, so segments tile it)
@@ -222,7 +239,52 @@ def build(model) -> StepGraph:
     it = pd.concat(items, ignore_index=True).sort_values(["win", "t", "kind"], kind="stable", ignore_index=True)
     i_win = it["win"].to_numpy(np.int64)
     ci = it["ci"].to_numpy(np.int64)
+    # a collective is named by its place among its rank's rows (the same in a node's table and the whole run's)
+    it = it.assign(rank=wr[i_win], step=wstep[i_win],
+                   ci=np.where(ci >= 0, _rank_position(c_rank)[np.maximum(ci, 0)] if len(co) else -1, -1))
+    return RankItems(items=it[list(ITEM_COLUMNS)], stage=stage, pipeline_ranks=pipe_ranks)
+
+
+def _rank_position(rank: np.ndarray) -> np.ndarray:
+    """Per row: its place among the rows of its rank (0, 1, ...), in table order."""
+    order = np.argsort(rank, kind="stable")
+    sr = rank[order]
+    first = np.searchsorted(sr, sr, side="left")
+    pos = np.empty(len(rank), np.int64)
+    pos[order] = np.arange(len(rank)) - first
+    return pos
+
+
+def _rank_rows(rank: np.ndarray, item_rank: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The table rows of (rank, place among its rank's rows) pairs; the inverse of ``_rank_position``."""
+    order = np.argsort(rank, kind="stable")
+    first = np.searchsorted(rank[order], item_rank, side="left")
+    return order[np.minimum(first + pos, len(order) - 1)]
+
+
+def graph(model, ri: RankItems) -> StepGraph:
+    """The dependency model from the rank-local items ``ri`` (of one run, or concatenated from node summaries)
+    and the run model's windows, collectives and clocks: the cross-rank part."""
+    w = model.steps
+    wr = w["rank"].to_numpy(np.int64)
+    wstep = w["step"].to_numpy(np.int64)
+    astart = w["aligned_start_ns"].to_numpy(np.int64)
+    base = pd.Series(astart).groupby(wstep).transform("min").to_numpy(np.int64)
+    windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
+                            "measured": w["measured"].to_numpy(bool),
+                            "pipeline": np.isin(wr, ri.pipeline_ranks)})
+    co = replay_collectives(model.collectives)
+    inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
+    c_rank = co["rank"].to_numpy(np.int64)
+    c_issue = co["issue_ns"].to_numpy(np.int64)
+    c_p2p = co["op"].astype(str).isin(P2P_OPS).to_numpy()
+    it = ri.items
+    # windows are sorted by (rank, step) (steps.rank_steps): each item's window row by binary search
+    wkey = wr * (1 << 32) + wstep
+    i_win = np.searchsorted(wkey, it["rank"].to_numpy(np.int64) * (1 << 32) + it["step"].to_numpy(np.int64))
+    ci = it["ci"].to_numpy(np.int64)
     has_c = ci >= 0
+    ci = np.where(has_c, _rank_rows(c_rank, it["rank"].to_numpy(np.int64), ci), -1) if len(co) else ci
     # instance-in-step keys and each wait's measured transfer after the instance's last arrival (aligned clock)
     step_of = wstep[i_win]
     k_raw = np.where(has_c, inst[np.maximum(ci, 0)] if len(inst) else 0, -1)
@@ -242,7 +304,7 @@ def build(model) -> StepGraph:
     peak_lag, link_peaks = _link_peak_lags(model, co, ci, key_id, waiting, n_keys)
     return StepGraph(windows=windows, win=i_win, kind=it["kind"].to_numpy(np.int64),
                      part=it["part"].to_numpy(np.int64), dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag,
-                     p2p=p2p, n_keys=n_keys, stage=stage, peak_lag=peak_lag, link_peaks=link_peaks)
+                     p2p=p2p, n_keys=n_keys, stage=ri.stage, peak_lag=peak_lag, link_peaks=link_peaks)
 
 
 def _link_peak_lags(model, co: pd.DataFrame, ci: np.ndarray, key_id: np.ndarray, waiting: np.ndarray,
@@ -345,26 +407,31 @@ def _scaled(g: StepGraph, target: np.ndarray, parts: tuple[int, ...], rows: np.n
     return np.rint(out).astype(np.int64)
 
 
-def peers_of(g: StepGraph) -> dict[int, list[int]]:
-    """Each rank's peers: ranks doing the same work (same pipeline stage on a pipeline run; else every other)."""
+def peers_of(g: StepGraph) -> dict[int, int]:
+    """Each rank's peer group: its peers are the other ranks of the group, doing the same work (the same pipeline
+    stage on a pipeline run, -1 for a rank with none; else one group). A group key, not a list of peers per rank:
+    those lists grow with the square of the ranks (16,384 ranks: 268 M entries)."""
     ranks = sorted(set(g.windows["rank"].tolist()))
     if g.stage:
-        return {r: [q for q in ranks if q != r and g.stage.get(q) == g.stage.get(r)] for r in ranks}
-    return {r: [q for q in ranks if q != r] for r in ranks}
+        return {r: g.stage.get(r, -1) for r in ranks}
+    return {r: 0 for r in ranks}
 
 
-def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, list[int]]) -> np.ndarray:
+def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, int]) -> np.ndarray:
     """Work durations with ``ranks``' work, part by part in each step, set to the median of their peers'."""
     tot = _part_totals(g, g.dur)
     tot["rank"] = g.windows["rank"].to_numpy()
     tot["step"] = g.windows["step"].to_numpy()
+    group = tot["rank"].map(peers).to_numpy()
     target = np.full((len(tot), len(WORK_PARTS)), np.nan)
     rows = []
     for r in ranks:
-        pr = [q for q in peers.get(r, []) if q not in ranks]
-        if not pr:
+        if r not in peers:
             continue
-        med = tot[tot["rank"].isin(pr)].groupby("step")[list(WORK_PARTS)].median()
+        pr = (group == peers[r]) & ~tot["rank"].isin(ranks).to_numpy()
+        if not pr.any():
+            continue
+        med = tot[pr].groupby("step")[list(WORK_PARTS)].median()
         mine = np.flatnonzero(tot["rank"].to_numpy() == r)
         target[mine] = med.reindex(tot["step"].to_numpy()[mine]).to_numpy()
         rows.extend(mine.tolist())
@@ -429,31 +496,46 @@ def _own_work(g: StepGraph) -> pd.DataFrame:
     return g.windows.assign(work=tot.to_numpy())
 
 
-def typical_excess(g: StepGraph, rank: int, peers: list[int], steps: np.ndarray) -> float:
-    """``rank``'s typical extra work in seconds: over the work parts, the sum of the median over ``steps`` of its
-    part minus its peers' median part. A slow rank's excess recurs in the same part; a rank that a busy machine
-    preempts in a different part each step has none."""
-    tot = _part_totals(g, g.dur).drop(columns="exposed_comm")
+def typical_excess(g: StepGraph, parts: pd.DataFrame, rank: int, peers: dict[int, int], steps: np.ndarray) -> float:
+    """``rank``'s typical extra work in seconds: over the work parts (``parts``: ``_part_totals``), the sum of the
+    median over ``steps`` of its part minus its peers' median part. A slow rank's excess recurs in the same part; a
+    rank that a busy machine preempts in a different part each step has none."""
+    mates = [q for q, k in peers.items() if k == peers[rank] and q != rank]
+    tot = parts.drop(columns="exposed_comm")
     tot["rank"], tot["step"] = g.windows["rank"].to_numpy(), g.windows["step"].to_numpy()
     tot = tot[tot["step"].isin(steps)]
     own = tot[tot["rank"] == rank].groupby("step").sum().drop(columns="rank")
-    peer = tot[tot["rank"].isin(peers)].groupby("step").median().drop(columns="rank")
+    peer = tot[tot["rank"].isin(mates)].groupby("step").median().drop(columns="rank")
     return float((own - peer).dropna().median().sum()) / NS
 
 
-def suspects(g: StepGraph, peers: dict[int, list[int]], limit: int = 8) -> list[int]:
+def suspects(g: StepGraph, peers: dict[int, int], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting) exceeds their peers' median in the mean measured step, most first."""
     w = _own_work(g)
     w = w[w["measured"]]
     mean = w.groupby("rank")["work"].mean()
-    excess = {r: mean[r] - float(np.median(mean.reindex(p).dropna())) for r, p in peers.items()
-              if r in mean.index and len(mean.reindex(p).dropna())}
+    excess = {}
+    for key in sorted(set(peers.values())):   # per peer group: each rank against the median of the others
+        members = [r for r, k in peers.items() if k == key and r in mean.index]
+        v = mean.reindex(members).to_numpy(float)
+        order = np.argsort(v, kind="stable")
+        sv = v[order]
+        for pos, i in enumerate(order):
+            n = len(sv) - 1   # the others
+            if n == 0:
+                continue
+            # the k-th smallest of the others is sv[k], or sv[k + 1] from the rank's own place on
+            mid = [k + (k >= pos) for k in ((n // 2,) if n % 2 else (n // 2 - 1, n // 2))]
+            med = sv[mid[0]] if len(mid) == 1 else (sv[mid[0]] + sv[mid[1]]) / 2
+            excess[members[i]] = mean[members[i]] - float(med)
+    excess = dict(sorted(excess.items()))
     return [r for r, x in sorted(excess.items(), key=lambda kv: -kv[1]) if x > 0][:limit]
 
 
-def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
-    """The what-if analysis of the run model: None when the run has no measured step."""
-    g = build(model)
+def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False) -> WhatIf | None:
+    """The what-if analysis of the run model from its rank-local items (``rank_items``, or the node summaries'):
+    None when the run has no measured step."""
+    g = graph(model, items if items is not None else rank_items(model))
     steps = _measured(g)
     if not len(steps):
         return None
@@ -488,6 +570,7 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
     peers = peers_of(g)
     rows = []
     excess: dict[int, float] = {}
+    parts = _part_totals(g, g.dur)
     for r in suspects(g, peers):
         e = entry("straggler_removed", [r], straggler_removed(g, [r], peers),
                   basis=f"rank {r}'s work in each step set to the median of its peers' "
@@ -495,8 +578,7 @@ def analyze_whatif(model, on_gpu: bool = False) -> WhatIf | None:
         if e:
             entries.append(e[0])
             rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
-            excess[r] = typical_excess(g, r, peers[r], steps)
-    parts = _part_totals(g, g.dur)
+            excess[r] = typical_excess(g, parts, r, peers, steps)
     has = {p: bool(parts.loc[g.windows["measured"].to_numpy(), p].sum() > 0) for p in WORK_PARTS}
     pipe_win = g.windows["pipeline"].to_numpy()
     exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)

@@ -22,6 +22,7 @@ class InputError(click.ClickException):
 COMMANDS = {
     "run": "dtprof.launcher:run_command",
     "summary": "dtprof.analyzers.cli:summary_command",
+    "summarize": "dtprof.summarize:summarize_command",
     "report": "dtprof.reports.cli:report_command",
     "compare": "dtprof.compare:compare_command",
     "triage": "dtprof.triage:triage_command",

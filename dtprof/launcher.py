@@ -785,6 +785,10 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
     if config["trace_steps"] or has_captured_traces(node_dir):
         post["kineto"] = _guarded("kineto", warn, merge_traces, node_dir) is not None
     post["compacted"] = _guarded("compact", warn, compact, node_dir, say) is not None
+    if post["compacted"]:   # the node's summary, made here where its data is (docs/scale.md)
+        from dtprof.summarize import summarize_node
+
+        post["node_summary"] = _guarded("node summary", warn, summarize_node, str(node_dir)) is not None
     analysis = _guarded("summary", warn, summarize, run_dir)
     post["summary"] = analysis is not None
     if analysis is not None and not quiet:

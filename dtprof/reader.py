@@ -323,27 +323,75 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
 _LATER_TABLES = ("meta",)   # added after run format 1.0: absent from older runs' complete tables
 
 
-def _read_node_tables(node_dir: Path) -> dict:
+def _read_node_table(node_dir: Path, table: str):
+    """One table of a node whose Parquet tables are complete."""
     import pandas as pd
 
-    out = {}
-    for table in TABLES:
-        p = node_dir / TABLES_DIR / f"{table}.parquet"
-        if not _present(p):
-            if table in _LATER_TABLES:   # a run written before this table existed
-                out[table] = conform(table, pd.DataFrame())
-                continue
-            raise RunFormatError(f"{p}: missing (the node's tables are marked complete)")
-        try:
-            df = pd.read_parquet(p)
-        except Exception as e:  # pyarrow raises several types for damaged files
-            raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
-        extra = [c for c in df.columns if c not in dict(TABLES[table])]
-        if extra:   # compaction writes exactly the schema's columns
-            raise RunFormatError(f"{p}: not a dtprof {table} table (columns {', '.join(map(str, extra[:3]))} "
-                                 f"are not in it; does it hold another table?)")
-        out[table] = load_table(table, df, p)
-    return out
+    p = node_dir / TABLES_DIR / f"{table}.parquet"
+    if not _present(p):
+        if table in _LATER_TABLES:   # a run written before this table existed
+            return conform(table, pd.DataFrame())
+        raise RunFormatError(f"{p}: missing (the node's tables are marked complete)")
+    try:
+        df = pd.read_parquet(p)
+    except Exception as e:  # pyarrow raises several types for damaged files
+        raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
+    extra = [c for c in df.columns if c not in dict(TABLES[table])]
+    if extra:   # compaction writes exactly the schema's columns
+        raise RunFormatError(f"{p}: not a dtprof {table} table (columns {', '.join(map(str, extra[:3]))} "
+                             f"are not in it; does it hold another table?)")
+    return load_table(table, df, p)
+
+
+def _concat(table: str, dfs: list):
+    """One table from the nodes' parts, categories unioned so the result stays categorical."""
+    import pandas as pd
+
+    dfs = [d for d in dfs if len(d)]
+    if not dfs:
+        return conform(table, pd.DataFrame())
+    if len(dfs) == 1:
+        return dfs[0]
+    return conform(table, pd.concat([d.astype({c: "object" for c in d.columns if d[c].dtype == "category"})
+                                     for d in dfs], ignore_index=True))
+
+
+def _read_tables_at_once(node_dirs: list[Path], table: str):
+    """One table of many complete nodes, read by one DuckDB query across their files (in node order, files read in
+    parallel) and validated once: what keeps thousands of node directories fast. None when that read fails (a
+    missing, damaged or foreign file): the caller then reads file by file, which names the file at fault."""
+    import duckdb
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    files = [str(nd / TABLES_DIR / f"{table}.parquet") for nd in node_dirs]
+    con = duckdb.connect()
+    try:
+        con.execute("SET preserve_insertion_order = true")
+        at = con.sql(f"SELECT * FROM read_parquet([{_sql_list(files)}])").to_arrow_table()
+    except (duckdb.Error, OSError):
+        return None
+    finally:
+        con.close()
+    if set(at.column_names) - set(dict(TABLES[table])):
+        return None
+    # the low-cardinality text columns as dictionaries, so pandas gets categoricals without a per-row pass
+    at = pa.table({c: (pc.dictionary_encode(at[c]) if c in CATEGORICAL and pa.types.is_string(at[c].type)
+                       or c in CATEGORICAL and pa.types.is_large_string(at[c].type) else at[c])
+                   for c in at.column_names})
+    df = at.to_pandas()
+    for c in df.columns:   # categories in sorted order, as joining the nodes' tables one by one gives them
+        if isinstance(df[c].dtype, pd.CategoricalDtype):
+            df[c] = df[c].cat.reorder_categories(sorted(df[c].cat.categories))
+    try:
+        return load_table(table, df, f"{node_dirs[0].parent}/node-*/{TABLES_DIR}/{table}.parquet")
+    except RunFormatError:
+        return None
+
+
+def _sql_list(values) -> str:
+    return ", ".join("'" + str(v).replace("'", "''") + "'" for v in values)
 
 
 class Run:
@@ -355,7 +403,7 @@ class Run:
     ``events``, ``meta`` (a run written before the meta table gets its rows from the legacy events messages).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, node_dirs: list[Path] | None = None):
         self.path = Path(path)
         if not self.path.exists():
             raise RunFormatError(f"{self.path}: no such run directory")
@@ -371,7 +419,8 @@ class Run:
         if version > SCHEMA_VERSION:
             raise RunFormatError(f"{mpath}: run-format schema {version} is newer than this dtprof reads "
                                  f"({SCHEMA_VERSION}); upgrade dtprof")
-        self.node_dirs = sorted(p for p in self.path.glob(f"{NODE_PREFIX}*") if p.is_dir())
+        self.node_dirs = (sorted(p for p in self.path.glob(f"{NODE_PREFIX}*") if p.is_dir()) if node_dirs is None
+                          else list(node_dirs))
         self.nodes = []
         for nd in self.node_dirs:
             info = _read_json(nd / NODE_MANIFEST) if _present(nd / NODE_MANIFEST) else {}
@@ -381,40 +430,129 @@ class Run:
             self.nodes.append(info)
         self.problems: list[str] = []
 
-    @cached_property
-    def _tables(self) -> dict:
-        import pandas as pd
+        self._loaded: dict = {}
 
-        per_node = []
-        for nd in self.node_dirs:
-            if (nd / TABLES_DIR / TABLES_COMPLETE).exists():
-                per_node.append(_read_node_tables(nd))
-            else:
-                per_node.append(read_node_raw(nd, self.problems))
-        out = {}
-        for table in TABLES:
-            dfs = [n[table] for n in per_node if len(n[table])]
-            if not dfs:
-                out[table] = conform(table, pd.DataFrame())
-            elif len(dfs) == 1:
-                out[table] = dfs[0]
-            else:  # union categories so concat keeps them categorical
-                out[table] = conform(table, pd.concat([d.astype({c: "object" for c in d.columns
-                                                                 if d[c].dtype == "category"}) for d in dfs],
-                                                      ignore_index=True))
-        dup = out["ranks"]["rank"].duplicated(keep=False)
-        if dup.any():
-            r = int(out["ranks"].loc[dup, "rank"].iloc[0])
-            where = sorted(set(out["ranks"].loc[out["ranks"]["rank"] == r, "node"].astype(str)))
-            raise RunFormatError(f"{self.path}: rank {r} is recorded more than once (in {', '.join(where)}; "
-                                 f"a copied node directory?)")
-        out["meta"] = legacy_meta(out["events"], out["meta"])
-        return out
+    def _complete(self, nd: Path) -> bool:
+        return (nd / TABLES_DIR / TABLES_COMPLETE).exists()
+
+    @cached_property
+    def _raw_nodes(self) -> dict:
+        """Tables of the nodes without complete Parquet tables, read from the ranks' JSON-lines files (all tables
+        of such a node at once: they are small, a crashed or still-running job's)."""
+        return {nd: read_node_raw(nd, self.problems) for nd in self.node_dirs if not self._complete(nd)}
 
     def table(self, name: str):
+        """One table of the run, loaded on first use (a table never used is never read)."""
         if name not in TABLES:
             raise KeyError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
-        return self._tables[name]
+        if name not in self._loaded:
+            complete = [nd for nd in self.node_dirs if self._complete(nd)]
+            bulk = _read_tables_at_once(complete, name) if len(complete) == len(self.node_dirs) > 1 else None
+            if bulk is not None:
+                df = bulk
+            else:
+                parts = [_read_node_table(nd, name) if self._complete(nd) else self._raw_nodes[nd][name]
+                         for nd in self.node_dirs]
+                df = _concat(name, parts)
+            if name == "ranks":
+                dup = df["rank"].duplicated(keep=False)
+                if dup.any():
+                    r = int(df.loc[dup, "rank"].iloc[0])
+                    where = sorted(set(df.loc[df["rank"] == r, "node"].astype(str)))
+                    raise RunFormatError(f"{self.path}: rank {r} is recorded more than once (in {', '.join(where)}; "
+                                         f"a copied node directory?)")
+            if name == "meta":
+                df = legacy_meta(self.table("events"), df)
+            self._loaded[name] = df
+        return self._loaded[name]
+
+    def node_run(self, node_dir: Path) -> Run:
+        """The run restricted to one of its node directories (what that node's summary is made from)."""
+        return Run(self.path, [Path(node_dir)])
+
+    def read_spans(self, kinds=(), ranks=(), steps: tuple[int, int] | None = None):
+        """The spans whose kind is in ``kinds`` or whose rank is in ``ranks`` (and, given ``steps`` = (first,
+        last), whose step is in that range), in the run's row order, reading only those rows (DuckDB filters each
+        node's Parquet file, skipping files and row groups by their rank and step statistics): for views and
+        analyzers that need a slice of the spans, never all of them."""
+        import pandas as pd
+
+        kinds, ranks = list(kinds), [int(r) for r in ranks]
+        if not kinds and not ranks:
+            return conform("spans", pd.DataFrame())
+        if "spans" in self._loaded:   # all of them are in memory already (a run analysed from its raw tables)
+            sp = self._loaded["spans"]
+            keep = sp["kind"].astype(str).isin(kinds) | sp["rank"].isin(ranks)
+            if steps is not None:
+                keep &= sp["step"].between(int(steps[0]), int(steps[1])).fillna(False).astype(bool)
+            return sp[keep.to_numpy()].reset_index(drop=True)
+        complete = [nd for nd in self.node_dirs if self._complete(nd)]
+        parts = []
+        if complete:
+            import duckdb
+
+            files = [str(nd / TABLES_DIR / "spans.parquet") for nd in complete]
+            where = " OR ".join(([f"kind IN ({_sql_list(kinds)})"] if kinds else [])
+                                + ([f"rank IN ({', '.join(map(str, ranks))})"] if ranks else []))
+            if steps is not None:
+                where = f"({where}) AND step BETWEEN {int(steps[0])} AND {int(steps[1])}"
+            con = duckdb.connect()
+            try:
+                con.execute("SET preserve_insertion_order = true")
+                df = con.execute(f"SELECT * FROM read_parquet([{_sql_list(files)}]) WHERE {where}").df()
+            except duckdb.Error as e:
+                raise RunFormatError(f"{self.path}: cannot read the spans tables ({str(e).splitlines()[0]})") from None
+            finally:
+                con.close()
+            parts.append(load_table("spans", df, f"{self.path} spans tables"))
+        for nd in self.node_dirs:   # nodes still in JSON lines (their order among nodes kept)
+            if not self._complete(nd):
+                sp = self._raw_nodes[nd]["spans"]
+                keep = sp["kind"].astype(str).isin(kinds) | sp["rank"].isin(ranks)
+                if steps is not None:
+                    keep &= sp["step"].between(int(steps[0]), int(steps[1])).fillna(False).astype(bool)
+                parts.append(sp[keep])
+        return _concat("spans", parts)
+
+    def node_summaries(self) -> tuple[list, dict]:
+        """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
+        facts, None for a node without a summary; per table, the stored summaries' rows of all nodes in node order,
+        read by one DuckDB query across the nodes' files."""
+        import pandas as pd
+
+        from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+        from dtprof.schema import SUMMARY_TABLES
+
+        facts: list = []
+        for nd in self.node_dirs:
+            mark = nd / SUMMARY_DIR / SUMMARY_COMPLETE
+            facts.append(_read_json(mark) if self._complete(nd) and mark.exists() else None)
+        have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
+        tables = {}
+        con = None
+        try:
+            for table, cols in SUMMARY_TABLES.items():
+                names = [c for c, _ in cols]
+                dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else "str") for c, k in cols}
+                if not have:
+                    tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})
+                    continue
+                if con is None:
+                    import duckdb
+
+                    con = duckdb.connect()
+                    con.execute("SET preserve_insertion_order = true")
+                files = [str(nd / SUMMARY_DIR / f"{table}.parquet") for nd in have]
+                try:
+                    df = con.execute(f"SELECT {', '.join(names)} FROM read_parquet([{_sql_list(files)}])").df()
+                except Exception as e:  # duckdb.Error: a missing or damaged file
+                    raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "
+                                         f"({str(e).splitlines()[0]})") from None
+                tables[table] = df.astype(dtypes)
+        finally:
+            if con is not None:
+                con.close()
+        return facts, tables
 
     def __getattr__(self, name: str):
         if name in TABLES:

@@ -194,6 +194,11 @@ class NodeTableWriter:
             self._file.close()
 
 
+# Parquet row groups of this many rows: rows come rank by rank, so a reader of one rank's or some steps' slice
+# (Run.read_spans) skips the other row groups by their rank and step statistics (docs/scale.md)
+ROW_GROUP_ROWS = 64 * 1024
+
+
 def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = None) -> Path:
     """Write whole tables (pandas DataFrames, columns as in the schema) into ``node_dir/tables/*.parquet``.
 
@@ -208,12 +213,15 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     out = node_dir / TABLES_DIR
     out.mkdir(parents=True, exist_ok=True)
     (out / TABLES_COMPLETE).unlink(missing_ok=True)
+    # a summary of the tables being replaced would be stale: it is remade from the new ones (dtprof summarize, or
+    # in memory by the analysis)
+    (node_dir / SUMMARY_DIR / SUMMARY_COMPLETE).unlink(missing_ok=True)
     for table in TABLES:
         df = tables.get(table)
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         try:
-            df.to_parquet(tmp, index=False)
+            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS)
             os.replace(tmp, out / f"{table}.parquet")
         finally:
             tmp.unlink(missing_ok=True)
@@ -228,3 +236,29 @@ def compact_node(node_dir: Path) -> Path:
     from dtprof.reader import read_node_raw
 
     return write_node_tables(node_dir, read_node_raw(Path(node_dir)))
+
+
+SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
+SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
+
+
+def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
+    """Write a node summary: ``tables`` (DataFrames, SUMMARY_TABLES' columns) as ``node_dir/summary/*.parquet``,
+    then ``_complete`` holding ``facts`` and the format version, so a reader never trusts a half-written one.
+    Rows keep their order (sorted by rank and step), so Parquet row-group statistics prune by rank."""
+    from dtprof.schema import SUMMARY_TABLES
+
+    out = Path(node_dir) / SUMMARY_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SUMMARY_COMPLETE).unlink(missing_ok=True)
+    for table, cols in SUMMARY_TABLES.items():
+        df = tables[table][[c for c, _ in cols]]
+        tmp = out / f".{table}.parquet.tmp"
+        try:
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, out / f"{table}.parquet")
+        finally:
+            tmp.unlink(missing_ok=True)
+    write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
+                                               **facts})
+    return out

@@ -11,7 +11,7 @@ Conventions
 from __future__ import annotations
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 1        # minor: additions only (1: the ``meta`` table); every older minor still opens
+SCHEMA_MINOR = 2        # minor: additions only (1: the ``meta`` table, 2: node summaries); every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -130,3 +130,25 @@ COLLECTIVE_OPS = (
 
 def columns(table: str) -> list[str]:
     return [c for c, _ in TABLES[table]]
+
+
+# Node summaries (run format 1.2, docs/scale.md): ``node-*/summary/<table>.parquet``, written by the node's launcher
+# after compaction or by ``dtprof summarize``; computed by analyzers/nodesummary.py from that node's tables alone.
+# ``summary/_complete`` (written last) is a JSON object: schema_version, schema_minor, pipeline_ranks, stage
+# (pipeline rank -> stage), unassigned, n_collectives.
+BREAKDOWN_PARTS = ("forward", "backward", "optimizer", "exposed_comm", "comm_outside_fwd_bwd", "data_wait", "bubble",
+                   "other")   # analyzers/breakdown.py PARTS, in its order
+SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
+    # per rank-step: the step window, the overlap figures (analyzers/overlap.py) and the breakdown parts
+    "rank_steps": [
+        ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
+        ("compute_s", "float"), ("comm_s", "float"), ("exposed_comm_s", "float"), ("comm_wait_s", "float"),
+        ("data_wait_s", "float"), ("overlap_ratio", "float"), ("overlap_s", "float"),
+        ("level", "str"),   # "hook" or "kernel" (the rank-step has GPU kernel spans)
+    ] + [(f"bd_{p}_s", "float") for p in BREAKDOWN_PARTS],
+    # per rank-step and channel: exposed communication (analyzers/breakdown.py)
+    "exposed": [("rank", "int"), ("step", "int"), ("dim", "str"), ("op", "str"), ("exposed_s", "float")],
+    # the what-if model's rank-local items (analyzers/whatif.py rank_items); ci: row of the node's collectives
+    "whatif_items": [("rank", "int"), ("step", "int"), ("t", "int"), ("kind", "int"), ("part", "int"),
+                     ("dur", "int"), ("ci", "int"), ("release", "int")],
+}

@@ -244,3 +244,106 @@ def _build_pipeline_run(path: Path, spec: SynthSpec) -> Path:
                       {"host": "synthetic", "command": ["synthetic-pipeline"], "status": "completed",
                        "exit_code": 0})
     return Path(path)
+
+
+def split_by_host(path: Path) -> Path:
+    """Rewrite a one-node synthetic run as one node directory per host (what a multi-node job's launchers write),
+    each with only its ranks' rows."""
+    import json
+    import shutil
+
+    from dtprof.reader import open_run
+    from dtprof.runformat import NODE_MANIFEST
+
+    run = open_run(path)
+    (src,) = run.node_dirs
+    tables = {t: run.table(t) for t in ("ranks", "steps", "spans", "collectives", "groups", "nvml", "clock",
+                                          "events", "meta")}
+    info = json.loads((src / NODE_MANIFEST).read_text()) if (src / NODE_MANIFEST).exists() else {}
+    shutil.rmtree(src)
+    for host, rk in tables["ranks"].groupby("host", observed=True):
+        ranks = set(rk["rank"].tolist())
+        node = Path(path) / f"node-{host}"
+        part = {t: (df[df["host"].astype(str) == str(host)] if t == "nvml" else
+                    df[df["rank"].isin(ranks)] if "rank" in df.columns else df)
+                for t, df in tables.items()}
+        part["ranks"] = part["ranks"].assign(node=node.name)
+        write_node_tables(node, part, {**info, "host": str(host)})
+    return Path(path)
+
+
+def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: int, steps: int, buckets: int = 8,
+                   jitter_frac: float = 0.05, slow_rank: int | None = None, slow_factor: float = 1.0,
+                   host_offset_ns: int = 0, seed: int = 0) -> Path:
+    """Write node ``node`` (ranks node*ranks_per_node ...) of a DDP-like job of ``world_size`` ranks, without
+    building the other nodes: each rank's compute is its base × (1 + jitter_frac·u), u uniform in [0, 1) drawn from
+    the rank's own seed, the slow rank's × slow_factor; collectives end at their last possible arrival (the slowest
+    unslowed rank's bound, or the slow rank) + transfer, which every node computes alike. Per rank-step: data_wait,
+    forward, backward, comm_wait, optimizer spans and ``buckets`` all-reduces. ``run_dir`` must exist (run.json)."""
+    R, S, B = ranks_per_node, steps, buckets
+    ranks = np.arange(node * R, (node + 1) * R)
+    base = {"data": 1 * MS, "fwd": 10 * MS, "bwd": 20 * MS, "opt": 2 * MS}
+    bucket_ns, top = 4 * MS, 1 + jitter_frac
+
+    def phases(r: int) -> dict:
+        u = np.random.default_rng([seed, int(r)]).random((4, S))
+        out = {k: (base[k] * (1 + jitter_frac * u[i])).astype(np.int64) for i, k in enumerate(base)}
+        if r == slow_rank:
+            out["fwd"] = (out["fwd"] * slow_factor).astype(np.int64)
+            out["bwd"] = (out["bwd"] * slow_factor).astype(np.int64)
+        return out
+
+    # the job's schedule: what every node computes the same way (bounds of unslowed ranks, and the slow rank)
+    bound = {k: np.full(S, int(v * top), np.int64) for k, v in base.items()}
+    slow = phases(slow_rank) if slow_rank is not None else bound
+    issue_rel = [np.maximum(bound["data"] + bound["fwd"] + bound["bwd"] * (j + 1) // B,
+                            slow["data"] + slow["fwd"] + slow["bwd"] * (j + 1) // B) for j in range(B)]
+    step_len = issue_rel[-1] + bucket_ns + np.maximum(bound["opt"], slow["opt"])
+    step_start = np.concatenate([[0], np.cumsum(step_len)[:-1]]).astype(np.int64) + 10**9
+
+    own = [phases(r) for r in ranks]
+    ph = {k: np.stack([o[k] for o in own]) for k in base}       # (R, S)
+    t0 = np.broadcast_to(step_start, (R, S))
+    d_end = t0 + ph["data"]
+    f_end = d_end + ph["fwd"]
+    b_end = f_end + ph["bwd"]
+    wait_end = np.broadcast_to(step_start + issue_rel[-1] + bucket_ns, (R, S))
+    o_end = wait_end + ph["opt"]
+    s_end = np.broadcast_to(step_start + step_len, (R, S))
+    rk, st = np.repeat(ranks, S), np.tile(np.arange(S), R)
+
+    def flat(a):
+        return (np.asarray(a, np.int64) + host_offset_ns).ravel()
+
+    host = f"host{node:05d}"
+    steps_t = pd.DataFrame({"rank": rk, "step": st, "start_ns": flat(t0), "end_ns": flat(s_end),
+                            "peak_mem_bytes": 2**30, "tokens": 4096, "samples": 8})
+    spans = pd.concat([pd.DataFrame({"rank": rk, "step": st, "kind": kind, "name": kind, "start_ns": flat(a),
+                                     "end_ns": flat(b), "lane": "main", "source": "hook"})
+                       for kind, a, b in (("data_wait", t0, d_end), ("forward", d_end, f_end),
+                                          ("backward", f_end, wait_end), ("comm_wait", b_end, wait_end),
+                                          ("optimizer", wait_end, o_end))], ignore_index=True)
+    colls = []
+    for j in range(B):
+        issue = f_end + ph["bwd"] * (j + 1) // B
+        end = np.broadcast_to(step_start + issue_rel[j] + bucket_ns, (R, S))
+        colls.append(pd.DataFrame({
+            "rank": rk, "step": st, "op": "all_reduce", "api": "ddp_bucket", "source": "ddp", "group": "0",
+            "group_size": world_size, "seq": st * B + j, "in_bytes": 25 * 2**20, "out_bytes": 25 * 2**20,
+            "dtype": "float32", "async_op": True, "issue_ns": flat(issue), "return_ns": flat(issue) + 10_000,
+            "end_ns": flat(end), "bucket": j}))
+    colls = pd.concat(colls, ignore_index=True)
+    rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks - node * R, "world_size": world_size,
+                             "node_rank": node, "host": host, "pid": 1000 + ranks, "device_type": "cuda",
+                             "device_index": ranks - node * R, "device_name": "NVIDIA H100 80GB HBM3",
+                             "device_uuid": "", "backend": "nccl", "device_mem_total_bytes": 80 * 2**30})
+    # the member list is left empty (all ranks): 16,384 comma-separated ranks in every rank's row would be GBs
+    groups = pd.DataFrame({"rank": ranks, "group": "0", "ranks": "", "size": world_size,
+                           "backend": "nccl", "desc": "default_pg", "mesh_dim": ""})
+    clock = pd.DataFrame({"rank": ranks, "host": host, "mono_ns": 10**9 + host_offset_ns, "wall_ns": 0})
+    nd = Path(run_dir) / f"node-{host}"
+    nd.mkdir()
+    write_node_tables(nd, {"ranks": rank_tbl, "steps": steps_t, "spans": spans, "collectives": colls,
+                           "groups": groups, "clock": clock},
+                      {"host": host, "command": ["synthetic"], "status": "completed", "exit_code": 0})
+    return nd

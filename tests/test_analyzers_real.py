@@ -14,6 +14,7 @@ import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
 from dtprof.analyzers.summary import analyze
+from scale_checks import assert_summaries_equal_raw
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -204,3 +205,11 @@ def test_a_different_model_is_not_comparable_naming_both_parameter_counts(slowed
     d = compare("--allow-different")
     assert not any("not comparable" in x for x in d["reasons"])
     assert [x["key"] for x in d["identity"] if x["blocking"]] == ["model parameters"]   # still shown
+
+
+def test_ddp_and_pipeline_analysed_from_node_summaries_equal_raw(plain_ddp, gpipe):
+    """The launcher wrote each node's summary; the analysis from them equals the one from the raw tables
+    (docs/scale.md), on a DDP job and on a GPipe pipeline (its stage spans read as a slice)."""
+    assert_summaries_equal_raw(plain_ddp)
+    s = assert_summaries_equal_raw(gpipe)
+    assert s["pipeline"] is not None and s["breakdown"]["pipeline_ranks"] == [0, 1]

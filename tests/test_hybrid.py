@@ -15,6 +15,7 @@ import pytest
 
 from dtprof.analyzers import mesh as M
 from dtprof.analyzers.runmodel import RunModel, with_exit
+from scale_checks import assert_summaries_equal_raw
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = dict(batch=2, seq=16, dim=32, layers=2, vocab=256, steps=3)
@@ -257,3 +258,11 @@ def test_op_proxy_is_transparent():
     assert proxy == packet and hash(proxy) == hash(packet)  # dicts keyed by packets (CommDebugMode) still match
     assert {packet: 1}.get(proxy) == 1
     assert isinstance(ns.wait_tensor, hooks_functional._OpProxy)
+
+
+def test_hybrid_runs_analysed_from_node_summaries_equal_raw(tp_run, pp_run):
+    """TP x DP and DP x PP on a DeviceMesh: the analysis from the launcher's node summaries equals the one from the
+    raw tables field by field (docs/scale.md), mesh block and pipeline groups included."""
+    for run in (tp_run, pp_run):
+        s = assert_summaries_equal_raw(run.path)
+        assert s["mesh"] is not None

@@ -18,6 +18,7 @@ import pytest
 
 import dtprof._inject
 from dtprof.reader import open_run
+from scale_checks import assert_summaries_equal_raw
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +115,11 @@ def test_single_node_torchrun_two_workers(tmp_path):
     assert run_dir.name.endswith("-worker")
     (node,) = run_dir.glob("node-*")
     assert {json.loads(s.read_text())["node_dir"] for s in (tmp_path / "seen").glob("*.json")} == {str(node)}
+
+
+def test_two_nodes_analysed_from_their_summaries_equal_raw(multinode):
+    """Each of the two launchers summarised its own node; the run analysed from both summaries equals the run
+    analysed from the raw tables (docs/scale.md)."""
+    d, _, _ = multinode
+    s = assert_summaries_equal_raw(d / "shared_run")
+    assert s["run"]["nodes"] == 2 and s["run"]["ranks_recorded"] == 2

@@ -1,0 +1,117 @@
+"""Node summaries: the rank-local (map) side of the analysis, computed where the data is (docs/scale.md).
+
+Everything here is a function of each rank's own spans and collectives inside its own step windows: no other
+rank, no clock alignment, no warm-up choice. So it can be computed for one node alone (the launcher does it when
+the node's job ends; ``dtprof summarize`` for runs without summaries), and the summaries of all nodes, joined by
+``combine``, are exactly what ``summarize`` gives for the whole run. ``analyze`` (analyzers/summary.py) always
+works from a ``NodeSummary``: the whole run's (``summarize(model)``, the raw path) or the joined nodes' (the scale
+path); there is no second derivation.
+
+Per rank-step: its window and the overlap (analyzers/overlap.py) and breakdown (analyzers/breakdown.py) figures;
+per rank-step and channel: exposed communication; per rank-step: the what-if model's work, arrival and wait items
+(analyzers/whatif.py ``rank_items``), whose arrivals and waits name their collective by its place among its
+rank's rows (the same in the node's table and the whole run's). Cross-rank figures (collective instances,
+arrivals, lateness, the clock fit, the replay) are made from the collectives table and these items by the global
+analysis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers import breakdown as breakdown_mod
+from dtprof.analyzers import overlap as overlap_mod
+from dtprof.analyzers import whatif as whatif_mod
+
+OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio",
+                   "overlap_s", "level")
+
+
+@dataclass
+class NodeSummary:
+    rank_steps: pd.DataFrame   # rank, step, start_ns, end_ns, OVERLAP_COLUMNS, ``bd_<part>_s`` per breakdown PARTS
+    exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
+    items: pd.DataFrame        # whatif.ITEM_COLUMNS (``ci``: place among the rank's collectives)
+    pipeline_ranks: list[int] = field(default_factory=list)
+    stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
+    unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
+
+    def overlap(self) -> overlap_mod.OverlapResult:
+        per = self.rank_steps[["rank", "step", *OVERLAP_COLUMNS]].reset_index(drop=True)
+        return overlap_mod.OverlapResult(per, self.unassigned)
+
+    def breakdown(self) -> breakdown_mod.Breakdown:
+        per = self.rank_steps[["rank", "step"] + [f"bd_{p}_s" for p in breakdown_mod.PARTS]]
+        per = per.rename(columns={f"bd_{p}_s": f"{p}_s" for p in breakdown_mod.PARTS}).reset_index(drop=True)
+        return breakdown_mod.Breakdown(per, self.exposed, list(self.pipeline_ranks))
+
+    def whatif_items(self) -> whatif_mod.RankItems:
+        return whatif_mod.RankItems(items=self.items, stage=dict(self.stage),
+                                    pipeline_ranks=list(self.pipeline_ranks))
+
+
+def summarize(model) -> NodeSummary:
+    """The summary of the run model ``model`` (analyzers/runmodel.py): one node's, or a whole run's."""
+    windows = model.steps
+    ov = overlap_mod.rank_step_overlap(model, windows)
+    bd = breakdown_mod.step_breakdown(model, windows)
+    ri = whatif_mod.rank_items(model)
+    per = windows[["rank", "step", "start_ns", "end_ns"]].reset_index(drop=True)
+    for c in OVERLAP_COLUMNS:
+        per[c] = ov.per_step[c].to_numpy()
+    for p in breakdown_mod.PARTS:
+        per[f"bd_{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
+    return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
+                       pipeline_ranks=sorted(set(bd.pipeline_ranks) | set(ri.pipeline_ranks)),
+                       stage=ri.stage, unassigned=ov.unassigned)
+
+
+def to_tables(ns: NodeSummary) -> tuple[dict, dict]:
+    """(tables, facts) as the run format stores them (dtprof/schema.py SUMMARY_TABLES)."""
+    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items},
+            {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
+             "unassigned": int(ns.unassigned)})
+
+
+def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> NodeSummary:
+    """The whole run's summary from its nodes': ``tables`` (the stored summaries' tables, already concatenated by
+    the reader), their ``facts``, and the summaries ``computed`` here for nodes that had none. Rank-steps and
+    items come out sorted by (rank, step) like the run model's windows, each rank-step's items in their order."""
+    per = [tables["rank_steps"]] + [c.rank_steps for c in computed]
+    exposed = [tables["exposed"]] + [c.exposed for c in computed]
+    items = [tables["whatif_items"]] + [c.items for c in computed]
+    stage: dict = {}
+    for f in facts:
+        stage.update({int(k): int(v) for k, v in f["stage"].items()})
+    for c in computed:
+        stage.update(c.stage)
+    return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
+                       exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
+                       items=_by_rank_step(pd.concat(items, ignore_index=True)),
+                       pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
+                                             | {r for c in computed for r in c.pipeline_ranks}),
+                       stage=stage,
+                       unassigned=sum(int(f["unassigned"]) for f in facts) + sum(c.unassigned for c in computed))
+
+
+def _by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
+    key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
+    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
+        return df.reset_index(drop=True)
+    return df.iloc[np.argsort(key, kind="stable")].reset_index(drop=True)
+
+
+def of_run(run, model) -> NodeSummary:
+    """The run's summary from its nodes' stored summaries (``Run.node_summaries``); a node without one is
+    summarised here from its own tables (not written: ``dtprof summarize`` and the launcher write them)."""
+    from dtprof.analyzers.runmodel import RunModel
+
+    facts, tables = run.node_summaries()
+    missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
+    if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
+        return summarize(model)
+    computed = [summarize(RunModel.of(run.node_run(nd))) for nd in missing]
+    return combine(tables, [f for f in facts if f is not None], computed)
