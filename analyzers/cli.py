@@ -63,7 +63,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
         click.echo(f"dtprof: {msg}...", err=True)
 
     try:
-        run = open_run(run_dir)
+        run = open_run(run_dir, check_tables=True)
         options = resolve_options(run, warmup=warmup, flops_per_step=flops_per_step, peak_tflops=peak_tflops,
                                   dtype=dtype, transformer=tf, gpu_window=gpu_window)
     except RunFormatError as e:

@@ -158,6 +158,13 @@ def step_window(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndar
     return out
 
 
+def own_records(co: pd.DataFrame) -> pd.DataFrame:
+    """The collectives that are the job's instances: the ranks' own records, over rows a captured torch.profiler
+    trace adds for the same calls (source "kineto", numbered apart); a run with only trace rows keeps those."""
+    kineto = co["source"].isin(["kineto"]).to_numpy()
+    return co[~kineto] if (~kineto).any() else co
+
+
 def instances(run) -> pd.DataFrame:
     """``run``: the run model (analyzers/runmodel.py). One row per collective instance: op, group, seq,
     group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see WINDOWS)."""
@@ -165,8 +172,7 @@ def instances(run) -> pd.DataFrame:
     cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
     if len(co) == 0:
         return pd.DataFrame(columns=cols)
-    kineto = co["source"].isin(["kineto"]).to_numpy()
-    c = co[~kineto] if (~kineto).any() else co
+    c = own_records(co)
     inst, n = instance_keys(c)
     dur = c["exit_ns"].to_numpy(np.int64) - c["issue_ns"].to_numpy(np.int64)
     nbytes = np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))

@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dtprof.analyzers.collectives import own_records
 from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy")
@@ -313,7 +314,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
 
     run_dir = Path(run_dir)
     if run is None:
-        run = open_run(run_dir) if (run_dir / "run.json").exists() else None
+        run = open_run(run_dir, check_tables=True) if (run_dir / "run.json").exists() else None
     ranks_tbl = run.ranks if run is not None else None
     groups_tbl = run.groups if run is not None else None
     hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
@@ -365,7 +366,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                                  "dump": d.get("request")})
 
     # 1. mismatch
-    mism = find_mismatches(run.collectives if run is not None else None, fr)
+    mism = find_mismatches(own_records(run.collectives) if run is not None else None, fr)
     if mism:
         m = mism[0]
         odd = m["odd_ranks"]

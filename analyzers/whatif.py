@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_keys
+from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_keys, own_records
 from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
 
 NS = 1e9
@@ -110,11 +110,6 @@ def _cummax_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
 ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "ci", "release")
 
 
-def replay_collectives(co: pd.DataFrame) -> pd.DataFrame:
-    """The collectives the model uses: the rank's own records over trace rows of the same calls."""
-    if len(co) and (~co["source"].isin(["kineto"])).any():
-        return co[~co["source"].isin(["kineto"]).to_numpy()]
-    return co
 
 
 @dataclass
@@ -122,7 +117,7 @@ class RankItems:
     """The rank-local part of the model (each rank's own spans and collectives; no other rank, no clock): what a
     node summary stores (analyzers/nodesummary.py) and ``graph`` joins across ranks."""
     items: pd.DataFrame        # ITEM_COLUMNS, sorted by (rank, step, t, kind); ``ci``: the collective's place
-                               # among its rank's rows of replay_collectives (-1: a work item)
+                               # among its rank's rows of own_records (-1: a work item)
     stage: dict                # pipeline rank -> its (lowest) stage
     pipeline_ranks: list
 
@@ -148,7 +143,7 @@ def rank_items(model) -> RankItems:
         st = sp.loc[is_pp, ["rank", "stage"]].dropna()
         stage = {int(r): int(s) for r, s in st.groupby("rank")["stage"].min().items()}
 
-    co = replay_collectives(model.collectives)
+    co = own_records(model.collectives)
     c_rank = co["rank"].to_numpy(np.int64)
     c_issue = co["issue_ns"].to_numpy(np.int64)
     c_exit = co["exit_ns"].to_numpy(np.int64)
@@ -273,7 +268,7 @@ def graph(model, ri: RankItems) -> StepGraph:
     windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
                             "measured": w["measured"].to_numpy(bool),
                             "pipeline": np.isin(wr, ri.pipeline_ranks)})
-    co = replay_collectives(model.collectives)
+    co = own_records(model.collectives)
     inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
     c_rank = co["rank"].to_numpy(np.int64)
     c_issue = co["issue_ns"].to_numpy(np.int64)

@@ -47,7 +47,7 @@ def _analyze_run_dir(run_dir: Path) -> dict:
 
     click.echo(f"dtprof compare: analysing {run_dir} (no summary.json)", err=True)
     try:
-        run = open_run(run_dir)
+        run = open_run(run_dir, check_tables=True)
         return analyze(run, resolve_options(run)).summary
     except RunFormatError as e:
         raise InputError(str(e)) from None

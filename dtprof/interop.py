@@ -183,7 +183,7 @@ def export_perfetto_command(run_dir, out):
     from dtprof.reports.perfetto import write_perfetto
 
     try:
-        run = open_run(run_dir)
+        run = open_run(run_dir, check_tables=True)
         path = write_perfetto(run, out)
     except RunFormatError as e:
         raise InputError(str(e)) from None

@@ -587,10 +587,29 @@ def launcher_killed(node_info: dict) -> bool:
         return True
 
 
-def open_run(path) -> Run:
-    """Open a run directory (or a path inside one: its summary.json, report.html, a node directory)."""
+# A command's run whose table files are smaller than this is read whole when opened (every table validated, so a
+# damaged one is named whatever the command needs); a larger run's tables are read when used (docs/scale.md).
+CHECK_ALL_BYTES = 256 * 2**20
+
+
+def open_run(path, check_tables: bool = False) -> Run:
+    """Open a run directory (or a path inside one: its summary.json, report.html, a node directory).
+    ``check_tables``: the command line's open: a run under ``CHECK_ALL_BYTES`` of tables is read and validated
+    whole (RunFormatError names a damaged file)."""
     p = Path(path)
-    for cand in (p, p.parent, p.parent.parent):
-        if (cand / RUN_MANIFEST).exists():
-            return Run(cand)
-    return Run(p)
+    run = next((Run(c) for c in (p, p.parent, p.parent.parent) if (c / RUN_MANIFEST).exists()), None) or Run(p)
+    if check_tables and _tables_bytes(run) < CHECK_ALL_BYTES:
+        for name in TABLES:
+            run.table(name)
+    return run
+
+
+def _tables_bytes(run: Run) -> int:
+    """Bytes of the run's table files: the compacted Parquet tables, else the ranks' JSON-lines files."""
+    total = 0
+    for nd in run.node_dirs:
+        files = (nd / TABLES_DIR).glob("*.parquet") if run._complete(nd) else nd.glob(f"{RANK_PREFIX}*/*.jsonl")
+        total += sum(f.stat().st_size for f in files if f.is_file())
+        if total >= CHECK_ALL_BYTES:
+            break
+    return total

@@ -607,7 +607,7 @@ def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None
     ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps or spans).
     The file is written to a temporary name and renamed, so a reader never sees half a report.
     """
-    run = open_run(run_dir)
+    run = open_run(run_dir, check_tables=analysis is None)
     if analysis is None:
         from dtprof.analyzers.summary import analyze
         from dtprof.options import resolve_options

@@ -24,6 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from dtprof.cli import main
+from dtprof.runformat import SUMMARY_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -86,12 +87,14 @@ def assert_one_line(res, names, cmd):
 # ---- damaging a run --------------------------------------------------------------------------------------------
 
 def _copy_run(real, tmp_path, raw: bool) -> tuple[Path, Path]:
-    """A copy of the real run without its summary (so every command reads the tables); ``raw``: without the
-    compacted Parquet tables, so the ranks' JSON-lines files are read, as for a crashed job."""
+    """A copy of the real run without its summary and node summary (so every command reads the tables: a node
+    summary made before the damage stands for the tables it was made from); ``raw``: without the compacted Parquet
+    tables, so the ranks' JSON-lines files are read, as for a crashed job."""
     run = tmp_path / "run"
     shutil.copytree(real["run"], run, symlinks=True)
     (run / "summary.json").unlink(missing_ok=True)
     node = run / real["node"]
+    shutil.rmtree(node / SUMMARY_DIR, ignore_errors=True)
     if raw:
         shutil.rmtree(node / "tables")
     return run, node

@@ -252,7 +252,8 @@ def test_straggler_named_with_nvml_evidence(tmp_path):
     node = run / "node-synthetic"
     # the synthetic run is compacted; add the sampler's rows next to it as the compaction would
     import dtprof.reader as reader
-    tables = reader._read_node_tables(node)
+    from dtprof.schema import TABLES
+    tables = {name: reader._read_node_table(node, name) for name in TABLES}
     _nvml_rows(node, slow_gpu=2)
     tables["nvml"] = reader._read_jsonl(node / "nvml.jsonl", "nvml", [])
     from dtprof.runformat import write_node_tables
