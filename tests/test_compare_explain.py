@@ -165,10 +165,13 @@ def test_a_slower_gpu_is_inconclusive_with_the_gpu_probe_named(tmp_path):
         s["run"]["probe"].update(gpu_start_s=t[:10].tolist(), gpu_end_s=t[10:].tolist())
     code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h), "--format", "json")
     d = json.loads(out)
-    assert code == 3 and d["reasons"] == ["the GPUs ran 30 % slower on the GPU probe (head vs base)"]
+    # 1.3x with 2 % jitter: 29-31 % in the phase (start or end of the job) that moved furthest
+    assert code == 3 and len(d["reasons"]) == 1
+    assert re.fullmatch(r"the GPUs ran (29|30|31) % slower on the GPU probe \(head vs base\)", d["reasons"][0])
     assert d["probe"]["moved"] is False and d["gpu_probe"]["kind"] == "gpu"
     code, text = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h))
-    assert re.search(r"machine probe \(GPU\): head 30 % slower than base \[\+2\d, \+3\d %\] -- beyond its noise", text)
+    assert re.search(r"machine probe \(GPU, at the job's (start|end)\): head (29|30|31) % slower than base "
+                     r"\[\+[23]\d, \+3\d %\] -- beyond its noise", text)
 
 
 @pytest.mark.parametrize("probe_s, backward_extra, code, words", [
