@@ -226,16 +226,17 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
 
 
 def _machine_reasons(probe: dict | None, gpu_probe: dict | None, slower: bool) -> list[str]:
-    """Why a machine probe that moved makes the comparison inconclusive: only when the change could explain the
-    verdict. A slower machine explains a slower head (``slower``: a gate or a straggler row failed); a faster one
-    could hide a slowdown behind a pass. A faster machine with a slower head, or a slower one with a head that still
-    passed, leaves the verdict standing (the probe's line still shows it). Sets each moved probe's
+    """Why a machine probe that moved makes the comparison inconclusive. A slower machine always does: it explains a
+    slower head (``slower``: a gate or a straggler row failed), and a head measured on it says little about the code
+    either way (CPU hogs through a job slowed its probe 3x while its steps, which wait on communication, moved
+    anywhere from 0 to +27 %). A faster machine could hide a slowdown behind a pass, but cannot explain a slower head:
+    that regression stands (the probe's line still shows the change). Sets each moved probe's
     ``explains_verdict``."""
     out = []
     for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
         if not p or not p["moved"]:
             continue
-        p["explains_verdict"] = (p["ratio"] > 1) == slower
+        p["explains_verdict"] = p["ratio"] > 1 or not slower
         if p["explains_verdict"]:
             out.append(f"the {what} ran {abs(p['ratio'] - 1) * 100:.0f} % {'slower' if p['ratio'] > 1 else 'faster'}"
                        f" on the {where} (head vs base)")

@@ -61,8 +61,7 @@ def identity_lines(d: dict) -> list[str]:
 def _probe_text(p: dict) -> str:
     """The probe's line; a probe that moved but does not explain the verdict (dtprof.compare) says so."""
     if p.get("explains_verdict") is False:
-        return p["line"] + (", but a slower machine does not explain a head that passed" if p["ratio"] > 1
-                            else ", but a faster machine does not explain a slower head")
+        return p["line"] + ", but a faster machine does not explain a slower head"
     return p["line"]
 
 

@@ -142,7 +142,8 @@ def test_a_rank_slowed_in_backward_fails_naming_backward_and_the_rank(runs):
 
 def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
     code, d = compare_json(runs["same"][-1], "--head", runs["hog"])
-    assert d["gates"][0]["verdict"] == "fail"      # the hogs slow the job's steps too (2 ranks, 2 cores, 5 hogs)
+    # whatever the hogs did to the steps (measured: from 0 to +27 % on a quiet machine; ranks waiting on
+    # communication keep much of their share), the machine ran slower: inconclusive, never a regression
     assert code == 3, (d["outcome"], d["probe"])
     assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
     assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"]
