@@ -197,12 +197,12 @@ def test_a_different_model_is_not_comparable_naming_both_parameter_counts(slowed
     def compare(*extra):
         p = subprocess.run([sys.executable, "-m", "dtprof.cli", "compare", str(slowed_ddp), "--head", str(plain_ddp),
                             "--format", "json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 3, p.stdout + p.stderr   # 14-step jobs: too few measured steps to decide anyway
-        return json.loads(p.stdout)
+        return p.returncode, json.loads(p.stdout)
 
-    d = compare()
+    code, d = compare()
+    assert code == 3, d["outcome"]
     assert any(f"not comparable: model parameters {small:,} -> {wide:,}" in x for x in d["reasons"]), d["reasons"]
-    d = compare("--allow-different")
+    _, d = compare("--allow-different")   # then the two models' steps are compared: that verdict is not tested here
     assert not any("not comparable" in x for x in d["reasons"])
     assert [x["key"] for x in d["identity"] if x["blocking"]] == ["model parameters"]   # still shown
 
