@@ -246,9 +246,9 @@ def test_a_gpu_probe_that_moved_is_the_machine_not_a_regression(runs, tmp_path):
     code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "fast", 0.0015 / 1.4, seed=5))
     assert code == 3 and len(d["reasons"]) == 1, d["reasons"]
     assert re.fullmatch(r"the GPUs ran (2\d|30) % faster on the GPU probe \(head vs base\)", d["reasons"][0])
-    # slower GPUs cannot have hidden one: the pass stands, and the probe's line says why
+    # slower GPUs: a head measured on them says little about the code either way: inconclusive too
     code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "slowgpu", 0.0015 * 1.4, seed=5))
-    assert code == 0 and d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is False, d["reasons"]
+    assert code == 3 and d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is True, d["reasons"]
     # a head slowed in backward on slower GPUs: the machine may explain the slowdown, so it is not called a regression
     code, d = compare_json(base, "--head", with_gpu_probe(runs["slow"][0], tmp_path / "slow", 0.0015 * 1.4, seed=7))
     assert code == 3, d["outcome"]
