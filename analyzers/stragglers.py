@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.collectives import instance_keys
+from dtprof.analyzers.collectives import instance_keys, own_records
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -79,11 +79,7 @@ def arrivals(model) -> pd.DataFrame:
     empty = pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64")) for c in cols})
     if len(co) == 0:
         return empty
-    use = ~co["op"].isin(list(P2P)).to_numpy()
-    kineto = co["source"].isin(["kineto"]).to_numpy()
-    if (use & ~kineto).any():  # prefer the rank's own records over trace rows for the same calls
-        use &= ~kineto
-    c = co[use]
+    c = own_records(co[~co["op"].isin(list(P2P)).to_numpy()])
     if len(c) == 0:  # only point-to-point traffic (e.g. a pipeline without data parallelism)
         return empty
     rank = c["rank"].to_numpy(np.int64)
