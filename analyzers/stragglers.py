@@ -17,8 +17,9 @@ and the docs quote them, and each flagged rank's ``reason`` gives the numbers th
   over the measured steps, and at least that much in >= 75 % of them, or its median step saves at least 3x the
   threshold (a saving that holds, not a few slow steps: one long preemption raises the mean, not the median), and
   its typical extra work (what-if ``typical_excess``: per part, the median over steps of its part minus its peers',
-  summed) is at least that share of the median step: a slow rank's excess recurs in the same part, while a rank
-  that a busy machine preempts in a different part each step saves something in many steps but has none.
+  summed) is at least that share of the median step and at least half the median step's saving: a slow rank's
+  excess recurs in the same part, while a rank that a busy machine preempts in a different part each step saves
+  something in many steps but has little.
   The compute score and arrival lead below are evidence, not criteria: a rank that is slower but that nobody waits
   for (or that a busy machine slows as much as its peers) costs nothing and is named by nobody;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
@@ -50,6 +51,11 @@ PERSISTENT_HELD_FRAC = 0.75
 # peer's speed saved 48 % held in 67 % of steps (a straggler: its median step saves ~48 %); an unslowed job beside a
 # CPU hog reached a 35 % mean saving from a single 33 ms preemption (the median step saved little).
 LARGE_SAVING_FACTOR = 3
+# ... and the recurring excess must carry at least this share of the median step's saving: a rank that a busy
+# machine preempts more often than its peer (CI, 2 hogs beside an unslowed 2-rank job: median saving 23 % of the
+# step, ~3 ms, held in 70 % of steps) saves in many steps, but in a different part each time, so its typical excess
+# (0.7 ms) explains a quarter of it; a slowed rank's typical excess is its saving (it waits in the same part)
+RECURRING_SHARE = 0.5
 
 
 def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
@@ -58,8 +64,9 @@ def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
             f"{min_saving:.0%} of the step over the measured steps, and at least that much in at least "
             f"{PERSISTENT_HELD_FRAC:.0%} of them (or its median measured step would save at least "
             f"{LARGE_SAVING_FACTOR * min_saving:.0%}), and a typical step of it does at least {min_saving:.0%} of the "
-            f"median step more work than its peers in the same parts (a recurring excess, not preemptions of a busy "
-            f"machine that hit a different part each step)")
+            f"median step more work than its peers in the same parts, and at least {RECURRING_SHARE:.0%} of its median "
+            f"step's saving (a recurring excess, not preemptions of a busy machine that hit a different part each "
+            f"step)")
 
 
 PERSISTENT_RULE = persistent_rule()
@@ -180,7 +187,11 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     out["saving_frac_median"] = sv.groupby("rank")["saving_frac"].median().reindex(idx).fillna(0.0).to_numpy()
     out["typical_excess_s"] = pd.Series(typical_excess or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
     held = out["saving_step_frac"]
-    consistent = out["typical_excess_s"] >= min_saving * p50 if p50 > 0 else np.zeros(len(out), bool)
+    if p50 > 0:
+        needed = np.maximum(min_saving, RECURRING_SHARE * out["saving_frac_median"].to_numpy()) * p50
+        consistent = out["typical_excess_s"].to_numpy() >= needed
+    else:
+        consistent = np.zeros(len(out), bool)
     persistent = (out["saving_frac"] >= min_saving) & consistent & (
         (held >= PERSISTENT_HELD_FRAC) | (out["saving_frac_median"] >= LARGE_SAVING_FACTOR * min_saving))
     ls = out["late_steps"].to_numpy()
