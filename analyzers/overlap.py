@@ -106,15 +106,15 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     sp_start = sp["start_ns"].to_numpy(np.int64)
     sp_end = sp["end_ns"].to_numpy(np.int64)
     sp_win = assign_to_windows(wr, ws, we, sp_rank, sp_start)
-    has_kernel = np.zeros(n_win, bool)
+    has_kernel = np.zeros(n_win + 1, bool)   # the last slot stands for "no window" (-1), and is never set
     if is_kernel.any():
         has_kernel[sp_win[is_kernel & (sp_win >= 0)]] = True
-    sp_kernel_win = has_kernel[np.maximum(sp_win, 0)]
+    sp_kernel_win = has_kernel[sp_win]
 
     co_rank = co["rank"].to_numpy(np.int64)
     co_start = co["issue_ns"].to_numpy(np.int64)
     co_win = assign_to_windows(wr, ws, we, co_rank, co_start)
-    co_kernel_win = has_kernel[np.maximum(co_win, 0)]
+    co_kernel_win = has_kernel[co_win]
 
     # Set membership of each span (-1 = not used).
     sp_set = np.full(len(sp), -1, np.int8)
@@ -153,7 +153,7 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
         "comm_wait_s": r["comm_wait"] / NS, "data_wait_s": r["data_wait"] / NS,
         "overlap_s": r["overlap"] / NS,
         "overlap_ratio": np.divide(r["overlap"], comm, out=np.full(n_win, np.nan), where=comm > 0),
-        "level": np.where(has_kernel, "kernel", "hook"),
+        "level": np.where(has_kernel[:n_win], "kernel", "hook"),
     })
     return OverlapResult(out, unassigned)
 

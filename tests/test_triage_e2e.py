@@ -70,6 +70,21 @@ def test_crash_attributed(tmp_path, mode, words):
         assert "plain_train.py:" in out["message"] and "heartbeat.py" not in out["message"], out["message"]
 
 
+def test_a_job_that_fails_before_its_first_step_is_analysed_without_error(tmp_path):
+    # the first thing a user meets when their script is broken: every command still answers (a run with no step
+    # once crashed the node summary, the summary and the report with an IndexError)
+    proc, _ = dtprof_run(tmp_path / "r", "raise_at_start")
+    assert proc.returncode not in (0, 124) and "failed:" not in proc.stderr, proc.stderr[-2000:]
+    out = triage_json(tmp_path / "r")
+    assert out["verdict"] == "crash" and "RuntimeError: no such dataset" in out["message"], out
+    summary = subprocess.run([sys.executable, "-m", "dtprof.cli", "summary", str(tmp_path / "r")],
+                             capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0 and "steps: 0 measured" in summary.stdout, summary.stderr[-2000:]
+    report = subprocess.run([sys.executable, "-m", "dtprof.cli", "report", str(tmp_path / "r"),
+                             "-o", str(tmp_path / "report.html")], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and "no such dataset" in (tmp_path / "report.html").read_text(), report.stderr
+
+
 def test_mismatch_named(tmp_path):
     dtprof_run(tmp_path / "r", "mismatch")
     out = triage_json(tmp_path / "r")

@@ -38,6 +38,8 @@ class DataIter:
 
 
 data = DataIter()
+if args.mode == "raise_at_start" and culprit:   # before any step: its peers wait in step 0's first all-reduce
+    raise RuntimeError("no such dataset")
 for step in range(args.steps):
     x = next(data)
     loss = model(x).pow(2).mean()
