@@ -29,7 +29,7 @@ data wait, and apart from the training collectives that overlap could hide.
 
 Where several collectives are in flight at once, the instant is split equally between them. Exposed
 communication is also split by mesh dimension (the group's ``mesh_dim``, ``"(none)"`` outside a DeviceMesh) and by
-op; a ``comm_wait`` with no collective in flight counts under op ``"(unknown)"``.
+op; a ``comm_wait`` with no collective in flight counts under op ``"(no collective in flight)"``.
 
 ``other`` is the window minus the other parts, so the parts of every rank-step sum to its duration exactly (up to
 float rounding), and their means over a rank's measured steps sum to its mean step time. Spans and collectives are
@@ -48,7 +48,9 @@ from dtprof.schema import BREAKDOWN_PARTS
 
 NS = 1e9
 PARTS = BREAKDOWN_PARTS   # declared with the run format: node summaries store them (dtprof/schema.py)
-UNKNOWN_OP = "(unknown)"
+# a communication wait that outlasts every collective of its rank (e.g. DDP finishing its buckets after the last
+# all-reduce returned)
+UNKNOWN_OP = "(no collective in flight)"
 P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
 

@@ -382,6 +382,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                        what_if_reason="no measured steps to replay")
     else:
         summary.update(wi.summary)
+        _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
     _add_mesh(summary, spans_view, steps, bd)
     say("GPU kernels")
     gpu_time = kernels_mod.gpu_time(spans_view.spans, run.steps, options.gpu_window)
@@ -409,6 +410,21 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def _say_which_suspects_are_not_stragglers(what_if: list[dict], strag: pd.DataFrame) -> None:
+    """A ``straggler_removed`` saving of a rank that the straggler rule does not name (stragglers.PERSISTENT_RULE)
+    says so in its basis, with the numbers the rule weighed: with symmetric step-to-step noise, the rank that is
+    slower on average still "saves" in the steps where it happened to be the slower one."""
+    by_rank = strag.set_index("rank")
+    for w in what_if:
+        if w["scenario"] != "straggler_removed" or len(w["ranks"]) != 1 or w["ranks"][0] not in by_rank.index:
+            continue
+        s = by_rank.loc[w["ranks"][0]]
+        if s["kind"] != "persistent":
+            w["basis"] += (f"; not named a straggler: the saving held (>= the threshold) in "
+                           f"{s['saving_step_frac']:.0%} of measured steps and a typical step does "
+                           f"{s['typical_excess_s'] * 1e3:.1f} ms more work than its peers")
 
 
 def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
@@ -536,16 +552,22 @@ def format_summary_text(summary: dict) -> str:
                      + "by op " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_op.items()))
     wif = summary.get("what_if") or []
     if wif:   # the what-if model's top three (analyzers/whatif.py)
+        named = {s["rank"] for s in summary.get("stragglers") or []}
         rep = summary.get("replay") or {}
         err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
         lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
-            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''} "
+            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
+            f"{' (not a straggler)' if w['scenario'] == 'straggler_removed' and not set(w['ranks']) <= named else ''} "
             f"{_fmt_s(w['predicted_step_s'])} (-{w['saving_frac']:.0%})" for w in wif[:3]))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
     else:
         lines.append(f"MFU: n/a ({m.get('value_reason') or m.get('peak_reason') or m.get('flops_reason')})")
+    rates = [f"{st[k]:,.0f} {what}/s ({st.get(k + '_source')})" for k, what in
+             (("tokens_per_s", "tokens"), ("samples_per_s", "samples")) if st.get(k) is not None]
+    if rates:
+        lines.append("throughput: " + "; ".join(rates))
     ov = summary.get("overlap") or {}
     lines.append(f"overlap: {_fmt_frac(ov.get('ratio'))} of communication hidden behind compute; exposed "
                  f"communication {_fmt_frac(ov.get('exposed_comm_frac'))} of step time")

@@ -14,14 +14,24 @@ def _ms(x) -> str:
     return "—" if x is None else f"{x * 1e3:.1f} ms"
 
 
+NOT_NAMED = ' <span class="note">(not a straggler)</span>'
+
+
+def _not_named(w: dict, named: set) -> bool:
+    """A ``straggler_removed`` scenario of a rank the straggler rule does not name (its basis says why)."""
+    return w["scenario"] == "straggler_removed" and not set(w["ranks"]) <= named
+
+
 def whatif_html(summary: dict) -> str:
     """The ranked what-if table (``<div id="what-if">``), or "" when the run has none."""
     wif = summary.get("what_if") or []
     if not wif:
         return ""
+    named = {s["rank"] for s in summary.get("stragglers") or []}
     rows = "".join(
         f"<tr><td title=\"{escape(w['basis'])}\">{escape(NAMES.get(w['scenario'], w['scenario']))}"
-        f"{' rank ' + escape(', '.join(map(str, w['ranks']))) if w['ranks'] else ''}</td>"
+        f"{' rank ' + escape(', '.join(map(str, w['ranks']))) if w['ranks'] else ''}"
+        f"{NOT_NAMED if _not_named(w, named) else ''}</td>"
         f"<td class=\"num\">{_ms(w['predicted_step_s'])}</td><td class=\"num\">{w['saving_frac']:.0%}</td></tr>"
         for w in wif)
     rep = summary.get("replay") or {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
+from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import analyze
 from scale_checks import assert_summaries_equal_raw
 
@@ -77,7 +78,7 @@ def test_ddp_breakdown_adds_up_and_shows_in_the_terminal(plain_ddp):
     for r in s["ranks"]:
         b = r["breakdown_s_per_step"]
         assert b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0 and b["bubble"] == 0
-        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_reduce", "(unknown)"}
+        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_reduce", breakdown_mod.UNKNOWN_OP}
     # `dtprof summary` prints the parts as columns
     p = subprocess.run([sys.executable, "-m", "dtprof.cli", "summary", str(plain_ddp), "--no-write"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -114,7 +115,8 @@ def test_fsdp_breakdown_adds_up_with_fsdp_ops(fsdp):
     s = assert_breakdown_adds_up(fsdp)
     for r in s["ranks"]:
         assert r["breakdown_s_per_step"]["forward"] > 0 and r["breakdown_s_per_step"]["backward"] > 0
-        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_gather", "reduce_scatter", "all_reduce", "(unknown)"}
+        assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_gather", "reduce_scatter", "all_reduce",
+                                                           breakdown_mod.UNKNOWN_OP}
     assert s["breakdown"]["exposed_comm_by_op_s_per_step"].keys() & {"all_gather", "reduce_scatter"}
 
 

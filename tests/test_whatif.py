@@ -8,8 +8,9 @@ import pytest
 
 from dtprof.analyzers import whatif
 from dtprof.analyzers.runmodel import RunModel
-from dtprof.analyzers.summary import analyze
+from dtprof.analyzers.summary import analyze, format_summary_text
 from dtprof.reader import open_run
+from dtprof.reports.whatif import whatif_html
 from synth import build_run
 
 KEYS = {"scenario", "ranks", "predicted_step_s", "measured_step_s", "saving_frac", "basis"}
@@ -73,6 +74,12 @@ def test_late_rank_saving_holds_in_every_step_and_symmetric_noise_names_nobody(t
     # jitter on every rank (symmetric): each rank is sometimes the last, none saves 5 % in 75 % of the steps
     a = analyze(build_run(tmp_path / "r", world_size=4, steps=16, jitter_frac=0.03, seed=3))
     assert [s for s in a.summary["stragglers"] if s["kind"] == "persistent"] == []
+    # a suspect's what-if still shows what removing its excess would save, and says it is not a straggler and why
+    suspects = [w for w in a.summary["what_if"] if w["scenario"] == "straggler_removed"]
+    assert suspects and all("not named a straggler: the saving held" in w["basis"] for w in suspects), suspects
+    text = format_summary_text(a.summary)
+    assert text.count("(not a straggler)") == min(len(suspects), text.count("straggler_removed"))
+    assert whatif_html(a.summary).count("(not a straggler)") == len(suspects)
 
 
 def test_critical_path_runs_through_the_slow_rank(tmp_path):
