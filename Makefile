@@ -26,7 +26,7 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 bench: venv
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
