@@ -335,10 +335,10 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
     if not window:
         return None, window, ranks
     run = ctx.run
-    sp = run.spans
-    # cheap numpy filters first (millions of rows on a large run), string work only on the window
-    sp = sp[np.isin(sp["rank"].to_numpy(), ranks) & np.isin(sp["step"].fillna(-1).to_numpy("int64"), window)]
-    sp = sp[~sp["kind"].isin(["kernel", "flops_count"])]
+    # only the rows drawn are read (Parquet row groups skipped by rank and step: docs/scale.md), kernels included
+    window_spans = run.read_spans(ranks=ranks, steps=(min(window), max(window)))
+    window_spans = window_spans[np.isin(window_spans["step"].fillna(-1).to_numpy("int64"), window)]
+    sp = window_spans[~window_spans["kind"].isin(["kernel", "flops_count"])]
     co = ctx.model.collectives
     co = co[np.isin(co["rank"].to_numpy(), ranks) & np.isin(co["step"].fillna(-1).to_numpy("int64"), window)]
     win = ctx.steps[ctx.steps["step"].isin(window)]
@@ -376,7 +376,7 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
     })
     bars = pd.concat([spans, colls], ignore_index=True)
     order = [lanes(r, row) for r in ranks for row in ("compute", "comm")]
-    bars, order, not_drawn = gpu_view.kernel_lanes(run.spans, bars, order, window, ranks, ctx.model.align,
+    bars, order, not_drawn = gpu_view.kernel_lanes(window_spans, bars, order, window, ranks, ctx.model.align,
                                                     t0, esc)
     fig = go.Figure()
     for c, color in {**COLORS, **gpu_view.KERNEL_COLORS, gpu_view.CPU_OUTLINE: "#4C78A8"}.items():

@@ -6,6 +6,7 @@ test_launcher_torchrun.py)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,19 @@ def test_read_spans_reads_the_slice(four_nodes):
     mine = sp[(sp["rank"] == 6) & sp["step"].between(3, 4).fillna(False).astype(bool)]
     assert len(few) == len(mine) > 0 and set(few["step"]) == {3, 4}
     assert "spans" not in run._loaded
+
+
+def test_report_reads_only_the_spans_it_draws(four_nodes, tmp_path):
+    # a report of a summarised run draws its timeline from a few steps' spans; it must not load every span (at
+    # 16,384 ranks x 1,000 steps they do not fit in memory), and the timeline still shows those steps' phases
+    from dtprof.analyzers.summary import analyze
+    from dtprof.reports.html import Progress, render_report
+
+    make_summaries(open_run(four_nodes), workers=1)
+    run = open_run(four_nodes)
+    html = render_report(run, analyze(run), Progress(10, False))
+    assert "spans" not in run._loaded
+    assert 'id="fig-timeline"' in html and re.search(r"rank 5 (·|\\u00b7) compute", html)
 
 
 def test_damaged_summary_is_one_line(four_nodes):
