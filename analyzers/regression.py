@@ -402,7 +402,19 @@ def _evaluate_scalar_gate(gate, base, head) -> GateResult:
     else:
         res.change = h - b
     value = res.change + 1.0 if gate.mode == "ratio" else res.change
-    return _finish(res, not bool(_OPS[gate.op](value, gate.limit)), False)
+    res = _finish(res, not bool(_OPS[gate.op](value, gate.limit)), False)
+    if gate.key.startswith("mfu.") and gate.mode != "absolute":
+        res.note = "; ".join(x for x in (res.note, _peak_note(base, head)) if x)
+    return res
+
+
+def _peak_note(base: Sequence[dict], head: Sequence[dict]) -> str:
+    """MFU divides by a peak; when the two sides' peaks differ (a CPU peak is calibrated in each run, on a busy
+    machine by up to 15 %), say so: the MFU change is then partly the peak's."""
+    (b, _), (h, _) = _side_value(base, "mfu.peak_flops"), _side_value(head, "mfu.peak_flops")
+    if b is None or h is None or abs(h / b - 1.0) < 0.01:
+        return ""
+    return f"peak differs: base {b / 1e12:.3g}, head {h / 1e12:.3g} TFLOP/s ({h / b - 1.0:+.0%})"
 
 
 def overall_exit(results: Sequence[GateResult]) -> int:

@@ -170,6 +170,17 @@ def test_scalar_gates_absolute_delta_points_and_counts():
     assert ev["nosuch.key < 1"].verdict == rg.INCONCLUSIVE
 
 
+def test_mfu_change_says_when_the_two_runs_divided_by_different_peaks():
+    # a CPU peak is calibrated in each run: two runs of one Lightning job on a busy machine got 0.165 and 0.190
+    # TFLOP/s, and MFU moved 31.8 -> 23.5 % while the step moved +10.6 %; the row says the peak moved too
+    gate = rg.parse_gate("mfu.value > -2pp")
+    base = [summary(steps(), mfu={"value": 0.318, "peak_flops": 0.165e12})]
+    same = rg.evaluate_gate(gate, base, [summary(steps(), mfu={"value": 0.310, "peak_flops": 0.165e12})])
+    moved = rg.evaluate_gate(gate, base, [summary(steps(), mfu={"value": 0.235, "peak_flops": 0.190e12})])
+    assert "peak" not in same.note
+    assert moved.verdict == rg.FAIL and "peak differs: base 0.165, head 0.19 TFLOP/s (+15%)" in moved.note
+
+
 def test_advisory_gates_warn_without_failing_the_build(tmp_path):
     b = write(tmp_path, "b", summary(steps()))
     h = write(tmp_path, "h", summary(steps(seed=7), mfu={"value": 0.30}))
