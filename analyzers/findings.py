@@ -203,7 +203,7 @@ def straggler(summary: dict, analysis) -> list[dict]:
         out.append(finding(
             "straggler", "critical",
             f"Rank {s['rank']} ({s['host']}, {s['device']}) is a persistent straggler: {s['reason']}{score}; "
-            f"peers lost {s['time_lost_s']:.3f} s waiting for it",
+            f"its peers' arrival wait {s['time_lost_s']:.3f} s (summed over peers and collectives)",
             {"rank": s["rank"], "host": s["host"], "score": s.get("score"), "late_step_frac": s.get("late_step_frac"),
              "saving_frac": s.get("saving_frac"), "saving_step_frac": s.get("saving_step_frac"),
              "slow_step_frac": s.get("slow_step_frac"), "time_lost_s": s["time_lost_s"],

@@ -2,8 +2,10 @@
 
 Arrival skew: a collective instance is ``(group, seq)``; its ranks' arrivals are their ``issue_ns`` moved onto the
 reference host's clock (clock.py). Lateness = arrival - first arrival of the instance. The last rank to arrive is
-the instance's straggler and the time its peers lost waiting for it is Σ over the other ranks of
-(last arrival - their arrival). Point-to-point ops are left out.
+the instance's straggler and its peers' arrival wait (``time_lost_s``) is Σ over the other ranks of
+(last arrival - their arrival). Point-to-point ops are left out. Behind an asynchronous collective (a DDP bucket)
+a peer keeps computing for part of that wait, so it is more than the job lost; the job's loss is the what-if's
+``straggler_removed`` saving.
 
 Compute score (NVIDIA resiliency-ext, "relative" reference): score = median compute time per step of the fastest
 rank / this rank's median (1.0 = as fast as the fastest). Compute excludes comm_wait (overlap.py), so a rank that

@@ -586,13 +586,15 @@ def format_summary_text(summary: dict) -> str:
     sl = summary.get("stragglers") or []
     if sl:
         lines.append("stragglers: " + "; ".join(
-            f"rank {s['rank']} ({s['host']}) {s['kind']}, peers lost {_fmt_s(s['time_lost_s'])}" for s in sl))
+            f"rank {s['rank']} ({s['host']}) {s['kind']}, saves {s['saving_frac']:.0%} of the step if fixed, "
+            f"peers' arrival wait {_fmt_s(s['time_lost_s'])}" for s in sl))
     else:
         lines.append("stragglers: none")
     tl = summary.get("transient_lateness") or []
     if tl:
         lines.append("transient lateness (not a straggler): " + "; ".join(
-            f"rank {s['rank']} held its peers up in a few steps, peers lost {_fmt_s(s['time_lost_s'])}"
+            f"rank {s['rank']} held its peers up in a few steps (peers' arrival wait "
+            f"{_fmt_s(s['time_lost_s'])})"
             for s in tl))
     for f in summary.get("findings") or []:
         lines.append(f"[{f['severity']}] {f['message']}")

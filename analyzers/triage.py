@@ -521,7 +521,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                 score = "n/a" if s["compute_score"] is None else f"{s['compute_score']:.2f}"
                 evidence.append({"kind": "straggler", "rank": r, "message":
                                  f"{label(r)}: persistent straggler, {s['reason']}; compute score {score} (1.0 = "
-                                 f"as fast as the fastest rank); peers lost {s['time_lost_s']:.2f} s waiting for it",
+                                 f"as fast as the fastest rank); its peers' arrival wait {s['time_lost_s']:.2f} s",
                                  **{k: v for k, v in s.items() if k not in ("rank", "nvml", "nvml_lines")}})
                 ev = s["nvml"]
                 if ev.get("gpu") is not None:
@@ -530,7 +530,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                                          else ""))
             return result("straggler", [s["rank"] for s in slow], None,
                           f"straggler: {', '.join(parts)} is persistently slower than its peers "
-                          f"({slow[0]['reason']}; peers lost {sum(s['time_lost_s'] for s in slow):.2f} s)")
+                          f"({slow[0]['reason']}; peers' arrival wait {sum(s['time_lost_s'] for s in slow):.2f} s)")
     n = len(known)
     return result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
                                        f"({n} rank(s) examined)")

@@ -481,7 +481,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
         and len(st) else st
     strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
                                    ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
-                                   ("time_lost_s", "time lost", fmt_s),
+                                   ("time_lost_s", "peers' arrival wait", fmt_s),
                                    ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
                          50, "rank flagged as a straggler")
     sections.append(_section("stragglers", strag_table + page.figure(F.straggler_figure(ctx), "fig-stragglers"),
