@@ -80,7 +80,8 @@ LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (ma
 
 def arrivals(model) -> pd.DataFrame:
     """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns (aligned through the run
-    model's clocks), lateness_s, last, lead_s, measured (the model's measured steps, or no step)."""
+    model's clocks), lateness_s, last, lead_s, measured (in the model's measured steps; every row when no row has a
+    step)."""
     run, measured_steps = model, model.measured_steps
     co = run.collectives
     cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "inst",
@@ -123,7 +124,9 @@ def arrivals(model) -> pd.DataFrame:
     })
     out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[pos], 0.0)
     s = out["step"]
-    out["measured"] = s.isna().to_numpy() | s.isin(list(measured_steps)).to_numpy()
+    # set-up and teardown traffic (no step: ranks start seconds apart) is not lateness; a run with no steps at all
+    # (an import without step markers) has nothing else
+    out["measured"] = s.isin(list(measured_steps)).to_numpy() if s.notna().any() else np.ones(len(out), bool)
     return out
 
 

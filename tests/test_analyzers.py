@@ -332,6 +332,29 @@ def test_transient_straggler_late_in_two_steps_only(tmp_path):
     assert not any(f["id"] == "straggler" for f in a.findings)   # only persistent ones are findings
 
 
+def test_set_up_lateness_is_not_a_late_step(tmp_path):
+    # ranks start seconds apart: rank 2 reaches a set-up collective (no step, before step 0) 700 ms after the
+    # others, and is late by 30 ms in one measured step. One late step is not transient lateness, and the set-up
+    # wait is not counted among its peers' arrival wait (it counted as a late "step" and named rank 2 transient)
+    run = build_run(tmp_path / "r", world_size=4, steps=12)
+    tbl = run / "node-synthetic/tables/collectives.parquet"
+    co = pd.read_parquet(tbl)
+    setup = co[co["seq"] == co["seq"].min()].copy()
+    setup["seq"] = co["seq"].max() + 1
+    setup["step"] = pd.NA
+    setup["issue_ns"] = np.where(setup["rank"] == 2, 900 * MS, 200 * MS)
+    setup["return_ns"] = setup["end_ns"] = 901 * MS
+    hit = (co["rank"] == 2) & (co["step"] == 4)
+    co.loc[hit, "issue_ns"] += 30 * MS
+    for col in ("return_ns", "end_ns"):
+        co[col] = co[col].where(co[col] >= co["issue_ns"], co["issue_ns"])
+    pd.concat([setup, co], ignore_index=True).astype(co.dtypes.to_dict()).to_parquet(tbl, index=False)
+    a = analyze(run)
+    st = a.stragglers.set_index("rank")
+    assert (st["kind"] == "none").all() and st.at[2, "late_steps"] == 1
+    assert st.at[2, "time_lost_s"] == pytest.approx(2 * 3 * 0.030)   # two buckets of step 4, three peers
+
+
 def test_no_straggler_when_nobody_is_slow(tmp_path):
     a = analyze(build_run(tmp_path / "r", world_size=4, steps=10, jitter_frac=0.01, seed=3))
     assert a.summary["stragglers"] == [] and (a.stragglers["kind"] == "none").all()
