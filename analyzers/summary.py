@@ -308,7 +308,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     arr = strag_mod.arrivals(model)
     say("what-if replay")
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
-    wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu)
+    wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None)
