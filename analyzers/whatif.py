@@ -107,6 +107,24 @@ def _cummax_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(x + w * span) - w * span
 
 
+class _MaxBy:
+    """Per key, the max of values given per item: ``np.maximum.at`` by one sort made once and reused (the replay
+    takes it in every pass)."""
+
+    def __init__(self, key: np.ndarray, n_keys: int):
+        self.order = np.argsort(key, kind="stable")
+        sk = key[self.order]
+        self.starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if len(sk) else np.zeros(0, np.int64)
+        self.keys = sk[self.starts]
+        self.n = max(n_keys, 1)
+
+    def __call__(self, x: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full(self.n, fill, np.int64)
+        if len(self.starts):
+            out[self.keys] = np.maximum.reduceat(x[self.order], self.starts)
+        return out
+
+
 ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "release")
 # arrive and wait items: the collective they arrive at or wait for, named by its instance (collectives.instance_keys:
 # group and seq, and sender and receiver for point-to-point, -1 otherwise) and what the link-peak scenario needs;
@@ -294,8 +312,7 @@ def graph(model, ri: RankItems, steps: np.ndarray | None = None) -> StepGraph:
     # each wait's measured transfer after the instance's last arrival (aligned clock)
     arrive = kind == ARRIVE
     t = it["t"].to_numpy(np.int64)
-    last_al = np.full(max(n_keys, 1), np.iinfo(np.int64).min)
-    np.maximum.at(last_al, key_id[arrive], model.align(t[arrive], i_rank[arrive]))
+    last_al = _MaxBy(key_id[arrive], n_keys)(model.align(t[arrive], i_rank[arrive]), np.iinfo(np.int64).min)
     waiting = kind == WAIT
     rel_al = model.align(it["release"].to_numpy(np.int64)[waiting], i_rank[waiting])
     lag = np.zeros(len(it), np.int64)
@@ -317,8 +334,7 @@ def _link_peak_lags(model, it: pd.DataFrame, key_id: np.ndarray, waiting: np.nda
     if not waiting.any():
         return out, {}
     w = it[waiting]
-    inst_size = np.zeros(max(n_keys, 1), np.int64)
-    np.maximum.at(inst_size, key_id[waiting], w["c_bytes"].to_numpy(np.int64))
+    inst_size = np.maximum(_MaxBy(key_id[waiting], n_keys)(w["c_bytes"].to_numpy(np.int64), 0), 0)
     # one factor and one peak per distinct (op, group size, group), not one call per item
     op, n, grp = (w["c_op"].astype(str).to_numpy(), w["c_group_size"].to_numpy(np.int64),
                   w["c_group"].astype(str).to_numpy())
@@ -349,13 +365,13 @@ def relax(win: np.ndarray, kind: np.ndarray, dur: np.ndarray, key: np.ndarray, l
     lowest = np.iinfo(np.int64).min
     last = np.full(max(n_keys, 1), lowest)
     constrained = wait & (key >= 0)
+    latest = _MaxBy(key[arrive], n_keys)
     for _ in range(n_keys + 2):
         rel = np.where(constrained, last[np.maximum(key, 0)], lowest)
         cand = np.where(rel > lowest, rel + lag - c, 0)
         slack = _cummax_by(win, np.maximum(cand, 0))
         t = c + slack
-        new = np.full(max(n_keys, 1), lowest)
-        np.maximum.at(new, key[arrive], t[arrive])
+        new = latest(t[arrive], lowest)
         if np.array_equal(new, last):
             return t, slack, last
         last = new
@@ -387,16 +403,22 @@ def job_steps(g: StepGraph, r: Replay) -> pd.Series:
 def _part_totals(g: StepGraph, dur: np.ndarray) -> pd.DataFrame:
     """Per window and work part: total work (ns)."""
     work = g.kind == WORKI
-    n = len(g.windows)
-    tot = np.zeros((n, len(WORK_PARTS)))
-    np.add.at(tot, (g.win[work], g.part[work]), dur[work])
+    n, k = len(g.windows), len(WORK_PARTS)
+    tot = np.bincount(g.win[work] * k + g.part[work], weights=dur[work], minlength=n * k).reshape(n, k)
     return pd.DataFrame(tot, columns=list(WORK_PARTS))
+
+
+def _own_parts(g: StepGraph) -> pd.DataFrame:
+    """``_part_totals`` of the measured work, made once per model (every scenario starts from it)."""
+    if "_own_parts" not in g.__dict__:
+        g.__dict__["_own_parts"] = _part_totals(g, g.dur)
+    return g.__dict__["_own_parts"]
 
 
 def _scaled(g: StepGraph, target: np.ndarray, parts: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
     """Work durations with each window in ``rows``'s parts ``parts`` scaled so the part totals become ``target``
     (windows × len(WORK_PARTS), NaN: unchanged)."""
-    own = _part_totals(g, g.dur).to_numpy()
+    own = _own_parts(g).to_numpy()
     factor = np.ones_like(own)
     for p in parts:
         f = np.divide(target[:, p], own[:, p], out=np.ones(len(own)), where=own[:, p] > 0)
@@ -420,7 +442,7 @@ def peers_of(g: StepGraph) -> dict[int, int]:
 
 def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, int]) -> np.ndarray:
     """Work durations with ``ranks``' work, part by part in each step, set to the median of their peers'."""
-    tot = _part_totals(g, g.dur)
+    tot = _own_parts(g).copy()
     tot["rank"] = g.windows["rank"].to_numpy()
     tot["step"] = g.windows["step"].to_numpy()
     group = tot["rank"].map(peers).to_numpy()
@@ -443,7 +465,7 @@ def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, int]) -> 
 def balanced_stages(g: StepGraph) -> np.ndarray:
     """Work durations with every pipeline rank's forward and backward compute in each step set to the mean over
     pipeline ranks (each stage's ops equalised to the mean op)."""
-    tot = _part_totals(g, g.dur)
+    tot = _own_parts(g)
     pipe = g.windows["pipeline"].to_numpy()
     steps = g.windows["step"].to_numpy()
     mean = tot[pipe].groupby(steps[pipe]).mean()
@@ -501,9 +523,10 @@ def work_totals(items: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
         return out
     wkey = windows["rank"].to_numpy(np.int64) * (1 << 32) + windows["step"].to_numpy(np.int64)
     ikey = items["rank"].to_numpy(np.int64)[work] * (1 << 32) + items["step"].to_numpy(np.int64)[work]
-    np.add.at(out, (np.searchsorted(wkey, ikey), items["part"].to_numpy(np.int64)[work]),
-              items["dur"].to_numpy(np.int64)[work])
-    return out
+    k = len(WORK_PARTS)
+    cell = np.searchsorted(wkey, ikey) * k + items["part"].to_numpy(np.int64)[work]
+    tot = np.bincount(cell, weights=items["dur"].to_numpy(np.int64)[work], minlength=len(windows) * k)
+    return np.rint(tot).astype(np.int64).reshape(len(windows), k)
 
 
 def _work_table(model, work: np.ndarray) -> pd.DataFrame:
