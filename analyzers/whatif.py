@@ -302,12 +302,11 @@ def graph(model, ri: RankItems, steps: np.ndarray | None = None) -> StepGraph:
     # instance-in-step keys: (group, sender, receiver, seq) of the collective, and the step of the item's window
     key_id = np.full(len(it), -1, np.int64)
     n_keys = 0
+    gcode = pd.factorize(it["c_group"])[0].astype(np.int64)   # categorical from the summaries: by its codes
     if has_c.any():
-        c = it[has_c]
-        gcode = pd.factorize(c["c_group"].astype(str).to_numpy())[0].astype(np.int64)
-        seq, cstep = c["c_seq"].to_numpy(np.int64), i_step[has_c]
-        key_id[has_c], n_keys = instance_ids(gcode, c["c_sender"].to_numpy(np.int64) + 1,
-                                             c["c_receiver"].to_numpy(np.int64) + 1, seq - seq.min(),
+        seq, cstep = it["c_seq"].to_numpy(np.int64)[has_c], i_step[has_c]
+        key_id[has_c], n_keys = instance_ids(gcode[has_c], it["c_sender"].to_numpy(np.int64)[has_c] + 1,
+                                             it["c_receiver"].to_numpy(np.int64)[has_c] + 1, seq - seq.min(),
                                              cstep - cstep.min())
     # each wait's measured transfer after the instance's last arrival (aligned clock)
     arrive = kind == ARRIVE
@@ -318,14 +317,14 @@ def graph(model, ri: RankItems, steps: np.ndarray | None = None) -> StepGraph:
     lag = np.zeros(len(it), np.int64)
     lw = last_al[key_id[waiting]]
     lag[waiting] = np.where(lw > np.iinfo(np.int64).min, np.maximum(rel_al - lw, 0), 0)
-    p2p = np.isin(it["c_op"].astype(str).to_numpy(), P2P_OPS) & has_c
-    peak_lag, link_peaks = _link_peak_lags(model, it, key_id, waiting, n_keys)
+    p2p = it["c_op"].isin(P2P_OPS).to_numpy() & has_c
+    peak_lag, link_peaks = _link_peak_lags(model, it, gcode, key_id, waiting, n_keys)
     return StepGraph(windows=windows, win=i_win, kind=kind, part=it["part"].to_numpy(np.int64),
                      dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag, p2p=p2p, n_keys=n_keys,
                      stage=ri.stage, peak_lag=peak_lag, link_peaks=link_peaks)
 
 
-def _link_peak_lags(model, it: pd.DataFrame, key_id: np.ndarray, waiting: np.ndarray,
+def _link_peak_lags(model, it: pd.DataFrame, gcode: np.ndarray, key_id: np.ndarray, waiting: np.ndarray,
                     n_keys: int) -> tuple[np.ndarray, dict]:
     """Per item: for a wait, its instance's transfer at the group's link peak bus bandwidth, S × factor(op, n) ÷
     peak (analyzers/collectives.py: S the instance's largest message over its ranks, busbw = algbw × factor); -1
@@ -333,13 +332,16 @@ def _link_peak_lags(model, it: pd.DataFrame, key_id: np.ndarray, waiting: np.nda
     out = np.full(len(it), -1, np.int64)
     if not waiting.any():
         return out, {}
-    w = it[waiting]
-    inst_size = np.maximum(_MaxBy(key_id[waiting], n_keys)(w["c_bytes"].to_numpy(np.int64), 0), 0)
+    inst_size = np.maximum(_MaxBy(key_id[waiting], n_keys)(it["c_bytes"].to_numpy(np.int64)[waiting], 0), 0)
     # one factor and one peak per distinct (op, group size, group), not one call per item
-    op, n, grp = (w["c_op"].astype(str).to_numpy(), w["c_group_size"].to_numpy(np.int64),
-                  w["c_group"].astype(str).to_numpy())
-    codes, uniq = pd.factorize(pd.MultiIndex.from_arrays([op, n, grp]))
-    peaks = {g: group_link_peak(model, g) for g in sorted(set(grp.tolist()))}
+    op_code, ops = pd.factorize(it["c_op"])
+    n = it["c_group_size"].to_numpy(np.int64)[waiting]
+    g_names = pd.factorize(it["c_group"])[1]
+    codes, _ = instance_ids(op_code[waiting].astype(np.int64), n - n.min(), gcode[waiting])
+    first = np.zeros(int(codes.max()) + 1, np.int64)
+    first[codes[::-1]] = np.arange(len(codes))[::-1]   # each combination's first waiting item
+    uniq = [(str(ops[op_code[waiting][i]]), int(n[i]), str(g_names[gcode[waiting][i]])) for i in first]
+    peaks = {g: group_link_peak(model, g) for g in sorted({g for _, _, g in uniq})}
     factor = np.array([BUS_FACTOR[o](k) if o in BUS_FACTOR and k > 0 else np.nan for o, k, _ in uniq], float)
     gbps = np.array([peaks[g][0] or np.nan for _, _, g in uniq], float)
     t = inst_size[key_id[waiting]] * factor[codes] / (gbps[codes] * 1e9) * NS
@@ -363,10 +365,10 @@ def relax(win: np.ndarray, kind: np.ndarray, dur: np.ndarray, key: np.ndarray, l
     wait = kind == WAIT
     arrive = kind == ARRIVE
     lowest = np.iinfo(np.int64).min
-    last = np.full(max(n_keys, 1), lowest)
     constrained = wait & (key >= 0)
     latest = _MaxBy(key[arrive], n_keys)
-    for _ in range(n_keys + 2):
+    last = latest(c[arrive], lowest)   # the first pass: no wait holds anyone yet
+    for _ in range(n_keys + 1):
         rel = np.where(constrained, last[np.maximum(key, 0)], lowest)
         cand = np.where(rel > lowest, rel + lag - c, 0)
         slack = _cummax_by(win, np.maximum(cand, 0))

@@ -558,7 +558,15 @@ class Run:
                 where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                          if table == "whatif_items" and item_steps is not None else "")
                 try:
-                    df = con.execute(f"SELECT {', '.join(names)} FROM read_parquet([{_sql_list(files)}]){where}").df()
+                    query = f"SELECT {', '.join(names)} FROM read_parquet([{_sql_list(files)}]){where}"
+                    at = con.sql(query).to_arrow_table()
+                    if text == "category":   # dictionary-encoded in Arrow: no Python string per row
+                        import pyarrow as pa
+                        import pyarrow.compute as pc
+
+                        at = pa.table({c: pc.dictionary_encode(at[c]) if dtypes[c] == "category" else at[c]
+                                       for c in at.column_names})
+                    df = at.to_pandas()
                 except Exception as e:  # duckdb.Error: a missing or damaged file
                     raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "
                                          f"({str(e).splitlines()[0]})") from None
