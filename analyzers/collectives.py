@@ -147,14 +147,24 @@ def step_window(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndar
     (warm-up, traced, FLOP-counted), or no step. ``steps``: the run model's rank-steps (rank, start_ns, end_ns,
     measured)."""
     out = np.full(len(t), WINDOWS.index("outside"), np.int64)
-    for r, g in steps.groupby("rank", sort=False):
-        g = g.sort_values("start_ns")
-        starts, ends = g["start_ns"].to_numpy(np.int64), g["end_ns"].to_numpy(np.int64)
-        measured = g["measured"].to_numpy(bool)
-        sel = np.flatnonzero(rank == r)
-        i = np.searchsorted(starts, t[sel], side="right") - 1
-        ok = (i >= 0) & (t[sel] < ends[np.maximum(i, 0)])
-        out[sel[ok]] = np.where(measured[i[ok]], WINDOWS.index("measured"), WINDOWS.index("excluded"))
+    if not len(steps) or not len(t):
+        return out
+    # one merge of all ranks' windows (sorted by rank and start) with the times: for each time, the window of its
+    # rank that started last at or before it (a start equal to the time comes first)
+    s_rank, starts = steps["rank"].to_numpy(np.int64), steps["start_ns"].to_numpy(np.int64)
+    order = np.lexsort((starts, s_rank))
+    s_rank, starts = s_rank[order], starts[order]
+    ends, measured = steps["end_ns"].to_numpy(np.int64)[order], steps["measured"].to_numpy(bool)[order]
+    t = np.asarray(t, np.int64)
+    rank = np.asarray(rank, np.int64)
+    n = len(starts)
+    ev = np.lexsort((np.r_[np.zeros(n, np.int64), np.ones(len(t), np.int64)], np.r_[starts, t], np.r_[s_rank, rank]))
+    last_window = np.maximum.accumulate(np.where(ev < n, ev, -1))
+    i = np.empty(len(t), np.int64)
+    i[ev[ev >= n] - n] = last_window[ev >= n]
+    j = np.maximum(i, 0)
+    ok = (i >= 0) & (s_rank[j] == rank) & (t < ends[j])
+    out[ok] = np.where(measured[j[ok]], WINDOWS.index("measured"), WINDOWS.index("excluded"))
     return out
 
 

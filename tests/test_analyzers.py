@@ -615,3 +615,17 @@ def test_run_without_steps_gives_nulls_with_reasons(tmp_path):
     assert s["mfu"]["value"] is None and s["mfu"]["value_reason"]
     assert s["overlap"]["ratio"] is None and s["pipeline"] is None and s["stragglers"] == []
     assert "0 measured" in format_summary_text(s)
+
+
+def test_step_window_of_times_on_each_rank():
+    """collectives.step_window: a time is in the window of its own rank that holds it ([start, end)), measured or
+    not, else outside every step; other ranks' windows never count."""
+    from dtprof.analyzers.collectives import WINDOWS, step_window
+
+    steps = pd.DataFrame({"rank": [1, 0, 0, 1], "start_ns": [500, 100, 300, 100], "end_ns": [600, 200, 400, 200],
+                          "measured": [True, False, True, True]})
+    rank = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2])
+    t = np.array([50, 100, 199, 200, 350, 450, 150, 350, 500, 700, 150])
+    want = ["outside", "excluded", "excluded", "outside", "measured", "outside", "measured", "outside", "measured",
+            "outside", "outside"]
+    assert [WINDOWS[i] for i in step_window(rank, t, steps)] == want
