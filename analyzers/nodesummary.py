@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import breakdown as breakdown_mod
+from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import whatif as whatif_mod
 
@@ -34,6 +35,7 @@ class NodeSummary:
                                # ``work_<part>_ns`` per whatif.WORK_PARTS
     exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
     items: pd.DataFrame        # whatif.ITEM_COLUMNS + COLLECTIVE_COLUMNS (of the replayed steps at least)
+    instance_rows: pd.DataFrame   # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
     unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
@@ -71,13 +73,15 @@ def summarize(model) -> NodeSummary:
     for i, p in enumerate(whatif_mod.WORK_PARTS):
         per[f"work_{p}_ns"] = work[:, i]
     return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
+                       instance_rows=coll_mod.instance_rows(model),
                        pipeline_ranks=sorted(set(bd.pipeline_ranks) | set(ri.pipeline_ranks)),
                        stage=ri.stage, unassigned=ov.unassigned)
 
 
 def to_tables(ns: NodeSummary) -> tuple[dict, dict]:
     """(tables, facts) as the run format stores them (dtprof/schema.py SUMMARY_TABLES)."""
-    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items},
+    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
+             "instance_rows": ns.instance_rows},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned)})
 
@@ -97,6 +101,9 @@ def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> Nod
     return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
                        exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
                        items=_by_rank_step(pd.concat(items, ignore_index=True)),
+                       # in node order (an instance's op is its first node's), merged per instance by the analysis
+                       instance_rows=pd.concat([tables["instance_rows"]] + [c.instance_rows for c in computed],
+                                               ignore_index=True),
                        pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
                                              | {r for c in computed for r in c.pipeline_ranks}),
                        stage=stage,

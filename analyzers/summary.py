@@ -317,7 +317,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances(model)
+    inst = coll_mod.instances_of(ns.instance_rows, model.measured_steps)
     coll = coll_mod.collective_table(model, inst[inst["window"] == "measured"])
     coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
     coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])

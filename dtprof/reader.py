@@ -558,7 +558,8 @@ class Run:
                 where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                          if table == "whatif_items" and item_steps is not None else "")
                 try:
-                    query = f"SELECT {', '.join(names)} FROM read_parquet([{_sql_list(files)}]){where}"
+                    columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword
+                    query = f"SELECT {columns} FROM read_parquet([{_sql_list(files)}]){where}"
                     at = con.sql(query).to_arrow_table()
                     if text == "category":   # dictionary-encoded in Arrow: no Python string per row
                         import pyarrow as pa

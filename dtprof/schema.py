@@ -156,7 +156,13 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     "whatif_items": [("rank", "int"), ("step", "int"), ("t", "int"), ("kind", "int"), ("part", "int"),
                      ("dur", "int"), ("release", "int"), ("c_group", "str"), ("c_seq", "int"), ("c_sender", "int"),
                      ("c_receiver", "int"), ("c_op", "str"), ("c_bytes", "int"), ("c_group_size", "int")],
+    # per collective instance (group, sender, receiver, seq) and window step (-1: outside every step) of the
+    # node's own records: analyzers/collectives.py instance_rows
+    "instance_rows": [("group", "str"), ("sender", "int"), ("receiver", "int"), ("seq", "int"), ("wstep", "int"),
+                      ("op", "str"), ("n", "int"), ("dur_min_ns", "int"), ("dur_sum_ns", "int"), ("bytes_max", "int"),
+                      ("group_size_max", "int")],
 }
 # the summary tables' layout: a stored summary of another layout is stale (remade in memory by the analysis, and
-# by `dtprof summarize`). 2: what-if work per part in rank_steps; items name their collective's instance
-SUMMARY_LAYOUT = 2
+# by `dtprof summarize`). 2: what-if work per part in rank_steps; items name their collective's instance.
+# 3: per-instance reductions of the collectives (instance_rows)
+SUMMARY_LAYOUT = 3
