@@ -630,7 +630,8 @@ def test_window_step_and_instance_window():
     assert window_step(rank, t, steps).tolist() == [-1, 0, 0, -1, 1, -1, 0, -1, 1, -1, -1]
     rows = pd.DataFrame({"group": "0", "sender": -1, "receiver": -1, "seq": [0, 0, 1, 1, 2],
                          "wstep": [-1, 1, 0, -1, -1], "op": "all_reduce", "n": [1, 1, 1, 1, 2],
-                         "dur_min_ns": [5, 3, 4, 4, 6], "dur_sum_ns": [5, 3, 4, 4, 14], "bytes_max": 8, "group_size_max": 2})
+                         "dur_min_ns": [5, 3, 4, 4, 6], "dur_sum_ns": [5, 3, 4, 4, 14],
+                         "bytes_max": 8, "group_size_max": 2})
     inst = instances_of(rows, measured_steps={1})
     assert inst["window"].tolist() == ["measured", "excluded", "outside"]
     assert inst["ranks"].tolist() == [2, 2, 2] and inst["transfer_s"].tolist() == [3e-9, 4e-9, 6e-9]
