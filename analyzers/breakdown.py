@@ -224,8 +224,12 @@ def rank_means(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarray) -> p
     ex = bd.exposed[pd.MultiIndex.from_frame(bd.exposed[["rank", "step"]]).isin(meas_keys)]
     for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op")):
         tot = ex.groupby(["rank", what])["exposed_s"].sum()
-        out[col] = [{str(k): float(v) / n_steps[r] for k, v in tot.loc[r].items()} if r in tot.index.get_level_values(0)
-                    else {} for r in out.index]
+        per: dict = {r: {} for r in out.index}
+        ranks = tot.index.get_level_values(0).to_numpy()
+        for r, k, v, n in zip(ranks, tot.index.get_level_values(1), tot.to_numpy(float),
+                              n_steps.reindex(ranks).to_numpy()):   # one pass over the (rank, channel) sums
+            per[r][str(k)] = float(v) / n
+        out[col] = [per[r] for r in out.index]
     return out
 
 

@@ -142,19 +142,29 @@ def instance_keys(c: pd.DataFrame) -> tuple[np.ndarray, int]:
 WINDOWS = ("measured", "excluded", "outside")
 
 
-def step_window(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
-    """Index into WINDOWS of host time ``t`` on ``rank``: inside a measured step, a step kept out of the statistics
-    (warm-up, traced, FLOP-counted), or no step. ``steps``: the run model's rank-steps (rank, start_ns, end_ns,
-    measured)."""
-    out = np.full(len(t), WINDOWS.index("outside"), np.int64)
-    for r, g in steps.groupby("rank", sort=False):
-        g = g.sort_values("start_ns")
-        starts, ends = g["start_ns"].to_numpy(np.int64), g["end_ns"].to_numpy(np.int64)
-        measured = g["measured"].to_numpy(bool)
-        sel = np.flatnonzero(rank == r)
-        i = np.searchsorted(starts, t[sel], side="right") - 1
-        ok = (i >= 0) & (t[sel] < ends[np.maximum(i, 0)])
-        out[sel[ok]] = np.where(measured[i[ok]], WINDOWS.index("measured"), WINDOWS.index("excluded"))
+def window_step(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """The step of the window ``[start_ns, end_ns)`` of its own rank that holds host time ``t`` on ``rank``, -1 for
+    none. ``steps``: rank-steps (rank, step, start_ns, end_ns). Whether that step is measured is the global
+    analysis' choice (warm-up), made in ``instances_of``."""
+    out = np.full(len(t), -1, np.int64)
+    if not len(steps) or not len(t):
+        return out
+    # one merge of all ranks' windows (sorted by rank and start) with the times: for each time, the window of its
+    # rank that started last at or before it (a start equal to the time comes first)
+    s_rank, starts = steps["rank"].to_numpy(np.int64), steps["start_ns"].to_numpy(np.int64)
+    order = np.lexsort((starts, s_rank))
+    s_rank, starts = s_rank[order], starts[order]
+    ends, step = steps["end_ns"].to_numpy(np.int64)[order], steps["step"].to_numpy(np.int64)[order]
+    t = np.asarray(t, np.int64)
+    rank = np.asarray(rank, np.int64)
+    n = len(starts)
+    ev = np.lexsort((np.r_[np.zeros(n, np.int64), np.ones(len(t), np.int64)], np.r_[starts, t], np.r_[s_rank, rank]))
+    last_window = np.maximum.accumulate(np.where(ev < n, ev, -1))
+    i = np.empty(len(t), np.int64)
+    i[ev[ev >= n] - n] = last_window[ev >= n]
+    j = np.maximum(i, 0)
+    ok = (i >= 0) & (s_rank[j] == rank) & (t < ends[j])
+    out[ok] = step[j[ok]]
     return out
 
 
@@ -165,36 +175,71 @@ def own_records(co: pd.DataFrame) -> pd.DataFrame:
     return co[~kineto] if (~kineto).any() else co
 
 
-def instances(run) -> pd.DataFrame:
-    """``run``: the run model (analyzers/runmodel.py). One row per collective instance: op, group, seq,
-    group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see WINDOWS)."""
-    co = run.collectives
-    cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
+# the per-instance reduction of some ranks' collectives rows (``instance_rows``): what a node summary stores, so the
+# global analysis merges nodes' rows per instance instead of reading every rank's row of every collective
+INSTANCE_ROW_COLUMNS = ("group", "sender", "receiver", "seq", "wstep", "op", "n", "dur_min_ns", "dur_sum_ns",
+                        "bytes_max", "group_size_max")
+
+
+def instance_rows(model) -> pd.DataFrame:
+    """The run model's own collective records reduced per instance (group, sender, receiver, seq; sender and
+    receiver -1 but for point-to-point) and ``wstep``, the step of the rank's window its issue falls in (-1: none):
+    the first row's op, the count of rows, the shortest and summed durations (``exit_ns - issue_ns``), the largest
+    message and group size. Rank-local: the rows of a node reduce to that node's part of the whole run's."""
+    co = model.collectives
     if len(co) == 0:
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame({c: pd.Series(dtype=object if c in ("group", "op") else "int64")
+                             for c in INSTANCE_ROW_COLUMNS})
     c = own_records(co)
-    inst, n = instance_keys(c)
-    dur = c["exit_ns"].to_numpy(np.int64) - c["issue_ns"].to_numpy(np.int64)
-    nbytes = np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))
-    order = np.argsort(inst, kind="stable")
-    starts = np.flatnonzero(np.r_[True, np.diff(inst[order]) != 0])
-    count = np.diff(np.r_[starts, len(order)])
-    d = dur[order]
-    op = c["op"].astype("category").array
-    grp = c["group"].astype("category").array
-    first = order[starts]
-    where = step_window(c["rank"].to_numpy(np.int64), c["issue_ns"].to_numpy(np.int64), run.steps)
-    window = np.asarray(WINDOWS, dtype=object)[np.minimum.reduceat(where[order], starts)]
+    rank = c["rank"].to_numpy(np.int64)
+    peer = c["peer"].astype("Int64").fillna(-1).to_numpy(np.int64)
+    op = c["op"].astype(str).to_numpy()
+    sender = np.where(op == "send", rank, np.where(op == "recv", peer, -1))
+    receiver = np.where(op == "send", peer, np.where(op == "recv", rank, -1))
+    wstep = window_step(rank, c["issue_ns"].to_numpy(np.int64), model.steps)
+    group = c["group"].astype(str).to_numpy()
+    key = ["group", "sender", "receiver", "seq"]
+    df = pd.DataFrame({"group": group, "sender": sender, "receiver": receiver, "seq": c["seq"].to_numpy(np.int64)})
+    # an instance's op is its first row's (in table order; ranks that disagree are triage's mismatch)
+    first_op = pd.Series(op).groupby([df[k] for k in key], sort=False).transform("first").to_numpy()
+    df = df.assign(wstep=wstep, op=first_op,
+                   dur=c["exit_ns"].to_numpy(np.int64) - c["issue_ns"].to_numpy(np.int64),
+                   nbytes=np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64)),
+                   group_size=c["group_size"].to_numpy(np.int64))
+    return _typed(df.groupby(key + ["wstep"], sort=True).agg(
+        op=("op", "first"), n=("dur", "size"), dur_min_ns=("dur", "min"), dur_sum_ns=("dur", "sum"),
+        bytes_max=("nbytes", "max"), group_size_max=("group_size", "max")).reset_index())
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
+    return df[list(INSTANCE_ROW_COLUMNS)].astype({c: "int64" for c in INSTANCE_ROW_COLUMNS
+                                                  if c not in ("group", "op")})
+
+
+def instances_of(rows: pd.DataFrame, measured_steps) -> pd.DataFrame:
+    """One row per collective instance, from ``instance_rows`` of all nodes (in node order): op, group, seq,
+    group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see WINDOWS: the lowest over its rows, a row inside a
+    measured step making it measured), sorted by (group, sender, receiver, seq)."""
+    cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
+    if len(rows) == 0:
+        return pd.DataFrame(columns=cols)
+    ws = rows["wstep"].to_numpy(np.int64)
+    code = np.where(ws < 0, WINDOWS.index("outside"),
+                    np.where(np.isin(ws, list(measured_steps)), WINDOWS.index("measured"), WINDOWS.index("excluded")))
+    g = rows.assign(code=code).groupby(["group", "sender", "receiver", "seq"], sort=True)
+    agg = g.agg(op=("op", "first"), n=("n", "sum"), dur_min=("dur_min_ns", "min"), dur_sum=("dur_sum_ns", "sum"),
+                nbytes=("bytes_max", "max"), group_size=("group_size_max", "max"), code=("code", "min")).reset_index()
+    n = agg["n"].to_numpy(np.int64)
     return pd.DataFrame({
-        "op": op.take(first), "group": grp.take(first), "seq": c["seq"].to_numpy(np.int64)[first],
-        "group_size": np.maximum.reduceat(c["group_size"].to_numpy(np.int64)[order], starts),
-        "bytes": np.maximum.reduceat(nbytes[order], starts),
-        "transfer_s": np.minimum.reduceat(d, starts) / NS,
-        "mean_s": np.add.reduceat(d, starts) / count / NS, "ranks": count, "window": window})
+        "op": pd.Categorical(agg["op"].astype(str)), "group": pd.Categorical(agg["group"].astype(str)),
+        "seq": agg["seq"].to_numpy(np.int64), "group_size": agg["group_size"].to_numpy(np.int64),
+        "bytes": agg["nbytes"].to_numpy(np.int64), "transfer_s": agg["dur_min"].to_numpy(np.int64) / NS,
+        "mean_s": agg["dur_sum"].to_numpy(np.int64) / n / NS, "ranks": n,
+        "window": np.asarray(WINDOWS, dtype=object)[agg["code"].to_numpy(np.int64)]})
 
 
-def collective_table(run, inst: pd.DataFrame | None = None) -> pd.DataFrame:
-    inst = instances(run) if inst is None else inst
+def collective_table(run, inst: pd.DataFrame) -> pd.DataFrame:
+    """Per (op, group, size bucket) of the instances ``inst`` (``instances_of``): COLUMNS."""
     if len(inst) == 0:
         return pd.DataFrame(columns=COLUMNS)
     inst = inst.copy()

@@ -9,10 +9,9 @@ path); there is no second derivation.
 
 Per rank-step: its window and the overlap (analyzers/overlap.py) and breakdown (analyzers/breakdown.py) figures;
 per rank-step and channel: exposed communication; per rank-step: the what-if model's work, arrival and wait items
-(analyzers/whatif.py ``rank_items``), whose arrivals and waits name their collective by its place among its
-rank's rows (the same in the node's table and the whole run's). Cross-rank figures (collective instances,
-arrivals, lateness, the clock fit, the replay) are made from the collectives table and these items by the global
-analysis.
+(analyzers/whatif.py ``rank_items``), whose arrivals and waits name their collective's instance, and their work per
+part (``whatif.work_totals``). Cross-rank figures (collective instances, arrivals, lateness, the clock fit) are
+made from the collectives table, and the replay from these items, by the global analysis.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import breakdown as breakdown_mod
+from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import whatif as whatif_mod
 
@@ -31,9 +31,11 @@ OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data
 
 @dataclass
 class NodeSummary:
-    rank_steps: pd.DataFrame   # rank, step, start_ns, end_ns, OVERLAP_COLUMNS, ``bd_<part>_s`` per breakdown PARTS
+    rank_steps: pd.DataFrame   # rank, step, start_ns, end_ns, OVERLAP_COLUMNS, ``bd_<part>_s`` per breakdown PARTS,
+                               # ``work_<part>_ns`` per whatif.WORK_PARTS
     exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
-    items: pd.DataFrame        # whatif.ITEM_COLUMNS (``ci``: place among the rank's collectives)
+    items: pd.DataFrame        # whatif.ITEM_COLUMNS + COLLECTIVE_COLUMNS (of the replayed steps at least)
+    instance_rows: pd.DataFrame   # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
     unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
@@ -51,6 +53,10 @@ class NodeSummary:
         return whatif_mod.RankItems(items=self.items, stage=dict(self.stage),
                                     pipeline_ranks=list(self.pipeline_ranks))
 
+    def work(self) -> np.ndarray:
+        """Per rank-step and whatif.WORK_PARTS: the what-if items' work (ns)."""
+        return self.rank_steps[[f"work_{p}_ns" for p in whatif_mod.WORK_PARTS]].to_numpy(np.int64)
+
 
 def summarize(model) -> NodeSummary:
     """The summary of the run model ``model`` (analyzers/runmodel.py): one node's, or a whole run's."""
@@ -63,14 +69,19 @@ def summarize(model) -> NodeSummary:
         per[c] = ov.per_step[c].to_numpy()
     for p in breakdown_mod.PARTS:
         per[f"bd_{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
+    work = whatif_mod.work_totals(ri.items, windows)
+    for i, p in enumerate(whatif_mod.WORK_PARTS):
+        per[f"work_{p}_ns"] = work[:, i]
     return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
+                       instance_rows=coll_mod.instance_rows(model),
                        pipeline_ranks=sorted(set(bd.pipeline_ranks) | set(ri.pipeline_ranks)),
                        stage=ri.stage, unassigned=ov.unassigned)
 
 
 def to_tables(ns: NodeSummary) -> tuple[dict, dict]:
     """(tables, facts) as the run format stores them (dtprof/schema.py SUMMARY_TABLES)."""
-    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items},
+    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
+             "instance_rows": ns.instance_rows},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned)})
 
@@ -90,6 +101,9 @@ def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> Nod
     return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
                        exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
                        items=_by_rank_step(pd.concat(items, ignore_index=True)),
+                       # in node order (an instance's op is its first node's), merged per instance by the analysis
+                       instance_rows=pd.concat([tables["instance_rows"]] + [c.instance_rows for c in computed],
+                                               ignore_index=True),
                        pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
                                              | {r for c in computed for r in c.pipeline_ranks}),
                        stage=stage,
@@ -106,12 +120,17 @@ def _by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
 
 def of_run(run, model) -> NodeSummary:
     """The run's summary from its nodes' stored summaries (``Run.node_summaries``); a node without one is
-    summarised here from its own tables (not written: ``dtprof summarize`` and the launcher write them)."""
+    summarised here from its own tables (not written: ``dtprof summarize`` and the launcher write them). Only the
+    what-if items of the steps the replay samples (``whatif.replay_steps``) are read."""
     from dtprof.analyzers.runmodel import RunModel
 
-    facts, tables = run.node_summaries()
+    item_steps = whatif_mod.replay_steps(model)
+    facts, tables = run.node_summaries(item_steps)
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)
     computed = [summarize(RunModel.of(run.node_run(nd))) for nd in missing]
+    if item_steps is not None:
+        for c in computed:
+            c.items = c.items[c.items["step"].isin(item_steps).to_numpy()]
     return combine(tables, [f for f in facts if f is not None], computed)

@@ -188,7 +188,9 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     sv = sv.astype({"rank": "int64", "saving_frac": "float64"})
     out["saving_frac"] = sv.groupby("rank")["saving_frac"].mean().reindex(idx).fillna(0.0).to_numpy()
     held_steps = (sv["saving_frac"] >= min_saving).groupby(sv["rank"]).sum()
-    out["saving_step_frac"] = held_steps.reindex(idx).fillna(0).to_numpy() / n_steps
+    # over the steps the what-if replayed (all measured steps, or its sample of them: whatif.replay_steps)
+    replayed = max(int(sv["step"].nunique()), 1) if len(sv) else n_steps
+    out["saving_step_frac"] = held_steps.reindex(idx).fillna(0).to_numpy() / replayed
     out["saving_frac_median"] = sv.groupby("rank")["saving_frac"].median().reindex(idx).fillna(0.0).to_numpy()
     out["typical_excess_s"] = pd.Series(typical_excess or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
     held = out["saving_step_frac"]

@@ -195,14 +195,13 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
     score = strag.set_index("rank")["compute_score"] if len(strag) else pd.Series(dtype=float)
     out["compute_score"] = score.reindex(out["rank"]).astype(float).to_numpy()
     records = out.to_dict("records")
+    by_rank = parts.to_dict("index")   # one dict per rank, not a lookup per rank and part
     for rec in records:   # the step breakdown (breakdown.py): parts that sum to step_time_s_mean
-        r = rec["rank"]
-        known = r in parts.index
-        rec["step_time_s_mean"] = float(parts.at[r, "step_time_s_mean"]) if known else None
-        rec["breakdown_s_per_step"] = ({p: float(parts.at[r, f"{p}_s"]) for p in breakdown_mod.PARTS}
-                                       if known else None)
-        rec["exposed_comm_s_per_step_by_dim"] = parts.at[r, "exposed_by_dim"] if known else None
-        rec["exposed_comm_s_per_step_by_op"] = parts.at[r, "exposed_by_op"] if known else None
+        p = by_rank.get(rec["rank"])
+        rec["step_time_s_mean"] = float(p["step_time_s_mean"]) if p else None
+        rec["breakdown_s_per_step"] = {q: float(p[f"{q}_s"]) for q in breakdown_mod.PARTS} if p else None
+        rec["exposed_comm_s_per_step_by_dim"] = p["exposed_by_dim"] if p else None
+        rec["exposed_comm_s_per_step_by_op"] = p["exposed_by_op"] if p else None
     return records
 
 
@@ -308,7 +307,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     arr = strag_mod.arrivals(model)
     say("what-if replay")
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
-    wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu)
+    wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
     strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None)
@@ -318,7 +317,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances(model)
+    inst = coll_mod.instances_of(ns.instance_rows, model.measured_steps)
     coll = coll_mod.collective_table(model, inst[inst["window"] == "measured"])
     coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
     coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])

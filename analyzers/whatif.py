@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_keys, own_records
+from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_ids, own_records
 from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
 
 NS = 1e9
@@ -107,7 +107,29 @@ def _cummax_by(win: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(x + w * span) - w * span
 
 
-ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "ci", "release")
+class _MaxBy:
+    """Per key, the max of values given per item: ``np.maximum.at`` by one sort made once and reused (the replay
+    takes it in every pass)."""
+
+    def __init__(self, key: np.ndarray, n_keys: int):
+        self.order = np.argsort(key, kind="stable")
+        sk = key[self.order]
+        self.starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if len(sk) else np.zeros(0, np.int64)
+        self.keys = sk[self.starts]
+        self.n = max(n_keys, 1)
+
+    def __call__(self, x: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full(self.n, fill, np.int64)
+        if len(self.starts):
+            out[self.keys] = np.maximum.reduceat(x[self.order], self.starts)
+        return out
+
+
+ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "release")
+# arrive and wait items: the collective they arrive at or wait for, named by its instance (collectives.instance_keys:
+# group and seq, and sender and receiver for point-to-point, -1 otherwise) and what the link-peak scenario needs;
+# work items: "" and -1. So the cross-rank part (``graph``) reads the items only, never the collectives table.
+COLLECTIVE_COLUMNS = ("c_group", "c_seq", "c_sender", "c_receiver", "c_op", "c_bytes", "c_group_size")
 
 
 
@@ -116,8 +138,7 @@ ITEM_COLUMNS = ("rank", "step", "t", "kind", "part", "dur", "ci", "release")
 class RankItems:
     """The rank-local part of the model (each rank's own spans and collectives; no other rank, no clock): what a
     node summary stores (analyzers/nodesummary.py) and ``graph`` joins across ranks."""
-    items: pd.DataFrame        # ITEM_COLUMNS, sorted by (rank, step, t, kind); ``ci``: the collective's place
-                               # among its rank's rows of own_records (-1: a work item)
+    items: pd.DataFrame        # ITEM_COLUMNS + COLLECTIVE_COLUMNS, sorted by (rank, step, t, kind)
     stage: dict                # pipeline rank -> its (lowest) stage
     pipeline_ranks: list
 
@@ -234,33 +255,35 @@ def rank_items(model) -> RankItems:
     it = pd.concat(items, ignore_index=True).sort_values(["win", "t", "kind"], kind="stable", ignore_index=True)
     i_win = it["win"].to_numpy(np.int64)
     ci = it["ci"].to_numpy(np.int64)
-    # a collective is named by its place among its rank's rows (the same in a node's table and the whole run's)
+    has_c = ci >= 0
+    row = np.maximum(ci, 0)
+    op = co["op"].astype(str).to_numpy()
+    c_peer = co["peer"].astype("Int64").fillna(-1).to_numpy(np.int64)
+    is_send, is_recv = op == "send", op == "recv"
+    sender = np.where(is_send, c_rank, np.where(is_recv, c_peer, -1))
+    receiver = np.where(is_send, c_peer, np.where(is_recv, c_rank, -1))
+    nbytes = np.maximum(co["in_bytes"].to_numpy(np.int64), co["out_bytes"].to_numpy(np.int64))
+
+    def of_row(x, none):
+        return np.where(has_c, x[row], none) if len(co) else np.full(len(ci), none)
+
     it = it.assign(rank=wr[i_win], step=wstep[i_win],
-                   ci=np.where(ci >= 0, _rank_position(c_rank)[np.maximum(ci, 0)] if len(co) else -1, -1))
-    return RankItems(items=it[list(ITEM_COLUMNS)], stage=stage, pipeline_ranks=pipe_ranks)
+                   c_group=of_row(co["group"].astype(str).to_numpy(), ""),
+                   c_seq=of_row(co["seq"].to_numpy(np.int64), -1), c_sender=of_row(sender, -1),
+                   c_receiver=of_row(receiver, -1), c_op=of_row(op, ""), c_bytes=of_row(nbytes, -1),
+                   c_group_size=of_row(co["group_size"].to_numpy(np.int64), -1))
+    return RankItems(items=it[list(ITEM_COLUMNS + COLLECTIVE_COLUMNS)], stage=stage, pipeline_ranks=pipe_ranks)
 
 
-def _rank_position(rank: np.ndarray) -> np.ndarray:
-    """Per row: its place among the rows of its rank (0, 1, ...), in table order."""
-    order = np.argsort(rank, kind="stable")
-    sr = rank[order]
-    first = np.searchsorted(sr, sr, side="left")
-    pos = np.empty(len(rank), np.int64)
-    pos[order] = np.arange(len(rank)) - first
-    return pos
-
-
-def _rank_rows(rank: np.ndarray, item_rank: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """The table rows of (rank, place among its rank's rows) pairs; the inverse of ``_rank_position``."""
-    order = np.argsort(rank, kind="stable")
-    first = np.searchsorted(rank[order], item_rank, side="left")
-    return order[np.minimum(first + pos, len(order) - 1)]
-
-
-def graph(model, ri: RankItems) -> StepGraph:
+def graph(model, ri: RankItems, steps: np.ndarray | None = None) -> StepGraph:
     """The dependency model from the rank-local items ``ri`` (of one run, or concatenated from node summaries)
-    and the run model's windows, collectives and clocks: the cross-rank part."""
+    and the run model's windows and clocks: the cross-rank part. ``steps``: only these steps' windows (the replay
+    sample, ``replay_steps``; None: every rank-step). Steps are independent in the model (each starts every rank at
+    its measured offset; instances are matched within a step), so a subset of them is modelled exactly as in the
+    whole. The collectives table is not read: each arrival and wait names its instance (COLLECTIVE_COLUMNS)."""
     w = model.steps
+    if steps is not None:
+        w = w[w["step"].isin(steps).to_numpy()]
     wr = w["rank"].to_numpy(np.int64)
     wstep = w["step"].to_numpy(np.int64)
     astart = w["aligned_start_ns"].to_numpy(np.int64)
@@ -268,59 +291,60 @@ def graph(model, ri: RankItems) -> StepGraph:
     windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
                             "measured": w["measured"].to_numpy(bool),
                             "pipeline": np.isin(wr, ri.pipeline_ranks)})
-    co = own_records(model.collectives)
-    inst, _ = instance_keys(co) if len(co) else (np.zeros(0, np.int64), 0)
-    c_rank = co["rank"].to_numpy(np.int64)
-    c_issue = co["issue_ns"].to_numpy(np.int64)
-    c_p2p = co["op"].astype(str).isin(P2P_OPS).to_numpy()
     it = ri.items
+    if steps is not None:
+        it = it[it["step"].isin(steps).to_numpy()]
+    i_rank, i_step = it["rank"].to_numpy(np.int64), it["step"].to_numpy(np.int64)
     # windows are sorted by (rank, step) (steps.rank_steps): each item's window row by binary search
-    wkey = wr * (1 << 32) + wstep
-    i_win = np.searchsorted(wkey, it["rank"].to_numpy(np.int64) * (1 << 32) + it["step"].to_numpy(np.int64))
-    ci = it["ci"].to_numpy(np.int64)
-    has_c = ci >= 0
-    ci = np.where(has_c, _rank_rows(c_rank, it["rank"].to_numpy(np.int64), ci), -1) if len(co) else ci
-    # instance-in-step keys and each wait's measured transfer after the instance's last arrival (aligned clock)
-    step_of = wstep[i_win]
-    k_raw = np.where(has_c, inst[np.maximum(ci, 0)] if len(inst) else 0, -1)
-    kdf = pd.DataFrame({"k": k_raw, "s": step_of})
-    key_id = np.where(has_c, kdf.groupby(["k", "s"], sort=False).ngroup().to_numpy(np.int64), -1)
-    n_keys = int(key_id.max()) + 1 if has_c.any() else 0
-    al_issue = model.align(c_issue, c_rank) if len(co) else np.zeros(0, np.int64)
-    arrive = it["kind"].to_numpy() == ARRIVE
-    last_al = np.full(max(n_keys, 1), np.iinfo(np.int64).min)
-    np.maximum.at(last_al, key_id[arrive], al_issue[ci[arrive]])
-    waiting = it["kind"].to_numpy() == WAIT
-    rel_al = model.align(it["release"].to_numpy(np.int64)[waiting], wr[i_win[waiting]])
+    i_win = np.searchsorted(wr * (1 << 32) + wstep, i_rank * (1 << 32) + i_step)
+    kind = it["kind"].to_numpy(np.int64)
+    has_c = kind != WORKI
+    # instance-in-step keys: (group, sender, receiver, seq) of the collective, and the step of the item's window
+    key_id = np.full(len(it), -1, np.int64)
+    n_keys = 0
+    gcode = pd.factorize(it["c_group"])[0].astype(np.int64)   # categorical from the summaries: by its codes
+    if has_c.any():
+        seq, cstep = it["c_seq"].to_numpy(np.int64)[has_c], i_step[has_c]
+        key_id[has_c], n_keys = instance_ids(gcode[has_c], it["c_sender"].to_numpy(np.int64)[has_c] + 1,
+                                             it["c_receiver"].to_numpy(np.int64)[has_c] + 1, seq - seq.min(),
+                                             cstep - cstep.min())
+    # each wait's measured transfer after the instance's last arrival (aligned clock)
+    arrive = kind == ARRIVE
+    t = it["t"].to_numpy(np.int64)
+    last_al = _MaxBy(key_id[arrive], n_keys)(model.align(t[arrive], i_rank[arrive]), np.iinfo(np.int64).min)
+    waiting = kind == WAIT
+    rel_al = model.align(it["release"].to_numpy(np.int64)[waiting], i_rank[waiting])
     lag = np.zeros(len(it), np.int64)
     lw = last_al[key_id[waiting]]
     lag[waiting] = np.where(lw > np.iinfo(np.int64).min, np.maximum(rel_al - lw, 0), 0)
-    p2p = np.where(has_c, c_p2p[np.maximum(ci, 0)] if len(co) else False, False)
-    peak_lag, link_peaks = _link_peak_lags(model, co, ci, key_id, waiting, n_keys)
-    return StepGraph(windows=windows, win=i_win, kind=it["kind"].to_numpy(np.int64),
-                     part=it["part"].to_numpy(np.int64), dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag,
-                     p2p=p2p, n_keys=n_keys, stage=ri.stage, peak_lag=peak_lag, link_peaks=link_peaks)
+    p2p = it["c_op"].isin(P2P_OPS).to_numpy() & has_c
+    peak_lag, link_peaks = _link_peak_lags(model, it, gcode, key_id, waiting, n_keys)
+    return StepGraph(windows=windows, win=i_win, kind=kind, part=it["part"].to_numpy(np.int64),
+                     dur=it["dur"].to_numpy(np.int64), key=key_id, lag=lag, p2p=p2p, n_keys=n_keys,
+                     stage=ri.stage, peak_lag=peak_lag, link_peaks=link_peaks)
 
 
-def _link_peak_lags(model, co: pd.DataFrame, ci: np.ndarray, key_id: np.ndarray, waiting: np.ndarray,
+def _link_peak_lags(model, it: pd.DataFrame, gcode: np.ndarray, key_id: np.ndarray, waiting: np.ndarray,
                     n_keys: int) -> tuple[np.ndarray, dict]:
     """Per item: for a wait, its instance's transfer at the group's link peak bus bandwidth, S × factor(op, n) ÷
     peak (analyzers/collectives.py: S the instance's largest message over its ranks, busbw = algbw × factor); -1
     where the group's link peak is unknown. And each waited-on group's (peak, why)."""
-    out = np.full(len(ci), -1, np.int64)
+    out = np.full(len(it), -1, np.int64)
     if not waiting.any():
         return out, {}
-    rows = ci[waiting]
-    size = np.maximum(co["in_bytes"].to_numpy(np.int64), co["out_bytes"].to_numpy(np.int64))[rows]
-    inst_size = np.zeros(max(n_keys, 1), np.int64)
-    np.maximum.at(inst_size, key_id[waiting], size)
-    op = co["op"].astype(str).to_numpy()[rows]
-    n = co["group_size"].to_numpy(np.int64)[rows]
-    grp = co["group"].astype(str).to_numpy()[rows]
-    peaks = {g: group_link_peak(model, g) for g in np.unique(grp).tolist()}
-    gbps = np.array([peaks[g][0] or np.nan for g in grp], float)
-    factor = np.array([BUS_FACTOR[o](k) if o in BUS_FACTOR and k > 0 else np.nan for o, k in zip(op, n)])
-    t = inst_size[key_id[waiting]] * factor / (gbps * 1e9) * NS
+    inst_size = np.maximum(_MaxBy(key_id[waiting], n_keys)(it["c_bytes"].to_numpy(np.int64)[waiting], 0), 0)
+    # one factor and one peak per distinct (op, group size, group), not one call per item
+    op_code, ops = pd.factorize(it["c_op"])
+    n = it["c_group_size"].to_numpy(np.int64)[waiting]
+    g_names = pd.factorize(it["c_group"])[1]
+    codes, _ = instance_ids(op_code[waiting].astype(np.int64), n - n.min(), gcode[waiting])
+    first = np.zeros(int(codes.max()) + 1, np.int64)
+    first[codes[::-1]] = np.arange(len(codes))[::-1]   # each combination's first waiting item
+    uniq = [(str(ops[op_code[waiting][i]]), int(n[i]), str(g_names[gcode[waiting][i]])) for i in first]
+    peaks = {g: group_link_peak(model, g) for g in sorted({g for _, _, g in uniq})}
+    factor = np.array([BUS_FACTOR[o](k) if o in BUS_FACTOR and k > 0 else np.nan for o, k, _ in uniq], float)
+    gbps = np.array([peaks[g][0] or np.nan for _, _, g in uniq], float)
+    t = inst_size[key_id[waiting]] * factor[codes] / (gbps[codes] * 1e9) * NS
     out[waiting] = np.where(np.isfinite(t), np.rint(np.nan_to_num(t)), -1).astype(np.int64)
     return out, peaks
 
@@ -341,15 +365,15 @@ def relax(win: np.ndarray, kind: np.ndarray, dur: np.ndarray, key: np.ndarray, l
     wait = kind == WAIT
     arrive = kind == ARRIVE
     lowest = np.iinfo(np.int64).min
-    last = np.full(max(n_keys, 1), lowest)
     constrained = wait & (key >= 0)
-    for _ in range(n_keys + 2):
+    latest = _MaxBy(key[arrive], n_keys)
+    last = latest(c[arrive], lowest)   # the first pass: no wait holds anyone yet
+    for _ in range(n_keys + 1):
         rel = np.where(constrained, last[np.maximum(key, 0)], lowest)
         cand = np.where(rel > lowest, rel + lag - c, 0)
         slack = _cummax_by(win, np.maximum(cand, 0))
         t = c + slack
-        new = np.full(max(n_keys, 1), lowest)
-        np.maximum.at(new, key[arrive], t[arrive])
+        new = latest(t[arrive], lowest)
         if np.array_equal(new, last):
             return t, slack, last
         last = new
@@ -381,16 +405,22 @@ def job_steps(g: StepGraph, r: Replay) -> pd.Series:
 def _part_totals(g: StepGraph, dur: np.ndarray) -> pd.DataFrame:
     """Per window and work part: total work (ns)."""
     work = g.kind == WORKI
-    n = len(g.windows)
-    tot = np.zeros((n, len(WORK_PARTS)))
-    np.add.at(tot, (g.win[work], g.part[work]), dur[work])
+    n, k = len(g.windows), len(WORK_PARTS)
+    tot = np.bincount(g.win[work] * k + g.part[work], weights=dur[work], minlength=n * k).reshape(n, k)
     return pd.DataFrame(tot, columns=list(WORK_PARTS))
+
+
+def _own_parts(g: StepGraph) -> pd.DataFrame:
+    """``_part_totals`` of the measured work, made once per model (every scenario starts from it)."""
+    if "_own_parts" not in g.__dict__:
+        g.__dict__["_own_parts"] = _part_totals(g, g.dur)
+    return g.__dict__["_own_parts"]
 
 
 def _scaled(g: StepGraph, target: np.ndarray, parts: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
     """Work durations with each window in ``rows``'s parts ``parts`` scaled so the part totals become ``target``
     (windows × len(WORK_PARTS), NaN: unchanged)."""
-    own = _part_totals(g, g.dur).to_numpy()
+    own = _own_parts(g).to_numpy()
     factor = np.ones_like(own)
     for p in parts:
         f = np.divide(target[:, p], own[:, p], out=np.ones(len(own)), where=own[:, p] > 0)
@@ -414,7 +444,7 @@ def peers_of(g: StepGraph) -> dict[int, int]:
 
 def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, int]) -> np.ndarray:
     """Work durations with ``ranks``' work, part by part in each step, set to the median of their peers'."""
-    tot = _part_totals(g, g.dur)
+    tot = _own_parts(g).copy()
     tot["rank"] = g.windows["rank"].to_numpy()
     tot["step"] = g.windows["step"].to_numpy()
     group = tot["rank"].map(peers).to_numpy()
@@ -437,7 +467,7 @@ def straggler_removed(g: StepGraph, ranks: list[int], peers: dict[int, int]) -> 
 def balanced_stages(g: StepGraph) -> np.ndarray:
     """Work durations with every pipeline rank's forward and backward compute in each step set to the mean over
     pipeline ranks (each stage's ops equalised to the mean op)."""
-    tot = _part_totals(g, g.dur)
+    tot = _own_parts(g)
     pipe = g.windows["pipeline"].to_numpy()
     steps = g.windows["step"].to_numpy()
     mean = tot[pipe].groupby(steps[pipe]).mean()
@@ -485,30 +515,48 @@ def _measured(g: StepGraph) -> np.ndarray:
     return np.array(sorted(set(g.windows.loc[g.windows["measured"], "step"].tolist())), np.int64)
 
 
-def _own_work(g: StepGraph) -> pd.DataFrame:
-    """The windows with ``work``: each rank-step's own work in ns (every work part but exposed communication)."""
-    tot = _part_totals(g, g.dur).drop(columns="exposed_comm").sum(axis=1)
-    return g.windows.assign(work=tot.to_numpy())
+def work_totals(items: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
+    """Per row of ``windows`` (rank, step; sorted by them) and work part (WORK_PARTS): the total work of its items
+    in ns. Rank-local: a node summary stores it per rank-step (``work_<part>_ns``), so the suspects and their
+    typical excess cover every measured step whatever steps the replay samples."""
+    out = np.zeros((len(windows), len(WORK_PARTS)), np.int64)
+    work = items["kind"].to_numpy() == WORKI
+    if not work.any():
+        return out
+    wkey = windows["rank"].to_numpy(np.int64) * (1 << 32) + windows["step"].to_numpy(np.int64)
+    ikey = items["rank"].to_numpy(np.int64)[work] * (1 << 32) + items["step"].to_numpy(np.int64)[work]
+    k = len(WORK_PARTS)
+    cell = np.searchsorted(wkey, ikey) * k + items["part"].to_numpy(np.int64)[work]
+    tot = np.bincount(cell, weights=items["dur"].to_numpy(np.int64)[work], minlength=len(windows) * k)
+    return np.rint(tot).astype(np.int64).reshape(len(windows), k)
 
 
-def typical_excess(g: StepGraph, parts: pd.DataFrame, rank: int, peers: dict[int, int], steps: np.ndarray) -> float:
-    """``rank``'s typical extra work in seconds: over the work parts (``parts``: ``_part_totals``), the sum of the
-    median over ``steps`` of its part minus its peers' median part. A slow rank's excess recurs in the same part; a
-    rank that a busy machine preempts in a different part each step has none."""
+def _work_table(model, work: np.ndarray) -> pd.DataFrame:
+    """Every rank-step of the model (rank, step, measured) with its work per part (ns, float) from ``work``."""
+    w = model.steps
+    out = pd.DataFrame(work.astype(float), columns=list(WORK_PARTS))
+    out["rank"], out["step"] = w["rank"].to_numpy(np.int64), w["step"].to_numpy(np.int64)
+    out["measured"] = w["measured"].to_numpy(bool)
+    return out
+
+
+def typical_excess(work: pd.DataFrame, rank: int, peers: dict[int, int]) -> float:
+    """``rank``'s typical extra work in seconds: over the work parts (``work``: ``_work_table``), the sum of the
+    median over the measured steps of its part minus its peers' median part. A slow rank's excess recurs in the
+    same part; a rank that a busy machine preempts in a different part each step has none."""
     mates = [q for q, k in peers.items() if k == peers[rank] and q != rank]
-    tot = parts.drop(columns="exposed_comm")
-    tot["rank"], tot["step"] = g.windows["rank"].to_numpy(), g.windows["step"].to_numpy()
-    tot = tot[tot["step"].isin(steps)]
+    tot = work[work["measured"]].drop(columns=["exposed_comm", "measured"])
     own = tot[tot["rank"] == rank].groupby("step").sum().drop(columns="rank")
     peer = tot[tot["rank"].isin(mates)].groupby("step").median().drop(columns="rank")
     return float((own - peer).dropna().median().sum()) / NS
 
 
-def suspects(g: StepGraph, peers: dict[int, int], limit: int = 8) -> list[int]:
-    """Ranks whose own work (no waiting) exceeds their peers' median in the mean measured step, most first."""
-    w = _own_work(g)
-    w = w[w["measured"]]
-    mean = w.groupby("rank")["work"].mean()
+def suspects(work: pd.DataFrame, peers: dict[int, int], limit: int = 8) -> list[int]:
+    """Ranks whose own work (no waiting; ``work``: ``_work_table``) exceeds their peers' median in the mean
+    measured step, most first."""
+    w = work[work["measured"]]
+    own = w[[p for p in WORK_PARTS if p != "exposed_comm"]].sum(axis=1)
+    mean = own.groupby(w["rank"].to_numpy()).mean()
     excess = {}
     for key in sorted(set(peers.values())):   # per peer group: each rank against the median of the others
         members = [r for r, k in peers.items() if k == key and r in mean.index]
@@ -527,10 +575,31 @@ def suspects(g: StepGraph, peers: dict[int, int], limit: int = 8) -> list[int]:
     return [r for r, x in sorted(excess.items(), key=lambda kv: -kv[1]) if x > 0][:limit]
 
 
-def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False) -> WhatIf | None:
-    """The what-if analysis of the run model from its rank-local items (``rank_items``, or the node summaries'):
-    None when the run has no measured step."""
-    g = graph(model, items if items is not None else rank_items(model))
+# the replay covers at most this many rank-steps (all measured steps of a run up to 1,024 ranks × 256 steps), else
+# an evenly spaced sample of at least REPLAY_MIN_STEPS measured steps: its cost grows with the items of every
+# replayed rank-step times the scenarios (docs/scale.md)
+REPLAY_RANK_STEPS = 262_144
+REPLAY_MIN_STEPS = 8
+
+
+def replay_steps(model) -> np.ndarray | None:
+    """The measured steps the what-if replays when not all of them (sorted), None for all of them."""
+    w = model.steps
+    measured = np.unique(w.loc[w["measured"], "step"].to_numpy(np.int64))
+    cap = max(REPLAY_MIN_STEPS, REPLAY_RANK_STEPS // max(int(w["rank"].nunique()), 1))
+    if len(measured) <= cap:
+        return None
+    return measured[np.unique(np.linspace(0, len(measured) - 1, cap).round().astype(np.int64))]
+
+
+def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
+                   work: np.ndarray | None = None) -> WhatIf | None:
+    """The what-if analysis of the run model from its rank-local items (``rank_items``, or the node summaries':
+    those of the ``replay_steps`` at least) and ``work`` (``work_totals`` of every rank-step of the model, default
+    from ``items``): None when the run has no measured step."""
+    items = items if items is not None else rank_items(model)
+    work_t = _work_table(model, work if work is not None else work_totals(items.items, model.steps))
+    g = graph(model, items, replay_steps(model))
     steps = _measured(g)
     if not len(steps):
         return None
@@ -548,7 +617,13 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False) 
                      "steps": int(len(steps)),
                      "method": "each measured step replayed from the unmodified model; mean over measured steps of "
                                "|replayed - measured| ÷ measured job step"}
-    mean_meas = float(measured_s.mean())
+    all_measured = np.unique(work_t.loc[work_t["measured"], "step"].to_numpy(np.int64))
+    if len(steps) < len(all_measured):
+        out["replay"]["method"] = (f"an evenly spaced sample of {len(steps)} of the {len(all_measured)} measured "
+                                   f"steps (at most {REPLAY_RANK_STEPS:,} rank-steps) replayed from the unmodified "
+                                   f"model; mean over them of |replayed - measured| ÷ measured job step")
+    # the measured mean step over every measured step; savings are over the replayed ones
+    mean_meas = float(job.reindex(all_measured).to_numpy(float).mean())
 
     def entry(name, ranks, dur=None, lag=None, basis="") -> tuple[dict, np.ndarray] | None:
         r = replay(g, dur, lag)
@@ -565,16 +640,15 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False) 
     peers = peers_of(g)
     rows = []
     excess: dict[int, float] = {}
-    parts = _part_totals(g, g.dur)
-    for r in suspects(g, peers):
+    for r in suspects(work_t, peers):
         e = entry("straggler_removed", [r], straggler_removed(g, [r], peers),
                   basis=f"rank {r}'s work in each step set to the median of its peers' "
                         f"({'same stage' if g.stage else 'every other rank'}), part by part")
         if e:
             entries.append(e[0])
             rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
-            excess[r] = typical_excess(g, parts, r, peers, steps)
-    has = {p: bool(parts.loc[g.windows["measured"].to_numpy(), p].sum() > 0) for p in WORK_PARTS}
+            excess[r] = typical_excess(work_t, r, peers)
+    has = {p: bool(work_t.loc[work_t["measured"], p].sum() > 0) for p in WORK_PARTS}
     pipe_win = g.windows["pipeline"].to_numpy()
     exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)
     comm = bool((g.lag[(g.kind == WAIT) & ~g.p2p] > 0).any() or exposed_off_pipe.any())

@@ -514,26 +514,38 @@ class Run:
                 parts.append(sp[keep])
         return _concat("spans", parts)
 
-    def node_summaries(self) -> tuple[list, dict]:
+    def summary_facts(self, node_dir: Path) -> dict | None:
+        """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
+        incomplete, or written in another layout: dtprof/schema.py SUMMARY_LAYOUT)."""
+        from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+        from dtprof.schema import SUMMARY_LAYOUT
+
+        mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
+        if not (self._complete(node_dir) and mark.exists()):
+            return None
+        facts = _read_json(mark)
+        return facts if facts.get("layout") == SUMMARY_LAYOUT else None
+
+    def node_summaries(self, item_steps=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table, the stored summaries' rows of all nodes in node order,
-        read by one DuckDB query across the nodes' files."""
+        read by one DuckDB query across the nodes' files. ``item_steps``: read the what-if items of these steps
+        only (the replay's sample), not all."""
         import pandas as pd
 
-        from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+        from dtprof.runformat import SUMMARY_DIR
         from dtprof.schema import SUMMARY_TABLES
 
-        facts: list = []
-        for nd in self.node_dirs:
-            mark = nd / SUMMARY_DIR / SUMMARY_COMPLETE
-            facts.append(_read_json(mark) if self._complete(nd) and mark.exists() else None)
+        facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
         tables = {}
         con = None
         try:
             for table, cols in SUMMARY_TABLES.items():
                 names = [c for c, _ in cols]
-                dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else "str") for c, k in cols}
+                # the items' text columns (a group, an op) repeat on millions of rows: categoricals
+                text = "category" if table == "whatif_items" else "str"
+                dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else text) for c, k in cols}
                 if not have:
                     tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})
                     continue
@@ -543,8 +555,19 @@ class Run:
                     con = duckdb.connect()
                     con.execute("SET preserve_insertion_order = true")
                 files = [str(nd / SUMMARY_DIR / f"{table}.parquet") for nd in have]
+                where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
+                         if table == "whatif_items" and item_steps is not None else "")
                 try:
-                    df = con.execute(f"SELECT {', '.join(names)} FROM read_parquet([{_sql_list(files)}])").df()
+                    columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword
+                    query = f"SELECT {columns} FROM read_parquet([{_sql_list(files)}]){where}"
+                    at = con.sql(query).to_arrow_table()
+                    if text == "category":   # dictionary-encoded in Arrow: no Python string per row
+                        import pyarrow as pa
+                        import pyarrow.compute as pc
+
+                        at = pa.table({c: pc.dictionary_encode(at[c]) if dtypes[c] == "category" else at[c]
+                                       for c in at.column_names})
+                    df = at.to_pandas()
                 except Exception as e:  # duckdb.Error: a missing or damaged file
                     raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "
                                          f"({str(e).splitlines()[0]})") from None

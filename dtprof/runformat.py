@@ -246,7 +246,7 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     """Write a node summary: ``tables`` (DataFrames, SUMMARY_TABLES' columns) as ``node_dir/summary/*.parquet``,
     then ``_complete`` holding ``facts`` and the format version, so a reader never trusts a half-written one.
     Rows keep their order (sorted by rank and step), so Parquet row-group statistics prune by rank."""
-    from dtprof.schema import SUMMARY_TABLES
+    from dtprof.schema import SUMMARY_LAYOUT, SUMMARY_TABLES
 
     out = Path(node_dir) / SUMMARY_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -260,5 +260,5 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
-                                               **facts})
+                                               "layout": SUMMARY_LAYOUT, **facts})
     return out

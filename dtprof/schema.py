@@ -136,6 +136,7 @@ def columns(table: str) -> list[str]:
 # after compaction or by ``dtprof summarize``; computed by analyzers/nodesummary.py from that node's tables alone.
 # ``summary/_complete`` (written last) is a JSON object: schema_version, schema_minor, pipeline_ranks, stage
 # (pipeline rank -> stage), unassigned, n_collectives.
+WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")   # analyzers/whatif.py
 BREAKDOWN_PARTS = ("forward", "backward", "optimizer", "exposed_comm", "comm_outside_fwd_bwd", "data_wait", "bubble",
                    "other")   # analyzers/breakdown.py PARTS, in its order
 SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
@@ -145,10 +146,23 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
         ("compute_s", "float"), ("comm_s", "float"), ("exposed_comm_s", "float"), ("comm_wait_s", "float"),
         ("data_wait_s", "float"), ("overlap_ratio", "float"), ("overlap_s", "float"),
         ("level", "str"),   # "hook" or "kernel" (the rank-step has GPU kernel spans)
-    ] + [(f"bd_{p}_s", "float") for p in BREAKDOWN_PARTS],
+    ] + [(f"bd_{p}_s", "float") for p in BREAKDOWN_PARTS]
+    # the what-if items' work per part (analyzers/whatif.py work_totals)
+    + [(f"work_{p}_ns", "int") for p in WORK_PARTS],
     # per rank-step and channel: exposed communication (analyzers/breakdown.py)
     "exposed": [("rank", "int"), ("step", "int"), ("dim", "str"), ("op", "str"), ("exposed_s", "float")],
-    # the what-if model's rank-local items (analyzers/whatif.py rank_items); ci: row of the node's collectives
+    # the what-if model's rank-local items (analyzers/whatif.py rank_items); arrivals and waits name their
+    # collective's instance (c_group, c_seq, c_sender, c_receiver) and carry its op, bytes and group size
     "whatif_items": [("rank", "int"), ("step", "int"), ("t", "int"), ("kind", "int"), ("part", "int"),
-                     ("dur", "int"), ("ci", "int"), ("release", "int")],
+                     ("dur", "int"), ("release", "int"), ("c_group", "str"), ("c_seq", "int"), ("c_sender", "int"),
+                     ("c_receiver", "int"), ("c_op", "str"), ("c_bytes", "int"), ("c_group_size", "int")],
+    # per collective instance (group, sender, receiver, seq) and window step (-1: outside every step) of the
+    # node's own records: analyzers/collectives.py instance_rows
+    "instance_rows": [("group", "str"), ("sender", "int"), ("receiver", "int"), ("seq", "int"), ("wstep", "int"),
+                      ("op", "str"), ("n", "int"), ("dur_min_ns", "int"), ("dur_sum_ns", "int"), ("bytes_max", "int"),
+                      ("group_size_max", "int")],
 }
+# the summary tables' layout: a stored summary of another layout is stale (remade in memory by the analysis, and
+# by `dtprof summarize`). 2: what-if work per part in rank_steps; items name their collective's instance.
+# 3: per-instance reductions of the collectives (instance_rows)
+SUMMARY_LAYOUT = 3

@@ -32,12 +32,13 @@ def summarize_node(node_dir: str) -> str:
 
 
 def pending(run, force: bool = False) -> list[Path]:
-    """The node directories to summarise: those with complete tables and no summary (every one with ``force``).
-    A node still in JSON lines (a crashed launcher) is left to the analysis, which summarises it in memory."""
-    from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, TABLES_COMPLETE, TABLES_DIR
+    """The node directories to summarise: those with complete tables and no summary, or a stale one (every one
+    with ``force``). A node still in JSON lines (a crashed launcher) is left to the analysis, which summarises it in
+    memory."""
+    from dtprof.runformat import TABLES_COMPLETE, TABLES_DIR
 
     return [nd for nd in run.node_dirs if (nd / TABLES_DIR / TABLES_COMPLETE).exists()
-            and (force or not (nd / SUMMARY_DIR / SUMMARY_COMPLETE).exists())]
+            and (force or run.summary_facts(nd) is None)]
 
 
 def make_summaries(run, force: bool = False, workers: int | None = None, address: str | None = None) -> list[str]:

@@ -638,3 +638,24 @@ def test_run_without_steps_gives_nulls_with_reasons(tmp_path):
     assert s["mfu"]["value"] is None and s["mfu"]["value_reason"]
     assert s["overlap"]["ratio"] is None and s["pipeline"] is None and s["stragglers"] == []
     assert "0 measured" in format_summary_text(s)
+
+
+def test_window_step_and_instance_window():
+    """collectives.window_step: a time is in the window ([start, end)) of its own rank that holds it, else in no
+    step (-1); other ranks' windows never count. An instance is measured when one of its rows is in a measured
+    step, else excluded when one is in a step, else outside (collectives.instances_of)."""
+    from dtprof.analyzers.collectives import instances_of, window_step
+
+    steps = pd.DataFrame({"rank": [1, 0, 0, 1], "step": [1, 0, 1, 0], "start_ns": [500, 100, 300, 100],
+                          "end_ns": [600, 200, 400, 200]})
+    rank = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2])
+    t = np.array([50, 100, 199, 200, 350, 450, 150, 350, 500, 700, 150])
+    assert window_step(rank, t, steps).tolist() == [-1, 0, 0, -1, 1, -1, 0, -1, 1, -1, -1]
+    rows = pd.DataFrame({"group": "0", "sender": -1, "receiver": -1, "seq": [0, 0, 1, 1, 2],
+                         "wstep": [-1, 1, 0, -1, -1], "op": "all_reduce", "n": [1, 1, 1, 1, 2],
+                         "dur_min_ns": [5, 3, 4, 4, 6], "dur_sum_ns": [5, 3, 4, 4, 14],
+                         "bytes_max": 8, "group_size_max": 2})
+    inst = instances_of(rows, measured_steps={1})
+    assert inst["window"].tolist() == ["measured", "excluded", "outside"]
+    assert inst["ranks"].tolist() == [2, 2, 2] and inst["transfer_s"].tolist() == [3e-9, 4e-9, 6e-9]
+    assert inst["mean_s"].tolist() == [4e-9, 4e-9, 7e-9]

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
@@ -126,3 +127,35 @@ def test_rewritten_tables_drop_the_stale_summary(four_nodes):
     write_node_tables(nd, tables)   # e.g. a trace merged into the node after the job
     assert summarised(four_nodes) == ["node-host0", "node-host2", "node-host3"]
     assert_summaries_equal_raw(four_nodes, stored=False)
+
+
+def test_summary_of_another_layout_is_remade(four_nodes):
+    make_summaries(open_run(four_nodes), workers=1)
+    mark = four_nodes / "node-host3" / SUMMARY_DIR / SUMMARY_COMPLETE
+    facts = json.loads(mark.read_text())
+    mark.write_text(json.dumps({**facts, "layout": facts["layout"] - 1}))   # written by an older dtprof
+    assert_summaries_equal_raw(four_nodes, stored=False)   # that node summarised in memory, not misread
+    r = dtprof("summarize", str(four_nodes))
+    assert r.returncode == 0 and "summarised 1 node(s)" in r.stdout, r.stdout + r.stderr
+    assert json.loads(mark.read_text())["layout"] == facts["layout"]
+
+
+def test_replay_of_a_sample_of_steps(four_nodes, monkeypatch):
+    """A run over the replay's budget of rank-steps replays an evenly spaced sample of its measured steps, reading
+    only those steps' what-if items from the node summaries; the analysis from the summaries still equals the raw
+    one, and the slowed rank is still the one straggler."""
+    from dtprof.analyzers import whatif
+
+    make_summaries(open_run(four_nodes), workers=1)
+    monkeypatch.setattr(whatif, "REPLAY_RANK_STEPS", 8 * 5)   # 8 ranks: 5 steps
+    monkeypatch.setattr(whatif, "REPLAY_MIN_STEPS", 2)
+    run = open_run(four_nodes)
+    measured = sorted(RunModel.of(run).measured_steps)
+    sample = whatif.replay_steps(RunModel.of(run))
+    assert len(measured) > 5 and len(sample) == 5 and set(sample) <= set(measured)
+    assert sample[0] == measured[0] and sample[-1] == measured[-1]
+    _, tables = run.node_summaries(sample)
+    assert set(tables["whatif_items"]["step"]) == set(sample)
+    s = assert_summaries_equal_raw(four_nodes)
+    assert s["replay"]["steps"] == 5 and f"sample of 5 of the {len(measured)} measured steps" in s["replay"]["method"]
+    assert [x["rank"] for x in s["stragglers"]] == [5]
