@@ -293,10 +293,17 @@ def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue,
               bucket=None, stage=None, microbatch=None, step=None):
     rec = rt.STATE
     name, size, seq = where
-    return Collective(rank=rec.rank, step=rec.step if step is None else step, op=op, api=api, source=source,
-                      group=name, group_size=size, seq=seq, in_bytes=in_b, out_bytes=out_b, dtype=dtype, peer=peer,
-                      async_op=bool(async_op), issue_ns=issue, return_ns=return_ns, end_ns=end_ns,
-                      gpu_duration_ns=None, bucket=bucket, stage=stage, microbatch=microbatch)
+    # positional, in the schema's column order (a third of the cost of keywords: this runs for every collective)
+    return Collective(rec.rank, rec.step if step is None else step, op, api, source, name, size, seq, in_b, out_b,
+                      dtype, peer, bool(async_op), issue, return_ns, end_ns, None, bucket, stage, microbatch)
+
+
+_END = Collective._fields.index("end_ns")
+
+
+def _with_end(row: Collective, t: int) -> Collective:
+    """``row._replace(end_ns=t)`` at a third of its cost (per completed collective)."""
+    return Collective._make(row[:_END] + (t,) + row[_END + 1:])
 
 
 def _in_flight(row: Collective, entered_ns: int) -> dict:
@@ -320,7 +327,7 @@ def complete(key, t) -> None:
     rec = rt.STATE
     item = rec.pending.pop(key, None)
     if item is not None:
-        rows = [r._replace(end_ns=t) for r in item[1]]
+        rows = [_with_end(r, t) for r in item[1]]
         if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(rec.timed) < MAX_TIMED:
             rec.timed.append((item[0], rows, 0))
         else:
