@@ -17,7 +17,7 @@ What is visible from Python (torch-facts "What each parallel style sends through
   through the dispatcher is recorded as the bucket buffer itself. Bucket collectives get api "ddp_bucket",
   ``bucket`` = index (the Reducer launches buckets in index order; without a hook the index is counted per
   backward). Calls already inside a wrapped ``torch.distributed`` function are not counted twice (``_tls.busy``).
-- Completion: ``work.get_future().then(cb)`` where the backend supports it; gloo point-to-point works have no
+- Completion: ``work.get_future().add_done_callback(cb)`` where the backend supports it; gloo point-to-point works have no
   future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and completes the
   rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
 - Byte counts: ``in_bytes``/``out_bytes`` are this rank's input and output tensors; for ``send`` in = tensor,
@@ -373,7 +373,8 @@ def _track(work, rows) -> None:
         fut = work.get_future()
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
         return
-    fut.then(lambda _f: complete(key, now()))
+    # add_done_callback: no child future to build (then() costs ~3x as much on the training thread)
+    fut.add_done_callback(lambda _f: complete(key, now()))
 
 
 def expire_pending(all_=False) -> None:
@@ -552,7 +553,7 @@ def _wrap_comm_hook(hook):
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
                 add_pending(key, fut, [row])
-                fut.then(lambda _f: complete(key, now()))
+                fut.add_done_callback(lambda _f: complete(key, now()))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue
         except Exception:
