@@ -2,28 +2,33 @@
 
 Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pipeline (examples/) and a framework
 job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate``) -- each run bare and under
-`dtprof run` (its defaults, no report), bare and profiled runs interleaved with the order alternating per round, so
-the machine's noise (other jobs) hits both alike. A job's step time is its own: the interval between consecutive
-"step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and dropped), median per run.
-Reported per job: bare and profiled median step, the ratio (median over rounds of profiled / bare of the same
-round), and dtprof's CPU time per rank and step, in two parts:
+`dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
+first as often as second), so the machine's noise (other jobs) hits both alike. A job's step time is its own: the
+interval between consecutive "step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and
+dropped), median per run; each job runs a few seconds of steps (JOBS), so dtprof's timers cost their share.
+Reported per job: bare and profiled median step, the wall ratio (median over rounds of profiled / bare of the same
+round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank and step, in three parts:
 
-- background threads (flusher, heartbeat): each rank reads their own CPU clocks at exit (``dtprof_threads_cpu``
-  meta row), divided by the rank's steps;
+- threads in the rank (flusher, heartbeat): each rank reads their own CPU clocks when step 0 ends and at exit
+  (``dtprof_threads_cpu`` meta row); the difference over the steps after step 0 (start-up excluded, the tail after
+  the last step included);
+- `dtprof run`'s launcher and its output relays: their processes' CPU clocks read when the timed steps' first and
+  last lines arrive, per step, shared by the ranks;
 - hooks on the training thread: measured in one process started the way `dtprof run` starts a rank, as CPU time
   of the training thread (``time.thread_time``: only the CPU the thread used, so it is far less sensitive to other
-  work on the machine than wall time), in alternating blocks with dtprof on and off (its hooks removed and
-  recording paused). A step of a tiny DDP model on a one-rank gloo group (as many modules as the examples' TinyLM,
-  one gradient bucket) gives the cost of a step with one collective; blocks of ``dist.all_reduce`` the cost of
-  each further collective. A job's hook cost = step cost + collective cost x (its collectives per rank-step - 1),
-  counted in its profiled run. The collective wrappers and DDP's ``c10d::allreduce_`` observer stay installed in the
-  off blocks (they cannot be taken out) and pass straight through there, so that pass-through is not counted: a
-  lower bound by that much.
+  work on the machine than wall time), in alternating blocks with dtprof on and off (off: its step hooks, collective
+  wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
+  one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
+  one collective; blocks of ``dist.all_reduce`` the cost of each further collective. A job's hook cost = step cost
+  + collective cost x (its collectives per rank-step - 1), counted in its profiled run.
+
+The ranks share the machine's cores with all of it, so the CPU sum bounds the wall time dtprof can take from a step
+on a machine where the wall ratio itself is too noisy to resolve 1 %.
 
 ``--quick`` is a smoke check (one round, short runs): it runs everything end to end, its figures mean little.
 ``--in-process`` also runs the older single-process comparison (TinyLM blocks: bare, dtprof, torch.profiler).
 
-    .venv/bin/python benchmarks/overhead.py [--quick] [--rounds 3] [--steps 40] [--jobs ddp,fsdp2,pipeline,lightning]
+    .venv/bin/python benchmarks/overhead.py [--quick] [--rounds 4] [--steps N] [--jobs ddp,fsdp2,pipeline,lightning]
 """
 from __future__ import annotations
 
