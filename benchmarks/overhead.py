@@ -19,8 +19,10 @@ round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank a
   work on the machine than wall time), in alternating blocks with dtprof on and off (off: its step hooks, collective
   wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
   one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
-  one collective; blocks of ``dist.all_reduce`` the cost of each further collective. A job's hook cost = step cost
-  + collective cost x (its collectives per rank-step - 1), counted in its profiled run.
+  one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper, Work.wait patch and
+  the c10d kernel), blocks of ``dist.broadcast`` that of any other collective (no kernel). A job's hook cost = step
+  cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
+  rank-step), counted in its profiled run.
 
 The ranks share the machine's cores with all of it, so the CPU sum bounds the wall time dtprof can take from a step
 on a machine where the wall ratio itself is too noisy to resolve 1 %.
@@ -141,23 +143,27 @@ def hooks_worker(blocks: int) -> None:
             opt.zero_grad()
         return (time.thread_time() - t0) / n
 
-    def collectives(n):
+    def collectives(op, n):
         t0 = time.thread_time()
         for _ in range(n):
-            dist.all_reduce(buf)
+            op(buf)
         return (time.thread_time() - t0) / n
+
+    def broadcast(t):
+        dist.broadcast(t, 0)
 
     steps(5)                      # dtprof starts recording at the first forward (no RANK: one process)
     assert runtime.STATE.active, "dtprof did not start in the benchmark process"
     on = True
-    res = {"step": {"on": [], "off": []}, "collective": {"on": [], "off": []}}
+    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective")}
     for b in range(blocks):
         for mode in ("on", "off") if b % 2 else ("off", "on"):
             if (mode == "on") != on:
                 on = mode == "on"
                 switch(on)
             res["step"][mode].append(steps(100))
-            res["collective"][mode].append(collectives(200))
+            res["all_reduce"][mode].append(collectives(dist.all_reduce, 200))
+            res["collective"][mode].append(collectives(broadcast, 200))
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
     print(json.dumps({**res, "modules": modules}))
 
@@ -246,7 +252,9 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         per_rank = [(sum(v["threads"].values()) - sum(v["at_step0_end"].values())) / (v["steps"] - 1)
                     for v in meta["value"]]
         out["threads_cpu_s_per_rank_step"] = statistics.mean(per_rank)
-        out["collectives_per_rank_step"] = len(run.collectives) / max(1, len(run.steps))
+        n = max(1, len(run.steps))
+        out["collectives_per_rank_step"] = len(run.collectives) / n
+        out["all_reduces_per_rank_step"] = int((run.collectives["op"].astype(str) == "all_reduce").sum()) / n
     return out
 
 
@@ -260,10 +268,12 @@ def interval(pairs: list[tuple[float, float]], stat, n: int = 2000) -> tuple[flo
 
 
 def hook_cost(blocks: int) -> dict:
-    """Training-thread CPU seconds dtprof adds: per step (with one collective) and per further collective, each
-    the median over blocks of (on - off) of the same block; and the off step (the tiny model's own cost)."""
+    """Training-thread CPU seconds dtprof adds: per step (with one DDP bucket), per further all-reduce (it also
+    passes dtprof's c10d::allreduce_ kernel) and per further other collective (a broadcast: the wrapper and the
+    Work.wait patch alone), each the median over blocks of (on - off) of the same block; and the off step (the tiny
+    model's own cost)."""
     data = in_process(["--hooks", "--blocks", str(blocks)])
-    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"])) for k in ("step", "collective")}
+    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"])) for k in ("step", "all_reduce", "collective")}
     return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
 
 
@@ -319,9 +329,10 @@ def main() -> None:
           f"({os.cpu_count()} cores)", file=sys.stderr)
     hooks = hook_cost(a.hook_blocks) if a.hook_blocks else None
     if hooks:
-        print(f"training-thread hooks (CPU): +{hooks['step'] * 1e6:.1f} us per step with one collective, "
-              f"+{hooks['collective'] * 1e6:.1f} us per further collective (tiny DDP model, {hooks['modules']} "
-              f"modules, {hooks['bare_step'] * 1e6:.0f} us CPU per bare step)", file=sys.stderr)
+        print(f"training-thread hooks (CPU): +{hooks['step'] * 1e6:.1f} us per step with one DDP bucket, "
+              f"+{hooks['all_reduce'] * 1e6:.1f} us per further all-reduce, +{hooks['collective'] * 1e6:.1f} us per "
+              f"other collective (tiny DDP model, {hooks['modules']} modules, {hooks['bare_step'] * 1e6:.0f} us CPU "
+              f"per bare step)", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.jobs.split(","):
@@ -336,9 +347,11 @@ def main() -> None:
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
                 threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
                 launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / RANKS)
-                colls.append(res["dtprof"]["collectives_per_rank_step"])
-            n_coll = statistics.median(colls)
-            hook_s = hooks["step"] + hooks["collective"] * max(n_coll - 1, 0) if hooks else float("nan")
+                colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"]))
+            n_coll = statistics.median(c for c, _ in colls)
+            n_ar = statistics.median(ar for _, ar in colls)      # all-reduces, DDP's buckets included
+            hook_s = (hooks["step"] + hooks["all_reduce"] * max(n_ar - 1, 0) + hooks["collective"] * (n_coll - n_ar)
+                      if hooks else float("nan"))
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
                          interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
                          n_coll, hook_s))
@@ -353,7 +366,7 @@ def main() -> None:
           f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks) and the training-thread hooks "
-          f"(in one process: per step + per further collective x (colls - 1)); the ranks share the machine's cores "
+          f"(in one process: per step + per further all-reduce + per other collective); the ranks share the machine's cores "
           f"with all of it, so it bounds the wall time dtprof can cost a step.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)

@@ -185,6 +185,7 @@ class _Heartbeat:
         self.node_dir = self.rank_dir.parent
         self.state = state
         self.answered: set[str] = set()
+        self.listed_mtime = None       # the node directory's mtime at the last listing (poll_requests)
         self.wake_r = None
         self.prev_handler: Any = None
         self.handler_ran = threading.Event()
@@ -301,7 +302,13 @@ class _Heartbeat:
 
     # -- loop --------------------------------------------------------------------------------------------------
     def poll_requests(self) -> None:
-        # one directory listing per beat (os.listdir, ~4x cheaper than Path.glob on this machine)
+        # A request is a new file in the node directory, which changes its mtime: one stat per beat, and a listing
+        # only after a change (a beat costs ~0.6 ms of CPU on a busy 2-core machine, ~60 us of it the listing). An
+        # mtime under a second old is listed again: a file created later within the same clock tick keeps it.
+        mtime = os.stat(self.node_dir).st_mtime_ns
+        if mtime == self.listed_mtime and time.time_ns() - mtime > 1_000_000_000:
+            return
+        self.listed_mtime = mtime
         for name in os.listdir(self.node_dir):
             if not name.startswith("dump-request-"):
                 continue
