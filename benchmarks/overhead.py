@@ -161,9 +161,10 @@ def hooks_worker(blocks: int) -> None:
             if (mode == "on") != on:
                 on = mode == "on"
                 switch(on)
-            res["step"][mode].append(steps(100))
-            res["all_reduce"][mode].append(collectives(dist.all_reduce, 200))
-            res["collective"][mode].append(collectives(broadcast, 200))
+            # short blocks, many pairs: on and off see the same interference from the rest of the machine
+            res["step"][mode].append(steps(10))
+            res["all_reduce"][mode].append(collectives(dist.all_reduce, 40))
+            res["collective"][mode].append(collectives(broadcast, 40))
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
     print(json.dumps({**res, "modules": modules}))
 
@@ -316,14 +317,15 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true", help="also the single-process TinyLM comparison")
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--block-steps", type=int, default=8)
-    ap.add_argument("--hook-blocks", type=int, default=30, help="on/off block pairs of the hook measurement (0: none)")
+    ap.add_argument("--hook-blocks", type=int, default=300,
+                    help="on/off block pairs of the hook measurement (0: none)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--hooks", action="store_true")
     a = ap.parse_args()
     if a.worker:
         return hooks_worker(a.blocks) if a.hooks else worker(a.blocks, a.block_steps)
     if a.quick:
-        a.rounds, a.steps, a.hook_blocks = 1, 12, 4
+        a.rounds, a.steps, a.hook_blocks = 1, 12, 20
 
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
           f"({os.cpu_count()} cores)", file=sys.stderr)
@@ -354,13 +356,14 @@ def main() -> None:
                       if hooks else float("nan"))
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
                          interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
-                         n_coll, hook_s))
+                         n_coll, n_ar, hook_s))
             print(f"load average after {name}: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [90% CI]':>23s} "
-          f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'(colls)':>7s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi), th, la, nc, hk in rows:
+          f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'(colls':>6s} {'ar)':>4s} "
+          f"{'= % of step':>11s}")
+    for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk in rows:
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
-              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {nc:7.1f} {(th + la + hk) / b * 100:10.2f}%")
+              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {nc:6.1f} {nar:4.1f} {(th + la + hk) / b * 100:10.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step), 90 % "
           f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
