@@ -357,7 +357,9 @@ def main() -> None:
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
                          interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
                          n_coll, n_ar, hook_s))
-            print(f"load average after {name}: {os.getloadavg()[0]:.2f}", file=sys.stderr)
+            print(f"{name}: per-round profiled / bare ratios "
+                  f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
+                  file=sys.stderr)
     print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [90% CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'(colls':>6s} {'ar)':>4s} "
           f"{'= % of step':>11s}")
