@@ -274,7 +274,8 @@ def hook_cost(blocks: int) -> dict:
     Work.wait patch alone), each the median over blocks of (on - off) of the same block; and the off step (the tiny
     model's own cost)."""
     data = in_process(["--hooks", "--blocks", str(blocks)])
-    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"])) for k in ("step", "all_reduce", "collective")}
+    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"]))
+             for k in ("step", "all_reduce", "collective")}
     return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
 
 
@@ -365,14 +366,15 @@ def main() -> None:
           f"{'= % of step':>11s}")
     for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk in rows:
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
-              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {nc:6.1f} {nar:4.1f} {(th + la + hk) / b * 100:10.2f}%")
+              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {nc:6.1f} {nar:4.1f} "
+              f"{(th + la + hk) / b * 100:10.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step), 90 % "
           f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks) and the training-thread hooks "
-          f"(in one process: per step + per further all-reduce + per other collective); the ranks share the machine's cores "
-          f"with all of it, so it bounds the wall time dtprof can cost a step.")
+          f"(in one process: per step + per further all-reduce + per other collective); the ranks share the "
+          f"machine's cores with all of it, so it bounds the wall time dtprof can cost a step.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 

@@ -17,9 +17,9 @@ What is visible from Python (torch-facts "What each parallel style sends through
   through the dispatcher is recorded as the bucket buffer itself. Bucket collectives get api "ddp_bucket",
   ``bucket`` = index (the Reducer launches buckets in index order; without a hook the index is counted per
   backward). Calls already inside a wrapped ``torch.distributed`` function are not counted twice (``_tls.busy``).
-- Completion: ``work.get_future().add_done_callback(cb)`` where the backend supports it; gloo point-to-point works have no
-  future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and completes the
-  rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
+- Completion: ``work.get_future().add_done_callback(cb)`` where the backend supports it; gloo point-to-point works
+  have no future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and
+  completes the rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
 - Byte counts: ``in_bytes``/``out_bytes`` are this rank's input and output tensors; for ``send`` in = tensor,
   out = 0; for ``recv`` in = 0, out = tensor (so max(in, out) is the message size on both sides).
 - ``seq`` counts per group for collectives and per (group, src, dst) for point-to-point, in call order.
