@@ -24,8 +24,9 @@ round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank a
   cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
   rank-step), counted in its profiled run.
 
-The ranks share the machine's cores with all of it, so the CPU sum bounds the wall time dtprof can take from a step
-on a machine where the wall ratio itself is too noisy to resolve 1 %.
+The ranks share the machine's cores with all of it, so this CPU is what dtprof takes from the job; a rank it delays
+holds the others at the next collective, so a step's wall cost is bounded by about the ranks' sum (2x the per-rank
+share here). It resolves what the wall ratio cannot on a busy machine.
 
 ``--quick`` is a smoke check (one round, short runs): it runs everything end to end, its figures mean little.
 ``--in-process`` also runs the older single-process comparison (TinyLM blocks: bare, dtprof, torch.profiler).
@@ -373,8 +374,9 @@ def main() -> None:
           f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks) and the training-thread hooks "
-          f"(in one process: per step + per further all-reduce + per other collective); the ranks share the "
-          f"machine's cores with all of it, so it bounds the wall time dtprof can cost a step.")
+          f"(in one process: per step + per further all-reduce + per other collective): the CPU dtprof takes from "
+          f"the cores the ranks share; a rank it delays holds the others at the next collective, so a step's wall "
+          f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 
