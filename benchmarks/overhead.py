@@ -2,28 +2,36 @@
 
 Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pipeline (examples/) and a framework
 job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate``) -- each run bare and under
-`dtprof run` (its defaults, no report), bare and profiled runs interleaved with the order alternating per round, so
-the machine's noise (other jobs) hits both alike. A job's step time is its own: the interval between consecutive
-"step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and dropped), median per run.
-Reported per job: bare and profiled median step, the ratio (median over rounds of profiled / bare of the same
-round), and dtprof's CPU time per rank and step, in two parts:
+`dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
+first as often as second), so the machine's noise (other jobs) hits both alike. A job's step time is its own: the
+interval between consecutive "step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and
+dropped), median per run; each job runs a few seconds of steps (JOBS), so dtprof's timers cost their share.
+Reported per job: bare and profiled median step, the wall ratio (median over rounds of profiled / bare of the same
+round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank and step, in three parts:
 
-- background threads (flusher, heartbeat): each rank reads their own CPU clocks at exit (``dtprof_threads_cpu``
-  meta row), divided by the rank's steps;
+- threads in the rank (flusher, heartbeat): each rank reads their own CPU clocks when step 0 ends and at exit
+  (``dtprof_threads_cpu`` meta row); the difference over the steps after step 0 (start-up excluded, the tail after
+  the last step included);
+- `dtprof run`'s launcher and its output relays: their processes' CPU clocks read when the timed steps' first and
+  last lines arrive, per step, shared by the ranks;
 - hooks on the training thread: measured in one process started the way `dtprof run` starts a rank, as CPU time
   of the training thread (``time.thread_time``: only the CPU the thread used, so it is far less sensitive to other
-  work on the machine than wall time), in alternating blocks with dtprof on and off (its hooks removed and
-  recording paused). A step of a tiny DDP model on a one-rank gloo group (as many modules as the examples' TinyLM,
-  one gradient bucket) gives the cost of a step with one collective; blocks of ``dist.all_reduce`` the cost of
-  each further collective. A job's hook cost = step cost + collective cost x (its collectives per rank-step - 1),
-  counted in its profiled run. The collective wrappers and DDP's ``c10d::allreduce_`` observer stay installed in the
-  off blocks (they cannot be taken out) and pass straight through there, so that pass-through is not counted: a
-  lower bound by that much.
+  work on the machine than wall time), in alternating blocks with dtprof on and off (off: its step hooks, collective
+  wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
+  one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
+  one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper, Work.wait patch and
+  the c10d kernel), blocks of ``dist.broadcast`` that of any other collective (no kernel). A job's hook cost = step
+  cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
+  rank-step), counted in its profiled run.
+
+The ranks share the machine's cores with all of it, so this CPU is what dtprof takes from the job; a rank it delays
+holds the others at the next collective, so a step's wall cost is bounded by about the ranks' sum (2x the per-rank
+share here). It resolves what the wall ratio cannot on a busy machine.
 
 ``--quick`` is a smoke check (one round, short runs): it runs everything end to end, its figures mean little.
 ``--in-process`` also runs the older single-process comparison (TinyLM blocks: bare, dtprof, torch.profiler).
 
-    .venv/bin/python benchmarks/overhead.py [--quick] [--rounds 3] [--steps 40] [--jobs ddp,fsdp2,pipeline,lightning]
+    .venv/bin/python benchmarks/overhead.py [--quick] [--rounds 4] [--steps N] [--jobs ddp,fsdp2,pipeline,lightning]
 """
 from __future__ import annotations
 
@@ -95,7 +103,7 @@ def hooks_worker(blocks: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dtprof.collectors import runtime
+    from dtprof.collectors import hooks_collectives, runtime
 
     sys.path.insert(0, str(REPO / "examples"))
     from model import TinyLM
@@ -107,6 +115,26 @@ def hooks_worker(blocks: int) -> None:
         torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(modules)]))
     opt = torch.optim.SGD(tiny.parameters(), lr=1e-3)
     x, buf = torch.randn(4, 8), torch.ones(64)
+    c10d = dist.distributed_c10d
+    wrapped = {api: getattr(c10d, api) for api in hooks_collectives._APIS if hasattr(c10d, api)}
+    wrapped["batch_isend_irecv"], wrapped["Work.wait"] = c10d.batch_isend_irecv, dist.Work.wait
+
+    def switch(on: bool) -> None:
+        """Everything dtprof put on the training thread's path in or out: the step hooks, the collective
+        wrappers, Work.wait and the c10d::allreduce_ kernel (off = a process without dtprof's hooks)."""
+        (runtime.STATE.install_train_hooks if on else runtime.STATE.remove_train_hooks)()
+        for api, w in wrapped.items():
+            f = w if on else w.__wrapped__
+            if api == "Work.wait":
+                dist.Work.wait = f
+            else:
+                setattr(c10d, api, f)
+                setattr(dist, api, f)
+        if on:
+            hooks_collectives._observe_dispatched_allreduce()
+        else:
+            hooks_collectives._libraries.pop()._destroy()
+        runtime.STATE.active = on
 
     def steps(n):
         t0 = time.thread_time()
@@ -116,24 +144,28 @@ def hooks_worker(blocks: int) -> None:
             opt.zero_grad()
         return (time.thread_time() - t0) / n
 
-    def collectives(n):
+    def collectives(op, n):
         t0 = time.thread_time()
         for _ in range(n):
-            dist.all_reduce(buf)
+            op(buf)
         return (time.thread_time() - t0) / n
+
+    def broadcast(t):
+        dist.broadcast(t, 0)
 
     steps(5)                      # dtprof starts recording at the first forward (no RANK: one process)
     assert runtime.STATE.active, "dtprof did not start in the benchmark process"
     on = True
-    res = {"step": {"on": [], "off": []}, "collective": {"on": [], "off": []}}
+    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective")}
     for b in range(blocks):
         for mode in ("on", "off") if b % 2 else ("off", "on"):
             if (mode == "on") != on:
                 on = mode == "on"
-                (runtime.STATE.install_train_hooks if on else runtime.STATE.remove_train_hooks)()
-                runtime.STATE.active = on          # the collective observers record only while active
-            res["step"][mode].append(steps(100))
-            res["collective"][mode].append(collectives(200))
+                switch(on)
+            # short blocks, many pairs: on and off see the same interference from the rest of the machine
+            res["step"][mode].append(steps(10))
+            res["all_reduce"][mode].append(collectives(dist.all_reduce, 40))
+            res["collective"][mode].append(collectives(broadcast, 40))
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
     print(json.dumps({**res, "modules": modules}))
 
@@ -147,22 +179,50 @@ def _free_port() -> int:
 
 STEP_LINE = re.compile(r"^step (\d+) ")
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
+# name -> (command, steps per run: a few seconds of steps on this machine, so the timers' cost is spread as in a job)
 JOBS = {
-    "ddp": ["examples/train_ddp.py", *MODEL],
-    "fsdp2": ["examples/train_fsdp.py", *MODEL],
-    "pipeline": ["examples/train_pipeline.py", *MODEL],
-    "lightning": ["examples/frameworks/train_lightning.py", "--dim", "1024", "--batch", "64", "--lr", "0.001"],
-    "accelerate": ["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"],
+    "ddp": (["examples/train_ddp.py", *MODEL], 40),
+    "fsdp2": (["examples/train_fsdp.py", *MODEL], 40),
+    "pipeline": (["examples/train_pipeline.py", *MODEL], 50),
+    "lightning": (["examples/frameworks/train_lightning.py", "--dim", "1024", "--batch", "64", "--lr", "0.001"], 200),
+    "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
+RANKS = 2
 WARMUP_INTERVALS = 3
 
 
+def launcher_cpu_ns(launcher: int) -> int:
+    """CPU nanoseconds used so far by `dtprof run`'s own processes: the launcher and its output relays (each read
+    from the process's own CPU clock: all its threads, nanosecond resolution; Linux's CPUCLOCK_SCHED clock of
+    another process)."""
+    pids = [launcher]
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline") as f:
+                    relay = "dtprof.relay" in f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == launcher and relay:
+                pids.append(int(d))
+    total = 0
+    for pid in pids:
+        try:
+            total += time.clock_gettime_ns(((~pid) << 3) | 2)
+        except OSError:                   # exited meanwhile
+            pass
+    return total
+
+
 def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
-    """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, dtprof's thread
-    CPU seconds per rank-step and the collectives per rank-step."""
+    """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
+    step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
+    rank-step after step 0 and the collectives per rank-step."""
     bindir = Path(sys.executable).parent
-    cmd = [str(bindir / "torchrun"), "--nproc_per_node=2", "--monitor-interval=0.2", *JOBS[name], "--steps",
+    cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
            str(steps)]
     if run_dir is not None:
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
@@ -172,31 +232,51 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     # a bare job left in this session would compete with whatever else runs here and read slower than it is.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
-    seen = []
+    seen, cpu = [], []
     for line in proc.stdout:
         if STEP_LINE.match(line):
             seen.append(time.monotonic())
+            n = int(STEP_LINE.match(line).group(1))
+            if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n == steps - 1):   # timed steps
+                cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
     if proc.wait():
         sys.exit(f"{name}: {' '.join(cmd)} exited {proc.returncode}")
     intervals = [b - a for a, b in zip(seen, seen[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
     if run_dir is not None:
+        (i0, c0), (i1, c1) = cpu[0], cpu[-1]
+        out["launcher_cpu_s_per_step"] = (c1 - c0) / 1e9 / (i1 - i0)
         from dtprof.reader import open_run
 
         run = open_run(run_dir)
         meta = run.meta[run.meta["kind"].astype(str) == "dtprof_threads_cpu"]
-        cpu = sum(sum(v["threads"].values()) for v in meta["value"])
-        rank_steps = max(1, len(run.steps))
-        out["threads_cpu_s_per_rank_step"] = cpu / rank_steps
-        out["collectives_per_rank_step"] = len(run.collectives) / rank_steps
+        # from the end of step 0 to exit: the start-up (imports, process group) is not the steps' cost
+        per_rank = [(sum(v["threads"].values()) - sum(v["at_step0_end"].values())) / (v["steps"] - 1)
+                    for v in meta["value"]]
+        out["threads_cpu_s_per_rank_step"] = statistics.mean(per_rank)
+        n = max(1, len(run.steps))
+        out["collectives_per_rank_step"] = len(run.collectives) / n
+        out["all_reduces_per_rank_step"] = int((run.collectives["op"].astype(str) == "all_reduce").sum()) / n
     return out
 
 
+def interval(pairs: list[tuple[float, float]], stat, n: int = 2000) -> tuple[float, float, float]:
+    """``stat`` of the rounds' (bare, profiled) pairs and its 90 % bootstrap interval (rounds resampled)."""
+    import random
+
+    rnd = random.Random(0)
+    boot = sorted(stat([rnd.choice(pairs) for _ in pairs]) for _ in range(n))
+    return stat(pairs), boot[int(0.05 * n)], boot[int(0.95 * n) - 1]
+
+
 def hook_cost(blocks: int) -> dict:
-    """Training-thread CPU seconds dtprof adds: per step (with one collective) and per further collective, each
-    the median over blocks of (on - off) of the same block; and the off step (the tiny model's own cost)."""
+    """Training-thread CPU seconds dtprof adds: per step (with one DDP bucket), per further all-reduce (it also
+    passes dtprof's c10d::allreduce_ kernel) and per further other collective (a broadcast: the wrapper and the
+    Work.wait patch alone), each the median over blocks of (on - off) of the same block; and the off step (the tiny
+    model's own cost)."""
     data = in_process(["--hooks", "--blocks", str(blocks)])
-    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"])) for k in ("step", "collective")}
+    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"]))
+             for k in ("step", "all_reduce", "collective")}
     return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
 
 
@@ -226,53 +306,77 @@ def print_in_process(blocks: int, steps: int) -> None:
         print(f"{m:15s} {statistics.median(all_t) * 1e3:17.3f} {ratio:21.4f}   {blocks} x {steps}")
 
 
+def median_ratio(pairs):
+    return statistics.median(p / b for b, p in pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3, help="bare/profiled pairs per job")
-    ap.add_argument("--steps", type=int, default=40, help="steps per run")
+    ap.add_argument("--rounds", type=int, default=4, help="bare/profiled pairs per job")
+    ap.add_argument("--steps", type=int, default=0, help="steps per run (default: the job's own, see JOBS)")
     ap.add_argument("--jobs", default=DEFAULT_JOBS, help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="smoke check: 1 round of 12-step runs, short hook blocks")
     ap.add_argument("--in-process", action="store_true", help="also the single-process TinyLM comparison")
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--block-steps", type=int, default=8)
-    ap.add_argument("--hook-blocks", type=int, default=30, help="on/off block pairs of the hook measurement")
+    ap.add_argument("--hook-blocks", type=int, default=300,
+                    help="on/off block pairs of the hook measurement (0: none)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--hooks", action="store_true")
     a = ap.parse_args()
     if a.worker:
         return hooks_worker(a.blocks) if a.hooks else worker(a.blocks, a.block_steps)
     if a.quick:
-        a.rounds, a.steps, a.hook_blocks = 1, 12, 4
+        a.rounds, a.steps, a.hook_blocks = 1, 12, 20
 
-    hooks = hook_cost(a.hook_blocks)
-    print(f"training-thread hooks (CPU): +{hooks['step'] * 1e6:.1f} us per step with one collective, "
-          f"+{hooks['collective'] * 1e6:.1f} us per further collective (tiny DDP model, {hooks['modules']} modules, "
-          f"{hooks['bare_step'] * 1e6:.0f} us CPU per bare step)", file=sys.stderr)
+    print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
+          f"({os.cpu_count()} cores)", file=sys.stderr)
+    hooks = hook_cost(a.hook_blocks) if a.hook_blocks else None
+    if hooks:
+        print(f"training-thread hooks (CPU): +{hooks['step'] * 1e6:.1f} us per step with one DDP bucket, "
+              f"+{hooks['all_reduce'] * 1e6:.1f} us per further all-reduce, +{hooks['collective'] * 1e6:.1f} us per "
+              f"other collective (tiny DDP model, {hooks['modules']} modules, {hooks['bare_step'] * 1e6:.0f} us CPU "
+              f"per bare step)", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.jobs.split(","):
-            bare, prof, cpu, colls = [], [], [], []
+            steps = a.steps or JOBS[name][1]
+            walls, threads, launcher, colls = [], [], [], []
             for r in range(a.rounds):
+                res = {}
+                # bare, profiled, profiled, bare, ...: each mode runs first as often as second
                 for mode in (("bare", "dtprof") if r % 2 == 0 else ("dtprof", "bare")):
                     print(f"{name} round {r + 1}/{a.rounds}: {mode} ...", file=sys.stderr)
-                    res = run_job(name, a.steps, Path(tmp) / f"{name}-{r}" if mode == "dtprof" else None)
-                    (prof if mode == "dtprof" else bare).append(res["step_s"])
-                    if mode == "dtprof":
-                        cpu.append(res["threads_cpu_s_per_rank_step"])
-                        colls.append(res["collectives_per_rank_step"])
-            ratio = statistics.median(p / b for p, b in zip(prof, bare))
-            n_coll = statistics.median(colls)
-            hook_s = hooks["step"] + hooks["collective"] * max(n_coll - 1, 0)
-            rows.append((name, statistics.median(bare), statistics.median(prof), ratio, statistics.median(cpu),
-                         n_coll, hook_s))
-    print(f"{'job':11s} {'bare step':>10s} {'dtprof step':>12s} {'ratio':>7s} {'CPU/step: threads':>18s} "
-          f"{'hooks':>9s} {'(colls)':>8s} {'= % of step':>11s}")
-    for name, b, p, ratio, cpu, n_coll, hook_s in rows:
-        print(f"{name:11s} {b * 1e3:8.2f}ms {p * 1e3:10.2f}ms {ratio:7.4f} {cpu * 1e6:16.1f}us {hook_s * 1e6:7.1f}us "
-              f"{n_coll:8.1f} {(cpu + hook_s) / b * 100:10.2f}%")
-    print(f"ratio = median over {a.rounds} interleaved round(s) of (profiled / bare median step); target <= 1.01. "
-          f"CPU per rank and step: dtprof's background threads (their CPU clocks, read in the job) + its "
-          f"training-thread hooks (CPU time, in one process: per step + per further collective x (colls - 1)).")
+                    res[mode] = run_job(name, steps, Path(tmp) / f"{name}-{r}" if mode == "dtprof" else None)
+                walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
+                threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
+                launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / RANKS)
+                colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"]))
+            n_coll = statistics.median(c for c, _ in colls)
+            n_ar = statistics.median(ar for _, ar in colls)      # all-reduces, DDP's buckets included
+            hook_s = (hooks["step"] + hooks["all_reduce"] * max(n_ar - 1, 0) + hooks["collective"] * (n_coll - n_ar)
+                      if hooks else float("nan"))
+            rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
+                         interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
+                         n_coll, n_ar, hook_s))
+            print(f"{name}: per-round profiled / bare ratios "
+                  f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
+                  file=sys.stderr)
+    print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [90% CI]':>23s} "
+          f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'(colls':>6s} {'ar)':>4s} "
+          f"{'= % of step':>11s}")
+    for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk in rows:
+        print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
+              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {nc:6.1f} {nar:4.1f} "
+              f"{(th + la + hk) / b * 100:10.2f}%")
+    print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
+          f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step), 90 % "
+          f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
+          f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
+          f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks) and the training-thread hooks "
+          f"(in one process: per step + per further all-reduce + per other collective): the CPU dtprof takes from "
+          f"the cores the ranks share; a rank it delays holds the others at the next collective, so a step's wall "
+          f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 

@@ -54,12 +54,20 @@ _sigterm_ns: int | None = None
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     # one write of the whole text (json.dump would issue a write per token), and an unlink only after a failure:
-    # this runs twice a second in every rank, measured at ~25 % less CPU than streaming plus an unlink every time
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    text = json.dumps(obj, default=str)
+    # this runs twice a second in every rank, measured at ~25 % less CPU than streaming plus an unlink every time;
+    # os-level calls on strings: no Python file object, no Path arithmetic
+    path = os.fspath(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
+    data = json.dumps(obj, default=str).encode()
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:                       # a large dump may take more than one write
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -78,12 +86,15 @@ def _jsonable_collective(c: Any) -> Any:
         return str(c)
 
 
+_HOST = socket.gethostname()
+
+
 def snapshot(state: Any) -> dict:
     """The heartbeat record: what the rank is doing now (cheap: attribute reads only)."""
     return {
         "rank": getattr(state, "rank", None),
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        "host": _HOST,
         "step": getattr(state, "step", None),
         "collective": _jsonable_collective(getattr(state, "collective", None)),
         "last_progress_ns": getattr(state, "last_progress_ns", None),
@@ -174,6 +185,7 @@ class _Heartbeat:
         self.node_dir = self.rank_dir.parent
         self.state = state
         self.answered: set[str] = set()
+        self.listed_mtime = None       # the node directory's mtime at the last listing (poll_requests)
         self.wake_r = None
         self.prev_handler: Any = None
         self.handler_ran = threading.Event()
@@ -290,20 +302,29 @@ class _Heartbeat:
 
     # -- loop --------------------------------------------------------------------------------------------------
     def poll_requests(self) -> None:
-        for req in self.node_dir.glob("dump-request-*"):
-            dump_id = req.name[len("dump-request-"):]
+        # A request is a new file in the node directory, which changes its mtime: one stat per beat, and a listing
+        # only after a change (a beat costs ~0.6 ms of CPU on a busy 2-core machine, ~60 us of it the listing). An
+        # mtime under a second old is listed again: a file created later within the same clock tick keeps it.
+        mtime = os.stat(self.node_dir).st_mtime_ns
+        if mtime == self.listed_mtime and time.time_ns() - mtime > 1_000_000_000:
+            return
+        self.listed_mtime = mtime
+        for name in os.listdir(self.node_dir):
+            if not name.startswith("dump-request-"):
+                continue
+            dump_id = name[len("dump-request-"):]
             if dump_id in self.answered or dump_id.startswith("."):
                 continue
             self.answered.add(dump_id)
             try:
-                reason = req.read_text().strip() or "requested"
+                reason = (self.node_dir / name).read_text().strip() or "requested"
             except OSError:
                 reason = "requested"
             write_dump(self.rank_dir, self.state, dump_id, reason)
 
     def run(self) -> None:
         import select
-        hb_path = self.rank_dir / "heartbeat.json"
+        hb_path = str(self.rank_dir / "heartbeat.json")
         while True:
             try:
                 _write_json_atomic(hb_path, snapshot(self.state))

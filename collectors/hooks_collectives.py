@@ -17,9 +17,9 @@ What is visible from Python (torch-facts "What each parallel style sends through
   through the dispatcher is recorded as the bucket buffer itself. Bucket collectives get api "ddp_bucket",
   ``bucket`` = index (the Reducer launches buckets in index order; without a hook the index is counted per
   backward). Calls already inside a wrapped ``torch.distributed`` function are not counted twice (``_tls.busy``).
-- Completion: ``work.get_future().then(cb)`` where the backend supports it; gloo point-to-point works have no
-  future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and completes the
-  rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
+- Completion: ``work.get_future().add_done_callback(cb)`` where the backend supports it; gloo point-to-point works
+  have no future, so ``Work.wait`` is patched on the class: every blocking wait is a ``comm_wait`` span and
+  completes the rows of that work. A synchronous call is one ``comm_wait`` span from issue to return.
 - Byte counts: ``in_bytes``/``out_bytes`` are this rank's input and output tensors; for ``send`` in = tensor,
   out = 0; for ``recv`` in = 0, out = tensor (so max(in, out) is the message size on both sides).
 - ``seq`` counts per group for collectives and per (group, src, dst) for point-to-point, in call order.
@@ -293,10 +293,17 @@ def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue,
               bucket=None, stage=None, microbatch=None, step=None):
     rec = rt.STATE
     name, size, seq = where
-    return Collective(rank=rec.rank, step=rec.step if step is None else step, op=op, api=api, source=source,
-                      group=name, group_size=size, seq=seq, in_bytes=in_b, out_bytes=out_b, dtype=dtype, peer=peer,
-                      async_op=bool(async_op), issue_ns=issue, return_ns=return_ns, end_ns=end_ns,
-                      gpu_duration_ns=None, bucket=bucket, stage=stage, microbatch=microbatch)
+    # positional, in the schema's column order (a third of the cost of keywords: this runs for every collective)
+    return Collective(rec.rank, rec.step if step is None else step, op, api, source, name, size, seq, in_b, out_b,
+                      dtype, peer, bool(async_op), issue, return_ns, end_ns, None, bucket, stage, microbatch)
+
+
+_END = Collective._fields.index("end_ns")
+
+
+def _with_end(row: Collective, t: int) -> Collective:
+    """``row._replace(end_ns=t)`` at a third of its cost (per completed collective)."""
+    return Collective._make(row[:_END] + (t,) + row[_END + 1:])
 
 
 def _in_flight(row: Collective, entered_ns: int) -> dict:
@@ -320,7 +327,7 @@ def complete(key, t) -> None:
     rec = rt.STATE
     item = rec.pending.pop(key, None)
     if item is not None:
-        rows = [r._replace(end_ns=t) for r in item[1]]
+        rows = [_with_end(r, t) for r in item[1]]
         if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(rec.timed) < MAX_TIMED:
             rec.timed.append((item[0], rows, 0))
         else:
@@ -366,7 +373,8 @@ def _track(work, rows) -> None:
         fut = work.get_future()
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
         return
-    fut.then(lambda _f: complete(key, now()))
+    # add_done_callback: no child future to build (then() costs ~3x as much on the training thread)
+    fut.add_done_callback(lambda _f: complete(key, now()))
 
 
 def expire_pending(all_=False) -> None:
@@ -545,7 +553,7 @@ def _wrap_comm_hook(hook):
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
                 add_pending(key, fut, [row])
-                fut.then(lambda _f: complete(key, now()))
+                fut.add_done_callback(lambda _f: complete(key, now()))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue
         except Exception:

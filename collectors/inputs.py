@@ -34,6 +34,8 @@ def batch_counts(args, kwargs) -> tuple[int, int | None] | None:
 
     kwargs = kwargs or {}
     t = _first_tensor(kwargs["input_ids"], torch) if "input_ids" in kwargs else None
+    if t is None and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1:
+        t = args[0]               # the common call, model(x): no walk (this runs every step)
     if t is None:
         t = _first_tensor((args, kwargs), torch)
     if t is None:

