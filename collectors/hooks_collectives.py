@@ -334,6 +334,17 @@ def complete(key, t) -> None:
             rec.writer.extend("collectives", rows)
 
 
+def _on_done(key):
+    """The future's completion callback for ``key``: it runs in the backend's thread, where an exception would be
+    printed into the job's output (add_done_callback, unlike then(), has no child future to hold it)."""
+    def done(_fut) -> None:
+        try:
+            complete(key, now())
+        except Exception:
+            rt.STATE.fault("collective completion")
+    return done
+
+
 def resolve_gpu_durations(final: bool = False) -> None:
     """Flusher: fill gpu_duration_ns from NCCL's start/end events once the GPU has run them, then write the rows.
     A work whose events are not ready is retried on the next flushes; after MAX_TIMED_TRIES (or at exit) its rows
@@ -374,7 +385,7 @@ def _track(work, rows) -> None:
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
         return
     # add_done_callback: no child future to build (then() costs ~3x as much on the training thread)
-    fut.add_done_callback(lambda _f: complete(key, now()))
+    fut.add_done_callback(_on_done(key))
 
 
 def expire_pending(all_=False) -> None:
@@ -553,7 +564,7 @@ def _wrap_comm_hook(hook):
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
                 add_pending(key, fut, [row])
-                fut.add_done_callback(lambda _f: complete(key, now()))
+                fut.add_done_callback(_on_done(key))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue
         except Exception:
