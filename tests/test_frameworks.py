@@ -47,12 +47,20 @@ class Job:
         return re.findall(r"final loss (-?\d+\.\d+)", self.proc.stdout)   # ranks print concurrently
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def job(command, tmp, profiled=True) -> Job:
     """Run ``command`` (with ``dtprof run`` around it when profiled); fail with its output if it fails."""
     run_dir = tmp / "run" if profiled else None
     full = ([sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-nvml", "--no-report", "--"]
             if profiled else []) + [str(c) for c in command]
     proc = subprocess.run(full, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=420)
+    if not profiled and proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
+        # the reference run only: torch's own teardown abort (a rank leaving with gloo's threads alive: pytorch
+        # issue #190489), seen in 2 of ~10 bare framework runs of one fresh-clone CI run after training finished.
+        # The profiled run is never retried: a failure there may be dtprof's
+        proc = subprocess.run(full, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"{full} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return Job(proc, run_dir)
 

@@ -40,6 +40,10 @@ def main():
         accelerator.print(f"step {step} loss {mean_loss.item():.6f}", flush=True)
     accelerator.print(f"final loss {mean_loss.item():.8f}")
     accelerator.end_training()
+    # Accelerate leaves its process group up; exiting with gloo's threads alive can abort the process
+    # ("terminate called without an active exception", pytorch issue #190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

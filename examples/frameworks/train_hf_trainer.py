@@ -56,6 +56,10 @@ def main():
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss {result.training_loss:.8f}", flush=True)
+    # the Trainer leaves its process group up; exiting with gloo's threads alive can abort the process
+    # ("terminate called without an active exception", pytorch issue #190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
