@@ -247,7 +247,14 @@ def test_killed_launcher_does_not_harm_the_job(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", "r", "--no-nvml", "--",
                                  *TORCHRUN, "job.py"], cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-    first = launcher.stdout.readline()   # the job is running and printing
+    # the job is running and printing. Read its first line byte by byte: readline() would buffer the lines behind
+    # it, which communicate() (reading the raw pipe) then never sees -- "rank 0 step 0" went missing that way once
+    first = ""
+    while not first.endswith("\n"):
+        byte = os.read(launcher.stdout.fileno(), 1)
+        if not byte:
+            break
+        first += byte.decode()
     assert first.startswith("rank "), first
     launcher.kill()
     launcher.wait()
