@@ -27,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers.intervals import assign_to_windows
+
 NS = 1e9
 
 BUS_FACTOR = {  # function of n (group size)
@@ -146,26 +148,9 @@ def window_step(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndar
     """The step of the window ``[start_ns, end_ns)`` of its own rank that holds host time ``t`` on ``rank``, -1 for
     none. ``steps``: rank-steps (rank, step, start_ns, end_ns). Whether that step is measured is the global
     analysis' choice (warm-up), made in ``instances_of``."""
-    out = np.full(len(t), -1, np.int64)
-    if not len(steps) or not len(t):
-        return out
-    # one merge of all ranks' windows (sorted by rank and start) with the times: for each time, the window of its
-    # rank that started last at or before it (a start equal to the time comes first)
-    s_rank, starts = steps["rank"].to_numpy(np.int64), steps["start_ns"].to_numpy(np.int64)
-    order = np.lexsort((starts, s_rank))
-    s_rank, starts = s_rank[order], starts[order]
-    ends, step = steps["end_ns"].to_numpy(np.int64)[order], steps["step"].to_numpy(np.int64)[order]
-    t = np.asarray(t, np.int64)
-    rank = np.asarray(rank, np.int64)
-    n = len(starts)
-    ev = np.lexsort((np.r_[np.zeros(n, np.int64), np.ones(len(t), np.int64)], np.r_[starts, t], np.r_[s_rank, rank]))
-    last_window = np.maximum.accumulate(np.where(ev < n, ev, -1))
-    i = np.empty(len(t), np.int64)
-    i[ev[ev >= n] - n] = last_window[ev >= n]
-    j = np.maximum(i, 0)
-    ok = (i >= 0) & (s_rank[j] == rank) & (t < ends[j])
-    out[ok] = step[j[ok]]
-    return out
+    idx = assign_to_windows(steps["rank"].to_numpy(np.int64), steps["start_ns"].to_numpy(np.int64),
+                            steps["end_ns"].to_numpy(np.int64), np.asarray(rank, np.int64), np.asarray(t, np.int64))
+    return np.where(idx >= 0, steps["step"].to_numpy(np.int64)[np.maximum(idx, 0)], -1) if len(steps) else idx
 
 
 def own_records(co: pd.DataFrame) -> pd.DataFrame:

@@ -426,6 +426,12 @@ def _say_which_suspects_are_not_stragglers(what_if: list[dict], strag: pd.DataFr
                            f"{s['typical_excess_s'] * 1e3:.1f} ms more work than its peers")
 
 
+def is_unnamed_suspect(w: dict, named: set) -> bool:
+    """A what-if entry that removes a rank the straggler rule does not name (``named``: the ranks of
+    summary.json ``stragglers``); the terminal and the report mark it "(not a straggler)"."""
+    return w["scenario"] == "straggler_removed" and not set(w["ranks"]) <= named
+
+
 def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
     """``samples_per_s_source``/``tokens_per_s_source``: "inferred: ..." when a rank inferred them from its root
     module's input (a ``step_inputs`` meta row, collectors/inputs.py), else "dtprof.annotate"."""
@@ -556,7 +562,7 @@ def format_summary_text(summary: dict) -> str:
         err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
         lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
             f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
-            f"{' (not a straggler)' if w['scenario'] == 'straggler_removed' and not set(w['ranks']) <= named else ''} "
+            f"{' (not a straggler)' if is_unnamed_suspect(w, named) else ''} "
             f"{_fmt_s(w['predicted_step_s'])} (-{w['saving_frac']:.0%})" for w in wif[:3]))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:

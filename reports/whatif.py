@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from html import escape
 
+from dtprof.analyzers.summary import is_unnamed_suspect
+
 NAMES = {"straggler_removed": "Straggler removed", "perfect_overlap": "Perfect overlap",
          "no_data_wait": "No data wait", "balanced_stages": "Balanced stages",
          "no_pipeline_gaps": "No pipeline gaps", "collectives_at_link_peak": "Collectives at link peak"}
@@ -17,11 +19,6 @@ def _ms(x) -> str:
 NOT_NAMED = ' <span class="note">(not a straggler)</span>'
 
 
-def _not_named(w: dict, named: set) -> bool:
-    """A ``straggler_removed`` scenario of a rank the straggler rule does not name (its basis says why)."""
-    return w["scenario"] == "straggler_removed" and not set(w["ranks"]) <= named
-
-
 def whatif_html(summary: dict) -> str:
     """The ranked what-if table (``<div id="what-if">``), or "" when the run has none."""
     wif = summary.get("what_if") or []
@@ -31,7 +28,7 @@ def whatif_html(summary: dict) -> str:
     rows = "".join(
         f"<tr><td title=\"{escape(w['basis'])}\">{escape(NAMES.get(w['scenario'], w['scenario']))}"
         f"{' rank ' + escape(', '.join(map(str, w['ranks']))) if w['ranks'] else ''}"
-        f"{NOT_NAMED if _not_named(w, named) else ''}</td>"
+        f"{NOT_NAMED if is_unnamed_suspect(w, named) else ''}</td>"
         f"<td class=\"num\">{_ms(w['predicted_step_s'])}</td><td class=\"num\">{w['saving_frac']:.0%}</td></tr>"
         for w in wif)
     rep = summary.get("replay") or {}
