@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import breakdown as breakdown_mod
+from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import whatif as whatif_mod
@@ -78,10 +79,14 @@ def summarize(model) -> NodeSummary:
                        stage=ri.stage, unassigned=ov.unassigned)
 
 
-def to_tables(ns: NodeSummary) -> tuple[dict, dict]:
-    """(tables, facts) as the run format stores them (dtprof/schema.py SUMMARY_TABLES)."""
+def node_tables(model) -> tuple[dict, dict]:
+    """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/schema.py
+    SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
+    model before the rest: analyzers/runmodel.py)."""
+    ns = summarize(model)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
-             "instance_rows": ns.instance_rows},
+             "instance_rows": ns.instance_rows,
+             "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned)})
 
@@ -125,7 +130,7 @@ def of_run(run, model) -> NodeSummary:
     from dtprof.analyzers.runmodel import RunModel
 
     item_steps = whatif_mod.replay_steps(model)
-    facts, tables = run.node_summaries(item_steps)
+    facts, tables = run.node_summaries(item_steps, tables=("rank_steps", "exposed", "whatif_items", "instance_rows"))
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)

@@ -526,11 +526,11 @@ class Run:
         facts = _read_json(mark)
         return facts if facts.get("layout") == SUMMARY_LAYOUT else None
 
-    def node_summaries(self, item_steps=None) -> tuple[list, dict]:
+    def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
-        facts, None for a node without a summary; per table, the stored summaries' rows of all nodes in node order,
-        read by one DuckDB query across the nodes' files. ``item_steps``: read the what-if items of these steps
-        only (the replay's sample), not all."""
+        facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
+        of all nodes in node order, read by one DuckDB query across the nodes' files. ``item_steps``: read the
+        what-if items of these steps only (the replay's sample), not all."""
         import pandas as pd
 
         from dtprof.runformat import SUMMARY_DIR
@@ -538,13 +538,14 @@ class Run:
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
+        wanted = SUMMARY_TABLES if tables is None else {t: SUMMARY_TABLES[t] for t in tables}
         tables = {}
         con = None
         try:
-            for table, cols in SUMMARY_TABLES.items():
+            for table, cols in wanted.items():
                 names = [c for c, _ in cols]
-                # the items' text columns (a group, an op) repeat on millions of rows: categoricals
-                text = "category" if table == "whatif_items" else "str"
+                # the text columns (a group, an op, a host) of these repeat on millions of rows: categoricals
+                text = "category" if table in ("whatif_items", "clock_exits") else "str"
                 dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else text) for c, k in cols}
                 if not have:
                     tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})

@@ -161,8 +161,13 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     "instance_rows": [("group", "str"), ("sender", "int"), ("receiver", "int"), ("seq", "int"), ("wstep", "int"),
                       ("op", "str"), ("n", "int"), ("dur_min_ns", "int"), ("dur_sum_ns", "int"), ("bytes_max", "int"),
                       ("group_size_max", "int")],
+    # per collective instance (group, seq) and host: the exits of its rows reduced for the clock fit
+    # (analyzers/clock.py exit_sums; blocking 1: blocking rows, 0: asynchronous rows whose end was seen)
+    "clock_exits": [("group", "str"), ("seq", "int"), ("host", "str"), ("blocking", "int"), ("n", "int"),
+                    ("exit_min_ns", "int"), ("exit_dsum_ns", "int")],
 }
 # the summary tables' layout: a stored summary of another layout is stale (remade in memory by the analysis, and
 # by `dtprof summarize`). 2: what-if work per part in rank_steps; items name their collective's instance.
-# 3: per-instance reductions of the collectives (instance_rows)
-SUMMARY_LAYOUT = 3
+# 3: per-instance reductions of the collectives (instance_rows). 4: the clock fit's exits per (instance, host)
+# (clock_exits)
+SUMMARY_LAYOUT = 4
