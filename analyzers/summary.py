@@ -272,7 +272,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     t0 = time.perf_counter()
 
     say("reading tables")
-    model = RunModel.of(run, options.warmup)
+    model = RunModel.of(run, options.warmup, "raw" if source == "raw" else "summaries")
     if source == "raw":
         say("rank-local figures (overlap, breakdown, what-if items) of the whole run")
         ns = nodesummary_mod.summarize(model)
