@@ -54,7 +54,7 @@ class Analysis:
     summary: dict
     steps: pd.DataFrame          # per rank × step
     collectives: pd.DataFrame    # per op × group × size bucket
-    arrivals: pd.DataFrame       # per collective instance × rank
+    arrivals: pd.DataFrame       # per collective instance: its last arriver (stragglers.arrivals)
     stragglers: pd.DataFrame     # per rank
     pipeline: pd.DataFrame | None  # per stage × step
     gpu: pd.DataFrame            # per GPU
@@ -304,11 +304,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
 
     clk = model.clock
     say("collective arrivals and stragglers")
-    arr = strag_mod.arrivals(model)
+    arr, rows_per_rank = strag_mod.arrivals(model, ns.arrival_parts, ns.arrival_counts)
     say("what-if replay")
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
     wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
-    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
+    strag = strag_mod.classify(run, arr, rows_per_rank, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None)
     say("GPU and memory")
@@ -351,7 +351,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     if ov.unassigned:
         problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
                         f"counted in per-step figures")
-    arr_out = arr.drop(columns=["inst", "measured"], errors="ignore")
+    arr_out = arr.drop(columns=["measured"])
     summary = {
         "schema": SUMMARY_SCHEMA,
         "generated_by": "dtprof.analyzers",

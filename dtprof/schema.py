@@ -161,6 +161,12 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     "instance_rows": [("group", "str"), ("sender", "int"), ("receiver", "int"), ("seq", "int"), ("wstep", "int"),
                       ("op", "str"), ("n", "int"), ("dur_min_ns", "int"), ("dur_sum_ns", "int"), ("bytes_max", "int"),
                       ("group_size_max", "int")],
+    # per collective instance (group, seq) and part (one host on one node): the arrivals reduced
+    # (analyzers/stragglers.py arrival_parts); per rank and step (-1: none), its collectives rows
+    "arrival_parts": [("group", "str"), ("seq", "int"), ("host", "str"), ("node", "str"), ("n", "int"),
+                      ("issue_min_ns", "int"), ("issue_dsum_ns", "int"), ("issue_max_ns", "int"), ("rank_max", "int"),
+                      ("step_max", "int"), ("op_max", "str"), ("issue_2nd_ns", "int")],
+    "arrival_counts": [("rank", "int"), ("step", "int"), ("n", "int")],
     # per collective instance (group, seq) and host: the exits of its rows reduced for the clock fit
     # (analyzers/clock.py exit_sums; blocking 1: blocking rows, 0: asynchronous rows whose end was seen)
     "clock_exits": [("group", "str"), ("seq", "int"), ("host", "str"), ("blocking", "int"), ("n", "int"),
@@ -169,5 +175,5 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # the summary tables' layout: a stored summary of another layout is stale (remade in memory by the analysis, and
 # by `dtprof summarize`). 2: what-if work per part in rank_steps; items name their collective's instance.
 # 3: per-instance reductions of the collectives (instance_rows). 4: the clock fit's exits per (instance, host)
-# (clock_exits)
+# (clock_exits) and the arrivals per instance and part (arrival_parts, arrival_counts)
 SUMMARY_LAYOUT = 4

@@ -481,14 +481,17 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
 
 # -------------------------------------------------------------------------------------------------- stragglers
 def straggler_figure(ctx: Context) -> go.Figure | None:
-    """Arrival lateness per rank and step: the worst lateness of the rank at any collective of that step."""
+    """Arrival lateness per rank and step: the worst lateness of the rank at the collectives of that step it arrived
+    last at (the analysis keeps each instance's last arriver only: docs/scale.md)."""
     arr = ctx.analysis.arrivals
     if arr is None or len(arr) == 0:
         return None
-    a = arr.dropna(subset=["step"]).astype({"step": "int64"})
+    a = arr[arr["last"].to_numpy(bool)].dropna(subset=["step"]).astype({"step": "int64"})
+    if len(a) == 0:
+        return None
     a = a.groupby(["rank", "step"], observed=True)["lateness_s"].max().reset_index()
-    return rank_step_heatmap(ctx, a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
-                             "0 = first to arrive)", "lateness", colorscale="Reds")
+    return rank_step_heatmap(ctx, a, "lateness_s", "Lateness of the last arriver at collectives (worst per rank "
+                             "and step; blank = never last)", "lateness", colorscale="Reds")
 
 
 # --------------------------------------------------------------------------------------------------------- NVML
