@@ -83,9 +83,11 @@ LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (ma
 # one host on one node, which share a clock, so its earliest and latest arrival are those of its earliest and
 # latest issue): the count of rows, the earliest issue and Σ of the others' distance from it, the latest issue with
 # its rank (ties: the highest rank), that row's step (-1: none) and op, and the second-latest issue (the latest when
-# the part has one row). Point-to-point ops are left out; the ranks' own records win over trace rows.
+# the part has one row); for triage's mismatch check (analyzers/triage.py mismatch_candidates) the number of distinct
+# (op, in_bytes, dtype) among the part's rows (``kinds``) and the latest row's, as "op|in_bytes|dtype" (``kind``).
+# Point-to-point ops are left out; the ranks' own records win over trace rows.
 ARRIVAL_PART_COLUMNS = ("group", "seq", "host", "node", "n", "issue_min_ns", "issue_dsum_ns", "issue_max_ns",
-                        "rank_max", "step_max", "op_max", "issue_2nd_ns")
+                        "rank_max", "step_max", "op_max", "issue_2nd_ns", "kinds", "kind")
 # per rank and step (-1: none): its rows (the instances it took part in)
 ARRIVAL_COUNT_COLUMNS = ("rank", "step", "n")
 
@@ -103,7 +105,8 @@ def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
     c = _collective_rows(model)
     r = model.ranks
     if len(c) == 0:
-        return (pd.DataFrame({k: pd.Series(dtype=object if k in ("group", "host", "node", "op_max") else "int64")
+        return (pd.DataFrame({k: pd.Series(dtype=object if k in ("group", "host", "node", "op_max", "kind")
+                                           else "int64")
                               for k in ARRIVAL_PART_COLUMNS}),
                 pd.DataFrame({k: pd.Series(dtype="int64") for k in ARRIVAL_COUNT_COLUMNS}))
     rank = c["rank"].to_numpy(np.int64)
@@ -124,6 +127,12 @@ def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
     n = ends - starts + 1
     dsum = np.add.reduceat(si - np.repeat(lo, n), starts)
     last = order[ends]
+    sig = pd.MultiIndex.from_arrays([c["op"].astype(str).to_numpy(), c["in_bytes"].to_numpy(np.int64),
+                                     c["dtype"].astype(str).to_numpy()])
+    sig_code, sig_uniq = pd.factorize(sig)
+    part_of_row = np.repeat(np.arange(len(starts)), n)
+    kinds = pd.DataFrame({"p": part_of_row, "k": sig_code[order]}).groupby("p")["k"].nunique().to_numpy(np.int64)
+    sig_text = np.asarray([f"{o}|{b}|{d}" for o, b, d in sig_uniq], dtype=object)   # one per distinct kind
     parts = pd.DataFrame({
         "group": np.asarray(g.categories, dtype=object)[g.codes[last]], "seq": seq[last],
         "host": np.asarray(h.categories, dtype=object)[h.codes[last]],
@@ -131,7 +140,8 @@ def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
         "n": n.astype(np.int64), "issue_min_ns": lo, "issue_dsum_ns": dsum.astype(np.int64),
         "issue_max_ns": issue[last], "rank_max": rank[last], "step_max": step[last],
         "op_max": c["op"].astype(str).to_numpy()[last],
-        "issue_2nd_ns": np.where(n > 1, si[np.maximum(ends - 1, starts)], issue[last])})
+        "issue_2nd_ns": np.where(n > 1, si[np.maximum(ends - 1, starts)], issue[last]),
+        "kinds": kinds, "kind": sig_text[sig_code[last]]})
     counts = pd.DataFrame({"rank": rank, "step": step}).groupby(["rank", "step"], sort=True).size()
     return parts, counts.rename("n").reset_index().astype("int64")
 

@@ -402,7 +402,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
                         exposed=bd.exposed)
     say("triage")
-    _add_triage(summary, run, stragglers_list)
+    _add_triage(summary, run, stragglers_list, ns)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -444,12 +444,14 @@ def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
             step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
-def _add_triage(summary: dict, run, stragglers: list[dict]) -> None:
-    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here."""
+def _add_triage(summary: dict, run, stragglers: list[dict], ns) -> None:
+    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
+    reads only the collectives rows of the instances the node summaries ``ns`` flag."""
     from dtprof.analyzers import triage
 
     try:
-        res = triage.triage(run.path, run=run, stragglers=stragglers)
+        rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
+        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
@@ -462,8 +464,11 @@ def _add_mesh(summary: dict, run, steps, bd) -> None:
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
+    # without a named dimension there is no block: the collectives (read for the communication per dimension) are
+    # not read at all
+    named = (mesh.group_dims(run.groups)["mesh_dim"] != mesh.NO_DIM).any() if len(run.groups) else False
     block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta,   # run: the run model
-                              exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
+                              exposed=breakdown_mod.exposed_by_dim_rank_step(bd)) if named else None
     if block is None:
         summary["mesh"] = None
         summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"

@@ -165,7 +165,8 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     # (analyzers/stragglers.py arrival_parts); per rank and step (-1: none), its collectives rows
     "arrival_parts": [("group", "str"), ("seq", "int"), ("host", "str"), ("node", "str"), ("n", "int"),
                       ("issue_min_ns", "int"), ("issue_dsum_ns", "int"), ("issue_max_ns", "int"), ("rank_max", "int"),
-                      ("step_max", "int"), ("op_max", "str"), ("issue_2nd_ns", "int")],
+                      ("step_max", "int"), ("op_max", "str"), ("issue_2nd_ns", "int"), ("kinds", "int"),
+                      ("kind", "str")],
     "arrival_counts": [("rank", "int"), ("step", "int"), ("n", "int")],
     # per collective instance (group, seq) and host: the exits of its rows reduced for the clock fit
     # (analyzers/clock.py exit_sums; blocking 1: blocking rows, 0: asynchronous rows whose end was seen)
