@@ -155,13 +155,14 @@ def align_by_rank(run, t: np.ndarray, rank: np.ndarray, clock: pd.DataFrame) -> 
     return t + np.rint(off[rank] + drift[rank] * 1e-6 * (t - ref_t).astype(float)).astype(np.int64)
 
 
-def alignment(host: np.ndarray, clock: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+def alignment(host: np.ndarray | pd.Categorical, clock: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """(offset_ns, drift as a fraction) of each of the hosts ``host`` (host names; 0 for a host without a fit):
     a time ``t`` of that host is ``t + offset + drift * (t - ref_t(clock))`` on the reference host's clock."""
-    host = np.asarray(host, dtype=object)
     if len(clock) == 0:
         return np.zeros(len(host)), np.zeros(len(host))
-    idx = pd.Index(clock["host"]).get_indexer(host)
+    h = host if isinstance(host, pd.Categorical) else pd.Categorical(np.asarray(host, dtype=object))
+    # one look-up per distinct host, not per time (millions of times, a few thousand hosts)
+    idx = np.where(h.codes >= 0, pd.Index(clock["host"]).get_indexer(h.categories)[np.maximum(h.codes, 0)], -1)
     known = idx >= 0
     off = np.where(known, clock["offset_ns"].to_numpy(float)[np.maximum(idx, 0)], 0.0)
     drift = np.where(known, clock["drift_ppm"].to_numpy(float)[np.maximum(idx, 0)], 0.0) * 1e-6
@@ -172,7 +173,7 @@ def ref_t(clock: pd.DataFrame) -> int:
     return int(clock["ref_t_ns"].to_numpy(np.int64)[0]) if len(clock) else 0
 
 
-def align_times(t: np.ndarray, host: np.ndarray, clock: pd.DataFrame) -> np.ndarray:
+def align_times(t: np.ndarray, host: np.ndarray | pd.Categorical, clock: pd.DataFrame) -> np.ndarray:
     """Times ``t`` (ns) of hosts ``host`` (array of host names) moved onto the reference host's clock."""
     t = np.asarray(t, dtype=np.int64)
     if len(clock) == 0 or len(t) == 0:

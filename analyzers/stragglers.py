@@ -166,7 +166,7 @@ def arrivals(model, parts: pd.DataFrame, counts: pd.DataFrame) -> tuple[pd.DataF
     if len(parts) == 0:
         return (pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64"))
                               for c in cols}), rows_per_rank)
-    host = np.asarray(parts["host"], dtype=object)
+    host = pd.Categorical(parts["host"])
     g = pd.Categorical(np.asarray(parts["group"], dtype=object))
     seq = parts["seq"].to_numpy(np.int64)
     inst, n_inst = instance_ids(g.codes.astype(np.int64), seq - seq.min())
