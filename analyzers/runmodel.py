@@ -9,8 +9,9 @@ compare and triage read these columns; none derives them again.
 - ``clock``: one clock model per host (``analyzers/clock.py``: offset + drift fitted on collective exits against
   the reference host, ``residual_ns`` the stated uncertainty), from the exits reduced per (instance, host)
   (``clock.exit_sums``): the node summaries' (source "summaries", a node without one reduced here from its own
-  rows) or the whole run's rows reduced at once (source "raw"); the same reduction either way. ``align(t, rank)`` / ``align_host(t, host)`` put a
-  rank's or host's monotonic times on the reference host's clock; every aligned time anywhere comes from them.
+  rows) or the whole run's rows reduced at once (source "raw"); the same reduction either way.
+  ``align(t, rank)`` / ``align_host(t, host)`` put a rank's or host's monotonic times on the reference host's
+  clock; every aligned time anywhere comes from them.
 - ``steps``: per rank-step ``start_ns``, ``end_ns``, ``duration_s``, ``aligned_start_ns``, ``aligned_end_ns``,
   ``warmup``, ``traced`` (a trace capture disturbed it), ``flops_counted`` (it ran under FlopCounterMode),
   ``measured`` (none of these), plus the steps table's per-step

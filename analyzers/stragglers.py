@@ -212,9 +212,10 @@ def arrivals(model, parts: pd.DataFrame, counts: pd.DataFrame) -> tuple[pd.DataF
 def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.DataFrame, step_p50_s: float | None,
              savings: pd.DataFrame | None = None, min_saving: float = DEFAULT_MIN_SAVING,
              typical_excess: dict[int, float] | None = None) -> pd.DataFrame:
-    """``arr``, ``rows_per_rank``: ``arrivals``. Per rank: rank, host, device, late_frac, time_lost_s, compute_score, delay_s_per_step, saving_frac,
-    saving_step_frac, kind, late_steps. ``savings``: rank, step, saving_frac of the what-if's straggler_removed per
-    measured step (analyzers/whatif.py); ranks without a row save nothing. ``typical_excess``: rank -> the what-if's
+    """``arr``, ``rows_per_rank``: ``arrivals``. Per rank: rank, host, device, late_frac, time_lost_s,
+    compute_score, delay_s_per_step, saving_frac, saving_step_frac, kind, late_steps. ``savings``: rank, step,
+    saving_frac of the what-if's straggler_removed per measured step (analyzers/whatif.py); ranks without a row save
+    nothing. ``typical_excess``: rank -> the what-if's
     typical_excess (s); a rank without one has none."""
     r = run.ranks
     out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
