@@ -24,6 +24,7 @@ import pandas as pd
 from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
+from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
@@ -41,6 +42,7 @@ class NodeSummary:
     instance_rows: pd.DataFrame   # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
     arrival_parts: pd.DataFrame   # stragglers.ARRIVAL_PART_COLUMNS: the arrivals reduced per instance and part
     arrival_counts: pd.DataFrame  # stragglers.ARRIVAL_COUNT_COLUMNS: each rank's collectives per step
+    rank_group_comm: pd.DataFrame  # mesh.RANK_GROUP_COMM_COLUMNS (read from stored summaries only for a mesh run)
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
     unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
@@ -80,6 +82,7 @@ def summarize(model) -> NodeSummary:
     parts, counts = strag_mod.arrival_parts(model)
     return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
                        instance_rows=coll_mod.instance_rows(model), arrival_parts=parts, arrival_counts=counts,
+                       rank_group_comm=mesh_mod.rank_group_comm(model.collectives),
                        pipeline_ranks=sorted(set(bd.pipeline_ranks) | set(ri.pipeline_ranks)),
                        stage=ri.stage, unassigned=ov.unassigned)
 
@@ -91,7 +94,8 @@ def node_tables(model) -> tuple[dict, dict]:
     ns = summarize(model)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
              "instance_rows": ns.instance_rows, "arrival_parts": ns.arrival_parts,
-             "arrival_counts": ns.arrival_counts, "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
+             "arrival_counts": ns.arrival_counts, "rank_group_comm": ns.rank_group_comm,
+             "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned)})
 
@@ -119,6 +123,9 @@ def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> Nod
                                                ignore_index=True),
                        arrival_counts=pd.concat([tables["arrival_counts"]] + [c.arrival_counts for c in computed],
                                                 ignore_index=True),
+                       rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in computed],
+                                                 ignore_index=True) if "rank_group_comm" in tables
+                       else mesh_mod.rank_group_comm(pd.DataFrame()),
                        pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
                                              | {r for c in computed for r in c.pipeline_ranks}),
                        stage=stage,
@@ -140,8 +147,12 @@ def of_run(run, model) -> NodeSummary:
     from dtprof.analyzers.runmodel import RunModel
 
     item_steps = whatif_mod.replay_steps(model)
-    facts, tables = run.node_summaries(item_steps, tables=("rank_steps", "exposed", "whatif_items", "instance_rows",
-                                                                 "arrival_parts", "arrival_counts"))
+    wanted: tuple[str, ...] = ("rank_steps", "exposed", "whatif_items", "instance_rows", "arrival_parts",
+                               "arrival_counts")
+    # the communication per rank, step and group only where the mesh block needs it (a DeviceMesh dimension named)
+    if mesh_mod.named_dims(run.groups):
+        wanted += ("rank_group_comm",)
+    facts, tables = run.node_summaries(item_steps, tables=wanted)
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)

@@ -382,7 +382,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     else:
         summary.update(wi.summary)
         _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
-    _add_mesh(summary, spans_view, steps, bd)
+    _add_mesh(summary, spans_view, steps, bd, ns)
     say("GPU kernels")
     gpu_time = kernels_mod.gpu_time(spans_view.spans, run.steps, options.gpu_window)
     for r in summary["ranks"]:
@@ -459,16 +459,15 @@ def _add_triage(summary: dict, run, stragglers: list[dict], ns) -> None:
     summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
 
 
-def _add_mesh(summary: dict, run, steps, bd) -> None:
+def _add_mesh(summary: dict, run, steps, bd, ns) -> None:
     """Hybrid parallelism (analyzers/mesh.py): communication and exposed communication per DeviceMesh dimension,
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
-    # without a named dimension there is no block: the collectives (read for the communication per dimension) are
-    # not read at all
-    named = (mesh.group_dims(run.groups)["mesh_dim"] != mesh.NO_DIM).any() if len(run.groups) else False
-    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta,   # run: the run model
-                              exposed=breakdown_mod.exposed_by_dim_rank_step(bd)) if named else None
+    block = None
+    if mesh.named_dims(run.groups):   # the summaries' rank_group_comm is read only then (nodesummary.of_run)
+        block = mesh.mesh_summary(run.groups, ns.rank_group_comm, steps, run.meta,   # run: the run model
+                                  exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
     if block is None:
         summary["mesh"] = None
         summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"
