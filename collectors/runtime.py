@@ -84,6 +84,8 @@ class Recorder:
         self.init_ns = 0
         self.step_start_ns = None  # start of the step in progress (None before the first forward)
         self.prev_step_end_ns = None
+        self.run_delay_fd = None   # the training thread's /proc schedstat (None: not Linux, or no step started yet)
+        self.run_delay_mark = None  # its run delay (ns) when the step in progress started
         self.fwd_depth = 0
         self.fwd_t0 = 0
         self.fwd_ev0 = None
@@ -383,6 +385,8 @@ class Recorder:
                     self.fwd_seen_in_step = True
                     if self.step_start_ns is None:
                         self.step_start_ns = t
+                        self.run_delay_fd = _open_run_delay()
+                        self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
                 self.fwd_t0 = t
                 self.fwd_ev0 = self.cuda_event() if self.cuda else None
                 self.last_progress_ns = t
@@ -534,8 +538,11 @@ class Recorder:
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
         a, inferred = self.annot, self.inferred
+        mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
+        cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
         self.add(Step(self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
-                      a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step)))
+                      a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step),
+                      cpu_wait))
         if step == 0:
             # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
             self.threads_cpu_step0 = _own_threads_cpu_s()
@@ -636,6 +643,23 @@ class Recorder:
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
 Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
+
+
+def _open_run_delay() -> int | None:
+    """The calling (training) thread's scheduler statistics, opened once: reading them costs ~1 µs a step."""
+    try:
+        return os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:                 # not Linux, or a kernel without schedstat
+        return None
+
+
+def _run_delay_ns(fd: int | None) -> int | None:
+    """The thread's run delay so far: ns it was runnable but waiting for a CPU (schedstat's second field); None
+    without the file, or once the thread that opened it has ended."""
+    try:
+        return int(os.pread(fd, 64, 0).split()[1]) if fd is not None else None
+    except OSError:
+        return None
 
 
 def _own_threads_cpu_s() -> dict:
