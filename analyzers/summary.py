@@ -517,7 +517,7 @@ def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None
 
 
 def _fmt_s(x) -> str:
-    if x is None:
+    if x is None or x != x:   # None, or NaN (a rank that did not report the figure)
         return "—"
     if x == 0:
         return "0"
@@ -558,14 +558,18 @@ def format_summary_text(summary: dict) -> str:
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
     short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
              "optimizer": "optim"}
+    # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
+    cpu_col = summary.get("cpu_wait") is not None
     lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
-                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}")
+                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}"
+                 + (f" {'cpu wait':>9}" if cpu_col else ""))
     for r in summary.get("ranks") or []:
         b = r.get("breakdown_s_per_step") or {}
         lines.append(f"{r['rank']:>5} {str(r.get('host') or '')[:14]:<14} {r.get('steps', 0):>5} "
                      f"{_fmt_s(r.get('step_time_s_mean')):>10} "
                      + " ".join(f"{_fmt_s(b.get(p)):>9}" for p in parts)
-                     + f" {_fmt_frac(r.get('overlap_ratio')):>8}")
+                     + f" {_fmt_frac(r.get('overlap_ratio')):>8}"
+                     + (f" {_fmt_s(r.get('cpu_wait_s_per_step')):>9}" if cpu_col else ""))
     bd = summary.get("breakdown") or {}
     by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
     by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}

@@ -64,6 +64,11 @@ def test_a_rank_slowed_by_waiting_for_a_cpu_is_not_a_straggler_and_the_contentio
     f = next(f for f in a.findings if f["id"] == "cpu_contention")
     assert "rank 1 most: 16.5 ms per step" in f["message"]
     assert not any(f["id"] == "straggler" for f in a.findings)
+    # the terminal's per-rank table shows each rank's wait for a CPU after the breakdown's parts
+    rows = format_summary_text(a.summary).splitlines()
+    header = next(i for i, line in enumerate(rows) if line.split()[:2] == ["rank", "host"])
+    assert rows[header].endswith("cpu wait")
+    assert rows[header + 2].endswith("16.5 ms") and rows[header + 1].endswith(" 0"), rows[header:header + 4]
 
 
 def test_perfect_overlap_removes_the_exposed_last_bucket(tmp_path):
