@@ -1,7 +1,8 @@
 """dtprof's overhead on real jobs: step time bare vs under `dtprof run`, and dtprof's own CPU time per step.
 
 Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pipeline (examples/) and a framework
-job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate``) -- each run bare and under
+job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate`` and ``lightning-wide``, the
+Lightning job with a wider model and ~40 ms steps) -- each run bare and under
 `dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
 first as often as second), so the machine's noise (other jobs) hits both alike. A job's step time is its own: the
 interval between consecutive "step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and
@@ -199,6 +200,9 @@ JOBS = {
     "fsdp2": (["examples/train_fsdp.py", *MODEL], 40),
     "pipeline": (["examples/train_pipeline.py", *MODEL], 50),
     "lightning": (["examples/frameworks/train_lightning.py", "--dim", "1024", "--batch", "64", "--lr", "0.001"], 200),
+    # the same framework job with a wider model: ~40 ms steps, the length of the issue's reference DDP job
+    "lightning-wide": (["examples/frameworks/train_lightning.py", "--dim", "1536", "--batch", "64", "--lr", "0.001"],
+                       100),
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
