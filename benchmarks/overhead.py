@@ -255,7 +255,8 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         if STEP_LINE.match(line):
             seen.append(time.monotonic())
             n = int(STEP_LINE.match(line).group(1))
-            if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n == steps - 1):   # timed steps
+            # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
+            if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                 cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
     if proc.wait():
         sys.exit(f"{name}: {' '.join(cmd)} exited {proc.returncode}")
@@ -263,6 +264,8 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     out = {"step_s": statistics.median(intervals)}
     if run_dir is not None:
         (i0, c0), (i1, c1) = cpu[0], cpu[-1]
+        if i1 <= i0:
+            sys.exit(f"{name}: only {len(seen)} step lines of {steps} arrived; no CPU interval to measure")
         out["launcher_cpu_s_per_step"] = (c1 - c0) / 1e9 / (i1 - i0)
         from dtprof.reader import open_run
 
