@@ -55,6 +55,11 @@ def group_dims(groups: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def named_dims(groups: pd.DataFrame) -> bool:
+    """Whether any group of ``groups`` (the groups table) names a DeviceMesh dimension."""
+    return bool(len(groups)) and bool((group_dims(groups)["mesh_dim"] != NO_DIM).any())
+
+
 def mesh_dim_of(groups: pd.DataFrame, group: pd.Series) -> pd.Series:
     """The mesh dimension of each group named in ``group`` (NO_DIM for groups outside a DeviceMesh)."""
     dims = group_dims(groups) if len(groups) else pd.DataFrame(columns=["group", "mesh_dim"])
@@ -74,27 +79,46 @@ def mesh_shape(meta: pd.DataFrame | None) -> tuple[list[int], list[str]] | None:
     return None
 
 
-def _rank_step_comm(groups: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
-    """Per (rank, step, mesh_dim): comm_s and bytes."""
+# per rank, step (-1: none) and group: the communication time (Σ exit_ns - issue_ns) and bytes (Σ max(in, out)) of
+# the rank's collectives: rank-local, so a node summary stores its ranks' (``rank_group_comm``) and the dimensions
+# are applied by the global analysis
+RANK_GROUP_COMM_COLUMNS = ("rank", "step", "group", "comm_ns", "bytes")
+
+
+def rank_group_comm(collectives: pd.DataFrame) -> pd.DataFrame:
+    """RANK_GROUP_COMM_COLUMNS of ``collectives`` (the run model's, with ``exit_ns``), sorted by rank, step, group."""
+    c = collectives
+    if len(c) == 0:
+        return pd.DataFrame({k: pd.Series(dtype=object if k == "group" else "int64") for k in RANK_GROUP_COMM_COLUMNS})
+    df = pd.DataFrame({"rank": c["rank"].to_numpy(np.int64), "step": c["step"].astype("Int64").fillna(-1).to_numpy(
+        np.int64), "group": c["group"].astype(str).to_numpy(),
+        "comm_ns": c["exit_ns"].to_numpy(np.int64) - c["issue_ns"].to_numpy(np.int64),
+        "bytes": np.maximum(c["in_bytes"].to_numpy(np.int64), c["out_bytes"].to_numpy(np.int64))})
+    return df.groupby(["rank", "step", "group"], sort=True, as_index=False)[["comm_ns", "bytes"]].sum()
+
+
+def _rank_step_comm(groups: pd.DataFrame, comm: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step, mesh_dim) of ``comm`` (``rank_group_comm``; rows without a step left out): comm_s and
+    bytes, sorted by rank, step, mesh_dim."""
     dims = group_dims(groups)[["group", "mesh_dim"]]
-    c = collectives[["rank", "step", "group", "issue_ns", "exit_ns", "in_bytes", "out_bytes"]].copy()
-    c["group"] = c["group"].astype(str)
+    c = comm[comm["step"].to_numpy(np.int64) >= 0].astype({"group": str})
     c = c.merge(dims, on="group", how="left")
     c["mesh_dim"] = c["mesh_dim"].fillna(NO_DIM)
-    c["comm_s"] = (c["exit_ns"] - c["issue_ns"]).astype("float64") / 1e9
-    c["bytes"] = np.maximum(c["in_bytes"].to_numpy("int64"), c["out_bytes"].to_numpy("int64"))
     c["step"] = c["step"].astype("float64")
-    return c.groupby(["rank", "step", "mesh_dim"], sort=False, as_index=False)[["comm_s", "bytes"]].sum()
+    out = c.groupby(["rank", "step", "mesh_dim"], sort=True, as_index=False)[["comm_ns", "bytes"]].sum()
+    out["comm_s"] = out.pop("comm_ns").astype("float64") / 1e9
+    return out
 
 
-def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
+def comm_by_dim(groups: pd.DataFrame, comm: pd.DataFrame, steps: pd.DataFrame | None = None,
                 exposed: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per mesh dimension: dim, comm_s_per_step, exposed_comm_s_per_step (NaN without ``exposed``),
     bytes_per_step, groups (sorted list of group names), ranks (count of ranks with traffic in it).
 
-    ``steps``: per rank × step (with ``measured``: only those rows count); without it every step seen in the
-    collectives counts. ``exposed``: rank, step, mesh_dim, exposed_s (breakdown.exposed_by_dim_rank_step)."""
-    rs = _rank_step_comm(groups, collectives)
+    ``comm``: ``rank_group_comm`` of the run's collectives (its node summaries'). ``steps``: per rank × step (with
+    ``measured``: only those rows count); without it every step seen in the collectives counts. ``exposed``: rank,
+    step, mesh_dim, exposed_s (breakdown.exposed_by_dim_rank_step)."""
+    rs = _rank_step_comm(groups, comm)
     if steps is not None:
         keep = steps if "measured" not in steps else steps[steps["measured"].astype(bool)]
         frame = keep[["rank", "step"]].copy()
@@ -114,7 +138,7 @@ def comm_by_dim(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataF
         comm_s_per_step=("comm_s", "mean"), exposed_comm_s_per_step=("exposed_s", "mean"),
         bytes_per_step=("bytes", "mean"), ranks=("rank", "nunique")).reset_index()
     dims = group_dims(groups)
-    used = collectives["group"].astype(str).unique()
+    used = comm["group"].astype(str).unique()
     names = dims[dims["group"].isin(used)].groupby("mesh_dim")["group"].agg(lambda s: sorted(s.tolist()))
     per["groups"] = per["mesh_dim"].map(names)
     per = per.rename(columns={"mesh_dim": "dim"})
@@ -221,10 +245,11 @@ def rank_coords(groups: pd.DataFrame) -> dict:
     return {"ranks": ranks.tolist(), "coords": coords}
 
 
-def mesh_summary(groups: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame | None = None,
+def mesh_summary(groups: pd.DataFrame, comm: pd.DataFrame, steps: pd.DataFrame | None = None,
                  meta: pd.DataFrame | None = None, exposed: pd.DataFrame | None = None) -> dict | None:
-    """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims."""
-    per = comm_by_dim(groups, collectives, steps, exposed)
+    """The proposed ``summary.json`` ``mesh`` block (module docstring); None when the run has no mesh dims.
+    ``comm``: ``rank_group_comm`` of the run's collectives."""
+    per = comm_by_dim(groups, comm, steps, exposed)
     if (per["dim"] != NO_DIM).sum() == 0:
         return None
     found = mesh_shape(meta)

@@ -10,8 +10,9 @@ path); there is no second derivation.
 Per rank-step: its window and the overlap (analyzers/overlap.py) and breakdown (analyzers/breakdown.py) figures;
 per rank-step and channel: exposed communication; per rank-step: the what-if model's work, arrival and wait items
 (analyzers/whatif.py ``rank_items``), whose arrivals and waits name their collective's instance, and their work per
-part (``whatif.work_totals``). Cross-rank figures (collective instances, arrivals, lateness, the clock fit) are
-made from the collectives table, and the replay from these items, by the global analysis.
+part (``whatif.work_totals``); per collective instance, the node's rows reduced for the collective table
+(``collectives.instance_rows``), the arrivals (``stragglers.arrival_parts``) and the clock fit (``clock.exit_sums``,
+read by the run model). The cross-rank figures are made from these by the global analysis.
 """
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import breakdown as breakdown_mod
+from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
+from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import overlap as overlap_mod
+from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 
 OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio",
@@ -36,6 +40,9 @@ class NodeSummary:
     exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
     items: pd.DataFrame        # whatif.ITEM_COLUMNS + COLLECTIVE_COLUMNS (of the replayed steps at least)
     instance_rows: pd.DataFrame   # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
+    arrival_parts: pd.DataFrame   # stragglers.ARRIVAL_PART_COLUMNS: the arrivals reduced per instance and part
+    arrival_counts: pd.DataFrame  # stragglers.ARRIVAL_COUNT_COLUMNS: each rank's collectives per step
+    rank_group_comm: pd.DataFrame  # mesh.RANK_GROUP_COMM_COLUMNS (read from stored summaries only for a mesh run)
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
     unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
@@ -72,16 +79,23 @@ def summarize(model) -> NodeSummary:
     work = whatif_mod.work_totals(ri.items, windows)
     for i, p in enumerate(whatif_mod.WORK_PARTS):
         per[f"work_{p}_ns"] = work[:, i]
+    parts, counts = strag_mod.arrival_parts(model)
     return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
-                       instance_rows=coll_mod.instance_rows(model),
+                       instance_rows=coll_mod.instance_rows(model), arrival_parts=parts, arrival_counts=counts,
+                       rank_group_comm=mesh_mod.rank_group_comm(model.collectives),
                        pipeline_ranks=sorted(set(bd.pipeline_ranks) | set(ri.pipeline_ranks)),
                        stage=ri.stage, unassigned=ov.unassigned)
 
 
-def to_tables(ns: NodeSummary) -> tuple[dict, dict]:
-    """(tables, facts) as the run format stores them (dtprof/schema.py SUMMARY_TABLES)."""
+def node_tables(model) -> tuple[dict, dict]:
+    """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/schema.py
+    SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
+    model before the rest: analyzers/runmodel.py)."""
+    ns = summarize(model)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
-             "instance_rows": ns.instance_rows},
+             "instance_rows": ns.instance_rows, "arrival_parts": ns.arrival_parts,
+             "arrival_counts": ns.arrival_counts, "rank_group_comm": ns.rank_group_comm,
+             "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned)})
 
@@ -104,6 +118,14 @@ def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> Nod
                        # in node order (an instance's op is its first node's), merged per instance by the analysis
                        instance_rows=pd.concat([tables["instance_rows"]] + [c.instance_rows for c in computed],
                                                ignore_index=True),
+                       # in node order: the arrivals' reduction does not depend on the order of the parts
+                       arrival_parts=pd.concat([tables["arrival_parts"]] + [c.arrival_parts for c in computed],
+                                               ignore_index=True),
+                       arrival_counts=pd.concat([tables["arrival_counts"]] + [c.arrival_counts for c in computed],
+                                                ignore_index=True),
+                       rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in computed],
+                                                 ignore_index=True) if "rank_group_comm" in tables
+                       else mesh_mod.rank_group_comm(pd.DataFrame()),
                        pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
                                              | {r for c in computed for r in c.pipeline_ranks}),
                        stage=stage,
@@ -125,7 +147,12 @@ def of_run(run, model) -> NodeSummary:
     from dtprof.analyzers.runmodel import RunModel
 
     item_steps = whatif_mod.replay_steps(model)
-    facts, tables = run.node_summaries(item_steps)
+    wanted: tuple[str, ...] = ("rank_steps", "exposed", "whatif_items", "instance_rows", "arrival_parts",
+                               "arrival_counts")
+    # the communication per rank, step and group only where the mesh block needs it (a DeviceMesh dimension named)
+    if mesh_mod.named_dims(run.groups):
+        wanted += ("rank_group_comm",)
+    facts, tables = run.node_summaries(item_steps, tables=wanted)
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)

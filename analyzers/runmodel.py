@@ -5,10 +5,13 @@ that used to be derived again in each of them. Analyzers, the HTML report and it
 compare and triage read these columns; none derives them again.
 
 - ``collectives`` = the run's collectives plus ``exit_ns``: when the operation was seen to end (``end_ns``, else
-  ``return_ns`` when completion was never seen).
+  ``return_ns`` when completion was never seen). Loaded on first use: only the views that draw rows read it.
 - ``clock``: one clock model per host (``analyzers/clock.py``: offset + drift fitted on collective exits against
-  the reference host, ``residual_ns`` the stated uncertainty). ``align(t, rank)`` / ``align_host(t, host)`` put a
-  rank's or host's monotonic times on the reference host's clock; every aligned time anywhere comes from them.
+  the reference host, ``residual_ns`` the stated uncertainty), from the exits reduced per (instance, host)
+  (``clock.exit_sums``): the node summaries' (source "summaries", a node without one reduced here from its own
+  rows) or the whole run's rows reduced at once (source "raw"); the same reduction either way.
+  ``align(t, rank)`` / ``align_host(t, host)`` put a rank's or host's monotonic times on the reference host's
+  clock; every aligned time anywhere comes from them.
 - ``steps``: per rank-step ``start_ns``, ``end_ns``, ``duration_s``, ``aligned_start_ns``, ``aligned_end_ns``,
   ``warmup``, ``traced`` (a trace capture disturbed it), ``flops_counted`` (it ran under FlopCounterMode),
   ``measured`` (none of these), plus the steps table's per-step
@@ -25,6 +28,7 @@ analyzer takes the model wherever it took the run.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -38,7 +42,6 @@ from dtprof.schema import TABLES
 @dataclass
 class RunModel:
     run: Any                       # dtprof.reader.Run
-    collectives: pd.DataFrame
     clock: pd.DataFrame
     steps: pd.DataFrame
     job: pd.DataFrame
@@ -53,12 +56,17 @@ class RunModel:
         return replace(self, span_slice=spans)
 
     @classmethod
-    def of(cls, run, warmup: int | None = None) -> RunModel:
-        """The model of ``run`` for this warm-up choice (None: detected), built once per ``Run`` and choice."""
+    def of(cls, run, warmup: int | None = None, source: str = "summaries") -> RunModel:
+        """The model of ``run`` for this warm-up choice (None: detected), built once per ``Run``, choice and
+        ``source`` of the clock fit's exits ("summaries": the node summaries', "raw": the whole run's rows)."""
         cache = run.__dict__.setdefault("_run_models", {})
-        if warmup not in cache:
-            cache[warmup] = build(run, warmup)
-        return cache[warmup]
+        if (warmup, source) not in cache:
+            cache[(warmup, source)] = build(run, warmup, source)
+        return cache[(warmup, source)]
+
+    @cached_property
+    def collectives(self) -> pd.DataFrame:
+        return with_exit(self.run.collectives)
 
     def __getattr__(self, name: str) -> Any:
         if name == "spans" and self.span_slice is not None:
@@ -122,9 +130,21 @@ def _traced(per: pd.DataFrame, cap: pd.DataFrame) -> np.ndarray:
     return out
 
 
-def build(run, warmup: int | None = None) -> RunModel:
-    coll = with_exit(run.collectives)
-    clk = clock_mod.fit_clocks(run.ranks, coll)
+def exit_sums(run, source: str = "summaries") -> pd.DataFrame:
+    """``clock.exit_sums`` of the run: "raw", of all its collectives rows at once; "summaries", the node summaries'
+    (a node without a stored one reduced from its own rows), merged."""
+    if source == "raw":
+        return clock_mod.exit_sums(run.ranks, with_exit(run.collectives))
+    facts, tables = run.node_summaries(tables=("clock_exits",))
+    missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
+    if len(missing) == len(run.node_dirs):
+        return clock_mod.exit_sums(run.ranks, with_exit(run.collectives))
+    return clock_mod.merge_exit_sums([tables["clock_exits"]] + [
+        clock_mod.exit_sums(run.ranks, with_exit(run.node_run(nd).collectives)) for nd in missing])
+
+
+def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel:
+    clk = clock_mod.fit_clocks(run.ranks, exit_sums(run, source))
     cap = captures(run.meta)
     per = steps_mod.rank_steps(run.steps)
     per["traced"] = _traced(per, cap)
@@ -142,5 +162,5 @@ def build(run, warmup: int | None = None) -> RunModel:
     rank = per["rank"].to_numpy(np.int64)
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)
-    return RunModel(run=run, collectives=coll, clock=clk, steps=per, job=job, warmup_steps=n_warm,
+    return RunModel(run=run, clock=clk, steps=per, job=job, warmup_steps=n_warm,
                     warmup_source=source, captures=cap)

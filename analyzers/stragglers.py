@@ -36,7 +36,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.collectives import instance_keys, own_records
+from dtprof.analyzers import clock as clock_mod
+from dtprof.analyzers.collectives import instance_ids, own_records
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -80,67 +81,146 @@ LABELS = {"sm_clock_mhz_mean": "SM clock (mean)", "temp_c_max": "temperature (ma
           "sm_util_mean_pct": "SM utilisation (mean)", "ecc_errors_max": "uncorrected ECC errors (max)"}
 
 
-def arrivals(model) -> pd.DataFrame:
-    """One row per collective instance and rank: group, seq, op, rank, step, arrival_ns (aligned through the run
-    model's clocks), lateness_s, last, lead_s, measured (in the model's measured steps; every row when no row has a
-    step)."""
-    run, measured_steps = model, model.measured_steps
-    co = run.collectives
-    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "inst",
-            "peers_lost_s", "measured"]
-    empty = pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64")) for c in cols})
+# The arrivals reduced where the data is (a node summary): per collective instance (group, seq) and part (the rows of
+# one host on one node, which share a clock, so its earliest and latest arrival are those of its earliest and
+# latest issue): the count of rows, the earliest issue and Σ of the others' distance from it, the latest issue with
+# its rank (ties: the highest rank), that row's step (-1: none) and op, and the second-latest issue (the latest when
+# the part has one row); for triage's mismatch check (analyzers/triage.py mismatch_candidates) the number of distinct
+# (op, in_bytes, dtype) among the part's rows (``kinds``) and the latest row's, as "op|in_bytes|dtype" (``kind``).
+# Point-to-point ops are left out; the ranks' own records win over trace rows.
+ARRIVAL_PART_COLUMNS = ("group", "seq", "host", "node", "n", "issue_min_ns", "issue_dsum_ns", "issue_max_ns",
+                        "rank_max", "step_max", "op_max", "issue_2nd_ns", "kinds", "kind")
+# per rank and step (-1: none): its rows (the instances it took part in)
+ARRIVAL_COUNT_COLUMNS = ("rank", "step", "n")
+
+
+def _collective_rows(model) -> pd.DataFrame:
+    co = model.collectives
     if len(co) == 0:
-        return empty
-    c = own_records(co[~co["op"].isin(list(P2P)).to_numpy()])
-    if len(c) == 0:  # only point-to-point traffic (e.g. a pipeline without data parallelism)
-        return empty
+        return co
+    return own_records(co[~co["op"].isin(list(P2P)).to_numpy()])
+
+
+def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(ARRIVAL_PART_COLUMNS sorted by group, seq, host, node; ARRIVAL_COUNT_COLUMNS sorted by rank, step) of the
+    run model's collectives: rank-local, so a node's rows give that node's part of the whole run's."""
+    c = _collective_rows(model)
+    r = model.ranks
+    if len(c) == 0:
+        return (pd.DataFrame({k: pd.Series(dtype=object if k in ("group", "host", "node", "op_max", "kind")
+                                           else "int64")
+                              for k in ARRIVAL_PART_COLUMNS}),
+                pd.DataFrame({k: pd.Series(dtype="int64") for k in ARRIVAL_COUNT_COLUMNS}))
     rank = c["rank"].to_numpy(np.int64)
-    arr = model.align(c["issue_ns"].to_numpy(np.int64), rank)
-    inst, n_inst = instance_keys(c)
-    # sort by (instance, arrival): first/last/median arrivals are then positions in each instance's run
-    amin = int(arr.min())
-    span = int(arr.max()) - amin + 1
-    if n_inst * span < 2**62:
-        order = np.argsort(inst * span + (arr - amin), kind="stable")
-    else:
-        order = np.lexsort((arr, inst))
+    by_rank = pd.DataFrame({"host": r["host"].astype(str).to_numpy(), "node": r["node"].astype(str).to_numpy()},
+                           index=r["rank"].to_numpy(np.int64)).reindex(rank).fillna("")
+    step = c["step"].astype("Int64").fillna(-1).to_numpy(np.int64)
+    issue = c["issue_ns"].to_numpy(np.int64)
+    g = pd.Categorical(c["group"].astype(str))
+    h = pd.Categorical(by_rank["host"].to_numpy())
+    nd = pd.Categorical(by_rank["node"].to_numpy())
+    seq = c["seq"].to_numpy(np.int64)
+    order = np.lexsort((rank, issue, nd.codes, h.codes, seq, g.codes))
+    key = np.stack([g.codes[order], seq[order], h.codes[order], nd.codes[order]])
+    starts = np.flatnonzero(np.r_[True, (key[:, 1:] != key[:, :-1]).any(axis=0)])
+    ends = np.r_[starts[1:], len(order)] - 1
+    si = issue[order]
+    lo = si[starts]
+    n = ends - starts + 1
+    dsum = np.add.reduceat(si - np.repeat(lo, n), starts)
+    last = order[ends]
+    sig = pd.MultiIndex.from_arrays([c["op"].astype(str).to_numpy(), c["in_bytes"].to_numpy(np.int64),
+                                     c["dtype"].astype(str).to_numpy()])
+    sig_code, sig_uniq = pd.factorize(sig)
+    part_of_row = np.repeat(np.arange(len(starts)), n)
+    kinds = pd.DataFrame({"p": part_of_row, "k": sig_code[order]}).groupby("p")["k"].nunique().to_numpy(np.int64)
+    sig_text = np.asarray([f"{o}|{b}|{d}" for o, b, d in sig_uniq], dtype=object)   # one per distinct kind
+    parts = pd.DataFrame({
+        "group": np.asarray(g.categories, dtype=object)[g.codes[last]], "seq": seq[last],
+        "host": np.asarray(h.categories, dtype=object)[h.codes[last]],
+        "node": np.asarray(nd.categories, dtype=object)[nd.codes[last]],
+        "n": n.astype(np.int64), "issue_min_ns": lo, "issue_dsum_ns": dsum.astype(np.int64),
+        "issue_max_ns": issue[last], "rank_max": rank[last], "step_max": step[last],
+        "op_max": c["op"].astype(str).to_numpy()[last],
+        "issue_2nd_ns": np.where(n > 1, si[np.maximum(ends - 1, starts)], issue[last]),
+        "kinds": kinds, "kind": sig_text[sig_code[last]]})
+    counts = pd.DataFrame({"rank": rank, "step": step}).groupby(["rank", "step"], sort=True).size()
+    return parts, counts.rename("n").reset_index().astype("int64")
+
+
+def arrivals(model, parts: pd.DataFrame, counts: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+    """(per collective instance: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s, peers_lost_s,
+    ranks, measured; per rank: its rows in measured steps) from ``arrival_parts`` of the run (its nodes' parts,
+    concatenated in any order).
+
+    Arrivals are issue times aligned through the run model's clocks. Of each instance: ``rank`` is the last rank to
+    arrive (ties: the highest rank), ``arrival_ns`` its arrival, ``lateness_s`` its arrival minus the first one,
+    ``last`` whether it arrived alone last (later than the first, with peers), ``lead_s`` its lead over the
+    second-latest arrival (0 unless ``last``), ``peers_lost_s`` Σ over all ranks of (last arrival - own arrival)
+    (a part's sum aligned linearly, then rounded to the ns). ``measured``: the last rank's row is in the model's
+    measured steps (every instance when no row has a step)."""
+    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "peers_lost_s",
+            "ranks", "measured"]
+    measured_steps = model.measured_steps
+    no_steps = not bool((counts["step"].to_numpy(np.int64) >= 0).any()) if len(counts) else True
+    cm = counts if no_steps else counts[counts["step"].isin(list(measured_steps)).to_numpy()]
+    rows_per_rank = cm.groupby("rank")["n"].sum()
+    if len(parts) == 0:
+        return (pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64"))
+                              for c in cols}), rows_per_rank)
+    host = pd.Categorical(parts["host"])
+    g = pd.Categorical(np.asarray(parts["group"], dtype=object))
+    seq = parts["seq"].to_numpy(np.int64)
+    inst, n_inst = instance_ids(g.codes.astype(np.int64), seq - seq.min())
+    n = parts["n"].to_numpy(np.int64)
+    rank_max = parts["rank_max"].to_numpy(np.int64)
+    t_min = parts["issue_min_ns"].to_numpy(np.int64)
+    a_min = model.align_host(t_min, host)
+    a_max = model.align_host(parts["issue_max_ns"].to_numpy(np.int64), host)
+    a_2nd = model.align_host(parts["issue_2nd_ns"].to_numpy(np.int64), host)
+    # parts by (instance, latest arrival, its rank): each instance's last part holds its last arrival
+    order = np.lexsort((rank_max, a_max, inst))
     si = inst[order]
-    sa = arr[order]
     starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
     ends = np.r_[starts[1:], len(order)] - 1
-    count = ends - starts + 1
-    first, lastt = sa[starts], sa[ends]
-    median_arr = sa[starts + (ends - starts) // 2].astype(float)
-    # the single last rank of each instance (latest arrival); none when all arrive together
-    is_last_row = np.zeros(len(inst), bool)
-    is_last_row[order[ends]] = (lastt > first) & (count > 1)
-    pos = inst  # ids are dense 0..n-1 and sorted first, so instance k's run is the k-th in ``starts``
-    lost = (lastt[pos] - arr) / NS  # each rank's wait for the last arrival of its instance
-    lost_per_inst = np.bincount(pos, weights=lost, minlength=len(starts))
+    w = order[ends]   # the winning part of each instance (instance ids are dense and sorted: k-th run = id k)
+    first = np.minimum.reduceat(a_min[order], starts)
+    last_t = a_max[w]
+    count = np.add.reduceat(n[order], starts)
+    runner_up = np.where(ends > starts, a_max[order[np.maximum(ends - 1, 0)]], np.iinfo(np.int64).min)
+    second = np.maximum(runner_up, np.where(n[w] > 1, a_2nd[w], np.iinfo(np.int64).min))
+    is_last = (last_t > first) & (count > 1)
+    # Σ over a part's rows of (last - arrival), its clock applied linearly to the sum (exact on one host)
+    off, k = clock_mod.alignment(host, model.clock)
+    dsum = parts["issue_dsum_ns"].to_numpy(np.int64)
+    lost_part = (n * (last_t[inst] - t_min) - dsum
+                 - np.rint(n * off + k * (n * (t_min - clock_mod.ref_t(model.clock)) + dsum)).astype(np.int64))
+    lost = np.add.reduceat(lost_part[order], starts)
+    step = parts["step_max"].to_numpy(np.int64)[w]
     out = pd.DataFrame({
-        "group": c["group"].astype("category").array, "seq": c["seq"].to_numpy(np.int64),
-        "op": c["op"].astype("category").array, "rank": rank, "step": c["step"].astype("Int64").array,
-        "arrival_ns": arr, "lateness_s": (arr - first[pos]) / NS, "last": is_last_row,
-        "lead_s": np.where(is_last_row, (arr - median_arr[pos]) / NS, 0.0),
-        "inst": inst,
-    })
-    out["peers_lost_s"] = np.where(is_last_row, lost_per_inst[pos], 0.0)
-    s = out["step"]
+        "group": pd.Categorical(np.asarray(g.categories, dtype=object)[g.codes[w]]), "seq": seq[w],
+        "op": pd.Categorical(np.asarray(parts["op_max"], dtype=object)[w]), "rank": rank_max[w],
+        "step": pd.array(np.where(step >= 0, step, 0), dtype="Int64"),
+        "arrival_ns": last_t, "lateness_s": (last_t - first) / NS, "last": is_last,
+        "lead_s": np.where(is_last, (last_t - second) / NS, 0.0),
+        "peers_lost_s": np.where(is_last, lost / NS, 0.0), "ranks": count})
+    out.loc[step < 0, "step"] = pd.NA
     # set-up and teardown traffic (no step: ranks start seconds apart) is not lateness; a run with no steps at all
     # (an import without step markers) has nothing else
-    out["measured"] = s.isin(list(measured_steps)).to_numpy() if s.notna().any() else np.ones(len(out), bool)
-    return out
+    out["measured"] = np.ones(len(out), bool) if no_steps else np.isin(step, list(measured_steps))
+    return out, rows_per_rank
 
 
-def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float | None,
+def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.DataFrame, step_p50_s: float | None,
              savings: pd.DataFrame | None = None, min_saving: float = DEFAULT_MIN_SAVING,
              typical_excess: dict[int, float] | None = None,
              typical_cpu_wait: dict[int, float] | None = None) -> pd.DataFrame:
-    """Per rank: rank, host, device, late_frac, time_lost_s, compute_score, delay_s_per_step, saving_frac,
-    saving_step_frac, kind, late_steps. ``savings``: rank, step, saving_frac of the what-if's straggler_removed per
-    measured step (analyzers/whatif.py); ranks without a row save nothing. ``typical_excess``: rank -> the what-if's
-    typical_excess (s); a rank without one has none. ``typical_cpu_wait``: rank -> the what-if's typical_cpu_wait
-    (s), the part of that excess spent waiting for a CPU, which is not the rank's own work."""
+    """``arr``, ``rows_per_rank``: ``arrivals``. Per rank: rank, host, device, late_frac, time_lost_s,
+    compute_score, delay_s_per_step, saving_frac, saving_step_frac, kind, late_steps. ``savings``: rank, step,
+    saving_frac of the what-if's straggler_removed per measured step (analyzers/whatif.py); ranks without a row save
+    nothing. ``typical_excess``: rank -> the what-if's typical_excess (s); a rank without one has none.
+    ``typical_cpu_wait``: rank -> the what-if's typical_cpu_wait (s), the part of that excess spent waiting for a
+    CPU, which is not the rank's own work."""
     r = run.ranks
     out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
                         "device": r["device_name"].astype(str).to_numpy(),
@@ -156,17 +236,16 @@ def classify(run, arr: pd.DataFrame, per_step: pd.DataFrame, step_p50_s: float |
     slow = (step_ref / c["compute_s"]) < SCORE_THRESHOLD
     out["slow_step_frac"] = slow.groupby(c["rank"]).mean().reindex(out["rank"]).fillna(0.0).to_numpy()
     n_steps = max(int(meas["step"].nunique()), 1)
-    a = arr[arr["measured"]] if len(arr) else arr
-    if len(a):
-        g = a.groupby("rank")
-        n = g.size()
-        nl = g["last"].sum()
+    n = rows_per_rank
+    late = arr[(arr["measured"] & arr["last"]).to_numpy()] if len(arr) else arr
+    if len(late):
+        g = late.groupby("rank")
+        nl = g.size()
         lost = g["peers_lost_s"].sum()
         lead = g["lead_s"].sum()
-        late = a[a["last"]]
         per_step_lead = late.groupby(["rank", "step"], dropna=False)["lead_s"].sum().reset_index()
     else:
-        n = nl = lost = lead = pd.Series(dtype=float)
+        nl = lost = lead = pd.Series(dtype=float)
         per_step_lead = pd.DataFrame(columns=["rank", "step", "lead_s"])
     idx = out["rank"]
     out["instances"] = n.reindex(idx).fillna(0).astype(int).to_numpy()

@@ -54,7 +54,7 @@ class Analysis:
     summary: dict
     steps: pd.DataFrame          # per rank × step
     collectives: pd.DataFrame    # per op × group × size bucket
-    arrivals: pd.DataFrame       # per collective instance × rank
+    arrivals: pd.DataFrame       # per collective instance: its last arriver (stragglers.arrivals)
     stragglers: pd.DataFrame     # per rank
     pipeline: pd.DataFrame | None  # per stage × step
     gpu: pd.DataFrame            # per GPU
@@ -288,7 +288,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     t0 = time.perf_counter()
 
     say("reading tables")
-    model = RunModel.of(run, options.warmup)
+    model = RunModel.of(run, options.warmup, "raw" if source == "raw" else "summaries")
     if source == "raw":
         say("rank-local figures (overlap, breakdown, what-if items) of the whole run")
         ns = nodesummary_mod.summarize(model)
@@ -320,11 +320,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
 
     clk = model.clock
     say("collective arrivals and stragglers")
-    arr = strag_mod.arrivals(model)
+    arr, rows_per_rank = strag_mod.arrivals(model, ns.arrival_parts, ns.arrival_counts)
     say("what-if replay")
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
     wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
-    strag = strag_mod.classify(run, arr, steps, step_block["time_s"]["p50"],
+    strag = strag_mod.classify(run, arr, rows_per_rank, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None, wi.typical_cpu_wait if wi else None)
     say("GPU and memory")
@@ -368,7 +368,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     if ov.unassigned:
         problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
                         f"counted in per-step figures")
-    arr_out = arr.drop(columns=["inst", "measured"], errors="ignore")
+    arr_out = arr.drop(columns=["measured"])
     summary = {
         "schema": SUMMARY_SCHEMA,
         "generated_by": "dtprof.analyzers",
@@ -400,7 +400,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     else:
         summary.update(wi.summary)
         _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
-    _add_mesh(summary, spans_view, steps, bd)
+    _add_mesh(summary, spans_view, steps, bd, ns)
     say("GPU kernels")
     gpu_time = kernels_mod.gpu_time(spans_view.spans, run.steps, options.gpu_window)
     for r in summary["ranks"]:
@@ -420,7 +420,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
                         exposed=bd.exposed)
     say("triage")
-    _add_triage(summary, run, stragglers_list)
+    _add_triage(summary, run, stragglers_list, ns)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -463,12 +463,14 @@ def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
             step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
-def _add_triage(summary: dict, run, stragglers: list[dict]) -> None:
-    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here."""
+def _add_triage(summary: dict, run, stragglers: list[dict], ns) -> None:
+    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
+    reads only the collectives rows of the instances the node summaries ``ns`` flag."""
     from dtprof.analyzers import triage
 
     try:
-        res = triage.triage(run.path, run=run, stragglers=stragglers)
+        rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
+        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
@@ -476,13 +478,15 @@ def _add_triage(summary: dict, run, stragglers: list[dict]) -> None:
     summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
 
 
-def _add_mesh(summary: dict, run, steps, bd) -> None:
+def _add_mesh(summary: dict, run, steps, bd, ns) -> None:
     """Hybrid parallelism (analyzers/mesh.py): communication and exposed communication per DeviceMesh dimension,
     the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
     from dtprof.analyzers import mesh
 
-    block = mesh.mesh_summary(run.groups, run.collectives, steps, run.meta,   # run: the run model
-                              exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
+    block = None
+    if mesh.named_dims(run.groups):   # the summaries' rank_group_comm is read only then (nodesummary.of_run)
+        block = mesh.mesh_summary(run.groups, ns.rank_group_comm, steps, run.meta,   # run: the run model
+                                  exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
     if block is None:
         summary["mesh"] = None
         summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"

@@ -183,6 +183,33 @@ def fr_entries_from_dumps(dumps: dict):
 
 
 # ---------------------------------------------------------------------------------------------- detectors
+def mismatch_candidates(parts) -> list[tuple[str, int]]:
+    """The collective instances (group, seq) whose ranks may disagree in op, size or dtype, from the arrivals
+    reduced per part (analyzers/stragglers.py ``arrival_parts``: a node summary's): a part with more than one kind,
+    or parts of one instance with different kinds. Only their rows need reading for ``find_mismatches``."""
+    import numpy as np
+    import pandas as pd
+
+    from dtprof.analyzers.collectives import instance_ids
+
+    if len(parts) == 0:
+        return []
+    g = pd.Categorical(np.asarray(parts["group"], dtype=object))
+    seq = parts["seq"].to_numpy(np.int64)
+    inst, n_inst = instance_ids(g.codes.astype(np.int64), seq - seq.min())
+    kind = pd.Categorical(np.asarray(parts["kind"], dtype=object)).codes.astype(np.int64)
+    lo = np.full(n_inst, np.iinfo(np.int64).max)
+    hi = np.full(n_inst, -1)
+    np.minimum.at(lo, inst, kind)
+    np.maximum.at(hi, inst, kind)
+    many = np.zeros(n_inst, bool)
+    many[inst[parts["kinds"].to_numpy(np.int64) > 1]] = True
+    bad = np.flatnonzero((lo != hi) | many)
+    first = np.zeros(n_inst, np.int64)
+    first[inst[::-1]] = np.arange(len(inst))[::-1]   # a part of each instance, to name it
+    return [(str(g.categories[g.codes[first[i]]]), int(seq[first[i]])) for i in bad]
+
+
 def find_mismatches(collectives, fr_entries) -> list[dict]:
     """Collective instances (group, seq) whose op, size or dtype differ across ranks."""
     import pandas as pd
@@ -299,12 +326,14 @@ def find_stragglers(stragglers: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ verdict
 def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None,
-           run=None, stragglers=None) -> dict:
+           run=None, stragglers=None, collectives=None) -> dict:
     """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
     message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
     directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
     ``run`` and ``stragglers``: the run already open and its analysis' flagged ranks (summary ``stragglers``), as
     ``dtprof.analyzers.summary.analyze`` passes them; without them the run is opened and analysed here.
+    ``collectives``: the rows the mismatch check reads (the analysis passes those of its ``mismatch_candidates``);
+    default all of the run's.
     """
     import pandas as pd
 
@@ -366,7 +395,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                                  "dump": d.get("request")})
 
     # 1. mismatch
-    mism = find_mismatches(own_records(run.collectives) if run is not None else None, fr)
+    rows = collectives if collectives is not None else run.collectives if run is not None else None
+    mism = find_mismatches(own_records(rows) if rows is not None else None, fr)
     if mism:
         m = mism[0]
         odd = m["odd_ranks"]

@@ -10,6 +10,10 @@ summary <= 2 s, the injected straggler named alone. `make bench` runs the 1,024 
 target run is `--ranks 16384 --steps 1000` (2,048 nodes; build it where there is disk: --dir).
 
     .venv/bin/python benchmarks/analyze_scale.py [--ranks 1024] [--steps 200] [--dir /tmp] [--keep]
+    .venv/bin/python benchmarks/analyze_scale.py --ranks 16384 --steps 100 --reuse RUN   # a run kept by --keep
+
+``--reuse RUN`` skips the build: it remakes the node summaries that are missing or stale (written in another
+summary layout, e.g. after a change of dtprof/schema.py SUMMARY_LAYOUT) with a local pool, then measures.
 """
 from __future__ import annotations
 
@@ -82,26 +86,46 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to build the run (default: the system's temp directory)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes building the nodes")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
+    ap.add_argument("--reuse", default=None, metavar="RUN",
+                    help="measure this run (built with --keep for the same --ranks and --steps) instead of building")
     args = ap.parse_args()
     if args.ranks % RANKS_PER_NODE or args.ranks <= SLOW_RANK:
         ap.error(f"--ranks must be a multiple of {RANKS_PER_NODE} above {SLOW_RANK}")
     from dtprof.runformat import create_run_dir
 
     nodes = args.ranks // RANKS_PER_NODE
-    tmp = Path(tempfile.mkdtemp(prefix="dtprof-scale-", dir=args.dir))
-    run_dir = tmp / "run"
-    try:
-        create_run_dir(run_dir, {"command": ["synthetic"], "created": "benchmarks/analyze_scale.py"})
+    rows = args.ranks * args.steps * (5 + 8)
+    if args.reuse:
+        from dtprof.reader import open_run
+        from dtprof.summarize import make_summaries
+
+        run_dir = Path(args.reuse)
+        tmp = run_dir
+        args.keep = True   # never delete a run given to measure
+        run = open_run(run_dir)
+        if len(run.node_dirs) != nodes:
+            ap.error(f"{run_dir} has {len(run.node_dirs)} nodes, not {nodes}")
         t0 = time.perf_counter()
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            node_s = list(pool.map(build_and_summarize, [(run_dir, n, args.ranks, args.steps) for n in range(nodes)],
-                                   chunksize=max(1, nodes // (args.workers * 8))))
-        t_build = time.perf_counter() - t0
-        rows = args.ranks * args.steps * (5 + 8)
+        made = make_summaries(run, workers=args.workers)
         print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
-              f"collectives, {du_gib(run_dir):.2f} GiB on disk; built and summarised in {t_build:.0f} s with "
-              f"{args.workers} processes (node summary in the pool: median {sorted(node_s)[len(node_s) // 2]:.2f} s, "
-              f"max {max(node_s):.2f} s)", flush=True)
+              f"collectives, {du_gib(run_dir):.2f} GiB on disk; reused {run_dir}, {len(made)} stale or missing "
+              f"node summaries remade in {time.perf_counter() - t0:.0f} s with {args.workers} processes", flush=True)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="dtprof-scale-", dir=args.dir))
+        run_dir = tmp / "run"
+    try:
+        if not args.reuse:
+            create_run_dir(run_dir, {"command": ["synthetic"], "created": "benchmarks/analyze_scale.py"})
+            t0 = time.perf_counter()
+            with ProcessPoolExecutor(max_workers=args.workers) as pool:
+                node_s = list(pool.map(build_and_summarize,
+                                       [(run_dir, n, args.ranks, args.steps) for n in range(nodes)],
+                                       chunksize=max(1, nodes // (args.workers * 8))))
+            t_build = time.perf_counter() - t0
+            print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
+                  f"collectives, {du_gib(run_dir):.2f} GiB on disk; built and summarised in {t_build:.0f} s with "
+                  f"{args.workers} processes (node summary in the pool: median "
+                  f"{sorted(node_s)[len(node_s) // 2]:.2f} s, max {max(node_s):.2f} s)", flush=True)
         one = measure("node", run_dir / f"node-host{0:05d}")
         print(f"one node's summary (fresh process): {one['seconds']:.2f} s, peak RSS {one['peak_gib']:.2f} GiB "
               f"(target <= {TARGET_NODE_S:.0f} s)", flush=True)
@@ -123,7 +147,8 @@ def main() -> int:
         return 0 if ok else 1
     finally:
         if args.keep:
-            print(f"kept {run_dir}")
+            if not args.reuse:
+                print(f"kept {run_dir}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 

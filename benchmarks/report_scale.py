@@ -26,9 +26,9 @@ synthetic run with every span. Beyond (16,384 × 1,000 is 16 M rank-steps, ~200 
 them; issue 19 builds that analysis from node summaries), the report's inputs are synthesised at full size
 (``widened_analysis``): a real run of ``--ranks`` ranks × ``RAW_STEPS`` steps (2,048 nodes of 8 ranks; its spans
 feed the timeline, its tables the header), the real analysis of a small run of the same kind as the template of
-summary.json, and per rank × step tables (steps, arrivals) and per-rank tables (summary ranks, stragglers, memory)
-synthesised for ``--ranks`` × ``--steps`` with three injected outliers: a rank computing 1.3× longer (the
-straggler), a rank arriving late at every step's collectives, a rank with the highest peak memory.
+summary.json, a per rank × step table (steps), the collectives' last arrivers and per-rank tables (summary ranks,
+stragglers, memory) synthesised for ``--ranks`` × ``--steps`` with three injected outliers: a rank computing 1.3×
+longer (the straggler), a rank arriving late at every step's collectives, a rank with the highest peak memory.
 """
 from __future__ import annotations
 
@@ -94,7 +94,12 @@ def widened_analysis(template, raw, n_ranks: int, n_steps: int, slow_rank: int, 
                           "exposed_comm_s": (job[None, :] - data - compute).ravel(),
                           "warmup": ~measured, "measured": measured})
     steps["start_ns"], steps["end_ns"] = steps["aligned_start_ns"], steps["aligned_end_ns"]
-    arrivals = pd.DataFrame({"rank": rank, "step": step, "lateness_s": (arrive - arrive.min(axis=0)).ravel()})
+    # one collective instance per step (its last all-reduce): its last arriver, as stragglers.arrivals keeps them
+    top = np.sort(arrive, axis=0)
+    lead = top[-1] - top[-2]
+    arrivals = pd.DataFrame({"rank": arrive.argmax(axis=0).astype(np.int64), "step": np.arange(S, dtype=np.int64),
+                             "lateness_s": (top[-1] - top[0]).astype(float), "lead_s": lead.astype(float),
+                             "last": lead > 0})
     job_df = pd.DataFrame({"step": np.arange(S), "time_s": job.astype(float), "warmup": np.arange(S) == 0,
                            "measured": np.arange(S) > 0, "traced": False})
 

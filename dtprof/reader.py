@@ -514,6 +514,45 @@ class Run:
                 parts.append(sp[keep])
         return _concat("spans", parts)
 
+    def read_collectives(self, instances):
+        """The collectives rows of the instances ``instances`` ((group, seq) pairs), in the run's row order, reading
+        only those (DuckDB filters each node's Parquet file by seq, then the pairs are matched here): for checks
+        that need the rows of a few instances, never all of them."""
+        import pandas as pd
+
+        pairs = {(str(g), int(q)) for g, q in instances}
+        if not pairs:
+            return conform("collectives", pd.DataFrame())
+
+        def keep(df):
+            df = df[df["seq"].isin({q for _, q in pairs}).to_numpy()]
+            key = pd.Series(list(zip(df["group"].astype(str), df["seq"].astype("int64"))), dtype=object)
+            return df[key.isin(pairs).to_numpy()]
+
+        if "collectives" in self._loaded:   # all of them are in memory already
+            return keep(self._loaded["collectives"]).reset_index(drop=True)
+        complete = [nd for nd in self.node_dirs if self._complete(nd)]
+        parts = []
+        if complete:
+            import duckdb
+
+            files = [str(nd / TABLES_DIR / "collectives.parquet") for nd in complete]
+            seqs = ", ".join(str(q) for q in sorted({q for _, q in pairs}))
+            con = duckdb.connect()
+            try:
+                con.execute("SET preserve_insertion_order = true")
+                df = con.execute(f"SELECT * FROM read_parquet([{_sql_list(files)}]) WHERE seq IN ({seqs})").df()
+            except duckdb.Error as e:
+                raise RunFormatError(f"{self.path}: cannot read the collectives tables "
+                                     f"({str(e).splitlines()[0]})") from None
+            finally:
+                con.close()
+            parts.append(keep(load_table("collectives", df, f"{self.path} collectives tables")))
+        for nd in self.node_dirs:   # nodes still in JSON lines
+            if not self._complete(nd):
+                parts.append(keep(self._raw_nodes[nd]["collectives"]))
+        return _concat("collectives", parts)
+
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
         incomplete, or written in another layout: dtprof/schema.py SUMMARY_LAYOUT)."""
@@ -526,11 +565,11 @@ class Run:
         facts = _read_json(mark)
         return facts if facts.get("layout") == SUMMARY_LAYOUT else None
 
-    def node_summaries(self, item_steps=None) -> tuple[list, dict]:
+    def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
-        facts, None for a node without a summary; per table, the stored summaries' rows of all nodes in node order,
-        read by one DuckDB query across the nodes' files. ``item_steps``: read the what-if items of these steps
-        only (the replay's sample), not all."""
+        facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
+        of all nodes in node order, read by one DuckDB query across the nodes' files. ``item_steps``: read the
+        what-if items of these steps only (the replay's sample), not all."""
         import pandas as pd
 
         from dtprof.runformat import SUMMARY_DIR
@@ -538,13 +577,14 @@ class Run:
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
+        wanted = SUMMARY_TABLES if tables is None else {t: SUMMARY_TABLES[t] for t in tables}
         tables = {}
         con = None
         try:
-            for table, cols in SUMMARY_TABLES.items():
+            for table, cols in wanted.items():
                 names = [c for c, _ in cols]
-                # the items' text columns (a group, an op) repeat on millions of rows: categoricals
-                text = "category" if table == "whatif_items" else "str"
+                # the text columns (a group, an op, a host) of these repeat on millions of rows: categoricals
+                text = "category" if table in ("whatif_items", "clock_exits", "arrival_parts") else "str"
                 dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else text) for c, k in cols}
                 if not have:
                     tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})

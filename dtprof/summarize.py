@@ -20,14 +20,14 @@ from dtprof.cli import InputError
 def summarize_node(node_dir: str) -> str:
     """Make and write the summary of one node directory from its compacted tables; returns its path. A task:
     a plain function of a path, so a process pool or a Dask worker can run it."""
-    from dtprof.analyzers.nodesummary import summarize, to_tables
+    from dtprof.analyzers.nodesummary import node_tables
     from dtprof.analyzers.runmodel import RunModel
     from dtprof.reader import Run
     from dtprof.runformat import write_node_summary
 
     nd = Path(node_dir)
     run = Run(nd.parent, [nd])   # this node alone: no other node's directory is listed or read
-    tables, facts = to_tables(summarize(RunModel.of(run)))
+    tables, facts = node_tables(RunModel.of(run))
     return str(write_node_summary(nd, tables, facts))
 
 

@@ -481,14 +481,19 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
 
 # -------------------------------------------------------------------------------------------------- stragglers
 def straggler_figure(ctx: Context) -> go.Figure | None:
-    """Arrival lateness per rank and step: the worst lateness of the rank at any collective of that step."""
+    """Hold-up at collectives per rank and step: the most the rank held its peers up at a collective of that step
+    (its lead over the second-latest arrival where it arrived last; 0 where it never did). The analysis keeps each
+    instance's last arriver only (docs/scale.md), which is every rank-step's hold-up."""
     arr = ctx.analysis.arrivals
     if arr is None or len(arr) == 0:
         return None
-    a = arr.dropna(subset=["step"]).astype({"step": "int64"})
-    a = a.groupby(["rank", "step"], observed=True)["lateness_s"].max().reset_index()
-    return rank_step_heatmap(ctx, a, "lateness_s", "Arrival lateness at collectives (worst per rank and step; "
-                             "0 = first to arrive)", "lateness", colorscale="Reds")
+    a = arr[arr["last"].to_numpy(bool)].dropna(subset=["step"]).astype({"step": "int64"})
+    a = a.groupby(["rank", "step"], observed=True)["lead_s"].max()
+    df = ctx.measured[["rank", "step"]].astype({"step": "int64"})
+    df = df.assign(lead_s=a.reindex(pd.MultiIndex.from_frame(df)).fillna(0.0).to_numpy())
+    return rank_step_heatmap(ctx, df, "lead_s", "Hold-up at collectives: the last arriver's lead over the "
+                             "second-latest (worst per rank and step; 0 = never last)", "hold-up",
+                             colorscale="Reds")
 
 
 # --------------------------------------------------------------------------------------------------------- NVML

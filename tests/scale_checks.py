@@ -39,4 +39,5 @@ def assert_summaries_equal_raw(run_dir, stored: bool = True) -> dict:
                                                                      ignore_index=True))
     if stored:
         assert "spans" not in run._loaded, "the analysis from summaries read every span"
+        assert "collectives" not in run._loaded, "the analysis from summaries read every collective"
     return from_summaries.summary

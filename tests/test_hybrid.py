@@ -113,12 +113,14 @@ def test_every_tp_collective_matched_across_its_group(tp_run):
 @pytest.mark.slow
 def test_dp_and_tp_traffic_split_with_model_bytes(tp_run):
     s = SIZES
-    per = M.comm_by_dim(tp_run.groups, RunModel.of(tp_run).collectives, _measured_steps(tp_run)).set_index("dim")
+    per = M.comm_by_dim(tp_run.groups, M.rank_group_comm(RunModel.of(tp_run).collectives),
+                        _measured_steps(tp_run)).set_index("dim")
     assert set(per.index) == {"dp", "tp"}
     assert per.loc["tp", "bytes_per_step"] == 4 * s["layers"] * s["batch"] * s["seq"] * s["dim"] * 4
     assert per.loc["dp", "bytes_per_step"] == _local_param_bytes_tp(tp=2)
     assert (per["comm_s_per_step"] > 0).all()
-    summary = M.mesh_summary(tp_run.groups, RunModel.of(tp_run).collectives, _measured_steps(tp_run), tp_run.meta)
+    summary = M.mesh_summary(tp_run.groups, M.rank_group_comm(RunModel.of(tp_run).collectives),
+                             _measured_steps(tp_run), tp_run.meta)
     assert summary["shape"] == [2, 2] and summary["dims"] == ["dp", "tp"]
     assert summary["costliest_dim"] == max(summary["per_dim"], key=lambda d: d["comm_s_per_step"])["dim"]
     assert sorted(d["dim"] for d in summary["per_dim"]) == ["dp", "tp"]
@@ -138,7 +140,7 @@ def test_dp_pp_bubble_per_pipeline_group_and_slow_rank(pp_run):
     assert slow["rank"] == SLOW_RANK and slow["ratio_to_median"] > 2
     assert slow["groups"]["pp"]["ranks"] == [0, 1] and slow["groups"]["dp"]["ranks"] == [1, 3]
     # DP traffic: one all-reduce of the stage's gradients; PP traffic: activations and their gradients
-    per = M.comm_by_dim(pp_run.groups, RunModel.of(pp_run).collectives, steps).set_index("dim")
+    per = M.comm_by_dim(pp_run.groups, M.rank_group_comm(RunModel.of(pp_run).collectives), steps).set_index("dim")
     assert set(per.index) == {"dp", "pp"}
     pp_rows = pp_run.collectives[pp_run.collectives["op"].astype(str).isin(["send", "recv"])]
     pp_groups = set(M.group_dims(pp_run.groups).query("mesh_dim == 'pp'")["group"])
@@ -216,7 +218,7 @@ def test_analyzer_on_hand_made_tables():
     steps = pd.DataFrame({"rank": [0, 1], "step": [0, 0], "start_ns": [0, 0], "end_ns": [100 * ms, 100 * ms],
                           "duration_s": [0.1, 0.1]})
     exposed = pd.DataFrame({"rank": [0, 0], "step": [0, 0], "mesh_dim": ["pp", M.NO_DIM], "exposed_s": [0.005, 0.03]})
-    per = M.comm_by_dim(groups, coll, steps, exposed).set_index("dim")
+    per = M.comm_by_dim(groups, M.rank_group_comm(coll), steps, exposed).set_index("dim")
     # rank 0: pp 5 ms (no end seen: return used), (none) 30 ms; rank 1: pp 10 ms
     assert per.loc["pp", "comm_s_per_step"] == pytest.approx((0.005 + 0.010) / 2)
     assert per.loc[M.NO_DIM, "comm_s_per_step"] == pytest.approx(0.030)
@@ -231,7 +233,7 @@ def test_analyzer_on_hand_made_tables():
     # rank 0 covers [0,30] + [50,60] = 40 ms of 100 -> 0.6; rank 1 covers 50 ms -> 0.5
     assert b["bubble_frac"] == pytest.approx((0.6 + 0.5) / 2) and b["stages"] == 2
     assert M.mesh_groups_of_rank(groups, 1) == {"pp": {"group": "1", "ranks": [0, 1]}}
-    assert M.mesh_summary(groups.assign(mesh_dim=""), coll) is None
+    assert M.mesh_summary(groups.assign(mesh_dim=""), M.rank_group_comm(coll)) is None
 
 
 def test_rank_coordinates_along_each_mesh_dimension():

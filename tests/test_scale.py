@@ -129,6 +129,21 @@ def test_rewritten_tables_drop_the_stale_summary(four_nodes):
     assert_summaries_equal_raw(four_nodes, stored=False)
 
 
+def test_mismatch_found_from_summaries_reading_only_its_rows(four_nodes):
+    """Triage's mismatch check from the node summaries: a rank whose all-reduce differs in size from its peers' is
+    named, as from the raw tables, and only the flagged instance's rows are read."""
+    nd = four_nodes / "node-host1"
+    node = open_run(four_nodes).node_run(nd)
+    tables = {t: node.table(t) for t in ("ranks", "steps", "spans", "collectives", "groups", "clock")}
+    co = tables["collectives"]
+    odd = co.index[(co["rank"] == 3) & (co["seq"] == int(co["seq"].median()))][0]
+    co.loc[odd, "in_bytes"] = int(co.loc[odd, "in_bytes"]) * 2
+    write_node_tables(nd, tables)
+    make_summaries(open_run(four_nodes), workers=1)
+    s = assert_summaries_equal_raw(four_nodes)
+    assert s["triage"]["verdict"] == "mismatch" and s["triage"]["culprit_ranks"] == [3], s["triage"]
+
+
 def test_summary_of_another_layout_is_remade(four_nodes):
     make_summaries(open_run(four_nodes), workers=1)
     mark = four_nodes / "node-host3" / SUMMARY_DIR / SUMMARY_COMPLETE
