@@ -23,7 +23,10 @@ pipeline_overhead -> no_pipeline_gaps, straggler -> straggler_removed (its reaso
 - ``memory_high``: peak memory above 70 % of the device's memory (warning above 90 %);
 - ``low_gpu_util``: mean SM utilisation below 50 % on a GPU, with the likeliest cause among data wait, exposed
   communication, throttling, else host overhead;
-- ``data_wait``: waiting for input (the step breakdown's part, mean over ranks) above 10 % of step time.
+- ``data_wait``: waiting for input (the step breakdown's part, mean over ranks) above 10 % of step time;
+- ``cpu_contention``: the ranks' training threads waited for a CPU (summary ``cpu_wait``: runnable but not running)
+  more than 10 % of the mean step: the cores are oversubscribed, and a rank slowed by it is not a straggler of its
+  own (stragglers.py does not count that wait as its work).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ MEMORY_FRAC = 0.70
 MEMORY_FRAC_CRITICAL = 0.90
 GPU_UTIL_PCT = 50.0
 DATA_WAIT_FRAC = 0.10
+CPU_WAIT_FRAC = 0.10
 
 
 def _ok(x) -> bool:
@@ -273,8 +277,21 @@ def data_wait(summary: dict, analysis) -> list[dict]:
                     "breakdown", part="data_wait")]
 
 
+def cpu_contention(summary: dict, analysis) -> list[dict]:
+    c = summary.get("cpu_wait")
+    if not c or c["frac_of_step"] <= CPU_WAIT_FRAC:
+        return []
+    return [finding(
+        "cpu_contention", "warning",
+        f"The ranks' training threads waited for a CPU {c['frac_of_step']:.0%} of the step (rank {c['worst_rank']} "
+        f"most: {c['worst_s_per_step'] * 1e3:.1f} ms per step): other processes or threads hold their cores",
+        {**c, "threshold_frac": CPU_WAIT_FRAC},
+        "Give each rank its own cores: fewer DataLoader workers or intra-op threads (OMP_NUM_THREADS), no other "
+        "jobs on the node, ranks pinned to cores (numactl, taskset).", "breakdown")]
+
+
 RULES = (pipeline_bubble, pipeline_overhead, exposed_comm, low_busbw, straggler, memory_high, low_gpu_util,
-         data_wait)
+         data_wait, cpu_contention)
 
 
 def find(summary: dict, analysis) -> list[dict]:

@@ -156,7 +156,8 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, options: Analysi
     else:
         out["value_reason"] = "; ".join(x for x in (reason, missing) if x)
     if out["hfu"] is None:
-        out["hfu_reason"] = ("executed FLOPs are the MFU source (they include recompute: the value is HFU)"
+        out["hfu_reason"] = ("executed FLOPs are the MFU source: they include any recomputation (activation "
+                             "checkpointing), so with it the value is HFU, without it MFU"
                              if source and source.startswith("executed") else
                              "no executed FLOPs measured (--no-count-flops)")
     return out

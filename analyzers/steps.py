@@ -44,7 +44,8 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
 
 
 def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
-    """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers."""
+    """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers
+    (``cpu_wait_s``: NaN where the rank did not report it)."""
     per = pd.DataFrame({
         "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
@@ -54,6 +55,7 @@ def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
         per[col] = s[col].astype("Int64").to_numpy()
     for col in ("model_flops", "executed_flops"):   # float64: beyond int64's range for large models
         per[col] = s[col].to_numpy(np.float64)
+    per["cpu_wait_s"] = s["cpu_wait_ns"].astype("Float64").to_numpy(np.float64, na_value=np.nan) / NS
     return per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
 
 

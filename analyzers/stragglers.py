@@ -19,9 +19,11 @@ and the docs quote them, and each flagged rank's ``reason`` gives the numbers th
   over the measured steps, and at least that much in >= 75 % of them, or its median step saves at least 3x the
   threshold (a saving that holds, not a few slow steps: one long preemption raises the mean, not the median), and
   its typical extra work (what-if ``typical_excess``: per part, the median over steps of its part minus its peers',
-  summed) is at least that share of the median step and at least half the median step's saving: a slow rank's
-  excess recurs in the same part, while a rank that a busy machine preempts in a different part each step saves
-  something in many steps but has little.
+  summed), less its typical extra wait for a CPU (what-if ``typical_cpu_wait``: the training thread runnable but
+  not running, from Linux's per-thread run delay), is at least that share of the median step and at least half the
+  median step's saving: a slow rank's excess recurs in the same part and is its own work, while a rank that a busy
+  machine preempts saves something in many steps but spends that excess waiting for a core (or, preempted in a
+  different part each step, has little).
   The compute score and arrival lead below are evidence, not criteria: a rank that is slower but that nobody waits
   for (or that a busy machine slows as much as its peers) costs nothing and is named by nobody;
 - **transient**: otherwise, if in >= 2 measured steps it arrived last with a summed lead >= 50 % of the median step
@@ -67,9 +69,9 @@ def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
             f"{min_saving:.0%} of the step over the measured steps, and at least that much in at least "
             f"{PERSISTENT_HELD_FRAC:.0%} of them (or its median measured step would save at least "
             f"{LARGE_SAVING_FACTOR * min_saving:.0%}), and a typical step of it does at least {min_saving:.0%} of the "
-            f"median step more work than its peers in the same parts, and at least {RECURRING_SHARE:.0%} of its median "
-            f"step's saving (a recurring excess, not preemptions of a busy machine that hit a different part each "
-            f"step)")
+            f"median step more work than its peers in the same parts, not counting time its training thread waited "
+            f"for a CPU, and at least {RECURRING_SHARE:.0%} of its median step's saving (a recurring excess of its "
+            f"own, not a busy machine's preemptions)")
 
 
 PERSISTENT_RULE = persistent_rule()
@@ -211,12 +213,14 @@ def arrivals(model, parts: pd.DataFrame, counts: pd.DataFrame) -> tuple[pd.DataF
 
 def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.DataFrame, step_p50_s: float | None,
              savings: pd.DataFrame | None = None, min_saving: float = DEFAULT_MIN_SAVING,
-             typical_excess: dict[int, float] | None = None) -> pd.DataFrame:
+             typical_excess: dict[int, float] | None = None,
+             typical_cpu_wait: dict[int, float] | None = None) -> pd.DataFrame:
     """``arr``, ``rows_per_rank``: ``arrivals``. Per rank: rank, host, device, late_frac, time_lost_s,
     compute_score, delay_s_per_step, saving_frac, saving_step_frac, kind, late_steps. ``savings``: rank, step,
     saving_frac of the what-if's straggler_removed per measured step (analyzers/whatif.py); ranks without a row save
-    nothing. ``typical_excess``: rank -> the what-if's
-    typical_excess (s); a rank without one has none."""
+    nothing. ``typical_excess``: rank -> the what-if's typical_excess (s); a rank without one has none.
+    ``typical_cpu_wait``: rank -> the what-if's typical_cpu_wait (s), the part of that excess spent waiting for a
+    CPU, which is not the rank's own work."""
     r = run.ranks
     out = pd.DataFrame({"rank": r["rank"].to_numpy(np.int64), "host": r["host"].astype(str).to_numpy(),
                         "device": r["device_name"].astype(str).to_numpy(),
@@ -272,10 +276,12 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
     out["saving_step_frac"] = held_steps.reindex(idx).fillna(0).to_numpy() / replayed
     out["saving_frac_median"] = sv.groupby("rank")["saving_frac"].median().reindex(idx).fillna(0.0).to_numpy()
     out["typical_excess_s"] = pd.Series(typical_excess or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
+    out["typical_cpu_wait_s"] = pd.Series(typical_cpu_wait or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
+    own_excess = out["typical_excess_s"].to_numpy() - out["typical_cpu_wait_s"].clip(lower=0.0).to_numpy()
     held = out["saving_step_frac"]
     if p50 > 0:
         needed = np.maximum(min_saving, RECURRING_SHARE * out["saving_frac_median"].to_numpy()) * p50
-        consistent = out["typical_excess_s"].to_numpy() >= needed
+        consistent = own_excess >= needed
     else:
         consistent = np.zeros(len(out), bool)
     persistent = (out["saving_frac"] >= min_saving) & consistent & (
@@ -287,11 +293,18 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
     out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
     out["reason"] = [
         (f"removing its extra work would save about {sf:.0%} of the step ({hf:.0%} of measured steps save at least "
-         f"{min_saving:.0%}; a typical step does {ex * 1e3:.1f} ms more work than its peers)" if pe else
+         f"{min_saving:.0%}; a typical step does {ex * 1e3:.1f} ms more work than its peers{cpu_wait_note(cw)})"
+         if pe else
          f"held its peers up by >= {TRANSIENT_DELAY_FRAC:.0%} of the median step in {n} measured steps" if tr else "")
-        for pe, tr, sf, hf, ex, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
-                                         out["typical_excess_s"], out["late_steps"])]
+        for pe, tr, sf, hf, ex, cw, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
+                                             out["typical_excess_s"], out["typical_cpu_wait_s"], out["late_steps"])]
     return out
+
+
+def cpu_wait_note(cpu_wait_s: float) -> str:
+    """How much longer than its peers' a rank's training thread typically waited for a CPU (said when material):
+    time inside its parts that the criterion does not count as its work."""
+    return f", and waits {cpu_wait_s * 1e3:.1f} ms more for a CPU (not its own work)" if cpu_wait_s >= 1e-4 else ""
 
 
 def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame) -> dict[int, dict]:

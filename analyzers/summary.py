@@ -177,7 +177,8 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
                 compute_s_per_step=("compute_s", "mean"), comm_s_per_step=("comm_s", "mean"),
                 exposed_comm_s_per_step=("exposed_comm_s", "mean"), comm_wait_s_per_step=("comm_wait_s", "mean"),
                 data_wait_s_per_step=("data_wait_s", "mean"), overlap_s=("overlap_s", "sum"),
-                comm_s=("comm_s", "sum"), peak_mem_bytes=("peak_mem_bytes", "max"))
+                comm_s=("comm_s", "sum"), peak_mem_bytes=("peak_mem_bytes", "max"),
+                cpu_wait_s_per_step=("cpu_wait_s", "mean"))
     agg["overlap_ratio"] = np.where(agg["comm_s"] > 0, agg["overlap_s"] / agg["comm_s"].where(agg["comm_s"] > 0, 1),
                                     np.nan)
     r = run.ranks
@@ -190,7 +191,8 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
     out["steps_recorded"] = steps.groupby("rank").size().reindex(out["rank"]).fillna(0).astype(int).to_numpy()
     out["steps"] = agg["steps"].reindex(out["rank"]).fillna(0).astype(int).to_numpy()
     for k in ("step_time_s_p50", "compute_s_per_step", "comm_s_per_step", "exposed_comm_s_per_step",
-              "overlap_ratio", "comm_wait_s_per_step", "data_wait_s_per_step", "peak_mem_bytes"):
+              "overlap_ratio", "comm_wait_s_per_step", "data_wait_s_per_step", "peak_mem_bytes",
+              "cpu_wait_s_per_step"):
         out[k] = agg[k].reindex(out["rank"]).astype(float).to_numpy()
     score = strag.set_index("rank")["compute_score"] if len(strag) else pd.Series(dtype=float)
     out["compute_score"] = score.reindex(out["rank"]).astype(float).to_numpy()
@@ -203,6 +205,20 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
         rec["exposed_comm_s_per_step_by_dim"] = p["exposed_by_dim"] if p else None
         rec["exposed_comm_s_per_step_by_op"] = p["exposed_by_op"] if p else None
     return records
+
+
+def _cpu_wait_block(ranks: list[dict], step_block: dict) -> dict | None:
+    """summary.json ``cpu_wait``: how long the ranks' training threads waited for a CPU (runnable, not running: other
+    processes or threads held the cores) per measured step, as a share of the mean step; None where no rank
+    reported it (not Linux, or a run recorded before dtprof measured it)."""
+    got = [r for r in ranks if r.get("cpu_wait_s_per_step") is not None and np.isfinite(r["cpu_wait_s_per_step"])]
+    mean_step = (step_block.get("time_s") or {}).get("mean")
+    if not got or not mean_step:
+        return None
+    worst = max(got, key=lambda r: r["cpu_wait_s_per_step"])
+    per_step = float(np.mean([r["cpu_wait_s_per_step"] for r in got]))
+    return {"s_per_step": per_step, "frac_of_step": per_step / mean_step, "ranks": len(got),
+            "worst_rank": int(worst["rank"]), "worst_s_per_step": float(worst["cpu_wait_s_per_step"])}
 
 
 def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
@@ -296,7 +312,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
                    "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
                    "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
-                   "executed_flops"]
+                   "executed_flops", "cpu_wait_s"]
                   + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
     measured = steps[steps["measured"]]
     step_block = steps_mod.step_stats(model)
@@ -310,7 +326,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
     strag = strag_mod.classify(run, arr, rows_per_rank, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
-                               wi.typical_excess if wi else None)
+                               wi.typical_excess if wi else None, wi.typical_cpu_wait if wi else None)
     say("GPU and memory")
     gpus = gpu_mod.gpu_stats(run)
     rg = gpu_mod.rank_gpu(run, gpus)
@@ -340,6 +356,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                                 "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
                                 "saving_frac_median": float(s.saving_frac_median),
                                 "typical_excess_s": float(s.typical_excess_s),
+                                "typical_cpu_wait_s": float(s.typical_cpu_wait_s),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
     problems = list(run.problems)
@@ -374,6 +391,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "options": options.record(),
         "problems": problems,
     }
+    summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:
@@ -423,7 +441,8 @@ def _say_which_suspects_are_not_stragglers(what_if: list[dict], strag: pd.DataFr
         if s["kind"] != "persistent":
             w["basis"] += (f"; not named a straggler: the saving held (>= the threshold) in "
                            f"{s['saving_step_frac']:.0%} of measured steps and a typical step does "
-                           f"{s['typical_excess_s'] * 1e3:.1f} ms more work than its peers")
+                           f"{s['typical_excess_s'] * 1e3:.1f} ms more work than its peers"
+                           f"{strag_mod.cpu_wait_note(s['typical_cpu_wait_s'])}")
 
 
 def is_unnamed_suspect(w: dict, named: set) -> bool:
@@ -502,7 +521,7 @@ def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None
 
 
 def _fmt_s(x) -> str:
-    if x is None:
+    if x is None or x != x:   # None, or NaN (a rank that did not report the figure)
         return "—"
     if x == 0:
         return "0"
@@ -543,14 +562,18 @@ def format_summary_text(summary: dict) -> str:
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
     short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
              "optimizer": "optim"}
+    # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
+    cpu_col = summary.get("cpu_wait") is not None
     lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
-                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}")
+                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}"
+                 + (f" {'cpu wait':>9}" if cpu_col else ""))
     for r in summary.get("ranks") or []:
         b = r.get("breakdown_s_per_step") or {}
         lines.append(f"{r['rank']:>5} {str(r.get('host') or '')[:14]:<14} {r.get('steps', 0):>5} "
                      f"{_fmt_s(r.get('step_time_s_mean')):>10} "
                      + " ".join(f"{_fmt_s(b.get(p)):>9}" for p in parts)
-                     + f" {_fmt_frac(r.get('overlap_ratio')):>8}")
+                     + f" {_fmt_frac(r.get('overlap_ratio')):>8}"
+                     + (f" {_fmt_s(r.get('cpu_wait_s_per_step')):>9}" if cpu_col else ""))
     bd = summary.get("breakdown") or {}
     by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
     by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}

@@ -45,6 +45,7 @@ from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, inn
 
 NS = 1e9
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")
+OWN_WORK_PARTS = WORK_PARTS[:-1]   # the rank's own work: no communication
 FORWARD, BACKWARD, OPTIMIZER, DATA_WAIT, OTHER, EXPOSED = range(6)
 COMPUTE_PARTS = (FORWARD, BACKWARD, OPTIMIZER)
 WAIT, ARRIVE, WORKI = 0, 1, 2          # item kinds, in their order at equal times
@@ -509,6 +510,7 @@ class WhatIf:
     summary: dict                       # summary.json: replay, what_if, critical_path
     straggler_savings: pd.DataFrame     # rank, step, saving_frac: straggler_removed per measured step
     typical_excess: dict[int, float]    # per suspected rank: typical_excess (s)
+    typical_cpu_wait: dict[int, float]  # per suspected rank: typical_cpu_wait (s)
 
 
 def _measured(g: StepGraph) -> np.ndarray:
@@ -532,11 +534,13 @@ def work_totals(items: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
 
 
 def _work_table(model, work: np.ndarray) -> pd.DataFrame:
-    """Every rank-step of the model (rank, step, measured) with its work per part (ns, float) from ``work``."""
+    """Every rank-step of the model (rank, step, measured) with its work per part (ns, float) from ``work``, and
+    ``cpu_wait`` (ns its training thread waited for a CPU; NaN where not reported)."""
     w = model.steps
     out = pd.DataFrame(work.astype(float), columns=list(WORK_PARTS))
     out["rank"], out["step"] = w["rank"].to_numpy(np.int64), w["step"].to_numpy(np.int64)
     out["measured"] = w["measured"].to_numpy(bool)
+    out["cpu_wait"] = w["cpu_wait_s"].to_numpy(float) * NS
     return out
 
 
@@ -544,18 +548,31 @@ def typical_excess(work: pd.DataFrame, rank: int, peers: dict[int, int]) -> floa
     """``rank``'s typical extra work in seconds: over the work parts (``work``: ``_work_table``), the sum of the
     median over the measured steps of its part minus its peers' median part. A slow rank's excess recurs in the
     same part; a rank that a busy machine preempts in a different part each step has none."""
+    return float(_typical_over_peers(work, rank, peers, list(OWN_WORK_PARTS)).sum()) / NS
+
+
+def typical_cpu_wait(work: pd.DataFrame, rank: int, peers: dict[int, int]) -> float:
+    """``rank``'s typical extra wait for a CPU in seconds: the median over the measured steps of its training
+    thread's run delay (``work``'s ``cpu_wait``) minus its peers' median; 0 where a rank did not report it. Time
+    the machine's other processes took from the rank, not work the rank itself does."""
+    d = _typical_over_peers(work, rank, peers, ["cpu_wait"])["cpu_wait"]
+    return float(d) / NS if np.isfinite(d) else 0.0
+
+
+def _typical_over_peers(work: pd.DataFrame, rank: int, peers: dict[int, int], cols: list[str]) -> pd.Series:
+    """Per column of ``cols``: the median over the measured steps of ``rank``'s value minus its peers' median."""
     mates = [q for q, k in peers.items() if k == peers[rank] and q != rank]
-    tot = work[work["measured"]].drop(columns=["exposed_comm", "measured"])
-    own = tot[tot["rank"] == rank].groupby("step").sum().drop(columns="rank")
-    peer = tot[tot["rank"].isin(mates)].groupby("step").median().drop(columns="rank")
-    return float((own - peer).dropna().median().sum()) / NS
+    tot = work.loc[work["measured"], ["rank", "step", *cols]]
+    own = tot[tot["rank"] == rank].groupby("step")[cols].sum(min_count=1)
+    peer = tot[tot["rank"].isin(mates)].groupby("step")[cols].median()
+    return (own - peer).median()
 
 
 def suspects(work: pd.DataFrame, peers: dict[int, int], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting; ``work``: ``_work_table``) exceeds their peers' median in the mean
     measured step, most first."""
     w = work[work["measured"]]
-    own = w[[p for p in WORK_PARTS if p != "exposed_comm"]].sum(axis=1)
+    own = w[list(OWN_WORK_PARTS)].sum(axis=1)
     mean = own.groupby(w["rank"].to_numpy()).mean()
     excess = {}
     for key in sorted(set(peers.values())):   # per peer group: each rank against the median of the others
@@ -610,7 +627,7 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
     if ident is None:
         out["replay"] = {"error_frac": None, "reason": "the recorded order contradicts the collectives' matching"}
         return WhatIf(g, None, {"replay": out["replay"], "what_if": [], "critical_path": None},
-                      pd.DataFrame(columns=["rank", "step", "saving_frac"]), {})
+                      pd.DataFrame(columns=["rank", "step", "saving_frac"]), {}, {})
     base = job_steps(g, ident).reindex(steps).to_numpy(float)
     err = np.abs(base - measured_s) / measured_s
     out["replay"] = {"error_frac": float(err.mean()), "error_frac_max": float(err.max()),
@@ -640,6 +657,7 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
     peers = peers_of(g)
     rows = []
     excess: dict[int, float] = {}
+    cpu_wait: dict[int, float] = {}
     for r in suspects(work_t, peers):
         e = entry("straggler_removed", [r], straggler_removed(g, [r], peers),
                   basis=f"rank {r}'s work in each step set to the median of its peers' "
@@ -648,6 +666,7 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
             entries.append(e[0])
             rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
             excess[r] = typical_excess(work_t, r, peers)
+            cpu_wait[r] = typical_cpu_wait(work_t, r, peers)
     has = {p: bool(work_t.loc[work_t["measured"], p].sum() > 0) for p in WORK_PARTS}
     pipe_win = g.windows["pipeline"].to_numpy()
     exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)
@@ -691,7 +710,7 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
     out["what_if_skipped"] = skipped
     out["critical_path"] = critical_path(g, ident, steps)
     sav = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=["rank", "step", "saving_frac"])
-    return WhatIf(g, ident, out, sav, excess)
+    return WhatIf(g, ident, out, sav, excess, cpu_wait)
 
 
 def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:

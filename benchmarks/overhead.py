@@ -1,7 +1,8 @@
 """dtprof's overhead on real jobs: step time bare vs under `dtprof run`, and dtprof's own CPU time per step.
 
 Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pipeline (examples/) and a framework
-job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate``) -- each run bare and under
+job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate`` and ``lightning-wide``, the
+Lightning job with a wider model and ~40 ms steps) -- each run bare and under
 `dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
 first as often as second), so the machine's noise (other jobs) hits both alike. A job's step time is its own: the
 interval between consecutive "step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and
@@ -19,10 +20,12 @@ round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank a
   work on the machine than wall time), in alternating blocks with dtprof on and off (off: its step hooks, collective
   wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
   one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
-  one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper, Work.wait patch and
-  the c10d kernel), blocks of ``dist.broadcast`` that of any other collective (no kernel). A job's hook cost = step
-  cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
-  rank-step), counted in its profiled run.
+  one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper and Work.wait patch:
+  the call skips the c10d kernel), blocks of ``dist.broadcast`` that of any other collective. A job's hook cost =
+  step cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
+  rank-step), counted in its profiled run. The same blocks read the CPU of the process's other threads (all but
+  dtprof's own, which are counted above): what dtprof adds there is its completion callbacks, run in the backend's
+  threads (``callbacks``, priced the same way).
 
 The ranks share the machine's cores with all of it, so this CPU is what dtprof takes from the job; a rank it delays
 holds the others at the next collective, so a step's wall cost is bounded by about the ranks' sum (2x the per-rank
@@ -136,19 +139,29 @@ def hooks_worker(blocks: int) -> None:
             hooks_collectives._libraries.pop()._destroy()
         runtime.STATE.active = on
 
+    def cpu():
+        """(the training thread's CPU seconds, the CPU seconds of the process's other threads but dtprof's own):
+        the second holds what dtprof's completion callbacks cost the backend's threads."""
+        own, thread, process = runtime._own_threads_cpu_s(), time.thread_time(), time.process_time()
+        return thread, process - thread - sum(own.values())
+
+    def per_call(t0, n):
+        t1 = cpu()
+        return (t1[0] - t0[0]) / n, (t1[1] - t0[1]) / n
+
     def steps(n):
-        t0 = time.thread_time()
+        t0 = cpu()
         for _ in range(n):
             tiny(x).sum().backward()
             opt.step()
             opt.zero_grad()
-        return (time.thread_time() - t0) / n
+        return per_call(t0, n)
 
     def collectives(op, n):
-        t0 = time.thread_time()
+        t0 = cpu()
         for _ in range(n):
             op(buf)
-        return (time.thread_time() - t0) / n
+        return per_call(t0, n)
 
     def broadcast(t):
         dist.broadcast(t, 0)
@@ -156,16 +169,18 @@ def hooks_worker(blocks: int) -> None:
     steps(5)                      # dtprof starts recording at the first forward (no RANK: one process)
     assert runtime.STATE.active, "dtprof did not start in the benchmark process"
     on = True
-    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective")}
+    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective", "step_other", "all_reduce_other",
+                                              "collective_other")}
     for b in range(blocks):
         for mode in ("on", "off") if b % 2 else ("off", "on"):
             if (mode == "on") != on:
                 on = mode == "on"
                 switch(on)
             # short blocks, many pairs: on and off see the same interference from the rest of the machine
-            res["step"][mode].append(steps(10))
-            res["all_reduce"][mode].append(collectives(dist.all_reduce, 40))
-            res["collective"][mode].append(collectives(broadcast, 40))
+            for k, (main, other) in (("step", steps(10)), ("all_reduce", collectives(dist.all_reduce, 40)),
+                                     ("collective", collectives(broadcast, 40))):
+                res[k][mode].append(main)
+                res[k + "_other"][mode].append(other)
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
     print(json.dumps({**res, "modules": modules}))
 
@@ -185,6 +200,9 @@ JOBS = {
     "fsdp2": (["examples/train_fsdp.py", *MODEL], 40),
     "pipeline": (["examples/train_pipeline.py", *MODEL], 50),
     "lightning": (["examples/frameworks/train_lightning.py", "--dim", "1024", "--batch", "64", "--lr", "0.001"], 200),
+    # the same framework job with a wider model: ~40 ms steps, the length of the issue's reference DDP job
+    "lightning-wide": (["examples/frameworks/train_lightning.py", "--dim", "1536", "--batch", "64", "--lr", "0.001"],
+                       100),
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
@@ -237,7 +255,8 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         if STEP_LINE.match(line):
             seen.append(time.monotonic())
             n = int(STEP_LINE.match(line).group(1))
-            if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n == steps - 1):   # timed steps
+            # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
+            if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                 cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
     if proc.wait():
         sys.exit(f"{name}: {' '.join(cmd)} exited {proc.returncode}")
@@ -245,6 +264,8 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     out = {"step_s": statistics.median(intervals)}
     if run_dir is not None:
         (i0, c0), (i1, c1) = cpu[0], cpu[-1]
+        if i1 <= i0:
+            sys.exit(f"{name}: only {len(seen)} step lines of {steps} arrived; no CPU interval to measure")
         out["launcher_cpu_s_per_step"] = (c1 - c0) / 1e9 / (i1 - i0)
         from dtprof.reader import open_run
 
@@ -276,8 +297,17 @@ def hook_cost(blocks: int) -> dict:
     model's own cost)."""
     data = in_process(["--hooks", "--blocks", str(blocks)])
     added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"]))
-             for k in ("step", "all_reduce", "collective")}
+             for k in data if k != "modules"}
     return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
+
+
+def priced(hooks: dict | None, n_coll: float, n_ar: float, suffix: str) -> float:
+    """A job's hook cost per rank-step from the per-step / per-collective figures and its own collective counts
+    (module docstring); ``suffix`` "_other": what they cost the process's other threads."""
+    if not hooks:
+        return float("nan")
+    return (hooks["step" + suffix] + hooks["all_reduce" + suffix] * max(n_ar - 1, 0)
+            + hooks["collective" + suffix] * (n_coll - n_ar))
 
 
 def in_process(args: list[str]) -> dict:
@@ -336,7 +366,9 @@ def main() -> None:
         print(f"training-thread hooks (CPU): +{hooks['step'] * 1e6:.1f} us per step with one DDP bucket, "
               f"+{hooks['all_reduce'] * 1e6:.1f} us per further all-reduce, +{hooks['collective'] * 1e6:.1f} us per "
               f"other collective (tiny DDP model, {hooks['modules']} modules, {hooks['bare_step'] * 1e6:.0f} us CPU "
-              f"per bare step)", file=sys.stderr)
+              f"per bare step); in the process's other threads (completion callbacks): "
+              f"+{hooks['step_other'] * 1e6:.1f} us per step, +{hooks['all_reduce_other'] * 1e6:.1f} us per further "
+              f"all-reduce, +{hooks['collective_other'] * 1e6:.1f} us per other collective", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.jobs.split(","):
@@ -354,27 +386,27 @@ def main() -> None:
                 colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"]))
             n_coll = statistics.median(c for c, _ in colls)
             n_ar = statistics.median(ar for _, ar in colls)      # all-reduces, DDP's buckets included
-            hook_s = (hooks["step"] + hooks["all_reduce"] * max(n_ar - 1, 0) + hooks["collective"] * (n_coll - n_ar)
-                      if hooks else float("nan"))
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
                          interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
-                         n_coll, n_ar, hook_s))
+                         n_coll, n_ar, priced(hooks, n_coll, n_ar, ""), priced(hooks, n_coll, n_ar, "_other")))
             print(f"{name}: per-round profiled / bare ratios "
                   f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
     print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [90% CI]':>23s} "
-          f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'(colls':>6s} {'ar)':>4s} "
-          f"{'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk in rows:
+          f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
+          f"{'ar)':>4s} {'= % of step':>11s}")
+    for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk, cb in rows:
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
-              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {nc:6.1f} {nar:4.1f} "
-              f"{(th + la + hk) / b * 100:10.2f}%")
+              f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
+              f"{(th + la + hk + cb) / b * 100:10.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step), 90 % "
           f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
-          f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks) and the training-thread hooks "
-          f"(in one process: per step + per further all-reduce + per other collective): the CPU dtprof takes from "
+          f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks), the training-thread hooks "
+          f"(in one process: per step + per further all-reduce + per other collective) and what they cost the "
+          f"process's other threads (callbacks: the completion callbacks that run in the backend's threads, priced "
+          f"the same way): the CPU dtprof takes from "
           f"the cores the ranks share; a rank it delays holds the others at the next collective, so a step's wall "
           f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
     if a.in_process:

@@ -2,8 +2,8 @@
 
 ``start(rank_dir, state)`` starts one daemon thread in the rank that
 
-- writes ``rank_dir/heartbeat.json`` atomically every ~0.5 s from the runtime's ``STATE`` (rank, step, the
-  collective the main thread is inside, ``last_progress_ns``; all times ``time.monotonic_ns()``);
+- writes ``rank_dir/heartbeat.json`` every ~0.5 s (in place, see ``_BeatFile``) from the runtime's ``STATE``
+  (rank, step, the collective the main thread is inside, ``last_progress_ns``; all times ``time.monotonic_ns()``);
 - polls the node directory (``rank_dir.parent``) for ``dump-request-<id>`` files, written by the launcher's
   watchdog or by ``dtprof triage --live``, and answers each with ``rank_dir/dump-<id>.json``: Python stacks of all
   threads, the in-flight collective and PyTorch's Flight Recorder entries where available;
@@ -56,10 +56,12 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     # one write of the whole text (json.dump would issue a write per token), and an unlink only after a failure:
     # this runs twice a second in every rank, measured at ~25 % less CPU than streaming plus an unlink every time;
     # os-level calls on strings: no Python file object, no Path arithmetic
-    path = os.fspath(path)
+    _write_bytes_atomic(os.fspath(path), json.dumps(obj, default=str).encode())
+
+
+def _write_bytes_atomic(path: str, data: bytes) -> None:
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")
-    data = json.dumps(obj, default=str).encode()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -75,6 +77,39 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
         except OSError:
             pass
         raise
+
+
+class _BeatFile:
+    """``heartbeat.json``, rewritten in place: the first beat creates it atomically, padded with spaces to a
+    fixed size (JSON allows trailing white space), and every later beat that fits is one ``pwrite`` of that size
+    at offset 0 into the open file (~0.37 ms of a ~0.5 ms beat was the create, write, close and rename, timed on the
+    busy 2-core machine). A record that outgrows the file starts a new, larger one atomically. A reader that reads
+    while a beat is written may see a mix of two beats: ``beat`` is both the first and the last key, so a mix
+    shows as two different numbers (or as invalid JSON) and the reader reads again (``dtprof.watchdog``).
+    Every writer of the file (the beat loop, SIGTERM, the exception hook, atexit) goes through ``write``."""
+
+    SIZE = 2048
+
+    def __init__(self, path: Path):
+        self.path = os.fspath(path)
+        self.fd: int | None = None
+        self.size = 0
+        self.beat = 0
+        self.lock = threading.RLock()   # reentrant: a SIGTERM handler may interrupt the main thread's own write
+
+    def write(self, record: dict) -> None:
+        with self.lock:
+            self.beat += 1
+            data = json.dumps({"beat": self.beat, **record, "beat_end": self.beat}, default=str).encode()
+            if self.fd is not None and len(data) <= self.size:
+                os.pwrite(self.fd, data.ljust(self.size), 0)
+                return
+            size = max(self.SIZE, len(data) * 2)
+            _write_bytes_atomic(self.path, data.ljust(size))
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            self.fd, self.size = os.open(self.path, os.O_WRONLY), size
 
 
 def _jsonable_collective(c: Any) -> Any:
@@ -183,6 +218,7 @@ class _Heartbeat:
     def __init__(self, rank_dir: Path, state: Any):
         self.rank_dir = Path(rank_dir)
         self.node_dir = self.rank_dir.parent
+        self.beat_file = _BeatFile(self.rank_dir / "heartbeat.json")
         self.state = state
         self.answered: set[str] = set()
         self.listed_mtime = None       # the node directory's mtime at the last listing (poll_requests)
@@ -226,7 +262,7 @@ class _Heartbeat:
             _sigterm_ns = time.monotonic_ns()
             try:
                 write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
-                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+                self.beat_file.write(snapshot(self.state))
             except Exception:
                 pass
             finally:
@@ -283,7 +319,7 @@ class _Heartbeat:
                 _exit_status = f"exception: {exc_type.__name__}: {exc}"[:500]
                 write_dump(self.rank_dir, self.state, "exception", _exit_status,
                            exception_record(exc_type, exc, tb))
-                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+                self.beat_file.write(snapshot(self.state))
             except Exception:
                 pass
             prev_hook(exc_type, exc, tb)
@@ -293,7 +329,7 @@ class _Heartbeat:
             try:
                 if _exit_status is None:
                     _exit_status = "clean"
-                _write_json_atomic(self.rank_dir / "heartbeat.json", snapshot(self.state))
+                self.beat_file.write(snapshot(self.state))
             except Exception:
                 pass
 
@@ -324,10 +360,9 @@ class _Heartbeat:
 
     def run(self) -> None:
         import select
-        hb_path = str(self.rank_dir / "heartbeat.json")
         while True:
             try:
-                _write_json_atomic(hb_path, snapshot(self.state))
+                self.beat_file.write(snapshot(self.state))
                 self.poll_requests()
             except Exception as e:  # keep beating: a full disk now may be fine later
                 msg = f"heartbeat: {type(e).__name__}: {e}"

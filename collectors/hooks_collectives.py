@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 
 from dtprof.collectors import runtime as rt
 from dtprof.collectors.records import Collective, Group
@@ -65,6 +66,7 @@ def _wants_gpu_duration() -> bool:
     return _nccl_timing
 
 
+_MAIN_THREAD = threading.main_thread().ident
 _C10D_INTERNAL = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger")
 
 
@@ -103,11 +105,18 @@ def _nbytes_list(ts) -> int:
     return sum(_nbytes(t) for t in ts) if ts else 0
 
 
+_DTYPE_NAMES: dict = {}          # torch.dtype -> its name without "torch." (str() of a dtype is slow per call)
+
+
 def _dtype(t) -> str:
     try:
-        return str(t.dtype).replace("torch.", "")
+        d = t.dtype
     except AttributeError:
         return ""
+    name = _DTYPE_NAMES.get(d)
+    if name is None:
+        name = _DTYPE_NAMES[d] = str(d).replace("torch.", "")
+    return name
 
 
 def _first(ts):
@@ -293,17 +302,21 @@ def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue,
               bucket=None, stage=None, microbatch=None, step=None):
     rec = rt.STATE
     name, size, seq = where
-    # positional, in the schema's column order (a third of the cost of keywords: this runs for every collective)
-    return Collective(rec.rank, rec.step if step is None else step, op, api, source, name, size, seq, in_b, out_b,
-                      dtype, peer, bool(async_op), issue, return_ns, end_ns, None, bucket, stage, microbatch)
+    # positional, in the schema's column order, through tuple.__new__ (no Python-level __new__: this runs for every
+    # collective)
+    return _row(Collective, (rec.rank, rec.step if step is None else step, op, api, source, name, size, seq, in_b,
+                             out_b, dtype, peer, bool(async_op), issue, return_ns, end_ns, None, bucket, stage,
+                             microbatch) + _TAIL)
 
 
 _END = Collective._fields.index("end_ns")
+_row = tuple.__new__
+_TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added after these 20 (runtime._SPAN_TAIL)
 
 
 def _with_end(row: Collective, t: int) -> Collective:
-    """``row._replace(end_ns=t)`` at a third of its cost (per completed collective)."""
-    return Collective._make(row[:_END] + (t,) + row[_END + 1:])
+    """``row._replace(end_ns=t)`` at a fraction of its cost (per completed collective)."""
+    return _row(Collective, row[:_END] + (t,) + row[_END + 1:])
 
 
 def _in_flight(row: Collective, entered_ns: int) -> dict:
@@ -334,15 +347,14 @@ def complete(key, t) -> None:
             rec.writer.extend("collectives", rows)
 
 
-def _on_done(key):
-    """The future's completion callback for ``key``: it runs in the backend's thread, where an exception would be
-    printed into the job's output (add_done_callback, unlike then(), has no child future to hold it)."""
-    def done(_fut) -> None:
-        try:
-            complete(key, now())
-        except Exception:
-            rt.STATE.fault("collective completion")
-    return done
+def _done(key, _fut) -> None:
+    """A future's completion callback (bound to ``key`` with functools.partial: cheaper to make than a closure).
+    It runs in the backend's thread, where an exception would be printed into the job's output
+    (add_done_callback, unlike then(), has no child future to hold it)."""
+    try:
+        complete(key, now())
+    except Exception:
+        rt.STATE.fault("collective completion")
 
 
 def resolve_gpu_durations(final: bool = False) -> None:
@@ -385,7 +397,7 @@ def _track(work, rows) -> None:
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
         return
     # add_done_callback: no child future to build (then() costs ~3x as much on the training thread)
-    fut.add_done_callback(_on_done(key))
+    fut.add_done_callback(partial(_done, key))
 
 
 def expire_pending(all_=False) -> None:
@@ -401,9 +413,27 @@ def expire_pending(all_=False) -> None:
             rec.writer.extend("collectives", item[1])
 
 
+# The dispatch keys of dtprof's c10d::allreduce_ kernel (_observe_dispatched_allreduce), set once it is installed.
+# A torch.distributed all-reduce records itself in its wrapper, so the kernel would only pass the call on, at ~10 us
+# (hot) per call for the Python round trip; the wrapper takes these keys out of the dispatch for the call instead.
+# That kernel redispatches below autograd anyway, so the op runs as it does through the kernel: the guard is used
+# only when no tensor requires grad, where the autograd keys do nothing for the op or a view of it.
+_observer_keys = None
+_exclude_keys = None
+
+
+def _no_grad(args, kwargs) -> bool:
+    """True when no tensor argument of an all_reduce / all_reduce_coalesced call requires grad."""
+    x = args[0] if args else kwargs.get("tensor", kwargs.get("tensors"))
+    if isinstance(x, (list, tuple)):
+        return not any(getattr(t, "requires_grad", False) for t in x)
+    return not getattr(x, "requires_grad", False)
+
+
 def _wrap_collective(api, orig):
     op, extract = _APIS[api]
     p2p = op in _P2P
+    skip_observer = api in ("all_reduce", "all_reduce_coalesced")   # the calls that reach c10d::allreduce_
 
     def wrapper(*args, **kwargs):
         state = rt.STATE
@@ -434,7 +464,11 @@ def _wrap_collective(api, orig):
             return orig(*args, **kwargs)
         _tls.busy = True
         try:
-            result = orig(*args, **kwargs)
+            if skip_observer and _observer_keys is not None and _no_grad(args, kwargs):
+                with _exclude_keys(_observer_keys):
+                    result = orig(*args, **kwargs)
+            else:
+                result = orig(*args, **kwargs)
         finally:
             _tls.busy = False
             state.collective = None
@@ -564,7 +598,7 @@ def _wrap_comm_hook(hook):
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
                 add_pending(key, fut, [row])
-                fut.add_done_callback(_on_done(key))
+                fut.add_done_callback(partial(_done, key))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue
         except Exception:
@@ -579,25 +613,22 @@ def _wrap_comm_hook(hook):
 _libraries = []      # the torch.library registrations (kept alive: dropping one removes its kernels)
 
 
-def _record_dispatched_allreduce(tensors, process_group, work, issue: int) -> None:
+def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
     """A ``c10d::allreduce_`` issued from C++ (DDP's Reducer, a built-in or C++-calling comm hook, a direct
-    ``ProcessGroup.allreduce``): one async row, completed by the work's future."""
-    import torch.distributed as dist
-
+    ``ProcessGroup.allreduce``): one async row, completed by the work's future. ``pg`` and ``work`` are unboxed.
+    Every DDP bucket passes here on the training thread: no imports, no per-call lookups that can be made once."""
     rec = rt.STATE
     ret = now()
     if rec.fault_test == "collective":
         raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
-    pg = dist.ProcessGroup.unbox(process_group)
-    b = _nbytes_list(tensors)
-    dtype = _dtype(_first(tensors))
+    first = tensors[0] if tensors else None
     ctx = getattr(_tls, "bucket", None)
     if ctx is not None:                                   # inside a (wrapped) user comm hook
         ctx[2] = True
         source, api, bucket = "ddp", "ddp_bucket", ctx[0]
-    elif rec.in_backward or threading.current_thread() is not threading.main_thread():
+    elif rec.in_backward or threading.get_ident() != _MAIN_THREAD:
         source = "ddp"
-        if tensors and tensors[0].is_floating_point():    # a gradient bucket (else the unused-parameter map)
+        if first is not None and first.is_floating_point():   # a gradient bucket (else the unused-parameter map)
             api, bucket = "ddp_bucket", rec.ddp_next_bucket
             rec.ddp_next_bucket += 1
         else:
@@ -606,16 +637,19 @@ def _record_dispatched_allreduce(tensors, process_group, work, issue: int) -> No
         source, api, bucket = "user", "ProcessGroup.allreduce", None
     if source == "ddp":
         rec.ddp_last_issue_ns = issue
-    _track(dist.Work.unbox(work), [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, dtype,
-                                             None, True, issue, ret, bucket=bucket)])
+    b = _nbytes(first) if len(tensors) == 1 else _nbytes_list(tensors)
+    _track(work, [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, _dtype(first), None, True,
+                            issue, ret, bucket=bucket)])
 
 
 def _observe_dispatched_allreduce() -> None:
     """Put a recording kernel for ``c10d::allreduce_`` above the CPU and CUDA kernels (module docstring)."""
     import torch
+    import torch.distributed as dist
 
     op = torch.ops.c10d.allreduce_.default
     below_autograd = torch._C._after_autograd_keyset
+    unbox_pg, unbox_work = dist.ProcessGroup.unbox, dist.Work.unbox
 
     def allreduce_(keyset, tensors, process_group, *args):
         rec = rt.STATE
@@ -624,15 +658,21 @@ def _observe_dispatched_allreduce() -> None:
         issue = now()
         out = op.redispatch(keyset & below_autograd, tensors, process_group, *args)
         try:
-            _record_dispatched_allreduce(tensors, process_group, out[1], issue)
+            _record_dispatched_allreduce(tensors, unbox_pg(process_group), unbox_work(out[1]), issue)
         except Exception:
             rec.fault("c10d::allreduce_ observer")
         return out
 
+    global _observer_keys, _exclude_keys
     lib = torch.library.Library("c10d", "IMPL")
-    for key in ("AutogradCPU", "AutogradCUDA"):
+    keys = ("AutogradCPU", "AutogradCUDA")
+    for key in keys:
         lib.impl("allreduce_", allreduce_, key, with_keyset=True)
     _libraries.append(lib)
+    _exclude_keys = torch._C._ExcludeDispatchKeyGuard
+    _observer_keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, keys[0]))
+    for key in keys[1:]:
+        _observer_keys = _observer_keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
 
 def _install_ddp() -> None:

@@ -21,7 +21,7 @@ Steps (the ``steps`` table)
 - A step starts where the previous one ended; step 0 starts at the rank's first top-level forward.
 - ``peak_mem_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (reset after each step); on CPU the process's
   resident-set high-water mark ``getrusage(RUSAGE_SELF).ru_maxrss`` (monotone over the process lifetime: it
-  cannot be reset cheaply).
+  cannot be reset cheaply), read at most every 50 ms: a step that ends sooner after the last reading repeats it.
 
 Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
 - ``forward``: first top-level module forward pre-hook to its forward hook (global module hooks, nesting depth
@@ -53,7 +53,14 @@ from dtprof.collectors import inputs
 from dtprof.collectors.records import Clock, Event, Meta, Span, Step
 
 now = time.monotonic_ns
+# _row(Span, (...) + _SPAN_TAIL): a typed row from its columns in order without the namedtuple's Python-level
+# __new__ (a call per row); the tails are the trailing nullable columns this code does not set (records.py), so a
+# column added at a table's end needs no change here
+_row = tuple.__new__
+_SPAN_TAIL = (None,) * (len(Span._fields) - 10)
+_STEP_TAIL = (None,) * (len(Step._fields) - 10)
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
+RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
 
@@ -79,11 +86,14 @@ class Recorder:
         self.host = socket.gethostname()
         self.options = {}
         self.writer = None         # the RankWriter (None until init)
+        self.append_span = None    # the writer's append for the spans table
         self.fault_test = ""       # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
         # ---- per-step bookkeeping (main thread only) ----
         self.init_ns = 0
         self.step_start_ns = None  # start of the step in progress (None before the first forward)
         self.prev_step_end_ns = None
+        self.run_delay_fd = None   # the training thread's /proc schedstat (None: not Linux, or no step started yet)
+        self.run_delay_mark = None  # its run delay (ns) when the step in progress started
         self.fwd_depth = 0
         self.fwd_t0 = 0
         self.fwd_ev0 = None
@@ -103,6 +113,8 @@ class Recorder:
         self.flops_step = None
         self.identity_new = None   # a fresh rank.json dict computed on the main thread, written by the flusher
         self.threads_cpu_step0 = None   # dtprof's threads' CPU seconds when step 0 ended (dtprof_threads_cpu)
+        self.rss_read_ns = -RSS_READ_INTERVAL_NS   # when peak_mem_bytes last read the RSS high-water mark (CPU)
+        self.rss_peak = 0
         # ---- collectives (hooks_collectives.py, hooks_functional.py) ----
         self.groups = {}           # id(pg) or None -> (name, size, pg)
         self.seq = {}              # group name or (group, src, dst) -> next seq
@@ -162,8 +174,10 @@ class Recorder:
         self.meta("trace_capture", {"steps": steps, "start_ns": start_ns, "end_ns": end_ns})
 
     def span(self, kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
-        self.writer.append("spans", Span(self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
-                                         microbatch, lane, source))
+        # positional through tuple.__new__ (the namedtuple's own __new__ is a Python call per row) into the spans
+        # list's own append: this runs several times per step
+        self.append_span(_row(Span, (self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
+                                     microbatch, lane, source) + _SPAN_TAIL))
 
     def clock_row(self) -> None:
         self.add(Clock(self.rank, self.host, time.monotonic_ns(), time.time_ns()))
@@ -217,6 +231,7 @@ class Recorder:
         where, _, only_rank = os.environ.get("DTPROF_TEST_FAULT", "").partition("@")
         self.fault_test = where if (not only_rank or int(only_rank) == rank) else ""
         self.writer = RankWriter(node_dir, rank)
+        self.append_span = self.writer.appender("spans")
         self.init_ns = now()
         self.last_progress_ns = self.init_ns
         self.writer.write_identity(self.identity())
@@ -361,7 +376,8 @@ class Recorder:
             self.cuda_pending.append((Span(self.rank, self.step, kind, kind, t0, t1, None, None, "cuda",
                                            "cuda_event"), ev0, self.cuda_event()))
         else:
-            self.span(kind, kind, t0, t1)
+            self.append_span(_row(Span, (self.rank, self.step, kind, kind, t0, t1, None, None, "main", "hook")
+                                  + _SPAN_TAIL))
 
     # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
 
@@ -383,6 +399,8 @@ class Recorder:
                     self.fwd_seen_in_step = True
                     if self.step_start_ns is None:
                         self.step_start_ns = t
+                        self.run_delay_fd = _open_run_delay()
+                        self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
                 self.fwd_t0 = t
                 self.fwd_ev0 = self.cuda_event() if self.cuda else None
                 self.last_progress_ns = t
@@ -527,23 +545,36 @@ class Recorder:
             peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             return int(peak)
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
+        # A system call that sums over all the process's threads (~10 us on the training thread of a busy 2-core
+        # VM, timed in a tiny DDP step); the value only grows, so steps under RSS_READ_INTERVAL_NS apart reuse the
+        # last reading.
+        t = now()
+        if t - self.rss_read_ns >= RSS_READ_INTERVAL_NS:
+            self.rss_read_ns = t
+            self.rss_peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
+        return self.rss_peak
 
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
         a, inferred = self.annot, self.inferred
-        self.add(Step(self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
-                      a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step)))
+        mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
+        cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
+        self.writer.append("steps", _row(Step, (
+            self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
+            a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step), cpu_wait)
+            + _STEP_TAIL))
         if step == 0:
             # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
             self.threads_cpu_step0 = _own_threads_cpu_s()
             self.refresh_identity()           # the device and the process group are set up by now
             self.record_model()
             self.hooks_to_roots()
-        self.annot = {}
-        self.inferred = {}
+        if a:
+            self.annot = {}
+        if inferred:
+            self.inferred = {}
         self.prev_step_end_ns = self.step_start_ns = t
         self.fwd_seen_in_step = False
         self.fwd_depth = 0
@@ -636,6 +667,23 @@ class Recorder:
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
 Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
+
+
+def _open_run_delay() -> int | None:
+    """The calling (training) thread's scheduler statistics, opened once: reading them costs ~1 µs a step."""
+    try:
+        return os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:                 # not Linux, or a kernel without schedstat
+        return None
+
+
+def _run_delay_ns(fd: int | None) -> int | None:
+    """The thread's run delay so far: ns it was runnable but waiting for a CPU (schedstat's second field); None
+    without the file, or once the thread that opened it has ended."""
+    try:
+        return int(os.pread(fd, 64, 0).split()[1]) if fd is not None else None
+    except OSError:
+        return None
 
 
 def _own_threads_cpu_s() -> dict:

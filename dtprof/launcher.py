@@ -8,8 +8,9 @@ Kineto traces, compacts the node to Parquet, writes summary.json and report.html
 
 Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
 - The job's stdout/stderr are pipes that two relay processes (dtprof/relay.py) copy through as bytes arrive (and
-  tee to ``node_dir/stdout.log`` / ``stderr.log``); they outlive a killed launcher and put the terminal before the
-  log, so neither a full disk nor ``kill -9`` of ``dtprof run`` blocks, silences or breaks the job.
+  tee to ``node_dir/stdout.log`` / ``stderr.log``, every 0.5 s); they outlive a killed launcher and put the
+  terminal before the log, so neither a full disk nor ``kill -9`` of ``dtprof run`` blocks, silences or breaks the
+  job.
   ``PYTHONUNBUFFERED=1`` is set unless the user set it, so Python output stays live through the pipe.
 - The job runs in its own session. Its processes are tracked by parentage and by the ``DTPROF_NODE_DIR`` in their
   environment, whatever their process group (torchrun gives each worker its own). SIGINT/SIGTERM/SIGHUP to

@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 from pathlib import Path
-from typing import IO, Any, Iterable, Sequence
+from typing import IO, Any, Callable, Iterable, Sequence
 
 from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
 
@@ -116,7 +116,11 @@ class _TableFile:
         self._fh: IO[str] | None = None
 
     def flush(self) -> None:
-        rows, self.rows = self.rows, []   # swap under the GIL: appenders never wait on I/O
+        # Take the rows appended so far and drop them from the list's front (each step atomic under the GIL; rows
+        # appended meanwhile go to the end): the list itself stays, so a hot path may hold its bound append
+        # (RankWriter.appender) and appenders never wait on I/O.
+        rows = self.rows[:]
+        del self.rows[:len(rows)]
         if not rows and self._fh is not None:
             return
         fh = self._fh
@@ -166,6 +170,10 @@ class RankWriter:
 
     def extend(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
         self._files[table].rows.extend(rows)
+
+    def appender(self, table: str) -> Callable[[Sequence[Any]], None]:
+        """``append`` for one table as the list's own bound method: one call less per row on a hot path."""
+        return self._files[table].rows.append
 
     def write_identity(self, identity: dict) -> None:
         """rank.json: the ranks-table row (all of TABLES['ranks'] columns) plus any extra keys."""

@@ -11,7 +11,8 @@ Conventions
 from __future__ import annotations
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 2        # minor: additions only (1: the ``meta`` table, 2: node summaries); every older minor opens
+SCHEMA_MINOR = 3        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns);
+                        # every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -35,6 +36,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         # FLOPs are float64 (null = unknown): a large model's step exceeds int64's 9.2e18 (1e27 still fits).
         ("model_flops", "float"),    # model FLOPs of this step on this rank, from dtprof.annotate(model_flops=...)
         ("executed_flops", "float"),  # FLOPs counted by FlopCounterMode on this step (--count-flops), else null
+        # ns the training thread was runnable but waiting for a CPU during the step (Linux schedstat's run delay:
+        # other processes or threads held the cores); null where the kernel does not report it
+        ("cpu_wait_ns", "Int"),
     ],
     # Compute and other intervals on a rank.
     "spans": [

@@ -41,15 +41,32 @@ def read_heartbeats(node_dir: Path) -> dict[int, dict]:
     """Every rank's latest heartbeat in one node directory, by rank."""
     out = {}
     for p in Path(node_dir).glob(f"{RANK_PREFIX}*/heartbeat.json"):
-        try:
-            hb = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue  # replaced atomically, so only a vanished or foreign file lands here
+        hb = _read_heartbeat(p)
+        if hb is None:
+            continue
         try:
             out[int(hb.get("rank", p.parent.name[len(RANK_PREFIX):]))] = hb
         except (TypeError, ValueError):
             continue
     return out
+
+
+def _read_heartbeat(path: Path, tries: int = 5) -> dict | None:
+    """One heartbeat file, or None (vanished, foreign). The rank rewrites it in place (collectors/heartbeat.py,
+    ``_BeatFile``): a read that overlaps a write can see parts of two beats, which shows as invalid JSON or as a
+    ``beat`` that differs from ``beat_end``; such a read is taken again."""
+    for _ in range(tries):
+        try:
+            hb = json.loads(path.read_text())
+        except OSError:
+            return None
+        except ValueError:
+            time.sleep(0.001)
+            continue
+        if isinstance(hb, dict) and hb.get("beat") == hb.get("beat_end"):
+            return hb
+        time.sleep(0.001)
+    return None
 
 
 def pid_alive(pid) -> bool:

@@ -38,6 +38,7 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
     df = pd.DataFrame({"rank": [r["rank"] for r in rows], "host": [str(r.get("host") or "") for r in rows],
                        "step_s": [r["step_time_s_mean"] for r in rows],
                        "compute_s": [r.get("compute_s_per_step") for r in rows],
+                       "cpu_wait_s": pd.to_numeric([r.get("cpu_wait_s_per_step") for r in rows], errors="coerce"),
                        **{p: [r["breakdown_s_per_step"][p] for r in rows] for p in parts}})
     df = df.sort_values("rank", ignore_index=True)
     if len(df) <= MAX_BARS:
@@ -51,7 +52,7 @@ def breakdown_table(summary: dict, pipeline: pd.DataFrame | None = None) -> pd.D
         df["label"] = df["group"].map(lambda c: html.escape(grouping.labels[c]))
     worst = df.loc[df.groupby("group")["step_s"].idxmax(), ["group", "rank", "step_s"]].set_index("group")
     g = df.groupby("group", sort=True)
-    out = g[parts + ["step_s"]].mean()
+    out = g[parts + ["step_s", "cpu_wait_s"]].mean()
     out["ranks"] = g["rank"].agg(RG.ranks_text)
     out["n"] = g.size()
     out["worst_rank"] = worst["rank"]
@@ -67,13 +68,13 @@ def _mean_and_worst(df: pd.DataFrame, parts: list[str]) -> pd.DataFrame:
     each labelled with its node."""
     worst = df.sort_values("compute_s", ascending=False, kind="stable").head(WORST_BARS)
     top = worst.iloc[0]
-    mean = {**df[parts + ["step_s"]].mean().to_dict(), "ranks": RG.ranks_text(df["rank"]), "n": len(df),
+    mean = {**df[parts + ["step_s", "cpu_wait_s"]].mean().to_dict(), "ranks": RG.ranks_text(df["rank"]), "n": len(df),
             "worst_rank": int(top["rank"]), "worst_step_s": float(top["step_s"]),
             "label": "all (mean)"}
     each = worst.assign(ranks="rank " + worst["rank"].astype(str) + " (" + worst["host"].map(html.escape) + ")",
                         n=1, worst_rank=worst["rank"], worst_step_s=worst["step_s"],
                         label="rank " + worst["rank"].astype(str))
-    cols = parts + ["step_s", "ranks", "n", "worst_rank", "worst_step_s", "label"]
+    cols = parts + ["step_s", "cpu_wait_s", "ranks", "n", "worst_rank", "worst_step_s", "label"]
     return pd.concat([pd.DataFrame([mean]), each[cols]], ignore_index=True)[cols]
 
 
@@ -93,6 +94,13 @@ def breakdown_figure(summary: dict, pipeline: pd.DataFrame | None = None) -> go.
             x=t["label"], y=t[p] * 1e3, name=PART_LABELS.get(p, p), marker_color=PART_COLORS.get(p, "#999"),
             customdata=custom,
             hovertemplate=f"{who}<br>{html.escape(PART_LABELS.get(p, p))}: %{{y:.2f}} ms of "
+                          "%{customdata[2]:.2f} ms a step<extra></extra>"))
+    cpu_wait = t["cpu_wait_s"]
+    if cpu_wait.notna().any():   # inside the parts, not one of them: a marker beside each bar, not a segment
+        fig.add_trace(go.Scatter(
+            x=t["label"], y=cpu_wait * 1e3, mode="markers", name="waiting for a CPU (inside the parts)",
+            marker={"symbol": "diamond", "size": 9, "color": "#222"}, customdata=custom,
+            hovertemplate=f"{who}<br>waiting for a CPU (runnable, not running): %{{y:.2f}} ms of "
                           "%{customdata[2]:.2f} ms a step<extra></extra>"))
     fig.update_xaxes(type="category", tickangle=0 if len(t) <= 12 else None)   # up to 12 bars: labels level
     title = ("rank" if not grouped else "group of ranks" if t["n"].iloc[1:].gt(1).any() else

@@ -35,6 +35,8 @@ class SynthSpec:
     jitter_frac: float = 0.0            # lognormal-ish multiplicative noise on compute phases
     slow_rank: int | None = None        # this rank's compute is slow_factor× longer
     slow_factor: float = 1.0
+    slow_by_cpu_wait: bool = False      # the slow rank's extra time is its training thread waiting for a CPU
+                                        # (steps.cpu_wait_ns; the other ranks report 0): a busy machine, no slow work
     host_offset_ns: list[int] = field(default_factory=list)  # per host clock offset added to its timestamps
     device_name: str = "cpu"
     device_type: str = "cpu"
@@ -110,6 +112,10 @@ def build_run(path: Path, spec: SynthSpec | None = None, **kw) -> Path:
 
     steps = pd.DataFrame({"rank": rk, "step": st, "start_ns": flat(t0), "end_ns": flat(s_end),
                           "peak_mem_bytes": 2**30, "tokens": 4096, "samples": 8})
+    if spec.slow_by_cpu_wait and spec.slow_rank is not None:
+        extra = np.zeros((W, S))
+        extra[spec.slow_rank] = (data + fwd + bwd + opt)[spec.slow_rank] * (1 - 1 / spec.slow_factor)
+        steps["cpu_wait_ns"] = np.rint(extra).astype(np.int64).ravel()
     spans = []
     for kind, a, b in (("data_wait", t0, d_end), ("forward", d_end, f_end), ("backward", f_end, wait_end),
                        ("comm_wait", b_end, wait_end), ("optimizer", wait_end, o_end)):

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,34 @@ class Job:
 
 
 GLOO_EXIT_ABORT = "terminate called without an active exception"
+JOB_TIMEOUT_S = 420
+# a bare job that printed its final loss and has not exited this long after is hung in torch's teardown (below)
+TEARDOWN_HANG_S = 60
+
+
+def _run(full: list[str], tmp: Path, hang_after: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``full`` in its own session; on a time-out stop the whole session (torchrun's ranks too, which a plain
+    subprocess.run time-out leaves running). With ``hang_after``: once that text is in the job's output, a job
+    that has not exited ``TEARDOWN_HANG_S`` later is killed too (returncode None)."""
+    out, err = tmp / "job.stdout", tmp / "job.stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        p = subprocess.Popen(full, cwd=tmp, env=ENV, stdout=o, stderr=e, text=True, start_new_session=True)
+        t0 = time.monotonic()
+        seen = None
+        while p.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            if seen is None and hang_after and hang_after in out.read_text():
+                seen = now
+            if now - t0 > JOB_TIMEOUT_S or (seen is not None and now - seen > TEARDOWN_HANG_S):
+                os.killpg(p.pid, signal.SIGTERM)   # `dtprof run` passes it on to the job it started
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                return subprocess.CompletedProcess(full, None, out.read_text(), err.read_text())
+    return subprocess.CompletedProcess(full, p.returncode, out.read_text(), err.read_text())
 
 
 def job(command, tmp, profiled=True) -> Job:
@@ -55,12 +85,18 @@ def job(command, tmp, profiled=True) -> Job:
     run_dir = tmp / "run" if profiled else None
     full = ([sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-nvml", "--no-report", "--"]
             if profiled else []) + [str(c) for c in command]
-    proc = subprocess.run(full, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=420)
-    if not profiled and proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
-        # the reference run only: torch's own teardown abort (a rank leaving with gloo's threads alive: pytorch
-        # issue #190489), seen in 2 of ~10 bare framework runs of one fresh-clone CI run after training finished.
-        # The profiled run is never retried: a failure there may be dtprof's
-        proc = subprocess.run(full, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=420)
+    if profiled:
+        proc = _run(full, tmp)
+    else:
+        # The reference run only: torch's own teardown after training can abort (a rank leaving with gloo's threads
+        # alive, "terminate called without an active exception": pytorch issue #190489; 2 of ~10 bare framework
+        # runs of one fresh-clone CI run) or deadlock (the HF Trainer's rank 0 freeing DDP's reducer, whose
+        # ~ProcessGroupGloo joins a gloo worker that waits for the GIL to free an all-gather's tensors: 1 bare run
+        # of a fresh-clone CI run hung until the time-out). Either, after the final loss, is retried once. The
+        # profiled run is never retried: a failure there may be dtprof's
+        proc = _run(full, tmp, hang_after="final loss")
+        if proc.returncode is None or (proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr):
+            proc = _run(full, tmp, hang_after="final loss")
     assert proc.returncode == 0, f"{full} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return Job(proc, run_dir)
 

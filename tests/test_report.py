@@ -476,6 +476,22 @@ def test_breakdown_groups_beyond_64_ranks_naming_the_worst():
     assert len(breakdown_table(summary(64, 1))) == 64   # up to 64 ranks: a bar each
 
 
+def test_breakdown_marks_each_ranks_wait_for_a_cpu_beside_its_bar():
+    from dtprof.reports.breakdown import breakdown_figure
+
+    parts = ["forward", "backward", "other"]
+    ranks = [{"rank": r, "host": "h", "step_time_s_mean": 0.03, "compute_s_per_step": 0.02,
+              "breakdown_s_per_step": dict.fromkeys(parts, 0.01), "cpu_wait_s_per_step": w}
+             for r, w in enumerate([0.0005, 0.004])]
+    fig = breakdown_figure({"ranks": ranks, "breakdown": {"parts": parts}})
+    marks = [t for t in fig.data if t.name == "waiting for a CPU (inside the parts)"]
+    assert len(marks) == 1 and list(marks[0].y) == pytest.approx([0.5, 4.0])   # ms, one per rank's bar
+    for r in ranks:                                 # a run that did not measure it (not Linux, older run): no marker
+        r["cpu_wait_s_per_step"] = None
+    fig = breakdown_figure({"ranks": ranks, "breakdown": {"parts": parts}})
+    assert [t.name for t in fig.data] == ["forward", "backward", "other"]
+
+
 def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
     from click.testing import CliRunner
 

@@ -48,6 +48,29 @@ def test_straggler_removed_predicts_the_step_without_the_slow_rank(tmp_path):
         (x["saving_frac"] for x in a.summary["what_if"]), reverse=True)
 
 
+def test_a_rank_slowed_by_waiting_for_a_cpu_is_not_a_straggler_and_the_contention_is_named(tmp_path):
+    # the same 1.5x slower rank 1, but its extra 16.5 ms a step is time its training thread waited for a CPU
+    # (another process held its core): removing it still saves 29 %, yet it is not the rank's own work, so the
+    # rank is not named; the finding names the contention instead (rank 1: 16.5 of 53.5 ms, its peers 0: a mean of
+    # 5.5 ms over 3 ranks, 10.3 % of the step)
+    a = analyze(build_run(tmp_path / "r", world_size=3, steps=8, slow_rank=1, slow_factor=1.5,
+                          slow_by_cpu_wait=True))
+    assert _entry(a.summary, "straggler_removed", [1])["saving_frac"] == pytest.approx(1 - 38 / 53.5, rel=1e-6)
+    assert a.summary["stragglers"] == []
+    assert "waits 16.5 ms more for a CPU (not its own work)" in _entry(a.summary, "straggler_removed", [1])["basis"]
+    c = a.summary["cpu_wait"]
+    assert c["worst_rank"] == 1 and c["worst_s_per_step"] == pytest.approx(0.0165, rel=1e-6)
+    assert c["frac_of_step"] == pytest.approx(0.0165 / 3 / 0.0535, rel=1e-6)
+    f = next(f for f in a.findings if f["id"] == "cpu_contention")
+    assert "rank 1 most: 16.5 ms per step" in f["message"]
+    assert not any(f["id"] == "straggler" for f in a.findings)
+    # the terminal's per-rank table shows each rank's wait for a CPU after the breakdown's parts
+    rows = format_summary_text(a.summary).splitlines()
+    header = next(i for i, line in enumerate(rows) if line.split()[:2] == ["rank", "host"])
+    assert rows[header].endswith("cpu wait")
+    assert rows[header + 2].endswith("16.5 ms") and rows[header + 1].endswith(" 0"), rows[header:header + 4]
+
+
 def test_perfect_overlap_removes_the_exposed_last_bucket(tmp_path):
     # the last bucket's 4 ms after the last arrival is the only exposed communication: 37 -> 33 ms
     a = analyze(build_run(tmp_path / "r", world_size=2, steps=8))

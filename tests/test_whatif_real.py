@@ -75,19 +75,19 @@ while time.time() - t < 120:
 
 
 def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
-    # a busy-looping process on each core beside an unslowed 2-rank DDP job: either rank is sometimes descheduled,
-    # in a different part of the step each time, so no rank has an excess that recurs: no rank is persistent. One
-    # hog per core keeps the load symmetric: a single hog (even one moving to the next core every 30 ms) shared one
-    # rank's core for most of the job in several runs on this 2-core machine (that rank lost 4-18 ms in 9 of 12
-    # steps), which makes it a persistent straggler in fact, not the symmetric noise meant here. 30 steps: with 14,
-    # one run in six still named a rank whose share of the cores was unequal for a few seconds (3.9 ms typical
-    # excess in 62 % of steps); with 30, 8 runs in 8 named none
+    # a busy-looping process pinned to one core beside an unslowed 2-rank DDP job: it takes whole scheduler ticks
+    # from the rank that shares its core, often in most steps and in the same part (measured: backward 5.5 or 9.8 ms
+    # instead of 1.2 in 18 of 29 steps), a recurring slowdown that span times alone cannot tell from a slow rank:
+    # before dtprof read each rank's run delay, CI named such a rank twice (with a hog on each core), and with one
+    # hog 1 run in 4 had a rank whose typical excess (2.1 ms, held in 75 % of steps) met the old rule. The time went
+    # to waiting for a CPU (steps.cpu_wait_ns: 3.9 ms more than its peer's in that run), not to the rank's own work,
+    # so no rank is named, and the contention is what dtprof reports
     import subprocess
 
     from what_if_accuracy import SMALL, run_job
 
     from dtprof.analyzers.summary import analyze
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(cpu)]) for cpu in sorted(os.sched_getaffinity(0))]
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(min(os.sched_getaffinity(0)))])]
     try:
         run_dir = run_job(tmp_path, "train_ddp.py", 2, ["--steps", "30"] + SMALL)
     finally:
@@ -97,3 +97,7 @@ def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
     s = analyze(run_dir).summary
     named = [x for x in s["stragglers"] if x["kind"] == "persistent"]
     assert named == [], [(x["rank"], x["reason"], x["saving_frac_median"]) for x in named]
+    # the job really was short of CPU, so the outcome above is not vacuous: the ranks report waiting for a CPU,
+    # 10-43 % of the step in 33 runs beside one or two hogs on the dev machine, none naming a rank (asserted: over
+    # 5 %, half the lowest measured)
+    assert s["cpu_wait"]["ranks"] == 2 and s["cpu_wait"]["frac_of_step"] > 0.05, s["cpu_wait"]
