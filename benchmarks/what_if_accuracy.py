@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -67,7 +68,10 @@ CASES = {
 _port = [29700 + os.getpid() % 200]
 
 
-def run_job(tmp: Path, script: str, nproc: int, args: list[str]) -> Path:
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_job(tmp: Path, script: str, nproc: int, args: list[str], retry: bool = True) -> Path:
     """One profiled torchrun job on CPU/gloo; returns its run directory."""
     run_dir = create_run_dir(tmp / f"run{_port[0]}", {"test": script})
     node_dir = create_node_dir(run_dir)
@@ -80,9 +84,18 @@ def run_job(tmp: Path, script: str, nproc: int, args: list[str]) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
            str(_port[0]), str(REPO / "examples" / script), *args]
     p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    if p.returncode != 0 and GLOO_EXIT_ABORT in p.stderr:
+        # torch's own abort at process exit after training (pytorch issue #190489; the examples destroy their process
+        # group, and it still happens): the same 3-rank DDP job aborted so in 3 of 32 runs without dtprof and 4 of 32
+        # under it (2026-11-24), so it is torch's, not dtprof's. Once more (a new run directory: the port differs)
+        return run_job(tmp, script, nproc, args, retry=False) if retry else _failed(script, args, p)
     if p.returncode != 0:
-        raise RuntimeError(f"{script} {' '.join(args)} failed: {p.stderr[-2000:]}")
+        _failed(script, args, p)
     return run_dir
+
+
+def _failed(script: str, args: list[str], p: subprocess.CompletedProcess) -> NoReturn:
+    raise RuntimeError(f"{script} {' '.join(args)} failed: {p.stderr[-2000:]}")
 
 
 def measure(case: str, steps: int, tmp: Path) -> dict:
