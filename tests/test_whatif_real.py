@@ -97,7 +97,8 @@ def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
     s = analyze(run_dir).summary
     named = [x for x in s["stragglers"] if x["kind"] == "persistent"]
     assert named == [], [(x["rank"], x["reason"], x["saving_frac_median"]) for x in named]
-    # the job really was short of CPU, so the outcome above is not vacuous: the ranks report waiting for a CPU,
-    # 10-43 % of the step in 33 runs beside one or two hogs on the dev machine, none naming a rank (asserted: over
-    # 5 %, half the lowest measured)
-    assert s["cpu_wait"]["ranks"] == 2 and s["cpu_wait"]["frac_of_step"] > 0.05, s["cpu_wait"]
+    # the job really was short of CPU, so the outcome above is not vacuous, and the user is told why the steps are
+    # slow: beside this one hog the ranks waited for a CPU 20-43 % of the step in 12 runs on the dev machine (none
+    # naming a rank), against 6.2 % in two runs of the same job on the quiet machine (asserted: over 12 %, between)
+    assert s["cpu_wait"]["ranks"] == 2 and s["cpu_wait"]["frac_of_step"] > 0.12, s["cpu_wait"]
+    assert any(f["id"] == "cpu_contention" for f in s["findings"]), s["findings"]
