@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,15 @@ def dtprof_run_popen(args, cwd, env=None):
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.fixture(scope="module")
-def multinode(tmp_path_factory):
-    d = tmp_path_factory.mktemp("multinode")
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _two_launchers(d: Path):
+    """Two `dtprof run` launchers of one 2-node torchrun job in ``d``: (procs, results), or None when a rank hit
+    torch's exit abort (pytorch #190489: a rank aborts after destroy_process_group; the same abort hit 3 of 32 runs of
+    a 3-rank job without dtprof and 4 of 32 under it, 2026-11-24). The other node's agent then waits 300 s at
+    torchelastic's exit barrier, so the launchers are stopped (SIGTERM, which `dtprof run` passes on) as soon as a
+    node's stderr.log shows the abort."""
     (d / "worker.py").write_text(textwrap.dedent(WORKER))
     (d / "seen").mkdir()
     port = free_port()
@@ -64,8 +71,26 @@ def multinode(tmp_path_factory):
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=job42", "worker.py"]
     env = {**os.environ, "TRAIN": "1"}
     procs = [dtprof_run_popen(["--out", "shared_run", "--no-report", "--", *torchrun], d, env) for _ in range(2)]
-    results = [p.communicate(timeout=180) for p in procs]
-    return d, procs, results
+    deadline = time.monotonic() + 180
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        if any(GLOO_EXIT_ABORT in log.read_text(errors="replace") for log in d.glob("shared_run/node-*/stderr.log")):
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.communicate(timeout=60)
+            return None
+    return procs, [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def multinode(tmp_path_factory):
+    for _ in range(2):   # once more only after torch's known exit abort
+        d = tmp_path_factory.mktemp("multinode")
+        got = _two_launchers(d)
+        if got is not None:
+            return d, *got
+    pytest.fail("torch's exit abort in both attempts of the 2-node job")
 
 
 def test_two_nodes_one_run(multinode):
