@@ -544,19 +544,16 @@ def _work_table(model, work: np.ndarray) -> pd.DataFrame:
     return out
 
 
-def typical_excess(work: pd.DataFrame, rank: int, peers: dict[int, int]) -> float:
-    """``rank``'s typical extra work in seconds: over the work parts (``work``: ``_work_table``), the sum of the
-    median over the measured steps of its part minus its peers' median part. A slow rank's excess recurs in the
-    same part; a rank that a busy machine preempts in a different part each step has none."""
-    return float(_typical_over_peers(work, rank, peers, list(OWN_WORK_PARTS)).sum()) / NS
-
-
-def typical_cpu_wait(work: pd.DataFrame, rank: int, peers: dict[int, int]) -> float:
-    """``rank``'s typical extra wait for a CPU in seconds: the median over the measured steps of its training
-    thread's run delay (``work``'s ``cpu_wait``) minus its peers' median; 0 where a rank did not report it. Time
-    the machine's other processes took from the rank, not work the rank itself does."""
-    d = _typical_over_peers(work, rank, peers, ["cpu_wait"])["cpu_wait"]
-    return float(d) / NS if np.isfinite(d) else 0.0
+def typical_excess(work: pd.DataFrame, rank: int, peers: dict[int, int]) -> tuple[float, float]:
+    """``rank``'s (typical extra work, typical extra wait for a CPU) in seconds, from one pass over ``work``
+    (``_work_table``). Extra work: over the own-work parts, the sum of the median over the measured steps of its part
+    minus its peers' median part; a slow rank's excess recurs in the same part, a rank that a busy machine preempts
+    in a different part each step has none. Extra CPU wait: the same median for its training thread's run delay
+    (``cpu_wait``; 0 where a rank did not report it): time the machine's other processes took from the rank, not
+    work the rank itself does."""
+    d = _typical_over_peers(work, rank, peers, [*OWN_WORK_PARTS, "cpu_wait"])
+    cpu_wait = float(d["cpu_wait"]) / NS if np.isfinite(d["cpu_wait"]) else 0.0
+    return float(d[list(OWN_WORK_PARTS)].sum()) / NS, cpu_wait
 
 
 def _typical_over_peers(work: pd.DataFrame, rank: int, peers: dict[int, int], cols: list[str]) -> pd.Series:
@@ -665,8 +662,7 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
         if e:
             entries.append(e[0])
             rows.append(pd.DataFrame({"rank": r, "step": steps, "saving_frac": e[1]}))
-            excess[r] = typical_excess(work_t, r, peers)
-            cpu_wait[r] = typical_cpu_wait(work_t, r, peers)
+            excess[r], cpu_wait[r] = typical_excess(work_t, r, peers)
     has = {p: bool(work_t.loc[work_t["measured"], p].sum() > 0) for p in WORK_PARTS}
     pipe_win = g.windows["pipeline"].to_numpy()
     exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)

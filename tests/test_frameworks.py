@@ -26,7 +26,7 @@ import pytest
 from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
-from test_launcher_torchrun import free_port
+from test_launcher_torchrun import GLOO_EXIT_ABORT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,6 @@ class Job:
         return re.findall(r"final loss (-?\d+\.\d+)", self.proc.stdout)   # ranks print concurrently
 
 
-GLOO_EXIT_ABORT = "terminate called without an active exception"
 JOB_TIMEOUT_S = 420
 # a bare job that printed its final loss and has not exited this long after is hung in torch's teardown (below)
 TEARDOWN_HANG_S = 60
