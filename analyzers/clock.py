@@ -19,8 +19,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.collectives import instance_ids
-
 P2P = ("send", "recv")
 
 
@@ -59,28 +57,12 @@ def exit_sums(ranks: pd.DataFrame, co: pd.DataFrame) -> pd.DataFrame:
                                                 "exit_min_ns": "int64", "exit_dsum_ns": "int64"})
 
 
-def merge_exit_sums(parts: list[pd.DataFrame]) -> pd.DataFrame:
-    """``exit_sums`` of several sets of rows (nodes) as one: the same (group, seq, host) reported by two nodes
-    (two launchers on one host) merged exactly. Each host's rows come out in (group, seq) order like
-    ``exit_sums``', which is all the order ``fit_clocks`` depends on."""
-    s = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(EXIT_SUM_COLUMNS))
-    if len(s) == 0:
-        return s
-    _, n_keys = instance_ids(*[pd.Categorical(s[c]).codes.astype(np.int64) if c in ("group", "host")
-                               else s[c].to_numpy(np.int64) - int(s[c].min()) for c in _KEY])
-    if n_keys == len(s):   # each host's rows from one node, in (group, seq) order: all the fit needs
-        return s
-    lo = s.groupby(_KEY, sort=False)["exit_min_ns"].transform("min").to_numpy(np.int64)
-    d = s["exit_dsum_ns"].to_numpy(np.int64) + s["n"].to_numpy(np.int64) * (s["exit_min_ns"].to_numpy(np.int64) - lo)
-    out = s.assign(exit_min_ns=lo, exit_dsum_ns=d).groupby(_KEY, sort=True).agg(
-        n=("n", "sum"), exit_min_ns=("exit_min_ns", "first"), exit_dsum_ns=("exit_dsum_ns", "sum")).reset_index()
-    return out[list(EXIT_SUM_COLUMNS)]
-
-
-def fit_clocks(ranks: pd.DataFrame, sums: pd.DataFrame) -> pd.DataFrame:
+def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
     """Per host: host, offset_ns, drift_ppm, residual_ns, n_pairs, ref_t_ns, reference (bool), reason.
-    ``ranks``: the ranks table; ``sums``: ``exit_sums`` of the run's collectives (``merge_exit_sums`` of its
-    nodes'): the mean exit per (instance, host) is all the fit reads."""
+    ``ranks``: the ranks table; ``sums``: ``exit_sums`` of the run's collectives as nodesummary.Rows (its nodes'
+    rows, or the whole run's), merged per (instance, host) and fitted in DuckDB: the mean exit per (instance, host),
+    rounded to the ns, is all the fit reads. Its sums are exact integers, so the fit does not depend on the order
+    the rows come in (nodes, threads)."""
     host_of = _host_of_rank(ranks)
     hosts = sorted(set(host_of.tolist()))
     rows = {h: {"host": h, "offset_ns": 0.0, "drift_ppm": 0.0, "residual_ns": 0.0, "n_pairs": 0, "ref_t_ns": 0,
@@ -91,46 +73,41 @@ def fit_clocks(ranks: pd.DataFrame, sums: pd.DataFrame) -> pd.DataFrame:
     ref = host_of.get(0, hosts[0])
     rows[ref]["reference"] = True
     rows[ref]["reason"] = "reference host (rank 0)"
-    if len(hosts) == 1 or len(sums) == 0:
+    if len(hosts) == 1:
         return pd.DataFrame(list(rows.values()))
-    blocking = sums["blocking"].to_numpy(np.int64) == 1
-    s = sums[blocking] if blocking.any() else sums[~blocking]
-    s = s[s["host"].isin(hosts).to_numpy()]
-    # mean exit per (instance, host) as an offset from ``base`` (exact integers, then one division)
-    n = s["n"].to_numpy(np.int64)
-    lo = s["exit_min_ns"].to_numpy(np.int64)
-    base = int(lo.min()) if len(lo) else 0
-    mean = ((lo - base) + s["exit_dsum_ns"].to_numpy(np.int64) / n) if len(s) else np.zeros(0)
-    m = pd.DataFrame({"group": np.asarray(s["group"], dtype=object), "seq": s["seq"].to_numpy(np.int64),
-                      "host": np.asarray(s["host"], dtype=object), "exit": mean})
-    is_ref = (m["host"] == ref).to_numpy()
-    r = m[is_ref][["group", "seq", "exit"]].rename(columns={"exit": "exit_ref"})
-    # pair every host's mean exit with the reference host's of the same instance
-    o = m[~is_ref].merge(r, on=["group", "seq"], how="inner", sort=False)
-    if len(o) == 0:
-        for h in hosts:
-            if h != ref:
-                rows[h]["reason"] = "no collective shared with the reference host; not aligned"
-        return pd.DataFrame(list(rows.values()))
-    ref_rel = int(np.floor(r["exit_ref"].min()))
-    ref_t = base + ref_rel
-    o["x"] = o["exit"] - ref_rel
-    o["y"] = o["exit_ref"] - o["exit"]
-    g = o.groupby("host", sort=False)
-    mx, my = g["x"].transform("mean"), g["y"].transform("mean")
-    o["dx"], o["dy"] = o["x"] - mx, o["y"] - my
-    o["dxx"], o["dxy"] = o["dx"] ** 2, o["dx"] * o["dy"]
-    st = o.groupby("host", sort=False).agg(n=("x", "size"), mx=("x", "mean"), my=("y", "mean"),
-                                           sxx=("dxx", "sum"), sxy=("dxy", "sum"))
-    slope = np.where(st["sxx"] > 0, st["sxy"] / st["sxx"].where(st["sxx"] > 0, 1.0), 0.0)
-    st["slope"] = slope
-    st["offset"] = st["my"] - slope * st["mx"]
-    o = o.merge(st[["slope", "offset"]], left_on="host", right_index=True)
-    o["res"] = (o["y"] - (o["offset"] + o["slope"] * o["x"])).abs()
-    res = o.groupby("host", sort=False)["res"].max()
-    for h, row in st.iterrows():  # one iteration per host
-        rows[h].update(offset_ns=float(row["offset"]), drift_ppm=float(row["slope"] * 1e6),
-                       residual_ns=float(res[h]), n_pairs=int(row["n"]), ref_t_ns=ref_t)
+    with sums.connection(hosts=pd.DataFrame({"host": hosts}), reference=pd.DataFrame({"host": [ref]})) as con:
+        # the blocking rows when the run has any (else asynchronous rows whose end was seen) of known hosts, merged
+        # per (instance, host): the mean exit rounded to the ns (half up), exact in 128-bit integers; paired with
+        # the reference host's of the same instance: x = exit - the reference's first mean exit, y = the
+        # reference's exit - exit
+        con.execute("""
+            CREATE TEMP TABLE m AS
+            SELECT "group", seq, host, CAST((2 * s + n) // (2 * n) AS BIGINT) AS e FROM (
+                SELECT "group", seq, host, sum(CAST(n AS HUGEINT)) AS n,
+                       sum(CAST(n AS HUGEINT) * exit_min_ns + exit_dsum_ns) AS s
+                FROM rows WHERE host IN (SELECT host FROM hosts)
+                  AND blocking = (SELECT CASE WHEN bool_or(blocking = 1) THEN 1 ELSE 0 END FROM rows)
+                GROUP BY ALL);
+            CREATE TEMP TABLE o AS
+            WITH r AS (SELECT "group", seq, e AS e_ref FROM m WHERE host IN (SELECT host FROM reference)),
+                 r0 AS (SELECT min(e_ref) AS r0 FROM r)
+            SELECT m.host, CAST(m.e - r0 AS HUGEINT) AS x, CAST(r.e_ref - m.e AS HUGEINT) AS y, r0
+            FROM m JOIN r USING ("group", seq), r0 WHERE m.host NOT IN (SELECT host FROM reference)""")
+        stats = con.execute("SELECT host, count(*), sum(x), sum(y), sum(x * x), sum(x * y), min(r0) FROM o "
+                            "GROUP BY host ORDER BY host").fetchall()
+        fit = []
+        for h, n, sx, sy, sxx, sxy, r0 in stats:   # one per host: least squares of y on x from exact sums
+            den = n * sxx - sx * sx
+            slope = (n * sxy - sx * sy) / den if den > 0 else 0.0
+            fit.append((h, slope, sy / n - slope * (sx / n), n, int(r0)))
+        fits = pd.DataFrame(fit, columns=["host", "slope", "offset", "n", "r0"])
+        con.register("fits", fits)
+        res = dict(con.execute("SELECT host, max(abs(CAST(y AS DOUBLE) - (f.offset + f.slope * CAST(x AS DOUBLE)))) "
+                               "FROM o JOIN fits AS f USING (host) GROUP BY host").fetchall()) if fit else {}
+    ref_t = fit[0][4] if fit else 0
+    for h, slope, offset, n, _ in fit:
+        rows[h].update(offset_ns=float(offset), drift_ppm=float(slope * 1e6), residual_ns=float(res[h]),
+                       n_pairs=int(n))
     for h in hosts:
         if h != ref and rows[h]["n_pairs"] == 0:
             rows[h]["reason"] = "no collective shared with the reference host; not aligned"

@@ -201,19 +201,23 @@ def _typed(df: pd.DataFrame) -> pd.DataFrame:
                                                   if c not in ("group", "op")})
 
 
-def instances_of(rows: pd.DataFrame, measured_steps) -> pd.DataFrame:
-    """One row per collective instance, from ``instance_rows`` of all nodes (in node order): op, group, seq,
-    group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see WINDOWS: the lowest over its rows, a row inside a
-    measured step making it measured), sorted by (group, sender, receiver, seq)."""
+def instances_of(rows, measured_steps) -> pd.DataFrame:
+    """One row per collective instance, from ``instance_rows`` of all nodes (nodesummary.Rows, merged per instance
+    in DuckDB): op (its first node's), group, seq, group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see
+    WINDOWS: the lowest over its rows, a row inside a measured step making it measured), sorted by (group, sender,
+    receiver, seq)."""
     cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
-    if len(rows) == 0:
+    agg = rows.query(f"""
+        SELECT "group", sender, receiver, seq, arg_min(op, origin) AS op, CAST(sum(n) AS BIGINT) AS n,
+               min(dur_min_ns) AS dur_min, CAST(sum(dur_sum_ns) AS BIGINT) AS dur_sum, max(bytes_max) AS nbytes,
+               max(group_size_max) AS group_size,
+               min(CASE WHEN wstep < 0 THEN {WINDOWS.index("outside")}
+                        WHEN wstep IN (SELECT step FROM measured) THEN {WINDOWS.index("measured")}
+                        ELSE {WINDOWS.index("excluded")} END) AS code
+        FROM rows GROUP BY "group", sender, receiver, seq ORDER BY "group", sender, receiver, seq""",
+                     measured=pd.DataFrame({"step": np.asarray(sorted(measured_steps), np.int64)}))
+    if len(agg) == 0:
         return pd.DataFrame(columns=cols)
-    ws = rows["wstep"].to_numpy(np.int64)
-    code = np.where(ws < 0, WINDOWS.index("outside"),
-                    np.where(np.isin(ws, list(measured_steps)), WINDOWS.index("measured"), WINDOWS.index("excluded")))
-    g = rows.assign(code=code).groupby(["group", "sender", "receiver", "seq"], sort=True)
-    agg = g.agg(op=("op", "first"), n=("n", "sum"), dur_min=("dur_min_ns", "min"), dur_sum=("dur_sum_ns", "sum"),
-                nbytes=("bytes_max", "max"), group_size=("group_size_max", "max"), code=("code", "min")).reset_index()
     n = agg["n"].to_numpy(np.int64)
     return pd.DataFrame({
         "op": pd.Categorical(agg["op"].astype(str)), "group": pd.Categorical(agg["group"].astype(str)),

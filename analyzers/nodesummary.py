@@ -16,6 +16,9 @@ read by the run model). The cross-rank figures are made from these by the global
 """
 from __future__ import annotations
 
+import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +32,73 @@ from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 
+# DuckDB's working memory for the per-instance reductions (``Rows``): beyond it, it spills to the temp directory
+ROWS_MEMORY_LIMIT = "3GB"
+
+
+@dataclass
+class Rows:
+    """One node-summary table of the whole run (dtprof/schema.py SUMMARY_TABLES), never joined in pandas: the
+    stored nodes' Parquet files and the rows made in memory (a node without a stored summary; the whole run on the
+    raw path), reduced by SQL in DuckDB (``query``). At 16,384 ranks the per-instance tables hold a row per
+    collective instance and node (16.4 M at 1,000 steps); their consumers need one row per instance or per host.
+    Every reduction over them is exact whatever order DuckDB's threads meet the rows in (integer sums, minima,
+    maxima, arg-max with a total order), so the two paths agree to the last bit."""
+    table: str
+    files: list[str] = field(default_factory=list)
+    frames: list[tuple[str, pd.DataFrame]] = field(default_factory=list)   # (origin, rows)
+
+    @classmethod
+    def of(cls, table: str, df: pd.DataFrame, origin: str = "") -> Rows:
+        return cls(table, frames=[(origin, df)])
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """The rows of a ``Rows`` made in memory from one frame (a node's summary being written)."""
+        (_, df), = self.frames
+        return df
+
+    def query(self, sql: str, **frames: pd.DataFrame) -> pd.DataFrame:
+        """The result of ``sql`` (``connection``'s names) as a DataFrame."""
+        with self.connection(**frames) as con:
+            return con.sql(sql).df()
+
+    @contextmanager
+    def connection(self, **frames: pd.DataFrame):
+        """A DuckDB connection in which ``rows`` names this table (its schema's columns, plus ``origin``: the file,
+        or the frame's origin; node order sorts alike) and each keyword a frame given here. A damaged or missing
+        file raises RunFormatError naming the table."""
+        import duckdb
+
+        from dtprof.reader import RunFormatError
+        from dtprof.schema import SUMMARY_TABLES
+
+        cols = SUMMARY_TABLES[self.table]
+        kind = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR"}
+        select = ", ".join(f'CAST("{c}" AS {kind[k]}) AS "{c}"' for c, k in cols)
+        con = duckdb.connect(config={"memory_limit": ROWS_MEMORY_LIMIT,
+                                     "temp_directory": os.path.join(tempfile.gettempdir(), "dtprof-duckdb")})
+        try:
+            parts = []
+            if self.files:
+                files = ", ".join("'" + f.replace("'", "''") + "'" for f in self.files)
+                parts.append(f"SELECT {select}, filename AS origin FROM read_parquet([{files}], filename = true)")
+            empty = pd.DataFrame({c: pd.Series(dtype={"int": "int64", "float": "float64"}.get(k, object))
+                                  for c, k in cols})
+            for i, (origin, df) in enumerate(self.frames or ([] if self.files else [("", empty)])):
+                con.register(f"_frame{i}", df)
+                parts.append(f"SELECT {select}, '{origin.replace(chr(39), chr(39) * 2)}' AS origin FROM _frame{i}")
+            con.execute("CREATE TEMP VIEW rows AS " + " UNION ALL ".join(parts))
+            for name, df in frames.items():
+                con.register(name, df)
+            yield con
+        except duckdb.Error as e:
+            raise RunFormatError(f"cannot read the node summaries' {self.table} tables "
+                                 f"({str(e).splitlines()[0]})") from None
+        finally:
+            con.close()
+
+
 OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio",
                    "overlap_s", "level")
 
@@ -39,9 +109,9 @@ class NodeSummary:
                                # ``work_<part>_ns`` per whatif.WORK_PARTS
     exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
     items: pd.DataFrame        # whatif.ITEM_COLUMNS + COLLECTIVE_COLUMNS (of the replayed steps at least)
-    instance_rows: pd.DataFrame   # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
-    arrival_parts: pd.DataFrame   # stragglers.ARRIVAL_PART_COLUMNS: the arrivals reduced per instance and part
-    arrival_counts: pd.DataFrame  # stragglers.ARRIVAL_COUNT_COLUMNS: each rank's collectives per step
+    instance_rows: Rows        # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
+    arrival_parts: Rows        # stragglers.ARRIVAL_PART_COLUMNS: the arrivals reduced per instance and part
+    arrival_counts: Rows       # stragglers.ARRIVAL_COUNT_COLUMNS: each rank's collectives per step
     rank_group_comm: pd.DataFrame  # mesh.RANK_GROUP_COMM_COLUMNS (read from stored summaries only for a mesh run)
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
@@ -81,7 +151,8 @@ def summarize(model) -> NodeSummary:
         per[f"work_{p}_ns"] = work[:, i]
     parts, counts = strag_mod.arrival_parts(model)
     return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
-                       instance_rows=coll_mod.instance_rows(model), arrival_parts=parts, arrival_counts=counts,
+                       instance_rows=Rows.of("instance_rows", coll_mod.instance_rows(model)),
+                       arrival_parts=Rows.of("arrival_parts", parts), arrival_counts=Rows.of("arrival_counts", counts),
                        rank_group_comm=mesh_mod.rank_group_comm(model.collectives),
                        pipeline_ranks=sorted(set(bd.pipeline_ranks) | set(ri.pipeline_ranks)),
                        stage=ri.stage, unassigned=ov.unassigned)
@@ -93,43 +164,47 @@ def node_tables(model) -> tuple[dict, dict]:
     model before the rest: analyzers/runmodel.py)."""
     ns = summarize(model)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
-             "instance_rows": ns.instance_rows, "arrival_parts": ns.arrival_parts,
-             "arrival_counts": ns.arrival_counts, "rank_group_comm": ns.rank_group_comm,
+             "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,
+             "arrival_counts": ns.arrival_counts.frame, "rank_group_comm": ns.rank_group_comm,
              "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned)})
 
 
-def combine(tables: dict, facts: list[dict], computed: list[NodeSummary]) -> NodeSummary:
-    """The whole run's summary from its nodes': ``tables`` (the stored summaries' tables, already concatenated by
-    the reader), their ``facts``, and the summaries ``computed`` here for nodes that had none. Rank-steps and
-    items come out sorted by (rank, step) like the run model's windows, each rank-step's items in their order."""
-    per = [tables["rank_steps"]] + [c.rank_steps for c in computed]
-    exposed = [tables["exposed"]] + [c.exposed for c in computed]
-    items = [tables["whatif_items"]] + [c.items for c in computed]
+def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> NodeSummary:
+    """The whole run's summary from its nodes': ``tables`` (the stored summaries' per rank-step tables, already
+    concatenated by the reader), ``files`` (per instance table, the stored summaries' files, reduced in DuckDB by
+    their consumers), their ``facts``, and the summaries ``computed`` here (node directory -> summary) for nodes
+    that had none. Rank-steps and items come out sorted by (rank, step) like the run model's windows, each
+    rank-step's items in their order."""
+    from dtprof.runformat import SUMMARY_DIR
+
+    made = list(computed.values())
+    per = [tables["rank_steps"]] + [c.rank_steps for c in made]
+    exposed = [tables["exposed"]] + [c.exposed for c in made]
+    items = [tables["whatif_items"]] + [c.items for c in made]
     stage: dict = {}
     for f in facts:
         stage.update({int(k): int(v) for k, v in f["stage"].items()})
-    for c in computed:
+    for c in made:
         stage.update(c.stage)
+
+    def rows(table: str) -> Rows:   # a computed node's rows named like its file would be: node order sorts alike
+        return Rows(table, files[table], [(str(nd / SUMMARY_DIR / f"{table}.parquet"), getattr(c, table).frame)
+                                          for nd, c in computed.items()])
+
     return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
                        exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
                        items=_by_rank_step(pd.concat(items, ignore_index=True)),
-                       # in node order (an instance's op is its first node's), merged per instance by the analysis
-                       instance_rows=pd.concat([tables["instance_rows"]] + [c.instance_rows for c in computed],
-                                               ignore_index=True),
-                       # in node order: the arrivals' reduction does not depend on the order of the parts
-                       arrival_parts=pd.concat([tables["arrival_parts"]] + [c.arrival_parts for c in computed],
-                                               ignore_index=True),
-                       arrival_counts=pd.concat([tables["arrival_counts"]] + [c.arrival_counts for c in computed],
-                                                ignore_index=True),
-                       rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in computed],
+                       instance_rows=rows("instance_rows"), arrival_parts=rows("arrival_parts"),
+                       arrival_counts=rows("arrival_counts"),
+                       rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in made],
                                                  ignore_index=True) if "rank_group_comm" in tables
                        else mesh_mod.rank_group_comm(pd.DataFrame()),
                        pipeline_ranks=sorted({int(r) for f in facts for r in f["pipeline_ranks"]}
-                                             | {r for c in computed for r in c.pipeline_ranks}),
+                                             | {r for c in made for r in c.pipeline_ranks}),
                        stage=stage,
-                       unassigned=sum(int(f["unassigned"]) for f in facts) + sum(c.unassigned for c in computed))
+                       unassigned=sum(int(f["unassigned"]) for f in facts) + sum(c.unassigned for c in made))
 
 
 def _by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
@@ -147,8 +222,7 @@ def of_run(run, model) -> NodeSummary:
     from dtprof.analyzers.runmodel import RunModel
 
     item_steps = whatif_mod.replay_steps(model)
-    wanted: tuple[str, ...] = ("rank_steps", "exposed", "whatif_items", "instance_rows", "arrival_parts",
-                               "arrival_counts")
+    wanted: tuple[str, ...] = ("rank_steps", "exposed", "whatif_items")
     # the communication per rank, step and group only where the mesh block needs it (a DeviceMesh dimension named)
     if mesh_mod.named_dims(run.groups):
         wanted += ("rank_group_comm",)
@@ -156,8 +230,17 @@ def of_run(run, model) -> NodeSummary:
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)
-    computed = [summarize(RunModel.of(run.node_run(nd))) for nd in missing]
+    computed = {nd: summarize(RunModel.of(run.node_run(nd))) for nd in missing}
     if item_steps is not None:
-        for c in computed:
+        for c in computed.values():
             c.items = c.items[c.items["step"].isin(item_steps).to_numpy()]
-    return combine(tables, [f for f in facts if f is not None], computed)
+    files = {t: stored_files(run, facts, t) for t in ("instance_rows", "arrival_parts", "arrival_counts")}
+    return combine(tables, files, [f for f in facts if f is not None], computed)
+
+
+def stored_files(run, facts: list, table: str) -> list[str]:
+    """The Parquet files of ``table`` of the nodes with a stored summary (``facts``: ``Run.node_summaries``'), in
+    node order."""
+    from dtprof.runformat import SUMMARY_DIR
+
+    return [str(nd / SUMMARY_DIR / f"{table}.parquet") for nd, f in zip(run.node_dirs, facts) if f is not None]

@@ -9,7 +9,8 @@ compare and triage read these columns; none derives them again.
 - ``clock``: one clock model per host (``analyzers/clock.py``: offset + drift fitted on collective exits against
   the reference host, ``residual_ns`` the stated uncertainty), from the exits reduced per (instance, host)
   (``clock.exit_sums``): the node summaries' (source "summaries", a node without one reduced here from its own
-  rows) or the whole run's rows reduced at once (source "raw"); the same reduction either way.
+  rows) or the whole run's rows reduced at once (source "raw"); the same reduction either way, merged per
+  (instance, host) and fitted by one DuckDB query over them (``clock.fit_clocks``).
   ``align(t, rank)`` / ``align_host(t, host)`` put a rank's or host's monotonic times on the reference host's
   clock; every aligned time anywhere comes from them.
 - ``steps``: per rank-step ``start_ns``, ``end_ns``, ``duration_s``, ``aligned_start_ns``, ``aligned_end_ns``,
@@ -130,17 +131,24 @@ def _traced(per: pd.DataFrame, cap: pd.DataFrame) -> np.ndarray:
     return out
 
 
-def exit_sums(run, source: str = "summaries") -> pd.DataFrame:
-    """``clock.exit_sums`` of the run: "raw", of all its collectives rows at once; "summaries", the node summaries'
-    (a node without a stored one reduced from its own rows), merged."""
+def exit_sums(run, source: str = "summaries"):
+    """``clock.exit_sums`` of the run as nodesummary.Rows (reduced by the fit in DuckDB): "raw", of all its
+    collectives rows at once; "summaries", the node summaries' files (a node without a stored one reduced here from
+    its own rows)."""
+    from dtprof.analyzers.nodesummary import Rows, stored_files
+    from dtprof.runformat import SUMMARY_DIR
+
+    def of(r) -> pd.DataFrame:
+        return clock_mod.exit_sums(r.ranks, with_exit(r.collectives))
+
     if source == "raw":
-        return clock_mod.exit_sums(run.ranks, with_exit(run.collectives))
-    facts, tables = run.node_summaries(tables=("clock_exits",))
+        return Rows.of("clock_exits", of(run))
+    facts, _ = run.node_summaries(tables=())
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):
-        return clock_mod.exit_sums(run.ranks, with_exit(run.collectives))
-    return clock_mod.merge_exit_sums([tables["clock_exits"]] + [
-        clock_mod.exit_sums(run.ranks, with_exit(run.node_run(nd).collectives)) for nd in missing])
+        return Rows.of("clock_exits", of(run))
+    return Rows("clock_exits", stored_files(run, facts, "clock_exits"),
+                [(str(nd / SUMMARY_DIR / "clock_exits.parquet"), of(run.node_run(nd))) for nd in missing])
 
 
 def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel:

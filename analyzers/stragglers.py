@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import clock as clock_mod
-from dtprof.analyzers.collectives import instance_ids, own_records
+from dtprof.analyzers.collectives import own_records
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -148,66 +148,75 @@ def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
     return parts, counts.rename("n").reset_index().astype("int64")
 
 
-def arrivals(model, parts: pd.DataFrame, counts: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
     """(per collective instance: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s, peers_lost_s,
-    ranks, measured; per rank: its rows in measured steps) from ``arrival_parts`` of the run (its nodes' parts,
-    concatenated in any order).
+    ranks, measured; per rank: its rows in measured steps) from ``arrival_parts`` and ``arrival_counts`` of the run
+    (nodesummary.Rows: its nodes' parts in any order, reduced per instance in DuckDB).
 
     Arrivals are issue times aligned through the run model's clocks. Of each instance: ``rank`` is the last rank to
     arrive (ties: the highest rank), ``arrival_ns`` its arrival, ``lateness_s`` its arrival minus the first one,
     ``last`` whether it arrived alone last (later than the first, with peers), ``lead_s`` its lead over the
     second-latest arrival (0 unless ``last``), ``peers_lost_s`` Σ over all ranks of (last arrival - own arrival)
     (a part's sum aligned linearly, then rounded to the ns). ``measured``: the last rank's row is in the model's
-    measured steps (every instance when no row has a step)."""
+    measured steps (every instance when no row has a step). Every reduction is exact (integers, minima, maxima, the
+    latest by a total order), so the result does not depend on the parts' order."""
     cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "peers_lost_s",
             "ranks", "measured"]
-    measured_steps = model.measured_steps
-    no_steps = not bool((counts["step"].to_numpy(np.int64) >= 0).any()) if len(counts) else True
-    cm = counts if no_steps else counts[counts["step"].isin(list(measured_steps)).to_numpy()]
-    rows_per_rank = cm.groupby("rank")["n"].sum()
-    if len(parts) == 0:
+    measured = pd.DataFrame({"step": np.asarray(sorted(model.measured_steps), np.int64)})
+    with counts.connection(measured=measured) as con:
+        no_steps = not con.execute("SELECT coalesce(bool_or(step >= 0), false) FROM rows").fetchall()[0][0]
+        cm = con.sql("SELECT rank, CAST(sum(n) AS BIGINT) AS n FROM rows "
+                     + ("" if no_steps else "WHERE step IN (SELECT step FROM measured) ")
+                     + "GROUP BY rank ORDER BY rank").df()
+    rows_per_rank = pd.Series(cm["n"].to_numpy(np.int64), index=pd.Index(cm["rank"].to_numpy(np.int64), name="rank"),
+                              name="n")
+    clk = model.clock
+    off, drift = clock_mod.alignment(clk["host"].astype(str).to_numpy(), clk) if len(clk) else ([], [])
+    ref = clock_mod.ref_t(clk)
+
+    def aligned(t: str) -> str:   # clock.align_times in SQL: t + rint(offset + drift × (t - ref_t))
+        return f"{t} + CAST(round_even(off + drift * CAST({t} - {ref} AS DOUBLE), 0) AS BIGINT)"
+
+    lo = np.iinfo(np.int64).min
+    inst = parts.query(f"""
+        WITH p AS (
+            SELECT "group", seq, n, issue_dsum_ns AS dsum, issue_min_ns AS t_min, rank_max, step_max, op_max,
+                   {aligned("issue_min_ns")} AS a_min, {aligned("issue_max_ns")} AS a_max,
+                   {aligned("issue_2nd_ns")} AS a_2nd,
+                   CAST(round_even(n * off + drift * CAST(n * (issue_min_ns - {ref}) + issue_dsum_ns AS DOUBLE), 0)
+                        AS BIGINT) AS shift
+            FROM (SELECT r.*, coalesce(c.off, 0.0) AS off, coalesce(c.drift, 0.0) AS drift
+                  FROM rows AS r LEFT JOIN clk AS c USING (host)))
+        SELECT "group", seq, first, last_t, count, rank, step, op,
+               CAST(CAST(last_t AS HUGEINT) * count - s_nt - s_dsum - s_shift AS BIGINT) AS lost,
+               greatest(CASE WHEN parts > 1 THEN top2[2] ELSE {lo} END, CASE WHEN n_w > 1 THEN a2_w ELSE {lo} END)
+                   AS second
+        FROM (SELECT "group", seq, min(a_min) AS first, max(a_max) AS last_t, CAST(sum(n) AS BIGINT) AS count,
+                     arg_max(rank_max, (a_max, rank_max)) AS rank, arg_max(step_max, (a_max, rank_max)) AS step,
+                     arg_max(op_max, (a_max, rank_max)) AS op, arg_max(n, (a_max, rank_max)) AS n_w,
+                     arg_max(a_2nd, (a_max, rank_max)) AS a2_w, count(*) AS parts, max(a_max, 2) AS top2,
+                     sum(CAST(n AS HUGEINT) * t_min) AS s_nt, sum(CAST(dsum AS HUGEINT)) AS s_dsum,
+                     sum(CAST(shift AS HUGEINT)) AS s_shift
+              FROM p GROUP BY "group", seq)
+        ORDER BY "group", seq""", clk=pd.DataFrame({"host": clk["host"].astype(str).to_numpy() if len(clk) else [],
+                                                    "off": np.asarray(off, float), "drift": np.asarray(drift, float)}))
+    if len(inst) == 0:
         return (pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64"))
                               for c in cols}), rows_per_rank)
-    host = pd.Categorical(parts["host"])
-    g = pd.Categorical(np.asarray(parts["group"], dtype=object))
-    seq = parts["seq"].to_numpy(np.int64)
-    inst, n_inst = instance_ids(g.codes.astype(np.int64), seq - seq.min())
-    n = parts["n"].to_numpy(np.int64)
-    rank_max = parts["rank_max"].to_numpy(np.int64)
-    t_min = parts["issue_min_ns"].to_numpy(np.int64)
-    a_min = model.align_host(t_min, host)
-    a_max = model.align_host(parts["issue_max_ns"].to_numpy(np.int64), host)
-    a_2nd = model.align_host(parts["issue_2nd_ns"].to_numpy(np.int64), host)
-    # parts by (instance, latest arrival, its rank): each instance's last part holds its last arrival
-    order = np.lexsort((rank_max, a_max, inst))
-    si = inst[order]
-    starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
-    ends = np.r_[starts[1:], len(order)] - 1
-    w = order[ends]   # the winning part of each instance (instance ids are dense and sorted: k-th run = id k)
-    first = np.minimum.reduceat(a_min[order], starts)
-    last_t = a_max[w]
-    count = np.add.reduceat(n[order], starts)
-    runner_up = np.where(ends > starts, a_max[order[np.maximum(ends - 1, 0)]], np.iinfo(np.int64).min)
-    second = np.maximum(runner_up, np.where(n[w] > 1, a_2nd[w], np.iinfo(np.int64).min))
+    first, last_t = inst["first"].to_numpy(np.int64), inst["last_t"].to_numpy(np.int64)
+    count, step = inst["count"].to_numpy(np.int64), inst["step"].to_numpy(np.int64)
     is_last = (last_t > first) & (count > 1)
-    # Σ over a part's rows of (last - arrival), its clock applied linearly to the sum (exact on one host)
-    off, k = clock_mod.alignment(host, model.clock)
-    dsum = parts["issue_dsum_ns"].to_numpy(np.int64)
-    lost_part = (n * (last_t[inst] - t_min) - dsum
-                 - np.rint(n * off + k * (n * (t_min - clock_mod.ref_t(model.clock)) + dsum)).astype(np.int64))
-    lost = np.add.reduceat(lost_part[order], starts)
-    step = parts["step_max"].to_numpy(np.int64)[w]
     out = pd.DataFrame({
-        "group": pd.Categorical(np.asarray(g.categories, dtype=object)[g.codes[w]]), "seq": seq[w],
-        "op": pd.Categorical(np.asarray(parts["op_max"], dtype=object)[w]), "rank": rank_max[w],
+        "group": pd.Categorical(inst["group"].astype(str).to_numpy()), "seq": inst["seq"].to_numpy(np.int64),
+        "op": pd.Categorical(inst["op"].astype(str).to_numpy()), "rank": inst["rank"].to_numpy(np.int64),
         "step": pd.array(np.where(step >= 0, step, 0), dtype="Int64"),
         "arrival_ns": last_t, "lateness_s": (last_t - first) / NS, "last": is_last,
-        "lead_s": np.where(is_last, (last_t - second) / NS, 0.0),
-        "peers_lost_s": np.where(is_last, lost / NS, 0.0), "ranks": count})
+        "lead_s": np.where(is_last, (last_t - inst["second"].to_numpy(np.int64)) / NS, 0.0),
+        "peers_lost_s": np.where(is_last, inst["lost"].to_numpy(np.int64) / NS, 0.0), "ranks": count})
     out.loc[step < 0, "step"] = pd.NA
     # set-up and teardown traffic (no step: ranks start seconds apart) is not lateness; a run with no steps at all
     # (an import without step markers) has nothing else
-    out["measured"] = np.ones(len(out), bool) if no_steps else np.isin(step, list(measured_steps))
+    out["measured"] = np.ones(len(out), bool) if no_steps else np.isin(step, measured["step"].to_numpy())
     return out, rows_per_rank
 
 

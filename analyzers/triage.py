@@ -185,29 +185,12 @@ def fr_entries_from_dumps(dumps: dict):
 # ---------------------------------------------------------------------------------------------- detectors
 def mismatch_candidates(parts) -> list[tuple[str, int]]:
     """The collective instances (group, seq) whose ranks may disagree in op, size or dtype, from the arrivals
-    reduced per part (analyzers/stragglers.py ``arrival_parts``: a node summary's): a part with more than one kind,
-    or parts of one instance with different kinds. Only their rows need reading for ``find_mismatches``."""
-    import numpy as np
-    import pandas as pd
-
-    from dtprof.analyzers.collectives import instance_ids
-
-    if len(parts) == 0:
-        return []
-    g = pd.Categorical(np.asarray(parts["group"], dtype=object))
-    seq = parts["seq"].to_numpy(np.int64)
-    inst, n_inst = instance_ids(g.codes.astype(np.int64), seq - seq.min())
-    kind = pd.Categorical(np.asarray(parts["kind"], dtype=object)).codes.astype(np.int64)
-    lo = np.full(n_inst, np.iinfo(np.int64).max)
-    hi = np.full(n_inst, -1)
-    np.minimum.at(lo, inst, kind)
-    np.maximum.at(hi, inst, kind)
-    many = np.zeros(n_inst, bool)
-    many[inst[parts["kinds"].to_numpy(np.int64) > 1]] = True
-    bad = np.flatnonzero((lo != hi) | many)
-    first = np.zeros(n_inst, np.int64)
-    first[inst[::-1]] = np.arange(len(inst))[::-1]   # a part of each instance, to name it
-    return [(str(g.categories[g.codes[first[i]]]), int(seq[first[i]])) for i in bad]
+    reduced per part (analyzers/stragglers.py ``arrival_parts``: the node summaries', nodesummary.Rows, reduced in
+    DuckDB): a part with more than one kind, or parts of one instance with different kinds. Only their rows need
+    reading for ``find_mismatches``."""
+    bad = parts.query('SELECT "group", seq FROM rows GROUP BY "group", seq '
+                      'HAVING min(kind) <> max(kind) OR max(kinds) > 1 ORDER BY "group", seq')
+    return [(str(g), int(q)) for g, q in zip(bad["group"], bad["seq"])]
 
 
 def find_mismatches(collectives, fr_entries) -> list[dict]:

@@ -644,6 +644,7 @@ def test_window_step_and_instance_window():
     step (-1); other ranks' windows never count. An instance is measured when one of its rows is in a measured
     step, else excluded when one is in a step, else outside (collectives.instances_of)."""
     from dtprof.analyzers.collectives import instances_of, window_step
+    from dtprof.analyzers.nodesummary import Rows
 
     steps = pd.DataFrame({"rank": [1, 0, 0, 1], "step": [1, 0, 1, 0], "start_ns": [500, 100, 300, 100],
                           "end_ns": [600, 200, 400, 200]})
@@ -654,7 +655,7 @@ def test_window_step_and_instance_window():
                          "wstep": [-1, 1, 0, -1, -1], "op": "all_reduce", "n": [1, 1, 1, 1, 2],
                          "dur_min_ns": [5, 3, 4, 4, 6], "dur_sum_ns": [5, 3, 4, 4, 14],
                          "bytes_max": 8, "group_size_max": 2})
-    inst = instances_of(rows, measured_steps={1})
+    inst = instances_of(Rows.of("instance_rows", rows), measured_steps={1})
     assert inst["window"].tolist() == ["measured", "excluded", "outside"]
     assert inst["ranks"].tolist() == [2, 2, 2] and inst["transfer_s"].tolist() == [3e-9, 4e-9, 6e-9]
     assert inst["mean_s"].tolist() == [4e-9, 4e-9, 7e-9]
