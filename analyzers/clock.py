@@ -75,37 +75,41 @@ def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
     rows[ref]["reason"] = "reference host (rank 0)"
     if len(hosts) == 1:
         return pd.DataFrame(list(rows.values()))
-    with sums.connection(hosts=pd.DataFrame({"host": hosts}), reference=pd.DataFrame({"host": [ref]})) as con:
-        # the blocking rows when the run has any (else asynchronous rows whose end was seen) of known hosts, merged
-        # per (instance, host): the mean exit rounded to the ns (half up), exact in 128-bit integers; paired with
-        # the reference host's of the same instance: x = exit - the reference's first mean exit, y = the
-        # reference's exit - exit
-        con.execute("""
-            CREATE TEMP TABLE m AS
-            SELECT "group", seq, host, CAST((2 * s + n) // (2 * n) AS BIGINT) AS e FROM (
-                SELECT "group", seq, host, sum(CAST(n AS HUGEINT)) AS n,
-                       sum(CAST(n AS HUGEINT) * exit_min_ns + exit_dsum_ns) AS s
-                FROM rows WHERE host IN (SELECT host FROM hosts)
-                  AND blocking = (SELECT CASE WHEN bool_or(blocking = 1) THEN 1 ELSE 0 END FROM rows)
-                GROUP BY ALL);
-            CREATE TEMP TABLE o AS
-            WITH r AS (SELECT "group", seq, e AS e_ref FROM m WHERE host IN (SELECT host FROM reference)),
-                 r0 AS (SELECT min(e_ref) AS r0 FROM r)
-            SELECT m.host, CAST(m.e - r0 AS HUGEINT) AS x, CAST(r.e_ref - m.e AS HUGEINT) AS y, r0
-            FROM m JOIN r USING ("group", seq), r0 WHERE m.host NOT IN (SELECT host FROM reference)""")
-        stats = con.execute("SELECT host, count(*), sum(x), sum(y), sum(x * x), sum(x * y), min(r0) FROM o "
-                            "GROUP BY host ORDER BY host").fetchall()
+    with sums.connection(hosts=pd.DataFrame({"host": hosts})) as con:
+        # the blocking rows when the run has any (else asynchronous rows whose end was seen) of known hosts; the
+        # mean exit per (instance, host) rounded to the ns (half up), in exact integers: merged over the nodes
+        # that report the same host (two launchers on one host), else straight from each row
+        blocking = int(con.execute("SELECT coalesce(bool_or(blocking = 1), false) FROM rows").fetchall()[0][0])
+        shared = con.execute("SELECT count(*) FROM (SELECT host FROM rows GROUP BY host "
+                             "HAVING count(DISTINCT origin) > 1)").fetchall()[0][0]
+        use = f"FROM rows WHERE blocking = {blocking} AND host IN (SELECT host FROM hosts)"
+        m = (f"""(SELECT "group", seq, host, lo + (2 * d + n) // (2 * n) AS e FROM (
+                     SELECT "group", seq, host, min(exit_min_ns) AS lo, sum(n) AS n,
+                            CAST(sum(exit_dsum_ns) + sum(n * exit_min_ns) - sum(n) * min(exit_min_ns) AS BIGINT) AS d
+                     {use} GROUP BY ALL))""" if shared else
+             f"""(SELECT "group", seq, host, exit_min_ns + (2 * exit_dsum_ns + n) // (2 * n) AS e {use})""")
+        quoted = "'" + ref.replace("'", "''") + "'"
+        # paired with the reference host's of the same instance: x = exit - the reference's first mean exit,
+        # y = the reference's exit - exit
+        con.execute(f'CREATE TEMP TABLE r AS SELECT "group", seq, e AS e_ref FROM {m} WHERE host = {quoted}')
+        r0 = con.execute("SELECT min(e_ref) FROM r").fetchall()[0][0]
         fit = []
-        for h, n, sx, sy, sxx, sxy, r0 in stats:   # one per host: least squares of y on x from exact sums
-            den = n * sxx - sx * sx
-            slope = (n * sxy - sx * sy) / den if den > 0 else 0.0
-            fit.append((h, slope, sy / n - slope * (sx / n), n, int(r0)))
-        fits = pd.DataFrame(fit, columns=["host", "slope", "offset", "n", "r0"])
+        if r0 is not None:
+            con.execute(f'CREATE TEMP TABLE o AS SELECT host, e - {r0} AS x, e_ref - e AS y '
+                        f'FROM {m} JOIN r USING ("group", seq) WHERE host <> {quoted}')
+            stats = con.execute("SELECT host, count(*), sum(CAST(x AS HUGEINT)), sum(CAST(y AS HUGEINT)), "
+                                "sum(CAST(x AS HUGEINT) * x), sum(CAST(x AS HUGEINT) * y) FROM o "
+                                "GROUP BY host ORDER BY host").fetchall()
+            for h, n, sx, sy, sxx, sxy in stats:   # one per host: least squares of y on x from exact sums
+                den = n * sxx - sx * sx
+                slope = (n * sxy - sx * sy) / den if den > 0 else 0.0
+                fit.append((h, slope, sy / n - slope * (sx / n), n))
+        fits = pd.DataFrame(fit, columns=["host", "slope", "offset", "n"])
         con.register("fits", fits)
         res = dict(con.execute("SELECT host, max(abs(CAST(y AS DOUBLE) - (f.offset + f.slope * CAST(x AS DOUBLE)))) "
                                "FROM o JOIN fits AS f USING (host) GROUP BY host").fetchall()) if fit else {}
-    ref_t = fit[0][4] if fit else 0
-    for h, slope, offset, n, _ in fit:
+    ref_t = int(r0) if fit else 0
+    for h, slope, offset, n in fit:
         rows[h].update(offset_ns=float(offset), drift_ppm=float(slope * 1e6), residual_ns=float(res[h]),
                        n_pairs=int(n))
     for h in hosts:

@@ -187,14 +187,13 @@ def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
                         AS BIGINT) AS shift
             FROM (SELECT r.*, coalesce(c.off, 0.0) AS off, coalesce(c.drift, 0.0) AS drift
                   FROM rows AS r LEFT JOIN clk AS c USING (host)))
-        SELECT "group", seq, first, last_t, count, rank, step, op,
+        SELECT "group", seq, first, last_t, count, w.rank AS rank, w.step AS step, w.op AS op,
                CAST(CAST(last_t AS HUGEINT) * count - s_nt - s_dsum - s_shift AS BIGINT) AS lost,
-               greatest(CASE WHEN parts > 1 THEN top2[2] ELSE {lo} END, CASE WHEN n_w > 1 THEN a2_w ELSE {lo} END)
+               greatest(CASE WHEN parts > 1 THEN top2[2] ELSE {lo} END, CASE WHEN w.n > 1 THEN w.a2 ELSE {lo} END)
                    AS second
         FROM (SELECT "group", seq, min(a_min) AS first, max(a_max) AS last_t, CAST(sum(n) AS BIGINT) AS count,
-                     arg_max(rank_max, (a_max, rank_max)) AS rank, arg_max(step_max, (a_max, rank_max)) AS step,
-                     arg_max(op_max, (a_max, rank_max)) AS op, arg_max(n, (a_max, rank_max)) AS n_w,
-                     arg_max(a_2nd, (a_max, rank_max)) AS a2_w, count(*) AS parts, max(a_max, 2) AS top2,
+                     arg_max({{'rank': rank_max, 'step': step_max, 'op': op_max, 'n': n, 'a2': a_2nd}},
+                             (a_max, rank_max)) AS w, count(*) AS parts, max(a_max, 2) AS top2,
                      sum(CAST(n AS HUGEINT) * t_min) AS s_nt, sum(CAST(dsum AS HUGEINT)) AS s_dsum,
                      sum(CAST(shift AS HUGEINT)) AS s_shift
               FROM p GROUP BY "group", seq)
