@@ -248,10 +248,22 @@ def critical_per_step(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarra
     ps = bd.per_step.assign(duration_s=duration_s)[measured]
     if ps.empty:
         return pd.DataFrame(columns=["step", "rank"] + [f"{p}_s" for p in PARTS])
-    busy = ps["duration_s"] - ps["exposed_comm_s"] - ps["bubble_s"]
-    crit = ps.assign(busy=busy.to_numpy()).sort_values(["step", "busy", "rank"], ascending=[True, False, True])
-    crit = crit.drop_duplicates("step")[["step", "rank"] + [f"{p}_s" for p in PARTS]].reset_index(drop=True)
-    ex = bd.exposed.merge(crit[["step", "rank"]], on=["step", "rank"])
+    busy = (ps["duration_s"] - ps["exposed_comm_s"] - ps["bubble_s"]).to_numpy(float)
+    # per step the largest busy time, ties (and a step whose busy times are all NaN) to the lowest rank: one pass
+    # with ufunc.at, not a sort of every measured rank-step
+    steps, inv = np.unique(ps["step"].to_numpy(np.int64), return_inverse=True)
+    top = np.full(len(steps), -np.inf)
+    np.fmax.at(top, inv, busy)
+    cand = (busy == top[inv]) | (np.isnan(busy) & (top[inv] == -np.inf))
+    rank = ps["rank"].to_numpy(np.int64)
+    low = np.full(len(steps), np.iinfo(np.int64).max)
+    np.minimum.at(low, inv[cand], rank[cand])
+    pick = np.flatnonzero(cand & (rank == low[inv]))
+    pick = pick[np.argsort(inv[pick], kind="stable")]
+    crit = ps.iloc[pick][["step", "rank"] + [f"{p}_s" for p in PARTS]].reset_index(drop=True)
+    ex = bd.exposed
+    ckey = crit["rank"].to_numpy(np.int64) * (1 << 32) + crit["step"].to_numpy(np.int64)
+    ex = ex[np.isin(ex["rank"].to_numpy(np.int64) * (1 << 32) + ex["step"].to_numpy(np.int64), ckey)]
     for what in ("dim", "op"):
         wide = ex.pivot_table(index="step", columns=what, values="exposed_s", aggfunc="sum", fill_value=0.0)
         for name in wide.columns:
