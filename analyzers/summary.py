@@ -299,7 +299,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         # the views below read only these spans (the Analysis keeps the whole model for the renderers)
         spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
     ov = ns.overlap()
-    steps = model.steps.copy()
+    steps = model.steps.copy(deep=False)   # copy-on-write: the model's columns are shared, not copied
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
               "level"):
         steps[c] = ov.per_step[c].to_numpy()
