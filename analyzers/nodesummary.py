@@ -130,9 +130,11 @@ class NodeSummary:
         return whatif_mod.RankItems(items=self.items, stage=dict(self.stage),
                                     pipeline_ranks=list(self.pipeline_ranks))
 
-    def work(self) -> np.ndarray:
-        """Per rank-step and whatif.WORK_PARTS: the what-if items' work (ns)."""
-        return self.rank_steps[[f"work_{p}_ns" for p in whatif_mod.WORK_PARTS]].to_numpy(np.int64)
+    def work(self) -> pd.DataFrame:
+        """Per rank-step, one column per whatif.WORK_PARTS: the what-if items' work (ns; the rank-steps' own
+        columns, not a copy)."""
+        return self.rank_steps[[f"work_{p}_ns" for p in whatif_mod.WORK_PARTS]].set_axis(
+            list(whatif_mod.WORK_PARTS), axis=1)
 
 
 def summarize(model) -> NodeSummary:

@@ -533,11 +533,11 @@ def work_totals(items: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
     return np.rint(tot).astype(np.int64).reshape(len(windows), k)
 
 
-def _work_table(model, work: np.ndarray) -> pd.DataFrame:
-    """Every rank-step of the model (rank, step, measured) with its work per part (ns, float) from ``work``, and
-    ``cpu_wait`` (ns its training thread waited for a CPU; NaN where not reported)."""
+def _work_table(model, work: pd.DataFrame) -> pd.DataFrame:
+    """Every rank-step of the model (rank, step, measured) with its work per part (ns, float) from ``work`` (a
+    column per WORK_PARTS), and ``cpu_wait`` (ns its training thread waited for a CPU; NaN where not reported)."""
     w = model.steps
-    out = pd.DataFrame(work.astype(float), columns=list(WORK_PARTS))
+    out = work[list(WORK_PARTS)].astype(float).reset_index(drop=True)
     out["rank"], out["step"] = w["rank"].to_numpy(np.int64), w["step"].to_numpy(np.int64)
     out["measured"] = w["measured"].to_numpy(bool)
     out["cpu_wait"] = w["cpu_wait_s"].to_numpy(float) * NS
@@ -643,12 +643,14 @@ def replay_steps(model) -> np.ndarray | None:
 
 
 def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
-                   work: np.ndarray | None = None) -> WhatIf | None:
+                   work: pd.DataFrame | None = None) -> WhatIf | None:
     """The what-if analysis of the run model from its rank-local items (``rank_items``, or the node summaries':
-    those of the ``replay_steps`` at least) and ``work`` (``work_totals`` of every rank-step of the model, default
-    from ``items``): None when the run has no measured step."""
+    those of the ``replay_steps`` at least) and ``work`` (``work_totals`` of every rank-step of the model as a
+    column per WORK_PARTS, default from ``items``): None when the run has no measured step."""
     items = items if items is not None else rank_items(model)
-    work_t = _work_table(model, work if work is not None else work_totals(items.items, model.steps))
+    if work is None:
+        work = pd.DataFrame(work_totals(items.items, model.steps), columns=list(WORK_PARTS))
+    work_t = _work_table(model, work)
     g = graph(model, items, replay_steps(model))
     steps = _measured(g)
     if not len(steps):
