@@ -84,6 +84,7 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, options: Analysi
     out = {"value": None, "hfu": None, "flops_per_step": None, "flops_source": None, "peak_flops": None,
            "peak_source": None, "dtype": options.dtype, "step_time_s": None, "achieved_flops_per_s": None}
     flops_per_step, transformer = options.flops_per_step, options.transformer
+    per_rank = per_rank[["rank", "measured", "model_flops", "executed_flops"]]   # not a copy of every column
     meas = per_rank[per_rank["measured"]]
     jm = job[job["measured"]]
     step_time = float(jm["time_s"].mean()) if len(jm) else None

@@ -234,7 +234,7 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
                         "device": r["device_name"].astype(str).to_numpy(),
                         "device_index": r["device_index"].astype("Int64").to_numpy()}).sort_values("rank")
     out = out.reset_index(drop=True)
-    meas = per_step[per_step["measured"]]
+    meas = per_step[["rank", "step", "compute_s"]][per_step["measured"].to_numpy(bool)]
     med = meas.groupby("rank")["compute_s"].median()
     ref = med[med > 0].min() if (med > 0).any() else np.nan
     out["compute_s_median"] = med.reindex(out["rank"]).to_numpy()

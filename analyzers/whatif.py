@@ -604,7 +604,7 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
 def suspects(work: pd.DataFrame, peers: dict[int, int], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting; ``work``: ``_work_table``) exceeds their peers' median in the mean
     measured step, most first."""
-    w = work[work["measured"]]
+    w = work.loc[work["measured"].to_numpy(bool), ["rank", *OWN_WORK_PARTS]]
     own = w[list(OWN_WORK_PARTS)].sum(axis=1)
     mean = own.groupby(w["rank"].to_numpy()).mean()
     excess = {}
