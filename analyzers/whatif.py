@@ -581,14 +581,18 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
         for c in cols:
             m = np.full((len(steps), len(members)), np.nan)
             m[si[sel], mi] = work[c].to_numpy(float)[meas][sel]
-            srt = np.sort(m, axis=1)   # NaN last
             valid = (~np.isnan(m)).sum(axis=1)
+            mid = (len(members) - 1) // 2
+            if (valid == len(members)).all():   # no gap: only the middle places are needed, partitioned (O(n))
+                srt = np.partition(m, sorted({max(mid - 1, 0), mid, min(mid + 1, len(members) - 1)}), axis=1)
+            else:
+                srt = np.sort(m, axis=1)   # NaN last
             rows = np.arange(len(steps))
             for r in asked:
                 own = m[:, int(np.searchsorted(members, r))]
                 has = ~np.isnan(own)
                 n = valid - has   # the others' values
-                pos = (srt < own[:, None]).sum(axis=1)   # the own value's place in the sorted row (NaN: nowhere)
+                pos = (m < own[:, None]).sum(axis=1)   # the own value's place in the sorted row (NaN: nowhere)
 
                 def kth(k):   # the k-th smallest of the others
                     k = np.clip(k, 0, len(members) - 1)
