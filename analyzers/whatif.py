@@ -534,10 +534,11 @@ def work_totals(items: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
 
 
 def _work_table(model, work: pd.DataFrame) -> pd.DataFrame:
-    """Every rank-step of the model (rank, step, measured) with its work per part (ns, float) from ``work`` (a
-    column per WORK_PARTS), and ``cpu_wait`` (ns its training thread waited for a CPU; NaN where not reported)."""
+    """Every rank-step of the model (rank, step, measured) with its work per part (ns, int) from ``work`` (a
+    column per WORK_PARTS: its columns, not a copy), and ``cpu_wait`` (ns its training thread waited for a CPU, float;
+    NaN where not reported)."""
     w = model.steps
-    out = work[list(WORK_PARTS)].astype(float).reset_index(drop=True)
+    out = work[list(WORK_PARTS)].reset_index(drop=True)
     out["rank"], out["step"] = w["rank"].to_numpy(np.int64), w["step"].to_numpy(np.int64)
     out["measured"] = w["measured"].to_numpy(bool)
     out["cpu_wait"] = w["cpu_wait_s"].to_numpy(float) * NS
