@@ -594,16 +594,20 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
                 has = ~np.isnan(own)
                 n = valid - has   # the others' values
                 pos = (m < own[:, None]).sum(axis=1)   # the own value's place in the sorted row (NaN: nowhere)
-
-                def kth(k):   # the k-th smallest of the others
-                    k = np.clip(k, 0, len(members) - 1)
-                    return srt[rows, np.minimum(k + (has & (pos <= k)), len(members) - 1)]
-
                 mid = n // 2
-                med = np.where(n % 2 == 1, kth(mid), (kth(mid - 1) + kth(mid)) / 2)
+                hi, lo = (_kth_of_others(srt, rows, k, has, pos) for k in (mid, mid - 1))
+                med = np.where(n % 2 == 1, hi, (lo + hi) / 2)
                 med = np.where(n > 0, med, np.nan)
                 out[r][c] = pd.Series(own - med).median()
     return {r: pd.Series(v, dtype=float) for r, v in out.items()}
+
+
+def _kth_of_others(srt: np.ndarray, rows: np.ndarray, k: np.ndarray, has: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Per row of ``srt`` (sorted, or partitioned around the places asked): the ``k``-th smallest value once the
+    row's own value (at place ``pos``, where ``has``) is left out."""
+    last = srt.shape[1] - 1
+    k = np.clip(k, 0, last)
+    return srt[rows, np.minimum(k + (has & (pos <= k)), last)]
 
 
 def suspects(work: pd.DataFrame, peers: dict[int, int], limit: int = 8) -> list[int]:
