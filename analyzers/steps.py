@@ -46,10 +46,10 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
 def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
     """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers
     (``cpu_wait_s``: NaN where the rank did not report it)."""
-    per = pd.DataFrame({
+    per = pd.DataFrame({   # the steps table's own arrays, not copies (16.4 M rows at 16,384 x 1,000)
         "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
-    })
+    }, copy=False)
     per["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
     for col in ("peak_mem_bytes", "tokens", "samples"):
         per[col] = s[col].astype("Int64").to_numpy()
