@@ -366,9 +366,10 @@ def _typed(table: str, n: int, **cols) -> pd.DataFrame:
     out = {}
     for col, kind in TABLES[table]:
         v = cols.get(col)
-        if v is None:
-            v = (pd.arrays.IntegerArray(np.zeros(n, np.int64), np.ones(n, bool)) if kind == "Int" else np.full(n, np.nan) if kind == "float" else
-                 pd.Categorical.from_codes(np.zeros(n, np.int8), [""]) if col in CATEGORICAL else "")
+        if v is None and kind == "Int":
+            v = pd.arrays.IntegerArray(np.zeros(n, np.int64), np.ones(n, bool))
+        elif v is None:
+            v = np.full(n, np.nan) if kind == "float" else ""
         if isinstance(v, str) and col in CATEGORICAL:
             v = pd.Categorical.from_codes(np.zeros(n, np.int8), [v])
         out[col] = np.full(n, v) if np.isscalar(v) else v
