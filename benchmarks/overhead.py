@@ -4,11 +4,15 @@ Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pi
 job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate`` and ``lightning-wide``, the
 Lightning job with a wider model and ~40 ms steps) -- each run bare and under
 `dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
-first as often as second), so the machine's noise (other jobs) hits both alike. A job's step time is its own: the
-interval between consecutive "step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and
-dropped), median per run; each job runs a few seconds of steps (JOBS), so dtprof's timers cost their share.
+first as often as second), so the machine's noise (other jobs) hits both alike; many short rounds rather than a few
+long ones, so a burst of load elsewhere spoils a round or two, not the figure. A job's step time is its own: the
+interval between consecutive "step N" lines rank 0 prints, read from the job's clock the line carries
+(``--print-time``; not when the line arrives: `dtprof run` relays frequent output in bursts), the first intervals
+(warm-up) dropped, median per run; each job runs a few seconds of steps (JOBS), so dtprof's timers cost their share.
 Reported per job: bare and profiled median step, the wall ratio (median over rounds of profiled / bare of the same
-round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank and step, in three parts:
+round) with its confidence interval from the order statistics of the per-round ratios (distribution-free; 95 %
+from 6 rounds on, the extremes and their coverage below that), and dtprof's CPU time per rank and step, in three
+parts:
 
 - threads in the rank (flusher, heartbeat): each rank reads their own CPU clocks when step 0 ends and at exit
   (``dtprof_threads_cpu`` meta row); the difference over the steps after step 0 (start-up excluded, the tail after
@@ -192,7 +196,7 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-STEP_LINE = re.compile(r"^step (\d+) ")
+STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+)$")   # the examples' step line with --print-time
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
 # name -> (command, steps per run: a few seconds of steps on this machine, so the timers' cost is spread as in a job)
 JOBS = {
@@ -241,7 +245,7 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     rank-step after step 0 and the collectives per rank-step."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
-           str(steps)]
+           str(steps), "--print-time"]
     if run_dir is not None:
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
@@ -252,9 +256,10 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
                             start_new_session=True)
     seen, cpu = [], []
     for line in proc.stdout:
-        if STEP_LINE.match(line):
-            seen.append(time.monotonic())
-            n = int(STEP_LINE.match(line).group(1))
+        m = STEP_LINE.match(line)
+        if m:
+            seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
+            n = int(m.group(1))
             # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
             if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                 cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
@@ -281,13 +286,18 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     return out
 
 
-def interval(pairs: list[tuple[float, float]], stat, n: int = 2000) -> tuple[float, float, float]:
-    """``stat`` of the rounds' (bare, profiled) pairs and its 90 % bootstrap interval (rounds resampled)."""
-    import random
+def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, float, float]:
+    """The median of ``xs`` and its distribution-free confidence interval from order statistics: the k-th
+    smallest and k-th largest, the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least ``want``
+    (k = 1, the extremes, when n is too small for ``want``: n >= 6 rounds for 95 %). (median, low, high, coverage)."""
+    from math import comb
 
-    rnd = random.Random(0)
-    boot = sorted(stat([rnd.choice(pairs) for _ in pairs]) for _ in range(n))
-    return stat(pairs), boot[int(0.05 * n)], boot[int(0.95 * n) - 1]
+    xs, n = sorted(xs), len(xs)
+    cover = lambda k: 1 - 2 * sum(comb(n, i) for i in range(k)) / 2 ** n   # noqa: E731
+    k = 1
+    while k + 1 <= (n + 1) // 2 and cover(k + 1) >= want:
+        k += 1
+    return statistics.median(xs), xs[k - 1], xs[n - k], cover(k)
 
 
 def hook_cost(blocks: int) -> dict:
@@ -336,13 +346,9 @@ def print_in_process(blocks: int, steps: int) -> None:
         print(f"{m:15s} {statistics.median(all_t) * 1e3:17.3f} {ratio:21.4f}   {blocks} x {steps}")
 
 
-def median_ratio(pairs):
-    return statistics.median(p / b for b, p in pairs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4, help="bare/profiled pairs per job")
+    ap.add_argument("--rounds", type=int, default=8, help="bare/profiled pairs per job (6 or more: a 95 %% interval)")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default: the job's own, see JOBS)")
     ap.add_argument("--jobs", default=DEFAULT_JOBS, help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="smoke check: 1 round of 12-step runs, short hook blocks")
@@ -387,21 +393,23 @@ def main() -> None:
             n_coll = statistics.median(c for c, _ in colls)
             n_ar = statistics.median(ar for _, ar in colls)      # all-reduces, DDP's buckets included
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
-                         interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
+                         median_interval([p / b for b, p in walls]), statistics.median(threads),
+                         statistics.median(launcher),
                          n_coll, n_ar, priced(hooks, n_coll, n_ar, ""), priced(hooks, n_coll, n_ar, "_other")))
             print(f"{name}: per-round profiled / bare ratios "
                   f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
-    print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [90% CI]':>23s} "
+    print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
           f"{'ar)':>4s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk, cb in rows:
+    for name, steps, b, p, (r, rlo, rhi, cover), th, la, nc, nar, hk, cb in rows:
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
               f"{(th + la + hk + cb) / b * 100:10.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
-          f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step), 90 % "
-          f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
+          f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
+          f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
+          f"rounds on). dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks), the training-thread hooks "
           f"(in one process: per step + per further all-reduce + per other collective) and what they cost the "
