@@ -402,7 +402,7 @@ def main() -> None:
     print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
           f"{'ar)':>4s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi, cover), th, la, nc, nar, hk, cb in rows:
+    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb in rows:
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
               f"{(th + la + hk + cb) / b * 100:10.2f}%")

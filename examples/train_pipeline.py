@@ -11,8 +11,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import (  # noqa: E402
-    SlowDown, TinyLM, batch_for, fixed_step, lm_loss, parse_args, setup_distributed, step_line)
+from model import SlowDown, TinyLM, batch_for, fixed_step, lm_loss, parse_args, setup_distributed, step_line  # noqa: E402
 
 
 class StageModule(nn.Module):

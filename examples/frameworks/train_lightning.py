@@ -6,8 +6,8 @@
 
 Lightning detects torchrun from its environment; without it, ``Trainer(devices=2, strategy="ddp")`` re-runs this
 script once more as rank 1 (its subprocess launcher). Rank 0 prints each step's loss as ``step <n> loss <value>``
-(as the other examples do; benchmarks/overhead.py times the steps by these lines' ``--print-time`` clock), and each rank its final loss as
-``final loss <value>``.
+(as the other examples do; benchmarks/overhead.py times the steps by the clock ``--print-time`` adds to them), and
+each rank its final loss as ``final loss <value>``.
 """
 import argparse
 import time
