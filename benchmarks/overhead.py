@@ -25,11 +25,12 @@ parts:
   wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
   one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
   one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper and Work.wait patch:
-  the call skips the c10d kernel), blocks of ``dist.broadcast`` that of any other collective. A job's hook cost =
-  step cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
-  rank-step), counted in its profiled run. The same blocks read the CPU of the process's other threads (all but
-  dtprof's own, which are counted above): what dtprof adds there is its completion callbacks, run in the backend's
-  threads (``callbacks``, priced the same way).
+  the call skips the c10d kernel), blocks of ``dist.broadcast`` that of any other collective, blocks of DataLoader
+  batches that of each batch (the ``__next__`` wrapper). A job's hook cost = step cost + all-reduce cost x (its
+  all-reduces per rank-step - 1) + other cost x (its other collectives per rank-step) + batch cost x (its
+  DataLoader batches per rank-step), counted in its profiled run. The same blocks read the CPU of the process's
+  other threads (all but dtprof's own, which are counted above): what dtprof adds there is its completion
+  callbacks, run in the backend's threads (``callbacks``, priced the same way).
 
 The ranks share the machine's cores with all of it, so this CPU is what dtprof takes from the job; a rank it delays
 holds the others at the next collective, so a step's wall cost is bounded by about the ranks' sum (2x the per-rank
@@ -122,6 +123,7 @@ def hooks_worker(blocks: int) -> None:
         torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(modules)]))
     opt = torch.optim.SGD(tiny.parameters(), lr=1e-3)
     x, buf = torch.randn(4, 8), torch.ones(64)
+    loader = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(1 << 20, 1)), batch_size=4))
     c10d = dist.distributed_c10d
     wrapped = {api: getattr(c10d, api) for api in hooks_collectives._APIS if hasattr(c10d, api)}
     wrapped["batch_isend_irecv"], wrapped["Work.wait"] = c10d.batch_isend_irecv, dist.Work.wait
@@ -170,11 +172,17 @@ def hooks_worker(blocks: int) -> None:
     def broadcast(t):
         dist.broadcast(t, 0)
 
+    def batches(n):
+        t0 = cpu()
+        for _ in range(n):
+            next(loader)
+        return per_call(t0, n)
+
     steps(5)                      # dtprof starts recording at the first forward (no RANK: one process)
     assert runtime.STATE.active, "dtprof did not start in the benchmark process"
     on = True
-    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective", "step_other", "all_reduce_other",
-                                              "collective_other")}
+    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective", "batch", "step_other",
+                                              "all_reduce_other", "collective_other", "batch_other")}
     for b in range(blocks):
         for mode in ("on", "off") if b % 2 else ("off", "on"):
             if (mode == "on") != on:
@@ -182,7 +190,7 @@ def hooks_worker(blocks: int) -> None:
                 switch(on)
             # short blocks, many pairs: on and off see the same interference from the rest of the machine
             for k, (main, other) in (("step", steps(10)), ("all_reduce", collectives(dist.all_reduce, 40)),
-                                     ("collective", collectives(broadcast, 40))):
+                                     ("collective", collectives(broadcast, 40)), ("batch", batches(40))):
                 res[k][mode].append(main)
                 res[k + "_other"][mode].append(other)
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
@@ -282,6 +290,7 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         out["threads_cpu_s_per_rank_step"] = statistics.mean(per_rank)
         n = max(1, len(run.steps))
         out["collectives_per_rank_step"] = len(run.collectives) / n
+        out["batches_per_rank_step"] = int((run.spans["kind"].astype(str) == "data_wait").sum()) / n
         out["all_reduces_per_rank_step"] = int((run.collectives["op"].astype(str) == "all_reduce").sum()) / n
     return out
 
@@ -311,13 +320,13 @@ def hook_cost(blocks: int) -> dict:
     return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
 
 
-def priced(hooks: dict | None, n_coll: float, n_ar: float, suffix: str) -> float:
+def priced(hooks: dict | None, n_coll: float, n_ar: float, n_batch: float, suffix: str) -> float:
     """A job's hook cost per rank-step from the per-step / per-collective figures and its own collective counts
     (module docstring); ``suffix`` "_other": what they cost the process's other threads."""
     if not hooks:
         return float("nan")
     return (hooks["step" + suffix] + hooks["all_reduce" + suffix] * max(n_ar - 1, 0)
-            + hooks["collective" + suffix] * (n_coll - n_ar))
+            + hooks["collective" + suffix] * (n_coll - n_ar) + hooks["batch" + suffix] * n_batch)
 
 
 def in_process(args: list[str]) -> dict:
@@ -374,7 +383,8 @@ def main() -> None:
               f"other collective (tiny DDP model, {hooks['modules']} modules, {hooks['bare_step'] * 1e6:.0f} us CPU "
               f"per bare step); in the process's other threads (completion callbacks): "
               f"+{hooks['step_other'] * 1e6:.1f} us per step, +{hooks['all_reduce_other'] * 1e6:.1f} us per further "
-              f"all-reduce, +{hooks['collective_other'] * 1e6:.1f} us per other collective", file=sys.stderr)
+              f"all-reduce, +{hooks['collective_other'] * 1e6:.1f} us per other collective; "
+              f"+{hooks['batch'] * 1e6:.1f} us per DataLoader batch", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.jobs.split(","):
@@ -389,13 +399,16 @@ def main() -> None:
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
                 threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
                 launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / RANKS)
-                colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"]))
-            n_coll = statistics.median(c for c, _ in colls)
-            n_ar = statistics.median(ar for _, ar in colls)      # all-reduces, DDP's buckets included
+                colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"],
+                              res["dtprof"]["batches_per_rank_step"]))
+            n_coll = statistics.median(c for c, _, _ in colls)
+            n_ar = statistics.median(ar for _, ar, _ in colls)      # all-reduces, DDP's buckets included
+            n_batch = statistics.median(nb for _, _, nb in colls)   # DataLoader batches (data_wait spans)
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
                          median_interval([p / b for b, p in walls]), statistics.median(threads),
                          statistics.median(launcher),
-                         n_coll, n_ar, priced(hooks, n_coll, n_ar, ""), priced(hooks, n_coll, n_ar, "_other")))
+                         n_coll, n_ar, priced(hooks, n_coll, n_ar, n_batch, ""),
+                         priced(hooks, n_coll, n_ar, n_batch, "_other")))
             print(f"{name}: per-round profiled / bare ratios "
                   f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
