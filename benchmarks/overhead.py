@@ -19,13 +19,17 @@ parts:
   the last step included);
 - `dtprof run`'s launcher and its output relays: their processes' CPU clocks read when the timed steps' first and
   last lines arrive, per step, shared by the ranks;
-- hooks on the training thread: measured in one process started the way `dtprof run` starts a rank, as CPU time
-  of the training thread (``time.thread_time``: only the CPU the thread used, so it is far less sensitive to other
-  work on the machine than wall time), in alternating blocks with dtprof on and off (off: its step hooks, collective
-  wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
-  one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
-  one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper and Work.wait patch:
-  the call skips the c10d kernel), blocks of ``dist.broadcast`` that of any other collective, blocks of DataLoader
+- hooks on the training thread: measured in a two-rank torchrun job with dtprof injected as `dtprof run` does, as
+  CPU time of each rank's training thread (``time.thread_time``: only the CPU the thread used, so it is far less
+  sensitive to other work on the machine than wall time), in alternating blocks with dtprof on and off (off: its
+  step hooks, collective wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out; both ranks
+  switch at the same point; the first calls after a switch are not measured), the median over blocks of each
+  rank's on - off, averaged over the ranks. Two ranks, not one: with a peer, collectives complete later, in gloo's
+  threads, and the completion callbacks contend for the GIL as in a real job (a one-rank group priced a
+  Lightning-like step at ~125-155 us where a two-rank job paid ~230 us). A step of a tiny DDP model (as many
+  modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with one all-reduce; blocks of
+  ``dist.all_reduce`` the cost of each further all-reduce (wrapper and Work.wait patch: the call skips the c10d
+  kernel), blocks of ``dist.broadcast`` that of any other collective, blocks of DataLoader
   batches that of each batch (the ``__next__`` wrapper). A job's hook cost = step cost + all-reduce cost x (its
   all-reduces per rank-step - 1) + other cost x (its other collectives per rank-step) + batch cost x (its
   DataLoader batches per rank-step), counted in its profiled run. The same blocks read the CPU of the process's
@@ -117,7 +121,7 @@ def hooks_worker(blocks: int) -> None:
     from model import TinyLM
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo")       # RANKS ranks started by torchrun (in_process)
     modules = sum(1 for _ in TinyLM(vocab=512, dim=192, layers=3, seq=64).modules())
     tiny = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(modules)]))
@@ -178,7 +182,7 @@ def hooks_worker(blocks: int) -> None:
             next(loader)
         return per_call(t0, n)
 
-    steps(5)                      # dtprof starts recording at the first forward (no RANK: one process)
+    steps(5)
     assert runtime.STATE.active, "dtprof did not start in the benchmark process"
     on = True
     res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective", "batch", "step_other",
@@ -188,21 +192,21 @@ def hooks_worker(blocks: int) -> None:
             if (mode == "on") != on:
                 on = mode == "on"
                 switch(on)
+                # the first calls after a switch run slower or faster than the steady state (up to ~40 us a step
+                # in a two-rank job): not measured
+                steps(2), collectives(dist.all_reduce, 5), collectives(broadcast, 5), batches(5)
             # short blocks, many pairs: on and off see the same interference from the rest of the machine
             for k, (main, other) in (("step", steps(10)), ("all_reduce", collectives(dist.all_reduce, 40)),
                                      ("collective", collectives(broadcast, 40)), ("batch", batches(40))):
                 res[k][mode].append(main)
                 res[k + "_other"][mode].append(other)
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
-    print(json.dumps({**res, "modules": modules}))
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, res)
+    if dist.get_rank() == 0:
+        print(json.dumps({"ranks": ranks, "modules": modules}))
+    dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+)$")   # the examples' step line with --print-time
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
@@ -314,10 +318,12 @@ def hook_cost(blocks: int) -> dict:
     passes dtprof's c10d::allreduce_ kernel) and per further other collective (a broadcast: the wrapper and the
     Work.wait patch alone), each the median over blocks of (on - off) of the same block; and the off step (the tiny
     model's own cost)."""
-    data = in_process(["--hooks", "--blocks", str(blocks)])
-    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"]))
-             for k in data if k != "modules"}
-    return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
+    data = in_process(["--hooks", "--blocks", str(blocks)], ranks=RANKS)
+    per_rank = data["ranks"]
+    added = {k: statistics.mean(statistics.median(a - b for a, b in zip(r[k]["on"], r[k]["off"])) for r in per_rank)
+             for k in per_rank[0]}
+    return {**added, "bare_step": statistics.mean(statistics.median(r["step"]["off"]) for r in per_rank),
+            "modules": data["modules"]}
 
 
 def priced(hooks: dict | None, n_coll: float, n_ar: float, n_batch: float, suffix: str) -> float:
@@ -329,7 +335,9 @@ def priced(hooks: dict | None, n_coll: float, n_ar: float, n_batch: float, suffi
             + hooks["collective" + suffix] * (n_coll - n_ar) + hooks["batch" + suffix] * n_batch)
 
 
-def in_process(args: list[str]) -> dict:
+def in_process(args: list[str], ranks: int = 0) -> dict:
+    """Run this file's worker as `dtprof run` runs a rank (dtprof injected, recording into a throwaway run):
+    one process, or ``ranks`` processes under torchrun. The worker's last stdout line, parsed."""
     import dtprof._inject
     from dtprof.runformat import create_node_dir, create_run_dir
 
@@ -339,7 +347,11 @@ def in_process(args: list[str]) -> dict:
         env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "overhead"})))
         env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0})
         env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")])
-        out = subprocess.run([sys.executable, __file__, "--worker", *args], env=env, capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--worker", *args]
+        if ranks:
+            cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", "--standalone",
+                   "--monitor-interval=0.2", *cmd[1:]]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:
             sys.exit(out.stderr[-2000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
