@@ -437,10 +437,10 @@ def main() -> None:
           f"rounds on). dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks), the training-thread hooks "
-          f"(in one process: per step + per further all-reduce + per other collective) and what they cost the "
-          f"process's other threads (callbacks: the completion callbacks that run in the backend's threads, priced "
-          f"the same way): the CPU dtprof takes from "
-          f"the cores the ranks share; a rank it delays holds the others at the next collective, so a step's wall "
+          f"(in a two-rank job: per step + per further all-reduce + per other collective + per DataLoader batch) "
+          f"and what they cost the process's other threads (callbacks: the completion callbacks that run in the "
+          f"backend's threads, priced the same way): the CPU dtprof takes from the cores the ranks share; a rank "
+          f"it delays holds the others at the next collective, so a step's wall "
           f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
