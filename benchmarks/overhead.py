@@ -4,28 +4,37 @@ Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pi
 job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate`` and ``lightning-wide``, the
 Lightning job with a wider model and ~40 ms steps) -- each run bare and under
 `dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
-first as often as second), so the machine's noise (other jobs) hits both alike. A job's step time is its own: the
-interval between consecutive "step N" lines rank 0 prints (taken as they arrive; the first intervals are warm-up and
-dropped), median per run; each job runs a few seconds of steps (JOBS), so dtprof's timers cost their share.
+first as often as second), so the machine's noise (other jobs) hits both alike; many short rounds rather than a few
+long ones, so a burst of load elsewhere spoils a round or two, not the figure. A job's step time is its own: the
+interval between consecutive "step N" lines rank 0 prints, read from the job's clock the line carries
+(``--print-time``; not when the line arrives: `dtprof run` relays frequent output in bursts), the first intervals
+(warm-up) dropped, median per run; each job runs a few seconds of steps (JOBS), so dtprof's timers cost their share.
 Reported per job: bare and profiled median step, the wall ratio (median over rounds of profiled / bare of the same
-round) with a 90 % interval (rounds resampled), and dtprof's CPU time per rank and step, in three parts:
+round) with its confidence interval from the order statistics of the per-round ratios (distribution-free; 95 %
+from 6 rounds on, the extremes and their coverage below that), and dtprof's CPU time per rank and step, in three
+parts:
 
 - threads in the rank (flusher, heartbeat): each rank reads their own CPU clocks when step 0 ends and at exit
   (``dtprof_threads_cpu`` meta row); the difference over the steps after step 0 (start-up excluded, the tail after
   the last step included);
 - `dtprof run`'s launcher and its output relays: their processes' CPU clocks read when the timed steps' first and
   last lines arrive, per step, shared by the ranks;
-- hooks on the training thread: measured in one process started the way `dtprof run` starts a rank, as CPU time
-  of the training thread (``time.thread_time``: only the CPU the thread used, so it is far less sensitive to other
-  work on the machine than wall time), in alternating blocks with dtprof on and off (off: its step hooks, collective
-  wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out). A step of a tiny DDP model on a
-  one-rank gloo group (as many modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with
-  one all-reduce; blocks of ``dist.all_reduce`` the cost of each further all-reduce (wrapper and Work.wait patch:
-  the call skips the c10d kernel), blocks of ``dist.broadcast`` that of any other collective. A job's hook cost =
-  step cost + all-reduce cost x (its all-reduces per rank-step - 1) + other cost x (its other collectives per
-  rank-step), counted in its profiled run. The same blocks read the CPU of the process's other threads (all but
-  dtprof's own, which are counted above): what dtprof adds there is its completion callbacks, run in the backend's
-  threads (``callbacks``, priced the same way).
+- hooks on the training thread: measured in a two-rank torchrun job with dtprof injected as `dtprof run` does, as
+  CPU time of each rank's training thread (``time.thread_time``: only the CPU the thread used, so it is far less
+  sensitive to other work on the machine than wall time), in alternating blocks with dtprof on and off (off: its
+  step hooks, collective wrappers, ``Work.wait`` patch and ``c10d::allreduce_`` kernel all taken out; both ranks
+  switch at the same point; the first calls after a switch are not measured), the median over blocks of each
+  rank's on - off, averaged over the ranks. Two ranks, not one: with a peer, collectives complete later, in gloo's
+  threads, and the completion callbacks contend for the GIL as in a real job (a one-rank group priced a
+  Lightning-like step at ~125-155 us where a two-rank job paid ~230 us). A step of a tiny DDP model (as many
+  modules as the examples' TinyLM, one gradient bucket) gives the cost of a step with one all-reduce; blocks of
+  ``dist.all_reduce`` the cost of each further all-reduce (wrapper and Work.wait patch: the call skips the c10d
+  kernel), blocks of ``dist.broadcast`` that of any other collective, blocks of DataLoader
+  batches that of each batch (the ``__next__`` wrapper). A job's hook cost = step cost + all-reduce cost x (its
+  all-reduces per rank-step - 1) + other cost x (its other collectives per rank-step) + batch cost x (its
+  DataLoader batches per rank-step), counted in its profiled run. The same blocks read the CPU of the process's
+  other threads (all but dtprof's own, which are counted above): what dtprof adds there is its completion
+  callbacks, run in the backend's threads (``callbacks``, priced the same way).
 
 The ranks share the machine's cores with all of it, so this CPU is what dtprof takes from the job; a rank it delays
 holds the others at the next collective, so a step's wall cost is bounded by about the ranks' sum (2x the per-rank
@@ -112,12 +121,13 @@ def hooks_worker(blocks: int) -> None:
     from model import TinyLM
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo")       # RANKS ranks started by torchrun (in_process)
     modules = sum(1 for _ in TinyLM(vocab=512, dim=192, layers=3, seq=64).modules())
     tiny = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(modules)]))
     opt = torch.optim.SGD(tiny.parameters(), lr=1e-3)
     x, buf = torch.randn(4, 8), torch.ones(64)
+    loader = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(1 << 20, 1)), batch_size=4))
     c10d = dist.distributed_c10d
     wrapped = {api: getattr(c10d, api) for api in hooks_collectives._APIS if hasattr(c10d, api)}
     wrapped["batch_isend_irecv"], wrapped["Work.wait"] = c10d.batch_isend_irecv, dist.Work.wait
@@ -166,33 +176,39 @@ def hooks_worker(blocks: int) -> None:
     def broadcast(t):
         dist.broadcast(t, 0)
 
-    steps(5)                      # dtprof starts recording at the first forward (no RANK: one process)
+    def batches(n):
+        t0 = cpu()
+        for _ in range(n):
+            next(loader)
+        return per_call(t0, n)
+
+    steps(5)
     assert runtime.STATE.active, "dtprof did not start in the benchmark process"
     on = True
-    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective", "step_other", "all_reduce_other",
-                                              "collective_other")}
+    res = {k: {"on": [], "off": []} for k in ("step", "all_reduce", "collective", "batch", "step_other",
+                                              "all_reduce_other", "collective_other", "batch_other")}
     for b in range(blocks):
         for mode in ("on", "off") if b % 2 else ("off", "on"):
             if (mode == "on") != on:
                 on = mode == "on"
                 switch(on)
+                # the first calls after a switch run slower or faster than the steady state (up to ~40 us a step
+                # in a two-rank job): not measured
+                steps(2), collectives(dist.all_reduce, 5), collectives(broadcast, 5), batches(5)
             # short blocks, many pairs: on and off see the same interference from the rest of the machine
             for k, (main, other) in (("step", steps(10)), ("all_reduce", collectives(dist.all_reduce, 40)),
-                                     ("collective", collectives(broadcast, 40))):
+                                     ("collective", collectives(broadcast, 40)), ("batch", batches(40))):
                 res[k][mode].append(main)
                 res[k + "_other"][mode].append(other)
     assert not runtime.STATE.disabled, "dtprof disabled itself during the benchmark"
-    print(json.dumps({**res, "modules": modules}))
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, res)
+    if dist.get_rank() == 0:
+        print(json.dumps({"ranks": ranks, "modules": modules}))
+    dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-STEP_LINE = re.compile(r"^step (\d+) ")
+STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+)$")   # the examples' step line with --print-time
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
 # name -> (command, steps per run: a few seconds of steps on this machine, so the timers' cost is spread as in a job)
 JOBS = {
@@ -241,7 +257,7 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     rank-step after step 0 and the collectives per rank-step."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
-           str(steps)]
+           str(steps), "--print-time"]
     if run_dir is not None:
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
@@ -252,9 +268,10 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
                             start_new_session=True)
     seen, cpu = [], []
     for line in proc.stdout:
-        if STEP_LINE.match(line):
-            seen.append(time.monotonic())
-            n = int(STEP_LINE.match(line).group(1))
+        m = STEP_LINE.match(line)
+        if m:
+            seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
+            n = int(m.group(1))
             # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
             if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                 cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
@@ -277,17 +294,23 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         out["threads_cpu_s_per_rank_step"] = statistics.mean(per_rank)
         n = max(1, len(run.steps))
         out["collectives_per_rank_step"] = len(run.collectives) / n
+        out["batches_per_rank_step"] = int((run.spans["kind"].astype(str) == "data_wait").sum()) / n
         out["all_reduces_per_rank_step"] = int((run.collectives["op"].astype(str) == "all_reduce").sum()) / n
     return out
 
 
-def interval(pairs: list[tuple[float, float]], stat, n: int = 2000) -> tuple[float, float, float]:
-    """``stat`` of the rounds' (bare, profiled) pairs and its 90 % bootstrap interval (rounds resampled)."""
-    import random
+def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, float, float]:
+    """The median of ``xs`` and its distribution-free confidence interval from order statistics: the k-th
+    smallest and k-th largest, the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least ``want``
+    (k = 1, the extremes, when n is too small for ``want``: n >= 6 rounds for 95 %). (median, low, high, coverage)."""
+    from math import comb
 
-    rnd = random.Random(0)
-    boot = sorted(stat([rnd.choice(pairs) for _ in pairs]) for _ in range(n))
-    return stat(pairs), boot[int(0.05 * n)], boot[int(0.95 * n) - 1]
+    xs, n = sorted(xs), len(xs)
+    cover = lambda k: 1 - 2 * sum(comb(n, i) for i in range(k)) / 2 ** n   # noqa: E731
+    k = 1
+    while k + 1 <= (n + 1) // 2 and cover(k + 1) >= want:
+        k += 1
+    return statistics.median(xs), xs[k - 1], xs[n - k], cover(k)
 
 
 def hook_cost(blocks: int) -> dict:
@@ -295,22 +318,26 @@ def hook_cost(blocks: int) -> dict:
     passes dtprof's c10d::allreduce_ kernel) and per further other collective (a broadcast: the wrapper and the
     Work.wait patch alone), each the median over blocks of (on - off) of the same block; and the off step (the tiny
     model's own cost)."""
-    data = in_process(["--hooks", "--blocks", str(blocks)])
-    added = {k: statistics.median(a - b for a, b in zip(data[k]["on"], data[k]["off"]))
-             for k in data if k != "modules"}
-    return {**added, "bare_step": statistics.median(data["step"]["off"]), "modules": data["modules"]}
+    data = in_process(["--hooks", "--blocks", str(blocks)], ranks=RANKS)
+    per_rank = data["ranks"]
+    added = {k: statistics.mean(statistics.median(a - b for a, b in zip(r[k]["on"], r[k]["off"])) for r in per_rank)
+             for k in per_rank[0]}
+    return {**added, "bare_step": statistics.mean(statistics.median(r["step"]["off"]) for r in per_rank),
+            "modules": data["modules"]}
 
 
-def priced(hooks: dict | None, n_coll: float, n_ar: float, suffix: str) -> float:
+def priced(hooks: dict | None, n_coll: float, n_ar: float, n_batch: float, suffix: str) -> float:
     """A job's hook cost per rank-step from the per-step / per-collective figures and its own collective counts
     (module docstring); ``suffix`` "_other": what they cost the process's other threads."""
     if not hooks:
         return float("nan")
     return (hooks["step" + suffix] + hooks["all_reduce" + suffix] * max(n_ar - 1, 0)
-            + hooks["collective" + suffix] * (n_coll - n_ar))
+            + hooks["collective" + suffix] * (n_coll - n_ar) + hooks["batch" + suffix] * n_batch)
 
 
-def in_process(args: list[str]) -> dict:
+def in_process(args: list[str], ranks: int = 0) -> dict:
+    """Run this file's worker as `dtprof run` runs a rank (dtprof injected, recording into a throwaway run):
+    one process, or ``ranks`` processes under torchrun. The worker's last stdout line, parsed."""
     import dtprof._inject
     from dtprof.runformat import create_node_dir, create_run_dir
 
@@ -320,7 +347,11 @@ def in_process(args: list[str]) -> dict:
         env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "overhead"})))
         env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0})
         env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")])
-        out = subprocess.run([sys.executable, __file__, "--worker", *args], env=env, capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--worker", *args]
+        if ranks:
+            cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", "--standalone",
+                   "--monitor-interval=0.2", *cmd[1:]]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:
             sys.exit(out.stderr[-2000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -336,13 +367,9 @@ def print_in_process(blocks: int, steps: int) -> None:
         print(f"{m:15s} {statistics.median(all_t) * 1e3:17.3f} {ratio:21.4f}   {blocks} x {steps}")
 
 
-def median_ratio(pairs):
-    return statistics.median(p / b for b, p in pairs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4, help="bare/profiled pairs per job")
+    ap.add_argument("--rounds", type=int, default=8, help="bare/profiled pairs per job (6 or more: a 95 %% interval)")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default: the job's own, see JOBS)")
     ap.add_argument("--jobs", default=DEFAULT_JOBS, help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="smoke check: 1 round of 12-step runs, short hook blocks")
@@ -368,7 +395,8 @@ def main() -> None:
               f"other collective (tiny DDP model, {hooks['modules']} modules, {hooks['bare_step'] * 1e6:.0f} us CPU "
               f"per bare step); in the process's other threads (completion callbacks): "
               f"+{hooks['step_other'] * 1e6:.1f} us per step, +{hooks['all_reduce_other'] * 1e6:.1f} us per further "
-              f"all-reduce, +{hooks['collective_other'] * 1e6:.1f} us per other collective", file=sys.stderr)
+              f"all-reduce, +{hooks['collective_other'] * 1e6:.1f} us per other collective; "
+              f"+{hooks['batch'] * 1e6:.1f} us per DataLoader batch", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.jobs.split(","):
@@ -383,31 +411,36 @@ def main() -> None:
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
                 threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
                 launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / RANKS)
-                colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"]))
-            n_coll = statistics.median(c for c, _ in colls)
-            n_ar = statistics.median(ar for _, ar in colls)      # all-reduces, DDP's buckets included
+                colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"],
+                              res["dtprof"]["batches_per_rank_step"]))
+            n_coll = statistics.median(c for c, _, _ in colls)
+            n_ar = statistics.median(ar for _, ar, _ in colls)      # all-reduces, DDP's buckets included
+            n_batch = statistics.median(nb for _, _, nb in colls)   # DataLoader batches (data_wait spans)
             rows.append((name, steps, statistics.median(b for b, _ in walls), statistics.median(p for _, p in walls),
-                         interval(walls, median_ratio), statistics.median(threads), statistics.median(launcher),
-                         n_coll, n_ar, priced(hooks, n_coll, n_ar, ""), priced(hooks, n_coll, n_ar, "_other")))
+                         median_interval([p / b for b, p in walls]), statistics.median(threads),
+                         statistics.median(launcher),
+                         n_coll, n_ar, priced(hooks, n_coll, n_ar, n_batch, ""),
+                         priced(hooks, n_coll, n_ar, n_batch, "_other")))
             print(f"{name}: per-round profiled / bare ratios "
                   f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
-    print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [90% CI]':>23s} "
+    print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
           f"{'ar)':>4s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi), th, la, nc, nar, hk, cb in rows:
+    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb in rows:
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
               f"{(th + la + hk + cb) / b * 100:10.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
-          f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step), 90 % "
-          f"interval with the rounds resampled. dtprof's CPU per rank and step: its threads in the rank (flusher, "
+          f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
+          f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
+          f"rounds on). dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks), the training-thread hooks "
-          f"(in one process: per step + per further all-reduce + per other collective) and what they cost the "
-          f"process's other threads (callbacks: the completion callbacks that run in the backend's threads, priced "
-          f"the same way): the CPU dtprof takes from "
-          f"the cores the ranks share; a rank it delays holds the others at the next collective, so a step's wall "
+          f"(in a two-rank job: per step + per further all-reduce + per other collective + per DataLoader batch) "
+          f"and what they cost the process's other threads (callbacks: the completion callbacks that run in the "
+          f"backend's threads, priced the same way): the CPU dtprof takes from the cores the ranks share; a rank "
+          f"it delays holds the others at the next collective, so a step's wall "
           f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)

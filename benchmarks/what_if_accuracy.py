@@ -161,12 +161,17 @@ def measure_interleaved(case: str, steps: int, tmp: Path) -> dict:
     w = w[~w["rank"].isin(ranks) & w["step"].isin(measured)]
     by = w.assign(fixed=w["step"] % 2 == 1).groupby(["rank", "fixed"])["work"].median().unstack()
     work_change = float((by[True] - by[False]).mean())
+    # the time the ranks waited for a CPU, which the model does not see either: how much more the fixed steps waited
+    # (median per rank, the largest change over the ranks)
+    st = model.steps[model.steps["step"].isin(measured)]
+    cw = st.assign(fixed=st["step"] % 2 == 1).groupby(["rank", "fixed"])["cpu_wait_s"].median().unstack()
+    cpu_wait_change = float((cw[True] - cw[False]).max())
     return {"case": case + "/il", "scenario": scenario, "ranks": ranks, "slowed_step_s": slow_s,
             "predicted_step_s": slow_s * (1.0 - predicted), "fixed_step_s": fixed_s,
             "predicted_saving": predicted, "measured_saving": measured_saving,
             "error_of_saving": (predicted - measured_saving) / measured_saving if measured_saving else None,
             "replay_error": replay_err, "fixed_replay_error": replay_err, "steps": (len(slow), len(fix)),
-            "other_work_change_s": work_change}
+            "other_work_change_s": work_change, "cpu_wait_change_s": cpu_wait_change}
 
 
 def main() -> None:

@@ -347,6 +347,18 @@ def complete(key, t) -> None:
             rec.writer.extend("collectives", rows)
 
 
+def complete_ddp(t: int) -> None:
+    """The end of a backward in which DDP waited for its collectives: each one not yet completed ends at ``t``.
+    Their completion callbacks are late when this thread holds the GIL as the backend's thread marks them complete:
+    DDP's wait returns on the future's completion, before its callbacks run, and a callback that then waits for the
+    GIL runs up to the interpreter's switch interval (5 ms) later, or never if the process exits first (the last
+    step's bucket was once written with no end)."""
+    rec = rt.STATE
+    for key in rec.ddp_pending:
+        complete(key, t)      # a no-op where the callback ran: the first completion wins
+    rec.ddp_pending.clear()
+
+
 def _done(key, _fut) -> None:
     """A future's completion callback (bound to ``key`` with functools.partial: cheaper to make than a closure).
     It runs in the backend's thread, where an exception would be printed into the job's output
@@ -392,6 +404,8 @@ def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
     add_pending(key, work, rows)
+    if rows[0].source == "ddp":
+        rt.STATE.ddp_pending.append(key)
     try:
         fut = work.get_future()
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
@@ -598,6 +612,7 @@ def _wrap_comm_hook(hook):
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
                 add_pending(key, fut, [row])
+                rec.ddp_pending.append(key)
                 fut.add_done_callback(partial(_done, key))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue

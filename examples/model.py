@@ -112,11 +112,19 @@ def parse_args(description: str, extra=None):
                    help="every N-th step runs as the fixed job: without --slow-ms and --data-ms (and, in "
                         "train_ddp.py, with --no-sync on those steps only): the slowed and the fixed job interleaved "
                         "step by step in one run, so a busy machine's load hits both alike")
+    p.add_argument("--print-time", action="store_true",
+                   help="end each step line with the job's clock (time.monotonic(), s) when it is printed: "
+                        "benchmarks/overhead.py times the steps by it, whatever way the line travels")
     if extra:
         extra(p)
     args = p.parse_args()
     BUSY[0] = args.slow_busy
     return args
+
+
+def step_line(step: int, loss: float, args) -> str:
+    """The line rank 0 (the last stage in a pipeline) prints per step."""
+    return f"step {step} loss {loss:.6f}" + (f" t {time.monotonic():.6f}" if args.print_time else "")
 
 
 def setup_distributed():

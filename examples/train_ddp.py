@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batches, fixed_step, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import TinyLM, batches, fixed_step, lm_loss, parse_args, setup_distributed, step_line  # noqa: E402
 
 
 def main():
@@ -44,7 +44,7 @@ def main():
             torch.distributed.all_reduce(torch.zeros(1, device=device))
         opt.step()
         if rank == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+            print(step_line(step, loss.item(), args), flush=True)
     torch.distributed.destroy_process_group()
 
 

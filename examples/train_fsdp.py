@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed, step_line  # noqa: E402
 
 
 def wrap_fsdp1(model, device):
@@ -44,7 +44,7 @@ def main():
         loss.backward()
         opt.step()
         if rank == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+            print(step_line(step, loss.item(), args), flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import SlowDown, TinyLM, batch_for, fixed_step, lm_loss, parse_args, setup_distributed  # noqa: E402
+from model import SlowDown, TinyLM, batch_for, fixed_step, lm_loss, parse_args, setup_distributed, step_line  # noqa: E402
 
 
 class StageModule(nn.Module):
@@ -78,7 +78,7 @@ def main():
         opt.step()
         if last:
             loss = torch.stack(losses).mean()
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+            print(step_line(step, loss.item(), args), flush=True)
     torch.distributed.destroy_process_group()
 
 

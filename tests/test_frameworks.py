@@ -26,7 +26,8 @@ import pytest
 from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
-from test_launcher_torchrun import GLOO_EXIT_ABORT, free_port
+from test_launcher_torchrun import free_port
+from torch_abort import GLOO_EXIT_ABORT
 
 pytestmark = pytest.mark.slow
 

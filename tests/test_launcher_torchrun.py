@@ -20,6 +20,7 @@ import pytest
 import dtprof._inject
 from dtprof.reader import open_run
 from scale_checks import assert_summaries_equal_raw
+from torch_abort import GLOO_EXIT_ABORT
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +55,6 @@ def dtprof_run_popen(args, cwd, env=None):
     return subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
-
-GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _two_launchers(d: Path):

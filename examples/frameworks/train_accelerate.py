@@ -10,6 +10,7 @@ accelerate process); ``Accelerator(cpu=True)`` keeps them on the CPU with gloo, 
 The main process prints each step's loss and ``final loss <value>``.
 """
 import argparse
+import time
 
 import torch
 from accelerate import Accelerator
@@ -22,6 +23,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--print-time", action="store_true", help="end each step line with time.monotonic() (s)")
     args = p.parse_args()
     accelerator = Accelerator(cpu=True)
     set_seed(0)
@@ -37,7 +39,8 @@ def main():
         opt.step()
         opt.zero_grad()
         mean_loss = accelerator.gather(loss.detach()).mean()     # an all-gather per step, as loss logging does
-        accelerator.print(f"step {step} loss {mean_loss.item():.6f}", flush=True)
+        t = f" t {time.monotonic():.6f}" if args.print_time else ""
+        accelerator.print(f"step {step} loss {mean_loss.item():.6f}{t}", flush=True)
     accelerator.print(f"final loss {mean_loss.item():.8f}")
     accelerator.end_training()
     # Accelerate leaves its process group up; exiting with gloo's threads alive can abort the process

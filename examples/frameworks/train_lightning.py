@@ -6,10 +6,11 @@
 
 Lightning detects torchrun from its environment; without it, ``Trainer(devices=2, strategy="ddp")`` re-runs this
 script once more as rank 1 (its subprocess launcher). Rank 0 prints each step's loss as ``step <n> loss <value>``
-(as the other examples do; benchmarks/overhead.py times the steps by these lines), and each rank its final loss as
-``final loss <value>``.
+(as the other examples do; benchmarks/overhead.py times the steps by the clock ``--print-time`` adds to them), and
+each rank its final loss as ``final loss <value>``.
 """
 import argparse
+import time
 
 import lightning as L
 import torch
@@ -36,9 +37,13 @@ class Regressor(L.LightningModule):
 
 
 class PrintSteps(L.Callback):
+    def __init__(self, print_time: bool):
+        self.print_time = print_time
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            print(f"step {trainer.global_step - 1} loss {outputs['loss'].item():.6f}", flush=True)
+            t = f" t {time.monotonic():.6f}" if self.print_time else ""
+            print(f"step {trainer.global_step - 1} loss {outputs['loss'].item():.6f}{t}", flush=True)
 
 
 def main():
@@ -48,6 +53,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--print-time", action="store_true", help="end each step line with time.monotonic() (s)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     world = 2
@@ -56,7 +62,7 @@ def main():
     trainer = L.Trainer(devices=2, accelerator="cpu", strategy="ddp", max_steps=args.steps, max_epochs=1,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                        callbacks=[PrintSteps()])
+                        callbacks=[PrintSteps(args.print_time)])
     model = Regressor(args.dim, lr=args.lr)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     print(f"rank {trainer.global_rank} final loss {trainer.callback_metrics['train_loss'].item():.8f}", flush=True)
