@@ -85,7 +85,8 @@ def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
         use = f"FROM rows WHERE blocking = {blocking} AND host IN (SELECT host FROM hosts)"
         m = (f"""(SELECT "group", seq, host, lo + (2 * d + n) // (2 * n) AS e FROM (
                      SELECT "group", seq, host, min(exit_min_ns) AS lo, sum(n) AS n,
-                            CAST(sum(exit_dsum_ns) + sum(n * exit_min_ns) - sum(n) * min(exit_min_ns) AS BIGINT) AS d
+                            CAST(sum(exit_dsum_ns) + sum(CAST(n AS HUGEINT) * exit_min_ns)
+                                 - sum(n) * min(exit_min_ns) AS BIGINT) AS d
                      {use} GROUP BY ALL))""" if shared else
              f"""(SELECT "group", seq, host, exit_min_ns + (2 * exit_dsum_ns + n) // (2 * n) AS e {use})""")
         quoted = "'" + ref.replace("'", "''") + "'"

@@ -393,22 +393,28 @@ def test_skewed_host_clocks_recovered_within_residual(tmp_path):
     assert np.abs(la - lt).max() * 1e9 <= 2 * c.at["host1", "residual_ns"] + 4
 
 
-def test_clock_fit_of_a_host_reported_by_two_nodes_equals_one_nodes(tmp_path):
+@pytest.mark.parametrize("epoch_ns", [0, 1_763_000_000_000_000_000])
+def test_clock_fit_of_a_host_reported_by_two_nodes_equals_one_nodes(tmp_path, epoch_ns):
     """Two launchers on one host: each node's summary reduces its own ranks' exits, and the fit merges them per
-    (instance, host) to the same mean exit, so the clocks equal those fitted from all rows at once."""
+    (instance, host) to the same mean exit, so the clocks equal those fitted from all rows at once. Also with
+    times counted from the epoch (an imported trace's clock), where rows x exit overflowed 64-bit integers."""
     from dtprof.analyzers.clock import exit_sums, fit_clocks
     from dtprof.analyzers.nodesummary import Rows
     from dtprof.analyzers.runmodel import with_exit
 
-    run = open_run(build_run(tmp_path / "s", world_size=8, hosts=2, steps=12, jitter_frac=0.05, seed=3,
+    run = open_run(build_run(tmp_path / "s", world_size=16, hosts=2, steps=12, jitter_frac=0.05, seed=3,
                              host_offset_ns=[0, -7_000_000], host_drift_ppm=[0.0, 40.0]))
     co = with_exit(run.collectives)
+    unshifted = fit_clocks(run.ranks, Rows.of("clock_exits", exit_sums(run.ranks, co)))
+    for c in ("issue_ns", "return_ns", "end_ns", "exit_ns"):
+        co[c] = co[c] + epoch_ns
     whole = fit_clocks(run.ranks, Rows.of("clock_exits", exit_sums(run.ranks, co)))
-    odd = co["rank"].to_numpy() % 2 == 1   # each host's ranks split over two "nodes"
-    split = fit_clocks(run.ranks, Rows("clock_exits", frames=[("a", exit_sums(run.ranks, co[odd])),
-                                                             ("b", exit_sums(run.ranks, co[~odd]))]))
+    few = co["rank"].to_numpy() % 4 == 0   # each host's 8 ranks split over two "nodes": 2 and 6
+    split = fit_clocks(run.ranks, Rows("clock_exits", frames=[("a", exit_sums(run.ranks, co[few])),
+                                                             ("b", exit_sums(run.ranks, co[~few]))]))
     assert whole.set_index("host").at["host1", "n_pairs"] > 0
     pd.testing.assert_frame_equal(whole, split)
+    pd.testing.assert_frame_equal(whole.drop(columns="ref_t_ns"), unshifted.drop(columns="ref_t_ns"))
 
 
 # ---------------------------------------------------------------- MFU
