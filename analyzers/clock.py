@@ -63,6 +63,8 @@ def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
     rows, or the whole run's), merged per (instance, host) and fitted in DuckDB: the mean exit per (instance, host),
     rounded to the ns, is all the fit reads. Its sums are exact integers, so the fit does not depend on the order
     the rows come in (nodes, threads)."""
+    from dtprof.reader import sql_text
+
     host_of = _host_of_rank(ranks)
     hosts = sorted(set(host_of.tolist()))
     rows = {h: {"host": h, "offset_ns": 0.0, "drift_ppm": 0.0, "residual_ns": 0.0, "n_pairs": 0, "ref_t_ns": 0,
@@ -89,7 +91,7 @@ def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
                                  - sum(n) * min(exit_min_ns) AS BIGINT) AS d
                      {use} GROUP BY ALL))""" if shared else
              f"""(SELECT "group", seq, host, exit_min_ns + (2 * exit_dsum_ns + n) // (2 * n) AS e {use})""")
-        quoted = "'" + ref.replace("'", "''") + "'"
+        quoted = sql_text(ref)
         # paired with the reference host's of the same instance: x = exit - the reference's first mean exit,
         # y = the reference's exit - exit
         con.execute(f'CREATE TEMP TABLE r AS SELECT "group", seq, e AS e_ref FROM {m} WHERE host = {quoted}')

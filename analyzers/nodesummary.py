@@ -70,7 +70,7 @@ class Rows:
         file raises RunFormatError naming the table."""
         import duckdb
 
-        from dtprof.reader import RunFormatError
+        from dtprof.reader import RunFormatError, sql_list, sql_text
         from dtprof.schema import SUMMARY_TABLES
 
         cols = SUMMARY_TABLES[self.table]
@@ -81,13 +81,13 @@ class Rows:
         try:
             parts = []
             if self.files:
-                files = ", ".join("'" + f.replace("'", "''") + "'" for f in self.files)
+                files = sql_list(self.files)
                 parts.append(f"SELECT {select}, filename AS origin FROM read_parquet([{files}], filename = true)")
             empty = pd.DataFrame({c: pd.Series(dtype={"int": "int64", "float": "float64"}.get(k, object))
                                   for c, k in cols})
             for i, (origin, df) in enumerate(self.frames or ([] if self.files else [("", empty)])):
                 con.register(f"_frame{i}", df)
-                parts.append(f"SELECT {select}, '{origin.replace(chr(39), chr(39) * 2)}' AS origin FROM _frame{i}")
+                parts.append(f"SELECT {select}, {sql_text(origin)} AS origin FROM _frame{i}")
             con.execute("CREATE TEMP VIEW rows AS " + " UNION ALL ".join(parts))
             for name, df in frames.items():
                 con.register(name, df)
@@ -179,7 +179,7 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
     their consumers), their ``facts``, and the summaries ``computed`` here (node directory -> summary) for nodes
     that had none. Rank-steps and items come out sorted by (rank, step) like the run model's windows, each
     rank-step's items in their order."""
-    from dtprof.runformat import SUMMARY_DIR
+    from dtprof.runformat import summary_file
 
     made = list(computed.values())
     per = [tables["rank_steps"]] + [c.rank_steps for c in made]
@@ -192,7 +192,7 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
         stage.update(c.stage)
 
     def rows(table: str) -> Rows:   # a computed node's rows named like its file would be: node order sorts alike
-        return Rows(table, files[table], [(str(nd / SUMMARY_DIR / f"{table}.parquet"), getattr(c, table).frame)
+        return Rows(table, files[table], [(str(summary_file(nd, table)), getattr(c, table).frame)
                                           for nd, c in computed.items()])
 
     return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
@@ -243,6 +243,6 @@ def of_run(run, model) -> NodeSummary:
 def stored_files(run, facts: list, table: str) -> list[str]:
     """The Parquet files of ``table`` of the nodes with a stored summary (``facts``: ``Run.node_summaries``'), in
     node order."""
-    from dtprof.runformat import SUMMARY_DIR
+    from dtprof.runformat import summary_file
 
-    return [str(nd / SUMMARY_DIR / f"{table}.parquet") for nd, f in zip(run.node_dirs, facts) if f is not None]
+    return [str(summary_file(nd, table)) for nd, f in zip(run.node_dirs, facts) if f is not None]

@@ -136,7 +136,7 @@ def exit_sums(run, source: str = "summaries"):
     collectives rows at once; "summaries", the node summaries' files (a node without a stored one reduced here from
     its own rows)."""
     from dtprof.analyzers.nodesummary import Rows, stored_files
-    from dtprof.runformat import SUMMARY_DIR
+    from dtprof.runformat import summary_file
 
     def of(r) -> pd.DataFrame:
         return clock_mod.exit_sums(r.ranks, with_exit(r.collectives))
@@ -148,7 +148,7 @@ def exit_sums(run, source: str = "summaries"):
     if len(missing) == len(run.node_dirs):
         return Rows.of("clock_exits", of(run))
     return Rows("clock_exits", stored_files(run, facts, "clock_exits"),
-                [(str(nd / SUMMARY_DIR / "clock_exits.parquet"), of(run.node_run(nd))) for nd in missing])
+                [(str(summary_file(nd, "clock_exits")), of(run.node_run(nd))) for nd in missing])
 
 
 def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel:

@@ -353,10 +353,11 @@ def complete_ddp(t: int) -> None:
     DDP's wait returns on the future's completion, before its callbacks run, and a callback that then waits for the
     GIL runs up to the interpreter's switch interval (5 ms) later, or never if the process exits first (the last
     step's bucket was once written with no end)."""
-    rec = rt.STATE
-    for key in rec.ddp_pending:
-        complete(key, t)      # a no-op where the callback ran: the first completion wins
-    rec.ddp_pending.clear()
+    # list() copies the table at once (the backend's thread may complete an item meanwhile); complete() is then a
+    # no-op for it: the first completion wins
+    for key, (_, rows, _) in list(rt.STATE.pending.items()):
+        if rows[0].source == "ddp":
+            complete(key, t)
 
 
 def _done(key, _fut) -> None:
@@ -404,8 +405,6 @@ def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
     add_pending(key, work, rows)
-    if rows[0].source == "ddp":
-        rt.STATE.ddp_pending.append(key)
     try:
         fut = work.get_future()
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
@@ -612,7 +611,6 @@ def _wrap_comm_hook(hook):
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
                 add_pending(key, fut, [row])
-                rec.ddp_pending.append(key)
                 fut.add_done_callback(partial(_done, key))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue

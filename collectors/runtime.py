@@ -108,7 +108,6 @@ class Recorder:
         self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
         self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
-        self.ddp_pending = []      # pending keys of DDP's collectives in the backward in progress
         self.complete_ddp = None   # hooks_collectives.complete_ddp, bound at start (no import per step)
         self.trace_capture = None
         self.flop_mode = None
@@ -493,7 +492,7 @@ class Recorder:
                         # DDP blocks at the end of backward until its last buckets are reduced.
                         rec.span("comm_wait", "ddp_final_wait", rec.ddp_last_issue_ns, t1)
                         rec.ddp_last_issue_ns = None
-                    if rec.ddp_pending:
+                    if rec.pending:   # DDP's collectives whose completion callback has not run yet
                         rec.complete_ddp(t1)
                 except Exception:
                     rec.fault("backward")

@@ -369,7 +369,7 @@ def _read_tables_at_once(node_dirs: list[Path], table: str):
     con = duckdb.connect()
     try:
         con.execute("SET preserve_insertion_order = true")
-        at = con.sql(f"SELECT * FROM read_parquet([{_sql_list(files)}])").to_arrow_table()
+        at = con.sql(f"SELECT * FROM read_parquet([{sql_list(files)}])").to_arrow_table()
     except (duckdb.Error, OSError):
         return None
     finally:
@@ -419,15 +419,20 @@ def _frame_in_batches(rel, n: int, dtypes: dict):
     return pd.DataFrame(cols, copy=False).astype(dtypes)
 
 
-def _sql_list(values) -> str:
-    return ", ".join("'" + str(v).replace("'", "''") + "'" for v in values)
+def sql_text(value) -> str:
+    """``value`` as an SQL string literal."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def sql_list(values) -> str:
+    return ", ".join(sql_text(v) for v in values)
 
 
 def _read_in_file_order(con, files: list[str], where: str):
     """The rows of ``files`` (Parquet) that match ``where``, in the files' order and each file's row order: a
     filtered read across many files does not always keep the files' order in DuckDB 2.0, even with
     preserve_insertion_order (seen across 2,048 nodes), and the slices promise the run's row order."""
-    listed = _sql_list(files)
+    listed = sql_list(files)
     return con.execute(
         f"SELECT * EXCLUDE (filename, file_row_number) FROM read_parquet([{listed}], filename = true, "
         f"file_row_number = true) WHERE {where} ORDER BY list_position([{listed}], filename), file_row_number").df()
@@ -531,7 +536,7 @@ class Run:
             import duckdb
 
             files = [str(nd / TABLES_DIR / "spans.parquet") for nd in complete]
-            where = " OR ".join(([f"kind IN ({_sql_list(kinds)})"] if kinds else [])
+            where = " OR ".join(([f"kind IN ({sql_list(kinds)})"] if kinds else [])
                                 + ([f"rank IN ({', '.join(map(str, ranks))})"] if ranks else []))
             if steps is not None:
                 where = f"({where}) AND step BETWEEN {int(steps[0])} AND {int(steps[1])}"
@@ -609,7 +614,7 @@ class Run:
         what-if items of these steps only (the replay's sample), not all."""
         import pandas as pd
 
-        from dtprof.runformat import SUMMARY_DIR
+        from dtprof.runformat import summary_file
         from dtprof.schema import SUMMARY_TABLES
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
@@ -631,13 +636,13 @@ class Run:
 
                     con = duckdb.connect()
                     con.execute("SET preserve_insertion_order = true")
-                files = [str(nd / SUMMARY_DIR / f"{table}.parquet") for nd in have]
+                files = [str(summary_file(nd, table)) for nd in have]
                 where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                          if table == "whatif_items" and item_steps is not None else "")
                 try:
                     columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword
-                    query = f"SELECT {columns} FROM read_parquet([{_sql_list(files)}]){where}"
-                    rows = con.execute(f"SELECT count(*) FROM read_parquet([{_sql_list(files)}]){where}").fetchall()
+                    query = f"SELECT {columns} FROM read_parquet([{sql_list(files)}]){where}"
+                    rows = con.execute(f"SELECT count(*) FROM read_parquet([{sql_list(files)}]){where}").fetchall()
                     df = _frame_in_batches(con.sql(query), rows[0][0], dtypes)
                 except Exception as e:  # duckdb.Error: a missing or damaged file
                     raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "

@@ -257,6 +257,11 @@ SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/sch
 SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
 
 
+def summary_file(node_dir, table: str) -> Path:
+    """Where a node summary's ``table`` lies."""
+    return Path(node_dir) / SUMMARY_DIR / f"{table}.parquet"
+
+
 def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     """Write a node summary: ``tables`` (DataFrames, SUMMARY_TABLES' columns) as ``node_dir/summary/*.parquet``,
     then ``_complete`` holding ``facts`` and the format version, so a reader never trusts a half-written one.
@@ -271,7 +276,7 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
         tmp = out / f".{table}.parquet.tmp"
         try:
             df.to_parquet(tmp, index=False)
-            os.replace(tmp, out / f"{table}.parquet")
+            os.replace(tmp, summary_file(node_dir, table))
         finally:
             tmp.unlink(missing_ok=True)
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
