@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from torch_abort import GLOO_EXIT_ABORT  # noqa: E402  (torch's exit abort; tests/torch_abort.py says why)
+
 MODES = ("bare", "dtprof", "torch.profiler")
 
 
@@ -251,10 +255,11 @@ def launcher_cpu_ns(launcher: int) -> int:
     return total
 
 
-def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
+def run_job(name: str, steps: int, run_dir: Path | None, retried: bool = False) -> dict:
     """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
     step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
-    rank-step after step 0 and the collectives per rank-step."""
+    rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
+    runs once more (``retried``), as in the tests (tests/torch_abort.py)."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
            str(steps), "--print-time"]
@@ -264,7 +269,9 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # Its own session, as `dtprof run` gives the job one: Linux's autogroup scheduler shares the CPU per session, so
     # a bare job left in this session would compete with whatever else runs here and read slower than it is.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    # stderr to a file (a pipe nobody reads could fill and block the job): read only to recognise torch's exit abort
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                             start_new_session=True)
     seen, cpu = [], []
     for line in proc.stdout:
@@ -276,6 +283,12 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
             if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                 cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
     if proc.wait():
+        err.seek(0)
+        if GLOO_EXIT_ABORT in err.read() and not retried:
+            print(f"{name}: torch's exit abort after the steps: running it once more", file=sys.stderr)
+            if run_dir is not None:
+                shutil.rmtree(run_dir)
+            return run_job(name, steps, run_dir, retried=True)
         sys.exit(f"{name}: {' '.join(cmd)} exited {proc.returncode}")
     intervals = [b - a for a, b in zip(seen, seen[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
@@ -341,20 +354,26 @@ def in_process(args: list[str], ranks: int = 0) -> dict:
     import dtprof._inject
     from dtprof.runformat import create_node_dir, create_run_dir
 
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
-        env["OMP_NUM_THREADS"] = "1"
-        env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "overhead"})))
-        env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0})
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, __file__, "--worker", *args]
-        if ranks:
-            cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", "--standalone",
-                   "--monitor-interval=0.2", *cmd[1:]]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if out.returncode:
-            sys.exit(out.stderr[-2000:])
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, __file__, "--worker", *args]
+    if ranks:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", "--standalone",
+               "--monitor-interval=0.2", *cmd[1:]]
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
+            env["OMP_NUM_THREADS"] = "1"
+            env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "overhead"})))
+            env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0})
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent),
+                                                 env.get("PYTHONPATH", "")])
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if not out.returncode:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        if attempt == 1 and GLOO_EXIT_ABORT in out.stderr:
+            print("the hook measurement's job hit torch's exit abort: running it once more", file=sys.stderr)
+            continue
+        sys.exit(out.stderr[-2000:])
+    raise AssertionError("unreachable")
 
 
 def print_in_process(blocks: int, steps: int) -> None:
