@@ -29,6 +29,7 @@ from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import overlap as overlap_mod
+from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 
@@ -117,6 +118,14 @@ class NodeSummary:
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
     unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
 
+    def __post_init__(self):
+        # the text columns repeated on every rank-step as categoricals in sorted order, whichever path made them
+        # (read from the files, dictionary-encoded in the files' order; or computed as text)
+        for df, cols in ((self.rank_steps, ("level",)), (self.exposed, ("dim", "op"))):
+            for c in cols:
+                cats = sorted(df[c].astype("category").cat.categories) if len(df) else []
+                df[c] = df[c].astype(pd.CategoricalDtype([str(x) for x in cats]))
+
     def overlap(self) -> overlap_mod.OverlapResult:
         per = self.rank_steps[["rank", "step", *OVERLAP_COLUMNS]].reset_index(drop=True)
         return overlap_mod.OverlapResult(per, self.unassigned)
@@ -143,7 +152,7 @@ def summarize(model) -> NodeSummary:
     ov = overlap_mod.rank_step_overlap(model, windows)
     bd = breakdown_mod.step_breakdown(model, windows)
     ri = whatif_mod.rank_items(model)
-    per = windows[["rank", "step", "start_ns", "end_ns"]].reset_index(drop=True)
+    per = windows[["rank", "step", "start_ns", "end_ns", *steps_mod.STEP_NUMBERS]].reset_index(drop=True)
     for c in OVERLAP_COLUMNS:
         per[c] = ov.per_step[c].to_numpy()
     for p in breakdown_mod.PARTS:
@@ -195,9 +204,9 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
         return Rows(table, files[table], [(str(summary_file(nd, table)), getattr(c, table).frame)
                                           for nd, c in computed.items()])
 
-    return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
-                       exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
-                       items=_by_rank_step(pd.concat(items, ignore_index=True)),
+    return NodeSummary(rank_steps=by_rank_step(pd.concat(per, ignore_index=True)),
+                       exposed=by_rank_step(pd.concat(exposed, ignore_index=True)),
+                       items=by_rank_step(pd.concat(items, ignore_index=True)),
                        instance_rows=rows("instance_rows"), arrival_parts=rows("arrival_parts"),
                        arrival_counts=rows("arrival_counts"),
                        rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in made],
@@ -209,7 +218,7 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
                        unassigned=sum(int(f["unassigned"]) for f in facts) + sum(c.unassigned for c in made))
 
 
-def _by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
+def by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
     key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
     if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
@@ -224,11 +233,12 @@ def of_run(run, model) -> NodeSummary:
     from dtprof.analyzers.runmodel import RunModel
 
     item_steps = whatif_mod.replay_steps(model)
-    wanted: tuple[str, ...] = ("rank_steps", "exposed", "whatif_items")
+    wanted: tuple[str, ...] = ("exposed", "whatif_items")   # rank_steps: read by the run model already
     # the communication per rank, step and group only where the mesh block needs it (a DeviceMesh dimension named)
     if mesh_mod.named_dims(run.groups):
         wanted += ("rank_group_comm",)
     facts, tables = run.node_summaries(item_steps, tables=wanted)
+    tables["rank_steps"] = model.stored_rank_steps
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)

@@ -43,23 +43,35 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
     return k
 
 
+# the steps table's per-step numbers as the run model carries them (float64, NaN where a rank did not report one;
+# float64: FLOPs pass int64's range for large models, and bytes, tokens and samples stay exact below 2**53); the
+# node summaries' rank_steps carry them too (dtprof/schema.py), so the global analysis never reads the steps table
+STEP_NUMBERS = ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops", "cpu_wait_s")
+
+
 def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
-    """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers
-    (``cpu_wait_s``: NaN where the rank did not report it)."""
+    """Per rank-step (sorted) of the steps table ``s``: rank, step, start_ns, end_ns, STEP_NUMBERS, duration_s."""
     per = pd.DataFrame({   # the steps table's own arrays, not copies (16.4 M rows at 16,384 x 1,000)
         "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
     }, copy=False)
-    per["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
-    for col in ("peak_mem_bytes", "tokens", "samples"):
-        per[col] = s[col].astype("Int64").to_numpy()
-    for col in ("model_flops", "executed_flops"):   # float64: beyond int64's range for large models
-        per[col] = s[col].to_numpy(np.float64)
+    for col in ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops"):
+        per[col] = s[col].astype("Float64").to_numpy(np.float64, na_value=np.nan)
     per["cpu_wait_s"] = s["cpu_wait_ns"].astype("Float64").to_numpy(np.float64, na_value=np.nan) / NS
     key = per["rank"].to_numpy() * (1 << 32) + per["step"].to_numpy()
-    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):   # the nodes' tables in rank order already: no sort
-        return per
-    return per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    if len(key) >= 2 and not bool((key[1:] >= key[:-1]).all()):   # the nodes' tables in rank order already: no sort
+        per = per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    return with_duration(per)
+
+
+def with_duration(per: pd.DataFrame) -> pd.DataFrame:
+    """``per`` (rank, step, start_ns, end_ns, STEP_NUMBERS: from the steps table or the node summaries'
+    rank_steps) with ``duration_s``, in the run model's column order."""
+    out = per[["rank", "step", "start_ns", "end_ns"]].copy(deep=False)
+    out["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
+    for col in STEP_NUMBERS:
+        out[col] = per[col]   # a Series: shared, not copied
+    return out
 
 
 def job_steps(per: pd.DataFrame) -> pd.DataFrame:

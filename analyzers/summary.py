@@ -303,14 +303,16 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         # the views below read only these spans (the Analysis keeps the whole model for the renderers)
         spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
     ov = ns.overlap()
-    steps = model.steps.copy(deep=False)   # copy-on-write: the model's columns are shared, not copied
+    # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
+    # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
+    steps = model.steps.copy(deep=False)
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
               "level"):
-        steps[c] = ov.per_step[c].to_numpy()
+        steps[c] = ov.per_step[c]
     bd = ns.breakdown()
     kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
     for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
-        steps[f"{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
+        steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
     # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
     steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
     steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
@@ -407,7 +409,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
     _add_mesh(summary, spans_view, steps, bd, ns)
     say("GPU kernels")
-    gpu_time = kernels_mod.gpu_time(spans_view.spans, run.steps, options.gpu_window)
+    gpu_time = kernels_mod.gpu_time(spans_view.spans, model.steps, options.gpu_window)
     for r in summary["ranks"]:
         r["gpu_time"] = gpu_time.get(int(r["rank"]))
     summary["kernels"] = kernels_mod.top_kernels(spans_view.spans)
@@ -425,7 +427,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
                         exposed=bd.exposed)
     say("triage")
-    _add_triage(summary, run, stragglers_list, ns)
+    _add_triage(summary, run, stragglers_list, ns, model.steps)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -468,14 +470,14 @@ def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
             step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
-def _add_triage(summary: dict, run, stragglers: list[dict], ns) -> None:
+def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFrame) -> None:
     """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
     reads only the collectives rows of the instances the node summaries ``ns`` flag."""
     from dtprof.analyzers import triage
 
     try:
         rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
-        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows)
+        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows, steps=steps)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
