@@ -306,8 +306,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
     # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
     steps = model.steps.copy(deep=False)
-    for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
-              "level"):
+    for c in nodesummary_mod.OVERLAP_COLUMNS:
         steps[c] = ov.per_step[c]
     bd = ns.breakdown()
     kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
