@@ -539,8 +539,8 @@ def _work_table(model, work: pd.DataFrame) -> pd.DataFrame:
     NaN where not reported)."""
     w = model.steps
     out = work[list(WORK_PARTS)].reset_index(drop=True)
-    out["rank"], out["step"] = w["rank"].to_numpy(np.int64), w["step"].to_numpy(np.int64)
-    out["measured"] = w["measured"].to_numpy(bool)
+    for c in ("rank", "step", "measured"):   # as Series: shared (pandas copies a NumPy array it is given)
+        out[c] = w[c].reset_index(drop=True)
     out["cpu_wait"] = w["cpu_wait_s"].to_numpy(float) * NS
     return out
 
@@ -613,9 +613,9 @@ def _kth_of_others(srt: np.ndarray, rows: np.ndarray, k: np.ndarray, has: np.nda
 def suspects(work: pd.DataFrame, peers: dict[int, int], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting; ``work``: ``_work_table``) exceeds their peers' median in the mean
     measured step, most first."""
-    w = work.loc[work["measured"].to_numpy(bool), ["rank", *OWN_WORK_PARTS]]
-    own = w[list(OWN_WORK_PARTS)].sum(axis=1)
-    mean = own.groupby(w["rank"].to_numpy()).mean()
+    meas = work["measured"].to_numpy(bool)   # a column at a time: a mask over the frame copies every column
+    own = pd.Series(sum(work[p].to_numpy()[meas] for p in OWN_WORK_PARTS))
+    mean = own.groupby(work["rank"].to_numpy()[meas]).mean()
     excess = {}
     for key in sorted(set(peers.values())):   # per peer group: each rank against the median of the others
         members = [r for r, k in peers.items() if k == key and r in mean.index]
