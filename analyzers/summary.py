@@ -311,11 +311,13 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     for c in nodesummary_mod.OVERLAP_COLUMNS:
         steps[c] = ov.per_step[c]
     bd = ns.breakdown()
-    kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
+    kernel = (steps["level"] == "kernel").to_numpy(bool)
+    kernel_exposed = steps["exposed_comm_s"].where(kernel) if kernel.any() else None
     for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
         steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
     # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
-    steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
+    if kernel_exposed is not None:
+        steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
     steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
                    "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
                    "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
