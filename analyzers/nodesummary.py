@@ -174,7 +174,10 @@ def node_tables(model) -> tuple[dict, dict]:
     SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
     model before the rest: analyzers/runmodel.py)."""
     ns = summarize(model)
-    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
+    # the items step by step (each rank-step's in their order): the file's row groups then hold a few steps each, so
+    # reading the replay's sample of steps skips the others by their statistics (runformat.SUMMARY_ROW_GROUP_ROWS)
+    items = ns.items.iloc[np.lexsort((ns.items["rank"].to_numpy(), ns.items["step"].to_numpy()))]
+    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,
              "arrival_counts": ns.arrival_counts.frame, "rank_group_comm": ns.rank_group_comm,
              "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},

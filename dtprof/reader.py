@@ -612,6 +612,7 @@ class Run:
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
         of all nodes in node order, read by one DuckDB query across the nodes' files. ``item_steps``: read the
         what-if items of these steps only (the replay's sample), not all."""
+        import numpy as np
         import pandas as pd
 
         from dtprof.runformat import summary_file
@@ -639,14 +640,25 @@ class Run:
                 files = [str(summary_file(nd, table)) for nd in have]
                 where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                          if table == "whatif_items" and item_steps is not None else "")
+                # the items are stored step by step (runformat.SUMMARY_ROW_GROUP_ROWS) and come back in any order
+                # of their row groups: sorted here by rank and step, each rank-step's in its file's row order
+                by_row = table == "whatif_items"
                 try:
                     columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword
-                    query = f"SELECT {columns} FROM read_parquet([{sql_list(files)}]){where}"
-                    rows = con.execute(f"SELECT count(*) FROM read_parquet([{sql_list(files)}]){where}").fetchall()
-                    df = _frame_in_batches(con.sql(query), rows[0][0], dtypes)
+                    source = f"read_parquet([{sql_list(files)}]{', file_row_number = true' if by_row else ''})"
+                    query = f"SELECT {columns}{', file_row_number' if by_row else ''} FROM {source}{where}"
+                    rows = con.execute(f"SELECT count(*) FROM {source}{where}").fetchall()
+                    df = _frame_in_batches(con.sql(query), rows[0][0],
+                                           {**dtypes, "file_row_number": "int64"} if by_row else dtypes)
                 except Exception as e:  # duckdb.Error: a missing or damaged file
                     raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "
                                          f"({str(e).splitlines()[0]})") from None
+                if by_row:   # a rank's rows are in one node's file
+                    order = np.lexsort((df["file_row_number"].to_numpy(), df["step"].to_numpy(),
+                                        df["rank"].to_numpy()))
+                    df = df.drop(columns="file_row_number")
+                    if len(order) and not (order[1:] > order[:-1]).all():
+                        df = df.iloc[order].reset_index(drop=True)
                 tables[table] = df.astype(dtypes)
         finally:
             if con is not None:
