@@ -610,7 +610,8 @@ class Run:
     def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
-        of all nodes in node order, read by one DuckDB query across the nodes' files. ``item_steps``: read the
+        of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
+        nodes' files. ``item_steps``: read the
         what-if items of these steps only (the replay's sample), not all."""
         import numpy as np
         import pandas as pd

@@ -187,5 +187,6 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # 3: per-instance reductions of the collectives (instance_rows). 4: the clock fit's exits per (instance, host)
 # (clock_exits) and the arrivals per instance and part (arrival_parts, arrival_counts). 5: the communication per
 # rank, step and group (rank_group_comm). 6: the steps table's per-step numbers in rank_steps (the run model's steps
-# come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read)
+# come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
+# what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS)
 SUMMARY_LAYOUT = 6
