@@ -121,10 +121,16 @@ class NodeSummary:
     def __post_init__(self):
         # the text columns repeated on every rank-step as categoricals in sorted order, whichever path made them
         # (read from the files, dictionary-encoded in the files' order; or computed as text)
+        # (a categorical's dtype compares equal whatever its categories' order, so the order is checked here)
         for df, cols in ((self.rank_steps, ("level",)), (self.exposed, ("dim", "op"))):
             for c in cols:
-                cats = sorted(df[c].astype("category").cat.categories) if len(df) else []
-                df[c] = df[c].astype(pd.CategoricalDtype([str(x) for x in cats]))
+                col = df[c] if isinstance(df[c].dtype, pd.CategoricalDtype) else df[c].astype(str).astype("category")
+                have = col.cat.categories.astype("str")
+                cats = have.sort_values()
+                if not (col.cat.categories.equals(cats) and col.cat.categories.dtype == cats.dtype):
+                    col = col.cat.rename_categories(have).cat.reorder_categories(cats)
+                if col is not df[c]:
+                    df[c] = col
 
     def overlap(self) -> overlap_mod.OverlapResult:
         per = self.rank_steps[["rank", "step", *OVERLAP_COLUMNS]].reset_index(drop=True)

@@ -628,7 +628,7 @@ class Run:
             for table, cols in wanted.items():
                 names = [c for c, _ in cols]
                 # the text columns (a group, an op, a host) of these repeat on millions of rows: categoricals
-                text = "category" if table in ("whatif_items", "rank_steps") else "str"
+                text = "category" if table in ("whatif_items", "rank_steps", "exposed") else "str"
                 dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else text) for c, k in cols}
                 if not have:
                     tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})
