@@ -213,17 +213,18 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     return Breakdown(per_step, exposed, pipeline_ranks)
 
 
-def rank_means(bd: Breakdown, measured: np.ndarray, duration_s) -> pd.DataFrame:
+def rank_means(bd: Breakdown, by_rank, duration_s) -> pd.DataFrame:
     """Per rank, mean over its measured steps: ``step_time_s_mean``, each part's ``<part>_s``, and the exposed
-    communication per step by dimension and by op as dicts (``exposed_by_dim``, ``exposed_by_op``). A column at a
-    time over the measured rows: a mask over the whole frame copies every column at once (16.4 M rank-steps)."""
+    communication per step by dimension and by op as dicts (``exposed_by_dim``, ``exposed_by_op``). ``by_rank``:
+    ``steps.ByRank`` of ``bd.per_step``'s ranks and its measured rows (a column at a time: a mask over the whole
+    frame copies every column at once, 16.4 M rank-steps)."""
     ps = bd.per_step
-    rank_m = ps["rank"].to_numpy()[measured]
+    measured = by_rank.rows
     cols = [f"{p}_s" for p in PARTS]
-    out = pd.DataFrame({c: pd.Series(np.asarray(v)[measured]).groupby(rank_m).mean()
-                        for c, v in [("step_time_s_mean", duration_s)] + [(c, ps[c].to_numpy()) for c in cols]})
+    out = pd.DataFrame({c: by_rank.agg(v, "mean")
+                        for c, v in [("step_time_s_mean", duration_s)] + [(c, ps[c]) for c in cols]})
     out.index.name = "rank"
-    n_steps = pd.Series(rank_m).groupby(rank_m).size()
+    n_steps = by_rank.size()
     ex = bd.exposed[measured_rows(ps, measured, bd.exposed)]
     for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op")):
         tot = ex.groupby(["rank", what])["exposed_s"].sum()

@@ -74,6 +74,39 @@ def with_duration(per: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+class ByRank:
+    """Per-rank aggregates over some of the rank-steps (``rows``, a mask) of a frame sorted by rank: the values in
+    ``rows`` grouped by a categorical key (the rank's code), made once, so pandas groups by its codes without hashing
+    every rank-step's rank for each figure, and a column at a time (a mask over the frame copies every column at
+    once: 16.4 M rank-steps at 16,384 x 1,000). The groups and the order of their values are a groupby by rank's,
+    so the figures are the same (a key with missing codes for the rows left out instead changes their last bits)."""
+
+    def __init__(self, rank: np.ndarray, rows: np.ndarray):
+        rank = np.asarray(rank, np.int64)
+        n = len(rank)
+        starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]) if n else np.zeros(0, np.int64)
+        if len(starts) > 1 and (np.diff(rank[starts]) <= 0).any():   # not sorted by rank
+            ranks, codes = np.unique(rank, return_inverse=True)
+        else:
+            ranks, codes = rank[starts], np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+        self.ranks = ranks
+        self.rows = np.asarray(rows, bool)
+        self.recorded = np.bincount(codes, minlength=len(ranks))      # rank-steps per rank, all rows
+        codes = codes[self.rows]
+        self.counts = np.bincount(codes, minlength=len(ranks))        # per rank, in ``rows``
+        self.key = pd.Categorical.from_codes(codes, categories=pd.Index(ranks))
+
+    def agg(self, values, how: str) -> pd.Series:
+        """``how`` ("mean", "median", "sum", "max") of ``values`` (one per rank-step) per rank with rows."""
+        out = pd.Series(np.asarray(values)[self.rows]).groupby(self.key, observed=True).agg(how)
+        return out.set_axis(out.index.astype(np.int64))
+
+    def size(self) -> pd.Series:
+        """Rank-steps in ``rows`` per rank with rows."""
+        has = self.counts > 0
+        return pd.Series(self.counts[has], index=pd.Index(self.ranks[has]))
+
+
 def job_steps(per: pd.DataFrame) -> pd.DataFrame:
     """Per step: the job's step time ``time_s`` (max over ranks: the one place it is derived), ranks, tokens,
     samples, ``traced`` (any rank's step was disturbed by a trace capture; needs ``per["traced"]``) and

@@ -171,16 +171,13 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
     mask = steps["measured"].to_numpy(bool)
     if not mask.any():
         mask = np.ones(len(steps), bool)
-    parts = breakdown_mod.rank_means(bd, mask, steps["duration_s"])
-    # per rank over the measured rows, a column at a time: a mask over the frame copies every column at once
-    # (16.4 M rank-steps); the same groupby, so the same figures
-    rank_m = steps["rank"].to_numpy()[mask]
+    g = steps_mod.ByRank(steps["rank"].to_numpy(), mask)   # per rank over the measured rows
+    parts = breakdown_mod.rank_means(bd, g, steps["duration_s"])
 
     def by_rank(col: str, how: str) -> pd.Series:
-        return pd.Series(steps[col].to_numpy()[mask]).groupby(rank_m).agg(how)
+        return g.agg(steps[col], how)
 
-    agg = pd.DataFrame({"steps": pd.Series(rank_m).groupby(rank_m).size(),
-                        "step_time_s_p50": by_rank("duration_s", "median")})
+    agg = pd.DataFrame({"steps": g.size(), "step_time_s_p50": by_rank("duration_s", "median")})
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "cpu_wait_s"):
         agg[f"{c}_per_step"] = by_rank(c, "mean")
     agg["overlap_s"], agg["comm_s"] = by_rank("overlap_s", "sum"), by_rank("comm_s", "sum")
@@ -194,7 +191,8 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
     if extra:
         out = pd.concat([out, pd.DataFrame({"rank": extra, "host": None, "device": None})], ignore_index=True)
     out = out.sort_values("rank").reset_index(drop=True)
-    out["steps_recorded"] = steps.groupby("rank").size().reindex(out["rank"]).fillna(0).astype(int).to_numpy()
+    out["steps_recorded"] = (pd.Series(g.recorded, index=pd.Index(g.ranks)).reindex(out["rank"]).fillna(0)
+                             .astype(int).to_numpy())
     out["steps"] = agg["steps"].reindex(out["rank"]).fillna(0).astype(int).to_numpy()
     for k in ("step_time_s_p50", "compute_s_per_step", "comm_s_per_step", "exposed_comm_s_per_step",
               "overlap_ratio", "comm_wait_s_per_step", "data_wait_s_per_step", "peak_mem_bytes",
