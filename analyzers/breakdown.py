@@ -44,6 +44,7 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import coverage_segments, innermost, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
+from dtprof.analyzers.steps import dense_codes
 from dtprof.schema import BREAKDOWN_PARTS
 
 NS = 1e9
@@ -268,7 +269,7 @@ def critical_per_step(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarra
             - ps["bubble_s"].to_numpy(float)[rows])
     # per step the largest busy time, ties (and a step whose busy times are all NaN) to the lowest rank: one pass
     # with ufunc.at, not a sort of every measured rank-step
-    steps, inv = np.unique(ps["step"].to_numpy(np.int64)[rows], return_inverse=True)
+    steps, inv = dense_codes(ps["step"].to_numpy(np.int64)[rows])
     top = np.full(len(steps), -np.inf)
     np.fmax.at(top, inv, busy)
     cand = (busy == top[inv]) | (np.isnan(busy) & (top[inv] == -np.inf))

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_ids, own_records
 from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
 
@@ -568,20 +569,20 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
     per row: the median of the others is read from the sorted row with the rank's own value left out, so the cost
     does not grow with the number of ranks asked for (at 16,384 ranks a filter and group-by per rank took seconds
     each)."""
-    meas = work["measured"].to_numpy(bool)
+    meas = np.flatnonzero(work["measured"].to_numpy(bool))
     rank = work["rank"].to_numpy(np.int64)[meas]
     step = work["step"].to_numpy(np.int64)[meas]
-    steps = np.unique(step)
-    si = np.searchsorted(steps, step)
+    steps, si = steps_mod.dense_codes(step)
     out: dict[int, dict] = {r: {} for r in ranks}
     for key in sorted({peers[r] for r in ranks}):
         members = np.array(sorted(q for q, k in peers.items() if k == key), np.int64)
-        sel = np.isin(rank, members)
-        mi = np.searchsorted(members, rank[sel])
+        mi = np.minimum(np.searchsorted(members, rank), len(members) - 1)
+        sel = np.flatnonzero(members[mi] == rank)   # the group's rows (a binary search each, not a set test)
+        mi, in_group, at = mi[sel], meas[sel], si[sel]
         asked = [r for r in ranks if peers[r] == key]
         for c in cols:
             m = np.full((len(steps), len(members)), np.nan)
-            m[si[sel], mi] = work[c].to_numpy(float)[meas][sel]
+            m[at, mi] = work[c].to_numpy()[in_group]
             valid = (~np.isnan(m)).sum(axis=1)
             mid = (len(members) - 1) // 2
             if (valid == len(members)).all():   # no gap: only the middle places are needed, partitioned (O(n))
