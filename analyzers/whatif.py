@@ -571,14 +571,17 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
     each)."""
     meas = np.flatnonzero(work["measured"].to_numpy(bool))
     rank = work["rank"].to_numpy(np.int64)[meas]
-    step = work["step"].to_numpy(np.int64)[meas]
-    steps, si = steps_mod.dense_codes(step)
+    steps, si = steps_mod.dense_codes(work["step"].to_numpy(np.int64)[meas])
     out: dict[int, dict] = {r: {} for r in ranks}
     for key in sorted({peers[r] for r in ranks}):
         members = np.array(sorted(q for q, k in peers.items() if k == key), np.int64)
         mi = np.minimum(np.searchsorted(members, rank), len(members) - 1)
-        sel = np.flatnonzero(members[mi] == rank)   # the group's rows (a binary search each, not a set test)
-        mi, in_group, at = mi[sel], meas[sel], si[sel]
+        inside = members[mi] == rank   # the group's rows (a binary search each, not a set test)
+        in_group, at = meas, si
+        if not inside.all():   # one group of every rank (data parallel): no copies of 16.4 M indices
+            sel = np.flatnonzero(inside)
+            mi, in_group, at = mi[sel], meas[sel], si[sel]
+        del inside
         asked = [r for r in ranks if peers[r] == key]
         for c in cols:
             m = np.full((len(steps), len(members)), np.nan)
