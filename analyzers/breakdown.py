@@ -226,12 +226,22 @@ def rank_means(bd: Breakdown, by_rank, duration_s) -> pd.DataFrame:
                         for c, v in [("step_time_s_mean", duration_s)] + [(c, ps[c]) for c in cols]})
     out.index.name = "rank"
     n_steps = by_rank.size()
-    ex = bd.exposed[measured_rows(ps, measured, bd.exposed)]
+    # the measured rows' exposed time summed per (rank, channel), grouped by a categorical key of their codes (in
+    # the rows' order, as a group-by of (rank, channel) sums them; no masked copy of the 16.4 M-row table)
+    ex = bd.exposed
+    sel = np.flatnonzero(measured_rows(ps, measured, ex))
+    ex_ranks, rank_code = dense_codes(ex["rank"].to_numpy(np.int64)[sel])
+    value = pd.Series(ex["exposed_s"].to_numpy(float)[sel])
     for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op")):
-        tot = ex.groupby(["rank", what])["exposed_s"].sum()
+        chan = ex[what].astype("category")
+        names = chan.cat.categories
+        key = rank_code * len(names) + chan.cat.codes.to_numpy(np.int64)[sel]
+        tot = value.groupby(pd.Categorical.from_codes(key, categories=pd.RangeIndex(len(ex_ranks) * len(names))),
+                            observed=True).sum()
+        code = tot.index.astype(np.int64).to_numpy()
+        ranks = ex_ranks[code // max(len(names), 1)]
         per: dict = {r: {} for r in out.index}
-        ranks = tot.index.get_level_values(0).to_numpy()
-        for r, k, v, n in zip(ranks, tot.index.get_level_values(1), tot.to_numpy(float),
+        for r, k, v, n in zip(ranks, names[code % max(len(names), 1)], tot.to_numpy(float),
                               n_steps.reindex(ranks).to_numpy()):   # one pass over the (rank, channel) sums
             per[r][str(k)] = float(v) / n
         out[col] = [per[r] for r in out.index]
