@@ -597,7 +597,7 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
                 own = m[:, int(np.searchsorted(members, r))]
                 has = ~np.isnan(own)
                 n = valid - has   # the others' values
-                pos = (m < own[:, None]).sum(axis=1)   # the own value's place in the sorted row (NaN: nowhere)
+                pos = np.count_nonzero(m < own[:, None], axis=1)   # own value's place in the sorted row (NaN: none)
                 mid = n // 2
                 hi, lo = (_kth_of_others(srt, rows, k, has, pos) for k in (mid, mid - 1))
                 med = np.where(n % 2 == 1, hi, (lo + hi) / 2)

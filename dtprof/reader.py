@@ -390,28 +390,35 @@ def _read_tables_at_once(node_dirs: list[Path], table: str):
         return None
 
 
-def _frame_in_batches(rel, n: int, dtypes: dict):
+def _frame_in_batches(rel, n: int | None, dtypes: dict):
     """The ``n`` rows of the DuckDB relation ``rel`` as a DataFrame of ``dtypes``, read in record batches into
     columns made once: the result, an Arrow copy and the frame are never all held at once (at 16.4 M rank-steps
-    that tripled the memory of the read). Text columns of dtype "category" are dictionary-encoded batch by batch
+    that tripled the memory of the read). ``n`` None (a filtered read, whose count would cost a second scan): the
+    batches' columns are joined at the end. Text columns of dtype "category" are dictionary-encoded batch by batch
     (no Python string per row)."""
     import numpy as np
     import pandas as pd
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numeric = {c: np.empty(n, t) for c, t in dtypes.items() if t in ("int64", "float64")}
+    numeric = {c: (np.empty(n, t) if n is not None else []) for c, t in dtypes.items() if t in ("int64", "float64")}
     text: dict = {c: [] for c in dtypes if c not in numeric}
     pos = 0
     for batch in rel.to_arrow_reader(1 << 20):
         k = batch.num_rows
         for c, out in numeric.items():
-            out[pos:pos + k] = batch.column(c).to_numpy(zero_copy_only=False)
+            values = batch.column(c).to_numpy(zero_copy_only=False)
+            if n is None:
+                out.append(np.asarray(values, dtypes[c]))
+            else:
+                out[pos:pos + k] = values
         for c, parts in text.items():
             col = batch.column(c)
             parts.append(pc.dictionary_encode(col) if dtypes[c] == "category" else col)
         pos += k
-    if pos != n:   # the files changed between the count and the read
+    if n is None:
+        numeric = {c: (np.concatenate(parts) if parts else np.empty(0, dtypes[c])) for c, parts in numeric.items()}
+    elif pos != n:   # the files changed between the count and the read
         raise RunFormatError(f"read {pos} rows where the files held {n}")
     cols = {c: (numeric[c] if c in numeric else
                 pa.chunked_array(text[c], type=pa.dictionary(pa.int32(), pa.string()) if dtypes[c] == "category"
@@ -648,8 +655,9 @@ class Run:
                     columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword
                     source = f"read_parquet([{sql_list(files)}]{', file_row_number = true' if by_row else ''})"
                     query = f"SELECT {columns}{', file_row_number' if by_row else ''} FROM {source}{where}"
-                    rows = con.execute(f"SELECT count(*) FROM {source}{where}").fetchall()
-                    df = _frame_in_batches(con.sql(query), rows[0][0],
+                    # a count without a filter is read from the files' metadata; with one it is a second scan
+                    n = None if where else con.execute(f"SELECT count(*) FROM {source}").fetchall()[0][0]
+                    df = _frame_in_batches(con.sql(query), n,
                                            {**dtypes, "file_row_number": "int64"} if by_row else dtypes)
                 except Exception as e:  # duckdb.Error: a missing or damaged file
                     raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "
