@@ -44,6 +44,7 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import coverage_segments, innermost, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
+from dtprof.analyzers.steps import dense_codes
 from dtprof.schema import BREAKDOWN_PARTS
 
 NS = 1e9
@@ -213,24 +214,51 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     return Breakdown(per_step, exposed, pipeline_ranks)
 
 
-def rank_means(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarray) -> pd.DataFrame:
+def rank_means(bd: Breakdown, by_rank, duration_s) -> pd.DataFrame:
     """Per rank, mean over its measured steps: ``step_time_s_mean``, each part's ``<part>_s``, and the exposed
-    communication per step by dimension and by op as dicts (``exposed_by_dim``, ``exposed_by_op``)."""
-    ps = bd.per_step.assign(duration_s=duration_s)[measured]
+    communication per step by dimension and by op as dicts (``exposed_by_dim``, ``exposed_by_op``). ``by_rank``:
+    ``steps.ByRank`` of ``bd.per_step``'s ranks and its measured rows (a column at a time: a mask over the whole
+    frame copies every column at once, 16.4 M rank-steps)."""
+    ps = bd.per_step
+    measured = by_rank.rows
     cols = [f"{p}_s" for p in PARTS]
-    out = ps.groupby("rank")[["duration_s"] + cols].mean().rename(columns={"duration_s": "step_time_s_mean"})
-    n_steps = ps.groupby("rank").size()
-    meas_keys = pd.MultiIndex.from_frame(ps[["rank", "step"]])
-    ex = bd.exposed[pd.MultiIndex.from_frame(bd.exposed[["rank", "step"]]).isin(meas_keys)]
+    out = pd.DataFrame({c: by_rank.agg(v, "mean")
+                        for c, v in [("step_time_s_mean", duration_s)] + [(c, ps[c]) for c in cols]})
+    out.index.name = "rank"
+    n_steps = by_rank.size()
+    # the measured rows' exposed time summed per (rank, channel), grouped by a categorical key of their codes (in
+    # the rows' order, as a group-by of (rank, channel) sums them; no masked copy of the 16.4 M-row table)
+    ex = bd.exposed
+    sel = np.flatnonzero(measured_rows(ps, measured, ex))
+    ex_ranks, rank_code = dense_codes(ex["rank"].to_numpy(np.int64)[sel])
+    value = pd.Series(ex["exposed_s"].to_numpy(float)[sel])
     for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op")):
-        tot = ex.groupby(["rank", what])["exposed_s"].sum()
+        chan = ex[what].astype("category")
+        names = chan.cat.categories
+        key = rank_code * len(names) + chan.cat.codes.to_numpy(np.int64)[sel]
+        tot = value.groupby(pd.Categorical.from_codes(key, categories=pd.RangeIndex(len(ex_ranks) * len(names))),
+                            observed=True).sum()
+        code = tot.index.astype(np.int64).to_numpy()
+        ranks = ex_ranks[code // max(len(names), 1)]
         per: dict = {r: {} for r in out.index}
-        ranks = tot.index.get_level_values(0).to_numpy()
-        for r, k, v, n in zip(ranks, tot.index.get_level_values(1), tot.to_numpy(float),
+        for r, k, v, n in zip(ranks, names[code % max(len(names), 1)], tot.to_numpy(float),
                               n_steps.reindex(ranks).to_numpy()):   # one pass over the (rank, channel) sums
             per[r][str(k)] = float(v) / n
         out[col] = [per[r] for r in out.index]
     return out
+
+
+def measured_rows(per_step: pd.DataFrame, measured: np.ndarray, rows: pd.DataFrame) -> np.ndarray:
+    """Which rows of ``rows`` (rank, step) fall in a rank-step of ``per_step`` (one row per rank-step, sorted by
+    them) that ``measured`` marks: a binary search per row, not a join."""
+    key = per_step["rank"].to_numpy(np.int64) * (1 << 32) + per_step["step"].to_numpy(np.int64)
+    rkey = rows["rank"].to_numpy(np.int64) * (1 << 32) + rows["step"].to_numpy(np.int64)
+    if len(rkey) == len(key) and np.array_equal(rkey, key):   # a row per rank-step, in order: no search
+        return measured.copy()
+    at = np.minimum(np.searchsorted(key, rkey), max(len(key) - 1, 0))
+    if not len(key):
+        return np.zeros(len(rows), bool)
+    return (key[at] == rkey) & measured[at]
 
 
 def exposed_by_dim_rank_step(bd: Breakdown) -> pd.DataFrame:
@@ -245,22 +273,24 @@ def critical_per_step(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarra
     rank). Its parts sum to its own step duration, and a rank slowed in one phase shows that phase growing there,
     not its peers' waiting. Columns: step, rank, ``<part>_s`` per PARTS, and ``exposed:<dim|op>:<name>_s`` for the
     critical rank's exposed communication by mesh dimension and by op (0 where it had none)."""
-    ps = bd.per_step.assign(duration_s=duration_s)[measured]
-    if ps.empty:
+    ps = bd.per_step
+    rows = np.flatnonzero(measured)   # the measured rows by position: a mask over the frame copies every column
+    if not len(rows):
         return pd.DataFrame(columns=["step", "rank"] + [f"{p}_s" for p in PARTS])
-    busy = (ps["duration_s"] - ps["exposed_comm_s"] - ps["bubble_s"]).to_numpy(float)
+    busy = (np.asarray(duration_s, float)[rows] - ps["exposed_comm_s"].to_numpy(float)[rows]
+            - ps["bubble_s"].to_numpy(float)[rows])
     # per step the largest busy time, ties (and a step whose busy times are all NaN) to the lowest rank: one pass
     # with ufunc.at, not a sort of every measured rank-step
-    steps, inv = np.unique(ps["step"].to_numpy(np.int64), return_inverse=True)
+    steps, inv = dense_codes(ps["step"].to_numpy(np.int64)[rows])
     top = np.full(len(steps), -np.inf)
     np.fmax.at(top, inv, busy)
     cand = (busy == top[inv]) | (np.isnan(busy) & (top[inv] == -np.inf))
-    rank = ps["rank"].to_numpy(np.int64)
+    rank = ps["rank"].to_numpy(np.int64)[rows]
     low = np.full(len(steps), np.iinfo(np.int64).max)
     np.minimum.at(low, inv[cand], rank[cand])
     pick = np.flatnonzero(cand & (rank == low[inv]))
     pick = pick[np.argsort(inv[pick], kind="stable")]
-    crit = ps.iloc[pick][["step", "rank"] + [f"{p}_s" for p in PARTS]].reset_index(drop=True)
+    crit = ps.iloc[rows[pick]][["step", "rank"] + [f"{p}_s" for p in PARTS]].reset_index(drop=True)
     ex = bd.exposed
     ckey = crit["rank"].to_numpy(np.int64) * (1 << 32) + crit["step"].to_numpy(np.int64)
     ex = ex[np.isin(ex["rank"].to_numpy(np.int64) * (1 << 32) + ex["step"].to_numpy(np.int64), ckey)]

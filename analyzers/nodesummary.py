@@ -29,6 +29,7 @@ from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import overlap as overlap_mod
+from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 
@@ -99,8 +100,8 @@ class Rows:
             con.close()
 
 
-OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio",
-                   "overlap_s", "level")
+# the overlap figures a summary keeps (its data wait is the breakdown's: overlap's own is not read)
+OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_ratio", "overlap_s", "level")
 
 
 @dataclass
@@ -116,6 +117,20 @@ class NodeSummary:
     pipeline_ranks: list[int] = field(default_factory=list)
     stage: dict = field(default_factory=dict)   # pipeline rank -> its (lowest) stage
     unassigned: int = 0        # spans/collectives outside every step window (overlap.OverlapResult)
+
+    def __post_init__(self):
+        # the text columns repeated on every rank-step as categoricals in sorted order, whichever path made them
+        # (read from the files, dictionary-encoded in the files' order; or computed as text)
+        # (a categorical's dtype compares equal whatever its categories' order, so the order is checked here)
+        for df, cols in ((self.rank_steps, ("level",)), (self.exposed, ("dim", "op"))):
+            for c in cols:
+                col = df[c] if isinstance(df[c].dtype, pd.CategoricalDtype) else df[c].astype(str).astype("category")
+                have = col.cat.categories.astype("str")
+                cats = have.sort_values()
+                if not (col.cat.categories.equals(cats) and col.cat.categories.dtype == cats.dtype):
+                    col = col.cat.rename_categories(have).cat.reorder_categories(cats)
+                if col is not df[c]:
+                    df[c] = col
 
     def overlap(self) -> overlap_mod.OverlapResult:
         per = self.rank_steps[["rank", "step", *OVERLAP_COLUMNS]].reset_index(drop=True)
@@ -143,7 +158,7 @@ def summarize(model) -> NodeSummary:
     ov = overlap_mod.rank_step_overlap(model, windows)
     bd = breakdown_mod.step_breakdown(model, windows)
     ri = whatif_mod.rank_items(model)
-    per = windows[["rank", "step", "start_ns", "end_ns"]].reset_index(drop=True)
+    per = windows[["rank", "step", "start_ns", "end_ns", *steps_mod.STEP_NUMBERS]].reset_index(drop=True)
     for c in OVERLAP_COLUMNS:
         per[c] = ov.per_step[c].to_numpy()
     for p in breakdown_mod.PARTS:
@@ -165,7 +180,10 @@ def node_tables(model) -> tuple[dict, dict]:
     SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
     model before the rest: analyzers/runmodel.py)."""
     ns = summarize(model)
-    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
+    # the items step by step (each rank-step's in their order): the file's row groups then hold a few steps each, so
+    # reading the replay's sample of steps skips the others by their statistics (runformat.SUMMARY_ROW_GROUP_ROWS)
+    items = ns.items.iloc[np.lexsort((ns.items["rank"].to_numpy(), ns.items["step"].to_numpy()))]
+    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,
              "arrival_counts": ns.arrival_counts.frame, "rank_group_comm": ns.rank_group_comm,
              "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
@@ -195,9 +213,9 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
         return Rows(table, files[table], [(str(summary_file(nd, table)), getattr(c, table).frame)
                                           for nd, c in computed.items()])
 
-    return NodeSummary(rank_steps=_by_rank_step(pd.concat(per, ignore_index=True)),
-                       exposed=_by_rank_step(pd.concat(exposed, ignore_index=True)),
-                       items=_by_rank_step(pd.concat(items, ignore_index=True)),
+    return NodeSummary(rank_steps=by_rank_step(pd.concat(per, ignore_index=True)),
+                       exposed=by_rank_step(pd.concat(exposed, ignore_index=True)),
+                       items=by_rank_step(pd.concat(items, ignore_index=True)),
                        instance_rows=rows("instance_rows"), arrival_parts=rows("arrival_parts"),
                        arrival_counts=rows("arrival_counts"),
                        rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in made],
@@ -209,7 +227,7 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
                        unassigned=sum(int(f["unassigned"]) for f in facts) + sum(c.unassigned for c in made))
 
 
-def _by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
+def by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
     key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
     if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
@@ -224,11 +242,12 @@ def of_run(run, model) -> NodeSummary:
     from dtprof.analyzers.runmodel import RunModel
 
     item_steps = whatif_mod.replay_steps(model)
-    wanted: tuple[str, ...] = ("rank_steps", "exposed", "whatif_items")
+    wanted: tuple[str, ...] = ("exposed", "whatif_items")   # rank_steps: read by the run model already
     # the communication per rank, step and group only where the mesh block needs it (a DeviceMesh dimension named)
     if mesh_mod.named_dims(run.groups):
         wanted += ("rank_group_comm",)
     facts, tables = run.node_summaries(item_steps, tables=wanted)
+    tables["rank_steps"] = model.stored_rank_steps
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)

@@ -43,23 +43,80 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
     return k
 
 
+# the steps table's per-step numbers as the run model carries them (float64, NaN where a rank did not report one;
+# float64: FLOPs pass int64's range for large models, and bytes, tokens and samples stay exact below 2**53); the
+# node summaries' rank_steps carry them too (dtprof/schema.py), so the global analysis never reads the steps table
+STEP_NUMBERS = ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops", "cpu_wait_s")
+
+
 def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
-    """Per rank-step (sorted): rank, step, start_ns, end_ns, duration_s and the steps table's per-step numbers
-    (``cpu_wait_s``: NaN where the rank did not report it)."""
+    """Per rank-step (sorted) of the steps table ``s``: rank, step, start_ns, end_ns, STEP_NUMBERS, duration_s."""
     per = pd.DataFrame({   # the steps table's own arrays, not copies (16.4 M rows at 16,384 x 1,000)
         "rank": s["rank"].to_numpy(np.int64), "step": s["step"].to_numpy(np.int64),
         "start_ns": s["start_ns"].to_numpy(np.int64), "end_ns": s["end_ns"].to_numpy(np.int64),
     }, copy=False)
-    per["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
-    for col in ("peak_mem_bytes", "tokens", "samples"):
-        per[col] = s[col].astype("Int64").to_numpy()
-    for col in ("model_flops", "executed_flops"):   # float64: beyond int64's range for large models
-        per[col] = s[col].to_numpy(np.float64)
+    for col in ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops"):
+        per[col] = s[col].astype("Float64").to_numpy(np.float64, na_value=np.nan)
     per["cpu_wait_s"] = s["cpu_wait_ns"].astype("Float64").to_numpy(np.float64, na_value=np.nan) / NS
     key = per["rank"].to_numpy() * (1 << 32) + per["step"].to_numpy()
-    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):   # the nodes' tables in rank order already: no sort
-        return per
-    return per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    if len(key) >= 2 and not bool((key[1:] >= key[:-1]).all()):   # the nodes' tables in rank order already: no sort
+        per = per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    return with_duration(per)
+
+
+def with_duration(per: pd.DataFrame) -> pd.DataFrame:
+    """``per`` (rank, step, start_ns, end_ns, STEP_NUMBERS: from the steps table or the node summaries'
+    rank_steps) with ``duration_s``, in the run model's column order."""
+    out = per[["rank", "step", "start_ns", "end_ns"]].copy(deep=False)
+    out["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
+    for col in STEP_NUMBERS:
+        out[col] = per[col]   # a Series: shared, not copied
+    return out
+
+
+class ByRank:
+    """Per-rank aggregates over some of the rank-steps (``rows``, a mask) of a frame sorted by rank: the values in
+    ``rows`` grouped by a categorical key (the rank's code), made once, so pandas groups by its codes without hashing
+    every rank-step's rank for each figure, and a column at a time (a mask over the frame copies every column at
+    once: 16.4 M rank-steps at 16,384 x 1,000). The groups and the order of their values are a groupby by rank's,
+    so the figures are the same (a key with missing codes for the rows left out instead changes their last bits)."""
+
+    def __init__(self, rank: np.ndarray, rows: np.ndarray):
+        rank = np.asarray(rank, np.int64)
+        n = len(rank)
+        starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]) if n else np.zeros(0, np.int64)
+        if len(starts) > 1 and (np.diff(rank[starts]) <= 0).any():   # not sorted by rank
+            ranks, codes = np.unique(rank, return_inverse=True)
+        else:
+            ranks, codes = rank[starts], np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+        self.ranks = ranks
+        self.rows = np.asarray(rows, bool)
+        self.recorded = np.bincount(codes, minlength=len(ranks))      # rank-steps per rank, all rows
+        codes = codes[self.rows]
+        self.counts = np.bincount(codes, minlength=len(ranks))        # per rank, in ``rows``
+        self.key = pd.Categorical.from_codes(codes, categories=pd.Index(ranks))
+
+    def agg(self, values, how: str) -> pd.Series:
+        """``how`` ("mean", "median", "sum", "max") of ``values`` (one per rank-step) per rank with rows."""
+        out = pd.Series(np.asarray(values)[self.rows]).groupby(self.key, observed=True).agg(how)
+        return out.set_axis(out.index.astype(np.int64))
+
+    def size(self) -> pd.Series:
+        """Rank-steps in ``rows`` per rank with rows."""
+        has = self.counts > 0
+        return pd.Series(self.counts[has], index=pd.Index(self.ranks[has]))
+
+
+def dense_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the sorted distinct ``values``, each value's place among them), as np.unique(return_inverse=True) gives them;
+    counted over the values' range when it is small (step numbers), not sorted (16.4 M rank-steps)."""
+    if not len(values) or int(values.max()) - int(values.min()) > 4 * len(values) + (1 << 20):
+        uniq, inv = np.unique(values, return_inverse=True)
+        return uniq, inv.ravel()
+    lo = int(values.min())
+    present = np.bincount(values - lo) > 0
+    place = np.cumsum(present) - 1
+    return np.flatnonzero(present) + lo, place[values - lo]
 
 
 def job_steps(per: pd.DataFrame) -> pd.DataFrame:

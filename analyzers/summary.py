@@ -168,21 +168,20 @@ def _gpu_probe(probes: list[dict]) -> dict:
 
 
 def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[dict]:
-    # the columns read, then the measured rows (a mask over every column copies them all: 16.4 M rank-steps)
-    cols = steps[["rank", "step", "duration_s", "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s",
-                  "data_wait_s", "overlap_s", "peak_mem_bytes", "cpu_wait_s"]]
     mask = steps["measured"].to_numpy(bool)
     if not mask.any():
         mask = np.ones(len(steps), bool)
-    meas = cols[mask]
-    parts = breakdown_mod.rank_means(bd, mask, steps["duration_s"].to_numpy())
-    g = meas.groupby("rank")
-    agg = g.agg(steps=("step", "size"), step_time_s_p50=("duration_s", "median"),
-                compute_s_per_step=("compute_s", "mean"), comm_s_per_step=("comm_s", "mean"),
-                exposed_comm_s_per_step=("exposed_comm_s", "mean"), comm_wait_s_per_step=("comm_wait_s", "mean"),
-                data_wait_s_per_step=("data_wait_s", "mean"), overlap_s=("overlap_s", "sum"),
-                comm_s=("comm_s", "sum"), peak_mem_bytes=("peak_mem_bytes", "max"),
-                cpu_wait_s_per_step=("cpu_wait_s", "mean"))
+    g = steps_mod.ByRank(steps["rank"].to_numpy(), mask)   # per rank over the measured rows
+    parts = breakdown_mod.rank_means(bd, g, steps["duration_s"])
+
+    def by_rank(col: str, how: str) -> pd.Series:
+        return g.agg(steps[col], how)
+
+    agg = pd.DataFrame({"steps": g.size(), "step_time_s_p50": by_rank("duration_s", "median")})
+    for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "cpu_wait_s"):
+        agg[f"{c}_per_step"] = by_rank(c, "mean")
+    agg["overlap_s"], agg["comm_s"] = by_rank("overlap_s", "sum"), by_rank("comm_s", "sum")
+    agg["peak_mem_bytes"] = by_rank("peak_mem_bytes", "max")
     agg["overlap_ratio"] = np.where(agg["comm_s"] > 0, agg["overlap_s"] / agg["comm_s"].where(agg["comm_s"] > 0, 1),
                                     np.nan)
     r = run.ranks
@@ -192,7 +191,8 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
     if extra:
         out = pd.concat([out, pd.DataFrame({"rank": extra, "host": None, "device": None})], ignore_index=True)
     out = out.sort_values("rank").reset_index(drop=True)
-    out["steps_recorded"] = steps.groupby("rank").size().reindex(out["rank"]).fillna(0).astype(int).to_numpy()
+    out["steps_recorded"] = (pd.Series(g.recorded, index=pd.Index(g.ranks)).reindex(out["rank"]).fillna(0)
+                             .astype(int).to_numpy())
     out["steps"] = agg["steps"].reindex(out["rank"]).fillna(0).astype(int).to_numpy()
     for k in ("step_time_s_p50", "compute_s_per_step", "comm_s_per_step", "exposed_comm_s_per_step",
               "overlap_ratio", "comm_wait_s_per_step", "data_wait_s_per_step", "peak_mem_bytes",
@@ -303,16 +303,19 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         # the views below read only these spans (the Analysis keeps the whole model for the renderers)
         spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
     ov = ns.overlap()
-    steps = model.steps.copy(deep=False)   # copy-on-write: the model's columns are shared, not copied
-    for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "overlap_s",
-              "level"):
-        steps[c] = ov.per_step[c].to_numpy()
+    # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
+    # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
+    steps = model.steps.copy(deep=False)
+    for c in nodesummary_mod.OVERLAP_COLUMNS:
+        steps[c] = ov.per_step[c]
     bd = ns.breakdown()
-    kernel_exposed = steps["exposed_comm_s"].where(steps["level"] == "kernel")
+    kernel = (steps["level"] == "kernel").to_numpy(bool)
+    kernel_exposed = steps["exposed_comm_s"].where(kernel) if kernel.any() else None
     for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
-        steps[f"{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
+        steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
     # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
-    steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
+    if kernel_exposed is not None:
+        steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
     steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
                    "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
                    "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
@@ -407,7 +410,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
     _add_mesh(summary, spans_view, steps, bd, ns)
     say("GPU kernels")
-    gpu_time = kernels_mod.gpu_time(spans_view.spans, run.steps, options.gpu_window)
+    gpu_time = kernels_mod.gpu_time(spans_view.spans, model.steps, options.gpu_window)
     for r in summary["ranks"]:
         r["gpu_time"] = gpu_time.get(int(r["rank"]))
     summary["kernels"] = kernels_mod.top_kernels(spans_view.spans)
@@ -425,7 +428,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
                         exposed=bd.exposed)
     say("triage")
-    _add_triage(summary, run, stragglers_list, ns)
+    _add_triage(summary, run, stragglers_list, ns, model.steps)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -468,14 +471,14 @@ def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
             step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
-def _add_triage(summary: dict, run, stragglers: list[dict], ns) -> None:
+def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFrame) -> None:
     """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
     reads only the collectives rows of the instances the node summaries ``ns`` flag."""
     from dtprof.analyzers import triage
 
     try:
         rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
-        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows)
+        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows, steps=steps)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"

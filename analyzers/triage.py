@@ -309,14 +309,15 @@ def find_stragglers(stragglers: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ verdict
 def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None,
-           run=None, stragglers=None, collectives=None) -> dict:
+           run=None, stragglers=None, collectives=None, steps=None) -> dict:
     """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
     message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
     directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
     ``run`` and ``stragglers``: the run already open and its analysis' flagged ranks (summary ``stragglers``), as
     ``dtprof.analyzers.summary.analyze`` passes them; without them the run is opened and analysed here.
     ``collectives``: the rows the mismatch check reads (the analysis passes those of its ``mismatch_candidates``);
-    default all of the run's.
+    default all of the run's. ``steps``: the run's rank-steps (rank, step; the analysis passes its run model's, so
+    the steps table is not read again); default the run's steps table.
     """
     import pandas as pd
 
@@ -327,6 +328,9 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
     run_dir = Path(run_dir)
     if run is None:
         run = open_run(run_dir, check_tables=True) if (run_dir / "run.json").exists() else None
+    def rank_steps():   # read on first use: most verdicts need no steps
+        return steps if steps is not None else run.steps
+
     ranks_tbl = run.ranks if run is not None else None
     groups_tbl = run.groups if run is not None else None
     hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
@@ -362,8 +366,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         """The step a rank was in: its newest heartbeat or dump, or the one after its last recorded step (the
         heartbeat is written every 0.5 s, so a fast job can be past it)."""
         cands = [hbs.get(r, {}).get("step")] + [d.get("step") for d in dumps.get(r, {}).values()]
-        if run is not None and len(run.steps):
-            done = run.steps.loc[run.steps["rank"] == r, "step"]
+        if run is not None and len(rank_steps()):
+            done = rank_steps().loc[rank_steps()["rank"] == r, "step"]
             if len(done):
                 cands.append(int(done.max()) + 1)
         cands = [int(c) for c in cands if c is not None]
@@ -517,7 +521,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                       f"the job's end was not recorded, so no straggler verdict is drawn from its timings")
 
     # 5. straggler
-    if run is not None and len(run.steps):
+    if run is not None and len(rank_steps()):
         try:
             if stragglers is None:
                 from dtprof.analyzers.summary import analyze

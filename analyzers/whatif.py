@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_ids, own_records
 from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
 
@@ -539,8 +540,8 @@ def _work_table(model, work: pd.DataFrame) -> pd.DataFrame:
     NaN where not reported)."""
     w = model.steps
     out = work[list(WORK_PARTS)].reset_index(drop=True)
-    out["rank"], out["step"] = w["rank"].to_numpy(np.int64), w["step"].to_numpy(np.int64)
-    out["measured"] = w["measured"].to_numpy(bool)
+    for c in ("rank", "step", "measured"):   # as Series: shared (pandas copies a NumPy array it is given)
+        out[c] = w[c].reset_index(drop=True)
     out["cpu_wait"] = w["cpu_wait_s"].to_numpy(float) * NS
     return out
 
@@ -568,20 +569,23 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
     per row: the median of the others is read from the sorted row with the rank's own value left out, so the cost
     does not grow with the number of ranks asked for (at 16,384 ranks a filter and group-by per rank took seconds
     each)."""
-    meas = work["measured"].to_numpy(bool)
+    meas = np.flatnonzero(work["measured"].to_numpy(bool))
     rank = work["rank"].to_numpy(np.int64)[meas]
-    step = work["step"].to_numpy(np.int64)[meas]
-    steps = np.unique(step)
-    si = np.searchsorted(steps, step)
+    steps, si = steps_mod.dense_codes(work["step"].to_numpy(np.int64)[meas])
     out: dict[int, dict] = {r: {} for r in ranks}
     for key in sorted({peers[r] for r in ranks}):
         members = np.array(sorted(q for q, k in peers.items() if k == key), np.int64)
-        sel = np.isin(rank, members)
-        mi = np.searchsorted(members, rank[sel])
+        mi = np.minimum(np.searchsorted(members, rank), len(members) - 1)
+        inside = members[mi] == rank   # the group's rows (a binary search each, not a set test)
+        in_group, at = meas, si
+        if not inside.all():   # one group of every rank (data parallel): no copies of 16.4 M indices
+            sel = np.flatnonzero(inside)
+            mi, in_group, at = mi[sel], meas[sel], si[sel]
+        del inside
         asked = [r for r in ranks if peers[r] == key]
         for c in cols:
             m = np.full((len(steps), len(members)), np.nan)
-            m[si[sel], mi] = work[c].to_numpy(float)[meas][sel]
+            m[at, mi] = work[c].to_numpy()[in_group]
             valid = (~np.isnan(m)).sum(axis=1)
             mid = (len(members) - 1) // 2
             if (valid == len(members)).all():   # no gap: only the middle places are needed, partitioned (O(n))
@@ -593,7 +597,7 @@ def _typical_over_peers(work: pd.DataFrame, ranks: list[int], peers: dict[int, i
                 own = m[:, int(np.searchsorted(members, r))]
                 has = ~np.isnan(own)
                 n = valid - has   # the others' values
-                pos = (m < own[:, None]).sum(axis=1)   # the own value's place in the sorted row (NaN: nowhere)
+                pos = np.count_nonzero(m < own[:, None], axis=1)   # own value's place in the sorted row (NaN: none)
                 mid = n // 2
                 hi, lo = (_kth_of_others(srt, rows, k, has, pos) for k in (mid, mid - 1))
                 med = np.where(n % 2 == 1, hi, (lo + hi) / 2)
@@ -613,9 +617,9 @@ def _kth_of_others(srt: np.ndarray, rows: np.ndarray, k: np.ndarray, has: np.nda
 def suspects(work: pd.DataFrame, peers: dict[int, int], limit: int = 8) -> list[int]:
     """Ranks whose own work (no waiting; ``work``: ``_work_table``) exceeds their peers' median in the mean
     measured step, most first."""
-    w = work.loc[work["measured"].to_numpy(bool), ["rank", *OWN_WORK_PARTS]]
-    own = w[list(OWN_WORK_PARTS)].sum(axis=1)
-    mean = own.groupby(w["rank"].to_numpy()).mean()
+    meas = work["measured"].to_numpy(bool)   # a column at a time: a mask over the frame copies every column
+    own = pd.Series(sum(work[p].to_numpy()[meas] for p in OWN_WORK_PARTS))
+    mean = own.groupby(work["rank"].to_numpy()[meas]).mean()
     excess = {}
     for key in sorted(set(peers.values())):   # per peer group: each rank against the median of the others
         members = [r for r, k in peers.items() if k == key and r in mean.index]

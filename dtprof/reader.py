@@ -390,28 +390,35 @@ def _read_tables_at_once(node_dirs: list[Path], table: str):
         return None
 
 
-def _frame_in_batches(rel, n: int, dtypes: dict):
+def _frame_in_batches(rel, n: int | None, dtypes: dict):
     """The ``n`` rows of the DuckDB relation ``rel`` as a DataFrame of ``dtypes``, read in record batches into
     columns made once: the result, an Arrow copy and the frame are never all held at once (at 16.4 M rank-steps
-    that tripled the memory of the read). Text columns of dtype "category" are dictionary-encoded batch by batch
+    that tripled the memory of the read). ``n`` None (a filtered read, whose count would cost a second scan): the
+    batches' columns are joined at the end. Text columns of dtype "category" are dictionary-encoded batch by batch
     (no Python string per row)."""
     import numpy as np
     import pandas as pd
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numeric = {c: np.empty(n, t) for c, t in dtypes.items() if t in ("int64", "float64")}
+    numeric = {c: (np.empty(n, t) if n is not None else []) for c, t in dtypes.items() if t in ("int64", "float64")}
     text: dict = {c: [] for c in dtypes if c not in numeric}
     pos = 0
     for batch in rel.to_arrow_reader(1 << 20):
         k = batch.num_rows
         for c, out in numeric.items():
-            out[pos:pos + k] = batch.column(c).to_numpy(zero_copy_only=False)
+            values = batch.column(c).to_numpy(zero_copy_only=False)
+            if n is None:
+                out.append(np.asarray(values, dtypes[c]))
+            else:
+                out[pos:pos + k] = values
         for c, parts in text.items():
             col = batch.column(c)
             parts.append(pc.dictionary_encode(col) if dtypes[c] == "category" else col)
         pos += k
-    if pos != n:   # the files changed between the count and the read
+    if n is None:
+        numeric = {c: (np.concatenate(parts) if parts else np.empty(0, dtypes[c])) for c, parts in numeric.items()}
+    elif pos != n:   # the files changed between the count and the read
         raise RunFormatError(f"read {pos} rows where the files held {n}")
     cols = {c: (numeric[c] if c in numeric else
                 pa.chunked_array(text[c], type=pa.dictionary(pa.int32(), pa.string()) if dtypes[c] == "category"
@@ -610,8 +617,10 @@ class Run:
     def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
-        of all nodes in node order, read by one DuckDB query across the nodes' files. ``item_steps``: read the
+        of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
+        nodes' files. ``item_steps``: read the
         what-if items of these steps only (the replay's sample), not all."""
+        import numpy as np
         import pandas as pd
 
         from dtprof.runformat import summary_file
@@ -626,7 +635,7 @@ class Run:
             for table, cols in wanted.items():
                 names = [c for c, _ in cols]
                 # the text columns (a group, an op, a host) of these repeat on millions of rows: categoricals
-                text = "category" if table in ("whatif_items", "rank_steps") else "str"
+                text = "category" if table in ("whatif_items", "rank_steps", "exposed") else "str"
                 dtypes = {c: ("int64" if k == "int" else "float64" if k == "float" else text) for c, k in cols}
                 if not have:
                     tables[table] = pd.DataFrame({c: pd.Series(dtype=t) for c, t in dtypes.items()})
@@ -639,14 +648,26 @@ class Run:
                 files = [str(summary_file(nd, table)) for nd in have]
                 where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                          if table == "whatif_items" and item_steps is not None else "")
+                # the items are stored step by step (runformat.SUMMARY_ROW_GROUP_ROWS) and come back in any order
+                # of their row groups: sorted here by rank and step, each rank-step's in its file's row order
+                by_row = table == "whatif_items"
                 try:
                     columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword
-                    query = f"SELECT {columns} FROM read_parquet([{sql_list(files)}]){where}"
-                    rows = con.execute(f"SELECT count(*) FROM read_parquet([{sql_list(files)}]){where}").fetchall()
-                    df = _frame_in_batches(con.sql(query), rows[0][0], dtypes)
+                    source = f"read_parquet([{sql_list(files)}]{', file_row_number = true' if by_row else ''})"
+                    query = f"SELECT {columns}{', file_row_number' if by_row else ''} FROM {source}{where}"
+                    # a count without a filter is read from the files' metadata; with one it is a second scan
+                    n = None if where else con.execute(f"SELECT count(*) FROM {source}").fetchall()[0][0]
+                    df = _frame_in_batches(con.sql(query), n,
+                                           {**dtypes, "file_row_number": "int64"} if by_row else dtypes)
                 except Exception as e:  # duckdb.Error: a missing or damaged file
                     raise RunFormatError(f"{self.path}: cannot read the node summaries' {table} tables "
                                          f"({str(e).splitlines()[0]})") from None
+                if by_row:   # a rank's rows are in one node's file
+                    order = np.lexsort((df["file_row_number"].to_numpy(), df["step"].to_numpy(),
+                                        df["rank"].to_numpy()))
+                    df = df.drop(columns="file_row_number")
+                    if len(order) and not (order[1:] > order[:-1]).all():
+                        df = df.iloc[order].reset_index(drop=True)
                 tables[table] = df.astype(dtypes)
         finally:
             if con is not None:

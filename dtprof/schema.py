@@ -147,8 +147,11 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     # per rank-step: the step window, the overlap figures (analyzers/overlap.py) and the breakdown parts
     "rank_steps": [
         ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
+        # the steps table's per-step numbers (analyzers/steps.py STEP_NUMBERS; NaN: not reported)
+        ("peak_mem_bytes", "float"), ("tokens", "float"), ("samples", "float"), ("model_flops", "float"),
+        ("executed_flops", "float"), ("cpu_wait_s", "float"),
         ("compute_s", "float"), ("comm_s", "float"), ("exposed_comm_s", "float"), ("comm_wait_s", "float"),
-        ("data_wait_s", "float"), ("overlap_ratio", "float"), ("overlap_s", "float"),
+        ("overlap_ratio", "float"), ("overlap_s", "float"),
         ("level", "str"),   # "hook" or "kernel" (the rank-step has GPU kernel spans)
     ] + [(f"bd_{p}_s", "float") for p in BREAKDOWN_PARTS]
     # the what-if items' work per part (analyzers/whatif.py work_totals)
@@ -183,5 +186,7 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # by `dtprof summarize`). 2: what-if work per part in rank_steps; items name their collective's instance.
 # 3: per-instance reductions of the collectives (instance_rows). 4: the clock fit's exits per (instance, host)
 # (clock_exits) and the arrivals per instance and part (arrival_parts, arrival_counts). 5: the communication per
-# rank, step and group (rank_group_comm)
-SUMMARY_LAYOUT = 5
+# rank, step and group (rank_group_comm). 6: the steps table's per-step numbers in rank_steps (the run model's steps
+# come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
+# what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS)
+SUMMARY_LAYOUT = 6

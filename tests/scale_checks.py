@@ -40,4 +40,5 @@ def assert_summaries_equal_raw(run_dir, stored: bool = True) -> dict:
     if stored:
         assert "spans" not in run._loaded, "the analysis from summaries read every span"
         assert "collectives" not in run._loaded, "the analysis from summaries read every collective"
+        assert "steps" not in run._loaded, "the analysis from summaries read the steps table"
     return from_summaries.summary
