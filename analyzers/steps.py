@@ -95,10 +95,17 @@ class ByRank:
         codes = codes[self.rows]
         self.counts = np.bincount(codes, minlength=len(ranks))        # per rank, in ``rows``
         self.key = pd.Categorical.from_codes(codes, categories=pd.Index(ranks))
+        self._grouper = None
 
     def agg(self, values, how: str) -> pd.Series:
-        """``how`` ("mean", "median", "sum", "max") of ``values`` (one per rank-step) per rank with rows."""
-        out = pd.Series(np.asarray(values)[self.rows]).groupby(self.key, observed=True).agg(how)
+        """``how`` ("mean", "median", "sum", "max") of ``values`` (one per rank-step) per rank with rows. pandas'
+        grouping of the key (its groups, their order and each row's group) is made by the first call and reused:
+        made anew for each figure it cost ~0.2 s of every ~0.25 s figure at 16.4 M rank-steps."""
+        s = pd.Series(np.asarray(values)[self.rows])
+        if self._grouper is None:
+            gb = s.groupby(self.key, observed=True)
+            self._grouper = gb._grouper if hasattr(gb, "_grouper") else gb.grouper   # pandas < 2.2: .grouper
+        out = s.groupby(self._grouper).agg(how)
         return out.set_axis(out.index.astype(np.int64))
 
     def size(self) -> pd.Series:
