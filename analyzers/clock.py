@@ -81,9 +81,11 @@ def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
         # the blocking rows when the run has any (else asynchronous rows whose end was seen) of known hosts; the
         # mean exit per (instance, host) rounded to the ns (half up), in exact integers: merged over the nodes
         # that report the same host (two launchers on one host), else straight from each row
-        blocking = int(con.execute("SELECT coalesce(bool_or(blocking = 1), false) FROM rows").fetchall()[0][0])
-        shared = con.execute("SELECT count(*) FROM (SELECT host FROM rows GROUP BY host "
-                             "HAVING count(DISTINCT origin) > 1)").fetchall()[0][0]
+        # one scan for both: whether any row is blocking, and how many hosts more than one node reports
+        blocking, shared = con.execute(
+            "SELECT coalesce(bool_or(b), false), count(*) FILTER (WHERE several) FROM (SELECT host, "
+            "bool_or(blocking = 1) AS b, min(origin) <> max(origin) AS several FROM rows GROUP BY host)").fetchall()[0]
+        blocking = int(blocking)
         use = f"FROM rows WHERE blocking = {blocking} AND host IN (SELECT host FROM hosts)"
         m = (f"""(SELECT "group", seq, host, lo + (2 * d + n) // (2 * n) AS e FROM (
                      SELECT "group", seq, host, min(exit_min_ns) AS lo, sum(n) AS n,

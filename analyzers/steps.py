@@ -121,9 +121,10 @@ def dense_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         uniq, inv = np.unique(values, return_inverse=True)
         return uniq, inv.ravel()
     lo = int(values.min())
-    present = np.bincount(values - lo) > 0
+    offset = values - lo   # once: at 16.4 M rank-steps each new array is ~0.1 s of first-touched memory
+    present = np.bincount(offset) > 0
     place = np.cumsum(present) - 1
-    return np.flatnonzero(present) + lo, place[values - lo]
+    return np.flatnonzero(present) + lo, place[offset]
 
 
 def job_steps(per: pd.DataFrame) -> pd.DataFrame:
