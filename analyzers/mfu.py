@@ -84,20 +84,23 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, options: Analysi
     out = {"value": None, "hfu": None, "flops_per_step": None, "flops_source": None, "peak_flops": None,
            "peak_source": None, "dtype": options.dtype, "step_time_s": None, "achieved_flops_per_s": None}
     flops_per_step, transformer = options.flops_per_step, options.transformer
-    per_rank = per_rank[["rank", "measured", "model_flops", "executed_flops"]]   # not a copy of every column
-    meas = per_rank[per_rank["measured"]]
+    rank = per_rank["rank"].to_numpy(np.int64)
+    measured = per_rank["measured"].to_numpy(bool)
     jm = job[job["measured"]]
     step_time = float(jm["time_s"].mean()) if len(jm) else None
     out["step_time_s"] = step_time
 
     def per_rank_sum(col):
-        v = meas[col].dropna()
-        if len(v) == 0:
-            v = per_rank[col].dropna()  # executed FLOPs are often measured on one (warm-up) step
-            if len(v) == 0:
+        """Σ over ranks of each rank's median ``col`` over its measured steps that report it (else over all its
+        steps that do): a column at a time, so the rank-steps are never masked as a frame (16.4 M at 16,384 ranks)."""
+        v = per_rank[col].to_numpy(np.float64, na_value=np.nan)
+        known = ~np.isnan(v)
+        rows = known & measured
+        if not rows.any():
+            rows = known  # executed FLOPs are often measured on one (warm-up) step
+            if not rows.any():
                 return None
-            return float(per_rank.loc[v.index].groupby("rank")[col].median().sum())
-        return float(meas.loc[v.index].groupby("rank")[col].median().sum())
+        return float(pd.Series(v[rows]).groupby(rank[rows]).median().sum())
 
     executed = per_rank_sum("executed_flops")
     flops, source, reason = None, None, None

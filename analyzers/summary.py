@@ -201,9 +201,9 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
     score = strag.set_index("rank")["compute_score"] if len(strag) else pd.Series(dtype=float)
     out["compute_score"] = score.reindex(out["rank"]).astype(float).to_numpy()
     records = out.to_dict("records")
-    by_rank = parts.to_dict("index")   # one dict per rank, not a lookup per rank and part
+    parts_of = parts.to_dict("index")   # one dict per rank, not a lookup per rank and part
     for rec in records:   # the step breakdown (breakdown.py): parts that sum to step_time_s_mean
-        p = by_rank.get(rec["rank"])
+        p = parts_of.get(rec["rank"])
         rec["step_time_s_mean"] = float(p["step_time_s_mean"]) if p else None
         rec["breakdown_s_per_step"] = {q: float(p[f"{q}_s"]) for q in breakdown_mod.PARTS} if p else None
         rec["exposed_comm_s_per_step_by_dim"] = p["exposed_by_dim"] if p else None

@@ -650,8 +650,9 @@ REPLAY_MIN_STEPS = 8
 def replay_steps(model) -> np.ndarray | None:
     """The measured steps the what-if replays when not all of them (sorted), None for all of them."""
     w = model.steps
-    measured = np.unique(w.loc[w["measured"], "step"].to_numpy(np.int64))
-    cap = max(REPLAY_MIN_STEPS, REPLAY_RANK_STEPS // max(int(w["rank"].nunique()), 1))
+    measured = steps_mod.dense_codes(w["step"].to_numpy(np.int64)[w["measured"].to_numpy(bool)])[0]
+    cap = max(REPLAY_MIN_STEPS, REPLAY_RANK_STEPS // max(len(steps_mod.dense_codes(w["rank"].to_numpy(np.int64))[0]),
+                                                          1))
     if len(measured) <= cap:
         return None
     return measured[np.unique(np.linspace(0, len(measured) - 1, cap).round().astype(np.int64))]
@@ -716,7 +717,8 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
     typical = typical_excess(work_t, [e["ranks"][0] for e in entries], peers)   # the suspects removed above
     excess = {r: x for r, (x, _) in typical.items()}
     cpu_wait = {r: w for r, (_, w) in typical.items()}
-    has = {p: bool(work_t.loc[work_t["measured"], p].sum() > 0) for p in WORK_PARTS}
+    meas = work_t["measured"].to_numpy(bool)
+    has = {p: bool(np.nansum(work_t[p].to_numpy(np.float64)[meas]) > 0) for p in WORK_PARTS}
     pipe_win = g.windows["pipeline"].to_numpy()
     exposed_off_pipe = (g.kind == WORKI) & (g.part == EXPOSED) & ~pipe_win[g.win] & (g.dur > 0)
     comm = bool((g.lag[(g.kind == WAIT) & ~g.p2p] > 0).any() or exposed_off_pipe.any())

@@ -401,7 +401,8 @@ def _frame_in_batches(rel, n: int | None, dtypes: dict):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numeric = {c: (np.empty(n, t) if n is not None else []) for c, t in dtypes.items() if t in ("int64", "float64")}
+    numeric: dict[str, Any] = {c: (np.empty(n, t) if n is not None else []) for c, t in dtypes.items()
+                               if t in ("int64", "float64")}
     text: dict = {c: [] for c in dtypes if c not in numeric}
     pos = 0
     for batch in rel.to_arrow_reader(1 << 20):
