@@ -114,10 +114,15 @@ class ByRank:
         return pd.Series(self.counts[has], index=pd.Index(self.ranks[has]))
 
 
+def _small_range(values: np.ndarray) -> bool:
+    """Integers whose range is small enough to count over (step numbers, ranks) rather than sort."""
+    return bool(len(values)) and int(values.max()) - int(values.min()) <= 4 * len(values) + (1 << 20)
+
+
 def dense_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the sorted distinct ``values``, each value's place among them), as np.unique(return_inverse=True) gives them;
     counted over the values' range when it is small (step numbers), not sorted (16.4 M rank-steps)."""
-    if not len(values) or int(values.max()) - int(values.min()) > 4 * len(values) + (1 << 20):
+    if not _small_range(values):
         uniq, inv = np.unique(values, return_inverse=True)
         return uniq, inv.ravel()
     lo = int(values.min())
@@ -125,6 +130,14 @@ def dense_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present = np.bincount(offset) > 0
     place = np.cumsum(present) - 1
     return np.flatnonzero(present) + lo, place[offset]
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct ``values`` (``dense_codes``' first part, without each value's place)."""
+    if not _small_range(values):
+        return np.unique(values)
+    lo = int(values.min())
+    return np.flatnonzero(np.bincount(values - lo)) + lo
 
 
 def job_steps(per: pd.DataFrame) -> pd.DataFrame:

@@ -250,7 +250,7 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
     slow = (step_ref[at] / compute[busy]) < SCORE_THRESHOLD
     out["slow_step_frac"] = (steps_mod.ByRank(rank[busy], np.ones(len(busy), bool)).agg(slow, "mean")
                              .reindex(out["rank"]).fillna(0.0).to_numpy())
-    n_steps = max(len(steps_mod.dense_codes(step[measured])[0]), 1)
+    n_steps = max(len(steps_mod.distinct(step[measured])), 1)
     n = rows_per_rank
     late = arr[(arr["measured"] & arr["last"]).to_numpy()] if len(arr) else arr
     if len(late):

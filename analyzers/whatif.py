@@ -650,9 +650,8 @@ REPLAY_MIN_STEPS = 8
 def replay_steps(model) -> np.ndarray | None:
     """The measured steps the what-if replays when not all of them (sorted), None for all of them."""
     w = model.steps
-    measured = steps_mod.dense_codes(w["step"].to_numpy(np.int64)[w["measured"].to_numpy(bool)])[0]
-    cap = max(REPLAY_MIN_STEPS, REPLAY_RANK_STEPS // max(len(steps_mod.dense_codes(w["rank"].to_numpy(np.int64))[0]),
-                                                          1))
+    measured = steps_mod.distinct(w["step"].to_numpy(np.int64)[w["measured"].to_numpy(bool)])
+    cap = max(REPLAY_MIN_STEPS, REPLAY_RANK_STEPS // max(len(steps_mod.distinct(w["rank"].to_numpy(np.int64))), 1))
     if len(measured) <= cap:
         return None
     return measured[np.unique(np.linspace(0, len(measured) - 1, cap).round().astype(np.int64))]
