@@ -352,7 +352,7 @@ def _link_peak_lags(model, it: pd.DataFrame, gcode: np.ndarray, key_id: np.ndarr
 
 
 def relax(win: np.ndarray, kind: np.ndarray, dur: np.ndarray, key: np.ndarray, lag: np.ndarray, off: np.ndarray,
-          n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+          n_keys: int, latest: _MaxBy | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The replay engine, shared by every model of the run (this module's step model, and the pipeline analyzer's
     gap-free schedule, analyzers/pipeline.py). Items are sorted by window; in each window they run one after another
     from the window's offset ``off``: a work item takes ``dur``, an ARRIVE item marks the time ``key`` is reached by
@@ -362,13 +362,14 @@ def relax(win: np.ndarray, kind: np.ndarray, dur: np.ndarray, key: np.ndarray, l
 
     Vectorised fixed-point relaxation: each pass recomputes all times from the previous pass's latest arrivals. An
     acyclic chain of dependencies passes through each key at most once, so it settles within n_keys + 1 passes;
-    one more pass that changes nothing confirms it."""
+    one more pass that changes nothing confirms it. ``latest``: ``_MaxBy`` of the ARRIVE items' keys, when the
+    caller replays the same items several times (it sorts them)."""
     c = _cumsum_by(win, dur) + off[win]
     wait = kind == WAIT
     arrive = kind == ARRIVE
     lowest = np.iinfo(np.int64).min
     constrained = wait & (key >= 0)
-    latest = _MaxBy(key[arrive], n_keys)
+    latest = latest if latest is not None else _MaxBy(key[arrive], n_keys)
     last = latest(c[arrive], lowest)   # the first pass: no wait holds anyone yet
     for _ in range(n_keys + 1):
         rel = np.where(constrained, last[np.maximum(key, 0)], lowest)
@@ -386,7 +387,10 @@ def replay(g: StepGraph, dur: np.ndarray | None = None, lag: np.ndarray | None =
     """Replay the model with work durations ``dur`` and transfers ``lag`` (default: as measured). None when the
     dependencies do not settle (a cycle: the recorded order contradicts the matching)."""
     off = g.windows["offset_ns"].to_numpy(np.int64)
-    out = relax(g.win, g.kind, g.dur if dur is None else dur, g.key, g.lag if lag is None else lag, off, g.n_keys)
+    if "_latest" not in g.__dict__:   # the arrivals' grouping, made once per model (every scenario replays it)
+        g.__dict__["_latest"] = _MaxBy(g.key[g.kind == ARRIVE], g.n_keys)
+    out = relax(g.win, g.kind, g.dur if dur is None else dur, g.key, g.lag if lag is None else lag, off, g.n_keys,
+                g.__dict__["_latest"])
     if out is None:
         return None
     t, slack, last = out
