@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from torch_abort import aborted_at_exit
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 STEPS = 40
@@ -54,8 +56,19 @@ MODEL = ("--dim", 128, "--seq", 64)
 
 
 def record(out: Path, *train_args, nproc: int = 2) -> Path:
-    dtprof("run", "--out", out, "--no-report", "--", sys.executable, "-m", "torch.distributed.run",
-           f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args)
+    """A run recorded into ``out``, or, after torch's own abort at a rank's exit (tests/torch_abort.py), once more
+    into a fresh directory beside it: the directory the run is in."""
+    def launch(run_dir: Path) -> subprocess.CompletedProcess:
+        return dtprof("run", "--out", run_dir, "--no-report", "--", sys.executable, "-m", "torch.distributed.run",
+                      f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args,
+                      check=False)
+
+    p = launch(out)
+    if aborted_at_exit(p):
+        out = out.with_name(out.name + "-again")
+        p = launch(out)
+    if p.returncode != 0:
+        raise AssertionError(f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return out
 
 
