@@ -61,7 +61,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from torch_abort import GLOO_EXIT_ABORT  # noqa: E402  (torch's exit abort; tests/torch_abort.py says why)
+from torch_abort import GLOO_EXIT_ABORT, once_more_on_exit_abort  # noqa: E402  (tests/torch_abort.py says why)
 
 MODES = ("bare", "dtprof", "torch.profiler")
 
@@ -358,22 +358,20 @@ def in_process(args: list[str], ranks: int = 0) -> dict:
     if ranks:
         cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", "--standalone",
                "--monitor-interval=0.2", *cmd[1:]]
-    for attempt in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp:
+    def launch(attempt: int) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as tmp:   # a fresh throwaway run each time
             env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
             env["OMP_NUM_THREADS"] = "1"
             env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "overhead"})))
             env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0})
             env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent),
                                                  env.get("PYTHONPATH", "")])
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if not out.returncode:
-            return json.loads(out.stdout.strip().splitlines()[-1])
-        if attempt == 1 and GLOO_EXIT_ABORT in out.stderr:
-            print("the hook measurement's job hit torch's exit abort: running it once more", file=sys.stderr)
-            continue
+            return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+    out = once_more_on_exit_abort(launch)   # torch's exit abort: once more (tests/torch_abort.py)
+    if out.returncode:
         sys.exit(out.stderr[-2000:])
-    raise AssertionError("unreachable")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def print_in_process(blocks: int, steps: int) -> None:

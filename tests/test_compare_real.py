@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_abort import aborted_at_exit
+from torch_abort import run_dir_once_more_on_exit_abort
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -63,10 +63,7 @@ def record(out: Path, *train_args, nproc: int = 2) -> Path:
                       f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args,
                       check=False)
 
-    p = launch(out)
-    if aborted_at_exit(p):
-        out = out.with_name(out.name + "-again")
-        p = launch(out)
+    p, out = run_dir_once_more_on_exit_abort(out, launch)
     if p.returncode != 0:
         raise AssertionError(f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return out

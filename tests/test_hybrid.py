@@ -16,7 +16,7 @@ import pytest
 from dtprof.analyzers import mesh as M
 from dtprof.analyzers.runmodel import RunModel, with_exit
 from scale_checks import assert_summaries_equal_raw
-from torch_abort import aborted_at_exit
+from torch_abort import run_dir_once_more_on_exit_abort
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = dict(batch=2, seq=16, dim=32, layers=2, vocab=256, steps=3)
@@ -34,10 +34,7 @@ def _dtprof_run(out: Path, mode: str, *extra: str):
                "--vocab", str(s["vocab"]), *extra]
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
 
-    p = launch(out)
-    if aborted_at_exit(p):   # torch's own abort at a rank's exit (tests/torch_abort.py): once more, in a fresh run
-        out = out.with_name(out.name + "-again")
-        p = launch(out)
+    p, out = run_dir_once_more_on_exit_abort(out, launch)
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in p.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == s["steps"]

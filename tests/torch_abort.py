@@ -5,6 +5,7 @@ destroy_process_group. The tests that run real torchrun jobs run such a job once
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Callable
 
 GLOO_EXIT_ABORT = "terminate called without an active exception"
@@ -19,3 +20,15 @@ def once_more_on_exit_abort(launch: Callable[[int], subprocess.CompletedProcess]
     second run only after torch's exit abort."""
     p = launch(0)
     return launch(1) if aborted_at_exit(p) else p
+
+
+
+def run_dir_once_more_on_exit_abort(out: Path, launch: Callable[[Path], subprocess.CompletedProcess]
+                                    ) -> tuple[subprocess.CompletedProcess, Path]:
+    """``launch(out)`` records a run into ``out``; after torch's exit abort, once more into a fresh ``<out>-again``
+    (a run directory is never reused). (the process, the directory holding the run)."""
+    p = launch(out)
+    if aborted_at_exit(p):
+        out = out.with_name(out.name + "-again")
+        p = launch(out)
+    return p, out
