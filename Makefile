@@ -26,7 +26,7 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) -m pytest -q -raR --durations=25
 
 # hta_figures.py runs under a Python with HolisticTraceAnalysis (never a dtprof dependency): see its docstring
 bench: venv

@@ -298,6 +298,20 @@ def _exception_line(text: str, rank: int) -> str | None:
     return lines[-1].strip() if lines else None
 
 
+# What libstdc++ prints when a C++ thread ends by unwinding through a noexcept destructor: in torch 2.x, a gloo
+# worker thread freeing a finished collective (which holds a Python object: the backward's stashed context) after
+# the interpreter began finalising, whose GIL request ends the thread (pytorch issue #190489)
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _teardown_abort_cause(logs: str) -> str:
+    """The known cause of a rank's abort in its interpreter's teardown, when the job's output shows it."""
+    if TEARDOWN_ABORT not in logs:
+        return ""
+    return (f"; the job's output shows '{TEARDOWN_ABORT}', which torch's own teardown abort prints (a gloo thread "
+            f"freeing a collective after the interpreter began finalising, pytorch issue #190489)")
+
+
 def find_stragglers(stragglers: list[dict]) -> list[dict]:
     """Persistent stragglers as the analysis states them (summary ``stragglers``, analyzers/stragglers.py), each
     with its NVML evidence as the analysis built it."""
@@ -362,15 +376,17 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
                 "message": message, "evidence": evidence}
 
+    def last_step(r):
+        """The last step a rank recorded ('?' for none)."""
+        done = rank_steps().loc[rank_steps()["rank"] == r, "step"] if run is not None and len(rank_steps()) else []
+        return int(done.max()) if len(done) else "?"
+
     def step_of(r):
         """The step a rank was in: its newest heartbeat or dump, or the one after its last recorded step (the
         heartbeat is written every 0.5 s, so a fast job can be past it)."""
+        last = last_step(r)
         cands = [hbs.get(r, {}).get("step")] + [d.get("step") for d in dumps.get(r, {}).values()]
-        if run is not None and len(rank_steps()):
-            done = rank_steps().loc[rank_steps()["rank"] == r, "step"]
-            if len(done):
-                cands.append(int(done.max()) + 1)
-        cands = [int(c) for c in cands if c is not None]
+        cands = [int(c) for c in cands if c is not None] + ([last + 1] if last != "?" else [])
         return max(cands) if cands else "?"
 
     def stacks_evidence(ranks, why):
@@ -497,6 +513,11 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
             else:
                 exc = _exception_line(logs, r)
             first = " (failed first)" if len(raised) > 1 and first_raised == [r] else ""
+            if f and f["signal"] and hbs.get(r, {}).get("exit") == "clean":
+                # killed after its atexit hooks ran (the heartbeat's last word): in the interpreter's teardown
+                parts.append(f"{label(r)} {how}{first} during its process's exit, after its last step "
+                             f"({last_step(r)}): its training had ended" + _teardown_abort_cause(logs))
+                continue
             parts.append(f"{label(r)} {how}{first} at step {step_of(r)}" + (f": {exc}" if exc else ""))
         others = sorted(set(known) - set(culprits))
         for r in others:

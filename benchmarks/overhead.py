@@ -61,7 +61,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from torch_abort import GLOO_EXIT_ABORT, once_more_on_exit_abort  # noqa: E402  (tests/torch_abort.py says why)
+from torch_abort import once_more_on_exit_abort  # noqa: E402  (tests/torch_abort.py says why)
 
 MODES = ("bare", "dtprof", "torch.profiler")
 
@@ -255,11 +255,11 @@ def launcher_cpu_ns(launcher: int) -> int:
     return total
 
 
-def run_job(name: str, steps: int, run_dir: Path | None, retried: bool = False) -> dict:
+def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
     """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
     step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
     rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
-    runs once more (``retried``), as in the tests (tests/torch_abort.py)."""
+    runs once more, as in the tests (tests/torch_abort.py)."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
            str(steps), "--print-time"]
@@ -267,29 +267,39 @@ def run_job(name: str, steps: int, run_dir: Path | None, retried: bool = False) 
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    # Its own session, as `dtprof run` gives the job one: Linux's autogroup scheduler shares the CPU per session, so
-    # a bare job left in this session would compete with whatever else runs here and read slower than it is.
-    # stderr to a file (a pipe nobody reads could fill and block the job): read only to recognise torch's exit abort
-    err = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                            start_new_session=True)
-    seen, cpu = [], []
-    for line in proc.stdout:
-        m = STEP_LINE.match(line)
-        if m:
-            seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
-            n = int(m.group(1))
-            # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
-            if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
-                cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
-    if proc.wait():
-        err.seek(0)
-        if GLOO_EXIT_ABORT in err.read() and not retried:
+    seen: list[float] = []
+    cpu: list[tuple[int, int]] = []
+
+    def launch(attempt: int) -> subprocess.CompletedProcess:
+        if attempt:
             print(f"{name}: torch's exit abort after the steps: running it once more", file=sys.stderr)
             if run_dir is not None:
                 shutil.rmtree(run_dir)
-            return run_job(name, steps, run_dir, retried=True)
-        sys.exit(f"{name}: {' '.join(cmd)} exited {proc.returncode}")
+        seen.clear()
+        cpu.clear()
+        # Its own session, as `dtprof run` gives the job one: Linux's autogroup scheduler shares the CPU per
+        # session, so a bare job left in this session would compete with whatever else runs here and read slower
+        # than it is. stderr to a file (a pipe nobody reads could fill and block the job): read only to recognise
+        # torch's exit abort
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    start_new_session=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                m = STEP_LINE.match(line)
+                if m:
+                    seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
+                    n = int(m.group(1))
+                    # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
+                    if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
+                        cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
+            proc.wait()
+            err.seek(0)
+            return subprocess.CompletedProcess(cmd, proc.returncode, "", err.read())
+
+    done = once_more_on_exit_abort(launch)
+    if done.returncode:
+        sys.exit(f"{name}: {' '.join(cmd)} exited {done.returncode}")
     intervals = [b - a for a, b in zip(seen, seen[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
     if run_dir is not None:

@@ -48,6 +48,9 @@ from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from torch_abort import once_more_on_exit_abort, returncode  # noqa: E402  (tests/torch_abort.py says why)
+
 SMALL = ["--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
 # name: (script, ranks, slowed args, fixed args, scenario, ranks of the scenario)
 CASES = {
@@ -68,29 +71,29 @@ CASES = {
 _port = [29700 + os.getpid() % 200]
 
 
-GLOO_EXIT_ABORT = "terminate called without an active exception"
 
+def run_job(tmp: Path, script: str, nproc: int, args: list[str]) -> Path:
+    """One profiled torchrun job on CPU/gloo; returns its run directory. After torch's own abort at a rank's exit
+    (tests/torch_abort.py) it runs once more, into a new run directory."""
+    run_dir = None
 
-def run_job(tmp: Path, script: str, nproc: int, args: list[str], retry: bool = True) -> Path:
-    """One profiled torchrun job on CPU/gloo; returns its run directory."""
-    run_dir = create_run_dir(tmp / f"run{_port[0]}", {"test": script})
-    node_dir = create_node_dir(run_dir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                   "MASTER_", "TORCHELASTIC"))}
-    _port[0] += 1
-    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(_port[0]), DTPROF_NODE_DIR=str(node_dir),
-               DTPROF_CONFIG=json.dumps({"flush_interval_s": 0.2}),
-               PYTHONPATH=os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(_port[0]), str(REPO / "examples" / script), *args]
-    p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
-    if p.returncode != 0 and GLOO_EXIT_ABORT in p.stderr:
-        # torch's own abort at process exit after training (pytorch issue #190489; the examples destroy their process
-        # group, and it still happens): the same 3-rank DDP job aborted so in 3 of 32 runs without dtprof and 4 of 32
-        # under it (2026-11-24), so it is torch's, not dtprof's. Once more (a new run directory: the port differs)
-        return run_job(tmp, script, nproc, args, retry=False) if retry else _failed(script, args, p)
-    if p.returncode != 0:
+    def launch(_attempt: int) -> subprocess.CompletedProcess:
+        nonlocal run_dir
+        run_dir = create_run_dir(tmp / f"run{_port[0]}", {"test": script})
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                       "MASTER_", "TORCHELASTIC"))}
+        _port[0] += 1
+        env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(_port[0]), DTPROF_NODE_DIR=str(create_node_dir(run_dir)),
+                   DTPROF_CONFIG=json.dumps({"flush_interval_s": 0.2}),
+                   PYTHONPATH=os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+               str(_port[0]), str(REPO / "examples" / script), *args]
+        return subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+
+    p = once_more_on_exit_abort(launch)
+    if returncode(p) != 0:   # a second abort raises TorchExitAbort (a test that ran this runs again)
         _failed(script, args, p)
+    assert run_dir is not None
     return run_dir
 
 

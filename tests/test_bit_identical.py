@@ -14,7 +14,7 @@ import pytest
 import dtprof._inject
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
-from torch_abort import once_more_on_exit_abort
+from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +33,10 @@ def _run(tmp: Path, world: int, node_dir=None) -> dict:
         env["DTPROF_NODE_DIR"] = str(node_dir)
         env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 0.5})
         env["PYTHONPATH"] = os.pathsep.join([str(INJECT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    def launch(_attempt):
-        _port[0] += 1
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                               "--master_port", str(_port[0]), str(JOB)], env=env, cwd=tmp, capture_output=True,
-                              text=True, timeout=300)
-
-    # the bare reference run only (tests/torch_abort.py): the profiled run is never run twice, an abort there may be
-    # dtprof's
-    p = once_more_on_exit_abort(launch) if node_dir is None else launch(0)
-    assert p.returncode == 0, p.stderr[-3000:]
+    _port[0] += 1
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
+                        str(_port[0]), str(JOB)], env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert returncode(p) == 0, p.stderr[-3000:]
     out = {}
     for line in p.stdout.splitlines():
         parts = line.split()

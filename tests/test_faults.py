@@ -23,6 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from dtprof.cli import main
+from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
@@ -202,7 +203,7 @@ def test_full_disk_never_blocks_a_chatty_job(small_disk, tmp_path):
     (tmp_path / "job.py").write_text(CHATTY_JOB)
     proc = dtprof_run(["--out", small_disk / "r", "--no-nvml", "--", *TORCHRUN, "job.py"], cwd=tmp_path,
                       timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert returncode(proc) == 0, proc.stderr[-3000:]
     # Two ranks share the pipe and Python writes a line's text and its newline separately, so lines can
     # interleave: count each rank's numbered lines wherever they are.
     seen = set(re.findall(r"rank (\d) line (\d{5})", proc.stdout))
@@ -215,7 +216,7 @@ def test_full_disk_never_silences_a_quiet_job(small_disk, tmp_path):
     (tmp_path / "job.py").write_text(QUIET_JOB)
     proc = dtprof_run(["--out", small_disk / "r", "--no-nvml", "--", *TORCHRUN, "job.py"], cwd=tmp_path,
                       timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert returncode(proc) == 0, proc.stderr[-3000:]
     assert len(set(re.findall(r"rank (\d) loss (\d+)", proc.stdout))) == 30, proc.stdout[-2000:]
     assert "disk full" in proc.stderr and "Traceback" not in proc.stderr
     assert not list(small_disk.rglob("*.tmp"))

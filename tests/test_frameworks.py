@@ -27,7 +27,7 @@ from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from test_launcher_torchrun import free_port
-from torch_abort import GLOO_EXIT_ABORT
+from torch_abort import TorchExitAbort, returncode
 
 pytestmark = pytest.mark.slow
 
@@ -85,19 +85,14 @@ def job(command, tmp, profiled=True) -> Job:
     run_dir = tmp / "run" if profiled else None
     full = ([sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-nvml", "--no-report", "--"]
             if profiled else []) + [str(c) for c in command]
-    if profiled:
-        proc = _run(full, tmp)
-    else:
-        # The reference run only: torch's own teardown after training can abort (a rank leaving with gloo's threads
-        # alive, "terminate called without an active exception": pytorch issue #190489; 2 of ~10 bare framework
-        # runs of one fresh-clone CI run) or deadlock (the HF Trainer's rank 0 freeing DDP's reducer, whose
-        # ~ProcessGroupGloo joins a gloo worker that waits for the GIL to free an all-gather's tensors: 1 bare run
-        # of a fresh-clone CI run hung until the time-out). Either, after the final loss, is retried once. The
-        # profiled run is never retried: a failure there may be dtprof's
-        proc = _run(full, tmp, hang_after="final loss")
-        if proc.returncode is None or (proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr):
-            proc = _run(full, tmp, hang_after="final loss")
-    assert proc.returncode == 0, f"{full} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    # torch's own teardown after training can abort (tests/torch_abort.py) or deadlock (the HF Trainer's rank 0
+    # freeing DDP's reducer, whose ~ProcessGroupGloo joins a gloo worker that waits for the GIL to free a collective's
+    # saved state: 1 bare run of a fresh-clone CI run hung until the time-out); either, after the final loss, has
+    # pytest run the test again (TorchExitAbort)
+    proc = _run(full, tmp, hang_after="final loss")
+    if proc.returncode is None and "final loss" in proc.stdout:
+        raise TorchExitAbort(f"{full} hung in torch's teardown after its final loss\n{proc.stderr[-3000:]}")
+    assert returncode(proc) == 0, f"{full} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return Job(proc, run_dir)
 
 

@@ -25,6 +25,7 @@ from click.testing import CliRunner
 
 from dtprof.cli import main
 from dtprof.runformat import SUMMARY_DIR
+from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def real(tmp_path_factory):
                            "--trace-steps", "1:3", "--", sys.executable, "-m", "torch.distributed.run",
                            "--nproc_per_node=2", "--standalone", "job.py", "fr"], cwd=d, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert returncode(proc) == 0, proc.stderr[-3000:]
     node = next((d / "run").glob("node-*"))
     assert json.loads((node / "node.json").read_text())["post"]["compacted"], proc.stderr[-3000:]
     traces = d / "traces"

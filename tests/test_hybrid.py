@@ -16,7 +16,7 @@ import pytest
 from dtprof.analyzers import mesh as M
 from dtprof.analyzers.runmodel import RunModel, with_exit
 from scale_checks import assert_summaries_equal_raw
-from torch_abort import run_dir_once_more_on_exit_abort
+from torch_abort import returncode
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = dict(batch=2, seq=16, dim=32, layers=2, vocab=256, steps=3)
@@ -25,17 +25,13 @@ SLOW_RANK, SLOW_MS = 1, 200
 
 def _dtprof_run(out: Path, mode: str, *extra: str):
     s = SIZES
-
-    def launch(run_dir: Path) -> subprocess.CompletedProcess:
-        cmd = [str(Path(sys.executable).parent / "dtprof"), "run", "--out", str(run_dir), "--no-report", "--",
-               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-               str(REPO / "examples/train_hybrid.py"), "--mode", mode, "--steps", str(s["steps"]),
-               "--seq", str(s["seq"]), "--dim", str(s["dim"]), "--layers", str(s["layers"]),
-               "--vocab", str(s["vocab"]), *extra]
-        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-
-    p, out = run_dir_once_more_on_exit_abort(out, launch)
-    assert p.returncode == 0, p.stderr[-3000:]
+    cmd = [str(Path(sys.executable).parent / "dtprof"), "run", "--out", str(out), "--no-report", "--",
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(REPO / "examples/train_hybrid.py"), "--mode", mode, "--steps", str(s["steps"]),
+           "--seq", str(s["seq"]), "--dim", str(s["dim"]), "--layers", str(s["layers"]), "--vocab", str(s["vocab"]),
+           *extra]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert returncode(p) == 0, p.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in p.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == s["steps"]
     from dtprof.reader import open_run

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.cli import main
 from dtprof.reader import open_run
+from torch_abort import returncode
 
 # CI: <repo>/../shared; a worktree under /work/wt/<name>: two levels up.
 _REPO = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def traces(tmp_path_factory):
     out.mkdir()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                         str(d / "job.py"), str(out)], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert returncode(r) == 0, r.stderr[-2000:]
     return out
 
 

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from dtprof.cli import main
 from dtprof.reader import open_run
+from torch_abort import returncode
 
 JOB = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
@@ -40,7 +41,7 @@ def dumps(tmp_path_factory):
     out.mkdir()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                         str(d / "job.py"), str(out)], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert returncode(r) == 0, r.stderr[-2000:]
     return out
 
 

@@ -20,7 +20,7 @@ import pytest
 import dtprof._inject
 from dtprof.reader import open_run
 from scale_checks import assert_summaries_equal_raw
-from torch_abort import GLOO_EXIT_ABORT
+from torch_abort import TEARDOWN_ABORT, TorchExitAbort
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +58,10 @@ def dtprof_run_popen(args, cwd, env=None):
 
 
 def _two_launchers(d: Path):
-    """Two `dtprof run` launchers of one 2-node torchrun job in ``d``: (procs, results), or None when a rank hit
-    torch's exit abort (pytorch #190489: a rank aborts after destroy_process_group; the same abort hit 3 of 32 runs of
-    a 3-rank job without dtprof and 4 of 32 under it, 2026-11-24). The other node's agent then waits 300 s at
-    torchelastic's exit barrier, so the launchers are stopped (SIGTERM, which `dtprof run` passes on) as soon as a
-    node's stderr.log shows the abort."""
+    """Two `dtprof run` launchers of one 2-node torchrun job in ``d``: (procs, results). When a rank hits torch's exit
+    abort (tests/torch_abort.py) the other node's agent waits 300 s at torchelastic's exit barrier, so the launchers
+    are stopped (SIGTERM, which `dtprof run` passes on) as soon as a node's stderr.log shows the abort, and
+    ``TorchExitAbort`` has pytest run the test again."""
     (d / "worker.py").write_text(textwrap.dedent(WORKER))
     (d / "seen").mkdir()
     port = free_port()
@@ -73,23 +72,19 @@ def _two_launchers(d: Path):
     deadline = time.monotonic() + 180
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.5)
-        if any(GLOO_EXIT_ABORT in log.read_text(errors="replace") for log in d.glob("shared_run/node-*/stderr.log")):
+        if any(TEARDOWN_ABORT in log.read_text(errors="replace") for log in d.glob("shared_run/node-*/stderr.log")):
             for p in procs:
                 p.terminate()
             for p in procs:
                 p.communicate(timeout=60)
-            return None
+            raise TorchExitAbort(f"a rank of the 2-node job in {d} aborted in torch's teardown")
     return procs, [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
 
 
 @pytest.fixture(scope="module")
 def multinode(tmp_path_factory):
-    for _ in range(2):   # once more only after torch's known exit abort
-        d = tmp_path_factory.mktemp("multinode")
-        got = _two_launchers(d)
-        if got is not None:
-            return d, *got
-    pytest.fail("torch's exit abort in both attempts of the 2-node job")
+    d = tmp_path_factory.mktemp("multinode")
+    return d, *_two_launchers(d)
 
 
 def test_two_nodes_one_run(multinode):

@@ -16,7 +16,7 @@ import pytest
 import dtprof._inject
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
-from torch_abort import once_more_on_exit_abort
+from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
@@ -49,20 +49,10 @@ def _torchrun(script, args, nproc=2):
 
 def run_job(tmp, script, args, profiled=True, config=None, extra_env=None, nproc=2):
     """Run one torchrun job; returns (run_dir or None, loss lines, completed process)."""
-    run_dir = None
-
-    def launch(attempt):
-        nonlocal run_dir
-        node_dir = None
-        if profiled:
-            run_dir = create_run_dir(tmp / ("run" if attempt == 0 else "run-again"), {"test": script})
-            node_dir = create_node_dir(run_dir)
-        env = _env(node_dir, config, extra_env)
-        return subprocess.run(_torchrun(script, args, nproc), env=env, cwd=tmp, capture_output=True, text=True,
-                              timeout=180)
-
-    p = once_more_on_exit_abort(launch)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run_dir = create_run_dir(tmp / "run", {"test": script}) if profiled else None
+    env = _env(create_node_dir(run_dir) if profiled else None, config, extra_env)
+    p = subprocess.run(_torchrun(script, args, nproc), env=env, cwd=tmp, capture_output=True, text=True, timeout=180)
+    assert returncode(p) == 0, p.stderr[-3000:]
     return run_dir, _loss_lines(p.stdout), p
 
 
@@ -258,7 +248,7 @@ def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
     p = subprocess.run([sys.executable, "-m", "dtprof.cli", "run", "--out", "run", "--no-nvml", "--no-report", "--",
                         *_torchrun("train_ddp.py", SMALL)], env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert returncode(p) == 0, p.stderr[-3000:]
     assert _loss_lines(p.stdout) == bare_ddp
     run_dir = tmp_path / "run"
     (node,) = run_dir.glob("node-*")
@@ -313,7 +303,7 @@ def test_single_process_is_rank_zero_with_flop_count(tmp_path):
     env = _env(node_dir, {"count_flops": True})
     p = subprocess.run([sys.executable, str(EXAMPLES / "train_ddp.py"), *SMALL], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert returncode(p) == 0, p.stderr[-3000:]
     assert len(_loss_lines(p.stdout)) == STEPS
     run = open_run(run_dir)
     assert run.ranks["rank"].tolist() == [0] and run.ranks.world_size.tolist() == [1]
@@ -334,7 +324,7 @@ def test_trace_capture_window_is_a_meta_row(tmp_path):
     p = subprocess.run([sys.executable, str(EXAMPLES / "train_ddp.py"), *SMALL],
                        env=_env(node_dir, {"trace_steps": "1:3"}),
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert returncode(p) == 0, p.stderr[-3000:]
     # neither torch's "won't be using warmup" warning nor Kineto's profiler_start/stop lines reach the job's stderr
     assert not [ln for ln in p.stderr.splitlines() if "profiler" in ln.lower() or "warmup" in ln.lower()], p.stderr
     run = open_run(run_dir)
@@ -370,7 +360,7 @@ def test_users_own_ddp_comm_hook_is_wrapped_not_replaced(tmp_path):
     script.write_text(USER_HOOK_SCRIPT.format(port=_port[0]))
     p = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert returncode(p) == 0, p.stderr[-3000:]
     run = open_run(run_dir)
     b = run.collectives
     assert len(b) == 3 and (b.api == "ddp_bucket").all()

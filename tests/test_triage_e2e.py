@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from torch_abort import returncode
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 PLAIN = TESTS / "triage_jobs" / "plain_train.py"
@@ -70,6 +72,20 @@ def test_crash_attributed(tmp_path, mode, words):
         assert "plain_train.py:" in out["message"] and "heartbeat.py" not in out["message"], out["message"]
 
 
+def test_abort_in_teardown_is_told_apart_from_a_crash_in_training(tmp_path):
+    # torch's own exit abort (tests/torch_abort.py) ends a finished job with SIGABRT: triage must not report it as a
+    # crash "at step 8" of a training that in fact completed
+    proc, _ = dtprof_run(tmp_path / "r", "abort_at_exit", nproc=2)
+    assert proc.returncode not in (0, 124), proc.stderr[-2000:]
+    out = triage_json(tmp_path / "r")
+    assert out["verdict"] == "crash" and out["culprit_ranks"] == [1], out
+    assert "killed by SIGABRT during its process's exit, after its last step (7): its training had ended" \
+        in out["message"], out["message"]
+    assert "at step" not in out["message"], out["message"]
+    # the job's output shows libstdc++'s line, which torch's gloo teardown abort prints: its known cause is named
+    assert "torch's own teardown abort" in out["message"] and "pytorch issue #190489" in out["message"], out["message"]
+
+
 def test_a_job_that_fails_before_its_first_step_is_analysed_without_error(tmp_path):
     # the first thing a user meets when their script is broken: every command still answers (a run with no step
     # once crashed the node summary, the summary and the report with an IndexError)
@@ -99,7 +115,7 @@ def test_straggler_with_throttled_gpu_at_the_pynvml_boundary(tmp_path):
             "{'throttle': 0x40, 'sm_mhz': 900, 'temp_c': 92, 'power_mw': 180000}});"
             "from dtprof.cli import main; main()")
     proc, _ = dtprof_run(tmp_path / "r", "slow", "--nvml-interval", "0.05", boot=boot)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert returncode(proc) == 0, proc.stderr[-2000:]
     out = triage_json(tmp_path / "r")
     assert out["verdict"] == "straggler" and out["culprit_ranks"] == [1], out
     nv = next(e for e in out["evidence"] if e["kind"] == "nvml")
@@ -108,5 +124,5 @@ def test_straggler_with_throttled_gpu_at_the_pynvml_boundary(tmp_path):
 
 def test_healthy(tmp_path):
     proc, _ = dtprof_run(tmp_path / "r", "healthy")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert returncode(proc) == 0, proc.stderr[-2000:]
     assert triage_json(tmp_path / "r")["verdict"] == "healthy"

@@ -2,9 +2,11 @@
 
     torchrun --nproc_per_node=4 plain_train.py MODE [--culprit 1] [--steps 8] [--bad-step 3]
 
-MODE as in job.py: healthy | hang | raise | kill | mismatch | slow.
+MODE as in job.py: healthy | hang | raise | kill | mismatch | slow; abort_at_exit: the culprit trains to the end and
+is killed by SIGABRT in its interpreter's teardown, after its atexit hooks (as torch's own teardown abort is).
 """
 import argparse
+import ctypes
 import os
 import signal
 import time
@@ -38,6 +40,18 @@ class DataIter:
 
 
 data = DataIter()
+
+
+class AbortInTeardown:
+    # libstdc++'s std::terminate with no exception in flight: what a C++ thread in torch's teardown hits
+    terminate = ctypes.CDLL("libstdc++.so.6")._ZSt9terminatev
+
+    def __del__(self):   # runs when the interpreter clears __main__, after the atexit hooks
+        self.terminate()
+
+
+if args.mode == "abort_at_exit" and culprit:
+    teardown_bomb = AbortInTeardown()
 if args.mode == "raise_at_start" and culprit:   # before any step: its peers wait in step 0's first all-reduce
     raise RuntimeError("no such dataset")
 for step in range(args.steps):
