@@ -9,7 +9,8 @@ Identical configurations draw base and head from the same model; a slowdown mult
 
 Prints, at the default settings (the gate DEFAULT_GATES[0], its test and confidence), the false-alarm rate over
 identical configurations and the detection rate of a true 5 % slowdown, then a power curve over effect sizes for a
-few tolerances and both tests, which is how the defaults were chosen (docs/compare.md); then the same for the rows
+few tolerances and both tests, which is how the defaults were chosen (docs/compare.md); then several runs a side
+with a large run-to-run spread, with and without the run-level t interval; then the same for the rows
 beside the gate: how often identical configurations show a "what moved" part row or a machine-probe change, and
 how often a 5 % slowdown placed in backward lists backward first; last the whole decision as `dtprof compare`
 makes it (exit 0/1/3 with every row beside the gate) for identical configurations and a 5 % slowdown.
@@ -90,6 +91,29 @@ def synth_parts(rng: np.random.Generator, backward_effect: float = 0.0) -> dict:
             "stragglers": []}
 
 
+def pooled_fail_rate(run_sigma: float, runs: int, effect: float, trials: int, seed: int, confidence: float,
+                     run_level: bool = True) -> float:
+    """Share of comparisons of ``runs`` 40-step runs a side (this VM's fixture: tests/test_compare_real.py) failing
+    the default gate when identical configurations differ by ``run_sigma`` from run to run; ``run_level=False``
+    decides on the hierarchical bootstrap alone (without regression.run_level_interval), as before it existed."""
+    global RUN_SIGMA
+    saved, saved_fn = RUN_SIGMA, rg.run_level_interval
+    RUN_SIGMA = run_sigma
+    if not run_level:
+        rg.run_level_interval = lambda *a, **k: None   # the ablation: the bootstrap's own interval
+    try:
+        rng = np.random.default_rng(seed)
+        gate = rg.parse_gate(rg.DEFAULT_GATES[0])
+        fails = 0
+        for t in range(trials):
+            b = [summary(synth_steps(rng, n=40)) for _ in range(runs)]
+            h = [summary(synth_steps(rng, n=40, effect=effect)) for _ in range(runs)]
+            fails += rg.evaluate_gate(gate, b, h, confidence=confidence, n_boot=500, seed=t).verdict == rg.FAIL
+        return fails / trials
+    finally:
+        RUN_SIGMA, rg.run_level_interval = saved, saved_fn
+
+
 def part_rates(effect: float, trials: int, seed: int) -> tuple[float, float, float]:
     """(share of pairs with any part row, share whose first row is backward, share with the probe 'moved')."""
     rng = np.random.default_rng(seed)
@@ -139,6 +163,16 @@ def main() -> int:
         g = rg.parse_gate(f"steps.time_s.p50 < +{tol * 100:g}%")
         row = [fail_rate(g, e, 100, seed=100 + i, test=test, n_boot=300) for i, e in enumerate(effects)]
         print(f"{test:<10}{tol:>10.0%}  " + "".join(f"{r:>7.1%}" for r in row))
+    print("\nseveral runs a side on a machine whose runs differ a lot (run offset sigma 6 %, as this shared VM's "
+          "tests/test_compare_real.py runs), 40 steps a run, 400 comparisons per cell, 500 resamples")
+    print(f"{'runs a side':<12}{'confidence':>11}  {'identical: bootstrap alone':>27}  {'+ run-level t':>14}  "
+          f"{'+20 % caught':>13}")
+    pooled = {}
+    for k, conf in ((2, 0.90), (3, 0.90), (3, 0.99)):
+        pooled[k, conf] = [pooled_fail_rate(0.06, k, 0.0, 400, 11, conf, run_level=False),
+                           pooled_fail_rate(0.06, k, 0.0, 400, 11, conf),
+                           pooled_fail_rate(0.06, k, 0.20, 400, 12, conf)]
+        print(f"{k:<12}{conf:>11.0%}  " + "".join(f"{r:>{w}.1%}" for r, w in zip(pooled[k, conf], (27, 16, 15))))
     print(f"\nwhat-moved rows (parts beyond ±1 % of the step) and the machine probe (±{rg.PROBE_TOLERANCE:.0%}), "
           f"300 pairs, 500 resamples")
     null_rows, _, null_probe = part_rates(0.0, 300, seed=7)
@@ -154,6 +188,7 @@ def main() -> int:
     print(f"\n(runtime {time.perf_counter() - t0:.1f} s)")
     ok = (fa <= 0.01 and power >= 0.95 and null_rows <= 0.05 and null_probe <= 0.01 and bw_first >= 0.95
           and null[1] + null[3] <= 0.02 and slow[1] >= 0.95)
+    ok = ok and all(after <= before for before, after, _ in pooled.values()) and pooled[3, 0.99][1] <= 0.01
     print("PASS" if ok else "FAIL: the default settings miss a target")
     return 0 if ok else 1
 

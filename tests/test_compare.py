@@ -119,6 +119,32 @@ def test_pooling_several_runs_widens_the_interval_by_their_spread():
     assert (hi_pool - lo_pool) > 1.5 * (hi_one - lo_one)
 
 
+def test_three_runs_a_side_are_not_taken_for_many(monkeypatch):
+    # The per-run medians of identical configurations in a CI run of tests/test_compare_real.py on the shared VM
+    # (ms): base 31.0, 27.9, 30.1; head 31.1, 32.1, 36.0. Resampling three runs saw too little of their spread, and
+    # the default gate failed them (+8 %, interval wholly above +2 %); Student's t over the runs widens it.
+    b = [steps(n=40, median_s=m, jitter=0.03, seed=i) for i, m in enumerate((0.0310, 0.0279, 0.0301))]
+    h = [steps(n=40, median_s=m, jitter=0.03, seed=10 + i) for i, m in enumerate((0.0311, 0.0321, 0.0360))]
+    gate = rg.parse_gate(rg.DEFAULT_GATES[0])
+    res = rg.evaluate_gate(gate, [summary(x) for x in b], [summary(x) for x in h])
+    assert res.verdict == rg.PASS and res.change > 0.02, (res.change, res.ci)
+    monkeypatch.setattr(rg, "run_level_interval", lambda *a, **k: None)
+    alone = rg.evaluate_gate(gate, [summary(x) for x in b], [summary(x) for x in h])
+    assert alone.verdict == rg.FAIL and alone.ci[0] > res.ci[0]
+
+
+def test_run_level_interval_is_students_t_over_the_runs():
+    assert rg._t_ppf(0.95, 4) == pytest.approx(2.1318, abs=1e-4)       # tables: t(0.95, 4), t(0.975, 10), Cauchy
+    assert rg._t_ppf(0.975, 10) == pytest.approx(2.2281, abs=1e-4)
+    assert rg._t_ppf(0.95, 1) == pytest.approx(6.3138, abs=1e-4)
+    b = [np.full(30, v) for v in (1.0, 2.0, 3.0)]
+    h = [np.full(30, v) for v in (2.0, 3.0, 4.0)]
+    lo, hi = rg.run_level_interval(b, h, 0.5, 0.90, log=False)
+    half = rg._t_ppf(0.95, 4) * np.sqrt((2 + 2) / 4 * (1 / 3 + 1 / 3))   # pooled variance 1, df 4
+    assert (lo, hi) == pytest.approx((1.0 - half, 1.0 + half))
+    assert rg.run_level_interval([b[0]], [h[0]], 0.5, 0.90, log=True) is None   # one run a side: no spread to see
+
+
 def test_block_bootstrap_covers_a_drifting_series_better_than_iid():
     rng = np.random.default_rng(0)
     hits = {1: 0, None: 0}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_abort import run_dir_once_more_on_exit_abort
+from torch_abort import returncode
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -56,15 +56,10 @@ MODEL = ("--dim", 128, "--seq", 64)
 
 
 def record(out: Path, *train_args, nproc: int = 2) -> Path:
-    """A run recorded into ``out``, or, after torch's own abort at a rank's exit (tests/torch_abort.py), once more
-    into a fresh directory beside it: the directory the run is in."""
-    def launch(run_dir: Path) -> subprocess.CompletedProcess:
-        return dtprof("run", "--out", run_dir, "--no-report", "--", sys.executable, "-m", "torch.distributed.run",
-                      f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args,
-                      check=False)
-
-    p, out = run_dir_once_more_on_exit_abort(out, launch)
-    if p.returncode != 0:
+    """A run recorded into ``out``."""
+    p = dtprof("run", "--out", out, "--no-report", "--", sys.executable, "-m", "torch.distributed.run",
+               f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args, check=False)
+    if returncode(p) != 0:
         raise AssertionError(f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return out
 
@@ -77,7 +72,8 @@ def p50_s(run: Path) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three runs a side, recorded in turn (base, same, slow, base, ...), pooled as a CI job should pool them.
+    """Three runs a side, recorded in turn (base, same, slow, same, base, slow, ...), pooled as a CI job should pool
+    them.
 
     This machine (a 2-core VM) has a run-to-run spread of the median step time of about ±6 % (measured: 30-36 ms
     for one configuration, 34-41 ms on another day), so a ~10 % slowdown is at its noise floor: with three runs a
@@ -95,9 +91,13 @@ def runs(tmp_path_factory):
     slow_ms = max(1, round(SLOWDOWN * p50_s(base0) * 1e3))   # a share of a step, every step, on rank 1
     base, same, slow = [base0], [], []
     for i in range(N_RUNS):
-        if i:
+        if i % 2:   # 'same' first in every other pair, so that neither side is always the later run of a pair
+            same.append(record(root / f"same{i}"))
             base.append(record(root / f"base{i}"))
-        same.append(record(root / f"same{i}"))
+        else:
+            if i:
+                base.append(record(root / f"base{i}"))
+            same.append(record(root / f"same{i}"))
         if i == N_RUNS - 1:   # right after the last 'same' run: the machine's other load is as alike as it gets
             hog = record_while_hogged(root / "hog")
         slow.append(record(root / f"slow{i}", "--slow-rank", 1, "--slow-ms", slow_ms, "--slow-in", "backward"))
@@ -135,7 +135,13 @@ def machine_changed(d: dict) -> bool:
 
 
 def test_two_runs_of_one_configuration_pass(runs):
-    code, d = compare_json(*runs["base"], "--head", *runs["same"])
+    # This VM's run-to-run spread of the median step (per-run p50 27.9-36.2 ms in four fixtures, a sigma of ~6-8 %)
+    # is over ten times the 0.5 % the default 90 % interval was tuned for (docs/compare.md): there even the honest
+    # run-level interval fails identical configurations in ~3 % of comparisons (benchmarks/gate_power.py's model
+    # at sigma 7 %, three 40-step runs a side: 2.8 % of 400), and CI once failed here at +8.0 % on the bootstrap
+    # alone. So this test decides at 99 %, as the docs advise on such a machine (0 of those 400 failed); the
+    # slowdown tests below keep the default confidence.
+    code, d = compare_json(*runs["base"], "--head", *runs["same"], "--confidence", 0.99)
     assert code == 0 or machine_changed(d), d
     assert d["gates"][0]["key"] == "steps.time_s.p50" and d["gates"][0]["verdict"] == "pass"
     assert d["identity"] == []          # same command, script, world size and devices
