@@ -34,6 +34,7 @@ from plotly.subplots import make_subplots
 
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
+from dtprof.reports.html import fmt_bytes
 from dtprof.schema import COMPUTE_KINDS
 
 MAX_HEATMAP_COLS = 250
@@ -317,17 +318,6 @@ def timeline_ranks(ctx: Context) -> list[int]:
     return sorted(set(chosen))[:MAX_TIMELINE_RANKS]
 
 
-def _fmt_bytes(b) -> str:
-    if b is None or pd.isna(b):
-        return "–"
-    b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
-            break
-        b /= 1024
-    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-
-
 def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int]]:
     """Per-rank lanes (compute and communication rows) for a window of steps, zoomable, with hover details."""
     window = timeline_window(ctx)
@@ -371,7 +361,7 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
         "name": [esc(a) for a in co["api"].astype(str)], "op": op.to_numpy(),
         "group": [esc(g) + (f" → rank {p}" if not pd.isna(p) else "") for g, p in zip(co["group"].astype(str),
                                                                                       co["peer"])],
-        "bytes": [_fmt_bytes(max(i, o)) for i, o in zip(co["in_bytes"], co["out_bytes"])],
+        "bytes": [fmt_bytes(max(i, o)) for i, o in zip(co["in_bytes"], co["out_bytes"])],
         "label": "",
     })
     bars = pd.concat([spans, colls], ignore_index=True)

@@ -121,6 +121,20 @@ def fmt_frac(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * float(x):.1f} %"
 
 
+def fmt_bytes(b) -> str:
+    try:
+        b = float(b)
+    except TypeError:   # None, pd.NA
+        return "–"
+    if math.isnan(b):
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            break
+        b /= 1024
+    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+
+
 def fmt_rate(x, unit: str) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
@@ -133,6 +147,31 @@ def fmt_rate(x, unit: str) -> str:
 
 def fmt_value(x, kind: str, unit: str = "") -> str:
     return {"frac": fmt_frac, "s": fmt_s}.get(kind, lambda v: fmt_rate(v, unit))(x)
+
+
+def fmt_evidence(evidence) -> str:
+    """A finding's evidence (the numbers that triggered it, keyed as in summary.json's findings) as "key value"
+    pairs, each in its key's unit: a ``frac`` a percentage, ``*_s`` and ``*s_per_step`` a time, ``*_bytes`` bytes."""
+    def value(key: str, v) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} {value(key, x)}" for k, x in v.items()) + "}"
+        if isinstance(v, (list, tuple)):
+            return ", ".join(value(key, x) for x in v) if v else "none"
+        if v is None:
+            return "n/a"
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v)
+        if "frac" in key.split("_"):
+            return fmt_frac(v)
+        if key.endswith(("_s", "s_per_step")):
+            return fmt_s(v)
+        if key.endswith("_bytes"):
+            return fmt_bytes(v)
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    if not isinstance(evidence, dict):
+        return str(evidence)
+    return " · ".join(f"{k} {value(k, v)}" for k, v in evidence.items())
 
 
 def json_for_script(obj_json: str) -> str:
@@ -235,7 +274,12 @@ def _header(run, summary: dict) -> str:
     versions: dict[str, object] = {}
     for n in run.nodes:
         versions.update(n.get("versions") or {})
-    ver_text = " · ".join(f"{esc(k)} {esc(v)}" for k, v in versions.items()) or "not recorded"
+    # a version the run could not read is shown with the launcher's reason (``<name>_reason``), not as "None"
+    def version(k: str, v) -> str:
+        why = versions.get(f"{k}_reason")
+        return f"{esc(k)} {esc(v)}" if v is not None else f"{esc(k)} n/a" + (f" ({esc(why)})" if why else "")
+
+    ver_text = " · ".join(version(k, v) for k, v in versions.items() if not k.endswith("_reason")) or "not recorded"
     duration = srun.get("duration_s")
     duration_text = fmt_s(duration) if duration is not None else f"n/a ({srun.get('duration_s_reason') or 'unknown'})"
     started = srun.get("start_time") or ""
@@ -332,7 +376,7 @@ def _findings(findings: list, anchors: set) -> str:
         chart = f.get("chart") or ""   # a section id of SECTIONS
         link = (f' <a href="#{esc(chart)}" class="evidence-link">show the evidence</a>' if chart in anchors
                 else "")
-        ev = f'<div class="evidence">Evidence: {esc(f.get("evidence"))}</div>' if f.get("evidence") else ""
+        ev = f'<div class="evidence">Evidence: {esc(fmt_evidence(f["evidence"]))}</div>' if f.get("evidence") else ""
         rec = f'<div class="rec">What to do: {esc(f.get("recommendation"))}</div>' if f.get("recommendation") else ""
         about = " · ".join(x for x in (f"part: {esc(f['part'])}" if f.get("part") else "",
                                        f"mesh dimension: {esc(f['dim'])}" if f.get("dim") else "") if x)
@@ -517,7 +561,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
         body = _table(per_dim, [
             ("dim", "mesh dimension", None), ("comm_s_per_step", "communication / step", fmt_s),
             ("exposed_comm_s_per_step", "exposed communication / step", fmt_s),
-            ("bytes_per_step", "bytes / step", F._fmt_bytes)],
+            ("bytes_per_step", "bytes / step", fmt_bytes)],
             20, "mesh dimensions")
         if len(pipes):
             body += "<h3>Pipeline groups</h3>" + _table(pipes, [

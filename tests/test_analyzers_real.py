@@ -16,6 +16,7 @@ from breakdown_checks import assert_breakdown_adds_up
 from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import analyze
 from scale_checks import assert_summaries_equal_raw
+from torch_abort import returncode
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -39,7 +40,7 @@ def _dtprof_run(out: Path, script: str, *args: str, opts=()) -> Path:
            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(EXAMPLES / script), *args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, f"dtprof run failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    assert returncode(p) == 0, f"dtprof run failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     return out
 
 
@@ -215,3 +216,19 @@ def test_ddp_and_pipeline_analysed_from_node_summaries_equal_raw(plain_ddp, gpip
     assert_summaries_equal_raw(plain_ddp)
     s = assert_summaries_equal_raw(gpipe)
     assert s["pipeline"] is not None and s["breakdown"]["pipeline_ranks"] == [0, 1]
+
+
+def test_report_header_gives_the_reason_for_a_version_not_read(plain_ddp, tmp_path):
+    # a CPU job records no NCCL version, and the launcher says why: the report's header shows "nccl n/a (why)",
+    # not "nccl None · nccl_reason ..."
+    import re
+
+    from dtprof.reader import open_run
+    from dtprof.reports.html import write_report
+
+    versions = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())["versions"]
+    assert versions["nccl"] is None and versions["nccl_reason"], versions
+    html = write_report(plain_ddp, tmp_path / "report.html", analyze(open_run(plain_ddp)), progress=False).read_text()
+    header = re.search(r"<dt>versions</dt><dd>(.*?)</dd>", html).group(1)
+    assert "nccl_reason" not in header and "None" not in header, header
+    assert "nccl n/a (no nvidia-nccl wheel installed" in header and f"torch {versions['torch']}" in header, header

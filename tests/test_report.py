@@ -163,6 +163,23 @@ def test_findings_most_severe_first_and_link_to_drawn_evidence(pipeline_page, re
         assert target.query_selector("div.chart[data-drawn='1'], table.data"), f"{anchor} shows no evidence"
 
 
+def test_findings_evidence_reads_in_units_not_as_a_python_dict(pipeline_page, reports):
+    # each finding's evidence as "key value" pairs in their units (it once showed the dict's repr with 17 digits)
+    texts = pipeline_page.page.eval_on_selector_all("ol.findings li div.evidence", "els => els.map(e => e.innerText)")
+    analysis = reports["pipeline"][1]
+    with_evidence = [f for f in sorted(analysis.findings, key=lambda f: H.SEVERITY_ORDER[f["severity"]])
+                     if f.get("evidence")]
+    assert len(texts) == len(with_evidence) > 0
+    for text, f in zip(texts, with_evidence):
+        assert "{'" not in text and "'}" not in text, text
+        for key, value in f["evidence"].items():
+            assert key in text, (key, text)
+            if "frac" in key.split("_") and isinstance(value, float):
+                assert f"{key} {100 * value:.1f} %" in text, (key, value, text)
+            elif key.endswith("_s") and isinstance(value, float):
+                assert f"{key} {H.fmt_s(value)}" in text, (key, value, text)
+
+
 @pytest.mark.browser
 def test_timeline_hover_names_op_group_bytes_and_duration(pipeline_page):
     page = pipeline_page.page
