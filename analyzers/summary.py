@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -307,6 +308,12 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         ns = nodesummary_mod.of_run(run, model)
         # the views below read only these spans (the Analysis keeps the whole model for the renderers)
         spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
+    # The per-instance reductions run in DuckDB, which releases the GIL: one after the other (one query's working
+    # memory at a time), beside the pandas work below
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dtprof-reduce")
+    arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
+    instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
+    pool.shutdown(wait=False)
     ov = ns.overlap()
     # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
     # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
@@ -332,11 +339,11 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     _label_step_inputs(step_block, run.meta)
 
     clk = model.clock
-    say("collective arrivals and stragglers")
-    arr, rows_per_rank = strag_mod.arrivals(model, ns.arrival_parts, ns.arrival_counts)
     say("what-if replay")
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
     wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
+    say("collective arrivals and stragglers")
+    arr, rows_per_rank = arrivals_done.result()
     strag = strag_mod.classify(run, arr, rows_per_rank, steps, step_block["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None, wi.typical_cpu_wait if wi else None)
@@ -346,7 +353,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
     say("collective bandwidth")
-    inst = coll_mod.instances_of(ns.instance_rows, model.measured_steps)
+    inst = instances_done.result()
     coll = coll_mod.collective_table(model, inst[inst["window"] == "measured"])
     coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
     coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])

@@ -36,6 +36,7 @@ ops) on the same engine, so there is one replay and one place where its semantic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -81,6 +82,11 @@ class StepGraph:
     # wait items: the instance's transfer at its group's link peak bus bandwidth (ns), -1 where no peak is known
     peak_lag: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     link_peaks: dict = field(default_factory=dict)     # group -> (link peak GB/s or None, why)
+
+    @cached_property
+    def latest_arrivals(self) -> _MaxBy:
+        """The ARRIVE items' grouping by key for ``relax``: made once per model, every scenario replays it."""
+        return _MaxBy(self.key[self.kind == ARRIVE], self.n_keys)
 
 
 @dataclass
@@ -387,10 +393,8 @@ def replay(g: StepGraph, dur: np.ndarray | None = None, lag: np.ndarray | None =
     """Replay the model with work durations ``dur`` and transfers ``lag`` (default: as measured). None when the
     dependencies do not settle (a cycle: the recorded order contradicts the matching)."""
     off = g.windows["offset_ns"].to_numpy(np.int64)
-    if "_latest" not in g.__dict__:   # the arrivals' grouping, made once per model (every scenario replays it)
-        g.__dict__["_latest"] = _MaxBy(g.key[g.kind == ARRIVE], g.n_keys)
     out = relax(g.win, g.kind, g.dur if dur is None else dur, g.key, g.lag if lag is None else lag, off, g.n_keys,
-                g.__dict__["_latest"])
+                g.latest_arrivals)
     if out is None:
         return None
     t, slack, last = out

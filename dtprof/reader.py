@@ -390,6 +390,30 @@ def _read_tables_at_once(node_dirs: list[Path], table: str):
         return None
 
 
+def _prefaulted_empty(n: int, dtype: str):
+    """``np.empty(n, dtype)``, its memory mapped by the kernel at once (MAP_POPULATE, Linux) when it is large.
+
+    Why: numpy asks for transparent huge pages for large arrays, and where the kernel must first compact memory to
+    find them a first touch costs up to ~2.2 s per GiB (measured on the 2-core VM: 0.11-2.23 s for 1 GiB), against
+    ~0.35 s populated in 4 KiB pages. At 16,384 ranks × 1,000 steps the rank-steps' 3.7 GiB read 3-7 s faster so in
+    six interleaved runs (docs/scale.md)."""
+    import mmap
+
+    import numpy as np
+
+    size = n * np.dtype(dtype).itemsize
+    if size < PREFAULT_BYTES or not hasattr(mmap, "MAP_POPULATE"):
+        return np.empty(n, dtype)
+    try:
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    except OSError:   # the kernel refused the mapping (a memory limit): numpy's own allocation says it its way
+        return np.empty(n, dtype)
+    return np.frombuffer(buf, dtype)   # writable (a private mapping); the array keeps the mapping alive
+
+
+PREFAULT_BYTES = 64 << 20   # below this a first touch costs little either way
+
+
 def _frame_in_batches(rel, n: int | None, dtypes: dict):
     """The ``n`` rows of the DuckDB relation ``rel`` as a DataFrame of ``dtypes``, read in record batches into
     columns made once: the result, an Arrow copy and the frame are never all held at once (at 16.4 M rank-steps
@@ -401,7 +425,7 @@ def _frame_in_batches(rel, n: int | None, dtypes: dict):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numeric: dict[str, Any] = {c: (np.empty(n, t) if n is not None else []) for c, t in dtypes.items()
+    numeric: dict[str, Any] = {c: (_prefaulted_empty(n, t) if n is not None else []) for c, t in dtypes.items()
                                if t in ("int64", "float64")}
     text: dict = {c: [] for c in dtypes if c not in numeric}
     pos = 0
@@ -418,7 +442,8 @@ def _frame_in_batches(rel, n: int | None, dtypes: dict):
             parts.append(pc.dictionary_encode(col) if dtypes[c] == "category" else col)
         pos += k
     if n is None:
-        numeric = {c: (np.concatenate(parts) if parts else np.empty(0, dtypes[c])) for c, parts in numeric.items()}
+        numeric = {c: np.concatenate(parts, out=_prefaulted_empty(sum(map(len, parts)), dtypes[c])) if parts
+                   else np.empty(0, dtypes[c]) for c, parts in numeric.items()}
     elif pos != n:   # the files changed between the count and the read
         raise RunFormatError(f"read {pos} rows where the files held {n}")
     cols = {c: (numeric[c] if c in numeric else
