@@ -91,18 +91,26 @@ def test_unslowed_job_beside_a_cpu_hog_names_no_persistent_straggler(tmp_path):
     from what_if_accuracy import SMALL, run_job
 
     from dtprof.analyzers.summary import analyze
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(min(os.sched_getaffinity(0)))])]
-    try:
-        run_dir = run_job(tmp_path, "train_ddp.py", 2, ["--steps", "30"] + SMALL)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-    s = analyze(run_dir).summary
-    named = [x for x in s["stragglers"] if x["kind"] == "persistent"]
-    assert named == [], [(x["rank"], x["reason"], x["saving_frac_median"]) for x in named]
-    # the job really was short of CPU, so the outcome above is not vacuous, and the user is told why the steps are
-    # slow: beside this one hog the ranks waited for a CPU 20-43 % of the step in 12 runs on the dev machine (none
-    # naming a rank), against 6.2 % in two runs of the same job on the quiet machine (asserted: over 12 %, between)
-    assert s["cpu_wait"]["ranks"] == 2 and s["cpu_wait"]["frac_of_step"] > 0.12, s["cpu_wait"]
+    # The job must really be short of CPU, so that the outcome is not vacuous, and the user must be told why the steps
+    # are slow: beside this one hog the ranks waited for a CPU 20-43 % of the step in 12 runs on the dev machine (none
+    # naming a rank), against 6.2 % in two runs of the same job on the quiet machine (asserted: over 12 %, between).
+    # Whether the hog contends is this shared machine's doing, not dtprof's: twice in CI, with other jobs running,
+    # the ranks waited for a CPU only 9.5 % of the step. So the job is recorded again, at most three times,
+    # until the hog contended; no run, contended or not, may name a rank.
+    waits = []
+    for _ in range(3):
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(min(os.sched_getaffinity(0)))])]
+        try:
+            run_dir = run_job(tmp_path, "train_ddp.py", 2, ["--steps", "30"] + SMALL)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        s = analyze(run_dir).summary
+        named = [x for x in s["stragglers"] if x["kind"] == "persistent"]
+        assert named == [], [(x["rank"], x["reason"], x["saving_frac_median"]) for x in named]
+        waits.append(s["cpu_wait"])
+        if s["cpu_wait"]["ranks"] == 2 and s["cpu_wait"]["frac_of_step"] > 0.12:
+            break
+    assert s["cpu_wait"]["ranks"] == 2 and s["cpu_wait"]["frac_of_step"] > 0.12, waits
     assert any(f["id"] == "cpu_contention" for f in s["findings"]), s["findings"]
