@@ -31,6 +31,7 @@ What is visible from Python (torch-facts "What each parallel style sends through
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -325,9 +326,19 @@ def _in_flight(row: Collective, entered_ns: int) -> dict:
             "peer": row.peer, "entered_ns": entered_ns}
 
 
-def add_pending(key, work, rows) -> None:
-    """Hold ``rows`` until ``complete(key, t)`` (or expiry) gives them their end time."""
-    rt.STATE.pending[key] = (work, rows, rows[0].issue_ns)
+# Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
+# are ``id()``s, which Python reuses once an object is freed: a callback that waited for the GIL while the main
+# thread completed its entry (complete_ddp) and issued the next step's bucket, whose future got the freed one's id,
+# once gave that new bucket the old one's end, 40 ms before its peers arrived (a what-if replay 71 % off that step).
+_entry_numbers = itertools.count()
+
+
+def add_pending(key, work, rows) -> int:
+    """Hold ``rows`` until ``complete(key, t)`` (or expiry) gives them their end time; returns the entry's number
+    for a completion callback (``complete(key, t, entry)``)."""
+    entry = next(_entry_numbers)
+    rt.STATE.pending[key] = (work, rows, rows[0].issue_ns, entry)
+    return entry
 
 
 def pending_rows(key):
@@ -335,10 +346,14 @@ def pending_rows(key):
     return None if item is None else item[1]
 
 
-def complete(key, t) -> None:
-    """First completion of an async work wins (future callback thread or main thread's wait())."""
+def complete(key, t, entry: int | None = None) -> None:
+    """First completion of an async work wins (future callback thread or main thread's wait()). ``entry``: the
+    pending entry a callback was made for; another entry under the same key is left pending."""
     rec = rt.STATE
     item = rec.pending.pop(key, None)
+    if item is not None and entry is not None and item[3] != entry:
+        rec.pending.setdefault(key, item)   # a later op's, whose key reuses a freed object's id
+        return
     if item is not None:
         rows = [_with_end(r, t) for r in item[1]]
         if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(rec.timed) < MAX_TIMED:
@@ -355,17 +370,17 @@ def complete_ddp(t: int) -> None:
     step's bucket was once written with no end)."""
     # list() copies the table at once (the backend's thread may complete an item meanwhile); complete() is then a
     # no-op for it: the first completion wins
-    for key, (_, rows, _) in list(rt.STATE.pending.items()):
-        if rows[0].source == "ddp":
+    for key, item in list(rt.STATE.pending.items()):
+        if item[1][0].source == "ddp":
             complete(key, t)
 
 
-def _done(key, _fut) -> None:
-    """A future's completion callback (bound to ``key`` with functools.partial: cheaper to make than a closure).
-    It runs in the backend's thread, where an exception would be printed into the job's output
-    (add_done_callback, unlike then(), has no child future to hold it)."""
+def _done(key, entry, _fut) -> None:
+    """A future's completion callback (bound to ``key`` and its pending ``entry`` with functools.partial: cheaper to
+    make than a closure). It runs in the backend's thread, where an exception would be printed into the job's
+    output (add_done_callback, unlike then(), has no child future to hold it)."""
     try:
-        complete(key, now())
+        complete(key, now(), entry)
     except Exception:
         rt.STATE.fault("collective completion")
 
@@ -404,13 +419,13 @@ def call_recorded(fn, *args, **kwargs):
 def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
-    add_pending(key, work, rows)
+    entry = add_pending(key, work, rows)
     try:
         fut = work.get_future()
     except RuntimeError:       # gloo point-to-point: "Work::getFuture not implemented"
         return
     # add_done_callback: no child future to build (then() costs ~3x as much on the training thread)
-    fut.add_done_callback(partial(_done, key))
+    fut.add_done_callback(partial(_done, key, entry))
 
 
 def expire_pending(all_=False) -> None:
@@ -610,8 +625,7 @@ def _wrap_comm_hook(hook):
                 row = _make_row("all_reduce", "ddp_bucket", "ddp", _where("all_reduce", pg, None), b, b, _dtype(buf),
                                 None, True, issue, now(), bucket=ctx[0])
                 key = id(fut)
-                add_pending(key, fut, [row])
-                fut.add_done_callback(partial(_done, key))
+                fut.add_done_callback(partial(_done, key, add_pending(key, fut, [row])))
                 if ctx[1]:
                     rec.ddp_last_issue_ns = issue
         except Exception:

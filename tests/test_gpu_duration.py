@@ -1,4 +1,5 @@
-"""GPU-side collective durations: the flusher reads NCCL's Work._get_duration() once the GPU has finished the work.
+"""The pending table of async collectives: GPU-side durations (the flusher reads NCCL's Work._get_duration() once
+the GPU has finished the work) and completions that arrive late.
 
 A CUDA/NCCL Work is what this machine cannot have, so a stand-in with the same method stands at that boundary; the
 rest (pending table, completion, flusher retries, rows in the run) is the real code. The real NCCL path is part of
@@ -6,6 +7,7 @@ the GPU validation (docs/validation.md)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dtprof.collectors import hooks_collectives as hc
 from dtprof.collectors import runtime as rt
@@ -27,6 +29,16 @@ class NcclWorkStandIn:
         return self.ms
 
 
+class FutureWork:
+    """A c10d Work as the collector sees it: its completion is a real torch Future."""
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def get_future(self):
+        return self.fut
+
+
 @pytest.fixture
 def writer(tmp_path, monkeypatch):
     create_run_dir(tmp_path / "run", {"command": ["test"]})
@@ -40,8 +52,8 @@ def writer(tmp_path, monkeypatch):
     rt.STATE.timed.clear()
 
 
-def _row(seq):
-    return Collective(rank=0, step=0, op="all_reduce", api="all_reduce", source="user", group="0", group_size=2,
+def _row(seq, source="user"):
+    return Collective(rank=0, step=0, op="all_reduce", api="all_reduce", source=source, group="0", group_size=2,
                       seq=seq, in_bytes=64, out_bytes=64, dtype="float32", peer=None, async_op=True, issue_ns=1000,
                       return_ns=1100, end_ns=None, gpu_duration_ns=None, bucket=None, stage=None, microbatch=None)
 
@@ -74,3 +86,23 @@ def test_rows_wait_for_their_duration_but_exit_writes_them(writer):
     hc.resolve_gpu_durations(final=True)                  # the flusher at exit
     w.flush()
     assert len(open_run(run_dir).collectives) == 1
+
+
+def test_a_late_completion_callback_does_not_end_the_op_that_reused_its_key(writer):
+    # An async op's future completes; its callback waits for the GIL while the main thread ends the backward
+    # (complete_ddp) and issues the next op, whose new object can get the freed one's id, the pending key. The old
+    # callback must not give the new op its end (it did: a DDP bucket ended 40 ms before its peers arrived)
+    w, run_dir = writer
+    fut = torch.futures.Future()
+    work = FutureWork(fut)
+    hc._track(work, [_row(0, "ddp")])                  # as a collective's wrapper registers it
+    key = id(work)
+    hc.complete_ddp(1500)                              # the main thread, at the end of the backward
+    hc.add_pending(key, NcclWorkStandIn(ready_after=0, ms=0), [_row(1, "ddp")])   # the next op, same key
+    fut.set_result(None)                               # the old callback runs now, late
+    assert hc.pending_rows(key) == [_row(1, "ddp")]    # the new op is still in flight
+    hc.complete(key, 9000)
+    hc.resolve_gpu_durations(final=True)
+    w.flush()
+    c = open_run(run_dir).collectives.set_index("seq")
+    assert c.loc[0, "end_ns"] == 1500 and c.loc[1, "end_ns"] == 9000
