@@ -38,10 +38,12 @@ TARGET_GLOBAL_S, TARGET_GLOBAL_GIB, TARGET_NODE_S = 60.0, 8.0, 2.0
 # run in a fresh interpreter: time and peak RSS of one step alone (ru_maxrss: KiB on Linux)
 MEASURE = """
 import json, resource, sys, time
+from dtprof.allocator import keep_freed_memory
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.summarize import summarize_node
 what, path = sys.argv[1], sys.argv[2]
+keep_freed_memory()   # as every dtprof command's process does (dtprof/cli.py)
 t0 = time.perf_counter()   # after the imports: a launcher or a worker has them loaded already
 if what == "node":
     summarize_node(path)

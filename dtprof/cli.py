@@ -10,6 +10,8 @@ import importlib
 
 import click
 
+from dtprof.allocator import keep_freed_memory
+
 
 class InputError(click.ClickException):
     """Bad usage or unreadable input: one line on stderr naming the file and the problem, exit code 2. Every verb
@@ -56,6 +58,8 @@ def main():
     dtprof compare BASE --head HEAD                      CI regression gate (exit 1 on regression)
     dtprof triage RUN_DIR                                which rank hung or crashed, and why
     """
+    # dtprof's own process (the launcher's children, the training job, exec afresh and are not affected)
+    keep_freed_memory()
 
 
 if __name__ == "__main__":
