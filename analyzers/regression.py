@@ -34,6 +34,7 @@ tolerance and confidence were chosen from the power curves of ``benchmarks/gate_
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -266,6 +267,7 @@ def run_level_interval(base_runs: Sequence[np.ndarray], head_runs: Sequence[np.n
     return d - half, d + half
 
 
+@functools.lru_cache(maxsize=64)   # the same (confidence, df) for the gate and every part row of a comparison
 def _t_ppf(p: float, df: int) -> float:
     """Inverse CDF of Student's t with ``df`` degrees of freedom, for p > 0.5 (bisection on the CDF, its density
     integrated by Simpson's rule; |error| < 1e-6 for df >= 1); numpy only, no scipy."""

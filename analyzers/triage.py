@@ -378,7 +378,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
 
     def last_step(r):
         """The last step a rank recorded ('?' for none)."""
-        done = rank_steps().loc[rank_steps()["rank"] == r, "step"] if run is not None and len(rank_steps()) else []
+        rs = rank_steps() if run is not None else None
+        done = rs.loc[rs["rank"] == r, "step"] if rs is not None and len(rs) else []
         return int(done.max()) if len(done) else "?"
 
     def step_of(r):
