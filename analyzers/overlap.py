@@ -18,7 +18,8 @@ breakdown) plus collectives whose source is ``kineto``; comm_wait is not subtrac
 do not stop the GPU). Every other rank-step uses the hook spans. The ``level`` column says which was used.
 
 Intervals are attributed to the rank's step whose window holds their start and clipped to that window; intervals
-starting outside every step (before step 0, after the last) are counted in ``unassigned``.
+starting outside every step (before step 0, after the last) and outside every ``evaluation`` span (whose data
+waits and collectives belong to the evaluation) are counted in ``unassigned``.
 
 Whole-run figures are time-weighted over the measured steps: ratio = Σ overlap / Σ comm,
 exposed fraction = Σ exposed / Σ step duration.
@@ -73,6 +74,19 @@ def _not_input(sp_win, sp_start, is_pp, co_win, co_start, is_p2p, windows, captu
         starts.append(np.maximum(ws[hit], c.start_ns))
         ends.append(np.minimum(we[hit], c.end_ns))
     return np.concatenate(wins), np.concatenate(starts), np.concatenate(ends)
+
+
+def _outside_steps_and_evaluation(outside: np.ndarray, spans: pd.DataFrame, rank: np.ndarray,
+                                  start: np.ndarray) -> int:
+    """How many of the intervals ``outside`` every step window also start outside every ``evaluation`` span of
+    their rank: evaluation's own data waits and collectives are expected there, not a problem to report."""
+    ev = spans[_codes(spans["kind"], ["evaluation"])]
+    if ev.empty or not outside.any():
+        return int(outside.sum())
+    idx = np.flatnonzero(outside)
+    in_eval = assign_to_windows(ev["rank"].to_numpy(np.int64), ev["start_ns"].to_numpy(np.int64),
+                                ev["end_ns"].to_numpy(np.int64) + 1, rank[idx], start[idx]) >= 0
+    return int((~in_eval).sum())
 
 
 def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
@@ -132,7 +146,8 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     start = np.concatenate([sp_start, co_start, ni_start])
     end = np.concatenate([sp_end, c_end, ni_end])
     used = sset >= 0
-    unassigned = int((used & (win < 0)).sum())
+    unassigned = _outside_steps_and_evaluation(used & (win < 0), sp, np.concatenate([sp_rank, co_rank, wr[ni_win]]),
+                                               start)
     m = used & (win >= 0)
     win, sset, start, end = win[m], sset[m], start[m], end[m]
     start = np.maximum(start, ws[win])

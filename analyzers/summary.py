@@ -40,7 +40,7 @@ from dtprof.runformat import UNIDENTIFIED_EVENT
 SUMMARY_SCHEMA = "dtprof.summary/1"
 SUMMARY_FILE = "summary.json"
 # the spans the summaries path reads (besides every span of a pipeline rank): GPU kernels, for the kernel views
-SLICE_KINDS = ("kernel",)
+SLICE_KINDS = ("kernel", "evaluation")
 STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed", "imported")   # worst first
 
 
@@ -224,6 +224,26 @@ def _cpu_wait_block(ranks: list[dict], step_block: dict) -> dict | None:
     per_step = float(np.mean([r["cpu_wait_s_per_step"] for r in got]))
     return {"s_per_step": per_step, "frac_of_step": per_step / mean_step, "ranks": len(got),
             "worst_rank": int(worst["rank"]), "worst_s_per_step": float(worst["cpu_wait_s_per_step"])}
+
+
+def _evaluation_block(spans: pd.DataFrame, steps: pd.DataFrame) -> dict | None:
+    """summary.json ``evaluation``: the evaluation stretches between steps (``evaluation`` spans: forwards of the
+    trained model without gradients; collectors/runtime.py), of the rank that spent longest in them: how many,
+    their total time and its share of that rank's time from its first step's start to its last
+    step's or evaluation's end. None when the run has none."""
+    ev = spans[spans["kind"].astype(str) == "evaluation"]
+    if ev.empty:
+        return None
+    dur = (ev["end_ns"] - ev["start_ns"]).to_numpy(np.int64)
+    total = pd.Series(dur).groupby(ev["rank"].to_numpy(np.int64)).sum()
+    rank = int(total.idxmax())
+    mine = ev[ev["rank"].to_numpy(np.int64) == rank]
+    st = steps[steps["rank"].to_numpy(np.int64) == rank]
+    first = int(min(st["start_ns"].min(), mine["start_ns"].min())) if len(st) else int(mine["start_ns"].min())
+    last = int(max(st["end_ns"].max(), mine["end_ns"].max())) if len(st) else int(mine["end_ns"].max())
+    total_s = float(total.loc[rank]) / 1e9
+    return {"rank": rank, "stretches": len(mine), "total_s": total_s,
+            "wall_frac": total_s / ((last - first) / 1e9) if last > first else None}
 
 
 def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
@@ -412,6 +432,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         "problems": problems,
     }
     summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
+    summary["evaluation"] = _evaluation_block(spans_view.spans, model.steps)
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:
@@ -623,6 +644,11 @@ def format_summary_text(summary: dict) -> str:
     ov = summary.get("overlap") or {}
     lines.append(f"overlap: {_fmt_frac(ov.get('ratio'))} of communication hidden behind compute; exposed "
                  f"communication {_fmt_frac(ov.get('exposed_comm_frac'))} of step time")
+    ev = summary.get("evaluation")
+    if ev:
+        lines.append(f"evaluation between steps (not in step times, throughput or MFU): {ev['stretches']} "
+                     f"stretch(es), {_fmt_s(ev['total_s'])} on rank {ev['rank']}"
+                     + (f" ({ev['wall_frac']:.1%} of its run)" if ev.get("wall_frac") is not None else ""))
     outside = summary.get("collectives_outside_steps") or []
     if outside:
         lines.append(f"collectives outside every step (set-up, checkpointing, evaluation): "

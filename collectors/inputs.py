@@ -4,7 +4,9 @@ code change). Stdlib and torch only; called once per top-level forward.
 - samples: the batch dimension (dim 0) of the first tensor in the call's arguments (depth-first through lists,
   tuples and dicts; a keyword ``input_ids`` first, as Hugging Face models are called with keywords);
 - tokens: batch × sequence when that tensor is an integer (batch, sequence) tensor (token ids), else unknown.
-A step's figures are the sums over its top-level forwards (gradient accumulation: every micro-batch).
+A step's figures are the sums over its top-level forwards with gradients enabled (gradient accumulation: every
+micro-batch; not a frozen teacher's or encoder's forward under ``torch.no_grad``, nor evaluation between steps:
+collectors/runtime.py, "Evaluation").
 ``dtprof.annotate(samples=..., tokens=...)`` overrides them for the step.
 """
 from __future__ import annotations

@@ -19,6 +19,18 @@ Steps (the ``steps`` table)
   a ``dtprof.step()`` that directly follows an optimizer-ended step (no forward in between) only switches the
   mode and does not add an empty step. Loops with several optimizers per iteration should call ``dtprof.step()``.
 - A step starts where the previous one ended; step 0 starts at the rank's first top-level forward.
+- Evaluation: top-level forwards of the trained model (a root module of step 0 whose forward ran with gradients,
+  or the module it wraps; in step 0, any model) without gradients (``torch.no_grad``/``inference_mode``), before
+  the step's first training forward, form an evaluation stretch (Lightning's validation loop, the Hugging Face Trainer's
+  ``evaluate``, an Accelerate loop's eval pass). It is recorded as one ``evaluation`` span from the previous step's
+  end (before step 0: the first such forward's start) to the last such forward's end, its inputs are not counted,
+  and the step in progress starts again at its end: the stretch lies between steps, outside every step window, so
+  step times, throughput and MFU are the training's, and every instant from step 0's start to the last step's end
+  is in a step or in an evaluation.
+  Not evaluation: after step 0, a model other than the trained one run without gradients (a distillation
+  teacher, a frozen encoder), and forwards without gradients after the step's first training forward. What a
+  framework does after the last evaluation forward (Lightning's epoch-end metric sync, callbacks) falls in the
+  next step, among what happens between steps.
 - ``peak_mem_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (reset after each step); on CPU the process's
   resident-set high-water mark ``getrusage(RUSAGE_SELF).ru_maxrss`` (monotone over the process lifetime: it
   cannot be reset cheaply), read at most every 50 ms: a step that ends sooner after the last reading repeats it.
@@ -61,6 +73,10 @@ _SPAN_TAIL = (None,) * (len(Span._fields) - 10)
 _STEP_TAIL = (None,) * (len(Step._fields) - 10)
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
+
+
+def _grad_enabled_unknown() -> bool:   # Recorder.grad_enabled until the hooks are in
+    return True
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
 
@@ -102,6 +118,14 @@ class Recorder:
         self.opt_t0 = 0
         self.opt_ev0 = None
         self.manual_steps = False
+        # evaluation between steps (module docstring, "Evaluation")
+        self.grad_enabled = _grad_enabled_unknown   # torch.is_grad_enabled once the hooks are in (no import per call)
+        self.trained = set()       # ids of step 0's roots whose forward ran with gradients, and the modules they wrap
+        self.in_eval_call = False  # the top-level forward in progress is an evaluation forward
+        self.eval_t0 = None        # the evaluation stretch in progress: its first forward's start (None: none),
+        self.eval_t1 = 0           # its last forward's end
+        self.eval_calls = 0        # and its number of forwards
+        self.step0_evals = []      # in step 0: [model id, end] of each forward of the stretch (end_evaluation)
         self.annot = {}
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
@@ -304,6 +328,8 @@ class Recorder:
                 import torch
 
                 torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
+            if self.eval_t0 is not None:   # an evaluation after the last step
+                self.end_evaluation()
             hooks_collectives.expire_pending(all_=True)
             hooks_collectives.resolve_gpu_durations(final=True)
             self.meta("dtprof_threads_cpu", {"threads": _own_threads_cpu_s(), "at_step0_end": self.threads_cpu_step0,
@@ -390,9 +416,22 @@ class Recorder:
             self.fwd_depth += 1
             if self.fwd_depth == 1 and not self.in_backward:
                 t = now()
-                self.count_inputs(args, kwargs)
+                if (not self.fwd_seen_in_step and (id(module) in self.trained or self.step == 0)
+                        and not self.grad_enabled()):
+                    if self.step == 0:
+                        self.note_root(module)     # a frozen model run before training is still a root
+                    self.evaluation_forward(module, t)
+                    return None
+                self.in_eval_call = False
+                grad = self.grad_enabled()
                 if self.step == 0:
                     self.note_root(module)
+                    if grad:
+                        self.note_trained(module)
+                if self.eval_t0 is not None:
+                    self.end_evaluation()
+                if grad:                           # what the trained model consumes: not a frozen teacher's input
+                    self.count_inputs(args, kwargs)
                 if self.fault_test == "forward":
                     raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
                 if self.cuda is None:
@@ -437,6 +476,38 @@ class Recorder:
             self.roots = weakref.WeakSet()
         self.roots.add(module)
 
+    def note_trained(self, module) -> None:
+        self.trained.update(id(m) for m in (module, *_wrapped_modules(module)))
+
+    def evaluation_forward(self, module, t: int) -> None:
+        """A forward without gradients before the step's first training forward: of the trained model, or in step
+        0 of any model (which ones were evaluation is known once one trains: ``end_evaluation``)."""
+        self.in_eval_call = True
+        if self.eval_t0 is None:
+            self.eval_t0, self.eval_t1, self.eval_calls = t, t, 0
+            self.step0_evals = []
+        self.eval_calls += 1
+        if self.step == 0:
+            self.step0_evals.append([id(module), t])     # [model, end]: fwd_hook sets the end
+        self.last_progress_ns = t          # a long evaluation is progress, not a hang
+
+    def end_evaluation(self) -> None:
+        """Record the evaluation stretch in progress; the step in progress starts again at its end. In step 0 the
+        stretch ends with the last forward of a model that then trained: the forwards after it (a frozen teacher
+        before the first training forward) are the step's, and with none, there was no evaluation (a loop that
+        never trains: the step starts at its first forward)."""
+        t0, t1, calls, self.eval_t0 = self.eval_t0, self.eval_t1, self.eval_calls, None
+        if self.step == 0:
+            ends = [(i + 1, end) for i, (mid, end) in enumerate(self.step0_evals) if mid in self.trained]
+            calls, t1 = ends[-1] if ends else (0, t0)
+        if calls:   # from the previous step's end: the time between two steps is the evaluation's
+            start = self.prev_step_end_ns if self.prev_step_end_ns is not None else t0
+            self.span("evaluation", f"{calls} forward(s) without gradients", start, t1)
+        self.step_start_ns = t1
+        if self.run_delay_fd is None:      # an evaluation before step 0's first training forward
+            self.run_delay_fd = _open_run_delay()
+        self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
+
     def record_model(self) -> None:
         """A ``model`` meta row at the end of step 0: the parameters of the root modules (each parameter once; a
         DTensor counts its global shape, a plain shard its local one), part of what identifies a configuration
@@ -458,7 +529,12 @@ class Recorder:
             self.fwd_depth -= 1
             if self.fwd_depth <= 0:
                 self.fwd_depth = 0
-                if not self.in_backward and not self.pp_active:
+                if self.in_eval_call:
+                    self.in_eval_call = False
+                    self.eval_t1 = now()
+                    if self.step == 0:
+                        self.step0_evals[-1][1] = self.eval_t1
+                elif not self.in_backward and not self.pp_active:
                     self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
         except Exception:
             self.fault("forward hook")
@@ -560,6 +636,8 @@ class Recorder:
 
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""
+        if self.eval_t0 is not None:       # dtprof.step() right after an evaluation: the step starts at its end
+            self.end_evaluation()
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
         a, inferred = self.annot, self.inferred
@@ -620,7 +698,12 @@ class Recorder:
             self.module_handles[:] = [nn_module.register_module_forward_pre_hook(self.fwd_pre_hook),
                                       nn_module.register_module_forward_hook(self.fwd_hook)]
         else:
-            self.module_handles[:] = [h for m in list(self.roots) for h in (
+            # the roots and, of the trained ones, the modules they wrap: a framework evaluates the unwrapped model
+            # (the Hugging Face Trainer calls DDP's module directly); inside the wrapper's call these hooks see
+            # depth 2 and do nothing
+            mods = {id(m): m for m in list(self.roots)}
+            mods.update((id(w), w) for m in list(self.roots) if id(m) in self.trained for w in _wrapped_modules(m))
+            self.module_handles[:] = [h for m in mods.values() for h in (
                 m.register_forward_pre_hook(self.root_pre_hook, prepend=True, with_kwargs=True),
                 m.register_forward_hook(self.fwd_hook))]
 
@@ -639,6 +722,7 @@ class Recorder:
         import torch
         from torch.optim import optimizer as optim
 
+        self.grad_enabled = torch.is_grad_enabled
         self.install_module_hooks()
         self.hook_handles[:] = [
             optim.register_optimizer_step_pre_hook(self.opt_pre_hook),
@@ -671,6 +755,16 @@ class Recorder:
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
 Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
+
+
+def _wrapped_modules(module) -> list:
+    """The modules a wrapper holds as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine), outermost first."""
+    out = []
+    m = getattr(module, "module", None)
+    while hasattr(m, "register_forward_pre_hook") and len(out) < 4:
+        out.append(m)
+        m = getattr(m, "module", None)
+    return out
 
 
 def _open_run_delay() -> int | None:

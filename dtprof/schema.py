@@ -11,7 +11,8 @@ Conventions
 from __future__ import annotations
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 3        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns);
+SCHEMA_MINOR = 4        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
+                        # 4: the ``evaluation`` span kind);
                         # every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
@@ -121,6 +122,7 @@ SPAN_KINDS = (
     "user",              # dtprof.span(name)
     "kernel",            # a GPU kernel from an imported or captured trace (lane = stream)
     "flops_count",       # the step measured under FlopCounterMode (excluded from timing statistics)
+    "evaluation",        # forwards of the trained model without gradients between steps (outside every step)
 )
 COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
 

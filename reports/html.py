@@ -334,6 +334,10 @@ def _cards(summary: dict) -> str:
         "exposed_comm": "share of step time a rank could only communicate (mean over ranks and steps)",
         "overlap": "share of communication hidden under compute",
     }
+    ev = summary.get("evaluation")
+    if ev:   # outside every step: say so where a reader would look for it
+        subs["step_time_p50"] += (f"; evaluation between steps not included ({esc(ev.get('stretches'))} "
+                                  f"stretch(es), {fmt_s(ev.get('total_s'))} on rank {esc(ev.get('rank'))})")
     subs.update(gpu_card_subs(summary))
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
     over = pick(summary, ["pipeline.overhead_frac"])

@@ -26,6 +26,7 @@ import pytest
 from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
+from dtprof.schema import COMPUTE_KINDS
 from test_launcher_torchrun import free_port
 from torch_abort import TorchExitAbort, returncode
 
@@ -167,9 +168,14 @@ def lightning_own_launcher(tmp_path_factory):
                                                 "--steps", LIGHTNING_STEPS])
 
 
+LIGHTNING_VAL_EVERY, LIGHTNING_VAL_BATCHES = 2, 6
+
+
 @pytest.fixture(scope="module")
 def lightning_torchrun(tmp_path_factory):
-    return job([*TORCHRUN, EXAMPLES / "train_lightning.py", "--steps", LIGHTNING_STEPS],
+    """With Lightning's validation loop (every 2 training batches, and its sanity check before training)."""
+    return job([*TORCHRUN, EXAMPLES / "train_lightning.py", "--steps", LIGHTNING_STEPS,
+                "--val-every", LIGHTNING_VAL_EVERY, "--val-batches", LIGHTNING_VAL_BATCHES],
                tmp_path_factory.mktemp("lightning-torchrun"))
 
 
@@ -187,6 +193,49 @@ def test_lightning_torchrun(lightning_torchrun):
     assert_every_rank(lightning_torchrun, 2, LIGHTNING_STEPS)
     assert_ddp_bytes(lightning_torchrun, mlp_param_bytes(64, 1))
     assert_no_data_wait_finding(lightning_torchrun)
+
+
+def assert_evaluation_between_steps(j: Job, runs: int) -> None:
+    """``runs`` evaluations (the framework's own count) are ``runs`` evaluation stretches on every rank, each
+    outside every step window and filling the gap between two steps: no step time includes it. Its data loading
+    and collectives are outside the steps too, and not reported as a problem."""
+    run, summary = j.run, j.summary
+    ev = run.spans[run.spans["kind"].astype(str) == "evaluation"]
+    assert ev.groupby("rank").size().to_dict() == {0: runs, 1: runs}, ev
+    for rank, mine in ev.groupby("rank"):
+        st = run.steps[run.steps["rank"] == rank]
+        for e in mine.itertuples():
+            assert e.end_ns > e.start_ns
+            assert not ((st["start_ns"] < e.end_ns) & (st["end_ns"] > e.start_ns)).any(), (e, st)
+            after, before = st[st["start_ns"] >= e.end_ns], st[st["end_ns"] <= e.start_ns]
+            assert after.empty or after["start_ns"].min() == e.end_ns   # the next step starts at its end
+            assert before.empty or before["end_ns"].max() == e.start_ns   # and it at the previous one's end
+    assert summary["evaluation"]["stretches"] == runs and summary["evaluation"]["total_s"] > 0
+    # what the summary names as recorded but uncounted is the set-up before the first step and the teardown after
+    # the last one: nothing of an evaluation
+    sp = run.spans[run.spans["kind"].astype(str).isin([*COMPUTE_KINDS, "comm_wait", "data_wait"])]
+    starts = [(sp["rank"], sp["start_ns"]), (run.collectives["rank"], run.collectives["issue_ns"])]
+    first, last = run.steps.groupby("rank")["start_ns"].min(), run.steps.groupby("rank")["end_ns"].max()
+
+    def in_evaluation(r, t):
+        return np.array([((ev["rank"] == a) & (ev["start_ns"] <= b) & (b <= ev["end_ns"])).any() for a, b in zip(r, t)],
+                        bool)
+
+    setup_teardown = sum(int((((t < r.map(first)) | (t >= r.map(last))) & ~in_evaluation(r, t)).sum())
+                         for r, t in starts)
+    named = [int(p.split()[0]) for p in summary["problems"] if "outside every step window" in p]
+    assert named == ([setup_teardown] if setup_teardown else []), (summary["problems"], setup_teardown)
+
+
+def test_lightning_validation_is_evaluation_between_steps(lightning_torchrun):
+    """Lightning's validation loop runs between optimizer steps (and its sanity check before step 0's training
+    forward): none of it is in a step's time, and its samples are not the step's (16 per training batch, where the
+    validation's 6 batches of 16 would add 96 to a step)."""
+    j = lightning_torchrun
+    runs = len(re.findall(r"^validation", j.proc.stdout, re.M))
+    assert runs >= 1 + LIGHTNING_STEPS // LIGHTNING_VAL_EVERY, j.proc.stdout   # the sanity check, then every 2
+    assert_evaluation_between_steps(j, runs)
+    assert_inferred(j, "samples", 16)
 
 
 def test_lightning_between_step_collectives_are_communication_not_data_wait(lightning_torchrun):
@@ -232,10 +281,14 @@ def test_lightning_closure_phases_are_forward_and_backward(lightning_torchrun):
 HF_STEPS, HF_SEQ = 4, 32
 
 
+HF_EVAL_EVERY = 2
+
+
 @pytest.fixture(scope="module")
 def hf_trainer(tmp_path_factory):
+    """Evaluating every 2 steps: the Trainer evaluates the unwrapped model (DDP's module), not the DDP wrapper."""
     return pair(tmp_path_factory, "hf", [*TORCHRUN, EXAMPLES / "train_hf_trainer.py", "--steps", HF_STEPS,
-                                         "--seq", HF_SEQ])
+                                         "--seq", HF_SEQ, "--eval-every", HF_EVAL_EVERY])
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +306,16 @@ def test_hf_trainer(hf_trainer):
     assert_inferred(profiled, "samples", 4)
     assert_mfu(profiled)
     assert profiled.final_losses() and profiled.final_losses() == bare.final_losses()
+
+
+def test_hf_trainer_evaluation_is_outside_the_steps(hf_trainer):
+    """The Trainer's ``evaluate`` every 2 steps (after step 2, between steps; after step 4, after the last one)
+    runs the model without gradients: recorded as evaluation, outside every step, its tokens not counted (the
+    measured steps' tokens are the training batch's alone: test_hf_trainer)."""
+    profiled, _ = hf_trainer
+    runs = len(re.findall(r"^evaluation after step", profiled.proc.stdout, re.M))
+    assert runs == HF_STEPS // HF_EVAL_EVERY, profiled.proc.stdout
+    assert_evaluation_between_steps(profiled, runs)
 
 
 def test_hf_trainer_gradient_accumulation_counts_optimizer_steps(hf_trainer_accumulating):

@@ -366,3 +366,57 @@ def test_users_own_ddp_comm_hook_is_wrapped_not_replaced(tmp_path):
     assert len(b) == 3 and (b.api == "ddp_bucket").all()
     assert (b.dtype == "float16").all() and (b.in_bytes == 110 * 2).all()   # the user's fp16 compression
     assert not (run.events.level == "error").any()
+
+
+EVALUATION_SCRIPT = """
+import torch
+torch.manual_seed(0)
+student, teacher = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+teacher.requires_grad_(False)
+opt = torch.optim.SGD(student.parameters(), lr=0.1)
+
+def evaluate(batches):
+    student.eval()
+    with torch.no_grad():
+        for _ in range(batches):
+            student(torch.randn(64, 16))
+    student.train()
+
+evaluate(3)                                # before training
+for step in range(9):
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        target = teacher(x)                # a frozen teacher: part of every step, not evaluation
+    torch.nn.functional.mse_loss(student(x), target).backward()
+    opt.step()
+    opt.zero_grad()
+    if step % 3 == 2:
+        evaluate(5)                        # between steps, and once after the last
+print("done", flush=True)
+"""
+
+
+def test_evaluation_between_steps_is_not_step_time(tmp_path):
+    """A distillation loop with an evaluation pass before training and every 3 steps: each evaluation is one
+    ``evaluation`` span outside every step (the next step starts where it ends), its inputs are not counted, and the
+    frozen teacher's forward, run without gradients inside every step, stays a forward of the step."""
+    run_dir = create_run_dir(tmp_path / "run", {"test": "evaluation"})
+    env = _env(create_node_dir(run_dir), extra={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})  # a launcher's
+    (tmp_path / "t.py").write_text(EVALUATION_SCRIPT)
+    p = subprocess.run([sys.executable, "t.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert returncode(p) == 0, p.stderr[-3000:]
+    run = open_run(run_dir)
+    steps = run.steps.sort_values("step")
+    assert len(steps) == 9
+    ev = run.spans[run.spans["kind"].astype(str) == "evaluation"].sort_values("start_ns")
+    assert ev["name"].tolist() == ["3 forward(s) without gradients"] + ["5 forward(s) without gradients"] * 3
+    for e in ev.itertuples():   # between two steps: from one's end to the next one's start
+        assert not ((steps["start_ns"] < e.end_ns) & (steps["end_ns"] > e.start_ns)).any()
+        nxt, prev = steps[steps["start_ns"] >= e.end_ns], steps[steps["end_ns"] <= e.start_ns]
+        assert nxt.empty or nxt["start_ns"].iloc[0] == e.end_ns
+        assert prev.empty or prev["end_ns"].iloc[-1] == e.start_ns
+    assert ev["start_ns"].iloc[-1] == steps["end_ns"].iloc[-1]   # the last one, after training, recorded at exit
+    assert (steps["samples"] == 8).all(), steps["samples"].tolist()   # the student's batch only
+    fwd = run.spans[run.spans["kind"].astype(str) == "forward"]
+    assert (fwd[fwd["step"] >= 1].groupby("step").size() == 2).all()   # teacher and student, every step

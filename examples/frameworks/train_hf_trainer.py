@@ -2,10 +2,12 @@
 
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --accumulate 2
+    torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --eval-every 2   # evaluates too
     dtprof run -- torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py   # profiled, unchanged
 
 Nothing is downloaded: the model comes from ``GPT2Config`` (2 layers, a 256-token vocabulary) and the data is a
-list of random token sequences. Rank 0 prints ``final loss <value>``.
+list of random token sequences. Rank 0 prints ``final loss <value>`` and, with ``--eval-every``, ``evaluation
+after step <n>`` after each evaluation.
 """
 import argparse
 import os
@@ -13,7 +15,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 
 def tiny_gpt2_config(seq: int) -> GPT2Config:
@@ -21,8 +23,8 @@ def tiny_gpt2_config(seq: int) -> GPT2Config:
 
 
 class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int, vocab: int):
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab, (n, seq), generator=g)
 
     def __len__(self):
@@ -32,12 +34,20 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class PrintEvaluations(TrainerCallback):
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(f"evaluation after step {state.global_step}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6, help="optimizer steps")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--batch", type=int, default=4, help="per-device batch")
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4, help="evaluation batches per device")
     p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -51,8 +61,13 @@ def main():
         output_dir=args.out or tempfile.mkdtemp(prefix="hf-trainer-"), max_steps=args.steps,
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulate, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=training_args, train_dataset=data)
+        dataloader_num_workers=0, disable_tqdm=True,
+        **(dict(eval_strategy="steps", eval_steps=args.eval_every, per_device_eval_batch_size=args.batch)
+           if args.eval_every else {}))
+    evaluation = (RandomTokens(args.eval_batches * args.batch * world, args.seq, config.vocab_size, seed=1)
+                  if args.eval_every else None)
+    trainer = Trainer(model=model, args=training_args, train_dataset=data, eval_dataset=evaluation,
+                      callbacks=[PrintEvaluations()])
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss {result.training_loss:.8f}", flush=True)

@@ -7,7 +7,9 @@
 Lightning detects torchrun from its environment; without it, ``Trainer(devices=2, strategy="ddp")`` re-runs this
 script once more as rank 1 (its subprocess launcher). Rank 0 prints each step's loss as ``step <n> loss <value>``
 (as the other examples do; benchmarks/overhead.py times the steps by the clock ``--print-time`` adds to them), and
-each rank its final loss as ``final loss <value>``.
+each rank its final loss as ``final loss <value>``. ``--val-every N`` adds Lightning's validation loop every N
+training batches (and its sanity check before training), as most Lightning jobs have; rank 0 prints
+``validation`` each time it starts.
 """
 import argparse
 import time
@@ -32,6 +34,10 @@ class Regressor(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)     # sync_dist: an all-reduce per logged step
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -45,6 +51,10 @@ class PrintSteps(L.Callback):
             t = f" t {time.monotonic():.6f}" if self.print_time else ""
             print(f"step {trainer.global_step - 1} loss {outputs['loss'].item():.6f}{t}", flush=True)
 
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            print("validation" + (" (sanity check)" if trainer.sanity_checking else ""), flush=True)
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -54,17 +64,25 @@ def main():
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--print-time", action="store_true", help="end each step line with time.monotonic() (s)")
+    p.add_argument("--val-every", type=int, default=0,
+                   help="run the validation loop every N training batches (0: no validation)")
+    p.add_argument("--val-batches", type=int, default=8, help="validation batches per rank")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     world = 2
     n = args.steps * args.accumulate * args.batch * world
     data = TensorDataset(torch.randn(n, args.dim), torch.randn(n, 1))
+    val = None
+    if args.val_every:
+        m = args.val_batches * args.batch * world
+        val = DataLoader(TensorDataset(torch.randn(m, args.dim), torch.randn(m, 1)), batch_size=args.batch)
     trainer = L.Trainer(devices=2, accelerator="cpu", strategy="ddp", max_steps=args.steps, max_epochs=1,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        **(dict(val_check_interval=args.val_every, limit_val_batches=args.val_batches) if val else {}),
                         callbacks=[PrintSteps(args.print_time)])
     model = Regressor(args.dim, lr=args.lr)
-    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    trainer.fit(model, DataLoader(data, batch_size=args.batch), val)
     print(f"rank {trainer.global_rank} final loss {trainer.callback_metrics['train_loss'].item():.8f}", flush=True)
 
 
