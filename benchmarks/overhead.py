@@ -132,25 +132,12 @@ def hooks_worker(blocks: int) -> None:
     opt = torch.optim.SGD(tiny.parameters(), lr=1e-3)
     x, buf = torch.randn(4, 8), torch.ones(64)
     loader = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(1 << 20, 1)), batch_size=4))
-    c10d = dist.distributed_c10d
-    wrapped = {api: getattr(c10d, api) for api in hooks_collectives._APIS if hasattr(c10d, api)}
-    wrapped["batch_isend_irecv"], wrapped["Work.wait"] = c10d.batch_isend_irecv, dist.Work.wait
 
     def switch(on: bool) -> None:
         """Everything dtprof put on the training thread's path in or out: the step hooks, the collective
         wrappers, Work.wait and the c10d::allreduce_ kernel (off = a process without dtprof's hooks)."""
         (runtime.STATE.install_train_hooks if on else runtime.STATE.remove_train_hooks)()
-        for api, w in wrapped.items():
-            f = w if on else w.__wrapped__
-            if api == "Work.wait":
-                dist.Work.wait = f
-            else:
-                setattr(c10d, api, f)
-                setattr(dist, api, f)
-        if on:
-            hooks_collectives._observe_dispatched_allreduce()
-        else:
-            hooks_collectives._libraries.pop()._destroy()
+        hooks_collectives.set_wrappers(on)
         runtime.STATE.active = on
 
     def cpu():
@@ -226,6 +213,9 @@ JOBS = {
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
+# name -> (A/B block in steps, steps per A/B run): about 20 on/off pairs of blocks a run, ~30 s of steps here
+AB = {"ddp": (6, 264), "fsdp2": (4, 176), "pipeline": (5, 220), "lightning": (10, 440), "lightning-wide": (10, 440),
+      "accelerate": (10, 440)}
 RANKS = 2
 WARMUP_INTERVALS = 3
 
@@ -255,11 +245,12 @@ def launcher_cpu_ns(launcher: int) -> int:
     return total
 
 
-def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
+def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> dict:
     """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
     step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
     rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
-    runs once more, as in the tests (tests/torch_abort.py)."""
+    runs once more, as in the tests (tests/torch_abort.py). ``ab_block``: profiled with dtprof's hooks switched off
+    and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, time)."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
            str(steps), "--print-time"]
@@ -267,7 +258,10 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if ab_block:
+        env["DTPROF_AB_BLOCK_STEPS"] = str(ab_block)
     seen: list[float] = []
+    lines: list[tuple[int, float]] = []
     cpu: list[tuple[int, int]] = []
 
     def launch(attempt: int) -> subprocess.CompletedProcess:
@@ -277,6 +271,7 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
                 shutil.rmtree(run_dir)
         seen.clear()
         cpu.clear()
+        lines.clear()
         # Its own session, as `dtprof run` gives the job one: Linux's autogroup scheduler shares the CPU per
         # session, so a bare job left in this session would compete with whatever else runs here and read slower
         # than it is. stderr to a file (a pipe nobody reads could fill and block the job): read only to recognise
@@ -290,6 +285,7 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
                 if m:
                     seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
                     n = int(m.group(1))
+                    lines.append((n, float(m.group(2))))
                     # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
                     if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                         cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
@@ -302,6 +298,8 @@ def run_job(name: str, steps: int, run_dir: Path | None) -> dict:
         sys.exit(f"{name}: {' '.join(cmd)} exited {done.returncode}")
     intervals = [b - a for a, b in zip(seen, seen[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
+    if ab_block:
+        return {**out, "lines": list(lines)}
     if run_dir is not None:
         (i0, c0), (i1, c1) = cpu[0], cpu[-1]
         if i1 <= i0:
@@ -334,6 +332,25 @@ def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, 
     while k + 1 <= (n + 1) // 2 and cover(k + 1) >= want:
         k += 1
     return statistics.median(xs), xs[k - 1], xs[n - k], cover(k)
+
+
+AB_SKIP = 2   # steps at the start of each A/B block not used: right after a switch steps run slower or faster
+
+
+def ab_ratios(lines: list[tuple[int, float]], block: int) -> list[float]:
+    """The A/B blocks of one run (collectors/runtime.py): rank 0's step n (0-based, as the job prints it) runs in
+    block n // block, hooks on in even blocks and off in odd ones. A step's time is the interval from the previous
+    step's line to its own (the job's clock; step n-1's line comes after the switch that ends its block). Per block,
+    the median of its steps but the first ``AB_SKIP``; per off block after the first pair (warm-up) with an on
+    block on each side, on / off = the mean of its neighbours' medians over its own: drift in the machine's speed
+    cancels to first order. The list of those ratios."""
+    times: dict[int, list[float]] = {}
+    for (n0, t0), (n1, t1) in zip(lines, lines[1:]):
+        if n1 == n0 + 1 and n1 % block >= AB_SKIP:
+            times.setdefault(n1 // block, []).append(t1 - t0)
+    med = {b: statistics.median(ts) for b, ts in times.items() if len(ts) >= 2}
+    return [(med[b - 1] + med[b + 1]) / 2 / med[b] for b in sorted(med)
+            if b % 2 == 1 and b >= 3 and b - 1 in med and b + 1 in med]
 
 
 def hook_cost(blocks: int) -> dict:
@@ -405,13 +422,15 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=8)
     ap.add_argument("--hook-blocks", type=int, default=300,
                     help="on/off block pairs of the hook measurement (0: none)")
+    ap.add_argument("--ab-runs", type=int, default=3,
+                    help="profiled runs per job with dtprof's hooks switched off and on in blocks (0: none)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--hooks", action="store_true")
     a = ap.parse_args()
     if a.worker:
         return hooks_worker(a.blocks) if a.hooks else worker(a.blocks, a.block_steps)
     if a.quick:
-        a.rounds, a.steps, a.hook_blocks = 1, 12, 20
+        a.rounds, a.steps, a.hook_blocks, a.ab_runs = 1, 12, 20, 1
 
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
           f"({os.cpu_count()} cores)", file=sys.stderr)
@@ -451,13 +470,29 @@ def main() -> None:
             print(f"{name}: per-round profiled / bare ratios "
                   f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
+            block, ab_steps = AB[name]
+            if a.quick:
+                block, ab_steps = 4, 32
+            ab: list[float] = []
+            for r in range(a.ab_runs):
+                print(f"{name} A/B run {r + 1}/{a.ab_runs} (blocks of {block} steps) ...", file=sys.stderr)
+                got = ab_ratios(run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}", ab_block=block)["lines"], block)
+                print(f"{name} A/B run {r + 1}: on / off per block pair {', '.join(f'{x:.4f}' for x in got)}",
+                      file=sys.stderr)
+                ab += got
+            rows[-1] += (median_interval(ab) if len(ab) >= 2 else None, len(ab))
     print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
-          f"{'ar)':>4s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb in rows:
+          f"{'ar)':>4s} {'= % of step':>11s} {'A/B on/off [CI] (pairs)':>32s} {'+ background':>12s}")
+    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, abi, npairs in rows:
+        ab_text = f"{abi[0]:.4f} [{abi[1]:.4f}, {abi[2]:.4f}] ({npairs})" if abi else "n/a"
+        # the hooks' wall cost measured in-run, plus a bound on what the background (dtprof's threads in every
+        # rank, the launcher and relays) can add: their CPU per step over all ranks, as a share of the step
+        background = (th + la) * RANKS / b
+        total = f"{(abi[0] - 1 + background) * 100:+.2f}%" if abi else "n/a"
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
-              f"{(th + la + hk + cb) / b * 100:10.2f}%")
+              f"{(th + la + hk + cb) / b * 100:10.2f}% {ab_text:>32s} {total:>12s}")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
@@ -468,7 +503,14 @@ def main() -> None:
           f"and what they cost the process's other threads (callbacks: the completion callbacks that run in the "
           f"backend's threads, priced the same way): the CPU dtprof takes from the cores the ranks share; a rank "
           f"it delays holds the others at the next collective, so a step's wall "
-          f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
+          f"cost is bounded by about the ranks' sum, {RANKS}x this share. A/B on/off: in {a.ab_runs} profiled "
+          f"run(s) per job, dtprof's hooks switched off and on in blocks of steps on every rank at once (AB, "
+          f"collectors/runtime.py): the median over block pairs of the job's median step with the hooks on over "
+          f"off (each off block against the mean of the on blocks beside it), with its 95 % interval (order "
+          f"statistics): the hooks' and callbacks' cost in the job's own step time, in one run, free of the "
+          f"run-to-run spread of the wall ratio. + background: that cost plus a bound on the rest (dtprof's threads "
+          f"in each rank, the launcher and relays: their CPU per step summed over the {RANKS} ranks, over the bare "
+          f"step): the real-job figure.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 

@@ -45,6 +45,7 @@ now = time.monotonic_ns
 _tls = threading.local()          # .busy: inside a wrapped call; .bucket: (index, is_last, used) in a DDP hook
 _source_by_module = {}
 _originals = {}                   # original function -> our wrapper (for P2POp built with an original)
+_swapped = {}                     # (owner, attribute) -> (original, our wrapper): what set_wrappers switches
 MAX_PENDING = 4096
 
 # NCCL works whose GPU-side duration (Work._get_duration(), needs TORCH_NCCL_ENABLE_TIMING=1, which `dtprof run`
@@ -638,6 +639,7 @@ def _wrap_comm_hook(hook):
 
 
 _libraries = []      # the torch.library registrations (kept alive: dropping one removes its kernels)
+_kernel_wanted = [False]   # the c10d::allreduce_ kernel was installed (DDP imported): set_wrappers puts it back
 
 
 def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
@@ -714,6 +716,7 @@ def _install_ddp() -> None:
 
     register_comm_hook.__doc__ = orig_register.__doc__
     DDP.register_comm_hook = register_comm_hook
+    _kernel_wanted[0] = True
     _observe_dispatched_allreduce()
 
 
@@ -873,6 +876,24 @@ def _wrap_init_process_group(orig):
     return init_process_group
 
 
+def _swap(owner, name: str, orig, wrapper) -> None:
+    setattr(owner, name, wrapper)
+    _swapped[(owner, name)] = (orig, wrapper)
+
+
+def set_wrappers(on: bool) -> None:
+    """Put dtprof's collective wrappers, its ``Work.wait`` and its ``c10d::allreduce_`` kernel in (on) or take them
+    out (off: those calls run as without dtprof), for measuring what they cost (benchmarks/overhead.py; the
+    runtime's A/B blocks). Other patched methods (pipelining, DeviceMesh) stay and pass through while the
+    recorder is not active."""
+    for (owner, name), (orig, wrapper) in _swapped.items():
+        setattr(owner, name, wrapper if on else orig)
+    if on and _kernel_wanted[0] and not _libraries:
+        _observe_dispatched_allreduce()
+    elif not on and _libraries:
+        _libraries.pop()._destroy()
+
+
 def install() -> None:
     import torch.distributed as dist
 
@@ -885,14 +906,16 @@ def install() -> None:
             continue
         w = _wrap_collective(api, orig)
         _originals[orig] = w
-        setattr(c10d, api, w)
+        _swap(c10d, api, orig, w)
         if getattr(dist, api, None) is orig:
-            setattr(dist, api, w)
-    w = _wrap_batch_isend_irecv(c10d.batch_isend_irecv)
-    c10d.batch_isend_irecv = dist.batch_isend_irecv = w
+            _swap(dist, api, orig, w)
+    orig = c10d.batch_isend_irecv
+    w = _wrap_batch_isend_irecv(orig)
+    _swap(c10d, "batch_isend_irecv", orig, w)
+    _swap(dist, "batch_isend_irecv", orig, w)
     ipg = _wrap_init_process_group(c10d.init_process_group)
     c10d.init_process_group = dist.init_process_group = ipg
-    dist.Work.wait = _wrap_work_wait(dist.Work.wait)
+    _swap(dist.Work, "wait", dist.Work.wait, _wrap_work_wait(dist.Work.wait))
 
     # P2POp(op=...) built with an original isend/irecv (held by code imported before us) maps to our wrapper.
     orig_new, orig_init = dist.P2POp.__new__, dist.P2POp.__init__

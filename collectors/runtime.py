@@ -46,6 +46,14 @@ Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
   (source "hook").
 - ``flops_count``: with ``count_flops``, step 1 (the second) runs under ``FlopCounterMode`` and its
   ``executed_flops`` is written; that step is slower and the span marks it.
+
+A/B blocks (for measuring dtprof's cost, benchmarks/overhead.py; not a user option)
+- With ``DTPROF_AB_BLOCK_STEPS=K`` in the rank's environment, every K optimizer steps the rank switches its hooks on
+  the training thread's path out or back in: the forward/backward/DataLoader hooks, the collective wrappers,
+  ``Work.wait`` and the ``c10d::allreduce_`` kernel (the optimizer hooks stay: they count the steps, ~1 µs). Every
+  rank switches after the same optimizer step, so the job's step K·i+1 .. K·(i+1) (counting from 1) runs with the
+  hooks on for even i and off for odd i, and the job's own step times compare the two in one run. Steps run off are
+  not recorded. The background threads run throughout: their cost is not in the difference.
 """
 from __future__ import annotations
 
@@ -157,6 +165,10 @@ class Recorder:
         self.roots = None          # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
+        # ---- A/B blocks (module docstring) ----
+        self.ab_block = 0          # switch the hooks off and on every this many optimizer steps (0: never)
+        self.ab_steps = 0          # optimizer steps seen so far
+        self.ab_off = False        # the hooks are out (an "off" block)
 
     # ---- rows ----------------------------------------------------------------------------------------------
 
@@ -261,6 +273,7 @@ class Recorder:
         self.last_progress_ns = self.init_ns
         self.writer.write_identity(self.identity())
         self.clock_row()
+        self.ab_block = int(os.environ.get("DTPROF_AB_BLOCK_STEPS") or 0)
         self.install_train_hooks()
         hooks_collectives.install()
         self.complete_ddp = hooks_collectives.complete_ddp
@@ -597,7 +610,7 @@ class Recorder:
         return __next__
 
     def opt_pre_hook(self, optimizer, args, kwargs):
-        if self.disabled:
+        if self.disabled or self.ab_off:
             return None
         try:
             self.opt_t0 = now()
@@ -610,10 +623,13 @@ class Recorder:
         if self.disabled:
             return None
         try:
-            t = now()
-            self.compute_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
-            if not self.manual_steps:
-                self.end_step(t)
+            if not self.ab_off:
+                t = now()
+                self.compute_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
+                if not self.manual_steps:
+                    self.end_step(t)
+            if self.ab_block:
+                self.ab_step_done()
         except Exception:
             self.fault("optimizer post-hook")
         return None
@@ -719,37 +735,67 @@ class Recorder:
         self.install_module_hooks()
 
     def install_train_hooks(self) -> None:
-        import torch
         from torch.optim import optimizer as optim
 
-        self.grad_enabled = torch.is_grad_enabled
-        self.install_module_hooks()
         self.hook_handles[:] = [
             optim.register_optimizer_step_pre_hook(self.opt_pre_hook),
             optim.register_optimizer_step_post_hook(self.opt_post_hook),
         ]
-        self.orig_backward = (torch.autograd.backward, torch.Tensor.backward)
-        torch.autograd.backward = self.timed_backward(self.orig_backward[0])
-        torch.Tensor.backward = self.timed_backward(self.orig_backward[1])
-        from torch.utils.data import dataloader
-
-        self.orig_next = dataloader._BaseDataLoaderIter.__next__
-        dataloader._BaseDataLoaderIter.__next__ = self.timed_next(self.orig_next)
+        self.install_path_hooks()
 
     def remove_train_hooks(self) -> None:
         """Take the step/span hooks out again (benchmarks/overhead.py alternates with and without them)."""
-        import torch
-
-        self.remove_module_hooks()
         for h in self.hook_handles:
             h.remove()
         self.hook_handles.clear()
+        self.remove_path_hooks()
+
+    def install_path_hooks(self) -> None:
+        """The hooks on the training thread's path but the optimizer's: forward, backward, DataLoader batches."""
+        import torch
+        from torch.utils.data import dataloader
+
+        self.grad_enabled = torch.is_grad_enabled
+        self.install_module_hooks()
+        self.orig_backward = (torch.autograd.backward, torch.Tensor.backward)
+        torch.autograd.backward = self.timed_backward(self.orig_backward[0])
+        torch.Tensor.backward = self.timed_backward(self.orig_backward[1])
+        self.orig_next = dataloader._BaseDataLoaderIter.__next__
+        dataloader._BaseDataLoaderIter.__next__ = self.timed_next(self.orig_next)
+
+    def remove_path_hooks(self) -> None:
+        import torch
+
+        self.remove_module_hooks()
         if self.orig_backward is not None:
             torch.autograd.backward, torch.Tensor.backward = self.orig_backward
         if self.orig_next is not None:
             from torch.utils.data import dataloader
 
             dataloader._BaseDataLoaderIter.__next__ = self.orig_next
+
+    # ---- A/B blocks: what dtprof costs the job's own steps (benchmarks/overhead.py) -------------------------
+
+    def ab_step_done(self) -> None:
+        """Every ``ab_block`` optimizer steps, switch dtprof's hooks off or back on, at the same step on every rank
+        (``DTPROF_AB_BLOCK_STEPS``; module docstring, "A/B blocks")."""
+        from dtprof.collectors import hooks_collectives
+
+        self.ab_steps += 1
+        if self.ab_steps % self.ab_block:
+            return
+        on = self.ab_off
+        hooks_collectives.set_wrappers(on)
+        if on:
+            self.install_path_hooks()
+            self.step_start_ns = now()     # the next recorded step starts here
+            self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_t0 = False, 0, False, None
+            self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
+            self.inferred, self.annot = {}, {}
+        else:
+            self.remove_path_hooks()
+        self.ab_off = not on
+        self.active = on                   # the other wrappers (pipelining, DeviceMesh) pass through while off
 
 
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
@@ -866,7 +912,7 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, **opti
     when this process identifies itself (collectors/identity.py) and True is returned now. ``report_taken``: when
     another live process records that rank, name this one in the run as unidentified (collectors/identity.py).
     Options override ``DTPROF_CONFIG``. Returns True when recording."""
-    if STATE.active:
+    if STATE.active or STATE.ab_off:       # recording (an A/B "off" block is recording too)
         return True
     if STATE.disabled:
         return False

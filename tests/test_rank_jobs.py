@@ -420,3 +420,16 @@ def test_evaluation_between_steps_is_not_step_time(tmp_path):
     assert (steps["samples"] == 8).all(), steps["samples"].tolist()   # the student's batch only
     fwd = run.spans[run.spans["kind"].astype(str) == "forward"]
     assert (fwd[fwd["step"] >= 1].groupby("step").size() == 2).all()   # teacher and student, every step
+
+
+def test_ab_blocks_switch_every_rank_at_the_same_step(tmp_path, bare_ddp):
+    """benchmarks/overhead.py's A/B blocks (DTPROF_AB_BLOCK_STEPS=2 over 4 steps): every rank records steps 1-2
+    (hooks on) and not 3-4 (off: no hooks, no collectives recorded), both ranks alike, and training is the bare
+    job's to the last digit through the switches."""
+    run_dir, losses, _ = run_job(tmp_path, "train_ddp.py", SMALL, extra_env={"DTPROF_AB_BLOCK_STEPS": "2"})
+    run = open_run(run_dir)
+    assert run.steps.groupby("rank").size().to_dict() == {0: 2, 1: 2}
+    c = run.collectives
+    assert c.groupby("rank").size().to_dict() == {0: 2, 1: 2} and (c["api"].astype(str) == "ddp_bucket").all()
+    assert not (run.events["level"].astype(str) == "error").any()
+    assert losses == bare_ddp and len(losses) == STEPS
