@@ -199,7 +199,8 @@ def hooks_worker(blocks: int) -> None:
     dist.destroy_process_group()
 
 
-STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+)$")   # the examples' step line with --print-time
+# the examples' step line with --print-time: the job's clock and the process's CPU time when it was printed
+STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+) cpu (\d+\.\d+)$")
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
 # name -> (command, steps per run: a few seconds of steps on this machine, so the timers' cost is spread as in a job)
 JOBS = {
@@ -250,7 +251,8 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
     rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
     runs once more, as in the tests (tests/torch_abort.py). ``ab_block``: profiled with dtprof's hooks switched off
-    and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, time)."""
+    and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, job
+    clock, process CPU time)."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
            str(steps), "--print-time"]
@@ -261,7 +263,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     if ab_block:
         env["DTPROF_AB_BLOCK_STEPS"] = str(ab_block)
     seen: list[float] = []
-    lines: list[tuple[int, float]] = []
+    lines: list[tuple[int, float, float]] = []
     cpu: list[tuple[int, int]] = []
 
     def launch(attempt: int) -> subprocess.CompletedProcess:
@@ -285,7 +287,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
                 if m:
                     seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
                     n = int(m.group(1))
-                    lines.append((n, float(m.group(2))))
+                    lines.append((n, float(m.group(2)), float(m.group(3))))
                     # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
                     if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                         cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
@@ -337,20 +339,23 @@ def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, 
 AB_SKIP = 2   # steps at the start of each A/B block not used: right after a switch steps run slower or faster
 
 
-def ab_ratios(lines: list[tuple[int, float]], block: int) -> list[float]:
+def ab_pairs(lines: list[tuple[int, float, float]], block: int) -> tuple[list[float], list[float]]:
     """The A/B blocks of one run (collectors/runtime.py): rank 0's step n (0-based, as the job prints it) runs in
-    block n // block, hooks on in even blocks and off in odd ones. A step's time is the interval from the previous
-    step's line to its own (the job's clock; step n-1's line comes after the switch that ends its block). Per block,
-    the median of its steps but the first ``AB_SKIP``; per off block after the first pair (warm-up) with an on
-    block on each side, on / off = the mean of its neighbours' medians over its own: drift in the machine's speed
-    cancels to first order. The list of those ratios."""
-    times: dict[int, list[float]] = {}
-    for (n0, t0), (n1, t1) in zip(lines, lines[1:]):
+    block n // block, hooks on in even blocks and off in odd ones. A step's time and CPU are the differences from
+    the previous step's line to its own (the job's clock, its process's CPU time: all its threads, dtprof's
+    included; step n-1's line comes after the switch that ends its block). Per block, the medians over its steps
+    but the first ``AB_SKIP``; per off block after the first pair (warm-up) with an on block on each side, the mean
+    of its neighbours' medians against its own: drift in the machine's speed cancels to first order. Returns (step
+    time on / off, process CPU seconds per step on - off), one of each per such block."""
+    times: dict[int, list[tuple[float, float]]] = {}
+    for (n0, t0, c0), (n1, t1, c1) in zip(lines, lines[1:]):
         if n1 == n0 + 1 and n1 % block >= AB_SKIP:
-            times.setdefault(n1 // block, []).append(t1 - t0)
-    med = {b: statistics.median(ts) for b, ts in times.items() if len(ts) >= 2}
-    return [(med[b - 1] + med[b + 1]) / 2 / med[b] for b in sorted(med)
-            if b % 2 == 1 and b >= 3 and b - 1 in med and b + 1 in med]
+            times.setdefault(n1 // block, []).append((t1 - t0, c1 - c0))
+    med = {b: (statistics.median(t for t, _ in xs), statistics.median(c for _, c in xs))
+           for b, xs in times.items() if len(xs) >= 2}
+    used = [b for b in sorted(med) if b % 2 == 1 and b >= 3 and b - 1 in med and b + 1 in med]
+    return ([(med[b - 1][0] + med[b + 1][0]) / 2 / med[b][0] for b in used],
+            [(med[b - 1][1] + med[b + 1][1]) / 2 - med[b][1] for b in used])
 
 
 def hook_cost(blocks: int) -> dict:
@@ -474,25 +479,31 @@ def main() -> None:
             if a.quick:
                 block, ab_steps = 4, 32
             ab: list[float] = []
+            ab_cpu: list[float] = []
             for r in range(a.ab_runs):
                 print(f"{name} A/B run {r + 1}/{a.ab_runs} (blocks of {block} steps) ...", file=sys.stderr)
-                got = ab_ratios(run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}", ab_block=block)["lines"], block)
-                print(f"{name} A/B run {r + 1}: on / off per block pair {', '.join(f'{x:.4f}' for x in got)}",
-                      file=sys.stderr)
-                ab += got
-            rows[-1] += (median_interval(ab) if len(ab) >= 2 else None, len(ab))
+                walls_ab, cpus_ab = ab_pairs(run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}",
+                                                     ab_block=block)["lines"], block)
+                print(f"{name} A/B run {r + 1}: per block pair on / off step {', '.join(f'{x:.4f}' for x in walls_ab)}"
+                      f"; on - off CPU per step (us) {', '.join(f'{x * 1e6:.0f}' for x in cpus_ab)}", file=sys.stderr)
+                ab += walls_ab
+                ab_cpu += cpus_ab
+            rows[-1] += (median_interval(ab) if len(ab) >= 2 else None,
+                         median_interval(ab_cpu) if len(ab_cpu) >= 2 else None, len(ab))
     print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
-          f"{'ar)':>4s} {'= % of step':>11s} {'A/B on/off [CI] (pairs)':>32s} {'+ background':>12s}")
-    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, abi, npairs in rows:
-        ab_text = f"{abi[0]:.4f} [{abi[1]:.4f}, {abi[2]:.4f}] ({npairs})" if abi else "n/a"
-        # the hooks' wall cost measured in-run, plus a bound on what the background (dtprof's threads in every
-        # rank, the launcher and relays) can add: their CPU per step over all ranks, as a share of the step
-        background = (th + la) * RANKS / b
-        total = f"{(abi[0] - 1 + background) * 100:+.2f}%" if abi else "n/a"
+          f"{'ar)':>4s} {'= % of step':>11s} | {'A/B on/off step [CI] (pairs)':>33s} {'on-off CPU/step [CI]':>26s} "
+          f"{'+ threads, launcher':>19s} {'= % of step':>11s}")
+    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, abw, abc, npairs in rows:
+        ab_wall = f"{abw[0]:.4f} [{abw[1]:.4f}, {abw[2]:.4f}] ({npairs})" if abw else "n/a"
+        ab_cpu = f"{abc[0] * 1e6:.1f} [{abc[1] * 1e6:.1f}, {abc[2] * 1e6:.1f}]us" if abc else "n/a"
+        # dtprof's CPU per rank-step measured in the real job: the hooks' and callbacks' share from the A/B
+        # blocks, plus what runs in both kinds of block: dtprof's threads and the launcher and relays
+        share = f"{(abc[0] + th + la) / b * 100:10.2f}%" if abc else "n/a"
         print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
-              f"{(th + la + hk + cb) / b * 100:10.2f}% {ab_text:>32s} {total:>12s}")
+              f"{(th + la + hk + cb) / b * 100:10.2f}% | {ab_wall:>33s} {ab_cpu:>26s} {(th + la) * 1e6:17.1f}us "
+              f"{share:>11s}")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
@@ -508,9 +519,11 @@ def main() -> None:
           f"collectors/runtime.py): the median over block pairs of the job's median step with the hooks on over "
           f"off (each off block against the mean of the on blocks beside it), with its 95 % interval (order "
           f"statistics): the hooks' and callbacks' cost in the job's own step time, in one run, free of the "
-          f"run-to-run spread of the wall ratio. + background: that cost plus a bound on the rest (dtprof's threads "
-          f"in each rank, the launcher and relays: their CPU per step summed over the {RANKS} ranks, over the bare "
-          f"step): the real-job figure.")
+          f"run-to-run spread of the wall ratio; on-off CPU/step: the same blocks' difference in rank 0's process "
+          f"CPU time per step (all its threads: hooks, completion callbacks, the flusher's work on their rows), "
+          f"measured in the real job; + threads, launcher: the CPU per rank-step that runs in both kinds of block "
+          f"(columns threads and launcher); = % of step: their sum over the bare step, dtprof's CPU per rank-step "
+          f"in the real job (a step's wall cost is bounded by about {RANKS}x this share).")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 

@@ -113,8 +113,9 @@ def parse_args(description: str, extra=None):
                         "train_ddp.py, with --no-sync on those steps only): the slowed and the fixed job interleaved "
                         "step by step in one run, so a busy machine's load hits both alike")
     p.add_argument("--print-time", action="store_true",
-                   help="end each step line with the job's clock (time.monotonic(), s) when it is printed: "
-                        "benchmarks/overhead.py times the steps by it, whatever way the line travels")
+                   help="end each step line with the job's clock (time.monotonic(), s) when it is printed and the "
+                        "process's CPU time (time.process_time(), s): benchmarks/overhead.py times the steps by "
+                        "them, whatever way the line travels")
     if extra:
         extra(p)
     args = p.parse_args()
@@ -124,7 +125,12 @@ def parse_args(description: str, extra=None):
 
 def step_line(step: int, loss: float, args) -> str:
     """The line rank 0 (the last stage in a pipeline) prints per step."""
-    return f"step {step} loss {loss:.6f}" + (f" t {time.monotonic():.6f}" if args.print_time else "")
+    return f"step {step} loss {loss:.6f}" + (clock_text() if args.print_time else "")
+
+
+def clock_text() -> str:
+    """`` t <monotonic s> cpu <process CPU s>``: what ``--print-time`` appends to a step line."""
+    return f" t {time.monotonic():.6f} cpu {time.process_time():.6f}"
 
 
 def setup_distributed():

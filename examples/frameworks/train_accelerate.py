@@ -23,7 +23,8 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--print-time", action="store_true", help="end each step line with time.monotonic() (s)")
+    p.add_argument("--print-time", action="store_true",
+                   help="end each step line with time.monotonic() and time.process_time() (s)")
     args = p.parse_args()
     accelerator = Accelerator(cpu=True)
     set_seed(0)
@@ -39,7 +40,7 @@ def main():
         opt.step()
         opt.zero_grad()
         mean_loss = accelerator.gather(loss.detach()).mean()     # an all-gather per step, as loss logging does
-        t = f" t {time.monotonic():.6f}" if args.print_time else ""
+        t = f" t {time.monotonic():.6f} cpu {time.process_time():.6f}" if args.print_time else ""
         accelerator.print(f"step {step} loss {mean_loss.item():.6f}{t}", flush=True)
     accelerator.print(f"final loss {mean_loss.item():.8f}")
     accelerator.end_training()

@@ -48,7 +48,7 @@ class PrintSteps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            t = f" t {time.monotonic():.6f}" if self.print_time else ""
+            t = f" t {time.monotonic():.6f} cpu {time.process_time():.6f}" if self.print_time else ""
             print(f"step {trainer.global_step - 1} loss {outputs['loss'].item():.6f}{t}", flush=True)
 
     def on_validation_start(self, trainer, pl_module):
@@ -63,7 +63,8 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--print-time", action="store_true", help="end each step line with time.monotonic() (s)")
+    p.add_argument("--print-time", action="store_true",
+                   help="end each step line with time.monotonic() and time.process_time() (s)")
     p.add_argument("--val-every", type=int, default=0,
                    help="run the validation loop every N training batches (0: no validation)")
     p.add_argument("--val-batches", type=int, default=8, help="validation batches per rank")
