@@ -47,6 +47,10 @@ def main():
     # Accelerate leaves its process group up; exiting with gloo's threads alive can abort the process
     # ("terminate called without an active exception", pytorch issue #190489)
     if torch.distributed.is_initialized():
+        # freeing DDP's reducer joins gloo's workers while holding the GIL, and a worker still destroying the last
+        # all-gather needs the GIL (examples/frameworks/train_hf_trainer.py): let the workers finish first
+        torch.distributed.barrier()
+        time.sleep(0.2)
         torch.distributed.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ after step <n>`` after each evaluation.
 """
 import argparse
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -74,6 +75,12 @@ def main():
     # the Trainer leaves its process group up; exiting with gloo's threads alive can abort the process
     # ("terminate called without an active exception", pytorch issue #190489)
     if torch.distributed.is_initialized():
+        # and freeing DDP's reducer (when main returns) joins gloo's workers while holding the GIL: a worker still
+        # destroying the last finished all-gather needs the GIL to free its tensor, and both wait forever (seen
+        # in about 1 bare run in 8). A barrier waits for every pending work; the sleep (GIL released) lets the
+        # workers finish destroying them first.
+        torch.distributed.barrier()
+        time.sleep(0.2)
         torch.distributed.destroy_process_group()
 
 
