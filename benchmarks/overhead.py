@@ -119,7 +119,7 @@ def hooks_worker(blocks: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dtprof.collectors import hooks_collectives, runtime
+    from dtprof.collectors import runtime
 
     sys.path.insert(0, str(REPO / "examples"))
     from model import TinyLM
@@ -136,9 +136,8 @@ def hooks_worker(blocks: int) -> None:
     def switch(on: bool) -> None:
         """Everything dtprof put on the training thread's path in or out: the step hooks, the collective
         wrappers, Work.wait and the c10d::allreduce_ kernel (off = a process without dtprof's hooks)."""
-        (runtime.STATE.install_train_hooks if on else runtime.STATE.remove_train_hooks)()
-        hooks_collectives.set_wrappers(on)
-        runtime.STATE.active = on
+        (runtime.STATE.install_optimizer_hooks if on else runtime.STATE.remove_optimizer_hooks)()
+        runtime.STATE.switch_path_hooks(on)
 
     def cpu():
         """(the training thread's CPU seconds, the CPU seconds of the process's other threads but dtprof's own):
@@ -262,8 +261,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     if ab_block:
         env["DTPROF_AB_BLOCK_STEPS"] = str(ab_block)
-    seen: list[float] = []
-    lines: list[tuple[int, float, float]] = []
+    lines: list[tuple[int, float, float]] = []   # rank 0's step lines: (step, job clock, process CPU)
     cpu: list[tuple[int, int]] = []
 
     def launch(attempt: int) -> subprocess.CompletedProcess:
@@ -271,7 +269,6 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
             print(f"{name}: torch's exit abort after the steps: running it once more", file=sys.stderr)
             if run_dir is not None:
                 shutil.rmtree(run_dir)
-        seen.clear()
         cpu.clear()
         lines.clear()
         # Its own session, as `dtprof run` gives the job one: Linux's autogroup scheduler shares the CPU per
@@ -285,12 +282,12 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
             for line in proc.stdout:
                 m = STEP_LINE.match(line)
                 if m:
-                    seen.append(float(m.group(2)))   # the job's own clock: `dtprof run` relays output in bursts
+                    # the job's own clock: `dtprof run` relays output in bursts
                     n = int(m.group(1))
                     lines.append((n, float(m.group(2)), float(m.group(3))))
                     # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
-                    if run_dir is not None and (len(seen) == WARMUP_INTERVALS + 1 or n >= steps - 3):
-                        cpu.append((len(seen), launcher_cpu_ns(proc.pid)))
+                    if run_dir is not None and (len(lines) == WARMUP_INTERVALS + 1 or n >= steps - 3):
+                        cpu.append((len(lines), launcher_cpu_ns(proc.pid)))
             proc.wait()
             err.seek(0)
             return subprocess.CompletedProcess(cmd, proc.returncode, "", err.read())
@@ -298,14 +295,14 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     done = once_more_on_exit_abort(launch)
     if done.returncode:
         sys.exit(f"{name}: {' '.join(cmd)} exited {done.returncode}")
-    intervals = [b - a for a, b in zip(seen, seen[1:])][WARMUP_INTERVALS:]
+    intervals = [b[1] - a[1] for a, b in zip(lines, lines[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
     if ab_block:
         return {**out, "lines": list(lines)}
     if run_dir is not None:
         (i0, c0), (i1, c1) = cpu[0], cpu[-1]
         if i1 <= i0:
-            sys.exit(f"{name}: only {len(seen)} step lines of {steps} arrived; no CPU interval to measure")
+            sys.exit(f"{name}: only {len(lines)} step lines of {steps} arrived; no CPU interval to measure")
         out["launcher_cpu_s_per_step"] = (c1 - c0) / 1e9 / (i1 - i0)
         from dtprof.reader import open_run
 

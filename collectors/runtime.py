@@ -81,10 +81,6 @@ _SPAN_TAIL = (None,) * (len(Span._fields) - 10)
 _STEP_TAIL = (None,) * (len(Step._fields) - 10)
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
-
-
-def _grad_enabled_unknown() -> bool:   # Recorder.grad_enabled until the hooks are in
-    return True
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
 
@@ -127,13 +123,10 @@ class Recorder:
         self.opt_ev0 = None
         self.manual_steps = False
         # evaluation between steps (module docstring, "Evaluation")
-        self.grad_enabled = _grad_enabled_unknown   # torch.is_grad_enabled once the hooks are in (no import per call)
+        self.grad_enabled = None   # torch.is_grad_enabled, bound with the hooks (no import per call)
         self.trained = set()       # ids of step 0's roots whose forward ran with gradients, and the modules they wrap
         self.in_eval_call = False  # the top-level forward in progress is an evaluation forward
-        self.eval_t0 = None        # the evaluation stretch in progress: its first forward's start (None: none),
-        self.eval_t1 = 0           # its last forward's end
-        self.eval_calls = 0        # and its number of forwards
-        self.step0_evals = []      # in step 0: [model id, end] of each forward of the stretch (end_evaluation)
+        self.eval_forwards = []    # the evaluation stretch in progress: [model id, start, end] per forward
         self.annot = {}
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
@@ -341,7 +334,7 @@ class Recorder:
                 import torch
 
                 torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
-            if self.eval_t0 is not None:   # an evaluation after the last step
+            if self.eval_forwards:         # an evaluation after the last step
                 self.end_evaluation()
             hooks_collectives.expire_pending(all_=True)
             hooks_collectives.resolve_gpu_durations(final=True)
@@ -429,19 +422,18 @@ class Recorder:
             self.fwd_depth += 1
             if self.fwd_depth == 1 and not self.in_backward:
                 t = now()
-                if (not self.fwd_seen_in_step and (id(module) in self.trained or self.step == 0)
-                        and not self.grad_enabled()):
+                grad = self.grad_enabled()
+                if not grad and not self.fwd_seen_in_step and (self.step == 0 or id(module) in self.trained):
                     if self.step == 0:
                         self.note_root(module)     # a frozen model run before training is still a root
                     self.evaluation_forward(module, t)
                     return None
                 self.in_eval_call = False
-                grad = self.grad_enabled()
                 if self.step == 0:
                     self.note_root(module)
                     if grad:
                         self.note_trained(module)
-                if self.eval_t0 is not None:
+                if self.eval_forwards:
                     self.end_evaluation()
                 if grad:                           # what the trained model consumes: not a frozen teacher's input
                     self.count_inputs(args, kwargs)
@@ -496,12 +488,7 @@ class Recorder:
         """A forward without gradients before the step's first training forward: of the trained model, or in step
         0 of any model (which ones were evaluation is known once one trains: ``end_evaluation``)."""
         self.in_eval_call = True
-        if self.eval_t0 is None:
-            self.eval_t0, self.eval_t1, self.eval_calls = t, t, 0
-            self.step0_evals = []
-        self.eval_calls += 1
-        if self.step == 0:
-            self.step0_evals.append([id(module), t])     # [model, end]: fwd_hook sets the end
+        self.eval_forwards.append([id(module), t, t])    # its end: fwd_hook sets it
         self.last_progress_ns = t          # a long evaluation is progress, not a hang
 
     def end_evaluation(self) -> None:
@@ -509,10 +496,12 @@ class Recorder:
         stretch ends with the last forward of a model that then trained: the forwards after it (a frozen teacher
         before the first training forward) are the step's, and with none, there was no evaluation (a loop that
         never trains: the step starts at its first forward)."""
-        t0, t1, calls, self.eval_t0 = self.eval_t0, self.eval_t1, self.eval_calls, None
+        forwards, self.eval_forwards = self.eval_forwards, []
+        t0 = forwards[0][1]
+        calls = len(forwards)
         if self.step == 0:
-            ends = [(i + 1, end) for i, (mid, end) in enumerate(self.step0_evals) if mid in self.trained]
-            calls, t1 = ends[-1] if ends else (0, t0)
+            calls = max((i + 1 for i, (mid, _, _) in enumerate(forwards) if mid in self.trained), default=0)
+        t1 = forwards[calls - 1][2] if calls else t0
         if calls:   # from the previous step's end: the time between two steps is the evaluation's
             start = self.prev_step_end_ns if self.prev_step_end_ns is not None else t0
             self.span("evaluation", f"{calls} forward(s) without gradients", start, t1)
@@ -544,9 +533,7 @@ class Recorder:
                 self.fwd_depth = 0
                 if self.in_eval_call:
                     self.in_eval_call = False
-                    self.eval_t1 = now()
-                    if self.step == 0:
-                        self.step0_evals[-1][1] = self.eval_t1
+                    self.eval_forwards[-1][2] = now()
                 elif not self.in_backward and not self.pp_active:
                     self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
         except Exception:
@@ -652,7 +639,7 @@ class Recorder:
 
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""
-        if self.eval_t0 is not None:       # dtprof.step() right after an evaluation: the step starts at its end
+        if self.eval_forwards:             # dtprof.step() right after an evaluation: the step starts at its end
             self.end_evaluation()
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
@@ -735,20 +722,37 @@ class Recorder:
         self.install_module_hooks()
 
     def install_train_hooks(self) -> None:
+        self.install_optimizer_hooks()
+        self.install_path_hooks()
+
+    def remove_train_hooks(self) -> None:
+        """Take the step/span hooks out again (benchmarks/overhead.py alternates with and without them)."""
+        self.remove_optimizer_hooks()
+        self.remove_path_hooks()
+
+    def install_optimizer_hooks(self) -> None:
         from torch.optim import optimizer as optim
 
         self.hook_handles[:] = [
             optim.register_optimizer_step_pre_hook(self.opt_pre_hook),
             optim.register_optimizer_step_post_hook(self.opt_post_hook),
         ]
-        self.install_path_hooks()
 
-    def remove_train_hooks(self) -> None:
-        """Take the step/span hooks out again (benchmarks/overhead.py alternates with and without them)."""
+    def remove_optimizer_hooks(self) -> None:
         for h in self.hook_handles:
             h.remove()
         self.hook_handles.clear()
-        self.remove_path_hooks()
+
+    def switch_path_hooks(self, on: bool) -> None:
+        """Everything dtprof puts on the training thread's path but the optimizer hooks, in (on) or out: the
+        forward, backward and DataLoader hooks, the collective wrappers, ``Work.wait`` and the ``c10d::allreduce_``
+        kernel; while out, the other wrappers (pipelining, DeviceMesh) pass through (``active`` is False). For
+        measuring what they cost: the A/B blocks and benchmarks/overhead.py."""
+        from dtprof.collectors import hooks_collectives
+
+        hooks_collectives.set_wrappers(on)
+        (self.install_path_hooks if on else self.remove_path_hooks)()
+        self.active = on
 
     def install_path_hooks(self) -> None:
         """The hooks on the training thread's path but the optimizer's: forward, backward, DataLoader batches."""
@@ -779,23 +783,17 @@ class Recorder:
     def ab_step_done(self) -> None:
         """Every ``ab_block`` optimizer steps, switch dtprof's hooks off or back on, at the same step on every rank
         (``DTPROF_AB_BLOCK_STEPS``; module docstring, "A/B blocks")."""
-        from dtprof.collectors import hooks_collectives
-
         self.ab_steps += 1
         if self.ab_steps % self.ab_block:
             return
         on = self.ab_off
-        hooks_collectives.set_wrappers(on)
+        self.switch_path_hooks(on)
         if on:
-            self.install_path_hooks()
             self.step_start_ns = now()     # the next recorded step starts here
-            self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_t0 = False, 0, False, None
+            self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_forwards = False, 0, False, []
             self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
             self.inferred, self.annot = {}, {}
-        else:
-            self.remove_path_hooks()
         self.ab_off = not on
-        self.active = on                   # the other wrappers (pipelining, DeviceMesh) pass through while off
 
 
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.

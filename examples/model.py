@@ -125,12 +125,8 @@ def parse_args(description: str, extra=None):
 
 def step_line(step: int, loss: float, args) -> str:
     """The line rank 0 (the last stage in a pipeline) prints per step."""
-    return f"step {step} loss {loss:.6f}" + (clock_text() if args.print_time else "")
-
-
-def clock_text() -> str:
-    """`` t <monotonic s> cpu <process CPU s>``: what ``--print-time`` appends to a step line."""
-    return f" t {time.monotonic():.6f} cpu {time.process_time():.6f}"
+    clocks = f" t {time.monotonic():.6f} cpu {time.process_time():.6f}" if args.print_time else ""
+    return f"step {step} loss {loss:.6f}{clocks}"
 
 
 def setup_distributed():
