@@ -198,8 +198,9 @@ def hooks_worker(blocks: int) -> None:
     dist.destroy_process_group()
 
 
-# the examples' step line with --print-time: the job's clock and the process's CPU time when it was printed
-STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+) cpu (\d+\.\d+)$")
+# the examples' step line with --print-time: the job's clock, the process's and the training thread's CPU time when
+# it was printed
+STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+) cpu (\d+\.\d+) th (\d+\.\d+)$")
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
 # name -> (command, steps per run: a few seconds of steps on this machine, so the timers' cost is spread as in a job)
 JOBS = {
@@ -251,7 +252,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
     runs once more, as in the tests (tests/torch_abort.py). ``ab_block``: profiled with dtprof's hooks switched off
     and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, job
-    clock, process CPU time)."""
+    clock, process CPU time, training thread CPU time)."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
            str(steps), "--print-time"]
@@ -261,7 +262,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     if ab_block:
         env["DTPROF_AB_BLOCK_STEPS"] = str(ab_block)
-    lines: list[tuple[int, float, float]] = []   # rank 0's step lines: (step, job clock, process CPU)
+    lines: list[tuple[int, float, float, float]] = []   # rank 0's step lines: (step, job clock, process, thread CPU)
     cpu: list[tuple[int, int]] = []
 
     def launch(attempt: int) -> subprocess.CompletedProcess:
@@ -284,7 +285,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
                 if m:
                     # the job's own clock: `dtprof run` relays output in bursts
                     n = int(m.group(1))
-                    lines.append((n, float(m.group(2)), float(m.group(3))))
+                    lines.append((n, float(m.group(2)), float(m.group(3)), float(m.group(4))))
                     # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
                     if run_dir is not None and (len(lines) == WARMUP_INTERVALS + 1 or n >= steps - 3):
                         cpu.append((len(lines), launcher_cpu_ns(proc.pid)))
@@ -336,23 +337,40 @@ def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, 
 AB_SKIP = 2   # steps at the start of each A/B block not used: right after a switch steps run slower or faster
 
 
-def ab_pairs(lines: list[tuple[int, float, float]], block: int) -> tuple[list[float], list[float]]:
+def ab_pairs(lines: list[tuple[int, float, float, float]], block: int) -> list[tuple[float, ...]]:
     """The A/B blocks of one run (collectors/runtime.py): rank 0's step n (0-based, as the job prints it) runs in
     block n // block, hooks on in even blocks and off in odd ones. A step's time and CPU are the differences from
     the previous step's line to its own (the job's clock, its process's CPU time: all its threads, dtprof's
-    included; step n-1's line comes after the switch that ends its block). Per block, the medians over its steps
-    but the first ``AB_SKIP``; per off block after the first pair (warm-up) with an on block on each side, the mean
-    of its neighbours' medians against its own: drift in the machine's speed cancels to first order. Returns (step
-    time on / off, process CPU seconds per step on - off), one of each per such block."""
-    times: dict[int, list[tuple[float, float]]] = {}
-    for (n0, t0, c0), (n1, t1, c1) in zip(lines, lines[1:]):
+    included, and its training thread's; step n-1's line comes after the switch that ends its block). Per block,
+    the means over its steps but the first ``AB_SKIP`` (means, not medians: a step's cost is what the job pays on
+    average); per off block after the first pair (warm-up) with an on block on each side, the mean of its
+    neighbours' means less its own: drift in the machine's speed cancels to first order. Returns, per such off
+    block, (its mean step, then on - off per step of: step time, process CPU, training thread CPU), in seconds."""
+    steps: dict[int, list[tuple[float, float, float]]] = {}
+    for (n0, t0, c0, h0), (n1, t1, c1, h1) in zip(lines, lines[1:]):
         if n1 == n0 + 1 and n1 % block >= AB_SKIP:
-            times.setdefault(n1 // block, []).append((t1 - t0, c1 - c0))
-    med = {b: (statistics.median(t for t, _ in xs), statistics.median(c for _, c in xs))
-           for b, xs in times.items() if len(xs) >= 2}
-    used = [b for b in sorted(med) if b % 2 == 1 and b >= 3 and b - 1 in med and b + 1 in med]
-    return ([(med[b - 1][0] + med[b + 1][0]) / 2 / med[b][0] for b in used],
-            [(med[b - 1][1] + med[b + 1][1]) / 2 - med[b][1] for b in used])
+            steps.setdefault(n1 // block, []).append((t1 - t0, c1 - c0, h1 - h0))
+    mean = {b: [statistics.fmean(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}
+    used = [b for b in sorted(mean) if b % 2 == 1 and b >= 3 and b - 1 in mean and b + 1 in mean]
+    return [(mean[b][0], *((mean[b - 1][i] + mean[b + 1][i]) / 2 - mean[b][i] for i in range(3))) for b in used]
+
+
+def mean_interval(runs: list[list[float]], want: float = 0.95) -> tuple[float, float, float]:
+    """The mean of the A/B differences of several runs (each run's in block order) and its ``want`` interval.
+    Neighbouring differences share an on block, so they are correlated: the mean's variance is taken as (variance
+    + 2 x lag-1 covariance within each run, when positive) / n, and the interval from Student's t (Cornish-Fisher
+    expansion: no scipy here). (mean, low, high)."""
+    xs = [x for run in runs for x in run]
+    n = len(xs)
+    m = statistics.fmean(xs)
+    var = statistics.variance(xs, m)
+    lag1 = [(a - m) * (b - m) for run in runs for a, b in zip(run, run[1:])]
+    cov1 = max(0.0, sum(lag1) / max(1, len(lag1)))
+    z = statistics.NormalDist().inv_cdf(0.5 + want / 2)
+    nu = n - 1
+    t = z + (z ** 3 + z) / (4 * nu) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * nu ** 2)
+    half = t * ((var + 2 * cov1) / n) ** 0.5
+    return m, m - half, m + half
 
 
 def hook_cost(blocks: int) -> dict:
@@ -475,32 +493,39 @@ def main() -> None:
             block, ab_steps = AB[name]
             if a.quick:
                 block, ab_steps = 4, 32
-            ab: list[float] = []
-            ab_cpu: list[float] = []
+            ab: list[list[tuple[float, ...]]] = []    # per A/B run, its off blocks (ab_pairs)
             for r in range(a.ab_runs):
                 print(f"{name} A/B run {r + 1}/{a.ab_runs} (blocks of {block} steps) ...", file=sys.stderr)
-                walls_ab, cpus_ab = ab_pairs(run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}",
-                                                     ab_block=block)["lines"], block)
-                print(f"{name} A/B run {r + 1}: per block pair on / off step {', '.join(f'{x:.4f}' for x in walls_ab)}"
-                      f"; on - off CPU per step (us) {', '.join(f'{x * 1e6:.0f}' for x in cpus_ab)}", file=sys.stderr)
-                ab += walls_ab
-                ab_cpu += cpus_ab
-            rows[-1] += (median_interval(ab) if len(ab) >= 2 else None,
-                         median_interval(ab_cpu) if len(ab_cpu) >= 2 else None, len(ab))
-    print(f"{'job':10s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
+                ab.append(ab_pairs(run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}", ab_block=block)["lines"],
+                                   block))
+                print(f"{name} A/B run {r + 1}: per off block, on - off step time / process CPU / training thread "
+                      f"CPU (us): {', '.join('/'.join(f'{d * 1e6:.0f}' for d in x[1:]) for x in ab[-1])}",
+                      file=sys.stderr)
+            pairs = sum(len(run) for run in ab)
+            rows[-1] += ((statistics.fmean(x[0] for run in ab for x in run),
+                          *(mean_interval([[x[i] for x in run] for run in ab]) for i in (1, 2, 3)), pairs)
+                         if pairs >= 2 else None,)
+    print(f"{'job':14s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
-          f"{'ar)':>4s} {'= % of step':>11s} | {'A/B on/off step [CI] (pairs)':>33s} {'on-off CPU/step [CI]':>26s} "
-          f"{'+ threads, launcher':>19s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, abw, abc, npairs in rows:
-        ab_wall = f"{abw[0]:.4f} [{abw[1]:.4f}, {abw[2]:.4f}] ({npairs})" if abw else "n/a"
-        ab_cpu = f"{abc[0] * 1e6:.1f} [{abc[1] * 1e6:.1f}, {abc[2] * 1e6:.1f}]us" if abc else "n/a"
-        # dtprof's CPU per rank-step measured in the real job: the hooks' and callbacks' share from the A/B
-        # blocks, plus what runs in both kinds of block: dtprof's threads and the launcher and relays
-        share = f"{(abc[0] + th + la) / b * 100:10.2f}%" if abc else "n/a"
-        print(f"{name:10s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
+          f"{'ar)':>4s} {'= % of step':>11s}")
+    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, _ab in rows:
+        print(f"{name:14s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
-              f"{(th + la + hk + cb) / b * 100:10.2f}% | {ab_wall:>33s} {ab_cpu:>26s} {(th + la) * 1e6:17.1f}us "
-              f"{share:>11s}")
+              f"{(th + la + hk + cb) / b * 100:10.2f}%")
+    if a.ab_runs:
+        print(f"\n{'A/B job':14s} {'blocks':>6s} {'off step':>9s} {'step time on - off [95 %]':>34s} "
+              f"{'process CPU on - off':>26s} {'training thread':>26s} {'+ threads, launcher':>19s} "
+              f"{'wall cost at most':>17s}")
+        us = lambda m: f"{m[0] * 1e6:+7.0f} [{m[1] * 1e6:+.0f}, {m[2] * 1e6:+.0f}]us"   # noqa: E731
+        for name, *_, th, la, _nc, _nar, _hk, _cb, ab in rows:
+            if ab is None:
+                continue
+            off, wall, cpu, thread, pairs = ab
+            # what runs in both kinds of block (dtprof's threads, the launcher and relays) is not in the
+            # difference: at most all of it, on every rank, on the step's critical path
+            most = wall[2] + RANKS * (th + la)
+            print(f"{name:14s} {pairs:6d} {off * 1e3:7.2f}ms {us(wall):>25s} = {wall[0] / off * 100:+5.2f}% "
+                  f"{us(cpu):>26s} {us(thread):>26s} {(th + la) * 1e6:17.1f}us {most / off * 100:16.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
@@ -511,16 +536,18 @@ def main() -> None:
           f"and what they cost the process's other threads (callbacks: the completion callbacks that run in the "
           f"backend's threads, priced the same way): the CPU dtprof takes from the cores the ranks share; a rank "
           f"it delays holds the others at the next collective, so a step's wall "
-          f"cost is bounded by about the ranks' sum, {RANKS}x this share. A/B on/off: in {a.ab_runs} profiled "
-          f"run(s) per job, dtprof's hooks switched off and on in blocks of steps on every rank at once (AB, "
-          f"collectors/runtime.py): the median over block pairs of the job's median step with the hooks on over "
-          f"off (each off block against the mean of the on blocks beside it), with its 95 % interval (order "
-          f"statistics): the hooks' and callbacks' cost in the job's own step time, in one run, free of the "
-          f"run-to-run spread of the wall ratio; on-off CPU/step: the same blocks' difference in rank 0's process "
-          f"CPU time per step (all its threads: hooks, completion callbacks, the flusher's work on their rows), "
-          f"measured in the real job; + threads, launcher: the CPU per rank-step that runs in both kinds of block "
-          f"(columns threads and launcher); = % of step: their sum over the bare step, dtprof's CPU per rank-step "
-          f"in the real job (a step's wall cost is bounded by about {RANKS}x this share).")
+          f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
+    if a.ab_runs:
+        print(f"A/B: in {a.ab_runs} profiled run(s) per job, dtprof's hooks switched off and on in blocks of steps "
+              f"on every rank at once (AB, collectors/runtime.py: its step hooks, collective wrappers, Work.wait "
+              f"patch and c10d::allreduce_ kernel); per off block (blocks: how many), the mean of the on blocks beside "
+              f"it less its own, per step, of rank 0's step time (the job's own clock), process CPU (all its threads: "
+              f"hooks, completion callbacks, the flusher's work on their rows) and training thread CPU; the mean over "
+              f"blocks with its 95 % interval (Student's t; neighbouring blocks share an on block, counted as lag-1 "
+              f"covariance): dtprof's cost in the job's own step time, in one run, free of the run-to-run spread of "
+              f"the wall ratio. + threads, launcher: the CPU per rank-step that runs in both kinds of block (the "
+              f"columns threads and launcher above). Wall cost at most: the step time interval's high end plus "
+              f"{RANKS}x that (every rank's, as if all of it delayed the step), over the off step.")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 

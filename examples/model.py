@@ -114,8 +114,9 @@ def parse_args(description: str, extra=None):
                         "step by step in one run, so a busy machine's load hits both alike")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with the job's clock (time.monotonic(), s) when it is printed and the "
-                        "process's CPU time (time.process_time(), s): benchmarks/overhead.py times the steps by "
-                        "them, whatever way the line travels")
+                        "process's CPU time (time.process_time(), s) and the printing thread's, the training "
+                        "thread (time.thread_time(), s): benchmarks/overhead.py times the steps by them, whatever "
+                        "way the line travels")
     if extra:
         extra(p)
     args = p.parse_args()
@@ -125,7 +126,9 @@ def parse_args(description: str, extra=None):
 
 def step_line(step: int, loss: float, args) -> str:
     """The line rank 0 (the last stage in a pipeline) prints per step."""
-    clocks = f" t {time.monotonic():.6f} cpu {time.process_time():.6f}" if args.print_time else ""
+    clocks = ""
+    if args.print_time:
+        clocks = f" t {time.monotonic():.6f} cpu {time.process_time():.6f} th {time.thread_time():.6f}"
     return f"step {step} loss {loss:.6f}{clocks}"
 
 

@@ -40,7 +40,9 @@ def main():
         opt.step()
         opt.zero_grad()
         mean_loss = accelerator.gather(loss.detach()).mean()     # an all-gather per step, as loss logging does
-        t = f" t {time.monotonic():.6f} cpu {time.process_time():.6f}" if args.print_time else ""
+        t = ""
+        if args.print_time:
+            t = f" t {time.monotonic():.6f} cpu {time.process_time():.6f} th {time.thread_time():.6f}"
         accelerator.print(f"step {step} loss {mean_loss.item():.6f}{t}", flush=True)
     accelerator.print(f"final loss {mean_loss.item():.8f}")
     accelerator.end_training()

@@ -48,7 +48,9 @@ class PrintSteps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            t = f" t {time.monotonic():.6f} cpu {time.process_time():.6f}" if self.print_time else ""
+            t = ""
+            if self.print_time:
+                t = f" t {time.monotonic():.6f} cpu {time.process_time():.6f} th {time.thread_time():.6f}"
             print(f"step {trainer.global_step - 1} loss {outputs['loss'].item():.6f}{t}", flush=True)
 
     def on_validation_start(self, trainer, pl_module):
