@@ -337,20 +337,22 @@ def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, 
 AB_SKIP = 2   # steps at the start of each A/B block not used: right after a switch steps run slower or faster
 
 
-def ab_pairs(lines: list[tuple[int, float, float, float]], block: int) -> list[tuple[float, ...]]:
+def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
+             center=statistics.fmean) -> list[tuple[float, ...]]:
     """The A/B blocks of one run (collectors/runtime.py): rank 0's step n (0-based, as the job prints it) runs in
     block n // block, hooks on in even blocks and off in odd ones. A step's time and CPU are the differences from
     the previous step's line to its own (the job's clock, its process's CPU time: all its threads, dtprof's
     included, and its training thread's; step n-1's line comes after the switch that ends its block). Per block,
-    the means over its steps but the first ``AB_SKIP`` (means, not medians: a step's cost is what the job pays on
-    average); per off block after the first pair (warm-up) with an on block on each side, the mean of its
-    neighbours' means less its own: drift in the machine's speed cancels to first order. Returns, per such off
-    block, (its mean step, then on - off per step of: step time, process CPU, training thread CPU), in seconds."""
+    the ``center`` of its steps but the first ``AB_SKIP`` (the mean: what the job pays on average; the median: a
+    shift robust to the bursts of this shared machine); per off block after the first pair (warm-up) with an on
+    block on each side, that of its neighbours (their mean) less its own: drift in the machine's speed cancels to
+    first order. Returns, per such off block, (its ``center`` step, then on - off per step of: step time, process
+    CPU, training thread CPU), in seconds."""
     steps: dict[int, list[tuple[float, float, float]]] = {}
     for (n0, t0, c0, h0), (n1, t1, c1, h1) in zip(lines, lines[1:]):
         if n1 == n0 + 1 and n1 % block >= AB_SKIP:
             steps.setdefault(n1 // block, []).append((t1 - t0, c1 - c0, h1 - h0))
-    mean = {b: [statistics.fmean(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}
+    mean = {b: [center(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}
     used = [b for b in sorted(mean) if b % 2 == 1 and b >= 3 and b - 1 in mean and b + 1 in mean]
     return [(mean[b][0], *((mean[b - 1][i] + mean[b + 1][i]) / 2 - mean[b][i] for i in range(3))) for b in used]
 
@@ -444,6 +446,8 @@ def main() -> None:
                     help="on/off block pairs of the hook measurement (0: none)")
     ap.add_argument("--ab-runs", type=int, default=3,
                     help="profiled runs per job with dtprof's hooks switched off and on in blocks (0: none)")
+    ap.add_argument("--keep-lines", type=Path, default=None,
+                    help="write each A/B run's step lines (step, job clock, process CPU, thread CPU) as JSON here")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--hooks", action="store_true")
     a = ap.parse_args()
@@ -494,17 +498,22 @@ def main() -> None:
             if a.quick:
                 block, ab_steps = 4, 32
             ab: list[list[tuple[float, ...]]] = []    # per A/B run, its off blocks (ab_pairs)
+            ab_robust: list[list[float]] = []          # the same with the blocks' medians: step time on - off
             for r in range(a.ab_runs):
                 print(f"{name} A/B run {r + 1}/{a.ab_runs} (blocks of {block} steps) ...", file=sys.stderr)
-                ab.append(ab_pairs(run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}", ab_block=block)["lines"],
-                                   block))
+                lines = run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}", ab_block=block)["lines"]
+                if a.keep_lines:
+                    a.keep_lines.mkdir(parents=True, exist_ok=True)
+                    (a.keep_lines / f"{name}-ab-{r}.json").write_text(json.dumps({"block": block, "lines": lines}))
+                ab.append(ab_pairs(lines, block))
+                ab_robust.append([x[1] for x in ab_pairs(lines, block, statistics.median)])
                 print(f"{name} A/B run {r + 1}: per off block, on - off step time / process CPU / training thread "
                       f"CPU (us): {', '.join('/'.join(f'{d * 1e6:.0f}' for d in x[1:]) for x in ab[-1])}",
                       file=sys.stderr)
             pairs = sum(len(run) for run in ab)
             rows[-1] += ((statistics.fmean(x[0] for run in ab for x in run),
-                          *(mean_interval([[x[i] for x in run] for run in ab]) for i in (1, 2, 3)), pairs)
-                         if pairs >= 2 else None,)
+                          *(mean_interval([[x[i] for x in run] for run in ab]) for i in (1, 2, 3)),
+                          mean_interval(ab_robust), pairs) if pairs >= 2 else None,)
     print(f"{'job':14s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
           f"{'ar)':>4s} {'= % of step':>11s}")
@@ -515,17 +524,18 @@ def main() -> None:
     if a.ab_runs:
         print(f"\n{'A/B job':14s} {'blocks':>6s} {'off step':>9s} {'step time on - off [95 %]':>34s} "
               f"{'process CPU on - off':>26s} {'training thread':>26s} {'+ threads, launcher':>19s} "
-              f"{'wall cost at most':>17s}")
+              f"{'wall cost at most':>17s} {'step time, block medians':>34s}")
         us = lambda m: f"{m[0] * 1e6:+7.0f} [{m[1] * 1e6:+.0f}, {m[2] * 1e6:+.0f}]us"   # noqa: E731
         for name, *_, th, la, _nc, _nar, _hk, _cb, ab in rows:
             if ab is None:
                 continue
-            off, wall, cpu, thread, pairs = ab
+            off, wall, cpu, thread, robust, pairs = ab
             # what runs in both kinds of block (dtprof's threads, the launcher and relays) is not in the
             # difference: at most all of it, on every rank, on the step's critical path
             most = wall[2] + RANKS * (th + la)
             print(f"{name:14s} {pairs:6d} {off * 1e3:7.2f}ms {us(wall):>25s} = {wall[0] / off * 100:+5.2f}% "
-                  f"{us(cpu):>26s} {us(thread):>26s} {(th + la) * 1e6:17.1f}us {most / off * 100:16.2f}%")
+                  f"{us(cpu):>26s} {us(thread):>26s} {(th + la) * 1e6:17.1f}us {most / off * 100:16.2f}% "
+                  f"{us(robust):>25s} = {robust[0] / off * 100:+5.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
@@ -547,7 +557,9 @@ def main() -> None:
               f"covariance): dtprof's cost in the job's own step time, in one run, free of the run-to-run spread of "
               f"the wall ratio. + threads, launcher: the CPU per rank-step that runs in both kinds of block (the "
               f"columns threads and launcher above). Wall cost at most: the step time interval's high end plus "
-              f"{RANKS}x that (every rank's, as if all of it delayed the step), over the off step.")
+              f"{RANKS}x that (every rank's, as if all of it delayed the step), over the off step. Step time, block "
+              f"medians: the same difference with each block's median step instead of its mean (a shift in the "
+              f"step time that the machine's bursts move less).")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 
