@@ -44,7 +44,7 @@ from dtprof.collectors.records import Collective, Group
 now = time.monotonic_ns
 _tls = threading.local()          # .busy: inside a wrapped call; .bucket: (index, is_last, used) in a DDP hook
 _source_by_module = {}
-_originals = {}                   # original function -> our wrapper (for P2POp built with an original)
+_api_of = {}                      # a collective function, original or our wrapper -> its c10d name (P2POp)
 _swapped = {}                     # (owner, attribute) -> (original, our wrapper): what set_wrappers switches
 MAX_PENDING = 4096
 
@@ -905,7 +905,7 @@ def install() -> None:
         if orig is None:
             continue
         w = _wrap_collective(api, orig)
-        _originals[orig] = w
+        _api_of[orig] = _api_of[w] = api
         _swap(c10d, api, orig, w)
         if getattr(dist, api, None) is orig:
             _swap(dist, api, orig, w)
@@ -917,14 +917,17 @@ def install() -> None:
     c10d.init_process_group = dist.init_process_group = ipg
     _swap(dist.Work, "wait", dist.Work.wait, _wrap_work_wait(dist.Work.wait))
 
-    # P2POp(op=...) built with an original isend/irecv (held by code imported before us) maps to our wrapper.
+    # P2POp(op=...) built with an original isend/irecv (held by code imported before us) or with our wrapper gets
+    # the one in place now: torch checks the op against c10d's own, which is the original while set_wrappers(False)
     orig_new, orig_init = dist.P2POp.__new__, dist.P2POp.__init__
 
     def p2p_new(cls, op, *args, **kwargs):
-        return orig_new(cls, _originals.get(op, op), *args, **kwargs)
+        api = _api_of.get(op)
+        return orig_new(cls, op if api is None else getattr(c10d, api), *args, **kwargs)
 
     def p2p_init(self, op, *args, **kwargs):
-        return orig_init(self, _originals.get(op, op), *args, **kwargs)
+        api = _api_of.get(op)
+        return orig_init(self, op if api is None else getattr(c10d, api), *args, **kwargs)
 
     dist.P2POp.__new__, dist.P2POp.__init__ = p2p_new, p2p_init
     _install_later("torch.nn.parallel.distributed", _install_ddp)

@@ -433,3 +433,22 @@ def test_ab_blocks_switch_every_rank_at_the_same_step(tmp_path, bare_ddp):
     assert c.groupby("rank").size().to_dict() == {0: 2, 1: 2} and (c["api"].astype(str) == "ddp_bucket").all()
     assert not (run.events["level"].astype(str) == "error").any()
     assert losses == bare_ddp and len(losses) == STEPS
+
+
+def test_ab_blocks_in_a_pipeline_keep_its_point_to_point_ops_valid(tmp_path):
+    """The A/B blocks in a GPipe job: while dtprof's wrappers are out, the schedule still builds its P2POps (torch
+    checks their op against its own isend/irecv, which is then the original; the run once failed at the first
+    switch). Steps 1-2 are recorded with their sends and receives, 3-4 not, and the losses are the bare job's."""
+    args = SMALL + ["--schedule", "gpipe", "--microbatches", "4"]
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "bare").mkdir()
+    run_dir, losses, _ = run_job(tmp_path / "ab", "train_pipeline.py", args,
+                                 extra_env={"DTPROF_AB_BLOCK_STEPS": "2"})
+    bare = run_job(tmp_path / "bare", "train_pipeline.py", args, profiled=False)[1]
+    assert losses == bare and len(losses) == STEPS
+    run = open_run(run_dir)
+    assert run.steps.groupby("rank").size().to_dict() == {0: 2, 1: 2}
+    c = run.collectives
+    act = c[c.op.isin(["send", "recv"]) & (c.dtype == "float32")]
+    assert sorted(act["step"].unique()) == [0, 1]
+    assert act.groupby(["rank", "op"], observed=True).size().unique().tolist() == [4 * 2]
