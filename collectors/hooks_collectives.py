@@ -78,7 +78,8 @@ def _caller_source(frame) -> str:
     while name in _C10D_INTERNAL and frame.f_back is not None:
         frame = frame.f_back
         name = frame.f_globals.get("__name__", "")
-    return _source_of(name)
+    src = _source_by_module.get(name)
+    return src if src is not None else _source_of(name)
 
 
 def _source_of(module_name: str) -> str:
@@ -112,13 +113,12 @@ _DTYPE_NAMES: dict = {}          # torch.dtype -> its name without "torch." (str
 
 def _dtype(t) -> str:
     try:
-        d = t.dtype
+        return _DTYPE_NAMES[t.dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
+        return name
     except AttributeError:
         return ""
-    name = _DTYPE_NAMES.get(d)
-    if name is None:
-        name = _DTYPE_NAMES[d] = str(d).replace("torch.", "")
-    return name
 
 
 def _first(ts):
@@ -159,13 +159,6 @@ def _global_peer(group, peer, group_peer):
 
     return dist.get_global_rank(group if group is not None else dist.distributed_c10d._get_default_group(),
                                 group_peer)
-
-
-def _next_seq(key) -> int:
-    seqs = rt.STATE.seq
-    s = seqs.get(key, 0)
-    seqs[key] = s + 1
-    return s
 
 
 # ---- argument extractors: same signatures as torch 2.13; return (in_bytes, out_bytes, dtype, group, peer, async)
@@ -290,14 +283,19 @@ _P2P = ("send", "recv")
 
 
 def _where(op, group, peer):
-    """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call."""
-    name, size, _pg = _group(group)
+    """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call. Every
+    collective passes here: the cached group and the sequence number without further calls."""
+    rec = rt.STATE
+    info = rec.groups.get(None if group is None else id(group)) or _group(group)
+    name = info[0]
     if op in _P2P:
-        me = rt.STATE.rank
-        key = (name, me, peer) if op == "send" else (name, peer, me)
+        key = (name, rec.rank, peer) if op == "send" else (name, peer, rec.rank)
     else:
         key = name
-    return name, size, _next_seq(key)
+    seqs = rec.seq
+    seq = seqs.get(key, 0)
+    seqs[key] = seq + 1
+    return name, info[1], seq
 
 
 def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue, return_ns, end_ns=None,

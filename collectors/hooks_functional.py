@@ -23,7 +23,7 @@ Rows (same columns as other collectives; docs/run-format.md)
   "functional", ``async_op`` True.
 - ``group``: the op's ``group_name`` argument resolved to its ProcessGroup and named by
   ``hooks_collectives._group`` (the name the groups table uses; a new group gets its groups row there);
-  ``seq`` from ``hooks_collectives._next_seq`` (one counter per group, shared with ``torch.distributed`` calls).
+  ``seq`` from ``hooks_collectives._where`` (one counter per group, shared with ``torch.distributed`` calls).
 - ``in_bytes`` from the input tensor(s), ``out_bytes`` from the op's returned tensor(s) (so all_gather's output is
   group_size × input, reduce_scatter's is input ÷ group_size, all_to_all's follows its split sizes).
 - ``issue_ns``/``return_ns``: the op call; ``end_ns``: when ``wait_tensor`` on its output (matched by the output's
