@@ -352,9 +352,9 @@ def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
     for (n0, t0, c0, h0), (n1, t1, c1, h1) in zip(lines, lines[1:]):
         if n1 == n0 + 1 and n1 % block >= AB_SKIP:
             steps.setdefault(n1 // block, []).append((t1 - t0, c1 - c0, h1 - h0))
-    mean = {b: [center(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}
-    used = [b for b in sorted(mean) if b % 2 == 1 and b >= 3 and b - 1 in mean and b + 1 in mean]
-    return [(mean[b][0], *((mean[b - 1][i] + mean[b + 1][i]) / 2 - mean[b][i] for i in range(3))) for b in used]
+    c = {b: [center(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}   # per block
+    used = [b for b in sorted(c) if b % 2 == 1 and b >= 3 and b - 1 in c and b + 1 in c]
+    return [(c[b][0], *((c[b - 1][i] + c[b + 1][i]) / 2 - c[b][i] for i in range(3))) for b in used]
 
 
 def mean_interval(runs: list[list[float]], want: float = 0.95) -> tuple[float, float, float]:

@@ -79,21 +79,16 @@ def _caller_source(frame) -> str:
         frame = frame.f_back
         name = frame.f_globals.get("__name__", "")
     src = _source_by_module.get(name)
-    return src if src is not None else _source_of(name)
-
-
-def _source_of(module_name: str) -> str:
-    src = _source_by_module.get(module_name)
     if src is None:
-        if module_name.startswith(("torch.distributed.fsdp", "torch.distributed._composable.fsdp")):
+        if name.startswith(("torch.distributed.fsdp", "torch.distributed._composable.fsdp")):
             src = "fsdp"
-        elif module_name.startswith("torch.distributed.pipelining"):
+        elif name.startswith("torch.distributed.pipelining"):
             src = "pipeline"
-        elif module_name.startswith("torch.distributed.algorithms.ddp_comm_hooks"):
+        elif name.startswith("torch.distributed.algorithms.ddp_comm_hooks"):
             src = "ddp"
         else:
             src = "user"
-        _source_by_module[module_name] = src
+        _source_by_module[name] = src
     return src
 
 
@@ -283,11 +278,9 @@ _P2P = ("send", "recv")
 
 
 def _where(op, group, peer):
-    """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call. Every
-    collective passes here: the cached group and the sequence number without further calls."""
+    """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call."""
     rec = rt.STATE
-    info = rec.groups.get(None if group is None else id(group)) or _group(group)
-    name = info[0]
+    name, size, _pg = _group(group)
     if op in _P2P:
         key = (name, rec.rank, peer) if op == "send" else (name, peer, rec.rank)
     else:
@@ -295,7 +288,7 @@ def _where(op, group, peer):
     seqs = rec.seq
     seq = seqs.get(key, 0)
     seqs[key] = seq + 1
-    return name, info[1], seq
+    return name, size, seq
 
 
 def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue, return_ns, end_ns=None,
