@@ -145,15 +145,22 @@ def _group(group):
     return info
 
 
+_global_peers: dict = {}       # (id(group) or None, rank in it) -> global rank: a pipeline stage names its peer so
+
+
 def _global_peer(group, peer, group_peer):
     if peer is not None:
         return int(peer)
     if group_peer is None:
         return None
-    import torch.distributed as dist
+    key = (None if group is None else id(group), group_peer)
+    got = _global_peers.get(key)
+    if got is None:
+        import torch.distributed as dist
 
-    return dist.get_global_rank(group if group is not None else dist.distributed_c10d._get_default_group(),
-                                group_peer)
+        got = _global_peers[key] = dist.get_global_rank(
+            group if group is not None else dist.distributed_c10d._get_default_group(), group_peer)
+    return got
 
 
 # ---- argument extractors: same signatures as torch 2.13; return (in_bytes, out_bytes, dtype, group, peer, async)
@@ -569,9 +576,9 @@ def _wrap_work_wait(orig):
             return orig(self, *args, **kwargs)
         key = id(self)
         t0 = now()
-        rows = pending_rows(key)
-        if rows is not None:
-            state.collective = _in_flight(rows[0], t0)
+        item = state.pending.get(key)
+        if item is not None:
+            state.collective = _in_flight(item[1][0], t0)
         try:
             return orig(self, *args, **kwargs)
         finally:
@@ -580,7 +587,8 @@ def _wrap_work_wait(orig):
                 t1 = now()
                 state.last_progress_ns = t1
                 state.span("comm_wait", "wait", t0, t1)
-                complete(key, t1)
+                if item is not None:      # else nothing of this work is recorded, or its callback completed it
+                    complete(key, t1)
             except Exception:
                 state.fault("Work.wait wrapper")
 
