@@ -189,8 +189,11 @@ def _x_out_in(output, input, *rest, group=None, async_op=False, op=None, output_
     return _nbytes(input), _nbytes(output), _dtype(input), group, None, async_op
 
 
+# FSDP2 calls these two for every parameter group, forward and backward: tensors only (torch checks that), so their
+# sizes are read without _nbytes' guard, and the dtype's name from its table once it is there
 def _x_all_gather_into(output_tensor, input_tensor, group=None, async_op=False):
-    return _nbytes(input_tensor), _nbytes(output_tensor), _dtype(input_tensor), group, None, async_op
+    return (input_tensor.numel() * input_tensor.element_size(), output_tensor.numel() * output_tensor.element_size(),
+            _DTYPE_NAMES.get(input_tensor.dtype) or _dtype(input_tensor), group, None, async_op)
 
 
 def _x_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
@@ -198,7 +201,8 @@ def _x_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
 
 
 def _x_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
-    return _nbytes(input), _nbytes(output), _dtype(input), group, None, async_op
+    return (input.numel() * input.element_size(), output.numel() * output.element_size(),
+            _DTYPE_NAMES.get(input.dtype) or _dtype(input), group, None, async_op)
 
 
 def _x_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -508,8 +512,8 @@ def _wrap_collective(api, orig):
             else:
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
                     peer = result
-                state.add(_make_row(op, api_name, source, where, in_b, out_b, dtype, peer, async_op, issue, ret, ret,
-                                    bucket_index, stage, microbatch, step))
+                state.append_collective(_make_row(op, api_name, source, where, in_b, out_b, dtype, peer, async_op,
+                                                  issue, ret, ret, bucket_index, stage, microbatch, step))
                 state.span("comm_wait", api, issue, ret)
         except Exception:
             state.fault(f"collective wrapper ({api})")

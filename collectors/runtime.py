@@ -107,6 +107,7 @@ class Recorder:
         self.options = {}
         self.writer = None         # the RankWriter (None until init)
         self.append_span = None    # the writer's append for the spans table
+        self.append_collective = None   # and for the collectives table (a synchronous collective's row)
         self.fault_test = ""       # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
         # ---- per-step bookkeeping (main thread only) ----
         self.init_ns = 0
@@ -262,6 +263,7 @@ class Recorder:
         self.fault_test = where if (not only_rank or int(only_rank) == rank) else ""
         self.writer = RankWriter(node_dir, rank)
         self.append_span = self.writer.appender("spans")
+        self.append_collective = self.writer.appender("collectives")
         self.init_ns = now()
         self.last_progress_ns = self.init_ns
         self.writer.write_identity(self.identity())
