@@ -357,21 +357,46 @@ def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
     return [(c[b][0], *((c[b - 1][i] + c[b + 1][i]) / 2 - c[b][i] for i in range(3))) for b in used]
 
 
-def mean_interval(runs: list[list[float]], want: float = 0.95) -> tuple[float, float, float]:
-    """The mean of the A/B differences of several runs (each run's in block order) and its ``want`` interval.
-    Neighbouring differences share an on block, so they are correlated: the mean's variance is taken as (variance
-    + 2 x lag-1 covariance within each run, when positive) / n, and the interval from Student's t (Cornish-Fisher
-    expansion: no scipy here). (mean, low, high)."""
-    xs = [x for run in runs for x in run]
-    n = len(xs)
-    m = statistics.fmean(xs)
-    var = statistics.variance(xs, m)
-    lag1 = [(a - m) * (b - m) for run in runs for a, b in zip(run, run[1:])]
-    cov1 = max(0.0, sum(lag1) / max(1, len(lag1)))
+def _t(want: float, nu: int) -> float:
+    """Student's t quantile for a two-sided ``want`` interval with ``nu`` degrees of freedom (Cornish-Fisher
+    expansion: no scipy here)."""
     z = statistics.NormalDist().inv_cdf(0.5 + want / 2)
-    nu = n - 1
-    t = z + (z ** 3 + z) / (4 * nu) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * nu ** 2)
-    half = t * ((var + 2 * cov1) / n) ** 0.5
+    return z + (z ** 3 + z) / (4 * nu) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * nu ** 2)
+
+
+def _spread(runs: list[list[float]], m: float) -> float:
+    """Variance of the pooled values about ``m`` plus 2 x their lag-1 covariance within each run, when positive:
+    neighbouring A/B differences share an on block, so they are correlated."""
+    xs = [x for run in runs for x in run]
+    lag1 = [(a - m) * (b - m) for run in runs for a, b in zip(run, run[1:])]
+    return statistics.variance(xs, m) + 2 * max(0.0, sum(lag1) / max(1, len(lag1)))
+
+
+def mean_interval(runs: list[list[float]], want: float = 0.95) -> tuple[float, float, float]:
+    """The mean of the A/B differences of several runs (each run's in block order) and its ``want`` interval
+    (Student's t, the variance from ``_spread``). (mean, low, high)."""
+    xs = [x for run in runs for x in run]
+    m = statistics.fmean(xs)
+    half = _t(want, len(xs) - 1) * (_spread(runs, m) / len(xs)) ** 0.5
+    return m, m - half, m + half
+
+
+TRIM = 0.1   # the fraction of A/B differences trimmed_interval cuts from each end
+
+
+def trimmed_interval(runs: list[list[float]], want: float = 0.95) -> tuple[float, float, float]:
+    """Yuen's trimmed mean of the A/B differences of several runs and its ``want`` interval: ``TRIM`` of them cut
+    from each end, the variance that of the winsorised values (``_spread``) over (1 - 2 TRIM)^2. This machine's
+    bursts (single blocks tens of ms off) fall in on or off blocks by chance and move the plain mean by more than
+    dtprof's cost; they move this less. (trimmed mean, low, high)."""
+    xs = sorted(x for run in runs for x in run)
+    n = len(xs)
+    g = int(TRIM * n)
+    lo, hi = xs[g], xs[n - g - 1]
+    m = statistics.fmean(xs[g:n - g])
+    wins = [[min(max(x, lo), hi) for x in run] for run in runs]
+    wm = statistics.fmean(x for run in wins for x in run)
+    half = _t(want, n - 2 * g - 1) * (_spread(wins, wm) / n) ** 0.5 / (1 - 2 * g / n)
     return m, m - half, m + half
 
 
@@ -513,7 +538,8 @@ def main() -> None:
             pairs = sum(len(run) for run in ab)
             rows[-1] += ((statistics.fmean(x[0] for run in ab for x in run),
                           *(mean_interval([[x[i] for x in run] for run in ab]) for i in (1, 2, 3)),
-                          mean_interval(ab_robust), pairs) if pairs >= 2 else None,)
+                          mean_interval(ab_robust), trimmed_interval([[x[1] for x in run] for run in ab]), pairs)
+                         if pairs >= 2 else None,)
     print(f"{'job':14s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
           f"{'ar)':>4s} {'= % of step':>11s}")
@@ -524,18 +550,19 @@ def main() -> None:
     if a.ab_runs:
         print(f"\n{'A/B job':14s} {'blocks':>6s} {'off step':>9s} {'step time on - off [95 %]':>34s} "
               f"{'process CPU on - off':>26s} {'training thread':>26s} {'+ threads, launcher':>19s} "
-              f"{'wall cost at most':>17s} {'step time, block medians':>34s}")
+              f"{'wall cost at most':>17s} {'step time, block medians':>34s} {'step time, trimmed':>34s}")
         us = lambda m: f"{m[0] * 1e6:+7.0f} [{m[1] * 1e6:+.0f}, {m[2] * 1e6:+.0f}]us"   # noqa: E731
         for name, *_, th, la, _nc, _nar, _hk, _cb, ab in rows:
             if ab is None:
                 continue
-            off, wall, cpu, thread, robust, pairs = ab
+            off, wall, cpu, thread, robust, trimmed, pairs = ab
             # what runs in both kinds of block (dtprof's threads, the launcher and relays) is not in the
             # difference: at most all of it, on every rank, on the step's critical path
             most = wall[2] + RANKS * (th + la)
             print(f"{name:14s} {pairs:6d} {off * 1e3:7.2f}ms {us(wall):>25s} = {wall[0] / off * 100:+5.2f}% "
                   f"{us(cpu):>26s} {us(thread):>26s} {(th + la) * 1e6:17.1f}us {most / off * 100:16.2f}% "
-                  f"{us(robust):>25s} = {robust[0] / off * 100:+5.2f}%")
+                  f"{us(robust):>25s} = {robust[0] / off * 100:+5.2f}% {us(trimmed):>25s} = "
+                  f"{trimmed[0] / off * 100:+5.2f}%")
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
@@ -559,7 +586,9 @@ def main() -> None:
               f"columns threads and launcher above). Wall cost at most: the step time interval's high end plus "
               f"{RANKS}x that (every rank's, as if all of it delayed the step), over the off step. Step time, block "
               f"medians: the same difference with each block's median step instead of its mean (a shift in the "
-              f"step time that the machine's bursts move less).")
+              f"step time that the machine's bursts move less). Step time, trimmed: the blocks' differences with "
+              f"{TRIM * 100:.0f} % cut from each end (Yuen's trimmed mean; the same bursts, mostly in one kind of "
+              f"block by chance, move the plain mean more than dtprof's cost).")
     if a.in_process:
         print_in_process(a.blocks, a.block_steps)
 
