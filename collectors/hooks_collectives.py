@@ -399,7 +399,8 @@ def _keep_thread_state() -> None:
     120 µs, against 100 µs with a C builtin as the callback; /work/notes/exp3/micro_cb3.py, docs/validation.md).
     One more reference taken in the first callback keeps it, so every later callback in that thread reuses it; the
     cost is one thread state per such thread (a few kB), freed at exit."""
-    _tls.thread_state_kept = True     # in this thread state's own locals: kept from now on
+    _tls.thread_state_kept = True
+    # in this thread state's own locals: kept from now on
     try:
         import ctypes
 
@@ -806,6 +807,8 @@ def _wrap_schedule_step(orig):
                     "schedule": type(self).__name__, "stages": _int_or_none(getattr(self, "_num_stages", None)),
                     "microbatches": _int_or_none(getattr(self, "_n_microbatches", None)),
                     "stage_indices": [int(s.stage_index) for s in stages if s is not None]})
+            if not rec.pp_active:
+                rec.begin_pipeline_step(args)
         except Exception:
             rec.fault("pipeline schedule step")
         rec.pp_active += 1
@@ -813,6 +816,11 @@ def _wrap_schedule_step(orig):
             return orig(self, *args, **kwargs)
         finally:
             rec.pp_active -= 1
+            if not rec.pp_active and rec.parked_hooks:
+                try:
+                    rec.end_pipeline_step()
+                except Exception:
+                    rec.fault("pipeline schedule step")
 
     step.__wrapped__ = orig
     return step

@@ -6,7 +6,8 @@ code change). Stdlib and torch only; called once per top-level forward.
 - tokens: batch × sequence when that tensor is an integer (batch, sequence) tensor (token ids), else unknown.
 A step's figures are the sums over its top-level forwards with gradients enabled (gradient accumulation: every
 micro-batch; not a frozen teacher's or encoder's forward under ``torch.no_grad``, nor evaluation between steps:
-collectors/runtime.py, "Evaluation").
+collectors/runtime.py, "Evaluation"). Under a pipeline schedule, the batch its ``step(*args)`` is given, once per
+step (the first stage's; a later stage's module is called with what the stage before it sent: the same samples).
 ``dtprof.annotate(samples=..., tokens=...)`` overrides them for the step.
 """
 from __future__ import annotations

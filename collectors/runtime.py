@@ -132,6 +132,7 @@ class Recorder:
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
         self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
+        self.parked_hooks = []     # (hooks dict, key, hook, first) of the root hooks out during a schedule's step
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
         self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
         self.complete_ddp = None   # hooks_collectives.complete_ddp, bound at start (no import per step)
@@ -437,8 +438,8 @@ class Recorder:
                         self.note_trained(module)
                 if self.eval_forwards:
                     self.end_evaluation()
-                if grad:                           # what the trained model consumes: not a frozen teacher's input
-                    self.count_inputs(args, kwargs)
+                if grad and not self.pp_active:    # what the trained model consumes: not a frozen teacher's input
+                    self.count_inputs(args, kwargs)   # (a pipeline's: begin_pipeline_step)
                 if self.fault_test == "forward":
                     raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
                 if self.cuda is None:
@@ -692,6 +693,42 @@ class Recorder:
         self.span("flops_count", "FlopCounterMode", t0, now(), step=s)
         return int(mode.get_total_flops())
 
+    def begin_pipeline_step(self, args) -> None:
+        """A pipeline schedule's ``step(*args)`` starts (hooks_collectives): its micro-batches' forwards are timed
+        by the stage's own chunk spans, so after step 0 (which finds the roots) the root modules' hooks are taken out
+        of their modules for the schedule's step: each micro-batch's call would put the stage module on nn.Module's
+        slow path for nothing (~80 Python lines each). What those hooks do once a step happens here instead, and
+        the samples and tokens are counted once, from the batch the schedule is given (the first stage's: a later
+        stage is called with what the stage before it sent, which is not more samples)."""
+        t = now()
+        if self.eval_forwards:
+            self.end_evaluation()
+        if args:
+            self.count_inputs(args, None)
+        if self.cuda is None:
+            self.decide_cuda()
+        if not self.fwd_seen_in_step:
+            self.fwd_seen_in_step = True
+            if self.step_start_ns is None:
+                self.step_start_ns = t
+                self.run_delay_fd = _open_run_delay()
+                self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
+        self.last_progress_ns = t
+        if self.roots is not None and not self.parked_hooks:
+            for h in self.module_handles:
+                hooks = h.hooks_dict_ref()
+                if hooks is not None and h.id in hooks:
+                    first = next(iter(hooks)) == h.id
+                    self.parked_hooks.append((hooks, h.id, hooks.pop(h.id), first))
+
+    def end_pipeline_step(self) -> None:
+        """Put the root hooks back where they were (begin_pipeline_step: a pre-hook registered first goes first)."""
+        parked, self.parked_hooks = self.parked_hooks, []
+        for hooks, key, hook, first in parked:
+            hooks[key] = hook
+            if first:
+                hooks.move_to_end(key, last=False)
+
     def install_module_hooks(self) -> None:
         """Global module hooks put every module call of the program on nn.Module's slow path (~4 us each,
         measured in benchmarks/overhead.py), so they are used only in step 0 to find the top-level modules; after
@@ -716,6 +753,7 @@ class Recorder:
         for h in self.module_handles:
             h.remove()
         self.module_handles.clear()
+        self.parked_hooks = []
 
     def hooks_to_roots(self) -> None:
         if self.roots is None or not self.module_handles:

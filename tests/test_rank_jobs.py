@@ -238,6 +238,17 @@ def test_pipeline_p2p_matched(pipeline):
     assert act.microbatch.notna().all() and (act.source == "pipeline").all()
 
 
+def test_pipeline_counts_each_sample_once(pipeline):
+    """The first stage is given the batch (4 sequences of 16 tokens) and the second is called with what the first
+    sent, the same samples: each step has 4 samples and 64 tokens, counted once, by the stage given the batch
+    (also in step 0, where the stage's shape inference runs one more micro-batch of its own)."""
+    run, _ = pipeline
+    st = run.steps.sort_values(["rank", "step"])
+    first, later = st[st["rank"] == 0], st[st["rank"] == 1]
+    assert first.tokens.tolist() == [64] * STEPS and first.samples.tolist() == [4] * STEPS
+    assert later.tokens.isna().all() and later.samples.isna().all()
+
+
 # ---- robustness ---------------------------------------------------------------------------------------------------
 
 def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
