@@ -36,6 +36,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from dtprof.collectors.records import Collective
+
 INTERVAL_S = 0.5
 _SIGTERM_GRACE_S = 2.0
 _FR_TIMEOUT_S = 3.0
@@ -112,10 +114,20 @@ class _BeatFile:
             self.fd, self.size = os.open(self.path, os.O_WRONLY), size
 
 
+# STATE.collective is (a collectives row, or its columns up to issue_ns, in the schema's order; when the main thread
+# entered the wait): a tuple the hot path has at hand, turned into the heartbeat's dict only here
+_IN_FLIGHT_COLUMNS = [(name, Collective._fields.index(name)) for name in ("op", "group", "seq", "in_bytes", "dtype",
+                                                                          "peer")]
+
+
 def _jsonable_collective(c: Any) -> Any:
     if c is None:
         return None
     try:
+        if isinstance(c, tuple):
+            row, entered_ns = c
+            c = {name: row[i] for name, i in _IN_FLIGHT_COLUMNS}
+            c["entered_ns"] = entered_ns
         return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in dict(c).items()}
     except Exception:
         return str(c)

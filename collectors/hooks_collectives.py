@@ -39,11 +39,22 @@ import time
 from functools import partial
 
 from dtprof.collectors import runtime as rt
-from dtprof.collectors.records import Collective, Group
+from dtprof.collectors.records import Collective, Group, Span
 
 now = time.monotonic_ns
-_tls = threading.local()          # .busy: inside a wrapped call; .bucket: (index, is_last, used) in a DDP hook
+
+
+class _ThreadFlags(threading.local):
+    """Per-thread flags, read on every collective: class defaults, so reading one needs no getattr default."""
+    busy = False                  # inside a wrapped call
+    bucket = None                 # [index, is_last, used] inside a (wrapped) DDP comm hook
+    stage_mb = None               # (stage, microbatch) of the pipeline's point-to-point batch in progress
+    thread_state_kept = False     # _keep_thread_state ran in this thread
+
+
+_tls = _ThreadFlags()
 _source_by_module = {}
+_source_by_code: dict = {}        # the code object of a direct caller outside c10d -> its source (_caller_source)
 _api_of = {}                      # a collective function, original or our wrapper -> its c10d name (P2POp)
 _swapped = {}                     # (owner, attribute) -> (original, our wrapper): what set_wrappers switches
 MAX_PENDING = 4096
@@ -73,11 +84,19 @@ _C10D_INTERNAL = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_
 
 
 def _caller_source(frame) -> str:
-    """Source of the first caller outside c10d itself (send_object_list etc. call the tensor functions)."""
+    """Source of the first caller outside c10d itself (send_object_list etc. call the tensor functions). A direct
+    caller outside c10d is remembered by its code object: the wrappers look ``_source_by_code`` up first."""
     name = frame.f_globals.get("__name__", "")
+    if name not in _C10D_INTERNAL:
+        src = _source_by_code[frame.f_code] = _source_of_module(name)
+        return src
     while name in _C10D_INTERNAL and frame.f_back is not None:
         frame = frame.f_back
         name = frame.f_globals.get("__name__", "")
+    return _source_of_module(name)
+
+
+def _source_of_module(name: str) -> str:
     src = _source_by_module.get(name)
     if src is None:
         if name.startswith(("torch.distributed.fsdp", "torch.distributed._composable.fsdp")):
@@ -314,6 +333,7 @@ def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue,
 
 
 _END = Collective._fields.index("end_ns")
+_PEER = Collective._fields.index("peer")
 _row = tuple.__new__
 _TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added after these 20 (runtime._SPAN_TAIL)
 
@@ -323,10 +343,8 @@ def _with_end(row: Collective, t: int) -> Collective:
     return _row(Collective, row[:_END] + (t,) + row[_END + 1:])
 
 
-def _in_flight(row: Collective, entered_ns: int) -> dict:
-    """``STATE.collective`` while the main thread waits for ``row``'s operation (read by heartbeat/watchdog)."""
-    return {"op": row.op, "group": row.group, "seq": row.seq, "in_bytes": row.in_bytes, "dtype": row.dtype,
-            "peer": row.peer, "entered_ns": entered_ns}
+_NO_STAGE = (None, None)
+_SPAN_TAIL = rt._SPAN_TAIL
 
 
 # Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
@@ -354,15 +372,17 @@ def complete(key, t, entry: int | None = None) -> None:
     pending entry a callback was made for; another entry under the same key is left pending."""
     rec = rt.STATE
     item = rec.pending.pop(key, None)
-    if item is not None and entry is not None and item[3] != entry:
+    if item is None:
+        return
+    if entry is not None and item[3] != entry:
         rec.pending.setdefault(key, item)   # a later op's, whose key reuses a freed object's id
         return
-    if item is not None:
-        rows = [_with_end(r, t) for r in item[1]]
-        if _wants_gpu_duration() and hasattr(item[0], "_get_duration") and len(rec.timed) < MAX_TIMED:
-            rec.timed.append((item[0], rows, 0))
-        else:
-            rec.writer.extend("collectives", rows)
+    rows = [_with_end(r, t) for r in item[1]]
+    if _nccl_timing is not False and _wants_gpu_duration() and hasattr(item[0], "_get_duration") \
+            and len(rec.timed) < MAX_TIMED:
+        rec.timed.append((item[0], rows, 0))
+    else:
+        rec.writer.extend("collectives", rows)
 
 
 def complete_ddp(t: int) -> None:
@@ -384,7 +404,7 @@ def _done(key, entry, _fut) -> None:
     output (add_done_callback, unlike then(), has no child future to hold it)."""
     try:
         t = now()
-        if not getattr(_tls, "thread_state_kept", False):
+        if not _tls.thread_state_kept:
             _keep_thread_state()
         complete(key, t, entry)
     except Exception:
@@ -432,7 +452,7 @@ def resolve_gpu_durations(final: bool = False) -> None:
 def call_recorded(fn, *args, **kwargs):
     """Call ``fn``, a collective its caller records: what it issues through c10d is not recorded a second time
     (functional collectives reach ``c10d::allreduce_`` too)."""
-    outer = getattr(_tls, "busy", False)
+    outer = _tls.busy
     _tls.busy = True
     try:
         return fn(*args, **kwargs)
@@ -489,28 +509,30 @@ def _wrap_collective(api, orig):
 
     def wrapper(*args, **kwargs):
         state = rt.STATE
-        if state.disabled or not state.active or getattr(_tls, "busy", False):
+        if state.disabled or not state.active or _tls.busy:
             return orig(*args, **kwargs)
         try:
             issue = now()
             if state.fault_test == "collective":
                 raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
             in_b, out_b, dtype, group, peer, async_op = extract(*args, **kwargs)
-            bucket = getattr(_tls, "bucket", None)
-            if bucket is not None:
-                source, api_name, bucket_index = "ddp", "ddp_bucket", bucket[0]
+            bucket = _tls.bucket
+            if bucket is None:
+                caller = sys._getframe(1)
+                api_name, source, bucket_index = api, _source_by_code.get(caller.f_code) or _caller_source(caller), None
+            else:
+                api_name, source, bucket_index = "ddp_bucket", "ddp", bucket[0]
                 bucket[2] = True
                 if bucket[1]:
                     state.ddp_last_issue_ns = issue
-            else:
-                source = _caller_source(sys._getframe(1))
-                api_name, bucket_index = api, None
-            stage, microbatch = getattr(_tls, "stage_mb", None) or (None, None)
-            step = state.step
-            where = _where(op, group, peer)
+            name, size, seq = _where(op, group, peer)
+            # the row's columns before return_ns and after end_ns, in _make_row's order, built here rather than
+            # through _make_row: every collective passes here, and each call on its path costs the training thread
+            head = (state.rank, state.step, op, api_name, source, name, size, seq, in_b, out_b, dtype, peer,
+                    bool(async_op), issue)
+            tail = (None, bucket_index, *(_tls.stage_mb or _NO_STAGE), *_TAIL)
             if not async_op:
-                state.collective = {"op": op, "group": where[0], "seq": where[2], "in_bytes": in_b, "dtype": dtype,
-                                    "peer": peer, "entered_ns": issue}
+                state.collective = (head, issue)
         except Exception:
             state.fault(f"collective wrapper ({api})")
             return orig(*args, **kwargs)
@@ -528,14 +550,13 @@ def _wrap_collective(api, orig):
             ret = now()
             state.last_progress_ns = ret
             if async_op and result is not None:
-                _track(result, [_make_row(op, api_name, source, where, in_b, out_b, dtype, peer, True, issue, ret,
-                                          None, bucket_index, stage, microbatch, step)])
+                _track(result, [_row(Collective, head + (ret, None) + tail)])
             else:
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
-                    peer = result
-                state.append_collective(_make_row(op, api_name, source, where, in_b, out_b, dtype, peer, async_op,
-                                                  issue, ret, ret, bucket_index, stage, microbatch, step))
-                state.span("comm_wait", api, issue, ret)
+                    head = head[:_PEER] + (result,) + head[_PEER + 1:]
+                state.append_collective(_row(Collective, head + (ret, ret) + tail))
+                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret, None, None, "main",
+                                              "hook") + _SPAN_TAIL))      # state.span's row, without its call
         except Exception:
             state.fault(f"collective wrapper ({api})")
         return result
@@ -551,7 +572,7 @@ def _wrap_collective(api, orig):
 def _wrap_batch_isend_irecv(orig):
     def batch_isend_irecv(p2p_op_list):
         state = rt.STATE
-        if state.disabled or not state.active or getattr(_tls, "busy", False):
+        if state.disabled or not state.active or _tls.busy:
             return orig(p2p_op_list)
         try:
             issue = now()
@@ -597,13 +618,12 @@ def _wrap_batch_isend_irecv(orig):
 def _wrap_work_wait(orig):
     def wait(self, *args, **kwargs):
         state = rt.STATE
-        if state.disabled or not state.active or getattr(_tls, "busy", False):
+        if state.disabled or not state.active or _tls.busy:
             return orig(self, *args, **kwargs)
-        key = id(self)
         t0 = now()
-        item = state.pending.get(key)
+        item = state.pending.get(id(self))
         if item is not None:
-            state.collective = _in_flight(item[1][0], t0)
+            state.collective = (item[1][0], t0)
         try:
             return orig(self, *args, **kwargs)
         finally:
@@ -611,9 +631,10 @@ def _wrap_work_wait(orig):
             try:
                 t1 = now()
                 state.last_progress_ns = t1
-                state.span("comm_wait", "wait", t0, t1)
+                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1, None, None, "main",
+                                              "hook") + _SPAN_TAIL))      # state.span's row, without its call
                 if item is not None:      # else nothing of this work is recorded, or its callback completed it
-                    complete(key, t1)
+                    complete(id(self), t1)
             except Exception:
                 state.fault("Work.wait wrapper")
 
@@ -675,7 +696,7 @@ def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
     if rec.fault_test == "collective":
         raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
     first = tensors[0] if tensors else None
-    ctx = getattr(_tls, "bucket", None)
+    ctx = _tls.bucket
     if ctx is not None:                                   # inside a (wrapped) user comm hook
         ctx[2] = True
         source, api, bucket = "ddp", "ddp_bucket", ctx[0]
@@ -691,8 +712,10 @@ def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
     if source == "ddp":
         rec.ddp_last_issue_ns = issue
     b = _nbytes(first) if len(tensors) == 1 else _nbytes_list(tensors)
-    _track(work, [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, _dtype(first), None, True,
-                            issue, ret, bucket=bucket)])
+    # _make_row's columns, built here without its call (as in _wrap_collective's wrapper)
+    _track(work, [_row(Collective, (rec.rank, rec.step, "all_reduce", api, source, *_where("all_reduce", pg, None),
+                                    b, b, _dtype(first), None, True, issue, ret, None, None, bucket, None, None)
+                       + _TAIL)])
 
 
 def _observe_dispatched_allreduce() -> None:
@@ -706,7 +729,7 @@ def _observe_dispatched_allreduce() -> None:
 
     def allreduce_(keyset, tensors, process_group, *args):
         rec = rt.STATE
-        if rec.disabled or not rec.active or getattr(_tls, "busy", False):
+        if rec.disabled or not rec.active or _tls.busy:
             return op.redispatch(keyset & below_autograd, tensors, process_group, *args)
         issue = now()
         out = op.redispatch(keyset & below_autograd, tensors, process_group, *args)

@@ -116,7 +116,7 @@ def _on_wait(tensor, orig):
         rows = hc.pending_rows(key) if key is not None else None
         t0 = now()
         if rows is not None:
-            state.collective = hc._in_flight(rows[0], t0)
+            state.collective = (rows[0], t0)
     except Exception:
         state.fault("functional wait_tensor")
         return orig(tensor)

@@ -91,8 +91,9 @@ def _last_error_line() -> str:
 class Recorder:
     """Everything dtprof knows and does inside one rank. ``STATE`` is the only instance.
 
-    Heartbeat and watchdog read ``active``, ``disabled``, ``rank``, ``step``, ``collective`` (a dict naming the
-    blocking collective the main thread is in, else None), ``last_progress_ns`` and ``rank_dir``: plain attributes.
+    Heartbeat and watchdog read ``active``, ``disabled``, ``rank``, ``step``, ``collective`` (the blocking
+    collective the main thread is in: its row, or the row's columns up to ``issue_ns``, and when it entered; else
+    None), ``last_progress_ns`` and ``rank_dir``: plain attributes.
     The rest is bookkeeping of the main thread's step, kept here so that one object holds the rank's state."""
 
     def __init__(self):
@@ -100,7 +101,7 @@ class Recorder:
         self.disabled = False      # a fault switched dtprof off for this rank
         self.rank = -1
         self.step = 0              # index of the step in progress
-        self.collective = None     # dict of the blocking collective the main thread is in, else None
+        self.collective = None     # (row or its first columns, entered_ns) of the collective the main thread is in
         self.last_progress_ns = 0
         self.rank_dir = None
         self.host = socket.gethostname()
