@@ -214,8 +214,9 @@ JOBS = {
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
-# name -> (A/B block in steps, steps per A/B run): about 20 on/off pairs of blocks a run, ~30 s of steps here
-AB = {"ddp": (6, 264), "fsdp2": (4, 176), "pipeline": (5, 220), "lightning": (10, 440), "lightning-wide": (10, 440),
+# name -> (A/B block in steps, steps per A/B run): about 15-20 on/off pairs of blocks a run, ~30 s of steps here;
+# a block's steps but its first AB_SKIP and its last are used, so at least 4 (the shortest blocks have 6)
+AB = {"ddp": (8, 264), "fsdp2": (6, 180), "pipeline": (7, 224), "lightning": (10, 440), "lightning-wide": (10, 440),
       "accelerate": (10, 440)}
 RANKS = 2
 WARMUP_INTERVALS = 3
@@ -335,6 +336,9 @@ def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, 
 
 
 AB_SKIP = 2   # steps at the start of each A/B block not used: right after a switch steps run slower or faster
+# and the block's last step is not used either: it holds the switch itself (in the optimizer's post-hook, before the
+# job prints the step's line), which costs more switching on than off (~280 against ~80 us, hot): in the block means
+# it made the off blocks look slower than they are
 
 
 def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
@@ -343,14 +347,14 @@ def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
     block n // block, hooks on in even blocks and off in odd ones. A step's time and CPU are the differences from
     the previous step's line to its own (the job's clock, its process's CPU time: all its threads, dtprof's
     included, and its training thread's; step n-1's line comes after the switch that ends its block). Per block,
-    the ``center`` of its steps but the first ``AB_SKIP`` (the mean: what the job pays on average; the median: a
-    shift robust to the bursts of this shared machine); per off block after the first pair (warm-up) with an on
-    block on each side, that of its neighbours (their mean) less its own: drift in the machine's speed cancels to
-    first order. Returns, per such off block, (its ``center`` step, then on - off per step of: step time, process
-    CPU, training thread CPU), in seconds."""
+    the ``center`` of its steps but the first ``AB_SKIP`` and the last (the mean: what the job pays on average;
+    the median: a shift robust to the bursts of this shared machine); per off block after the first pair (warm-up)
+    with an on block on each side, that of its neighbours (their mean) less its own: drift in the machine's speed
+    cancels to first order. Returns, per such off block, (its ``center`` step, then on - off per step of: step
+    time, process CPU, training thread CPU), in seconds."""
     steps: dict[int, list[tuple[float, float, float]]] = {}
     for (n0, t0, c0, h0), (n1, t1, c1, h1) in zip(lines, lines[1:]):
-        if n1 == n0 + 1 and n1 % block >= AB_SKIP:
+        if n1 == n0 + 1 and AB_SKIP <= n1 % block < block - 1:
             steps.setdefault(n1 // block, []).append((t1 - t0, c1 - c0, h1 - h0))
     c = {b: [center(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}   # per block
     used = [b for b in sorted(c) if b % 2 == 1 and b >= 3 and b - 1 in c and b + 1 in c]
