@@ -712,10 +712,8 @@ def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
     if source == "ddp":
         rec.ddp_last_issue_ns = issue
     b = _nbytes(first) if len(tensors) == 1 else _nbytes_list(tensors)
-    # _make_row's columns, built here without its call (as in _wrap_collective's wrapper)
-    _track(work, [_row(Collective, (rec.rank, rec.step, "all_reduce", api, source, *_where("all_reduce", pg, None),
-                                    b, b, _dtype(first), None, True, issue, ret, None, None, bucket, None, None)
-                       + _TAIL)])
+    _track(work, [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, _dtype(first), None, True,
+                            issue, ret, bucket=bucket)])
 
 
 def _observe_dispatched_allreduce() -> None:
