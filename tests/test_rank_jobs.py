@@ -463,3 +463,45 @@ def test_ab_blocks_in_a_pipeline_keep_its_point_to_point_ops_valid(tmp_path):
     act = c[c.op.isin(["send", "recv"]) & (c.dtype == "float32")]
     assert sorted(act["step"].unique()) == [0, 1]
     assert act.groupby(["rank", "op"], observed=True).size().unique().tolist() == [4 * 2]
+
+
+P2P_JOB = """
+import json, torch, torch.distributed as dist
+
+calls = [0]
+get_future = dist.Work.get_future
+
+
+def counting_get_future(self):
+    calls[0] += 1
+    return get_future(self)
+
+
+dist.Work.get_future = counting_get_future
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+t = torch.zeros(4)
+for step in range(6):
+    model(torch.zeros(1, 4)).sum().backward()      # the first forward starts the recording
+    opt.step()
+    for _ in range(5):
+        (dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)).wait()
+print(json.dumps({"rank": rank, "get_future": calls[0]}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_point_to_point_works_without_a_future_are_not_asked_again(tmp_path):
+    """gloo's point-to-point works have no future (get_future raises, ~20 us of the training thread each time): dtprof
+    asks once per op and group, and Work.wait still completes every row."""
+    script = tmp_path / "p2p_job.py"
+    script.write_text(P2P_JOB)
+    run_dir, _, p = run_job(tmp_path, str(script), [])
+    asked = sorted(json.loads(ln)["get_future"] for ln in p.stdout.splitlines() if ln.startswith("{"))
+    assert asked == [1, 1], p.stdout          # one send on rank 0, one recv on rank 1
+    c = open_run(run_dir).collectives
+    p2p = c[c.op.isin(["send", "recv"])]
+    assert p2p.groupby(["rank", "op"], observed=True).size().to_dict() == {(0, "send"): 30, (1, "recv"): 30}
+    assert p2p["end_ns"].notna().all()
