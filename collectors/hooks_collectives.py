@@ -344,7 +344,9 @@ def _with_end(row: Collective, t: int) -> Collective:
 
 
 _NO_STAGE = (None, None)
-_SPAN_TAIL = rt._SPAN_TAIL
+# a comm_wait span's columns after its end (no stage or microbatch, main lane, hook timing): the collective wrapper
+# and Work.wait build that row themselves instead of calling state.span (each call on their path costs)
+_COMM_WAIT_TAIL = (None, None, "main", "hook") + rt._SPAN_TAIL
 
 
 # Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
@@ -565,8 +567,7 @@ def _wrap_collective(api, orig):
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
                     head = head[:_PEER] + (result,) + head[_PEER + 1:]
                 state.append_collective(_row(Collective, head + (ret, ret) + tail))
-                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret, None, None, "main",
-                                              "hook") + _SPAN_TAIL))      # state.span's row, without its call
+                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret) + _COMM_WAIT_TAIL))
         except Exception:
             state.fault(f"collective wrapper ({api})")
         return result
@@ -641,8 +642,7 @@ def _wrap_work_wait(orig):
             try:
                 t1 = now()
                 state.last_progress_ns = t1
-                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1, None, None, "main",
-                                              "hook") + _SPAN_TAIL))      # state.span's row, without its call
+                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1) + _COMM_WAIT_TAIL))
                 if item is not None:      # else nothing of this work is recorded, or its callback completed it
                     complete(id(self), t1)
             except Exception:
