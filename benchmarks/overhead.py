@@ -52,6 +52,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -212,13 +213,22 @@ JOBS = {
     "lightning-wide": (["examples/frameworks/train_lightning.py", "--dim", "1536", "--batch", "64", "--lr", "0.001"],
                        100),
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
+    # one rank on a GPU (NCCL, CUDA-event spans, NVML): ~20-40 ms fp32 steps of a 4-layer, 1024-wide transformer on
+    # an H100/H200; only where a GPU is visible (the examples pick CUDA when it is)
+    "ddp-gpu": (["examples/train_ddp.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "8",
+                 "--vocab", "8192"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
 # name -> (A/B block in steps, steps per A/B run): about 15-20 on/off pairs of blocks a run, ~30 s of steps here;
 # a block's steps but its first AB_SKIP and its last are used, so at least 4 (the shortest blocks have 6)
 AB = {"ddp": (8, 264), "fsdp2": (6, 180), "pipeline": (7, 224), "lightning": (10, 440), "lightning-wide": (10, 440),
-      "accelerate": (10, 440)}
-RANKS = 2
+      "accelerate": (10, 440), "ddp-gpu": (10, 440)}
+RANKS = 2                       # ranks per job (torchrun --nproc_per_node) but those in JOB_RANKS
+JOB_RANKS = {"ddp-gpu": 1}
+
+
+def ranks_of(name: str) -> int:
+    return JOB_RANKS.get(name, RANKS)
 WARMUP_INTERVALS = 3
 
 
@@ -247,6 +257,20 @@ def launcher_cpu_ns(launcher: int) -> int:
     return total
 
 
+RUNNING: list[subprocess.Popen] = []   # the job run_job runs now (in its own session)
+
+
+def stop_running_job(signum, _frame) -> None:
+    """SIGTERM (a ``timeout`` around the benchmark): the job in its own session would outlive this process and load
+    the machine; stop it (`dtprof run` forwards the signal to its job), then exit."""
+    for proc in RUNNING:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except OSError:
+            pass
+    sys.exit(128 + signum)
+
+
 def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> dict:
     """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
     step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
@@ -255,8 +279,8 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, job
     clock, process CPU time, training thread CPU time)."""
     bindir = Path(sys.executable).parent
-    cmd = [str(bindir / "torchrun"), f"--nproc_per_node={RANKS}", "--monitor-interval=0.2", *JOBS[name][0], "--steps",
-           str(steps), "--print-time"]
+    cmd = [str(bindir / "torchrun"), f"--nproc_per_node={ranks_of(name)}", "--monitor-interval=0.2", *JOBS[name][0],
+           "--steps", str(steps), "--print-time"]
     if run_dir is not None:
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-report", "--quiet", "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
@@ -280,6 +304,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                     start_new_session=True)
+            RUNNING[:] = [proc]
             assert proc.stdout is not None
             for line in proc.stdout:
                 m = STEP_LINE.match(line)
@@ -475,6 +500,9 @@ def main() -> None:
                     help="on/off block pairs of the hook measurement (0: none)")
     ap.add_argument("--ab-runs", type=int, default=3,
                     help="profiled runs per job with dtprof's hooks switched off and on in blocks (0: none)")
+    ap.add_argument("--ab-seconds", type=float, default=0,
+                    help="per job, no further A/B run starts after this many seconds of A/B runs (0: no limit): "
+                         "as many runs as fit a lent machine's time")
     ap.add_argument("--keep-lines", type=Path, default=None,
                     help="write each A/B run's step lines (step, job clock, process CPU, thread CPU) as JSON here")
     ap.add_argument("--worker", action="store_true")
@@ -482,6 +510,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return hooks_worker(a.blocks) if a.hooks else worker(a.blocks, a.block_steps)
+    signal.signal(signal.SIGTERM, stop_running_job)
     if a.quick:
         a.rounds, a.steps, a.hook_blocks, a.ab_runs = 1, 12, 20, 1
 
@@ -509,7 +538,7 @@ def main() -> None:
                     res[mode] = run_job(name, steps, Path(tmp) / f"{name}-{r}" if mode == "dtprof" else None)
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
                 threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
-                launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / RANKS)
+                launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / ranks_of(name))
                 colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"],
                               res["dtprof"]["batches_per_rank_step"]))
             n_coll = statistics.median(c for c, _, _ in colls)
@@ -528,7 +557,10 @@ def main() -> None:
                 block, ab_steps = 4, 32
             ab: list[list[tuple[float, ...]]] = []    # per A/B run, its off blocks (ab_pairs)
             ab_robust: list[list[float]] = []          # the same with the blocks' medians: step time on - off
+            ab_start = time.monotonic()
             for r in range(a.ab_runs):
+                if r and a.ab_seconds and time.monotonic() - ab_start > a.ab_seconds:
+                    break                     # the time budget: no further run starts (at least one ran)
                 print(f"{name} A/B run {r + 1}/{a.ab_runs} (blocks of {block} steps) ...", file=sys.stderr)
                 lines = run_job(name, ab_steps, Path(tmp) / f"{name}-ab-{r}", ab_block=block)["lines"]
                 if a.keep_lines:
@@ -542,7 +574,8 @@ def main() -> None:
             pairs = sum(len(run) for run in ab)
             rows[-1] += ((statistics.fmean(x[0] for run in ab for x in run),
                           *(mean_interval([[x[i] for x in run] for run in ab]) for i in (1, 2, 3)),
-                          mean_interval(ab_robust), trimmed_interval([[x[1] for x in run] for run in ab]), pairs)
+                          mean_interval(ab_robust), trimmed_interval([[x[1] for x in run] for run in ab]), pairs,
+                          len(ab))
                          if pairs >= 2 else None,)
     print(f"{'job':14s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
@@ -552,18 +585,18 @@ def main() -> None:
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
               f"{(th + la + hk + cb) / b * 100:10.2f}%")
     if a.ab_runs:
-        print(f"\n{'A/B job':14s} {'blocks':>6s} {'off step':>9s} {'step time on - off [95 %]':>34s} "
+        print(f"\n{'A/B job':14s} {'runs':>4s} {'blocks':>6s} {'off step':>9s} {'step time on - off [95 %]':>34s} "
               f"{'process CPU on - off':>26s} {'training thread':>26s} {'+ threads, launcher':>19s} "
               f"{'wall cost at most':>17s} {'step time, block medians':>34s} {'step time, trimmed':>34s}")
         us = lambda m: f"{m[0] * 1e6:+7.0f} [{m[1] * 1e6:+.0f}, {m[2] * 1e6:+.0f}]us"   # noqa: E731
         for name, *_, th, la, _nc, _nar, _hk, _cb, ab in rows:
             if ab is None:
                 continue
-            off, wall, cpu, thread, robust, trimmed, pairs = ab
+            off, wall, cpu, thread, robust, trimmed, pairs, runs = ab
             # what runs in both kinds of block (dtprof's threads, the launcher and relays) is not in the
             # difference: at most all of it, on every rank, on the step's critical path
-            most = wall[2] + RANKS * (th + la)
-            print(f"{name:14s} {pairs:6d} {off * 1e3:7.2f}ms {us(wall):>25s} = {wall[0] / off * 100:+5.2f}% "
+            most = wall[2] + ranks_of(name) * (th + la)
+            print(f"{name:14s} {runs:4d} {pairs:6d} {off * 1e3:7.2f}ms {us(wall):>25s} = {wall[0] / off * 100:+5.2f}% "
                   f"{us(cpu):>26s} {us(thread):>26s} {(th + la) * 1e6:17.1f}us {most / off * 100:16.2f}% "
                   f"{us(robust):>25s} = {robust[0] / off * 100:+5.2f}% {us(trimmed):>25s} = "
                   f"{trimmed[0] / off * 100:+5.2f}%")
@@ -579,7 +612,7 @@ def main() -> None:
           f"it delays holds the others at the next collective, so a step's wall "
           f"cost is bounded by about the ranks' sum, {RANKS}x this share.")
     if a.ab_runs:
-        print(f"A/B: in {a.ab_runs} profiled run(s) per job, dtprof's hooks switched off and on in blocks of steps "
+        print(f"A/B: in profiled runs (runs: how many per job), dtprof's hooks switched off and on in blocks of steps "
               f"on every rank at once (AB, collectors/runtime.py: its step hooks, collective wrappers, Work.wait "
               f"patch and c10d::allreduce_ kernel); per off block (blocks: how many), the mean of the on blocks beside "
               f"it less its own, per step, of rank 0's step time (the job's own clock), process CPU (all its threads: "

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# What one session on a lent GPU machine (the device tool: 16 cores, one H100/H200, ~15 minutes in all) runs, in
+# one command, for docs/validation.md. Nothing is installed: the machine's python3 has torch (CUDA), numpy, pandas,
+# pyarrow, click and nvidia-ml-py; dtprof runs from this checkout (its subpackages linked in as the installed
+# package has them). Everything it writes goes to $OUT/device.tar.gz (the tool brings back few files).
+#
+#   CPU part, on cores 0-7: benchmarks/overhead.py's A/B runs of the four issue-14 jobs (DDP, FSDP2, a pipeline,
+#     Lightning) on CPU/gloo, the four at once, each job pinned to two cores of its own (the two cores of the
+#     machine the issue measured on, without the other tenants' load); GPU hidden (CUDA_VISIBLE_DEVICES="").
+#   GPU part, on cores 8-15 at the same time: dtprof run of a one-rank DDP job (NCCL, CUDA-event spans, NVML, a
+#     two-step torch.profiler trace) and of a one-rank FSDP2 job, `dtprof calibrate`, and the A/B runs of the DDP
+#     job on the GPU (benchmarks/overhead.py --jobs ddp-gpu).
+#
+#   OUT=/tmp/out bash benchmarks/device_check.sh [CPU A/B seconds per job] [GPU A/B seconds] [deadline seconds]
+#
+# Every step's timeout ends by the deadline (default 480 s after the start), so the results are packed inside the
+# device call's limit even when a step hangs.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/device-out}
+CPU_AB_S=${1:-300}
+GPU_AB_S=${2:-150}
+DEADLINE=${3:-480}
+W=$(mktemp -d)
+mkdir -p "$OUT" "$W/log"
+for p in collectors analyzers reports; do [ -e "dtprof/$p" ] || ln -s "../$p" "dtprof/$p"; done
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PY=$(command -v "${PY:-python3}")
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+# within S: S seconds, or what is left before the deadline if less (at least 1)
+within() { local left=$(( DEADLINE - ($(date +%s) - T0) )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
+# pin CORES COMMAND...: on the cores named where the machine has 16 (a smoke run elsewhere runs unpinned)
+pin() { if [ "$(nproc)" -ge 16 ] && command -v taskset >/dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
+
+{
+  date -u; uname -a; nproc; lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|MHz' || true
+  nvidia-smi || true
+  "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda,
+"cuda available", torch.cuda.is_available()); import torch.cuda.nccl as n; print("nccl", n.version())
+if torch.cuda.is_available(): print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))' || true
+  "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|lightning|pytorch-lightning|nvidia-ml-py|numpy|pandas|pyarrow|click|duckdb) ' || true
+} > "$W/log/env.txt" 2>&1
+stamp "env done"
+
+cpu_job() {   # job cores
+  CUDA_VISIBLE_DEVICES="" pin "$2" timeout "$(within $((CPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs "$1" \
+    --rounds 1 --ab-runs 100 --ab-seconds "$CPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-$1" \
+    > "$W/log/ab-$1.txt" 2>&1
+  echo "exit $?" >> "$W/log/ab-$1.txt"
+}
+cpu_job ddp 0,1 & cpu_job fsdp2 2,3 & cpu_job pipeline 4,5 & cpu_job lightning-wide 6,7 &
+
+gpu() {
+  export CUDA_VISIBLE_DEVICES=0
+  local model=(--dim 1024 --layers 4 --seq 512 --batch 8 --vocab 8192)
+  stamp "gpu ddp run"
+  pin 8-15 timeout "$(within 150)" "$PY" -m dtprof.cli run --out "$W/gpu-ddp" --no-report --dtype fp32 --trace-steps 10:12 \
+    -- "$(dirname "$PY")/torchrun" --nproc_per_node=1 examples/train_ddp.py "${model[@]}" --steps 40 \
+    > "$W/log/gpu-ddp.txt" 2>&1; echo "exit $?" >> "$W/log/gpu-ddp.txt"
+  stamp "gpu fsdp2 run"
+  pin 8-15 timeout "$(within 120)" "$PY" -m dtprof.cli run --out "$W/gpu-fsdp2" --no-report --dtype fp32 \
+    -- "$(dirname "$PY")/torchrun" --nproc_per_node=1 examples/train_fsdp.py "${model[@]}" --steps 30 \
+    > "$W/log/gpu-fsdp2.txt" 2>&1; echo "exit $?" >> "$W/log/gpu-fsdp2.txt"
+  stamp "gpu calibrate"
+  HOME=$W timeout "$(within 60)" "$PY" -m dtprof.cli calibrate > "$W/log/calibrate.txt" 2>&1; echo "exit $?" >> "$W/log/calibrate.txt"
+  stamp "gpu A/B"
+  pin 8-15 timeout "$(within $((GPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs ddp-gpu --rounds 1 --ab-runs 100 \
+    --ab-seconds "$GPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-gpu" > "$W/log/ab-ddp-gpu.txt" 2>&1
+  echo "exit $?" >> "$W/log/ab-ddp-gpu.txt"
+  stamp "gpu done"
+}
+if nvidia-smi -L >/dev/null 2>&1; then gpu > "$W/log/gpu-steps.txt" 2>&1 & fi
+# what is there so far, packed every minute: if the call is cut short (its limit shrinks when the machine's start
+# took long), the last pack still comes back
+pack() { tar -C "$W" -czf "$OUT/.device.tar.gz" . 2>/dev/null && mv "$OUT/.device.tar.gz" "$OUT/device.tar.gz"; }
+( while sleep 60; do pack; done ) & PACKER=$!
+wait $(jobs -p | grep -vx "$PACKER")
+kill "$PACKER"
+stamp "all done" >> "$W/log/env.txt"
+pack && ls -la "$OUT"
