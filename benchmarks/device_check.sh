@@ -11,7 +11,12 @@
 #     two-step torch.profiler trace) and of a one-rank FSDP2 job, `dtprof calibrate`, and the A/B runs of the DDP
 #     job on the GPU (benchmarks/overhead.py --jobs ddp-gpu).
 #
-#   OUT=/tmp/out bash benchmarks/device_check.sh [CPU A/B seconds per job] [GPU A/B seconds] [deadline seconds]
+#   OUT=/tmp/out [GPU="ddp fsdp2 calibrate ab"] [GPU_AB_JOBS=ddp-gpu,fsdp2-gpu] bash benchmarks/device_check.sh [CPU A/B seconds per job]
+#       [GPU A/B seconds] [deadline seconds]
+#
+# GPU names the GPU part's steps to run (default all). Wheels in .whl/ (the device tool's way to bring a missing
+# package: duckdb, which the image lacks) are installed first. Each job gets a port of its own (PET_MASTER_PORT):
+# some torch versions' torchrun listens on 29500 for every one-node job, and jobs run side by side here.
 #
 # Every step's timeout ends by the deadline (default 480 s after the start), so the results are packed inside the
 # device call's limit even when a step hangs.
@@ -23,6 +28,11 @@ GPU_AB_S=${2:-150}
 DEADLINE=${3:-480}
 W=$(mktemp -d)
 mkdir -p "$OUT" "$W/log"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+GPU=${GPU:-ddp fsdp2 calibrate ab}
 for p in collectors analyzers reports; do [ -e "dtprof/$p" ] || ln -s "../$p" "dtprof/$p"; done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=$(command -v "${PY:-python3}")
@@ -43,31 +53,39 @@ if torch.cuda.is_available(): print(torch.cuda.get_device_name(0), torch.cuda.ge
 } > "$W/log/env.txt" 2>&1
 stamp "env done"
 
-cpu_job() {   # job cores
-  CUDA_VISIBLE_DEVICES="" pin "$2" timeout "$(within $((CPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs "$1" \
+cpu_job() {   # job cores port
+  PET_MASTER_PORT=$3 CUDA_VISIBLE_DEVICES="" pin "$2" timeout "$(within $((CPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs "$1" \
     --rounds 1 --ab-runs 100 --ab-seconds "$CPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-$1" \
     > "$W/log/ab-$1.txt" 2>&1
   echo "exit $?" >> "$W/log/ab-$1.txt"
 }
-cpu_job ddp 0,1 & cpu_job fsdp2 2,3 & cpu_job pipeline 4,5 & cpu_job lightning-wide 6,7 &
+cpu_job ddp 0,1 29510 & cpu_job fsdp2 2,3 29520 & cpu_job pipeline 4,5 29530 & cpu_job lightning-wide 6,7 29540 &
 
 gpu() {
-  export CUDA_VISIBLE_DEVICES=0
+  export CUDA_VISIBLE_DEVICES=0 PET_MASTER_PORT=29550
   local model=(--dim 1024 --layers 4 --seq 512 --batch 8 --vocab 8192)
-  stamp "gpu ddp run"
-  pin 8-15 timeout "$(within 150)" "$PY" -m dtprof.cli run --out "$W/gpu-ddp" --no-report --dtype fp32 --trace-steps 10:12 \
-    -- "$(dirname "$PY")/torchrun" --nproc_per_node=1 examples/train_ddp.py "${model[@]}" --steps 40 \
-    > "$W/log/gpu-ddp.txt" 2>&1; echo "exit $?" >> "$W/log/gpu-ddp.txt"
-  stamp "gpu fsdp2 run"
-  pin 8-15 timeout "$(within 120)" "$PY" -m dtprof.cli run --out "$W/gpu-fsdp2" --no-report --dtype fp32 \
-    -- "$(dirname "$PY")/torchrun" --nproc_per_node=1 examples/train_fsdp.py "${model[@]}" --steps 30 \
-    > "$W/log/gpu-fsdp2.txt" 2>&1; echo "exit $?" >> "$W/log/gpu-fsdp2.txt"
-  stamp "gpu calibrate"
-  HOME=$W timeout "$(within 60)" "$PY" -m dtprof.cli calibrate > "$W/log/calibrate.txt" 2>&1; echo "exit $?" >> "$W/log/calibrate.txt"
-  stamp "gpu A/B"
-  pin 8-15 timeout "$(within $((GPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs ddp-gpu --rounds 1 --ab-runs 100 \
-    --ab-seconds "$GPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-gpu" > "$W/log/ab-ddp-gpu.txt" 2>&1
-  echo "exit $?" >> "$W/log/ab-ddp-gpu.txt"
+  if [[ " $GPU " == *" ddp "* ]]; then
+    stamp "gpu ddp run"
+    pin 8-15 timeout "$(within 150)" "$PY" -m dtprof.cli run --out "$W/gpu-ddp" --no-report --dtype fp32 --trace-steps 10:12 \
+      -- "$(dirname "$PY")/torchrun" --nproc_per_node=1 examples/train_ddp.py "${model[@]}" --steps 40 \
+      > "$W/log/gpu-ddp.txt" 2>&1; echo "exit $?" >> "$W/log/gpu-ddp.txt"
+  fi
+  if [[ " $GPU " == *" fsdp2 "* ]]; then
+    stamp "gpu fsdp2 run"
+    pin 8-15 timeout "$(within 120)" "$PY" -m dtprof.cli run --out "$W/gpu-fsdp2" --no-report --dtype fp32 \
+      -- "$(dirname "$PY")/torchrun" --nproc_per_node=1 examples/train_fsdp.py "${model[@]}" --steps 30 \
+      > "$W/log/gpu-fsdp2.txt" 2>&1; echo "exit $?" >> "$W/log/gpu-fsdp2.txt"
+  fi
+  if [[ " $GPU " == *" calibrate "* ]]; then
+    stamp "gpu calibrate"
+    HOME=$W timeout "$(within 60)" "$PY" -m dtprof.cli calibrate > "$W/log/calibrate.txt" 2>&1; echo "exit $?" >> "$W/log/calibrate.txt"
+  fi
+  if [[ " $GPU " == *" ab "* ]]; then
+    stamp "gpu A/B"
+    pin 8-15 timeout "$(within $((GPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs "${GPU_AB_JOBS:-ddp-gpu}" --rounds 1 --ab-runs 100 \
+      --ab-seconds "$GPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-gpu" > "$W/log/ab-gpu.txt" 2>&1
+    echo "exit $?" >> "$W/log/ab-gpu.txt"
+  fi
   stamp "gpu done"
 }
 if nvidia-smi -L >/dev/null 2>&1; then gpu > "$W/log/gpu-steps.txt" 2>&1 & fi

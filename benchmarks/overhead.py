@@ -217,14 +217,17 @@ JOBS = {
     # an H100/H200; only where a GPU is visible (the examples pick CUDA when it is)
     "ddp-gpu": (["examples/train_ddp.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "8",
                  "--vocab", "8192"], 200),
+    "fsdp2-gpu": (["examples/train_fsdp.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "8",
+                   "--vocab", "8192"], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
 # name -> (A/B block in steps, steps per A/B run): about 15-20 on/off pairs of blocks a run, ~30 s of steps here;
 # a block's steps but its first AB_SKIP and its last are used, so at least 4 (the shortest blocks have 6)
 AB = {"ddp": (8, 264), "fsdp2": (6, 180), "pipeline": (7, 224), "lightning": (10, 440), "lightning-wide": (10, 440),
-      "accelerate": (10, 440), "ddp-gpu": (10, 440)}
+      "accelerate": (10, 440), "ddp-gpu": (10, 440),
+      "fsdp2-gpu": (10, 440)}
 RANKS = 2                       # ranks per job (torchrun --nproc_per_node) but those in JOB_RANKS
-JOB_RANKS = {"ddp-gpu": 1}
+JOB_RANKS = {"ddp-gpu": 1, "fsdp2-gpu": 1}
 
 
 def ranks_of(name: str) -> int:
@@ -321,7 +324,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
 
     done = once_more_on_exit_abort(launch)
     if done.returncode:
-        sys.exit(f"{name}: {' '.join(cmd)} exited {done.returncode}")
+        sys.exit(f"{name}: {' '.join(cmd)} exited {done.returncode}; its stderr ends:\n{done.stderr[-3000:]}")
     intervals = [b[1] - a[1] for a, b in zip(lines, lines[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
     if ab_block:
