@@ -1,12 +1,20 @@
 """GPU utilisation and memory (NVML samples; docs/metrics.md has no formula beyond these definitions).
 
-Per GPU (host, gpu index) over the samples of the run:
-- ``sm_util_mean_pct`` / ``mem_bw_util_mean_pct``: mean of NVML's utilisation samples;
-- ``idle_frac``: fraction of the sampled time with SM utilisation below 5 %;
+Per GPU (host, gpu index), over the **measured steps' window** of its host (``window`` "measured steps": from the
+start of the first measured step to the end of the last of that host's ranks, in the host's own monotonic clock,
+which the NVML sampler and the ranks share); over the whole sampled run where the host has no measured step
+(``window`` "run": a job that failed or hung before its steps). A run's start-up (imports, CUDA and process-group
+set-up, the FLOP-counted step) and its end (checkpointing, the job's exit) leave the GPU idle for seconds; over the
+whole run a GPU that was 95 % busy in every step read as 7 % busy (the first real H200 run).
+- each sample stands for the time since the previous sample of that GPU (NVML's utilisation is the share of its
+  past sample period with a kernel running; the first sample stands for the median interval), weighted by how much
+  of that period lies in the window; ``samples`` counts those with any;
+- ``sm_util_mean_pct`` / ``mem_bw_util_mean_pct`` / ``power_w_mean`` / ``sm_clock_mhz_mean``: time-weighted means;
+  ``temp_c_max`` / ``ecc_errors_max``: the largest of those samples;
+- ``idle_frac``: fraction of the window's sampled time with SM utilisation below 5 %;
 - ``throttled_s``: sampled time whose ``throttle_reasons`` (NVML clocksEventReasons) carry a slowdown bit --
   SW power cap 0x4, HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake 0x80 (idle, application
-  clock settings, sync boost and display clock bits are not throttling);
-- each sample stands for the time until the next sample of that GPU (the last one for the median interval).
+  clock settings, sync boost and display clock bits are not throttling); ``sampled_s`` the window's sampled time.
 
 Memory per rank: ``peak_mem_bytes`` is the maximum over the rank's steps (CUDA allocator peak on GPU, RSS on CPU);
 headroom_frac = 1 - peak / device memory (``ranks.device_mem_total_bytes``, else NVML ``mem_total_bytes``).
@@ -26,13 +34,40 @@ IDLE_PCT = 5.0
 
 GPU_COLUMNS = ["host", "gpu", "uuid", "samples", "sm_util_mean_pct", "mem_bw_util_mean_pct", "idle_frac",
                "throttled_s", "throttled_frac", "throttle_reasons", "power_w_mean", "temp_c_max", "sm_clock_mhz_mean",
-               "ecc_errors_max", "sampled_s"]
+               "ecc_errors_max", "sampled_s", "window"]
 
 
-def gpu_stats(run) -> pd.DataFrame:
+def measured_windows(steps: pd.DataFrame, ranks: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """host -> (first measured step's start, last measured step's end) of its ranks, in the host's monotonic ns
+    (the run model's ``steps``: per rank-step ``start_ns``, ``end_ns``, ``measured``)."""
+    m = steps[steps["measured"].to_numpy(bool)]
+    if len(m) == 0:
+        return {}
+    host_of = pd.Series(ranks["host"].astype(str).to_numpy(), index=ranks["rank"].to_numpy(np.int64))
+    host_of = host_of[~host_of.index.duplicated()]
+    d = pd.DataFrame({"host": host_of.reindex(m["rank"].to_numpy(np.int64)).to_numpy(),
+                      "start": m["start_ns"].to_numpy(np.int64), "end": m["end_ns"].to_numpy(np.int64)}).dropna()
+    w = d.groupby("host").agg(start=("start", "min"), end=("end", "max"))
+    return {str(h): (int(a), int(b)) for h, a, b in zip(w.index, w["start"], w["end"])}
+
+
+def _weighted_mean(v: np.ndarray, w: np.ndarray) -> float:
+    ok = ~np.isnan(v) & (w > 0)
+    return float(np.sum(v[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else float("nan")
+
+
+def _max(v: np.ndarray) -> float:
+    v = v[~np.isnan(v)]
+    return float(v.max()) if len(v) else float("nan")
+
+
+def gpu_stats(run, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per GPU, GPU_COLUMNS over its host's measured steps (module docstring); ``run`` has the ``nvml`` and
+    ``ranks`` tables, ``steps`` is the run model's per rank-step table."""
     nv = run.nvml
     if len(nv) == 0:
         return pd.DataFrame(columns=GPU_COLUMNS)
+    windows = measured_windows(steps, run.ranks)
     d = pd.DataFrame({"host": nv["host"].astype(str).to_numpy(), "gpu": nv["gpu"].to_numpy(np.int64),
                       "uuid": nv["uuid"].astype(str).to_numpy(), "t_ns": nv["t_ns"].to_numpy(np.int64)})
     for c in ("sm_util_pct", "mem_bw_util_pct", "power_w", "temp_c", "sm_clock_mhz"):
@@ -40,28 +75,45 @@ def gpu_stats(run) -> pd.DataFrame:
     d["reasons"] = nv["throttle_reasons"].astype("Int64").fillna(0).to_numpy(np.int64)
     d["ecc"] = nv["ecc_errors"].astype("float64").to_numpy()
     d = d.sort_values(["host", "gpu", "t_ns"], kind="stable").reset_index(drop=True)
-    host, gpu = d["host"].to_numpy(), d["gpu"].to_numpy()
-    same = (host[1:] == host[:-1]) & (gpu[1:] == gpu[:-1])
-    dt = np.full(len(d), np.nan)
-    dt[:-1] = np.where(same, np.diff(d["t_ns"].to_numpy()), np.nan)
-    d["dt_s"] = dt / 1e9
-    med = d.groupby(["host", "gpu"], sort=False)["dt_s"].transform("median").fillna(0.0)
-    d["dt_s"] = d["dt_s"].fillna(med)
-    d["idle_s"] = np.where(d["sm_util_pct"] < IDLE_PCT, d["dt_s"], 0.0)
-    d["thr"] = (d["reasons"] & THROTTLE_MASK) != 0
-    d["thr_s"] = np.where(d["thr"], d["dt_s"], 0.0)
-    g = d.groupby(["host", "gpu"], sort=True)
-    out = g.agg(uuid=("uuid", "first"), samples=("t_ns", "size"), sm_util_mean_pct=("sm_util_pct", "mean"),
-                mem_bw_util_mean_pct=("mem_bw_util_pct", "mean"), sampled_s=("dt_s", "sum"),
-                idle_s=("idle_s", "sum"), throttled_s=("thr_s", "sum"), power_w_mean=("power_w", "mean"),
-                temp_c_max=("temp_c", "max"), sm_clock_mhz_mean=("sm_clock_mhz", "mean"), ecc_errors_max=("ecc", "max"),
-                reasons_any=("reasons", lambda s: int(np.bitwise_or.reduce(s.to_numpy())) if len(s) else 0))
-    out = out.reset_index()
-    sampled = out["sampled_s"].where(out["sampled_s"] > 0)   # NaN where nothing was sampled
-    out["idle_frac"] = out["idle_s"] / sampled
-    out["throttled_frac"] = out["throttled_s"] / sampled
-    out["throttle_reasons"] = [",".join(n for b, n in THROTTLE_BITS.items() if r & b) for r in out["reasons_any"]]
-    return out[GPU_COLUMNS]
+    rows = []
+    for (host, gpu), g in d.groupby(["host", "gpu"], sort=True):
+        t = g["t_ns"].to_numpy(np.int64)
+        dt = np.diff(t)
+        first = float(np.median(dt)) if len(dt) else 0.0
+        lo = np.concatenate([[t[0] - first], t[:-1]]).astype(float)   # each sample: the period since the last
+        hi = t.astype(float)
+        window = windows.get(str(host))
+        if window is None:
+            w = (hi - lo) / 1e9
+        else:
+            w = np.clip(np.minimum(hi, window[1]) - np.maximum(lo, window[0]), 0, None) / 1e9
+        inside = w > 0
+        sampled = float(w.sum())
+        util = g["sm_util_pct"].to_numpy(float)
+        idle = float(w[util < IDLE_PCT].sum())
+        reasons = g["reasons"].to_numpy(np.int64)[inside]
+        thr = float(w[(g["reasons"].to_numpy(np.int64) & THROTTLE_MASK) != 0].sum())
+        r_any = int(np.bitwise_or.reduce(reasons)) if len(reasons) else 0
+        rows.append({
+            "host": host, "gpu": int(gpu), "uuid": g["uuid"].iloc[0], "samples": int(inside.sum()),
+            "sm_util_mean_pct": _weighted_mean(util, w),
+            "mem_bw_util_mean_pct": _weighted_mean(g["mem_bw_util_pct"].to_numpy(float), w),
+            "idle_frac": idle / sampled if sampled > 0 else float("nan"),
+            "throttled_s": thr, "throttled_frac": thr / sampled if sampled > 0 else float("nan"),
+            "throttle_reasons": ",".join(n for bit, n in THROTTLE_BITS.items() if r_any & bit),
+            "power_w_mean": _weighted_mean(g["power_w"].to_numpy(float), w),
+            "temp_c_max": _max(g["temp_c"].to_numpy(float)[inside]),
+            "sm_clock_mhz_mean": _weighted_mean(g["sm_clock_mhz"].to_numpy(float), w),
+            "ecc_errors_max": _max(g["ecc"].to_numpy(float)[inside]),
+            "sampled_s": sampled, "window": "run" if window is None else "measured steps"})
+    return pd.DataFrame(rows, columns=GPU_COLUMNS)
+
+
+def _uuid_keys(uuids: pd.Series) -> pd.Series:
+    """GPU uuids in one form for matching: torch names a device ``9150ffc6-...`` where NVML says
+    ``GPU-9150ffc6-...`` (seen on an H200); empty -> None."""
+    u = uuids.astype(str).str.lower().str.removeprefix("gpu-")
+    return u.where(u != "", None)
 
 
 def rank_gpu(run, gpus: pd.DataFrame) -> pd.DataFrame:
@@ -78,9 +130,9 @@ def rank_gpu(run, gpus: pd.DataFrame) -> pd.DataFrame:
     g = gpus.reset_index(drop=True)
     g_idx = pd.Series(np.arange(len(g)), index=pd.MultiIndex.from_arrays([g["host"], g["gpu"]]))
     by_index = g_idx.reindex(pd.MultiIndex.from_arrays([out["host"], out["device_index"]])).to_numpy()
-    u_idx = pd.Series(np.arange(len(g)), index=g["uuid"].where(g["uuid"] != "", None))
+    u_idx = pd.Series(np.arange(len(g)), index=_uuid_keys(g["uuid"]))
     u_idx = u_idx[u_idx.index.notna() & ~u_idx.index.duplicated()]
-    by_uuid = u_idx.reindex(out["uuid"].where(out["uuid"] != "", None)).to_numpy()
+    by_uuid = u_idx.reindex(_uuid_keys(out["uuid"])).to_numpy()
     row = np.where(~np.isnan(by_uuid.astype(float)), by_uuid, by_index)
     out["gpu_row"] = np.nan_to_num(row.astype(float), nan=-1).astype(np.int64)
     return out

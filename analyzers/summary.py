@@ -368,7 +368,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None, wi.typical_cpu_wait if wi else None)
     say("GPU and memory")
-    gpus = gpu_mod.gpu_stats(run)
+    gpus = gpu_mod.gpu_stats(run, model.steps)
     rg = gpu_mod.rank_gpu(run, gpus)
     mem = gpu_mod.memory(run, steps, gpus)
     evidence = strag_mod.nvml_evidence(strag, rg, gpus)
