@@ -19,8 +19,8 @@ checkpointing or evaluation after the last optimizer step). The summary's collec
 steps; the traffic outside every step gets its own table (``collectives_outside_steps``).
 
 Link peaks (``LINK_PEAK_GBPS``, unidirectional per GPU, the figure busbw approaches in nccl-tests) are known only
-for single-host groups of the devices listed; everything else (CPU/gloo, inter-host, unknown GPU) gets null with a
-reason.
+for single-host groups of two or more ranks on the devices listed; everything else (CPU/gloo, inter-host, unknown
+GPU, a group of one rank, whose busbw is 0 by the factor) gets null with a reason.
 """
 from __future__ import annotations
 
@@ -246,7 +246,9 @@ def collective_table(run, inst: pd.DataFrame) -> pd.DataFrame:
                        for o, k in zip(agg["op"], n)])  # one per table row (op × group × bucket), not per call
     agg["algbw_gbps"] = algbw
     agg["busbw_gbps"] = algbw * factor
-    peaks, reasons = zip(*[group_link_peak(run, g) for g in agg["group"]]) if len(agg) else ((), ())
+    # a group of one rank moves nothing over a link (busbw's factor is 0): no peak to hold it against
+    peaks, reasons = zip(*[group_link_peak(run, g) if k > 1 else (None, "one rank: nothing crosses a link")
+                           for g, k in zip(agg["group"], n)]) if len(agg) else ((), ())
     agg["link_peak_gbps"] = pd.array(list(peaks), dtype="Float64")
     agg["link_peak_frac"] = agg["busbw_gbps"] / agg["link_peak_gbps"]
     agg["link_peak_reason"] = list(reasons)
