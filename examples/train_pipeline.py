@@ -67,6 +67,9 @@ def main():
             ms = args.fixed_stage_ms if fixed_step(args, step) else args.stage_ms
             module.slow.seconds = float(ms.split(",")[rank]) / 1000 / args.microbatches if ms else 0.0
         x, y = batch_for(step, 0, args, device)     # one data stream for the whole pipeline
+        # contiguous: torch 2.11's stages check the input's strides against the shapes they were built for (a
+        # slice of the (batch, seq + 1) tokens failed there: "expected (64, 1) actual (65, 1)"); same values
+        x, y = x.contiguous(), y.contiguous()
         opt.zero_grad(set_to_none=True)
         losses = []
         if rank == 0:
