@@ -103,6 +103,8 @@ def group_link_peak(run, group: str) -> tuple[float | None, str]:
     gr = run.groups[run.groups["group"].astype(str) == str(group)] if len(run.groups) else run.groups
     m = [int(x) for x in str(gr["ranks"].iloc[0]).split(",") if x.strip().lstrip("-").isdigit()] if len(gr) else []
     m = m or list(dev.index)
+    if len(m) == 1:   # moves nothing over a link (busbw's factor is 0): no peak to hold it, or a what-if, against
+        return None, "one rank: nothing crosses a link"
     return link_peak(dev.reindex(m).dropna().tolist(), host.reindex(m).dropna().nunique())
 
 
@@ -246,9 +248,7 @@ def collective_table(run, inst: pd.DataFrame) -> pd.DataFrame:
                        for o, k in zip(agg["op"], n)])  # one per table row (op × group × bucket), not per call
     agg["algbw_gbps"] = algbw
     agg["busbw_gbps"] = algbw * factor
-    # a group of one rank moves nothing over a link (busbw's factor is 0): no peak to hold it against
-    peaks, reasons = zip(*[group_link_peak(run, g) if k > 1 else (None, "one rank: nothing crosses a link")
-                           for g, k in zip(agg["group"], n)]) if len(agg) else ((), ())
+    peaks, reasons = zip(*[group_link_peak(run, g) for g in agg["group"]]) if len(agg) else ((), ())
     agg["link_peak_gbps"] = pd.array(list(peaks), dtype="Float64")
     agg["link_peak_frac"] = agg["busbw_gbps"] / agg["link_peak_gbps"]
     agg["link_peak_reason"] = list(reasons)

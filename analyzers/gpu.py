@@ -91,9 +91,9 @@ def gpu_stats(run, steps: pd.DataFrame) -> pd.DataFrame:
         sampled = float(w.sum())
         util = g["sm_util_pct"].to_numpy(float)
         idle = float(w[util < IDLE_PCT].sum())
-        reasons = g["reasons"].to_numpy(np.int64)[inside]
-        thr = float(w[(g["reasons"].to_numpy(np.int64) & THROTTLE_MASK) != 0].sum())
-        r_any = int(np.bitwise_or.reduce(reasons)) if len(reasons) else 0
+        reasons = g["reasons"].to_numpy(np.int64)
+        thr = float(w[(reasons & THROTTLE_MASK) != 0].sum())
+        r_any = int(np.bitwise_or.reduce(reasons[inside])) if inside.any() else 0
         rows.append({
             "host": host, "gpu": int(gpu), "uuid": g["uuid"].iloc[0], "samples": int(inside.sum()),
             "sm_util_mean_pct": _weighted_mean(util, w),

@@ -203,6 +203,7 @@ def hooks_worker(blocks: int) -> None:
 # it was printed
 STEP_LINE = re.compile(r"^step (\d+) .* t (\d+\.\d+) cpu (\d+\.\d+) th (\d+\.\d+)$")
 MODEL = ["--dim", "256", "--seq", "64", "--layers", "2", "--batch", "8"]
+GPU_MODEL = ["--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "8", "--vocab", "8192"]
 # name -> (command, steps per run: a few seconds of steps on this machine, so the timers' cost is spread as in a job)
 JOBS = {
     "ddp": (["examples/train_ddp.py", *MODEL], 40),
@@ -215,24 +216,23 @@ JOBS = {
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
     # one rank on a GPU (NCCL, CUDA-event spans, NVML): ~20-40 ms fp32 steps of a 4-layer, 1024-wide transformer on
     # an H100/H200; only where a GPU is visible (the examples pick CUDA when it is)
-    "ddp-gpu": (["examples/train_ddp.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "8",
-                 "--vocab", "8192"], 200),
-    "fsdp2-gpu": (["examples/train_fsdp.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "8",
-                   "--vocab", "8192"], 200),
+    "ddp-gpu": (["examples/train_ddp.py", *GPU_MODEL], 200),
+    "fsdp2-gpu": (["examples/train_fsdp.py", *GPU_MODEL], 200),
 }
 DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
 # name -> (A/B block in steps, steps per A/B run): about 15-20 on/off pairs of blocks a run, ~30 s of steps here;
 # a block's steps but its first AB_SKIP and its last are used, so at least 4 (the shortest blocks have 6)
 AB = {"ddp": (8, 264), "fsdp2": (6, 180), "pipeline": (7, 224), "lightning": (10, 440), "lightning-wide": (10, 440),
-      "accelerate": (10, 440), "ddp-gpu": (10, 440),
-      "fsdp2-gpu": (10, 440)}
+      "accelerate": (10, 440), "ddp-gpu": (10, 440), "fsdp2-gpu": (10, 440)}
 RANKS = 2                       # ranks per job (torchrun --nproc_per_node) but those in JOB_RANKS
 JOB_RANKS = {"ddp-gpu": 1, "fsdp2-gpu": 1}
 
 
+WARMUP_INTERVALS = 3
+
+
 def ranks_of(name: str) -> int:
     return JOB_RANKS.get(name, RANKS)
-WARMUP_INTERVALS = 3
 
 
 def launcher_cpu_ns(launcher: int) -> int:
