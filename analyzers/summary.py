@@ -577,6 +577,12 @@ def _fmt_frac(x) -> str:
     return "—" if x is None else f"{x:.0%}"
 
 
+def _saving(frac: float) -> str:
+    """A predicted saving as a change of the step: "-47%"; a scenario that saves nothing or a little less: "+0%"
+    (it read "--0%")."""
+    return f"{'-' if frac >= 0 else '+'}{abs(frac):.0%}"
+
+
 def format_summary_text(summary: dict) -> str:
     """The short per-rank table printed at the end of a run, plus the headline lines."""
     lines = []
@@ -631,7 +637,7 @@ def format_summary_text(summary: dict) -> str:
         lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
             f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
             f"{' (not a straggler)' if is_unnamed_suspect(w, named) else ''} "
-            f"{_fmt_s(w['predicted_step_s'])} (-{w['saving_frac']:.0%})" for w in wif[:3]))
+            f"{_fmt_s(w['predicted_step_s'])} ({_saving(w['saving_frac'])})" for w in wif[:3]))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
