@@ -11,10 +11,11 @@
 #     two-step torch.profiler trace) and of a one-rank FSDP2 job, `dtprof calibrate`, and the A/B runs of the DDP
 #     job on the GPU (benchmarks/overhead.py --jobs ddp-gpu).
 #
-#   OUT=/tmp/out [GPU="ddp fsdp2 calibrate ab"] [GPU_AB_JOBS=ddp-gpu,fsdp2-gpu] bash benchmarks/device_check.sh [CPU A/B seconds per job]
+#   OUT=/tmp/out [CPU_JOBS="ddp fsdp2 pipeline lightning-wide"] [GPU="ddp fsdp2 calibrate ab"] [GPU_AB_JOBS=ddp-gpu,fsdp2-gpu] bash benchmarks/device_check.sh [CPU A/B seconds per job]
 #       [GPU A/B seconds] [deadline seconds]
 #
-# GPU names the GPU part's steps to run (default all). Wheels in .whl/ (the device tool's way to bring a missing
+# CPU_JOBS names the CPU part's jobs, two cores each from core 0 (at most 8 with the GPU part off, 4 with it on).
+# GPU names the GPU part's steps to run (default all; GPU=none: no GPU part). Wheels in .whl/ (the device tool's way to bring a missing
 # package: duckdb, which the image lacks) are installed first. Each job gets a port of its own (PET_MASTER_PORT):
 # some torch versions' torchrun listens on 29500 for every one-node job, and jobs run side by side here.
 #
@@ -53,13 +54,17 @@ if torch.cuda.is_available(): print(torch.cuda.get_device_name(0), torch.cuda.ge
 } > "$W/log/env.txt" 2>&1
 stamp "env done"
 
-cpu_job() {   # job cores port
+cpu_job() {   # job cores port slot
   PET_MASTER_PORT=$3 CUDA_VISIBLE_DEVICES="" pin "$2" timeout "$(within $((CPU_AB_S + 150)))" "$PY" benchmarks/overhead.py --jobs "$1" \
-    --rounds 1 --ab-runs 100 --ab-seconds "$CPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-$1" \
-    > "$W/log/ab-$1.txt" 2>&1
-  echo "exit $?" >> "$W/log/ab-$1.txt"
+    --rounds 1 --ab-runs 100 --ab-seconds "$CPU_AB_S" --hook-blocks 0 --keep-lines "$W/lines-$1-$4" \
+    > "$W/log/ab-$1-$4.txt" 2>&1
+  echo "exit $?" >> "$W/log/ab-$1-$4.txt"
 }
-cpu_job ddp 0,1 29510 & cpu_job fsdp2 2,3 29520 & cpu_job pipeline 4,5 29530 & cpu_job lightning-wide 6,7 29540 &
+i=0
+for job in ${CPU_JOBS:-ddp fsdp2 pipeline lightning-wide}; do   # a job may be named twice: more runs of it
+  cpu_job "$job" "$((2 * i)),$((2 * i + 1))" "$((29510 + 10 * i))" "$i" &
+  i=$((i + 1))
+done
 
 gpu() {
   export CUDA_VISIBLE_DEVICES=0 PET_MASTER_PORT=29550
@@ -88,7 +93,7 @@ gpu() {
   fi
   stamp "gpu done"
 }
-if nvidia-smi -L >/dev/null 2>&1; then gpu > "$W/log/gpu-steps.txt" 2>&1 & fi
+if [ "$GPU" != none ] && nvidia-smi -L >/dev/null 2>&1; then gpu > "$W/log/gpu-steps.txt" 2>&1 & fi
 # what is there so far, packed every minute: if the call is cut short (its limit shrinks when the machine's start
 # took long), the last pack still comes back
 pack() { tar -C "$W" -czf "$OUT/.device.tar.gz" . 2>/dev/null && mv "$OUT/.device.tar.gz" "$OUT/device.tar.gz"; }
