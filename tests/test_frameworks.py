@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -35,7 +36,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "frameworks"
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+# an empty cache: these jobs check the calibration `dtprof run` makes itself (tests/conftest.py stores one for the rest)
+ENV = {**os.environ, "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="dtprof-no-calibration-"),
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 TORCHRUN = [str(BIN / "torchrun"), "--nproc_per_node=2"]
 ACCELERATE = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "1", "--num_processes", "2"]
