@@ -433,7 +433,8 @@ def test_mfu_given_flops_and_peak(tmp_path):
     assert m["peak_flops"] == pytest.approx(4 * 100e12) and "user" in m["peak_source"]
 
 
-def test_mfu_spec_peak_for_known_gpu_and_null_for_unknown(tmp_path):
+def test_mfu_spec_peak_for_known_gpu_and_null_for_unknown(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))   # no stored calibration (conftest.py stores one)
     a = edge(build_run(tmp_path / "h", world_size=2, steps=6, device_name="NVIDIA H100 80GB HBM3",
                        device_type="cuda"), flops_per_step=1e13)
     assert a.summary["mfu"]["value"] == pytest.approx(1e13 / (0.037 * 2 * 989.4e12))
