@@ -369,6 +369,12 @@ AB_SKIP = 2   # steps at the start of each A/B block not used: right after a swi
 # it made the off blocks look slower than they are
 
 
+def ab_step_used(n0: int, n1: int, block: int) -> bool:
+    """Step n1 (timed from step n0's line) counts in its A/B block: it follows n0 directly and is neither one of
+    the block's first AB_SKIP steps nor its last (which holds the switch)."""
+    return n1 == n0 + 1 and AB_SKIP <= n1 % block < block - 1
+
+
 def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
              center=statistics.fmean) -> list[tuple[float, ...]]:
     """The A/B blocks of one run (collectors/runtime.py): rank 0's step n (0-based, as the job prints it) runs in
@@ -382,7 +388,7 @@ def ab_pairs(lines: list[tuple[int, float, float, float]], block: int,
     time, process CPU, training thread CPU), in seconds."""
     steps: dict[int, list[tuple[float, float, float]]] = {}
     for (n0, t0, c0, h0), (n1, t1, c1, h1) in zip(lines, lines[1:]):
-        if n1 == n0 + 1 and AB_SKIP <= n1 % block < block - 1:
+        if ab_step_used(n0, n1, block):
             steps.setdefault(n1 // block, []).append((t1 - t0, c1 - c0, h1 - h0))
     c = {b: [center(col) for col in zip(*xs)] for b, xs in steps.items() if len(xs) >= 2}   # per block
     used = [b for b in sorted(c) if b % 2 == 1 and b >= 3 and b - 1 in c and b + 1 in c]

@@ -20,7 +20,6 @@ import bisect
 import collections
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -30,9 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import AB, AB_SKIP, JOBS, REPO, ranks_of  # noqa: E402
-
-STEP = re.compile(r"^step (\d+) .* t (\d+\.\d+) ")
+from overhead import AB, JOBS, REPO, STEP_LINE, ab_step_used, ranks_of  # noqa: E402
 
 
 def record(job: str, steps: int, hz: int, out: Path) -> None:
@@ -58,15 +55,15 @@ def record(job: str, steps: int, hz: int, out: Path) -> None:
 
 
 def blocks(out: Path, block: int) -> list[tuple[float, float, bool]]:
-    """(start, end, hooks on) of each step used by overhead.py's ab_pairs: not a block's first AB_SKIP steps nor
-    its last (the switch), and not the first two blocks (warm-up)."""
+    """(start, end, hooks on) of each step overhead.py's ab_pairs uses (ab_step_used), but in the first two blocks
+    (warm-up)."""
     lines = []
     for line in (out / "stdout.txt").read_text().splitlines():
-        m = STEP.match(line)
+        m = STEP_LINE.match(line)
         if m:
             lines.append((int(m.group(1)), float(m.group(2))))
     return [(t0, t1, (n1 // block) % 2 == 0) for (n0, t0), (n1, t1) in zip(lines, lines[1:])
-            if n1 == n0 + 1 and AB_SKIP <= n1 % block < block - 1 and n1 // block >= 2]
+            if ab_step_used(n0, n1, block) and n1 // block >= 2]
 
 
 def differential(out: Path, block: int, top: int, hz: int) -> None:
