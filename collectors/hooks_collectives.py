@@ -262,20 +262,26 @@ def _x_scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, 
             async_op)
 
 
+# A pipeline stage sends and receives each micro-batch's activations and gradients through these: tensors only
+# (torch checks that), read as in _x_all_gather_into
 def _x_send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    return _nbytes(tensor), 0, _dtype(tensor), group, _global_peer(group, dst, group_dst), False
+    return (tensor.numel() * tensor.element_size(), 0, _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
+            _global_peer(group, dst, group_dst), False)
 
 
 def _x_recv(tensor, src=None, group=None, tag=0, group_src=None):
-    return 0, _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src), False
+    return (0, tensor.numel() * tensor.element_size(), _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
+            _global_peer(group, src, group_src), False)
 
 
 def _x_isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    return _nbytes(tensor), 0, _dtype(tensor), group, _global_peer(group, dst, group_dst), True
+    return (tensor.numel() * tensor.element_size(), 0, _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
+            _global_peer(group, dst, group_dst), True)
 
 
 def _x_irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    return 0, _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src), True
+    return (0, tensor.numel() * tensor.element_size(), _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
+            _global_peer(group, src, group_src), True)
 
 
 # api -> (canonical op, extractor)
@@ -310,7 +316,8 @@ _P2P = ("send", "recv")
 def _where(op, group, peer):
     """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call."""
     rec = rt.STATE
-    name, size, _pg = _group(group)
+    info = rec.groups.get(None if group is None else id(group))     # _group's cache, read here: every call
+    name, size, _pg = info if info is not None else _group(group)
     if op in _P2P:
         key = (name, rec.rank, peer) if op == "send" else (name, peer, rec.rank)
     else:
@@ -336,11 +343,6 @@ _END = Collective._fields.index("end_ns")
 _PEER = Collective._fields.index("peer")
 _row = tuple.__new__
 _TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added after these 20 (runtime._SPAN_TAIL)
-
-
-def _with_end(row: Collective, t: int) -> Collective:
-    """``row._replace(end_ns=t)`` at a fraction of its cost (per completed collective)."""
-    return _row(Collective, row[:_END] + (t,) + row[_END + 1:])
 
 
 _NO_STAGE = (None, None)
@@ -379,7 +381,7 @@ def complete(key, t, entry: int | None = None) -> None:
     if entry is not None and item[3] != entry:
         rec.pending.setdefault(key, item)   # a later op's, whose key reuses a freed object's id
         return
-    rows = [_with_end(r, t) for r in item[1]]
+    rows = [_row(Collective, r[:_END] + (t,) + r[_END + 1:]) for r in item[1]]   # r._replace(end_ns=t), faster
     if _nccl_timing is not False and _wants_gpu_duration() and hasattr(item[0], "_get_duration") \
             and len(rec.timed) < MAX_TIMED:
         rec.timed.append((item[0], rows, 0))
@@ -471,7 +473,8 @@ _futureless: set = set()
 def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
-    entry = add_pending(key, work, rows)
+    entry = next(_entry_numbers)          # add_pending's two lines, here: every async collective passes
+    rt.STATE.pending[key] = (work, rows, rows[0].issue_ns, entry)
     kind = (rows[0].op, rows[0].group)
     if kind in _futureless:
         return
@@ -779,7 +782,8 @@ def _install_ddp() -> None:
 
 def _wrap_chunk(orig, kind, name):
     def chunk(self, chunk_id, *args, **kwargs):
-        if rt.STATE.disabled or not rt.STATE.active:
+        rec = rt.STATE
+        if rec.disabled or not rec.active:
             return orig(self, chunk_id, *args, **kwargs)
         t0 = now()
         try:
@@ -787,10 +791,12 @@ def _wrap_chunk(orig, kind, name):
         finally:
             try:
                 t1 = now()
-                rt.STATE.last_progress_ns = t1
-                rt.STATE.span(kind, name, t0, t1, stage=self.stage_index, microbatch=int(chunk_id))
+                rec.last_progress_ns = t1
+                # state.span's row, built here (each micro-batch's forward and backward pass here)
+                rec.append_span(_row(Span, (rec.rank, rec.step, kind, name, t0, t1, self.stage_index, int(chunk_id),
+                                            "main", "hook") + rt._SPAN_TAIL))
             except Exception:
-                rt.STATE.fault(f"pipeline {name}")
+                rec.fault(f"pipeline {name}")
 
     chunk.__wrapped__ = orig
     return chunk
@@ -814,8 +820,17 @@ def _wrap_batch_p2p(orig):
     """schedules._batch_p2p calls isend/irecv directly for all-send or all-recv batches: pass stage/microbatch."""
 
     def _batch_p2p(p2p_ops, *args, **kwargs):
-        tags = {getattr(p, "_dtprof_stage_mb", None) for p in p2p_ops or ()}
-        _tls.stage_mb = tags.pop() if len(tags) == 1 else None
+        if not rt.STATE.active:
+            return orig(p2p_ops, *args, **kwargs)
+        tag = None      # the ops' common (stage, microbatch), if they have one
+        for i, p in enumerate(p2p_ops or ()):
+            t = getattr(p, "_dtprof_stage_mb", None)
+            if i == 0:
+                tag = t
+            elif t != tag:
+                tag = None
+                break
+        _tls.stage_mb = tag
         try:
             return orig(p2p_ops, *args, **kwargs)
         finally:

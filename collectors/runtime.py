@@ -572,8 +572,8 @@ class Recorder:
                         # DDP blocks at the end of backward until its last buckets are reduced.
                         rec.span("comm_wait", "ddp_final_wait", rec.ddp_last_issue_ns, t1)
                         rec.ddp_last_issue_ns = None
-                    if rec.pending:   # DDP's collectives whose completion callback has not run yet
-                        rec.complete_ddp(t1)
+                        if rec.pending:   # DDP's collectives whose completion callback has not run yet
+                            rec.complete_ddp(t1)
                 except Exception:
                     rec.fault("backward")
 
