@@ -879,19 +879,23 @@ def _int_or_none(v):
 def _install_pipelining() -> None:
     from torch.distributed.pipelining import schedules, stage
 
+    # through _swap: set_wrappers(False) takes these out too, so that an A/B block's "off" runs none of dtprof
     base = stage._PipelineStageBase
     for meth, kind in (("forward_one_chunk", "pp_forward"), ("backward_one_chunk", "pp_backward"),
                        ("backward_weight_one_chunk", "pp_backward")):
         if meth in base.__dict__:
-            setattr(base, meth, _wrap_chunk(base.__dict__[meth], kind, meth.replace("_one_chunk", "")))
+            orig = base.__dict__[meth]
+            _swap(base, meth, orig, _wrap_chunk(orig, kind, meth.replace("_one_chunk", "")))
     for meth in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
         if meth in base.__dict__:
-            setattr(base, meth, _wrap_ops_getter(base.__dict__[meth]))
+            orig = base.__dict__[meth]
+            _swap(base, meth, orig, _wrap_ops_getter(orig))
     if hasattr(schedules, "_batch_p2p"):
-        schedules._batch_p2p = _wrap_batch_p2p(schedules._batch_p2p)
+        _swap(schedules, "_batch_p2p", schedules._batch_p2p, _wrap_batch_p2p(schedules._batch_p2p))
     for obj in list(vars(schedules).values()):
         if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule) and "step" in obj.__dict__:
-            obj.step = _wrap_schedule_step(obj.__dict__["step"])
+            orig = obj.__dict__["step"]
+            _swap(obj, "step", orig, _wrap_schedule_step(orig))
 
 
 # ---- installation -------------------------------------------------------------------------------------------
@@ -959,10 +963,10 @@ def _swap(owner, name: str, orig, wrapper) -> None:
 
 
 def set_wrappers(on: bool) -> None:
-    """Put dtprof's collective wrappers, its ``Work.wait`` and its ``c10d::allreduce_`` kernel in (on) or take them
-    out (off: those calls run as without dtprof), for measuring what they cost (benchmarks/overhead.py; the
-    runtime's A/B blocks). Other patched methods (pipelining, DeviceMesh) stay and pass through while the
-    recorder is not active."""
+    """Put dtprof's collective and pipelining wrappers, its ``Work.wait`` and its ``c10d::allreduce_`` kernel in (on)
+    or take them out (off: those calls run as without dtprof), for measuring what they cost
+    (benchmarks/overhead.py; the runtime's A/B blocks). Other patched methods (DeviceMesh, DDP's
+    register_comm_hook: not on a step's path) stay and pass through while the recorder is not active."""
     for (owner, name), (orig, wrapper) in _swapped.items():
         setattr(owner, name, wrapper if on else orig)
     if on and _kernel_wanted[0] and not _libraries:
@@ -1006,6 +1010,7 @@ def install() -> None:
         api = _api_of.get(op)
         return orig_init(self, op if api is None else getattr(c10d, api), *args, **kwargs)
 
-    dist.P2POp.__new__, dist.P2POp.__init__ = p2p_new, p2p_init
+    _swap(dist.P2POp, "__new__", orig_new, p2p_new)
+    _swap(dist.P2POp, "__init__", orig_init, p2p_init)
     _install_later("torch.nn.parallel.distributed", _install_ddp)
     _install_later("torch.distributed.pipelining", _install_pipelining)

@@ -49,8 +49,8 @@ Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
 
 A/B blocks (for measuring dtprof's cost, benchmarks/overhead.py; not a user option)
 - With ``DTPROF_AB_BLOCK_STEPS=K`` in the rank's environment, every K optimizer steps the rank switches its hooks on
-  the training thread's path out or back in: the forward/backward/DataLoader hooks, the collective wrappers,
-  ``Work.wait`` and the ``c10d::allreduce_`` kernel (the optimizer hooks stay: they count the steps, ~1 µs). Every
+  the training thread's path out or back in: the forward/backward/DataLoader hooks, the collective and pipelining
+  wrappers, ``Work.wait`` and the ``c10d::allreduce_`` kernel (the optimizer hooks stay: they count the steps). Every
   rank switches after the same optimizer step, so the job's step K·i+1 .. K·(i+1) (counting from 1) runs with the
   hooks on for even i and off for odd i, and the job's own step times compare the two in one run. Steps run off are
   not recorded. The background threads run throughout: their cost is not in the difference.
@@ -786,9 +786,10 @@ class Recorder:
 
     def switch_path_hooks(self, on: bool) -> None:
         """Everything dtprof puts on the training thread's path but the optimizer hooks, in (on) or out: the
-        forward, backward and DataLoader hooks, the collective wrappers, ``Work.wait`` and the ``c10d::allreduce_``
-        kernel; while out, the other wrappers (pipelining, DeviceMesh) pass through (``active`` is False). For
-        measuring what they cost: the A/B blocks and benchmarks/overhead.py."""
+        forward, backward and DataLoader hooks, the collective and pipelining wrappers, ``Work.wait`` and the
+        ``c10d::allreduce_`` kernel (hooks_collectives.set_wrappers); while out, the wrappers off a step's path
+        (DeviceMesh) pass through (``active`` is False). For measuring what they cost: the A/B blocks and
+        benchmarks/overhead.py."""
         from dtprof.collectors import hooks_collectives
 
         hooks_collectives.set_wrappers(on)

@@ -466,6 +466,39 @@ def test_ab_blocks_in_a_pipeline_keep_its_point_to_point_ops_valid(tmp_path):
     assert act.groupby(["rank", "op"], observed=True).size().unique().tolist() == [4 * 2]
 
 
+SWITCH_CHECK = """
+import json
+import torch.distributed as dist
+from dtprof.collectors import hooks_collectives as hc
+
+hc.install()
+from torch.distributed.pipelining import schedules, stage   # dtprof wraps it as it is imported
+
+def ours():   # which of these are dtprof's functions
+    fs = {"forward_one_chunk": stage._PipelineStageBase.forward_one_chunk, "_batch_p2p": schedules._batch_p2p,
+          "get_fwd_send_ops": stage._PipelineStageBase.get_fwd_send_ops, "step": schedules.Schedule1F1B.step,
+          "P2POp.__init__": dist.P2POp.__init__, "isend": dist.isend, "Work.wait": dist.Work.wait}
+    return sorted(k for k, f in fs.items() if hc.__file__ == getattr(getattr(f, "__code__", None), "co_filename", ""))
+
+on = ours()
+hc.set_wrappers(False)
+off = ours()
+hc.set_wrappers(True)
+print(json.dumps([on, off, ours()]))
+"""
+
+
+def test_ab_off_block_takes_every_pipelining_wrapper_out():
+    """An A/B "off" block measures the job without dtprof: set_wrappers(False) puts torch's own pipelining methods,
+    P2POp constructor, isend and Work.wait back (they once stayed in and passed through, so the off blocks still
+    paid for them and the A/B read the pipeline's cost too low), and set_wrappers(True) puts dtprof's back."""
+    p = subprocess.run([sys.executable, "-c", SWITCH_CHECK], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "DTPROF_AB_BLOCK_STEPS": ""})
+    assert p.returncode == 0, p.stderr[-2000:]
+    on, off, again = json.loads(p.stdout)
+    assert len(on) == 7 and off == [] and again == on, p.stdout
+
+
 P2P_JOB = """
 import json, torch, torch.distributed as dist
 
