@@ -56,6 +56,7 @@ _tls = _ThreadFlags()
 _source_by_module = {}
 _source_by_code: dict = {}        # the code object of a direct caller outside c10d -> its source (_caller_source)
 _api_of = {}                      # a collective function, original or our wrapper -> its c10d name (P2POp)
+_c10d = None                      # torch.distributed.distributed_c10d, once installed
 _swapped = {}                     # (owner, attribute) -> (original, our wrapper): what set_wrappers switches
 MAX_PENDING = 4096
 
@@ -583,6 +584,17 @@ def _wrap_collective(api, orig):
     return wrapper
 
 
+def _current_p2p_op(p) -> str:
+    """Give P2POp ``p`` the isend/irecv now in c10d (dtprof's wrapper or torch's own, set_wrappers); returns which
+    ("isend" or "irecv")."""
+    api = _api_of.get(p.op, "")
+    if api:
+        op = getattr(_c10d, api)
+        if p.op is not op:
+            p.op = op
+    return api
+
+
 def _wrap_batch_isend_irecv(orig):
     def batch_isend_irecv(p2p_op_list):
         state = rt.STATE
@@ -593,7 +605,7 @@ def _wrap_batch_isend_irecv(orig):
             step = state.step
             calls = []          # the arguments of each op's row, complete but for return_ns
             for p in p2p_op_list:
-                is_send = getattr(p.op, "__name__", "") == "isend"
+                is_send = _current_p2p_op(p) == "isend"
                 op = "send" if is_send else "recv"
                 b = _nbytes(p.tensor)
                 stage, mb = getattr(p, "_dtprof_stage_mb", (None, None))
@@ -824,6 +836,9 @@ def _wrap_batch_p2p(orig):
             return orig(p2p_ops, *args, **kwargs)
         tag = None      # the ops' common (stage, microbatch), if they have one
         for i, p in enumerate(p2p_ops or ()):
+            api = _api_of.get(p.op)
+            if api is not None and p.op is not getattr(_c10d, api):
+                _current_p2p_op(p)          # built with the isend/irecv not in place now (rare: no call otherwise)
             t = getattr(p, "_dtprof_stage_mb", None)
             if i == 0:
                 tag = t
@@ -976,11 +991,12 @@ def set_wrappers(on: bool) -> None:
 
 
 def install() -> None:
+    global _c10d
     import torch.distributed as dist
 
     if not dist.is_available():
         return
-    c10d = dist.distributed_c10d
+    c10d = _c10d = dist.distributed_c10d
     for api in _APIS:
         orig = getattr(c10d, api, None)
         if orig is None:
@@ -998,19 +1014,16 @@ def install() -> None:
     c10d.init_process_group = dist.init_process_group = ipg
     _swap(dist.Work, "wait", dist.Work.wait, _wrap_work_wait(dist.Work.wait))
 
-    # P2POp(op=...) built with an original isend/irecv (held by code imported before us) or with our wrapper gets
-    # the one in place now: torch checks the op against c10d's own, which is the original while set_wrappers(False)
-    orig_new, orig_init = dist.P2POp.__new__, dist.P2POp.__init__
+    # P2POp(op, ...) checks its op against c10d's isend/irecv, ours while dtprof's wrappers are in and torch's while
+    # they are out; code that took one of them earlier (`from torch.distributed import isend`) holds the other. The
+    # check accepts both, always (it replaces torch's one, at no cost); the batch wrappers hand each op the one in
+    # place (_current_p2p_op)
+    torch_check = c10d._check_op
 
-    def p2p_new(cls, op, *args, **kwargs):
-        api = _api_of.get(op)
-        return orig_new(cls, op if api is None else getattr(c10d, api), *args, **kwargs)
+    def _check_op(op) -> None:
+        if _api_of.get(op) not in ("isend", "irecv"):
+            torch_check(op)
 
-    def p2p_init(self, op, *args, **kwargs):
-        api = _api_of.get(op)
-        return orig_init(self, op if api is None else getattr(c10d, api), *args, **kwargs)
-
-    _swap(dist.P2POp, "__new__", orig_new, p2p_new)
-    _swap(dist.P2POp, "__init__", orig_init, p2p_init)
+    c10d._check_op = _check_op
     _install_later("torch.nn.parallel.distributed", _install_ddp)
     _install_later("torch.distributed.pipelining", _install_pipelining)

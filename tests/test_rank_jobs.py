@@ -467,7 +467,7 @@ def test_ab_blocks_in_a_pipeline_keep_its_point_to_point_ops_valid(tmp_path):
 
 
 SWITCH_CHECK = """
-import json
+import json, sys, torch
 import torch.distributed as dist
 from dtprof.collectors import hooks_collectives as hc
 
@@ -477,26 +477,38 @@ from torch.distributed.pipelining import schedules, stage   # dtprof wraps it as
 def ours():   # which of these are dtprof's functions
     fs = {"forward_one_chunk": stage._PipelineStageBase.forward_one_chunk, "_batch_p2p": schedules._batch_p2p,
           "get_fwd_send_ops": stage._PipelineStageBase.get_fwd_send_ops, "step": schedules.Schedule1F1B.step,
-          "P2POp.__init__": dist.P2POp.__init__, "isend": dist.isend, "Work.wait": dist.Work.wait}
+          "isend": dist.isend, "Work.wait": dist.Work.wait}
     return sorted(k for k, f in fs.items() if hc.__file__ == getattr(getattr(f, "__code__", None), "co_filename", ""))
 
+# a P2POp built with torch's isend or dtprof's, with dtprof's wrappers in or out, is valid and gets the one in place
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch_isend, dtprof_isend = dist.isend.__wrapped__, dist.isend
+ops_ok = []
+for wrappers_in in (True, False):
+    hc.set_wrappers(wrappers_in)
+    for op in (torch_isend, dtprof_isend):
+        p = dist.P2POp(op, torch.zeros(1), 0)
+        ops_ok.append(hc._current_p2p_op(p) == "isend" and p.op is dist.distributed_c10d.isend)
+hc.set_wrappers(True)
 on = ours()
 hc.set_wrappers(False)
 off = ours()
 hc.set_wrappers(True)
-print(json.dumps([on, off, ours()]))
+print(json.dumps([on, off, ours(), ops_ok]))
 """
 
 
-def test_ab_off_block_takes_every_pipelining_wrapper_out():
+def test_ab_off_block_takes_every_pipelining_wrapper_out(tmp_path):
     """An A/B "off" block measures the job without dtprof: set_wrappers(False) puts torch's own pipelining methods,
-    P2POp constructor, isend and Work.wait back (they once stayed in and passed through, so the off blocks still
-    paid for them and the A/B read the pipeline's cost too low), and set_wrappers(True) puts dtprof's back."""
-    p = subprocess.run([sys.executable, "-c", SWITCH_CHECK], capture_output=True, text=True, cwd=REPO, timeout=120,
-                       env={**os.environ, "DTPROF_AB_BLOCK_STEPS": ""})
+    isend and Work.wait back (the pipelining ones once stayed in and passed through, so the off blocks still paid
+    for them and the A/B read the pipeline's cost too low), and set_wrappers(True) puts dtprof's back. A P2POp
+    built with either isend, in either state, is valid (torch checks its op) and is handed the one in place."""
+    p = subprocess.run([sys.executable, "-c", SWITCH_CHECK, str(tmp_path / "store")], capture_output=True, text=True,
+                       cwd=REPO, timeout=120, env={**os.environ, "DTPROF_AB_BLOCK_STEPS": ""})
     assert p.returncode == 0, p.stderr[-2000:]
-    on, off, again = json.loads(p.stdout)
-    assert len(on) == 7 and off == [] and again == on, p.stdout
+    on, off, again, ops_ok = json.loads(p.stdout)
+    assert len(on) == 6 and off == [] and again == on, p.stdout
+    assert ops_ok == [True] * 4
 
 
 P2P_JOB = """
