@@ -382,7 +382,12 @@ def complete(key, t, entry: int | None = None) -> None:
     if entry is not None and item[3] != entry:
         rec.pending.setdefault(key, item)   # a later op's, whose key reuses a freed object's id
         return
-    rows = [_row(Collective, r[:_END] + (t,) + r[_END + 1:]) for r in item[1]]   # r._replace(end_ns=t), faster
+    rows = item[1]
+    if len(rows) == 1:     # most: one row, and no list comprehension (a Python frame) for it
+        r = rows[0]
+        rows = [_row(Collective, r[:_END] + (t,) + r[_END + 1:])]          # r._replace(end_ns=t), faster
+    else:
+        rows = [_row(Collective, r[:_END] + (t,) + r[_END + 1:]) for r in rows]
     if _nccl_timing is not False and _wants_gpu_duration() and hasattr(item[0], "_get_duration") \
             and len(rec.timed) < MAX_TIMED:
         rec.timed.append((item[0], rows, 0))
@@ -518,7 +523,9 @@ def _no_grad(args, kwargs) -> bool:
     return not getattr(x, "requires_grad", False)
 
 
-def _wrap_collective(api, orig):
+def _wrap_collective(api, orig, caller_depth: int = 1):
+    """``orig`` recording its call; ``caller_depth``: the caller's frame, 2 when called from another wrapper
+    (_wrap_pipeline_p2p)."""
     op, extract = _APIS[api]
     p2p = op in _P2P
     skip_observer = api in ("all_reduce", "all_reduce_coalesced")   # the calls that reach c10d::allreduce_
@@ -534,7 +541,7 @@ def _wrap_collective(api, orig):
             in_b, out_b, dtype, group, peer, async_op = extract(*args, **kwargs)
             bucket = _tls.bucket
             if bucket is None:
-                caller = sys._getframe(1)
+                caller = sys._getframe(caller_depth)
                 api_name, source, bucket_index = api, _source_by_code.get(caller.f_code) or _caller_source(caller), None
             else:
                 api_name, source, bucket_index = "ddp_bucket", "ddp", bucket[0]
@@ -576,12 +583,75 @@ def _wrap_collective(api, orig):
             state.fault(f"collective wrapper ({api})")
         return result
 
+    return _dressed_as(wrapper, orig, api)
+
+
+def _dressed_as(wrapper, orig, api: str):
+    """``wrapper`` with ``orig``'s name, doc and module, and ``__wrapped__`` = ``orig``."""
     wrapper.__wrapped__ = orig
     wrapper.__name__ = getattr(orig, "__name__", api)
     wrapper.__qualname__ = getattr(orig, "__qualname__", api)
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper.__module__ = getattr(orig, "__module__", None)
     return wrapper
+
+
+# (id(group) or None, the peer's rank in it, "send"/"recv") -> (group name, group size, the peer's global rank, the
+# seq key): what _where and _global_peer find for a point-to-point op, looked up once per route
+_p2p_routes: dict = {}
+
+
+def _wrap_pipeline_p2p(api, orig, generic):
+    """isend/irecv called as torch's pipelining calls them, once per micro-batch and direction: ``op(tensor,
+    group=g, tag=t, group_dst=r)`` (``group_src=r``), from schedules._batch_p2p. The row _wrap_collective makes, in
+    one Python frame instead of five (each frame costs the training thread several µs, cold, in a real job:
+    docs/validation.md, eleventh round). Any other call goes to ``generic``, _wrap_collective's wrapper."""
+    op, peer_arg = ("send", "group_dst") if api == "isend" else ("recv", "group_src")
+    pipeline_form = {"group", "tag", peer_arg}
+
+    def wrapper(*args, **kwargs):
+        state = rt.STATE
+        if len(args) != 1 or kwargs.keys() != pipeline_form or state.disabled or not state.active or _tls.busy \
+                or _tls.bucket is not None or state.fault_test:
+            return generic(*args, **kwargs)
+        try:
+            issue = now()
+            tensor, group, group_peer = args[0], kwargs["group"], kwargs[peer_arg]
+            route_key = (None if group is None else id(group), group_peer, op)
+            route = _p2p_routes.get(route_key)
+            if route is None:
+                name, size, _pg = _group(group)
+                peer = _global_peer(group, None, group_peer)
+                seq_key = (name, state.rank, peer) if op == "send" else (name, peer, state.rank)
+                route = _p2p_routes[route_key] = (name, size, peer, seq_key)
+            name, size, peer, seq_key = route
+            seqs = state.seq
+            seq = seqs.get(seq_key, 0)
+            seqs[seq_key] = seq + 1
+            b = tensor.numel() * tensor.element_size()
+            caller = sys._getframe(1)
+            head = (state.rank, state.step, op, api, _source_by_code.get(caller.f_code) or _caller_source(caller),
+                    name, size, seq, b if op == "send" else 0, 0 if op == "send" else b,
+                    _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), peer, True, issue)
+            tail = (None, None, *(_tls.stage_mb or _NO_STAGE), *_TAIL)
+        except Exception:
+            state.fault(f"collective wrapper ({api})")
+            return orig(*args, **kwargs)
+        _tls.busy = True
+        try:
+            work = orig(*args, **kwargs)
+        finally:
+            _tls.busy = False
+        try:
+            ret = now()
+            state.last_progress_ns = ret
+            if work is not None:
+                _track(work, [_row(Collective, head + (ret, None) + tail)])
+        except Exception:
+            state.fault(f"collective wrapper ({api})")
+        return work
+
+    return _dressed_as(wrapper, orig, api)
 
 
 def _current_p2p_op(p) -> str:
@@ -1001,7 +1071,10 @@ def install() -> None:
         orig = getattr(c10d, api, None)
         if orig is None:
             continue
-        w = _wrap_collective(api, orig)
+        if api in ("isend", "irecv"):
+            w = _wrap_pipeline_p2p(api, orig, _wrap_collective(api, orig, caller_depth=2))
+        else:
+            w = _wrap_collective(api, orig)
         _api_of[orig] = _api_of[w] = api
         _swap(c10d, api, orig, w)
         if getattr(dist, api, None) is orig:

@@ -532,8 +532,13 @@ t = torch.zeros(4)
 for step in range(6):
     model(torch.zeros(1, 4)).sum().backward()      # the first forward starts the recording
     opt.step()
-    for _ in range(5):
-        (dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)).wait()
+    for i in range(5):
+        if i % 2:   # as torch's pipelining calls them (dtprof's one-frame path)
+            work = dist.isend(t, group=None, tag=0, group_dst=1) if rank == 0 else \
+                dist.irecv(t, group=None, tag=0, group_src=0)
+        else:
+            work = dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)
+        work.wait()
 print(json.dumps({"rank": rank, "get_future": calls[0]}), flush=True)
 dist.destroy_process_group()
 """
@@ -541,7 +546,9 @@ dist.destroy_process_group()
 
 def test_point_to_point_works_without_a_future_are_not_asked_again(tmp_path):
     """gloo's point-to-point works have no future (get_future raises, ~20 us of the training thread each time): dtprof
-    asks once per op and group, and Work.wait still completes every row."""
+    asks once per op and group, and Work.wait still completes every row. The two ways of calling isend/irecv (by
+    position, and with keywords as torch's pipelining does, which dtprof records in a path of its own) give the same
+    rows, numbered in one sequence."""
     script = tmp_path / "p2p_job.py"
     script.write_text(P2P_JOB)
     run_dir, _, p = run_job(tmp_path, str(script), [])
@@ -553,3 +560,9 @@ def test_point_to_point_works_without_a_future_are_not_asked_again(tmp_path):
     p2p = c[c.op.isin(["send", "recv"])]
     assert p2p.groupby(["rank", "op"], observed=True).size().to_dict() == {(0, "send"): 30, (1, "recv"): 30}
     assert p2p["end_ns"].notna().all()
+    for rank, rows in p2p.groupby("rank"):
+        assert rows.sort_values("issue_ns")["seq"].tolist() == list(range(30))
+        same = rows[["op", "api", "source", "group", "group_size", "in_bytes", "out_bytes", "dtype", "peer",
+                     "async_op", "bucket", "stage", "microbatch"]].astype(str).drop_duplicates()
+        assert len(same) == 1, same
+        assert same.iloc[0][["source", "peer", "dtype"]].tolist() == ["user", str(1 - rank), "float32"]
