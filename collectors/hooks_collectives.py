@@ -899,7 +899,8 @@ def _wrap_ops_getter(orig):
 
 
 def _wrap_batch_p2p(orig):
-    """schedules._batch_p2p calls isend/irecv directly for all-send or all-recv batches: pass stage/microbatch."""
+    """schedules._batch_p2p calls isend/irecv directly for all-send or all-recv batches: pass the ops' common
+    stage and microbatch to their rows (``_tls.stage_mb``), and hand each op the isend/irecv in place."""
 
     def _batch_p2p(p2p_ops, *args, **kwargs):
         if not rt.STATE.active:
@@ -1091,12 +1092,13 @@ def install() -> None:
     # they are out; code that took one of them earlier (`from torch.distributed import isend`) holds the other. The
     # check accepts both, always (it replaces torch's one, at no cost); the batch wrappers hand each op the one in
     # place (_current_p2p_op)
-    torch_check = c10d._check_op
+    torch_check = getattr(c10d, "_check_op", None)
 
     def _check_op(op) -> None:
         if _api_of.get(op) not in ("isend", "irecv"):
             torch_check(op)
 
-    c10d._check_op = _check_op
+    if torch_check is not None:      # a torch without it checks otherwise, or not at all
+        c10d._check_op = _check_op
     _install_later("torch.nn.parallel.distributed", _install_ddp)
     _install_later("torch.distributed.pipelining", _install_pipelining)
