@@ -274,13 +274,9 @@ def stop_running_job(signum, _frame) -> None:
     sys.exit(128 + signum)
 
 
-def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> dict:
-    """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
-    step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
-    rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
-    runs once more, as in the tests (tests/torch_abort.py). ``ab_block``: profiled with dtprof's hooks switched off
-    and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, job
-    clock, process CPU time, training thread CPU time)."""
+def job_command(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> tuple[list[str], dict]:
+    """(command, environment) of one run of job ``name`` (run_job's arguments): torchrun with the job's step lines
+    timed (``--print-time``), under `dtprof run` when ``run_dir`` is set."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "torchrun"), f"--nproc_per_node={ranks_of(name)}", "--monitor-interval=0.2", *JOBS[name][0],
            "--steps", str(steps), "--print-time"]
@@ -290,6 +286,17 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     if ab_block:
         env["DTPROF_AB_BLOCK_STEPS"] = str(ab_block)
+    return cmd, env
+
+
+def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> dict:
+    """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
+    step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
+    rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
+    runs once more, as in the tests (tests/torch_abort.py). ``ab_block``: profiled with dtprof's hooks switched off
+    and on every that many steps (A/B blocks, collectors/runtime.py); ``lines`` then holds rank 0's (step, job
+    clock, process CPU time, training thread CPU time)."""
+    cmd, env = job_command(name, steps, run_dir, ab_block)
     lines: list[tuple[int, float, float, float]] = []   # rank 0's step lines: (step, job clock, process, thread CPU)
     cpu: list[tuple[int, int]] = []
 

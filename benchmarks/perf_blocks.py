@@ -20,7 +20,6 @@ import argparse
 import bisect
 import collections
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import AB, JOBS, REPO, STEP_LINE, ab_step_used, ranks_of  # noqa: E402
+from overhead import AB, JOBS, REPO, STEP_LINE, ab_step_used, job_command  # noqa: E402
 
 
 def record(job: str, steps: int, hz: int, out: Path) -> None:
@@ -38,12 +37,7 @@ def record(job: str, steps: int, hz: int, out: Path) -> None:
                              str(out / "perf.data"), "--", "sleep", "3600"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DTPROF_AB_BLOCK_STEPS=str(AB[job][0]))
-    bindir = Path(sys.executable).parent
-    cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(out / "run"), "--no-report", "--quiet", "--",
-           str(bindir / "torchrun"), f"--nproc_per_node={ranks_of(job)}", "--monitor-interval=0.2", *JOBS[job][0],
-           "--steps", str(steps), "--print-time"]
+    cmd, env = job_command(job, steps, out / "run", AB[job][0])
     try:
         with open(out / "stdout.txt", "w") as so:
             subprocess.run(cmd, cwd=REPO, env=env, stdout=so, stderr=subprocess.DEVNULL, check=False)
@@ -108,7 +102,6 @@ def differential(out: Path, block: int, top: int, hz: int) -> None:
     print(f"  symbols, all ranks, most more with the hooks on (top {top}):")
     for x, s in rows[:top]:
         print(f"    {x:+.3f}  {s[:140]}")
-
 
 
 def main() -> None:

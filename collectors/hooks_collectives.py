@@ -263,26 +263,20 @@ def _x_scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, 
             async_op)
 
 
-# A pipeline stage sends and receives each micro-batch's activations and gradients through these: tensors only
-# (torch checks that), read as in _x_all_gather_into
 def _x_send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    return (tensor.numel() * tensor.element_size(), 0, _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
-            _global_peer(group, dst, group_dst), False)
+    return _nbytes(tensor), 0, _dtype(tensor), group, _global_peer(group, dst, group_dst), False
 
 
 def _x_recv(tensor, src=None, group=None, tag=0, group_src=None):
-    return (0, tensor.numel() * tensor.element_size(), _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
-            _global_peer(group, src, group_src), False)
+    return 0, _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src), False
 
 
 def _x_isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    return (tensor.numel() * tensor.element_size(), 0, _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
-            _global_peer(group, dst, group_dst), True)
+    return _nbytes(tensor), 0, _dtype(tensor), group, _global_peer(group, dst, group_dst), True
 
 
 def _x_irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    return (0, tensor.numel() * tensor.element_size(), _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group,
-            _global_peer(group, src, group_src), True)
+    return 0, _nbytes(tensor), _dtype(tensor), group, _global_peer(group, src, group_src), True
 
 
 # api -> (canonical op, extractor)
