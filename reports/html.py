@@ -330,7 +330,9 @@ def _cards(summary: dict) -> str:
         ) if x) if mfu.get("value") is not None else esc(mfu.get("value_reason") or "unknown"),
         "step_time_p50": "median of the job's step time (slowest rank), warm-up excluded",
         "step_time_p90": "90th percentile of the job's step time",
-        "tokens_per_s": "whole job", "samples_per_s": "whole job",
+        # where the count comes from (the summary's own words: "inferred: ..." or the user's annotation)
+        **{k: "whole job" + (f"; {esc(src)}" if (src := pick(summary, [f"steps.{k}_source"])) else "")
+           for k in ("tokens_per_s", "samples_per_s")},
         "exposed_comm": "share of step time a rank could only communicate (mean over ranks and steps)",
         "overlap": "share of communication hidden under compute",
     }

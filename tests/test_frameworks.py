@@ -10,6 +10,7 @@ Jobs are tiny (a few steps) and each runs once per module; the suite shares them
 """
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import pytest
 from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
+from dtprof.reports.html import _cards
 from dtprof.schema import COMPUTE_KINDS
 from test_launcher_torchrun import free_port
 from torch_abort import TorchExitAbort, returncode
@@ -142,6 +144,9 @@ def assert_inferred(j: Job, what: str, per_rank_step: int) -> None:
     """samples/tokens per step inferred with no annotation: every measured step of every rank has the figure."""
     st = j.summary["steps"]
     assert st[f"{what}_per_s"] and st[f"{what}_per_s_source"].startswith("inferred"), st
+    # and the report's headline card says so, as the summary does
+    card = _cards(j.summary).split(f'id="card-{what}_per_s"')[1].split('<div class="card')[0]
+    assert html.escape(st[f"{what}_per_s_source"]) in card, card
     steps = j.run.steps
     measured = steps[steps["step"].isin(st["per_step_index"])]
     assert len(measured) and (measured[what] == per_rank_step).all(), measured[what].tolist()
