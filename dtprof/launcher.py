@@ -600,6 +600,10 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     cwd = Path.cwd()
     env = dict(os.environ)
     join_id = join_id_for(command, env)
+    if command[0].startswith("-"):         # an option click passed on as the command (ignore_unknown_options)
+        click.echo(f"dtprof run: no such option {command[0]!r} (dtprof's options go before the job's command; "
+                   "`dtprof run --help` lists them; nothing was run or recorded)", err=True)
+        sys.exit(2)
     if shutil.which(command[0]) is None:   # before any directory exists: nothing to record, nothing left behind
         click.echo(f"dtprof: cannot start {command[0]!r}: command not found (nothing was run or recorded)",
                    err=True)

@@ -321,6 +321,14 @@ def test_command_not_found_exits_127_and_leaves_no_run_directory(tmp_path):
     assert not (tmp_path / "r").exists() and not (tmp_path / "dtprof-runs").exists()
 
 
+def test_an_unknown_option_is_named_not_run_as_the_command(tmp_path):
+    """`dtprof run -o DIR -- cmd` (a mistyped --out): the user's mistake named, exit 2, nothing recorded."""
+    proc = dtprof_run(["-o", "r", "--", sys.executable, "-c", "print('ran')"], cwd=tmp_path)
+    assert proc.returncode == 2 and "no such option '-o'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "ran" not in proc.stdout
+    assert not (tmp_path / "r").exists() and not (tmp_path / "dtprof-runs").exists()
+
+
 def test_host_name_with_a_slash(tmp_path):
     """issue 15: a host name holding "/" must not break `dtprof run` (it becomes "_" in the node directory)."""
     boot = "import socket; socket.gethostname = lambda: 'rack/7'; from dtprof.cli import main; main()"
