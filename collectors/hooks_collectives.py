@@ -136,6 +136,15 @@ def _dtype(t) -> str:
         return ""
 
 
+def _size_and_dtype(t) -> tuple[int, str]:
+    """_nbytes and _dtype of one tensor in one frame: for the calls made every step (a DDP bucket, Lightning's
+    broadcast and logging all-reduce)."""
+    try:
+        return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype) or _dtype(t)
+    except AttributeError:
+        return 0, ""
+
+
 def _first(ts):
     return ts[0] if ts else None
 
@@ -186,8 +195,8 @@ def _global_peer(group, peer, group_peer):
 # ---- argument extractors: same signatures as torch 2.13; return (in_bytes, out_bytes, dtype, group, peer, async)
 
 def _x_all_reduce(tensor, op=None, group=None, async_op=False):
-    b = _nbytes(tensor)
-    return b, b, _dtype(tensor), group, None, async_op
+    b, dtype = _size_and_dtype(tensor)
+    return b, b, dtype, group, None, async_op
 
 
 def _x_all_reduce_coalesced(tensors, op=None, group=None, async_op=False):
@@ -236,8 +245,8 @@ def _x_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
 
 
 def _x_broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    b = _nbytes(tensor)
-    return b, b, _dtype(tensor), group, _global_peer(group, src, group_src), async_op
+    b, dtype = _size_and_dtype(tensor)
+    return b, b, dtype, group, int(src) if src is not None else _global_peer(group, None, group_src), async_op
 
 
 def _x_reduce(tensor, dst=None, op=None, group=None, async_op=False, group_dst=None):
@@ -542,7 +551,13 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
                 bucket[2] = True
                 if bucket[1]:
                     state.ddp_last_issue_ns = issue
-            name, size, seq = _where(op, group, peer)
+            info = None if p2p else state.groups.get(None if group is None else id(group))
+            if info is None:
+                name, size, seq = _where(op, group, peer)
+            else:           # _where's common case, here: every collective passes
+                name, size = info[0], info[1]
+                seq = state.seq.get(name, 0)
+                state.seq[name] = seq + 1
             # the row's columns before return_ns and after end_ns, in _make_row's order, built here rather than
             # through _make_row: every collective passes here, and each call on its path costs the training thread
             head = (state.rank, state.step, op, api_name, source, name, size, seq, in_b, out_b, dtype, peer,
@@ -800,8 +815,11 @@ def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
         source, api, bucket = "user", "ProcessGroup.allreduce", None
     if source == "ddp":
         rec.ddp_last_issue_ns = issue
-    b = _nbytes(first) if len(tensors) == 1 else _nbytes_list(tensors)
-    _track(work, [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, _dtype(first), None, True,
+    if len(tensors) == 1:
+        b, dtype = _size_and_dtype(first)
+    else:
+        b, dtype = _nbytes_list(tensors), _dtype(first)
+    _track(work, [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, dtype, None, True,
                             issue, ret, bucket=bucket)])
 
 

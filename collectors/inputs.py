@@ -16,18 +16,21 @@ SOURCE = {"samples": "inferred: batch dimension of the root module's input",
           "tokens": "inferred: batch × sequence of the root module's integer (batch, sequence) input"}
 
 
-def _first_tensor(x, torch, depth=0):
-    if isinstance(x, torch.Tensor):
-        return x if x.dim() >= 1 else None
-    if depth > 3:
-        return None
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        for v in x:
-            t = _first_tensor(v, torch, depth + 1)
-            if t is not None:
-                return t
+def _first_tensor(x, torch):
+    """The first tensor of at least one dimension in ``x``, depth-first through up to four levels of lists, tuples
+    and dicts; in one frame, without recursion (a framework's batch is a list of tensors, walked every step)."""
+    todo = [(x, 0)]
+    while todo:
+        x, depth = todo.pop()
+        if isinstance(x, torch.Tensor):
+            if x.dim() >= 1:
+                return x
+        elif depth <= 3:
+            if isinstance(x, dict):
+                x = list(x.values())
+            if isinstance(x, (list, tuple)):
+                for v in reversed(x):
+                    todo.append((v, depth + 1))
     return None
 
 

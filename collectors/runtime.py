@@ -420,6 +420,7 @@ class Recorder:
     # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
 
     def fwd_pre_hook(self, module, args, kwargs=None):
+        """Global hook in step 0, then registered on the roots with ``with_kwargs`` (install_module_hooks)."""
         if self.disabled:
             return None
         try:
@@ -457,9 +458,6 @@ class Recorder:
         except Exception:
             self.fault("forward pre-hook")
         return None
-
-    def root_pre_hook(self, module, args, kwargs):
-        self.fwd_pre_hook(module, args, kwargs)     # a root module's hook also sees keyword arguments
 
     def count_inputs(self, args, kwargs) -> None:
         """Samples/tokens of this top-level call, summed over the step (collectors/inputs.py)."""
@@ -652,7 +650,8 @@ class Recorder:
         cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
         self.writer.append("steps", _row(Step, (
             self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
-            a.get("samples", inferred.get("samples")), a.get("model_flops"), self.flops_finish(step), cpu_wait)
+            a.get("samples", inferred.get("samples")), a.get("model_flops"),
+            self.flops_finish(step) if self.flops_step is not None else None, cpu_wait)
             + _STEP_TAIL))
         if step == 0:
             # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
@@ -747,7 +746,7 @@ class Recorder:
             mods = {id(m): m for m in list(self.roots)}
             mods.update((id(w), w) for m in list(self.roots) if id(m) in self.trained for w in _wrapped_modules(m))
             self.module_handles[:] = [h for m in mods.values() for h in (
-                m.register_forward_pre_hook(self.root_pre_hook, prepend=True, with_kwargs=True),
+                m.register_forward_pre_hook(self.fwd_pre_hook, prepend=True, with_kwargs=True),
                 m.register_forward_hook(self.fwd_hook))]
 
     def remove_module_hooks(self) -> None:
@@ -803,9 +802,9 @@ class Recorder:
 
         self.grad_enabled = torch.is_grad_enabled
         self.install_module_hooks()
-        self.orig_backward = (torch.autograd.backward, torch.Tensor.backward)
-        torch.autograd.backward = self.timed_backward(self.orig_backward[0])
-        torch.Tensor.backward = self.timed_backward(self.orig_backward[1])
+        # Tensor.backward calls torch.autograd.backward (looked up at each call): one wrapper times both
+        self.orig_backward = torch.autograd.backward
+        torch.autograd.backward = self.timed_backward(self.orig_backward)
         self.orig_next = dataloader._BaseDataLoaderIter.__next__
         dataloader._BaseDataLoaderIter.__next__ = self.timed_next(self.orig_next)
 
@@ -814,7 +813,7 @@ class Recorder:
 
         self.remove_module_hooks()
         if self.orig_backward is not None:
-            torch.autograd.backward, torch.Tensor.backward = self.orig_backward
+            torch.autograd.backward = self.orig_backward
         if self.orig_next is not None:
             from torch.utils.data import dataloader
 
