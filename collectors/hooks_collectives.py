@@ -962,7 +962,7 @@ def _wrap_schedule_step(orig):
             rec.pp_active -= 1
             if not rec.pp_active and rec.parked_hooks:
                 try:
-                    rec.end_pipeline_step()
+                    rec.unpark_hooks()
                 except Exception:
                     rec.fault("pipeline schedule step")
 

@@ -133,7 +133,7 @@ class Recorder:
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
         self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
-        self.parked_hooks = []     # (hooks dict, key, hook, first) of the root hooks out during a schedule's step
+        self.parked_hooks = []     # (hooks dict, key, hook, first) of hooks out for now (park_hooks)
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
         self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
         self.complete_ddp = None   # hooks_collectives.complete_ddp, bound at start (no import per step)
@@ -158,6 +158,7 @@ class Recorder:
         # ---- installed hooks ----
         self.hook_handles = []     # optimizer hooks
         self.module_handles = []   # forward hooks: global ones during step 0, then on the root modules only
+        self.wrapped_handles = {}  # id(trained root) -> the handles of the hooks on the modules it wraps
         self.roots = None          # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
@@ -455,6 +456,9 @@ class Recorder:
                 self.fwd_t0 = t
                 self.fwd_ev0 = self.cuda_event() if self.cuda else None
                 self.last_progress_ns = t
+                wrapped = self.wrapped_handles.get(id(module))
+                if wrapped and not self.parked_hooks:
+                    self.park_hooks(wrapped)
         except Exception:
             self.fault("forward pre-hook")
         return None
@@ -538,6 +542,8 @@ class Recorder:
                     self.eval_forwards[-1][2] = now()
                 elif not self.in_backward and not self.pp_active:
                     self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
+                    if self.parked_hooks:
+                        self.unpark_hooks()
         except Exception:
             self.fault("forward hook")
         return None
@@ -643,6 +649,8 @@ class Recorder:
         """Close the step in progress at host time ``t`` (main thread)."""
         if self.eval_forwards:             # dtprof.step() right after an evaluation: the step starts at its end
             self.end_evaluation()
+        if self.parked_hooks and not self.pp_active:     # a training forward that raised: fwd_hook never ran
+            self.unpark_hooks()
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
         a, inferred = self.annot, self.inferred
@@ -715,14 +723,21 @@ class Recorder:
                 self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
         self.last_progress_ns = t
         if self.roots is not None and not self.parked_hooks:
-            for h in self.module_handles:
-                hooks = h.hooks_dict_ref()
-                if hooks is not None and h.id in hooks:
-                    first = next(iter(hooks)) == h.id
-                    self.parked_hooks.append((hooks, h.id, hooks.pop(h.id), first))
+            self.park_hooks(self.module_handles)
 
-    def end_pipeline_step(self) -> None:
-        """Put the root hooks back where they were (begin_pipeline_step: a pre-hook registered first goes first)."""
+    def park_hooks(self, handles) -> None:
+        """Take these module hooks out of their modules until ``unpark_hooks``: a module with hooks takes
+        nn.Module's slow path on every call. Out during a pipeline schedule's step (begin_pipeline_step), and the
+        hooks of the modules a trained root wraps during its training forward, where they would only count depth
+        (install_module_hooks)."""
+        for h in handles:
+            hooks = h.hooks_dict_ref()
+            if hooks is not None and h.id in hooks:
+                first = next(iter(hooks)) == h.id
+                self.parked_hooks.append((hooks, h.id, hooks.pop(h.id), first))
+
+    def unpark_hooks(self) -> None:
+        """Put parked hooks back where they were (a pre-hook registered first goes first)."""
         parked, self.parked_hooks = self.parked_hooks, []
         for hooks, key, hook, first in parked:
             hooks[key] = hook
@@ -741,18 +756,24 @@ class Recorder:
                                       nn_module.register_module_forward_hook(self.fwd_hook)]
         else:
             # the roots and, of the trained ones, the modules they wrap: a framework evaluates the unwrapped model
-            # (the Hugging Face Trainer calls DDP's module directly); inside the wrapper's call these hooks see
-            # depth 2 and do nothing
-            mods = {id(m): m for m in list(self.roots)}
-            mods.update((id(w), w) for m in list(self.roots) if id(m) in self.trained for w in _wrapped_modules(m))
-            self.module_handles[:] = [h for m in mods.values() for h in (
-                m.register_forward_pre_hook(self.fwd_pre_hook, prepend=True, with_kwargs=True),
-                m.register_forward_hook(self.fwd_hook))]
+            # (the Hugging Face Trainer calls DDP's module directly); inside the wrapper's training forward their
+            # hooks are parked (fwd_pre_hook), so the wrapped module's calls take nn.Module's fast path
+            handles = {}
+            for m in list(self.roots):
+                for w in (m, *(_wrapped_modules(m) if id(m) in self.trained else ())):
+                    if id(w) not in handles:
+                        handles[id(w)] = [w.register_forward_pre_hook(self.fwd_pre_hook, prepend=True,
+                                                                      with_kwargs=True),
+                                          w.register_forward_hook(self.fwd_hook)]
+            self.module_handles[:] = [h for hs in handles.values() for h in hs]
+            self.wrapped_handles = {id(m): [h for w in _wrapped_modules(m) for h in handles[id(w)]]
+                                    for m in list(self.roots) if id(m) in self.trained and _wrapped_modules(m)}
 
     def remove_module_hooks(self) -> None:
         for h in self.module_handles:
             h.remove()
         self.module_handles.clear()
+        self.wrapped_handles = {}
         self.parked_hooks = []
 
     def hooks_to_roots(self) -> None:
