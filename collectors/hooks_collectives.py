@@ -246,7 +246,7 @@ def _x_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
 
 def _x_broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     b, dtype = _size_and_dtype(tensor)
-    return b, b, dtype, group, int(src) if src is not None else _global_peer(group, None, group_src), async_op
+    return b, b, dtype, group, _global_peer(group, src, group_src), async_op
 
 
 def _x_reduce(tensor, dst=None, op=None, group=None, async_op=False, group_dst=None):
@@ -551,13 +551,7 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
                 bucket[2] = True
                 if bucket[1]:
                     state.ddp_last_issue_ns = issue
-            info = None if p2p else state.groups.get(None if group is None else id(group))
-            if info is None:
-                name, size, seq = _where(op, group, peer)
-            else:           # _where's common case, here: every collective passes
-                name, size = info[0], info[1]
-                seq = state.seq.get(name, 0)
-                state.seq[name] = seq + 1
+            name, size, seq = _where(op, group, peer)
             # the row's columns before return_ns and after end_ns, in _make_row's order, built here rather than
             # through _make_row: every collective passes here, and each call on its path costs the training thread
             head = (state.rank, state.step, op, api_name, source, name, size, seq, in_b, out_b, dtype, peer,

@@ -758,16 +758,18 @@ class Recorder:
             # the roots and, of the trained ones, the modules they wrap: a framework evaluates the unwrapped model
             # (the Hugging Face Trainer calls DDP's module directly); inside the wrapper's training forward their
             # hooks are parked (fwd_pre_hook), so the wrapped module's calls take nn.Module's fast path
-            handles = {}
+            handles: dict = {}
+            self.wrapped_handles = {}
             for m in list(self.roots):
-                for w in (m, *(_wrapped_modules(m) if id(m) in self.trained else ())):
+                wrapped = _wrapped_modules(m) if id(m) in self.trained else []
+                for w in (m, *wrapped):
                     if id(w) not in handles:
                         handles[id(w)] = [w.register_forward_pre_hook(self.fwd_pre_hook, prepend=True,
                                                                       with_kwargs=True),
                                           w.register_forward_hook(self.fwd_hook)]
+                if wrapped:
+                    self.wrapped_handles[id(m)] = [h for w in wrapped for h in handles[id(w)]]
             self.module_handles[:] = [h for hs in handles.values() for h in hs]
-            self.wrapped_handles = {id(m): [h for w in _wrapped_modules(m) for h in handles[id(w)]]
-                                    for m in list(self.roots) if id(m) in self.trained and _wrapped_modules(m)}
 
     def remove_module_hooks(self) -> None:
         for h in self.module_handles:
