@@ -136,15 +136,6 @@ def _dtype(t) -> str:
         return ""
 
 
-def _size_and_dtype(t) -> tuple[int, str]:
-    """_nbytes and _dtype of one tensor in one frame: for the calls made every step (a DDP bucket, Lightning's
-    broadcast and logging all-reduce)."""
-    try:
-        return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype) or _dtype(t)
-    except AttributeError:
-        return 0, ""
-
-
 def _first(ts):
     return ts[0] if ts else None
 
@@ -194,9 +185,14 @@ def _global_peer(group, peer, group_peer):
 
 # ---- argument extractors: same signatures as torch 2.13; return (in_bytes, out_bytes, dtype, group, peer, async)
 
+# all_reduce and broadcast: Lightning calls them every step (a logged value, the SIGTERM check), so _nbytes' and
+# _dtype's lines are here rather than two more frames (each costs the training thread several µs in a real job)
 def _x_all_reduce(tensor, op=None, group=None, async_op=False):
-    b, dtype = _size_and_dtype(tensor)
-    return b, b, dtype, group, None, async_op
+    try:
+        b = tensor.numel() * tensor.element_size()
+        return b, b, _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group, None, async_op
+    except AttributeError:
+        return 0, 0, "", group, None, async_op
 
 
 def _x_all_reduce_coalesced(tensors, op=None, group=None, async_op=False):
@@ -245,8 +241,12 @@ def _x_all_to_all_single(output, input, output_split_sizes=None, input_split_siz
 
 
 def _x_broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    b, dtype = _size_and_dtype(tensor)
-    return b, b, dtype, group, _global_peer(group, src, group_src), async_op
+    peer = int(src) if src is not None else _global_peer(group, None, group_src)
+    try:
+        b = tensor.numel() * tensor.element_size()
+        return b, b, _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), group, peer, async_op
+    except AttributeError:
+        return 0, 0, "", group, peer, async_op
 
 
 def _x_reduce(tensor, dst=None, op=None, group=None, async_op=False, group_dst=None):
@@ -350,9 +350,7 @@ _TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added afte
 
 
 _NO_STAGE = (None, None)
-# a comm_wait span's columns after its end (no stage or microbatch, main lane, hook timing): the collective wrapper
-# and Work.wait build that row themselves instead of calling state.span (each call on their path costs)
-_COMM_WAIT_TAIL = (None, None, "main", "hook") + rt._SPAN_TAIL
+_COMM_WAIT_TAIL = rt._HOOK_SPAN_TAIL     # a comm_wait span's columns after its end: built here, not by state.span
 
 
 # Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
@@ -551,7 +549,13 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
                 bucket[2] = True
                 if bucket[1]:
                     state.ddp_last_issue_ns = issue
-            name, size, seq = _where(op, group, peer)
+            if p2p:
+                name, size, seq = _where(op, group, peer)
+            else:      # _where's lines for a collective: Lightning issues three every step
+                name, size, _pg = state.groups.get(None if group is None else id(group)) or _group(group)
+                seqs = state.seq
+                seq = seqs.get(name, 0)
+                seqs[name] = seq + 1
             # the row's columns before return_ns and after end_ns, in _make_row's order, built here rather than
             # through _make_row: every collective passes here, and each call on its path costs the training thread
             head = (state.rank, state.step, op, api_name, source, name, size, seq, in_b, out_b, dtype, peer,
@@ -564,7 +568,9 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
             return orig(*args, **kwargs)
         _tls.busy = True
         try:
-            if skip_observer and _observer_keys is not None and _no_grad(args, kwargs):
+            # a tensor's requires_grad read here, anything else (a list, a keyword) by _no_grad
+            if skip_observer and _observer_keys is not None and (
+                    args and getattr(args[0], "requires_grad", None) is False or _no_grad(args, kwargs)):
                 with _exclude_keys(_observer_keys):
                     result = orig(*args, **kwargs)
             else:
@@ -785,38 +791,6 @@ _libraries = []      # the torch.library registrations (kept alive: dropping one
 _kernel_wanted = [False]   # the c10d::allreduce_ kernel was installed (DDP imported): set_wrappers puts it back
 
 
-def _record_dispatched_allreduce(tensors, pg, work, issue: int) -> None:
-    """A ``c10d::allreduce_`` issued from C++ (DDP's Reducer, a built-in or C++-calling comm hook, a direct
-    ``ProcessGroup.allreduce``): one async row, completed by the work's future. ``pg`` and ``work`` are unboxed.
-    Every DDP bucket passes here on the training thread: no imports, no per-call lookups that can be made once."""
-    rec = rt.STATE
-    ret = now()
-    if rec.fault_test == "collective":
-        raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
-    first = tensors[0] if tensors else None
-    ctx = _tls.bucket
-    if ctx is not None:                                   # inside a (wrapped) user comm hook
-        ctx[2] = True
-        source, api, bucket = "ddp", "ddp_bucket", ctx[0]
-    elif rec.in_backward or threading.get_ident() != _MAIN_THREAD:
-        source = "ddp"
-        if first is not None and first.is_floating_point():   # a gradient bucket (else the unused-parameter map)
-            api, bucket = "ddp_bucket", rec.ddp_next_bucket
-            rec.ddp_next_bucket += 1
-        else:
-            api, bucket = "all_reduce", None
-    else:
-        source, api, bucket = "user", "ProcessGroup.allreduce", None
-    if source == "ddp":
-        rec.ddp_last_issue_ns = issue
-    if len(tensors) == 1:
-        b, dtype = _size_and_dtype(first)
-    else:
-        b, dtype = _nbytes_list(tensors), _dtype(first)
-    _track(work, [_make_row("all_reduce", api, source, _where("all_reduce", pg, None), b, b, dtype, None, True,
-                            issue, ret, bucket=bucket)])
-
-
 def _observe_dispatched_allreduce() -> None:
     """Put a recording kernel for ``c10d::allreduce_`` above the CPU and CUDA kernels (module docstring)."""
     import torch
@@ -827,13 +801,47 @@ def _observe_dispatched_allreduce() -> None:
     unbox_pg, unbox_work = dist.ProcessGroup.unbox, dist.Work.unbox
 
     def allreduce_(keyset, tensors, process_group, *args):
+        """A ``c10d::allreduce_`` issued from C++ (DDP's Reducer, a built-in or C++-calling comm hook, a direct
+        ``ProcessGroup.allreduce``): one async row, completed by the work's future. Every DDP bucket passes here on
+        the training thread, so the row is made in this one frame: no imports, no lookups that can be made once."""
         rec = rt.STATE
         if rec.disabled or not rec.active or _tls.busy:
             return op.redispatch(keyset & below_autograd, tensors, process_group, *args)
         issue = now()
         out = op.redispatch(keyset & below_autograd, tensors, process_group, *args)
         try:
-            _record_dispatched_allreduce(tensors, unbox_pg(process_group), unbox_work(out[1]), issue)
+            ret = now()
+            if rec.fault_test == "collective":
+                raise RuntimeError("injected fault (DTPROF_TEST_FAULT=collective)")
+            first = tensors[0] if tensors else None
+            ctx = _tls.bucket
+            if ctx is not None:                                   # inside a (wrapped) user comm hook
+                ctx[2] = True
+                source, api, bucket = "ddp", "ddp_bucket", ctx[0]
+            elif rec.in_backward or threading.get_ident() != _MAIN_THREAD:
+                source = "ddp"
+                # a gradient bucket (else the unused-parameter map)
+                if first is not None and first.is_floating_point():
+                    api, bucket = "ddp_bucket", rec.ddp_next_bucket
+                    rec.ddp_next_bucket += 1
+                else:
+                    api, bucket = "all_reduce", None
+            else:
+                source, api, bucket = "user", "ProcessGroup.allreduce", None
+            if source == "ddp":
+                rec.ddp_last_issue_ns = issue
+            if len(tensors) == 1:
+                b, dtype = first.numel() * first.element_size(), _DTYPE_NAMES.get(first.dtype) or _dtype(first)
+            else:
+                b, dtype = _nbytes_list(tensors), _dtype(first)
+            pg = unbox_pg(process_group)
+            name, size, _pg = rec.groups.get(id(pg)) or _group(pg)      # _where's lines
+            seqs = rec.seq
+            seq = seqs.get(name, 0)
+            seqs[name] = seq + 1
+            _track(unbox_work(out[1]), [_row(Collective, (
+                rec.rank, rec.step, "all_reduce", api, source, name, size, seq, b, b, dtype, None, True, issue, ret,
+                None, None, bucket, None, None) + _TAIL)])
         except Exception:
             rec.fault("c10d::allreduce_ observer")
         return out

@@ -16,34 +16,27 @@ SOURCE = {"samples": "inferred: batch dimension of the root module's input",
           "tokens": "inferred: batch × sequence of the root module's integer (batch, sequence) input"}
 
 
-def _first_tensor(x, torch):
-    """The first tensor of at least one dimension in ``x``, depth-first through up to four levels of lists, tuples
-    and dicts; in one frame, without recursion (a framework's batch is a list of tensors, walked every step)."""
-    todo = [(x, 0)]
+def batch_counts(args, kwargs) -> tuple[int, int | None] | None:
+    """(samples, tokens or None) of one root-module call, or None when no tensor is found."""
+    import torch
+
+    kwargs = kwargs or {}
+    # the first tensor of at least one dimension, depth-first through up to four levels of lists, tuples and dicts,
+    # a keyword ``input_ids`` first: in one frame, without recursion (a framework's batch, walked every step)
+    todo = [((kwargs.get("input_ids"), args, kwargs), 0)]
+    t = None
     while todo:
         x, depth = todo.pop()
         if isinstance(x, torch.Tensor):
             if x.dim() >= 1:
-                return x
+                t = x
+                break
         elif depth <= 3:
             if isinstance(x, dict):
                 x = list(x.values())
             if isinstance(x, (list, tuple)):
                 for v in reversed(x):
                     todo.append((v, depth + 1))
-    return None
-
-
-def batch_counts(args, kwargs) -> tuple[int, int | None] | None:
-    """(samples, tokens or None) of one root-module call, or None when no tensor is found."""
-    import torch
-
-    kwargs = kwargs or {}
-    t = _first_tensor(kwargs["input_ids"], torch) if "input_ids" in kwargs else None
-    if t is None and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1:
-        t = args[0]               # the common call, model(x): no walk (this runs every step)
-    if t is None:
-        t = _first_tensor((args, kwargs), torch)
     if t is None:
         return None
     samples = int(t.shape[0])

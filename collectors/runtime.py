@@ -79,6 +79,10 @@ now = time.monotonic_ns
 _row = tuple.__new__
 _SPAN_TAIL = (None,) * (len(Span._fields) - 10)
 _STEP_TAIL = (None,) * (len(Step._fields) - 10)
+# a host-timed main-lane span's columns after end_ns (no stage or microbatch): the hooks that run every step build
+# that row themselves, _row(Span, (rank, step, kind, name, t0, t1) + _HOOK_SPAN_TAIL), rather than through span() or
+# compute_span(): each call on their path costs the training thread several µs in a real job (docs/validation.md)
+_HOOK_SPAN_TAIL = (None, None, "main", "hook") + _SPAN_TAIL
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
@@ -109,6 +113,7 @@ class Recorder:
         self.writer = None         # the RankWriter (None until init)
         self.append_span = None    # the writer's append for the spans table
         self.append_collective = None   # and for the collectives table (a synchronous collective's row)
+        self.append_step = None    # and for the steps table
         self.fault_test = ""       # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
         # ---- per-step bookkeeping (main thread only) ----
         self.init_ns = 0
@@ -267,6 +272,7 @@ class Recorder:
         self.writer = RankWriter(node_dir, rank)
         self.append_span = self.writer.appender("spans")
         self.append_collective = self.writer.appender("collectives")
+        self.append_step = self.writer.appender("steps")
         self.init_ns = now()
         self.last_progress_ns = self.init_ns
         self.writer.write_identity(self.identity())
@@ -415,8 +421,7 @@ class Recorder:
             self.cuda_pending.append((Span(self.rank, self.step, kind, kind, t0, t1, None, None, "cuda",
                                            "cuda_event"), ev0, self.cuda_event()))
         else:
-            self.append_span(_row(Span, (self.rank, self.step, kind, kind, t0, t1, None, None, "main", "hook")
-                                  + _SPAN_TAIL))
+            self.append_span(_row(Span, (self.rank, self.step, kind, kind, t0, t1) + _HOOK_SPAN_TAIL))
 
     # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
 
@@ -541,7 +546,11 @@ class Recorder:
                     self.in_eval_call = False
                     self.eval_forwards[-1][2] = now()
                 elif not self.in_backward and not self.pp_active:
-                    self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
+                    if self.cuda:
+                        self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
+                    else:
+                        self.append_span(_row(Span, (self.rank, self.step, "forward", "forward", self.fwd_t0, now())
+                                              + _HOOK_SPAN_TAIL))
                     if self.parked_hooks:
                         self.unpark_hooks()
         except Exception:
@@ -571,10 +580,15 @@ class Recorder:
                     t1 = now()
                     rec.last_progress_ns = t1
                     if not rec.pp_active:
-                        rec.compute_span("backward", t0, ev0, t1)
+                        if rec.cuda:
+                            rec.compute_span("backward", t0, ev0, t1)
+                        else:
+                            rec.append_span(_row(Span, (rec.rank, rec.step, "backward", "backward", t0, t1)
+                                                 + _HOOK_SPAN_TAIL))
                     if rec.ddp_last_issue_ns is not None:
                         # DDP blocks at the end of backward until its last buckets are reduced.
-                        rec.span("comm_wait", "ddp_final_wait", rec.ddp_last_issue_ns, t1)
+                        rec.append_span(_row(Span, (rec.rank, rec.step, "comm_wait", "ddp_final_wait",
+                                                    rec.ddp_last_issue_ns, t1) + _HOOK_SPAN_TAIL))
                         rec.ddp_last_issue_ns = None
                         if rec.pending:   # DDP's collectives whose completion callback has not run yet
                             rec.complete_ddp(t1)
@@ -597,7 +611,8 @@ class Recorder:
                 return orig(it)
             finally:
                 try:
-                    rec.span("data_wait", "DataLoader.__next__", t0, now())
+                    rec.append_span(_row(Span, (rec.rank, rec.step, "data_wait", "DataLoader.__next__", t0, now())
+                                         + _HOOK_SPAN_TAIL))
                 except Exception:
                     rec.fault("DataLoader.__next__")
 
@@ -620,7 +635,11 @@ class Recorder:
         try:
             if not self.ab_off:
                 t = now()
-                self.compute_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
+                if self.cuda:
+                    self.compute_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
+                else:
+                    self.append_span(_row(Span, (self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t)
+                                          + _HOOK_SPAN_TAIL))
                 if not self.manual_steps:
                     self.end_step(t)
             if self.ab_block:
@@ -654,10 +673,16 @@ class Recorder:
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
         a, inferred = self.annot, self.inferred
-        mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
+        # _run_delay_ns's lines, and peak_mem_bytes only when it reads something: one frame less each, every step
+        fd, mark = self.run_delay_fd, self.run_delay_mark
+        try:
+            self.run_delay_mark = int(os.pread(fd, 64, 0).split()[1]) if fd is not None else None
+        except OSError:
+            self.run_delay_mark = None
         cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
-        self.writer.append("steps", _row(Step, (
-            self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
+        peak = self.peak_mem_bytes() if self.cuda or t - self.rss_read_ns >= RSS_READ_INTERVAL_NS else self.rss_peak
+        self.append_step(_row(Step, (
+            self.rank, step, start, t, peak, a.get("tokens", inferred.get("tokens")),
             a.get("samples", inferred.get("samples")), a.get("model_flops"),
             self.flops_finish(step) if self.flops_step is not None else None, cpu_wait)
             + _STEP_TAIL))
