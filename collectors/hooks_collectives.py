@@ -140,8 +140,15 @@ def _first(ts):
     return ts[0] if ts else None
 
 
+def _seq_counter(key):
+    """The seq counter of a group name or a point-to-point route (name, src, dst): ``next()`` of it is the next
+    call's seq, drawn without a Python frame on the hot paths (their rows take it from the group's cache)."""
+    return rt.STATE.seq.setdefault(key, itertools.count())
+
+
 def _group(group):
-    """(name, size, pg) for a ProcessGroup or None (the default group), cached; records new groups."""
+    """(name, size, pg, seq counter) for a ProcessGroup or None (the default group), cached; records new
+    groups."""
     rec = rt.STATE
     info = rec.groups.get(None if group is None else id(group))
     if info is not None:
@@ -153,7 +160,7 @@ def _group(group):
     if info is None:
         name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
         ranks = dist.get_process_group_ranks(pg)
-        info = (str(name), len(ranks), pg)
+        info = (str(name), len(ranks), pg, _seq_counter(str(name)))
         try:
             backend = str(dist.get_backend(pg))
         except Exception:
@@ -320,16 +327,11 @@ _P2P = ("send", "recv")
 def _where(op, group, peer):
     """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call."""
     rec = rt.STATE
-    info = rec.groups.get(None if group is None else id(group))     # _group's cache, read here: every call
-    name, size, _pg = info if info is not None else _group(group)
+    name, size, _pg, counter = rec.groups.get(None if group is None else id(group)) or _group(group)
     if op in _P2P:
         key = (name, rec.rank, peer) if op == "send" else (name, peer, rec.rank)
-    else:
-        key = name
-    seqs = rec.seq
-    seq = seqs.get(key, 0)
-    seqs[key] = seq + 1
-    return name, size, seq
+        counter = rec.seq.get(key) or _seq_counter(key)
+    return name, size, next(counter)
 
 
 def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue, return_ns, end_ns=None,
@@ -350,7 +352,7 @@ _TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added afte
 
 
 _NO_STAGE = (None, None)
-_COMM_WAIT_TAIL = rt._HOOK_SPAN_TAIL     # a comm_wait span's columns after its end: built here, not by state.span
+_HOOK_SPAN_TAIL = rt._HOOK_SPAN_TAIL     # a comm_wait span's columns after its end (runtime): built here
 
 
 # Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
@@ -551,11 +553,9 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
                     state.ddp_last_issue_ns = issue
             if p2p:
                 name, size, seq = _where(op, group, peer)
-            else:      # _where's lines for a collective: Lightning issues three every step
-                name, size, _pg = state.groups.get(None if group is None else id(group)) or _group(group)
-                seqs = state.seq
-                seq = seqs.get(name, 0)
-                seqs[name] = seq + 1
+            else:      # _where for a collective, without its frame: Lightning issues three every step
+                name, size, _pg, counter = state.groups.get(None if group is None else id(group)) or _group(group)
+                seq = next(counter)
             # the row's columns before return_ns and after end_ns, in _make_row's order, built here rather than
             # through _make_row: every collective passes here, and each call on its path costs the training thread
             head = (state.rank, state.step, op, api_name, source, name, size, seq, in_b, out_b, dtype, peer,
@@ -587,7 +587,7 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
                     head = head[:_PEER] + (result,) + head[_PEER + 1:]
                 state.append_collective(_row(Collective, head + (ret, ret) + tail))
-                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret) + _COMM_WAIT_TAIL))
+                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret) + _HOOK_SPAN_TAIL))
         except Exception:
             state.fault(f"collective wrapper ({api})")
         return result
@@ -629,14 +629,12 @@ def _wrap_pipeline_p2p(api, orig, generic):
             route_key = (None if group is None else id(group), group_peer, op)
             route = _p2p_routes.get(route_key)
             if route is None:
-                name, size, _pg = _group(group)
+                name, size = _group(group)[:2]
                 peer = _global_peer(group, None, group_peer)
                 seq_key = (name, state.rank, peer) if op == "send" else (name, peer, state.rank)
                 route = _p2p_routes[route_key] = (name, size, peer, seq_key)
             name, size, peer, seq_key = route
-            seqs = state.seq
-            seq = seqs.get(seq_key, 0)
-            seqs[seq_key] = seq + 1
+            seq = next(state.seq.get(seq_key) or _seq_counter(seq_key))
             b = tensor.numel() * tensor.element_size()
             caller = sys._getframe(1)
             head = (state.rank, state.step, op, api, _source_by_code.get(caller.f_code) or _caller_source(caller),
@@ -736,7 +734,7 @@ def _wrap_work_wait(orig):
             try:
                 t1 = now()
                 state.last_progress_ns = t1
-                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1) + _COMM_WAIT_TAIL))
+                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1) + _HOOK_SPAN_TAIL))
                 if item is not None:      # else nothing of this work is recorded, or its callback completed it
                     complete(id(self), t1)
             except Exception:
@@ -835,10 +833,8 @@ def _observe_dispatched_allreduce() -> None:
             else:
                 b, dtype = _nbytes_list(tensors), _dtype(first)
             pg = unbox_pg(process_group)
-            name, size, _pg = rec.groups.get(id(pg)) or _group(pg)      # _where's lines
-            seqs = rec.seq
-            seq = seqs.get(name, 0)
-            seqs[name] = seq + 1
+            name, size, _pg, counter = rec.groups.get(id(pg)) or _group(pg)      # _where, without its frame
+            seq = next(counter)
             _track(unbox_work(out[1]), [_row(Collective, (
                 rec.rank, rec.step, "all_reduce", api, source, name, size, seq, b, b, dtype, None, True, issue, ret,
                 None, None, bucket, None, None) + _TAIL)])

@@ -45,7 +45,7 @@ def record_mesh(mesh) -> None:
 
     for i, dim in enumerate(dims):
         pg = mesh.get_group(i)
-        name, size, _pg = hc._group(pg)
+        name, size = hc._group(pg)[:2]
         ranks = dist.get_process_group_ranks(pg)
         try:
             backend = str(dist.get_backend(pg))

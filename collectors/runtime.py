@@ -80,8 +80,8 @@ _row = tuple.__new__
 _SPAN_TAIL = (None,) * (len(Span._fields) - 10)
 _STEP_TAIL = (None,) * (len(Step._fields) - 10)
 # a host-timed main-lane span's columns after end_ns (no stage or microbatch): the hooks that run every step build
-# that row themselves, _row(Span, (rank, step, kind, name, t0, t1) + _HOOK_SPAN_TAIL), rather than through span() or
-# compute_span(): each call on their path costs the training thread several µs in a real job (docs/validation.md)
+# that row themselves, _row(Span, (rank, step, kind, name, t0, t1) + _HOOK_SPAN_TAIL), rather than through span():
+# each call on their path costs the training thread several µs in a real job (docs/validation.md)
 _HOOK_SPAN_TAIL = (None, None, "main", "hook") + _SPAN_TAIL
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
@@ -150,8 +150,8 @@ class Recorder:
         self.rss_read_ns = -RSS_READ_INTERVAL_NS   # when peak_mem_bytes last read the RSS high-water mark (CPU)
         self.rss_peak = 0
         # ---- collectives (hooks_collectives.py, hooks_functional.py) ----
-        self.groups = {}           # id(pg) or None -> (name, size, pg)
-        self.seq = {}              # group name or (group, src, dst) -> next seq
+        self.groups = {}           # id(pg) or None -> (name, size, pg, the group's seq counter)
+        self.seq = {}              # group name or (group, src, dst) -> itertools.count() of its seqs
         self.pending = {}          # completion key -> (work, rows, issue_ns): async ops awaiting completion
         # NCCL works completed on the host whose GPU-side duration the flusher reads once the GPU has run them
         # (hooks_collectives.resolve_gpu_durations). A deque: future callbacks append while the flusher pops.
@@ -416,12 +416,11 @@ class Recorder:
         del pending[:n]
         pending[:0] = keep
 
-    def compute_span(self, kind, t0, ev0, t1) -> None:
-        if self.cuda and ev0 is not None:
-            self.cuda_pending.append((Span(self.rank, self.step, kind, kind, t0, t1, None, None, "cuda",
-                                           "cuda_event"), ev0, self.cuda_event()))
-        else:
-            self.append_span(_row(Span, (self.rank, self.step, kind, kind, t0, t1) + _HOOK_SPAN_TAIL))
+    def cuda_span(self, kind, t0, ev0, t1) -> None:
+        """A forward, backward or optimizer span whose device time comes from the CUDA event ``ev0`` and one
+        recorded now (resolve_cuda_events); the hooks append a host-timed one themselves when ``ev0`` is None."""
+        self.cuda_pending.append((Span(self.rank, self.step, kind, kind, t0, t1, None, None, "cuda", "cuda_event"),
+                                  ev0, self.cuda_event()))
 
     # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
 
@@ -546,8 +545,8 @@ class Recorder:
                     self.in_eval_call = False
                     self.eval_forwards[-1][2] = now()
                 elif not self.in_backward and not self.pp_active:
-                    if self.cuda:
-                        self.compute_span("forward", self.fwd_t0, self.fwd_ev0, now())
+                    if self.fwd_ev0 is not None:
+                        self.cuda_span("forward", self.fwd_t0, self.fwd_ev0, now())
                     else:
                         self.append_span(_row(Span, (self.rank, self.step, "forward", "forward", self.fwd_t0, now())
                                               + _HOOK_SPAN_TAIL))
@@ -580,8 +579,8 @@ class Recorder:
                     t1 = now()
                     rec.last_progress_ns = t1
                     if not rec.pp_active:
-                        if rec.cuda:
-                            rec.compute_span("backward", t0, ev0, t1)
+                        if ev0 is not None:
+                            rec.cuda_span("backward", t0, ev0, t1)
                         else:
                             rec.append_span(_row(Span, (rec.rank, rec.step, "backward", "backward", t0, t1)
                                                  + _HOOK_SPAN_TAIL))
@@ -635,8 +634,8 @@ class Recorder:
         try:
             if not self.ab_off:
                 t = now()
-                if self.cuda:
-                    self.compute_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
+                if self.opt_ev0 is not None:
+                    self.cuda_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
                 else:
                     self.append_span(_row(Span, (self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t)
                                           + _HOOK_SPAN_TAIL))
@@ -673,16 +672,10 @@ class Recorder:
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
         a, inferred = self.annot, self.inferred
-        # _run_delay_ns's lines, and peak_mem_bytes only when it reads something: one frame less each, every step
-        fd, mark = self.run_delay_fd, self.run_delay_mark
-        try:
-            self.run_delay_mark = int(os.pread(fd, 64, 0).split()[1]) if fd is not None else None
-        except OSError:
-            self.run_delay_mark = None
+        mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
         cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
-        peak = self.peak_mem_bytes() if self.cuda or t - self.rss_read_ns >= RSS_READ_INTERVAL_NS else self.rss_peak
         self.append_step(_row(Step, (
-            self.rank, step, start, t, peak, a.get("tokens", inferred.get("tokens")),
+            self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
             a.get("samples", inferred.get("samples")), a.get("model_flops"),
             self.flops_finish(step) if self.flops_step is not None else None, cpu_wait)
             + _STEP_TAIL))
