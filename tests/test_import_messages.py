@@ -1,6 +1,6 @@
 """`dtprof import kineto` says what it did: per file the rank, steps, rows kept and window; per skipped file why.
 
-On the shared real traces (/work/shared/data/kineto, see its README); expected counts are read from the trace
+On the shared real traces (the kineto data set beside the checkout, see its README; tests/test_interop.py finds it); expected counts are read from the trace
 files themselves with plain json, not copied from dtprof's output.
 """
 from __future__ import annotations
