@@ -8,12 +8,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from conftest import SHARED, load, needs_shared
 from dtprof.analyzers.summary import analyze
 from dtprof.cli import main
 from dtprof.reader import open_run
 from dtprof.reports import html as H
-from tests.test_interop import SHARED, needs_shared
-from tests.test_report import browser, load  # noqa: F401  (the module's Chromium fixture)
 
 pytestmark = [needs_shared, pytest.mark.browser]
 

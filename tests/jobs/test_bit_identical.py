@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 import dtprof._inject
+from conftest import TESTS
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
-JOB = Path(__file__).resolve().parent / "numerics_jobs" / "variants.py"
+JOB = TESTS / "numerics_jobs" / "variants.py"
 INJECT = Path(dtprof._inject.__file__).parent
 VARIANTS = ["plain", "gradient_as_bucket_view", "static_graph", "no_sync", "late_user_hook", "fsdp2"]
 SYNCED_BACKWARDS = 5 * 6        # the five DDP variants x 6 steps, each with one synchronised backward
@@ -49,7 +50,7 @@ def _run(tmp: Path, world: int, node_dir=None) -> dict:
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
-def jobs(request, tmp_path_factory):
+def bare_and_profiled(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"world{world}")
     bare = _run(tmp, world)
@@ -58,15 +59,15 @@ def jobs(request, tmp_path_factory):
     return world, bare, profiled, open_run(run_dir)
 
 
-def test_final_weights_bit_identical(jobs):
-    world, bare, profiled, _ = jobs
+def test_final_weights_bit_identical(bare_and_profiled):
+    world, bare, profiled, _ = bare_and_profiled
     assert sorted(k for k in bare if k in VARIANTS) == sorted(VARIANTS)
     for v in VARIANTS:
         assert profiled[v] == bare[v], f"world {world}, {v}: weights differ under dtprof"
 
 
-def test_ddp_buckets_still_recorded(jobs):
-    world, _, profiled, run = jobs
+def test_ddp_buckets_still_recorded(bare_and_profiled):
+    world, _, profiled, run = bare_and_profiled
     assert len(run.ranks) == world
     assert run.meta[run.meta["kind"].astype(str) == "fault"].empty and not (run.events.level == "error").any()
     b = run.collectives[run.collectives.api == "ddp_bucket"]

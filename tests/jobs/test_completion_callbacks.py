@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.test_launcher_torchrun import free_port
+from conftest import free_port
 
 JOB = textwrap.dedent("""
     import json, os, sys, threading

@@ -201,8 +201,8 @@ def test_collectives_at_link_peak_on_a_real_imported_nccl_trace(tmp_path):
     # than perfect_overlap, which removes the transfers altogether
     from click.testing import CliRunner
 
+    from conftest import SHARED
     from dtprof.cli import main
-    from tests.test_interop import SHARED
     if not SHARED.exists():
         pytest.skip(f"shared Kineto traces not found at {SHARED}")
     res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "nccl_single_rank.json.gz"), "-o",

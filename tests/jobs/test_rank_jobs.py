@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 import dtprof._inject
+from conftest import REPO
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 INJECT = Path(dtprof._inject.__file__).parent
 STEPS = 4

@@ -6,20 +6,17 @@ examples/train_ddp.py is absent. One job per fixture, shared by the module's tes
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
+from conftest import CHROMIUM, CHROMIUM_ARGS, EXAMPLES, dtprof, record
 from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import analyze
 from scale_checks import assert_summaries_equal_raw
-from torch_abort import returncode
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
 SLOW_MS = 40.0
 # ~35 ms steps for the unslowed job: with the example's default ~10 ms steps, the OS's scheduling of two ranks on
 # two cores (one of which also prints the loss) made one rank ~2 ms late each step, 20 % of a step, and that is a
@@ -35,12 +32,8 @@ def _require_examples():
         pytest.skip("examples/train_ddp.py not present")
 
 
-def _dtprof_run(out: Path, script: str, *args: str, opts=()) -> Path:
-    cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(out), "--no-report", "--quiet", *opts, "--",
-           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(EXAMPLES / script), *args]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert returncode(p) == 0, f"dtprof run failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+def _record(out: Path, script: str, *args: str, opts=()) -> Path:
+    record(out, script, *args, opts=["--quiet", *opts], timeout=240)
     return out
 
 
@@ -48,14 +41,14 @@ def _dtprof_run(out: Path, script: str, *args: str, opts=()) -> Path:
 def slowed_ddp(tmp_path_factory):
     _require_examples()
     out = tmp_path_factory.mktemp("real") / "ddp-slow"
-    return _dtprof_run(out, "train_ddp.py", "--steps", "14", "--slow-rank", "1", "--slow-ms", str(SLOW_MS),
+    return _record(out, "train_ddp.py", "--steps", "14", "--slow-rank", "1", "--slow-ms", str(SLOW_MS),
                        opts=["--flops-per-step", str(FLOPS), "--peak-tflops", str(PEAK_TFLOPS)])
 
 
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory):
     _require_examples()
-    return _dtprof_run(tmp_path_factory.mktemp("real") / "ddp", "train_ddp.py", "--steps", "14", *PLAIN_MODEL)
+    return _record(tmp_path_factory.mktemp("real") / "ddp", "train_ddp.py", "--steps", "14", *PLAIN_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +56,15 @@ def gpipe(tmp_path_factory):
     _require_examples()
     # Ops long enough that the ~0.5 ms of p2p posting and Python between ops stays a small share of the step:
     # with 4 layers per stage that overhead was 3-5 % of the step on the 2-core CI machine, with 8 it is 2-3 %.
-    return _dtprof_run(tmp_path_factory.mktemp("real") / "pp", "train_pipeline.py", "--steps", "8",
+    return _record(tmp_path_factory.mktemp("real") / "pp", "train_pipeline.py", "--steps", "8",
                        "--schedule", "gpipe", "--microbatches", "4", "--dim", "256", "--layers", "8", "--seq",
                        "128", "--batch", "16")
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
+def plain_fsdp(tmp_path_factory):
     _require_examples()
-    return _dtprof_run(tmp_path_factory.mktemp("real") / "fsdp", "train_fsdp.py", "--steps", "6")
+    return _record(tmp_path_factory.mktemp("real") / "fsdp", "train_fsdp.py", "--steps", "6")
 
 
 def test_ddp_breakdown_adds_up_and_shows_in_the_terminal(plain_ddp):
@@ -81,8 +74,7 @@ def test_ddp_breakdown_adds_up_and_shows_in_the_terminal(plain_ddp):
         assert b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0 and b["bubble"] == 0
         assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_reduce", breakdown_mod.UNKNOWN_OP}
     # `dtprof summary` prints the parts as columns
-    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "summary", str(plain_ddp), "--no-write"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = dtprof("summary", plain_ddp, "--no-write", timeout=120)
     assert p.returncode == 0, p.stderr
     header = next(line for line in p.stdout.splitlines() if line.split()[:1] == ["rank"])
     assert header.split()[5:14] == ["forward", "backward", "optim", "exposed", "comm", "out", "data", "wait",
@@ -95,7 +87,6 @@ def test_report_header_shows_the_launchers_duration(plain_ddp):
     import json
 
     from dtprof.reports.html import fmt_s, write_report
-    from test_report import ARGS, CHROMIUM
 
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
@@ -103,7 +94,7 @@ def test_report_header_shows_the_launchers_duration(plain_ddp):
     node = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())
     out = write_report(plain_ddp, out_path=plain_ddp / "header-test.html")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page()
         page.goto(out.as_uri())
         duration, status = page.inner_text("#duration"), page.inner_text("header dl")
@@ -112,8 +103,8 @@ def test_report_header_shows_the_launchers_duration(plain_ddp):
     assert "completed" in status and "(exit code 0)" in status
 
 
-def test_fsdp_breakdown_adds_up_with_fsdp_ops(fsdp):
-    s = assert_breakdown_adds_up(fsdp)
+def test_fsdp_breakdown_adds_up_with_fsdp_ops(plain_fsdp):
+    s = assert_breakdown_adds_up(plain_fsdp)
     for r in s["ranks"]:
         assert r["breakdown_s_per_step"]["forward"] > 0 and r["breakdown_s_per_step"]["backward"] > 0
         assert set(r["exposed_comm_s_per_step_by_op"]) <= {"all_gather", "reduce_scatter", "all_reduce",
@@ -155,7 +146,7 @@ def test_unslowed_job_names_no_straggler(plain_ddp, tmp_path):
     # really was slow. One re-run separates that from an analyzer bias (which would name a rank every time).
     s = analyze(plain_ddp).summary
     if s["stragglers"]:
-        again = _dtprof_run(tmp_path / "ddp-again", "train_ddp.py", "--steps", "14", *PLAIN_MODEL)
+        again = _record(tmp_path / "ddp-again", "train_ddp.py", "--steps", "14", *PLAIN_MODEL)
         s = analyze(again).summary
     assert s["stragglers"] == [], s["stragglers"]
     assert s["overlap"]["ratio"] is not None and s["steps"]["count"] > 0
@@ -180,11 +171,11 @@ def tiny_lm_parameters(vocab: int, dim: int, layers: int, seq: int) -> int:
     return sum(p.numel() for p in TinyLM(vocab, dim, layers, seq=seq).parameters())
 
 
-def test_model_parameters_fsdp_counts_the_whole_model_and_pipeline_stages_their_own(fsdp, gpipe):
+def test_model_parameters_fsdp_counts_the_whole_model_and_pipeline_stages_their_own(plain_fsdp, gpipe):
     # FSDP2 shards every parameter as a DTensor: each rank counts the whole model (the DTensor's global shape), so
     # the count does not change with the world size. Each pipeline stage holds its own blocks: one count per rank,
     # which together are the whole model (examples/model.py defaults: vocab 256, dim 64, 2 layers, seq 32).
-    m = json.loads((fsdp / "summary.json").read_text())["run"]["model"]
+    m = json.loads((plain_fsdp / "summary.json").read_text())["run"]["model"]
     assert m["parameters"] == tiny_lm_parameters(256, 64, 2, 32)
     m = json.loads((gpipe / "summary.json").read_text())["run"]["model"]
     assert m["parameters"] is None and len(m["parameters_by_rank"]) == 2
@@ -198,8 +189,7 @@ def test_a_different_model_is_not_comparable_naming_both_parameter_counts(slowed
         "0": wide, "1": wide}
 
     def compare(*extra):
-        p = subprocess.run([sys.executable, "-m", "dtprof.cli", "compare", str(slowed_ddp), "--head", str(plain_ddp),
-                            "--format", "json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        p = dtprof("compare", slowed_ddp, "--head", plain_ddp, "--format", "json", *extra)
         return p.returncode, json.loads(p.stdout)
 
     code, d = compare()

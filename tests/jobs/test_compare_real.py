@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from torch_abort import returncode
+import conftest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 STEPS = 40
 N_RUNS = 3
@@ -44,8 +44,7 @@ pytestmark = [
 
 
 def dtprof(*args, check=True, timeout=300):
-    r = subprocess.run([sys.executable, "-m", "dtprof.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, cwd=REPO)
+    r = conftest.dtprof(*args, timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"dtprof {' '.join(map(str, args))} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
     return r
@@ -57,10 +56,7 @@ MODEL = ("--dim", 128, "--seq", 64)
 
 def record(out: Path, *train_args, nproc: int = 2) -> Path:
     """A run recorded into ``out``."""
-    p = dtprof("run", "--out", out, "--no-report", "--", sys.executable, "-m", "torch.distributed.run",
-               f"--nproc_per_node={nproc}", "--standalone", EXAMPLE, "--steps", STEPS, *MODEL, *train_args, check=False)
-    if returncode(p) != 0:
-        raise AssertionError(f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    conftest.record(out, EXAMPLE, "--steps", STEPS, *MODEL, *train_args, nproc=nproc)
     return out
 
 

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 import dtprof._inject
+from conftest import TESTS
 from dtprof import launcher
 from dtprof.reader import open_run
-
-TESTS = Path(__file__).resolve().parent
 
 
 def dtprof_run(args, cwd, env=None, **kw):

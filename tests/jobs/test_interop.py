@@ -13,16 +13,11 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from conftest import SHARED, needs_shared
 from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.cli import main
 from dtprof.reader import open_run
 from torch_abort import returncode
-
-# CI: <repo>/../shared; a worktree under /work/wt/<name>: two levels up.
-_REPO = Path(__file__).resolve().parent.parent
-SHARED = next((p for p in (_REPO.parent / "shared/data/kineto", _REPO.parent.parent / "shared/data/kineto")
-               if p.exists()), _REPO.parent / "shared/data/kineto")
-needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared Kineto traces not found at {SHARED}")
 
 JOB = textwrap.dedent("""
     import json, os, sys, time, torch, torch.distributed as dist

@@ -16,16 +16,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import SHARED, load
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.reports import html as H
 from synth import build_run
 from synth_report import HOSTILE, build_report_run
-
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--no-first-run"]
 
 
 def _report(path: Path, **kw) -> tuple[Path, dict]:
@@ -44,39 +40,6 @@ def reports(tmp_path_factory):
         "hostile": _report(base / "hostile", world_size=2, steps=6, hostile=True),
         "failed": _report(base / "failed", world_size=2, steps=6, status="failed", nvml=False),
     }
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} not installed")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
-
-
-class Loaded:
-    def __init__(self, page, requests, errors):
-        self.page, self.requests, self.errors = page, requests, errors
-
-
-def load(browser, path: Path, name: str) -> Loaded:
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    requests, errors = [], []
-    page.on("request", lambda r: requests.append(r.url))
-    page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-    page.goto(path.as_uri())
-    # charts draw lazily (first viewport, then on scroll or when idle); the first screen must come first and on its
-    # own, then every chart is forced (the documented drawAll) and must draw
-    page.wait_for_selector("body[data-first-screen=done]", state="attached", timeout=60_000)
-    page.evaluate("window.dtprofReport.drawAll()")
-    page.wait_for_selector("body[data-charts=done]", state="attached", timeout=60_000)
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"report-{name}.png"), full_page=True)
-    return Loaded(page, requests, errors)
 
 
 @pytest.fixture(scope="module")
@@ -515,10 +478,9 @@ def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
     from dtprof.analyzers.summary import format_summary_text
     from dtprof.cli import main
 
-    trace = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared/data/kineto",
-                              Path("/work/shared/data/kineto")) if p.exists()), None)
-    if trace is None:
+    if not SHARED.exists():
         pytest.skip("shared Kineto traces not present")
+    trace = SHARED
     res = CliRunner().invoke(main, ["import", "kineto", str(trace / "cpu_only_rank34.json.gz"), "-o",
                                     str(tmp_path / "imp")])
     assert res.exit_code == 0, res.output

@@ -9,12 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from conftest import SHARED
 from dtprof.collectors import kineto
 from dtprof.collectors.kineto import KinetoError, parse_trace, rank_tables, trace_identity
-
-_REPO = Path(__file__).resolve().parent.parent
-SHARED = next((p for p in (_REPO.parent / "shared/data/kineto", _REPO.parent.parent / "shared/data/kineto")
-               if p.exists()), _REPO.parent / "shared/data/kineto")
 
 TRICKY = 'a "quoted" {brace} }close ]bracket[ \\back\\ \\"esc\\" é ✓'
 

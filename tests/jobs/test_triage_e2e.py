@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO, TESTS, dtprof
 from torch_abort import returncode
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
 PLAIN = TESTS / "triage_jobs" / "plain_train.py"
 HANG_TIMEOUT_S = 15.0  # above the stalls a loaded 2-core CI machine shows in a healthy job (see test_triage.py)
 
-missing = [name for name, path in (("dtprof.launcher", ROOT / "dtprof" / "launcher.py"),
-                                   ("collectors/runtime.py", ROOT / "collectors" / "runtime.py"))
+missing = [name for name, path in (("dtprof.launcher", REPO / "dtprof" / "launcher.py"),
+                                   ("collectors/runtime.py", REPO / "collectors" / "runtime.py"))
            if not path.exists()]
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(missing), reason=f"{' and '.join(missing)} not in this checkout yet")]
@@ -35,15 +34,13 @@ def dtprof_run(out: Path, mode: str, *extra_run_opts, boot: str | None = None, n
            str(PLAIN), mode]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = boot or "from dtprof.cli import main; main()"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code, *cmd], env=env, capture_output=True, text=True, timeout=300)
+    proc = dtprof(*cmd, env=env, boot=boot, cwd=None)
     return proc, time.monotonic() - t0
 
 
 def triage_json(run_dir: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "dtprof.cli", "triage", str(run_dir), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = dtprof("triage", run_dir, "--json", timeout=120, cwd=None)
     assert proc.returncode in (0, 1), proc.stderr
     return json.loads(proc.stdout)
 

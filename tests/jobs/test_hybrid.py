@@ -5,7 +5,6 @@ DP×PP reports a bubble per pipeline group, and a slowed rank is attributed to i
 Plus fast checks of the analyzer on hand-made tables and of the op proxy's transparency."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,25 +12,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import REPO, record
 from dtprof.analyzers import mesh as M
 from dtprof.analyzers.runmodel import RunModel, with_exit
 from scale_checks import assert_summaries_equal_raw
-from torch_abort import returncode
 
-REPO = Path(__file__).resolve().parent.parent
 SIZES = dict(batch=2, seq=16, dim=32, layers=2, vocab=256, steps=3)
 SLOW_RANK, SLOW_MS = 1, 200
 
 
 def _dtprof_run(out: Path, mode: str, *extra: str):
     s = SIZES
-    cmd = [str(Path(sys.executable).parent / "dtprof"), "run", "--out", str(out), "--no-report", "--",
-           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "examples/train_hybrid.py"), "--mode", mode, "--steps", str(s["steps"]),
-           "--seq", str(s["seq"]), "--dim", str(s["dim"]), "--layers", str(s["layers"]), "--vocab", str(s["vocab"]),
-           *extra]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert returncode(p) == 0, p.stderr[-3000:]
+    p = record(out, "train_hybrid.py", "--mode", mode, "--steps", s["steps"], "--seq", s["seq"], "--dim", s["dim"],
+               "--layers", s["layers"], "--vocab", s["vocab"], *extra, nproc=4)
     losses = [float(line.split()[-1]) for line in p.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == s["steps"]
     from dtprof.reader import open_run

@@ -25,17 +25,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import REPO, free_port
 from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from dtprof.reports.html import _cards
 from dtprof.schema import COMPUTE_KINDS
-from test_launcher_torchrun import free_port
 from torch_abort import TorchExitAbort, returncode
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "frameworks"
 BIN = Path(sys.executable).parent
 # an empty cache: these jobs check the calibration `dtprof run` makes itself (tests/conftest.py stores one for the rest)

@@ -9,11 +9,12 @@ Each tolerance below says what it allows.
 """
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
 from what_if_accuracy import measure_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.slow

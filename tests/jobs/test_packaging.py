@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
+
 SUBPACKAGES = ("dtprof.collectors", "dtprof.analyzers", "dtprof.reports", "dtprof._inject")
 
 

@@ -2,14 +2,10 @@
 every instant of a rank-step goes to exactly one part by the documented priority, so the parts add up."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dtprof.analyzers import whatif  # noqa: E402
 from dtprof.analyzers.breakdown import PARTS  # noqa: E402
 from dtprof.analyzers.intervals import split_over_windows  # noqa: E402
@@ -17,8 +13,7 @@ from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
 from dtprof.analyzers.runmodel import RunModel  # noqa: E402
 from dtprof.analyzers.summary import analyze  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
-from synth import build_run  # noqa: E402
-from test_analyzers import hand_run  # noqa: E402
+from synth import build_run, hand_run  # noqa: E402
 
 
 def _parts_ms(a, rank=0, step=0) -> dict:

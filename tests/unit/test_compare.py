@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import synth  # noqa: E402
 from dtprof.analyzers import regression as rg
 from dtprof.analyzers.scaling import ScalingError, scaling
 from dtprof.compare import compare_command
-
-sys.path.insert(0, str(Path(__file__).parent))
-import synth  # noqa: E402
 
 HAVE_ANALYZERS = importlib.util.find_spec("dtprof.analyzers.summary") is not None
 

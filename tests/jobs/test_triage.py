@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent / "triage_jobs"))
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
 
 from dtprof.analyzers.triage import ranks_text, where  # noqa: E402
 from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps, match_across_ranks  # noqa: E402

@@ -15,8 +15,8 @@ from collections import defaultdict
 import pytest
 from click.testing import CliRunner
 
+from conftest import SHARED, needs_shared
 from dtprof.cli import main
-from tests.test_interop import SHARED, needs_shared
 
 pytestmark = needs_shared
 
@@ -31,7 +31,7 @@ HTA = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def imported(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu")
     out = {}
     for name in HTA:
@@ -48,8 +48,8 @@ def _summary(run_dir, *args):
 
 
 @pytest.mark.parametrize("name", list(HTA))
-def test_gpu_time_in_hta_window_matches_hta(runs, name):
-    g = _summary(runs[name], "--gpu-window", "hta")["ranks"][0]["gpu_time"]
+def test_gpu_time_in_hta_window_matches_hta(imported, name):
+    g = _summary(imported[name], "--gpu-window", "hta")["ranks"][0]["gpu_time"]
     h = HTA[name]
     assert g["idle_frac"] * 100 == pytest.approx(h["idle"], abs=1)
     assert g["compute_frac"] * 100 == pytest.approx(h["compute"], abs=1)
@@ -64,18 +64,18 @@ def test_gpu_time_in_hta_window_matches_hta(runs, name):
     assert g["window"]["name"] == "hta"
 
 
-def test_default_window_counts_every_kernel_and_says_so(runs):
+def test_default_window_counts_every_kernel_and_says_so(imported):
     name = "nccl_single_rank.json.gz"
     trace = json.loads(gzip.decompress((SHARED / name).read_bytes()))["traceEvents"]
     kernels = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     steps = sorted(int(e["name"].split("#")[1]) for e in trace if str(e.get("name")).startswith("ProfilerStep#"))
-    s = _summary(runs[name])
+    s = _summary(imported[name])
     g = s["ranks"][0]["gpu_time"]
     assert s["options"]["gpu_window"] == "all"
     assert g["window"]["name"] == "all" and g["window"]["kernels"] == len(kernels)
     assert g["window"]["steps"] == steps
     assert g["window"]["streams"] == sorted({f"cuda:{e['args']['stream']}" for e in kernels})
-    hta = _summary(runs[name], "--gpu-window", "hta")["ranks"][0]["gpu_time"]["window"]
+    hta = _summary(imported[name], "--gpu-window", "hta")["ranks"][0]["gpu_time"]["window"]
     assert hta["steps"] == steps[:-1] and hta["kernels"] < len(kernels)   # HTA drops the last ProfilerStep
     # the parts of kernel time: idle + compute + non-compute = 1; comm and memory are inside non-compute + overlap
     assert g["idle_frac"] + g["compute_frac"] + g["non_compute_frac"] == pytest.approx(1)
@@ -83,7 +83,7 @@ def test_default_window_counts_every_kernel_and_says_so(runs):
     assert g["comm_frac"] * (1 - g["comm_compute_overlap_frac"]) <= g["non_compute_frac"] + 1e-9
 
 
-def test_top_kernels_by_total_time_from_the_trace(runs):
+def test_top_kernels_by_total_time_from_the_trace(imported):
     name = "nccl_single_rank.json.gz"
     trace = json.loads(gzip.decompress((SHARED / name).read_bytes()))["traceEvents"]
     total = defaultdict(float)
@@ -93,7 +93,7 @@ def test_top_kernels_by_total_time_from_the_trace(runs):
             total[e["name"]] += e["dur"] * 1e-6
             count[e["name"]] += 1
     expected = sorted(total, key=total.get, reverse=True)[:20]
-    k = _summary(runs[name])["kernels"]
+    k = _summary(imported[name])["kernels"]
     assert len(k) == 20 and [x["name"] for x in k] == expected
     assert [x["time_s"] for x in k] == sorted((x["time_s"] for x in k), reverse=True)
     all_time = sum(total.values())
@@ -114,10 +114,10 @@ def test_cpu_only_trace_has_no_gpu_time(tmp_path):
     assert s["ranks"][0]["gpu_time"] is None and s["kernels"] == []
 
 
-def test_summary_terminal_shows_gpu_time_overlaps_and_kernel_table(runs):
-    res = CliRunner().invoke(main, ["summary", str(runs["nccl_single_rank.json.gz"]), "--no-write"])
+def test_summary_terminal_shows_gpu_time_overlaps_and_kernel_table(imported):
+    res = CliRunner().invoke(main, ["summary", str(imported["nccl_single_rank.json.gz"]), "--no-write"])
     assert res.exit_code == 0, res.output
-    s = _summary(runs["nccl_single_rank.json.gz"], "--no-write")
+    s = _summary(imported["nccl_single_rank.json.gz"], "--no-write")
     lines = res.output.splitlines()
     g = s["ranks"][0]["gpu_time"]
     row = next(x for x in lines if x.split()[:1] == ["0"] and "%" in x and x.split()[-1] == str(g["window"]["kernels"]))

@@ -1,7 +1,7 @@
 """`dtprof import kineto` says what it did: per file the rank, steps, rows kept and window; per skipped file why.
 
-On the shared real traces (the kineto data set beside the checkout, see its README; tests/test_interop.py finds it); expected counts are read from the trace
-files themselves with plain json, not copied from dtprof's output.
+On the shared real traces (the kineto data set beside the checkout, see its README; conftest.SHARED finds it);
+expected counts are read from the trace files themselves with plain json, not copied from dtprof's output.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from conftest import SHARED, needs_shared
 from dtprof.cli import main
-from tests.test_interop import SHARED, needs_shared
 
 pytestmark = needs_shared
 NCCL = SHARED / "nccl_single_rank.json.gz"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from conftest import EXAMPLES, TESTS
 from dtprof.analyzers import gpu as gpu_mod
 from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.analyzers.runmodel import RunModel
@@ -19,12 +19,11 @@ from dtprof.analyzers.summary import analyze
 from dtprof.cli import main
 from dtprof.reader import open_run
 
-DATA = Path(__file__).resolve().parent / "data" / "gpu"
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DATA = TESTS / "data" / "gpu"
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
+def h200_ddp(tmp_path_factory):
     """The DDP run copied (analysing writes node summaries into it) and its summary as `dtprof summary` makes it."""
     d = tmp_path_factory.mktemp("gpu") / "ddp-h200"
     shutil.copytree(DATA / "ddp-h200", d)
@@ -33,8 +32,8 @@ def ddp(tmp_path_factory):
     return d, json.loads(res.output)
 
 
-def test_cuda_spans_nccl_timing_and_device_are_read(ddp):
-    run = open_run(ddp[0])
+def test_cuda_spans_nccl_timing_and_device_are_read(h200_ddp):
+    run = open_run(h200_ddp[0])
     r = run.ranks.iloc[0]
     assert (r["device_type"], r["device_name"], r["backend"]) == ("cuda", "NVIDIA H200", "nccl")
     assert int(r["world_size"]) == 1
@@ -49,10 +48,10 @@ def test_cuda_spans_nccl_timing_and_device_are_read(ddp):
     assert (timed["gpu_duration_ns"] <= timed["end_ns"] - timed["issue_ns"]).all()
 
 
-def test_gpu_utilisation_is_over_the_measured_steps(ddp):
+def test_gpu_utilisation_is_over_the_measured_steps(h200_ddp):
     """The GPU ran kernels ~95 % of each step; over the whole run (start-up, exit) NVML averages 7 %, which read as
     the false finding "GPU is busy 7 % of the time" on the first real run."""
-    run_dir, s = ddp
+    run_dir, s = h200_ddp
     [g] = s["gpus"]
     assert g["window"] == "measured steps"
     assert g["sm_util_mean_pct"] > 75 and g["idle_frac"] < 0.1
@@ -62,16 +61,16 @@ def test_gpu_utilisation_is_over_the_measured_steps(ddp):
     assert "low_gpu_util" not in [f["id"] for f in s["findings"]]
 
 
-def test_a_one_rank_group_has_no_link_to_measure(ddp):
+def test_a_one_rank_group_has_no_link_to_measure(h200_ddp):
     """busbw is 0 by its factor in a group of one rank; it was held against the H200's NVLink peak as "0 %"."""
-    rows = ddp[1]["collectives"]
+    rows = h200_ddp[1]["collectives"]
     assert rows and all(r["group_size"] == 1 for r in rows)
     assert all(r["link_peak_gbps"] is None and r["link_peak_reason"] == "one rank: nothing crosses a link"
                for r in rows)
-    assert "low_busbw" not in [f["id"] for f in ddp[1]["findings"]]
+    assert "low_busbw" not in [f["id"] for f in h200_ddp[1]["findings"]]
 
 
-def test_mfu_agrees_with_an_independent_flop_count(ddp):
+def test_mfu_agrees_with_an_independent_flop_count(h200_ddp):
     """dtprof's MFU (FLOPs counted on the GPU in step 1, the spec's fp32 peak) against FLOPs counted here by
     torch.utils.flop_counter on the same model on the meta device: within 2 % (the GPU ran SDPA as memory-efficient
     attention, the meta device as the math path, whose backward FLOPs the counter weighs differently)."""
@@ -86,7 +85,7 @@ def test_mfu_agrees_with_an_independent_flop_count(ddp):
         tokens = torch.randint(0, 8192, (8, 513))
     with FlopCounterMode(display=False) as counter:
         lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    m = ddp[1]["mfu"]
+    m = h200_ddp[1]["mfu"]
     assert m["peak_flops"] == 67e12 and "H200" in m["peak_source"]
     independent = counter.get_total_flops() / m["step_time_s"] / m["peak_flops"]
     assert m["value"] == pytest.approx(independent, rel=0.02)
@@ -114,7 +113,7 @@ def test_fsdp2_run_is_analysed(tmp_path):
     assert s["gpus"][0]["window"] == "measured steps" and s["gpus"][0]["sm_util_mean_pct"] > 75
 
 
-def test_the_real_trace_imports_with_the_runs_kernels(ddp, tmp_path):
+def test_the_real_trace_imports_with_the_runs_kernels(h200_ddp, tmp_path):
     """The same torch.profiler trace imported on its own gives the kernels and GPU time the run merged at capture."""
     res = CliRunner().invoke(main, ["import", "kineto", str(DATA / "ddp-h200-trace-steps-10-11.json.gz"), "-o",
                                     str(tmp_path / "imported")])
@@ -122,14 +121,14 @@ def test_the_real_trace_imports_with_the_runs_kernels(ddp, tmp_path):
     imported = open_run(tmp_path / "imported")
     kernels = imported.spans[imported.spans["kind"].astype(str) == "kernel"]
     assert len(kernels) == 736
-    run_gpu = ddp[1]["gpu_time"]
+    run_gpu = h200_ddp[1]["gpu_time"]
     assert gpu_time(imported.spans)[0]["compute_frac"] == pytest.approx(run_gpu["compute_frac"], abs=0.01)
     assert run_gpu["compute_frac"] == pytest.approx(0.931, abs=0.001)
 
 
-def test_report_of_the_real_run(ddp):
-    res = CliRunner().invoke(main, ["report", str(ddp[0])])
+def test_report_of_the_real_run(h200_ddp):
+    res = CliRunner().invoke(main, ["report", str(h200_ddp[0])])
     assert res.exit_code == 0, res.output
-    html = (ddp[0] / "report.html").read_text()
+    html = (h200_ddp[0] / "report.html").read_text()
     assert "NVIDIA H200" in html and "62.9" in html
     assert "busy 7 %" not in html and "0% of the link" not in html

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
+from conftest import dtprof
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
@@ -22,11 +21,6 @@ from synth import build_run, split_by_host
 # 4 hosts of 2 ranks, a slow rank on host 2, host clocks apart: every cross-node part of the analysis is exercised
 SPEC = dict(world_size=8, steps=12, hosts=4, buckets=3, jitter_frac=0.05, slow_rank=5, slow_factor=1.3,
             module_spans=2, host_offset_ns=[0, 1_000_000, 2_000_000, 3_000_000])
-
-
-def dtprof(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "dtprof.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
 
 
 @pytest.fixture
