@@ -511,7 +511,7 @@ def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFr
 
     try:
         rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
-        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows, steps=steps)
+        res = triage.triage(run, run.incident(), stragglers=stragglers, collectives=rows, steps=steps)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"

@@ -55,6 +55,7 @@ from dtprof.runformat import (
     RunExistsError,
     create_node_dir,
     create_run_dir,
+    stop_text,
     write_json_atomic,
 )
 
@@ -369,17 +370,6 @@ def stop_processes(root_pid: int, node_dir: Path, reason: str, grace_s: float = 
             "sigkill_sent_to": len(killed), "took_s": round(time.monotonic() - t0, 3), "survivors": sorted(pids)}
 
 
-def stop_text(stop: dict) -> str:
-    """One line about a stop record, for the launcher's output and its events row."""
-    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
-            f"SIGTERM"
-            + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
-               if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
-    if stop["survivors"]:
-        return text + f"still running: pid(s) {', '.join(map(str, stop['survivors']))}"
-    return text + "none left running"
-
-
 # ---- the job ---------------------------------------------------------------------------------------------------
 
 def _start_relay(pipe, out_fd: int, log_path: Path) -> subprocess.Popen:
@@ -507,22 +497,10 @@ def compact(node_dir: Path, say: Callable[[str], None]):
     return out
 
 
-def summarize(run_dir: Path):
-    """Analyse once (options from node.json's config: dtprof/options.py), write summary.json, return the analysis."""
-    from dtprof.analyzers.summary import analyze, save_summary
-    from dtprof.options import resolve_options
-    from dtprof.reader import open_run
-
-    run = open_run(run_dir)
-    analysis = analyze(run, resolve_options(run))
-    save_summary(run_dir, analysis.summary)
-    return analysis
-
-
-def report(run_dir: Path, analysis):
+def report(run, analysis):
     from dtprof.reports.html import write_report
 
-    return write_report(run_dir, analysis=analysis)
+    return write_report(run, analysis)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
@@ -794,14 +772,20 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
         from dtprof.summarize import summarize_node
 
         post["node_summary"] = _guarded("node summary", warn, summarize_node, str(node_dir)) is not None
-    analysis = _guarded("summary", warn, summarize, run_dir)
-    post["summary"] = analysis is not None
+    # analysed once (options from node.json's config: dtprof/options.py); summary.json, the terminal summary and
+    # the report all come from this one analysis
+    from dtprof.analyzers.summary import save_summary
+    from dtprof.options import open_and_analyze
+
+    run, analysis = _guarded("summary", warn, open_and_analyze, run_dir, check_tables=False) or (None, None)
+    post["summary"] = analysis is not None and _guarded("summary", warn, save_summary, run_dir,
+                                                        analysis.summary) is not None
     if analysis is not None and not quiet:
         from dtprof.analyzers.summary import format_summary_text
 
         click.echo(format_summary_text(analysis.summary))
     if not no_report:
-        path = _guarded("report", warn, report, run_dir, analysis)
+        path = _guarded("report", warn, report, run, analysis) if analysis is not None else None
         post["report"] = str(path) if path is not None else None
     node_info["post"] = post
     _guarded("manifest", warn, write_json_atomic, node_dir / NODE_MANIFEST, node_info)

@@ -289,3 +289,14 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
                                                "layout": SUMMARY_LAYOUT, **facts})
     return out
+
+
+def stop_text(stop: dict) -> str:
+    """One line about a stop record (node.json ``stops``), for the launcher's output, its events row and triage."""
+    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
+            f"SIGTERM"
+            + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
+               if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
+    if stop["survivors"]:
+        return text + f"still running: pid(s) {', '.join(map(str, stop['survivors']))}"
+    return text + "none left running"

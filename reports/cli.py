@@ -25,11 +25,13 @@ def report_command(run_dir: Path, out: Path | None, progress: bool | None) -> No
     Exit codes: 0 written, 2 RUN_DIR is not a readable dtprof run or the report cannot be written
     (one-line message on stderr).
     """
+    from dtprof.options import open_and_analyze
     from dtprof.reader import RunFormatError
     from dtprof.reports.html import write_report
 
     try:
-        path = write_report(run_dir, out_path=out, progress=progress)
+        run, analysis = open_and_analyze(run_dir)
+        path = write_report(run, analysis, out_path=out, progress=progress)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     except OSError as e:

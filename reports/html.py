@@ -1,6 +1,6 @@
 """The offline HTML report: one self-contained file that opens from file:// on an air-gapped machine.
 
-    write_report(run_dir, out_path=None, analysis=None) -> Path     (default: run_dir/report.html)
+    write_report(run, analysis, out_path=None) -> Path     (default: the run's report.html)
 
 The page: a header (command, world size, hosts and devices, versions, duration, status and why: the analysis'
 ``run`` block and triage verdict), the step breakdown as one stacked bar per rank (reports/breakdown.py), headline
@@ -46,7 +46,6 @@ from typing import Any, Callable
 import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
-from dtprof.reader import open_run
 from dtprof.reports import rankgroups as RG
 
 ASSETS = Path(__file__).parent / "assets"
@@ -649,19 +648,13 @@ def _plotly_js() -> str:
     return js
 
 
-def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None = None) -> Path:
-    """Write the HTML report of ``run_dir`` to ``out_path`` (default ``run_dir/report.html``) and return its path.
-
-    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None, with the
-    options resolved as the command line does (dtprof/options.py).
+def write_report(run, analysis, out_path=None, *, progress: bool | None = None) -> Path:
+    """Write the HTML report of ``run`` (an open dtprof.reader.Run, read only for raw spans: the timeline) and its
+    ``analysis`` (``dtprof.analyzers.summary.analyze``; the command made it, dtprof/options.py
+    ``open_and_analyze``) to ``out_path`` (default the run's ``report.html``) and return its path.
     ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps).
     The file is written to a temporary name and renamed, so a reader never sees half a report.
     """
-    run = open_run(run_dir, check_tables=analysis is None)
-    if analysis is None:
-        from dtprof.analyzers.summary import analyze
-        from dtprof.options import resolve_options
-        analysis = analyze(run, resolve_options(run))
     if progress is None:
         progress = len(run.steps) > 50_000   # counting the spans would read them all
     text = render_report(run, analysis, Progress(10, bool(progress)))

@@ -86,13 +86,14 @@ def test_report_header_shows_the_launchers_duration(plain_ddp):
     """The header's duration is node.json's, as `dtprof run` wrote it (it once read keys nobody writes: "n/a")."""
     import json
 
+    from dtprof.options import open_and_analyze
     from dtprof.reports.html import fmt_s, write_report
 
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not installed")
     node = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())
-    out = write_report(plain_ddp, out_path=plain_ddp / "header-test.html")
+    out = write_report(*open_and_analyze(plain_ddp), out_path=plain_ddp / "header-test.html")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page()
@@ -218,7 +219,8 @@ def test_report_header_gives_the_reason_for_a_version_not_read(plain_ddp, tmp_pa
 
     versions = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())["versions"]
     assert versions["nccl"] is None and versions["nccl_reason"], versions
-    html = write_report(plain_ddp, tmp_path / "report.html", analyze(open_run(plain_ddp)), progress=False).read_text()
+    run = open_run(plain_ddp)
+    html = write_report(run, analyze(run), tmp_path / "report.html", progress=False).read_text()
     header = re.search(r"<dt>versions</dt><dd>(.*?)</dd>", html).group(1)
     assert "nccl_reason" not in header and "None" not in header, header
     assert "nccl n/a (no nvidia-nccl wheel installed" in header and f"torch {versions['torch']}" in header, header

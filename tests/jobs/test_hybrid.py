@@ -158,9 +158,10 @@ def test_summary_json_splits_by_mesh_dim(tp_run, pp_run):
     slow = [s for s in pp["stragglers"] if s["rank"] == SLOW_RANK]
     assert slow and slow[0]["mesh_groups"]["pp"]["ranks"] == [0, 1] and slow[0]["mesh_groups"]["dp"]["ranks"] == [1, 3]
     # and the report shows the split (its browser checks are in test_report.py)
+    from dtprof.options import open_and_analyze
     from dtprof.reports.html import write_report
 
-    page = write_report(pp_run.path).read_text()
+    page = write_report(*open_and_analyze(pp_run.path)).read_text()
     section = page[page.index('<section id="mesh">'):]
     section = section[:section.index("</section>")]
     assert f"costliest dimension is <b>{pp['mesh']['costliest_dim']}</b>" in section

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
 
-from dtprof.analyzers.triage import ranks_text, where  # noqa: E402
-from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps, match_across_ranks  # noqa: E402
+from dtprof.analyzers.triage import match_across_ranks, ranks_text, where  # noqa: E402
+from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
 from dtprof.runformat import NodeTableWriter  # noqa: E402
 from dtprof.triage import triage_command  # noqa: E402
 from dtprof.watchdog import parse_torchrun_failures  # noqa: E402

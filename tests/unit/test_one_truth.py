@@ -96,7 +96,7 @@ def test_persistent_straggler_one_criterion_one_wording(tmp_path):
         in s[0]["reason"]
     finding = next(f for f in a.findings if f["id"] == "straggler")
     assert s[0]["reason"] in finding["message"]
-    page = H.write_report(run_dir, analysis=a).read_text()
+    page = H.write_report(open_run(run_dir), a).read_text()
     assert html.escape(s[0]["reason"]) in page and html.escape(PERSISTENT_RULE.capitalize()) in page
     from click.testing import CliRunner
 
@@ -145,7 +145,7 @@ def test_bubble_parts_add_up_everywhere(tmp_path):
     pct = lambda v: f"{v:.0%}"  # noqa: E731
     assert (f"bubble {pct(pp['bubble_frac'])} = theoretical {pct(pp['theoretical_bubble_frac'])} + overhead "
             f"{pct(pp['overhead_frac'])}") in line
-    page = H.write_report(tmp_path / "r", analysis=a).read_text()
+    page = H.write_report(open_run(tmp_path / "r"), a).read_text()
     assert f"theoretical (the schedule itself) {H.fmt_frac(pp['theoretical_bubble_frac'])}" in page
     from dtprof.reports import figures as F
     _, bub = F.pipeline_figures(F.make_context(open_run(tmp_path / "r"), a))

@@ -26,9 +26,10 @@ from synth_report import HOSTILE, build_report_run
 
 def _report(path: Path, **kw) -> tuple[Path, dict]:
     build_report_run(path, **kw)
-    analysis = analyze(open_run(path))
+    run = open_run(path)
+    analysis = analyze(run)
     (path / "summary.json").write_text(json.dumps(analysis.summary, default=float))
-    return H.write_report(path, analysis=analysis), analysis
+    return H.write_report(run, analysis), analysis
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +241,9 @@ def test_large_run_is_binned_and_windowed(tmp_path, capsys, browser):
     from dtprof.reports import figures as F
 
     path = build_report_run(tmp_path / "big", world_size=64, steps=600, slow_rank=37, slow_factor=1.5)
-    analysis = analyze(open_run(path))
-    out = H.write_report(path, out_path=tmp_path / "r.html", analysis=analysis, progress=True)
+    run = open_run(path)
+    analysis = analyze(run)
+    out = H.write_report(run, analysis, out_path=tmp_path / "r.html", progress=True)
     err = capsys.readouterr().err
     assert "dtprof report [" in err and "10/10" in err
     figs = {m.group(1): m.group(2) for m in re.finditer(
@@ -484,10 +486,11 @@ def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
     res = CliRunner().invoke(main, ["import", "kineto", str(trace / "cpu_only_rank34.json.gz"), "-o",
                                     str(tmp_path / "imp")])
     assert res.exit_code == 0, res.output
-    analysis = analyze(open_run(tmp_path / "imp"))
+    run = open_run(tmp_path / "imp")
+    analysis = analyze(run)
     text = format_summary_text(analysis.summary)
     assert "None" not in text.splitlines()[0] and "on unnamed hosts" in text
-    out = H.write_report(tmp_path / "imp", analysis=analysis)
+    out = H.write_report(run, analysis)
     loaded = load(browser, out, "imported")
     try:
         header = loaded.page.inner_text("header")
@@ -501,9 +504,10 @@ def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
 def test_collectives_rows_carry_their_mesh_dimension(tmp_path):
     # DDP-like synthetic run on a world group outside any mesh, then the same run with its group named "dp"
     run = build_run(tmp_path / "r", world_size=2, steps=4)
-    a = analyze(open_run(run))
+    opened = open_run(run)
+    a = analyze(opened)
     assert {c["mesh_dim"] for c in a.summary["collectives"]} == {"(none)"}
-    html_text = H.write_report(run, analysis=a).read_text()
+    html_text = H.write_report(opened, a).read_text()
     assert "<th class=\"t\">mesh dimension</th>" in html_text
 
 
@@ -534,8 +538,9 @@ def test_a_thousand_ranks_grouped_by_node_with_the_worst_ranks_named(tmp_path, b
     slow, late, n = 677, 300, 1024
     path = build_report_run(tmp_path / "k", world_size=n, steps=8, hosts=n // 8, slow_rank=slow, slow_factor=1.3,
                             late_rank=late, late_ms=8.0, jitter_frac=0.02, nvml=False)
-    analysis = analyze(open_run(path))
-    out = H.write_report(path, analysis=analysis)
+    run = open_run(path)
+    analysis = analyze(run)
+    out = H.write_report(run, analysis)
     loaded = load(browser, out, "1024-ranks")
     page = loaded.page
     try:

@@ -26,7 +26,7 @@ def gpu_report(tmp_path_factory):
     run = open_run(d / "run")
     analysis = analyze(run)
     (d / "run" / "summary.json").write_text(json.dumps(analysis.summary))
-    return H.write_report(d / "run", analysis=analysis), analysis, run
+    return H.write_report(run, analysis), analysis, run
 
 
 @pytest.fixture(scope="module")
