@@ -781,7 +781,7 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
     post["summary"] = analysis is not None and _guarded("summary", warn, save_summary, run_dir,
                                                         analysis.summary) is not None
     if analysis is not None and not quiet:
-        from dtprof.analyzers.summary import format_summary_text
+        from dtprof.reports.terminal import format_summary_text
 
         click.echo(format_summary_text(analysis.summary))
     if not no_report:

@@ -34,7 +34,7 @@ from plotly.subplots import make_subplots
 
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
-from dtprof.reports.html import fmt_bytes
+from dtprof.reports.fmt import fmt_bytes
 from dtprof.schema import COMPUTE_KINDS
 
 MAX_HEATMAP_COLS = 250

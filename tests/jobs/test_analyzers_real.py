@@ -87,7 +87,8 @@ def test_report_header_shows_the_launchers_duration(plain_ddp):
     import json
 
     from dtprof.options import open_and_analyze
-    from dtprof.reports.html import fmt_s, write_report
+    from dtprof.reports.fmt import fmt_s
+    from dtprof.reports.html import write_report
 
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():

@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from dtprof.analyzers import findings as F  # noqa: E402
 from dtprof.analyzers.intervals import assign_to_windows, measure, union_length  # noqa: E402
 from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
-from dtprof.analyzers.summary import analyze, format_summary_text, write_summary  # noqa: E402
+from dtprof.analyzers.summary import analyze, write_summary  # noqa: E402
 from dtprof.options import resolve_options  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
+from dtprof.reports.terminal import format_summary_text  # noqa: E402
 from dtprof.runformat import create_run_dir, write_node_tables  # noqa: E402
 from synth import MS, build_run, hand_run  # noqa: E402
 
@@ -623,7 +624,7 @@ def test_summary_cli_json_and_bad_dir(tmp_path):
 
 
 def test_analyzers_do_not_import_torch():
-    code = ("import sys, dtprof.analyzers.summary, dtprof.analyzers.cli; "
+    code = ("import sys, dtprof.analyzers.summary, dtprof.summary; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

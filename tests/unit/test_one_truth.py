@@ -140,7 +140,7 @@ def test_bubble_parts_add_up_everywhere(tmp_path):
     assert pp["theoretical_bubble_frac"] + pp["overhead_frac"] == pytest.approx(pp["bubble_frac"], abs=1e-12)
     for s in pp["per_stage"]:
         assert s["theoretical_bubble_frac"] + s["overhead_frac"] == pytest.approx(s["bubble_frac"], abs=1e-12)
-    from dtprof.analyzers.summary import format_summary_text
+    from dtprof.reports.terminal import format_summary_text
     line = next(x for x in format_summary_text(a.summary).splitlines() if x.startswith("pipeline:"))
     pct = lambda v: f"{v:.0%}"  # noqa: E731
     assert (f"bubble {pct(pp['bubble_frac'])} = theoretical {pct(pp['theoretical_bubble_frac'])} + overhead "

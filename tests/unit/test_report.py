@@ -477,8 +477,8 @@ def test_breakdown_marks_each_ranks_wait_for_a_cpu_beside_its_bar():
 def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
     from click.testing import CliRunner
 
-    from dtprof.analyzers.summary import format_summary_text
     from dtprof.cli import main
+    from dtprof.reports.terminal import format_summary_text
 
     if not SHARED.exists():
         pytest.skip("shared Kineto traces not present")

@@ -8,8 +8,9 @@ import pytest
 
 from dtprof.analyzers import whatif
 from dtprof.analyzers.runmodel import RunModel
-from dtprof.analyzers.summary import analyze, format_summary_text
+from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
+from dtprof.reports.terminal import format_summary_text
 from dtprof.reports.whatif import whatif_html
 from synth import build_run
 
@@ -128,7 +129,7 @@ def test_scenarios_are_pure_edits(tmp_path):
 
 
 def test_terminal_summary_prints_the_top_three(tmp_path):
-    from dtprof.analyzers.summary import format_summary_text
+    from dtprof.reports.terminal import format_summary_text
 
     a = analyze(build_run(tmp_path / "r", world_size=3, steps=8, slow_rank=1, slow_factor=1.5, data_ms=4.0))
     line = next(ln for ln in format_summary_text(a.summary).splitlines() if ln.startswith("what if"))

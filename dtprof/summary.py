@@ -53,9 +53,10 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
 
     Exit codes: 0 done, 2 unreadable run directory or bad option.
     """
-    from dtprof.analyzers.summary import SUMMARY_FILE, analyze, format_summary_text, save_summary
+    from dtprof.analyzers.summary import SUMMARY_FILE, analyze, save_summary
     from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
+    from dtprof.reports.terminal import format_summary_text
 
     tf = _parse_transformer(transformer)
 
