@@ -45,6 +45,7 @@ import click
 
 from dtprof import machine
 from dtprof.cli import InputError
+from dtprof.machine import TORCHRUN_MODULES, script_index
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.runformat import (
     FAULT_EVENT,
@@ -67,7 +68,6 @@ ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
              "GROUP_RANK", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "HOSTNAME")
-TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
 # ---- small pure helpers (unit-tested) ------------------------------------------------------------------------
@@ -87,16 +87,6 @@ def is_torchrun(command: list[str]) -> bool:
     head = Path(command[0]).name
     return head in ("torchrun", "torchrun.exe") or any(
         a == "-m" and i + 1 < len(command) and command[i + 1] in TORCHRUN_MODULES for i, a in enumerate(command))
-
-
-def script_index(command: list[str]) -> int | None:
-    """Index of the training script (first ``*.py`` argument, or the module after a non-torchrun ``-m``)."""
-    for i, a in enumerate(command):
-        if a.endswith(".py"):
-            return i
-        if a == "-m" and i + 1 < len(command) and command[i + 1] not in TORCHRUN_MODULES:
-            return i + 1
-    return None
 
 
 def script_name(command: list[str]) -> str:

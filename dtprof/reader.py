@@ -16,16 +16,18 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dtprof.runformat import (
+from dtprof.schema import (
+    CATEGORICAL,
     NODE_MANIFEST,
     NODE_PREFIX,
     RANK_PREFIX,
     RUN_MANIFEST,
+    SCHEMA_VERSION,
+    TABLES,
     TABLES_COMPLETE,
     TABLES_DIR,
     UNIDENTIFIED_PREFIX,
 )
-from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
 
 
 class RunFormatError(Exception):
@@ -632,8 +634,7 @@ class Run:
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
         incomplete, or written in another layout: dtprof/schema.py SUMMARY_LAYOUT)."""
-        from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
-        from dtprof.schema import SUMMARY_LAYOUT
+        from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUT
 
         mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
         if not (self._complete(node_dir) and mark.exists()):
@@ -650,8 +651,7 @@ class Run:
         import numpy as np
         import pandas as pd
 
-        from dtprof.runformat import summary_file
-        from dtprof.schema import SUMMARY_TABLES
+        from dtprof.schema import SUMMARY_TABLES, summary_file
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]

@@ -16,21 +16,25 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Sequence
 
-from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
-
-RUN_MANIFEST = "run.json"
-NODE_MANIFEST = "node.json"
-NODE_PREFIX = "node-"
-RANK_PREFIX = "rank-"
-# events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
-# dtprof failed in it before recording began (process_event); one file per process
-UNIDENTIFIED_PREFIX = "unidentified-"
-UNIDENTIFIED_EVENT = "unidentified process"    # how those events' messages begin
-# how the events of dtprof's own faults begin (a rank or a process that dtprof switched itself off in): they are
-# recorded, never printed into the job's output; the launcher names them in one line at the end
-FAULT_EVENT = "dtprof disabled"
-TABLES_DIR = "tables"
-TABLES_COMPLETE = "_complete"
+# the run directory's names live with the schema (the reader needs them too); imported from here by the writers
+from dtprof.schema import (  # noqa: F401
+    FAULT_EVENT,
+    NODE_MANIFEST,
+    NODE_PREFIX,
+    RANK_PREFIX,
+    RUN_MANIFEST,
+    RUN_SCHEMA,
+    SCHEMA_MINOR,
+    SCHEMA_VERSION,
+    SUMMARY_COMPLETE,
+    SUMMARY_DIR,
+    TABLES,
+    TABLES_COMPLETE,
+    TABLES_DIR,
+    UNIDENTIFIED_EVENT,
+    UNIDENTIFIED_PREFIX,
+    summary_file,
+)
 
 
 class RunExistsError(Exception):
@@ -251,15 +255,6 @@ def compact_node(node_dir: Path) -> Path:
     from dtprof.reader import read_node_raw
 
     return write_node_tables(node_dir, read_node_raw(Path(node_dir)))
-
-
-SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
-SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
-
-
-def summary_file(node_dir, table: str) -> Path:
-    """Where a node summary's ``table`` lies."""
-    return Path(node_dir) / SUMMARY_DIR / f"{table}.parquet"
 
 
 # rows per Parquet row group of a summary table, where smaller than the writer's default: the what-if items, stored
