@@ -429,11 +429,15 @@ class Tracker(Sink):
         self.alerted: set[str] = set()
 
     def publish(self, update: Update) -> None:
+        self.status = update.status
+        each = self.ctx.interval_s <= 0     # --metrics-interval 0: every step is a point of its own
         for s in update.steps:
-            self.acc.setdefault(s.rank, _StepAcc()).add(s)
+            acc = _StepAcc() if each else self.acc.setdefault(s.rank, _StepAcc())
+            acc.add(s)
+            if each:
+                self._rank_point(s.rank, acc)
         for g in update.gpus:
             self.gpu_acc.setdefault(g.gpu, _GpuAcc()).add(g)
-        self.status = update.status
         self._alerts(update.status)
         if time.monotonic() - self.last_emit >= self.ctx.interval_s:
             self._emit()
@@ -447,16 +451,19 @@ class Tracker(Sink):
         tick = int(self.last_emit - self.t0)
         st = self.status
         for rank, acc in sorted(self.acc.items()):
-            values = acc.values()
-            if st is not None:
-                values["straggler"] = 1.0 if rank in st.stragglers else 0.0
-            self.rank_point(rank, acc.step, values)
+            self._rank_point(rank, acc)
         for gpu, gacc in sorted(self.gpu_acc.items()):
             self.gpu_point(gpu, tick, gacc.values())
         if st is not None and st.progress_age_s is not None:
             self.node_point(tick, {"hang": 1.0 if st.hang else 0.0, "progress_age_seconds": st.progress_age_s})
         self.acc, self.gpu_acc = {}, {}
         self.flush()
+
+    def _rank_point(self, rank: int, acc: _StepAcc) -> None:
+        values = acc.values()
+        if self.status is not None:
+            values["straggler"] = 1.0 if rank in self.status.stragglers else 0.0
+        self.rank_point(rank, acc.step, values)
 
     def _alerts(self, st: NodeStatus) -> None:
         for rank, why in st.stragglers.items():
