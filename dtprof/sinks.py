@@ -546,6 +546,9 @@ class WandbSink(Tracker):
 
         self.wandb = wandb
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
+        # online without a key, wandb.init would ask for one on the terminal the job shares: refuse instead
+        if settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(prompt=False, verify=False):
+            raise RuntimeError("no W&B API key (wandb login, WANDB_API_KEY, or WANDB_MODE=offline)")
         self.run = wandb.init(project=self.spec.target or os.environ.get("WANDB_PROJECT") or "dtprof",
                               name=_run_name(self.ctx), group=self.ctx.run_dir.name, job_type="dtprof",
                               config={"dtprof": self.ctx.config, "run_dir": str(self.ctx.run_dir)},
