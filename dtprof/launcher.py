@@ -602,8 +602,9 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
 
     config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
               "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
-              "nvml_interval_s": None if no_nvml else nvml_interval,
-              "metrics": [m.text for m in sink_specs] or None}
+              "nvml_interval_s": None if no_nvml else nvml_interval}
+    if sink_specs:
+        config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
     rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
                    "flush_interval_s": 1.0}
     host = socket.gethostname()
@@ -683,6 +684,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)
     if publisher is not None:   # before the sampler stops: its last samples are published too
         _guarded("metrics", warn, publisher.stop, exit_code)
+        node_info["metrics"] = publisher.record()
     if sampler is not None:
         node_info["nvml"] = sampler.stop()
 

@@ -127,6 +127,7 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dtprof-metrics", daemon=True)
         self._broken = False
+        self.cpu_s, self.polls, self.steps = 0.0, 0, 0
 
     def start(self) -> Publisher:
         for w in self.workers:
@@ -141,12 +142,16 @@ class Publisher:
     def _poll(self, final: bool) -> None:
         if self._broken:
             return
+        t0 = time.thread_time()
         try:
             update = self.live.poll(final=final)
         except Exception as e:  # noqa: BLE001 -- whatever went wrong, the job and the run go on
             self._broken = True
             self.warn(f"dtprof: live metrics stopped: reading the run failed ({_why(e)}); the job and the run go on")
             return
+        self.cpu_s += time.thread_time() - t0
+        self.polls += 1
+        self.steps += len(update.steps)
         for w in self.workers:
             w.put(update)
 
@@ -159,6 +164,13 @@ class Publisher:
         for w in self.workers:
             w.finish(exit_code, max(0.0, deadline - time.monotonic()))
 
+    def record(self) -> dict:
+        """What publishing cost and how each sink fared, for node.json ``metrics``: the CPU time of the reading
+        thread and of each sink's thread (their thread CPU clocks), steps published, polls."""
+        return {"steps_published": self.steps, "polls": self.polls, "read_cpu_s": round(self.cpu_s, 3),
+                "sinks": {w.sink.name: {"status": w.failure or "ok", "cpu_s": round(w.cpu_s, 3)}
+                          for w in self.workers}}
+
 
 _END = object()
 
@@ -170,6 +182,8 @@ class SinkWorker:
         self.sink = sink
         self.warn = warn
         self.dead = False
+        self.failure: str | None = None
+        self.cpu_s = 0.0
         self.q: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
         self.thread = threading.Thread(target=self._run, name=f"dtprof-sink-{sink.name}", daemon=True)
         self.exit_code = 0
@@ -198,20 +212,28 @@ class SinkWorker:
 
     def _run(self) -> None:
         try:
-            self.sink.open()
+            self._timed(self.sink.open)
             while True:
                 item = self.q.get()
                 if item is _END:
-                    self.sink.close(self.exit_code)
+                    self._timed(self.sink.close, self.exit_code)
                     return
                 if not self.dead:
-                    self.sink.publish(item)
+                    self._timed(self.sink.publish, item)
         except Exception as e:  # noqa: BLE001 -- port taken, disk full, service down: this sink is dropped
             self._fail(_why(e))
+
+    def _timed(self, fn: Callable, *args) -> None:
+        t0 = time.thread_time()
+        try:
+            fn(*args)
+        finally:
+            self.cpu_s += time.thread_time() - t0
 
     def _fail(self, why: str) -> None:
         if not self.dead:
             self.dead = True
+            self.failure = f"failed: {why}"
             self.warn(f"dtprof: metrics sink {self.sink.name} failed: {why}; dropped, the job and the run go on")
 
 
@@ -547,7 +569,8 @@ class WandbSink(Tracker):
         self.wandb = wandb
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
         # online without a key, wandb.init would ask for one on the terminal the job shares: refuse instead
-        if settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(prompt=False, verify=False):
+        mode = wandb.setup().settings.mode    # WANDB_MODE, `wandb offline`, ...
+        if mode not in ("offline", "dryrun", "disabled") and not wandb.login(prompt=False, verify=False):
             raise RuntimeError("no W&B API key (wandb login, WANDB_API_KEY, or WANDB_MODE=offline)")
         self.run = wandb.init(project=self.spec.target or os.environ.get("WANDB_PROJECT") or "dtprof",
                               name=_run_name(self.ctx), group=self.ctx.run_dir.name, job_type="dtprof",

@@ -124,6 +124,12 @@ def test_ddp_job_unharmed_and_failing_sink_dropped_in_one_line(ddp):
     run = open_run(tmp / "run")
     assert run.steps.groupby("rank").size().to_dict() == {0: DDP_STEPS, 1: DDP_STEPS}
     assert (tmp / "run" / "summary.json").exists()
+    rec = run.nodes[0]["metrics"]     # node.json: how each sink fared, what publishing cost
+    status = {name.split(":")[0] + (":taken" if "failed" in v["status"] else ""): v["status"]
+              for name, v in rec["sinks"].items()}
+    assert sorted(status) == ["mlflow", "prometheus", "prometheus:taken", "tensorboard", "wandb"], status
+    assert status["prometheus:taken"].startswith("failed: OSError")
+    assert rec["steps_published"] == 2 * DDP_STEPS and rec["read_cpu_s"] > 0
 
 
 @pytest.mark.slow
