@@ -88,11 +88,19 @@ class _Tail:
         return rows
 
     def frame(self, table: str) -> pd.DataFrame:
-        """The new rows as a table of the schema's columns and types."""
+        """The new rows as a table of the schema's columns and types (most polls of most files find none: the
+        empty table is made once)."""
         from dtprof.reader import conform
 
         rows = self.read()
-        return conform(table, pd.DataFrame(rows, columns=self.columns) if rows else pd.DataFrame())
+        if not rows:
+            if table not in _EMPTY:
+                _EMPTY[table] = conform(table, pd.DataFrame())
+            return _EMPTY[table]
+        return conform(table, pd.DataFrame(rows, columns=self.columns))
+
+
+_EMPTY: dict[str, pd.DataFrame] = {}
 
 
 @dataclass
@@ -223,6 +231,7 @@ class LiveNode:
         windows = st[["rank", "step", "start_ns", "end_ns"]]
         bd = step_breakdown(SimpleNamespace(**self.buf), windows).per_step
         lateness, lead = self._lateness(windows)
+        parts = {p: bd[f"{p}_s"].to_numpy(np.float64) for p in PARTS}
         out = []
         for i, row in enumerate(st.itertuples(index=False)):
             r = self.ranks[int(row.rank)]
@@ -230,7 +239,7 @@ class LiveNode:
                 r.executed_flops = float(row.executed_flops)
             rs = RankStep(rank=int(row.rank), host=self._host_of(r), step=int(row.step), end_ns=int(row.end_ns),
                           duration_s=(row.end_ns - row.start_ns) / 1e9,
-                          parts_s={p: float(bd[f"{p}_s"].iat[i]) for p in PARTS},
+                          parts_s={p: float(v[i]) for p, v in parts.items()},
                           tokens=_num(row.tokens), samples=_num(row.samples),
                           flops=self._flops(r, row), peak_flops=self._peak(r),
                           peak_mem_bytes=_num(row.peak_mem_bytes),
