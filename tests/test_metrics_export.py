@@ -380,3 +380,27 @@ def test_live_hang_from_heartbeats(tmp_path):
     now[0] += 31 * 10**9
     st = live.poll().status
     assert st.hang is True and st.progress_age_s == pytest.approx(31) and st.hang_after_s == 30
+
+
+def test_tracker_alerts_once_per_straggler_and_hang(tmp_path):
+    """A straggler or a hang, when it first shows, is one alert of the tracker (W&B's run.alert, MLflow's tag, ...);
+    a status that goes on holding is not alerted again."""
+    from dtprof.live import NodeStatus, Update
+    from dtprof.sinks import Context, SinkSpec, Tracker
+
+    class Recorder(Tracker):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.alerts: list[tuple[str, str]] = []
+
+        def alert(self, kind, text):
+            self.alerts.append((kind, text))
+
+    t = Recorder(SinkSpec("wandb", "", "wandb"), Context(tmp_path, tmp_path, "h", {}, 10.0, print))
+    late = NodeStatus("h", {0: "h", 1: "h"}, progress_age_s=1.0, stragglers={1: "late in 30 of its last 50 steps"})
+    hung = NodeStatus("h", {0: "h", 1: "h"}, progress_age_s=400.0, hang=True, hang_after_s=300.0,
+                      stragglers={1: "late"})
+    for st in (late, late, hung, hung):
+        t.publish(Update([], [], st))
+    assert [k for k, _ in t.alerts] == ["straggler", "hang"]
+    assert "rank 1 on h" in t.alerts[0][1] and "400 s" in t.alerts[1][1] and "threshold 300 s" in t.alerts[1][1]
