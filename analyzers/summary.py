@@ -334,25 +334,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
     instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
     pool.shutdown(wait=False)
-    ov = ns.overlap()
-    # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
-    # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
-    steps = model.steps.copy(deep=False)
-    for c in nodesummary_mod.OVERLAP_COLUMNS:
-        steps[c] = ov.per_step[c]
-    bd = ns.breakdown()
-    kernel = (steps["level"] == "kernel").to_numpy(bool)
-    kernel_exposed = steps["exposed_comm_s"].where(kernel) if kernel.any() else None
-    for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
-        steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
-    # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
-    if kernel_exposed is not None:
-        steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
-    steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
-                   "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
-                   "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
-                   "executed_flops", "cpu_wait_s"]
-                  + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
+    ov, bd = ns.overlap(), ns.breakdown()
+    steps = _rank_step_table(model, ov, bd)
     overlap_cols = steps[["comm_s", "duration_s", "overlap_s", "exposed_comm_s", "level"]]
     measured = overlap_cols[steps["measured"].to_numpy(bool)]
     step_block = steps_mod.step_stats(model)
@@ -383,31 +366,9 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     say("MFU")
     mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
-    # Named stragglers are the persistent ones; transient lateness is listed apart and never made a headline.
-    stragglers_list: list[dict] = []
-    transient_list: list[dict] = []
-    for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
-        (stragglers_list if s.kind == "persistent" else transient_list).append({
-                                "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
-                                "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
-                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
-                                "slow_step_frac": float(s.slow_step_frac),
-                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
-                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
-                                "saving_frac_median": float(s.saving_frac_median),
-                                "typical_excess_s": float(s.typical_excess_s),
-                                "typical_cpu_wait_s": float(s.typical_cpu_wait_s),
-                                "evidence": evidence[int(s.rank)]["lines"],
-                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
-    problems = list(run.problems)
+    stragglers_list, transient_list = _flagged_ranks(strag, evidence)
     run_block = _run_block(run)
-    if run_block["ranks_missing"]:
-        problems.append(f"rank(s) {', '.join(map(str, run_block['ranks_missing']))} of world size "
-                        f"{run_block['world_size']} left no record")
-    problems += run_block["unidentified_processes"]
-    if ov.unassigned:
-        problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
-                        f"counted in per-step figures")
+    problems = _problems(run, run_block, ov.unassigned)
     arr_out = arr.drop(columns=["measured"])
     summary = {
         "schema": SUMMARY_SCHEMA,
@@ -443,19 +404,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
     _add_mesh(summary, spans_view, steps, bd, ns)
     say("GPU kernels")
-    gpu_time = kernels_mod.gpu_time(spans_view.spans, model.steps, options.gpu_window)
-    for r in summary["ranks"]:
-        r["gpu_time"] = gpu_time.get(int(r["rank"]))
-    summary["kernels"] = kernels_mod.top_kernels(spans_view.spans)
-    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
-    if summary["gpu_time"] is None:
-        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
-    if pp is None:
-        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
-    if not stragglers_list:
-        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
-    if summary["memory"]["headroom_frac_min"] is None:
-        summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
+    _add_gpu_time(summary, spans_view.spans, model.steps, options.gpu_window)
+    _add_reasons(summary, pp)
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
@@ -468,6 +418,83 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def _rank_step_table(model, ov, bd) -> pd.DataFrame:
+    """Per rank × step: the run model's steps with the overlap's and the breakdown's columns (Analysis.steps)."""
+    # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
+    # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
+    steps = model.steps.copy(deep=False)
+    for c in nodesummary_mod.OVERLAP_COLUMNS:
+        steps[c] = ov.per_step[c]
+    kernel = (steps["level"] == "kernel").to_numpy(bool)
+    kernel_exposed = steps["exposed_comm_s"].where(kernel) if kernel.any() else None
+    for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
+        steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
+    # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
+    if kernel_exposed is not None:
+        steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
+    return steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
+                  "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
+                  "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
+                  "executed_flops", "cpu_wait_s"]
+                 + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
+
+
+def _flagged_ranks(strag: pd.DataFrame, evidence: dict) -> tuple[list[dict], list[dict]]:
+    """(summary ``stragglers``, ``transient_lateness``): named stragglers are the persistent ones; transient
+    lateness is listed apart and never made a headline."""
+    stragglers_list: list[dict] = []
+    transient_list: list[dict] = []
+    for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
+        (stragglers_list if s.kind == "persistent" else transient_list).append({
+                                "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
+                                "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
+                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
+                                "slow_step_frac": float(s.slow_step_frac),
+                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
+                                "saving_frac_median": float(s.saving_frac_median),
+                                "typical_excess_s": float(s.typical_excess_s),
+                                "typical_cpu_wait_s": float(s.typical_cpu_wait_s),
+                                "evidence": evidence[int(s.rank)]["lines"],
+                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
+    return stragglers_list, transient_list
+
+
+def _problems(run, run_block: dict, unassigned: int) -> list[str]:
+    """summary ``problems``: what the reader found, ranks that left no record, unidentified processes, rows outside
+    every step window."""
+    problems = list(run.problems)
+    if run_block["ranks_missing"]:
+        problems.append(f"rank(s) {', '.join(map(str, run_block['ranks_missing']))} of world size "
+                        f"{run_block['world_size']} left no record")
+    problems += run_block["unidentified_processes"]
+    if unassigned:
+        problems.append(f"{unassigned} span(s)/collective(s) started outside every step window and were not "
+                        f"counted in per-step figures")
+    return problems
+
+
+def _add_gpu_time(summary: dict, spans: pd.DataFrame, steps: pd.DataFrame, window: str) -> None:
+    """GPU time per rank and for the job, and the top kernels, from the trace's kernel spans (analyzers/kernels)."""
+    gpu_time = kernels_mod.gpu_time(spans, steps, window)
+    for r in summary["ranks"]:
+        r["gpu_time"] = gpu_time.get(int(r["rank"]))
+    summary["kernels"] = kernels_mod.top_kernels(spans)
+    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
+    if summary["gpu_time"] is None:
+        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
+
+
+def _add_reasons(summary: dict, pipeline) -> None:
+    """The reason beside each null or empty headline figure (``pipeline``: analyze_pipeline's result)."""
+    if pipeline is None:
+        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
+    if not summary["stragglers"]:
+        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
+    if summary["memory"]["headroom_frac_min"] is None:
+        summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
 
 
 def _say_which_suspects_are_not_stragglers(what_if: list[dict], strag: pd.DataFrame) -> None:
