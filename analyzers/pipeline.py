@@ -129,6 +129,107 @@ def replay_schedule(rank, step, stage, mb, kind, name, dur_ns, replica) -> np.nd
     return out[0][sub == 2]
 
 
+def _microbatch_times(pp: pd.DataFrame, wmeas: np.ndarray) -> tuple[pd.Series, pd.Series, pd.Series]:
+    """Per stage, for the closed form: the median forward and backward time of one microbatch (s) and the median
+    number of microbatches a step, over the measured steps (all steps if none is measured)."""
+    ppm = pp[(pp["win"] >= 0)].copy()
+    ppm["meas"] = wmeas[ppm["win"].to_numpy()]
+    if ppm["meas"].any():
+        ppm = ppm[ppm["meas"]]
+    per_mb = ppm.groupby(["stage", "win", "mb", "kind"], sort=False)["dur_ns"].sum().unstack("kind", fill_value=0)
+    for k in PP_KINDS:
+        if k not in per_mb:
+            per_mb[k] = 0
+    per_mb = per_mb.reset_index()
+    f_s = per_mb.groupby("stage")["pp_forward"].median() / NS
+    b_s = per_mb.groupby("stage")["pp_backward"].median() / NS
+    mb_count = ppm.groupby(["stage", "win"])["mb"].nunique().groupby("stage").median()
+    return f_s, b_s, mb_count
+
+
+def _schedule_bubble(schedule: str, p: int, m: int, v: int, ranks_per_pipeline: int,
+                     t_s: pd.Series) -> tuple[float | None, str, str]:
+    """(the schedule's closed-form bubble, its formula, why a schedule was assumed or ""): p stages, m microbatches,
+    v virtual stages per rank, ``t_s`` each stage's forward + backward time of one microbatch."""
+    sched_l = schedule.lower()
+    if "interleaved" in sched_l or "looped" in sched_l or v > 1:
+        pr = ranks_per_pipeline
+        return ((pr - 1) / (v * m + pr - 1) if m else None), "(p-1)/(v·m+p-1), uniform stages", ""
+    if "zerobubble" in sched_l or "zbv" in sched_l or "dualpipe" in sched_l:
+        r = (p - 1) / (3 * m) if m else None
+        return (r / (1 + r) if r is not None else None), \
+            "ZB-H1 (p-1)/(3m) relative to ideal compute, uniform stages", ""
+    reason = "no schedule name recorded; GPipe/1F1B assumed" if schedule == "unknown" else ""
+    t_pipe = float(t_s.sum() + (m - 1) * t_s.max()) if m else 0.0
+    sched_bubble = float(1.0 - (m * t_s).sum() / (len(t_s) * t_pipe)) if t_pipe > 0 else None
+    return sched_bubble, "1 - Σ m·t_s / (p·(Σ t_s + (m-1)·max t_s)), median per-stage microbatch times", reason
+
+
+def _per_stage(per_stage: pd.DataFrame, replay_ok: bool, f_s: pd.Series, b_s: pd.Series) -> list[dict]:
+    """summary ``pipeline.per_stage``: one row per stage."""
+    return [{"stage": int(s), "rank": int(r["rank"]),
+             "bubble_frac": float(1 - r["compute"] / r["duration"]) if r["duration"] > 0 else None,
+             "theoretical_bubble_frac": (float((r["ideal"] - r["compute"]) / r["duration"])
+                                         if replay_ok and r["duration"] > 0 else None),
+             "overhead_frac": (float((r["duration"] - r["ideal"]) / r["duration"])
+                               if replay_ok and r["duration"] > 0 else None),
+             "compute_s_per_step": float(r["compute"] / max(r["rank_steps"], 1)),
+             "forward_s_per_microbatch": float(f_s.get(s, np.nan)),
+             "backward_s_per_microbatch": float(b_s.get(s, np.nan))}
+            for s, r in per_stage.iterrows()]
+
+
+def _ops_frame(rank, step, replica, stage, mb, kind, start, end, warmup) -> pd.DataFrame:
+    """Per compute op of a pipeline rank (PipelineResult.ops), in replay order; -1 stage or microbatch: none."""
+    return pd.DataFrame({"rank": rank, "step": step, "replica": replica,
+                         "stage": pd.array(np.where(stage >= 0, stage, None), dtype="Int64"),
+                         "microbatch": pd.array(np.where(mb >= 0, mb, None), dtype="Int64"),
+                         "kind": kind, "start_ns": start, "end_ns": end, "warmup": warmup})
+
+
+def _bubble_parts(rank_busy: pd.DataFrame, replay_ok: bool) -> tuple[float | None, float | None, float | None]:
+    """(bubble, theoretical, overhead) of the pipeline ranks' measured rank-steps (all if none is measured):
+    bubble = theoretical + overhead, both over the same rank-steps and the same denominator (module docstring)."""
+    rmeas = rank_busy[rank_busy["measured"]] if rank_busy["measured"].any() else rank_busy
+    dur = float(rmeas["duration_s"].sum())
+    busy = float(rmeas["compute_s"].sum())
+    bubble = float(1.0 - busy / dur) if dur > 0 else None
+    ideal_total = float(rmeas["ideal_step_s"].sum()) if replay_ok else None
+    theo = (ideal_total - busy) / dur if ideal_total is not None and dur > 0 else None
+    overhead = (dur - ideal_total) / dur if ideal_total is not None and dur > 0 else None
+    return bubble, theo, overhead
+
+
+def _add_ideal(tbl: pd.DataFrame, rank_busy: pd.DataFrame, ops: pd.DataFrame, replayed: np.ndarray | None,
+               o_dur: np.ndarray, replica_of: pd.Series) -> str | None:
+    """The replay's ideal step per (stage, rank-step) and per rank-step, and each op's ideal start and end, added to
+    ``tbl``, ``rank_busy`` and ``ops``; returns why there is no replay, or None."""
+    o_replica, o_step = ops["replica"].to_numpy(np.int64), ops["step"].to_numpy(np.int64)
+    reason = None
+    if replayed is None:
+        reason = "the recorded op order contradicts the pipeline's dependencies; no replay"
+        ideal = pd.Series(np.nan, index=pd.MultiIndex.from_arrays([o_replica[:0], o_step[:0]]), dtype=float)
+        ops["ideal_start_s"] = ops["ideal_end_s"] = np.nan
+    else:
+        finish = replayed
+        ideal = pd.Series(finish / NS).groupby([o_replica, o_step]).max()   # makespan per (replica, step)
+        ops["ideal_end_s"] = finish / NS
+        ops["ideal_start_s"] = (finish - o_dur) / NS
+
+    def ideal_of(ranks, steps):
+        key = pd.MultiIndex.from_arrays([replica_of.reindex(ranks).to_numpy(np.int64), np.asarray(steps)])
+        return ideal.reindex(key).to_numpy(dtype=float)
+    # a rank-step whose replica ran no op needs no time by the schedule: its compute (none) is all it needs
+    tbl["ideal_step_s"] = ideal_of(tbl["rank"], tbl["step"])
+    rank_busy["ideal_step_s"] = ideal_of(rank_busy["rank"], rank_busy["step"])
+    if replayed is not None:
+        tbl["ideal_step_s"] = tbl["ideal_step_s"].fillna(tbl["compute_s"])
+        rank_busy["ideal_step_s"] = rank_busy["ideal_step_s"].fillna(rank_busy["compute_s"])
+    tbl["theoretical_bubble_frac"] = (tbl["ideal_step_s"] - tbl["compute_s"]) / tbl["duration_s"].where(
+        tbl["duration_s"] > 0)
+    return reason
+
+
 def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     """``run``: the run model; ``windows``: per rank-step rank, step, start_ns, end_ns, duration_s, warmup,
     measured (the model's steps). None when no pp spans."""
@@ -199,49 +300,11 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     o_replica = replica_of.reindex(wr[o_win]).to_numpy(np.int64)
     replayed = replay_schedule(wr[o_win], wstep[o_win], np.where(c_pp[order], c_stage[order], -1),
                                micro[comp][order], kind[comp][order], name[comp][order], o_dur, o_replica)
-    replay_reason = None
-    o_stage, o_mb = c_stage[order], micro[comp][order]
-    ops = pd.DataFrame({"rank": wr[o_win], "step": wstep[o_win],
-                        "replica": o_replica,
-                        "stage": pd.array(np.where(o_stage >= 0, o_stage, None), dtype="Int64"),
-                        "microbatch": pd.array(np.where(o_mb >= 0, o_mb, None), dtype="Int64"),
-                        "kind": kind[comp][order], "start_ns": c_start[order], "end_ns": c_end[order],
-                        "warmup": wwarm[o_win]})
-    if replayed is None:
-        replay_reason = "the recorded op order contradicts the pipeline's dependencies; no replay"
-        ideal = pd.Series(np.nan, index=pd.MultiIndex.from_arrays([o_replica[:0], o_win[:0]]), dtype=float)
-        ops["ideal_start_s"] = ops["ideal_end_s"] = np.nan
-    else:
-        finish = replayed
-        ideal = pd.Series(finish / NS).groupby([o_replica, wstep[o_win]]).max()   # makespan per (replica, step)
-        ops["ideal_end_s"] = finish / NS
-        ops["ideal_start_s"] = (finish - o_dur) / NS
+    ops = _ops_frame(wr[o_win], wstep[o_win], o_replica, c_stage[order], micro[comp][order], kind[comp][order],
+                     c_start[order], c_end[order], wwarm[o_win])
+    replay_reason = _add_ideal(tbl, rank_busy, ops, replayed, o_dur, replica_of)
 
-    def ideal_of(ranks, steps):
-        key = pd.MultiIndex.from_arrays([replica_of.reindex(ranks).to_numpy(np.int64), np.asarray(steps)])
-        return ideal.reindex(key).to_numpy(dtype=float)
-    # a rank-step whose replica ran no op needs no time by the schedule: its compute (none) is all it needs
-    tbl["ideal_step_s"] = ideal_of(tbl["rank"], tbl["step"])
-    rank_busy["ideal_step_s"] = ideal_of(rank_busy["rank"], rank_busy["step"])
-    if replayed is not None:
-        tbl["ideal_step_s"] = tbl["ideal_step_s"].fillna(tbl["compute_s"])
-        rank_busy["ideal_step_s"] = rank_busy["ideal_step_s"].fillna(rank_busy["compute_s"])
-    tbl["theoretical_bubble_frac"] = (tbl["ideal_step_s"] - tbl["compute_s"]) / tbl["duration_s"].where(
-        tbl["duration_s"] > 0)
-
-    # median forward/backward time of one microbatch per stage, for the closed form
-    ppm = pp[(pp["win"] >= 0)].copy()
-    ppm["meas"] = wmeas[ppm["win"].to_numpy()]
-    if ppm["meas"].any():
-        ppm = ppm[ppm["meas"]]
-    per_mb = ppm.groupby(["stage", "win", "mb", "kind"], sort=False)["dur_ns"].sum().unstack("kind", fill_value=0)
-    for k in PP_KINDS:
-        if k not in per_mb:
-            per_mb[k] = 0
-    per_mb = per_mb.reset_index()
-    f_s = per_mb.groupby("stage")["pp_forward"].median() / NS
-    b_s = per_mb.groupby("stage")["pp_backward"].median() / NS
-    mb_count = ppm.groupby(["stage", "win"])["mb"].nunique().groupby("stage").median()
+    f_s, b_s, mb_count = _microbatch_times(pp, wmeas)
 
     schedule, ev_stages, ev_mb = schedule_info(run.meta)
     stages = sorted(tbl["stage"].unique().tolist())
@@ -251,39 +314,17 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
     replicas = int(replica_of.max()) + 1
     ranks_per_pipeline = max(1, len(pp_ranks) // replicas)
     v = int(stages_of_rank.max())
-    sched_l = schedule.lower()
-    reason = ""
-    if "interleaved" in sched_l or "looped" in sched_l or v > 1:
-        pr = ranks_per_pipeline
-        sched_bubble = (pr - 1) / (v * m + pr - 1) if m else None
-        formula = "(p-1)/(v·m+p-1), uniform stages"
-    elif "zerobubble" in sched_l or "zbv" in sched_l or "dualpipe" in sched_l:
-        r = (p - 1) / (3 * m) if m else None
-        sched_bubble = r / (1 + r) if r is not None else None
-        formula = "ZB-H1 (p-1)/(3m) relative to ideal compute, uniform stages"
-    else:
-        if schedule == "unknown":
-            reason = "no schedule name recorded; GPipe/1F1B assumed"
-        t_pipe = float(t_s.sum() + (m - 1) * t_s.max()) if m else 0.0
-        sched_bubble = float(1.0 - (m * t_s).sum() / (len(stages) * t_pipe)) if t_pipe > 0 else None
-        formula = "1 - Σ m·t_s / (p·(Σ t_s + (m-1)·max t_s)), median per-stage microbatch times"
+    sched_bubble, formula, reason = _schedule_bubble(schedule, p, m, v, ranks_per_pipeline, t_s)
 
+    replay_ok = replayed is not None
+    bubble, theo, overhead = _bubble_parts(rank_busy, replay_ok)
     meas = tbl[tbl["measured"]] if tbl["measured"].any() else tbl
-    rmeas = rank_busy[rank_busy["measured"]] if rank_busy["measured"].any() else rank_busy
     stage_comp = meas.groupby("stage")["compute_s"].mean()
     imbalance = float(stage_comp.max() / stage_comp.mean()) if len(stage_comp) and stage_comp.mean() > 0 else None
     bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None
-    dur = float(rmeas["duration_s"].sum())
-    busy = float(rmeas["compute_s"].sum())
-    bubble = float(1.0 - busy / dur) if dur > 0 else None
-    # bubble = theoretical + overhead, both over the same rank-steps and the same denominator (module docstring)
-    ideal_total = float(rmeas["ideal_step_s"].sum()) if replayed is not None else None
-    theo = (ideal_total - busy) / dur if ideal_total is not None and dur > 0 else None
-    overhead = (dur - ideal_total) / dur if ideal_total is not None and dur > 0 else None
     per_stage = meas.groupby("stage").agg(rank=("rank", "min"), compute=("compute_s", "sum"),
                                            duration=("duration_s", "sum"), ideal=("ideal_step_s", "sum"),
                                            rank_steps=("step", "size"))
-    replay_ok = replayed is not None
     summary = {
         "stages": int(p), "microbatches": int(m), "schedule": schedule,
         "bubble_frac": bubble, "theoretical_bubble_frac": theo,
@@ -294,16 +335,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
                               "step) ÷ Σ measured step, bubble = theoretical + overhead",
         "imbalance": imbalance, "bottleneck_stage": bottleneck, "virtual_stages_per_rank": v,
         "replicas": replicas,
-        "per_stage": [{"stage": int(s), "rank": int(r["rank"]),
-                       "bubble_frac": float(1 - r["compute"] / r["duration"]) if r["duration"] > 0 else None,
-                       "theoretical_bubble_frac": (float((r["ideal"] - r["compute"]) / r["duration"])
-                                                   if replay_ok and r["duration"] > 0 else None),
-                       "overhead_frac": (float((r["duration"] - r["ideal"]) / r["duration"])
-                                         if replay_ok and r["duration"] > 0 else None),
-                       "compute_s_per_step": float(r["compute"] / max(r["rank_steps"], 1)),
-                       "forward_s_per_microbatch": float(f_s.get(s, np.nan)),
-                       "backward_s_per_microbatch": float(b_s.get(s, np.nan))}
-                      for s, r in per_stage.iterrows()],  # one per stage
+        "per_stage": _per_stage(per_stage, replay_ok, f_s, b_s),
     }
     if reason:
         summary["schedule_reason"] = reason
