@@ -156,6 +156,47 @@ def build(model) -> StepGraph:
     return graph(model, rank_items(model))
 
 
+def _blocked_items(b_win, b0, b1, b_explicit, c_win, c_issue, c_exit, ws, we) -> list[pd.DataFrame]:
+    """The items of a rank's blocked stretches (window ``b_win``, from ``b0`` to ``b1``; ``b_explicit``: an explicit
+    wait): a wait for each exit of its collectives inside, else for the nearest exit of a collective in flight at
+    its end, and the blocked tail after the last exit as fixed work (part EXPOSED)."""
+    items = []
+    ok = c_win >= 0
+    if len(b_win) and ok.any():
+        ci_ok = np.flatnonzero(ok)
+        order = ci_ok[np.lexsort((c_exit[ci_ok], c_win[ci_ok]))]
+        span = int(max(we.max(), c_exit.max()) - min(ws.min(), c_issue.min())) + 2
+        lo_t = int(min(ws.min(), c_issue.min()))
+        ck = c_win[order] * span + (c_exit[order] - lo_t)
+        lo = np.searchsorted(ck, b_win * span + (b0 - lo_t), side="right")
+        hi = np.searchsorted(ck, b_win * span + (b1 - lo_t), side="right")
+        n_in = hi - lo
+        rep = np.repeat(np.arange(len(b_win)), n_in)
+        pos = np.arange(len(rep)) - np.repeat(np.cumsum(n_in) - n_in, n_in) + np.repeat(lo, n_in)
+        ci = order[pos]
+        items.append(pd.DataFrame({"win": b_win[rep], "t": c_exit[ci], "kind": WAIT, "part": -1, "dur": 0,
+                                   "ci": ci, "release": c_exit[ci]}))
+        # the tail after the last exit inside: fixed blocked time
+        last_exit = np.where(n_in > 0, c_exit[order[np.maximum(hi - 1, 0)]], b0)
+        # no exit inside (or an explicit wait, which also waits after its last exit inside): the first exit after
+        # the stretch of a collective in flight at its end
+        nxt = np.minimum(hi, len(order) - 1)
+        cand = order[nxt]
+        has_next = (((n_in == 0) | b_explicit) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
+                    & ((c_exit[cand] - b1 <= EXIT_TOLERANCE_NS) | b_explicit))
+        items.append(pd.DataFrame({"win": b_win[has_next], "t": b1[has_next], "kind": WAIT, "part": -1, "dur": 0,
+                                   "ci": cand[has_next], "release": b1[has_next]}))
+        tail_start = np.where(has_next, b1, last_exit)
+        tail = b1 - tail_start
+        keep = tail > 0
+        items.append(pd.DataFrame({"win": b_win[keep], "t": tail_start[keep], "kind": WORKI, "part": EXPOSED,
+                                   "dur": tail[keep], "ci": -1, "release": 0}))
+    elif len(b_win):
+        items.append(pd.DataFrame({"win": b_win, "t": b0, "kind": WORKI, "part": EXPOSED, "dur": b1 - b0,
+                                   "ci": -1, "release": 0}))
+    return items
+
+
 def rank_items(model) -> RankItems:
     """Work, arrival and wait items of every rank-step of ``model``, from that rank's own records only."""
     w = model.steps
@@ -227,39 +268,8 @@ def rank_items(model) -> RankItems:
     items.append(pd.DataFrame({"win": c_win[ok], "t": c_issue[ok], "kind": ARRIVE, "part": -1, "dur": 0,
                                "ci": np.flatnonzero(ok), "release": 0}))
     # blocked stretches: a wait for each exit inside, else for the nearest exit of a collective in flight
-    b_win, b0, b1, b_explicit = r_win[~work], r_start[~work], r_end[~work], r_explicit[~work]
-    if len(b_win) and ok.any():
-        ci_ok = np.flatnonzero(ok)
-        order = ci_ok[np.lexsort((c_exit[ci_ok], c_win[ci_ok]))]
-        span = int(max(we.max(), c_exit.max()) - min(ws.min(), c_issue.min())) + 2
-        lo_t = int(min(ws.min(), c_issue.min()))
-        ck = c_win[order] * span + (c_exit[order] - lo_t)
-        lo = np.searchsorted(ck, b_win * span + (b0 - lo_t), side="right")
-        hi = np.searchsorted(ck, b_win * span + (b1 - lo_t), side="right")
-        n_in = hi - lo
-        rep = np.repeat(np.arange(len(b_win)), n_in)
-        pos = np.arange(len(rep)) - np.repeat(np.cumsum(n_in) - n_in, n_in) + np.repeat(lo, n_in)
-        ci = order[pos]
-        items.append(pd.DataFrame({"win": b_win[rep], "t": c_exit[ci], "kind": WAIT, "part": -1, "dur": 0,
-                                   "ci": ci, "release": c_exit[ci]}))
-        # the tail after the last exit inside: fixed blocked time
-        last_exit = np.where(n_in > 0, c_exit[order[np.maximum(hi - 1, 0)]], b0)
-        # no exit inside (or an explicit wait, which also waits after its last exit inside): the first exit after
-        # the stretch of a collective in flight at its end
-        nxt = np.minimum(hi, len(order) - 1)
-        cand = order[nxt]
-        has_next = (((n_in == 0) | b_explicit) & (hi < len(order)) & (c_win[cand] == b_win) & (c_issue[cand] < b1)
-                    & ((c_exit[cand] - b1 <= EXIT_TOLERANCE_NS) | b_explicit))
-        items.append(pd.DataFrame({"win": b_win[has_next], "t": b1[has_next], "kind": WAIT, "part": -1, "dur": 0,
-                                   "ci": cand[has_next], "release": b1[has_next]}))
-        tail_start = np.where(has_next, b1, last_exit)
-        tail = b1 - tail_start
-        keep = tail > 0
-        items.append(pd.DataFrame({"win": b_win[keep], "t": tail_start[keep], "kind": WORKI, "part": EXPOSED,
-                                   "dur": tail[keep], "ci": -1, "release": 0}))
-    elif len(b_win):
-        items.append(pd.DataFrame({"win": b_win, "t": b0, "kind": WORKI, "part": EXPOSED, "dur": b1 - b0,
-                                   "ci": -1, "release": 0}))
+    items += _blocked_items(r_win[~work], r_start[~work], r_end[~work], r_explicit[~work], c_win, c_issue, c_exit,
+                            ws, we)
     it = pd.concat(items, ignore_index=True).sort_values(["win", "t", "kind"], kind="stable", ignore_index=True)
     i_win = it["win"].to_numpy(np.int64)
     ci = it["ci"].to_numpy(np.int64)
