@@ -140,7 +140,7 @@ def exit_sums(run, source: str = "summaries"):
     """``clock.exit_sums`` of the run as nodesummary.Rows (reduced by the fit in DuckDB): "raw", of all its
     collectives rows at once; "summaries", the node summaries' files (a node without a stored one reduced here from
     its own rows)."""
-    from dtprof.analyzers.nodesummary import Rows, stored_files
+    from dtprof.analyzers.rows import Rows, stored_files
     from dtprof.runformat import summary_file
 
     def of(r) -> pd.DataFrame:
@@ -160,7 +160,7 @@ def rank_steps(run, source: str = "summaries") -> tuple[pd.DataFrame, pd.DataFra
     """(per rank-step: ``steps.rank_steps``' columns, the stored node summaries' rank_steps or None): "raw", from
     the steps table; "summaries", from the node summaries' rank_steps (which carry the steps table's numbers, so the
     steps table is not read: 16.4 M rows at 16,384 x 1,000), a node without a stored one from its own steps."""
-    from dtprof.analyzers.nodesummary import by_rank_step
+    from dtprof.analyzers.rows import by_rank_step
 
     if source == "raw":
         return steps_mod.rank_steps(run.steps), None

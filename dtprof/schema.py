@@ -10,6 +10,8 @@ Conventions
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
 SCHEMA_MINOR = 5        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
                         # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind);
@@ -199,3 +201,27 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
 # what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS)
 SUMMARY_LAYOUT = 6
+
+
+# ---- the run directory's layout (docs/run-format.md): its files' and folders' names
+RUN_MANIFEST = "run.json"
+NODE_MANIFEST = "node.json"
+NODE_PREFIX = "node-"
+RANK_PREFIX = "rank-"
+# events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
+# dtprof failed in it before recording began (process_event); one file per process
+UNIDENTIFIED_PREFIX = "unidentified-"
+UNIDENTIFIED_EVENT = "unidentified process"    # how those events' messages begin
+# how the events of dtprof's own faults begin (a rank or a process that dtprof switched itself off in): they are
+# recorded, never printed into the job's output; the launcher names them in one line at the end
+FAULT_EVENT = "dtprof disabled"
+TABLES_DIR = "tables"
+TABLES_COMPLETE = "_complete"
+
+SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
+SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
+
+
+def summary_file(node_dir, table: str) -> Path:
+    """Where a node summary's ``table`` lies."""
+    return Path(node_dir) / SUMMARY_DIR / f"{table}.parquet"
