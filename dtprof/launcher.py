@@ -551,17 +551,27 @@ Exit codes:
               show_default=True, metavar="SECONDS",
               help="At most one TensorBoard/W&B/MLflow point per rank and GPU this often (the mean of its steps; "
                    "Prometheus counts every step).")
+@click.option("--full-detail", is_flag=True,
+              help="Record every step in full detail. By default, when dtprof's measured cost of a detailed step is "
+                   "over 1 % of the step, only blocks of steps are detailed and the others record their times "
+                   "(docs/cli-run.md, \"Sampling\").")
+@click.option("--sample-every", type=click.IntRange(min=8), default=None, metavar="P",
+              help="Detail blocks of 4 steps every P steps (P a power of two) from step 32 on, the other steps' "
+                   "times only, whatever dtprof's measured cost (default: chosen from it).")
 @click.option("--no-report", is_flag=True, help="Do not write report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the job's output and dtprof's errors.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
-                hang_timeout, metrics, metrics_interval, no_report, quiet, command):
+                hang_timeout, metrics, metrics_interval, full_detail, sample_every, no_report, quiet, command):
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
     trace_steps = parse_trace_steps(trace_steps)
+    if sample_every is not None and (sample_every & (sample_every - 1) or full_detail):
+        raise InputError(f"--sample-every {sample_every}: " + ("not with --full-detail" if full_detail
+                                                               else "must be a power of two (8, 16, 32, ...)"))
     sink_specs = _check_sinks(metrics)
 
     def say(msg: str) -> None:
@@ -571,10 +581,12 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
               "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
               "nvml_interval_s": None if no_nvml else nvml_interval}
+    if full_detail or sample_every:
+        config.update(full_detail=full_detail, sample_every=sample_every)
     if sink_specs:
         config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
     rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
-                   "flush_interval_s": 1.0}
+                   "flush_interval_s": 1.0, "full_detail": full_detail, "sample_every": sample_every}
     host = socket.gethostname()
     cwd = Path.cwd()
     env = dict(os.environ)
