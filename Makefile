@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch for the demo and the tests; the package itself accepts any torch>=2.4 the user has.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo lint test bench clean-venv
+.PHONY: venv demo lint test unit bench clean-venv
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ lint: venv
 
 test: lint
 	$(PY) -m pytest -q -raR --durations=25
+
+# tests/unit only: synthetic and stored runs, no real jobs (a few minutes); `make test` runs tests/jobs too
+unit: venv
+	$(PY) -m pytest -q tests/unit
 
 # hta_figures.py runs under a Python with HolisticTraceAnalysis (never a dtprof dependency): see its docstring
 bench: venv

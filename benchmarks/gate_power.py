@@ -93,7 +93,7 @@ def synth_parts(rng: np.random.Generator, backward_effect: float = 0.0) -> dict:
 
 def pooled_fail_rate(run_sigma: float, runs: int, effect: float, trials: int, seed: int, confidence: float,
                      run_level: bool = True) -> float:
-    """Share of comparisons of ``runs`` 40-step runs a side (this VM's fixture: tests/test_compare_real.py) failing
+    """Share of comparisons of ``runs`` 40-step runs a side (this VM's fixture: tests/jobs/test_compare_real.py) failing
     the default gate when identical configurations differ by ``run_sigma`` from run to run; ``run_level=False``
     decides on the hierarchical bootstrap alone (without regression.run_level_interval), as before it existed."""
     global RUN_SIGMA
@@ -164,7 +164,7 @@ def main() -> int:
         row = [fail_rate(g, e, 100, seed=100 + i, test=test, n_boot=300) for i, e in enumerate(effects)]
         print(f"{test:<10}{tol:>10.0%}  " + "".join(f"{r:>7.1%}" for r in row))
     print("\nseveral runs a side on a machine whose runs differ a lot (run offset sigma 6 %, as this shared VM's "
-          "tests/test_compare_real.py runs), 40 steps a run, 400 comparisons per cell, 500 resamples")
+          "tests/jobs/test_compare_real.py runs), 40 steps a run, 400 comparisons per cell, 500 resamples")
     print(f"{'runs a side':<12}{'confidence':>11}  {'identical: bootstrap alone':>27}  {'+ run-level t':>14}  "
           f"{'+20 % caught':>13}")
     pooled = {}

@@ -71,7 +71,7 @@ def _op_key(name: str) -> str:
 # (escaped ones removed), then of braces outside strings, whose running depth opens an event at 1 and closes it at
 # 0. An event is decoded with ``json`` only if it holds a string starting like a kept value (_KEEP), or any
 # backslash (so an escaped spelling cannot hide an event); the same filter as the reference path (``_reduce_batch``)
-# then runs on the decoded dicts, so both give the same tables (tests/test_interop_fast.py checks it).
+# then runs on the decoded dicts, so both give the same tables (tests/unit/test_interop_fast.py checks it).
 # Skipped events are checked for balanced strings and braces only, not decoded.
 
 CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it

@@ -6,7 +6,7 @@ while CPU-hogging processes load the machine is inconclusive with the machine na
 another world size is inconclusive unless --allow-different; a corrupt summary must exit 2 naming the file. See
 `runs` for why the slowdown is about +20 % here and not 10 %.
 
-(A bigger model is not comparable: tests/test_analyzers_real.py, on its jobs.) CPU runs record no GPU probe and
+(A bigger model is not comparable: tests/jobs/test_analyzers_real.py, on its jobs.) CPU runs record no GPU probe and
 say why; compare's handling of a GPU probe that moved is run on these real runs with GPU
 probe rows written into node.json as the launcher records them on a GPU node (this machine has no GPU).
 

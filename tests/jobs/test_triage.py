@@ -1,7 +1,7 @@
 """Incident triage: heartbeat, watchdog, Flight Recorder reader and verdicts, proven on real torchrun gloo jobs.
 
 The jobs (tests/triage_jobs/job.py) run under a harness that does what `dtprof run --hang-timeout` does (tee'd
-logs, a Watchdog with a SIGTERM-then-SIGKILL stop); tests/test_triage_e2e.py repeats the key cases through the
+logs, a Watchdog with a SIGTERM-then-SIGKILL stop); tests/jobs/test_triage_e2e.py repeats the key cases through the
 real launcher once it exists.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 torchrun gloo jobs of an unmodified script (tests/triage_jobs/plain_train.py).
 
 Skipped only while the launcher (dtprof/launcher.py) or the rank runtime (collectors/runtime.py) is not in this
-checkout; tests/test_triage.py proves the same logic with a stand-in runtime meanwhile.
+checkout; tests/jobs/test_triage.py proves the same logic with a stand-in runtime meanwhile.
 """
 from __future__ import annotations
 

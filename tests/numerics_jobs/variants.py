@@ -1,6 +1,6 @@
 """Trains one tiny MLP several ways in one torchrun job and prints, on rank 0, a SHA-256 of each variant's final
 weights: plain DDP, DDP with gradient_as_bucket_view, with static_graph, with no_sync gradient accumulation, with a
-comm hook registered by the user after the first step, and FSDP2. tests/test_bit_identical.py runs it with and
+comm hook registered by the user after the first step, and FSDP2. tests/jobs/test_bit_identical.py runs it with and
 without dtprof and compares the digests: dtprof must not change a single bit of training."""
 import hashlib
 

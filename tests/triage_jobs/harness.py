@@ -1,5 +1,5 @@
 """Drive a real torchrun gloo job the way `dtprof run` does (tee'd logs, DTPROF_NODE_DIR, a Watchdog), without
-the launcher: used by tests/test_triage.py until the launcher lands, and handy by hand:
+the launcher: used by tests/jobs/test_triage.py until the launcher lands, and handy by hand:
 
     python tests/triage_jobs/harness.py OUT MODE [--nproc 4] [--hang-timeout 5] [job args...]
 """

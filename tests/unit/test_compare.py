@@ -118,7 +118,7 @@ def test_pooling_several_runs_widens_the_interval_by_their_spread():
 
 
 def test_three_runs_a_side_are_not_taken_for_many(monkeypatch):
-    # The per-run medians of identical configurations in a CI run of tests/test_compare_real.py on the shared VM
+    # The per-run medians of identical configurations in a CI run of tests/jobs/test_compare_real.py on the shared VM
     # (ms): base 31.0, 27.9, 30.1; head 31.1, 32.1, 36.0. Resampling three runs saw too little of their spread, and
     # the default gate failed them (+8 %, interval wholly above +2 %); Student's t over the runs widens it.
     b = [steps(n=40, median_s=m, jitter=0.03, seed=i) for i, m in enumerate((0.0310, 0.0279, 0.0301))]
