@@ -246,10 +246,12 @@ def _evaluation_block(spans: pd.DataFrame, steps: pd.DataFrame) -> dict | None:
             "wall_frac": total_s / ((last - first) / 1e9) if last > first else None}
 
 
-def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
-    """summary.json ``breakdown``: the parts' order and the mean over ranks of each rank's breakdown."""
+def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int], gpu_ranks: list[int]) -> dict:
+    """summary.json ``breakdown``: the parts' order (``gpu_wait`` only where a rank has a GPU: a CPU rank's is 0 by
+    definition) and the mean over ranks of each rank's breakdown."""
     rows = [r for r in ranks if r.get("breakdown_s_per_step")]
-    out: dict = {"parts": list(breakdown_mod.PARTS), "pipeline_ranks": pipeline_ranks}
+    parts = [p for p in breakdown_mod.PARTS if p != "gpu_wait" or gpu_ranks]
+    out: dict = {"parts": parts, "pipeline_ranks": pipeline_ranks, "gpu_ranks": gpu_ranks}
     if not rows:
         out["mean_over_ranks_s_per_step"] = None
         out["mean_over_ranks_s_per_step_reason"] = "no measured steps"
@@ -433,7 +435,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     }
     summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
     summary["evaluation"] = _evaluation_block(spans_view.spans, model.steps)
-    summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
+    summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks, model.gpu_ranks.tolist())
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:
         summary.update(replay=None, what_if=[], critical_path=None,
@@ -608,7 +610,7 @@ def format_summary_text(summary: dict) -> str:
     # where the step went (breakdown.py): one column per part, summing to the mean step time
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
     short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
-             "optimizer": "optim"}
+             "optimizer": "optim", "gpu_wait": "GPU wait"}
     # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
     cpu_col = summary.get("cpu_wait") is not None
     lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
