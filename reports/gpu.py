@@ -68,6 +68,11 @@ def summary_lines(summary: dict) -> list[str]:
                      f"{_pct(g['idle_causes']['host_wait']):>10} "
                      f"{(f'{st[0]}-{st[-1]}' if st else '—'):>8} {g['window']['kernels']:>8}")
     lines += class_lines(ranks)
+    st = summary.get("steps") or {}
+    if st.get("traced_cost_s") is not None and st.get("traced_steps"):
+        lines.append(f"kernel sample: steps {st['traced_steps'][0]}-{st['traced_steps'][-1]} kept out of the step "
+                     f"statistics; it cost the job {_s(max(st['traced_cost_s'], 0.0))} (those steps' time over "
+                     f"the median measured step)")
     for label, src, v in overlap_labels(summary):
         lines.append(f"{label}: {_pct(v)} ({src})")
     kernels = summary.get("kernels") or []
