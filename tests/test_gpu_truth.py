@@ -110,3 +110,79 @@ def test_gpu_rank_host_wait_is_split_by_what_the_device_did(tmp_path, group_size
     parts = _parts_ms(_gpu_run(tmp_path / "r", group_size, gpu_ms))
     assert {k: parts[k] for k in expect} == expect
     assert sum(parts.values()) == pytest.approx(100)
+
+
+def _half(s: dict, first: bool, phase: str) -> dict:
+    """The run's summary cut to the first or second half of its measured steps (their step times and breakdown
+    series), with the machine probes the launcher ran at the job's ``phase`` ("start" or "end") standing for both
+    of that side's probe phases."""
+    import copy
+
+    s = copy.deepcopy(s)
+    st = s["steps"]
+    n = len(st["per_step_index"]) // 2
+    keep = set(st["per_step_index"][:n] if first else st["per_step_index"][n:])
+    pick = lambda xs, idx: [x for x, i in zip(xs, idx) if i in keep]   # noqa: E731
+    st["per_step_time_s"] = pick(st["per_step_time_s"], st["per_step_index"])
+    st["per_step_index"] = pick(st["per_step_index"], st["per_step_index"])
+    ps = s["breakdown"]["per_step"]
+    idx = list(ps["step"])
+    for k, v in list(ps.items()):
+        if isinstance(v, list) and len(v) == len(idx):
+            ps[k] = pick(v, idx)
+        elif isinstance(v, dict):
+            ps[k] = {q: pick(x, idx) for q, x in v.items()}
+    p = s["run"]["probe"]
+    for kind in ("cpu", "gpu"):
+        p[f"{kind}_start_s"] = p[f"{kind}_end_s"] = list(p[f"{kind}_{phase}_s"])
+    return s
+
+
+@needs_h100
+def test_gpu_bound_steps_are_judged_by_the_gpu_probe_not_the_cpu_one(tmp_path):
+    # One real run, honestly split: its first half of steps with the machine probes the launcher ran before the job,
+    # against its second half with the probes it ran after it. On that machine the CPU probe ran 35 % slower after
+    # the job (22.3 -> 30.0 ms median) while the GPU probe did not move and the steps, GPU-bound (NVML: the GPU busy
+    # 82 % of the measured steps), kept their time: the gate passes on the GPU probe and says why
+    import json
+
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+
+    res = CliRunner().invoke(main, ["summary", str(H100 / "hf-gpt2-eager"), "--json", "--no-write"])
+    s = json.loads(res.output)
+    base, head = tmp_path / "base.json", tmp_path / "head.json"
+    base.write_text(json.dumps(_half(s, True, "start")))
+    head.write_text(json.dumps(_half(s, False, "end")))
+
+    def compare(*files):
+        r = CliRunner().invoke(main, ["compare", str(files[0]), "--head", str(files[1]), "--format", "json"])
+        return r.exit_code, json.loads(r.output)
+
+    code, d = compare(base, head)
+    assert d["probe"]["moved"] and d["probe"]["ratio"] > 1.2   # the CPU probe did move
+    assert not d["gpu_probe"]["moved"]
+    assert d["bound"]["device"] == "gpu" and "NVML" in d["bound"]["why"]
+    assert d["probe"]["used"] is False and d["gpu_probe"]["used"] is True
+    assert code == 0 and d["reasons"] == []
+    # without a GPU busy figure (no NVML samples, no kernel sample) dtprof cannot tell which device bounds the steps:
+    # both probes count, and the CPU probe that moved makes it inconclusive, as before
+    for f in (base, head):
+        x = json.loads(f.read_text())
+        x["gpus"] = [{**g, "sm_util_mean_pct": None} for g in x["gpus"]]
+        f.write_text(json.dumps(x))
+    code, d = compare(base, head)
+    assert d["bound"]["device"] == "both" and code == 3
+    assert any("machine ran" in r for r in d["reasons"])
+
+
+@needs_h100
+def test_host_bound_gpu_steps_are_judged_by_the_cpu_probe():
+    # pytorch/examples' DDP tutorial (Linear(20, 1)) on the H100: the GPU is busy 3 % of its 2 ms steps (NVML): the
+    # host bounds them, so a GPU probe change could not explain theirs
+    from dtprof.analyzers.regression import bounding_device
+
+    s = analyze(open_run(H100 / "ddp-tutorial-tiny")).summary
+    b = bounding_device([s], [s])
+    assert b["device"] == "cpu" and b["busy"][0] < 0.05 and "host-bound" in b["why"]
