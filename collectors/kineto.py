@@ -84,8 +84,9 @@ _KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_
 # CUDA runtime/driver calls: only their start and correlation id are kept (a kernel's CPU launch, ``launch_ns``).
 # They are as many as the kernels and more; their two numbers are read in place, vectorised (``_launch_numbers``:
 # the number after the event's one "ts" key and its one "correlation" key), rather than decoded with json (an
-# import of 1M events took 1.7x as long with them decoded, 1.3x with a regex over each). One holding a backslash,
-# or whose keys are not one each, is decoded like any other candidate.
+# import of 1M events took 1.7x as long with them decoded) or matched by a regex each (the parse of a 500k-event
+# rank took 1.69 s with the regex, 1.54 s so; benchmarks/import_speed.py's trace, CPU time, best of 6). One
+# holding a backslash, or whose keys are not one each, is decoded like any other candidate.
 _KEEP_LAUNCH = [np.frombuffer(s, np.uint8) for s in (b'cuda_runtime"', b'cuda_driver"')]
 _TS_KEY, _CORR_KEY = np.frombuffer(b'ts"', np.uint8), np.frombuffer(b'correlation"', np.uint8)
 _COMMA = 44
