@@ -64,11 +64,12 @@ class TraceCapture:
     def _start(self) -> None:
         try:
             import torch
-            from torch.profiler import ProfilerActivity, profile, schedule
 
             if self.gpu_only and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
                 self.done = True   # the kernel sample of a job that does not use a GPU: nothing to capture
                 return
+            from torch.profiler import ProfilerActivity, profile, schedule
+
             self.started_ns = time.monotonic_ns()
             acts = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
