@@ -364,12 +364,13 @@ class LiveNode:
 
 
 def _empty_buffers() -> dict[str, pd.DataFrame]:
-    from dtprof.analyzers.runmodel import captures, with_exit
+    from dtprof.analyzers.runmodel import captures, device_comm, with_exit
     from dtprof.reader import conform
 
     empty = pd.DataFrame()
     return {"spans": conform("spans", empty), "groups": conform("groups", empty),
-            "collectives": with_exit(conform("collectives", empty)), "captures": captures(conform("meta", empty))}
+            "collectives": device_comm(with_exit(conform("collectives", empty)), np.zeros(0, np.int64)),
+            "captures": captures(conform("meta", empty))}
 
 
 def _num(v) -> float | None:
