@@ -314,12 +314,14 @@ class Recorder:
             heartbeat.start(self.rank_dir, self)
         except Exception:
             self.event("warning", f"heartbeat did not start: {_last_error_line()}")
-        if opts.get("trace_steps"):
+        sample = opts.get("kernel_sample") or {}   # dtprof run's default kernel sample: a GPU job's only
+        if opts.get("trace_steps") or sample:
             try:
                 from dtprof.collectors.trace_capture import TraceCapture
 
-                a, b = str(opts["trace_steps"]).split(":")
-                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b), on_window=self.trace_window)
+                a, b = str(opts.get("trace_steps") or sample["steps"]).split(":")
+                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b), on_window=self.trace_window,
+                                                  gpu_only=not opts.get("trace_steps") and sample.get("gpu_only"))
             except Exception:
                 self.event("warning", f"trace capture unavailable: {_last_error_line()}")
 

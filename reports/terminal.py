@@ -34,7 +34,7 @@ def format_summary_text(summary: dict) -> str:
     # where the step went (breakdown.py): one column per part, summing to the mean step time
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
     short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
-             "optimizer": "optim"}
+             "optimizer": "optim", "gpu_wait": "GPU wait"}
     # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
     cpu_col = summary.get("cpu_wait") is not None
     lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
