@@ -93,7 +93,24 @@ def _run_block(run) -> dict:
     if not out["hosts"]:
         out["hosts_reason"] = "not recorded" + (" in an imported trace" if status == "imported" else "")
     out.update(_rank_coverage(run))
+    out["restarts"] = run.restarts
+    out["attempts"] = {str(r): a for r, a in sorted(run.attempts.items())}
     return out
+
+
+def restart_lines(run: dict) -> list[str]:
+    """One line per earlier attempt of a restarted rank, and which attempt the statistics cover (summary.json's
+    ``run.restarts`` and ``run.attempts``)."""
+    lines = []
+    for r in run.get("restarts") or []:
+        what = (f"failed at step {r['step']} ({r['exception']})" if r["status"] == "failed" else
+                f"stopped in step {r['step']} (its group was stopped to restart it)")
+        after = f", {r['restart_s']:.1f} s after the failure" if r.get("restart_s") is not None else ""
+        lines.append(f"rank {r['rank']} attempt {r['attempt']} {what}; restarted at {r['restarted'] or '?'}{after}")
+    if lines:
+        cover = ", ".join(f"rank {k}: attempt {v}" for k, v in (run.get("attempts") or {}).items())
+        lines.append(f"statistics cover each rank's last attempt ({cover})")
+    return lines
 
 
 def _rank_coverage(run) -> dict:
@@ -599,6 +616,7 @@ def format_summary_text(summary: dict) -> str:
         lines.append(f"[error] {msg}")
     if run.get("status") == "interrupted":
         lines.append(run.get("status_reason") or "interrupted")
+    lines += [f"[restart] {line}" for line in restart_lines(run)]
     tri = summary.get("triage")
     if tri and tri.get("verdict") != "healthy":
         lines.append(f"triage: {tri['message']}")

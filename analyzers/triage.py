@@ -59,10 +59,11 @@ def _load_json(p: Path):
         return None
 
 
-def read_rank_files(run_dir: Path) -> tuple[dict, dict]:
-    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run."""
+def read_rank_files(run_dir: Path, node_dirs=None) -> tuple[dict, dict]:
+    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run (``node_dirs``:
+    those the reader keeps, without the earlier attempts of restarted ranks)."""
     hbs, dumps = {}, {}
-    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")) if node_dirs is None else node_dirs:
         for rd in sorted(nd.glob(f"{RANK_PREFIX}*")):
             try:
                 rank = int(rd.name[len(RANK_PREFIX):])
@@ -347,7 +348,7 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
 
     ranks_tbl = run.ranks if run is not None else None
     groups_tbl = run.groups if run is not None else None
-    hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
+    hbs, dumps = read_rank_files(run_dir, run.node_dirs) if run is not None else ({}, {})
     wd = read_watchdog(run_dir) if run is not None else {"hang": [], "crash": [], "exit": []}
     logs = read_logs(run_dir) if run is not None else ""
     fr = fr_entries_from_dumps(dumps)
@@ -371,6 +372,11 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         for stop in node.get("stops") or []:
             evidence.append({"kind": "stop", "message": f"dtprof run on {node.get('host') or '?'} {stop_text(stop)}",
                              **stop})
+
+    from dtprof.analyzers.summary import restart_lines
+
+    restarted = restart_lines({"restarts": run.restarts, "attempts": run.attempts}) if run is not None else []
+    evidence += [{"kind": "restart", "message": line} for line in restarted]
 
     def result(verdict, culprits, collective, message):
         return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
@@ -571,8 +577,13 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
                           f"straggler: {', '.join(parts)} is persistently slower than its peers "
                           f"({slow[0]['reason']}; peers' arrival wait {sum(s['time_lost_s'] for s in slow):.2f} s)")
     n = len(known)
+    failed = [r for r in run.restarts if r["status"] == "failed"] if run is not None else []
+    again = "".join(f"; {label(r['rank'])} failed at step {r['step']} ({r['exception']}) and was restarted"
+                    for r in failed)
+    if restarted and not failed:
+        again = f"; rank(s) {ranks_text({r['rank'] for r in run.restarts})} restarted"
     return result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
-                                       f"({n} rank(s) examined)")
+                                       f"({n} rank(s) examined){again}")
 
 
 def format_text(res: dict) -> str:

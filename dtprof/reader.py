@@ -505,9 +505,64 @@ class Run:
             if info.get("status") == "running" and launcher_killed(info):
                 info["status"], info["status_reason"] = "interrupted", "interrupted: the launcher was killed"
             self.nodes.append(info)
+        self.earlier_attempts = self._set_aside_earlier_attempts()
         self.problems: list[str] = []
 
         self._loaded: dict = {}
+
+    def _set_aside_earlier_attempts(self) -> list[tuple[Path, dict]]:
+        """Node directories that record an earlier attempt of a rank (node.json ``attempt_rank`` and ``attempt``:
+        a Ray Train worker restarted after a failure, collectors/raytrain.py) leave ``node_dirs`` and ``nodes``:
+        each rank is its last attempt, and every table and statistic covers that attempt. Returned as (directory,
+        node.json) pairs, read by ``restarts``."""
+        last: dict[int, int] = {}
+        for info in self.nodes:
+            if isinstance(info.get("attempt_rank"), int) and isinstance(info.get("attempt"), int):
+                last[info["attempt_rank"]] = max(last.get(info["attempt_rank"], 0), info["attempt"])
+        earlier = [(nd, info) for nd, info in zip(self.node_dirs, self.nodes)
+                   if info.get("attempt_rank") in last and info.get("attempt", 0) < last[info["attempt_rank"]]]
+        if earlier:
+            gone = {nd for nd, _ in earlier}
+            kept = [(nd, info) for nd, info in zip(self.node_dirs, self.nodes) if nd not in gone]
+            self.node_dirs, self.nodes = [nd for nd, _ in kept], [info for _, info in kept]
+        return sorted(earlier, key=lambda e: (e[1]["attempt_rank"], e[1]["attempt"]))
+
+    @cached_property
+    def attempts(self) -> dict[int, int]:
+        """rank -> the attempt the run's tables hold, for ranks recorded with attempts (Ray Train workers)."""
+        return {int(n["attempt_rank"]): int(n["attempt"]) for n in self.nodes
+                if isinstance(n.get("attempt_rank"), int) and isinstance(n.get("attempt"), int)}
+
+    @cached_property
+    def restarts(self) -> list[dict]:
+        """Each earlier attempt of a restarted rank, by rank and attempt: rank, attempt, host, pid, status
+        ("failed": its training function raised; "stopped": it ended without recording its end, as Ray stops the
+        other workers of a failed group), step (the step it was in: the failure's, else the one after its last
+        recorded step), exception, ended (UTC; the failure's time), restarted (UTC: the next attempt's start) and
+        restart_s (from the failure to the restart)."""
+        import datetime as dt
+
+        starts = {(int(i["attempt_rank"]), int(i["attempt"])): i.get("start_time")
+                  for i in [*self.nodes, *(info for _, info in self.earlier_attempts)]}
+        out = []
+        for nd, info in self.earlier_attempts:
+            rank, attempt = int(info["attempt_rank"]), int(info["attempt"])
+            failure: dict = info["failure"] if isinstance(info.get("failure"), dict) else {}
+            step = failure.get("step")
+            if step is None:
+                steps = read_node_raw(nd, self.problems)["steps"]
+                step = int(steps["step"].max()) + 1 if len(steps) else 0
+            nxt = next((starts[k] for k in sorted(starts) if k[0] == rank and k[1] > attempt), None)
+            ended = failure.get("time")
+            restart_s = None
+            if ended and nxt:
+                restart_s = round((dt.datetime.fromisoformat(str(nxt).replace("Z", "+00:00")) -
+                                   dt.datetime.fromisoformat(str(ended).replace("Z", "+00:00"))).total_seconds(), 3)
+            out.append({"rank": rank, "attempt": attempt, "host": info.get("host"), "pid": info.get("pid"),
+                        "node": nd.name, "status": "failed" if failure else "stopped", "step": int(step),
+                        "exception": failure.get("exception"), "ended": ended, "restarted": nxt,
+                        "restart_s": restart_s})
+        return out
 
     def _complete(self, nd: Path) -> bool:
         return (nd / TABLES_DIR / TABLES_COMPLETE).exists()
