@@ -542,8 +542,11 @@ class Run:
         restart_s (from the failure to the restart)."""
         import datetime as dt
 
+        if not self.earlier_attempts:
+            return []
         starts = {(int(i["attempt_rank"]), int(i["attempt"])): i.get("start_time")
-                  for i in [*self.nodes, *(info for _, info in self.earlier_attempts)]}
+                  for i in [*self.nodes, *(info for _, info in self.earlier_attempts)]
+                  if isinstance(i.get("attempt_rank"), int) and isinstance(i.get("attempt"), int)}
         out = []
         for nd, info in self.earlier_attempts:
             rank, attempt = int(info["attempt_rank"]), int(info["attempt"])

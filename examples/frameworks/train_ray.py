@@ -70,7 +70,7 @@ def main():
     if args.address:
         ray.init(address=args.address)
     else:   # a small local cluster: 2 CPUs, no dashboard
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100_000_000)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100_000_000)
     config = {k: getattr(args, k) for k in ("steps", "dim", "batch", "weights", "fail_once", "fail_step")}
     loop = train_func
     if args.run_dir:
