@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
+from dtprof.analyzers.summary import restart_lines
 from dtprof.reader import open_run
 from dtprof.reports import rankgroups as RG
 
@@ -597,6 +598,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     anchors = {s.split('"')[1] for s in sections} | {"headline"} | {f"card-{k}" for k, *_ in HEADLINES} | \
         {"card-stragglers"} | ({"breakdown"} if breakdown_chart else set())
     notices = list(run.problems)
+    notices += restart_lines(summary.get("run") or {})   # a Ray Train worker group restarted after a failure
     ev = run.events
     if len(ev):
         bad = ev[ev["level"].astype(str).isin(["warning", "error"])]
