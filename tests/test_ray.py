@@ -10,8 +10,10 @@ gloo through ``prepare_model``, ``prepare_data_loader``), three ways:
 What a user checks: every worker is a rank with its steps, spans, DDP's all-reduces and data wait, and no other
 process is; the final weights equal the bare job's; the restart shows as rank 1 failing at step 3 with its exception
 (and rank 0 stopped with it), both restarted, the statistics covering the second attempt; summary, report, compare
-and triage read the run. The cluster is started once for the module (2 CPUs, a 100 MB object store, no dashboard)
-and stopped at its end; the jobs run once each (the `dtprof run` one beside the cluster ones) and are shared.
+and triage read the run. The cluster is started once for the module (a 100 MB object store, no dashboard)
+and stopped at its end (only its own processes: those naming its temporary directory, and their children); the
+jobs run once each, side by side, and are shared. The cluster counts 4 CPUs so that its two jobs of 2 workers run
+at once (a scheduling label: the machine's cores are shared either way, one thread per process).
 """
 from __future__ import annotations
 
@@ -67,7 +69,10 @@ def _processes_of(temp_dir: str) -> set[int]:
                 stat = f.read()
         except OSError:
             continue
-        parents[int(name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+        state, ppid = stat[stat.rfind(b")") + 2:].split()[:2]
+        if state in (b"Z", b"X"):      # exited, not yet reaped
+            continue
+        parents[int(name)] = int(ppid)
         if temp_dir.encode() in cmd and int(name) != os.getpid():
             found.add(int(name))
     grew = True
@@ -95,7 +100,7 @@ def _stop_cluster(temp_dir: str) -> None:
 def cluster():
     temp_dir = tempfile.mkdtemp(prefix="dtprof-ray-", dir="/tmp")   # Ray's socket paths must stay short
     port = _free_port()
-    start = subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+    start = subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=4",
                             "--object-store-memory=100000000", "--include-dashboard=false",
                             f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                            env=ENV, capture_output=True, text=True, timeout=120)
@@ -131,16 +136,20 @@ def jobs(cluster, tmp_path_factory):
     local = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", str(d / "local"), "--",
                               *job, "--weights", str(d / "local.pt")], cwd=d, env=ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
+    on_cluster = [*job, "--address", cluster, "--storage", str(d / "storage")]
+    bare = subprocess.Popen([*on_cluster, "--weights", str(d / "bare.pt")], cwd=d, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        on_cluster = [*job, "--address", cluster, "--storage", str(d / "storage")]
-        _job([*on_cluster, "--weights", str(d / "bare.pt")], cwd=d)
         restart = _job([*on_cluster, "--weights", str(d / "restart.pt"), "--run-dir", str(d / "cluster"),
                         "--fail-once", str(d / "failed-once")], cwd=d)
+        bare_out, _ = bare.communicate(timeout=JOB_TIMEOUT_S)
+        assert bare.returncode == 0, bare_out[-5000:]
         out, _ = local.communicate(timeout=JOB_TIMEOUT_S)
     finally:
-        if local.poll() is None:
-            local.kill()
-            local.wait()
+        for p in (local, bare):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert local.returncode == 0, out[-5000:]
     print(f"ray jobs: {time.monotonic() - t0:.1f} s")
     summary = _dtprof("summary", str(d / "cluster"))
