@@ -75,12 +75,17 @@ class _Waiter:
 
             raytrain.flush_after_training()
 
+    def identify_now(self) -> None:
+        """At the first forward (or the first compile, which is one): the process group's rank if there is one,
+        else ``RANK``, else 0 (a single-process job)."""
+        pg = process_group_rank()
+        self.identified(pg[0] if pg else (launcher_rank() or 0))
+
     def first_forward(self, module, args):
         if self.done:
             return None
         try:
-            pg = process_group_rank()
-            self.identified(pg[0] if pg else (launcher_rank() or 0))
+            self.identify_now()
             from dtprof.collectors import runtime
 
             runtime.STATE.begin_forward(module, args)   # this call's own pre-hook ran before recording started
@@ -89,7 +94,7 @@ class _Waiter:
         return None
 
 
-def wait_for_identity(start) -> None:
+def wait_for_identity(start) -> _Waiter:
     """Call ``start(rank)`` when this process's process group exists (its rank), or at its first forward (the
     process group's rank if one exists by then, else ``RANK``, else 0: a single-process job)."""
     import torch.distributed as dist
@@ -112,6 +117,7 @@ def wait_for_identity(start) -> None:
         init_process_group.__doc__ = orig.__doc__
         c10d.init_process_group = dist.init_process_group = init_process_group
     waiter.handle = nn_module.register_module_forward_pre_hook(waiter.first_forward)
+    return waiter
 
 
 def report_unidentified(node_dir, rank: int, owner_pid: int | None, host: str) -> None:

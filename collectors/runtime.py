@@ -165,6 +165,13 @@ class Recorder:
         self.module_handles = []   # forward hooks: global ones during step 0, then on the root modules only
         self.wrapped_handles = {}  # id(trained root) -> the handles of the hooks on the modules it wraps
         self.roots = None          # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
+        self.global_hooks_on = False   # the global module hooks are installed (step 0, until a compile starts)
+        self.in_flight = []        # ids of the modules whose forward is under way, while the global hooks are on
+        self.compile_watch = False  # Dynamo's compile-start callback is registered (on_compile_start)
+        self.waiter = None         # identity's waiter while this process does not know its rank yet
+        self.compiled_roots = set()  # ids of modules compiled with Module.compile(): timed by their call wrapper
+        self.is_compiling = None   # torch.compiler.is_compiling, bound with the hooks
+        self.flop_stance = None    # the force_eager stance of the FLOP-counting step (flops_start)
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
         # ---- A/B blocks (module docstring) ----
@@ -426,10 +433,14 @@ class Recorder:
 
     def fwd_pre_hook(self, module, args, kwargs=None):
         """Global hook in step 0, then registered on the roots with ``with_kwargs`` (install_module_hooks)."""
-        if self.disabled:
+        if self.is_compiling() or self.disabled:     # traced by Dynamo: nothing of dtprof's may enter a graph
             return None
         try:
             self.fwd_depth += 1
+            if self.global_hooks_on:
+                self.in_flight.append(id(module))
+                if not self.compile_watch and "torch._dynamo" in sys.modules:
+                    self.watch_compiles()
             if self.fwd_depth == 1 and not self.in_backward:
                 t = now()
                 grad = self.grad_enabled()
@@ -535,10 +546,12 @@ class Recorder:
             pass
 
     def fwd_hook(self, module, args, output):
-        if self.disabled:
+        if self.is_compiling() or self.disabled:
             return None
         try:
             self.fwd_depth -= 1
+            if self.global_hooks_on and self.in_flight:
+                self.in_flight.pop()
             if self.fwd_depth <= 0:
                 self.fwd_depth = 0
                 if self.in_eval_call:
@@ -704,8 +717,18 @@ class Recorder:
 
     def flops_start(self) -> None:
         """Run the next step (step 1) under FlopCounterMode."""
+        import torch
         from torch.utils.flop_counter import FlopCounterMode
 
+        if "torch._dynamo" in sys.modules:
+            # Under a dispatch mode Dynamo declines a frame and marks its code "skip" for the rest of the process:
+            # the counted step runs eager (force_eager), so compiled code stays compiled afterwards.
+            set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+            if set_stance is None:
+                self.meta("flops_skipped", {"reason": "this torch has no torch.compiler.set_stance: counting FLOPs "
+                                                      "in a compiled job would turn its compiled code eager"})
+                return
+            self.flop_stance = set_stance("force_eager")
         self.flop_mode = FlopCounterMode(display=False)
         self.flop_mode.__enter__()
         self.flops_step = (self.step, now())
@@ -716,6 +739,9 @@ class Recorder:
         mode, (s, t0) = self.flop_mode, self.flops_step
         self.flop_mode = self.flops_step = None
         mode.__exit__(None, None, None)
+        if self.flop_stance is not None:
+            stance, self.flop_stance = self.flop_stance, None
+            stance.__exit__(None, None, None)
         self.span("flops_count", "FlopCounterMode", t0, now(), step=s)
         return int(mode.get_total_flops())
 
@@ -766,28 +792,37 @@ class Recorder:
         """Global module hooks put every module call of the program on nn.Module's slow path (~4 us each,
         measured in benchmarks/overhead.py), so they are used only in step 0 to find the top-level modules; after
         that the forward hooks sit on those root modules alone. Forward spans after step 0 therefore come from the
-        modules that were top-level in step 0 (a model first called later is not timed as ``forward``)."""
+        modules that were top-level in step 0 (a model first called later is not timed as ``forward``).
+        Dynamo traces module hooks into its graphs and guards on the global ones, so they also leave for the roots
+        as soon as Dynamo starts to compile (on_compile_start): no graph is ever traced with them."""
         from torch.nn.modules import module as nn_module
 
         if self.roots is None:
             self.module_handles[:] = [nn_module.register_module_forward_pre_hook(self.fwd_pre_hook),
                                       nn_module.register_module_forward_hook(self.fwd_hook)]
+            self.global_hooks_on = True
         else:
             # the roots and, of the trained ones, the modules they wrap: a framework evaluates the unwrapped model
             # (the Hugging Face Trainer calls DDP's module directly); inside the wrapper's training forward their
-            # hooks are parked (fwd_pre_hook), so the wrapped module's calls take nn.Module's fast path
+            # hooks are parked (fwd_pre_hook), so the wrapped module's calls take nn.Module's fast path. A module
+            # compiled with Module.compile() is timed by its call wrapper (wrap_compiled_call): hooks on it would
+            # run inside its graph.
             handles: dict = {}
             self.wrapped_handles = {}
             for m in list(self.roots):
                 wrapped = _wrapped_modules(m) if id(m) in self.trained else []
                 for w in (m, *wrapped):
-                    if id(w) not in handles:
+                    if id(w) not in handles and id(w) not in self.compiled_roots:
                         handles[id(w)] = [w.register_forward_pre_hook(self.fwd_pre_hook, prepend=True,
                                                                       with_kwargs=True),
                                           w.register_forward_hook(self.fwd_hook)]
                 if wrapped:
-                    self.wrapped_handles[id(m)] = [h for w in wrapped for h in handles[id(w)]]
+                    self.wrapped_handles[id(m)] = [h for w in wrapped for h in handles.get(id(w), ())]
             self.module_handles[:] = [h for hs in handles.values() for h in hs]
+            self.global_hooks_on = False
+            # forwards under way when the global hooks left: only those with a hook of their own will call fwd_hook
+            self.fwd_depth = sum(1 for mid in self.in_flight if mid in handles or mid in self.compiled_roots)
+            self.in_flight = []
 
     def remove_module_hooks(self) -> None:
         for h in self.module_handles:
@@ -797,10 +832,94 @@ class Recorder:
         self.parked_hooks = []
 
     def hooks_to_roots(self) -> None:
-        if self.roots is None or not self.module_handles:
+        if not self.global_hooks_on:
             return
+        if self.roots is None:             # a compile before any module ran: no root known yet
+            import weakref
+
+            self.roots = weakref.WeakSet()
         self.remove_module_hooks()         # the global ones (installed while roots was None)
         self.install_module_hooks()
+
+    # ---- torch.compile: Dynamo must never trace dtprof (docs/cli-run.md, "Compiled models") ----------------
+
+    def watch_compiles(self) -> None:
+        """Have Dynamo call on_compile_start before it traces anything (torch._dynamo is imported by now: the
+        program compiled something; importing it ourselves would cost every job ~1.5 s)."""
+        self.compile_watch = True
+        try:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(self.on_compile_start)
+        except Exception:             # an older torch: the roots' hooks only move at step 0's end
+            self.event("warning", f"Dynamo's compile callbacks are unavailable: {_last_error_line()}")
+        _dynamo_skip_our_code()
+
+    def on_compile_start(self, _args=None) -> None:
+        """Dynamo is about to trace a frame: global module hooks would be traced into its graph and guarded on,
+        and taking them out later would recompile it. They move to the roots now, once. A process still waiting to
+        know its rank (collectors/identity.py) is identified now, as at its first forward, which this is."""
+        try:
+            if self.waiter is not None:
+                waiter, self.waiter = self.waiter, None
+                waiter.identify_now()
+            if self.global_hooks_on and not self.disabled:
+                self.hooks_to_roots()
+        except Exception:
+            self.fault("compile start")
+
+    def patch_compile(self) -> None:
+        """Before the program compiles anything (at ``import torch``): ``torch.compile`` and ``Module.compile``
+        watch Dynamo's compiles (watch_compiles), and ``Module.compile()`` (which compiles the module's own
+        ``_call_impl``, its hooks included) has the module's forward timed by a wrapper around that compiled call,
+        which nn.Module calls outside the graph (wrap_compiled_call)."""
+        import warnings
+
+        import torch
+
+        # torch warns at each call of a torch.compile(module) while global module hooks exist: ours, in step 0
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        rec = self
+        orig_compile, orig_module_compile = torch.compile, torch.nn.Module.compile
+
+        def compile(*args, **kwargs):
+            out = orig_compile(*args, **kwargs)
+            if not rec.compile_watch:
+                rec.watch_compiles()
+            return out
+
+        def module_compile(module, *args, **kwargs):
+            out = orig_module_compile(module, *args, **kwargs)
+            try:
+                rec.wrap_compiled_call(module)
+            except Exception:
+                rec.fault("Module.compile")
+            return out
+
+        for wrapper, orig in ((compile, orig_compile), (module_compile, orig_module_compile)):
+            wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+            wrapper.__doc__ = orig.__doc__
+        torch.compile = compile
+        torch.nn.Module.compile = module_compile
+
+    def wrap_compiled_call(self, module) -> None:
+        inner = module._compiled_call_impl
+        if inner is None:
+            return
+        rec = self
+        self.compiled_roots.add(id(module))
+        if not self.compile_watch:
+            self.watch_compiles()
+
+        def compiled_call(*args, **kwargs):
+            if not rec.active or rec.disabled:
+                return inner(*args, **kwargs)
+            rec.fwd_pre_hook(module, args, kwargs)
+            out = inner(*args, **kwargs)
+            rec.fwd_hook(module, args, out)
+            return out
+
+        module._compiled_call_impl = compiled_call
 
     def install_train_hooks(self) -> None:
         self.install_optimizer_hooks()
@@ -842,6 +961,7 @@ class Recorder:
         from torch.utils.data import dataloader
 
         self.grad_enabled = torch.is_grad_enabled
+        self.is_compiling = torch.compiler.is_compiling
         self.install_module_hooks()
         # Tensor.backward calls torch.autograd.backward (looked up at each call): one wrapper times both
         self.orig_backward = torch.autograd.backward
@@ -883,13 +1003,59 @@ Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
 
 
+def _dynamo_skip_our_code() -> None:
+    """Tell Dynamo never to compile a frame of dtprof's rank side. A hook called from eager code that runs under
+    a compiled module's frame callback (torch.compile(module) runs the module's own hooks outside its graph) is a
+    frame Dynamo would otherwise compile (its cached graph would then run instead of the hook), and so would be
+    every torch function a hook calls (registering hooks, starting the recording). The hooks and the recorder's
+    methods skip their callees too; a wrapper of a torch function (a collective, backward, a DataLoader's
+    ``__next__``: the closures) skips only its own frame, so what it wraps is Dynamo's to judge as in a bare job.
+    Costs nothing per call."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except Exception:
+        return
+    from dtprof.collectors import hooks_collectives, hooks_functional, identity, inputs
+
+    own = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
+    with_callees = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    seen: set = set()
+
+    ours = os.path.dirname(os.path.abspath(__file__))
+
+    def skip(code, strategy) -> None:
+        # (a decorated function's code may be the decorator's: contextlib's, shared by every context manager)
+        if id(code) in seen or not os.path.abspath(code.co_filename).startswith(ours):
+            return
+        seen.add(id(code))
+        set_code_exec_strategy(code, strategy)
+        for nested in code.co_consts:      # closures and comprehensions defined inside
+            if hasattr(nested, "co_code"):
+                skip(nested, own)
+
+    for mod in (sys.modules[__name__], identity, hooks_collectives, hooks_functional, inputs):
+        strategy = with_callees if mod in (sys.modules[__name__], identity) else own
+        for obj in vars(mod).values():
+            if getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            for member in (vars(obj).values() if isinstance(obj, type) else (obj,)):
+                code = getattr(getattr(member, "__func__", member), "__code__", None)
+                if code is not None:
+                    skip(code, strategy)
+
+
 def _wrapped_modules(module) -> list:
-    """The modules a wrapper holds as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine), outermost first."""
-    out = []
-    m = getattr(module, "module", None)
-    while hasattr(m, "register_forward_pre_hook") and len(out) < 4:
-        out.append(m)
+    """The modules a wrapper holds as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine), outermost first.
+    Not what a torch.compile'd module holds (it forwards ``.module`` to the module it compiled): Dynamo traces
+    that one, and a hook on it would be traced into the graph."""
+    out: list = []
+    m = module
+    while "_orig_mod" not in getattr(m, "_modules", ()) and len(out) < 4:
         m = getattr(m, "module", None)
+        if not hasattr(m, "register_forward_pre_hook"):
+            break
+        out.append(m)
     return out
 
 
@@ -973,14 +1139,15 @@ def install_from_env() -> bool:
         return STATE.active
     from dtprof.collectors import identity
 
+    if "LOCAL_RANK" not in os.environ and identity.launcher_rank() is None and _is_torchrun_launcher():
+        return False
+    STATE.patch_compile()
     if identity.launcher_rank() is not None:
         if init(report_taken=False) or STATE.disabled:
             return STATE.active
         # Another process records this RANK: this one inherited it (a DataLoader worker, a helper subprocess) and
         # is named as unidentified only if it trains (collectors/identity.py).
-        identity.wait_for_identity(lambda rank: init(rank=rank))
-        return False
-    if "LOCAL_RANK" not in os.environ and _is_torchrun_launcher():
+        STATE.waiter = identity.wait_for_identity(lambda rank: init(rank=rank))
         return False
     return init()               # no launcher named this process: recording starts once it identifies itself
 
@@ -1024,8 +1191,8 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, node_d
             pg = identity.process_group_rank()
             rank = pg[0] if pg else identity.launcher_rank(env)
             if rank is None:
-                identity.wait_for_identity(lambda r: init(out, rank=r, report_taken=report_taken, node_dir=node_dir,
-                                                          **options))
+                STATE.waiter = identity.wait_for_identity(
+                    lambda r: init(out, rank=r, report_taken=report_taken, node_dir=node_dir, **options))
                 return True
         rdir = rank_dir(node_dir, rank)
         os.makedirs(rdir, exist_ok=True)

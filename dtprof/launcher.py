@@ -61,6 +61,7 @@ from dtprof.runformat import (
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
 USAGE_EXIT = InputError.exit_code
+DEFAULT_METRICS_INTERVAL_S = 10.0   # --metrics-interval: a week of 8 ranks' points stays in the tens of MB
 KILL_GRACE_S = 10.0    # a stop's SIGTERM, then SIGKILL to every process of the job still alive this much later
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
@@ -575,17 +576,25 @@ Exit codes:
               help="Capture a torch.profiler trace of steps A..B-1 on every rank.")
 @click.option("--hang-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help=f"Stop the job (exit {WATCHDOG_EXIT}) with a diagnosis when no rank progresses for this long.")
+@click.option("--metrics", "metrics", multiple=True, metavar="SINK",
+              help="Publish per-step metrics while the job runs (repeatable): prometheus:[HOST:]PORT, "
+                   "tensorboard:DIR, wandb[:PROJECT], mlflow[:URI] (docs/metrics-export.md).")
+@click.option("--metrics-interval", type=click.FloatRange(min=0), default=DEFAULT_METRICS_INTERVAL_S,
+              show_default=True, metavar="SECONDS",
+              help="At most one TensorBoard/W&B/MLflow point per rank and GPU this often (the mean of its steps; "
+                   "Prometheus counts every step).")
 @click.option("--no-report", is_flag=True, help="Do not write report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the job's output and dtprof's errors.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
-                hang_timeout, no_report, quiet, command):
+                hang_timeout, metrics, metrics_interval, no_report, quiet, command):
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
     trace_steps = parse_trace_steps(trace_steps)
+    sink_specs = _check_sinks(metrics)
 
     def say(msg: str) -> None:
         if not quiet:
@@ -594,6 +603,8 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
               "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
               "nvml_interval_s": None if no_nvml else nvml_interval}
+    if sink_specs:
+        config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
     rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
                    "flush_interval_s": 1.0}
     host = socket.gethostname()
@@ -654,6 +665,8 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
         sys.exit(127)
 
+    publisher = _guarded("metrics", warn, _start_publisher, sink_specs, run_dir, node_dir, host, config,
+                         metrics_interval, say) if sink_specs else None
     watchdog = None
     if hang_timeout is not None:
         from dtprof.watchdog import Watchdog
@@ -668,10 +681,13 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
         _guarded("watchdog", warn, watchdog.stop)
         fired = bool(getattr(watchdog, "fired", False)) or job.stopped_by_watchdog
+    exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)
+    if publisher is not None:   # before the sampler stops: its last samples are published too
+        _guarded("metrics", warn, publisher.stop, exit_code)
+        node_info["metrics"] = publisher.record()
     if sampler is not None:
         node_info["nvml"] = sampler.stop()
 
-    exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)
     died_of = signal.Signals(-returncode).name if returncode < 0 and -returncode in signal.valid_signals() else None
     if fired:
         status = "hung"
@@ -721,6 +737,24 @@ def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
         except RunExistsError:
             continue
     raise InputError(f"{base}: could not find a free run directory name")
+
+
+def _check_sinks(metrics) -> list:
+    """--metrics, checked before anything runs: a missing library is one line and exit 2."""
+    if not metrics:
+        return []
+    from dtprof.sinks import check_sinks
+
+    return check_sinks(metrics)
+
+
+def _start_publisher(specs: list, run_dir: Path, node_dir: Path, host: str, config: dict, interval_s: float,
+                     say: Callable[[str], None]):
+    """The live metrics publisher (dtprof/sinks.py): a thread of this launcher reading what the ranks flush."""
+    from dtprof.sinks import Context, Publisher
+
+    ctx = Context(run_dir, node_dir, host, config, interval_s, say)
+    return Publisher(specs, ctx, warn).start()
 
 
 def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[], None]):

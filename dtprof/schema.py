@@ -112,6 +112,7 @@ META_KINDS = {
     "step_inputs": ("samples", "tokens"),               # how steps.samples/tokens were obtained when inferred
     "dtprof_threads_cpu": ("threads", "at_step0_end", "steps"),  # at exit: CPU s of each of dtprof's threads
     "model": ("parameters", "modules"),                 # end of step 0: parameters of the root modules
+    "flops_skipped": ("reason",),                       # --count-flops could not count on this rank, and why
 }
 
 SPAN_KINDS = (

@@ -1,0 +1,370 @@
+"""Live per-step metrics from a node's run directory while the job runs (`dtprof run --metrics`,
+docs/metrics-export.md). No torch import; nothing here runs in the job.
+
+The launcher's publisher thread (dtprof/sinks.py) calls ``LiveNode.poll()`` about once a second. It reads only what
+is already written: the rows each rank's flusher thread appends every second (``rank-*/steps``, ``spans``,
+``collectives``, ``groups``, ``meta`` ``.jsonl``), ``rank.json``, the heartbeats (``rank-*/heartbeat.json``, every
+0.5 s) and the NVML sampler's ``nvml.jsonl``, each file from where the last read stopped. The ranks do no extra work.
+
+Decisions
+- A rank-step is published ``SETTLE_S`` after its steps row was first seen: a flush writes the steps file before
+  the spans and collectives files, and on a GPU the spans timed by CUDA events land a flush later. A row that comes
+  later still is missed here (its time reads as "other" in that step's breakdown); the analysis after the job is
+  the reference.
+- The step breakdown is analyzers/breakdown.py's ``step_breakdown`` on the buffered rows, so each part has the same
+  definition as in summary.json, and a part added there (a "waiting for the GPU" part) is exported with no change
+  here.
+- Lateness at collectives (the straggler signal) is measured among this node's ranks only: each node's launcher
+  sees its own ranks, and aligning the clocks of several hosts is the analysis's job, after the run.
+- Live straggler: over the last ``STRAGGLER_WINDOW`` steps (``STRAGGLER_MIN_STEPS`` at least), the rank arrived
+  last at its collectives by a lead over the second-latest arrival of at least half the median step
+  (analyzers/stragglers.py ``TRANSIENT_DELAY_FRAC``) in at least ``STRAGGLER_LATE_FRAC`` of them and twice as often
+  as any other rank. Stricter than the after-run transient rule (>= 2 such steps in the whole run): on a busy
+  machine every rank is sometimes late, and a 50-step window of that noise must not page anyone (measured: an
+  unslowed 2-rank job on 2 shared cores had one rank late in 15 of 50 steps, the other in 7).
+- Live hang: no rank progressed (heartbeat ``last_progress_ns``) for ``--hang-timeout`` when it is given (the
+  watchdog's criterion), else for ``max(HANG_MIN_S, HANG_STEPS x median step)``.
+- Memory stays bounded over weeks: rows are dropped once their steps are published (collectives ``KEEP_NS`` later,
+  so a peer's arrival at the same collective is still there), and the published history is a bounded window.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+
+from dtprof.runformat import RANK_PREFIX
+
+SETTLE_NS = 2_500_000_000      # two flushes of the ranks (1 s each) and a margin
+KEEP_NS = 30_000_000_000       # collectives rows kept this long after their rank's published steps
+MAX_READ = 64 * 2**20          # bytes read per file and poll, at most (a late start catches up over several polls)
+STRAGGLER_WINDOW = 50
+STRAGGLER_MIN_STEPS = 20
+STRAGGLER_LATE_FRAC = 0.5
+HANG_MIN_S = 120.0
+HANG_STEPS = 50
+P2P = ("send", "recv")
+RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta")
+
+
+class _Tail:
+    """One JSON-lines file of the run format, read from where the last read stopped; a line not yet complete is
+    kept for the next read (a writer's buffer can end mid-line)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pos = 0
+        self.rest = b""
+        self.columns: list[str] | None = None
+
+    def read(self) -> list[list]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read(MAX_READ)
+        except OSError:
+            return []     # not written yet (or gone): nothing new
+        self.pos += len(data)
+        data = self.rest + data
+        cut = data.rfind(b"\n") + 1
+        self.rest = data[cut:]
+        rows = []
+        for line in data[:cut].splitlines():
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue   # a torn line: the reader names it after the job
+            if isinstance(value, dict):
+                self.columns = value.get("columns")
+            elif isinstance(value, list) and self.columns and len(value) == len(self.columns):
+                rows.append(value)
+        return rows
+
+    def frame(self, table: str) -> pd.DataFrame:
+        """The new rows as a table of the schema's columns and types (most polls of most files find none: the
+        empty table is made once)."""
+        from dtprof.reader import conform
+
+        rows = self.read()
+        if not rows:
+            if table not in _EMPTY:
+                _EMPTY[table] = conform(table, pd.DataFrame())
+            return _EMPTY[table]
+        return conform(table, pd.DataFrame(rows, columns=self.columns))
+
+
+_EMPTY: dict[str, pd.DataFrame] = {}
+
+
+@dataclass
+class RankStep:
+    """One published rank-step: what every sink exports (docs/metrics-export.md)."""
+    rank: int
+    host: str
+    step: int
+    end_ns: int
+    duration_s: float
+    parts_s: dict[str, float]           # the step breakdown's parts (analyzers/breakdown.py PARTS), seconds
+    tokens: float | None = None
+    samples: float | None = None
+    flops: float | None = None          # model FLOPs of this step on this rank (None: unknown)
+    peak_flops: float | None = None     # this rank's device peak FLOP/s (None: unknown live)
+    peak_mem_bytes: float | None = None
+    cpu_wait_s: float | None = None
+    lateness_s: float = 0.0             # Σ over its collectives of (its arrival - the first arrival on this node)
+    lead_s: float = 0.0                 # Σ over the collectives it arrived last at of (its arrival - the 2nd latest)
+
+    @property
+    def mfu(self) -> float | None:
+        if self.flops is None or self.peak_flops is None or self.duration_s <= 0:
+            return None
+        return self.flops / (self.duration_s * self.peak_flops)
+
+
+@dataclass
+class GpuSample:
+    host: str
+    gpu: int
+    uuid: str
+    t_ns: int
+    values: dict[str, float | None]     # the nvml table's value columns (dtprof/schema.py)
+
+
+@dataclass
+class NodeStatus:
+    host: str
+    ranks: dict[int, str] = field(default_factory=dict)   # rank -> host, the ranks seen on this node
+    progress_age_s: float | None = None   # since the newest progress of any rank (None: none started, or all done)
+    hang: bool = False
+    hang_after_s: float | None = None
+    stragglers: dict[int, str] = field(default_factory=dict)   # rank -> why
+
+
+@dataclass
+class Update:
+    steps: list[RankStep]
+    gpus: list[GpuSample]
+    status: NodeStatus
+
+
+class _Rank:
+    def __init__(self, rank_dir: Path):
+        self.dir = rank_dir
+        self.tails = {t: _Tail(rank_dir / f"{t}.jsonl") for t in RANK_TABLES}
+        self.identity: dict | None = None
+        self.executed_flops: float | None = None   # the rank's FlopCounterMode count, once its counted step is seen
+        self.published_end_ns = 0
+
+
+class LiveNode:
+    """See the module docstring. ``config`` is the launcher's (node.json ``config``): dtype, peak_tflops,
+    flops_per_step, hang_timeout_s."""
+
+    def __init__(self, node_dir: Path, config: dict, host: str, clock=time.monotonic_ns):
+        from dtprof.options import load_calibrations
+
+        self.node_dir = Path(node_dir)
+        self.config = config
+        self.host = host
+        self.clock = clock
+        self.calibrations = load_calibrations() if config.get("peak_tflops") is None else {}
+        self.ranks: dict[int, _Rank] = {}
+        self.nvml = _Tail(self.node_dir / "nvml.jsonl")
+        self.buf = _empty_buffers()
+        self.pending: list[tuple[int, pd.DataFrame]] = []   # (first seen ns, new steps rows)
+        self.durations: deque[float] = deque(maxlen=STRAGGLER_WINDOW * 8)
+        self.late: dict[int, deque[bool]] = {}
+
+    # ---- reading ---------------------------------------------------------------------------------------------
+    def _discover(self) -> None:
+        for d in self.node_dir.glob(f"{RANK_PREFIX}*"):
+            try:
+                rank = int(d.name[len(RANK_PREFIX):])
+            except ValueError:
+                continue
+            r = self.ranks.setdefault(rank, _Rank(d))
+            if r.identity is None:
+                try:
+                    r.identity = json.loads((d / "rank.json").read_text())
+                except (OSError, ValueError):
+                    pass
+
+    def _read_rows(self, now: int) -> None:
+        from dtprof.analyzers.runmodel import captures, with_exit
+
+        for r in self.ranks.values():
+            steps = r.tails["steps"].frame("steps")
+            if len(steps):
+                self.pending.append((now, steps))
+            for t in ("spans", "groups"):
+                self._append(t, r.tails[t].frame(t))
+            self._append("collectives", with_exit(r.tails["collectives"].frame("collectives")))
+            self._append("captures", captures(r.tails["meta"].frame("meta")))
+
+    def _append(self, table: str, df: pd.DataFrame) -> None:
+        if len(df):
+            old = self.buf[table]
+            self.buf[table] = df if old.empty else pd.concat([old.astype(df.dtypes.to_dict()), df], ignore_index=True)
+
+    # ---- a poll ----------------------------------------------------------------------------------------------
+    def poll(self, final: bool = False) -> Update:
+        """What is new since the last poll; ``final`` publishes every step seen (the job has ended)."""
+        now = self.clock()
+        self._discover()
+        self._read_rows(now)
+        ready = [df for seen, df in self.pending if final or now - seen >= SETTLE_NS]
+        self.pending = [(seen, df) for seen, df in self.pending if not (final or now - seen >= SETTLE_NS)]
+        steps = self._publish(pd.concat(ready, ignore_index=True)) if ready else []
+        return Update(steps, self._gpus(), self._status(now))
+
+    def _publish(self, st: pd.DataFrame) -> list[RankStep]:
+        from dtprof.analyzers.breakdown import PARTS, step_breakdown
+
+        st = st.sort_values(["rank", "step"], ignore_index=True)
+        windows = st[["rank", "step", "start_ns", "end_ns"]]
+        bd = step_breakdown(SimpleNamespace(**self.buf), windows).per_step
+        lateness, lead = self._lateness(windows)
+        parts = {p: bd[f"{p}_s"].to_numpy(np.float64) for p in PARTS}
+        out = []
+        for i, row in enumerate(st.itertuples(index=False)):
+            r = self.ranks[int(row.rank)]
+            if pd.notna(row.executed_flops):
+                r.executed_flops = float(row.executed_flops)
+            rs = RankStep(rank=int(row.rank), host=self._host_of(r), step=int(row.step), end_ns=int(row.end_ns),
+                          duration_s=(row.end_ns - row.start_ns) / 1e9,
+                          parts_s={p: float(v[i]) for p, v in parts.items()},
+                          tokens=_num(row.tokens), samples=_num(row.samples),
+                          flops=self._flops(r, row), peak_flops=self._peak(r),
+                          peak_mem_bytes=_num(row.peak_mem_bytes),
+                          cpu_wait_s=None if pd.isna(row.cpu_wait_ns) else float(row.cpu_wait_ns) / 1e9,
+                          lateness_s=float(lateness[i]), lead_s=float(lead[i]))
+            r.published_end_ns = max(r.published_end_ns, rs.end_ns)
+            out.append(rs)
+        self._track_stragglers(out)
+        self._prune()
+        return out
+
+    def _lateness(self, windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """Per window: Σ lateness and Σ lead (see RankStep) of the collectives its rank issued in it."""
+        co = self.buf["collectives"]
+        n = len(windows)
+        if co.empty:
+            return np.zeros(n), np.zeros(n)
+        co = co[~co["op"].astype(str).isin(P2P)]
+        co = co.assign(group=co["group"].astype(str)).sort_values(["group", "seq", "issue_ns", "rank"])
+        key = co["group"] + "#" + co["seq"].astype(str)
+        issue = co["issue_ns"].to_numpy(np.int64)
+        late = issue - co.groupby(key.to_numpy())["issue_ns"].transform("min").to_numpy(np.int64)
+        same_as_prev = key.to_numpy()[1:] == key.to_numpy()[:-1]
+        prev = np.concatenate([[0], issue[:-1]])
+        is_last = np.concatenate([key.to_numpy()[1:] != key.to_numpy()[:-1], [True]])
+        lead = np.where(is_last & np.concatenate([[False], same_as_prev]), issue - prev, 0)
+        rank = co["rank"].to_numpy(np.int64)
+        out_late, out_lead = np.zeros(n), np.zeros(n)
+        for i, (r, s, e) in enumerate(zip(windows["rank"], windows["start_ns"], windows["end_ns"])):
+            mine = (rank == r) & (issue >= s) & (issue < e)
+            out_late[i], out_lead[i] = late[mine].sum() / 1e9, lead[mine].sum() / 1e9
+        return out_late, out_lead
+
+    def _prune(self) -> None:
+        """Drop rows that no later step can need (see the module docstring)."""
+        end = {rank: r.published_end_ns for rank, r in self.ranks.items()}
+        for table, col, keep in (("spans", "end_ns", 0), ("collectives", "exit_ns", KEEP_NS)):
+            df = self.buf[table]
+            if len(df):
+                limit = df["rank"].map(end).fillna(0).to_numpy(np.int64) - keep
+                self.buf[table] = df[df[col].to_numpy(np.int64) > limit].reset_index(drop=True)
+
+    # ---- per rank facts --------------------------------------------------------------------------------------
+    def _host_of(self, r: _Rank) -> str:
+        return str((r.identity or {}).get("host") or self.host)
+
+    def _flops(self, r: _Rank, row) -> float | None:
+        """Model FLOPs of the step on this rank, as analyzers/mfu.py takes them: --flops-per-step (the job's, split
+        evenly over its ranks), else the step's annotated model_flops, else the rank's executed FLOPs count."""
+        if self.config.get("flops_per_step"):
+            world = int((r.identity or {}).get("world_size") or 1)
+            return float(self.config["flops_per_step"]) / max(world, 1)
+        if pd.notna(row.model_flops):
+            return float(row.model_flops)
+        return r.executed_flops
+
+    def _peak(self, r: _Rank) -> float | None:
+        """The device's peak FLOP/s as dtprof/options.py resolves it, from what is known while the job runs: no CPU
+        calibration yet (dtprof run makes it after the job), so a CPU needs --peak-tflops or `dtprof calibrate`."""
+        from dtprof.analyzers.mfu import norm_dtype
+        from dtprof.options import device_peak
+
+        ident = r.identity or {}
+        name, kind = str(ident.get("device_name") or ""), str(ident.get("device_type") or "")
+        dtype = norm_dtype(self.config.get("dtype") or ("fp32" if kind == "cpu" else "bf16"))
+        p = device_peak(name, kind, dtype, self.config.get("peak_tflops"), self.calibrations)
+        return p.tflops * 1e12 if p.tflops else None
+
+    # ---- node state ------------------------------------------------------------------------------------------
+    def _gpus(self) -> list[GpuSample]:
+        from dtprof.schema import TABLES
+
+        value_cols = [c for c, _ in TABLES["nvml"]][5:]
+        out = []
+        for row in self.nvml.read():
+            d = dict(zip(self.nvml.columns or [], row))
+            out.append(GpuSample(str(d.get("host")), int(d.get("gpu") or 0), str(d.get("uuid")), int(d["t_ns"]),
+                                 {c: d.get(c) for c in value_cols}))
+        return out
+
+    def _track_stragglers(self, steps: list[RankStep]) -> None:
+        self.durations.extend(s.duration_s for s in steps)
+        if not self.durations:
+            return
+        from dtprof.analyzers.stragglers import TRANSIENT_DELAY_FRAC
+
+        bar = TRANSIENT_DELAY_FRAC * statistics.median(self.durations)
+        for s in steps:
+            self.late.setdefault(s.rank, deque(maxlen=STRAGGLER_WINDOW)).append(s.lead_s >= bar > 0)
+
+    def stragglers(self) -> dict[int, str]:
+        counts = {r: sum(d) for r, d in self.late.items()}
+        out = {}
+        for r, n in counts.items():
+            most_other = max([m for q, m in counts.items() if q != r], default=0)
+            seen = len(self.late[r])
+            if seen >= STRAGGLER_MIN_STEPS and n >= STRAGGLER_LATE_FRAC * seen and n >= 2 * most_other:
+                out[r] = (f"arrived last at its collectives, at least half a median step after the others, in {n} "
+                          f"of its last {len(self.late[r])} steps")
+        return out
+
+    def _status(self, now: int) -> NodeStatus:
+        from dtprof.watchdog import read_heartbeats
+
+        st = NodeStatus(self.host, {rank: self._host_of(r) for rank, r in self.ranks.items()},
+                        stragglers=self.stragglers())
+        hbs = read_heartbeats(self.node_dir)
+        running = [hb for hb in hbs.values() if hb.get("exit") is None]
+        if running:
+            newest = max(int(hb.get("last_progress_ns") or 0) for hb in hbs.values())
+            st.progress_age_s = max(0.0, (now - newest) / 1e9)
+            median = statistics.median(self.durations) if self.durations else 0.0
+            st.hang_after_s = float(self.config.get("hang_timeout_s") or max(HANG_MIN_S, HANG_STEPS * median))
+            st.hang = st.progress_age_s >= st.hang_after_s
+        return st
+
+
+def _empty_buffers() -> dict[str, pd.DataFrame]:
+    from dtprof.analyzers.runmodel import captures, with_exit
+    from dtprof.reader import conform
+
+    empty = pd.DataFrame()
+    return {"spans": conform("spans", empty), "groups": conform("groups", empty),
+            "collectives": with_exit(conform("collectives", empty)), "captures": captures(conform("meta", empty))}
+
+
+def _num(v) -> float | None:
+    return None if v is None or pd.isna(v) else float(v)
