@@ -91,7 +91,7 @@ def _stop_cluster(temp_dir: str) -> None:
                 os.kill(pid, sig)
             except OSError:
                 pass
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 1
         while pids and time.monotonic() < deadline and _processes_of(temp_dir):
             time.sleep(0.2)
 
