@@ -492,6 +492,8 @@ def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_
         failures = parse_torchrun_failures(logs)
     dead = sorted((d for c in wd["crash"] for d in c.get("dead") or []), key=lambda d: d["detected_ns"])
     exit_code = next((e.get("exit_code") for e in exits), None)
+    if exit_code is None and run is not None:   # no watchdog: a Ray Train worker's own end (collectors/raytrain.py)
+        exit_code = next((n.get("exit_code") for n in run.nodes if "attempt_rank" in n and n.get("exit_code")), None)
     if failures or dead or (exit_code not in (None, 0)):
         root = [f for f in failures if f["root_cause"]]
         # A rank torchrun calls the root cause, else the first whose process vanished, else any non-SIGTERM exit.

@@ -55,3 +55,22 @@ def test_a_restarted_rank_is_its_last_attempt_and_the_first_is_a_restart(tmp_pat
 def test_a_rank_recorded_twice_without_attempts_is_still_refused(tmp_path):
     with pytest.raises(RunFormatError, match="rank 0 is recorded more than once"):
         open_run(_attempts_run(tmp_path, with_attempts=False)).table("ranks")
+
+
+def test_a_last_attempt_that_failed_is_a_crash(tmp_path):
+    """Ray gave up (its failures exhausted): the last attempt's failure, recorded by the worker itself (node.json,
+    the heartbeat's exception dump), is triage's crash, with the earlier attempt as a restart."""
+    path = _attempts_run(tmp_path)
+    node = path / "node-h-2"
+    info = json.loads((node / "node.json").read_text())
+    info.update(status="failed", exit_code=1, failure={"step": 5, "exception": "RuntimeError: again"})
+    (node / "node.json").write_text(json.dumps(info))
+    (node / "rank-0").mkdir(exist_ok=True)      # a synthetic run has its tables only
+    (node / "rank-0" / "dump-exception.json").write_text(json.dumps(
+        {"rank": 0, "step": 5, "wall_ns": 1, "request": "exception", "exception": {
+            "type": "RuntimeError", "message": "again", "frames": [
+                {"file": "train.py", "line": 9, "func": "train_func", "code": "raise RuntimeError('again')"}]}}))
+    res = triage(path)
+    assert res["verdict"] == "crash" and res["culprit_ranks"] == [0], res
+    assert "RuntimeError: again" in res["message"]
+    assert [e["kind"] for e in res["evidence"]].count("restart") == 2
