@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,6 +110,7 @@ def cluster():
         yield f"127.0.0.1:{port}"
     finally:
         _stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _job(args, cwd, timeout=JOB_TIMEOUT_S):
@@ -130,13 +132,13 @@ def _dtprof(*args, check=True):
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
     d = tmp_path_factory.mktemp("ray")
-    job = [sys.executable, str(SCRIPT), "--steps", str(STEPS)]
+    job = [sys.executable, str(SCRIPT), "--steps", str(STEPS), "--storage", str(d / "storage")]
     t0 = time.monotonic()
     # the local-cluster job under `dtprof run` runs beside the cluster's jobs (its own cluster, its own 2 CPUs)
     local = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", str(d / "local"), "--",
                               *job, "--weights", str(d / "local.pt")], cwd=d, env=ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    on_cluster = [*job, "--address", cluster, "--storage", str(d / "storage")]
+    on_cluster = [*job, "--address", cluster]
     bare = subprocess.Popen([*on_cluster, "--weights", str(d / "bare.pt")], cwd=d, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
