@@ -1,7 +1,7 @@
-"""Restarted ranks in the run format, without Ray (tests/jobs/test_ray.py runs the real job): a rank recorded in two node
-directories as attempts 1 and 2 (what collectors/raytrain.py writes for a Ray Train worker group restarted after a
-failure) is one rank, its last attempt, with the first attempt described as a restart in the reader, the summary
-and triage; without attempts, a rank recorded twice is still refused."""
+"""Restarted ranks in the run format, without Ray (tests/jobs/test_ray.py runs the real job): a rank recorded in two
+node directories as attempts 1 and 2 (what collectors/raytrain.py writes for a Ray Train worker group restarted
+after a failure) is one rank, its last attempt, with the first attempt described as a restart in the reader, the
+summary and triage; without attempts, a rank recorded twice is still refused."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,10 @@ import shutil
 
 import pytest
 
-from dtprof.analyzers.summary import analyze, format_summary_text
+from dtprof.analyzers.summary import analyze
 from dtprof.analyzers.triage import triage
 from dtprof.reader import RunFormatError, open_run
+from dtprof.reports.terminal import format_summary_text
 from synth import build_run
 
 
@@ -48,7 +49,7 @@ def test_a_restarted_rank_is_its_last_attempt_and_the_first_is_a_restart(tmp_pat
     assert ("[restart] rank 0 attempt 1 failed at step 3 (RuntimeError: boom); restarted at 2026-01-01T00:00:20Z, "
             "5.0 s after the failure") in text
     assert "[restart] statistics cover each rank's last attempt (rank 0: attempt 2)" in text
-    res = triage(run.path)
+    res = triage(run, run.incident())
     assert res["verdict"] == "healthy" and "failed at step 3 (RuntimeError: boom) and was restarted" in res["message"]
 
 
@@ -70,7 +71,8 @@ def test_a_last_attempt_that_failed_is_a_crash(tmp_path):
         {"rank": 0, "step": 5, "wall_ns": 1, "request": "exception", "exception": {
             "type": "RuntimeError", "message": "again", "frames": [
                 {"file": "train.py", "line": 9, "func": "train_func", "code": "raise RuntimeError('again')"}]}}))
-    res = triage(path)
+    run = open_run(path)
+    res = triage(run, run.incident())
     assert res["verdict"] == "crash" and res["culprit_ranks"] == [0], res
     assert "RuntimeError: again" in res["message"]
     assert [e["kind"] for e in res["evidence"]].count("restart") == 2
