@@ -93,7 +93,10 @@ def _run_block(run) -> dict:
     if not out["hosts"]:
         out["hosts_reason"] = "not recorded" + (" in an imported trace" if status == "imported" else "")
     out.update(_rank_coverage(run))
+    out["restarts"] = run.restarts
+    out["attempts"] = {str(r): a for r, a in sorted(run.attempts.items())}
     return out
+
 
 
 def _rank_coverage(run) -> dict:
