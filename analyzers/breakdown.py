@@ -4,6 +4,8 @@
 Each rank's step window ``[start_ns, end_ns)`` is cut at every endpoint of its spans and collectives; each
 elementary segment goes to exactly one part, the first that applies in this order:
 
+0. ``gpu_wait`` -- on a GPU rank, the host is blocked (a ``comm_wait`` span) while its GPU still runs earlier work
+   (a compute span timed on the device, source ``cuda_event``): waiting for the GPU, never communication;
 1. ``exposed_comm`` -- the rank is blocked on communication (a ``comm_wait`` span), even inside a compute span;
 2. ``forward`` (also ``pp_forward``), ``backward`` (also ``pp_backward``), ``optimizer`` -- compute: the innermost
    phase, the one whose span began last (intervals.innermost): Lightning runs forward and backward inside
@@ -31,6 +33,12 @@ Where several collectives are in flight at once, the instant is split equally be
 communication is also split by mesh dimension (the group's ``mesh_dim``, ``"(none)"`` outside a DeviceMesh) and by
 op; a ``comm_wait`` with no collective in flight counts under op ``"(no collective in flight)"``.
 
+On a GPU rank communication is what the device did (analyzers/runmodel.py ``device_comm``): a one-rank group's
+collective is not communication, a collective NCCL timed is in flight only for its device-side duration, and a
+host wait with no communication in flight and the GPU idle (a first NCCL call setting up its communicator) is
+``other``, not communication. A CPU rank keeps the host's view (its waits with nothing in flight are
+``exposed_comm``).
+
 ``other`` is the window minus the other parts, so the parts of every rank-step sum to its duration exactly (up to
 float rounding), and their means over a rank's measured steps sum to its mean step time. Spans and collectives are
 cut at step boundaries (a piece of an interval counts in the step it falls in).
@@ -56,8 +64,8 @@ P2P_OPS = ("send", "recv")
 PP_KINDS = ("pp_forward", "pp_backward")
 
 # span sets; communication channels (dim, op) follow as sets N_SPAN_SETS, N_SPAN_SETS + 1, ...
-COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION, CAPTURE = range(7)
-N_SPAN_SETS = 7
+COMM_WAIT, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT, PIPE_REGION, CAPTURE, DEVICE = range(8)
+N_SPAN_SETS = 8
 COMPUTE_SETS = (OPTIMIZER, BACKWARD, FORWARD)
 SPAN_SET = {"comm_wait": COMM_WAIT, "optimizer": OPTIMIZER, "backward": BACKWARD, "pp_backward": BACKWARD,
             "forward": FORWARD, "pp_forward": FORWARD, "data_wait": DATA_WAIT}
@@ -101,12 +109,11 @@ def issued_outside_compute(sp: pd.DataFrame, sp_set: np.ndarray, co: pd.DataFram
 CHANNEL_KINDS = ("exposed_comm", "bubble", "comm_outside_fwd_bwd")   # the part a channel's exposed time goes to
 
 
-def _channels(run, pipeline_ranks: list[int], outside: np.ndarray) -> tuple[np.ndarray, pd.DataFrame]:
+def _channels(run, pipeline_ranks: list[int], outside: np.ndarray, co: pd.DataFrame) -> tuple[np.ndarray, pd.DataFrame]:
     """Each collective's channel code and the channels: dim (its group's mesh dimension), op, and part (one of
     CHANNEL_KINDS: ``bubble`` for a p2p op on a pipeline rank, whose waits are the pipeline's bubble;
     ``comm_outside_fwd_bwd`` for a collective issued outside compute, ``outside``; else ``exposed_comm``).
     Vectorised on the columns' integer codes."""
-    co = run.collectives
     g_code, g_names = _codes(co["group"])
     o_code, o_names = _codes(co["op"])
     bubble = np.isin(co["rank"].to_numpy(np.int64), pipeline_ranks) & np.isin(o_names, P2P_OPS)[o_code]
@@ -141,21 +148,24 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     pipeline_ranks = sorted(int(r) for r in np.unique(sp["rank"].to_numpy(np.int64)[is_pp_span]))
 
     co = run.collectives
+    co = co[co["comm"].to_numpy(bool)]   # only communication (runmodel.device_comm)
     # each collective's channel (dim, op, part) is a set after the span sets
-    chan_codes, chans = _channels(run, pipeline_ranks, issued_outside_compute(sp, sp_set, co))
+    chan_codes, chans = _channels(run, pipeline_ranks, issued_outside_compute(sp, sp_set, co), co)
     n_chan = len(chans)
     cap = run.captures
 
     sp_rank, sp_start, sp_end = (sp[c].to_numpy(np.int64) for c in ("rank", "start_ns", "end_ns"))
     other_span = (sp_set >= 0) & ~np.isin(sp_set, COMPUTE_SETS)
     phases = innermost(*(a[np.isin(sp_set, COMPUTE_SETS)] for a in (sp_rank, sp_set, sp_start, sp_end)))
-    key = np.concatenate([sp_rank[other_span], phases[0], co["rank"].to_numpy(np.int64),
+    device = np.isin(sp_set, COMPUTE_SETS) & (sp["source"].astype(str).to_numpy() == "cuda_event")
+    key = np.concatenate([sp_rank[other_span], phases[0], sp_rank[device], co["rank"].to_numpy(np.int64),
                           cap["rank"].to_numpy(np.int64)])
-    start = np.concatenate([sp_start[other_span], phases[2], co["issue_ns"].to_numpy(np.int64),
+    start = np.concatenate([sp_start[other_span], phases[2], sp_start[device], co["comm_start_ns"].to_numpy(np.int64),
                             cap["start_ns"].to_numpy(np.int64)])
-    end = np.concatenate([sp_end[other_span], phases[3], co["exit_ns"].to_numpy(np.int64),
+    end = np.concatenate([sp_end[other_span], phases[3], sp_end[device], co["exit_ns"].to_numpy(np.int64),
                           cap["end_ns"].to_numpy(np.int64)])
-    sset = np.concatenate([sp_set[other_span], phases[1], N_SPAN_SETS + chan_codes, np.full(len(cap), CAPTURE)])
+    sset = np.concatenate([sp_set[other_span], phases[1], np.full(device.sum(), DEVICE), N_SPAN_SETS + chan_codes,
+                           np.full(len(cap), CAPTURE)])
     item, win, s, e = split_over_windows(wr, ws, we, key, start, end)
     sset = sset[item]
     # a rank-step that runs pipeline ops: its whole window is pipeline time
@@ -173,7 +183,11 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     chan_cov = np.stack(cov[N_SPAN_SETS:]) if n_chan else np.zeros((0, len(seg)), bool)
     n_cover = chan_cov.sum(axis=0)
     waiting = cov[COMM_WAIT]
-    comm_time = waiting | (~compute & (n_cover > 0))   # case 1 or 3 of the module docstring
+    gpu_wait = waiting & cov[DEVICE]   # case 0 of the module docstring
+    # blocked on communication: on a GPU rank only while a collective communicates (none: the host's own time)
+    cpu_win = ~np.isin(wr, run.gpu_ranks)
+    blocked = waiting & ~cov[DEVICE] & ((n_cover > 0) | cpu_win[g])
+    comm_time = blocked | (~compute & (n_cover > 0))   # case 1 or 3 of the module docstring
 
     def total(mask, weight=None):
         w = seg if weight is None else seg * weight
@@ -183,6 +197,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         "optimizer": total(~waiting & cov[OPTIMIZER]),   # compute sets never overlap (innermost phase only)
         "backward": total(~waiting & cov[BACKWARD]),
         "forward": total(~waiting & cov[FORWARD]),
+        "gpu_wait": total(gpu_wait),
         "data_wait": total(~comm_time & ~compute & ~cov[CAPTURE] & cov[DATA_WAIT]),
         "exposed_comm": np.zeros(n_win), "comm_outside_fwd_bwd": np.zeros(n_win), "bubble": np.zeros(n_win),
     }
@@ -194,7 +209,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         if ch.part == "exposed_comm":
             exposed_rows.append((ch.dim, ch.op, t))
     parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & ~cov[CAPTURE] & cov[PIPE_REGION])
-    orphan = total(waiting & (n_cover == 0))   # blocked, but no collective of this rank in flight
+    orphan = total(blocked & (n_cover == 0))   # blocked, but no collective of this rank in flight (a CPU rank)
     parts["exposed_comm"] += orphan
     exposed_rows.append((NO_DIM, UNKNOWN_OP, orphan))
 

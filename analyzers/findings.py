@@ -24,6 +24,14 @@ pipeline_overhead -> no_pipeline_gaps, straggler -> straggler_removed (its reaso
 - ``low_gpu_util``: mean SM utilisation below 50 % on a GPU, with the likeliest cause among data wait, exposed
   communication, throttling, else host overhead;
 - ``data_wait``: waiting for input (the step breakdown's part, mean over ranks) above 10 % of step time;
+- why the GPU is slow, from a kernel-level sample (summary ``gpu_time``, analyzers/kernel_breakdown.py), when MFU
+  is below ``LOW_MFU`` (30 %) or unknown; each names the fix and its gain, how it was derived and that it is an
+  upper bound: ``gpu_elementwise`` (elementwise and normalisation kernels >= 10 % of the GPU's kernel time: fusing
+  them, as torch.compile does, saves at most that share), ``gpu_launch_bound`` (the GPU idles >= 10 % of its kernel
+  time waiting for the host to launch the next kernel: CUDA graphs or a larger batch save at most that share),
+  ``gpu_busy_slow`` (MFU known and low while the GPU idles < 10 %: the kernels are slow, not the host; at most
+  1 − MFU, the step at the peak); ``low_mfu_no_kernel_sample`` (MFU low on a GPU and no kernel-level sample to
+  say why);
 - ``cpu_contention``: the ranks' training threads waited for a CPU (summary ``cpu_wait``: runnable but not running)
   more than 10 % of the mean step: the cores are oversubscribed, and a rank slowed by it is not a straggler of its
   own (stragglers.py does not count that wait as its work).
@@ -45,6 +53,10 @@ MEMORY_FRAC_CRITICAL = 0.90
 GPU_UTIL_PCT = 50.0
 DATA_WAIT_FRAC = 0.10
 CPU_WAIT_FRAC = 0.10
+LOW_MFU = 0.30
+ELEMENTWISE_FRAC = 0.10
+LAUNCH_IDLE_FRAC = 0.10
+BUSY_IDLE_FRAC = 0.10
 
 
 def _ok(x) -> bool:
@@ -290,8 +302,89 @@ def cpu_contention(summary: dict, analysis) -> list[dict]:
         "jobs on the node, ranks pinned to cores (numactl, taskset).", "breakdown")]
 
 
+def _low_mfu(summary: dict) -> tuple[bool, str]:
+    """(MFU is low or unknown, how it reads in a message)."""
+    mfu = (summary.get("mfu") or {}).get("value")
+    if not _ok(mfu):
+        return True, "MFU unknown"
+    return mfu < LOW_MFU, f"MFU {mfu:.1%}"
+
+
+def _sampled(gt: dict) -> str:
+    return (f"{gt['ranks']} rank(s), {gt['kernels_per_step']:.0f} kernels per step, median kernel "
+            f"{gt['median_kernel_s'] * 1e6:.1f} µs" if _ok(gt.get("kernels_per_step")) else f"{gt['ranks']} rank(s)")
+
+
+def gpu_elementwise(summary: dict, analysis) -> list[dict]:
+    gt, (low, mfu) = summary.get("gpu_time"), _low_mfu(summary)
+    frac = ((gt or {}).get("class_frac") or {}).get("elementwise_norm")
+    if not (low and _ok(frac) and frac >= ELEMENTWISE_FRAC):
+        return []
+    return [finding(
+        "gpu_elementwise", "warning",
+        f"Elementwise and normalisation kernels take {frac:.0%} of the GPU's time ({mfu}; kernel sample of "
+        f"{_sampled(gt)}): fusing them saves at most that much of the GPU's time",
+        {"elementwise_norm_frac": frac, "saving_frac": frac, "saving_is_upper_bound": True,
+         "derived": "|union of elementwise and normalisation kernels| ÷ GPU kernel time of the sampled steps; an "
+                    "upper bound: fused kernels still read and write their inputs once, and a host-bound step "
+                    "gains nothing", "threshold_frac": ELEMENTWISE_FRAC, "mfu_threshold": LOW_MFU},
+        "Fuse the memory-bound kernels: torch.compile (Inductor fuses elementwise, normalisation and softmax "
+        "chains), fused optimizers (foreach/fused=True), fused attention (scaled_dot_product_attention).", "gpu")]
+
+
+def gpu_launch_bound(summary: dict, analysis) -> list[dict]:
+    gt, (low, mfu) = summary.get("gpu_time"), _low_mfu(summary)
+    frac = (gt or {}).get("launch_idle_frac")
+    if not (low and _ok(frac) and frac >= LAUNCH_IDLE_FRAC):
+        return []
+    return [finding(
+        "gpu_launch_bound", "warning",
+        f"The GPU idles {frac:.0%} of its time waiting for the host to launch the next kernel ({mfu}; "
+        f"{_sampled(gt)}): the step is launch-bound; removing the gaps saves at most that much",
+        {"launch_idle_frac": frac, "saving_frac": frac, "saving_is_upper_bound": True,
+         "kernels_per_step": gt.get("kernels_per_step"), "median_kernel_s": gt.get("median_kernel_s"),
+         "derived": "idle stretches (no kernel on any stream) whose next kernel's CPU launch came after the GPU went "
+                    "idle, summed ÷ GPU kernel time of the sampled steps; an upper bound: faster launching only "
+                    "removes the gaps", "threshold_frac": LAUNCH_IDLE_FRAC, "mfu_threshold": LOW_MFU},
+        "Launch fewer, larger kernels: CUDA graphs (torch.compile mode=\"reduce-overhead\", torch.cuda.graphs), "
+        "a larger batch per step, fewer host syncs (.item(), logging) inside the step.", "gpu")]
+
+
+def gpu_busy_slow(summary: dict, analysis) -> list[dict]:
+    gt = summary.get("gpu_time")
+    mfu = (summary.get("mfu") or {}).get("value")
+    idle = (gt or {}).get("idle_frac")
+    if not (_ok(mfu) and mfu < LOW_MFU and _ok(idle) and idle < BUSY_IDLE_FRAC):
+        return []
+    cf = gt.get("class_frac") or {}
+    mm = sum(cf.get(c) or 0.0 for c in ("matmul", "attention"))
+    return [finding(
+        "gpu_busy_slow", "warning",
+        f"The GPU is busy ({idle:.0%} idle) and still reaches MFU {mfu:.1%}: its kernels are slow, not the host "
+        f"(matmul and attention {mm:.0%} of its time); faster kernels save at most {1 - mfu:.0%} of the step",
+        {"mfu": mfu, "idle_frac": idle, "matmul_attention_frac": mm, "saving_frac": 1 - mfu,
+         "saving_is_upper_bound": True,
+         "derived": "1 − MFU: the step at the device's peak FLOP/s; an upper bound no real kernel reaches",
+         "threshold_idle_frac": BUSY_IDLE_FRAC, "mfu_threshold": LOW_MFU},
+        "Make the kernels efficient: bf16/fp16 autocast or TF32 matmuls (fp32 runs far below the tensor-core "
+        "peak), matrix sizes in multiples of 64, fused attention, larger per-kernel work.", "gpu")]
+
+
+def low_mfu_no_kernel_sample(summary: dict, analysis) -> list[dict]:
+    mfu = (summary.get("mfu") or {}).get("value")
+    on_gpu = bool((summary.get("breakdown") or {}).get("gpu_ranks"))
+    if not (on_gpu and _ok(mfu) and mfu < LOW_MFU and summary.get("gpu_time") is None):
+        return []
+    return [finding(
+        "low_mfu_no_kernel_sample", "info",
+        f"MFU {mfu:.1%} on a GPU, and this run has no kernel-level sample to say why",
+        {"mfu": mfu, "mfu_threshold": LOW_MFU},
+        "Record again with `dtprof run` (on a GPU it samples a few steps' kernels by default) or `--trace-steps "
+        "A:B`: the findings then name the cause (fusable kernels, launch gaps, slow kernels) and its gain.", "gpu")]
+
+
 RULES = (pipeline_bubble, pipeline_overhead, exposed_comm, low_busbw, straggler, memory_high, low_gpu_util,
-         data_wait, cpu_contention)
+         data_wait, cpu_contention, gpu_elementwise, gpu_launch_bound, gpu_busy_slow, low_mfu_no_kernel_sample)
 
 
 def find(summary: dict, analysis) -> list[dict]:

@@ -12,6 +12,15 @@ docs/metrics.md "GPU time" cites them):
   otherwise. Summed over streams, given as shares of that summed idle time.
 - overlap = |merged compute ∩ merged comm| ÷ |merged comm| per rank (NaN without comm kernels).
 
+dtprof's additions (docs/metrics.md "Why the GPU is slow"):
+- ``class_frac``: per class of analyzers/kernels.py ``kernel_class`` (matmul, attention, elementwise_norm,
+  communication, memory, other), |union of its kernels| ÷ kernel time; with ``idle_frac`` it answers where the
+  GPU's time went (classes on concurrent streams overlap, so the shares can sum past 1).
+- ``launch_idle_frac``: the idle stretches of the rank (no kernel on any stream) after which the next kernel was
+  launched by the host (its CPU launch) only after the GPU had gone idle, summed ÷ kernel time: the GPU waiting
+  for the host to launch work (launch-bound). None without launch times.
+- ``kernels_per_step``: kernels ÷ the steps they ran in; ``median_kernel_s``: the median kernel duration.
+
 Windows (``window=``): "all" (dtprof's default: every kernel span of the rank, the last step included because
 it is real work) or "hta": kernels launched before the start of the rank's last ProfilerStep, as HTA filters
 (a kernel without a recorded launch is dropped, as HTA's join on the correlation id drops it; on a run without
@@ -22,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.kernels import kernel_category
+from dtprof.analyzers.kernels import KERNEL_CLASSES, kernel_category, kernel_class
 
 KERNEL_WAIT_NS = 30_000
 WINDOWS = ("all", "hta")
@@ -31,15 +40,32 @@ TOP_KERNELS = 20
 
 def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Union of intervals as sorted, disjoint [start, end) arrays."""
+    s, e, _ = _union_first(start, end)
+    return s, e
+
+
+def _union_first(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_union`` and, per merged interval, the input interval that opens it (its index)."""
     if not len(start):
-        return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
     order = np.argsort(start, kind="stable")
     s, e = start[order], end[order]
     prev_end = np.maximum.accumulate(e)
     new = np.ones(len(s), bool)
     new[1:] = s[1:] > prev_end[:-1]
     idx = np.flatnonzero(new)
-    return s[idx], np.maximum.reduceat(e, idx)
+    return s[idx], np.maximum.reduceat(e, idx), order[idx]
+
+
+def _launch_idle_ns(s: np.ndarray, e: np.ndarray, launch: np.ndarray) -> int | None:
+    """The rank's idle stretches whose next kernel the host launched after the GPU went idle, summed (ns); None
+    when no kernel has a launch time."""
+    if np.isnan(launch).all():
+        return None
+    us, ue, first = _union_first(s, e)
+    gap = us[1:] - ue[:-1]
+    late = launch[first[1:]] > ue[:-1]   # NaN (launch unknown) compares False: not counted
+    return int(gap[late].sum())
 
 
 def _intersection_length(a_s, a_e, b_s, b_e) -> int:
@@ -66,7 +92,7 @@ def _kernels(spans: pd.DataFrame, steps: pd.DataFrame | None, window: str) -> pd
         t = np.where(has_launch, k["launch_ns"].astype("Float64").fillna(np.inf).to_numpy(float),
                      k["start_ns"].to_numpy(float))
         k = k[t < last]
-    return k.assign(category=kernel_category(k["name"]))
+    return k.assign(category=kernel_category(k["name"]), kernel_class=kernel_class(k["name"]))
 
 
 def _idle_causes(g: pd.DataFrame) -> dict:
@@ -98,7 +124,13 @@ def _rank_time(g: pd.DataFrame) -> dict:
     ms, me = parts["communication"]
     idle = kernel_time - busy
     frac = (lambda x: x / kernel_time) if kernel_time else (lambda x: None)
-    return {"kernel_time_s": kernel_time / 1e9, "idle_frac": frac(idle), "compute_frac": frac(length["computation"]),
+    cls = g["kernel_class"].to_numpy()
+    class_frac = {c: frac(int((lambda u: (u[1] - u[0]).sum())(_union(s[cls == c], e[cls == c]))))
+                  for c in KERNEL_CLASSES}
+    launch_idle = _launch_idle_ns(s, e, g["launch_ns"].astype("Float64").to_numpy(float, na_value=np.nan))
+    return {"class_frac": class_frac, "launch_idle_frac": None if launch_idle is None else frac(launch_idle),
+            "median_kernel_s": float(np.median(e - s)) / 1e9 if len(s) else None,
+            "kernel_time_s": kernel_time / 1e9, "idle_frac": frac(idle), "compute_frac": frac(length["computation"]),
             "non_compute_frac": frac(kernel_time - length["computation"] - idle),
             "comm_frac": frac(length["communication"]), "memory_frac": frac(length["memory"]),
             "comm_compute_overlap_frac": (_intersection_length(ms, me, cs, ce) / length["communication"]
@@ -117,7 +149,9 @@ def gpu_time(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str
             "idle_frac": t["idle_frac"], "compute_frac": t["compute_frac"],
             "non_compute_frac": t["non_compute_frac"], "comm_frac": t["comm_frac"],
             "memory_frac": t["memory_frac"], "comm_compute_overlap_frac": t["comm_compute_overlap_frac"],
-            "kernel_time_s": t["kernel_time_s"],
+            "kernel_time_s": t["kernel_time_s"], "class_frac": t["class_frac"],
+            "launch_idle_frac": t["launch_idle_frac"], "median_kernel_s": t["median_kernel_s"],
+            "kernels_per_step": len(g) / len(counted_steps) if counted_steps else None,
             "window": {"name": window, "steps": counted_steps, "kernels": int(len(g)),
                        "streams": sorted(str(x) for x in g["lane"].unique()),
                        "start_ns": t["start_ns"], "end_ns": t["end_ns"],
@@ -139,9 +173,18 @@ def top_kernels(spans: pd.DataFrame, n: int = TOP_KERNELS) -> list[dict]:
         ["sum", "count"], ascending=[False, False], kind="stable").head(n)
     total = int(d["dur"].sum())
     cat = kernel_category(pd.Series(agg.index))
-    return [{"name": name, "category": str(c), "count": int(r["count"]), "time_s": int(r["sum"]) / 1e9,
-             "share": int(r["sum"]) / total if total else None, "mean_s": int(r["sum"]) / int(r["count"]) / 1e9}
-            for (name, r), c in zip(agg.iterrows(), cat)]
+    cls = kernel_class(pd.Series(agg.index))
+    return [{"name": name, "category": str(c), "class": str(k), "count": int(r["count"]),
+             "time_s": int(r["sum"]) / 1e9, "share": int(r["sum"]) / total if total else None,
+             "mean_s": int(r["sum"]) / int(r["count"]) / 1e9}
+            for (name, r), c, k in zip(agg.iterrows(), cat, cls)]
+
+
+def _weighted(values: list, w: np.ndarray) -> float | None:
+    """The ``w``-weighted mean of the known ``values`` (None where none is known)."""
+    v = np.array([np.nan if x is None else x for x in values], float)
+    ok = ~np.isnan(v) & (w > 0)
+    return float(np.sum(v[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
 
 
 def job_gpu_time(per_rank: dict) -> dict | None:
@@ -153,15 +196,14 @@ def job_gpu_time(per_rank: dict) -> dict | None:
     kt = np.array([g["kernel_time_s"] for g in ranks])
 
     def mean(key, w):
-        v = np.array([np.nan if g[key] is None else g[key] for g in ranks], float)
-        ok = ~np.isnan(v) & (w > 0)
-        return float(np.sum(v[ok] * w[ok]) / np.sum(w[ok])) if ok.any() else None
+        return _weighted([g[key] for g in ranks], w)
 
     comm_w = kt * np.array([g["comm_frac"] for g in ranks])
     idle_w = np.array([g["idle_causes"]["stream_idle_s"] for g in ranks])
     causes = {c: (float(np.sum(idle_w * [g["idle_causes"][c] or 0 for g in ranks]) / idle_w.sum())
                   if idle_w.sum() else None) for c in ("host_wait", "kernel_wait", "other")}
     return {**{k: mean(k, kt) for k in ("idle_frac", "compute_frac", "non_compute_frac", "comm_frac",
-                                        "memory_frac")},
+                                        "memory_frac", "launch_idle_frac", "median_kernel_s", "kernels_per_step")},
+            "class_frac": {c: _weighted([g["class_frac"][c] for g in ranks], kt) for c in KERNEL_CLASSES},
             "comm_compute_overlap_frac": mean("comm_compute_overlap_frac", comm_w),
             "idle_causes": causes, "ranks": len(ranks), "window": ranks[0]["window"]["name"]}

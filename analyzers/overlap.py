@@ -2,8 +2,12 @@
 
 For each rank and step, with every set merged first (a union, so nested or concurrent intervals count once):
 - compute = union of compute spans (forward, backward, optimizer, pp_forward, pp_backward) minus the union of
-  ``comm_wait`` spans: time blocked on communication is not compute, or the overlap ratio would mean nothing;
-- comm = union of collective intervals ``[issue_ns, exit_ns]`` (the run model's collectives);
+  ``comm_wait`` spans: time blocked on communication is not compute, or the overlap ratio would mean nothing; a
+  compute span timed on the GPU (source ``cuda_event``) is not cut by host waits (the host waiting does not stop
+  the GPU);
+- comm = union of collective intervals ``[comm_start_ns, exit_ns]`` of the run model's collectives that are
+  communication (``runmodel.device_comm``: on a CPU rank from the call's issue; on a GPU rank NCCL's device-side
+  duration where timed, and never a one-rank group's);
 - overlap ratio = |comm ∩ compute| / |comm| (null for a step without communication);
 - exposed communication = |comm \\ compute|, the time the rank could only communicate;
 - comm_wait_s = union length of ``comm_wait`` spans;
@@ -37,7 +41,7 @@ from dtprof.schema import COMPUTE_KINDS
 
 NS = 1e9
 
-COMPUTE, COMM_WAIT, COMM, DATA_WAIT, NOT_INPUT = 0, 1, 2, 3, 4
+COMPUTE, COMM_WAIT, COMM, DATA_WAIT, NOT_INPUT, DEVICE = 0, 1, 2, 3, 4, 5
 PP_KINDS = ("pp_forward", "pp_backward")
 P2P_OPS = ("send", "recv")
 
@@ -112,6 +116,7 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     h_data = _codes(kind, ["data_wait"])
 
     co = run.collectives
+    co = co[co["comm"].to_numpy(bool)]
     c_kineto = _codes(co["source"], ["kineto"])
     c_end = co["exit_ns"].to_numpy(np.int64)
 
@@ -126,20 +131,22 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     sp_kernel_win = has_kernel[sp_win]
 
     co_rank = co["rank"].to_numpy(np.int64)
-    co_start = co["issue_ns"].to_numpy(np.int64)
-    co_win = assign_to_windows(wr, ws, we, co_rank, co_start)
+    co_issue = co["issue_ns"].to_numpy(np.int64)
+    co_start = co["comm_start_ns"].to_numpy(np.int64)
+    co_win = assign_to_windows(wr, ws, we, co_rank, co_issue)
     co_kernel_win = has_kernel[co_win]
 
     # Set membership of each span (-1 = not used).
     sp_set = np.full(len(sp), -1, np.int8)
     sp_set[h_compute & ~sp_kernel_win] = COMPUTE
+    sp_set[h_compute & ~sp_kernel_win & _codes(sp["source"], ["cuda_event"])] = DEVICE
     sp_set[h_wait & ~sp_kernel_win] = COMM_WAIT
     sp_set[h_data] = DATA_WAIT
     sp_set[k_compute] = COMPUTE
     sp_set[k_comm] = COMM
     co_set = np.where(c_kineto == co_kernel_win, COMM, -1).astype(np.int8)
 
-    ni_win, ni_start, ni_end = _not_input(sp_win, sp_start, _codes(kind, PP_KINDS), co_win, co_start,
+    ni_win, ni_start, ni_end = _not_input(sp_win, sp_start, _codes(kind, PP_KINDS), co_win, co_issue,
                                           _codes(co["op"], P2P_OPS), windows, run.captures)
     win = np.concatenate([sp_win, co_win, ni_win])
     sset = np.concatenate([sp_set, co_set, np.full(len(ni_win), NOT_INPUT, np.int8)])
@@ -153,10 +160,10 @@ def rank_step_overlap(run, windows: pd.DataFrame) -> OverlapResult:
     start = np.maximum(start, ws[win])
     end = np.minimum(end, we[win])
 
-    r = measure(win, sset, start, end, n_win, 5, {
-        "compute": lambda c: c[COMPUTE] & ~c[COMM_WAIT],
+    r = measure(win, sset, start, end, n_win, 6, {
+        "compute": lambda c: (c[COMPUTE] & ~c[COMM_WAIT]) | c[DEVICE],
         "comm": lambda c: c[COMM],
-        "overlap": lambda c: c[COMM] & c[COMPUTE] & ~c[COMM_WAIT],
+        "overlap": lambda c: c[COMM] & ((c[COMPUTE] & ~c[COMM_WAIT]) | c[DEVICE]),
         "comm_wait": lambda c: c[COMM_WAIT],
         "data_wait": lambda c: c[DATA_WAIT] & ~c[NOT_INPUT],
     })

@@ -707,6 +707,51 @@ def config_differences(base: Sequence[dict], head: Sequence[dict]) -> list[dict]
 PROBE_TOLERANCE = 0.15
 
 
+# Which device bounds the steps (docs/compare.md, "Which probe"): the GPU's busy share of the measured steps, from a
+# kernel sample where the run has one (1 - gpu_time.idle_frac, kernel level), else NVML's utilisation (the share of
+# time a kernel ran; summary gpus[].sm_util_mean_pct over the measured steps, mean over GPUs). At GPU_BOUND or more
+# the host's share of the step is at most a quarter: the GPU bounds it, and only the GPU probe can explain a change;
+# at HOST_BOUND or less the GPU waits for the host most of the step: only the CPU probe can; between, both.
+GPU_BOUND = 0.75
+HOST_BOUND = 0.25
+
+
+def gpu_busy(summary: dict) -> tuple[float | None, str]:
+    """(the GPU's busy share of the run's measured steps, its source); (None, why) without one."""
+    gt = summary.get("gpu_time") or {}
+    if isinstance(gt.get("idle_frac"), (int, float)):
+        return 1.0 - float(gt["idle_frac"]), "kernel sample (1 - GPU idle share of kernel time)"
+    util = [g.get("sm_util_mean_pct") for g in summary.get("gpus") or []]
+    util = [float(u) for u in util if isinstance(u, (int, float)) and not math.isnan(u)]
+    if util:
+        return float(np.mean(util)) / 100, "NVML GPU utilisation over the measured steps"
+    return None, "no GPU busy figure (no kernel sample, no NVML samples)"
+
+
+def bounding_device(base: Sequence[dict], head: Sequence[dict]) -> dict:
+    """Which machine probe can explain a change of these runs' steps: ``{device: "gpu" | "cpu" | "both", why}``
+    (module note above GPU_BOUND); every run must agree for one device alone."""
+    runs = list(base) + list(head)
+    on_gpu = [bool(lookup(s, "run.probe.gpu_start_s")) or bool(s.get("gpus")) for s in runs]
+    if not any(on_gpu):
+        return {"device": "cpu", "busy": None, "why": "no GPU in these runs"}
+    busy = [gpu_busy(s) for s in runs]
+    known = [b for b, _ in busy if b is not None]
+    if len(known) < len(runs):
+        return {"device": "both", "busy": None, "why": next(w for b, w in busy if b is None)}
+    lo, hi = min(known), max(known)
+    src = "; ".join(sorted({w for _, w in busy}))
+    share = f"{lo:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%}-{hi:.0%}"
+    if lo >= GPU_BOUND:
+        why = f"GPU-bound: the GPU is busy {share} of the steps ({src}), at least {GPU_BOUND:.0%}"
+        return {"device": "gpu", "busy": [lo, hi], "why": why}
+    if hi <= HOST_BOUND:
+        why = f"host-bound: the GPU is busy {share} of the steps ({src}), at most {HOST_BOUND:.0%}"
+        return {"device": "cpu", "busy": [lo, hi], "why": why}
+    return {"device": "both", "busy": [lo, hi],
+            "why": f"the GPU is busy {share} of the steps ({src}): host and GPU both bound them"}
+
+
 def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: float = DEFAULT_CONFIDENCE,
                  n_boot: int = DEFAULT_N_BOOT, seed: int = 0, kind: str = "cpu") -> dict | None:
     """Ratio of the ``kind`` probe's (``cpu`` or ``gpu``) median time head ÷ base with its bootstrap interval (runs,

@@ -5,7 +5,10 @@ that used to be derived again in each of them. Analyzers, the HTML report and it
 compare and triage read these columns; none derives them again.
 
 - ``collectives`` = the run's collectives plus ``exit_ns``: when the operation was seen to end (``end_ns``, else
-  ``return_ns`` when completion was never seen). Loaded on first use: only the views that draw rows read it.
+  ``return_ns`` when completion was never seen), ``comm`` (whether it is communication) and ``comm_start_ns`` (when
+  its communication began, as far as known): ``device_comm``. Loaded on first use: only the views that draw rows
+  read it.
+- ``gpu_ranks``: the ranks whose device is a GPU (the ranks table's ``device_type`` "cuda").
 - ``clock``: one clock model per host (``analyzers/clock.py``: offset + drift fitted on collective exits against
   the reference host, ``residual_ns`` the stated uncertainty), from the exits reduced per (instance, host)
   (``clock.exit_sums``): the node summaries' (source "summaries", a node without one reduced here from its own
@@ -72,7 +75,11 @@ class RunModel:
 
     @cached_property
     def collectives(self) -> pd.DataFrame:
-        return with_exit(self.run.collectives)
+        return device_comm(with_exit(self.run.collectives), self.gpu_ranks)
+
+    @cached_property
+    def gpu_ranks(self) -> np.ndarray:
+        return gpu_ranks(self.run.ranks)
 
     def __getattr__(self, name: str) -> Any:
         if name == "spans" and self.span_slice is not None:
@@ -110,6 +117,27 @@ def with_exit(collectives: pd.DataFrame) -> pd.DataFrame:
     c = collectives
     exit_ns = c["end_ns"].astype("Int64").fillna(c["return_ns"]).to_numpy(np.int64) if len(c) else np.zeros(0, np.int64)
     return c.assign(exit_ns=exit_ns)
+
+
+def gpu_ranks(ranks: pd.DataFrame) -> np.ndarray:
+    """The ranks whose device is a GPU (sorted)."""
+    on_gpu = ranks["device_type"].astype(str).to_numpy() == "cuda"
+    return np.unique(ranks["rank"].to_numpy(np.int64)[on_gpu])
+
+
+def device_comm(c: pd.DataFrame, gpus: np.ndarray) -> pd.DataFrame:
+    """``c`` (with ``exit_ns``) plus ``comm`` and ``comm_start_ns`` (docs/metrics.md, "Step breakdown", "Waiting for
+    the GPU"). On a GPU rank a collective's host call is not its communication: a one-rank group's collective
+    communicates nothing (``comm`` False), and where NCCL timed the work on the device (``gpu_duration_ns``) its
+    communication is that long, ending at its completion: ``comm_start_ns`` = max(issue, exit - GPU duration). On a
+    CPU rank the host call is the communication (``comm`` True, ``comm_start_ns`` = ``issue_ns``)."""
+    issue = c["issue_ns"].to_numpy(np.int64)
+    on_gpu = np.isin(c["rank"].to_numpy(np.int64), gpus)
+    dur = c["gpu_duration_ns"].astype("Int64").to_numpy(np.int64, na_value=-1) if len(c) else np.zeros(0, np.int64)
+    timed = on_gpu & (dur >= 0)
+    start = np.where(timed, np.maximum(issue, c["exit_ns"].to_numpy(np.int64) - dur), issue)
+    one = c["group_size"].to_numpy(np.int64) == 1
+    return c.assign(comm=~(on_gpu & one), comm_start_ns=start)
 
 
 def captures(meta: pd.DataFrame) -> pd.DataFrame:

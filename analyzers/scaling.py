@@ -83,7 +83,9 @@ def run_facts(name: str, summary: dict) -> dict:
         lost_strag = sum(float(s.get("time_lost_s") or 0.0) for s in strag if isinstance(s, dict)) / n_steps
     if parts is not None:   # the partition of the step (breakdown.per_step): lost time splits into its parts exactly
         t = sum(parts.values())
-        part_s: dict[str, float | None] = {"compute": parts["forward"] + parts["backward"] + parts["optimizer"],
+        # a GPU rank's host waiting for its GPU is the GPU's compute (docs/metrics.md, "Waiting for the GPU")
+        compute = parts["forward"] + parts["backward"] + parts["optimizer"] + parts.get("gpu_wait", 0.0)
+        part_s: dict[str, float | None] = {"compute": compute,
                   "comm": parts["exposed_comm"], "bubble": parts["bubble"], "data_wait": parts["data_wait"],
                   "other": parts["other"]}
         basis = "mean step of the critical rank (breakdown.per_step)"

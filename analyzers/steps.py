@@ -211,6 +211,10 @@ def step_stats(model) -> dict:
                  "warmup_source": model.warmup_source, "traced_steps": [int(x) for x in job.loc[job["traced"], "step"]],
                  "flops_counted_steps": [int(x) for x in job.loc[job["flops_counted"], "step"]],
                  "detailed_count": int(job["measured"].sum()), "boundary_only_count": int(job["boundary_only"].sum())}
+    traced = job.loc[job["traced"], "time_s"].to_numpy(float)
+    # what a trace capture (--trace-steps, the default kernel sample) cost the job: its steps' extra time over a
+    # typical measured step (docs/metrics.md, "Why the GPU is slow")
+    out["traced_cost_s"] = float(np.sum(traced - np.median(t))) if len(traced) and len(t) else None
     if len(t):
         p50, p90, p99 = np.percentile(t, [50, 90, 99])
         mean = float(t.mean())

@@ -2,7 +2,7 @@
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
 DataFrames behind each figure. ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
-``format_summary_text(summary)`` is the short per-rank table the launcher prints at the end of a job.
+``format_summary_text`` (reports/terminal.py) prints the short per-rank table at the end of a job.
 
 The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
 command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
@@ -93,7 +93,10 @@ def _run_block(run) -> dict:
     if not out["hosts"]:
         out["hosts_reason"] = "not recorded" + (" in an imported trace" if status == "imported" else "")
     out.update(_rank_coverage(run))
+    out["restarts"] = run.restarts
+    out["attempts"] = {str(r): a for r, a in sorted(run.attempts.items())}
     return out
+
 
 
 def _rank_coverage(run) -> dict:
@@ -246,10 +249,12 @@ def _evaluation_block(spans: pd.DataFrame, steps: pd.DataFrame) -> dict | None:
             "wall_frac": total_s / ((last - first) / 1e9) if last > first else None}
 
 
-def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int]) -> dict:
-    """summary.json ``breakdown``: the parts' order and the mean over ranks of each rank's breakdown."""
+def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int], gpu_ranks: list[int]) -> dict:
+    """summary.json ``breakdown``: the parts' order (``gpu_wait`` only where a rank has a GPU: a CPU rank's is 0 by
+    definition) and the mean over ranks of each rank's breakdown."""
     rows = [r for r in ranks if r.get("breakdown_s_per_step")]
-    out: dict = {"parts": list(breakdown_mod.PARTS), "pipeline_ranks": pipeline_ranks}
+    parts = [p for p in breakdown_mod.PARTS if p != "gpu_wait" or gpu_ranks]
+    out: dict = {"parts": parts, "pipeline_ranks": pipeline_ranks, "gpu_ranks": gpu_ranks}
     if not rows:
         out["mean_over_ranks_s_per_step"] = None
         out["mean_over_ranks_s_per_step_reason"] = "no measured steps"
@@ -394,7 +399,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     }
     summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
     summary["evaluation"] = _evaluation_block(spans_view.spans, model.steps)
-    summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks)
+    summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks, model.gpu_ranks.tolist())
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:
         summary.update(replay=None, what_if=[], critical_path=None,

@@ -53,7 +53,7 @@ COMPUTE_PARTS = (FORWARD, BACKWARD, OPTIMIZER)
 WAIT, ARRIVE, WORKI = 0, 1, 2          # item kinds, in their order at equal times
 P2P_OPS = ("send", "recv")
 # interval sets of the timeline
-S_WIN, S_OPT, S_BWD, S_FWD, S_CWAIT, S_DATA, S_COLL, S_CAP = range(8)
+S_WIN, S_OPT, S_BWD, S_FWD, S_CWAIT, S_DATA, S_COLL, S_CAP, S_DEV = range(9)
 SPAN_SETS = {"optimizer": S_OPT, "backward": S_BWD, "pp_backward": S_BWD, "forward": S_FWD, "pp_forward": S_FWD,
              "comm_wait": S_CWAIT, "data_wait": S_DATA}
 # a blocked stretch with no exit inside waits for a collective only if one exits this close after it (a wait that
@@ -214,6 +214,7 @@ def rank_items(model) -> RankItems:
         stage = {int(r): int(s) for r, s in st.groupby("rank")["stage"].min().items()}
 
     co = own_records(model.collectives)
+    co = co[co["comm"].to_numpy(bool)].reset_index(drop=True)   # only communication (runmodel.device_comm)
     c_rank = co["rank"].to_numpy(np.int64)
     c_issue = co["issue_ns"].to_numpy(np.int64)
     c_exit = co["exit_ns"].to_numpy(np.int64)
@@ -227,20 +228,25 @@ def rank_items(model) -> RankItems:
     ph_rank, ph_set, ph_start, ph_end = innermost(sp_rank[is_phase], sp_set[is_phase], sp_start[is_phase],
                                                   sp_end[is_phase])
     other = (sp_set >= 0) & ~is_phase
+    dev = is_phase & (sp["source"].astype(str).to_numpy() == "cuda_event")   # compute timed on the GPU
     cap = model.captures
-    key = np.concatenate([wr, sp_rank[other], ph_rank, c_rank, cap["rank"].to_numpy(np.int64)])
-    start = np.concatenate([ws, sp_start[other], ph_start, c_issue, cap["start_ns"].to_numpy(np.int64)])
-    end = np.concatenate([we, sp_end[other], ph_end, c_exit, cap["end_ns"].to_numpy(np.int64)])
-    sset = np.concatenate([np.full(len(wr), S_WIN), sp_set[other], ph_set, np.full(len(co), S_COLL),
-                           np.full(len(cap), S_CAP)])
+    key = np.concatenate([wr, sp_rank[other], ph_rank, sp_rank[dev], c_rank, cap["rank"].to_numpy(np.int64)])
+    start = np.concatenate([ws, sp_start[other], ph_start, sp_start[dev], co["comm_start_ns"].to_numpy(np.int64),
+                            cap["start_ns"].to_numpy(np.int64)])
+    end = np.concatenate([we, sp_end[other], ph_end, sp_end[dev], c_exit, cap["end_ns"].to_numpy(np.int64)])
+    sset = np.concatenate([np.full(len(wr), S_WIN), sp_set[other], ph_set, np.full(dev.sum(), S_DEV),
+                           np.full(len(co), S_COLL), np.full(len(cap), S_CAP)])
     item, win, s, e = split_over_windows(wr, ws, we, key, start, end)
-    g, seg, cov = coverage_segments(win, sset[item], s, e, 8)
+    g, seg, cov = coverage_segments(win, sset[item], s, e, 9)
     cs = np.cumsum(seg)
     first = np.r_[True, g[1:] != g[:-1]] if len(g) else np.zeros(0, bool)
     first_idx = np.maximum.accumulate(np.where(first, np.arange(len(g)), 0)) if len(g) else first.astype(int)
     seg_start = ws[g] + cs - seg - (cs[first_idx] - seg[first_idx]) if len(g) else np.zeros(0, np.int64)
     compute = cov[S_OPT] | cov[S_BWD] | cov[S_FWD]
-    blocked = cov[S_CWAIT] | (cov[S_COLL] & ~compute)
+    # blocked on communication as the step breakdown counts it: a host wait while the GPU runs earlier work is that
+    # work's time, and on a GPU rank a wait with no communication in flight is the host's own (breakdown.py)
+    cpu_win = ~np.isin(wr, model.gpu_ranks)
+    blocked = (cov[S_CWAIT] & ~cov[S_DEV] & (cov[S_COLL] | cpu_win[g])) | (cov[S_COLL] & ~compute)
     label = np.select([blocked, cov[S_OPT], cov[S_BWD], cov[S_FWD], cov[S_DATA] & ~cov[S_CAP]],
                       [-1, OPTIMIZER, BACKWARD, FORWARD, DATA_WAIT], OTHER)
     # runs of one label within a window, also cut where a collective is issued (its arrival keeps its place in the

@@ -82,14 +82,14 @@ _QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
 _KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
                                               b"c10d::", b"record_param", b'process_labels"')]
 # CUDA runtime/driver calls: only their start and correlation id are kept (a kernel's CPU launch, ``launch_ns``).
-# They are as many as the kernels and more; read with a regex rather than decoded with json (an import of 1M
-# events took 1.7x as long with them decoded). One holding a backslash is decoded like any other candidate.
+# They are as many as the kernels and more; their two numbers are read in place, vectorised (``_launch_numbers``:
+# the number after the event's one "ts" key and its one "correlation" key), rather than decoded with json (an
+# import of 1M events took 1.7x as long with them decoded) or matched by a regex each (the parse of a 500k-event
+# rank took 1.69 s with the regex, 1.54 s so; benchmarks/import_speed.py's trace, CPU time, best of 6). One
+# holding a backslash, or whose keys are not one each, is decoded like any other candidate.
 _KEEP_LAUNCH = [np.frombuffer(s, np.uint8) for s in (b'cuda_runtime"', b'cuda_driver"')]
-# Kineto's own layout of such an event (others are decoded with json instead): ph, cat, name, pid, tid, ts, ...
-_LAUNCH_EVENT = re.compile(rb'\{\s*"ph"\s*:\s*"X"\s*,\s*"cat"\s*:\s*"(?:cuda_runtime|cuda_driver)"\s*,'
-                           rb'\s*"name"\s*:\s*"[^"]*"\s*,\s*"pid"\s*:\s*[-\w."]+\s*,\s*"tid"\s*:\s*[-\w."]+\s*,'
-                           rb'\s*"ts"\s*:\s*(-?[\d.eE+-]+)\s*,'
-                           rb'[^{}]*?"args"\s*:\s*\{[^{}]*?"correlation"\s*:\s*(\d+)\s*[,}]')
+_TS_KEY, _CORR_KEY = np.frombuffer(b'ts"', np.uint8), np.frombuffer(b'correlation"', np.uint8)
+_COMMA = 44
 
 
 def _open_stream(path: Path):
@@ -163,41 +163,76 @@ def _strings_starting(a: np.ndarray, q: np.ndarray, prefixes: list) -> np.ndarra
     return np.concatenate(found)
 
 
+# the first bytes of every string the scan looks for: the opening quotes are narrowed to these once per chunk
+_FIRST_BYTES = np.unique([p[0] for p in _KEEP + _KEEP_LAUNCH + [_TS_KEY, _CORR_KEY]])
+
+
 def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
     """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` string or any
-    backslash); ``_reduce_batch`` then filters them exactly as the reference path does."""
+    backslash); ``_reduce_batch`` then filters them exactly as the reference path does. Launch events are read in
+    place (``_launch_numbers``)."""
     opens, closes = lay["opens"], lay["closes"]
     parts["n_events"] += len(opens)
     a, opening = np.frombuffer(buf, np.uint8), lay["q"][0::2]
-    marks = _strings_starting(a, opening, _KEEP)  # opening quotes only
-    cand = np.unique(np.searchsorted(opens, np.concatenate([marks, lay["bs"]]), side="right") - 1)
+    opening = opening[np.isin(a[opening + 1], _FIRST_BYTES)]
+    q_ev = np.searchsorted(opens, opening, side="right") - 1   # each string's event
+    is_cand = np.zeros(len(opens) + 1, bool)   # the last slot: strings after the last complete event
+    is_cand[q_ev[np.searchsorted(opening, _strings_starting(a, opening, _KEEP))]] = True
+    is_cand[np.searchsorted(opens, lay["bs"], side="right") - 1] = True
+    is_launch = np.zeros(len(opens) + 1, bool)
+    is_launch[q_ev[np.searchsorted(opening, _strings_starting(a, opening, _KEEP_LAUNCH))]] = True
+    is_launch &= ~is_cand
+    if is_launch[:-1].any():
+        ts, corr, bad = _launch_numbers(a, opening, q_ev, is_launch)
+        if len(ts):
+            parts["launch"].append(pd.DataFrame({"corr": corr, "ts": ts}))
+        is_cand[bad] = True
+    cand = np.flatnonzero(is_cand[:-1])
     if len(cand):
         sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
         _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
-    launch = np.setdiff1d(np.searchsorted(opens, _strings_starting(a, opening, _KEEP_LAUNCH), side="right") - 1,
-                          cand)
-    if len(launch):
-        _reduce_launches([buf[o:c + 1] for o, c in zip(opens[launch].tolist(), closes[launch].tolist())], parts)
 
 
-def _reduce_launches(events: list[bytes], parts: dict) -> None:
-    """``_reduce_batch``'s launch rows, read by one regex from events laid out as Kineto writes them; when some
-    event is laid out otherwise, those are decoded with json and go through ``_reduce_batch`` (same rows)."""
-    found = _LAUNCH_EVENT.findall(b"\n".join(events))  # the pattern cannot cross an event's braces
-    other = []
-    if len(found) != len(events):  # one at a time, to know which
-        found = []
-        for ev in events:
-            m = _LAUNCH_EVENT.match(ev)
-            if m:
-                found.append(m.groups())
-            else:
-                other.append(ev)
-    if found:
-        f = np.array(found, dtype=bytes)
-        parts["launch"].append(pd.DataFrame({"corr": f[:, 1].astype(np.int64), "ts": f[:, 0].astype(np.float64)}))
-    if other:
-        _reduce_batch(json.loads(b"[" + b",".join(other) + b"]"), parts)
+NUMBER_WIDTH = 32   # bytes read after a launch event's key: a number in Kineto's JSON is far shorter
+
+
+def _numbers_after(a: np.ndarray, keys: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the text of the value after each key, up to the next comma or closing brace, as fixed-width bytes whose
+    tail is NUL; whether each was a "key": value pair ending within NUMBER_WIDTH bytes). Vectorised: a window of
+    bytes per key, cut at its first separator."""
+    colon = keys + key_len + 1   # the key's opening quote, its bytes and closing quote, then the colon
+    w = a[np.minimum(colon[:, None] + 1 + np.arange(NUMBER_WIDTH), len(a) - 1)]
+    stop = np.logical_or.accumulate((w == _COMMA) | (w == _CLOSE), axis=1)
+    ok = (a[np.minimum(colon, len(a) - 1)] == ord(":")) & stop[:, -1] & ~stop[:, 0]
+    w[stop] = 0
+    return np.ascontiguousarray(w).view(f"S{NUMBER_WIDTH}").ravel(), ok
+
+
+def _launch_numbers(a: np.ndarray, opening: np.ndarray, q_ev: np.ndarray,
+                    is_launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ts, correlation, the events not read) of the launch events (``is_launch`` per event; ``q_ev``: the event of
+    each opening quote): each event's one ``"ts"`` and one ``"correlation"`` key and the numbers after them. An
+    event with another count of either key, or a value that is not a number, is returned in the third array (for
+    json)."""
+    inside = is_launch[q_ev]
+    q, q_ev = opening[inside], q_ev[inside]   # the strings of the launch events only
+    found = []
+    for key in (_TS_KEY, _CORR_KEY):
+        at = _strings_starting(a, q, [key])
+        ev = q_ev[np.searchsorted(q, at)]
+        found.append((at, ev, np.bincount(ev, minlength=len(is_launch)) == 1))
+    (ts_at, ts_ev, ts_one), (co_at, co_ev, co_one) = found
+    good = is_launch & ts_one & co_one   # events are in file order, so are their keys: rows pair up
+    ts_text, ts_ok = _numbers_after(a, ts_at[good[ts_ev]], len(_TS_KEY))
+    co_text, co_ok = _numbers_after(a, co_at[good[co_ev]], len(_CORR_KEY))
+    ok = ts_ok & co_ok
+    events = np.flatnonzero(is_launch)
+    try:
+        ts, corr = ts_text[ok].astype(np.float64), co_text[ok].astype(np.int64)
+    except ValueError:   # some value is not a plain number: decode them all
+        return np.zeros(0), np.zeros(0, np.int64), events
+    read = np.flatnonzero(good)
+    return ts, corr, np.union1d(np.flatnonzero(is_launch & ~good), read[~ok])
 
 
 def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:

@@ -13,6 +13,9 @@ The capture disturbs the rank from the profiler's start to the end of its stop a
 runs after step B-1 has ended and so lands in step B. ``on_window(steps, start_ns, end_ns)`` is told that window
 and the steps it overlaps (A..B; A..the step in progress when the job ends first); the runtime writes it as a
 ``trace_capture`` meta row so that analyses keep those steps out of step statistics and data wait.
+
+``gpu_only`` (the default kernel sample of `dtprof run` on a GPU job, ``--no-kernel-sample`` turns it off): when
+the window opens, a process that has not initialised CUDA captures nothing, silently (a CPU job pays nothing).
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ TRACE_NAME = "trace.json"
 
 
 class TraceCapture:
-    def __init__(self, rank_dir, start_step: int, end_step: int, on_window=None):
+    def __init__(self, rank_dir, start_step: int, end_step: int, on_window=None, gpu_only: bool = False):
         self.dir = Path(rank_dir) / CAPTURE_DIR
+        self.gpu_only = gpu_only
         self.start_step, self.end_step = int(start_step), int(end_step)
         self.prof = None
         self.done = False
@@ -60,6 +64,10 @@ class TraceCapture:
     def _start(self) -> None:
         try:
             import torch
+
+            if self.gpu_only and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+                self.done = True   # the kernel sample of a job that does not use a GPU: nothing to capture
+                return
             from torch.profiler import ProfilerActivity, profile, schedule
 
             self.started_ns = time.monotonic_ns()

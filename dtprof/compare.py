@@ -212,7 +212,8 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
         reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
                                                                    for x in blocking)
                        + " (--allow-different to decide anyway)")
-    reasons += _machine_reasons(probe, gpu_probe, slower=code == EXIT_REGRESSION or bool(worse))
+    bound = rg.bounding_device(b, h)
+    reasons += _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
     if reasons:
         code = EXIT_INCONCLUSIVE
     elif worse:
@@ -220,11 +221,14 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
         reasons.append("a straggler got worse: " + "; ".join(worse))
     return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe,
                   "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
-                  "reasons": reasons}
+                  "bound": bound, "reasons": reasons}
 
 
-def _machine_reasons(probe: dict | None, gpu_probe: dict | None, slower: bool) -> list[str]:
-    """Why a machine probe that moved makes the comparison inconclusive. A slower machine always does: it explains a
+def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:
+    """Why a machine probe that moved makes the comparison inconclusive. Only the probe of a device that bounds the
+    steps counts (``bound``: regression.bounding_device; a CPU that ran slower under GPU-bound steps explains
+    nothing, nor does a GPU under host-bound ones): each probe's ``used`` and ``used_why`` say so. A slower machine
+    always does: it explains a
     slower head (``slower``: a gate or a straggler row failed), and a head measured on it says little about the code
     either way (CPU hogs through a job slowed its probe 3x while its steps, which wait on communication, moved
     anywhere from 0 to +27 %). A faster machine could hide a slowdown behind a pass, but cannot explain a slower head:
@@ -232,7 +236,10 @@ def _machine_reasons(probe: dict | None, gpu_probe: dict | None, slower: bool) -
     ``explains_verdict``."""
     out = []
     for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
-        if not p or not p["moved"]:
+        if p:
+            p["used"] = bound["device"] in ("both", p["kind"])
+            p["used_why"] = bound["why"]
+        if not p or not p["moved"] or not p["used"]:
             continue
         p["explains_verdict"] = p["ratio"] > 1 or not slower
         if p["explains_verdict"]:

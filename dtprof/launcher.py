@@ -124,6 +124,11 @@ def join_id_for(command: list[str], env: dict) -> str | None:
     return rid if rid and rid != "none" else None
 
 
+# the default kernel sample of a GPU job: steps 10 and 11, after warm-up (step 0, FlopCounterMode's step 1, a
+# torch.compile job's first recompilations), short enough to cost about two steps plus the export
+KERNEL_SAMPLE_STEPS = "10:12"
+
+
 def parse_trace_steps(value: str | None) -> str | None:
     if value is None:
         return None
@@ -542,6 +547,10 @@ Exit codes:
                    "the step statistics).")
 @click.option("--trace-steps", default=None, metavar="A:B",
               help="Capture a torch.profiler trace of steps A..B-1 on every rank.")
+@click.option("--kernel-sample/--no-kernel-sample", default=True, show_default=True,
+              help="On a GPU job, capture a torch.profiler kernel trace of steps 10 and 11 (kept out of the step "
+                   "statistics, its cost reported) so the analysis says why the GPU is slow. A CPU job captures "
+                   "nothing; --trace-steps replaces it.")
 @click.option("--hang-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help=f"Stop the job (exit {WATCHDOG_EXIT}) with a diagnosis when no rank progresses for this long.")
 @click.option("--metrics", "metrics", multiple=True, metavar="SINK",
@@ -562,7 +571,8 @@ Exit codes:
 @click.option("--quiet", "-q", is_flag=True, help="Print only the job's output and dtprof's errors.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
-                hang_timeout, metrics, metrics_interval, full_detail, sample_every, no_report, quiet, command):
+                kernel_sample, hang_timeout, metrics, metrics_interval, full_detail, sample_every, no_report, quiet,
+                command):
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
@@ -587,6 +597,9 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
     rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
                    "flush_interval_s": 1.0, "full_detail": full_detail, "sample_every": sample_every}
+    if kernel_sample and not trace_steps:   # the rank decides: only a process that uses a GPU captures
+        config["kernel_sample"] = KERNEL_SAMPLE_STEPS
+        rank_config["kernel_sample"] = {"steps": KERNEL_SAMPLE_STEPS, "gpu_only": True}
     host = socket.gethostname()
     cwd = Path.cwd()
     env = dict(os.environ)

@@ -197,7 +197,7 @@ class LiveNode:
                     pass
 
     def _read_rows(self, now: int) -> None:
-        from dtprof.analyzers.runmodel import captures, with_exit
+        from dtprof.analyzers.runmodel import captures, device_comm, with_exit
 
         for r in self.ranks.values():
             steps = r.tails["steps"].frame("steps")
@@ -205,8 +205,14 @@ class LiveNode:
                 self.pending.append((now, steps))
             for t in ("spans", "groups"):
                 self._append(t, r.tails[t].frame(t))
-            self._append("collectives", with_exit(r.tails["collectives"].frame("collectives")))
+            self._append("collectives", device_comm(with_exit(r.tails["collectives"].frame("collectives")),
+                                                    self._gpu_ranks()))
             self._append("captures", captures(r.tails["meta"].frame("meta")))
+
+    def _gpu_ranks(self) -> np.ndarray:
+        """The ranks whose rank.json names a GPU (the run model's ``gpu_ranks``, from what has been read)."""
+        return np.array(sorted(k for k, r in self.ranks.items() if (r.identity or {}).get("device_type") == "cuda"),
+                        np.int64)
 
     def _append(self, table: str, df: pd.DataFrame) -> None:
         if len(df):
@@ -229,7 +235,7 @@ class LiveNode:
 
         st = st.sort_values(["rank", "step"], ignore_index=True)
         windows = st[["rank", "step", "start_ns", "end_ns"]]
-        bd = step_breakdown(SimpleNamespace(**self.buf), windows).per_step
+        bd = step_breakdown(SimpleNamespace(**self.buf, gpu_ranks=self._gpu_ranks()), windows).per_step
         lateness, lead = self._lateness(windows)
         parts = {p: bd[f"{p}_s"].to_numpy(np.float64) for p in PARTS}
         out = []
@@ -358,12 +364,13 @@ class LiveNode:
 
 
 def _empty_buffers() -> dict[str, pd.DataFrame]:
-    from dtprof.analyzers.runmodel import captures, with_exit
+    from dtprof.analyzers.runmodel import captures, device_comm, with_exit
     from dtprof.reader import conform
 
     empty = pd.DataFrame()
     return {"spans": conform("spans", empty), "groups": conform("groups", empty),
-            "collectives": with_exit(conform("collectives", empty)), "captures": captures(conform("meta", empty))}
+            "collectives": device_comm(with_exit(conform("collectives", empty)), np.zeros(0, np.int64)),
+            "captures": captures(conform("meta", empty))}
 
 
 def _num(v) -> float | None:

@@ -152,8 +152,8 @@ def columns(table: str) -> list[str]:
 # ``summary/_complete`` (written last) is a JSON object: schema_version, schema_minor, pipeline_ranks, stage
 # (pipeline rank -> stage), unassigned, n_collectives.
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")   # analyzers/whatif.py
-BREAKDOWN_PARTS = ("forward", "backward", "optimizer", "exposed_comm", "comm_outside_fwd_bwd", "data_wait", "bubble",
-                   "other")   # analyzers/breakdown.py PARTS, in its order
+BREAKDOWN_PARTS = ("forward", "backward", "optimizer", "gpu_wait", "exposed_comm", "comm_outside_fwd_bwd", "data_wait",
+                   "bubble", "other")   # analyzers/breakdown.py PARTS, in its order
 SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     # per rank-step: the step window, the overlap figures (analyzers/overlap.py) and the breakdown parts
     "rank_steps": [
@@ -199,8 +199,11 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # (clock_exits) and the arrivals per instance and part (arrival_parts, arrival_counts). 5: the communication per
 # rank, step and group (rank_group_comm). 6: the steps table's per-step numbers in rank_steps (the run model's steps
 # come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
-# what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS)
-SUMMARY_LAYOUT = 6
+# what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS). 7: the
+# breakdown's gpu_wait part (a GPU rank's host blocked while its GPU runs earlier work); on a GPU rank a one-rank
+# group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm);
+# rank_steps carries the steps' ``detail`` (sampling)
+SUMMARY_LAYOUT = 7
 
 
 # ---- the run directory's layout (docs/run-format.md): its files' and folders' names

@@ -17,7 +17,8 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
                     settings: dict, explain: dict | None = None) -> dict:
     """``explain``: ``parts`` (regression.part_changes), ``stragglers`` (regression.straggler_changes),
     ``identity`` (regression.config_differences), ``probe`` and ``gpu_probe`` (regression.probe_change; without a GPU
-    probe ``gpu_probe_reason`` says why) and ``reasons`` (why the
+    probe ``gpu_probe_reason`` says why), ``bound`` (regression.bounding_device: which probe is used, and why) and
+    ``reasons`` (why the
     outcome is what it is, one line each)."""
     ex = explain or {}
     reasons = ex.get("reasons") or []
@@ -30,7 +31,7 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
             "parts": ex.get("parts") or {"rows": [], "floor_s": None, "note": ""},
             "stragglers": ex.get("stragglers") or [], "identity": ex.get("identity") or [],
             "probe": ex.get("probe"), "gpu_probe": ex.get("gpu_probe"),
-            "gpu_probe_reason": ex.get("gpu_probe_reason")}
+            "gpu_probe_reason": ex.get("gpu_probe_reason"), "bound": ex.get("bound")}
 
 
 def _ms(x: float) -> str:
@@ -59,7 +60,10 @@ def identity_lines(d: dict) -> list[str]:
 
 
 def _probe_text(p: dict) -> str:
-    """The probe's line; a probe that moved but does not explain the verdict (dtprof.compare) says so."""
+    """The probe's line; a probe that moved but does not explain the verdict (dtprof.compare) says so, and so does
+    one not used because its device does not bound the steps."""
+    if p.get("used") is False:
+        return p["line"] + "; not used: its device does not bound the steps"
     if p.get("explains_verdict") is False:
         return p["line"] + ", but a faster machine does not explain a slower head"
     return p["line"]
@@ -92,6 +96,9 @@ def explain_lines(d: dict) -> list[str]:
         out.append("what moved: no part of the step moved beyond the noise")
     out += straggler_lines(d)
     out += [x for x in (probe_line(d), gpu_probe_line(d)) if x]
+    if d.get("bound"):
+        used = {"gpu": "the GPU probe", "cpu": "the CPU probe", "both": "both probes"}[d["bound"]["device"]]
+        out.append(f"machine probe used: {used} ({d['bound']['why']})")
     out += identity_lines(d)
     return out
 

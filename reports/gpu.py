@@ -67,6 +67,12 @@ def summary_lines(summary: dict) -> list[str]:
                      f"{_pct(g['non_compute_frac']):>9} {_pct(g['comm_frac']):>7} {_pct(g['memory_frac']):>7} "
                      f"{_pct(g['idle_causes']['host_wait']):>10} "
                      f"{(f'{st[0]}-{st[-1]}' if st else '—'):>8} {g['window']['kernels']:>8}")
+    lines += class_lines(ranks)
+    st = summary.get("steps") or {}
+    if st.get("traced_cost_s") is not None and st.get("traced_steps"):
+        lines.append(f"kernel sample: steps {st['traced_steps'][0]}-{st['traced_steps'][-1]} kept out of the step "
+                     f"statistics; it cost the job {_s(max(st['traced_cost_s'], 0.0))} (those steps' time over "
+                     f"the median measured step)")
     for label, src, v in overlap_labels(summary):
         lines.append(f"{label}: {_pct(v)} ({src})")
     kernels = summary.get("kernels") or []
@@ -78,6 +84,29 @@ def summary_lines(summary: dict) -> list[str]:
             lines.append(f"{_s(k['time_s']):>10} {_pct(k['share']):>6} {k['count']:>6} {_s(k['mean_s']):>10}  "
                          f"{k['category']:<13} {name}")
     return lines
+
+
+CLASS_LABELS = {"matmul": "matmul", "attention": "attention", "elementwise_norm": "elem+norm",
+                "communication": "comm", "memory": "memcpy", "other": "other"}
+
+
+def class_lines(ranks: list[dict]) -> list[str]:
+    """Where each rank's GPU time went by kernel class, and whether it is launch-bound (docs/metrics.md "Why the
+    GPU is slow")."""
+    lines = ["GPU time by kernel class (share of kernel time; launch gaps: idle waiting for the host to launch):",
+             f"{'rank':>5} " + " ".join(f"{v:>9}" for v in CLASS_LABELS.values())
+             + f" {'idle':>7} {'launch gaps':>12} {'kernels/step':>13} {'median kernel':>14}"]
+    for r in ranks:
+        g = r["gpu_time"]
+        cf = g.get("class_frac") or {}
+        lines.append(f"{r['rank']:>5} " + " ".join(f"{_pct(cf.get(c)):>9}" for c in CLASS_LABELS)
+                     + f" {_pct(g['idle_frac']):>7} {_pct(g.get('launch_idle_frac')):>12} "
+                     f"{_num(g.get('kernels_per_step')):>13} {_s(g.get('median_kernel_s')):>14}")
+    return lines
+
+
+def _num(x) -> str:
+    return "—" if x is None else f"{x:,.0f}"
 
 
 def tables_html(summary: dict) -> str:
@@ -97,6 +126,16 @@ def tables_html(summary: dict) -> str:
            "<th>non-compute</th><th>communication</th><th>memory copy/set</th>"
            "<th>idle causes: host wait / kernel wait / other</th><th>overlap (kernels only, HTA)</th><th>steps</th>"
            f"<th>kernels</th></tr></thead><tbody>{rows}</tbody></table>")
+    rows = "".join(
+        f"<tr><td>{e(r['rank'])}</td>" + "".join(f"<td>{_pct((g.get('class_frac') or {}).get(c))}</td>"
+                                                 for c in CLASS_LABELS)
+        + f"<td>{_pct(g['idle_frac'])}</td><td>{_pct(g.get('launch_idle_frac'))}</td>"
+        f"<td>{_num(g.get('kernels_per_step'))}</td><td>{_s(g.get('median_kernel_s'))}</td></tr>"
+        for r in ranks for g in [r["gpu_time"]])
+    out += ('<h3>GPU time by kernel class</h3><table class="data" id="gpu-class-table"><thead><tr><th>rank</th>'
+            + "".join(f"<th>{e(v)}</th>" for v in CLASS_LABELS.values())
+            + "<th>idle</th><th>launch gaps (idle waiting for the host)</th><th>kernels per step</th>"
+            f"<th>median kernel</th></tr></thead><tbody>{rows}</tbody></table>")
     kernels = summary.get("kernels") or []
     if kernels:
         rows = "".join(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import is_unnamed_suspect
+from dtprof.analyzers.triage import restart_lines
 from dtprof.reports.fmt import pct, saving, short_s
 
 
@@ -23,6 +24,7 @@ def format_summary_text(summary: dict) -> str:
         lines.append(f"[error] {msg}")
     if run.get("status") == "interrupted":
         lines.append(run.get("status_reason") or "interrupted")
+    lines += [f"[restart] {line}" for line in restart_lines(run)]
     tri = summary.get("triage")
     if tri and tri.get("verdict") != "healthy":
         lines.append(f"triage: {tri['message']}")
@@ -34,7 +36,7 @@ def format_summary_text(summary: dict) -> str:
     # where the step went (breakdown.py): one column per part, summing to the mean step time
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
     short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
-             "optimizer": "optim"}
+             "optimizer": "optim", "gpu_wait": "GPU wait"}
     # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
     cpu_col = summary.get("cpu_wait") is not None
     lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "

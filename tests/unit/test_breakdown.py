@@ -18,7 +18,9 @@ from synth import build_run, hand_run  # noqa: E402
 
 def _parts_ms(a, rank=0, step=0) -> dict:
     row = a.steps[(a.steps["rank"] == rank) & (a.steps["step"] == step)].iloc[0]
-    return {p: round(float(row[f"{p}_s"]) * 1e3, 6) for p in PARTS}
+    parts = {p: round(float(row[f"{p}_s"]) * 1e3, 6) for p in PARTS}
+    assert parts.pop("gpu_wait") == 0   # these hand-made ranks are CPU ranks: they never wait for a GPU
+    return parts
 
 
 def test_overlapping_spans_and_comm_partitioned_by_priority(tmp_path):
@@ -125,6 +127,7 @@ def test_ddp_synth_breakdown_is_the_built_step(tmp_path):
     a = analyze(build_run(tmp_path / "r", world_size=4, steps=6))
     for r in a.summary["ranks"]:
         b = {k: round(v * 1e3, 6) for k, v in r["breakdown_s_per_step"].items()}
+        assert b.pop("gpu_wait") == 0   # a CPU rank
         assert b == {"forward": 10, "backward": 20, "optimizer": 2, "exposed_comm": 4, "comm_outside_fwd_bwd": 0,
                      "data_wait": 1, "bubble": 0, "other": 0}
         assert r["step_time_s_mean"] == pytest.approx(0.037)
