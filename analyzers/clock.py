@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-P2P = ("send", "recv")
+from dtprof.schema import P2P_OPS
 
 
 def _host_of_rank(r: pd.DataFrame) -> pd.Series:
@@ -39,7 +39,7 @@ def exit_sums(ranks: pd.DataFrame, co: pd.DataFrame) -> pd.DataFrame:
     (group, seq, host, blocking). Point-to-point rows, asynchronous rows whose end was never seen and rows of ranks
     not in ``ranks`` are left out. Rank-local: a node's rows give that node's part of the whole run's."""
     host_of = _host_of_rank(ranks)
-    coll = ~co["op"].isin(list(P2P)).to_numpy() if len(co) else np.zeros(0, bool)
+    coll = ~co["op"].isin(list(P2P_OPS)).to_numpy() if len(co) else np.zeros(0, bool)
     blocking = coll & ~co["async_op"].to_numpy(bool) if len(co) else coll
     use = blocking | (coll & co["end_ns"].notna().to_numpy()) if len(co) else coll
     rank = co["rank"].to_numpy(np.int64)[use]

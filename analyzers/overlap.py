@@ -37,13 +37,12 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import assign_to_windows, measure
 from dtprof.analyzers.kernels import kernel_classes
-from dtprof.schema import COMPUTE_KINDS
+from dtprof.schema import COMPUTE_KINDS, P2P_OPS
 
 NS = 1e9
 
 COMPUTE, COMM_WAIT, COMM, DATA_WAIT, NOT_INPUT, DEVICE = 0, 1, 2, 3, 4, 5
 PP_KINDS = ("pp_forward", "pp_backward")
-P2P_OPS = ("send", "recv")
 
 
 @dataclass

@@ -44,6 +44,7 @@ import pandas as pd
 
 from dtprof.analyzers import whatif
 from dtprof.analyzers.intervals import assign_to_windows, union_length
+from dtprof.analyzers.steps import measured_or_all
 from dtprof.schema import COMPUTE_KINDS
 
 NS = 1e9
@@ -190,7 +191,7 @@ def _ops_frame(rank, step, replica, stage, mb, kind, start, end, warmup) -> pd.D
 def _bubble_parts(rank_busy: pd.DataFrame, replay_ok: bool) -> tuple[float | None, float | None, float | None]:
     """(bubble, theoretical, overhead) of the pipeline ranks' measured rank-steps (all if none is measured):
     bubble = theoretical + overhead, both over the same rank-steps and the same denominator (module docstring)."""
-    rmeas = rank_busy[rank_busy["measured"]] if rank_busy["measured"].any() else rank_busy
+    rmeas = measured_or_all(rank_busy)
     dur = float(rmeas["duration_s"].sum())
     busy = float(rmeas["compute_s"].sum())
     bubble = float(1.0 - busy / dur) if dur > 0 else None
@@ -318,7 +319,7 @@ def analyze_pipeline(run, windows: pd.DataFrame) -> PipelineResult | None:
 
     replay_ok = replayed is not None
     bubble, theo, overhead = _bubble_parts(rank_busy, replay_ok)
-    meas = tbl[tbl["measured"]] if tbl["measured"].any() else tbl
+    meas = measured_or_all(tbl)
     stage_comp = meas.groupby("stage")["compute_s"].mean()
     imbalance = float(stage_comp.max() / stage_comp.mean()) if len(stage_comp) and stage_comp.mean() > 0 else None
     bottleneck = int(stage_comp.idxmax()) if len(stage_comp) else None

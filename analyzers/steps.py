@@ -28,6 +28,13 @@ NS = 1e9
 WARMUP_SLOW_FACTOR = 1.2
 
 
+def measured_or_all(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``df`` whose ``measured`` flag is set, or all of them when none is: the steps every per-step
+    figure is taken over (a run too short for a measured step is shown whole rather than empty)."""
+    m = df["measured"].to_numpy(bool)
+    return df[m] if m.any() else df
+
+
 def detect_warmup(job_time_s: np.ndarray) -> int:
     """Number of leading warm-up steps in a sequence of job step times (see module docstring)."""
     n = len(job_time_s)

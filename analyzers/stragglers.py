@@ -39,6 +39,7 @@ import pandas as pd
 from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import own_records
+from dtprof.schema import P2P_OPS
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -47,7 +48,6 @@ SCORE_THRESHOLD = 0.75
 PERSISTENT_DELAY_FRAC = 0.15
 TRANSIENT_DELAY_FRAC = 0.50
 TRANSIENT_MIN_STEPS = 2
-P2P = ("send", "recv")
 DEFAULT_MIN_SAVING = 0.05   # AnalysisOptions.straggler_min_saving's default
 # the saving must hold in at least this share of the measured steps: most of them, not a few (a 2-core machine's
 # scheduling makes a few steps of any rank slow; a real 40 ms straggler held in 5 of 7 steps of a busy hybrid run)
@@ -99,7 +99,7 @@ def _collective_rows(model) -> pd.DataFrame:
     co = model.collectives
     if len(co) == 0:
         return co
-    return own_records(co[~co["op"].isin(list(P2P)).to_numpy()])
+    return own_records(co[~co["op"].isin(list(P2P_OPS)).to_numpy()])
 
 
 def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:

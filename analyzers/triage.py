@@ -38,9 +38,9 @@ from typing import Any
 from dtprof.analyzers.collectives import own_records
 from dtprof.reader import Incident, best_dump
 from dtprof.runformat import stop_text
+from dtprof.schema import P2P_OPS
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy")
-P2P = ("send", "recv")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
 TIMEOUT_PATTERNS = [
     re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
@@ -130,7 +130,7 @@ def find_mismatches(collectives, fr_entries) -> list[dict]:
 
     parts = []
     if collectives is not None and len(collectives):
-        c = collectives[~collectives["op"].astype(str).isin(P2P)]
+        c = collectives[~collectives["op"].astype(str).isin(P2P_OPS)]
         parts.append(pd.DataFrame({"rank": c["rank"].astype("int64"), "group": c["group"].astype(str),
                                    "seq": c["seq"].astype("int64"), "op": c["op"].astype(str),
                                    "in_bytes": c["in_bytes"].astype("int64"), "dtype": c["dtype"].astype(str),

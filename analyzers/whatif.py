@@ -44,6 +44,7 @@ import pandas as pd
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_ids, own_records
 from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
+from dtprof.schema import P2P_OPS
 
 NS = 1e9
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")
@@ -51,7 +52,6 @@ OWN_WORK_PARTS = WORK_PARTS[:-1]   # the rank's own work: no communication
 FORWARD, BACKWARD, OPTIMIZER, DATA_WAIT, OTHER, EXPOSED = range(6)
 COMPUTE_PARTS = (FORWARD, BACKWARD, OPTIMIZER)
 WAIT, ARRIVE, WORKI = 0, 1, 2          # item kinds, in their order at equal times
-P2P_OPS = ("send", "recv")
 # interval sets of the timeline
 S_WIN, S_OPT, S_BWD, S_FWD, S_CWAIT, S_DATA, S_COLL, S_CAP, S_DEV = range(9)
 SPAN_SETS = {"optimizer": S_OPT, "backward": S_BWD, "pp_backward": S_BWD, "forward": S_FWD, "pp_forward": S_FWD,

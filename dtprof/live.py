@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.runformat import RANK_PREFIX
+from dtprof.schema import P2P_OPS
 
 SETTLE_NS = 2_500_000_000      # two flushes of the ranks (1 s each) and a margin
 KEEP_NS = 30_000_000_000       # collectives rows kept this long after their rank's published steps
@@ -50,7 +51,6 @@ STRAGGLER_MIN_STEPS = 20
 STRAGGLER_LATE_FRAC = 0.5
 HANG_MIN_S = 120.0
 HANG_STEPS = 50
-P2P = ("send", "recv")
 RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta")
 
 
@@ -263,7 +263,7 @@ class LiveNode:
         n = len(windows)
         if co.empty:
             return np.zeros(n), np.zeros(n)
-        co = co[~co["op"].astype(str).isin(P2P)]
+        co = co[~co["op"].astype(str).isin(P2P_OPS)]
         co = co.assign(group=co["group"].astype(str)).sort_values(["group", "seq", "issue_ns", "rank"])
         key = co["group"] + "#" + co["seq"].astype(str)
         issue = co["issue_ns"].to_numpy(np.int64)

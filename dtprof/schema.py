@@ -141,6 +141,8 @@ COLLECTIVE_OPS = (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
     "barrier", "gather", "scatter", "send", "recv",
 )
+# point-to-point ops among them: the rest are collectives of a whole group
+P2P_OPS = ("send", "recv")
 
 
 def columns(table: str) -> list[str]:

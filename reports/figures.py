@@ -32,10 +32,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dtprof.analyzers.steps import measured_or_all
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
 from dtprof.reports.fmt import fmt_bytes
-from dtprof.schema import COMPUTE_KINDS
+from dtprof.schema import COMPUTE_KINDS, P2P_OPS
 
 MAX_HEATMAP_COLS = 250
 MAX_HEATMAP_ROWS = 512      # groups of ranks beyond rankgroups.GROUP_ABOVE ranks
@@ -45,7 +46,6 @@ MAX_TIMELINE_RANKS = 16
 MAX_GPU_LINES = 8
 MAX_TIME_POINTS = 400
 
-P2P_OPS = ("send", "recv")
 # colour per timeline category; the same names appear in the legend
 COLORS = {"compute": "#4C78A8", "user span": "#9D755D", "pipeline forward": "#72B7B2", "pipeline backward": "#54A24B",
           "data wait": "#EECA3B", "blocked on communication": "#E45756", "collective": "#F58518",
@@ -77,16 +77,14 @@ STEP_COLUMNS = ["rank", "step", "aligned_start_ns", "aligned_end_ns", "duration_
 def make_context(run, analysis) -> Context:
     steps = analysis.steps[STEP_COLUMNS].rename(columns={"aligned_start_ns": "start_ns",
                                                          "aligned_end_ns": "end_ns"})
-    measured = steps[steps["measured"].astype(bool)]
-    if measured.empty:
-        measured = steps
+    measured = measured_or_all(steps)
     t0 = int(steps["start_ns"].min()) if len(steps) else 0
     return Context(run, analysis, analysis.model, t0, steps, measured, analysis.model.job)
 
 
 def _job_time_s(ctx: Context, measured: bool) -> pd.Series:
     """The job's step time per step (the run model's), measured steps only when asked."""
-    j = ctx.job[ctx.job["measured"]] if measured and ctx.job["measured"].any() else ctx.job
+    j = measured_or_all(ctx.job) if measured else ctx.job
     return j.set_index("step")["time_s"]
 
 

@@ -28,11 +28,14 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 EXAMPLES = REPO / "examples"
 ARTIFACTS = REPO / "test-artifacts"
-# The shared real torch.profiler traces (a data set kept beside the checkout, with its README): $DTPROF_KINETO_DATA,
-# else shared/data/kineto next to the checkout or next to its parent (a worktree one level further down).
-SHARED = next((p for p in ([Path(os.environ["DTPROF_KINETO_DATA"])] if os.environ.get("DTPROF_KINETO_DATA") else [])
-               + [REPO.parent / "shared/data/kineto", REPO.parent.parent / "shared/data/kineto"] if p.exists()),
-              REPO.parent / "shared/data/kineto")
+# The shared real data (kept beside the checkout, each set with its README): $DTPROF_SHARED_DATA, else shared/data
+# next to the checkout or next to its parent (a worktree one level further down). kineto/: torch.profiler traces;
+# gpu-h100/: runs recorded on an H100.
+SHARED_DATA = next((p for p in ([Path(os.environ["DTPROF_SHARED_DATA"])] if os.environ.get("DTPROF_SHARED_DATA")
+                                else []) + [REPO.parent / "shared/data", REPO.parent.parent / "shared/data"]
+                    if p.exists()), REPO.parent / "shared/data")
+SHARED = SHARED_DATA / "kineto"
+H100 = SHARED_DATA / "gpu-h100"
 needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared Kineto traces not found at {SHARED}")
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -11,10 +11,10 @@ import textwrap
 from pathlib import Path
 
 import dtprof._inject
+from conftest import REPO
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 
-REPO = Path(__file__).resolve().parent.parent
 INJECT = Path(dtprof._inject.__file__).parent
 JOB = ["--steps", "5", "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
 

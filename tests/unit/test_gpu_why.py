@@ -1,7 +1,7 @@
 """Why is this GPU slow: GPU time by kernel class, launch gaps and the findings that name a cause and the gain of
 its fix (docs/metrics.md "Why the GPU is slow"), on real kernel traces: our H200 DDP run (tests/data/gpu), the
-HolisticTraceAnalysis traces recorded by others (../shared/data/kineto) and the H100 run without a kernel
-sample (../shared/data/gpu-h100)."""
+HolisticTraceAnalysis traces recorded by others (the shared kineto data set) and the H100 run without a kernel
+sample (the shared gpu-h100 data set; conftest.SHARED_DATA finds both)."""
 from __future__ import annotations
 
 import json
@@ -12,14 +12,12 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from conftest import SHARED_DATA, TESTS
 from dtprof.analyzers.kernels import kernel_class
 from dtprof.cli import main
 
-_REPO = Path(__file__).resolve().parent.parent
-DATA = _REPO / "tests/data/gpu"
-# CI: <repo>/../shared; a worktree under /work/wt/<name>: two levels up
-SHARED = next((p for p in (_REPO.parent / "shared/data", _REPO.parent.parent / "shared/data")
-               if p.exists()), _REPO.parent / "shared/data")
+DATA = TESTS / "data/gpu"
+SHARED = SHARED_DATA
 needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared data not found at {SHARED}")
 GPU_RULES = ("gpu_elementwise", "gpu_launch_bound", "gpu_busy_slow", "low_mfu_no_kernel_sample")
 

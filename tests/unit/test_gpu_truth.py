@@ -1,6 +1,7 @@
 """A GPU rank's host waiting for its GPU is not communication (docs/metrics.md, "Step breakdown", "Waiting for the
-GPU"): on the real H100 run the issue names (../shared/data/gpu-h100, read in place), on the real H200 DDP run
-(tests/data/gpu) checked against its own spans, and on a hand-made GPU run with a hand-worked answer."""
+GPU"): on the real H100 run the issue names (the shared gpu-h100 data set, conftest.H100, read in place), on the
+real H200 DDP run (tests/data/gpu) checked against its own spans, and on a hand-made GPU run with a hand-worked
+answer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,18 +10,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import H100, TESTS
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.runformat import create_run_dir, write_node_tables
 
 MS = 1_000_000
-_REPO = Path(__file__).resolve().parent.parent
-# CI: <repo>/../shared; a worktree under /work/wt/<name>: two levels up
-H100 = next((p for p in (_REPO.parent / "shared/data/gpu-h100", _REPO.parent.parent / "shared/data/gpu-h100")
-             if p.exists()), _REPO.parent / "shared/data/gpu-h100")
 needs_h100 = pytest.mark.skipif(not H100.exists(), reason=f"shared H100 runs not found at {H100}")
-H200_DDP = _REPO / "tests/data/gpu/ddp-h200"
+H200_DDP = TESTS / "data/gpu/ddp-h200"
 
 
 @needs_h100
