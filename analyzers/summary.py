@@ -1,8 +1,8 @@
 """The analysis of a run end to end, and summary.json (docs/summary-schema.md).
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
-DataFrames behind each figure. ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
-``format_summary_text`` (reports/terminal.py) prints the short per-rank table at the end of a job.
+DataFrames behind each figure; ``save_summary`` writes summary.json into the run (the commands do: they open the
+run and analyse it, dtprof/options.py ``open_and_analyze``).
 
 The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
 command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
@@ -581,13 +581,3 @@ def save_summary(run_dir, summary: dict) -> Path:
     path = Path(run_dir) / SUMMARY_FILE
     write_json_atomic(path, summary)
     return path
-
-
-def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None) -> dict:
-    """Analyse the run at ``run_dir`` and write ``run_dir/summary.json`` (atomically). Returns the summary."""
-    from dtprof.reader import open_run
-
-    run = open_run(run_dir)
-    a = analyze(run, options, progress=progress)
-    save_summary(run.path, a.summary)
-    return a.summary

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from dtprof.analyzers import findings as F  # noqa: E402
 from dtprof.analyzers.intervals import assign_to_windows, measure, union_length  # noqa: E402
 from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
-from dtprof.analyzers.summary import analyze, write_summary  # noqa: E402
+from dtprof.analyzers.summary import analyze, save_summary  # noqa: E402
 from dtprof.options import resolve_options  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.reports.terminal import format_summary_text  # noqa: E402
@@ -588,7 +588,9 @@ def test_findings_end_to_end_memory_and_exposed_comm(tmp_path):
 
 def test_summary_schema_keys_and_text(tmp_path):
     run = build_run(tmp_path / "r", world_size=2, steps=6)
-    s = write_summary(run, resolve_options(open_run(run), flops_per_step=1e9, peak_tflops=1))
+    opened = open_run(run)
+    s = analyze(opened, resolve_options(opened, flops_per_step=1e9, peak_tflops=1)).summary
+    save_summary(run, s)
     on_disk = json.loads((run / "summary.json").read_text())
     assert on_disk == s and s["schema"] == "dtprof.summary/1"
     for k in ("run", "steps", "ranks", "mfu", "overlap", "pipeline", "stragglers", "collectives", "findings"):
