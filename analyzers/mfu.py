@@ -86,7 +86,7 @@ def compute_mfu(run, per_rank: pd.DataFrame, job: pd.DataFrame, options: Analysi
     flops_per_step, transformer = options.flops_per_step, options.transformer
     rank = per_rank["rank"].to_numpy(np.int64)
     measured = per_rank["measured"].to_numpy(bool)
-    jm = job[job["measured"]]
+    jm = job[job["timed"]]
     step_time = float(jm["time_s"].mean()) if len(jm) else None
     out["step_time_s"] = step_time
 

@@ -18,10 +18,12 @@ compare and triage read these columns; none derives them again.
   clock; every aligned time anywhere comes from them.
 - ``steps``: per rank-step ``start_ns``, ``end_ns``, ``duration_s``, ``aligned_start_ns``, ``aligned_end_ns``,
   ``warmup``, ``traced`` (a trace capture disturbed it), ``flops_counted`` (it ran under FlopCounterMode),
-  ``measured`` (none of these), plus the steps table's per-step
-  numbers (peak memory, tokens, samples, FLOPs).
+  ``boundary_only`` (sampling recorded only its times), ``timed`` (none of the first three: its time counts),
+  ``measured`` (timed and recorded in full detail on every rank), plus the steps table's per-step
+  numbers (peak memory, tokens, samples, FLOPs, detail).
 - ``job``: per step ``time_s`` (the job's step time: the slowest rank's duration, ``analyzers/steps.py``),
-  ``warmup``, ``traced``, ``flops_counted``, ``measured``; ``measured_steps`` the set of measured step indices.
+  ``warmup``, ``traced``, ``flops_counted``, ``boundary_only``, ``timed``, ``measured``; ``measured_steps`` the set
+  of measured step indices.
 - ``captures``: the ``trace_capture`` meta rows as rank, start_ns, end_ns: the intervals the profiler capture
   disturbed (kept out of step statistics, never read as data wait).
 - ``pipeline_schedule`` / ``mesh``: the first meta row of that kind (dict) or None.
@@ -166,7 +168,7 @@ def exit_sums(run, source: str = "summaries"):
     """``clock.exit_sums`` of the run as nodesummary.Rows (reduced by the fit in DuckDB): "raw", of all its
     collectives rows at once; "summaries", the node summaries' files (a node without a stored one reduced here from
     its own rows)."""
-    from dtprof.analyzers.nodesummary import Rows, stored_files
+    from dtprof.analyzers.rows import Rows, stored_files
     from dtprof.runformat import summary_file
 
     def of(r) -> pd.DataFrame:
@@ -186,7 +188,7 @@ def rank_steps(run, source: str = "summaries") -> tuple[pd.DataFrame, pd.DataFra
     """(per rank-step: ``steps.rank_steps``' columns, the stored node summaries' rank_steps or None): "raw", from
     the steps table; "summaries", from the node summaries' rank_steps (which carry the steps table's numbers, so the
     steps table is not read: 16.4 M rows at 16,384 x 1,000), a node without a stored one from its own steps."""
-    from dtprof.analyzers.nodesummary import by_rank_step
+    from dtprof.analyzers.rows import by_rank_step
 
     if source == "raw":
         return steps_mod.rank_steps(run.steps), None
@@ -209,12 +211,17 @@ def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel
     # When every step carries executed FLOPs (a run annotated that way) there is no undisturbed step to prefer.
     counted = per["executed_flops"].notna().to_numpy()
     per["flops_counted"] = counted & ~counted.all()
+    per["boundary_only"] = per["detail"].to_numpy(np.float64) == 0    # sampling recorded only its boundary
     job = steps_mod.job_steps(per)
     n_warm, source = steps_mod.warmup_of(job, warmup)
     warm = set(job["step"].to_numpy()[:n_warm].tolist())
     job["warmup"] = job["step"].isin(warm)
-    job["measured"] = ~job["warmup"] & ~job["traced"] & ~job["flops_counted"]
+    # timed: its step time counts; measured: and every rank recorded it in full detail (the breakdown, overlap,
+    # what-if and stragglers read spans and collectives, which a boundary-only step has none of)
+    job["timed"] = ~job["warmup"] & ~job["traced"] & ~job["flops_counted"]
+    job["measured"] = job["timed"] & ~job["boundary_only"]
     per["warmup"] = per["step"].isin(warm)
+    per["timed"] = per["step"].isin(set(job.loc[job["timed"], "step"].tolist()))
     per["measured"] = per["step"].isin(set(job.loc[job["measured"], "step"].tolist()))
     rank = per["rank"].to_numpy(np.int64)
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)

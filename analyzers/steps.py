@@ -46,7 +46,7 @@ def detect_warmup(job_time_s: np.ndarray) -> int:
 # the steps table's per-step numbers as the run model carries them (float64, NaN where a rank did not report one;
 # float64: FLOPs pass int64's range for large models, and bytes, tokens and samples stay exact below 2**53); the
 # node summaries' rank_steps carry them too (dtprof/schema.py), so the global analysis never reads the steps table
-STEP_NUMBERS = ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops", "cpu_wait_s")
+STEP_NUMBERS = ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops", "cpu_wait_s", "detail")
 
 
 def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
@@ -58,6 +58,9 @@ def rank_steps(s: pd.DataFrame) -> pd.DataFrame:
     for col in ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops"):
         per[col] = s[col].astype("Float64").to_numpy(np.float64, na_value=np.nan)
     per["cpu_wait_s"] = s["cpu_wait_ns"].astype("Float64").to_numpy(np.float64, na_value=np.nan) / NS
+    # 0: only the boundary of this step was recorded (sampling); NaN or 1: full detail
+    per["detail"] = (s["detail"].astype("Float64").to_numpy(np.float64, na_value=np.nan) if "detail" in s
+                     else np.full(len(s), np.nan))
     key = per["rank"].to_numpy() * (1 << 32) + per["step"].to_numpy()
     if len(key) >= 2 and not bool((key[1:] >= key[:-1]).all()):   # the nodes' tables in rank order already: no sort
         per = per.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
@@ -70,7 +73,7 @@ def with_duration(per: pd.DataFrame) -> pd.DataFrame:
     out = per[["rank", "step", "start_ns", "end_ns"]].copy(deep=False)
     out["duration_s"] = (per["end_ns"] - per["start_ns"]) / NS
     for col in STEP_NUMBERS:
-        out[col] = per[col]   # a Series: shared, not copied
+        out[col] = per[col] if col in per else np.nan   # a Series: shared, not copied (a column added later: NaN)
     return out
 
 
@@ -142,12 +145,14 @@ def distinct(values: np.ndarray) -> np.ndarray:
 
 def job_steps(per: pd.DataFrame) -> pd.DataFrame:
     """Per step: the job's step time ``time_s`` (max over ranks: the one place it is derived), ranks, tokens,
-    samples, ``traced`` (any rank's step was disturbed by a trace capture; needs ``per["traced"]``) and
-    ``flops_counted`` (any rank ran it under FlopCounterMode; needs ``per["flops_counted"]``)."""
+    samples, ``traced`` (any rank's step was disturbed by a trace capture; needs ``per["traced"]``),
+    ``flops_counted`` (any rank ran it under FlopCounterMode; needs ``per["flops_counted"]``) and ``boundary_only``
+    (sampling recorded only its boundary on some rank; needs ``per["boundary_only"]``)."""
     job = per.groupby("step", sort=True).agg(time_s=("duration_s", "max"), ranks=("rank", "size"),
                                               tokens=("tokens", "sum"), samples=("samples", "sum"),
                                               tokens_known=("tokens", "count"), samples_known=("samples", "count"),
-                                              traced=("traced", "any"), flops_counted=("flops_counted", "any"))
+                                              traced=("traced", "any"), flops_counted=("flops_counted", "any"),
+                                              boundary_only=("boundary_only", "any"))
     return job.reset_index()
 
 
@@ -163,15 +168,49 @@ def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
     return detect_warmup(t), "detected"
 
 
+def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int) -> dict | None:
+    """summary.json ``steps.sampling``: what the ranks' step sampling decided (the ``sampling`` meta rows,
+    collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows."""
+    rows = [(int(r), v) for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
+            if k == "sampling" and isinstance(v, dict)]
+    if not rows:
+        return None
+    periods = sorted({int(v.get("period") or 0) for _, v in rows})
+    costs = [v["detail_cost_ns"] / NS for _, v in rows if v.get("detail_cost_ns") is not None]
+    step = [v["step_ns"] / NS for _, v in rows if v.get("step_ns")]
+    v0 = rows[0][1]
+    cost_s = float(np.median(costs)) if costs else None
+    step_s = float(np.median(step)) if step else None
+    out: dict = {"period_steps": periods[-1], "block_steps": v0.get("block"), "from_step": v0.get("from_step"),
+           "calibration_steps": v0.get("calibration"), "budget_frac": v0.get("budget"),
+           "detail_cost_s": cost_s, "boundary_step_s": step_s,
+           "ranks_by_period": {str(p): sorted(r for r, v in rows if int(v.get("period") or 0) == p) for p in periods}}
+    cost = (f"dtprof's cost of a detailed step was measured at {cost_s * 1e6:.0f} µs on {step_s * 1e3:.3g} ms steps"
+            if cost_s is not None and step_s is not None else "")
+    if boundary_only == 0:
+        out["statement"] = f"every step in full detail ({cost or 'no sampling needed'})"
+    else:
+        every = (f"blocks of {out['block_steps']} steps every {out['period_steps']} from step {out['from_step']}"
+                 if out["period_steps"] else "calibration blocks only")
+        out["statement"] = (f"{detailed} step(s) in full detail, {boundary_only} with their times only ({every}"
+                            + (f"; {cost}, over {out['budget_frac']:.0%} of the step" if cost and out["period_steps"]
+                               else "")
+                            + "); step times and throughput use every step, the breakdown, overlap, what-if and "
+                              "stragglers the detailed ones")
+    return out
+
+
 def step_stats(model) -> dict:
-    """summary.json ``steps`` block: percentiles over the job's measured step times (neither warm-up nor disturbed
-    by a trace capture nor FLOP-counted), throughput. ``model``: the run model (analyzers/runmodel.py)."""
+    """summary.json ``steps`` block: percentiles over the job's timed step times (neither warm-up nor disturbed
+    by a trace capture nor FLOP-counted; detailed and boundary-only steps alike), throughput, and what sampling
+    recorded in detail. ``model``: the run model (analyzers/runmodel.py)."""
     job = model.job
-    meas = job[job["measured"]]
+    meas = job[job["timed"]]
     t = meas["time_s"].to_numpy(dtype=float)
     out: dict = {"count": int(len(t)), "total_count": int(len(job)), "warmup_steps": int(model.warmup_steps),
                  "warmup_source": model.warmup_source, "traced_steps": [int(x) for x in job.loc[job["traced"], "step"]],
-                 "flops_counted_steps": [int(x) for x in job.loc[job["flops_counted"], "step"]]}
+                 "flops_counted_steps": [int(x) for x in job.loc[job["flops_counted"], "step"]],
+                 "detailed_count": int(job["measured"].sum()), "boundary_only_count": int(job["boundary_only"].sum())}
     traced = job.loc[job["traced"], "time_s"].to_numpy(float)
     # what a trace capture (--trace-steps, the default kernel sample) cost the job: its steps' extra time over a
     # typical measured step (docs/metrics.md, "Why the GPU is slow")
@@ -187,6 +226,7 @@ def step_stats(model) -> dict:
         out["jitter_frac"] = None
         out["time_s_reason"] = ("no measured steps (all steps are warm-up, traced or FLOP-counted, or none were "
                                 "recorded)")
+    out["sampling"] = sampling(model.run.meta, out["detailed_count"], out["boundary_only_count"])
     out["per_step_time_s"] = [float(x) for x in t]
     out["per_step_index"] = [int(x) for x in meas["step"]]
     total_t = float(t.sum()) if len(t) else 0.0

@@ -336,25 +336,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
     instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
     pool.shutdown(wait=False)
-    ov = ns.overlap()
-    # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
-    # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
-    steps = model.steps.copy(deep=False)
-    for c in nodesummary_mod.OVERLAP_COLUMNS:
-        steps[c] = ov.per_step[c]
-    bd = ns.breakdown()
-    kernel = (steps["level"] == "kernel").to_numpy(bool)
-    kernel_exposed = steps["exposed_comm_s"].where(kernel) if kernel.any() else None
-    for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
-        steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
-    # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
-    if kernel_exposed is not None:
-        steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
-    steps = steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
-                   "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
-                   "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
-                   "executed_flops", "cpu_wait_s"]
-                  + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
+    ov, bd = ns.overlap(), ns.breakdown()
+    steps = _rank_step_table(model, ov, bd)
     overlap_cols = steps[["comm_s", "duration_s", "overlap_s", "exposed_comm_s", "level"]]
     measured = overlap_cols[steps["measured"].to_numpy(bool)]
     step_block = steps_mod.step_stats(model)
@@ -385,31 +368,9 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     say("MFU")
     mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
 
-    # Named stragglers are the persistent ones; transient lateness is listed apart and never made a headline.
-    stragglers_list: list[dict] = []
-    transient_list: list[dict] = []
-    for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
-        (stragglers_list if s.kind == "persistent" else transient_list).append({
-                                "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
-                                "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
-                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
-                                "slow_step_frac": float(s.slow_step_frac),
-                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
-                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
-                                "saving_frac_median": float(s.saving_frac_median),
-                                "typical_excess_s": float(s.typical_excess_s),
-                                "typical_cpu_wait_s": float(s.typical_cpu_wait_s),
-                                "evidence": evidence[int(s.rank)]["lines"],
-                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
-    problems = list(run.problems)
+    stragglers_list, transient_list = _flagged_ranks(strag, evidence)
     run_block = _run_block(run)
-    if run_block["ranks_missing"]:
-        problems.append(f"rank(s) {', '.join(map(str, run_block['ranks_missing']))} of world size "
-                        f"{run_block['world_size']} left no record")
-    problems += run_block["unidentified_processes"]
-    if ov.unassigned:
-        problems.append(f"{ov.unassigned} span(s)/collective(s) started outside every step window and were not "
-                        f"counted in per-step figures")
+    problems = _problems(run, run_block, ov.unassigned)
     arr_out = arr.drop(columns=["measured"])
     summary = {
         "schema": SUMMARY_SCHEMA,
@@ -445,19 +406,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
     _add_mesh(summary, spans_view, steps, bd, ns)
     say("GPU kernels")
-    gpu_time = kernels_mod.gpu_time(spans_view.spans, model.steps, options.gpu_window)
-    for r in summary["ranks"]:
-        r["gpu_time"] = gpu_time.get(int(r["rank"]))
-    summary["kernels"] = kernels_mod.top_kernels(spans_view.spans)
-    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
-    if summary["gpu_time"] is None:
-        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
-    if pp is None:
-        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
-    if not stragglers_list:
-        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
-    if summary["memory"]["headroom_frac_min"] is None:
-        summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
+    _add_gpu_time(summary, spans_view.spans, model.steps, options.gpu_window)
+    _add_reasons(summary, pp)
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
@@ -470,6 +420,83 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def _rank_step_table(model, ov, bd) -> pd.DataFrame:
+    """Per rank × step: the run model's steps with the overlap's and the breakdown's columns (Analysis.steps)."""
+    # copy-on-write: the model's and the summary's columns are shared, not copied (assigned as Series: pandas
+    # copies a NumPy array it is given; 16.4 M rank-steps make each column 131 MB)
+    steps = model.steps.copy(deep=False)
+    for c in nodesummary_mod.OVERLAP_COLUMNS:
+        steps[c] = ov.per_step[c]
+    kernel = (steps["level"] == "kernel").to_numpy(bool)
+    kernel_exposed = steps["exposed_comm_s"].where(kernel) if kernel.any() else None
+    for p in breakdown_mod.PARTS:   # exposed_comm_s and data_wait_s: one value per rank-step, the breakdown's
+        steps[f"{p}_s"] = bd.per_step[f"{p}_s"]
+    # except where a trace has GPU kernels: there the overlap module's kernel view of exposed communication stays
+    if kernel_exposed is not None:
+        steps["exposed_comm_s"] = kernel_exposed.fillna(steps["exposed_comm_s"])
+    return steps[["rank", "step", "start_ns", "end_ns", "aligned_start_ns", "aligned_end_ns", "duration_s",
+                  "compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "data_wait_s", "overlap_ratio", "warmup",
+                  "traced", "measured", "peak_mem_bytes", "overlap_s", "level", "tokens", "samples", "model_flops",
+                  "executed_flops", "cpu_wait_s"]
+                 + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
+
+
+def _flagged_ranks(strag: pd.DataFrame, evidence: dict) -> tuple[list[dict], list[dict]]:
+    """(summary ``stragglers``, ``transient_lateness``): named stragglers are the persistent ones; transient
+    lateness is listed apart and never made a headline."""
+    stragglers_list: list[dict] = []
+    transient_list: list[dict] = []
+    for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
+        (stragglers_list if s.kind == "persistent" else transient_list).append({
+                                "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
+                                "time_lost_s": float(s.time_lost_s), "score": s.compute_score,
+                                "late_frac": float(s.late_frac), "late_step_frac": float(s.late_step_frac),
+                                "slow_step_frac": float(s.slow_step_frac),
+                                "delay_s_per_step": float(s.delay_s_per_step), "reason": s.reason,
+                                "saving_frac": float(s.saving_frac), "saving_step_frac": float(s.saving_step_frac),
+                                "saving_frac_median": float(s.saving_frac_median),
+                                "typical_excess_s": float(s.typical_excess_s),
+                                "typical_cpu_wait_s": float(s.typical_cpu_wait_s),
+                                "evidence": evidence[int(s.rank)]["lines"],
+                                "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
+    return stragglers_list, transient_list
+
+
+def _problems(run, run_block: dict, unassigned: int) -> list[str]:
+    """summary ``problems``: what the reader found, ranks that left no record, unidentified processes, rows outside
+    every step window."""
+    problems = list(run.problems)
+    if run_block["ranks_missing"]:
+        problems.append(f"rank(s) {', '.join(map(str, run_block['ranks_missing']))} of world size "
+                        f"{run_block['world_size']} left no record")
+    problems += run_block["unidentified_processes"]
+    if unassigned:
+        problems.append(f"{unassigned} span(s)/collective(s) started outside every step window and were not "
+                        f"counted in per-step figures")
+    return problems
+
+
+def _add_gpu_time(summary: dict, spans: pd.DataFrame, steps: pd.DataFrame, window: str) -> None:
+    """GPU time per rank and for the job, and the top kernels, from the trace's kernel spans (analyzers/kernels)."""
+    gpu_time = kernels_mod.gpu_time(spans, steps, window)
+    for r in summary["ranks"]:
+        r["gpu_time"] = gpu_time.get(int(r["rank"]))
+    summary["kernels"] = kernels_mod.top_kernels(spans)
+    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
+    if summary["gpu_time"] is None:
+        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
+
+
+def _add_reasons(summary: dict, pipeline) -> None:
+    """The reason beside each null or empty headline figure (``pipeline``: analyze_pipeline's result)."""
+    if pipeline is None:
+        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
+    if not summary["stragglers"]:
+        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
+    if summary["memory"]["headroom_frac_min"] is None:
+        summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
 
 
 def _say_which_suspects_are_not_stragglers(what_if: list[dict], strag: pd.DataFrame) -> None:
@@ -513,7 +540,7 @@ def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFr
 
     try:
         rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
-        res = triage.triage(run.path, run=run, stragglers=stragglers, collectives=rows, steps=steps)
+        res = triage.triage(run, run.incident(), stragglers=stragglers, collectives=rows, steps=steps)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
@@ -561,127 +588,3 @@ def write_summary(run_dir, options: AnalysisOptions | None = None, progress=None
     a = analyze(run, options, progress=progress)
     save_summary(run.path, a.summary)
     return a.summary
-
-
-def _fmt_s(x) -> str:
-    if x is None or x != x:   # None, or NaN (a rank that did not report the figure)
-        return "—"
-    if x == 0:
-        return "0"
-    if x >= 1:
-        return f"{x:.2f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} µs"
-
-
-def _fmt_frac(x) -> str:
-    return "—" if x is None else f"{x:.0%}"
-
-
-def _saving(frac: float) -> str:
-    """A predicted saving as a change of the step: "-47%"; a scenario that saves nothing or a little less: "+0%"
-    (it read "--0%")."""
-    return f"{'-' if frac >= 0 else '+'}{abs(frac):.0%}"
-
-
-def format_summary_text(summary: dict) -> str:
-    """The short per-rank table printed at the end of a run, plus the headline lines."""
-    lines = []
-    run = summary.get("run") or {}
-    st = summary.get("steps") or {}
-    t = st.get("time_s") or {}
-    hosts = f"on {len(run['hosts'])} host(s)" if run.get("hosts") else "on unnamed hosts"
-    code = f", exit code {run['exit_code']}" if run.get("exit_code") is not None else ""
-    lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) {hosts}, "
-                 f"status {run.get('status') or 'unknown'}{code}")
-    if run.get("ranks_missing"):
-        lines.append(f"[error] rank(s) {', '.join(map(str, run['ranks_missing']))} left no record")
-    for msg in run.get("unidentified_processes") or []:
-        lines.append(f"[error] {msg}")
-    if run.get("status") == "interrupted":
-        lines.append(run.get("status_reason") or "interrupted")
-    tri = summary.get("triage")
-    if tri and tri.get("verdict") != "healthy":
-        lines.append(f"triage: {tri['message']}")
-    lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
-                 f"step time p50 {_fmt_s(t.get('p50'))}, p90 {_fmt_s(t.get('p90'))}, "
-                 f"p99 {_fmt_s(t.get('p99'))}")
-    # where the step went (breakdown.py): one column per part, summing to the mean step time
-    parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
-    short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
-             "optimizer": "optim", "gpu_wait": "GPU wait"}
-    # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
-    cpu_col = summary.get("cpu_wait") is not None
-    lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
-                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}"
-                 + (f" {'cpu wait':>9}" if cpu_col else ""))
-    for r in summary.get("ranks") or []:
-        b = r.get("breakdown_s_per_step") or {}
-        lines.append(f"{r['rank']:>5} {str(r.get('host') or '')[:14]:<14} {r.get('steps', 0):>5} "
-                     f"{_fmt_s(r.get('step_time_s_mean')):>10} "
-                     + " ".join(f"{_fmt_s(b.get(p)):>9}" for p in parts)
-                     + f" {_fmt_frac(r.get('overlap_ratio')):>8}"
-                     + (f" {_fmt_s(r.get('cpu_wait_s_per_step')):>9}" if cpu_col else ""))
-    bd = summary.get("breakdown") or {}
-    by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
-    by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}
-    if by_op:
-        dims = ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_dim.items()) if set(by_dim) != {"(none)"} else ""
-        lines.append("exposed communication per step (mean over ranks): "
-                     + (f"by mesh dimension {dims}; " if dims else "")
-                     + "by op " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in by_op.items()))
-    wif = summary.get("what_if") or []
-    if wif:   # the what-if model's top three (analyzers/whatif.py)
-        named = {s["rank"] for s in summary.get("stragglers") or []}
-        rep = summary.get("replay") or {}
-        err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
-        lines.append(f"what if (predicted mean step; measured {_fmt_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
-            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
-            f"{' (not a straggler)' if is_unnamed_suspect(w, named) else ''} "
-            f"{_fmt_s(w['predicted_step_s'])} ({_saving(w['saving_frac'])})" for w in wif[:3]))
-    m = summary.get("mfu") or {}
-    if m.get("value") is not None:
-        lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
-    else:
-        lines.append(f"MFU: n/a ({m.get('value_reason') or m.get('peak_reason') or m.get('flops_reason')})")
-    rates = [f"{st[k]:,.0f} {what}/s ({st.get(k + '_source')})" for k, what in
-             (("tokens_per_s", "tokens"), ("samples_per_s", "samples")) if st.get(k) is not None]
-    if rates:
-        lines.append("throughput: " + "; ".join(rates))
-    ov = summary.get("overlap") or {}
-    lines.append(f"overlap: {_fmt_frac(ov.get('ratio'))} of communication hidden behind compute; exposed "
-                 f"communication {_fmt_frac(ov.get('exposed_comm_frac'))} of step time")
-    ev = summary.get("evaluation")
-    if ev:
-        lines.append(f"evaluation between steps (not in step times, throughput or MFU): {ev['stretches']} "
-                     f"stretch(es), {_fmt_s(ev['total_s'])} on rank {ev['rank']}"
-                     + (f" ({ev['wall_frac']:.1%} of its run)" if ev.get("wall_frac") is not None else ""))
-    outside = summary.get("collectives_outside_steps") or []
-    if outside:
-        lines.append(f"collectives outside every step (set-up, checkpointing, evaluation): "
-                     f"{sum(c['count'] for c in outside)}, {sum(c['bytes'] for c in outside) / 2**20:.1f} MiB, "
-                     f"{_fmt_s(sum(c['total_s'] for c in outside))}")
-    pp = summary.get("pipeline")
-    if pp:
-        lines.append(f"pipeline: {pp['stages']} stages × {pp['microbatches']} microbatches ({pp['schedule']}), "
-                     f"bubble {_fmt_frac(pp.get('bubble_frac'))} = theoretical "
-                     f"{_fmt_frac(pp.get('theoretical_bubble_frac'))} + overhead {_fmt_frac(pp.get('overhead_frac'))}"
-                     f" of the step, imbalance "
-                     f"{'—' if pp.get('imbalance') is None else format(pp['imbalance'], '.2f')}×")
-    sl = summary.get("stragglers") or []
-    if sl:
-        lines.append("stragglers: " + "; ".join(
-            f"rank {s['rank']} ({s['host']}) {s['kind']}, saves {s['saving_frac']:.0%} of the step if fixed, "
-            f"peers' arrival wait {_fmt_s(s['time_lost_s'])}" for s in sl))
-    else:
-        lines.append("stragglers: none")
-    tl = summary.get("transient_lateness") or []
-    if tl:
-        lines.append("transient lateness (not a straggler): " + "; ".join(
-            f"rank {s['rank']} held its peers up in a few steps (peers' arrival wait "
-            f"{_fmt_s(s['time_lost_s'])})"
-            for s in tl))
-    for f in summary.get("findings") or []:
-        lines.append(f"[{f['severity']}] {f['message']}")
-    return "\n".join(lines)

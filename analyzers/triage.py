@@ -28,14 +28,16 @@ command ended) is named in the evidence, with its signals, grace period and whet
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dtprof.analyzers.collectives import own_records
-from dtprof.runformat import NODE_PREFIX, RANK_PREFIX
+from dtprof.reader import Incident, best_dump
+from dtprof.runformat import stop_text
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy")
 P2P = ("send", "recv")
@@ -49,62 +51,6 @@ TIMEOUT_PATTERNS = [
 ]
 _NCCL_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
 _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/dtprof/", "/collectors/", "<frozen")
-
-
-# ---------------------------------------------------------------------------------------------------- inputs
-def _load_json(p: Path):
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def read_rank_files(run_dir: Path) -> tuple[dict, dict]:
-    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run."""
-    hbs, dumps = {}, {}
-    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
-        for rd in sorted(nd.glob(f"{RANK_PREFIX}*")):
-            try:
-                rank = int(rd.name[len(RANK_PREFIX):])
-            except ValueError:
-                continue
-            hb = _load_json(rd / "heartbeat.json")
-            if hb:
-                hbs[rank] = hb
-            for dp in rd.glob("dump-*.json"):
-                d = _load_json(dp)
-                if d:
-                    dumps.setdefault(rank, {})[dp.name[len("dump-"):-len(".json")]] = d
-    return hbs, dumps
-
-
-def read_watchdog(run_dir: Path) -> dict:
-    """The watchdog's findings of every node: {"hang": [...], "crash": [...], "exit": [...]}."""
-    out = {"hang": [], "crash": [], "exit": []}
-    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
-        for kind in out:
-            d = _load_json(nd / "triage" / f"{kind}.json")
-            if d:
-                out[kind].append({**d, "node": nd.name})
-    return out
-
-
-def read_logs(run_dir: Path) -> str:
-    parts = []
-    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
-        for name in ("stderr.log", "stdout.log"):
-            p = nd / name
-            if p.exists():
-                parts.append(p.read_text(errors="replace"))
-    return "\n".join(parts)
-
-
-def best_dump(dumps: dict, prefer=("hang", "crash", "sigterm")) -> dict | None:
-    """The dump of one rank that tells most about the incident: the watchdog's, else the newest."""
-    for k in prefer:
-        if k in dumps:
-            return dumps[k]
-    return max(dumps.values(), key=lambda d: d.get("t_ns") or 0) if dumps else None
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -168,21 +114,6 @@ def _group_members(groups_tbl, group: str, fallback) -> list[int]:
     return sorted(fallback)
 
 
-def fr_entries_from_dumps(dumps: dict):
-    """Flight Recorder entries carried in rank dumps -> one DataFrame (collectors/flight_recorder.py columns)."""
-    import pandas as pd
-
-    from dtprof.collectors.flight_recorder import COLUMNS, entries_frame
-
-    frames = []
-    for rank, by_id in dumps.items():
-        d = best_dump(by_id)
-        if d and isinstance(d.get("flight_recorder"), dict):
-            frames.append(entries_frame(d["flight_recorder"], rank, f"rank-{rank} dump"))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
-
-
-# ---------------------------------------------------------------------------------------------- detectors
 def mismatch_candidates(parts) -> list[tuple[str, int]]:
     """The collective instances (group, seq) whose ranks may disagree in op, size or dtype, from the arrivals
     reduced per part (analyzers/stragglers.py ``arrival_parts``: the node summaries', nodesummary.Rows, reduced in
@@ -260,7 +191,6 @@ def find_hang(hbs, dumps, known_ranks, groups_tbl, fr_entries, now_ns) -> dict:
         return {"collective": {"op": op, "group": group, "seq": seq}, "waiting": waiting, "culprits": culprits,
                 "waited_s": waited_s, "source": "in-flight collectives"}
     if fr_entries is not None and len(fr_entries):  # fall back on the Flight Recorder's newest seq per rank
-        from dtprof.collectors.flight_recorder import match_across_ranks
         members = {}
         if groups_tbl is not None and len(groups_tbl):
             members = {str(g): [int(x) for x in str(rs).split(",") if x.strip()]
@@ -274,6 +204,40 @@ def find_hang(hbs, dumps, known_ranks, groups_tbl, fr_entries, now_ns) -> dict:
                     "waiting": list(last["ranks_present"]), "culprits": list(last["ranks_missing"]),
                     "waited_s": None, "source": "Flight Recorder"}
     return {"collective": None, "waiting": [], "culprits": [], "waited_s": None, "source": None}
+
+
+def match_across_ranks(entries, group_ranks: dict[str, list[int]] | None = None):
+    """Match collective entries by (group, seq). Returns a DataFrame per instance: group, seq, ops, sizes,
+    dtypes (distinct values seen), ranks_present, ranks_missing, mismatch (op, size or dtype differ).
+
+    ``group_ranks`` names each group's members; without it a group's members are all ranks seen in it.
+    """
+    import pandas as pd
+
+    e = entries[~entries["is_p2p"].astype(bool)].dropna(subset=["rank", "seq"])
+    if e.empty:
+        return pd.DataFrame(columns=["group", "seq", "ops", "sizes", "dtypes", "ranks_present", "ranks_missing",
+                                     "mismatch"])
+    g = e.groupby(["group", "seq"], sort=True)
+    inst = pd.DataFrame({
+        "ops": g["op"].agg(lambda s: sorted(set(s))),
+        "sizes": g["input_sizes"].agg(lambda s: sorted(set(s))),
+        "dtypes": g["dtype"].agg(lambda s: sorted(set(s))),
+        "ranks_present": g["rank"].agg(lambda s: sorted(int(r) for r in set(s))),
+    }).reset_index()
+    # A rank is missing from an instance if it dumped but its newest entry in that group is older (it never got
+    # there). Ranks older entries fell out of the ring buffer for are not "missing"; ranks without a dump are
+    # unknown and not listed.
+    dumped = sorted(int(r) for r in entries["rank"].dropna().unique())
+    newest = e.groupby(["group", "rank"])["seq"].max()
+    members = {str(k): sorted(v) for k, v in (group_ranks or {}).items()}
+    missing = []
+    for gr, seq in zip(inst["group"], inst["seq"]):
+        cand = [r for r in members.get(str(gr), dumped) if r in dumped]
+        missing.append([r for r in cand if newest.get((gr, r), -1) < seq])
+    inst["ranks_missing"] = missing
+    inst["mismatch"] = (inst["ops"].str.len() > 1) | (inst["sizes"].str.len() > 1) | (inst["dtypes"].str.len() > 1)
+    return inst
 
 
 # NCCL's OpType names -> dtprof's canonical op names (dtprof.schema.COLLECTIVE_OPS)
@@ -322,257 +286,303 @@ def find_stragglers(stragglers: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ verdict
-def triage(run_dir, fr_paths=(), live: bool = False, stale_s: float = 60.0, now_ns: int | None = None,
-           run=None, stragglers=None, collectives=None, steps=None) -> dict:
-    """The verdict for one run directory. Returns the ``--json`` dict: verdict, culprit_ranks, collective,
-    message, evidence (list of {kind, message, ...}). ``fr_paths``: extra Flight Recorder dumps (files or
-    directories). ``live``: the job is still running; ``stale_s`` is how long without progress counts as a hang.
-    ``run`` and ``stragglers``: the run already open and its analysis' flagged ranks (summary ``stragglers``), as
-    ``dtprof.analyzers.summary.analyze`` passes them; without them the run is opened and analysed here.
-    ``collectives``: the rows the mismatch check reads (the analysis passes those of its ``mismatch_candidates``);
-    default all of the run's. ``steps``: the run's rank-steps (rank, step; the analysis passes its run model's, so
-    the steps table is not read again); default the run's steps table.
-    """
-    import pandas as pd
+@dataclass
+class Case:
+    """What one triage reads, and the evidence its rules collect in order (a rule may add evidence whether or not
+    its verdict applies)."""
 
-    from dtprof.collectors.flight_recorder import load_dumps
-    from dtprof.launcher import stop_text
-    from dtprof.reader import open_run
+    run: Any                    # the run (dtprof.reader.Run), or None: only Flight Recorder files were given
+    incident: Incident          # its heartbeats, dumps, watchdog records, logs and Flight Recorder entries
+    stragglers: list | None     # the analysis' summary ``stragglers``
+    straggler_error: str | None  # why the analysis has none, when it failed
+    collectives: Any            # the rows the mismatch check reads
+    steps: Any                  # the run's rank-steps (rank, step)
+    live: bool
+    stale_s: float
+    now_ns: int | None
+    evidence: list = field(default_factory=list)
+    known: set = field(default_factory=set)
+    timeouts: list = field(default_factory=list)
 
-    run_dir = Path(run_dir)
-    if run is None:
-        run = open_run(run_dir, check_tables=True) if (run_dir / "run.json").exists() else None
-    def rank_steps():   # read on first use: most verdicts need no steps
-        return steps if steps is not None else run.steps
+    @property
+    def ranks_tbl(self):
+        return self.run.ranks if self.run is not None else None
 
-    ranks_tbl = run.ranks if run is not None else None
-    groups_tbl = run.groups if run is not None else None
-    hbs, dumps = read_rank_files(run_dir) if run is not None else ({}, {})
-    wd = read_watchdog(run_dir) if run is not None else {"hang": [], "crash": [], "exit": []}
-    logs = read_logs(run_dir) if run is not None else ""
-    fr = fr_entries_from_dumps(dumps)
-    if fr_paths:
-        ext = load_dumps(fr_paths)
-        fr = pd.concat([x for x in (fr, ext) if len(x)], ignore_index=True) if len(ext) else fr
-    known = set(hbs) | set(dumps)
-    if ranks_tbl is not None and len(ranks_tbl):
-        known |= set(int(r) for r in ranks_tbl["rank"])
-    if fr is not None and len(fr):
-        known |= set(int(r) for r in fr["rank"].dropna())
-    evidence: list[dict] = []
-    label = lambda r: rank_label(r, ranks_tbl)  # noqa: E731
+    def label(self, r) -> str:
+        return rank_label(r, self.ranks_tbl)
 
-    timeouts = log_timeouts(logs)
-    for line in timeouts:
-        evidence.append({"kind": "log", "message": f"job output: {line[:300]}"})
-    if run is not None and run.problems:
-        evidence += [{"kind": "read", "message": p} for p in run.problems]
-    for node in run.nodes if run is not None else []:
-        for stop in node.get("stops") or []:
-            evidence.append({"kind": "stop", "message": f"dtprof run on {node.get('host') or '?'} {stop_text(stop)}",
-                             **stop})
+    def rank_steps(self):   # read on first use: most verdicts need no steps
+        return self.steps if self.steps is not None else self.run.steps
 
-    def result(verdict, culprits, collective, message):
-        return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
-                "message": message, "evidence": evidence}
-
-    def last_step(r):
+    def last_step(self, r):
         """The last step a rank recorded ('?' for none)."""
-        rs = rank_steps() if run is not None else None
+        rs = self.rank_steps() if self.run is not None else None
         done = rs.loc[rs["rank"] == r, "step"] if rs is not None and len(rs) else []
         return int(done.max()) if len(done) else "?"
 
-    def step_of(r):
+    def step_of(self, r):
         """The step a rank was in: its newest heartbeat or dump, or the one after its last recorded step (the
         heartbeat is written every 0.5 s, so a fast job can be past it)."""
-        last = last_step(r)
-        cands = [hbs.get(r, {}).get("step")] + [d.get("step") for d in dumps.get(r, {}).values()]
+        last = self.last_step(r)
+        cands = ([self.incident.heartbeats.get(r, {}).get("step")]
+                 + [d.get("step") for d in self.incident.dumps.get(r, {}).values()])
         cands = [int(c) for c in cands if c is not None] + ([last + 1] if last != "?" else [])
         return max(cands) if cands else "?"
 
-    def stacks_evidence(ranks, why):
+    def stacks_evidence(self, ranks, why: str) -> None:
         for r in ranks:
-            d = best_dump(dumps.get(r, {}))
+            d = best_dump(self.incident.dumps.get(r, {}))
             loc = where(d)
             if loc:
-                evidence.append({"kind": "stack", "rank": r, "message": f"{label(r)} {why} at {loc}",
-                                 "dump": d.get("request")})
+                self.evidence.append({"kind": "stack", "rank": r, "message": f"{self.label(r)} {why} at {loc}",
+                                      "dump": d.get("request")})
 
-    # 1. mismatch
-    rows = collectives if collectives is not None else run.collectives if run is not None else None
-    mism = find_mismatches(own_records(rows) if rows is not None else None, fr)
-    if mism:
-        m = mism[0]
-        odd = m["odd_ranks"]
-        details = "; ".join(f"rank {r}: {v['op']} {v['in_bytes']} B {v['dtype']}"
-                            for r, v in sorted(m["per_rank"].items()) if r in odd or r == min(m["per_rank"]))
-        msg = (f"mismatch: {m['op']} #{m['seq']} of group {m['group']} differs in {', '.join(m['fields'])} on "
-               f"{', '.join(label(r) for r in odd)} ({details})")
-        for other in mism[1:5]:
-            evidence.append({"kind": "mismatch", "message": f"also {other['op']} #{other['seq']} of group "
-                             f"{other['group']} differs in {', '.join(other['fields'])} on ranks "
-                             f"{ranks_text(other['odd_ranks'])}"})
-        evidence.insert(0, {"kind": "mismatch", "message": f"from the {m['source']}: " + ", ".join(
-            f"rank {r} {v['op']} {v['in_bytes']} B {v['dtype']}" for r, v in sorted(m["per_rank"].items())),
-            "per_rank": {str(k): v for k, v in m["per_rank"].items()}})
-        return result("mismatch", odd, {"op": m["op"], "group": m["group"], "seq": m["seq"]}, msg)
+    def result(self, verdict: str, culprits, collective, message: str) -> dict:
+        return {"verdict": verdict, "culprit_ranks": sorted(int(r) for r in culprits), "collective": collective,
+                "message": message, "evidence": self.evidence}
 
-    # 2. hang
-    hang_rec = wd["hang"][0] if wd["hang"] else None
-    now = (hang_rec or {}).get("detected_ns") or now_ns or time.monotonic_ns()
+
+def _mismatch(c: Case) -> dict | None:
+    """1. One collective instance called with a different op, size or dtype on different ranks."""
+    rows = c.collectives if c.collectives is not None else c.run.collectives if c.run is not None else None
+    mism = find_mismatches(own_records(rows) if rows is not None else None, c.incident.fr)
+    if not mism:
+        return None
+    m = mism[0]
+    odd = m["odd_ranks"]
+    details = "; ".join(f"rank {r}: {v['op']} {v['in_bytes']} B {v['dtype']}"
+                        for r, v in sorted(m["per_rank"].items()) if r in odd or r == min(m["per_rank"]))
+    msg = (f"mismatch: {m['op']} #{m['seq']} of group {m['group']} differs in {', '.join(m['fields'])} on "
+           f"{', '.join(c.label(r) for r in odd)} ({details})")
+    for other in mism[1:5]:
+        c.evidence.append({"kind": "mismatch", "message": f"also {other['op']} #{other['seq']} of group "
+                           f"{other['group']} differs in {', '.join(other['fields'])} on ranks "
+                           f"{ranks_text(other['odd_ranks'])}"})
+    c.evidence.insert(0, {"kind": "mismatch", "message": f"from the {m['source']}: " + ", ".join(
+        f"rank {r} {v['op']} {v['in_bytes']} B {v['dtype']}" for r, v in sorted(m["per_rank"].items())),
+        "per_rank": {str(k): v for k, v in m["per_rank"].items()}})
+    return c.result("mismatch", odd, {"op": m["op"], "group": m["group"], "seq": m["seq"]}, msg)
+
+
+def _hang(c: Case) -> dict | None:
+    """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout, or
+    Flight Recorder files given show ranks that never reached a collective the others entered."""
+    inc = c.incident
+    hang_rec = inc.watchdog["hang"][0] if inc.watchdog["hang"] else None
+    now = (hang_rec or {}).get("detected_ns") or c.now_ns or time.monotonic_ns()
     stale = None
-    if live and hbs:
-        newest = max(hb.get("last_progress_ns") or 0 for hb in hbs.values())
+    if c.live and inc.heartbeats:
+        newest = max(hb.get("last_progress_ns") or 0 for hb in inc.heartbeats.values())
         stale = (now - newest) / 1e9
-        evidence.append({"kind": "heartbeat", "message": f"newest progress on any rank {stale:.1f} s ago"})
-    nccl_timeout = next((m for m in (_NCCL_SEQ.search(t) for t in timeouts) if m), None)
+        c.evidence.append({"kind": "heartbeat", "message": f"newest progress on any rank {stale:.1f} s ago"})
+    nccl_timeout = next((m for m in (_NCCL_SEQ.search(t) for t in c.timeouts) if m), None)
     # Dumps given with --fr are snapshots taken at one moment (usually a timeout): a rank behind the others in a
     # group is a hang signature. Dumps inside a run only count once something else says the job hung.
     fr_behind = False
-    if fr_paths and len(fr):
-        from dtprof.collectors.flight_recorder import match_across_ranks
-        fr_behind = bool((match_across_ranks(fr)["ranks_missing"].str.len() > 0).any())
+    if inc.fr_given and len(inc.fr):
+        fr_behind = bool((match_across_ranks(inc.fr)["ranks_missing"].str.len() > 0).any())
         if fr_behind:
-            evidence.append({"kind": "flight_recorder", "message": "Flight Recorder dumps: some ranks never "
-                             "reached a collective the others entered"})
-    if hang_rec or (stale is not None and stale >= stale_s) or nccl_timeout or fr_behind:
-        h = find_hang(hbs, dumps, known, groups_tbl, fr, now)
-        if h["collective"] is None and nccl_timeout:
-            op = nccl_timeout.group(2).lower()
-            h["collective"] = {"op": _NCCL_OPS.get(op, op), "group": None, "seq": int(nccl_timeout.group(1))}
-        if hang_rec:
-            evidence.insert(0, {"kind": "watchdog", "message": f"watchdog: no rank progressed for "
-                                f"{hang_rec['idle_s']:.0f} s (--hang-timeout {hang_rec['timeout_s']:g}); job stopped",
-                                "missing_dumps": hang_rec.get("missing_dumps", [])})
-            if hang_rec.get("missing_dumps"):
-                evidence.append({"kind": "watchdog", "message": "no state dump from ranks "
-                                 + ranks_text(hang_rec["missing_dumps"])})
-        c = h["collective"]
-        cname = (f"{c['op']} #{c['seq']}" + (f" of group {c['group']}" if c.get("group") is not None else "")
-                 if c else "a collective")
-        culprits = h["culprits"]
-        stacks_evidence(culprits, "was")
-        stacks_evidence(h["waiting"][:1], "waits (like the others)")
-        if culprits:
-            r0 = culprits[0]
-            loc = where(best_dump(dumps.get(r0, {})))
-            inflight = _in_flight(hbs, dumps).get(r0)
-            whats = (f"is inside {inflight.get('op')} #{inflight.get('seq')} of group {inflight.get('group')}"
-                     if inflight else "never entered")
-            who = ", ".join(label(r) for r in culprits[:4]) + (f" and {len(culprits) - 4} more" if len(culprits) > 4
-                                                                 else "")
-            waited = f" waited {h['waited_s']:.0f} s there" if h["waited_s"] is not None else " wait there"
-            msg = (f"hang: {who} {whats} {cname}" + ("" if inflight else "") +
-                   (f"; ranks {ranks_text(h['waiting'])}{waited}" if h["waiting"] else "") +
-                   (f"; rank {r0} was at {loc}" if loc else ""))
-            if inflight:
-                msg = msg.replace(f"{whats} {cname}", f"{whats} while the others wait in {cname}")
-        else:
-            if h["waiting"]:
-                msg = (f"hang: ranks {ranks_text(h['waiting'])} wait in {cname}; no rank is missing from it "
-                       f"(a rank on a node without dtprof, or a hang inside the collective itself)")
-            else:
-                msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
-                       f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
-        if h["source"]:
-            evidence.append({"kind": "method", "message": f"culprits from {h['source']}"})
-        return result("hang", culprits, c, msg)
+            c.evidence.append({"kind": "flight_recorder", "message": "Flight Recorder dumps: some ranks never "
+                               "reached a collective the others entered"})
+    if not (hang_rec or (stale is not None and stale >= c.stale_s) or nccl_timeout or fr_behind):
+        return None
+    groups_tbl = c.run.groups if c.run is not None else None
+    h = find_hang(inc.heartbeats, inc.dumps, c.known, groups_tbl, inc.fr, now)
+    if h["collective"] is None and nccl_timeout:
+        op = nccl_timeout.group(2).lower()
+        h["collective"] = {"op": _NCCL_OPS.get(op, op), "group": None, "seq": int(nccl_timeout.group(1))}
+    if hang_rec:
+        c.evidence.insert(0, {"kind": "watchdog", "message": f"watchdog: no rank progressed for "
+                              f"{hang_rec['idle_s']:.0f} s (--hang-timeout {hang_rec['timeout_s']:g}); job stopped",
+                              "missing_dumps": hang_rec.get("missing_dumps", [])})
+        if hang_rec.get("missing_dumps"):
+            c.evidence.append({"kind": "watchdog", "message": "no state dump from ranks "
+                               + ranks_text(hang_rec["missing_dumps"])})
+    coll = h["collective"]
+    cname = (f"{coll['op']} #{coll['seq']}" + (f" of group {coll['group']}" if coll.get("group") is not None else "")
+             if coll else "a collective")
+    culprits = h["culprits"]
+    c.stacks_evidence(culprits, "was")
+    c.stacks_evidence(h["waiting"][:1], "waits (like the others)")
+    if culprits:
+        msg = _hang_message(c, h, culprits, cname)
+    elif h["waiting"]:
+        msg = (f"hang: ranks {ranks_text(h['waiting'])} wait in {cname}; no rank is missing from it "
+               f"(a rank on a node without dtprof, or a hang inside the collective itself)")
+    else:
+        msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
+               f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
+    if h["source"]:
+        c.evidence.append({"kind": "method", "message": f"culprits from {h['source']}"})
+    return c.result("hang", culprits, coll, msg)
 
-    # 3. crash
-    exits = wd["exit"]
+
+def _hang_message(c: Case, h: dict, culprits: list, cname: str) -> str:
+    """'hang: rank 3 (...) never entered all_reduce #12 of group 0; ranks 0–2 waited 30 s there; ...'."""
+    r0 = culprits[0]
+    loc = where(best_dump(c.incident.dumps.get(r0, {})))
+    inflight = _in_flight(c.incident.heartbeats, c.incident.dumps).get(r0)
+    whats = (f"is inside {inflight.get('op')} #{inflight.get('seq')} of group {inflight.get('group')}"
+             if inflight else "never entered")
+    who = ", ".join(c.label(r) for r in culprits[:4]) + (f" and {len(culprits) - 4} more" if len(culprits) > 4
+                                                         else "")
+    waited = f" waited {h['waited_s']:.0f} s there" if h["waited_s"] is not None else " wait there"
+    msg = (f"hang: {who} {whats} {cname}" +
+           (f"; ranks {ranks_text(h['waiting'])}{waited}" if h["waiting"] else "") +
+           (f"; rank {r0} was at {loc}" if loc else ""))
+    if inflight:
+        msg = msg.replace(f"{whats} {cname}", f"{whats} while the others wait in {cname}")
+    return msg
+
+
+def _crash(c: Case) -> dict | None:
+    """3. A rank exited non-zero or was killed: torchrun's failure report and the watchdog's record of which
+    rank's process vanished first."""
+    inc, dumps = c.incident, c.incident.dumps
+    exits = inc.watchdog["exit"]
     failures = [f for e in exits for f in e.get("torchrun_failures") or []]
-    if not failures and logs:
+    if not failures and inc.logs:
         from dtprof.watchdog import parse_torchrun_failures
-        failures = parse_torchrun_failures(logs)
-    dead = sorted((d for c in wd["crash"] for d in c.get("dead") or []), key=lambda d: d["detected_ns"])
+        failures = parse_torchrun_failures(inc.logs)
+    dead = sorted((d for x in inc.watchdog["crash"] for d in x.get("dead") or []), key=lambda d: d["detected_ns"])
     exit_code = next((e.get("exit_code") for e in exits), None)
-    if failures or dead or (exit_code not in (None, 0)):
-        root = [f for f in failures if f["root_cause"]]
-        # A rank torchrun calls the root cause, else the first whose process vanished, else any non-SIGTERM exit.
-        # Ranks that raised, in the order their own excepthook recorded it (dump-exception.json; wall clock, as
-        # the ranks may be on several hosts).
-        raised = sorted((x.get("wall_ns") or 0, r) for r, ds in dumps.items()
-                        if (x := ds.get("exception")) and x.get("exception"))
-        first_raised = [raised[0][1]] if raised else []
-        culprits = [f["rank"] for f in root] or first_raised or ([dead[0]["rank"]] if dead else []) or \
-                   [f["rank"] for f in failures if f["signal"] != "SIGTERM"]
-        first_dead_ns = dead[0]["detected_ns"] if dead else None
-        for f in failures:
-            how = f"killed by {f['signal']}" if f["signal"] else f"exit code {f['exit_code']}"
-            evidence.append({"kind": "exit", "rank": f["rank"], "message": f"torchrun: {label(f['rank'])} {how}"
-                             + (" (root cause)" if f["root_cause"] else "") + f"; {f['traceback']}"[:300],
-                             "exit_code": f["exit_code"], "signal": f["signal"]})
-        parts = []
-        for r in culprits:
-            f = next((x for x in failures if x["rank"] == r), None)
-            how = (f"was killed by {f['signal']}" if f and f["signal"] else
-                   f"exited with code {f['exit_code']}" if f else "exited")
-            own = (dumps.get(r, {}).get("exception") or {})
-            if own.get("exception"):
-                e = own["exception"]
-                exc = f"{e['type']}: {e['message'].splitlines()[0] if e['message'] else ''} at {where(own)}"
-            else:
-                exc = _exception_line(logs, r)
-            first = " (failed first)" if len(raised) > 1 and first_raised == [r] else ""
-            if f and f["signal"] and hbs.get(r, {}).get("exit") == "clean":
-                # killed after its atexit hooks ran (the heartbeat's last word): in the interpreter's teardown
-                parts.append(f"{label(r)} {how}{first} during its process's exit, after its last step "
-                             f"({last_step(r)}): its training had ended" + _teardown_abort_cause(logs))
-                continue
-            parts.append(f"{label(r)} {how}{first} at step {step_of(r)}" + (f": {exc}" if exc else ""))
-        others = sorted(set(known) - set(culprits))
-        for r in others:
-            d = dumps.get(r, {})
-            snap = d.get("crash") or d.get("sigterm") or d.get("exception")
-            if snap:
-                c = snap.get("collective")
-                inside = f" inside {c.get('op')} #{c.get('seq')} of group {c.get('group')}" if c else ""
-                evidence.append({"kind": "state", "rank": r, "message": f"{label(r)} at step {snap.get('step')}"
-                                 f"{inside}, at {where(snap) or '?'} (dump '{snap.get('request')}'"
-                                 + (f": {snap.get('reason')}" if snap.get("request") == "exception" else "") + ")"})
-        msg = "crash: " + ("; ".join(parts) if parts else f"the job exited with code {exit_code}; no rank named")
-        if first_dead_ns and others:
-            msg += f"; {len(others)} other rank(s)' state captured" if any(
-                ({"crash", "sigterm", "exception"} & set(dumps.get(r, {}))) for r in others) else ""
-        return result("crash", culprits, None, msg)
+    if not (failures or dead or (exit_code not in (None, 0))):
+        return None
+    root = [f for f in failures if f["root_cause"]]
+    # A rank torchrun calls the root cause, else the first whose process vanished, else any non-SIGTERM exit.
+    # Ranks that raised, in the order their own excepthook recorded it (dump-exception.json; wall clock, as
+    # the ranks may be on several hosts).
+    raised = sorted((x.get("wall_ns") or 0, r) for r, ds in dumps.items()
+                    if (x := ds.get("exception")) and x.get("exception"))
+    first_raised = [raised[0][1]] if raised else []
+    culprits = [f["rank"] for f in root] or first_raised or ([dead[0]["rank"]] if dead else []) or \
+               [f["rank"] for f in failures if f["signal"] != "SIGTERM"]
+    first_dead_ns = dead[0]["detected_ns"] if dead else None
+    for f in failures:
+        how = f"killed by {f['signal']}" if f["signal"] else f"exit code {f['exit_code']}"
+        c.evidence.append({"kind": "exit", "rank": f["rank"], "message": f"torchrun: {c.label(f['rank'])} {how}"
+                           + (" (root cause)" if f["root_cause"] else "") + f"; {f['traceback']}"[:300],
+                           "exit_code": f["exit_code"], "signal": f["signal"]})
+    parts = [_crash_part(c, r, failures, raised, first_raised) for r in culprits]
+    others = sorted(set(c.known) - set(culprits))
+    for r in others:
+        d = dumps.get(r, {})
+        snap = d.get("crash") or d.get("sigterm") or d.get("exception")
+        if snap:
+            coll = snap.get("collective")
+            inside = f" inside {coll.get('op')} #{coll.get('seq')} of group {coll.get('group')}" if coll else ""
+            c.evidence.append({"kind": "state", "rank": r, "message": f"{c.label(r)} at step {snap.get('step')}"
+                               f"{inside}, at {where(snap) or '?'} (dump '{snap.get('request')}'"
+                               + (f": {snap.get('reason')}" if snap.get("request") == "exception" else "") + ")"})
+    msg = "crash: " + ("; ".join(parts) if parts else f"the job exited with code {exit_code}; no rank named")
+    if first_dead_ns and others:
+        msg += f"; {len(others)} other rank(s)' state captured" if any(
+            ({"crash", "sigterm", "exception"} & set(dumps.get(r, {}))) for r in others) else ""
+    return c.result("crash", culprits, None, msg)
 
-    # 4. interrupted
-    cut = [n for n in (run.nodes if run is not None else []) if n.get("status") == "interrupted"]
-    if cut:
-        return result("interrupted", [], None, f"{cut[0]['status_reason']} ({', '.join(n['node'] for n in cut)}); "
-                      f"the job's end was not recorded, so no straggler verdict is drawn from its timings")
 
-    # 5. straggler
-    if run is not None and len(rank_steps()):
-        try:
-            if stragglers is None:
-                from dtprof.analyzers.summary import analyze
+def _crash_part(c: Case, r: int, failures: list, raised: list, first_raised: list) -> str:
+    """What one crashed rank did: how it ended, at which step, with which exception."""
+    dumps, logs = c.incident.dumps, c.incident.logs
+    f = next((x for x in failures if x["rank"] == r), None)
+    how = (f"was killed by {f['signal']}" if f and f["signal"] else
+           f"exited with code {f['exit_code']}" if f else "exited")
+    own = (dumps.get(r, {}).get("exception") or {})
+    if own.get("exception"):
+        e = own["exception"]
+        exc = f"{e['type']}: {e['message'].splitlines()[0] if e['message'] else ''} at {where(own)}"
+    else:
+        exc = _exception_line(logs, r)
+    first = " (failed first)" if len(raised) > 1 and first_raised == [r] else ""
+    if f and f["signal"] and c.incident.heartbeats.get(r, {}).get("exit") == "clean":
+        # killed after its atexit hooks ran (the heartbeat's last word): in the interpreter's teardown
+        return (f"{c.label(r)} {how}{first} during its process's exit, after its last step "
+                f"({c.last_step(r)}): its training had ended" + _teardown_abort_cause(logs))
+    return f"{c.label(r)} {how}{first} at step {c.step_of(r)}" + (f": {exc}" if exc else "")
 
-                stragglers = analyze(run).summary["stragglers"]
-            slow = find_stragglers(stragglers)
-        except Exception as e:  # the analysis failing must not hide the rest of the triage
-            slow = []
-            evidence.append({"kind": "error", "message": f"straggler analysis failed: {type(e).__name__}: {e}"})
-        if slow:
-            parts = []
-            for s in slow:
-                r = s["rank"]
-                score = "n/a" if s["compute_score"] is None else f"{s['compute_score']:.2f}"
-                evidence.append({"kind": "straggler", "rank": r, "message":
-                                 f"{label(r)}: persistent straggler, {s['reason']}; compute score {score} (1.0 = "
-                                 f"as fast as the fastest rank); its peers' arrival wait {s['time_lost_s']:.2f} s",
-                                 **{k: v for k, v in s.items() if k not in ("rank", "nvml", "nvml_lines")}})
-                ev = s["nvml"]
-                if ev.get("gpu") is not None:
-                    evidence.append({"kind": "nvml", "rank": r, "message": "; ".join(s["nvml_lines"]), **ev})
-                parts.append(label(r) + (f" ({', '.join(ev['throttle_reasons'])})" if ev.get("throttle_reasons")
-                                         else ""))
-            return result("straggler", [s["rank"] for s in slow], None,
-                          f"straggler: {', '.join(parts)} is persistently slower than its peers "
-                          f"({slow[0]['reason']}; peers' arrival wait {sum(s['time_lost_s'] for s in slow):.2f} s)")
-    n = len(known)
-    return result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
-                                       f"({n} rank(s) examined)")
+
+def _interrupted(c: Case) -> dict | None:
+    """4. A node's launcher was killed before it recorded the job's end: its timings are not a straggler's."""
+    cut = [n for n in (c.run.nodes if c.run is not None else []) if n.get("status") == "interrupted"]
+    if not cut:
+        return None
+    return c.result("interrupted", [], None, f"{cut[0]['status_reason']} ({', '.join(n['node'] for n in cut)}); "
+                    f"the job's end was not recorded, so no straggler verdict is drawn from its timings")
+
+
+def _straggler(c: Case) -> dict | None:
+    """5. A rank the analysis classifies as a persistent straggler, with its NVML evidence."""
+    if c.run is None or not len(c.rank_steps()):
+        return None
+    if c.stragglers is None:   # the analysis failed: that must not hide the rest of the triage
+        c.evidence.append({"kind": "error", "message": "straggler analysis failed: "
+                           + (c.straggler_error or "no analysis given")})
+        return None
+    try:
+        slow = find_stragglers(c.stragglers)
+    except Exception as e:  # a malformed analysis must not hide the rest of the triage
+        slow = []
+        c.evidence.append({"kind": "error", "message": f"straggler analysis failed: {type(e).__name__}: {e}"})
+    if not slow:
+        return None
+    parts = []
+    for s in slow:
+        r = s["rank"]
+        score = "n/a" if s["compute_score"] is None else f"{s['compute_score']:.2f}"
+        c.evidence.append({"kind": "straggler", "rank": r, "message":
+                           f"{c.label(r)}: persistent straggler, {s['reason']}; compute score {score} (1.0 = "
+                           f"as fast as the fastest rank); its peers' arrival wait {s['time_lost_s']:.2f} s",
+                           **{k: v for k, v in s.items() if k not in ("rank", "nvml", "nvml_lines")}})
+        ev = s["nvml"]
+        if ev.get("gpu") is not None:
+            c.evidence.append({"kind": "nvml", "rank": r, "message": "; ".join(s["nvml_lines"]), **ev})
+        parts.append(c.label(r) + (f" ({', '.join(ev['throttle_reasons'])})" if ev.get("throttle_reasons")
+                                   else ""))
+    return c.result("straggler", [s["rank"] for s in slow], None,
+                    f"straggler: {', '.join(parts)} is persistently slower than its peers "
+                    f"({slow[0]['reason']}; peers' arrival wait {sum(s['time_lost_s'] for s in slow):.2f} s)")
+
+
+# The verdicts in the order they are checked: the first that applies is the root cause (module docstring).
+RULES = (_mismatch, _hang, _crash, _interrupted, _straggler)
+
+
+def triage(run, incident: Incident, *, stragglers: list | None = None, straggler_error: str | None = None,
+           collectives=None, steps=None, live: bool = False, stale_s: float = 60.0,
+           now_ns: int | None = None) -> dict:
+    """The verdict for one run. Returns the ``--json`` dict: verdict, culprit_ranks, collective, message, evidence
+    (list of {kind, message, ...}).
+
+    ``run``: the open run (dtprof.reader.Run), or None when only Flight Recorder files are given. ``incident``: its
+    incident files and the Flight Recorder entries (dtprof.reader ``read_incident``). ``stragglers``: the
+    analysis' flagged ranks (summary ``stragglers``, analysed with the run's own options), or None with
+    ``straggler_error`` saying why the analysis failed. ``collectives``: the rows the mismatch check reads (the
+    analysis passes those of its ``mismatch_candidates``); default all of the run's. ``steps``: the run's
+    rank-steps (rank, step); default the run's steps table. ``live``: the job is still running; ``stale_s`` is how
+    long without progress counts as a hang.
+    """
+    c = Case(run, incident, stragglers, straggler_error, collectives, steps, live, stale_s, now_ns)
+    c.known = set(incident.heartbeats) | set(incident.dumps)
+    ranks_tbl = c.ranks_tbl
+    if ranks_tbl is not None and len(ranks_tbl):
+        c.known |= set(int(r) for r in ranks_tbl["rank"])
+    if incident.fr is not None and len(incident.fr):
+        c.known |= set(int(r) for r in incident.fr["rank"].dropna())
+    c.timeouts = log_timeouts(incident.logs)
+    for line in c.timeouts:
+        c.evidence.append({"kind": "log", "message": f"job output: {line[:300]}"})
+    if run is not None and run.problems:
+        c.evidence += [{"kind": "read", "message": p} for p in run.problems]
+    for node in run.nodes if run is not None else []:
+        for stop in node.get("stops") or []:
+            c.evidence.append({"kind": "stop", "message": f"dtprof run on {node.get('host') or '?'} "
+                               f"{stop_text(stop)}", **stop})
+    for rule in RULES:
+        res = rule(c)
+        if res is not None:
+            return res
+    return c.result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
+                                         f"({len(c.known)} rank(s) examined)")
 
 
 def format_text(res: dict) -> str:

@@ -2,7 +2,7 @@
 
 Run with a Python that has HTA installed (never a dtprof dependency), e.g.
     python3 -m venv /tmp/hta && /tmp/hta/bin/pip install HolisticTraceAnalysis==0.5.0
-    /tmp/hta/bin/python benchmarks/hta_figures.py [../shared/data/kineto]
+    /tmp/hta/bin/python benchmarks/hta_figures.py [TRACE_DIR]   # default: the shared traces beside the checkout
 Prints, per trace: HTA's temporal breakdown, comm/compute overlap and idle time breakdown (rank 0, every stream).
 HTA wants a directory of rank files, so each trace is linked into a temporary one as rank-0.json.gz.
 """

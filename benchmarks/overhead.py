@@ -214,16 +214,21 @@ JOBS = {
     "lightning-wide": (["examples/frameworks/train_lightning.py", "--dim", "1536", "--batch", "64", "--lr", "0.001"],
                        100),
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
+    # the DDP tutorial's shape (Linear(20, 1), batch 32): steps of a fraction of a millisecond, where sampling works
+    "short": (["examples/train_tiny.py"], 3000),
+    # the DDP job with torch.compile (inductor on the CPU): the compiled forward must stay compiled
+    "compiled": (["examples/train_ddp.py", *MODEL, "--compile"], 60),
     # one rank on a GPU (NCCL, CUDA-event spans, NVML): ~20-40 ms fp32 steps of a 4-layer, 1024-wide transformer on
     # an H100/H200; only where a GPU is visible (the examples pick CUDA when it is)
     "ddp-gpu": (["examples/train_ddp.py", *GPU_MODEL], 200),
     "fsdp2-gpu": (["examples/train_fsdp.py", *GPU_MODEL], 200),
 }
-DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning"
+DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning,short,compiled"
 # name -> (A/B block in steps, steps per A/B run): about 15-20 on/off pairs of blocks a run, ~30 s of steps here;
 # a block's steps but its first AB_SKIP and its last are used, so at least 4 (the shortest blocks have 6)
 AB = {"ddp": (8, 264), "fsdp2": (6, 180), "pipeline": (7, 224), "lightning": (10, 440), "lightning-wide": (10, 440),
-      "accelerate": (10, 440), "ddp-gpu": (10, 440), "fsdp2-gpu": (10, 440)}
+      "accelerate": (10, 440), "ddp-gpu": (10, 440), "fsdp2-gpu": (10, 440), "short": (64, 3000),
+      "compiled": (8, 264)}
 RANKS = 2                       # ranks per job (torchrun --nproc_per_node) but those in JOB_RANKS
 JOB_RANKS = {"ddp-gpu": 1, "fsdp2-gpu": 1}
 

@@ -10,9 +10,8 @@ clock works. Needs ``perf`` and root (or a perf_event_paranoid that allows syste
     .venv/bin/python benchmarks/perf_blocks.py --job pipeline [--steps 400] [--hz 1999] [--keep DIR]
 
 Read the totals with their noise in mind: at 1999 Hz a sample is 0.5 ms, and a 400-step run's per-step difference
-moves by a few hundred µs from run to run (docs/validation.md, tenth round). Used for the pipeline's training-thread
-cost there (+0.8-0.9 ms a step in libpython) and in the eleventh round (+0.6-0.8 ms, mostly the eval loop and frame
-set-up: dtprof's Python frames, which that round cut).
+moves by a few hundred µs from run to run. On the pipeline job it put dtprof's training-thread cost in libpython (the
+eval loop and frame set-up: dtprof's Python frames).
 """
 from __future__ import annotations
 

@@ -234,7 +234,7 @@ def main() -> int:
         analysis = analyze(run)
         print(f"analysis: {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
-    out = write_report(run_dir, analysis=analysis, progress=True)
+    out = write_report(run, analysis, progress=True)
     print(f"report written in {time.perf_counter() - t:.1f} s")
     size_mb = out.stat().st_size / 1e6
 

@@ -180,37 +180,3 @@ def load_dumps(paths) -> Any:
                                 f"or one rank dumped twice?")
             seen[int(r)] = str(f)
     return pd.concat(frames, ignore_index=True)
-
-
-def match_across_ranks(entries, group_ranks: dict[str, list[int]] | None = None):
-    """Match collective entries by (group, seq). Returns a DataFrame per instance: group, seq, ops, sizes,
-    dtypes (distinct values seen), ranks_present, ranks_missing, mismatch (op, size or dtype differ).
-
-    ``group_ranks`` names each group's members; without it a group's members are all ranks seen in it.
-    """
-    import pandas as pd
-
-    e = entries[~entries["is_p2p"].astype(bool)].dropna(subset=["rank", "seq"])
-    if e.empty:
-        return pd.DataFrame(columns=["group", "seq", "ops", "sizes", "dtypes", "ranks_present", "ranks_missing",
-                                     "mismatch"])
-    g = e.groupby(["group", "seq"], sort=True)
-    inst = pd.DataFrame({
-        "ops": g["op"].agg(lambda s: sorted(set(s))),
-        "sizes": g["input_sizes"].agg(lambda s: sorted(set(s))),
-        "dtypes": g["dtype"].agg(lambda s: sorted(set(s))),
-        "ranks_present": g["rank"].agg(lambda s: sorted(int(r) for r in set(s))),
-    }).reset_index()
-    # A rank is missing from an instance if it dumped but its newest entry in that group is older (it never got
-    # there). Ranks older entries fell out of the ring buffer for are not "missing"; ranks without a dump are
-    # unknown and not listed.
-    dumped = sorted(int(r) for r in entries["rank"].dropna().unique())
-    newest = e.groupby(["group", "rank"])["seq"].max()
-    members = {str(k): sorted(v) for k, v in (group_ranks or {}).items()}
-    missing = []
-    for gr, seq in zip(inst["group"], inst["seq"]):
-        cand = [r for r in members.get(str(gr), dumped) if r in dumped]
-        missing.append([r for r in cand if newest.get((gr, r), -1) < seq])
-    inst["ranks_missing"] = missing
-    inst["mismatch"] = (inst["ops"].str.len() > 1) | (inst["sizes"].str.len() > 1) | (inst["dtypes"].str.len() > 1)
-    return inst

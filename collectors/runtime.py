@@ -83,7 +83,15 @@ _STEP_TAIL = (None,) * (len(Step._fields) - 10)
 # that row themselves, _row(Span, (rank, step, kind, name, t0, t1) + _HOOK_SPAN_TAIL), rather than through span():
 # each call on their path costs the training thread several µs in a real job (docs/validation.md)
 _HOOK_SPAN_TAIL = (None, None, "main", "hook") + _SPAN_TAIL
-_OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0}
+_OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
+                    "full_detail": False, "sample_every": None}
+# Step sampling (module docstring, "Sampling")
+SAMPLE_FROM = 32             # steps before this one are all in full detail (warm-up, compiles, the FLOP step)
+SAMPLE_CALIBRATION = 32      # then this many steps alternate boundary-only and full-detail blocks
+SAMPLE_BLOCK = 4             # steps per full-detail block
+SAMPLE_BUDGET = 0.01         # dtprof's cost per step, as a fraction of the step, that sampling keeps under
+SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no measured detail cost reaches 1 % of them)
+SAMPLE_MAX_PERIOD = 4096
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
@@ -174,6 +182,11 @@ class Recorder:
         self.flop_stance = None    # the force_eager stance of the FLOP-counting step (flops_start)
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
+        # ---- step sampling (module docstring, "Sampling") ----
+        self.detail = True         # the step in progress is recorded in full detail (else its boundary only)
+        self.sample_period = None  # None: undecided; 0: every step in detail; P: SAMPLE_BLOCK steps every P
+        self.sample_times = []     # (in detail, duration ns) of the steps before the decision
+        self.last_inferred = {}    # the last detailed step's inferred samples/tokens (boundary-only steps repeat them)
         # ---- A/B blocks (module docstring) ----
         self.ab_block = 0          # switch the hooks off and on every this many optimizer steps (0: never)
         self.ab_steps = 0          # optimizer steps seen so far
@@ -634,7 +647,7 @@ class Recorder:
         return __next__
 
     def opt_pre_hook(self, optimizer, args, kwargs):
-        if self.disabled or self.ab_off:
+        if self.disabled or self.ab_off or not self.detail:
             return None
         try:
             self.opt_t0 = now()
@@ -647,7 +660,10 @@ class Recorder:
         if self.disabled:
             return None
         try:
-            if not self.ab_off:
+            if not self.detail:
+                if not self.manual_steps:
+                    self.end_boundary_step(now())
+            elif not self.ab_off:
                 t = now()
                 if self.opt_ev0 is not None:
                     self.cuda_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
@@ -680,6 +696,9 @@ class Recorder:
 
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""
+        if not self.detail:
+            self.end_boundary_step(t)
+            return
         if self.eval_forwards:             # dtprof.step() right after an evaluation: the step starts at its end
             self.end_evaluation()
         if self.parked_hooks and not self.pp_active:     # a training forward that raised: fwd_hook never ran
@@ -704,6 +723,7 @@ class Recorder:
             self.annot = {}
         if inferred:
             self.inferred = {}
+            self.last_inferred = inferred
         self.prev_step_end_ns = self.step_start_ns = t
         self.fwd_seen_in_step = False
         self.fwd_depth = 0
@@ -716,6 +736,104 @@ class Recorder:
                 self.event("warning", "trace capture failed: " + _last_error_line())
         if self.options.get("count_flops") and self.step == 1:
             self.flops_start()
+        if self.sample_period != 0:
+            self.sample_next(step, t - start)
+
+    # ---- step sampling: full detail for blocks of steps, the step boundary for the others -------------------
+
+    def end_boundary_step(self, t: int) -> None:
+        """Close a boundary-only step: its times, the annotations, and the samples/tokens the last detailed step
+        inferred (the same loader's batches); nothing else was recorded in it."""
+        step, start, a, inferred = self.step, self.step_start_ns, self.annot, self.last_inferred
+        if start is None:
+            start = self.init_ns
+        self.append_step(_row(Step, (self.rank, step, start, t, None, a.get("tokens", inferred.get("tokens")),
+                                     a.get("samples", inferred.get("samples")), a.get("model_flops"), None, None,
+                                     0)))
+        if a:
+            self.annot = {}
+        self.prev_step_end_ns = self.step_start_ns = t
+        self.step = step + 1
+        self.last_progress_ns = t
+        if self.trace_capture is not None:
+            try:
+                self.trace_capture.on_step_end(step)
+            except Exception:
+                self.event("warning", "trace capture failed: " + _last_error_line())
+        self.sample_next(step, t - start)
+
+    def sample_next(self, step: int, duration_ns: int) -> None:
+        """After step ``step`` ended: is the next one in full detail? Steps before SAMPLE_FROM are. Steps of
+        SAMPLE_LONG_NS or more are never sampled. Otherwise SAMPLE_CALIBRATION steps alternate boundary-only and
+        detailed blocks; dtprof's cost of a detailed step is the difference of the two medians, and when it is over
+        SAMPLE_BUDGET of the boundary-only step, detailed blocks of SAMPLE_BLOCK steps start every P steps (P a
+        power of two, so ranks that measured different P still share the detailed steps of the largest)."""
+        nxt = step + 1
+        if self.sample_period is None:
+            if step >= 8:
+                self.sample_times.append((self.detail, duration_ns))
+            if nxt < SAMPLE_FROM:
+                return
+            if nxt == SAMPLE_FROM:
+                if self.options.get("sample_every") and not self.ab_block:
+                    self.decide_sampling(int(self.options["sample_every"]), "--sample-every")
+                    self.set_detail(nxt % self.sample_period < SAMPLE_BLOCK)
+                    return
+                if self.ab_block or self.options.get("full_detail") or self.options.get("trace_steps"):
+                    self.decide_sampling(0, "full detail asked for" if self.options.get("full_detail") else None)
+                    return
+                long = _median([d for _, d in self.sample_times])
+                if long is not None and long >= SAMPLE_LONG_NS:
+                    self.decide_sampling(0, None)
+                    return
+            if nxt < SAMPLE_FROM + SAMPLE_CALIBRATION:
+                self.set_detail(((nxt - SAMPLE_FROM) // SAMPLE_BLOCK) % 2 == 1)   # boundary-only first
+                return
+            self.decide_from_calibration()
+            if self.sample_period == 0:
+                self.set_detail(True)
+                return
+        self.set_detail(nxt % self.sample_period < SAMPLE_BLOCK)
+
+    def decide_from_calibration(self) -> None:
+        calib = self.sample_times[SAMPLE_FROM - 8:]
+        on = _median([d for detail, d in calib if detail])
+        off = _median([d for detail, d in calib if not detail])
+        if on is None or not off:
+            self.decide_sampling(0, None)
+            return
+        cost = max(0, on - off)
+        if cost <= SAMPLE_BUDGET * off:
+            self.decide_sampling(0, None, cost, off)
+            return
+        share = SAMPLE_BUDGET * off / cost           # the fraction of steps that may be detailed
+        period = 2 * SAMPLE_BLOCK
+        while period * share < SAMPLE_BLOCK and period < SAMPLE_MAX_PERIOD:
+            period *= 2
+        self.decide_sampling(period, None, cost, off)
+
+    def decide_sampling(self, period: int, reason, cost_ns=None, step_ns=None) -> None:
+        self.sample_period = period
+        self.sample_times = []
+        start = SAMPLE_FROM + (SAMPLE_CALIBRATION if cost_ns is not None else 0)
+        self.meta("sampling", {"period": period, "block": SAMPLE_BLOCK, "from_step": start if period else None,
+                               "calibration": [SAMPLE_FROM, SAMPLE_FROM + SAMPLE_CALIBRATION]
+                               if cost_ns is not None else None, "detail_cost_ns": cost_ns, "step_ns": step_ns,
+                               "budget": SAMPLE_BUDGET, "reason": reason})
+
+    def set_detail(self, on: bool) -> None:
+        """Full detail (every hook in) or the step boundary only (the optimizer hooks) from the next step on."""
+        if on == self.detail:
+            return
+        from dtprof.collectors import hooks_collectives
+
+        self.detail = on
+        hooks_collectives.set_wrappers(on)
+        (self.install_path_hooks if on else self.remove_path_hooks)()
+        if on:
+            self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_forwards = False, 0, False, []
+            self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
+            self.inferred = {}
 
     def flops_start(self) -> None:
         """Run the next step (step 1) under FlopCounterMode."""
@@ -914,7 +1032,7 @@ class Recorder:
             self.watch_compiles()
 
         def compiled_call(*args, **kwargs):
-            if not rec.active or rec.disabled:
+            if not rec.active or rec.disabled or not rec.detail:
                 return inner(*args, **kwargs)
             rec.fwd_pre_hook(module, args, kwargs)
             out = inner(*args, **kwargs)
@@ -1059,6 +1177,13 @@ def _wrapped_modules(module) -> list:
             break
         out.append(m)
     return out
+
+
+def _median(xs: list):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def _open_run_delay() -> int | None:

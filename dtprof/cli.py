@@ -23,9 +23,9 @@ class InputError(click.ClickException):
 # verb -> "module:click-command". Keep sorted by how a user meets them.
 COMMANDS = {
     "run": "dtprof.launcher:run_command",
-    "summary": "dtprof.analyzers.cli:summary_command",
+    "summary": "dtprof.summary:summary_command",
     "summarize": "dtprof.summarize:summarize_command",
-    "report": "dtprof.reports.cli:report_command",
+    "report": "dtprof.report:report_command",
     "compare": "dtprof.compare:compare_command",
     "triage": "dtprof.triage:triage_command",
     "import": "dtprof.interop:import_command",

@@ -41,14 +41,12 @@ def load_summary(path: str | Path) -> tuple[str, dict]:
 
 def _analyze_run_dir(run_dir: Path) -> dict:
     """Summary of a run directory without summary.json, computed by the analyzers (not written to the run)."""
-    from dtprof.analyzers.summary import analyze
-    from dtprof.options import resolve_options
-    from dtprof.reader import RunFormatError, open_run
+    from dtprof.options import open_and_analyze
+    from dtprof.reader import RunFormatError
 
     click.echo(f"dtprof compare: analysing {run_dir} (no summary.json)", err=True)
     try:
-        run = open_run(run_dir, check_tables=True)
-        return analyze(run, resolve_options(run)).summary
+        return open_and_analyze(run_dir)[1].summary
     except RunFormatError as e:
         raise InputError(str(e)) from None
 

@@ -179,12 +179,13 @@ def export_command():
 def export_perfetto_command(run_dir, out):
     """One clock-aligned timeline of all ranks: a process per rank, lanes as threads, NVML samples as counters,
     collectives linked across ranks by flow arrows."""
+    from dtprof.analyzers.runmodel import RunModel
     from dtprof.reader import RunFormatError, open_run
     from dtprof.reports.perfetto import write_perfetto
 
     try:
         run = open_run(run_dir, check_tables=True)
-        path = write_perfetto(run, out)
+        path = write_perfetto(run, RunModel.of(run), out)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     except OSError as e:

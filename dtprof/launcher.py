@@ -45,6 +45,7 @@ import click
 
 from dtprof import machine
 from dtprof.cli import InputError
+from dtprof.machine import TORCHRUN_MODULES, script_index
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.runformat import (
     FAULT_EVENT,
@@ -55,6 +56,7 @@ from dtprof.runformat import (
     RunExistsError,
     create_node_dir,
     create_run_dir,
+    stop_text,
     write_json_atomic,
 )
 
@@ -67,7 +69,6 @@ ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
              "GROUP_RANK", "PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "HOSTNAME")
-TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
 # ---- small pure helpers (unit-tested) ------------------------------------------------------------------------
@@ -87,16 +88,6 @@ def is_torchrun(command: list[str]) -> bool:
     head = Path(command[0]).name
     return head in ("torchrun", "torchrun.exe") or any(
         a == "-m" and i + 1 < len(command) and command[i + 1] in TORCHRUN_MODULES for i, a in enumerate(command))
-
-
-def script_index(command: list[str]) -> int | None:
-    """Index of the training script (first ``*.py`` argument, or the module after a non-torchrun ``-m``)."""
-    for i, a in enumerate(command):
-        if a.endswith(".py"):
-            return i
-        if a == "-m" and i + 1 < len(command) and command[i + 1] not in TORCHRUN_MODULES:
-            return i + 1
-    return None
 
 
 def script_name(command: list[str]) -> str:
@@ -375,17 +366,6 @@ def stop_processes(root_pid: int, node_dir: Path, reason: str, grace_s: float = 
             "sigkill_sent_to": len(killed), "took_s": round(time.monotonic() - t0, 3), "survivors": sorted(pids)}
 
 
-def stop_text(stop: dict) -> str:
-    """One line about a stop record, for the launcher's output and its events row."""
-    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
-            f"SIGTERM"
-            + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
-               if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
-    if stop["survivors"]:
-        return text + f"still running: pid(s) {', '.join(map(str, stop['survivors']))}"
-    return text + "none left running"
-
-
 # ---- the job ---------------------------------------------------------------------------------------------------
 
 def _start_relay(pipe, out_fd: int, log_path: Path) -> subprocess.Popen:
@@ -513,22 +493,10 @@ def compact(node_dir: Path, say: Callable[[str], None]):
     return out
 
 
-def summarize(run_dir: Path):
-    """Analyse once (options from node.json's config: dtprof/options.py), write summary.json, return the analysis."""
-    from dtprof.analyzers.summary import analyze, save_summary
-    from dtprof.options import resolve_options
-    from dtprof.reader import open_run
-
-    run = open_run(run_dir)
-    analysis = analyze(run, resolve_options(run))
-    save_summary(run_dir, analysis.summary)
-    return analysis
-
-
-def report(run_dir: Path, analysis):
+def report(run, analysis):
     from dtprof.reports.html import write_report
 
-    return write_report(run_dir, analysis=analysis)
+    return write_report(run, analysis)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
@@ -592,17 +560,28 @@ Exit codes:
               show_default=True, metavar="SECONDS",
               help="At most one TensorBoard/W&B/MLflow point per rank and GPU this often (the mean of its steps; "
                    "Prometheus counts every step).")
+@click.option("--full-detail", is_flag=True,
+              help="Record every step in full detail. By default, when dtprof's measured cost of a detailed step is "
+                   "over 1 % of the step, only blocks of steps are detailed and the others record their times "
+                   "(docs/cli-run.md, \"Sampling\").")
+@click.option("--sample-every", type=click.IntRange(min=8), default=None, metavar="P",
+              help="Detail blocks of 4 steps every P steps (P a power of two) from step 32 on, the other steps' "
+                   "times only, whatever dtprof's measured cost (default: chosen from it).")
 @click.option("--no-report", is_flag=True, help="Do not write report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the job's output and dtprof's errors.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
-                kernel_sample, hang_timeout, metrics, metrics_interval, no_report, quiet, command):
+                kernel_sample, hang_timeout, metrics, metrics_interval, full_detail, sample_every, no_report, quiet,
+                command):
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
     trace_steps = parse_trace_steps(trace_steps)
+    if sample_every is not None and (sample_every & (sample_every - 1) or full_detail):
+        raise InputError(f"--sample-every {sample_every}: " + ("not with --full-detail" if full_detail
+                                                               else "must be a power of two (8, 16, 32, ...)"))
     sink_specs = _check_sinks(metrics)
 
     def say(msg: str) -> None:
@@ -612,10 +591,12 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
               "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
               "nvml_interval_s": None if no_nvml else nvml_interval}
+    if full_detail or sample_every:
+        config.update(full_detail=full_detail, sample_every=sample_every)
     if sink_specs:
         config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
     rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
-                   "flush_interval_s": 1.0}
+                   "flush_interval_s": 1.0, "full_detail": full_detail, "sample_every": sample_every}
     if kernel_sample and not trace_steps:   # the rank decides: only a process that uses a GPU captures
         config["kernel_sample"] = KERNEL_SAMPLE_STEPS
         rank_config["kernel_sample"] = {"steps": KERNEL_SAMPLE_STEPS, "gpu_only": True}
@@ -840,14 +821,20 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
         from dtprof.summarize import summarize_node
 
         post["node_summary"] = _guarded("node summary", warn, summarize_node, str(node_dir)) is not None
-    analysis = _guarded("summary", warn, summarize, run_dir)
-    post["summary"] = analysis is not None
+    # analysed once (options from node.json's config: dtprof/options.py); summary.json, the terminal summary and
+    # the report all come from this one analysis
+    from dtprof.analyzers.summary import save_summary
+    from dtprof.options import open_and_analyze
+
+    run, analysis = _guarded("summary", warn, open_and_analyze, run_dir, check_tables=False) or (None, None)
+    post["summary"] = analysis is not None and _guarded("summary", warn, save_summary, run_dir,
+                                                        analysis.summary) is not None
     if analysis is not None and not quiet:
-        from dtprof.analyzers.summary import format_summary_text
+        from dtprof.reports.terminal import format_summary_text
 
         click.echo(format_summary_text(analysis.summary))
     if not no_report:
-        path = _guarded("report", warn, report, run_dir, analysis)
+        path = _guarded("report", warn, report, run, analysis) if analysis is not None else None
         post["report"] = str(path) if path is not None else None
     node_info["post"] = post
     _guarded("manifest", warn, write_json_atomic, node_dir / NODE_MANIFEST, node_info)

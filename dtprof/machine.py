@@ -28,11 +28,22 @@ PROBE_WORK = "sum of 360000 int squares in Python + SHA-256 of 1 MiB, timed 5 ti
 _BLOB = bytes(range(256)) * 4096   # 1 MiB
 
 
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def script_index(command: list[str]) -> int | None:
+    """Index of the training script (first ``*.py`` argument, or the module after a non-torchrun ``-m``)."""
+    for i, a in enumerate(command):
+        if a.endswith(".py"):
+            return i
+        if a == "-m" and i + 1 < len(command) and command[i + 1] not in TORCHRUN_MODULES:
+            return i + 1
+    return None
+
+
 def config_identity(command: list[str], cwd: Path) -> dict:
     """``{command, script, script_sha256}``; ``script_sha256`` is null (with a reason) when the script is a module
     or cannot be read."""
-    from dtprof.launcher import script_index
-
     i = script_index(command)
     script = command[i] if i is not None else None
     out: dict = {"command": " ".join(command), "script": script, "script_sha256": None}

@@ -70,6 +70,17 @@ def device_peak(name: str, device_type: str, dtype: str, peak_tflops: float | No
     return DevicePeak(float(spec), f"spec sheet ({name}, {dtype} dense: {spec:g} TFLOP/s)")
 
 
+def open_and_analyze(run_dir, *, check_tables: bool = True, progress=None):
+    """The commands' one way from a run directory to its analysis: open the run, resolve its options (below: the
+    run's own configuration, then defaults) and analyse it once. Returns (run, analysis); raises
+    dtprof.reader.RunFormatError for an unreadable run."""
+    from dtprof.analyzers.summary import analyze
+    from dtprof.reader import open_run
+
+    run = open_run(run_dir, check_tables=check_tables)
+    return run, analyze(run, resolve_options(run), progress=progress)
+
+
 def resolve_options(run, *, warmup: int | None = None, flops_per_step: float | None = None,
                     peak_tflops: float | None = None, dtype: str | None = None,
                     transformer: dict | None = None, gpu_window: str = "all") -> AnalysisOptions:

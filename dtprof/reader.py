@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dtprof.runformat import (
+from dtprof.schema import (
+    CATEGORICAL,
     NODE_MANIFEST,
     NODE_PREFIX,
     RANK_PREFIX,
     RUN_MANIFEST,
+    SCHEMA_VERSION,
+    TABLES,
     TABLES_COMPLETE,
     TABLES_DIR,
     UNIDENTIFIED_PREFIX,
 )
-from dtprof.schema import CATEGORICAL, SCHEMA_VERSION, TABLES
 
 
 class RunFormatError(Exception):
@@ -631,8 +634,7 @@ class Run:
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
         incomplete, or written in another layout: dtprof/schema.py SUMMARY_LAYOUT)."""
-        from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
-        from dtprof.schema import SUMMARY_LAYOUT
+        from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUT
 
         mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
         if not (self._complete(node_dir) and mark.exists()):
@@ -649,8 +651,7 @@ class Run:
         import numpy as np
         import pandas as pd
 
-        from dtprof.runformat import summary_file
-        from dtprof.schema import SUMMARY_TABLES
+        from dtprof.schema import SUMMARY_TABLES, summary_file
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
@@ -714,6 +715,10 @@ class Run:
     def hosts(self) -> list[str]:
         return sorted(set(self.ranks["host"].astype(str))) or sorted({n.get("host", "") for n in self.nodes} - {""})
 
+    def incident(self, fr_paths=()) -> Incident:
+        """The run's incident files (heartbeats, dumps, watchdog records, logs) for triage: ``read_incident``."""
+        return read_incident(self.path, fr_paths)
+
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, nodes={len(self.node_dirs)})"
 
@@ -759,3 +764,110 @@ def _tables_bytes(run: Run) -> int:
         if total >= CHECK_ALL_BYTES:
             break
     return total
+
+
+# ---- incident files: what triage reads beside the tables --------------------------------------------------------
+@dataclass
+class Incident:
+    """The files of a run that say what happened to its ranks (docs/triage.md): each rank's ``heartbeat.json`` and
+    ``dump-<id>.json`` (collectors/heartbeat.py), the watchdog's ``node_dir/triage/{hang,crash,exit}.json``
+    (dtprof/watchdog.py), the job's output logs, and Flight Recorder entries (from the rank dumps, and from dump
+    files given on the command line)."""
+
+    heartbeats: dict = field(default_factory=dict)   # rank -> heartbeat.json
+    dumps: dict = field(default_factory=dict)        # rank -> {dump id: dump}
+    watchdog: dict = field(default_factory=lambda: {"hang": [], "crash": [], "exit": []})
+    logs: str = ""                                   # the job's stderr and stdout, every node
+    fr: Any = None                                   # Flight Recorder entries (collectors/flight_recorder.COLUMNS)
+    fr_given: bool = False                           # dump files were given: a snapshot taken at one moment
+
+
+def _load_json(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_rank_files(run_dir: Path) -> tuple[dict, dict]:
+    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run."""
+    hbs: dict = {}
+    dumps: dict = {}
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+        for rd in sorted(nd.glob(f"{RANK_PREFIX}*")):
+            try:
+                rank = int(rd.name[len(RANK_PREFIX):])
+            except ValueError:
+                continue
+            hb = _load_json(rd / "heartbeat.json")
+            if hb:
+                hbs[rank] = hb
+            for dp in rd.glob("dump-*.json"):
+                d = _load_json(dp)
+                if d:
+                    dumps.setdefault(rank, {})[dp.name[len("dump-"):-len(".json")]] = d
+    return hbs, dumps
+
+
+def read_watchdog(run_dir: Path) -> dict:
+    """The watchdog's findings of every node: {"hang": [...], "crash": [...], "exit": [...]}."""
+    out: dict = {"hang": [], "crash": [], "exit": []}
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+        for kind in out:
+            d = _load_json(nd / "triage" / f"{kind}.json")
+            if d:
+                out[kind].append({**d, "node": nd.name})
+    return out
+
+
+def read_logs(run_dir: Path) -> str:
+    parts = []
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+        for name in ("stderr.log", "stdout.log"):
+            p = nd / name
+            if p.exists():
+                parts.append(p.read_text(errors="replace"))
+    return "\n".join(parts)
+
+
+def best_dump(dumps: dict, prefer=("hang", "crash", "sigterm")) -> dict | None:
+    """The dump of one rank that tells most about the incident: the watchdog's, else the newest."""
+    for k in prefer:
+        if k in dumps:
+            return dumps[k]
+    return max(dumps.values(), key=lambda d: d.get("t_ns") or 0) if dumps else None
+
+
+def fr_entries_from_dumps(dumps: dict):
+    """Flight Recorder entries carried in rank dumps -> one DataFrame (collectors/flight_recorder.py columns)."""
+    import pandas as pd
+
+    from dtprof.collectors.flight_recorder import COLUMNS, entries_frame
+
+    frames = []
+    for rank, by_id in dumps.items():
+        d = best_dump(by_id)
+        if d and isinstance(d.get("flight_recorder"), dict):
+            frames.append(entries_frame(d["flight_recorder"], rank, f"rank-{rank} dump"))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+
+
+def read_incident(run_dir: Path | None, fr_paths=()) -> Incident:
+    """The incident files of the run at ``run_dir`` (None: no run, only Flight Recorder files), with the entries of
+    the Flight Recorder dump files or directories ``fr_paths``. Raises flight_recorder.DumpError for an unreadable
+    dump file."""
+    import pandas as pd
+
+    inc = Incident()
+    if run_dir is not None:
+        inc.heartbeats, inc.dumps = read_rank_files(run_dir)
+        inc.watchdog = read_watchdog(run_dir)
+        inc.logs = read_logs(run_dir)
+    inc.fr = fr_entries_from_dumps(inc.dumps)
+    if fr_paths:
+        from dtprof.collectors.flight_recorder import load_dumps
+
+        ext = load_dumps(fr_paths)
+        inc.fr = pd.concat([x for x in (inc.fr, ext) if len(x)], ignore_index=True) if len(ext) else inc.fr
+        inc.fr_given = True
+    return inc

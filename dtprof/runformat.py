@@ -16,21 +16,25 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Sequence
 
-from dtprof.schema import RUN_SCHEMA, SCHEMA_MINOR, SCHEMA_VERSION, TABLES
-
-RUN_MANIFEST = "run.json"
-NODE_MANIFEST = "node.json"
-NODE_PREFIX = "node-"
-RANK_PREFIX = "rank-"
-# events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
-# dtprof failed in it before recording began (process_event); one file per process
-UNIDENTIFIED_PREFIX = "unidentified-"
-UNIDENTIFIED_EVENT = "unidentified process"    # how those events' messages begin
-# how the events of dtprof's own faults begin (a rank or a process that dtprof switched itself off in): they are
-# recorded, never printed into the job's output; the launcher names them in one line at the end
-FAULT_EVENT = "dtprof disabled"
-TABLES_DIR = "tables"
-TABLES_COMPLETE = "_complete"
+# the run directory's names live with the schema (the reader needs them too); imported from here by the writers
+from dtprof.schema import (  # noqa: F401
+    FAULT_EVENT,
+    NODE_MANIFEST,
+    NODE_PREFIX,
+    RANK_PREFIX,
+    RUN_MANIFEST,
+    RUN_SCHEMA,
+    SCHEMA_MINOR,
+    SCHEMA_VERSION,
+    SUMMARY_COMPLETE,
+    SUMMARY_DIR,
+    TABLES,
+    TABLES_COMPLETE,
+    TABLES_DIR,
+    UNIDENTIFIED_EVENT,
+    UNIDENTIFIED_PREFIX,
+    summary_file,
+)
 
 
 class RunExistsError(Exception):
@@ -253,15 +257,6 @@ def compact_node(node_dir: Path) -> Path:
     return write_node_tables(node_dir, read_node_raw(Path(node_dir)))
 
 
-SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
-SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
-
-
-def summary_file(node_dir, table: str) -> Path:
-    """Where a node summary's ``table`` lies."""
-    return Path(node_dir) / SUMMARY_DIR / f"{table}.parquet"
-
-
 # rows per Parquet row group of a summary table, where smaller than the writer's default: the what-if items, stored
 # step by step, in groups of a few steps of a node's ranks, which a read of the replay's sampled steps skips by their
 # step statistics (at 16,384 x 1,000 the items are 410 M rows, 6.4 M of them in the sampled steps)
@@ -289,3 +284,14 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
                                                "layout": SUMMARY_LAYOUT, **facts})
     return out
+
+
+def stop_text(stop: dict) -> str:
+    """One line about a stop record (node.json ``stops``), for the launcher's output, its events row and triage."""
+    text = (f"stopped the job's {stop['sigterm_sent_to']} process(es) at {stop['started']} ({stop['reason']}): "
+            f"SIGTERM"
+            + (f", SIGKILL to {stop['sigkill_sent_to']} still alive after the {stop['grace_s']:g} s grace"
+               if stop["sigkill_sent_to"] else "") + f", in {stop['took_s']:.1f} s; ")
+    if stop["survivors"]:
+        return text + f"still running: pid(s) {', '.join(map(str, stop['survivors']))}"
+    return text + "none left running"

@@ -10,9 +10,11 @@ Conventions
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 4        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
-                        # 4: the ``evaluation`` span kind);
+SCHEMA_MINOR = 5        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
+                        # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind);
                         # every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
@@ -40,6 +42,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         # ns the training thread was runnable but waiting for a CPU during the step (Linux schedstat's run delay:
         # other processes or threads held the cores); null where the kernel does not report it
         ("cpu_wait_ns", "Int"),
+        # 1: recorded in full detail; 0: only the step's boundary was recorded (sampling, docs/run-format.md);
+        # null: full detail (runs before schema minor 5)
+        ("detail", "Int"),
     ],
     # Compute and other intervals on a rank.
     "spans": [
@@ -113,6 +118,9 @@ META_KINDS = {
     "dtprof_threads_cpu": ("threads", "at_step0_end", "steps"),  # at exit: CPU s of each of dtprof's threads
     "model": ("parameters", "modules"),                 # end of step 0: parameters of the root modules
     "flops_skipped": ("reason",),                       # --count-flops could not count on this rank, and why
+    # step sampling on this rank (collectors/runtime.py): detailed blocks of ``block`` steps every ``period`` steps
+    # from ``from_step`` (period 0: every step in detail), and what the decision was measured on
+    "sampling": ("period", "block", "from_step", "calibration", "detail_cost_ns", "step_ns", "budget", "reason"),
 }
 
 SPAN_KINDS = (
@@ -152,7 +160,7 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
         ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
         # the steps table's per-step numbers (analyzers/steps.py STEP_NUMBERS; NaN: not reported)
         ("peak_mem_bytes", "float"), ("tokens", "float"), ("samples", "float"), ("model_flops", "float"),
-        ("executed_flops", "float"), ("cpu_wait_s", "float"),
+        ("executed_flops", "float"), ("cpu_wait_s", "float"), ("detail", "float"),
         ("compute_s", "float"), ("comm_s", "float"), ("exposed_comm_s", "float"), ("comm_wait_s", "float"),
         ("overlap_ratio", "float"), ("overlap_s", "float"),
         ("level", "str"),   # "hook" or "kernel" (the rank-step has GPU kernel spans)
@@ -195,3 +203,27 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # breakdown's gpu_wait part (a GPU rank's host blocked while its GPU runs earlier work); on a GPU rank a one-rank
 # group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm)
 SUMMARY_LAYOUT = 7
+
+
+# ---- the run directory's layout (docs/run-format.md): its files' and folders' names
+RUN_MANIFEST = "run.json"
+NODE_MANIFEST = "node.json"
+NODE_PREFIX = "node-"
+RANK_PREFIX = "rank-"
+# events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
+# dtprof failed in it before recording began (process_event); one file per process
+UNIDENTIFIED_PREFIX = "unidentified-"
+UNIDENTIFIED_EVENT = "unidentified process"    # how those events' messages begin
+# how the events of dtprof's own faults begin (a rank or a process that dtprof switched itself off in): they are
+# recorded, never printed into the job's output; the launcher names them in one line at the end
+FAULT_EVENT = "dtprof disabled"
+TABLES_DIR = "tables"
+TABLES_COMPLETE = "_complete"
+
+SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
+SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
+
+
+def summary_file(node_dir, table: str) -> Path:
+    """Where a node summary's ``table`` lies."""
+    return Path(node_dir) / SUMMARY_DIR / f"{table}.parquet"

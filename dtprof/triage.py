@@ -59,7 +59,8 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     """
     from dtprof.analyzers.triage import format_text, triage
     from dtprof.collectors.flight_recorder import DumpError
-    from dtprof.reader import RunFormatError
+    from dtprof.options import resolve_options
+    from dtprof.reader import RunFormatError, open_run, read_incident
 
     if run_dir is None and not fr_paths:
         raise click.UsageError("give RUN_DIR, or Flight Recorder dumps with --fr")
@@ -71,9 +72,19 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     if live and run_dir is not None:
         _live_dumps(run_dir)
     try:
-        res = triage(run_dir if run_dir is not None else Path("."), fr_paths=fr_paths, live=live, stale_s=stale_s)
+        run = open_run(run_dir, check_tables=True) if run_dir is not None else None
+        incident = read_incident(run_dir, fr_paths)
     except (RunFormatError, DumpError) as e:
         raise InputError(str(e)) from None
+    stragglers, error = None, None
+    if run is not None and len(run.steps):   # the straggler verdict: the analysis, with the run's own options
+        from dtprof.analyzers.summary import analyze
+
+        try:
+            stragglers = analyze(run, resolve_options(run)).summary["stragglers"]
+        except Exception as e:  # noqa: BLE001  (the analysis failing must not hide the rest of the triage)
+            error = f"{type(e).__name__}: {e}"
+    res = triage(run, incident, stragglers=stragglers, straggler_error=error, live=live, stale_s=stale_s)
     if as_json:
         click.echo(json.dumps(res, indent=1, default=str))
     else:

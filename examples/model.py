@@ -112,6 +112,7 @@ def parse_args(description: str, extra=None):
                    help="every N-th step runs as the fixed job: without --slow-ms and --data-ms (and, in "
                         "train_ddp.py, with --no-sync on those steps only): the slowed and the fixed job interleaved "
                         "step by step in one run, so a busy machine's load hits both alike")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor) before training")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with the job's clock (time.monotonic(), s) when it is printed and the "
                         "process's CPU time (time.process_time(), s) and the printing thread's, the training "

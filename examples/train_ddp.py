@@ -29,6 +29,8 @@ def main():
     if rank == args.slow_rank:
         model.slow.seconds = args.slow_ms / 1000
         model.slow.in_backward = args.slow_in == "backward"
+    if args.compile:
+        model = torch.compile(model)   # DDP(torch.compile(model)): DDP's buckets stay eager around the graph
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     for step, (x, y) in enumerate(batches(rank, args, device)):
@@ -45,6 +47,10 @@ def main():
         opt.step()
         if rank == 0:
             print(step_line(step, loss.item(), args), flush=True)
+    if args.compile:
+        from compile_stats import dynamo_line
+
+        print(f"rank {rank} {dynamo_line()}", flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -34,7 +34,7 @@ from plotly.subplots import make_subplots
 
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
-from dtprof.reports.html import fmt_bytes
+from dtprof.reports.fmt import fmt_bytes
 from dtprof.schema import COMPUTE_KINDS
 
 MAX_HEATMAP_COLS = 250
@@ -258,17 +258,21 @@ def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, 
 
 # ----------------------------------------------------------------------------------------------------- overlap
 def overlap_figure(ctx: Context) -> go.Figure | None:
-    """Per rank, mean per measured step: communication hidden under compute vs exposed; overlap ratio on the right."""
-    m = ctx.measured
-    if m.empty or m["comm_s"].fillna(0).sum() == 0:
+    """Per rank, mean per measured step: communication hidden under compute vs exposed, and the rank's overlap
+    ratio on the right; all three as summary.json states them (``ranks[]``), so the chart and the headline card
+    (``overlap.ratio``) cannot disagree. None when the summary has no overlap ratio (no communication measured)."""
+    summary = ctx.analysis.summary
+    if summary["overlap"]["ratio"] is None:
         return None
-    g = m.groupby("rank")[["comm_s", "exposed_comm_s"]].mean() * 1e3
+    per_rank = pd.DataFrame([{"rank": r["rank"], "comm_s": r["comm_s_per_step"],
+                              "exposed_comm_s": r["exposed_comm_s_per_step"], "ratio": r["overlap_ratio"]}
+                             for r in summary["ranks"]]).set_index("rank").sort_index()
+    g = per_rank[["comm_s", "exposed_comm_s"]].astype(float) * 1e3
     if len(g) > RG.GROUP_ABOVE:
         return distribution_figure(ctx, g["exposed_comm_s"], "Exposed communication per measured step",
                                    "exposed communication per step", "ms")
     hidden = (g["comm_s"] - g["exposed_comm_s"]).clip(lower=0)
-    ratio = m.groupby("rank")[["comm_s", "exposed_comm_s"]].sum()
-    ratio = 1 - ratio["exposed_comm_s"] / ratio["comm_s"].where(ratio["comm_s"] > 0)
+    ratio = per_rank["ratio"].astype(float)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Bar(x=g.index, y=hidden, name="overlapped with compute", marker_color="#72B7B2",
                          hovertemplate="rank %{x}<br>overlapped: %{y:.2f} ms/step<extra></extra>"))

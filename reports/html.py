@@ -1,6 +1,6 @@
 """The offline HTML report: one self-contained file that opens from file:// on an air-gapped machine.
 
-    write_report(run_dir, out_path=None, analysis=None) -> Path     (default: run_dir/report.html)
+    write_report(run, analysis, out_path=None) -> Path     (default: the run's report.html)
 
 The page: a header (command, world size, hosts and devices, versions, duration, status and why: the analysis'
 ``run`` block and triage verdict), the step breakdown as one stacked bar per rank (reports/breakdown.py), headline
@@ -34,20 +34,20 @@ Decisions
 from __future__ import annotations
 
 import base64
-import html
 import math
 import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
-from dtprof.reader import open_run
 from dtprof.reports import rankgroups as RG
+from dtprof.reports.fmt import esc, fmt_bytes, fmt_evidence, fmt_frac, fmt_s, fmt_value
 
 ASSETS = Path(__file__).parent / "assets"
 # plotly.js's cartesian bundle, from npm plotly.js-cartesian-dist-min (MIT, assets/plotly-cartesian.LICENSE);
@@ -89,10 +89,6 @@ SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}   # the severities ana
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
-def esc(value) -> str:
-    return html.escape("" if value is None else str(value), quote=True)
-
-
 def pick(d: dict, paths: list[str]):
     """The first value found at a dotted path of a nested dict, else None."""
     for path in paths:
@@ -102,76 +98,6 @@ def pick(d: dict, paths: list[str]):
         if cur is not None:
             return cur
     return None
-
-
-def fmt_s(x) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    x = float(x)
-    if abs(x) >= 100:
-        return f"{x:,.0f} s"
-    if abs(x) >= 1:
-        return f"{x:.2f} s"
-    if abs(x) >= 1e-3:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} µs"
-
-
-def fmt_frac(x) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * float(x):.1f} %"
-
-
-def fmt_bytes(b) -> str:
-    try:
-        b = float(b)
-    except TypeError:   # None, pd.NA
-        return "–"
-    if math.isnan(b):
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
-            break
-        b /= 1024
-    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-
-
-def fmt_rate(x, unit: str) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    x = float(x)
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {suffix}{unit}"
-    return f"{x:.1f} {unit}"
-
-
-def fmt_value(x, kind: str, unit: str = "") -> str:
-    return {"frac": fmt_frac, "s": fmt_s}.get(kind, lambda v: fmt_rate(v, unit))(x)
-
-
-def fmt_evidence(evidence) -> str:
-    """A finding's evidence (the numbers that triggered it, keyed as in summary.json's findings) as "key value"
-    pairs, each in its key's unit: a ``frac`` a percentage, ``*_s`` and ``*s_per_step`` a time, ``*_bytes`` bytes."""
-    def value(key: str, v) -> str:
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} {value(key, x)}" for k, x in v.items()) + "}"
-        if isinstance(v, (list, tuple)):
-            return ", ".join(value(key, x) for x in v) if v else "none"
-        if v is None:
-            return "n/a"
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return str(v)
-        if "frac" in key.split("_"):
-            return fmt_frac(v)
-        if key.endswith(("_s", "s_per_step")):
-            return fmt_s(v)
-        if key.endswith("_bytes"):
-            return fmt_bytes(v)
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    if not isinstance(evidence, dict):
-        return str(evidence)
-    return " · ".join(f"{k} {value(k, v)}" for k, v in evidence.items())
 
 
 def json_for_script(obj_json: str) -> str:
@@ -340,6 +266,10 @@ def _cards(summary: dict) -> str:
     if ev:   # outside every step: say so where a reader would look for it
         subs["step_time_p50"] += (f"; evaluation between steps not included ({esc(ev.get('stretches'))} "
                                   f"stretch(es), {fmt_s(ev.get('total_s'))} on rank {esc(ev.get('rank'))})")
+    samp = pick(summary, ["steps.sampling"]) or {}
+    if pick(summary, ["steps.boundary_only_count"]) and samp.get("statement"):   # what sampling recorded in detail
+        subs["step_time_p50"] += f"; sampling: {esc(samp['statement'])}"
+        subs["exposed_comm"] += "; over the steps recorded in full detail"
     subs.update(gpu_card_subs(summary))
     theo = pick(summary, ["pipeline.theoretical_bubble_frac"])
     over = pick(summary, ["pipeline.overhead_frac"])
@@ -452,10 +382,206 @@ def _ranks_by_group(analysis) -> str:
     return "".join(out)
 
 
+@dataclass
+class _Parts:
+    """What every section of the page reads: the page (its figures), the figures' context, the analysis, the run."""
+    page: _Page
+    ctx: Any                  # reports/figures.py Context
+    analysis: Any             # dtprof.analyzers.summary.Analysis
+    run: Any                  # dtprof.reader.Run (raw spans for the timeline, the world size)
+    summary: dict
+    n_ranks: int
+
+
+def _steps_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    return _section("steps", p.page.figure(F.step_time_figure(p.ctx), "fig-step-time"),
+                    f"{p.n_ranks} ranks; the band shows the spread over ranks, the red line the job's step "
+                    "time (a step ends when its slowest rank ends).")
+
+
+def _ranks_section(p: _Parts) -> str:
+    if p.n_ranks <= RG.GROUP_ABOVE:
+        return ""
+    return _section("ranks", _ranks_by_group(p.analysis), (
+        f"{p.n_ranks:,} ranks: beyond {RG.GROUP_ABOVE} ranks the per-rank charts below show groups of ranks "
+        "(node, pipeline stage or mesh coordinate), each group's spread and its worst rank. Ranks are compared "
+        "by compute per step, not step time: in synchronous training every rank's step lasts as long as the "
+        "slowest rank's (docs/metrics.md, Stragglers)."))
+
+
+def _timeline_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    tl, window, tl_ranks = F.timeline_figure(p.ctx)
+    world = p.run.world_size or p.n_ranks
+    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" — a slice of {len(tl_ranks)} of the {world:,} "
+            "ranks: rank 0, the stragglers, the slowest and fastest computing ranks, then an even sample"
+            if len(tl_ranks) < world else "") +
+            ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
+            "Where a GPU trace exists, each CUDA stream gets a row of kernels (compute and communication "
+            "coloured apart) under the rank's CPU-side spans, drawn as outlines.")
+    return _section("timeline", p.page.figure(tl, "fig-timeline") or '<p class="empty">No steps.</p>', note)
+
+
+def _kernels_section(p: _Parts) -> str:
+    from dtprof.reports.gpu import tables_html
+
+    gpu_tables = tables_html(p.summary)
+    if not gpu_tables:
+        return ""
+    return _section("kernels", gpu_tables, "From the trace's GPU kernels, HolisticTraceAnalysis' "
+                    "definitions (docs/metrics.md, GPU time): idle = no kernel running on any stream, "
+                    "compute = computation kernels, non-compute = only communication / memory / sync "
+                    "kernels running; shares of kernel time. Window: "
+                    f"{esc(pick(p.summary, ['gpu_time.window']))} (options.gpu_window).")
+
+
+def _heatmaps_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    hm = [p.page.figure(F.rank_step_heatmap(p.ctx, p.ctx.steps, col, title, label, colorscale=cs), fid)
+          for col, title, label, cs, fid in (
+              ("duration_s", "Step time per rank and step", "step time", "Viridis", "heatmap-step"),
+              ("compute_s", "Compute time per rank and step", "compute", "Viridis", "heatmap-compute"),
+              ("exposed_comm_s", "Exposed communication per rank and step", "exposed comm", "Reds",
+               "heatmap-exposed-comm"))]
+    return _section("heatmaps", "".join(hm), "Measured steps only (warm-up excluded). A slow rank shows "
+                    "as a dark row in compute time while the others wait on it in exposed communication.")
+
+
+def _overlap_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    return _section("overlap", p.page.figure(F.overlap_figure(p.ctx), "fig-overlap")
+                    or '<p class="empty">No communication recorded.</p>',
+                    "Overlap ratio = |comm ∩ compute| ÷ |comm|; exposed = comm not hidden under compute "
+                    "(docs/metrics.md, compute/communication overlap).")
+
+
+def _pipeline_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    sched, bub = F.pipeline_figures(p.ctx)
+    if sched is None and bub is None:
+        return ""
+    return _section("pipeline", p.page.figure(sched, "fig-pipeline-schedule") +
+                    p.page.figure(bub, "fig-pipeline-bubble"),
+                    "Bubble of a stage = 1 − its compute ÷ its measured step time = theoretical (the "
+                    "idle time the schedule itself needs with these op times, replayed with no gap "
+                    "between ops) + overhead (the rest: p2p transfers, gaps between ops), all as "
+                    "shares of the measured step, summed over the measured steps.")
+
+
+def _stragglers_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    st = p.analysis.stragglers
+    flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
+        and len(st) else st
+    strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
+                                   ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
+                                   ("time_lost_s", "peers' arrival wait", fmt_s),
+                                   ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
+                         50, "rank flagged as a straggler")
+    return _section("stragglers", strag_table + p.page.figure(F.straggler_figure(p.ctx), "fig-stragglers"),
+                    "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
+                    "aligned across hosts). " + esc(PERSISTENT_RULE.capitalize()) + "; "
+                    + esc(TRANSIENT_RULE) + ".")
+
+
+def _collectives_section(p: _Parts) -> str:
+    coll = p.analysis.collectives
+    if coll is not None and len(coll):
+        coll = coll.sort_values("total_s", ascending=False)
+    return _section("collectives", _table(coll, [
+        ("op", "op", None), ("group", "group", None), ("mesh_dim", "mesh dimension", None),
+        ("size_bucket", "message size", None),
+        ("count", "count", _num("{:,}")), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
+        ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
+        ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
+                                                             _num("{:.1%}"))], 60, "collectives recorded"),
+        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (docs/metrics.md); transfer time excludes "
+        "waiting for late peers.")
+
+
+def _mesh_section(p: _Parts) -> str:
+    mesh = p.analysis.summary.get("mesh")
+    if not mesh:
+        return ""
+    import pandas as pd
+
+    per_dim = pd.DataFrame(mesh["per_dim"]).sort_values("comm_s_per_step", ascending=False)
+    pipes = pd.DataFrame(mesh.get("pipeline_groups") or [])
+    if len(pipes):
+        pipes = pipes.sort_values("bubble_frac_max", ascending=False)   # past the table's limit: worst first
+        pipes["ranks"] = pipes["ranks"].map(lambda r: ", ".join(map(str, r)))
+    shape = " × ".join(f"{n} {d}" for n, d in zip(mesh.get("shape") or [], mesh.get("dims") or []))
+    body = _table(per_dim, [
+        ("dim", "mesh dimension", None), ("comm_s_per_step", "communication / step", fmt_s),
+        ("exposed_comm_s_per_step", "exposed communication / step", fmt_s),
+        ("bytes_per_step", "bytes / step", fmt_bytes)],
+        20, "mesh dimensions")
+    if len(pipes):
+        body += "<h3>Pipeline groups</h3>" + _table(pipes, [
+            ("ranks", "ranks (stages)", None), ("bubble_frac", "bubble (mean)", _num("{:.1%}")),
+            ("bubble_frac_max", "bubble (worst stage-step)", _num("{:.1%}"))], 64, "pipeline groups")
+    return _section("mesh", body, f"DeviceMesh {esc(shape) or '(shape not recorded)'}; the costliest "
+                    f"dimension is <b>{esc(mesh.get('costliest_dim'))}</b> (most exposed "
+                    "communication per step). Exposed communication is split across dimensions in "
+                    "proportion to each one's share of a rank-step's communication time.")
+
+
+def _gpu_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    gpu = p.analysis.gpu
+    gpu_fig = F.gpu_figure(p.ctx)
+    gpu_tbl = _table(gpu.sort_values("sm_util_mean_pct") if gpu is not None and len(gpu) else None, [
+        ("host", "host", None), ("gpu", "GPU", _num("{}")), ("sm_util_mean_pct", "SM util (mean)", _num("{:.1f} %")),
+        ("mem_bw_util_mean_pct", "mem-bw util (mean)", _num("{:.1f} %")), ("idle_frac", "idle", _num("{:.0%}")),
+        ("throttled_s", "throttled", fmt_s), ("power_w_mean", "power (mean)", _num("{:.0f} W"))],
+        16, "NVML samples (no GPU, or NVML unavailable)")
+    return _section("gpu", p.page.figure(gpu_fig, "fig-gpu") + gpu_tbl, "Lowest SM utilisation first.")
+
+
+def _memory_section(p: _Parts) -> str:
+    from dtprof.reports import figures as F
+
+    return _section("memory", p.page.figure(F.memory_figure(p.ctx), "fig-memory")
+                    or '<p class="empty">No memory peaks recorded.</p>',
+                    "Peak = CUDA allocator peak on GPU, process RSS high-water mark on CPU.")
+
+
+# The page's sections after the headline, in order: each builder returns its <section> ("" when the run has nothing
+# for it), then the progress bar moves on by the label beside it (None: no step of its own). A new view is a
+# builder here, an anchor and title in SECTIONS, and its figure in reports/figures.py.
+REPORT_SECTIONS: tuple[tuple[Callable[[_Parts], str], str | None], ...] = (
+    (_steps_section, "step time"), (_ranks_section, None), (_timeline_section, "timeline"),
+    (_kernels_section, None), (_heatmaps_section, "heatmaps"), (_overlap_section, "overlap"),
+    (_pipeline_section, "pipeline"), (_stragglers_section, "stragglers"), (_collectives_section, "collectives"),
+    (_mesh_section, None), (_gpu_section, "gpu"), (_memory_section, "memory"),
+)
+
+
+def _notices(run) -> str:
+    """The run's read problems and its events' warnings and errors (the first 30), or "" when there are none."""
+    notices = list(run.problems)
+    ev = run.events
+    if len(ev):
+        bad = ev[ev["level"].astype(str).isin(["warning", "error"])]
+        notices += [f"{r['level']} from {r['source']} (rank {r['rank']}): {r['message']}"
+                    for r in bad.head(30).to_dict("records")]
+        if len(bad) > 30:
+            notices.append(f"... and {len(bad) - 30} more warnings/errors in the events table")
+    return ("<section id=\"notices\"><h2>Notices</h2><ul class=\"notices\">" +
+            "".join(f"<li>{esc(n)}</li>" for n in notices) + "</ul></section>") if notices else ""
+
+
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
-    from dtprof.reports.gpu import tables_html
     from dtprof.reports.whatif import whatif_html
 
     progress = progress or Progress(10, False)
@@ -467,146 +593,18 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
     ctx = F.make_context(run, analysis)
     progress.step("context")
+    parts = _Parts(page, ctx, analysis, run, summary, ctx.steps["rank"].nunique())
     sections = []
-
-    n_ranks = ctx.steps["rank"].nunique()
-    sections.append(_section("steps", page.figure(F.step_time_figure(ctx), "fig-step-time"),
-                             f"{n_ranks} ranks; the band shows the spread over ranks, the red line the job's step "
-                             "time (a step ends when its slowest rank ends)."))
-    progress.step("step time")
-    if n_ranks > RG.GROUP_ABOVE:
-        sections.append(_section("ranks", _ranks_by_group(analysis), (
-            f"{n_ranks:,} ranks: beyond {RG.GROUP_ABOVE} ranks the per-rank charts below show groups of ranks "
-            "(node, pipeline stage or mesh coordinate), each group's spread and its worst rank. Ranks are compared "
-            "by compute per step, not step time: in synchronous training every rank's step lasts as long as the "
-            "slowest rank's (docs/metrics.md, Stragglers).")))
-
-    tl, window, tl_ranks = F.timeline_figure(ctx)
-    world = run.world_size or n_ranks
-    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" — a slice of {len(tl_ranks)} of the {world:,} "
-            "ranks: rank 0, the stragglers, the slowest and fastest computing ranks, then an even sample"
-            if len(tl_ranks) < world else "") +
-            ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
-            "Where a GPU trace exists, each CUDA stream gets a row of kernels (compute and communication "
-            "coloured apart) under the rank's CPU-side spans, drawn as outlines.")
-    sections.append(_section("timeline", page.figure(tl, "fig-timeline") or '<p class="empty">No steps.</p>',
-                             note))
-    progress.step("timeline")
-    gpu_tables = tables_html(summary)
-    if gpu_tables:
-        sections.append(_section("kernels", gpu_tables, "From the trace's GPU kernels, HolisticTraceAnalysis' "
-                                 "definitions (docs/metrics.md, GPU time): idle = no kernel running on any stream, "
-                                 "compute = computation kernels, non-compute = only communication / memory / sync "
-                                 "kernels running; shares of kernel time. Window: "
-                                 f"{esc(pick(summary, ['gpu_time.window']))} (options.gpu_window)."))
-
-    hm = [page.figure(F.rank_step_heatmap(ctx, ctx.steps, col, title, label, colorscale=cs), fid)
-          for col, title, label, cs, fid in (
-              ("duration_s", "Step time per rank and step", "step time", "Viridis", "heatmap-step"),
-              ("compute_s", "Compute time per rank and step", "compute", "Viridis", "heatmap-compute"),
-              ("exposed_comm_s", "Exposed communication per rank and step", "exposed comm", "Reds",
-               "heatmap-exposed-comm"))]
-    sections.append(_section("heatmaps", "".join(hm), "Measured steps only (warm-up excluded). A slow rank shows "
-                             "as a dark row in compute time while the others wait on it in exposed communication."))
-    progress.step("heatmaps")
-
-    sections.append(_section("overlap", page.figure(F.overlap_figure(ctx), "fig-overlap")
-                             or '<p class="empty">No communication recorded.</p>',
-                             "Overlap ratio = |comm ∩ compute| ÷ |comm|; exposed = comm not hidden under compute "
-                             "(docs/metrics.md, compute/communication overlap)."))
-    progress.step("overlap")
-
-    sched, bub = F.pipeline_figures(ctx)
-    if sched is not None or bub is not None:
-        sections.append(_section("pipeline", page.figure(sched, "fig-pipeline-schedule") +
-                                 page.figure(bub, "fig-pipeline-bubble"),
-                                 "Bubble of a stage = 1 − its compute ÷ its measured step time = theoretical (the "
-                                 "idle time the schedule itself needs with these op times, replayed with no gap "
-                                 "between ops) + overhead (the rest: p2p transfers, gaps between ops), all as "
-                                 "shares of the measured step, summed over the measured steps."))
-    progress.step("pipeline")
-
-    st = analysis.stragglers
-    flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
-        and len(st) else st
-    strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
-                                   ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
-                                   ("time_lost_s", "peers' arrival wait", fmt_s),
-                                   ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
-                         50, "rank flagged as a straggler")
-    sections.append(_section("stragglers", strag_table + page.figure(F.straggler_figure(ctx), "fig-stragglers"),
-                             "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
-                             "aligned across hosts). " + esc(PERSISTENT_RULE.capitalize()) + "; "
-                             + esc(TRANSIENT_RULE) + "."))
-    progress.step("stragglers")
-
-    coll = analysis.collectives
-    if coll is not None and len(coll):
-        coll = coll.sort_values("total_s", ascending=False)
-    sections.append(_section("collectives", _table(coll, [
-        ("op", "op", None), ("group", "group", None), ("mesh_dim", "mesh dimension", None),
-        ("size_bucket", "message size", None),
-        ("count", "count", _num("{:,}")), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
-        ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
-        ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
-                                                             _num("{:.1%}"))], 60, "collectives recorded"),
-        "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (docs/metrics.md); transfer time excludes "
-        "waiting for late peers."))
-    progress.step("collectives")
-
-    mesh = analysis.summary.get("mesh")
-    if mesh:
-        import pandas as pd
-
-        per_dim = pd.DataFrame(mesh["per_dim"]).sort_values("comm_s_per_step", ascending=False)
-        pipes = pd.DataFrame(mesh.get("pipeline_groups") or [])
-        if len(pipes):
-            pipes = pipes.sort_values("bubble_frac_max", ascending=False)   # past the table's limit: worst first
-            pipes["ranks"] = pipes["ranks"].map(lambda r: ", ".join(map(str, r)))
-        shape = " × ".join(f"{n} {d}" for n, d in zip(mesh.get("shape") or [], mesh.get("dims") or []))
-        body = _table(per_dim, [
-            ("dim", "mesh dimension", None), ("comm_s_per_step", "communication / step", fmt_s),
-            ("exposed_comm_s_per_step", "exposed communication / step", fmt_s),
-            ("bytes_per_step", "bytes / step", fmt_bytes)],
-            20, "mesh dimensions")
-        if len(pipes):
-            body += "<h3>Pipeline groups</h3>" + _table(pipes, [
-                ("ranks", "ranks (stages)", None), ("bubble_frac", "bubble (mean)", _num("{:.1%}")),
-                ("bubble_frac_max", "bubble (worst stage-step)", _num("{:.1%}"))], 64, "pipeline groups")
-        sections.append(_section("mesh", body, f"DeviceMesh {esc(shape) or '(shape not recorded)'}; the costliest "
-                                 f"dimension is <b>{esc(mesh.get('costliest_dim'))}</b> (most exposed "
-                                 "communication per step). Exposed communication is split across dimensions in "
-                                 "proportion to each one's share of a rank-step's communication time."))
-
-    gpu_fig = F.gpu_figure(ctx)
-    gpu_tbl = _table(analysis.gpu.sort_values("sm_util_mean_pct") if analysis.gpu is not None and len(analysis.gpu)
-                     else None, [
-        ("host", "host", None), ("gpu", "GPU", _num("{}")), ("sm_util_mean_pct", "SM util (mean)", _num("{:.1f} %")),
-        ("mem_bw_util_mean_pct", "mem-bw util (mean)", _num("{:.1f} %")), ("idle_frac", "idle", _num("{:.0%}")),
-        ("throttled_s", "throttled", fmt_s), ("power_w_mean", "power (mean)", _num("{:.0f} W"))],
-        16, "NVML samples (no GPU, or NVML unavailable)")
-    sections.append(_section("gpu", page.figure(gpu_fig, "fig-gpu") + gpu_tbl,
-                             "Lowest SM utilisation first."))
-    progress.step("gpu")
-
-    sections.append(_section("memory", page.figure(F.memory_figure(ctx), "fig-memory")
-                             or '<p class="empty">No memory peaks recorded.</p>',
-                             "Peak = CUDA allocator peak on GPU, process RSS high-water mark on CPU."))
-    progress.step("memory")
+    for build, label in REPORT_SECTIONS:
+        section = build(parts)
+        if section:
+            sections.append(section)
+        if label:
+            progress.step(label)
 
     anchors = {s.split('"')[1] for s in sections} | {"headline"} | {f"card-{k}" for k, *_ in HEADLINES} | \
         {"card-stragglers"} | ({"breakdown"} if breakdown_chart else set())
-    notices = list(run.problems)
-    ev = run.events
-    if len(ev):
-        bad = ev[ev["level"].astype(str).isin(["warning", "error"])]
-        notices += [f"{r['level']} from {r['source']} (rank {r['rank']}): {r['message']}"
-                    for r in bad.head(30).to_dict("records")]
-        if len(bad) > 30:
-            notices.append(f"... and {len(bad) - 30} more warnings/errors in the events table")
-    notice_html = ("<section id=\"notices\"><h2>Notices</h2><ul class=\"notices\">" +
-                   "".join(f"<li>{esc(n)}</li>" for n in notices) + "</ul></section>") if notices else ""
-
+    notice_html = _notices(run)
     toc = "".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in SECTIONS.items() if a in anchors)
     plotly_js = _plotly_js()
     css = (ASSETS / "report.css").read_text()
@@ -649,19 +647,13 @@ def _plotly_js() -> str:
     return js
 
 
-def write_report(run_dir, out_path=None, analysis=None, *, progress: bool | None = None) -> Path:
-    """Write the HTML report of ``run_dir`` to ``out_path`` (default ``run_dir/report.html``) and return its path.
-
-    ``analysis`` is an ``Analysis`` from ``dtprof.analyzers.summary.analyze``; computed here when None, with the
-    options resolved as the command line does (dtprof/options.py).
+def write_report(run, analysis, out_path=None, *, progress: bool | None = None) -> Path:
+    """Write the HTML report of ``run`` (an open dtprof.reader.Run, read only for raw spans: the timeline) and its
+    ``analysis`` (``dtprof.analyzers.summary.analyze``; the command made it, dtprof/options.py
+    ``open_and_analyze``) to ``out_path`` (default the run's ``report.html``) and return its path.
     ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps).
     The file is written to a temporary name and renamed, so a reader never sees half a report.
     """
-    run = open_run(run_dir, check_tables=analysis is None)
-    if analysis is None:
-        from dtprof.analyzers.summary import analyze
-        from dtprof.options import resolve_options
-        analysis = analyze(run, resolve_options(run))
     if progress is None:
         progress = len(run.steps) > 50_000   # counting the spans would read them all
     text = render_report(run, analysis, Progress(10, bool(progress)))

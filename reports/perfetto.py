@@ -32,11 +32,9 @@ def _x_events(df: pd.DataFrame, pid, tid, name, start, end, t0, cat: str, args=N
     return out.to_dict("records")
 
 
-def build_trace(run) -> dict:
-    """The Chrome trace dict for ``run`` (a dtprof.reader.Run)."""
-    from dtprof.analyzers.runmodel import RunModel
-
-    model = RunModel.of(run)
+def build_trace(run, model) -> dict:
+    """The Chrome trace dict for ``run`` (a dtprof.reader.Run) on its run model's aligned clock (``model``:
+    analyzers/runmodel.py ``RunModel.of(run)``, or an Analysis' ``model``)."""
     host_of = run.ranks.set_index("rank")["host"].astype(str).to_dict() if len(run.ranks) else {}
 
     def aligned(t, ranks):
@@ -130,10 +128,10 @@ def _clean(o):
     return str(o)
 
 
-def write_perfetto(run, out: Path) -> Path:
+def write_perfetto(run, model, out: Path) -> Path:
     """Write ``run`` as a Chrome JSON trace to ``out`` (gzip when it ends in .gz)."""
     out = Path(out)
-    data = json.dumps(build_trace(run), default=_clean, separators=(",", ":")).encode()
+    data = json.dumps(build_trace(run, model), default=_clean, separators=(",", ":")).encode()
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_bytes(gzip.compress(data, 6) if out.name.endswith(".gz") else data)
     tmp.replace(out)

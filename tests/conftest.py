@@ -1,19 +1,42 @@
-"""The suite's one shared set-up: a CPU calibration for every recorded run.
+"""The suite's shared set-up, paths, helpers and fixtures.
 
-`dtprof run` times a ~1 s GEMM after each job on a device with no spec peak (this VM's CPU), in a fresh Python that
-imports torch: ~4-5 s of each recording here, 87 times in a full run. A calibration stored by `dtprof calibrate`
-($XDG_CACHE_HOME/dtprof/calibration.json) takes its place, as it does for a user who ran that command. So the
-suite runs `dtprof calibrate` once, with one thread (what `dtprof run` gives each rank of the suite's two-rank jobs
-on two cores: cores // ranks), into a cache directory of its own, which also keeps the developer's own cache out of
-the tests. The tests of the per-run calibration give their jobs an empty cache (tests/test_frameworks.py).
+tests/unit/ reads synthetic or stored runs in this process (seconds); tests/jobs/ runs real processes: torchrun jobs
+under `dtprof run`, the launcher, the rank side (minutes; marked ``slow``, ``pytest -m "not slow"`` leaves them out).
+Helpers shared by several modules live here, imported as ``from conftest import ...``; helpers of one module stay
+in it.
+
+A CPU calibration for every recorded run: `dtprof run` times a ~1 s GEMM after each job on a device with no spec
+peak (this VM's CPU), in a fresh Python that imports torch: ~4-5 s of each recording. A calibration stored by
+`dtprof calibrate` ($XDG_CACHE_HOME/dtprof/calibration.json) takes its place, as it does for a user who ran that
+command. So the suite runs `dtprof calibrate` once, with one thread (what `dtprof run` gives each rank of the suite's
+two-rank jobs on two cores: cores // ranks), into a cache directory of its own, which also keeps the developer's own
+cache out of the tests. The tests of the per-run calibration give their jobs an empty cache (test_frameworks.py).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+EXAMPLES = REPO / "examples"
+ARTIFACTS = REPO / "test-artifacts"
+# The shared real torch.profiler traces (a data set kept beside the checkout, with its README): $DTPROF_KINETO_DATA,
+# else shared/data/kineto next to the checkout or next to its parent (a worktree one level further down).
+SHARED = next((p for p in ([Path(os.environ["DTPROF_KINETO_DATA"])] if os.environ.get("DTPROF_KINETO_DATA") else [])
+               + [REPO.parent / "shared/data/kineto", REPO.parent.parent / "shared/data/kineto"] if p.exists()),
+              REPO.parent / "shared/data/kineto")
+needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared Kineto traces not found at {SHARED}")
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
 
 _CACHE = tempfile.mkdtemp(prefix="dtprof-test-cache-")
 
@@ -28,3 +51,82 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    jobs = TESTS / "jobs"
+    for item in items:
+        if jobs in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+
+
+# ------------------------------------------------------------------------------------------------ running dtprof
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, *args, nproc: int = 2) -> list[str]:
+    """The command line of a one-node torchrun job of ``script`` (a path, or a name under examples/)."""
+    path = script if os.path.isabs(str(script)) else EXAMPLES / script
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(path),
+            *map(str, args)]
+
+
+def dtprof(*args, cwd=REPO, env=None, timeout: float = 300, boot: str | None = None) -> subprocess.CompletedProcess:
+    """``dtprof ARGS`` in a fresh Python, output captured; ``boot`` replaces the entry point's code (a test that
+    patches something before the CLI starts)."""
+    code = ["-c", boot] if boot else ["-m", "dtprof.cli"]
+    return subprocess.run([sys.executable, *code, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def record(out: Path, script, *args, opts=(), nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The one way the suite records a job: ``dtprof run --out OUT --no-report OPTS -- torchrun SCRIPT ARGS``;
+    fails the test unless the job and dtprof exit 0 (torch's exit abort is retried: torch_abort.py)."""
+    from torch_abort import returncode
+
+    p = dtprof("run", "--out", out, "--no-report", *opts, "--", *torchrun(script, *args, nproc=nproc),
+               timeout=timeout)
+    assert returncode(p) == 0, f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ the browser
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium through Playwright, one for the whole session."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+class Loaded:
+    def __init__(self, page, requests, errors):
+        self.page, self.requests, self.errors = page, requests, errors
+
+
+def load(browser, path: Path, name: str) -> Loaded:
+    """A report page loaded offline, every chart drawn, a screenshot in test-artifacts/; the requests it made and
+    its console errors kept."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.goto(path.as_uri())
+    # charts draw lazily (first viewport, then on scroll or when idle); the first screen must come first and on its
+    # own, then every chart is forced (the documented drawAll) and must draw
+    page.wait_for_selector("body[data-first-screen=done]", state="attached", timeout=60_000)
+    page.evaluate("window.dtprofReport.drawAll()")
+    page.wait_for_selector("body[data-charts=done]", state="attached", timeout=60_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"report-{name}.png"), full_page=True)
+    return Loaded(page, requests, errors)

@@ -374,3 +374,27 @@ def _typed(table: str, n: int, **cols) -> pd.DataFrame:
             v = pd.Categorical.from_codes(np.zeros(n, np.int8), [v])
         out[col] = np.full(n, v) if np.isscalar(v) else v
     return pd.DataFrame(out)
+
+
+def hand_run(path: Path, spans: list[tuple], colls: list[tuple], steps=((0, 0, 100),), ranks=(0,),
+             device_name="cpu", device_type="cpu", groups=None) -> Path:
+    """A run from hand-written rows; times in ms. spans: (rank, kind, start, end); colls: (rank, op, seq, start,
+    end, bytes, group_size[, group])."""
+    create_run_dir(path, {"command": ["hand"]})
+    node = path / "node-hand"
+    node.mkdir()
+    st = pd.DataFrame([{"rank": r, "step": s, "start_ns": a * MS, "end_ns": b * MS} for r, (s, a, b) in
+                       ((r, x) for r in ranks for x in steps)])
+    sp = pd.DataFrame([{"rank": x[0], "step": 0, "kind": x[1], "name": x[4] if len(x) > 4 else x[1],
+                        "start_ns": int(x[2] * MS), "end_ns": int(x[3] * MS), "lane": "main",
+                        "source": "kineto" if x[1] == "kernel" else "hook"} for x in spans])
+    co = pd.DataFrame([{"rank": c[0], "op": c[1], "seq": c[2], "issue_ns": int(c[3] * MS),
+                        "return_ns": int(c[4] * MS), "end_ns": int(c[4] * MS), "in_bytes": c[5], "out_bytes": c[5],
+                        "group_size": c[6], "group": c[7] if len(c) > 7 else "0", "api": c[1], "source": "user",
+                        "dtype": "float32", "async_op": False} for c in colls])
+    rk = pd.DataFrame({"rank": list(ranks), "local_rank": list(ranks), "world_size": len(ranks), "host": "h0",
+                       "pid": 1, "device_type": device_type, "device_index": list(ranks),
+                       "device_name": device_name, "backend": "gloo"})
+    write_node_tables(node, {"ranks": rk, "steps": st, "spans": sp, "collectives": co, "groups": groups},
+                      {"host": "h0", "status": "completed", "exit_code": 0})
+    return path

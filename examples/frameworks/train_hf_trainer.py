@@ -49,6 +49,7 @@ def main():
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="evaluation batches per device")
+    p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def main():
         output_dir=args.out or tempfile.mkdtemp(prefix="hf-trainer-"), max_steps=args.steps,
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulate, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True,
+        dataloader_num_workers=0, disable_tqdm=True, torch_compile=args.compile,
         **(dict(eval_strategy="steps", eval_steps=args.eval_every, per_device_eval_batch_size=args.batch)
            if args.eval_every else {}))
     evaluation = (RandomTokens(args.eval_batches * args.batch * world, args.seq, config.vocab_size, seed=1)
@@ -72,6 +73,13 @@ def main():
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss {result.training_loss:.8f}", flush=True)
+    if args.compile:
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from compile_stats import dynamo_line
+
+        print(f"rank {trainer.args.process_index} {dynamo_line()}", flush=True)
     # the Trainer leaves its process group up; exiting with gloo's threads alive can abort the process
     # ("terminate called without an active exception", pytorch issue #190489)
     if torch.distributed.is_initialized():

@@ -1,0 +1,94 @@
+"""A node-summary table of the whole run, reduced in DuckDB (``Rows``), and the helpers that read the stored node
+summaries' files: shared by the run model (analyzers/runmodel.py) and the node summaries (analyzers/nodesummary.py).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+# DuckDB's working memory for the per-instance reductions (``Rows``): beyond it, it spills to the temp directory
+ROWS_MEMORY_LIMIT = "3GB"
+
+
+@dataclass
+class Rows:
+    """One node-summary table of the whole run (dtprof/schema.py SUMMARY_TABLES), never joined in pandas: the
+    stored nodes' Parquet files and the rows made in memory (a node without a stored summary; the whole run on the
+    raw path), reduced by SQL in DuckDB (``query``). At 16,384 ranks the per-instance tables hold a row per
+    collective instance and node (16.4 M at 1,000 steps); their consumers need one row per instance or per host.
+    Every reduction over them is exact whatever order DuckDB's threads meet the rows in (integer sums, minima,
+    maxima, arg-max with a total order), so the two paths agree to the last bit."""
+    table: str
+    files: list[str] = field(default_factory=list)
+    frames: list[tuple[str, pd.DataFrame]] = field(default_factory=list)   # (origin, rows)
+
+    @classmethod
+    def of(cls, table: str, df: pd.DataFrame, origin: str = "") -> Rows:
+        return cls(table, frames=[(origin, df)])
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """The rows of a ``Rows`` made in memory from one frame (a node's summary being written)."""
+        (_, df), = self.frames
+        return df
+
+    def query(self, sql: str, **frames: pd.DataFrame) -> pd.DataFrame:
+        """The result of ``sql`` (``connection``'s names) as a DataFrame."""
+        with self.connection(**frames) as con:
+            return con.sql(sql).df()
+
+    @contextmanager
+    def connection(self, **frames: pd.DataFrame):
+        """A DuckDB connection in which ``rows`` names this table (its schema's columns, plus ``origin``: the file,
+        or the frame's origin; node order sorts alike) and each keyword a frame given here. A damaged or missing
+        file raises RunFormatError naming the table."""
+        import duckdb
+
+        from dtprof.reader import RunFormatError, sql_list, sql_text
+        from dtprof.schema import SUMMARY_TABLES
+
+        cols = SUMMARY_TABLES[self.table]
+        kind = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR"}
+        select = ", ".join(f'CAST("{c}" AS {kind[k]}) AS "{c}"' for c, k in cols)
+        con = duckdb.connect(config={"memory_limit": ROWS_MEMORY_LIMIT,
+                                     "temp_directory": os.path.join(tempfile.gettempdir(), "dtprof-duckdb")})
+        try:
+            parts = []
+            if self.files:
+                files = sql_list(self.files)
+                parts.append(f"SELECT {select}, filename AS origin FROM read_parquet([{files}], filename = true)")
+            empty = pd.DataFrame({c: pd.Series(dtype={"int": "int64", "float": "float64"}.get(k, object))
+                                  for c, k in cols})
+            for i, (origin, df) in enumerate(self.frames or ([] if self.files else [("", empty)])):
+                con.register(f"_frame{i}", df)
+                parts.append(f"SELECT {select}, {sql_text(origin)} AS origin FROM _frame{i}")
+            con.execute("CREATE TEMP VIEW rows AS " + " UNION ALL ".join(parts))
+            for name, df in frames.items():
+                con.register(name, df)
+            yield con
+        except duckdb.Error as e:
+            raise RunFormatError(f"cannot read the node summaries' {self.table} tables "
+                                 f"({str(e).splitlines()[0]})") from None
+        finally:
+            con.close()
+
+
+def by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
+    key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
+    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
+        return df.reset_index(drop=True)
+    return df.iloc[np.argsort(key, kind="stable")].reset_index(drop=True)
+
+
+def stored_files(run, facts: list, table: str) -> list[str]:
+    """The Parquet files of ``table`` of the nodes with a stored summary (``facts``: ``Run.node_summaries``'), in
+    node order."""
+    from dtprof.runformat import summary_file
+
+    return [str(summary_file(nd, table)) for nd, f in zip(run.node_dirs, facts) if f is not None]

@@ -1,0 +1,111 @@
+"""The terminal summary: the short per-rank table and headline lines printed at the end of a run and by
+`dtprof summary`. Formats summary.json only."""
+from __future__ import annotations
+
+from dtprof.analyzers import breakdown as breakdown_mod
+from dtprof.analyzers.summary import is_unnamed_suspect
+from dtprof.reports.fmt import pct, saving, short_s
+
+
+def format_summary_text(summary: dict) -> str:
+    """The short per-rank table printed at the end of a run, plus the headline lines."""
+    lines = []
+    run = summary.get("run") or {}
+    st = summary.get("steps") or {}
+    t = st.get("time_s") or {}
+    hosts = f"on {len(run['hosts'])} host(s)" if run.get("hosts") else "on unnamed hosts"
+    code = f", exit code {run['exit_code']}" if run.get("exit_code") is not None else ""
+    lines.append(f"dtprof summary: {run.get('world_size', '?')} rank(s) {hosts}, "
+                 f"status {run.get('status') or 'unknown'}{code}")
+    if run.get("ranks_missing"):
+        lines.append(f"[error] rank(s) {', '.join(map(str, run['ranks_missing']))} left no record")
+    for msg in run.get("unidentified_processes") or []:
+        lines.append(f"[error] {msg}")
+    if run.get("status") == "interrupted":
+        lines.append(run.get("status_reason") or "interrupted")
+    tri = summary.get("triage")
+    if tri and tri.get("verdict") != "healthy":
+        lines.append(f"triage: {tri['message']}")
+    lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
+                 f"step time p50 {short_s(t.get('p50'))}, p90 {short_s(t.get('p90'))}, "
+                 f"p99 {short_s(t.get('p99'))}")
+    if (st.get("sampling") or {}).get("statement") and st.get("boundary_only_count"):
+        lines.append(f"sampling: {st['sampling']['statement']}")
+    # where the step went (breakdown.py): one column per part, summing to the mean step time
+    parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
+    short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
+             "optimizer": "optim", "gpu_wait": "GPU wait"}
+    # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
+    cpu_col = summary.get("cpu_wait") is not None
+    lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
+                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}"
+                 + (f" {'cpu wait':>9}" if cpu_col else ""))
+    for r in summary.get("ranks") or []:
+        b = r.get("breakdown_s_per_step") or {}
+        lines.append(f"{r['rank']:>5} {str(r.get('host') or '')[:14]:<14} {r.get('steps', 0):>5} "
+                     f"{short_s(r.get('step_time_s_mean')):>10} "
+                     + " ".join(f"{short_s(b.get(p)):>9}" for p in parts)
+                     + f" {pct(r.get('overlap_ratio')):>8}"
+                     + (f" {short_s(r.get('cpu_wait_s_per_step')):>9}" if cpu_col else ""))
+    bd = summary.get("breakdown") or {}
+    by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
+    by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}
+    if by_op:
+        dims = ", ".join(f"{k} {short_s(v)}" for k, v in by_dim.items()) if set(by_dim) != {"(none)"} else ""
+        lines.append("exposed communication per step (mean over ranks): "
+                     + (f"by mesh dimension {dims}; " if dims else "")
+                     + "by op " + ", ".join(f"{k} {short_s(v)}" for k, v in by_op.items()))
+    wif = summary.get("what_if") or []
+    if wif:   # the what-if model's top three (analyzers/whatif.py)
+        named = {s["rank"] for s in summary.get("stragglers") or []}
+        rep = summary.get("replay") or {}
+        err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
+        lines.append(f"what if (predicted mean step; measured {short_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
+            f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
+            f"{' (not a straggler)' if is_unnamed_suspect(w, named) else ''} "
+            f"{short_s(w['predicted_step_s'])} ({saving(w['saving_frac'])})" for w in wif[:3]))
+    m = summary.get("mfu") or {}
+    if m.get("value") is not None:
+        lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
+    else:
+        lines.append(f"MFU: n/a ({m.get('value_reason') or m.get('peak_reason') or m.get('flops_reason')})")
+    rates = [f"{st[k]:,.0f} {what}/s ({st.get(k + '_source')})" for k, what in
+             (("tokens_per_s", "tokens"), ("samples_per_s", "samples")) if st.get(k) is not None]
+    if rates:
+        lines.append("throughput: " + "; ".join(rates))
+    ov = summary.get("overlap") or {}
+    lines.append(f"overlap: {pct(ov.get('ratio'))} of communication hidden behind compute; exposed "
+                 f"communication {pct(ov.get('exposed_comm_frac'))} of step time")
+    ev = summary.get("evaluation")
+    if ev:
+        lines.append(f"evaluation between steps (not in step times, throughput or MFU): {ev['stretches']} "
+                     f"stretch(es), {short_s(ev['total_s'])} on rank {ev['rank']}"
+                     + (f" ({ev['wall_frac']:.1%} of its run)" if ev.get("wall_frac") is not None else ""))
+    outside = summary.get("collectives_outside_steps") or []
+    if outside:
+        lines.append(f"collectives outside every step (set-up, checkpointing, evaluation): "
+                     f"{sum(c['count'] for c in outside)}, {sum(c['bytes'] for c in outside) / 2**20:.1f} MiB, "
+                     f"{short_s(sum(c['total_s'] for c in outside))}")
+    pp = summary.get("pipeline")
+    if pp:
+        lines.append(f"pipeline: {pp['stages']} stages × {pp['microbatches']} microbatches ({pp['schedule']}), "
+                     f"bubble {pct(pp.get('bubble_frac'))} = theoretical "
+                     f"{pct(pp.get('theoretical_bubble_frac'))} + overhead {pct(pp.get('overhead_frac'))}"
+                     f" of the step, imbalance "
+                     f"{'—' if pp.get('imbalance') is None else format(pp['imbalance'], '.2f')}×")
+    sl = summary.get("stragglers") or []
+    if sl:
+        lines.append("stragglers: " + "; ".join(
+            f"rank {s['rank']} ({s['host']}) {s['kind']}, saves {s['saving_frac']:.0%} of the step if fixed, "
+            f"peers' arrival wait {short_s(s['time_lost_s'])}" for s in sl))
+    else:
+        lines.append("stragglers: none")
+    tl = summary.get("transient_lateness") or []
+    if tl:
+        lines.append("transient lateness (not a straggler): " + "; ".join(
+            f"rank {s['rank']} held its peers up in a few steps (peers' arrival wait "
+            f"{short_s(s['time_lost_s'])})"
+            for s in tl))
+    for f in summary.get("findings") or []:
+        lines.append(f"[{f['severity']}] {f['message']}")
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""A small GPT-style model trained a few steps, compiled one of the ways users compile; prints Dynamo's counters
+and, for a last step run under torch.profiler, which eager ops of the forward's fused parts ran (none when the
+forward ran compiled). The job test_compiled.py runs bare and under `dtprof run`.
+
+    python forms.py FORM STEPS        # FORM: compile, method, blocks (one process)
+    torchrun --nproc_per_node=2 forms.py FORM STEPS   # FORM: ddp_of_compiled, compiled_ddp, fsdp2
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from model import Block  # noqa: E402
+
+
+class LM(nn.Module):
+    def __init__(self, dim=64, layers=2, vocab=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, 4) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def build(form: str, m: nn.Module) -> nn.Module:
+    if form == "compile":
+        return torch.compile(m)
+    if form == "method":
+        m.compile()
+        return m
+    if form == "blocks":              # torchtitan's way: each block compiled
+        for i, b in enumerate(m.blocks):
+            m.blocks[i] = torch.compile(b)
+        return m
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    if form == "ddp_of_compiled":
+        return DDP(torch.compile(m))
+    if form == "compiled_ddp":
+        return torch.compile(DDP(m))
+    if form == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in m.blocks:
+            b.compile()
+            fully_shard(b)
+        fully_shard(m)
+        return m
+    raise SystemExit(f"unknown form {form}")
+
+
+def main() -> None:
+    form, steps = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    m = LM()
+    model = build(form, m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randint(0, 128, (4, 32))
+
+    def step():
+        out = model(x)
+        loss = F.cross_entropy(out.view(-1, 128), x.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(steps):
+        step()
+    from torch._dynamo.utils import counters
+    from torch.profiler import profile
+
+    stats = {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+             "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0}
+    with profile() as prof:
+        step()
+    names = {e.key for e in prof.key_averages()}
+    stats["eager_ops"] = sorted(n for n in names if n in ("aten::gelu", "aten::native_layer_norm"))
+    stats["loss"] = round(float(step().detach()), 5)
+    if os.environ.get("RANK", "0") == "0":   # one line: two ranks' lines can interleave on a shared pipe
+        print("FORM " + json.dumps(stats), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Compiled models stay compiled under `dtprof run`: Dynamo's own counters (graphs, graph breaks, recompiles) are
+the bare job's for each way users compile, the forward runs compiled after dtprof's FLOP-counting step (the eager
+ops of its fused parts do not run), and dtprof still records the steps, forward, backward and MFU.
+Real torch.compile with inductor on this CPU; one inductor cache for the session, so bare and profiled runs of a
+form compile its graphs once."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, TESTS, dtprof, torchrun
+from dtprof.reader import open_run
+from torch_abort import returncode
+
+FORMS = TESTS / "compile_jobs" / "forms.py"
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
+    e.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path_factory.mktemp("inductor")), OMP_NUM_THREADS="1",
+             PYTHONWARNINGS="ignore")
+    return e
+
+
+def _stats(out: str) -> list[dict]:
+    return [json.loads(line[5:]) for line in out.splitlines() if line.startswith("FORM ")]
+
+
+def _job(form: str) -> list[str]:
+    if form in ("compile", "method", "blocks"):
+        return [sys.executable, str(FORMS), form, str(STEPS)]
+    return torchrun(FORMS, form, STEPS)
+
+
+def _bare_and_profiled(job: list[str], env: dict, cwd) -> tuple[str, str]:
+    """The job's stdout bare and under `dtprof run` (its run in ``cwd/run``)."""
+    bare = subprocess.run(job, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert returncode(bare) == 0, bare.stderr[-3000:]
+    prof = dtprof("run", "--out", cwd / "run", "--no-report", "--no-nvml", "--", *job, cwd=cwd, env=env, timeout=600)
+    assert returncode(prof) == 0, prof.stderr[-3000:]
+    return bare.stdout, prof.stdout
+
+
+@pytest.mark.parametrize("form", ["compile", "method", "blocks", "ddp_of_compiled", "compiled_ddp", "fsdp2"])
+def test_dynamo_counters_equal_bare_and_under_dtprof(form, env, tmp_path):
+    bare, prof = _bare_and_profiled(_job(form), env, tmp_path)
+    b, p = _stats(bare), _stats(prof)
+    assert len(b) == len(p) == 1
+    for sb, sp in zip(b, p):
+        assert {k: sp[k] for k in ("graphs", "graph_breaks", "recompiles")} == \
+               {k: sb[k] for k in ("graphs", "graph_breaks", "recompiles")}, (sb, sp)
+        assert sb["graphs"] >= 1
+        assert sp["eager_ops"] == [] == sb["eager_ops"], "the forward ran eager after dtprof's FLOP-counting step"
+        assert sp["loss"] == sb["loss"]
+    run = open_run(tmp_path / "run")
+    spans = run.spans
+    assert set(run.steps["rank"]) == ({0} if form in ("compile", "method", "blocks") else {0, 1})
+    for kind in ("forward", "backward", "optimizer"):
+        assert (spans["kind"] == kind).any(), kind
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mfu"]["flops_source"].startswith("executed FLOPs"), summary["mfu"]
+    assert not (run.events["level"] == "error").any(), run.events
+
+
+def test_hf_trainer_torch_compile_keeps_its_graphs(env, tmp_path):
+    job = torchrun(EXAMPLES / "frameworks" / "train_hf_trainer.py", "--steps", 8, "--compile")
+    bare, prof = _bare_and_profiled(job, dict(env, HF_HUB_OFFLINE="1"), tmp_path)
+
+    def lines(out):
+        return sorted(ln for ln in out.splitlines() if "dynamo:" in ln)
+
+    assert lines(bare) and lines(prof) == lines(bare)
+    assert "graphs 0 " not in lines(bare)[0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mfu"]["value"] is not None and summary["steps"]["count"] > 0

@@ -1,0 +1,72 @@
+"""Step sampling (collectors/runtime.py, "Sampling"): with detailed blocks, every step's time is still recorded on
+every rank, the boundary-only steps carry no spans or collectives, the detailed blocks are the same steps on every
+rank, the summary and the report say what was sampled, and the breakdown read from the detailed steps agrees with
+the breakdown of the same job recorded in full detail."""
+import json
+
+import pytest
+
+from conftest import dtprof, torchrun
+from dtprof.reader import open_run
+from torch_abort import returncode
+
+STEPS = 320
+
+
+def _run(tmp_path, name, *opts):
+    p = dtprof("run", "--out", tmp_path / name, "--no-nvml", *opts, "--", *torchrun("train_tiny.py", "--steps", STEPS),
+               cwd=tmp_path, timeout=600)
+    assert returncode(p) == 0, p.stderr[-3000:]
+    return p, tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sampling")
+    return _run(d, "sampled", "--sample-every", "16"), _run(d, "full", "--full-detail")
+
+
+def test_every_step_timed_and_only_blocks_detailed(runs):
+    (p, run_dir), _ = runs
+    run = open_run(run_dir)
+    steps = run.steps
+    for rank in (0, 1):
+        mine = steps[steps["rank"] == rank]
+        assert sorted(mine["step"]) == list(range(STEPS))     # every step's time, boundary-only ones included
+        assert (mine["end_ns"] > mine["start_ns"]).all()
+        boundary = set(mine.loc[mine["detail"].fillna(1) == 0, "step"])
+        # full detail before step 32, then blocks of 4 steps every 16
+        assert boundary == {s for s in range(32, STEPS) if s % 16 >= 4}
+    bsteps = steps.loc[steps["detail"].fillna(1) == 0, ["rank", "step"]]
+    assert len(run.spans.merge(bsteps, on=["rank", "step"])) == 0
+    colls = run.collectives
+    assert len(colls) and len(colls.merge(bsteps, on=["rank", "step"])) == 0
+    assert (colls["step"] >= 32).any()      # the detailed blocks after step 32 still record DDP's all-reduces
+    summary = json.loads((run_dir / "summary.json").read_text())
+    st = summary["steps"]
+    assert st["boundary_only_count"] == len({s for s in range(32, STEPS) if s % 16 >= 4})
+    assert st["count"] == st["total_count"] - st["warmup_steps"] - len(st["flops_counted_steps"])
+    assert st["sampling"]["period_steps"] == 16 and st["sampling"]["block_steps"] == 4
+    assert "sampling: " in p.stdout and "with their times only" in p.stdout
+    html = (run_dir / "report.html").read_text()
+    assert "sampling: " in html and "with their times only" in html
+
+
+def test_sampled_breakdown_agrees_with_full_detail(runs):
+    (_, sampled), (_, full) = runs
+
+    def shares(run_dir):
+        ranks = json.loads((run_dir / "summary.json").read_text())["ranks"]
+        out = {}
+        for r in ranks:
+            parts = r["breakdown_s_per_step"]
+            total = sum(v for v in parts.values() if v)
+            assert total == pytest.approx(r["step_time_s_mean"], rel=0.02)   # the parts add up to the step
+            out[r["rank"]] = {k: (v or 0) / total for k, v in parts.items()}
+        return out
+
+    s, f = shares(sampled), shares(full)
+    for rank in (0, 1):
+        for part in f[rank]:
+            # a boundary-only step read as detailed would put its whole time in "other" (~3/4 of the steps)
+            assert abs(s[rank][part] - f[rank][part]) < 0.2, (rank, part, s[rank], f[rank])

@@ -1,0 +1,430 @@
+"""Incident triage: heartbeat, watchdog, Flight Recorder reader and verdicts, proven on real torchrun gloo jobs.
+
+The jobs (tests/triage_jobs/job.py) run under a harness that does what `dtprof run --hang-timeout` does (tee'd
+logs, a Watchdog with a SIGTERM-then-SIGKILL stop); tests/test_triage_e2e.py repeats the key cases through the
+real launcher once it exists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
+
+from dtprof.analyzers.triage import match_across_ranks, ranks_text, where  # noqa: E402
+from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
+from dtprof.runformat import NodeTableWriter  # noqa: E402
+from dtprof.triage import triage_command  # noqa: E402
+from dtprof.watchdog import parse_torchrun_failures  # noqa: E402
+
+# Small for test speed (real jobs use minutes: more than the longest gap between steps), but above the 6-10 s a
+# healthy job can go without progress on a loaded 2-core CI machine (start-up, Flight Recorder dumps, exit): 6 s once
+# stopped the healthy job in a full-suite run.
+HANG_TIMEOUT_S = 15.0
+
+
+def cli(*args):
+    return CliRunner().invoke(triage_command, [str(a) for a in args])
+
+
+def cli_json(*args):
+    res = cli(*args, "--json")
+    assert res.exit_code in (0, 1), res.output
+    return json.loads(res.stdout)
+
+
+# ----------------------------------------------------------------------------------------- heartbeat (fast)
+HB_SCRIPT = textwrap.dedent('''
+    import os, signal, sys, time, types
+    from pathlib import Path
+    from dtprof.collectors import heartbeat
+    rank_dir = Path(sys.argv[1]) / "rank-0"
+    if sys.argv[2] == "user-handler":
+        def on_term(signum, frame):
+            print("user handler ran", flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, on_term)
+    state = types.SimpleNamespace(rank=0, step=5, last_progress_ns=time.monotonic_ns(), rank_dir=rank_dir,
+                                  collective={"op": "all_reduce", "group": "0", "seq": 42, "in_bytes": 1024,
+                                              "dtype": "float32", "peer": None, "entered_ns": time.monotonic_ns()})
+    heartbeat.start(rank_dir, state)
+    def stuck_in_user_code():
+        from dtprof.watchdog import request_dumps   # atomic, as the launcher writes it
+        request_dumps(Path(sys.argv[1]), "t1", "test")
+        deadline = time.time() + 10
+        while not (rank_dir / "dump-t1.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        print("SIGTERM did not stop us", flush=True)
+    stuck_in_user_code()
+''')
+
+
+def _run_hb(tmp_path, variant):
+    script = tmp_path / "hb.py"
+    script.write_text(HB_SCRIPT)
+    return subprocess.run([sys.executable, str(script), str(tmp_path), variant], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_heartbeat_answers_dump_requests_and_keeps_sigterm_default(tmp_path):
+    proc = _run_hb(tmp_path, "default")
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr  # died of SIGTERM, as without dtprof
+    rd = tmp_path / "rank-0"
+    hb = json.loads((rd / "heartbeat.json").read_text())
+    assert hb["rank"] == 0 and hb["step"] == 5 and hb["collective"]["seq"] == 42 and hb["pid"] > 0
+    dump = json.loads((rd / "dump-t1.json").read_text())
+    assert dump["reason"] == "test" and dump["collective"]["op"] == "all_reduce"
+    main = next(s for s in dump["stacks"] if s["main"])
+    assert main["frames"][-2]["func"] == "stuck_in_user_code" or any(
+        f["func"] == "stuck_in_user_code" for f in main["frames"])
+    assert any(s["name"] == "dtprof-heartbeat" for s in dump["stacks"])
+    assert dump["flight_recorder"] is None and "torch not imported" in dump["flight_recorder_error"]
+    assert (rd / "dump-sigterm.json").exists()
+    assert where(dump).startswith("hb.py:")
+
+
+RACE_SCRIPT = textwrap.dedent('''
+    import os, signal, sys, time, types
+    from pathlib import Path
+    from dtprof.collectors import heartbeat
+    rank_dir = Path(sys.argv[1]) / "rank-0"
+    real_write_dump = heartbeat.write_dump
+    def slow_write_dump(*a, **k):   # a dump that takes a while (many threads, a long Flight Recorder buffer)
+        time.sleep(1.0)
+        return real_write_dump(*a, **k)
+    heartbeat.write_dump = slow_write_dump
+    state = types.SimpleNamespace(rank=0, step=5, last_progress_ns=time.monotonic_ns(), rank_dir=rank_dir,
+                                  collective=None)
+    heartbeat.start(rank_dir, state)
+    time.sleep(0.2)
+    # the main thread is away in C code: SIGTERM reaches the heartbeat thread, which starts the dump ...
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+    # ... and the main thread's handler runs while that dump is still being written
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    time.sleep(10)
+    print("SIGTERM did not stop us", flush=True)
+''')
+
+
+def test_sigterm_waits_for_a_dump_the_heartbeat_thread_is_writing(tmp_path):
+    script = tmp_path / "race.py"
+    script.write_text(RACE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    dump = json.loads((tmp_path / "rank-0" / "dump-sigterm.json").read_text())
+    assert dump["reason"] == "SIGTERM received" and dump["stacks"]
+
+
+def test_heartbeat_defers_to_the_users_sigterm_handler(tmp_path):
+    proc = _run_hb(tmp_path, "user-handler")
+    assert proc.returncode == 7 and "user handler ran" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "rank-0" / "dump-sigterm.json").exists()
+
+
+def test_heartbeat_never_raises_into_training(tmp_path):
+    from dtprof.collectors import heartbeat
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    # a rank dir that cannot be created: start() returns False instead of raising
+    code = ("import sys; from dtprof.collectors import heartbeat; "
+            f"print(heartbeat.start({str(blocker / 'rank-0')!r}, object()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    assert heartbeat.snapshot(object())["rank"] is None  # a state without the attributes still snapshots
+
+
+# ------------------------------------------------------------------------------------ parsing (fast)
+TORCHRUN_REPORT = """
+Failures:
+[1]:
+  time      : 2026-11-22_02:20:57
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 7973)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 7973
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_02:20:57
+  host      : localhost
+  rank      : 5 (local_rank: 1)
+  exitcode  : -9 (pid: 7974)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 7974
+"""
+
+
+def test_deaths_seen_in_one_poll_put_the_rank_that_lost_a_peer_last(tmp_path):
+    # A SIGKILLed rank leaves a stale heartbeat and no exit status; its peers die of the broken connection
+    # milliseconds later, or torchrun stops them with SIGTERM, all before the watchdog's next poll (a busy machine
+    # delays the poll). Found together, the killed rank must come first whatever order the file system lists the
+    # rank directories in, and even when a stopped survivor's last heartbeat is older than the killed rank's.
+    from dtprof.watchdog import Watchdog
+    lost = "exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+    beats = {0: (lost, 300, None), 1: (None, 100, None), 2: (lost, 310, None),
+             3: ("exception: ValueError: bad batch", 200, None), 4: (None, 50, 400)}
+    for rank, (exit_status, t, sigterm_ns) in beats.items():
+        d = tmp_path / f"rank-{rank}"
+        d.mkdir()
+        # pids that do not exist: dead
+        (d / "heartbeat.json").write_text(json.dumps({"rank": rank, "pid": 2**22 + rank, "step": 3, "t_ns": t,
+                                                       "exit": exit_status, "sigterm_ns": sigterm_ns}))
+    wd = Watchdog(tmp_path, timeout_s=60, stop_job=lambda: None)
+    wd._check_crashes()
+    dead = json.loads((tmp_path / "triage" / "crash.json").read_text())["dead"]
+    assert [d["rank"] for d in dead] == [1, 3, 0, 2, 4]
+    assert [d["lost_peer"] for d in dead] == [False, False, True, True, False]
+    assert (tmp_path / "dump-request-crash").exists()   # the survivors were asked for their state at once
+
+
+def test_parse_torchrun_failures_names_root_cause_and_signal():
+    f = parse_torchrun_failures(TORCHRUN_REPORT)
+    assert [(x["rank"], x["exit_code"], x["signal"], x["root_cause"]) for x in f] == [
+        (5, -9, "SIGKILL", True), (0, -15, "SIGTERM", False)]
+
+
+def test_ranks_text():
+    assert ranks_text([0, 1, 2, 4, 5, 6, 7]) == "0–2, 4–7"
+    assert ranks_text([3]) == "3"
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    res = cli(tmp_path / "nope")
+    assert res.exit_code == 2 and "no such run directory" in res.output
+    (tmp_path / "empty").mkdir()
+    res = cli(tmp_path / "empty")
+    assert res.exit_code == 2 and "run.json" in res.output
+    bad = tmp_path / "fr_trace_rank_0"
+    bad.write_bytes(b"\x80garbage")
+    res = cli("--fr", bad)
+    assert res.exit_code == 2 and str(bad) in res.output and "Traceback" not in res.output
+    with pytest.raises(DumpError, match="not a Flight Recorder dump"):
+        (tmp_path / "x.json").write_text("{}")
+        load_dump(tmp_path / "x.json")
+
+
+def test_triage_path_never_imports_torch():
+    code = ("import sys, dtprof.triage, dtprof.analyzers.triage, dtprof.watchdog, dtprof.collectors.flight_recorder;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_pickle_dump_that_would_run_code_is_refused(tmp_path):
+    import pickle
+    evil = tmp_path / "fr_trace_rank_0"
+    evil.write_bytes(pickle.dumps({"entries": [], "x": os.system}))
+    with pytest.raises(DumpError, match="refusing"):
+        load_dump(evil)
+
+
+# --------------------------------------------------------------------- straggler with NVML (synthetic, fast)
+def _nvml_rows(node_dir, slow_gpu, gpus=4, samples=20):
+    w = NodeTableWriter(node_dir, "nvml")
+    for g in range(gpus):
+        for i in range(samples):
+            slow = g == slow_gpu
+            w.append(["host0", node_dir.name, g, f"GPU-{g}", 10**9 + i * 10**8, 90.0, 50.0, 1e9, 8e10,
+                      180.0 if slow else 350.0, 91.0 if slow else 60.0, 900.0 if slow else 1980.0, 1593.0,
+                      0, 0, 0, 0, 0x40 if slow else 0, 0])
+    w.close()
+
+
+def test_straggler_named_with_nvml_evidence(tmp_path):
+    from synth import build_run
+    run = build_run(tmp_path / "run", world_size=4, steps=12, slow_rank=2, slow_factor=2.0,
+                    device_type="cuda", device_name="H100")
+    node = run / "node-synthetic"
+    # the synthetic run is compacted; add the sampler's rows next to it as the compaction would
+    import dtprof.reader as reader
+    from dtprof.schema import TABLES
+    tables = {name: reader._read_node_table(node, name) for name in TABLES}
+    _nvml_rows(node, slow_gpu=2)
+    tables["nvml"] = reader._read_jsonl(node / "nvml.jsonl", "nvml", [])
+    from dtprof.runformat import write_node_tables
+    write_node_tables(node, tables)
+    out = cli_json(run)
+    assert out["verdict"] == "straggler" and out["culprit_ranks"] == [2]
+    nv = next(e for e in out["evidence"] if e["kind"] == "nvml")
+    assert nv["gpu"] == 2 and "hw_thermal_slowdown" in nv["throttle_reasons"]
+    assert nv["sm_clock_mhz_mean"] == 900.0 and nv["others_sm_clock_mhz_mean"] == 1980.0
+    assert "rank 2 (host host0, GPU 2)" in out["message"] and "hw_thermal_slowdown" in out["message"]
+
+
+def test_synthetic_even_run_is_healthy(tmp_path):
+    from synth import build_run
+    run = build_run(tmp_path / "run", world_size=4, steps=12)
+    res = cli(run)
+    assert res.exit_code == 0 and res.output.startswith("healthy")
+
+
+# ------------------------------------------------------------------------- real torchrun gloo jobs (slow)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Each failure mode once, lazily, shared by the tests below."""
+    from harness import run_job
+    cache = {}
+
+    def get(mode, nproc=4, **kw):
+        key = (mode, nproc)
+        if key not in cache:
+            base = tmp_path_factory.mktemp(mode)
+            cache[key] = run_job(base / "run", mode, nproc, HANG_TIMEOUT_S,
+                                 ["--fr-dir", str(base / "fr")] + kw.get("args", []))
+            cache[key]["fr_dir"] = base / "fr"
+        return cache[key]
+    return get
+
+
+def _dump(node_dir, rank, dump_id):
+    p = node_dir / f"rank-{rank}" / f"dump-{dump_id}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+@pytest.mark.slow
+def test_hang_detected_culprit_and_collective_named(jobs):
+    r = jobs("hang")
+    assert r["fired"] and r["rc"] == 124
+    hang = json.loads((r["node_dir"] / "triage" / "hang.json").read_text())
+    newest_progress_s = max(v["last_progress_ns"] for v in hang["ranks"].values()) / 1e9
+    # stopped within the timeout plus 15 s of the last progress on any rank
+    assert hang["stopped_ns"] / 1e9 - newest_progress_s <= HANG_TIMEOUT_S + 15
+    for rank in range(4):  # every rank's stacks were captured before the job was stopped
+        d = _dump(r["node_dir"], rank, "hang")
+        assert d is not None and d["stacks"], rank
+        assert d["flight_recorder"]["entries"], rank  # gloo records FR entries in torch 2.13
+    out = cli_json(r["run_dir"])
+    assert out["verdict"] == "hang" and out["culprit_ranks"] == [1]
+    assert out["collective"] == {"op": "all_reduce", "group": "0", "seq": 4}
+    assert "rank 1" in out["message"] and "never entered all_reduce #4 of group 0" in out["message"]
+    assert "job.py:" in out["message"] and "__next__" in out["message"]  # where the culprit is stuck
+    assert "ranks 0, 2–3" in out["message"]
+    events = (r["node_dir"] / "events.jsonl").read_text()
+    assert "hang: no rank progressed" in events
+
+
+@pytest.mark.slow
+def test_hang_from_flight_recorder_alone(jobs, tmp_path):
+    """The same hang seen only through Flight Recorder entries (no in-flight collective state)."""
+    r = jobs("hang")
+    fr_dir = tmp_path / "fr"
+    fr_dir.mkdir()
+    for rank in range(4):
+        d = _dump(r["node_dir"], rank, "hang")
+        (fr_dir / f"nccl_trace_rank_{rank}.json").write_text(json.dumps(d["flight_recorder"]))
+    entries = load_dumps([fr_dir])
+    assert sorted(entries["rank"].unique()) == [0, 1, 2, 3]
+    inst = match_across_ranks(entries)
+    stuck = inst[inst["ranks_missing"].str.len() > 0]
+    assert stuck.iloc[0]["seq"] == 4 and list(stuck.iloc[0]["ranks_missing"]) == [1]
+    out = cli_json("--fr", fr_dir)
+    # dumps alone (no run directory), as from TORCH_NCCL_DUMP_ON_TIMEOUT: rank 1 is behind the others
+    assert out["verdict"] == "hang" and out["culprit_ranks"] == [1] and out["collective"]["seq"] == 4
+
+
+@pytest.mark.slow
+def test_raise_is_a_crash_with_others_state(jobs):
+    r = jobs("raise")
+    assert not r["fired"] and r["rc"] != 0
+    out = cli_json(r["run_dir"])
+    assert out["verdict"] == "crash" and out["culprit_ranks"] == [1]
+    assert "exited with code 1" in out["message"] and "RuntimeError: loss is NaN" in out["message"]
+    assert "step 3" in out["message"]
+    states = [e for e in out["evidence"] if e["kind"] == "state"]
+    assert sorted(e["rank"] for e in states) == [0, 2, 3]  # the survivors' state at that moment
+    assert all("all_reduce #4" in e["message"] for e in states)
+    assert _dump(r["node_dir"], 1, "exception")["reason"].startswith("exception: RuntimeError")
+
+
+@pytest.mark.slow
+def test_sigkill_named_with_its_signal(jobs):
+    r = jobs("kill")
+    out = cli_json(r["run_dir"])
+    assert out["verdict"] == "crash" and out["culprit_ranks"] == [1]
+    assert "killed by SIGKILL" in out["message"]
+    crash = json.loads((r["node_dir"] / "triage" / "crash.json").read_text())
+    assert crash["dead"][0]["rank"] == 1, crash  # the watchdog saw rank 1's process vanish first
+    # every survivor's state was captured: by the watchdog's request, by torchrun's SIGTERM, or (a peer that died
+    # of the broken connection before either reached it) by its own exception hook
+    for k in (0, 2, 3):
+        assert any(_dump(r["node_dir"], k, i) for i in ("crash", "sigterm", "exception")), k
+    states = [e for e in out["evidence"] if e["kind"] == "state"]
+    assert sorted(e["rank"] for e in states) == [0, 2, 3]
+
+
+@pytest.mark.slow
+def test_mismatched_sizes_named(jobs):
+    r = jobs("mismatch")
+    out = cli_json(r["run_dir"])
+    assert out["verdict"] == "mismatch" and out["culprit_ranks"] == [1]
+    assert out["collective"] == {"op": "broadcast", "group": "0", "seq": 4}
+    per = next(e for e in out["evidence"] if e["kind"] == "mismatch")["per_rank"]
+    assert per["1"]["in_bytes"] == 48 and per["0"]["in_bytes"] == 40
+
+
+@pytest.mark.slow
+def test_healthy_run_and_real_flight_recorder_files(jobs):
+    r = jobs("healthy")
+    assert r["rc"] == 0 and not r["fired"]
+    assert not (r["node_dir"] / "triage" / "crash.json").exists()
+    res = cli(r["run_dir"])
+    assert res.exit_code == 0 and res.output.startswith("healthy"), res.output
+    # pickle (even ranks) and JSON (odd ranks) dumps from torch itself
+    pkl, js = load_dump(r["fr_dir"] / "fr_trace_rank_0"), load_dump(r["fr_dir"] / "fr_trace_rank_1.json")
+    for df, rank in ((pkl, 0), (js, 1)):
+        assert (df["rank"] == rank).all()
+        ar = df[df["op"] == "all_reduce"]
+        assert list(ar["seq"]) == list(range(1, 9)) and (ar["in_bytes"] == 256).all()
+        assert set(ar["dtype"]) == {"float32"} and set(ar["group"]) == {"0"}
+    cols = ["group", "seq", "op", "in_bytes", "dtype", "input_sizes"]
+    assert pkl[cols].equals(js[cols])  # both formats read to the same table
+    assert cli_json("--fr", r["fr_dir"])["verdict"] == "healthy"
+
+
+@pytest.mark.slow
+def test_live_triage_does_not_stop_the_job(tmp_path):
+    from harness import Job
+    job = Job(tmp_path / "run", "hang", 4, hang_timeout=None)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait for the hang: all four heartbeats, rank 1 stuck
+            hbs = list((job.node_dir).glob("rank-*/heartbeat.json"))
+            if len(hbs) == 4 and all(json.loads(p.read_text())["step"] == 3 for p in hbs):
+                break
+            time.sleep(0.5)
+        time.sleep(3)
+        out = cli_json("--live", job.run_dir, "--stale", 2)
+        assert out["verdict"] == "hang" and out["culprit_ranks"] == [1]
+        assert job.proc.poll() is None  # still running
+        assert list(job.node_dir.glob("rank-1/dump-live-*.json"))
+        # SIGTERM to a rank stuck inside gloo's all_reduce (C++, no Python handler can run): it dumps its state
+        # and still dies of SIGTERM, as it would without dtprof
+        hb0 = json.loads((job.node_dir / "rank-0" / "heartbeat.json").read_text())
+        assert hb0["collective"]["op"] == "all_reduce"
+        t0 = time.monotonic()
+        os.kill(hb0["pid"], signal.SIGTERM)
+        rc = job.proc.wait(30)
+        assert rc != 0 and time.monotonic() - t0 < 15
+        assert json.loads((job.node_dir / "rank-0" / "dump-sigterm.json").read_text())["collective"]["seq"] == 4
+        for t in job.tees:
+            t.join(5)
+        fails = {f["rank"]: f for f in parse_torchrun_failures((job.node_dir / "stderr.log").read_text())}
+        assert fails[0]["signal"] == "SIGTERM" and fails[0]["root_cause"], fails
+    finally:
+        if job.proc.poll() is None:
+            job.stop_job()
+        job.wait(30)
