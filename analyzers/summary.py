@@ -2,7 +2,7 @@
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
 DataFrames behind each figure. ``write_summary(run_dir)`` also writes ``summary.json`` into the run.
-``format_summary_text(summary)`` is the short per-rank table the launcher prints at the end of a job.
+``format_summary_text`` (reports/terminal.py) prints the short per-rank table at the end of a job.
 
 The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
 command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
@@ -93,7 +93,10 @@ def _run_block(run) -> dict:
     if not out["hosts"]:
         out["hosts_reason"] = "not recorded" + (" in an imported trace" if status == "imported" else "")
     out.update(_rank_coverage(run))
+    out["restarts"] = run.restarts
+    out["attempts"] = {str(r): a for r, a in sorted(run.attempts.items())}
     return out
+
 
 
 def _rank_coverage(run) -> dict:

@@ -446,6 +446,9 @@ def _crash(c: Case) -> dict | None:
         failures = parse_torchrun_failures(inc.logs)
     dead = sorted((d for x in inc.watchdog["crash"] for d in x.get("dead") or []), key=lambda d: d["detected_ns"])
     exit_code = next((e.get("exit_code") for e in exits), None)
+    if exit_code is None and c.run is not None:   # no watchdog: a Ray Train worker's own end (collectors/raytrain.py)
+        exit_code = next((n.get("exit_code") for n in c.run.nodes if "attempt_rank" in n and n.get("exit_code")),
+                         None)
     if not (failures or dead or (exit_code not in (None, 0))):
         return None
     root = [f for f in failures if f["root_cause"]]
@@ -543,6 +546,21 @@ def _straggler(c: Case) -> dict | None:
                     f"({slow[0]['reason']}; peers' arrival wait {sum(s['time_lost_s'] for s in slow):.2f} s)")
 
 
+def restart_lines(run: dict) -> list[str]:
+    """One line per earlier attempt of a restarted rank, and which attempt the statistics cover (summary.json's
+    ``run.restarts`` and ``run.attempts``)."""
+    lines = []
+    for r in run.get("restarts") or []:
+        what = (f"failed at step {r['step']} ({r['exception']})" if r["status"] == "failed" else
+                f"stopped in step {r['step']} (its group was stopped to restart it)")
+        after = f", {r['restart_s']:.1f} s after the failure" if r.get("restart_s") is not None else ""
+        lines.append(f"rank {r['rank']} attempt {r['attempt']} {what}; restarted at {r['restarted'] or '?'}{after}")
+    if lines:
+        cover = ", ".join(f"rank {k}: attempt {v}" for k, v in (run.get("attempts") or {}).items())
+        lines.append(f"statistics cover each rank's last attempt ({cover})")
+    return lines
+
+
 # The verdicts in the order they are checked: the first that applies is the root cause (module docstring).
 RULES = (_mismatch, _hang, _crash, _interrupted, _straggler)
 
@@ -577,12 +595,19 @@ def triage(run, incident: Incident, *, stragglers: list | None = None, straggler
         for stop in node.get("stops") or []:
             c.evidence.append({"kind": "stop", "message": f"dtprof run on {node.get('host') or '?'} "
                                f"{stop_text(stop)}", **stop})
+    restarts = run.restarts if run is not None else []
+    c.evidence += [{"kind": "restart", "message": line}
+                   for line in restart_lines({"restarts": restarts, "attempts": run.attempts if run else {}})]
     for rule in RULES:
         res = rule(c)
         if res is not None:
             return res
+    again = "".join(f"; {c.label(r['rank'])} failed at step {r['step']} ({r['exception']}) and was restarted"
+                    for r in restarts if r["status"] == "failed")
+    if restarts and not again:
+        again = f"; rank(s) {ranks_text({r['rank'] for r in restarts})} restarted"
     return c.result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
-                                         f"({len(c.known)} rank(s) examined)")
+                                         f"({len(c.known)} rank(s) examined){again}")
 
 
 def format_text(res: dict) -> str:

@@ -70,6 +70,10 @@ class _Waiter:
         if self.handle is not None:
             self.handle.remove()
         self.start(rank)
+        if "ray.train" in sys.modules:   # a Ray Train worker: Ray kills it without atexit (collectors/raytrain.py)
+            from dtprof.collectors import raytrain
+
+            raytrain.flush_after_training()
 
     def identify_now(self) -> None:
         """At the first forward (or the first compile, which is one): the process group's rank if there is one,

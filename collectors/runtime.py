@@ -1279,13 +1279,14 @@ def install_from_env() -> bool:
     return init()               # no launcher named this process: recording starts once it identifies itself
 
 
-def init(out=None, *, rank: int | None = None, report_taken: bool = True, **options) -> bool:
+def init(out=None, *, rank: int | None = None, report_taken: bool = True, node_dir=None, **options) -> bool:
     """Start recording this rank. ``out``: a run directory for jobs not started by `dtprof run` (each process then
     gets its own node directory in it); default: ``DTPROF_NODE_DIR``. ``rank``: default the process group's rank,
     else ``RANK``; with neither (srun, mp.spawn, Lightning's launcher before init_process_group) recording starts
     when this process identifies itself (collectors/identity.py) and True is returned now. ``report_taken``: when
     another live process records that rank, name this one in the run as unidentified (collectors/identity.py).
-    Options override ``DTPROF_CONFIG``. Returns True when recording."""
+    ``node_dir``: an existing node directory to record into (collectors/raytrain.py makes one per Ray Train
+    worker). Options override ``DTPROF_CONFIG``. Returns True when recording."""
     if STATE.active or STATE.ab_off:       # recording (an A/B "off" block is recording too)
         return True
     if STATE.disabled:
@@ -1305,6 +1306,8 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, **opti
                 else None)
             run_dir = create_run_dir(out, {"created_by": "dtprof.init"}, join_id=join_id)
             node_dir = create_node_dir(run_dir)
+        elif node_dir is not None:
+            pass
         elif env.get("DTPROF_NODE_DIR"):
             node_dir = env["DTPROF_NODE_DIR"]
         else:
@@ -1316,7 +1319,7 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, **opti
             rank = pg[0] if pg else identity.launcher_rank(env)
             if rank is None:
                 STATE.waiter = identity.wait_for_identity(
-                    lambda r: init(out, rank=r, report_taken=report_taken, **options))
+                    lambda r: init(out, rank=r, report_taken=report_taken, node_dir=node_dir, **options))
                 return True
         rdir = rank_dir(node_dir, rank)
         os.makedirs(rdir, exist_ok=True)

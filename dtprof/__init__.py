@@ -4,7 +4,7 @@ The public Python API for training code. All of it is a no-op (cheap, never rais
 profiled, so jobs can keep these calls in production:
 
     import dtprof
-    dtprof.init()                      # only for jobs not started by `dtprof run` (srun, Ray Train, ...)
+    dtprof.init()                      # only for jobs not started by `dtprof run` (srun, ...)
     for batch in loader:
         with dtprof.span("my_phase"):
             ...
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "init", "step", "span", "annotate"]
+__all__ = ["__version__", "init", "step", "span", "annotate", "ray_train"]
 
 
 def _runtime():
@@ -44,3 +44,11 @@ def span(name: str):
 def annotate(**fields) -> None:
     """Attach facts to the current step: tokens=, samples=, stage=, microbatch=."""
     _runtime().annotate(**fields)
+
+
+def ray_train(train_func, run_dir, **options):
+    """``train_func`` for Ray Train's ``TorchTrainer`` with every worker recorded as a rank of the run at
+    ``run_dir``, on a Ray cluster that dtprof did not start (collectors/raytrain.py). Options as ``init``'s."""
+    from dtprof.collectors.raytrain import ray_train as wrap
+
+    return wrap(train_func, run_dir, **options)

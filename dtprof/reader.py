@@ -508,9 +508,67 @@ class Run:
             if info.get("status") == "running" and launcher_killed(info):
                 info["status"], info["status_reason"] = "interrupted", "interrupted: the launcher was killed"
             self.nodes.append(info)
+        self.earlier_attempts = self._set_aside_earlier_attempts()
         self.problems: list[str] = []
 
         self._loaded: dict = {}
+
+    def _set_aside_earlier_attempts(self) -> list[tuple[Path, dict]]:
+        """Node directories that record an earlier attempt of a rank (node.json ``attempt_rank`` and ``attempt``:
+        a Ray Train worker restarted after a failure, collectors/raytrain.py) leave ``node_dirs`` and ``nodes``:
+        each rank is its last attempt, and every table and statistic covers that attempt. Returned as (directory,
+        node.json) pairs, read by ``restarts``."""
+        last: dict[int, int] = {}
+        for info in self.nodes:
+            if isinstance(info.get("attempt_rank"), int) and isinstance(info.get("attempt"), int):
+                last[info["attempt_rank"]] = max(last.get(info["attempt_rank"], 0), info["attempt"])
+        earlier = [(nd, info) for nd, info in zip(self.node_dirs, self.nodes)
+                   if info.get("attempt_rank") in last and info.get("attempt", 0) < last[info["attempt_rank"]]]
+        if earlier:
+            gone = {nd for nd, _ in earlier}
+            kept = [(nd, info) for nd, info in zip(self.node_dirs, self.nodes) if nd not in gone]
+            self.node_dirs, self.nodes = [nd for nd, _ in kept], [info for _, info in kept]
+        return sorted(earlier, key=lambda e: (e[1]["attempt_rank"], e[1]["attempt"]))
+
+    @cached_property
+    def attempts(self) -> dict[int, int]:
+        """rank -> the attempt the run's tables hold, for ranks recorded with attempts (Ray Train workers)."""
+        return {int(n["attempt_rank"]): int(n["attempt"]) for n in self.nodes
+                if isinstance(n.get("attempt_rank"), int) and isinstance(n.get("attempt"), int)}
+
+    @cached_property
+    def restarts(self) -> list[dict]:
+        """Each earlier attempt of a restarted rank, by rank and attempt: rank, attempt, host, pid, status
+        ("failed": its training function raised; "stopped": it ended without recording its end, as Ray stops the
+        other workers of a failed group), step (the step it was in: the failure's, else the one after its last
+        recorded step), exception, ended (UTC; the failure's time), restarted (UTC: the next attempt's start) and
+        restart_s (from the failure to the restart)."""
+        import datetime as dt
+
+        if not self.earlier_attempts:
+            return []
+        starts = {(int(i["attempt_rank"]), int(i["attempt"])): i.get("start_time")
+                  for i in [*self.nodes, *(info for _, info in self.earlier_attempts)]
+                  if isinstance(i.get("attempt_rank"), int) and isinstance(i.get("attempt"), int)}
+        out = []
+        for nd, info in self.earlier_attempts:
+            rank, attempt = int(info["attempt_rank"]), int(info["attempt"])
+            failure: dict = info["failure"] if isinstance(info.get("failure"), dict) else {}
+            step = failure.get("step")
+            if step is None:
+                steps = read_node_raw(nd, self.problems)["steps"]
+                step = int(steps["step"].max()) + 1 if len(steps) else 0
+            nxt = next((starts[k] for k in sorted(starts) if k[0] == rank and k[1] > attempt), None)
+            ended = failure.get("time")
+            restart_s = None
+            if ended and nxt:
+                restart_s = round((dt.datetime.fromisoformat(str(nxt).replace("Z", "+00:00")) -
+                                   dt.datetime.fromisoformat(str(ended).replace("Z", "+00:00"))).total_seconds(), 3)
+            out.append({"rank": rank, "attempt": attempt, "host": info.get("host"), "pid": info.get("pid"),
+                        "node": nd.name, "status": "failed" if failure else "stopped", "step": int(step),
+                        "exception": failure.get("exception"), "ended": ended, "restarted": nxt,
+                        "restart_s": restart_s})
+        return out
 
     def _complete(self, nd: Path) -> bool:
         return (nd / TABLES_DIR / TABLES_COMPLETE).exists()
@@ -717,7 +775,7 @@ class Run:
 
     def incident(self, fr_paths=()) -> Incident:
         """The run's incident files (heartbeats, dumps, watchdog records, logs) for triage: ``read_incident``."""
-        return read_incident(self.path, fr_paths)
+        return read_incident(self.path, fr_paths, self.node_dirs)
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, nodes={len(self.node_dirs)})"
@@ -789,11 +847,12 @@ def _load_json(p: Path):
         return None
 
 
-def read_rank_files(run_dir: Path) -> tuple[dict, dict]:
-    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run."""
+def read_rank_files(run_dir: Path, node_dirs=None) -> tuple[dict, dict]:
+    """(heartbeats by rank, dumps by rank: {dump_id: dump}) from every node directory of the run (``node_dirs``:
+    those the reader keeps, without the earlier attempts of restarted ranks, ``Run.node_dirs``)."""
     hbs: dict = {}
     dumps: dict = {}
-    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")):
+    for nd in sorted(Path(run_dir).glob(f"{NODE_PREFIX}*")) if node_dirs is None else node_dirs:
         for rd in sorted(nd.glob(f"{RANK_PREFIX}*")):
             try:
                 rank = int(rd.name[len(RANK_PREFIX):])
@@ -852,15 +911,15 @@ def fr_entries_from_dumps(dumps: dict):
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
 
 
-def read_incident(run_dir: Path | None, fr_paths=()) -> Incident:
+def read_incident(run_dir: Path | None, fr_paths=(), node_dirs=None) -> Incident:
     """The incident files of the run at ``run_dir`` (None: no run, only Flight Recorder files), with the entries of
-    the Flight Recorder dump files or directories ``fr_paths``. Raises flight_recorder.DumpError for an unreadable
-    dump file."""
+    the Flight Recorder dump files or directories ``fr_paths``; the ranks' files from ``node_dirs`` only, when
+    given (``Run.node_dirs``). Raises flight_recorder.DumpError for an unreadable dump file."""
     import pandas as pd
 
     inc = Incident()
     if run_dir is not None:
-        inc.heartbeats, inc.dumps = read_rank_files(run_dir)
+        inc.heartbeats, inc.dumps = read_rank_files(run_dir, node_dirs)
         inc.watchdog = read_watchdog(run_dir)
         inc.logs = read_logs(run_dir)
     inc.fr = fr_entries_from_dumps(inc.dumps)

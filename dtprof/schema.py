@@ -201,7 +201,8 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
 # what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS). 7: the
 # breakdown's gpu_wait part (a GPU rank's host blocked while its GPU runs earlier work); on a GPU rank a one-rank
-# group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm)
+# group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm);
+# rank_steps carries the steps' ``detail`` (sampling)
 SUMMARY_LAYOUT = 7
 
 

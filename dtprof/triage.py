@@ -73,7 +73,7 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
         _live_dumps(run_dir)
     try:
         run = open_run(run_dir, check_tables=True) if run_dir is not None else None
-        incident = read_incident(run_dir, fr_paths)
+        incident = run.incident(fr_paths) if run is not None else read_incident(None, fr_paths)
     except (RunFormatError, DumpError) as e:
         raise InputError(str(e)) from None
     stragglers, error = None, None

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
+from dtprof.analyzers.triage import restart_lines
 from dtprof.reports import rankgroups as RG
 from dtprof.reports.fmt import esc, fmt_bytes, fmt_evidence, fmt_frac, fmt_s, fmt_value
 
@@ -568,6 +569,7 @@ REPORT_SECTIONS: tuple[tuple[Callable[[_Parts], str], str | None], ...] = (
 def _notices(run) -> str:
     """The run's read problems and its events' warnings and errors (the first 30), or "" when there are none."""
     notices = list(run.problems)
+    notices += restart_lines({"restarts": run.restarts, "attempts": run.attempts})   # a restarted Ray Train group
     ev = run.events
     if len(ev):
         bad = ev[ev["level"].astype(str).isin(["warning", "error"])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import is_unnamed_suspect
+from dtprof.analyzers.triage import restart_lines
 from dtprof.reports.fmt import pct, saving, short_s
 
 
@@ -23,6 +24,7 @@ def format_summary_text(summary: dict) -> str:
         lines.append(f"[error] {msg}")
     if run.get("status") == "interrupted":
         lines.append(run.get("status_reason") or "interrupted")
+    lines += [f"[restart] {line}" for line in restart_lines(run)]
     tri = summary.get("triage")
     if tri and tri.get("verdict") != "healthy":
         lines.append(f"triage: {tri['message']}")
