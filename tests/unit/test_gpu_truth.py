@@ -9,18 +9,18 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import REPO, TESTS
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.runformat import create_run_dir, write_node_tables
 
 MS = 1_000_000
-_REPO = Path(__file__).resolve().parent.parent
-# CI: <repo>/../shared; a worktree under /work/wt/<name>: two levels up
-H100 = next((p for p in (_REPO.parent / "shared/data/gpu-h100", _REPO.parent.parent / "shared/data/gpu-h100")
-             if p.exists()), _REPO.parent / "shared/data/gpu-h100")
+# the shared real H100 runs, beside the checkout (CI) or beside its parent (a worktree one level further down)
+H100 = next((p for p in (REPO.parent / "shared/data/gpu-h100", REPO.parent.parent / "shared/data/gpu-h100")
+             if p.exists()), REPO.parent / "shared/data/gpu-h100")
 needs_h100 = pytest.mark.skipif(not H100.exists(), reason=f"shared H100 runs not found at {H100}")
-H200_DDP = _REPO / "tests/data/gpu/ddp-h200"
+H200_DDP = TESTS / "data/gpu/ddp-h200"
 
 
 @needs_h100

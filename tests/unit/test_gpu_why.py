@@ -12,14 +12,14 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from conftest import REPO, TESTS
 from dtprof.analyzers.kernels import kernel_class
 from dtprof.cli import main
 
-_REPO = Path(__file__).resolve().parent.parent
-DATA = _REPO / "tests/data/gpu"
-# CI: <repo>/../shared; a worktree under /work/wt/<name>: two levels up
-SHARED = next((p for p in (_REPO.parent / "shared/data", _REPO.parent.parent / "shared/data")
-               if p.exists()), _REPO.parent / "shared/data")
+DATA = TESTS / "data/gpu"
+# the shared data sets, beside the checkout (CI) or beside its parent (a worktree one level further down)
+SHARED = next((p for p in (REPO.parent / "shared/data", REPO.parent.parent / "shared/data")
+               if p.exists()), REPO.parent / "shared/data")
 needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared data not found at {SHARED}")
 GPU_RULES = ("gpu_elementwise", "gpu_launch_bound", "gpu_busy_slow", "low_mfu_no_kernel_sample")
 
