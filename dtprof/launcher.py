@@ -591,12 +591,13 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
               "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
               "nvml_interval_s": None if no_nvml else nvml_interval}
-    if full_detail or sample_every:
-        config.update(full_detail=full_detail, sample_every=sample_every)
     if sink_specs:
         config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
     rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
-                   "flush_interval_s": 1.0, "full_detail": full_detail, "sample_every": sample_every}
+                   "flush_interval_s": 1.0}
+    if full_detail or sample_every:     # sampling's defaults need no word to the ranks
+        config.update(full_detail=full_detail, sample_every=sample_every)
+        rank_config.update(full_detail=full_detail, sample_every=sample_every)
     if kernel_sample and not trace_steps:   # the rank decides: only a process that uses a GPU captures
         config["kernel_sample"] = KERNEL_SAMPLE_STEPS
         rank_config["kernel_sample"] = {"steps": KERNEL_SAMPLE_STEPS, "gpu_only": True}

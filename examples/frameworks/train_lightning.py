@@ -65,6 +65,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--compile", action="store_true", help="compile the module's network (torch.compile(module.net))")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with time.monotonic() and time.process_time() (s)")
     p.add_argument("--val-every", type=int, default=0,
@@ -85,8 +86,18 @@ def main():
                         **(dict(val_check_interval=args.val_every, limit_val_batches=args.val_batches) if val else {}),
                         callbacks=[PrintSteps(args.print_time)])
     model = Regressor(args.dim, lr=args.lr)
+    if args.compile:
+        model.net = torch.compile(model.net)
     trainer.fit(model, DataLoader(data, batch_size=args.batch), val)
     print(f"rank {trainer.global_rank} final loss {trainer.callback_metrics['train_loss'].item():.8f}", flush=True)
+    if args.compile:
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from compile_stats import dynamo_line
+
+        print(f"rank {trainer.global_rank} {dynamo_line()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 and, for a last step run under torch.profiler, which eager ops of the forward's fused parts ran (none when the
 forward ran compiled). The job test_compiled.py runs bare and under `dtprof run`.
 
-    python forms.py FORM STEPS        # FORM: compile, method, blocks (one process)
-    torchrun --nproc_per_node=2 forms.py FORM STEPS   # FORM: ddp_of_compiled, compiled_ddp, fsdp2
+    python forms.py FORM STEPS [BACKEND]        # FORM: compile, method, blocks (one process)
+    torchrun --nproc_per_node=2 forms.py FORM STEPS [BACKEND]   # FORM: ddp_of_compiled, compiled_ddp, fsdp2
+
+BACKEND: inductor (default) or aot_eager (Dynamo's graphs, breaks and recompiles are the same; no C++ to build).
 """
 import json
 import os
@@ -31,29 +33,29 @@ class LM(nn.Module):
         return self.head(h)
 
 
-def build(form: str, m: nn.Module) -> nn.Module:
+def build(form: str, m: nn.Module, backend: str) -> nn.Module:
     if form == "compile":
-        return torch.compile(m)
+        return torch.compile(m, backend=backend)
     if form == "method":
-        m.compile()
+        m.compile(backend=backend)
         return m
     if form == "blocks":              # torchtitan's way: each block compiled
         for i, b in enumerate(m.blocks):
-            m.blocks[i] = torch.compile(b)
+            m.blocks[i] = torch.compile(b, backend=backend)
         return m
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo")
     if form == "ddp_of_compiled":
-        return DDP(torch.compile(m))
+        return DDP(torch.compile(m, backend=backend))
     if form == "compiled_ddp":
-        return torch.compile(DDP(m))
+        return torch.compile(DDP(m), backend=backend)
     if form == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for b in m.blocks:
-            b.compile()
+            b.compile(backend=backend)
             fully_shard(b)
         fully_shard(m)
         return m
@@ -62,9 +64,10 @@ def build(form: str, m: nn.Module) -> nn.Module:
 
 def main() -> None:
     form, steps = sys.argv[1], int(sys.argv[2])
+    backend = sys.argv[3] if len(sys.argv) > 3 else "inductor"
     torch.manual_seed(0)
     m = LM()
-    model = build(form, m)
+    model = build(form, m, backend)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     x = torch.randint(0, 128, (4, 32))
 
@@ -86,6 +89,7 @@ def main() -> None:
     with profile() as prof:
         step()
     names = {e.key for e in prof.key_averages()}
+    # inductor fuses these into its own kernels: run as aten ops, the forward ran eager
     stats["eager_ops"] = sorted(n for n in names if n in ("aten::gelu", "aten::native_layer_norm"))
     stats["loss"] = round(float(step().detach()), 5)
     if os.environ.get("RANK", "0") == "0":   # one line: two ranks' lines can interleave on a shared pipe

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import dtprof._inject
-from conftest import REPO
+from conftest import EXAMPLES
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 
@@ -28,7 +28,7 @@ def _rank_job(tmp_path: Path, config: dict):
     env.update(OMP_NUM_THREADS="1", DTPROF_NODE_DIR=str(node_dir),
                DTPROF_CONFIG=json.dumps({"flush_interval_s": 0.2, **config}),
                PYTHONPATH=os.pathsep.join([str(INJECT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    p = subprocess.run([sys.executable, str(REPO / "examples/train_ddp.py"), *JOB], env=env, cwd=tmp_path,
+    p = subprocess.run([sys.executable, str(EXAMPLES / "train_ddp.py"), *JOB], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     return open_run(run_dir), node_dir
