@@ -322,14 +322,20 @@ def cpu_wait_note(cpu_wait_s: float) -> str:
     return f", and waits {cpu_wait_s * 1e3:.1f} ms more for a CPU (not its own work)" if cpu_wait_s >= 1e-4 else ""
 
 
+def flagged(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a classification table (``classify``, Analysis.stragglers) whose rank is flagged: a persistent
+    straggler or transient lateness (kind "none": not flagged)."""
+    return table[table["kind"].astype(str) != "none"]
+
+
 def nvml_evidence(cls: pd.DataFrame, rank_gpu: pd.DataFrame, gpus: pd.DataFrame) -> dict[int, dict]:
     """NVML evidence for each flagged rank, built once (summary, report and triage all read it): its GPU's
     clocks, temperature, power, utilisation, ECC and throttling (analyzers/gpu.py's per-GPU table) beside the median
     of the job's other GPUs, and ``lines``, the same as sentences. ``gpu`` is None when the rank has no samples."""
-    flagged = cls[cls["kind"] != "none"]
+    ranks = flagged(cls)["rank"].tolist()
     ev: dict[int, dict] = {}
     rows = rank_gpu.set_index("rank")["gpu_row"] if len(rank_gpu) else pd.Series(dtype=int)
-    for rk in flagged["rank"].tolist():  # one iteration per flagged rank, a handful at most
+    for rk in ranks:  # one iteration per flagged rank, a handful at most
         gi = int(rows.get(rk, -1)) if rk in rows.index else -1
         if len(gpus) == 0 or gi < 0:
             ev[rk] = {"host": None, "gpu": None, "lines": [

@@ -451,7 +451,7 @@ def _flagged_ranks(strag: pd.DataFrame, evidence: dict) -> tuple[list[dict], lis
     lateness is listed apart and never made a headline."""
     stragglers_list: list[dict] = []
     transient_list: list[dict] = []
-    for s in strag[strag["kind"] != "none"].itertuples(index=False):  # flagged ranks only
+    for s in strag_mod.flagged(strag).itertuples(index=False):
         (stragglers_list if s.kind == "persistent" else transient_list).append({
                                 "rank": int(s.rank), "host": s.host, "device": s.device, "kind": s.kind,
                                 "time_lost_s": float(s.time_lost_s), "score": s.compute_score,

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
+from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE, flagged
 from dtprof.analyzers.triage import restart_lines
 from dtprof.reports import rankgroups as RG
 from dtprof.reports.fmt import esc, fmt_bytes, fmt_evidence, fmt_frac, fmt_s, fmt_value
@@ -479,9 +479,8 @@ def _stragglers_section(p: _Parts) -> str:
     from dtprof.reports import figures as F
 
     st = p.analysis.stragglers
-    flagged = st[st["kind"].astype(str) != "none"].sort_values("time_lost_s", ascending=False) if st is not None \
-        and len(st) else st
-    strag_table = _table(flagged, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
+    shown = flagged(st).sort_values("time_lost_s", ascending=False) if st is not None and len(st) else st
+    strag_table = _table(shown, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
                                    ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
                                    ("time_lost_s", "peers' arrival wait", fmt_s),
                                    ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
