@@ -730,14 +730,17 @@ class Recorder:
         self.step = step + 1
         self.last_progress_ns = t
         if self.trace_capture is not None:
-            try:
-                self.trace_capture.on_step_end(step)
-            except Exception:
-                self.event("warning", "trace capture failed: " + _last_error_line())
+            self.trace_step_end(step)
         if self.options.get("count_flops") and self.step == 1:
             self.flops_start()
         if self.sample_period != 0:
             self.sample_next(step, t - start)
+
+    def trace_step_end(self, step: int) -> None:
+        try:
+            self.trace_capture.on_step_end(step)
+        except Exception:
+            self.event("warning", "trace capture failed: " + _last_error_line())
 
     # ---- step sampling: full detail for blocks of steps, the step boundary for the others -------------------
 
@@ -756,10 +759,7 @@ class Recorder:
         self.step = step + 1
         self.last_progress_ns = t
         if self.trace_capture is not None:
-            try:
-                self.trace_capture.on_step_end(step)
-            except Exception:
-                self.event("warning", "trace capture failed: " + _last_error_line())
+            self.trace_step_end(step)
         self.sample_next(step, t - start)
 
     def sample_next(self, step: int, duration_ns: int) -> None:
