@@ -178,10 +178,11 @@ def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
 def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int) -> dict | None:
     """summary.json ``steps.sampling``: what the ranks' step sampling decided (the ``sampling`` meta rows,
     collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows."""
-    rows = [(int(r), v) for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
-            if k == "sampling" and isinstance(v, dict)]
-    if not rows:
+    last = {int(r): v for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
+            if k == "sampling" and isinstance(v, dict)}    # a rank's last decision (it may calibrate again)
+    if not last:
         return None
+    rows = sorted(last.items())
     periods = sorted({int(v.get("period") or 0) for _, v in rows})
     costs = [v["detail_cost_ns"] / NS for _, v in rows if v.get("detail_cost_ns") is not None]
     step = [v["step_ns"] / NS for _, v in rows if v.get("step_ns")]

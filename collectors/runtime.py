@@ -185,7 +185,10 @@ class Recorder:
         # ---- step sampling (module docstring, "Sampling") ----
         self.detail = True         # the step in progress is recorded in full detail (else its boundary only)
         self.sample_period = None  # None: undecided; 0: every step in detail; P: SAMPLE_BLOCK steps every P
-        self.sample_times = []     # (in detail, duration ns) of the steps before the decision
+        self.sample_times = []     # durations (ns) of steps 8..31: are steps long?
+        self.calibration_from = SAMPLE_FROM   # the first step of the calibration in progress or last made
+        self.calibration = []      # (in detail, duration ns) of the calibration's steps
+        self.recalibrate_at = None  # the step at which a calibration that kept full detail is made again
         self.last_inferred = {}    # the last detailed step's inferred samples/tokens (boundary-only steps repeat them)
         # ---- A/B blocks (module docstring) ----
         self.ab_block = 0          # switch the hooks off and on every this many optimizer steps (0: never)
@@ -730,14 +733,17 @@ class Recorder:
         self.step = step + 1
         self.last_progress_ns = t
         if self.trace_capture is not None:
-            try:
-                self.trace_capture.on_step_end(step)
-            except Exception:
-                self.event("warning", "trace capture failed: " + _last_error_line())
+            self.trace_step_end(step)
         if self.options.get("count_flops") and self.step == 1:
             self.flops_start()
         if self.sample_period != 0:
             self.sample_next(step, t - start)
+
+    def trace_step_end(self, step: int) -> None:
+        try:
+            self.trace_capture.on_step_end(step)
+        except Exception:
+            self.event("warning", "trace capture failed: " + _last_error_line())
 
     # ---- step sampling: full detail for blocks of steps, the step boundary for the others -------------------
 
@@ -756,10 +762,7 @@ class Recorder:
         self.step = step + 1
         self.last_progress_ns = t
         if self.trace_capture is not None:
-            try:
-                self.trace_capture.on_step_end(step)
-            except Exception:
-                self.event("warning", "trace capture failed: " + _last_error_line())
+            self.trace_step_end(step)
         self.sample_next(step, t - start)
 
     def sample_next(self, step: int, duration_ns: int) -> None:
@@ -767,11 +770,21 @@ class Recorder:
         SAMPLE_LONG_NS or more are never sampled. Otherwise SAMPLE_CALIBRATION steps alternate boundary-only and
         detailed blocks; dtprof's cost of a detailed step is the difference of the two medians, and when it is over
         SAMPLE_BUDGET of the boundary-only step, detailed blocks of SAMPLE_BLOCK steps start every P steps (P a
-        power of two, so ranks that measured different P still share the detailed steps of the largest)."""
+        power of two, so ranks that measured different P still share the detailed steps of the largest). A
+        calibration that found the cost under budget is repeated at twice its start step, then four times, ...
+        (one noisy measurement does not decide a long job; every rank calibrates at the same steps)."""
         nxt = step + 1
+        if self.sample_period == 0:
+            if nxt != self.recalibrate_at:
+                return
+            self.sample_period, self.calibration_from, self.sample_times = None, nxt, []
+            self.recalibrate_at = 2 * nxt
+        elif self.sample_period is None:
+            if nxt <= SAMPLE_FROM and step >= 8:      # the steps that tell a long step
+                self.sample_times.append(duration_ns)
+            elif nxt > self.calibration_from:
+                self.calibration.append((self.detail, duration_ns))
         if self.sample_period is None:
-            if step >= 8:
-                self.sample_times.append((self.detail, duration_ns))
             if nxt < SAMPLE_FROM:
                 return
             if nxt == SAMPLE_FROM:
@@ -782,12 +795,13 @@ class Recorder:
                 if self.ab_block or self.options.get("full_detail") or self.options.get("trace_steps"):
                     self.decide_sampling(0, "full detail asked for" if self.options.get("full_detail") else None)
                     return
-                long = _median([d for _, d in self.sample_times])
+                long = _median(self.sample_times)
                 if long is not None and long >= SAMPLE_LONG_NS:
                     self.decide_sampling(0, None)
                     return
-            if nxt < SAMPLE_FROM + SAMPLE_CALIBRATION:
-                self.set_detail(((nxt - SAMPLE_FROM) // SAMPLE_BLOCK) % 2 == 1)   # boundary-only first
+                self.recalibrate_at = 2 * (SAMPLE_FROM + SAMPLE_CALIBRATION)
+            if nxt < self.calibration_from + SAMPLE_CALIBRATION:
+                self.set_detail(((nxt - self.calibration_from) // SAMPLE_BLOCK) % 2 == 1)   # boundary-only first
                 return
             self.decide_from_calibration()
             if self.sample_period == 0:
@@ -796,7 +810,7 @@ class Recorder:
         self.set_detail(nxt % self.sample_period < SAMPLE_BLOCK)
 
     def decide_from_calibration(self) -> None:
-        calib = self.sample_times[SAMPLE_FROM - 8:]
+        calib, self.calibration = self.calibration, []
         on = _median([d for detail, d in calib if detail])
         off = _median([d for detail, d in calib if not detail])
         if on is None or not off:
@@ -815,11 +829,12 @@ class Recorder:
     def decide_sampling(self, period: int, reason, cost_ns=None, step_ns=None) -> None:
         self.sample_period = period
         self.sample_times = []
-        start = SAMPLE_FROM + (SAMPLE_CALIBRATION if cost_ns is not None else 0)
-        self.meta("sampling", {"period": period, "block": SAMPLE_BLOCK, "from_step": start if period else None,
-                               "calibration": [SAMPLE_FROM, SAMPLE_FROM + SAMPLE_CALIBRATION]
-                               if cost_ns is not None else None, "detail_cost_ns": cost_ns, "step_ns": step_ns,
-                               "budget": SAMPLE_BUDGET, "reason": reason})
+        first = self.calibration_from
+        start = first + (SAMPLE_CALIBRATION if cost_ns is not None else 0)
+        self.meta("sampling", {
+            "period": period, "block": SAMPLE_BLOCK, "from_step": start if period else None,
+            "calibration": [first, first + SAMPLE_CALIBRATION] if cost_ns is not None else None,
+            "detail_cost_ns": cost_ns, "step_ns": step_ns, "budget": SAMPLE_BUDGET, "reason": reason})
 
     def set_detail(self, on: bool) -> None:
         """Full detail (every hook in) or the step boundary only (the optimizer hooks) from the next step on."""

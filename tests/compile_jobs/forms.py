@@ -2,7 +2,7 @@
 and, for a last step run under torch.profiler, which eager ops of the forward's fused parts ran (none when the
 forward ran compiled). The job test_compiled.py runs bare and under `dtprof run`.
 
-    python forms.py FORM STEPS [BACKEND]        # FORM: compile, method, blocks (one process)
+    python forms.py FORM STEPS [BACKEND]        # FORM: compile, fullgraph_autograd, method, blocks (one process)
     torchrun --nproc_per_node=2 forms.py FORM STEPS [BACKEND]   # FORM: ddp_of_compiled, compiled_ddp, fsdp2
 
 BACKEND: inductor (default) or aot_eager (Dynamo's graphs, breaks and recompiles are the same; no C++ to build).
@@ -36,6 +36,9 @@ class LM(nn.Module):
 def build(form: str, m: nn.Module, backend: str) -> nn.Module:
     if form == "compile":
         return torch.compile(m, backend=backend)
+    if form == "fullgraph_autograd":  # one graph or an error, and the backward compiled too (compiled autograd)
+        torch._dynamo.config.compiled_autograd = True
+        return torch.compile(m, backend=backend, fullgraph=True)
     if form == "method":
         m.compile(backend=backend)
         return m

@@ -1,6 +1,8 @@
 """Compiled models stay compiled under `dtprof run`: Dynamo's own counters (graphs, graph breaks, recompiles) are
 the bare job's for each way users compile, the forward runs compiled after dtprof's FLOP-counting step (the eager
-ops of its fused parts do not run), and dtprof still records the steps, forward, backward and MFU.
+ops of its fused parts do not run), nothing of dtprof's enters a graph (fullgraph=True would raise at a graph break;
+compiled autograd compiles the backward around dtprof's backward wrapper), and dtprof still records the steps,
+forward, backward and MFU.
 Real torch.compile on this CPU (inductor where the kernels matter, aot_eager where only Dynamo's counters do); one
 inductor cache for the module, so bare and profiled runs of a form build its kernels once."""
 import json
@@ -34,7 +36,7 @@ def _job(form: str) -> list[str]:
     # inductor for the plain form (its fused kernels show that the forward ran compiled), aot_eager for the others:
     # the same graphs, breaks and recompiles without building C++ for each
     backend = "inductor" if form == "compile" else "aot_eager"
-    if form in ("compile", "method", "blocks"):
+    if form in ("compile", "fullgraph_autograd", "method", "blocks"):
         return [sys.executable, str(FORMS), form, str(STEPS), backend]
     return torchrun(FORMS, form, STEPS, backend)
 
@@ -48,7 +50,8 @@ def _bare_and_profiled(job: list[str], env: dict, cwd) -> tuple[str, str]:
     return bare.stdout, prof.stdout
 
 
-@pytest.mark.parametrize("form", ["compile", "method", "blocks", "ddp_of_compiled", "compiled_ddp", "fsdp2"])
+@pytest.mark.parametrize("form", ["compile", "fullgraph_autograd", "method", "blocks", "ddp_of_compiled",
+                                  "compiled_ddp", "fsdp2"])
 def test_dynamo_counters_equal_bare_and_under_dtprof(form, env, tmp_path):
     bare, prof = _bare_and_profiled(_job(form), env, tmp_path)
     b, p = _stats(bare), _stats(prof)
@@ -62,7 +65,7 @@ def test_dynamo_counters_equal_bare_and_under_dtprof(form, env, tmp_path):
         assert sp["loss"] == sb["loss"]
     run = open_run(tmp_path / "run")
     spans = run.spans
-    assert set(run.steps["rank"]) == ({0} if form in ("compile", "method", "blocks") else {0, 1})
+    assert set(run.steps["rank"]) == ({0} if len(_job(form)) == 5 else {0, 1})
     for kind in ("forward", "backward", "optimizer"):
         assert (spans["kind"] == kind).any(), kind
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
