@@ -88,3 +88,17 @@ def test_framework_compile_switch_keeps_its_graphs(script, args, env, tmp_path):
     assert "graphs 0 " not in lines(bare)[0]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mfu"]["value"] is not None and summary["steps"]["count"] > 0
+
+
+def test_sampling_switches_keep_the_graphs(env, tmp_path):
+    """Sampling takes dtprof's hooks out and puts them back every few steps (from step 32): no recompile, no graph
+    break, the same losses."""
+    job = torchrun(FORMS, "ddp_of_compiled", 48, "aot_eager")
+    bare = subprocess.run(job, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert returncode(bare) == 0, bare.stderr[-3000:]
+    prof = dtprof("run", "--out", tmp_path / "run", "--no-report", "--no-nvml", "--sample-every", 8, "--", *job,
+                  cwd=tmp_path, env=env, timeout=600)
+    assert returncode(prof) == 0, prof.stderr[-3000:]
+    assert _stats(prof.stdout) == _stats(bare.stdout)
+    steps = open_run(tmp_path / "run").steps
+    assert (steps["detail"] == 0).sum() == 2 * len([s for s in range(32, 48) if s % 8 >= 4])
