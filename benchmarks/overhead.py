@@ -215,7 +215,7 @@ JOBS = {
                        100),
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
     # the DDP tutorial's shape (Linear(20, 1), batch 32): steps of a fraction of a millisecond, where sampling works
-    "short": (["examples/train_tiny.py"], 3000),
+    "short": (["examples/train_tiny.py", "--print-every", "50"], 3000),
     # the DDP job with torch.compile (inductor on the CPU): the compiled forward must stay compiled
     "compiled": (["examples/train_ddp.py", *MODEL, "--compile"], 60),
     # one rank on a GPU (NCCL, CUDA-event spans, NVML): ~20-40 ms fp32 steps of a 4-layer, 1024-wide transformer on
@@ -337,7 +337,9 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     done = once_more_on_exit_abort(launch)
     if done.returncode:
         sys.exit(f"{name}: {' '.join(cmd)} exited {done.returncode}; its stderr ends:\n{done.stderr[-3000:]}")
-    intervals = [b[1] - a[1] for a, b in zip(lines, lines[1:])][WARMUP_INTERVALS:]
+    # per step between consecutive lines (a job may print every few steps: its output, read line by line here and
+    # relayed in bursts by `dtprof run`, would otherwise cost the bare run more than the profiled one)
+    intervals = [(b[1] - a[1]) / max(1, b[0] - a[0]) for a, b in zip(lines, lines[1:])][WARMUP_INTERVALS:]
     out = {"step_s": statistics.median(intervals)}
     if ab_block:
         return {**out, "lines": list(lines)}

@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=64, help="batches per epoch")
     p.add_argument("--print-time", action="store_true",
                    help="rank 0 prints 'step N loss L t CLOCK cpu PROCESS_CPU th THREAD_CPU' per step")
+    p.add_argument("--print-every", type=int, default=1, help="with --print-time: every this many steps")
     args = p.parse_args()
     distributed = "RANK" in os.environ
     if distributed:
@@ -46,7 +47,7 @@ def main() -> None:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
-            if args.print_time and rank0:
+            if args.print_time and rank0 and step % args.print_every == 0:
                 print(f"step {step} loss {loss.item():.6f} t {time.monotonic():.6f} cpu {time.process_time():.6f} "
                       f"th {time.thread_time():.6f}", flush=True)
             step += 1
