@@ -328,7 +328,8 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
                     n = int(m.group(1))
                     lines.append((n, float(m.group(2)), float(m.group(3)), float(m.group(4))))
                     # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
-                    if run_dir is not None and (len(lines) == WARMUP_INTERVALS + 1 or n >= steps - 3):
+                    every = n - lines[-2][0] if len(lines) > 1 else 1    # a job may print every few steps
+                    if run_dir is not None and (len(lines) == WARMUP_INTERVALS + 1 or n >= steps - 3 * every):
                         cpu.append((len(lines), launcher_cpu_ns(proc.pid)))
             proc.wait()
             err.seek(0)
