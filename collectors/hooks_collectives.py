@@ -429,7 +429,7 @@ def _keep_thread_state() -> None:
     in a thread the backend made (gloo's workers, NCCL's watchdog) that has none of its own: the binding makes one
     for each call and frees it after, and a new thread state maps its frame stack afresh: ~20 µs of CPU per
     callback, while the thread waiting for that work waits too (a gloo all-reduce, its callback and the wait: 97 ->
-    120 µs, against 100 µs with a C builtin as the callback; /work/notes/exp3/micro_cb3.py, docs/validation.md).
+    120 µs, against 100 µs with a C builtin as the callback, measured in a micro-benchmark of one gloo all-reduce).
     One more reference taken in the first callback keeps it, so every later callback in that thread reuses it; the
     cost is one thread state per such thread (a few kB), freed at exit."""
     _tls.thread_state_kept = True
@@ -613,8 +613,8 @@ _p2p_routes: dict = {}
 def _wrap_pipeline_p2p(api, orig, generic):
     """isend/irecv called as torch's pipelining calls them, once per micro-batch and direction: ``op(tensor,
     group=g, tag=t, group_dst=r)`` (``group_src=r``), from schedules._batch_p2p. The row _wrap_collective makes, in
-    one Python frame instead of five (each frame costs the training thread several µs, cold, in a real job:
-    docs/validation.md, eleventh round). Any other call goes to ``generic``, _wrap_collective's wrapper."""
+    one Python frame instead of five (each frame costs the training thread several µs, cold, in a real job).
+    Any other call goes to ``generic``, _wrap_collective's wrapper."""
     op, peer_arg = ("send", "group_dst") if api == "isend" else ("recv", "group_src")
     pipeline_form = {"group", "tag", peer_arg}
 

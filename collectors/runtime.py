@@ -1,6 +1,6 @@
 """The rank runtime: what dtprof records inside one training process (docs/run-format.md, issue 2).
 
-Public interface (BRIEF §2): ``init(out=None, **options) -> bool``, ``step()``, ``span(name)``,
+Public interface: ``init(out=None, **options) -> bool``, ``step()``, ``span(name)``,
 ``annotate(**fields)``, ``install_from_env()`` and the module-level ``STATE``.
 
 How it stays out of training's way
