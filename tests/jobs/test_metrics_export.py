@@ -320,7 +320,7 @@ def _rank(node: Path, rank: int, steps, collectives) -> RankWriter:
     w = RankWriter(node, rank)
     w.write_identity({"rank": rank, "host": "h", "world_size": 2, "device_type": "cpu", "device_name": "cpu"})
     for step, (s, e) in enumerate(steps):
-        w.append("steps", (rank, step, s, e, None, 100, 2, None, None, None))
+        w.append("steps", (rank, step, s, e, None, 100, 2, None, None, None, None))
         w.append("spans", (rank, step, "forward", "forward", s, e - 4, None, None, "main", "hook", None))
     for seq, (issue, end) in enumerate(collectives):
         w.append("collectives", (rank, 0, "all_reduce", "all_reduce", "user", "0", 2, seq, 8, 8, "float32", None,
