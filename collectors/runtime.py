@@ -736,8 +736,7 @@ class Recorder:
             self.trace_step_end(step)
         if self.options.get("count_flops") and self.step == 1:
             self.flops_start()
-        if self.sample_period != 0:
-            self.sample_next(step, t - start)
+        self.sample_next(step, t - start)
 
     def trace_step_end(self, step: int) -> None:
         try:

@@ -1,0 +1,68 @@
+"""The rank's sampling decisions (collectors/runtime.py sample_next) on given step durations: which steps are in
+full detail, and the period chosen from the measured cost of a detailed step."""
+import pytest
+
+from dtprof.collectors import runtime
+from dtprof.collectors.runtime import SAMPLE_BLOCK, SAMPLE_BUDGET, Recorder
+
+
+class Steps:
+    """A recorder whose detail switches and meta rows are noted instead of done."""
+
+    def __init__(self, **options):
+        self.rec = rec = Recorder()
+        rec.options = dict(options)
+        self.detailed: list[bool] = []
+        self.decisions: list[dict] = []
+        rec.set_detail = lambda on: setattr(rec, "detail", on)
+        rec.meta = lambda kind, value: self.decisions.append(value)
+
+    def run(self, n: int, detailed_ns: int, boundary_ns: int) -> None:
+        for step in range(n):
+            self.detailed.append(self.rec.detail)
+            self.rec.sample_next(step, detailed_ns if self.rec.detail else boundary_ns)   # as end_step does
+
+
+def test_long_steps_are_never_sampled():
+    s = Steps()
+    s.run(400, 60_000_000, 60_000_000)
+    assert all(s.detailed) and [d["period"] for d in s.decisions] == [0]
+
+
+def test_a_costly_detail_samples_blocks_at_a_power_of_two_period():
+    s = Steps()
+    s.run(2000, 330_000, 300_000)        # a detailed step costs 30 us on 300 us: 10 % of the step
+    (d,) = s.decisions
+    period = d["period"]
+    assert d["detail_cost_ns"] == 30_000 and d["step_ns"] == 300_000
+    assert period & (period - 1) == 0 and period * SAMPLE_BUDGET * 300_000 / 30_000 >= SAMPLE_BLOCK
+    assert period // 2 * SAMPLE_BUDGET * 300_000 / 30_000 < SAMPLE_BLOCK    # the smallest such period
+    assert all(s.detailed[:32])
+    assert [i for i in range(64, 2000) if s.detailed[i]] == [i for i in range(64, 2000) if i % period < SAMPLE_BLOCK]
+
+
+def test_a_cheap_detail_keeps_every_step_and_calibrates_again_later():
+    s = Steps()
+    s.run(500, 300_100, 300_000)         # 100 ns on 300 us: under the budget
+    assert [d["period"] for d in s.decisions] == [0, 0, 0]       # calibrated at 32, 128 and 256
+    assert [d["calibration"][0] for d in s.decisions] == [32, 128, 256]
+    boundary = [i for i, on in enumerate(s.detailed) if not on]
+    blocks = [range(a + SAMPLE_BLOCK * k, a + SAMPLE_BLOCK * (k + 1)) for a in (32, 128, 256) for k in (0, 2, 4, 6)]
+    assert boundary == [i for b in blocks for i in b]
+
+
+@pytest.mark.parametrize("options,reason", [({"full_detail": True}, "full detail asked for"),
+                                            ({"sample_every": 64}, "--sample-every")])
+def test_options_decide_at_step_32(options, reason):
+    s = Steps(**options)
+    s.run(300, 330_000, 300_000)
+    (d,) = s.decisions
+    assert d["reason"] == reason
+    if options.get("full_detail"):
+        assert all(s.detailed)
+    else:
+        assert [i for i in range(32, 300) if s.detailed[i]] == [i for i in range(32, 300) if i % 64 < SAMPLE_BLOCK]
+
+
+def test_module_constants_keep_the_documented_schedule():
+    assert (runtime.SAMPLE_FROM, runtime.SAMPLE_CALIBRATION, runtime.SAMPLE_BLOCK) == (32, 32, 4)
