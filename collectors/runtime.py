@@ -810,13 +810,14 @@ class Recorder:
 
     def decide_from_calibration(self) -> None:
         calib, self.calibration = self.calibration, []
-        on = _median([d for detail, d in calib if detail])
-        off = _median([d for detail, d in calib if not detail])
+        ons, offs = [d for detail, d in calib if detail], [d for detail, d in calib if not detail]
+        on, off = _median(ons), _median(offs)
         if on is None or not off:
             self.decide_sampling(0, None)
             return
         cost = max(0, on - off)
-        if cost <= SAMPLE_BUDGET * off:
+        # a difference within the steps' own spread (median absolute deviation) is the machine's noise, not dtprof
+        if cost <= SAMPLE_BUDGET * off or cost <= max(_mad(ons), _mad(offs)):
             self.decide_sampling(0, None, cost, off)
             return
         share = SAMPLE_BUDGET * off / cost           # the fraction of steps that may be detailed
@@ -1198,6 +1199,11 @@ def _median(xs: list):
         return None
     xs = sorted(xs)
     return xs[len(xs) // 2]
+
+
+def _mad(xs: list) -> int:
+    m = _median(xs)
+    return _median([abs(x - m) for x in xs]) if m is not None else 0
 
 
 def _open_run_delay() -> int | None:

@@ -120,6 +120,7 @@ class RankStep:
     cpu_wait_s: float | None = None
     lateness_s: float = 0.0             # Σ over its collectives of (its arrival - the first arrival on this node)
     lead_s: float = 0.0                 # Σ over the collectives it arrived last at of (its arrival - the 2nd latest)
+    detailed: bool = True               # False: sampling recorded only its times (no parts, no collectives)
 
     @property
     def mfu(self) -> float | None:
@@ -238,6 +239,8 @@ class LiveNode:
         bd = step_breakdown(SimpleNamespace(**self.buf, gpu_ranks=self._gpu_ranks()), windows).per_step
         lateness, lead = self._lateness(windows)
         parts = {p: bd[f"{p}_s"].to_numpy(np.float64) for p in PARTS}
+        detailed = (st["detail"].astype("Float64").fillna(1).to_numpy(np.float64) != 0 if "detail" in st
+                    else np.ones(len(st), bool))
         out = []
         for i, row in enumerate(st.itertuples(index=False)):
             r = self.ranks[int(row.rank)]
@@ -245,12 +248,12 @@ class LiveNode:
                 r.executed_flops = float(row.executed_flops)
             rs = RankStep(rank=int(row.rank), host=self._host_of(r), step=int(row.step), end_ns=int(row.end_ns),
                           duration_s=(row.end_ns - row.start_ns) / 1e9,
-                          parts_s={p: float(v[i]) for p, v in parts.items()},
+                          parts_s={p: float(v[i]) for p, v in parts.items()} if detailed[i] else {},
                           tokens=_num(row.tokens), samples=_num(row.samples),
                           flops=self._flops(r, row), peak_flops=self._peak(r),
                           peak_mem_bytes=_num(row.peak_mem_bytes),
                           cpu_wait_s=None if pd.isna(row.cpu_wait_ns) else float(row.cpu_wait_ns) / 1e9,
-                          lateness_s=float(lateness[i]), lead_s=float(lead[i]))
+                          lateness_s=float(lateness[i]), lead_s=float(lead[i]), detailed=bool(detailed[i]))
             r.published_end_ns = max(r.published_end_ns, rs.end_ns)
             out.append(rs)
         self._track_stragglers(out)
@@ -334,7 +337,8 @@ class LiveNode:
 
         bar = TRANSIENT_DELAY_FRAC * statistics.median(self.durations)
         for s in steps:
-            self.late.setdefault(s.rank, deque(maxlen=STRAGGLER_WINDOW)).append(s.lead_s >= bar > 0)
+            if s.detailed:        # a boundary-only step carries no collectives: no evidence either way
+                self.late.setdefault(s.rank, deque(maxlen=STRAGGLER_WINDOW)).append(s.lead_s >= bar > 0)
 
     def stragglers(self) -> dict[int, str]:
         counts = {r: sum(d) for r, d in self.late.items()}

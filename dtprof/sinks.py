@@ -339,8 +339,9 @@ class PrometheusSink(Sink):
             self.mem.labels(*lab).set(s.peak_mem_bytes)
         if s.cpu_wait_s is not None:
             self.cpu_wait.labels(*lab).inc(s.cpu_wait_s)
-        self.late.labels(*lab).set(s.lateness_s)
-        self.late_total.labels(*lab).inc(s.lateness_s)
+        if s.detailed:            # a boundary-only step has no collectives recorded
+            self.late.labels(*lab).set(s.lateness_s)
+            self.late_total.labels(*lab).inc(s.lateness_s)
 
     def _gpu(self, g: GpuSample) -> None:
         from dtprof.analyzers.gpu import THROTTLE_MASK
@@ -378,9 +379,11 @@ class _StepAcc:
     peak_flops: float | None = None
     peak_mem: float | None = None
     lateness: float = 0.0
+    n_detailed: int = 0                           # steps with parts and lateness (sampling: not every step)
 
     def add(self, s: RankStep) -> None:
         self.n += 1
+        self.n_detailed += s.detailed
         self.step = max(self.step, s.step)
         self.duration += s.duration_s
         for p, sec in s.parts_s.items():
@@ -396,7 +399,7 @@ class _StepAcc:
 
     def values(self) -> dict[str, float]:
         v = {"step_duration_seconds": self.duration / self.n}
-        v.update({f"step_{p}_seconds": t / self.n for p, t in self.parts.items()})
+        v.update({f"step_{p}_seconds": t / self.n_detailed for p, t in self.parts.items()})
         full = {k for k, c in self.known.items() if c == self.n}   # a rate only over steps that all report it
         if self.duration > 0:
             for k, name in (("tokens", "step_tokens_per_second"), ("samples", "step_samples_per_second")):
@@ -408,7 +411,8 @@ class _StepAcc:
             v["step_cpu_wait_seconds"] = self.sums["cpu_wait"] / self.n
         if self.peak_mem is not None:
             v["step_peak_memory_bytes"] = self.peak_mem
-        v["step_collective_lateness_seconds"] = self.lateness / self.n
+        if self.n_detailed:
+            v["step_collective_lateness_seconds"] = self.lateness / self.n_detailed
         return v
 
 
