@@ -16,7 +16,8 @@ used). The criteria are stated once, in ``PERSISTENT_RULE`` and ``TRANSIENT_RULE
 and the docs quote them, and each flagged rank's ``reason`` gives the numbers the criterion counted:
 - **persistent**: the what-if model's ``straggler_removed`` scenario (analyzers/whatif.py: the rank's work set to
   its peers' median, part by part) saves at least ``AnalysisOptions.straggler_min_saving`` (5 %) of the job's step
-  over the measured steps, and at least that much in >= 75 % of them, or its median step saves at least 3x the
+  over the measured steps, and at least that much in >= 75 % of them (and more than chance explains: a
+  one-sided sign test at 5 %), or its median step saves at least 3x the
   threshold (a saving that holds, not a few slow steps: one long preemption raises the mean, not the median), and
   its typical extra work (what-if ``typical_excess``: per part, the median over steps of its part minus its peers',
   summed), less its typical extra wait for a CPU (what-if ``typical_cpu_wait``: the training thread runnable but
@@ -32,6 +33,8 @@ and the docs quote them, and each flagged rank's ``reason`` gives the numbers th
 - **none** otherwise.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pandas as pd
@@ -52,6 +55,11 @@ DEFAULT_MIN_SAVING = 0.05   # AnalysisOptions.straggler_min_saving's default
 # the saving must hold in at least this share of the measured steps: most of them, not a few (a 2-core machine's
 # scheduling makes a few steps of any rank slow; a real 40 ms straggler held in 5 of 7 steps of a busy hybrid run)
 PERSISTENT_HELD_FRAC = 0.75
+# ... and in more of them than chance explains: a one-sided sign test at this level (a rank as likely to save as not
+# in each step would hold in that many steps with at most this probability: 6 of 6, 7 of 8, 9 of 10, 11 of 14). Few
+# measured steps are little evidence: on CI, an unslowed 2-rank Ray job of 6 measured steps, beside two other jobs
+# on 2 cores, had one rank save 10 % in 5 of them (83 %, which chance gives 11 % of the time)
+PERSISTENT_SIGNIFICANCE = 0.05
 # ... or its median step saves at least this many times the threshold. Measured on this 2-core machine: an
 # unslowed DDP job's busiest rank saved 7 % held in 58 % of steps (not a straggler); a rank slowed to 0.14 of its
 # peer's speed saved 48 % held in 67 % of steps (a straggler: its median step saves ~48 %); an unslowed job beside a
@@ -68,7 +76,8 @@ def persistent_rule(min_saving: float = DEFAULT_MIN_SAVING) -> str:
     """The persistent-straggler criterion in words, for ``min_saving`` (the options' threshold)."""
     return (f"persistent: removing the rank's extra work (its work set to its peers' median) would save at least "
             f"{min_saving:.0%} of the step over the measured steps, and at least that much in at least "
-            f"{PERSISTENT_HELD_FRAC:.0%} of them (or its median measured step would save at least "
+            f"{PERSISTENT_HELD_FRAC:.0%} of them and in more than chance would give (a one-sided sign test at "
+            f"{PERSISTENT_SIGNIFICANCE:.0%}) (or its median measured step would save at least "
             f"{LARGE_SAVING_FACTOR * min_saving:.0%}), and a typical step of it does at least {min_saving:.0%} of the "
             f"median step more work than its peers in the same parts, not counting time its training thread waited "
             f"for a CPU, and at least {RECURRING_SHARE:.0%} of its median step's saving (a recurring excess of its "
@@ -289,6 +298,8 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
     # over the steps the what-if replayed (all measured steps, or its sample of them: whatif.replay_steps)
     replayed = max(int(sv["step"].nunique()), 1) if len(sv) else n_steps
     out["saving_step_frac"] = held_steps.reindex(idx).fillna(0).to_numpy() / replayed
+    significant = np.array([sign_test_p(int(k), replayed) <= PERSISTENT_SIGNIFICANCE
+                            for k in held_steps.reindex(idx).fillna(0)])
     out["saving_frac_median"] = sv.groupby("rank")["saving_frac"].median().reindex(idx).fillna(0.0).to_numpy()
     out["typical_excess_s"] = pd.Series(typical_excess or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
     out["typical_cpu_wait_s"] = pd.Series(typical_cpu_wait or {}, dtype=float).reindex(idx).fillna(0.0).to_numpy()
@@ -299,8 +310,9 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
         consistent = own_excess >= needed
     else:
         consistent = np.zeros(len(out), bool)
+    holds = (held >= PERSISTENT_HELD_FRAC) & significant
     persistent = (out["saving_frac"] >= min_saving) & consistent & (
-        (held >= PERSISTENT_HELD_FRAC) | (out["saving_frac_median"] >= LARGE_SAVING_FACTOR * min_saving))
+        holds | (out["saving_frac_median"] >= LARGE_SAVING_FACTOR * min_saving))
     ls = out["late_steps"].to_numpy()
     top = np.sort(ls)[::-1]
     others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
@@ -314,6 +326,15 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
         for pe, tr, sf, hf, ex, cw, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
                                              out["typical_excess_s"], out["typical_cpu_wait_s"], out["late_steps"])]
     return out
+
+
+def sign_test_p(k: int, n: int) -> float:
+    """P(at least ``k`` of ``n`` steps) for a rank that saves or not in each step as a coin falls (one-sided)."""
+    if n <= 0:
+        return 1.0
+    if n > 200:     # the normal approximation, with continuity correction (exact sums grow with n)
+        return 0.5 * math.erfc((k - 0.5 - n / 2) / math.sqrt(n / 4) / math.sqrt(2))
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
 
 
 def cpu_wait_note(cpu_wait_s: float) -> str:
