@@ -16,7 +16,7 @@ Launchers differ in what a rank knows when it imports torch:
   never recorded.
 
 A process that identifies as a rank another live process already records (e.g. a subprocess that inherited
-``RANK``) is not dropped in silence: it writes an ``error`` event (``unidentified-<pid>.jsonl`` in the node
+``RANK``) is not dropped in silence: it writes an ``error`` event (``unidentified-<pid>.jsonl.gz`` in the node
 directory) naming its pid, command line and the rank it claimed; the analysis lists it under
 ``run.unidentified_processes``.
 """
@@ -121,7 +121,7 @@ def wait_for_identity(start) -> _Waiter:
 
 
 def report_unidentified(node_dir, rank: int, owner_pid: int | None, host: str) -> None:
-    """An ``error`` event naming this process, in its own file ``unidentified-<pid>.jsonl`` of the node directory
+    """An ``error`` event naming this process, in its own file ``unidentified-<pid>.jsonl.gz`` of the node directory
     (an events table the reader merges into the node's events): this process is a rank nobody will see."""
     from dtprof.runformat import UNIDENTIFIED_EVENT, process_event
 

@@ -2,7 +2,7 @@
 
 The launcher starts one ``NvmlSampler`` before the job and stops it after; the training processes never touch
 NVML. Each tick reads every GPU and appends one row per GPU to the node's ``nvml`` table
-(``node_dir/nvml.jsonl`` through ``NodeTableWriter``, flushed every second; columns in ``dtprof.schema``):
+(``node_dir/nvml.jsonl.gz`` through ``NodeTableWriter``, flushed every second; columns in ``dtprof.schema``):
 
 =====================  ===============================================  ===========================
 column                 NVML call                                        unit conversion
@@ -79,7 +79,7 @@ class _Gpu:
 
 
 class NvmlSampler:
-    """Sample every GPU of this node every ``interval_s`` seconds into ``node_dir/nvml.jsonl``.
+    """Sample every GPU of this node every ``interval_s`` seconds into ``node_dir/nvml.jsonl.gz``.
 
     >>> s = NvmlSampler(node_dir, interval_s=0.1, events=events_writer)
     >>> status = s.start()          # {"available": bool, "reason": str|None, "gpus": [...], ...}

@@ -46,12 +46,12 @@ import click
 from dtprof import machine
 from dtprof.cli import InputError
 from dtprof.machine import TORCHRUN_MODULES, script_index
+from dtprof.reader import RunFormatError, read_table_text
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.runformat import (
     FAULT_EVENT,
     NODE_MANIFEST,
     RANK_PREFIX,
-    UNIDENTIFIED_PREFIX,
     NodeTableWriter,
     RunExistsError,
     create_node_dir,
@@ -59,6 +59,7 @@ from dtprof.runformat import (
     stop_text,
     write_json_atomic,
 )
+from dtprof.schema import table_files, unidentified_files
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
@@ -483,7 +484,7 @@ def merge_traces(node_dir: Path):
 def compact(node_dir: Path, say: Callable[[str], None]):
     from dtprof.runformat import compact_node
 
-    files = [p for p in Path(node_dir).rglob("*.jsonl")]
+    files = [p for p in Path(node_dir).rglob("*.jsonl*")]
     size = sum(p.stat().st_size for p in files)
     ranks = len(list(Path(node_dir).glob(f"{RANK_PREFIX}*")))
     say(f"compacting {Path(node_dir).name}: {ranks} rank(s), {len(files)} files, {size / 2**20:.1f} MiB ...")
@@ -775,17 +776,20 @@ def own_faults_line(node_dir: Path) -> str | None:
     The ranks record them and print nothing into the job's output, so this is the only place a user hears of them
     at once."""
     faults = []
-    files = [*sorted(node_dir.glob(f"{RANK_PREFIX}*/events.jsonl")),
-             *sorted(node_dir.glob(f"{UNIDENTIFIED_PREFIX}*.jsonl"))]
+    files = [*(p for d in sorted(node_dir.glob(f"{RANK_PREFIX}*")) for p in table_files(d, "events")),
+             *unidentified_files(node_dir)]
     for path in files:
-        with open(path, errors="replace") as f:
-            for line in f.readlines()[1:]:       # after the header
-                try:
-                    rank, _host, _t, level, _source, message = json.loads(line)
-                except ValueError:
-                    continue                     # a torn last line (the reader reports it)
-                if level == "error" and str(message).startswith(FAULT_EVENT):
-                    faults.append((rank, str(message)))
+        try:
+            lines = read_table_text(path, []).splitlines()[1:]     # after the header
+        except RunFormatError:
+            continue                             # unreadable: the reader names it
+        for line in lines:
+            try:
+                rank, _host, _t, level, _source, message = json.loads(line)
+            except ValueError:
+                continue                         # a torn last line (the reader reports it)
+            if level == "error" and str(message).startswith(FAULT_EVENT):
+                faults.append((rank, str(message)))
     if not faults:
         return None
     rank, message = faults[0]

@@ -3,8 +3,8 @@ docs/metrics-export.md). No torch import; nothing here runs in the job.
 
 The launcher's publisher thread (dtprof/sinks.py) calls ``LiveNode.poll()`` about once a second. It reads only what
 is already written: the rows each rank's flusher thread appends every second (``rank-*/steps``, ``spans``,
-``collectives``, ``groups``, ``meta`` ``.jsonl``), ``rank.json``, the heartbeats (``rank-*/heartbeat.json``, every
-0.5 s) and the NVML sampler's ``nvml.jsonl``, each file from where the last read stopped. The ranks do no extra work.
+``collectives``, ``groups``, ``meta`` JSON-lines files), ``rank.json``, the heartbeats (``rank-*/heartbeat.json``,
+every 0.5 s) and the NVML sampler's ``nvml`` file, each from where the last read stopped. The ranks do no extra work.
 
 Decisions
 - A rank-step is published ``SETTLE_S`` after its steps row was first seen: a flush writes the steps file before
@@ -32,16 +32,18 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dtprof.runformat import RANK_PREFIX
-from dtprof.schema import P2P_OPS
+from dtprof.schema import JSONL_GZ_SUFFIX, P2P_OPS, table_files
 
 SETTLE_NS = 2_500_000_000      # two flushes of the ranks (1 s each) and a margin
 KEEP_NS = 30_000_000_000       # collectives rows kept this long after their rank's published steps
@@ -55,36 +57,60 @@ RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta")
 
 
 class _Tail:
-    """One JSON-lines file of the run format, read from where the last read stopped; a line not yet complete is
-    kept for the next read (a writer's buffer can end mid-line)."""
+    """One JSON-lines table of the run format (its files in the order written: dtprof.schema.table_files), read from
+    where the last read stopped; a gzip file through one decompressor kept between reads; a line not yet complete
+    is kept for the next read (a writer's flush can end mid-line)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, directory: Path, stem: str):
+        self.directory, self.stem = Path(directory), stem
+        self.path: Path | None = None
         self.pos = 0
         self.rest = b""
+        self.unzip: Any = None
         self.columns: list[str] | None = None
 
-    def read(self) -> list[list]:
+    def _start(self, path: Path) -> None:
+        self.path, self.pos, self.rest = path, 0, b""
+        self.unzip = zlib.decompressobj(31) if path.name.endswith(JSONL_GZ_SUFFIX) else None
+
+    def _new_text(self) -> bytes:
         try:
-            with open(self.path, "rb") as f:
+            with open(self.path, "rb") as f:      # type: ignore[arg-type]
                 f.seek(self.pos)
                 data = f.read(MAX_READ)
         except OSError:
-            return []     # not written yet (or gone): nothing new
+            return b""     # gone: nothing new
         self.pos += len(data)
-        data = self.rest + data
-        cut = data.rfind(b"\n") + 1
-        self.rest = data[cut:]
-        rows = []
-        for line in data[:cut].splitlines():
+        if self.unzip is not None:
             try:
-                value = json.loads(line)
-            except ValueError:
-                continue   # a torn line: the reader names it after the job
-            if isinstance(value, dict):
-                self.columns = value.get("columns")
-            elif isinstance(value, list) and self.columns and len(value) == len(self.columns):
-                rows.append(value)
+                data = self.unzip.decompress(data)
+            except zlib.error:
+                self.unzip, self.pos = None, 1 << 62    # damaged: the reader names it after the job
+                return b""
+        return data
+
+    def read(self) -> list[list]:
+        files = table_files(self.directory, self.stem)
+        rows: list[list] = []
+        while files:
+            if self.path is None:
+                self._start(files[0])
+            data = self.rest + self._new_text()
+            cut = data.rfind(b"\n") + 1
+            self.rest = data[cut:]
+            for line in data[:cut].splitlines():
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue   # a torn line: the reader names it after the job
+                if isinstance(value, dict):
+                    self.columns = value.get("columns")
+                elif isinstance(value, list) and self.columns and len(value) == len(self.columns):
+                    rows.append(value)
+            later = files[files.index(self.path) + 1:] if self.path in files else []
+            if cut or not later:
+                return rows
+            self._start(later[0])     # this file is finished: a later process writes the next one
         return rows
 
     def frame(self, table: str) -> pd.DataFrame:
@@ -158,7 +184,7 @@ class Update:
 class _Rank:
     def __init__(self, rank_dir: Path):
         self.dir = rank_dir
-        self.tails = {t: _Tail(rank_dir / f"{t}.jsonl") for t in RANK_TABLES}
+        self.tails = {t: _Tail(rank_dir, t) for t in RANK_TABLES}
         self.identity: dict | None = None
         self.executed_flops: float | None = None   # the rank's FlopCounterMode count, once its counted step is seen
         self.published_end_ns = 0
@@ -177,7 +203,7 @@ class LiveNode:
         self.clock = clock
         self.calibrations = load_calibrations() if config.get("peak_tflops") is None else {}
         self.ranks: dict[int, _Rank] = {}
-        self.nvml = _Tail(self.node_dir / "nvml.jsonl")
+        self.nvml = _Tail(self.node_dir, "nvml")
         self.buf = _empty_buffers()
         self.pending: list[tuple[int, pd.DataFrame]] = []   # (first seen ns, new steps rows)
         self.durations: deque[float] = deque(maxlen=STRAGGLER_WINDOW * 8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 from dtprof.schema import (
     CATEGORICAL,
+    JSONL_GZ_SUFFIX,
     NODE_MANIFEST,
     NODE_PREFIX,
     RANK_PREFIX,
@@ -26,7 +28,8 @@ from dtprof.schema import (
     TABLES,
     TABLES_COMPLETE,
     TABLES_DIR,
-    UNIDENTIFIED_PREFIX,
+    table_files,
+    unidentified_files,
 )
 
 
@@ -248,15 +251,45 @@ def load_table(table: str, df, source) -> Any:
     return out
 
 
+GZ_CHUNK = 1 << 20
+
+
+def read_table_text(path: Path, problems: list[str]) -> bytes:
+    """A JSON-lines table file's text; a gzip one (run format 1.6) decompressed as far as it reads: a killed
+    writer's file ends at its last flush (perhaps in a torn line), and a corrupt stream is read up to the damage,
+    which is reported."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise RunFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not path.name.endswith(JSONL_GZ_SUFFIX):
+        return data
+    z, out = zlib.decompressobj(31), []
+    for at in range(0, len(data), GZ_CHUNK):
+        chunk, before = data[at:at + GZ_CHUNK], z.copy()
+        try:
+            out.append(z.decompress(chunk))
+        except zlib.error as e:
+            z = before       # the chunk again in small pieces: the text before the damage is kept
+            for piece in range(0, len(chunk), 4096):
+                try:
+                    out.append(z.decompress(chunk[piece:piece + 4096]))
+                except zlib.error:
+                    break
+            problems.append(f"{path}: damaged from about byte {at + piece} of the file on ({e}); the rows before "
+                            f"it were read")
+            return b"".join(out)
+    if z.eof and z.unused_data:
+        problems.append(f"{path}: {len(z.unused_data)} byte(s) after the end of its gzip stream, not read")
+    return b"".join(out)
+
+
 def _read_jsonl(path: Path, table: str, problems: list[str]) -> list[dict] | Any:
     """Rows of one JSON-lines table file as a DataFrame. A torn or corrupt line is skipped and reported."""
     import pandas as pd
 
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as e:
-        raise RunFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    lines = read_table_text(path, problems).split(b"\n")
     if not lines or not lines[0].strip():
         return pd.DataFrame()
     try:
@@ -303,14 +336,14 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
         if _present(ident):
             parts["ranks"].append(load_table("ranks", pd.DataFrame([_read_json(ident)]), ident))
         for table in TABLES:
-            p = rdir / f"{table}.jsonl"
+            for p in table_files(rdir, table):
+                if _present(p):
+                    parts[table].append(_read_jsonl(p, table, problems))
+    for table in ("nvml", "events"):
+        for p in table_files(node_dir, table):
             if _present(p):
                 parts[table].append(_read_jsonl(p, table, problems))
-    for table in ("nvml", "events"):
-        p = node_dir / f"{table}.jsonl"
-        if _present(p):
-            parts[table].append(_read_jsonl(p, table, problems))
-    for p in sorted(node_dir.glob(f"{UNIDENTIFIED_PREFIX}*.jsonl")):   # processes never recorded as a rank
+    for p in unidentified_files(node_dir):     # processes never recorded as a rank
         if _present(p):
             parts["events"].append(_read_jsonl(p, "events", problems))
     out = {}
@@ -817,7 +850,7 @@ def _tables_bytes(run: Run) -> int:
     """Bytes of the run's table files: the compacted Parquet tables, else the ranks' JSON-lines files."""
     total = 0
     for nd in run.node_dirs:
-        files = (nd / TABLES_DIR).glob("*.parquet") if run._complete(nd) else nd.glob(f"{RANK_PREFIX}*/*.jsonl")
+        files = (nd / TABLES_DIR).glob("*.parquet") if run._complete(nd) else nd.glob(f"{RANK_PREFIX}*/*.jsonl*")
         total += sum(f.stat().st_size for f in files if f.is_file())
         if total >= CHECK_ALL_BYTES:
             break

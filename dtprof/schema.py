@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 5        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
-                        # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind);
-                        # every older minor opens
+SCHEMA_MINOR = 6        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
+                        # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind,
+                        # 6: JSON-lines files written gzip-compressed); every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -225,6 +225,41 @@ TABLES_COMPLETE = "_complete"
 
 SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
 SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
+
+
+# A JSON-lines table file: ``<stem>.jsonl.gz`` (1.6: one gzip stream, flushed to a complete deflate block every
+# second, so a killed process's file reads up to its last flush), then ``<stem>.<n>.jsonl.gz`` (n = 1, 2, ...) for
+# each later process that wrote the same table there (a restarted rank); ``<stem>.jsonl`` (before 1.6: plain text).
+JSONL_SUFFIX = ".jsonl"
+JSONL_GZ_SUFFIX = ".jsonl.gz"
+
+
+def table_files(directory, stem: str) -> list[Path]:
+    """The files of one JSON-lines table ``stem`` in ``directory``, in the order they were written."""
+    directory = Path(directory)
+    numbered = []
+    for p in directory.glob(f"{stem}.*{JSONL_GZ_SUFFIX}"):
+        n = p.name[len(stem) + 1:-len(JSONL_GZ_SUFFIX)]
+        if n.isdigit():
+            numbered.append((int(n), p))
+    first = [directory / f"{stem}{JSONL_SUFFIX}", directory / f"{stem}{JSONL_GZ_SUFFIX}"]
+    return [p for p in first if p.exists()] + [p for _, p in sorted(numbered)]
+
+
+def unidentified_files(node_dir) -> list[Path]:
+    """A node's event files of processes never recorded as a rank (``unidentified-<pid>``)."""
+    return sorted(p for p in Path(node_dir).glob(f"{UNIDENTIFIED_PREFIX}*")
+                  if p.name.endswith((JSONL_SUFFIX, JSONL_GZ_SUFFIX)))
+
+
+def new_table_file(directory, stem: str) -> Path:
+    """Where a process starts writing table ``stem``: the first of its files' names not yet taken."""
+    directory = Path(directory)
+    path, n = directory / f"{stem}{JSONL_GZ_SUFFIX}", 0
+    while path.exists():
+        n += 1
+        path = directory / f"{stem}.{n}{JSONL_GZ_SUFFIX}"
+    return path
 
 
 def summary_file(node_dir, table: str) -> Path:

@@ -14,7 +14,7 @@ break the program:
   plain single-process job, recorded as rank 0 of world 1.
 - It hides any other ``sitecustomize`` further down the path (Debian ships one), so it loads that one afterwards.
 - Any fault is swallowed: the job runs unprofiled and the fault is recorded in the run's events (the rank's, or
-  this process's own ``unidentified-<pid>.jsonl``), never printed into the job's output; the launcher names it in
+  this process's own ``unidentified-<pid>.jsonl.gz``), never printed into the job's output; the launcher names it in
   one line at the end. An error in the sitecustomize ours hides is printed as Python itself prints it.
 """
 import os

@@ -12,6 +12,7 @@ or imported without a word (wrong numbers, a missing table, a rank imported twic
 """
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import subprocess
@@ -118,15 +119,27 @@ def _set(col, value, row=0, dtype=None):
     return fn
 
 
+def _table_file(node, table, rank=0) -> Path:
+    return node / f"rank-{rank}" / f"{table}.jsonl.gz"
+
+
+def _lines(p: Path) -> list[str]:
+    return gzip.decompress(p.read_bytes()).decode().splitlines()
+
+
+def _write_lines(p: Path, lines: list[str]) -> None:
+    p.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+
+
 def _jsonl(node, table, col, value, rank=0, line=1):
     """Set one value of one row of a rank's JSON-lines table file (written as JSON text: NaN, Infinity allowed)."""
-    p = node / f"rank-{rank}" / f"{table}.jsonl"
-    lines = p.read_text().splitlines()
+    p = _table_file(node, table, rank)
+    lines = _lines(p)
     cols = json.loads(lines[0])["columns"]
     row = json.loads(lines[line])
     row[cols.index(col)] = value
     lines[line] = json.dumps(row)
-    p.write_text("\n".join(lines) + "\n")
+    _write_lines(p, lines)
     return p.name
 
 
@@ -147,8 +160,8 @@ def _copied_node(run, node):
 
 def _other_table(node, raw):
     if raw:
-        shutil.copy(node / "rank-0" / "spans.jsonl", node / "rank-0" / "steps.jsonl")
-        return "steps.jsonl"
+        shutil.copy(_table_file(node, "spans"), _table_file(node, "steps"))
+        return "steps.jsonl.gz"
     shutil.copy(node / "tables" / "spans.parquet", node / "tables" / "steps.parquet")
     return "steps.parquet"
 
@@ -198,7 +211,7 @@ RAW_CASES = {
     "tb-jsonl-str-coll-return": lambda run, node: _jsonl(node, "collectives", "return_ns", "later"),
     "tb-jsonl-null-rank": lambda run, node: _jsonl(node, "spans", "rank", None),
     "tb-jsonl-list-in-time": lambda run, node: _jsonl(node, "steps", "end_ns", [1, 2]),
-    "tb-jsonl-link-loop": lambda run, node: _loop(node / "rank-0" / "steps.jsonl"),
+    "tb-jsonl-link-loop": lambda run, node: _loop(_table_file(node, "steps")),
     "tb-rank-json-list": lambda run, node: (node / "rank-0" / "rank.json").write_text("[0]") and "rank.json",
     "tb-jsonl-header-deep": lambda run, node: _replace_header(node, _deep()),
     "tb-jsonl-header-columns-number": lambda run, node: _replace_header(node, '{"dtprof_table": "steps", '
@@ -213,10 +226,9 @@ RAW_CASES = {
 
 
 def _replace_header(node, text):
-    p = node / "rank-0" / "steps.jsonl"
-    lines = p.read_text().splitlines()
-    p.write_text("\n".join([text] + lines[1:]) + "\n")
-    return "steps.jsonl"
+    p = _table_file(node, "steps")
+    _write_lines(p, [text] + _lines(p)[1:])
+    return "steps.jsonl.gz"
 
 
 def _read_commands(run: Path, good: Path, tmp: Path):
@@ -251,11 +263,25 @@ def test_damaged_raw_run(real, tmp_path, case):
 
 def test_torn_last_line_is_a_warning_naming_the_file(real, tmp_path):
     run, node = _copy_run(real, tmp_path, raw=True)
-    p = node / "rank-0" / "steps.jsonl"
-    p.write_bytes(p.read_bytes() + b'[0,99,17')   # a rank killed in the middle of a write
+    p = _table_file(node, "steps")
+    text = gzip.decompress(p.read_bytes()) + b'[0,99,17'   # a rank killed in the middle of a write
+    p.write_bytes(gzip.compress(text)[:-8])                # ... before its gzip stream's end
     res = invoke(["export", "perfetto", run, "-o", tmp_path / "t.json"])
     assert res.exit_code == 0, res.output
-    assert "steps.jsonl" in res.stderr and "skipped 1 unreadable line" in res.stderr
+    assert "steps.jsonl.gz" in res.stderr and "skipped 1 unreadable line" in res.stderr
+
+
+def test_damaged_compressed_file_is_read_up_to_the_damage(real, tmp_path):
+    """A rank's gzip table damaged in its middle (a bad disk block): the rows before the damage are read and the
+    file is named in one warning; the run is not lost."""
+    run, node = _copy_run(real, tmp_path, raw=True)
+    p = _table_file(node, "spans")
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = b"\xff" * 64
+    p.write_bytes(bytes(data))
+    res = invoke(["export", "perfetto", run, "-o", tmp_path / "t.json"])
+    assert res.exit_code == 0, res.output
+    assert "spans.jsonl.gz: damaged from about byte" in res.stderr and "the rows before it were read" in res.stderr
 
 
 def test_compare_with_a_damaged_summary(real, tmp_path):

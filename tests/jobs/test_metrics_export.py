@@ -353,15 +353,32 @@ def test_live_lateness_lead_and_parts(tmp_path):
 def test_live_reader_keeps_a_torn_line_for_the_next_read(tmp_path):
     node = tmp_path / "node-h-1"
     node.mkdir()
-    w = _rank(node, 0, [(0, 10), (10, 20)], [])
+    w = _rank(node, 0, [(0, 10)], [])
     w.flush()
-    path = node / "rank-0" / "steps.jsonl"
-    text = path.read_bytes()
-    cut = text.rfind(b"\n", 0, len(text) - 1) + 5   # four bytes into the last row
-    path.write_bytes(text[:cut])
+    path = node / "rank-0" / "steps.jsonl.gz"
+    first = path.stat().st_size
+    w.append("steps", (0, 1, 10, 20, None, 100, 2, None, None, None, None))
+    w.flush()
+    data = path.read_bytes()
+    path.write_bytes(data[:first + (len(data) - first) // 2])    # the second flush half written
     live = LiveNode(node, {}, "h")
     assert [s.step for s in live.poll(final=True).steps] == [0]
-    path.write_bytes(text)
+    path.write_bytes(data)
+    assert [s.step for s in live.poll(final=True).steps] == [1]
+
+
+def test_live_reader_follows_a_restarted_ranks_next_file(tmp_path):
+    """A rank restarted in the same directory writes its tables' next files (steps.1.jsonl.gz): the live reader
+    goes on with them."""
+    node = tmp_path / "node-h-1"
+    node.mkdir()
+    _rank(node, 0, [(0, 10)], []).close()
+    live = LiveNode(node, {}, "h")
+    assert [s.step for s in live.poll(final=True).steps] == [0]
+    w = RankWriter(node, 0)
+    w.append("steps", (0, 1, 10, 20, None, 100, 2, None, None, None, None))
+    w.flush()
+    assert (node / "rank-0" / "steps.1.jsonl.gz").exists()
     assert [s.step for s in live.poll(final=True).steps] == [1]
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import dtprof._inject
 from conftest import REPO
-from dtprof.reader import open_run
+from dtprof.reader import open_run, read_table_text
 from dtprof.runformat import create_node_dir, create_run_dir
 from torch_abort import returncode
 
@@ -291,10 +291,10 @@ def test_sigkilled_rank_stays_readable(tmp_path):
     p = subprocess.Popen(_torchrun("train_ddp.py", args), env=_env(node_dir), cwd=tmp_path,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        steps_file = node_dir / "rank-1" / "steps.jsonl"
+        steps_file = node_dir / "rank-1" / "steps.jsonl.gz"
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:
-            if steps_file.exists() and len(steps_file.read_text().splitlines()) > 5:
+            if steps_file.exists() and len(read_table_text(steps_file, []).splitlines()) > 5:
                 break
             time.sleep(0.2)
         victim = json.loads((node_dir / "rank-1" / "rank.json").read_text())["pid"]

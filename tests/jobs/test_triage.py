@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
 
 from dtprof.analyzers.triage import match_across_ranks, ranks_text, where  # noqa: E402
 from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
+from dtprof.reader import open_run  # noqa: E402
 from dtprof.runformat import NodeTableWriter  # noqa: E402
 from dtprof.triage import triage_command  # noqa: E402
 from dtprof.watchdog import parse_torchrun_failures  # noqa: E402
@@ -254,7 +255,7 @@ def test_straggler_named_with_nvml_evidence(tmp_path):
     from dtprof.schema import TABLES
     tables = {name: reader._read_node_table(node, name) for name in TABLES}
     _nvml_rows(node, slow_gpu=2)
-    tables["nvml"] = reader._read_jsonl(node / "nvml.jsonl", "nvml", [])
+    tables["nvml"] = reader.read_node_raw(node)["nvml"]
     from dtprof.runformat import write_node_tables
     write_node_tables(node, tables)
     out = cli_json(run)
@@ -313,8 +314,8 @@ def test_hang_detected_culprit_and_collective_named(jobs):
     assert "rank 1" in out["message"] and "never entered all_reduce #4 of group 0" in out["message"]
     assert "job.py:" in out["message"] and "__next__" in out["message"]  # where the culprit is stuck
     assert "ranks 0, 2–3" in out["message"]
-    events = (r["node_dir"] / "events.jsonl").read_text()
-    assert "hang: no rank progressed" in events
+    events = open_run(r["run_dir"]).events
+    assert events["message"].astype(str).str.contains("hang: no rank progressed").any()
 
 
 @pytest.mark.slow

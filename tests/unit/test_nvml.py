@@ -168,4 +168,4 @@ def test_real_pynvml_without_gpu(node_dir):
     ev = open_run(node_dir.parent).events
     assert len(ev) == 1 and ev["rank"].iloc[0] == -1 and str(ev["source"].iloc[0]) == "nvml"
     assert "NVML not available" in ev["message"].iloc[0]
-    assert not (node_dir / "nvml.jsonl").exists()
+    assert not list(node_dir.glob("nvml.*"))
