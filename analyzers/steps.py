@@ -195,14 +195,19 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int) -> dict | No
            "ranks_by_period": {str(p): sorted(r for r, v in rows if int(v.get("period") or 0) == p) for p in periods}}
     cost = (f"dtprof's cost of a detailed step was measured at {cost_s * 1e6:.0f} µs on {step_s * 1e3:.3g} ms steps"
             if cost_s is not None and step_s is not None else "")
+    footprint = [v["reason"] for _, v in rows if str(v.get("reason") or "").startswith("footprint")]
+    out["footprint_ranks"] = sorted(r for r, v in rows if str(v.get("reason") or "").startswith("footprint"))
+    if footprint:    # collectors/runtime.py check_footprint: a long job's files kept under their daily budget
+        cost = (f"{cost}; " if cost else "") + (f"made sparser on {len(footprint)} rank(s) to bound their files' "
+                                                f"growth ({footprint[0]})")
     if boundary_only == 0:
         out["statement"] = f"every step in full detail ({cost or 'no sampling needed'})"
     else:
         every = (f"blocks of {out['block_steps']} steps every {out['period_steps']} from step {out['from_step']}"
                  if out["period_steps"] else "calibration blocks only")
         out["statement"] = (f"{detailed} step(s) in full detail, {boundary_only} with their times only ({every}"
-                            + (f"; {cost}, over {out['budget_frac']:.0%} of the step" if cost and out["period_steps"]
-                               else "")
+                            + (f"; {cost}" + ("" if footprint else f", over {out['budget_frac']:.0%} of the step")
+                               if cost and out["period_steps"] else "")
                             + "); step times and throughput use every step, the breakdown, overlap, what-if and "
                               "stragglers the detailed ones")
     return out

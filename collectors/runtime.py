@@ -85,13 +85,21 @@ _STEP_TAIL = (None,) * (len(Step._fields) - 10)
 _HOOK_SPAN_TAIL = (None, None, "main", "hook") + _SPAN_TAIL
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
                     "full_detail": False, "sample_every": None}
-# Step sampling (module docstring, "Sampling")
+# Step sampling (docs/cli-run.md, "Sampling")
 SAMPLE_FROM = 32             # steps before this one are all in full detail (warm-up, compiles, the FLOP step)
 SAMPLE_CALIBRATION = 32      # then this many steps alternate boundary-only and full-detail blocks
 SAMPLE_BLOCK = 4             # steps per full-detail block
 SAMPLE_BUDGET = 0.01         # dtprof's cost per step, as a fraction of the step, that sampling keeps under
 SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no measured detail cost reaches 1 % of them)
 SAMPLE_MAX_PERIOD = 4096
+# The footprint: a rank's files may grow by about this much a day (issue: <= 50 MB a rank and day at 10 steps a
+# second; the rest is the node's NVML and events files). Every FOOTPRINT_CHECK_STEPS steps, once at least
+# FOOTPRINT_CHECK_S since the last check, a rank whose files grew faster samples its detail more sparsely; every
+# step's boundary row is kept whatever it costs.
+FOOTPRINT_BYTES_PER_DAY = 40_000_000
+FOOTPRINT_CHECK_STEPS = 1024
+FOOTPRINT_CHECK_S = 60
+NS_PER_S = 1_000_000_000
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
@@ -182,7 +190,7 @@ class Recorder:
         self.flop_stance = None    # the force_eager stance of the FLOP-counting step (flops_start)
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
-        # ---- step sampling (module docstring, "Sampling") ----
+        # ---- step sampling (docs/cli-run.md, "Sampling") ----
         self.detail = True         # the step in progress is recorded in full detail (else its boundary only)
         self.sample_period = None  # None: undecided; 0: every step in detail; P: SAMPLE_BLOCK steps every P
         self.sample_times = []     # durations (ns) of steps 8..31: are steps long?
@@ -190,6 +198,7 @@ class Recorder:
         self.calibration = []      # (in detail, duration ns) of the calibration's steps
         self.recalibrate_at = None  # the step at which a calibration that kept full detail is made again
         self.last_inferred = {}    # the last detailed step's inferred samples/tokens (boundary-only steps repeat them)
+        self.footprint_mark = None  # (monotonic ns, the writer's bytes) at the last footprint check
         # ---- A/B blocks (module docstring) ----
         self.ab_block = 0          # switch the hooks off and on every this many optimizer steps (0: never)
         self.ab_steps = 0          # optimizer steps seen so far
@@ -773,6 +782,8 @@ class Recorder:
         calibration that found the cost under budget is repeated at twice its start step, then four times, ...
         (one noisy measurement does not decide a long job; every rank calibrates at the same steps)."""
         nxt = step + 1
+        if nxt % FOOTPRINT_CHECK_STEPS == 0 and self.sample_period is not None:
+            self.check_footprint(nxt)
         if self.sample_period == 0:
             if nxt != self.recalibrate_at:
                 return
@@ -825,6 +836,32 @@ class Recorder:
         while period * share < SAMPLE_BLOCK and period < SAMPLE_MAX_PERIOD:
             period *= 2
         self.decide_sampling(period, None, cost, off)
+
+    def check_footprint(self, nxt: int) -> None:
+        """Over FOOTPRINT_BYTES_PER_DAY's rate since the last check, the detailed blocks start that many times
+        more sparsely (a power of two, so ranks still share the detailed steps of the sparsest). Sampling the user
+        chose (--full-detail, --sample-every, --trace-steps, A/B blocks) is left as it is."""
+        if self.writer is None or self.ab_block or self.options.get("full_detail") \
+                or self.options.get("sample_every") or self.options.get("trace_steps"):
+            return
+        t, written = now(), self.writer.bytes_written()
+        if self.footprint_mark is None or t - self.footprint_mark[0] < FOOTPRINT_CHECK_S * NS_PER_S:
+            self.footprint_mark = self.footprint_mark or (t, written)
+            return
+        (t0, b0), self.footprint_mark = self.footprint_mark, (t, written)
+        rate, budget = (written - b0) * NS_PER_S / (t - t0), FOOTPRINT_BYTES_PER_DAY / 86_400
+        period = max(self.sample_period or 0, SAMPLE_BLOCK)    # every step in detail: a block every block
+        if rate <= budget or period >= SAMPLE_MAX_PERIOD:
+            return
+        while rate > budget and period < SAMPLE_MAX_PERIOD:     # the detail's bytes fall with its share of steps
+            period, rate = 2 * period, rate / 2
+        self.sample_period = period
+        self.calibration_from = nxt
+        self.meta("sampling", {
+            "period": period, "block": SAMPLE_BLOCK, "from_step": nxt, "calibration": None, "detail_cost_ns": None,
+            "step_ns": None, "budget": SAMPLE_BUDGET,
+            "reason": f"footprint: the rank's files grew {(written - b0) * NS_PER_S / (t - t0) / 1e3:.1f} kB/s, "
+                      f"over the {budget / 1e3:.2f} kB/s ({FOOTPRINT_BYTES_PER_DAY / 1e6:.0f} MB a day) it keeps"})
 
     def decide_sampling(self, period: int, reason, cost_ns=None, step_ns=None) -> None:
         self.sample_period = period

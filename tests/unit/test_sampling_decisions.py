@@ -66,3 +66,52 @@ def test_options_decide_at_step_32(options, reason):
 
 def test_module_constants_keep_the_documented_schedule():
     assert (runtime.SAMPLE_FROM, runtime.SAMPLE_CALIBRATION, runtime.SAMPLE_BLOCK) == (32, 32, 4)
+
+
+class Written:
+    """The rank's writer as the footprint check reads it: bytes so far, grown by each step as recorded."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def bytes_written(self) -> int:
+        return self.bytes
+
+
+def _long_job(monkeypatch, n, step_ns, detailed_bytes, boundary_bytes, **options):
+    """``n`` steps of ``step_ns`` on a clock of their own; each step's rows add ``detailed_bytes`` (in detail) or
+    ``boundary_bytes`` to the rank's files. Returns the Steps and the bytes written after each step."""
+    clock = [0]
+    monkeypatch.setattr(runtime, "now", lambda: clock[0])
+    s = Steps(**options)
+    s.rec.writer = w = Written()
+    sizes = []
+    for step in range(n):
+        s.detailed.append(s.rec.detail)
+        clock[0] += step_ns
+        w.bytes += detailed_bytes if s.rec.detail else boundary_bytes
+        sizes.append(w.bytes)
+        s.rec.sample_next(step, step_ns)
+    return s, sizes
+
+
+def test_a_long_jobs_files_stay_under_their_daily_budget(monkeypatch):
+    """100 ms steps (never sampled for cost) whose detail writes 2 kB a step: 20 kB/s in full detail, 40 times the
+    budget. The check makes the detailed blocks sparser until the files grow within it; every step is still a
+    step (boundary rows go on)."""
+    n, step_ns = 30_000, 100_000_000
+    s, sizes = _long_job(monkeypatch, n, step_ns, 2000, 20)
+    foot = [d for d in s.decisions if str(d["reason"]).startswith("footprint")]
+    assert foot and all(d["period"] & (d["period"] - 1) == 0 for d in foot)
+    last = foot[-1]["from_step"]
+    budget = runtime.FOOTPRINT_BYTES_PER_DAY / 86_400 * step_ns / 1e9       # bytes a step may add
+    assert (sizes[-1] - sizes[last]) / (n - 1 - last) <= budget
+    assert all(s.detailed[i] == (i % foot[-1]["period"] < SAMPLE_BLOCK) for i in range(last + 1, n))
+    assert last < 5000                   # decided within minutes of the job, not at its end
+
+
+def test_a_small_footprint_and_chosen_sampling_are_left_alone(monkeypatch):
+    s, _ = _long_job(monkeypatch, 6000, 100_000_000, 40, 20)                 # 400 B/s: within the budget
+    assert all(s.detailed) and not any(str(d["reason"]).startswith("footprint") for d in s.decisions)
+    s, _ = _long_job(monkeypatch, 6000, 100_000_000, 2000, 20, full_detail=True)
+    assert all(s.detailed)
