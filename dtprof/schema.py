@@ -243,7 +243,8 @@ def table_files(directory, stem: str) -> list[Path]:
         if n.isdigit():
             numbered.append((int(n), p))
     first = [directory / f"{stem}{JSONL_SUFFIX}", directory / f"{stem}{JSONL_GZ_SUFFIX}"]
-    return [p for p in first if p.exists()] + [p for _, p in sorted(numbered)]
+    # a link that cannot be followed (a loop, a dangling link) is listed: reading it names the problem
+    return [p for p in first if p.exists() or p.is_symlink()] + [p for _, p in sorted(numbered)]
 
 
 def unidentified_files(node_dir) -> list[Path]:

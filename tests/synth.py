@@ -280,12 +280,14 @@ def split_by_host(path: Path) -> Path:
 
 def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: int, steps: int, buckets: int = 8,
                    jitter_frac: float = 0.05, slow_rank: int | None = None, slow_factor: float = 1.0,
-                   host_offset_ns: int = 0, seed: int = 0) -> Path:
+                   host_offset_ns: int = 0, seed: int = 0, detail_period: int = 0) -> Path:
     """Write node ``node`` (ranks node*ranks_per_node ...) of a DDP-like job of ``world_size`` ranks, without
     building the other nodes: each rank's compute is its base × (1 + jitter_frac·u), u uniform in [0, 1) drawn from
     the rank's own seed, the slow rank's × slow_factor; collectives end at their last possible arrival (the slowest
     unslowed rank's bound, or the slow rank) + transfer, which every node computes alike. Per rank-step: data_wait,
-    forward, backward, comm_wait, optimizer spans and ``buckets`` all-reduces. ``run_dir`` must exist (run.json)."""
+    forward, backward, comm_wait, optimizer spans and ``buckets`` all-reduces. ``run_dir`` must exist (run.json).
+    ``detail_period`` P > 0: sampled as the ranks sample (collectors/runtime.py): steps 0-31 and blocks of 4 steps
+    every P in full detail, the others boundary-only (their steps row, ``detail`` 0, and nothing else)."""
     R, S, B = ranks_per_node, steps, buckets
     ranks = np.arange(node * R, (node + 1) * R)
     base = {"data": 1 * MS, "fwd": 10 * MS, "bwd": 20 * MS, "opt": 2 * MS}
@@ -323,8 +325,9 @@ def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: in
         return (np.asarray(a, np.int64) + host_offset_ns).ravel()
 
     host = f"host{node:05d}"
+    detailed = (st < 32) | (st % detail_period < 4) if detail_period else np.ones(n, bool)
     steps_t = _typed("steps", n, rank=rk, step=st, start_ns=flat(t0), end_ns=flat(s_end), peak_mem_bytes=2**30,
-                     tokens=4096, samples=8)
+                     tokens=4096, samples=8, detail=detailed.astype(np.int64) if detail_period else None)
     # rows by kind, then rank, then step (one block of n rows per kind)
     kinds = ("data_wait", "forward", "backward", "comm_wait", "optimizer")
     kind = pd.Categorical.from_codes(np.repeat([sorted(kinds).index(k) for k in kinds], n), sorted(kinds))
@@ -341,6 +344,9 @@ def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: in
                    end_ns=np.concatenate([flat(np.broadcast_to(step_start + issue_rel[j] + bucket_ns, (R, S)))
                                           for j in range(B)]),
                    bucket=np.repeat(np.arange(B), n))
+    if detail_period:
+        spans = spans[np.tile(detailed, len(kinds))].reset_index(drop=True)
+        colls = colls[np.tile(detailed, B)].reset_index(drop=True)
     rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks - node * R, "world_size": world_size,
                              "node_rank": node, "host": host, "pid": 1000 + ranks, "device_type": "cuda",
                              "device_index": ranks - node * R, "device_name": "NVIDIA H100 80GB HBM3",
