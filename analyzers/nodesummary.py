@@ -16,7 +16,7 @@ read by the run model). The cross-rank figures are made from these by the global
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -30,7 +30,7 @@ from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.rows import Rows, by_rank_step, stored_files
-from dtprof.analyzers.runmodel import RunModel
+from dtprof.analyzers.runmodel import RunModel, with_exit
 
 # the overlap figures a summary keeps (its data wait is the breakdown's: overlap's own is not read)
 OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_ratio", "overlap_s", "level")
@@ -118,9 +118,10 @@ def node_tables(model) -> tuple[dict, dict]:
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,
              "arrival_counts": ns.arrival_counts.frame, "rank_group_comm": ns.rank_group_comm,
-             "clock_exits": clock_mod.exit_sums(model.ranks, model.collectives)},
+             # the clock fit reads every exit, the skipped detail's too (runmodel.exit_sums does for the raw path)
+             "clock_exits": clock_mod.exit_sums(model.ranks, with_exit(model.run.collectives))},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
-             "unassigned": int(ns.unassigned)})
+             "unassigned": int(ns.unassigned), "detail_every": int(model.detail_every)})
 
 
 def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> NodeSummary:
@@ -173,9 +174,28 @@ def of_run(run, model) -> NodeSummary:
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):   # none stored: the whole run at once is the same computation
         return summarize(model)
-    computed = {nd: summarize(RunModel.of(run.node_run(nd))) for nd in missing}
+    # a node summarised here reads the blocks the run reads (the stored ones may read more: a superset)
+    computed = {nd: summarize(RunModel.of(run.node_run(nd), detail_every=model.detail_every)) for nd in missing}
     if item_steps is not None:
         for c in computed.values():
             c.items = c.items[c.items["step"].isin(item_steps).to_numpy()]
     files = {t: stored_files(run, facts, t) for t in ("instance_rows", "arrival_parts", "arrival_counts")}
-    return combine(tables, files, [f for f in facts if f is not None], computed)
+    ns = combine(tables, files, [f for f in facts if f is not None], computed)
+    skipped = model.job["step"].to_numpy()[model.job["detail_skipped"].to_numpy(bool)]
+    return without_detail(ns, skipped) if len(skipped) else ns
+
+
+def without_detail(ns: NodeSummary, steps: np.ndarray) -> NodeSummary:
+    """``ns`` with the rank-steps of ``steps`` as a summary that did not read their detail makes them (a stored
+    node summary may have read more blocks than the run reads: steps.detail_every): no span or collective in the
+    window, so nothing but ``other``; their exposed communication rows dropped."""
+    per = ns.rank_steps.copy()
+    at = per["step"].isin(steps).to_numpy()
+    for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_s",
+              *(f"bd_{p}_s" for p in breakdown_mod.PARTS), *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS)):
+        per.loc[at, c] = 0
+    per.loc[at, "overlap_ratio"] = np.nan
+    per.loc[at, "level"] = "hook"
+    per.loc[at, "bd_other_s"] = (per.loc[at, "end_ns"] - per.loc[at, "start_ns"]).to_numpy() / 1e9
+    exposed = ns.exposed[~ns.exposed["step"].isin(steps).to_numpy()].reset_index(drop=True)
+    return replace(ns, rank_steps=per, exposed=exposed)

@@ -19,11 +19,12 @@ compare and triage read these columns; none derives them again.
 - ``steps``: per rank-step ``start_ns``, ``end_ns``, ``duration_s``, ``aligned_start_ns``, ``aligned_end_ns``,
   ``warmup``, ``traced`` (a trace capture disturbed it), ``flops_counted`` (it ran under FlopCounterMode),
   ``boundary_only`` (sampling recorded only its times), ``timed`` (none of the first three: its time counts),
-  ``measured`` (timed and recorded in full detail on every rank), plus the steps table's per-step
+  ``measured`` (timed, recorded in full detail on every rank, and read), plus the steps table's per-step
   numbers (peak memory, tokens, samples, FLOPs, detail).
 - ``job``: per step ``time_s`` (the job's step time: the slowest rank's duration, ``analyzers/steps.py``),
-  ``warmup``, ``traced``, ``flops_counted``, ``boundary_only``, ``timed``, ``measured``; ``measured_steps`` the set
-  of measured step indices.
+  ``warmup``, ``traced``, ``flops_counted``, ``boundary_only``, ``timed``, ``detail_skipped`` (recorded in full
+  detail, but a long run's analysis reads only every ``detail_every``-th detailed block: steps.detail_every),
+  ``measured``; ``measured_steps`` the set of measured step indices.
 - ``captures``: the ``trace_capture`` meta rows as rank, start_ns, end_ns: the intervals the profiler capture
   disturbed (kept out of step statistics, never read as data wait).
 - ``pipeline_schedule`` / ``mesh``: the first meta row of that kind (dict) or None.
@@ -58,6 +59,9 @@ class RunModel:
     # source "summaries": the stored node summaries' rank_steps as read (``steps`` shares their columns; the
     # summary's per rank-step figures are taken from here, not read again); None where no node has one
     stored_rank_steps: pd.DataFrame | None = None
+    # the analysis reads the spans and collectives of every this-many-th detailed block (steps.detail_every; 1: all):
+    # the others' rows are left out of ``spans`` and ``collectives``
+    detail_every: int = 1
 
     def sliced(self, spans: pd.DataFrame) -> RunModel:
         """This model whose ``spans`` are ``spans`` (a slice read with ``Run.read_spans``): for analyzers that
@@ -65,25 +69,39 @@ class RunModel:
         return replace(self, span_slice=spans)
 
     @classmethod
-    def of(cls, run, warmup: int | None = None, source: str = "summaries") -> RunModel:
+    def of(cls, run, warmup: int | None = None, source: str = "summaries",
+           detail_every: int | None = None) -> RunModel:
         """The model of ``run`` for this warm-up choice (None: detected), built once per ``Run``, choice and
-        ``source`` of the clock fit's exits ("summaries": the node summaries', "raw": the whole run's rows)."""
+        ``source`` of the clock fit's exits ("summaries": the node summaries', "raw": the whole run's rows).
+        ``detail_every``: read every this-many-th detailed block (None: as the run's size decides)."""
         cache = run.__dict__.setdefault("_run_models", {})
-        if (warmup, source) not in cache:
-            cache[(warmup, source)] = build(run, warmup, source)
-        return cache[(warmup, source)]
+        key = (warmup, source, detail_every)
+        if key not in cache:
+            cache[key] = build(run, warmup, source, detail_every)
+        return cache[key]
 
     @cached_property
     def collectives(self) -> pd.DataFrame:
-        return device_comm(with_exit(self.run.collectives), self.gpu_ranks)
+        return device_comm(with_exit(self._detail_read(self.run.collectives)), self.gpu_ranks)
+
+    @cached_property
+    def read_spans(self) -> pd.DataFrame:
+        return self._detail_read(self.run.table("spans"))
+
+    def _detail_read(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """``rows`` (spans or collectives) less those of the steps whose detail is skipped."""
+        skipped = self.job["step"].to_numpy()[self.job["detail_skipped"].to_numpy(bool)]
+        if not len(skipped) or not len(rows):
+            return rows
+        return rows[~rows["step"].astype("Int64").isin(skipped).fillna(False).to_numpy(bool)]
 
     @cached_property
     def gpu_ranks(self) -> np.ndarray:
         return gpu_ranks(self.run.ranks)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "spans" and self.span_slice is not None:
-            return self.span_slice
+        if name == "spans":
+            return self.span_slice if self.span_slice is not None else self.read_spans
         if name in TABLES:   # the run's own tables, for analyzers that take the model where they took the run
             return self.run.table(name)
         raise AttributeError(name)
@@ -202,7 +220,7 @@ def rank_steps(run, source: str = "summaries") -> tuple[pd.DataFrame, pd.DataFra
     return by_rank_step(per), stored
 
 
-def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel:
+def build(run, warmup: int | None = None, source: str = "summaries", detail_every: int | None = None) -> RunModel:
     clk = clock_mod.fit_clocks(run.ranks, exit_sums(run, source))
     cap = captures(run.meta)
     per, stored = rank_steps(run, source)
@@ -219,7 +237,12 @@ def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel
     # timed: its step time counts; measured: and every rank recorded it in full detail (the breakdown, overlap,
     # what-if and stragglers read spans and collectives, which a boundary-only step has none of)
     job["timed"] = ~job["warmup"] & ~job["traced"] & ~job["flops_counted"]
-    job["measured"] = job["timed"] & ~job["boundary_only"]
+    recorded = (job["timed"] & ~job["boundary_only"]).to_numpy(bool)
+    every = detail_every or max([steps_mod.detail_every(job["step"].to_numpy()[recorded], len(steps_mod.distinct(
+        per["rank"].to_numpy(np.int64))))] + stored_detail_every(run, source))
+    # detail_skipped: recorded in full detail, but a long run's analysis reads only every `every`-th block's
+    job["detail_skipped"] = recorded & ~steps_mod.detail_read(job["step"].to_numpy(), every)
+    job["measured"] = recorded & ~job["detail_skipped"].to_numpy(bool)
     per["warmup"] = per["step"].isin(warm)
     per["timed"] = per["step"].isin(set(job.loc[job["timed"], "step"].tolist()))
     per["measured"] = per["step"].isin(set(job.loc[job["measured"], "step"].tolist()))
@@ -227,4 +250,13 @@ def build(run, warmup: int | None = None, source: str = "summaries") -> RunModel
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)
     return RunModel(run=run, clock=clk, steps=per, job=job, warmup_steps=n_warm,
-                    warmup_source=source, captures=cap, stored_rank_steps=stored)
+                    warmup_source=source, captures=cap, stored_rank_steps=stored, detail_every=every)
+
+
+def stored_detail_every(run, source: str) -> list[int]:
+    """The ``detail_every`` of each stored node summary: the run reads the blocks of the largest (a subset of
+    every other's)."""
+    if source == "raw":
+        return []
+    facts, _ = run.node_summaries(tables=())
+    return [int(f.get("detail_every") or 1) for f in facts if f is not None]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprof.schema import DETAIL_BLOCK
+
 NS = 1e9
 WARMUP_SLOW_FACTOR = 1.2
 
@@ -163,6 +165,31 @@ def job_steps(per: pd.DataFrame) -> pd.DataFrame:
     return job.reset_index()
 
 
+# A long run's detail is read for a sample of its detailed steps: at most ANALYSED_RANK_STEPS rank-steps (the node
+# summary's and the analysis's cost grows with the detailed rank-steps' spans and collectives: a sampled 1,000,000-step
+# run of 8 ranks holds ~2 M of them), never fewer than ANALYSED_MIN_STEPS steps. The sample is every k-th of the
+# ranks' detailed blocks by step number (k a power of two), so every node of a run, and the ranks' own sampling
+# (blocks at multiples of a power-of-two period), pick nested sets: the run's is that of the largest k any node used.
+ANALYSED_RANK_STEPS = 131_072
+ANALYSED_MIN_STEPS = 256
+
+
+def detail_every(detailed_steps: np.ndarray, n_ranks: int) -> int:
+    """The smallest power of two k such that the steps among ``detailed_steps`` that ``detail_read`` keeps for k
+    number at most the limit above (1: all of them)."""
+    limit = max(ANALYSED_MIN_STEPS, ANALYSED_RANK_STEPS // max(n_ranks, 1))
+    blocks = np.asarray(detailed_steps, np.int64) // DETAIL_BLOCK
+    k = 1
+    while np.count_nonzero(blocks % k == 0) > limit:
+        k *= 2
+    return k
+
+
+def detail_read(steps: np.ndarray, every: int) -> np.ndarray:
+    """Which of ``steps`` the analysis reads the detail of when it reads every ``every``-th block."""
+    return (np.asarray(steps, np.int64) // DETAIL_BLOCK) % every == 0
+
+
 def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
     """(leading warm-up steps, "detected" or "user"). Steps dtprof disturbed (traced, FLOP-counted) do not count as
     slow when detecting."""
@@ -175,13 +202,19 @@ def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
     return detect_warmup(t), "detected"
 
 
-def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int) -> dict | None:
+def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int = 0, every: int = 1) -> dict | None:
     """summary.json ``steps.sampling``: what the ranks' step sampling decided (the ``sampling`` meta rows,
     collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows."""
     last = {int(r): v for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
             if k == "sampling" and isinstance(v, dict)}    # a rank's last decision (it may calibrate again)
-    if not last:
-        return None
+    read = (f"; the analysis read the detail of {detailed} of the {detailed + skipped} detailed steps (the blocks "
+            f"starting at multiples of {DETAIL_BLOCK * every} steps)" if skipped else "")
+    if not last:     # no sampling rows (an import, a run before 1.5): what the steps rows say
+        if not skipped:
+            return None
+        recorded = (f"{detailed + skipped} step(s) in full detail, {boundary_only} with their times only"
+                    if boundary_only else "every step in full detail")
+        return {"statement": recorded + read}
     rows = sorted(last.items())
     periods = sorted({int(v.get("period") or 0) for _, v in rows})
     costs = [v["detail_cost_ns"] / NS for _, v in rows if v.get("detail_cost_ns") is not None]
@@ -201,13 +234,14 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int) -> dict | No
         cost = (f"{cost}; " if cost else "") + (f"made sparser on {len(footprint)} rank(s) to bound their files' "
                                                 f"growth ({footprint[0]})")
     if boundary_only == 0:
-        out["statement"] = f"every step in full detail ({cost or 'no sampling needed'})"
+        out["statement"] = f"every step in full detail ({cost or 'no sampling needed'}{read})"
     else:
-        every = (f"blocks of {out['block_steps']} steps every {out['period_steps']} from step {out['from_step']}"
-                 if out["period_steps"] else "calibration blocks only")
-        out["statement"] = (f"{detailed} step(s) in full detail, {boundary_only} with their times only ({every}"
+        blocks = (f"blocks of {out['block_steps']} steps every {out['period_steps']} from step {out['from_step']}"
+                  if out["period_steps"] else "calibration blocks only")
+        out["statement"] = (f"{detailed + skipped} step(s) in full detail, {boundary_only} with their times only "
+                            f"({blocks}"
                             + (f"; {cost}" + ("" if footprint else f", over {out['budget_frac']:.0%} of the step")
-                               if cost and out["period_steps"] else "")
+                               if cost and out["period_steps"] else "") + read
                             + "); step times and throughput use every step, the breakdown, overlap, what-if and "
                               "stragglers the detailed ones")
     return out
@@ -223,7 +257,8 @@ def step_stats(model) -> dict:
     out: dict = {"count": int(len(t)), "total_count": int(len(job)), "warmup_steps": int(model.warmup_steps),
                  "warmup_source": model.warmup_source, "traced_steps": [int(x) for x in job.loc[job["traced"], "step"]],
                  "flops_counted_steps": [int(x) for x in job.loc[job["flops_counted"], "step"]],
-                 "detailed_count": int(job["measured"].sum()), "boundary_only_count": int(job["boundary_only"].sum())}
+                 "detailed_count": int(job["measured"].sum()), "boundary_only_count": int(job["boundary_only"].sum()),
+                 "detail_skipped_count": int(job["detail_skipped"].sum()), "detail_read_every": model.detail_every}
     traced = job.loc[job["traced"], "time_s"].to_numpy(float)
     # what a trace capture (--trace-steps, the default kernel sample) cost the job: its steps' extra time over a
     # typical measured step (docs/metrics.md, "Why the GPU is slow")
@@ -239,7 +274,8 @@ def step_stats(model) -> dict:
         out["jitter_frac"] = None
         out["time_s_reason"] = ("no measured steps (all steps are warm-up, traced or FLOP-counted, or none were "
                                 "recorded)")
-    out["sampling"] = sampling(model.run.meta, out["detailed_count"], out["boundary_only_count"])
+    out["sampling"] = sampling(model.run.meta, out["detailed_count"], out["boundary_only_count"],
+                               out["detail_skipped_count"], model.detail_every)
     out["per_step_time_s"] = [float(x) for x in t]
     out["per_step_index"] = [int(x) for x in meas["step"]]
     total_t = float(t.sum()) if len(t) else 0.0

@@ -71,6 +71,7 @@ from contextlib import contextmanager
 
 from dtprof.collectors import inputs
 from dtprof.collectors.records import Clock, Event, Meta, Span, Step
+from dtprof.schema import DETAIL_BLOCK
 
 now = time.monotonic_ns
 # _row(Span, (...) + _SPAN_TAIL): a typed row from its columns in order without the namedtuple's Python-level
@@ -88,7 +89,7 @@ _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s":
 # Step sampling (docs/cli-run.md, "Sampling")
 SAMPLE_FROM = 32             # steps before this one are all in full detail (warm-up, compiles, the FLOP step)
 SAMPLE_CALIBRATION = 32      # then this many steps alternate boundary-only and full-detail blocks
-SAMPLE_BLOCK = 4             # steps per full-detail block
+SAMPLE_BLOCK = DETAIL_BLOCK  # steps per full-detail block (4)
 SAMPLE_BUDGET = 0.01         # dtprof's cost per step, as a fraction of the step, that sampling keeps under
 SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no measured detail cost reaches 1 % of them)
 SAMPLE_MAX_PERIOD = 4096

@@ -143,6 +143,9 @@ COLLECTIVE_OPS = (
 )
 # point-to-point ops among them: the rest are collectives of a whole group
 P2P_OPS = ("send", "recv")
+# Step sampling (docs/cli-run.md, "Sampling"): the ranks record full detail in blocks of this many consecutive steps
+# starting at multiples of their period; a long run's analysis reads every k-th block (analyzers/steps.py)
+DETAIL_BLOCK = 4
 
 
 def columns(table: str) -> list[str]:

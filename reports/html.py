@@ -268,7 +268,8 @@ def _cards(summary: dict) -> str:
         subs["step_time_p50"] += (f"; evaluation between steps not included ({esc(ev.get('stretches'))} "
                                   f"stretch(es), {fmt_s(ev.get('total_s'))} on rank {esc(ev.get('rank'))})")
     samp = pick(summary, ["steps.sampling"]) or {}
-    if pick(summary, ["steps.boundary_only_count"]) and samp.get("statement"):   # what sampling recorded in detail
+    if (pick(summary, ["steps.boundary_only_count"]) or pick(summary, ["steps.detail_skipped_count"])) \
+            and samp.get("statement"):   # what sampling recorded in detail
         subs["step_time_p50"] += f"; sampling: {esc(samp['statement'])}"
         subs["exposed_comm"] += "; over the steps recorded in full detail"
     subs.update(gpu_card_subs(summary))

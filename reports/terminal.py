@@ -31,7 +31,8 @@ def format_summary_text(summary: dict) -> str:
     lines.append(f"steps: {st.get('count', 0)} measured ({st.get('warmup_steps', 0)} warm-up excluded); "
                  f"step time p50 {short_s(t.get('p50'))}, p90 {short_s(t.get('p90'))}, "
                  f"p99 {short_s(t.get('p99'))}")
-    if (st.get("sampling") or {}).get("statement") and st.get("boundary_only_count"):
+    if (st.get("sampling") or {}).get("statement") and (st.get("boundary_only_count")
+                                                         or st.get("detail_skipped_count")):
         lines.append(f"sampling: {st['sampling']['statement']}")
     # where the step went (breakdown.py): one column per part, summing to the mean step time
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)

@@ -1,0 +1,69 @@
+"""A long run's analysis reads the detail of a sample of its detailed steps (analyzers/steps.py detail_every):
+every node and the whole run pick the same blocks, the figures from the stored node summaries equal those from the
+raw tables, every step's time still counts, and the summary says what was read. The limits are lowered here so
+that a small synthetic run is "long"."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dtprof.analyzers import steps as steps_mod
+from dtprof.analyzers.runmodel import RunModel
+from dtprof.reader import open_run
+from dtprof.runformat import create_run_dir
+from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR
+from dtprof.summarize import summarize_node
+from scale_checks import assert_summaries_equal_raw
+from synth import build_ddp_node
+
+STEPS, PERIOD = 400, 8
+
+
+@pytest.fixture
+def long_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(steps_mod, "ANALYSED_RANK_STEPS", 256)
+    monkeypatch.setattr(steps_mod, "ANALYSED_MIN_STEPS", 16)
+    run = create_run_dir(tmp_path / "run", {"command": ["synthetic"]})
+    nodes = [build_ddp_node(run, n, 2, 4, STEPS, slow_rank=3, slow_factor=1.3, seed=1, detail_period=PERIOD)
+             for n in range(2)]
+    return run, nodes
+
+
+def _detailed(steps):
+    return [s for s in steps if s < 32 or s % PERIOD < 4]
+
+
+def test_the_run_reads_every_kth_detailed_block_and_counts_every_step(long_run):
+    run, _ = long_run
+    model = RunModel.of(open_run(run), source="raw")
+    # 215 timed detailed steps of 4 ranks, at most 256 // 4 = 64 read: the blocks at multiples of 4k steps, k = 8
+    assert model.detail_every == 8
+    timed = model.job.loc[model.job["timed"], "step"].tolist()
+    assert sorted(model.measured_steps) == [s for s in _detailed(timed) if s % 32 < 4]
+    assert len(timed) == STEPS - 1                      # every step's time counts (1 warm-up step)
+    spans = model.spans
+    assert set(spans["step"].dropna().astype(int)) <= set(model.measured_steps) | set(range(32))
+
+
+def test_stored_node_summaries_equal_the_raw_tables(long_run):
+    run, nodes = long_run
+    for nd in nodes:
+        summarize_node(str(nd))
+        facts = json.loads((nd / SUMMARY_DIR / SUMMARY_COMPLETE).read_text())
+        assert facts["detail_every"] == 4     # a node has 2 ranks: at most 128 of its steps are read (a superset)
+    s = assert_summaries_equal_raw(run)
+    st = s["steps"]
+    assert st["detail_read_every"] == 8 and st["detailed_count"] == len(RunModel.of(open_run(run)).measured_steps)
+    assert st["detailed_count"] + st["detail_skipped_count"] == len(_detailed(range(1, STEPS)))
+    assert st["boundary_only_count"] == STEPS - 1 - len(_detailed(range(1, STEPS)))
+    assert "the analysis read the detail of" in st["sampling"]["statement"]
+    assert s["stragglers"] and s["stragglers"][0]["rank"] == 3
+
+
+def test_short_runs_read_all_their_detail():
+    assert steps_mod.detail_every(np.arange(1000), 8) == 1
+    assert steps_mod.detail_every(np.arange(64), 16_384) == 1      # at least ANALYSED_MIN_STEPS steps
+    big = steps_mod.detail_every(np.arange(1_000_000), 8)
+    assert big & (big - 1) == 0 and np.count_nonzero(steps_mod.detail_read(np.arange(1_000_000), big)) <= 16_384
