@@ -15,15 +15,15 @@ run analysed within a minute).
     .venv/bin/python benchmarks/footprint.py [--job-steps 200] [--synthetic-steps 20000] [--skip-job|--skip-synthetic]
                                              [--check]     # exit 1 when a target is missed (make bench: report only)
 
-Measured 2026-11-27 on the 2-core development VM (shared, busy), torch 2.13 CPU, before rank-side sampling: the
-job's rank files grow by 577 bytes per rank-step (498 MB per rank per day at 10 steps/s; 1,145 MB with the Parquet
-tables and node summary written after the job) against the 50 MB target; the TensorBoard sink 1,239 bytes a point
-(10.7 MB per rank per day at the default interval); the synthetic 8 x 20,000-step run analysed in 16.2 s at
-2.15 GiB peak (0.81 ms a step: ~810 s and far more memory for 1,000,000 steps in full detail, against 60 s).
+Every step in full detail (the figures of a job recorded before the rank side sampled steps; 2-core development
+VM, shared and busy, torch 2.13 CPU): the job's rank files grow by 577 bytes per rank-step (498 MB per rank per day
+at 10 steps/s; 1,145 MB with the Parquet tables and node summary written after the job) against the 50 MB target;
+the TensorBoard sink 1,239 bytes a point (10.7 MB per rank per day at the default interval); the synthetic
+8 x 20,000-step run analysed in 16.2 s at 2.15 GiB peak (0.81 ms a step: ~810 s and far more memory for 1,000,000
+steps in full detail, against 60 s).
 
-Without step sampling on the rank side every step keeps its spans and collectives, so the per-day figure is what a
-run costs today; the rank-side sampling (collectors/runtime.py) is what brings it under the target, and this
-benchmark is how to check it.
+In full detail every step keeps its spans and collectives; the rank side's step sampling (docs/cli-run.md,
+"Sampling") keeps only blocks of steps in detail, and this benchmark is how to check what a run then costs.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 HolisticTraceAnalysis' own figures.
 
 HTA is not a dependency: its figures were measured with HolisticTraceAnalysis 0.5.0 by
-    /tmp/hta/bin/python benchmarks/hta_figures.py
-(output in docs/interop.md, "GPU time against HTA"; HTA 0.6.1 gives the same temporal breakdown and overlap, see
-shared/data/kineto/README.md). Tolerance: 1 percentage point (issue 17), since HTA rounds times to whole µs.
+benchmarks/hta_figures.py run in a venv of its own (output and command in docs/interop.md, "GPU time against HTA";
+HTA 0.6.1 gives the same temporal breakdown and overlap, see the README beside the traces, conftest.SHARED).
+Tolerance: 1 percentage point (issue 17), since HTA rounds times to whole µs.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The report on an imported real GPU trace (shared/data/kineto/nccl_single_rank.json.gz), in real headless
+"""The report on an imported real GPU trace (nccl_single_rank.json.gz of conftest.SHARED), in real headless
 Chromium: GPU idle on the first screen, kernels drawn per CUDA stream under CPU-side outlines, the GPU time and
 top-kernel tables, and both overlap figures labelled with their source."""
 from __future__ import annotations

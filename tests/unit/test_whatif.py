@@ -197,7 +197,7 @@ def test_the_pipeline_schedule_replay_runs_on_the_what_if_engine_and_detects_a_c
 
 
 def test_collectives_at_link_peak_on_a_real_imported_nccl_trace(tmp_path):
-    # rank 0 of a real 2-rank NCCL job on A100s (shared/data/kineto): the run records the device, so the link peak
+    # rank 0 of a real 2-rank NCCL job on A100s (conftest.SHARED): the run records the device, so the link peak
     # is known (NVLink 3, 300 GB/s). Cutting transfers to their bytes at that peak saves something, and never more
     # than perfect_overlap, which removes the transfers altogether
     from click.testing import CliRunner
