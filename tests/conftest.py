@@ -123,6 +123,17 @@ def bare_job(folder: Path, code: str, out: str, nproc: int = 2, timeout: float =
     return folder / out
 
 
+def import_kineto(out: Path, *traces) -> Path:
+    """``dtprof import kineto TRACES -o OUT`` in this process; fails the test unless it exits 0. Returns OUT."""
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+
+    res = CliRunner().invoke(main, ["import", "kineto", *map(str, traces), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ dtprof compare
 
 def write_json(folder: Path, name: str, data: dict) -> str:

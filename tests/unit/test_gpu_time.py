@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 from click.testing import CliRunner
 
-from conftest import SHARED, needs_shared
+from conftest import SHARED, import_kineto, needs_shared
 from dtprof.cli import main
 
 pytestmark = needs_shared
@@ -35,9 +35,7 @@ def imported(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu")
     out = {}
     for name in HTA:
-        res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / name), "-o", str(d / name)])
-        assert res.exit_code == 0, res.output
-        out[name] = d / name
+        out[name] = import_kineto(d / name, SHARED / name)
     return out
 
 
@@ -107,10 +105,7 @@ def test_top_kernels_by_total_time_from_the_trace(imported):
 
 
 def test_cpu_only_trace_has_no_gpu_time(tmp_path):
-    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "cpu_only_rank34.json.gz"), "-o",
-                                    str(tmp_path / "run")])
-    assert res.exit_code == 0, res.output
-    s = _summary(tmp_path / "run")
+    s = _summary(import_kineto(tmp_path / "run", SHARED / "cpu_only_rank34.json.gz"))
     assert s["ranks"][0]["gpu_time"] is None and s["kernels"] == []
 
 
