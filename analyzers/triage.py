@@ -608,9 +608,3 @@ def triage(run, incident: Incident, *, stragglers: list | None = None, straggler
         again = f"; rank(s) {ranks_text({r['rank'] for r in restarts})} restarted"
     return c.result("healthy", [], None, f"healthy: no hang, crash, mismatch or persistent straggler found "
                                          f"({len(c.known)} rank(s) examined){again}")
-
-
-def format_text(res: dict) -> str:
-    lines = [res["message"]]
-    lines += [f"  - {e['message']}" for e in res["evidence"]]
-    return "\n".join(lines)

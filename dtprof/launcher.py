@@ -574,47 +574,122 @@ Exit codes:
 def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
                 kernel_sample, hang_timeout, metrics, metrics_interval, full_detail, sample_every, no_report, quiet,
                 command):
-    command = list(command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
-    trace_steps = parse_trace_steps(trace_steps)
-    if sample_every is not None and (sample_every & (sample_every - 1) or full_detail):
-        raise InputError(f"--sample-every {sample_every}: " + ("not with --full-detail" if full_detail
-                                                               else "must be a power of two (8, 16, 32, ...)"))
-    sink_specs = _check_sinks(metrics)
+    command, trace_steps, sink_specs = _check_options(command, trace_steps, sample_every, full_detail, metrics)
 
     def say(msg: str) -> None:
         if not quiet:
             click.echo(msg, err=True)
 
-    config = {"flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype,
-              "count_flops": count_flops, "trace_steps": trace_steps, "hang_timeout_s": hang_timeout,
-              "nvml_interval_s": None if no_nvml else nvml_interval}
+    config, rank_config = _configs(
+        flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype, count_flops=count_flops,
+        trace_steps=trace_steps, hang_timeout=hang_timeout, nvml_interval=None if no_nvml else nvml_interval,
+        sink_specs=sink_specs, metrics_interval=metrics_interval, full_detail=full_detail,
+        sample_every=sample_every, kernel_sample=kernel_sample)
+    host = socket.gethostname()
+    cwd = Path.cwd()
+    env = dict(os.environ)
+    join_id = join_id_for(command, env)
+    _check_command_starts(command)
+    job_python_info = check_job_python(command, env)
+    job_python_exe = job_python_info["executable"] if job_python_info else None
+    run_dir, node_dir = _set_up_run_dir(out, command, cwd, join_id, host, say)
+    node_info, start_wall = _start_node_info(node_dir, host, command, cwd, env, join_id, job_python_info, config,
+                                             no_nvml)
+    say(f"dtprof: recording to {node_dir}")
+
+    events = NodeTableWriter(node_dir, "events")
+    sampler = None if no_nvml else _start_sampler(node_dir, nvml_interval, events, host, node_info)
+    job = _start_job(command, job_env(env, node_dir, rank_config), node_dir, say, events, host, node_info, sampler)
+    publisher = _guarded("metrics", warn, _start_publisher, sink_specs, run_dir, node_dir, host, config,
+                         metrics_interval, say) if sink_specs else None
+    watchdog = None
+    if hang_timeout is not None:
+        from dtprof.watchdog import Watchdog
+
+        watchdog = _guarded("watchdog", warn, _start_watchdog, Watchdog, node_dir, hang_timeout,
+                            job.stop_by_watchdog)
+    returncode = job.wait()
+    end_wall, end_mono = time.time(), time.monotonic_ns()
+    _guarded("probe", warn, machine.end_record, node_info, job_python_exe, env)
+    fired = _stop_watchdog(watchdog, job, returncode)
+    exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)
+    if publisher is not None:   # before the sampler stops: its last samples are published too
+        _guarded("metrics", warn, publisher.stop, exit_code)
+        node_info["metrics"] = publisher.record()
+    if sampler is not None:
+        node_info["nvml"] = sampler.stop()
+
+    status, died_of = _job_status(returncode, fired, job)
+    node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
+                     exit_code=exit_code, job_returncode=returncode, status=status,
+                     signal=died_of, signals_forwarded=job.forwarded or None, stops=job.stops or None,
+                     log_problems=job.log_problems or None)
+    _close_events(events, host, job, status, exit_code, died_of)
+    _write_manifest(node_dir, node_info)
+    faults = _guarded("events", warn, own_faults_line, node_dir)
+    if faults:
+        warn(faults)
+
+    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet, job_python_exe)
+    sys.exit(exit_code)
+
+
+# ---- run_command's steps, in the order it takes them --------------------------------------------------------
+
+def _check_options(command: tuple[str, ...], trace_steps: str | None, sample_every: int | None, full_detail: bool,
+                   metrics: tuple[str, ...]) -> tuple[list[str], str | None, list]:
+    """The options and the command, checked before anything runs (InputError: one line, exit 2): the command
+    without a leading ``--``, the normalised --trace-steps and the parsed --metrics sinks."""
+    command_list = list(command)
+    if command_list and command_list[0] == "--":
+        command_list = command_list[1:]
+    if not command_list:
+        raise InputError("no command given: dtprof run [OPTIONS] -- COMMAND...")
+    trace_steps = parse_trace_steps(trace_steps)
+    if sample_every is not None and (sample_every & (sample_every - 1) or full_detail):
+        raise InputError(f"--sample-every {sample_every}: " + ("not with --full-detail" if full_detail
+                                                               else "must be a power of two (8, 16, 32, ...)"))
+    return command_list, trace_steps, _check_sinks(metrics)
+
+
+def _configs(*, flops_per_step: float | None, peak_tflops: float | None, dtype: str | None, count_flops: bool,
+             trace_steps: str | None, hang_timeout: float | None, nvml_interval: float | None, sink_specs: list,
+             metrics_interval: float, full_detail: bool, sample_every: int | None,
+             kernel_sample: bool) -> tuple[dict, dict]:
+    """node.json's ``config`` (the options as asked) and the ranks' DTPROF_CONFIG (what the ranks act on)."""
+    config: dict[str, object] = {
+        "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype, "count_flops": count_flops,
+        "trace_steps": trace_steps, "hang_timeout_s": hang_timeout, "nvml_interval_s": nvml_interval}
     if sink_specs:
         config.update(metrics=[m.text for m in sink_specs], metrics_interval_s=metrics_interval)
-    rank_config = {"trace_steps": trace_steps, "count_flops": count_flops, "hang_timeout_s": hang_timeout,
-                   "flush_interval_s": 1.0}
+    rank_config: dict[str, object] = {"trace_steps": trace_steps, "count_flops": count_flops,
+                                      "hang_timeout_s": hang_timeout, "flush_interval_s": 1.0}
     if full_detail or sample_every:     # sampling's defaults need no word to the ranks
         config.update(full_detail=full_detail, sample_every=sample_every)
         rank_config.update(full_detail=full_detail, sample_every=sample_every)
     if kernel_sample and not trace_steps:   # the rank decides: only a process that uses a GPU captures
         config["kernel_sample"] = KERNEL_SAMPLE_STEPS
         rank_config["kernel_sample"] = {"steps": KERNEL_SAMPLE_STEPS, "gpu_only": True}
-    host = socket.gethostname()
-    cwd = Path.cwd()
-    env = dict(os.environ)
-    join_id = join_id_for(command, env)
+    return config, rank_config
+
+
+def _check_command_starts(command: list[str]) -> None:
+    """Exit 2 for a dtprof option given after the command's start, 127 for a command not found: before any
+    directory exists, so nothing is recorded and nothing left behind."""
     if command[0].startswith("-"):         # an option click passed on as the command (ignore_unknown_options)
         click.echo(f"dtprof run: no such option {command[0]!r} (dtprof's options go before the job's command; "
                    "`dtprof run --help` lists them; nothing was run or recorded)", err=True)
         sys.exit(2)
-    if shutil.which(command[0]) is None:   # before any directory exists: nothing to record, nothing left behind
+    if shutil.which(command[0]) is None:
         click.echo(f"dtprof: cannot start {command[0]!r}: command not found (nothing was run or recorded)",
                    err=True)
         sys.exit(127)
-    job_python_info = check_job_python(command, env)
+
+
+def _set_up_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: str | None, host: str,
+                    say: Callable[[str], None]) -> tuple[Path, Path]:
+    """The run directory (created, or joined by the other nodes of one torchrun job) and this launcher's node
+    directory in it."""
     run_dir = _create_run_dir(out, command, cwd, join_id)
     try:
         node_dir = create_node_dir(run_dir, host)
@@ -623,7 +698,12 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
+    return run_dir, node_dir
 
+
+def _start_node_info(node_dir: Path, host: str, command: list[str], cwd: Path, env: dict, join_id: str | None,
+                     job_python_info: dict | None, config: dict, no_nvml: bool) -> tuple[dict, float]:
+    """node.json as the job starts (written), and the wall time of the start."""
     job_python_exe = job_python_info["executable"] if job_python_info else None
     # identity and the start probes (dtprof/machine.py; the GPU one in the job's Python)
     machine_info = machine.start_record(command, cwd, job_python_exe, env)
@@ -636,18 +716,23 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None, **machine_info,
     }
     _write_manifest(node_dir, node_info)
-    say(f"dtprof: recording to {node_dir}")
+    return node_info, start_wall
 
-    events = NodeTableWriter(node_dir, "events")
-    sampler = None
-    if not no_nvml:
-        from dtprof.collectors.nvml import NvmlSampler
 
-        sampler = NvmlSampler(node_dir, interval_s=nvml_interval, events=events, host=host)
-        node_info["nvml"] = sampler.start()
-        _write_manifest(node_dir, node_info)
+def _start_sampler(node_dir: Path, interval_s: float, events: NodeTableWriter, host: str, node_info: dict):
+    """The NVML sampler thread; what it found goes into node.json at once."""
+    from dtprof.collectors.nvml import NvmlSampler
 
-    job = Job(command, job_env(env, node_dir, rank_config), node_dir, say)
+    sampler = NvmlSampler(node_dir, interval_s=interval_s, events=events, host=host)
+    node_info["nvml"] = sampler.start()
+    _write_manifest(node_dir, node_info)
+    return sampler
+
+
+def _start_job(command: list[str], env: dict, node_dir: Path, say: Callable[[str], None], events: NodeTableWriter,
+               host: str, node_info: dict, sampler) -> Job:
+    """The job, started; when it cannot start, the record is closed as failed and dtprof exits 127."""
+    job = Job(command, env, node_dir, say)
     try:
         job.start()
     except OSError as e:
@@ -659,30 +744,20 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         _write_manifest(node_dir, node_info)
         click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
         sys.exit(127)
+    return job
 
-    publisher = _guarded("metrics", warn, _start_publisher, sink_specs, run_dir, node_dir, host, config,
-                         metrics_interval, say) if sink_specs else None
-    watchdog = None
-    if hang_timeout is not None:
-        from dtprof.watchdog import Watchdog
 
-        watchdog = _guarded("watchdog", warn, _start_watchdog, Watchdog, node_dir, hang_timeout,
-                            job.stop_by_watchdog)
-    returncode = job.wait()
-    end_wall, end_mono = time.time(), time.monotonic_ns()
-    _guarded("probe", warn, machine.end_record, node_info, job_python_exe, env)
-    fired = False
-    if watchdog is not None:
-        _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
-        _guarded("watchdog", warn, watchdog.stop)
-        fired = bool(getattr(watchdog, "fired", False)) or job.stopped_by_watchdog
-    exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)
-    if publisher is not None:   # before the sampler stops: its last samples are published too
-        _guarded("metrics", warn, publisher.stop, exit_code)
-        node_info["metrics"] = publisher.record()
-    if sampler is not None:
-        node_info["nvml"] = sampler.stop()
+def _stop_watchdog(watchdog, job: Job, returncode: int) -> bool:
+    """Tell the watchdog (if any) how the job ended and stop it; True when it fired (stopped a hung job)."""
+    if watchdog is None:
+        return False
+    _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
+    _guarded("watchdog", warn, watchdog.stop)
+    return bool(getattr(watchdog, "fired", False)) or job.stopped_by_watchdog
 
+
+def _job_status(returncode: int, fired: bool, job: Job) -> tuple[str, str | None]:
+    """node.json's ``status`` (hung, completed, killed or failed) and the name of the signal the job died of."""
     died_of = signal.Signals(-returncode).name if returncode < 0 and -returncode in signal.valid_signals() else None
     if fired:
         status = "hung"
@@ -692,10 +767,12 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         status = "killed"
     else:
         status = "failed"
-    node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
-                     exit_code=exit_code, job_returncode=returncode, status=status,
-                     signal=died_of, signals_forwarded=job.forwarded or None, stops=job.stops or None,
-                     log_problems=job.log_problems or None)
+    return status, died_of
+
+
+def _close_events(events: NodeTableWriter, host: str, job: Job, status: str, exit_code: int,
+                  died_of: str | None) -> None:
+    """The launcher's last events (how the job ended, each stop, each log problem), then the table closed."""
     _event(events, host, "info" if status == "completed" else "warning",
            f"job {status} with exit code {exit_code}" + (f" (signal {died_of})" if died_of else ""))
     for stop in job.stops:
@@ -704,13 +781,6 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     for problem in job.log_problems:
         _event(events, host, "error", problem)
     _guarded("events", warn, events.close)
-    _write_manifest(node_dir, node_info)
-    faults = _guarded("events", warn, own_faults_line, node_dir)
-    if faults:
-        warn(faults)
-
-    _post_run(run_dir, node_dir, node_info, config, no_report, say, quiet, job_python_exe)
-    sys.exit(exit_code)
 
 
 def _create_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: str | None) -> Path:

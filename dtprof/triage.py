@@ -57,10 +57,11 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     0 healthy, 1 any other verdict (a problem was found), 2 unreadable input. `dtprof run --hang-timeout` exits
     124 when it stopped a hung job.
     """
-    from dtprof.analyzers.triage import format_text, triage
+    from dtprof.analyzers.triage import triage
     from dtprof.collectors.flight_recorder import DumpError
     from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run, read_incident
+    from dtprof.reports.triage import format_text
 
     if run_dir is None and not fr_paths:
         raise click.UsageError("give RUN_DIR, or Flight Recorder dumps with --fr")

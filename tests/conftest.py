@@ -14,6 +14,7 @@ cache out of the tests. The tests of the per-run calibration give their jobs an 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -78,12 +79,23 @@ def torchrun(script, *args, nproc: int = 2) -> list[str]:
             *map(str, args)]
 
 
+def _dtprof_command(args, boot: str | None) -> list[str]:
+    code = ["-c", boot] if boot else ["-m", "dtprof.cli"]
+    return [sys.executable, *code, *map(str, args)]
+
+
 def dtprof(*args, cwd=REPO, env=None, timeout: float = 300, boot: str | None = None) -> subprocess.CompletedProcess:
     """``dtprof ARGS`` in a fresh Python, output captured; ``boot`` replaces the entry point's code (a test that
     patches something before the CLI starts)."""
-    code = ["-c", boot] if boot else ["-m", "dtprof.cli"]
-    return subprocess.run([sys.executable, *code, *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(_dtprof_command(args, boot), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def dtprof_popen(*args, cwd=REPO, env=None, boot: str | None = None, **popen) -> subprocess.Popen:
+    """``dtprof ARGS`` started in a fresh Python for a test that acts while it runs (signals it, reads its output
+    as it comes): stdout and stderr piped as text unless ``popen`` says otherwise (passed to ``subprocess.Popen``)."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(_dtprof_command(args, boot), cwd=cwd, env=env, **popen)
 
 
 def record(out: Path, script, *args, opts=(), nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -95,6 +107,50 @@ def record(out: Path, script, *args, opts=(), nproc: int = 2, timeout: float = 3
                timeout=timeout)
     assert returncode(p) == 0, f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     return p
+
+
+def bare_job(folder: Path, code: str, out: str, nproc: int = 2, timeout: float = 180) -> Path:
+    """A job without dtprof: ``code`` written to FOLDER/job.py and run by torchrun with one argument, the empty
+    folder FOLDER/OUT that it writes into (traces, dumps); fails the test unless it exits 0 (torch's exit abort
+    is retried: torch_abort.py). Returns FOLDER/OUT."""
+    from torch_abort import returncode
+
+    (folder / "job.py").write_text(code)
+    (folder / out).mkdir()
+    r = subprocess.run(torchrun(folder / "job.py", folder / out, nproc=nproc), capture_output=True, text=True,
+                       timeout=timeout)
+    assert returncode(r) == 0, r.stderr[-2000:]
+    return folder / out
+
+
+def import_kineto(out: Path, *traces) -> Path:
+    """``dtprof import kineto TRACES -o OUT`` in this process; fails the test unless it exits 0. Returns OUT."""
+    from click.testing import CliRunner
+
+    from dtprof.cli import main
+
+    res = CliRunner().invoke(main, ["import", "kineto", *map(str, traces), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ dtprof compare
+
+def write_json(folder: Path, name: str, data: dict) -> str:
+    """FOLDER/NAME.json holding ``data`` (a summary.json written by a test); its path as a string."""
+    p = folder / f"{name}.json"
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+def compare_cli(*args) -> tuple[int, str]:
+    """``dtprof compare ARGS`` in this process: (exit code, output)."""
+    from click.testing import CliRunner
+
+    from dtprof.compare import compare_command
+
+    r = CliRunner().invoke(compare_command, list(map(str, args)))
+    return r.exit_code, r.output
 
 
 # ------------------------------------------------------------------------------------------------ the browser

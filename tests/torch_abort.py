@@ -1,6 +1,6 @@
 """torch's own abort at a rank's exit, after training: "terminate called without an active exception".
 
-The cause (a core dump of a bare 3-rank DDP job on torch 2.13.0, 2026-11-24): every backward stashes a
+The cause (a core dump of a bare 3-rank DDP job on torch 2.13.0): every backward stashes a
 ``contextvars.Context`` in torch's thread-local state (``torch.autograd.graph._engine_run_backward``); each gloo
 collective issued during it captures that state. A gloo worker thread frees a finished collective (here the final
 barrier's work, which holds the earlier all-reduces) a moment after the waiting Python thread returns; when that
@@ -11,8 +11,8 @@ even after a barrier and ``destroy_process_group`` (pytorch issue #190489).
 
 The tests check a real job's exit status through ``returncode``: on this abort it raises ``TorchExitAbort``, and
 pytest runs that test again (at most four times: ``--reruns 4 --only-rerun TorchExitAbort`` in pyproject.toml);
-any other failure fails the test. Twice was too few: a fresh-clone run of the suite (2026-11-24 18:09 UTC) had the
-accelerate test's pair of jobs (four ranks' exits) abort in two attempts in a row, one short of failing. The
+any other failure fails the test. Twice was too few: a fresh-clone run of the suite had the accelerate test's pair
+of jobs (four ranks' exits) abort in two attempts in a row, one short of failing. The
 benchmarks, outside pytest, run such a job once more (``once_more_on_exit_abort``).
 """
 from __future__ import annotations

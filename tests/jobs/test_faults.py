@@ -22,17 +22,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from conftest import dtprof, dtprof_popen
 from dtprof.cli import main
 from torch_abort import returncode
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-
-
-def dtprof_run(args, cwd, timeout=300, **kw):
-    return subprocess.run([sys.executable, "-m", "dtprof.cli", "run", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def alive(pid: int) -> bool:
@@ -89,8 +85,8 @@ def test_hang_in_cpp_leaves_no_process_running(tmp_path):
     t0 = time.monotonic()
     # 20 s: longer than the ranks' start-up on a busy machine, so the watchdog fires on the hang inside C++, not
     # on a slow `import torch` (checked below from the ranks' own hang dumps).
-    proc = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "--hang-timeout", "20", "--", *TORCHRUN,
-                       "job.py"], cwd=tmp_path)
+    proc = dtprof("run", "--out", "r", "--no-nvml", "--no-report", "--hang-timeout", "20", "--", *TORCHRUN,
+                  "job.py", cwd=tmp_path)
     took = time.monotonic() - t0
     assert proc.returncode == 124, proc.stderr[-3000:]
     node = next((tmp_path / "r").glob("node-*"))
@@ -134,9 +130,8 @@ def test_sigterm_to_dtprof_run_stops_ranks_stuck_in_cpp(tmp_path):
     """SIGTERM to `dtprof run` while every rank is inside C++: SIGTERM alone stops them (torchrun need not fall
     back to SIGKILL after its 30 s), and no process of the job is left."""
     (tmp_path / "job.py").write_text(HANG_JOB)
-    launcher = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", "r", "--no-nvml",
-                                 "--no-report", "--", *TORCHRUN, "job.py"], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = dtprof_popen("run", "--out", "r", "--no-nvml", "--no-report", "--", *TORCHRUN, "job.py",
+                            cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not list((tmp_path / "r").glob("node-*")) and time.monotonic() < deadline:
@@ -201,8 +196,8 @@ QUIET_JOB = textwrap.dedent("""
 
 def test_full_disk_never_blocks_a_chatty_job(small_disk, tmp_path):
     (tmp_path / "job.py").write_text(CHATTY_JOB)
-    proc = dtprof_run(["--out", small_disk / "r", "--no-nvml", "--", *TORCHRUN, "job.py"], cwd=tmp_path,
-                      timeout=240)
+    proc = dtprof("run", "--out", small_disk / "r", "--no-nvml", "--", *TORCHRUN, "job.py", cwd=tmp_path,
+                  timeout=240)
     assert returncode(proc) == 0, proc.stderr[-3000:]
     # Two ranks share the pipe and Python writes a line's text and its newline separately, so lines can
     # interleave: count each rank's numbered lines wherever they are.
@@ -214,8 +209,8 @@ def test_full_disk_never_blocks_a_chatty_job(small_disk, tmp_path):
 
 def test_full_disk_never_silences_a_quiet_job(small_disk, tmp_path):
     (tmp_path / "job.py").write_text(QUIET_JOB)
-    proc = dtprof_run(["--out", small_disk / "r", "--no-nvml", "--", *TORCHRUN, "job.py"], cwd=tmp_path,
-                      timeout=240)
+    proc = dtprof("run", "--out", small_disk / "r", "--no-nvml", "--", *TORCHRUN, "job.py", cwd=tmp_path,
+                  timeout=240)
     assert returncode(proc) == 0, proc.stderr[-3000:]
     assert len(set(re.findall(r"rank (\d) loss (\d+)", proc.stdout))) == 30, proc.stdout[-2000:]
     assert "disk full" in proc.stderr and "Traceback" not in proc.stderr
@@ -245,9 +240,7 @@ LONG_JOB = textwrap.dedent("""
 
 def test_killed_launcher_does_not_harm_the_job(tmp_path):
     (tmp_path / "job.py").write_text(LONG_JOB)
-    launcher = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", "r", "--no-nvml", "--",
-                                 *TORCHRUN, "job.py"], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = dtprof_popen("run", "--out", "r", "--no-nvml", "--", *TORCHRUN, "job.py", cwd=tmp_path)
     # the job is running and printing. Read its first line byte by byte: readline() would buffer the lines behind
     # it, which communicate() (reading the raw pipe) then never sees -- "rank 0 step 0" went missing that way once
     first = ""

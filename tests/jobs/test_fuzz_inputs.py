@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,6 +23,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from conftest import dtprof
 from dtprof.cli import main
 from dtprof.runformat import SUMMARY_DIR
 from torch_abort import returncode
@@ -55,10 +55,8 @@ def real(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz-real")
     (d / "job.py").write_text(JOB)
     (d / "fr").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "dtprof.cli", "run", "--out", "run", "--no-nvml", "--no-report",
-                           "--trace-steps", "1:3", "--", sys.executable, "-m", "torch.distributed.run",
-                           "--nproc_per_node=2", "--standalone", "job.py", "fr"], cwd=d, capture_output=True,
-                          text=True, timeout=300)
+    proc = dtprof("run", "--out", "run", "--no-nvml", "--no-report", "--trace-steps", "1:3", "--", sys.executable,
+                  "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "job.py", "fr", cwd=d)
     assert returncode(proc) == 0, proc.stderr[-3000:]
     node = next((d / "run").glob("node-*"))
     assert json.loads((node / "node.json").read_text())["post"]["compacted"], proc.stderr[-3000:]

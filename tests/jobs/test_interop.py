@@ -13,11 +13,10 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from conftest import SHARED, needs_shared
+from conftest import SHARED, bare_job, needs_shared
 from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.cli import main
 from dtprof.reader import open_run
-from torch_abort import returncode
 
 JOB = textwrap.dedent("""
     import json, os, sys, time, torch, torch.distributed as dist
@@ -52,14 +51,7 @@ JOB = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kineto")
-    (d / "job.py").write_text(JOB)
-    out = d / "traces"
-    out.mkdir()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                        str(d / "job.py"), str(out)], capture_output=True, text=True, timeout=180)
-    assert returncode(r) == 0, r.stderr[-2000:]
-    return out
+    return bare_job(tmp_path_factory.mktemp("kineto"), JOB, "traces")
 
 
 def _import(args):

@@ -1,16 +1,14 @@
 """`dtprof import fr`: real Flight Recorder dumps from a 2-rank gloo torchrun job become collectives rows."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 from click.testing import CliRunner
 
+from conftest import bare_job
 from dtprof.cli import main
 from dtprof.reader import open_run
-from torch_abort import returncode
 
 JOB = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
@@ -35,14 +33,7 @@ JOB = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fr")
-    (d / "job.py").write_text(JOB)
-    out = d / "dumps"
-    out.mkdir()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                        str(d / "job.py"), str(out)], capture_output=True, text=True, timeout=180)
-    assert returncode(r) == 0, r.stderr[-2000:]
-    return out
+    return bare_job(tmp_path_factory.mktemp("fr"), JOB, "dumps")
 
 
 @pytest.mark.slow

@@ -10,12 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import dtprof._inject
-from conftest import EXAMPLES
+from conftest import EXAMPLES, dtprof
+from dtprof import _inject
 from dtprof.reader import open_run
 from dtprof.runformat import create_node_dir, create_run_dir
 
-INJECT = Path(dtprof._inject.__file__).parent
+INJECT = Path(_inject.__file__).parent
 JOB = ["--steps", "5", "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
 
 
@@ -66,9 +66,8 @@ def _launcher_config(tmp_path: Path, *args: str) -> tuple[dict, dict]:
         import os
         open("seen.json", "w").write(os.environ["DTPROF_CONFIG"])
     """))
-    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "run", "--out", "run", "--no-report", "--no-count-flops",
-                        *args, "--", sys.executable, "job.py"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=180)
+    p = dtprof("run", "--out", "run", "--no-report", "--no-count-flops", *args, "--", sys.executable, "job.py",
+               cwd=tmp_path, timeout=180)
     assert p.returncode == 0, p.stderr
     (node,) = (tmp_path / "run").glob("node-*")
     return json.loads((tmp_path / "seen.json").read_text()), json.loads((node / "node.json").read_text())["config"]

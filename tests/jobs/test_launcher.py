@@ -13,16 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import dtprof._inject
-from conftest import TESTS
-from dtprof import launcher
+from conftest import TESTS, dtprof, dtprof_popen
+from dtprof import _inject, launcher
 from dtprof.reader import open_run
-
-
-def dtprof_run(args, cwd, env=None, **kw):
-    """Run `dtprof run ARGS` in a subprocess; returns CompletedProcess (text)."""
-    return subprocess.run([sys.executable, "-m", "dtprof.cli", "run", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120, **kw)
 
 
 def write(path: Path, code: str) -> Path:
@@ -49,9 +42,8 @@ def exit3(tmp_path_factory):
         sys.exit(3)
     """)
     env = dict(os.environ, PYTHONPATH="/user/lib", NCCL_DEBUG="INFO", OMP_NUM_THREADS="3")
-    proc = dtprof_run(["--out", "run", "--trace-steps", "2:4", "--count-flops", "--flops-per-step", "1e12",
-                       "--dtype", "fp16", "--no-report", "--", sys.executable, "job.py", "--lr", "1"],
-                      cwd=d, env=env)
+    proc = dtprof("run", "--out", "run", "--trace-steps", "2:4", "--count-flops", "--flops-per-step", "1e12",
+                  "--dtype", "fp16", "--no-report", "--", sys.executable, "job.py", "--lr", "1", cwd=d, env=env)
     return d, proc
 
 
@@ -74,7 +66,7 @@ def test_job_environment_contract(exit3):
     seen = json.loads((d / "seen_env.json").read_text())
     node = only_node(d / "run")
     assert seen["DTPROF_NODE_DIR"] == str(node.resolve())
-    inject = str(Path(dtprof._inject.__file__).resolve().parent)
+    inject = str(Path(_inject.__file__).resolve().parent)   # dtprof._inject (the name dtprof is conftest's)
     assert seen["PYTHONPATH"] == inject + os.pathsep + "/user/lib"
     assert json.loads(seen["DTPROF_CONFIG"]) == {"trace_steps": "2:4", "count_flops": True, "hang_timeout_s": None,
                                                  "flush_interval_s": 1.0}
@@ -130,7 +122,7 @@ def test_git_commit_and_dirty_flag(tmp_path):
 
 def test_default_run_dir_name(tmp_path):
     write(tmp_path / "train_small.py", "print('hi')\n")
-    proc = dtprof_run(["--no-nvml", "--no-report", "-q", "--", sys.executable, "train_small.py"], cwd=tmp_path)
+    proc = dtprof("run", "--no-nvml", "--no-report", "-q", "--", sys.executable, "train_small.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     runs = list((tmp_path / "dtprof-runs").iterdir())
     assert len(runs) == 1 and re.fullmatch(r"\d{8}T\d{6}Z-train_small", runs[0].name), runs
@@ -142,11 +134,11 @@ def test_default_run_dir_name(tmp_path):
 
 def test_existing_run_is_refused_and_untouched(tmp_path):
     write(tmp_path / "mark.py", "open('ran', 'a').write('x')\n")
-    first = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "-q", "--", sys.executable, "mark.py"],
-                       cwd=tmp_path)
+    first = dtprof("run", "--out", "r", "--no-nvml", "--no-report", "-q", "--", sys.executable, "mark.py",
+                   cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "r").rglob("*") if p.is_file()}
-    second = dtprof_run(["--out", "r", "--", sys.executable, "mark.py"], cwd=tmp_path)
+    second = dtprof("run", "--out", "r", "--", sys.executable, "mark.py", cwd=tmp_path)
     assert second.returncode == 2
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1 and "already holds a run" in lines[0] and "Traceback" not in second.stderr
@@ -156,16 +148,16 @@ def test_existing_run_is_refused_and_untouched(tmp_path):
 
     (tmp_path / "notarun").mkdir()
     (tmp_path / "notarun" / "data.txt").write_text("keep")
-    third = dtprof_run(["--out", "notarun", "--", sys.executable, "mark.py"], cwd=tmp_path)
+    third = dtprof("run", "--out", "notarun", "--", sys.executable, "mark.py", cwd=tmp_path)
     assert third.returncode == 2 and "not empty" in third.stderr
     assert sorted(p.name for p in (tmp_path / "notarun").iterdir()) == ["data.txt"]
 
 
 def test_usage_errors_exit_2(tmp_path):
-    bad = dtprof_run(["--trace-steps", "5:2", "--", sys.executable, "-c", "pass"], cwd=tmp_path)
+    bad = dtprof("run", "--trace-steps", "5:2", "--", sys.executable, "-c", "pass", cwd=tmp_path)
     assert bad.returncode == 2 and "--trace-steps" in bad.stderr
     assert not (tmp_path / "dtprof-runs").exists()
-    helptext = dtprof_run(["--help"], cwd=tmp_path)
+    helptext = dtprof("run", "--help", cwd=tmp_path)
     assert helptext.returncode == 0 and "124" in helptext.stdout and "dtprof run -- torchrun" in helptext.stdout
 
 
@@ -173,10 +165,8 @@ def _start_and_wait_ready(tmp_path, code, extra=()):
     write(tmp_path / "job.py", code)
     # SIGINT as in a terminal: a test suite started in the background (`make test &`) inherits SIGINT ignored, and
     # a job that starts with SIGINT ignored never installs Python's KeyboardInterrupt handler
-    proc = subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", "--out", "r", "--no-nvml", "--no-report",
-                             *extra, "--", sys.executable, "job.py"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = dtprof_popen("run", "--out", "r", "--no-nvml", "--no-report", *extra, "--", sys.executable, "job.py",
+                        cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -240,9 +230,8 @@ def test_fake_gpus_sampled_through_the_launcher(tmp_path):
     boot = ("import sys, fake_pynvml; sys.modules['pynvml'] = fake_pynvml.make(gpus=2, unsupported={1: {'nvlink'}});"
             "from dtprof.cli import main; main()")
     env = dict(os.environ, PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", boot, "run", "--out", "r", "--nvml-interval", "0.05", "--no-report",
-                           "--", sys.executable, "job.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = dtprof("run", "--out", "r", "--nvml-interval", "0.05", "--no-report", "--", sys.executable, "job.py",
+                  boot=boot, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     run = open_run(tmp_path / "r")
     nvml = run.nvml
@@ -292,9 +281,8 @@ main()
 
 def test_hang_watchdog_stop_exits_124(tmp_path):
     write(tmp_path / "job.py", "import time; open('ready', 'w').close(); time.sleep(60)\n")
-    proc = subprocess.run([sys.executable, "-c", FAKE_WATCHDOG, "run", "--out", "r", "--no-nvml", "--no-report",
-                           "--hang-timeout", "5", "--", sys.executable, "job.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = dtprof("run", "--out", "r", "--no-nvml", "--no-report", "--hang-timeout", "5", "--", sys.executable,
+                  "job.py", boot=FAKE_WATCHDOG, cwd=tmp_path, timeout=120)
     assert proc.returncode == 124, proc.stderr
     node = only_node(tmp_path / "r")
     info = json.loads((node / "node.json").read_text())
@@ -305,8 +293,8 @@ def test_hang_watchdog_stop_exits_124(tmp_path):
 def test_launcher_never_imports_torch(tmp_path):
     boot = ("import atexit, sys; atexit.register(lambda: print('torch imported' if 'torch' in sys.modules "
             "else 'torch not imported', file=sys.stderr)); from dtprof.cli import main; main()")
-    proc = subprocess.run([sys.executable, "-c", boot, "run", "--out", "r", "--count-flops", "--", sys.executable,
-                           "-c", "print(1)"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    proc = dtprof("run", "--out", "r", "--count-flops", "--", sys.executable, "-c", "print(1)", boot=boot,
+                  cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().endswith("torch not imported")
 
@@ -314,7 +302,7 @@ def test_launcher_never_imports_torch(tmp_path):
 def test_command_not_found_exits_127_and_leaves_no_run_directory(tmp_path):
     """issue 15: a command that does not exist must not leave an (empty) run directory behind."""
     for args in (["--out", "r"], []):
-        proc = dtprof_run([*args, "--no-nvml", "--", "no-such-command-xyz"], cwd=tmp_path)
+        proc = dtprof("run", *args, "--no-nvml", "--", "no-such-command-xyz", cwd=tmp_path)
         assert proc.returncode == 127 and "cannot start 'no-such-command-xyz'" in proc.stderr
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "r").exists() and not (tmp_path / "dtprof-runs").exists()
@@ -322,7 +310,7 @@ def test_command_not_found_exits_127_and_leaves_no_run_directory(tmp_path):
 
 def test_an_unknown_option_is_named_not_run_as_the_command(tmp_path):
     """`dtprof run -o DIR -- cmd` (a mistyped --out): the user's mistake named, exit 2, nothing recorded."""
-    proc = dtprof_run(["-o", "r", "--", sys.executable, "-c", "print('ran')"], cwd=tmp_path)
+    proc = dtprof("run", "-o", "r", "--", sys.executable, "-c", "print('ran')", cwd=tmp_path)
     assert proc.returncode == 2 and "no such option '-o'" in proc.stderr and "Traceback" not in proc.stderr
     assert "ran" not in proc.stdout
     assert not (tmp_path / "r").exists() and not (tmp_path / "dtprof-runs").exists()
@@ -331,9 +319,8 @@ def test_an_unknown_option_is_named_not_run_as_the_command(tmp_path):
 def test_host_name_with_a_slash(tmp_path):
     """issue 15: a host name holding "/" must not break `dtprof run` (it becomes "_" in the node directory)."""
     boot = "import socket; socket.gethostname = lambda: 'rack/7'; from dtprof.cli import main; main()"
-    proc = subprocess.run([sys.executable, "-c", boot, "run", "--out", "r", "--no-nvml", "--no-report", "--",
-                           sys.executable, "-c", "print('hi')"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = dtprof("run", "--out", "r", "--no-nvml", "--no-report", "--", sys.executable, "-c", "print('hi')",
+                  boot=boot, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     node = only_node(tmp_path / "r")
     assert node.name.startswith("node-rack_7-")
@@ -346,7 +333,7 @@ def test_processes_left_running_by_the_command_are_stopped_and_recorded(tmp_path
     write(tmp_path / "job.py", "import subprocess, sys\n"
           "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
           "open('child.pid', 'w').write(str(p.pid))\n")
-    proc = dtprof_run(["--out", "r", "--no-nvml", "--no-report", "--", sys.executable, "job.py"], cwd=tmp_path)
+    proc = dtprof("run", "--out", "r", "--no-nvml", "--no-report", "--", sys.executable, "job.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     pid = int((tmp_path / "child.pid").read_text())
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import dtprof._inject
+from conftest import dtprof_popen, free_port
 from dtprof.reader import open_run
 from scale_checks import assert_summaries_equal_raw
 from torch_abort import TEARDOWN_ABORT, TorchExitAbort
@@ -45,17 +44,6 @@ if os.environ.get("TRAIN"):  # a few real training steps, so the rank runtime re
     dist.destroy_process_group()
 """
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def dtprof_run_popen(args, cwd, env=None):
-    return subprocess.Popen([sys.executable, "-m", "dtprof.cli", "run", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
 
 def _two_launchers(d: Path):
     """Two `dtprof run` launchers of one 2-node torchrun job in ``d``: (procs, results). When a rank hits torch's exit
@@ -68,7 +56,8 @@ def _two_launchers(d: Path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=job42", "worker.py"]
     env = {**os.environ, "TRAIN": "1"}
-    procs = [dtprof_run_popen(["--out", "shared_run", "--no-report", "--", *torchrun], d, env) for _ in range(2)]
+    procs = [dtprof_popen("run", "--out", "shared_run", "--no-report", "--", *torchrun, cwd=d, env=env)
+             for _ in range(2)]
     deadline = time.monotonic() + 180
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -125,8 +114,8 @@ def test_two_nodes_ranks_read_as_one_run(multinode):
 def test_single_node_torchrun_two_workers(tmp_path):
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
     (tmp_path / "seen").mkdir()
-    p = dtprof_run_popen(["--no-report", "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=2", "worker.py"], tmp_path)
+    p = dtprof_popen("run", "--no-report", "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc_per_node=2", "worker.py", cwd=tmp_path)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 0, err
     assert "worker rank=0 world=2" in out and "worker rank=1 world=2" in out     # passed through live

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TESTS, free_port
+from conftest import REPO, TESTS, dtprof, free_port
 from dtprof.live import LiveNode
 from dtprof.reader import open_run
 from dtprof.runformat import RankWriter, write_json_atomic
@@ -301,8 +301,8 @@ def test_lightning_job_in_all_four_sinks(lightning):
 def test_missing_library_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     boot = "import sys; sys.modules['wandb'] = None; from dtprof.cli import main; main()"
     (tmp_path / "job.py").write_text("open('ran', 'w').write('yes')\n")
-    p = subprocess.run([sys.executable, "-c", boot, "run", "--out", "r", "--metrics", "wandb", "--",
-                        sys.executable, "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    p = dtprof("run", "--out", "r", "--metrics", "wandb", "--", sys.executable, "job.py", boot=boot, cwd=tmp_path,
+               timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "Error: --metrics wandb: the wandb library is not installed; pip install 'dtprof[wandb]' (nothing was run)"]
@@ -311,8 +311,7 @@ def test_missing_library_is_one_line_and_exit_2_before_anything_runs(tmp_path):
 
 @pytest.mark.parametrize("spec", ["prometheus", "prometheus:x", "prometheus:99999", "tensorboard", "statsd:1"])
 def test_bad_sink_is_one_line_and_exit_2(tmp_path, spec):
-    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "run", "--metrics", spec, "--", sys.executable, "-c",
-                        "pass"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    p = dtprof("run", "--metrics", spec, "--", sys.executable, "-c", "pass", cwd=tmp_path, timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and spec in p.stderr, p.stderr
     assert not (tmp_path / "dtprof-runs").exists()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import dtprof._inject
-from conftest import REPO
+from conftest import REPO, dtprof
+from dtprof import _inject
 from dtprof.reader import open_run, read_table_text
 from dtprof.runformat import create_node_dir, create_run_dir
 from torch_abort import returncode
@@ -23,7 +23,7 @@ from torch_abort import returncode
 pytestmark = pytest.mark.slow
 
 EXAMPLES = REPO / "examples"
-INJECT = Path(dtprof._inject.__file__).parent
+INJECT = Path(_inject.__file__).parent
 STEPS = 4
 SMALL = ["--steps", str(STEPS), "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]
 _port = [29600 + os.getpid() % 300]
@@ -257,9 +257,8 @@ def test_fault_in_dtprof_disables_only_that_rank(tmp_path, bare_ddp):
     the run records the fault, nothing of it reaches the job's output (what the relay logged of the job's stdout
     and stderr), and `dtprof run` names it in one line of its own at the end."""
     env = _env(extra={"DTPROF_TEST_FAULT": "collective@1"})
-    p = subprocess.run([sys.executable, "-m", "dtprof.cli", "run", "--out", "run", "--no-nvml", "--no-report", "--",
-                        *_torchrun("train_ddp.py", SMALL)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
+    p = dtprof("run", "--out", "run", "--no-nvml", "--no-report", "--", *_torchrun("train_ddp.py", SMALL), env=env,
+               cwd=tmp_path)
     assert returncode(p) == 0, p.stderr[-3000:]
     assert _loss_lines(p.stdout) == bare_ddp
     run_dir = tmp_path / "run"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,11 +89,9 @@ def test_a_job_that_fails_before_its_first_step_is_analysed_without_error(tmp_pa
     assert proc.returncode not in (0, 124) and "failed:" not in proc.stderr, proc.stderr[-2000:]
     out = triage_json(tmp_path / "r")
     assert out["verdict"] == "crash" and "RuntimeError: no such dataset" in out["message"], out
-    summary = subprocess.run([sys.executable, "-m", "dtprof.cli", "summary", str(tmp_path / "r")],
-                             capture_output=True, text=True, timeout=120)
+    summary = dtprof("summary", tmp_path / "r", timeout=120, cwd=None)
     assert summary.returncode == 0 and "steps: 0 measured" in summary.stdout, summary.stderr[-2000:]
-    report = subprocess.run([sys.executable, "-m", "dtprof.cli", "report", str(tmp_path / "r"),
-                             "-o", str(tmp_path / "report.html")], capture_output=True, text=True, timeout=120)
+    report = dtprof("report", tmp_path / "r", "-o", tmp_path / "report.html", timeout=120, cwd=None)
     assert report.returncode == 0 and "no such dataset" in (tmp_path / "report.html").read_text(), report.stderr
 
 

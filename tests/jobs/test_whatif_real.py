@@ -4,7 +4,7 @@ prints the table of docs/what-if.md).
 
 Each case is ONE job whose slowed and fixed steps alternate (``measure_interleaved``, the examples' --fix-every 2):
 the machine is a shared 2-core box where several jobs run at once, and the same job's step moved from 14 to 44 ms
-between separate runs (2026-11-23), more than the savings measured; interleaved, the load hits both sides alike.
+between separate runs, more than the savings measured; interleaved, the load hits both sides alike.
 Each tolerance below says what it allows.
 """
 import os

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import synth  # noqa: E402
+from conftest import compare_cli, write_json
 from dtprof.analyzers import regression as rg
 from dtprof.analyzers.scaling import ScalingError, scaling
-from dtprof.compare import compare_command
 
 HAVE_ANALYZERS = importlib.util.find_spec("dtprof.analyzers.summary") is not None
 
@@ -37,16 +36,6 @@ def summary(x, **extra):
     return s
 
 
-def write(tmp_path, name, s):
-    p = tmp_path / f"{name}.json"
-    p.write_text(json.dumps(s))
-    return str(p)
-
-
-def run_cli(*args):
-    r = CliRunner().invoke(compare_command, list(map(str, args)))
-    return r.exit_code, r.output
-
 
 # --- gate expressions ------------------------------------------------------------------------------------------
 
@@ -65,8 +54,8 @@ def test_gate_grammar_reads_relative_absolute_and_point_changes():
 @pytest.mark.parametrize("bad", ["steps.time_s.p50 < 5%", "steps.time_s.p50 <", "mfu.value ~ 3",
                                  "steps.time_s.p50 == +1%", "steps.time_s.fastest < +2%"])
 def test_bad_gate_is_rejected_with_exit_2(tmp_path, bad):
-    b = write(tmp_path, "b", summary(steps()))
-    code, out = run_cli(b, "--head", b, "--gate", bad)
+    b = write_json(tmp_path, "b", summary(steps()))
+    code, out = compare_cli(b, "--head", b, "--gate", bad)
     assert code == 2
     assert "gate" in out and "Traceback" not in out
 
@@ -158,9 +147,9 @@ def test_block_bootstrap_covers_a_drifting_series_better_than_iid():
 
 
 def test_too_few_steps_is_inconclusive_exit_3(tmp_path):
-    b = write(tmp_path, "b", summary(steps(n=8)))
-    h = write(tmp_path, "h", summary(steps(n=8, seed=9)))
-    code, out = run_cli(b, "--head", h)
+    b = write_json(tmp_path, "b", summary(steps(n=8)))
+    h = write_json(tmp_path, "h", summary(steps(n=8, seed=9)))
+    code, out = compare_cli(b, "--head", h)
     assert code == 3
     assert "inconclusive" in out and f"fewer than {rg.MIN_STEPS}" in out
 
@@ -206,9 +195,9 @@ def test_mfu_change_says_when_the_two_runs_divided_by_different_peaks():
 
 
 def test_advisory_gates_warn_without_failing_the_build(tmp_path):
-    b = write(tmp_path, "b", summary(steps()))
-    h = write(tmp_path, "h", summary(steps(seed=7), mfu={"value": 0.30}))
-    code, out = run_cli(b, "--head", h)  # default set: step time decides, MFU is advisory
+    b = write_json(tmp_path, "b", summary(steps()))
+    h = write_json(tmp_path, "h", summary(steps(seed=7), mfu={"value": 0.30}))
+    code, out = compare_cli(b, "--head", h)  # default set: step time decides, MFU is advisory
     assert code == 0
     assert "warn (advisory)" in out and "mfu.value > -2pp" in out
 
@@ -217,14 +206,14 @@ def test_advisory_gates_warn_without_failing_the_build(tmp_path):
 
 @pytest.fixture
 def pair(tmp_path):
-    return (write(tmp_path, "base", summary(steps(seed=1))), write(tmp_path, "same", summary(steps(seed=2))),
-            write(tmp_path, "slow", summary(steps(seed=3, median_s=0.22))))
+    return (write_json(tmp_path, "base", summary(steps(seed=1))), write_json(tmp_path, "same", summary(steps(seed=2))),
+            write_json(tmp_path, "slow", summary(steps(seed=3, median_s=0.22))))
 
 
 def test_exit_codes_pass_and_regression(pair):
     base, same, slow = pair
-    assert run_cli(base, "--head", same)[0] == 0
-    code, out = run_cli(base, "--head", slow)
+    assert compare_cli(base, "--head", same)[0] == 0
+    code, out = compare_cli(base, "--head", slow)
     assert code == 1 and "FAIL" in out and "steps.time_s.p50 < +" in out
 
 
@@ -232,32 +221,32 @@ def test_corrupt_or_missing_input_exits_2_naming_the_file(pair, tmp_path):
     base, _, _ = pair
     bad = tmp_path / "corrupt.json"
     bad.write_text('{"steps": {"per_step_time_s": [0.1, 0.2')
-    code, out = run_cli(base, "--head", bad)
+    code, out = compare_cli(base, "--head", bad)
     assert code == 2 and str(bad) in out and "not valid JSON" in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1
-    code, out = run_cli(base, "--head", tmp_path / "nope")
+    code, out = compare_cli(base, "--head", tmp_path / "nope")
     assert code == 2 and "nope" in out
-    other = write(tmp_path, "other", {"hello": 1})
-    code, out = run_cli(base, "--head", other)
+    other = write_json(tmp_path, "other", {"hello": 1})
+    code, out = compare_cli(base, "--head", other)
     assert code == 2 and "not a dtprof summary" in out
-    assert run_cli(base)[0] == 2  # no --head
+    assert compare_cli(base)[0] == 2  # no --head
 
 
 def test_json_and_markdown_output(pair, tmp_path):
     base, _, slow = pair
     out_file = tmp_path / "c.json"
-    code, _ = run_cli(base, "--head", slow, "--format", "json", "-o", out_file)
+    code, _ = compare_cli(base, "--head", slow, "--format", "json", "-o", out_file)
     d = json.loads(out_file.read_text())
     assert code == 1 and d["exit_code"] == 1
     g = d["gates"][0]
     assert g["verdict"] == "fail" and g["ci"][0] < g["change"] < g["ci"][1] and g["n_base"] == 100
-    code, md = run_cli(base, "--head", slow, "--format", "markdown")
+    code, md = compare_cli(base, "--head", slow, "--format", "markdown")
     assert md.startswith("### ") and "| steps.time_s.p50 < +" in md and "FAIL" in md
 
 
 def test_junit_has_one_testcase_per_gate_and_marks_failures(pair, tmp_path):
     base, _, slow = pair
-    code, xml = run_cli(base, "--head", slow, "--format", "junit", "--gate", "steps.time_s.p50 < +2%",
+    code, xml = compare_cli(base, "--head", slow, "--format", "junit", "--gate", "steps.time_s.p50 < +2%",
                         "--gate", "mfu.value > -2pp", "--gate", "pipeline.bubble_frac < +0.02")
     root = ET.fromstring(xml)
     cases = root.findall(".//testcase")
@@ -274,23 +263,23 @@ def test_gates_file(pair, tmp_path):
     f = tmp_path / "gates.toml"
     f.write_text('[compare]\ngates = ["steps.time_s.p50 < +3%"]\nadvisory = ["mfu.value > -1pp"]\n'
                  'confidence = 0.8\n')
-    assert run_cli(base, "--head", same, "--gates", f)[0] == 0
-    code, out = run_cli(base, "--head", slow, "--gates", f, "--format", "json")
+    assert compare_cli(base, "--head", same, "--gates", f)[0] == 0
+    code, out = compare_cli(base, "--head", slow, "--gates", f, "--format", "json")
     d = json.loads(out)
     assert code == 1 and d["settings"]["confidence"] == 0.8
     assert [g["gate"] for g in d["gates"]] == ["steps.time_s.p50 < +3%", "mfu.value > -1pp"]
     f.write_text("gates = [")
-    code, out = run_cli(base, "--head", same, "--gates", f)
+    code, out = compare_cli(base, "--head", same, "--gates", f)
     assert code == 2 and "gates.toml" in out and "TOML" in out
 
 
 def test_several_runs_per_side(pair, tmp_path):
     base, same, slow = pair
-    slow2 = write(tmp_path, "slow2", summary(steps(seed=11, median_s=0.22)))
-    code, out = run_cli(base, same, "--head", slow, slow2, "--format", "json")  # --head takes several
+    slow2 = write_json(tmp_path, "slow2", summary(steps(seed=11, median_s=0.22)))
+    code, out = compare_cli(base, same, "--head", slow, slow2, "--format", "json")  # --head takes several
     d = json.loads(out)
     assert code == 1 and d["gates"][0]["n_base"] == 200 and d["gates"][0]["n_head"] == 200
-    code, out = run_cli(base, "--head", slow, "--format", "json", same, "--head", slow2)  # or repeated
+    code, out = compare_cli(base, "--head", slow, "--format", "json", same, "--head", slow2)  # or repeated
     d = json.loads(out)
     assert d["base"] == [base, same] and d["head"] == [slow, slow2]
 
@@ -299,14 +288,14 @@ def test_run_directory_with_summary_json(tmp_path, pair):
     base, _, slow = pair
     run = synth.build_run(tmp_path / "run")
     (run / "summary.json").write_text(Path(slow).read_text())
-    code, out = run_cli(base, "--head", run)
+    code, out = compare_cli(base, "--head", run)
     assert code == 1 and str(run) in out
 
 
 def test_run_directory_without_summary_json(tmp_path, pair):
     base, _, _ = pair
     run = synth.build_run(tmp_path / "run", steps=40, jitter_frac=0.02)
-    code, out = run_cli(base, "--head", run, "--format", "json")
+    code, out = compare_cli(base, "--head", run, "--format", "json")
     if HAVE_ANALYZERS:
         assert code in (0, 1), out
         assert not (run / "summary.json").exists()  # compare never writes into a run
@@ -315,7 +304,7 @@ def test_run_directory_without_summary_json(tmp_path, pair):
 
 
 def test_help_documents_exit_codes():
-    code, out = run_cli("--help")
+    code, out = compare_cli("--help")
     assert code == 0
     for line in ("0  every gate passed", "1  a gate failed", "2  bad usage", "3  inconclusive"):
         assert line in out
@@ -353,11 +342,11 @@ def test_weak_scaling_efficiency_and_straggler_time():
 
 
 def test_scaling_cli(tmp_path):
-    a = write(tmp_path, "a", scal(2, 0.5, tokens=1000))
-    b = write(tmp_path, "b", scal(4, 0.3, tokens=1000))
-    code, out = run_cli("--scaling", a, b)
+    a = write_json(tmp_path, "a", scal(2, 0.5, tokens=1000))
+    b = write_json(tmp_path, "b", scal(4, 0.3, tokens=1000))
+    code, out = compare_cli("--scaling", a, b)
     assert code == 0 and "efficiency" in out and "83.3 %" in out
-    code, out = run_cli("--scaling", a)
+    code, out = compare_cli("--scaling", a)
     assert code == 2
     with pytest.raises(ScalingError, match="world size"):
         scaling([("x", {"steps": {"time_s": {"p50": 1.0}}}), ("y", scal(2, 1.0))])

@@ -10,11 +10,10 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
+from conftest import compare_cli, write_json
 from dtprof.analyzers import regression as rg
 from dtprof.analyzers.scaling import scaling
-from dtprof.compare import compare_command
 
 PARTS = ("forward", "backward", "optimizer", "exposed_comm", "data_wait", "bubble", "other")
 
@@ -51,21 +50,11 @@ def run_summary(seed, n=60, backward_extra=0.0, slow_rank=1, world=2, script="aa
                                        "exposed_comm_by_dim": by_dim, "exposed_comm_by_op": by_op}}}
 
 
-def write(tmp_path, name, s):
-    p = tmp_path / f"{name}.json"
-    p.write_text(json.dumps(s))
-    return str(p)
-
-
-def cli(*args):
-    r = CliRunner().invoke(compare_command, list(map(str, args)))
-    return r.exit_code, r.output
-
 
 def test_backward_on_one_rank_is_named_as_what_moved(tmp_path):
-    base = write(tmp_path, "b", run_summary(1))
-    head = write(tmp_path, "h", run_summary(2, backward_extra=0.012))   # +10 % of the step, all backward on rank 1
-    code, out = cli(base, "--head", head, "--format", "json")
+    base = write_json(tmp_path, "b", run_summary(1))
+    head = write_json(tmp_path, "h", run_summary(2, backward_extra=0.012))   # +10 % of the step, all backward on rank 1
+    code, out = compare_cli(base, "--head", head, "--format", "json")
     d = json.loads(out)
     assert code == 1
     rows = d["parts"]["rows"]
@@ -73,27 +62,27 @@ def test_backward_on_one_rank_is_named_as_what_moved(tmp_path):
     assert rows[0]["ci_s"][0] < 0.012 < rows[0]["ci_s"][1]
     assert rows[0]["rank_change_s"] == pytest.approx(0.012)
     assert all(r["part"] != "exposed_comm" for r in rows)   # the critical rank does not wait: no false mover
-    code, text = cli(base, "--head", head)
+    code, text = compare_cli(base, "--head", head)
     assert re.search(r"backward: \+1[12]\.\d ms per step \[.*\]; most on rank 1 \(\+12\.0 ms\)", text)
-    _, md = cli(base, "--head", head, "--format", "markdown")
+    _, md = compare_cli(base, "--head", head, "--format", "markdown")
     assert re.search(r"- backward: \+1[12]\.\d ms per step", md)
-    _, xml = cli(base, "--head", head, "--format", "junit")
+    _, xml = compare_cli(base, "--head", head, "--format", "junit")
     names = [tc.get("name") for tc in ET.fromstring(xml).iter("testcase") if tc.get("classname") ==
              "dtprof.compare.parts"]
     assert names == [r["part"] for r in rows]
 
 
 def test_identical_configurations_move_no_part(tmp_path):
-    code, out = cli(write(tmp_path, "b", run_summary(1)), "--head", write(tmp_path, "h", run_summary(2)),
-                    "--format", "json")
+    code, out = compare_cli(write_json(tmp_path, "b", run_summary(1)), "--head",
+                            write_json(tmp_path, "h", run_summary(2)), "--format", "json")
     d = json.loads(out)
     assert code == 0 and d["parts"]["rows"] == [] and d["probe"]["moved"] is False
 
 
 def test_a_straggler_that_became_persistent_fails_on_its_own(tmp_path):
-    base = write(tmp_path, "b", run_summary(1, stragglers=[{"rank": 1, "kind": "transient"}]))
-    head = write(tmp_path, "h", run_summary(2, stragglers=[{"rank": 1, "kind": "persistent"}]))
-    code, out = cli(base, "--head", head, "--format", "json")
+    base = write_json(tmp_path, "b", run_summary(1, stragglers=[{"rank": 1, "kind": "transient"}]))
+    head = write_json(tmp_path, "h", run_summary(2, stragglers=[{"rank": 1, "kind": "persistent"}]))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
     d = json.loads(out)
     assert code == 1, out
     assert d["gates"][0]["verdict"] == "pass"      # the step time did not move: the straggler row decides
@@ -106,27 +95,27 @@ def test_a_grown_what_if_saving_fails(tmp_path):
     b, h = run_summary(1), run_summary(2, stragglers=[{"rank": 1, "kind": "transient"}])
     b["what_if"] = [{"scenario": "straggler_removed", "ranks": [1], "saving_frac": 0.01}]
     h["what_if"] = [{"scenario": "straggler_removed", "ranks": [1], "saving_frac": 0.08}]
-    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h), "--format", "json")
+    code, out = compare_cli(write_json(tmp_path, "b", b), "--head", write_json(tmp_path, "h", h), "--format", "json")
     assert code == 1 and [r["what"] for r in json.loads(out)["stragglers"]] == ["new straggler", "saving grew"]
     h["stragglers"] = []                      # an unflagged rank's saving is run-to-run noise: no row
-    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h2", h), "--format", "json")
+    code, out = compare_cli(write_json(tmp_path, "b", b), "--head", write_json(tmp_path, "h2", h), "--format", "json")
     assert code == 0 and json.loads(out)["stragglers"] == []
 
 
 def test_different_world_size_or_script_is_inconclusive_unless_allowed(tmp_path):
-    base = write(tmp_path, "b", run_summary(1))
-    head = write(tmp_path, "h", run_summary(2, world=4, script="bbb"))
-    code, out = cli(base, "--head", head)
+    base = write_json(tmp_path, "b", run_summary(1))
+    head = write_json(tmp_path, "h", run_summary(2, world=4, script="bbb"))
+    code, out = compare_cli(base, "--head", head)
     assert code == 3
     assert "not comparable: world size 2 -> 4; script (SHA-256) aaa -> bbb" in out
-    code, out = cli(base, "--head", head, "--allow-different")
+    code, out = compare_cli(base, "--head", head, "--allow-different")
     assert code == 0 and "differs: world size: 2 -> 4" in out
 
 
 def test_a_slower_machine_is_inconclusive_with_the_probe_named(tmp_path):
-    base = write(tmp_path, "b", run_summary(1))
-    head = write(tmp_path, "h", run_summary(2, backward_extra=0.012, probe_s=0.015))   # probe 50 % slower
-    code, out = cli(base, "--head", head, "--format", "json")
+    base = write_json(tmp_path, "b", run_summary(1))
+    head = write_json(tmp_path, "h", run_summary(2, backward_extra=0.012, probe_s=0.015))   # probe 50 % slower
+    code, out = compare_cli(base, "--head", head, "--format", "json")
     d = json.loads(out)
     assert code == 3
     assert re.search(r"the machine ran [3-6]\d % slower on the probe", d["outcome"])
@@ -150,11 +139,11 @@ def test_a_different_model_parameter_count_is_not_comparable(tmp_path):
     b, h = run_summary(1), run_summary(2)
     b["run"]["model"] = {"parameters": 1234567, "parameters_by_rank": {"0": 1234567, "1": 1234567}}
     h["run"]["model"] = {"parameters": None, "parameters_by_rank": {"0": 700000, "1": 534567}}   # pipeline stages
-    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h))
+    code, out = compare_cli(write_json(tmp_path, "b", b), "--head", write_json(tmp_path, "h", h))
     assert code == 3
     assert "model parameters 1,234,567 -> rank 0: 700,000, rank 1: 534,567" in out
     del h["run"]["model"]                     # unknown on a side (an imported trace) is not a difference
-    assert cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h2", h))[0] == 0
+    assert compare_cli(write_json(tmp_path, "b", b), "--head", write_json(tmp_path, "h2", h))[0] == 0
 
 
 def test_a_slower_gpu_is_inconclusive_with_the_gpu_probe_named(tmp_path):
@@ -163,13 +152,13 @@ def test_a_slower_gpu_is_inconclusive_with_the_gpu_probe_named(tmp_path):
     for s, sec in ((b, 0.0015), (h, 0.0015 * 1.3)):   # CUDA-event timings of the fixed matmul, 2 % jitter
         t = sec * np.exp(rng.normal(0, 0.02, 20))
         s["run"]["probe"].update(gpu_start_s=t[:10].tolist(), gpu_end_s=t[10:].tolist())
-    code, out = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h), "--format", "json")
+    code, out = compare_cli(write_json(tmp_path, "b", b), "--head", write_json(tmp_path, "h", h), "--format", "json")
     d = json.loads(out)
     # 1.3x with 2 % jitter: 29-31 % in the phase (start or end of the job) that moved furthest
     assert code == 3 and len(d["reasons"]) == 1
     assert re.fullmatch(r"the GPUs ran (29|30|31) % slower on the GPU probe \(head vs base\)", d["reasons"][0])
     assert d["probe"]["moved"] is False and d["gpu_probe"]["kind"] == "gpu"
-    code, text = cli(write(tmp_path, "b", b), "--head", write(tmp_path, "h", h))
+    code, text = compare_cli(write_json(tmp_path, "b", b), "--head", write_json(tmp_path, "h", h))
     assert re.search(r"machine probe \(GPU, at the job's (start|end)\): head (29|30|31) % slower than base "
                      r"\[\+[23]\d, \+3\d %\] -- beyond its noise", text)
 
@@ -182,12 +171,12 @@ def test_a_slower_gpu_is_inconclusive_with_the_gpu_probe_named(tmp_path):
 ])
 def test_a_machine_that_changed_is_inconclusive_unless_faster_under_a_failing_head(tmp_path, probe_s, backward_extra,
                                                                                    code, words):
-    base = write(tmp_path, "b", run_summary(1))
-    head = write(tmp_path, "h", run_summary(2, backward_extra=backward_extra, probe_s=probe_s))
-    got, out = cli(base, "--head", head, "--format", "json")
+    base = write_json(tmp_path, "b", run_summary(1))
+    head = write_json(tmp_path, "h", run_summary(2, backward_extra=backward_extra, probe_s=probe_s))
+    got, out = compare_cli(base, "--head", head, "--format", "json")
     d = json.loads(out)
     assert got == code and re.search(words, d["outcome"]), d["outcome"]
     assert d["probe"]["moved"] and d["probe"]["explains_verdict"] is (code == 3)
     if code != 3:
-        _, text = cli(base, "--head", head)
+        _, text = compare_cli(base, "--head", head)
         assert "-- beyond its noise: the machine changed, but a " in text

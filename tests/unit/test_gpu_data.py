@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from conftest import EXAMPLES, TESTS
+from conftest import EXAMPLES, TESTS, import_kineto
 from dtprof.analyzers import gpu as gpu_mod
 from dtprof.analyzers.kernel_breakdown import gpu_time
 from dtprof.analyzers.runmodel import RunModel
@@ -115,10 +115,7 @@ def test_fsdp2_run_is_analysed(tmp_path):
 
 def test_the_real_trace_imports_with_the_runs_kernels(h200_ddp, tmp_path):
     """The same torch.profiler trace imported on its own gives the kernels and GPU time the run merged at capture."""
-    res = CliRunner().invoke(main, ["import", "kineto", str(DATA / "ddp-h200-trace-steps-10-11.json.gz"), "-o",
-                                    str(tmp_path / "imported")])
-    assert res.exit_code == 0, res.output
-    imported = open_run(tmp_path / "imported")
+    imported = open_run(import_kineto(tmp_path / "imported", DATA / "ddp-h200-trace-steps-10-11.json.gz"))
     kernels = imported.spans[imported.spans["kind"].astype(str) == "kernel"]
     assert len(kernels) == 736
     run_gpu = h200_ddp[1]["gpu_time"]

@@ -2,9 +2,9 @@
 HolisticTraceAnalysis' own figures.
 
 HTA is not a dependency: its figures were measured with HolisticTraceAnalysis 0.5.0 by
-    /tmp/hta/bin/python benchmarks/hta_figures.py
-(output in docs/interop.md, "GPU time against HTA"; HTA 0.6.1 gives the same temporal breakdown and overlap, see
-shared/data/kineto/README.md). Tolerance: 1 percentage point (issue 17), since HTA rounds times to whole µs.
+benchmarks/hta_figures.py run in a venv of its own (output and command in docs/interop.md, "GPU time against HTA";
+HTA 0.6.1 gives the same temporal breakdown and overlap, see the README beside the traces, conftest.SHARED).
+Tolerance: 1 percentage point (issue 17), since HTA rounds times to whole µs.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 from click.testing import CliRunner
 
-from conftest import SHARED, needs_shared
+from conftest import SHARED, import_kineto, needs_shared
 from dtprof.cli import main
 
 pytestmark = needs_shared
@@ -35,9 +35,7 @@ def imported(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu")
     out = {}
     for name in HTA:
-        res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / name), "-o", str(d / name)])
-        assert res.exit_code == 0, res.output
-        out[name] = d / name
+        out[name] = import_kineto(d / name, SHARED / name)
     return out
 
 
@@ -107,10 +105,7 @@ def test_top_kernels_by_total_time_from_the_trace(imported):
 
 
 def test_cpu_only_trace_has_no_gpu_time(tmp_path):
-    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "cpu_only_rank34.json.gz"), "-o",
-                                    str(tmp_path / "run")])
-    assert res.exit_code == 0, res.output
-    s = _summary(tmp_path / "run")
+    s = _summary(import_kineto(tmp_path / "run", SHARED / "cpu_only_rank34.json.gz"))
     assert s["ranks"][0]["gpu_time"] is None and s["kernels"] == []
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from conftest import SHARED_DATA, TESTS
+from conftest import SHARED_DATA, TESTS, import_kineto
 from dtprof.analyzers.kernels import kernel_class
 from dtprof.cli import main
 
@@ -92,10 +92,7 @@ def test_busy_gpu_at_low_mfu_is_kernel_efficiency(ddp):
 @needs_shared
 def test_hta_nccl_trace_is_launch_bound(tmp_path):
     # rank 0 of a 2-rank NCCL job recorded by others: HTA reads idle 77.78 % of the kernel time
-    run = tmp_path / "nccl"
-    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "kineto/nccl_single_rank.json.gz"),
-                                    "-o", str(run)])
-    assert res.exit_code == 0, res.output
+    run = import_kineto(tmp_path / "nccl", SHARED / "kineto/nccl_single_rank.json.gz")
     s = summary(run)
     g = s["gpu_time"]
     assert 0.7 < g["idle_frac"] < 0.8 and g["launch_idle_frac"] <= g["idle_frac"]

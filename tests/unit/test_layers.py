@@ -1,7 +1,8 @@
 """The layering holds (docs/architecture.md): drawn from the imports as installed (dtprof.analyzers is analyzers/,
 and so on), every import counted, also those inside functions. The analysis side (dtprof/, analyzers/, reports/)
 has no import circle; analyzers import neither collectors nor reports; reports import no collector and not the
-launcher. The rank side's own modules (collectors/) are left out of the circle check."""
+launcher. The rank side's own modules (collectors/) are left out of the circle check. No function in any of the four
+folders is over 120 lines."""
 from __future__ import annotations
 
 import ast
@@ -84,3 +85,20 @@ def test_analyzers_import_neither_collectors_nor_reports_and_reports_no_collecto
            if (f.startswith("analyzers/") and t.startswith(("collectors/", "reports/")))
            or (f.startswith("reports/") and (t.startswith("collectors/") or t == "dtprof/launcher.py"))]
     assert bad == []
+
+
+MAX_FUNCTION_LINES = 120
+
+
+def test_no_function_over_120_lines():
+    """Functions along their seams (issue 39): none in the package's folders is over 120 lines, from its ``def``
+    to its last line (decorators not counted; a nested function counts in its parent too)."""
+    long = []
+    for folder in PACKAGES.values():
+        for f in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{f.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import SHARED, load
+from conftest import SHARED, import_kineto, load
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.reports import html as H
@@ -476,18 +476,12 @@ def test_breakdown_marks_each_ranks_wait_for_a_cpu_beside_its_bar():
 
 
 def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
-    from click.testing import CliRunner
-
-    from dtprof.cli import main
     from dtprof.reports.terminal import format_summary_text
 
     if not SHARED.exists():
         pytest.skip("shared Kineto traces not present")
     trace = SHARED
-    res = CliRunner().invoke(main, ["import", "kineto", str(trace / "cpu_only_rank34.json.gz"), "-o",
-                                    str(tmp_path / "imp")])
-    assert res.exit_code == 0, res.output
-    run = open_run(tmp_path / "imp")
+    run = open_run(import_kineto(tmp_path / "imp", trace / "cpu_only_rank34.json.gz"))
     analysis = analyze(run)
     text = format_summary_text(analysis.summary)
     assert "None" not in text.splitlines()[0] and "on unnamed hosts" in text

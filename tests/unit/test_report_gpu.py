@@ -1,4 +1,4 @@
-"""The report on an imported real GPU trace (shared/data/kineto/nccl_single_rank.json.gz), in real headless
+"""The report on an imported real GPU trace (nccl_single_rank.json.gz of conftest.SHARED), in real headless
 Chromium: GPU idle on the first screen, kernels drawn per CUDA stream under CPU-side outlines, the GPU time and
 top-kernel tables, and both overlap figures labelled with their source."""
 from __future__ import annotations
@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from conftest import SHARED, load, needs_shared
+from conftest import SHARED, import_kineto, load, needs_shared
 from dtprof.analyzers.summary import analyze
-from dtprof.cli import main
 from dtprof.reader import open_run
 from dtprof.reports import html as H
 
@@ -20,10 +18,7 @@ pytestmark = [needs_shared, pytest.mark.browser]
 @pytest.fixture(scope="module")
 def gpu_report(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpureport")
-    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "nccl_single_rank.json.gz"), "-o",
-                                    str(d / "run")])
-    assert res.exit_code == 0, res.output
-    run = open_run(d / "run")
+    run = open_run(import_kineto(d / "run", SHARED / "nccl_single_rank.json.gz"))
     analysis = analyze(run)
     (d / "run" / "summary.json").write_text(json.dumps(analysis.summary))
     return H.write_report(run, analysis), analysis, run

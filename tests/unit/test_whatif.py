@@ -197,19 +197,13 @@ def test_the_pipeline_schedule_replay_runs_on_the_what_if_engine_and_detects_a_c
 
 
 def test_collectives_at_link_peak_on_a_real_imported_nccl_trace(tmp_path):
-    # rank 0 of a real 2-rank NCCL job on A100s (shared/data/kineto): the run records the device, so the link peak
+    # rank 0 of a real 2-rank NCCL job on A100s (conftest.SHARED): the run records the device, so the link peak
     # is known (NVLink 3, 300 GB/s). Cutting transfers to their bytes at that peak saves something, and never more
     # than perfect_overlap, which removes the transfers altogether
-    from click.testing import CliRunner
-
-    from conftest import SHARED
-    from dtprof.cli import main
+    from conftest import SHARED, import_kineto
     if not SHARED.exists():
         pytest.skip(f"shared Kineto traces not found at {SHARED}")
-    res = CliRunner().invoke(main, ["import", "kineto", str(SHARED / "nccl_single_rank.json.gz"), "-o",
-                                    str(tmp_path / "k")])
-    assert res.exit_code == 0, res.output
-    s = analyze(tmp_path / "k").summary
+    s = analyze(import_kineto(tmp_path / "k", SHARED / "nccl_single_rank.json.gz")).summary
     peak = _entry(s, "collectives_at_link_peak")
     assert "A100 link peak 300 GB/s" in peak["basis"]
     assert 0 < peak["saving_frac"] <= _entry(s, "perfect_overlap")["saving_frac"]
