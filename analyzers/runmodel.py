@@ -231,7 +231,8 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     per["flops_counted"] = counted & ~counted.all()
     per["boundary_only"] = per["detail"].to_numpy(np.float64) == 0    # sampling recorded only its boundary
     job = steps_mod.job_steps(per)
-    n_warm, source = steps_mod.warmup_of(job, warmup)
+    stored_every = stored_detail_every(run, source)
+    n_warm, warmup_source = steps_mod.warmup_of(job, warmup)
     warm = set(job["step"].to_numpy()[:n_warm].tolist())
     job["warmup"] = job["step"].isin(warm)
     # timed: its step time counts; measured: and every rank recorded it in full detail (the breakdown, overlap,
@@ -239,7 +240,7 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     job["timed"] = ~job["warmup"] & ~job["traced"] & ~job["flops_counted"]
     recorded = (job["timed"] & ~job["boundary_only"]).to_numpy(bool)
     every = detail_every or max([steps_mod.detail_every(job["step"].to_numpy()[recorded], len(steps_mod.distinct(
-        per["rank"].to_numpy(np.int64))))] + stored_detail_every(run, source))
+        per["rank"].to_numpy(np.int64))))] + stored_every)
     # detail_skipped: recorded in full detail, but a long run's analysis reads only every `every`-th block's
     job["detail_skipped"] = recorded & ~steps_mod.detail_read(job["step"].to_numpy(), every)
     job["measured"] = recorded & ~job["detail_skipped"].to_numpy(bool)
@@ -250,7 +251,7 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)
     return RunModel(run=run, clock=clk, steps=per, job=job, warmup_steps=n_warm,
-                    warmup_source=source, captures=cap, stored_rank_steps=stored, detail_every=every)
+                    warmup_source=warmup_source, captures=cap, stored_rank_steps=stored, detail_every=every)
 
 
 def stored_detail_every(run, source: str) -> list[int]:
