@@ -119,8 +119,9 @@ def main() -> int:
             first, last = (j[k] * DAY_S / 1e6 for k in ("first_minute", "last_third"))
             after = j["after_job"] / j["rank_steps"]
             tb = j["tb_bytes"] / j["tb_points"]
-            print(f"real job: 2-rank DDP at ~10 steps/s (examples/train_ddp.py --data-ms 90), {j['seconds']:.0f} s, "
-                  f"{j['rank_steps']:,} rank-steps, detail periods {j['periods']}")
+            rate = j["rank_steps"] / j["ranks"] / j["seconds"]
+            print(f"real job: 2-rank DDP (examples/train_ddp.py --data-ms 90), {j['seconds']:.0f} s at {rate:.1f} "
+                  f"steps/s, {j['rank_steps']:,} rank-steps, detail periods {j['periods']}")
             print("| what | per rank |\n|---|---|")
             print(f"| rank files, first minute (every step in full detail) | {first:,.1f} MB a day |")
             print(f"| rank files, last third of the run (sampled) | {last:,.1f} MB a day |")

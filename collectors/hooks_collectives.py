@@ -37,9 +37,9 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import Any
 
-from dtprof.collectors import runtime as rt
-from dtprof.collectors.records import Collective, Group, Span
+from dtprof.collectors.records import HOOK_SPAN_TAIL, SPAN_TAIL, Collective, Group, Span
 
 now = time.monotonic_ns
 
@@ -53,6 +53,9 @@ class _ThreadFlags(threading.local):
 
 
 _tls = _ThreadFlags()
+# The rank's Recorder (collectors/runtime.py), given by install: the runtime installs these hooks and owns their
+# state (seq counters, pending collectives, groups); this module never imports it, so the two are not a circle
+_rec: Any = None
 _source_by_module = {}
 _source_by_code: dict = {}        # the code object of a direct caller outside c10d -> its source (_caller_source)
 _api_of = {}                      # a collective function, original or our wrapper -> its c10d name (P2POp)
@@ -61,7 +64,7 @@ _swapped = {}                     # (owner, attribute) -> (original, our wrapper
 MAX_PENDING = 4096
 
 # NCCL works whose GPU-side duration (Work._get_duration(), needs TORCH_NCCL_ENABLE_TIMING=1, which `dtprof run`
-# sets unless the user did) the flusher reads once the GPU has finished them (``rt.STATE.timed``). Bounded, since
+# sets unless the user did) the flusher reads once the GPU has finished them (``_rec.timed``). Bounded, since
 # each entry keeps its work alive.
 MAX_TIMED = 2048
 MAX_TIMED_TRIES = 5
@@ -143,13 +146,13 @@ def _first(ts):
 def _seq_counter(key):
     """The seq counter of a group name or a point-to-point route (name, src, dst): ``next()`` of it is the next
     call's seq, drawn without a Python frame on the hot paths (their rows take it from the group's cache)."""
-    return rt.STATE.seq.setdefault(key, itertools.count())
+    return _rec.seq.setdefault(key, itertools.count())
 
 
 def _group(group):
     """(name, size, pg, seq counter) for a ProcessGroup or None (the default group), cached; records new
     groups."""
-    rec = rt.STATE
+    rec = _rec
     info = rec.groups.get(None if group is None else id(group))
     if info is not None:
         return info
@@ -326,7 +329,7 @@ _P2P = ("send", "recv")
 
 def _where(op, group, peer):
     """(group name, group size, seq) of the next call of ``op``: the part of a row known before the call."""
-    rec = rt.STATE
+    rec = _rec
     name, size, _pg, counter = rec.groups.get(None if group is None else id(group)) or _group(group)
     if op in _P2P:
         key = (name, rec.rank, peer) if op == "send" else (name, peer, rec.rank)
@@ -336,7 +339,7 @@ def _where(op, group, peer):
 
 def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue, return_ns, end_ns=None,
               bucket=None, stage=None, microbatch=None, step=None):
-    rec = rt.STATE
+    rec = _rec
     name, size, seq = where
     # positional, in the schema's column order, through tuple.__new__ (no Python-level __new__: this runs for every
     # collective)
@@ -352,7 +355,7 @@ _TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added afte
 
 
 _NO_STAGE = (None, None)
-_HOOK_SPAN_TAIL = rt._HOOK_SPAN_TAIL     # a comm_wait span's columns after its end (runtime): built here
+_HOOK_SPAN_TAIL = HOOK_SPAN_TAIL     # a comm_wait span's columns after its end (records.py): built here
 
 
 # Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
@@ -366,19 +369,19 @@ def add_pending(key, work, rows) -> int:
     """Hold ``rows`` until ``complete(key, t)`` (or expiry) gives them their end time; returns the entry's number
     for a completion callback (``complete(key, t, entry)``)."""
     entry = next(_entry_numbers)
-    rt.STATE.pending[key] = (work, rows, rows[0].issue_ns, entry)
+    _rec.pending[key] = (work, rows, rows[0].issue_ns, entry)
     return entry
 
 
 def pending_rows(key):
-    item = rt.STATE.pending.get(key)
+    item = _rec.pending.get(key)
     return None if item is None else item[1]
 
 
 def complete(key, t, entry: int | None = None) -> None:
     """First completion of an async work wins (future callback thread or main thread's wait()). ``entry``: the
     pending entry a callback was made for; another entry under the same key is left pending."""
-    rec = rt.STATE
+    rec = _rec
     item = rec.pending.pop(key, None)
     if item is None:
         return
@@ -406,7 +409,7 @@ def complete_ddp(t: int) -> None:
     step's bucket was once written with no end)."""
     # list() copies the table at once (the backend's thread may complete an item meanwhile); complete() is then a
     # no-op for it: the first completion wins
-    for key, item in list(rt.STATE.pending.items()):
+    for key, item in list(_rec.pending.items()):
         if item[1][0].source == "ddp":
             complete(key, t)
 
@@ -421,7 +424,7 @@ def _done(key, entry, _fut) -> None:
             _keep_thread_state()
         complete(key, t, entry)
     except Exception:
-        rt.STATE.fault("collective completion")
+        _rec.fault("collective completion")
 
 
 def _keep_thread_state() -> None:
@@ -446,7 +449,7 @@ def resolve_gpu_durations(final: bool = False) -> None:
     """Flusher: fill gpu_duration_ns from NCCL's start/end events once the GPU has run them, then write the rows.
     A work whose events are not ready is retried on the next flushes; after MAX_TIMED_TRIES (or at exit) its rows
     are written without a duration."""
-    rec = rt.STATE
+    rec = _rec
     timed = rec.timed
     for _ in range(len(timed)):
         work, rows, tries = timed.popleft()
@@ -483,7 +486,7 @@ def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
     entry = next(_entry_numbers)          # add_pending's two lines, here: every async collective passes
-    rt.STATE.pending[key] = (work, rows, rows[0].issue_ns, entry)
+    _rec.pending[key] = (work, rows, rows[0].issue_ns, entry)
     kind = (rows[0].op, rows[0].group)
     if kind in _futureless:
         return
@@ -498,7 +501,7 @@ def _track(work, rows) -> None:
 
 def expire_pending(all_=False) -> None:
     """Flusher: write rows whose work was never seen to complete (end_ns null) when too many or at exit."""
-    rec = rt.STATE
+    rec = _rec
     pending = rec.pending
     if not pending or (not all_ and len(pending) <= MAX_PENDING):
         return
@@ -534,7 +537,7 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
     skip_observer = api in ("all_reduce", "all_reduce_coalesced")   # the calls that reach c10d::allreduce_
 
     def wrapper(*args, **kwargs):
-        state = rt.STATE
+        state = _rec
         if state.disabled or not state.active or _tls.busy:
             return orig(*args, **kwargs)
         try:
@@ -619,7 +622,7 @@ def _wrap_pipeline_p2p(api, orig, generic):
     pipeline_form = {"group", "tag", peer_arg}
 
     def wrapper(*args, **kwargs):
-        state = rt.STATE
+        state = _rec
         if len(args) != 1 or kwargs.keys() != pipeline_form or state.disabled or not state.active or _tls.busy \
                 or _tls.bucket is not None or state.fault_test:
             return generic(*args, **kwargs)
@@ -674,7 +677,7 @@ def _current_p2p_op(p) -> str:
 
 def _wrap_batch_isend_irecv(orig):
     def batch_isend_irecv(p2p_op_list):
-        state = rt.STATE
+        state = _rec
         if state.disabled or not state.active or _tls.busy:
             return orig(p2p_op_list)
         try:
@@ -720,7 +723,7 @@ def _wrap_batch_isend_irecv(orig):
 
 def _wrap_work_wait(orig):
     def wait(self, *args, **kwargs):
-        state = rt.STATE
+        state = _rec
         if state.disabled or not state.active or _tls.busy:
             return orig(self, *args, **kwargs)
         t0 = now()
@@ -750,7 +753,7 @@ def _wrap_comm_hook(hook):
     """A DDP comm hook that records each bucket; the future DDP gets back is the hook's own, unchanged."""
 
     def dtprof_comm_hook(state, bucket):
-        rec = rt.STATE
+        rec = _rec
         if rec.disabled or not rec.active:
             return hook(state, bucket)
         try:
@@ -802,7 +805,7 @@ def _observe_dispatched_allreduce() -> None:
         """A ``c10d::allreduce_`` issued from C++ (DDP's Reducer, a built-in or C++-calling comm hook, a direct
         ``ProcessGroup.allreduce``): one async row, completed by the work's future. Every DDP bucket passes here on
         the training thread, so the row is made in this one frame: no imports, no lookups that can be made once."""
-        rec = rt.STATE
+        rec = _rec
         if rec.disabled or not rec.active or _tls.busy:
             return op.redispatch(keyset & below_autograd, tensors, process_group, *args)
         issue = now()
@@ -860,7 +863,7 @@ def _install_ddp() -> None:
     orig_register = DDP.register_comm_hook
 
     def register_comm_hook(self, state, hook):
-        if rt.STATE.disabled or not rt.STATE.active:
+        if _rec.disabled or not _rec.active:
             return orig_register(self, state, hook)
         return orig_register(self, state, _wrap_comm_hook(hook))
 
@@ -874,7 +877,7 @@ def _install_ddp() -> None:
 
 def _wrap_chunk(orig, kind, name):
     def chunk(self, chunk_id, *args, **kwargs):
-        rec = rt.STATE
+        rec = _rec
         if rec.disabled or not rec.active:
             return orig(self, chunk_id, *args, **kwargs)
         t0 = now()
@@ -886,7 +889,7 @@ def _wrap_chunk(orig, kind, name):
                 rec.last_progress_ns = t1
                 # state.span's row, built here (each micro-batch's forward and backward pass here)
                 rec.append_span(_row(Span, (rec.rank, rec.step, kind, name, t0, t1, self.stage_index, int(chunk_id),
-                                            "main", "hook") + rt._SPAN_TAIL))
+                                            "main", "hook") + SPAN_TAIL))
             except Exception:
                 rec.fault(f"pipeline {name}")
 
@@ -913,7 +916,7 @@ def _wrap_batch_p2p(orig):
     stage and microbatch to their rows (``_tls.stage_mb``), and hand each op the isend/irecv in place."""
 
     def _batch_p2p(p2p_ops, *args, **kwargs):
-        if not rt.STATE.active:
+        if not _rec.active:
             return orig(p2p_ops, *args, **kwargs)
         tag = None      # the ops' common (stage, microbatch), if they have one
         for i, p in enumerate(p2p_ops or ()):
@@ -938,7 +941,7 @@ def _wrap_batch_p2p(orig):
 
 def _wrap_schedule_step(orig):
     def step(self, *args, **kwargs):
-        rec = rt.STATE
+        rec = _rec
         if rec.disabled or not rec.active:
             return orig(self, *args, **kwargs)
         try:
@@ -1029,7 +1032,7 @@ def _install_later(module_name, installer) -> None:
         try:
             installer()
         except Exception:
-            rt.STATE.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
+            _rec.event("warning", f"{installer.__name__[9:]} hooks unavailable: "
                                 f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")
 
     if module_name in sys.modules:
@@ -1042,8 +1045,8 @@ def _wrap_init_process_group(orig):
     def init_process_group(*args, **kwargs):
         result = orig(*args, **kwargs)
         try:
-            rt.STATE.groups.pop(None, None)
-            rt.STATE.refresh_identity()
+            _rec.groups.pop(None, None)
+            _rec.refresh_identity()
         except Exception:
             pass
         return result
@@ -1071,8 +1074,10 @@ def set_wrappers(on: bool) -> None:
         _libraries.pop()._destroy()
 
 
-def install() -> None:
-    global _c10d
+def install(rec) -> None:
+    """Wrap the c10d collectives and DDP's hooks, recording into ``rec`` (the runtime's Recorder)."""
+    global _c10d, _rec
+    _rec = rec
     import torch.distributed as dist
 
     if not dist.is_available():

@@ -34,9 +34,9 @@ Rows (same columns as other collectives; docs/run-format.md)
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from dtprof.collectors import hooks_collectives as hc
-from dtprof.collectors import runtime as rt
 
 now = time.monotonic_ns
 
@@ -58,6 +58,7 @@ _OPS = {
 }
 _AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 _installed = False
+_rec: Any = None             # the runtime's Recorder, given by install (this module never imports the runtime)
 _tracing = None            # torch.distributed._functional_collectives._are_we_tracing, bound at install
 
 
@@ -95,7 +96,7 @@ def _record(api, op, group_arg, args, kwargs, result, issue, ret):
         pg = _resolve_group(group_arg)
     row = hc._make_row(op, api, "functional", hc._where(op, pg, peer), hc._nbytes_list(ins), hc._nbytes_list(outs),
                        hc._dtype(first_in), peer, True, issue, ret)
-    rec = rt.STATE
+    rec = _rec
     key = _storage_key(outs[0]) if outs else None
     if key is None:
         rec.add(row)
@@ -108,7 +109,7 @@ def _record(api, op, group_arg, args, kwargs, result, issue, ret):
 
 def _on_wait(tensor, orig):
     """wait_tensor: completes the pending functional collective whose output this tensor is."""
-    state = rt.STATE
+    state = _rec
     if state.disabled or not state.active or _tracing():
         return orig(tensor)
     try:
@@ -156,7 +157,7 @@ class _OpProxy:
 
     def __call__(self, *args, **kwargs):
         packet = self._dtprof_packet
-        state = rt.STATE
+        state = _rec
         if state.disabled or not state.active or _tracing():
             return packet(*args, **kwargs)
         api, op, group_pos = self._dtprof_spec
@@ -174,17 +175,20 @@ class _OpProxy:
         return result
 
 
-def install() -> None:
+def install(rec) -> None:
     """The runtime's single hook-in for hybrid jobs: functional collectives and DeviceMesh naming
-    (collectors/mesh.py). Never raises: what cannot be installed is an events warning row."""
+    (collectors/mesh.py), recording into ``rec`` (the runtime's Recorder). Never raises: what cannot be installed
+    is an events warning row."""
+    global _rec
     from dtprof.collectors import mesh
 
-    for installer in (_install_functional, mesh.install):
+    _rec = rec
+    for name, installer in (("dtprof.collectors.hooks_functional._install_functional", _install_functional),
+                            ("dtprof.collectors.mesh.install", lambda: mesh.install(rec))):
         try:
             installer()
         except Exception as e:
-            rt.STATE.event("warning",
-                           f"{installer.__module__}.{installer.__name__} unavailable: {type(e).__name__}: {e}")
+            _rec.event("warning", f"{name} unavailable: {type(e).__name__}: {e}")
 
 
 def _install_functional() -> None:

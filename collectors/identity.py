@@ -58,8 +58,9 @@ def process_group_rank() -> tuple[int, int] | None:
 class _Waiter:
     """Holds an unnamed process until it identifies itself, then calls ``start(rank)`` once."""
 
-    def __init__(self, start):
+    def __init__(self, start, rec):
         self.start = start
+        self.rec = rec             # the runtime's Recorder (this module never imports the runtime)
         self.done = False
         self.handle = None
 
@@ -71,9 +72,9 @@ class _Waiter:
             self.handle.remove()
         self.start(rank)
         if "ray.train" in sys.modules:   # a Ray Train worker: Ray kills it without atexit (collectors/raytrain.py)
-            from dtprof.collectors import raytrain
+            from dtprof.collectors import ray_exit
 
-            raytrain.flush_after_training()
+            ray_exit.flush_after_training(self.rec)
 
     def identify_now(self) -> None:
         """At the first forward (or the first compile, which is one): the process group's rank if there is one,
@@ -86,21 +87,19 @@ class _Waiter:
             return None
         try:
             self.identify_now()
-            from dtprof.collectors import runtime
-
-            runtime.STATE.begin_forward(module, args)   # this call's own pre-hook ran before recording started
+            self.rec.begin_forward(module, args)   # this call's own pre-hook ran before recording started
         except Exception:
             pass
         return None
 
 
-def wait_for_identity(start) -> _Waiter:
+def wait_for_identity(start, rec) -> _Waiter:
     """Call ``start(rank)`` when this process's process group exists (its rank), or at its first forward (the
     process group's rank if one exists by then, else ``RANK``, else 0: a single-process job)."""
     import torch.distributed as dist
     from torch.nn.modules import module as nn_module
 
-    waiter = _Waiter(start)
+    waiter = _Waiter(start, rec)
     if dist.is_available():
         c10d = dist.distributed_c10d
         orig = c10d.init_process_group

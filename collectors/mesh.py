@@ -14,11 +14,13 @@ runtime.py; the mesh itself is never affected (the original ``__init__`` has alr
 """
 from __future__ import annotations
 
+from typing import Any
+
 from dtprof.collectors import hooks_collectives as hc
-from dtprof.collectors import runtime as rt
 from dtprof.collectors.records import Group
 
 _installed = False
+_rec: Any = None             # the runtime's Recorder, given by install (this module never imports the runtime)
 _announced = set()          # (shape, dims) already written on this rank
 
 
@@ -29,7 +31,7 @@ def dim_names(mesh) -> tuple[str, ...]:
 
 def record_mesh(mesh) -> None:
     """Write the groups rows and the meta row for ``mesh`` (once per shape and names)."""
-    state = rt.STATE
+    state = _rec
     if state.disabled or not state.active:
         return
     if getattr(mesh, "_root_mesh", None) is not None:
@@ -59,20 +61,22 @@ def record_mesh(mesh) -> None:
 def _wrap_init(orig):
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
-        if rt.STATE.disabled or not rt.STATE.active or not kwargs.get("_init_backend", True):
+        if _rec.disabled or not _rec.active or not kwargs.get("_init_backend", True):
             return
         try:
             record_mesh(self)
         except Exception:
-            rt.STATE.fault("device mesh")
+            _rec.fault("device mesh")
 
     __init__.__wrapped__ = orig
     __init__.__doc__ = orig.__doc__
     return __init__
 
 
-def install() -> None:
-    global _installed
+def install(rec) -> None:
+    """Wrap DeviceMesh.__init__, recording into ``rec`` (the runtime's Recorder)."""
+    global _installed, _rec
+    _rec = rec
     if _installed:
         return
     from torch.distributed import device_mesh

@@ -27,20 +27,20 @@ rank's rows are flushed before the wrapper returns or re-raises, as at a process
 
 Under `dtprof run` (a script that starts a local cluster inherits dtprof's environment) the workers are already
 recorded into that run: ``run_dir`` is not used, and a failure is still recorded on the rank. There, without the
-wrapper, a worker is flushed when Ray's training thread ends (``flush_after_training``, started by
+wrapper, a worker is flushed when Ray's training thread ends (ray_exit.py ``flush_after_training``, started by
 collectors/identity.py when a Ray Train worker identifies itself).
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from dtprof.collectors import ray_exit
 
 FAILURE_EVENT = "training function raised"   # the events row's message starts with this
 
@@ -148,55 +148,16 @@ class _Worker:
     def end(self, status: str, exit_code: int, **extra: Any) -> None:
         """Flush the rank as its exit would, then write node.json's end (in this order: a node.json that says
         the attempt ended comes with all of its rows)."""
+        from dtprof.collectors import runtime
         from dtprof.runformat import NODE_MANIFEST, write_json_atomic
 
-        final_flush()
+        ray_exit.final_flush(runtime.STATE)
         if self.node_dir is None:
             return
         end = time.monotonic_ns()
         self.info.update(status=status, exit_code=exit_code, end_time=_utc(), end_mono_ns=end,
                          duration_s=round((end - self.info["start_mono_ns"]) / 1e9, 3), **extra)
         write_json_atomic(self.node_dir / NODE_MANIFEST, self.info)
-
-
-_flushed = False
-
-
-def final_flush() -> None:
-    """Flush the rank once, as its exit would (its ``at_exit``; the atexit call is taken back, it would add its
-    rows a second time): Ray kills a worker (``ray.kill``) without running atexit handlers."""
-    global _flushed
-    from dtprof.collectors import runtime
-
-    rec = runtime.STATE
-    if rec.active and not _flushed:
-        _flushed = True
-        rec.at_exit()
-        atexit.unregister(rec.at_exit)
-
-
-def _training_thread() -> threading.Thread | None:
-    """The thread Ray Train runs the training function in: ``TrainingThread(<name>)`` (Train v2's ThreadRunner),
-    a ``RunnerThread`` (v1)."""
-    return next((t for t in threading.enumerate()
-                 if t.name.startswith("TrainingThread(") or type(t).__name__ == "RunnerThread"), None)
-
-
-def flush_after_training(wait_s: float = 300.0) -> None:
-    """For a Ray Train worker recorded under `dtprof run` (a script that starts a local cluster: its workers are
-    named by their process group, collectors/identity.py): flush when the training thread ends, since Ray kills
-    the worker soon after, without atexit (the flusher's last second would be lost: all of a short job). A daemon
-    thread looks for the training thread (every 0.1 s, for at most ``wait_s``), joins it and flushes."""
-    def watch():
-        deadline = time.monotonic() + wait_s
-        while (thread := _training_thread()) is None:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.1)
-        thread.join()
-        final_flush()
-
-    threading.Thread(target=watch, name="dtprof-ray-flush", daemon=True).start()
 
 
 def _recorded_rank(node_dir: Path) -> int | None:

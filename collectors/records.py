@@ -33,3 +33,11 @@ Group = _record("Group", "groups")
 Clock = _record("Clock", "clock")
 Event = _record("Event", "events")
 Meta = _record("Meta", "meta")
+
+# A row's trailing columns left null (the columns added after the first ten), for the hot paths that build a row
+# positionally through tuple.__new__ (collectors/runtime.py): _row(Span, (...) + SPAN_TAIL)
+SPAN_TAIL = (None,) * (len(Span._fields) - 10)
+STEP_TAIL = (None,) * (len(Step._fields) - 10)
+# a host-timed main-lane span's columns after end_ns (no stage or microbatch): the hooks that run every step build
+# that row themselves, _row(Span, (rank, step, kind, name, t0, t1) + HOOK_SPAN_TAIL)
+HOOK_SPAN_TAIL = (None, None, "main", "hook") + SPAN_TAIL

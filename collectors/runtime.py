@@ -4,10 +4,11 @@ Public interface: ``init(out=None, **options) -> bool``, ``step()``, ``span(name
 ``annotate(**fields)``, ``install_from_env()`` and the module-level ``STATE``.
 
 How it stays out of training's way
-- The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here and in hooks_collectives.py /
-  hooks_functional.py / mesh.py are its methods or read and set its attributes (no module changes another's
-  globals). The hot path only reads a few of its attributes and appends typed rows (collectors/records.py,
-  namedtuples generated from the schema) to the ``RankWriter``'s in-memory lists.
+- The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here are its methods, and
+  hooks_collectives.py / hooks_functional.py / mesh.py are given it at install and read and set its attributes
+  (they never import this module, and no module changes another's globals). The hot path only reads a few of its
+  attributes and appends typed rows (collectors/records.py, namedtuples generated from the schema) to the
+  ``RankWriter``'s in-memory lists.
   All file I/O, CUDA event resolution and clock readings happen in one daemon
   flusher thread (every ``flush_interval_s``, default 1 s) and at exit (atexit).
 - Every hook body runs under try/except. A fault records an ``events`` error row (the traceback's last line),
@@ -70,7 +71,7 @@ import traceback
 from contextlib import contextmanager
 
 from dtprof.collectors import inputs
-from dtprof.collectors.records import Clock, Event, Meta, Span, Step
+from dtprof.collectors.records import HOOK_SPAN_TAIL, SPAN_TAIL, STEP_TAIL, Clock, Event, Meta, Span, Step
 from dtprof.schema import DETAIL_BLOCK
 
 now = time.monotonic_ns
@@ -78,12 +79,7 @@ now = time.monotonic_ns
 # __new__ (a call per row); the tails are the trailing nullable columns this code does not set (records.py), so a
 # column added at a table's end needs no change here
 _row = tuple.__new__
-_SPAN_TAIL = (None,) * (len(Span._fields) - 10)
-_STEP_TAIL = (None,) * (len(Step._fields) - 10)
-# a host-timed main-lane span's columns after end_ns (no stage or microbatch): the hooks that run every step build
-# that row themselves, _row(Span, (rank, step, kind, name, t0, t1) + _HOOK_SPAN_TAIL), rather than through span():
-# each call on their path costs the training thread several µs in a real job (docs/validation.md)
-_HOOK_SPAN_TAIL = (None, None, "main", "hook") + _SPAN_TAIL
+_SPAN_TAIL, _STEP_TAIL, _HOOK_SPAN_TAIL = SPAN_TAIL, STEP_TAIL, HOOK_SPAN_TAIL     # collectors/records.py
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
                     "full_detail": False, "sample_every": None}
 # Step sampling (docs/cli-run.md, "Sampling")
@@ -312,9 +308,9 @@ class Recorder:
         self.clock_row()
         self.ab_block = int(os.environ.get("DTPROF_AB_BLOCK_STEPS") or 0)
         self.install_train_hooks()
-        hooks_collectives.install()
+        hooks_collectives.install(self)
         self.complete_ddp = hooks_collectives.complete_ddp
-        hooks_functional.install()     # hybrid hook-in: functional collectives, DeviceMesh
+        hooks_functional.install(self)     # hybrid hook-in: functional collectives, DeviceMesh
         self.active = True
         self.start_flusher(float(opts.get("flush_interval_s") or 1.0))
         self.start_companions(opts)
@@ -1332,7 +1328,7 @@ def install_from_env() -> bool:
             return STATE.active
         # Another process records this RANK: this one inherited it (a DataLoader worker, a helper subprocess) and
         # is named as unidentified only if it trains (collectors/identity.py).
-        STATE.waiter = identity.wait_for_identity(lambda rank: init(rank=rank))
+        STATE.waiter = identity.wait_for_identity(lambda rank: init(rank=rank), STATE)
         return False
     return init()               # no launcher named this process: recording starts once it identifies itself
 
@@ -1377,7 +1373,7 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, node_d
             rank = pg[0] if pg else identity.launcher_rank(env)
             if rank is None:
                 STATE.waiter = identity.wait_for_identity(
-                    lambda r: init(out, rank=r, report_taken=report_taken, node_dir=node_dir, **options))
+                    lambda r: init(out, rank=r, report_taken=report_taken, node_dir=node_dir, **options), STATE)
                 return True
         rdir = rank_dir(node_dir, rank)
         os.makedirs(rdir, exist_ok=True)

@@ -470,7 +470,8 @@ import json, sys, torch
 import torch.distributed as dist
 from dtprof.collectors import hooks_collectives as hc
 
-hc.install()
+from dtprof.collectors import runtime
+hc.install(runtime.STATE)
 from torch.distributed.pipelining import schedules, stage   # dtprof wraps it as it is imported
 
 def ours():   # which of these are dtprof's functions

@@ -46,6 +46,7 @@ def writer(tmp_path, monkeypatch):
     w = RankWriter(node, 0)
     w.write_identity({"rank": 0, "local_rank": 0, "world_size": 1, "host": "h", "pid": 1, "device_type": "cuda"})
     monkeypatch.setattr(rt.STATE, "writer", w)
+    monkeypatch.setattr(hc, "_rec", rt.STATE)          # as runtime.init's hooks_collectives.install does
     monkeypatch.setattr(hc, "_nccl_timing", True)
     rt.STATE.timed.clear()
     yield w, tmp_path / "run"
