@@ -234,6 +234,9 @@ class NodeTableWriter:
 # Parquet row groups of this many rows: rows come rank by rank, so a reader of one rank's or some steps' slice
 # (Run.read_spans) skips the other row groups by their rank and step statistics (docs/scale.md)
 ROW_GROUP_ROWS = 64 * 1024
+# Parquet pages compressed with zstd rather than pandas' default snappy: 13-18 % smaller on a sampled 2-rank,
+# 3000-step job (its tables 222 -> 192 kB, its node summary 524 -> 429 kB); pyarrow and DuckDB read either
+PARQUET_COMPRESSION = "zstd"
 
 
 def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = None) -> Path:
@@ -258,7 +261,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         try:
-            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS)
+            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS, compression=PARQUET_COMPRESSION)
             os.replace(tmp, out / f"{table}.parquet")
         finally:
             tmp.unlink(missing_ok=True)
@@ -295,7 +298,8 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
         df = tables[table][[c for c, _ in cols]]
         tmp = out / f".{table}.parquet.tmp"
         try:
-            df.to_parquet(tmp, index=False, row_group_size=SUMMARY_ROW_GROUP_ROWS.get(table))
+            df.to_parquet(tmp, index=False, row_group_size=SUMMARY_ROW_GROUP_ROWS.get(table),
+                          compression=PARQUET_COMPRESSION)
             os.replace(tmp, summary_file(node_dir, table))
         finally:
             tmp.unlink(missing_ok=True)
