@@ -43,7 +43,14 @@ import pandas as pd
 
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_ids, own_records
-from dtprof.analyzers.intervals import assign_to_windows, coverage_segments, innermost, split_over_windows
+from dtprof.analyzers.intervals import (
+    _INT64_SAFE,
+    _sorted_distinct,
+    assign_to_windows,
+    coverage_segments,
+    innermost,
+    split_over_windows,
+)
 from dtprof.schema import P2P_OPS
 
 NS = 1e9
@@ -156,7 +163,22 @@ def build(model) -> StepGraph:
     return graph(model, rank_items(model))
 
 
-def _blocked_items(b_win, b0, b1, b_explicit, c_win, c_issue, c_exit, ws, we) -> list[pd.DataFrame]:
+def _window_time_keys(ws: np.ndarray, *pairs: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray]:
+    """One int64 key per (window, time), ordered as the pairs are, for each (window rows, times) given; ``ws``: the
+    windows' starts. Window × absolute time overflows an int64 on long runs (1.6M rank-steps × a 9,400 s run >
+    2^63; the searches on the wrapped keys missed the collective exits of whole ranks, so those ranks never waited
+    and the straggler's removal saved nothing): the time is taken from its window's start, and where even windows ×
+    that range would not fit (a very long step), replaced by its rank among the times given."""
+    rel = [t - ws[w] for w, t in pairs]
+    lo = min([0, *(int(r.min()) for r in rel if len(r))])
+    span = max([0, *(int(r.max()) for r in rel if len(r))]) - lo + 1
+    if len(ws) * span >= _INT64_SAFE:
+        times = _sorted_distinct(np.concatenate(rel))
+        return [w * len(times) + np.searchsorted(times, r) for (w, _), r in zip(pairs, rel)]
+    return [w * span + (r - lo) for (w, _), r in zip(pairs, rel)]
+
+
+def _blocked_items(b_win, b0, b1, b_explicit, c_win, c_issue, c_exit, ws) -> list[pd.DataFrame]:
     """The items of a rank's blocked stretches (window ``b_win``, from ``b0`` to ``b1``; ``b_explicit``: an explicit
     wait): a wait for each exit of its collectives inside, else for the nearest exit of a collective in flight at
     its end, and the blocked tail after the last exit as fixed work (part EXPOSED)."""
@@ -165,11 +187,9 @@ def _blocked_items(b_win, b0, b1, b_explicit, c_win, c_issue, c_exit, ws, we) ->
     if len(b_win) and ok.any():
         ci_ok = np.flatnonzero(ok)
         order = ci_ok[np.lexsort((c_exit[ci_ok], c_win[ci_ok]))]
-        span = int(max(we.max(), c_exit.max()) - min(ws.min(), c_issue.min())) + 2
-        lo_t = int(min(ws.min(), c_issue.min()))
-        ck = c_win[order] * span + (c_exit[order] - lo_t)
-        lo = np.searchsorted(ck, b_win * span + (b0 - lo_t), side="right")
-        hi = np.searchsorted(ck, b_win * span + (b1 - lo_t), side="right")
+        ck, k0, k1 = _window_time_keys(ws, (c_win[order], c_exit[order]), (b_win, b0), (b_win, b1))
+        lo = np.searchsorted(ck, k0, side="right")
+        hi = np.searchsorted(ck, k1, side="right")
         n_in = hi - lo
         rep = np.repeat(np.arange(len(b_win)), n_in)
         pos = np.arange(len(rep)) - np.repeat(np.cumsum(n_in) - n_in, n_in) + np.repeat(lo, n_in)
@@ -253,9 +273,8 @@ def rank_items(model) -> RankItems:
     # work: a functional collective issued mid-forward arrives mid-forward in the replay too)
     new = np.r_[True, (g[1:] != g[:-1]) | (label[1:] != label[:-1])] if len(g) else np.zeros(0, bool)
     if len(g) and len(co):
-        t_lo = int(min(seg_start.min(), c_issue.min()))
-        t_span = int(max(seg_start.max(), c_issue.max())) - t_lo + 1
-        on_issue = np.isin(g * t_span + (seg_start - t_lo), c_win[c_win >= 0] * t_span + (c_issue[c_win >= 0] - t_lo))
+        seg_key, issue_key = _window_time_keys(ws, (g, seg_start), (c_win[c_win >= 0], c_issue[c_win >= 0]))
+        on_issue = np.isin(seg_key, issue_key)
         new |= on_issue
     run_id = np.cumsum(new) - 1
     r_win, r_start = g[new], seg_start[new]
@@ -274,8 +293,7 @@ def rank_items(model) -> RankItems:
     items.append(pd.DataFrame({"win": c_win[ok], "t": c_issue[ok], "kind": ARRIVE, "part": -1, "dur": 0,
                                "ci": np.flatnonzero(ok), "release": 0}))
     # blocked stretches: a wait for each exit inside, else for the nearest exit of a collective in flight
-    items += _blocked_items(r_win[~work], r_start[~work], r_end[~work], r_explicit[~work], c_win, c_issue, c_exit,
-                            ws, we)
+    items += _blocked_items(r_win[~work], r_start[~work], r_end[~work], r_explicit[~work], c_win, c_issue, c_exit, ws)
     it = pd.concat(items, ignore_index=True).sort_values(["win", "t", "kind"], kind="stable", ignore_index=True)
     i_win = it["win"].to_numpy(np.int64)
     ci = it["ci"].to_numpy(np.int64)

@@ -4,6 +4,7 @@ The synthetic DDP step (build_run defaults): data 1 ms, forward 10, backward 20 
 at its middle and end), a comm_wait for the last bucket, optimizer 2: 37 ms, every rank leaving the last all-reduce
 together. Each answer below is worked from those numbers.
 """
+import pandas.testing as pd_testing
 import pytest
 
 from dtprof.analyzers import whatif
@@ -155,6 +156,37 @@ def test_a_wait_that_returned_before_its_collective_exit_was_recorded_still_wait
     assert a.summary["replay"]["error_frac"] == pytest.approx(0.0, abs=1e-6)
     w = _entry(a.summary, "straggler_removed", [1])
     assert w["saving_frac"] == pytest.approx(1 - 38 / 53.5, rel=1e-6)
+
+
+def test_a_host_clock_far_from_the_others_changes_no_rank_items_and_the_straggler_is_still_seen(tmp_path,
+                                                                                                monkeypatch):
+    # rank_items reads each rank's own records only: host 1's clock 2^60 ns (36 years) ahead shifts its ranks' items
+    # and changes nothing else. Its 32 rank-steps × that time range pass 2^63, as 1.6M rank-steps of a 200,000-step
+    # run's 9,400 s did: (window, time) keys packed from absolute times wrapped, the searches for collective exits
+    # missed them, whole ranks stopped waiting and the what-if lost the straggler (here: no what-if at all)
+    import numpy as np
+
+    def run(off):
+        return build_run(tmp_path / f"r{off}", world_size=4, hosts=2, steps=8, slow_rank=2, slow_factor=1.5,
+                         host_offset_ns=[0, off])
+
+    def items(r, off=0):
+        it = whatif.rank_items(RunModel.of(open_run(r), source="raw")).items
+        shift = np.where(it["rank"].to_numpy() >= 2, off, 0)
+        return it.assign(t=it["t"] - shift, release=np.where(it["kind"] == whatif.WAIT, it["release"] - shift, 0))
+
+    near, far = run(0), run(2**60)
+    expected = items(near)
+    assert len(expected[expected["kind"] == whatif.WAIT].groupby(["rank", "step"])) == 4 * 8   # every rank-step waits
+    pd_testing.assert_frame_equal(items(far, 2**60), expected)
+    # the packing's fallback (times replaced by their rank) where even a window's range would not fit
+    monkeypatch.setattr(whatif, "_INT64_SAFE", 1)
+    pd_testing.assert_frame_equal(items(far, 2**60), expected)
+    monkeypatch.undo()
+    # the hand-worked saving of the straggler test above (53.5 -> 38 ms), and rank 2 named
+    a = analyze(far)
+    assert _entry(a.summary, "straggler_removed", [2])["saving_frac"] == pytest.approx(1 - 38 / 53.5, rel=1e-6)
+    assert [(s["rank"], s["kind"]) for s in a.summary["stragglers"]] == [(2, "persistent")]
 
 
 def test_collectives_at_link_peak_on_a_gpu_run(tmp_path):
