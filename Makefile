@@ -25,8 +25,10 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# two workers, each test file on one of them (its module fixtures are shared by its tests): the real jobs wait on
+# each other (rendezvous, timeouts, Ray) as much as they compute, so two at once fit the 2-core CI machine
 test: lint
-	$(PY) -m pytest -q -raR --durations=25
+	$(PY) -m pytest -q -raR -n 2 --dist loadfile --durations=25
 
 # tests/unit only: synthetic and stored runs, no real jobs (a few minutes); `make test` runs tests/jobs too
 unit: venv
