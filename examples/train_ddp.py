@@ -48,9 +48,9 @@ def main():
         if rank == 0:
             print(step_line(step, loss.item(), args), flush=True)
     if args.compile:
-        from compile_stats import dynamo_line
+        from compile_stats import print_dynamo_line
 
-        print(f"rank {rank} {dynamo_line()}", flush=True)
+        print_dynamo_line(rank)
     torch.distributed.destroy_process_group()
 
 

@@ -77,9 +77,9 @@ def main():
         import sys
 
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from compile_stats import dynamo_line
+        from compile_stats import print_dynamo_line
 
-        print(f"rank {trainer.args.process_index} {dynamo_line()}", flush=True)
+        print_dynamo_line(trainer.args.process_index)
     # the Trainer leaves its process group up; exiting with gloo's threads alive can abort the process
     # ("terminate called without an active exception", pytorch issue #190489)
     if torch.distributed.is_initialized():

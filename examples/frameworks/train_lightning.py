@@ -95,9 +95,9 @@ def main():
         import sys
 
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from compile_stats import dynamo_line
+        from compile_stats import print_dynamo_line
 
-        print(f"rank {trainer.global_rank} {dynamo_line()}", flush=True)
+        print_dynamo_line(trainer.global_rank)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
-from conftest import CHROMIUM, CHROMIUM_ARGS, EXAMPLES, dtprof, record
+from conftest import EXAMPLES, dtprof, record
 from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import analyze
 from scale_checks import assert_summaries_equal_raw
@@ -82,7 +82,7 @@ def test_ddp_breakdown_adds_up_and_shows_in_the_terminal(plain_ddp):
 
 
 @pytest.mark.browser
-def test_report_header_shows_the_launchers_duration(plain_ddp):
+def test_report_header_shows_the_launchers_duration(plain_ddp, browser):
     """The header's duration is node.json's, as `dtprof run` wrote it (it once read keys nobody writes: "n/a")."""
     import json
 
@@ -90,17 +90,12 @@ def test_report_header_shows_the_launchers_duration(plain_ddp):
     from dtprof.reports.fmt import fmt_s
     from dtprof.reports.html import write_report
 
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} not installed")
     node = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())
     out = write_report(*open_and_analyze(plain_ddp), out_path=plain_ddp / "header-test.html")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.goto(out.as_uri())
-        duration, status = page.inner_text("#duration"), page.inner_text("header dl")
-        browser.close()
+    page = browser.new_page()     # the session's Chromium (conftest): a second Playwright in one thread fails
+    page.goto(out.as_uri())
+    duration, status = page.inner_text("#duration"), page.inner_text("header dl")
+    page.close()
     assert node["duration_s"] > 0 and duration.startswith(fmt_s(node["duration_s"]) + " · started 20")
     assert "completed" in status and "(exit code 0)" in status
 
