@@ -153,6 +153,30 @@ def compare_cli(*args) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
+# ------------------------------------------------------------------------------------------ compiled jobs
+
+@pytest.fixture(scope="module")
+def compile_env(tmp_path_factory):
+    """The environment of a compiled job, bare or profiled: no dtprof settings inherited, one inductor cache for
+    the module (bare and profiled runs build their kernels once), one thread per rank, no warnings."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("DTPROF_")}
+    e.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path_factory.mktemp("inductor")), OMP_NUM_THREADS="1",
+             PYTHONWARNINGS="ignore")
+    return e
+
+
+def bare_and_profiled(job: list, env: dict, cwd: Path) -> tuple[str, str]:
+    """The job's stdout bare and under `dtprof run` (its run in ``cwd/run``); fails the test unless both exit 0
+    (torch's exit abort is retried: torch_abort.py)."""
+    from torch_abort import returncode
+
+    bare = subprocess.run(job, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert returncode(bare) == 0, bare.stderr[-3000:]
+    prof = dtprof("run", "--out", cwd / "run", "--no-report", "--no-nvml", "--", *job, cwd=cwd, env=env, timeout=600)
+    assert returncode(prof) == 0, prof.stderr[-3000:]
+    return bare.stdout, prof.stdout
+
+
 # ------------------------------------------------------------------------------------------------ the browser
 
 @pytest.fixture(scope="session")
