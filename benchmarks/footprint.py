@@ -93,8 +93,8 @@ def synthetic(steps: int, period: int, tmp: Path) -> dict:
     node = build_ddp_node(run, 0, RANKS_PER_NODE, RANKS_PER_NODE, steps, slow_rank=SLOW_RANK,
                           slow_factor=SLOW_FACTOR, seed=1, detail_period=period)
     t_build = time.perf_counter() - t0
-    summary = measure("node", node, cap_gib=12.0)
-    glob = measure("global", run, cap_gib=12.0)
+    summary = measure("node", node, cap_gib=20.0)
+    glob = measure("global", run, cap_gib=20.0)
     return {"steps": steps, "ranks": RANKS_PER_NODE, "build_s": t_build, "summary_s": summary["seconds"],
             "summary_gib": summary["peak_gib"], "analysis_s": glob["seconds"], "peak_gib": glob["peak_gib"],
             "stopped": bool(glob.get("stopped") or summary.get("stopped")), "stragglers": glob.get("stragglers"),
