@@ -76,20 +76,25 @@ def _op_key(name: str) -> str:
 
 CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it
 _TRACE_EVENTS_B = re.compile(rb'"traceEvents"\s*:\s*\[')
-_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
-# An event holding a string that starts with one of these is decoded (whatever its key: a superset of what
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END, _COMMA, _COLON, _SPACE = 34, 92, 123, 125, 93, 44, 58, 32
+# An event holding a string that starts with one of these is a candidate (whatever its key: a superset of what
 # _reduce_batch keeps). A trailing quote means the whole string.
-_KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
-                                              b"c10d::", b"record_param", b'process_labels"')]
+_KEEP = (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"', b"c10d::", b"record_param",
+         b'process_labels"')
+_KERNEL = tuple(c.encode() + b'"' for c in KERNEL_CATS)
 # CUDA runtime/driver calls: only their start and correlation id are kept (a kernel's CPU launch, ``launch_ns``).
-# They are as many as the kernels and more; their two numbers are read in place, vectorised (``_launch_numbers``:
-# the number after the event's one "ts" key and its one "correlation" key), rather than decoded with json (an
-# import of 1M events took 1.7x as long with them decoded) or matched by a regex each (the parse of a 500k-event
-# rank took 1.69 s with the regex, 1.54 s so; benchmarks/import_speed.py's trace, CPU time, best of 6). One
-# holding a backslash, or whose keys are not one each, is decoded like any other candidate.
-_KEEP_LAUNCH = [np.frombuffer(s, np.uint8) for s in (b'cuda_runtime"', b'cuda_driver"')]
-_TS_KEY, _CORR_KEY = np.frombuffer(b'ts"', np.uint8), np.frombuffer(b'correlation"', np.uint8)
-_COMMA = 44
+_LAUNCH = tuple(c.encode() + b'"' for c in LAUNCH_CATS)
+# Kernels and launches are most of what dtprof keeps (a third of the events each in benchmarks/import_speed.py's
+# trace). Those laid out as Kineto writes them are read in place, vectorised (``_read_flat``), rather than decoded
+# with json: decoding the kernels was half of the parse (json and the dicts' fields: 0.47 of 1.22 s CPU for a
+# 500k-event rank) and decoding the launches made a whole import 1.7x as long. Field: (depth, type); depth 1 is the
+# event's own key, 2 a key of its "args". The reference path reads the same fields (_reduce_batch).
+_KERNEL_FIELDS = {"name": (1, "str"), "ts": (1, "float"), "dur": (1, "float"),
+                  "stream": (2, "int"), "External id": (2, "int"), "correlation": (2, "int")}
+# a kernel holding any of these strings (NCCL's collective args, read by _reduce_batch) is decoded with json
+_KERNEL_NCCL = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "Process Group Name", "Group size",
+                "Seq")
+_LAUNCH_FIELDS = {"ts": (1, "float"), "correlation": (2, "int")}
 
 
 def _open_stream(path: Path):
@@ -129,7 +134,8 @@ def _unescaped(q: np.ndarray, bs: np.ndarray) -> np.ndarray:
 def _layout(buf: bytes) -> dict:
     """Where the events are in ``buf``, which starts inside the traceEvents array at depth 0 and outside any
     string: the complete events (``opens``/``closes``: positions of their outer braces), the closing "]"
-    (``array_end``, None if not in ``buf``) and the backslashes (``bs``)."""
+    (``array_end``, None if not in ``buf``), the backslashes (``bs``) and unescaped quotes (``q``) in the complete
+    events, and the braces outside strings (``st``) with the depth after each (``depth``)."""
     a = np.frombuffer(buf, np.uint8)
     q = np.flatnonzero(a == _QUOTE)
     bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\") >= 0 else np.empty(0, np.int64)
@@ -148,91 +154,160 @@ def _layout(buf: bytes) -> dict:
     closes = st[inside & (sch == _CLOSE) & (depth == 0)]
     hi = int(closes[-1]) if len(closes) else 0
     return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
-            "bs": bs[bs < hi], "q": q[q < hi]}
+            "bs": bs[bs < hi], "q": q[q < hi], "st": st, "depth": depth}
 
 
-def _strings_starting(a: np.ndarray, q: np.ndarray, prefixes: list) -> np.ndarray:
-    """Positions among the opening quotes ``q`` (each followed by at least one byte in ``a``) of the strings
-    starting with one of ``prefixes``: filtered on the first byte, then compared whole on the few left."""
-    first = a[q + 1]
-    found = []
+def _words(buf: bytes) -> np.ndarray:
+    """The 8 bytes from each position of ``buf`` as one little-endian integer (a view with a stride of one byte;
+    the positions past the end read zeros): compares up to 8 bytes at a position in one integer operation."""
+    return np.ndarray((len(buf) + 32,), "<u8", buf + bytes(40), strides=(1,))
+
+
+def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None = None) -> np.ndarray:
+    """Whether the string whose opening quote is at each position of ``at`` starts with one of ``prefixes``
+    (bytes, at most 24 long), 8 bytes at a time; ``first``: ``w[at + 1]`` when the caller has it."""
+    first = w[at + 1] if first is None else first
+    found = np.zeros(len(at), bool)
     for p in prefixes:
-        at = q[first == p[0]]
-        at = at[at + len(p) < len(a)]
-        found.append(at[(a[at[:, None] + 1 + np.arange(len(p))] == p).all(axis=1)])
-    return np.concatenate(found)
+        mask = np.uint64((1 << 8 * min(len(p), 8)) - 1)
+        hit = np.flatnonzero((first & mask) == np.uint64(int.from_bytes(p[:8], "little")))
+        for k in range(8, len(p), 8):  # the rest, on the few that matched so far
+            part = p[k:k + 8]
+            mask = np.uint64((1 << 8 * len(part)) - 1)
+            hit = hit[(w[at[hit] + 1 + k] & mask) == np.uint64(int.from_bytes(part, "little"))]
+        found[hit] = True
+    return found
 
 
-# the first bytes of every string the scan looks for: the opening quotes are narrowed to these once per chunk
-_FIRST_BYTES = np.unique([p[0] for p in _KEEP + _KEEP_LAUNCH + [_TS_KEY, _CORR_KEY]])
+class _Chunk:
+    """A chunk's complete events as numpy arrays: its bytes (zero-padded), 8-byte words (``_words``), the opening
+    quote of each string with its first word and its event, and the depth of any position."""
+
+    def __init__(self, buf: bytes, lay: dict):
+        self.buf, self.w, self.q, self.opens = buf, _words(buf), lay["q"], lay["opens"]
+        self.a = np.frombuffer(buf + bytes(8), np.uint8)
+        self.s_open = self.q[0::2]
+        self.s_first = self.w[self.s_open + 1]
+        self.s_ev = np.searchsorted(self.opens, self.s_open, side="right") - 1
+        st, depth = lay["st"], lay["depth"]
+        self.st, self.depth = st, depth
+        # objects nested in each event (the events read in place have one: their args)
+        nested = st[(depth == 2) & (self.a[st] == _OPEN)]
+        nested = nested[nested < lay["closes"][-1]]   # not those of the incomplete event after the last one
+        self.nested = np.bincount(np.searchsorted(self.opens, nested, side="right") - 1, minlength=len(self.opens)
+                                  ) if len(self.opens) else np.zeros(0, np.int64)
+
+    def depth_at(self, p: np.ndarray) -> np.ndarray:
+        return self.depth[np.searchsorted(self.st, p) - 1]
+
+    def value_at(self, key_at: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(where the value starts, whether the string was a key) for keys opening at ``key_at``: its closing
+        quote, then ":" or " :", then at most one space."""
+        a = self.a
+        colon = key_at + key_len + 2
+        colon += a[colon] == _SPACE
+        v = colon + 1
+        v += a[v] == _SPACE
+        return v, a[colon] == _COLON
+
+
+NUMBER_WIDTH = 32   # bytes read for a number read in place: a number in Kineto's JSON is far shorter
+
+
+def _numbers(a: np.ndarray, v: np.ndarray, dtype) -> np.ndarray:
+    """The numbers starting at ``v``: the text up to the next comma or closing brace (within NUMBER_WIDTH bytes),
+    converted by numpy (ValueError or OverflowError if one is not a number of ``dtype``)."""
+    w = a[np.minimum(v[:, None] + np.arange(NUMBER_WIDTH), len(a) - 1)]
+    stop = np.logical_or.accumulate((w == _COMMA) | (w == _CLOSE), axis=1)
+    if not (stop[:, -1] & ~stop[:, 0]).all():
+        raise ValueError("not a number")
+    w[stop] = 0   # a NUL-padded fixed-width string each
+    return np.ascontiguousarray(w).view(f"S{NUMBER_WIDTH}").ravel().astype(dtype)
+
+
+def _read_flat(ch: _Chunk, events: np.ndarray, cats: tuple, fields: dict,
+               absent: tuple = ()) -> tuple[np.ndarray, dict]:
+    """Read ``fields`` of the ``events`` (a mask over the chunk's events; none holds a backslash) in place:
+    (the events read, their values per field). An event is read only if laid out as Kineto writes it: "ph" "X", a
+    "cat" of ``cats`` (bytes, ending in a quote), one nested object, its "args"; each field's key occurs once as a
+    string anywhere in the event, at its depth, with a value of its type; and none of ``absent`` occurs. Others
+    are left to json, as are all of them if a number does not convert."""
+    n = len(events)
+    inside = events[ch.s_ev]
+    at, ev, first = ch.s_open[inside], ch.s_ev[inside], ch.s_first[inside]
+    keys = {"ph": 1, "cat": 1, "args": 1, **{k: d for k, (d, _) in fields.items()}}
+    ok = events & (ch.nested == 1)
+    key_at = {}
+    for key in (*keys, *absent):
+        hit = _starting(ch.w, at, [key.encode() + b'"'], first)
+        count = np.bincount(ev[hit], minlength=n)
+        ok &= count == (0 if key in absent else 1)
+        key_at[key] = np.zeros(n, np.int64)
+        key_at[key][ev[hit]] = at[hit]   # where the count is one, the key's opening quote
+    read = np.flatnonzero(ok)
+    good = np.ones(len(read), bool)
+    value = {}
+    for key, depth in keys.items():
+        p = key_at[key][read]
+        value[key], is_key = ch.value_at(p, len(key.encode()))
+        good &= is_key & (ch.depth_at(p) == depth)
+    a, w = ch.a, ch.w
+    good &= (a[value["args"]] == _OPEN) & (a[value["ph"]] == _QUOTE) & (a[value["cat"]] == _QUOTE)
+    good &= _starting(w, value["ph"], [b'X"']) & _starting(w, value["cat"], cats)
+    for key, (_, kind) in fields.items():
+        good &= (a[value[key]] == _QUOTE) == (kind == "str")
+    read = read[good]
+    out = {}
+    try:
+        for key, (_, kind) in fields.items():
+            v = value[key][good]
+            if kind == "str":   # no backslash in the event: the bytes between the quotes are the text
+                end = ch.q[np.searchsorted(ch.q, v, side="right")]
+                out[key] = [ch.buf[s:e].decode() for s, e in zip((v + 1).tolist(), end.tolist())]
+            else:
+                out[key] = _numbers(a, v, np.float64 if kind == "float" else np.int64)
+    except (ValueError, OverflowError):
+        return np.zeros(n, bool), {}
+    done = np.zeros(n, bool)
+    done[read] = True
+    return done, out
 
 
 def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
-    """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` string or any
-    backslash); ``_reduce_batch`` then filters them exactly as the reference path does. Launch events are read in
-    place (``_launch_numbers``)."""
-    opens, closes = lay["opens"], lay["closes"]
-    parts["n_events"] += len(opens)
-    a, opening = np.frombuffer(buf, np.uint8), lay["q"][0::2]
-    opening = opening[np.isin(a[opening + 1], _FIRST_BYTES)]
-    q_ev = np.searchsorted(opens, opening, side="right") - 1   # each string's event
-    is_cand = np.zeros(len(opens) + 1, bool)   # the last slot: strings after the last complete event
-    is_cand[q_ev[np.searchsorted(opening, _strings_starting(a, opening, _KEEP))]] = True
-    is_cand[np.searchsorted(opens, lay["bs"], side="right") - 1] = True
-    is_launch = np.zeros(len(opens) + 1, bool)
-    is_launch[q_ev[np.searchsorted(opening, _strings_starting(a, opening, _KEEP_LAUNCH))]] = True
+    """Count the chunk's events; read the kernels and launches laid out as Kineto writes them in place
+    (``_read_flat``) and decode the other candidates (an event holding a ``_KEEP`` or launch string, or any
+    backslash) with json, for ``_reduce_batch`` to filter exactly as the reference path does."""
+    first_event = parts["n_events"]
+    n = len(lay["opens"])
+    parts["n_events"] += n
+    ch = _Chunk(buf, lay)
+    plain = np.ones(n, bool)   # no backslash
+    plain[np.searchsorted(ch.opens, lay["bs"], side="right") - 1] = False
+    is_cand = ~plain
+    is_cand[ch.s_ev[_starting(ch.w, ch.s_open, _KEEP, ch.s_first)]] = True
+    is_kernel = np.zeros(n, bool)
+    is_kernel[ch.s_ev[_starting(ch.w, ch.s_open, _KERNEL, ch.s_first)]] = True
+    is_launch = np.zeros(n, bool)
+    is_launch[ch.s_ev[_starting(ch.w, ch.s_open, _LAUNCH, ch.s_first)]] = True
     is_launch &= ~is_cand
-    if is_launch[:-1].any():
-        ts, corr, bad = _launch_numbers(a, opening, q_ev, is_launch)
-        if len(ts):
-            parts["launch"].append(pd.DataFrame({"corr": corr, "ts": ts}))
-        is_cand[bad] = True
-    cand = np.flatnonzero(is_cand[:-1])
+    is_cand |= is_launch
+    done, k = _read_flat(ch, is_kernel & plain, _KERNEL, _KERNEL_FIELDS, _KERNEL_NCCL)
+    if done.any():
+        m = int(done.sum())
+        parts["kernels"].append(pd.DataFrame({
+            "name": k["name"], "ts": k["ts"], "dur": k["dur"], "stream": k["stream"], "ext": k["External id"],
+            **{c: [None] * m for c in ("coll", "dtype", "in_nelems", "out_nelems", "group", "group_size", "seq")},
+            "corr": k["correlation"], "event": first_event + np.flatnonzero(done)}))
+        parts["kept"] += m
+        is_cand &= ~done
+    done, lt = _read_flat(ch, is_launch & plain, _LAUNCH, _LAUNCH_FIELDS)
+    if done.any():
+        parts["launch"].append(pd.DataFrame({"corr": lt["correlation"], "ts": lt["ts"]}))
+        is_cand &= ~done
+    cand = np.flatnonzero(is_cand)
     if len(cand):
-        sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
-        _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
-
-
-NUMBER_WIDTH = 32   # bytes read after a launch event's key: a number in Kineto's JSON is far shorter
-
-
-def _numbers_after(a: np.ndarray, keys: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the text of the value after each key, up to the next comma or closing brace, as fixed-width bytes whose
-    tail is NUL; whether each was a "key": value pair ending within NUMBER_WIDTH bytes). Vectorised: a window of
-    bytes per key, cut at its first separator."""
-    colon = keys + key_len + 1   # the key's opening quote, its bytes and closing quote, then the colon
-    w = a[np.minimum(colon[:, None] + 1 + np.arange(NUMBER_WIDTH), len(a) - 1)]
-    stop = np.logical_or.accumulate((w == _COMMA) | (w == _CLOSE), axis=1)
-    ok = (a[np.minimum(colon, len(a) - 1)] == ord(":")) & stop[:, -1] & ~stop[:, 0]
-    w[stop] = 0
-    return np.ascontiguousarray(w).view(f"S{NUMBER_WIDTH}").ravel(), ok
-
-
-def _launch_numbers(a: np.ndarray, opening: np.ndarray, q_ev: np.ndarray,
-                    is_launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ts, correlation, the events not read) of the launch events (``is_launch`` per event; ``q_ev``: the event of
-    each opening quote): each event's one ``"ts"`` and one ``"correlation"`` key and the numbers after them. An
-    event with another count of either key, or a value that is not a number, is returned in the third array (for
-    json)."""
-    inside = is_launch[q_ev]
-    q, q_ev = opening[inside], q_ev[inside]   # the strings of the launch events only
-    found = []
-    for key in (_TS_KEY, _CORR_KEY):
-        at = _strings_starting(a, q, [key])
-        ev = q_ev[np.searchsorted(q, at)]
-        found.append((at, ev, np.bincount(ev, minlength=len(is_launch)) == 1))
-    (ts_at, ts_ev, ts_one), (co_at, co_ev, co_one) = found
-    good = is_launch & ts_one & co_one   # events are in file order, so are their keys: rows pair up
-    ts_text, ts_ok = _numbers_after(a, ts_at[good[ts_ev]], len(_TS_KEY))
-    co_text, co_ok = _numbers_after(a, co_at[good[co_ev]], len(_CORR_KEY))
-    ok = ts_ok & co_ok
-    events = np.flatnonzero(is_launch)
-    try:
-        ts, corr = ts_text[ok].astype(np.float64), co_text[ok].astype(np.int64)
-    except ValueError:   # some value is not a plain number: decode them all
-        return np.zeros(0), np.zeros(0, np.int64), events
-    read = np.flatnonzero(good)
-    return ts, corr, np.union1d(np.flatnonzero(is_launch & ~good), read[~ok])
+        sl = [buf[o:c + 1] for o, c in zip(lay["opens"][cand].tolist(), lay["closes"][cand].tolist())]
+        _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts, first_event + cand)
 
 
 def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
@@ -363,15 +438,18 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
         meta_out.update(meta)
 
 
-def _reduce_batch(events: list, parts: dict) -> None:
-    """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out)."""
-    kern, cpu, launch, pids = [], [], [], parts["pids"]
-    for e in events:
+def _reduce_batch(events: list, parts: dict, order=None) -> None:
+    """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out).
+    ``order``: each event's number in the file, kept with the kernels (the fast path reads kernels two ways and
+    puts them back in file order)."""
+    kern, kern_i, cpu, launch, pids = [], [], [], [], parts["pids"]
+    for i, e in enumerate(events):
         ph = e.get("ph")
         if ph == "X":
             cat = e.get("cat")
             if cat in KERNEL_CATS:
                 kern.append(e)
+                kern_i.append(i)
             elif cat in LAUNCH_CATS:
                 launch.append(e)
             elif cat == "user_annotation" or (cat == "cpu_op" and str(e.get("name", "")).startswith(
@@ -394,6 +472,7 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "group_size": [a.get("Group size") for a in args],
             "seq": [a.get("Seq") for a in args],
             "corr": [a.get("correlation") for a in args],
+            **({"event": np.asarray(order)[kern_i]} if order is not None else {}),
         }))
     if launch:  # the CPU side of each kernel launch, joined to its kernel by correlation id
         parts["launch"].append(pd.DataFrame({
@@ -453,7 +532,10 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
     launch = cat(parts["launch"])  # a lookup by correlation id: sorted, so both paths give the same table
     launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True) if len(launch) else launch
-    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]), "launch": launch,
+    kernels = cat(parts["kernels"])
+    if "event" in kernels:   # the fast path's kernels, read in place or decoded, back in file order
+        kernels = kernels.sort_values("event", kind="stable").drop(columns="event").reset_index(drop=True)
+    return {"meta": meta, "kernels": kernels, "cpu": cat(parts["cpu"]), "launch": launch,
             "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}
 
