@@ -131,14 +131,14 @@ def _unescaped(q: np.ndarray, bs: np.ndarray) -> np.ndarray:
     return q[~np.isin(q, escaped)] if escaped else q
 
 
-def _layout(buf: bytes) -> dict:
-    """Where the events are in ``buf``, which starts inside the traceEvents array at depth 0 and outside any
+def _layout(buf: bytes, n: int) -> dict:
+    """Where the events are in ``buf[:n]``, which starts inside the traceEvents array at depth 0 and outside any
     string: the complete events (``opens``/``closes``: positions of their outer braces), the closing "]"
-    (``array_end``, None if not in ``buf``), the backslashes (``bs``) and unescaped quotes (``q``) in the complete
+    (``array_end``, None if not in the text), the backslashes (``bs``) and unescaped quotes (``q``) in the complete
     events, and the braces outside strings (``st``) with the depth after each (``depth``)."""
-    a = np.frombuffer(buf, np.uint8)
+    a = np.frombuffer(buf, np.uint8, count=n)
     q = np.flatnonzero(a == _QUOTE)
-    bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\") >= 0 else np.empty(0, np.int64)
+    bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\", 0, n) >= 0 else np.empty(0, np.int64)
     if len(bs):
         q = _unescaped(q, bs)
     st = np.flatnonzero((a == _OPEN) | (a == _CLOSE) | (a == _END))
@@ -154,13 +154,16 @@ def _layout(buf: bytes) -> dict:
     closes = st[inside & (sch == _CLOSE) & (depth == 0)]
     hi = int(closes[-1]) if len(closes) else 0
     return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
-            "bs": bs[bs < hi], "q": q[q < hi], "st": st, "depth": depth}
+            "bs": bs[bs < hi], "q": q[q < hi], "st": st[st < hi], "depth": depth[st < hi]}
+
+
+_PAD = bytes(64)   # zeros after each chunk's text (scan_trace): 8-byte words and number windows read past its end
 
 
 def _words(buf: bytes) -> np.ndarray:
-    """The 8 bytes from each position of ``buf`` as one little-endian integer (a view with a stride of one byte;
-    the positions past the end read zeros): compares up to 8 bytes at a position in one integer operation."""
-    return np.ndarray((len(buf) + 32,), "<u8", buf + bytes(40), strides=(1,))
+    """The 8 bytes from each position of ``buf`` as one little-endian integer (a view with a stride of one byte):
+    compares up to 8 bytes at a position in one integer operation."""
+    return np.ndarray((len(buf) - 7,), "<u8", buf, strides=(1,))
 
 
 def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None = None) -> np.ndarray:
@@ -180,25 +183,58 @@ def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None 
 
 
 class _Chunk:
-    """A chunk's complete events as numpy arrays: its bytes (zero-padded), 8-byte words (``_words``), the opening
-    quote of each string with its first word and its event, and the depth of any position."""
+    """A chunk's complete events as numpy arrays, for finding the kept ones and reading the flat ones in place:
+    its bytes and 8-byte words (the text is followed by _PAD), the opening quote of each string with its first
+    word and its event, and the objects nested in each event (``nested``: how many, ``nest_lo``/``nest_hi``: where
+    the one at depth 2 opens and closes)."""
 
     def __init__(self, buf: bytes, lay: dict):
-        self.buf, self.w, self.q, self.opens = buf, _words(buf), lay["q"], lay["opens"]
-        self.a = np.frombuffer(buf + bytes(8), np.uint8)
+        self.buf, self.a, self.w = buf, np.frombuffer(buf, np.uint8), _words(buf)
+        self.q, self.opens = lay["q"], lay["opens"]
+        n = len(self.opens)
         self.s_open = self.q[0::2]
         self.s_first = self.w[self.s_open + 1]
-        self.s_ev = np.searchsorted(self.opens, self.s_open, side="right") - 1
+        # each string's event: the events opening before it, less one (the few events looked up among the many
+        # strings, then counted up, costs a third of looking up each string among the events)
+        first = np.bincount(np.searchsorted(self.s_open, self.opens), minlength=len(self.s_open) + 1)
+        self.s_ev = np.cumsum(first[:-1]) - 1
         st, depth = lay["st"], lay["depth"]
-        self.st, self.depth = st, depth
-        # objects nested in each event (the events read in place have one: their args)
-        nested = st[(depth == 2) & (self.a[st] == _OPEN)]
-        nested = nested[nested < lay["closes"][-1]]   # not those of the incomplete event after the last one
-        self.nested = np.bincount(np.searchsorted(self.opens, nested, side="right") - 1, minlength=len(self.opens)
-                                  ) if len(self.opens) else np.zeros(0, np.int64)
+        sch = self.a[st]
+        nested = st[(depth >= 2) & (sch == _OPEN)]
+        self.nested = np.bincount(np.searchsorted(self.opens, nested, side="right") - 1, minlength=n)
+        lo, hi = st[(depth == 2) & (sch == _OPEN)], st[(depth == 1) & (sch == _CLOSE)]
+        self.nest_lo, self.nest_hi = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        ev = np.searchsorted(self.opens, lo, side="right") - 1
+        self.nest_lo[ev], self.nest_hi[ev] = lo, hi
+        self.select(np.ones(n, bool))
 
-    def depth_at(self, p: np.ndarray) -> np.ndarray:
-        return self.depth[np.searchsorted(self.st, p) - 1]
+    def holding(self, prefixes) -> np.ndarray:
+        """Whether each event holds a string starting with one of ``prefixes``."""
+        out = np.zeros(len(self.opens), bool)
+        out[self.s_ev[_starting(self.w, self.s_open, prefixes, self.s_first)]] = True
+        return out
+
+    def select(self, events: np.ndarray) -> None:
+        """Look up keys (``key``, ``holds``) among the strings of these events only."""
+        inside = events[self.s_ev]
+        self._at, self._ev, self._first = self.s_open[inside], self.s_ev[inside], self.s_first[inside]
+        self._keys: dict = {}
+
+    def key(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(how many strings equal to ``key`` each selected event holds, where the last of them opens)."""
+        if key not in self._keys:
+            hit = _starting(self.w, self._at, [key.encode() + b'"'], self._first)
+            ev, n = self._ev[hit], len(self.opens)
+            at = np.zeros(n, np.int64)
+            at[ev] = self._at[hit]
+            self._keys[key] = (np.bincount(ev, minlength=n), at)
+        return self._keys[key]
+
+    def holds(self, keys: tuple) -> np.ndarray:
+        """Whether each selected event holds a string equal to one of ``keys``."""
+        out = np.zeros(len(self.opens), bool)
+        out[self._ev[_starting(self.w, self._at, [k.encode() + b'"' for k in keys], self._first)]] = True
+        return out
 
     def value_at(self, key_at: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
         """(where the value starts, whether the string was a key) for keys opening at ``key_at``: its closing
@@ -211,48 +247,43 @@ class _Chunk:
         return v, a[colon] == _COLON
 
 
-NUMBER_WIDTH = 32   # bytes read for a number read in place: a number in Kineto's JSON is far shorter
+NUMBER_WIDTH = 24   # bytes read for a number read in place: a number in Kineto's JSON is far shorter
 
 
-def _numbers(a: np.ndarray, v: np.ndarray, dtype) -> np.ndarray:
-    """The numbers starting at ``v``: the text up to the next comma or closing brace (within NUMBER_WIDTH bytes),
-    converted by numpy (ValueError or OverflowError if one is not a number of ``dtype``)."""
-    w = a[np.minimum(v[:, None] + np.arange(NUMBER_WIDTH), len(a) - 1)]
-    stop = np.logical_or.accumulate((w == _COMMA) | (w == _CLOSE), axis=1)
-    if not (stop[:, -1] & ~stop[:, 0]).all():
+def _numbers(w: np.ndarray, v: np.ndarray, dtype) -> np.ndarray:
+    """The numbers starting at ``v`` (``w``: the chunk's ``_words``): the text up to the next comma or closing
+    brace, within NUMBER_WIDTH bytes, converted by numpy (ValueError or OverflowError if one is not a number of
+    ``dtype``)."""
+    b = np.stack([w[v + i] for i in range(0, NUMBER_WIDTH, 8)], axis=1).view(np.uint8)  # a row of bytes each
+    stop = np.argmax((b == _COMMA) | (b == _CLOSE), axis=1)
+    if not (stop > 0).all():   # no separator in the window, or nothing before it
         raise ValueError("not a number")
-    w[stop] = 0   # a NUL-padded fixed-width string each
-    return np.ascontiguousarray(w).view(f"S{NUMBER_WIDTH}").ravel().astype(dtype)
+    b[np.arange(NUMBER_WIDTH) >= stop[:, None]] = 0   # a NUL-padded fixed-width string each
+    return b.view(f"S{NUMBER_WIDTH}").ravel().astype(dtype)
 
 
 def _read_flat(ch: _Chunk, events: np.ndarray, cats: tuple, fields: dict,
                absent: tuple = ()) -> tuple[np.ndarray, dict]:
-    """Read ``fields`` of the ``events`` (a mask over the chunk's events; none holds a backslash) in place:
-    (the events read, their values per field). An event is read only if laid out as Kineto writes it: "ph" "X", a
-    "cat" of ``cats`` (bytes, ending in a quote), one nested object, its "args"; each field's key occurs once as a
-    string anywhere in the event, at its depth, with a value of its type; and none of ``absent`` occurs. Others
-    are left to json, as are all of them if a number does not convert."""
+    """Read ``fields`` of the ``events`` (a mask over the chunk's events, all selected in ``ch``, none holding a
+    backslash) in place: (the events read, their values per field). An event is read only if laid out as Kineto
+    writes it: "ph" "X", a "cat" of ``cats`` (bytes, ending in a quote), one nested object, its "args"; each
+    field's key occurs once as a string anywhere in the event, at its depth, with a value of its type; and none of
+    ``absent`` occurs. Others are left to json, as are all of them if a number does not convert."""
     n = len(events)
-    inside = events[ch.s_ev]
-    at, ev, first = ch.s_open[inside], ch.s_ev[inside], ch.s_first[inside]
     keys = {"ph": 1, "cat": 1, "args": 1, **{k: d for k, (d, _) in fields.items()}}
-    ok = events & (ch.nested == 1)
-    key_at = {}
-    for key in (*keys, *absent):
-        hit = _starting(ch.w, at, [key.encode() + b'"'], first)
-        count = np.bincount(ev[hit], minlength=n)
-        ok &= count == (0 if key in absent else 1)
-        key_at[key] = np.zeros(n, np.int64)
-        key_at[key][ev[hit]] = at[hit]   # where the count is one, the key's opening quote
+    ok = events & (ch.nested == 1) & ~ch.holds(absent)
+    for key in keys:
+        ok &= ch.key(key)[0] == 1
     read = np.flatnonzero(ok)
+    lo, hi = ch.nest_lo[read], ch.nest_hi[read]   # the nested object: args, if it is args' value (checked below)
     good = np.ones(len(read), bool)
     value = {}
     for key, depth in keys.items():
-        p = key_at[key][read]
+        p = ch.key(key)[1][read]
         value[key], is_key = ch.value_at(p, len(key.encode()))
-        good &= is_key & (ch.depth_at(p) == depth)
+        good &= is_key & (((p > lo) & (p < hi)) == (depth == 2))
     a, w = ch.a, ch.w
-    good &= (a[value["args"]] == _OPEN) & (a[value["ph"]] == _QUOTE) & (a[value["cat"]] == _QUOTE)
+    good &= (value["args"] == lo) & (a[value["ph"]] == _QUOTE) & (a[value["cat"]] == _QUOTE)
     good &= _starting(w, value["ph"], [b'X"']) & _starting(w, value["cat"], cats)
     for key, (_, kind) in fields.items():
         good &= (a[value[key]] == _QUOTE) == (kind == "str")
@@ -265,7 +296,7 @@ def _read_flat(ch: _Chunk, events: np.ndarray, cats: tuple, fields: dict,
                 end = ch.q[np.searchsorted(ch.q, v, side="right")]
                 out[key] = [ch.buf[s:e].decode() for s, e in zip((v + 1).tolist(), end.tolist())]
             else:
-                out[key] = _numbers(a, v, np.float64 if kind == "float" else np.int64)
+                out[key] = _numbers(w, v, np.float64 if kind == "float" else np.int64)
     except (ValueError, OverflowError):
         return np.zeros(n, bool), {}
     done = np.zeros(n, bool)
@@ -283,14 +314,11 @@ def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
     ch = _Chunk(buf, lay)
     plain = np.ones(n, bool)   # no backslash
     plain[np.searchsorted(ch.opens, lay["bs"], side="right") - 1] = False
-    is_cand = ~plain
-    is_cand[ch.s_ev[_starting(ch.w, ch.s_open, _KEEP, ch.s_first)]] = True
-    is_kernel = np.zeros(n, bool)
-    is_kernel[ch.s_ev[_starting(ch.w, ch.s_open, _KERNEL, ch.s_first)]] = True
-    is_launch = np.zeros(n, bool)
-    is_launch[ch.s_ev[_starting(ch.w, ch.s_open, _LAUNCH, ch.s_first)]] = True
+    is_kernel, is_launch = ch.holding(_KERNEL), ch.holding(_LAUNCH)
+    is_cand = ~plain | is_kernel | ch.holding([p for p in _KEEP if p not in _KERNEL])
     is_launch &= ~is_cand
     is_cand |= is_launch
+    ch.select((is_kernel | is_launch) & plain)
     done, k = _read_flat(ch, is_kernel & plain, _KERNEL, _KERNEL_FIELDS, _KERNEL_NCCL)
     if done.any():
         m = int(done.sum())
@@ -300,7 +328,7 @@ def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
             "corr": k["correlation"], "event": first_event + np.flatnonzero(done)}))
         parts["kept"] += m
         is_cand &= ~done
-    done, lt = _read_flat(ch, is_launch & plain, _LAUNCH, _LAUNCH_FIELDS)
+    done, lt = _read_flat(ch, is_launch, _LAUNCH, _LAUNCH_FIELDS)
     if done.any():
         parts["launch"].append(pd.DataFrame({"corr": lt["correlation"], "ts": lt["ts"]}))
         is_cand &= ~done
@@ -334,25 +362,25 @@ def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
             raise KinetoError(f"{path}: empty file (no JSON text), not a trace")
         else:
             raise KinetoError(f"{path}: not JSON (starts with {buf[:20]!r})")
-        buf = buf[pos:]
+        buf = buf[pos:] + _PAD   # the text is buf[:n]
         eof = False
         while True:
+            n = len(buf) - len(_PAD)
             try:
-                lay = _layout(buf)
+                lay = _layout(buf, n)
                 closes, array_end = lay["closes"], lay["array_end"]
                 if len(closes):
                     _reduce_chunk(buf, lay, parts)
             except ValueError as e:  # json's errors and UnicodeDecodeError included
                 raise KinetoError(f"{path}: invalid JSON in traceEvents ({str(e).splitlines()[0]})") from None
             if array_end is not None:
-                tail = buf[array_end + 1:] + (b"" if eof else _read(stream, path, -1))
+                tail = buf[array_end + 1:n] + (b"" if eof else _read(stream, path, -1))
                 break
             if eof:
                 raise KinetoError(f"{path}: truncated JSON (traceEvents never closed)")
-            buf = buf[int(closes[-1]) + 1:] if len(closes) else buf
             more = _read(stream, path, chunk)
             eof = not more
-            buf += more
+            buf = b"".join((buf[int(closes[-1]) + 1 if len(closes) else 0:n], more, _PAD))   # one copy
     if prefix is None:
         return {}
     try:
