@@ -206,7 +206,6 @@ class _Chunk:
         self.nest_lo, self.nest_hi = np.zeros(n, np.int64), np.zeros(n, np.int64)
         ev = np.searchsorted(self.opens, lo, side="right") - 1
         self.nest_lo[ev], self.nest_hi[ev] = lo, hi
-        self.select(np.ones(n, bool))
 
     def holding(self, prefixes) -> np.ndarray:
         """Whether each event holds a string starting with one of ``prefixes``."""

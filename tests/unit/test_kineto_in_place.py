@@ -32,6 +32,7 @@ ODD = {  # name -> an event unlike the plain ones (each is read by json, or read
     "no_stream": _kernel(0, args={"External id": 1, "correlation": 2}),
     "no_external_id": _kernel(0, args={"stream": 7, "correlation": 2}),
     "two_nested": _kernel(0, extra={"stream": 3}),
+    "stream_only_deeper": _kernel(0, args={"External id": 1, "correlation": 2, "x": {"stream": 8}}),
     "args_nested_stream": _kernel(0, args={"External id": 1, "correlation": 2, "stream": 7, "x": {"stream": 8}}),
     "name_is_a_key": _kernel(0, name="ts"),
     "name_unicode": _kernel(0, name="gemm ✓ é {}[],:"),
