@@ -91,9 +91,15 @@ _LAUNCH = tuple(c.encode() + b'"' for c in LAUNCH_CATS)
 # event's own key, 2 a key of its "args". The reference path reads the same fields (_reduce_batch).
 _KERNEL_FIELDS = {"name": (1, "str"), "ts": (1, "float"), "dur": (1, "float"),
                   "stream": (2, "int"), "External id": (2, "int"), "correlation": (2, "int")}
-# a kernel holding any of these strings (NCCL's collective args, read by _reduce_batch) is decoded with json
-_KERNEL_NCCL = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "Process Group Name", "Group size",
-                "Seq")
+# NCCL's collective args, when a kernel has them (at most once each)
+_KERNEL_NCCL = {"Collective name": (2, "str"), "dtype": (2, "str"), "In msg nelems": (2, "int"),
+                "Out msg nelems": (2, "int"), "Process Group Name": (2, "str"), "Group size": (2, "int"),
+                "Seq": (2, "int")}
+# the kernels' columns (as _reduce_batch makes them) and the field each is read from
+_KERNEL_COLUMNS = {"name": "name", "ts": "ts", "dur": "dur", "stream": "stream", "ext": "External id",
+                   "coll": "Collective name", "dtype": "dtype", "in_nelems": "In msg nelems",
+                   "out_nelems": "Out msg nelems", "group": "Process Group Name", "group_size": "Group size",
+                   "seq": "Seq", "corr": "correlation"}
 _LAUNCH_FIELDS = {"ts": (1, "float"), "correlation": (2, "int")}
 
 
@@ -213,27 +219,8 @@ class _Chunk:
         out[self.s_ev[_starting(self.w, self.s_open, prefixes, self.s_first)]] = True
         return out
 
-    def select(self, events: np.ndarray) -> None:
-        """Look up keys (``key``, ``holds``) among the strings of these events only."""
-        inside = events[self.s_ev]
-        self._at, self._ev, self._first = self.s_open[inside], self.s_ev[inside], self.s_first[inside]
-        self._keys: dict = {}
-
-    def key(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """(how many strings equal to ``key`` each selected event holds, where the last of them opens)."""
-        if key not in self._keys:
-            hit = _starting(self.w, self._at, [key.encode() + b'"'], self._first)
-            ev, n = self._ev[hit], len(self.opens)
-            at = np.zeros(n, np.int64)
-            at[ev] = self._at[hit]
-            self._keys[key] = (np.bincount(ev, minlength=n), at)
-        return self._keys[key]
-
-    def holds(self, keys: tuple) -> np.ndarray:
-        """Whether each selected event holds a string equal to one of ``keys``."""
-        out = np.zeros(len(self.opens), bool)
-        out[self._ev[_starting(self.w, self._at, [k.encode() + b'"' for k in keys], self._first)]] = True
-        return out
+    def strings(self, events: np.ndarray) -> _Strings:
+        return _Strings(self, self.s_open, self.s_ev, self.s_first, events)
 
     def value_at(self, key_at: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
         """(where the value starts, whether the string was a key) for keys opening at ``key_at``: its closing
@@ -244,6 +231,34 @@ class _Chunk:
         v = colon + 1
         v += a[v] == _SPACE
         return v, a[colon] == _COLON
+
+
+class _Strings:
+    """The strings of some of a chunk's events (a mask over them), looked up by value."""
+
+    def __init__(self, ch: _Chunk, at: np.ndarray, ev: np.ndarray, first: np.ndarray, events: np.ndarray):
+        inside = events[ev]
+        self.ch, self.at, self.ev, self.first = ch, at[inside], ev[inside], first[inside]
+        self._keys: dict = {}
+
+    def subset(self, events: np.ndarray) -> _Strings:
+        return _Strings(self.ch, self.at, self.ev, self.first, events)
+
+    def key(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(how many strings equal to ``key`` each event holds, where the last of them opens)."""
+        if key not in self._keys:
+            hit = _starting(self.ch.w, self.at, [key.encode() + b'"'], self.first)
+            ev, n = self.ev[hit], len(self.ch.opens)
+            at = np.zeros(n, np.int64)
+            at[ev] = self.at[hit]
+            self._keys[key] = (np.bincount(ev, minlength=n), at)
+        return self._keys[key]
+
+    def holding(self, keys) -> np.ndarray:
+        """Whether each event holds a string equal to one of ``keys``."""
+        out = np.zeros(len(self.ch.opens), bool)
+        out[self.ev[_starting(self.ch.w, self.at, [k.encode() + b'"' for k in keys], self.first)]] = True
+        return out
 
 
 NUMBER_WIDTH = 24   # bytes read for a number read in place: a number in Kineto's JSON is far shorter
@@ -261,41 +276,50 @@ def _numbers(w: np.ndarray, v: np.ndarray, dtype) -> np.ndarray:
     return b.view(f"S{NUMBER_WIDTH}").ravel().astype(dtype)
 
 
-def _read_flat(ch: _Chunk, events: np.ndarray, cats: tuple, fields: dict,
-               absent: tuple = ()) -> tuple[np.ndarray, dict]:
-    """Read ``fields`` of the ``events`` (a mask over the chunk's events, all selected in ``ch``, none holding a
-    backslash) in place: (the events read, their values per field). An event is read only if laid out as Kineto
-    writes it: "ph" "X", a "cat" of ``cats`` (bytes, ending in a quote), one nested object, its "args"; each
-    field's key occurs once as a string anywhere in the event, at its depth, with a value of its type; and none of
-    ``absent`` occurs. Others are left to json, as are all of them if a number does not convert."""
-    n = len(events)
-    keys = {"ph": 1, "cat": 1, "args": 1, **{k: d for k, (d, _) in fields.items()}}
-    ok = events & (ch.nested == 1) & ~ch.holds(absent)
+def _read_flat(strs: _Strings, events: np.ndarray, cats: tuple, fields: dict,
+               optional: dict | None = None) -> tuple[np.ndarray, dict]:
+    """Read ``fields`` and ``optional`` fields of the ``events`` (a mask over the chunk's events, none holding a
+    backslash; ``strs``: their strings) in place: (the events read, their values per field). An event is read only
+    if laid out as Kineto writes it: "ph" "X", a "cat" of ``cats`` (bytes, ending in a quote), one nested object,
+    its "args"; each field's key occurs once as a string anywhere in the event (an optional one at most once), at
+    its depth, with a value of its type. Others are left to json, as are all of them if a number does not convert.
+    An optional field absent from an event is None (text) or NaN (a number)."""
+    ch, n, optional = strs.ch, len(events), optional or {}
+    keys = {"ph": (1, "str"), "cat": (1, "str"), "args": (1, "object"), **fields}
+    ok = events & (ch.nested == 1)
     for key in keys:
-        ok &= ch.key(key)[0] == 1
+        ok &= strs.key(key)[0] == 1
+    opt = strs.subset(ok & strs.holding(optional)) if optional else strs   # looked up where there is one
+    has = {}
+    for key in optional:
+        count = opt.key(key)[0]
+        ok &= count <= 1
+        has[key] = count == 1
     read = np.flatnonzero(ok)
     lo, hi = ch.nest_lo[read], ch.nest_hi[read]   # the nested object: args, if it is args' value (checked below)
     good = np.ones(len(read), bool)
     value = {}
-    for key, depth in keys.items():
-        p = ch.key(key)[1][read]
+    for key, (depth, kind) in {**keys, **optional}.items():
+        p = (strs if key in keys else opt).key(key)[1][read]
         value[key], is_key = ch.value_at(p, len(key.encode()))
-        good &= is_key & (((p > lo) & (p < hi)) == (depth == 2))
-    a, w = ch.a, ch.w
-    good &= (value["args"] == lo) & (a[value["ph"]] == _QUOTE) & (a[value["cat"]] == _QUOTE)
-    good &= _starting(w, value["ph"], [b'X"']) & _starting(w, value["cat"], cats)
-    for key, (_, kind) in fields.items():
-        good &= (a[value[key]] == _QUOTE) == (kind == "str")
+        check = is_key & (((p > lo) & (p < hi)) == (depth == 2)) & ((ch.a[value[key]] == _QUOTE) == (kind == "str"))
+        good &= check | (~has[key][read] if key in optional else False)
+    w = ch.w
+    good &= (value["args"] == lo) & _starting(w, value["ph"], [b'X"']) & _starting(w, value["cat"], cats)
     read = read[good]
     out = {}
     try:
-        for key, (_, kind) in fields.items():
-            v = value[key][good]
+        for key, (_, kind) in {**fields, **optional}.items():
+            there = has[key][read] if key in optional else np.ones(len(read), bool)
+            v = value[key][good][there]
             if kind == "str":   # no backslash in the event: the bytes between the quotes are the text
                 end = ch.q[np.searchsorted(ch.q, v, side="right")]
-                out[key] = [ch.buf[s:e].decode() for s, e in zip((v + 1).tolist(), end.tolist())]
+                x = np.array([ch.buf[s:e].decode() for s, e in zip((v + 1).tolist(), end.tolist())], object)
+                out[key] = np.full(len(read), None, object)
             else:
-                out[key] = _numbers(w, v, np.float64 if kind == "float" else np.int64)
+                x = _numbers(w, v, np.float64 if kind == "float" else np.int64)
+                out[key] = np.full(len(read), np.nan) if key in optional else np.empty(len(read), x.dtype)
+            out[key][there] = x
     except (ValueError, OverflowError):
         return np.zeros(n, bool), {}
     done = np.zeros(n, bool)
@@ -317,17 +341,14 @@ def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
     is_cand = ~plain | is_kernel | ch.holding([p for p in _KEEP if p not in _KERNEL])
     is_launch &= ~is_cand
     is_cand |= is_launch
-    ch.select((is_kernel | is_launch) & plain)
-    done, k = _read_flat(ch, is_kernel & plain, _KERNEL, _KERNEL_FIELDS, _KERNEL_NCCL)
+    strs = ch.strings((is_kernel | is_launch) & plain)
+    done, k = _read_flat(strs, is_kernel & plain, _KERNEL, _KERNEL_FIELDS, _KERNEL_NCCL)
     if done.any():
-        m = int(done.sum())
-        parts["kernels"].append(pd.DataFrame({
-            "name": k["name"], "ts": k["ts"], "dur": k["dur"], "stream": k["stream"], "ext": k["External id"],
-            **{c: [None] * m for c in ("coll", "dtype", "in_nelems", "out_nelems", "group", "group_size", "seq")},
-            "corr": k["correlation"], "event": first_event + np.flatnonzero(done)}))
-        parts["kept"] += m
+        parts["flat_kernels"].append({**{c: k[f] for c, f in _KERNEL_COLUMNS.items()},
+                                      "event": first_event + np.flatnonzero(done)})
+        parts["kept"] += int(done.sum())
         is_cand &= ~done
-    done, lt = _read_flat(ch, is_launch, _LAUNCH, _LAUNCH_FIELDS)
+    done, lt = _read_flat(strs, is_launch, _LAUNCH, _LAUNCH_FIELDS)
     if done.any():
         parts["launch"].append(pd.DataFrame({"corr": lt["correlation"], "ts": lt["ts"]}))
         is_cand &= ~done
@@ -544,7 +565,7 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
 
     ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
     """
-    parts = {"kernels": [], "cpu": [], "launch": [], "n_events": 0, "kept": 0, "pids": set()}
+    parts = {"kernels": [], "flat_kernels": [], "cpu": [], "launch": [], "n_events": 0, "kept": 0, "pids": set()}
     if fast:
         meta = scan_trace(Path(path), parts)
     else:
@@ -559,9 +580,13 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
     launch = cat(parts["launch"])  # a lookup by correlation id: sorted, so both paths give the same table
     launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True) if len(launch) else launch
-    kernels = cat(parts["kernels"])
-    if "event" in kernels:   # the fast path's kernels, read in place or decoded, back in file order
-        kernels = kernels.sort_values("event", kind="stable").drop(columns="event").reset_index(drop=True)
+    flat = parts["flat_kernels"]   # the fast path's kernels read in place: columns of arrays, one frame at the end
+    kernels = cat(([pd.DataFrame({c: np.concatenate([f[c] for f in flat]) for c in flat[0]})] if flat else [])
+                  + parts["kernels"])
+    if "event" in kernels:   # back in file order, if some were decoded with json
+        if not kernels["event"].is_monotonic_increasing:
+            kernels = kernels.sort_values("event", kind="stable").reset_index(drop=True)
+        kernels = kernels.drop(columns="event")
     return {"meta": meta, "kernels": kernels, "cpu": cat(parts["cpu"]), "launch": launch,
             "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}

@@ -47,6 +47,12 @@ ODD = {  # name -> an event unlike the plain ones (each is read by json, or read
     "nccl": _kernel(0, args={"External id": 1, "correlation": 2, "stream": 7, "Collective name": "allreduce",
                              "dtype": "Float", "In msg nelems": 4, "Out msg nelems": 4, "Group size": 2}),
     "dtype_only": _kernel(0, args={"External id": 1, "correlation": 2, "stream": 7, "dtype": "Float"}),
+    "nccl_seq_at_top": _kernel(0, Seq=4, args={"External id": 1, "correlation": 2, "stream": 7,
+                                               "Collective name": "allreduce"}),
+    "nccl_name_twice": _kernel(0, name="Seq", args={"External id": 1, "correlation": 2, "stream": 7, "Seq": 3}),
+    "nccl_dtype_null": _kernel(0, args={"External id": 1, "correlation": 2, "stream": 7, "dtype": None}),
+    # (a number where text is expected is typed by pandas per batch of rows, _tidy: not compared here)
+    "nccl_size_as_text": _kernel(0, args={"External id": 1, "correlation": 2, "stream": 7, "Group size": "2"}),
     "memcpy": _kernel(0, cat="gpu_memcpy", name="Memcpy HtoD"),
     "launch_corr_at_top": _launch(0, correlation=5, args={"cbid": 1}),
     "launch_instant": {"ph": "i", "cat": "cuda_runtime", "name": "x", "ts": 3.0, "args": {"correlation": 7}},
