@@ -39,6 +39,8 @@ ODD = {  # name -> an event unlike the plain ones (each is read by json, or read
     "stream_as_text": _kernel(0, args={"External id": 1, "correlation": 2, "stream": "7"}),
     "id_as_float": _kernel(0, args={"External id": 1.0, "correlation": 2, "stream": 7}),
     "ts_as_int": _kernel(0, ts=1000, dur=3),
+    "big_ids": _kernel(0, args={"External id": 12345678, "correlation": 2**53 + 1, "stream": 9999999}),
+    "negative_stream": _kernel(0, args={"External id": 0, "correlation": 2, "stream": -1}),
     "ts_exponent": _kernel(0, ts=1.5e3),
     "ts_null": _kernel(0, ts=None),
     "instant": {"ph": "i", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 5.0,
