@@ -159,8 +159,9 @@ def _layout(buf: bytes, n: int) -> dict:
     opens = st[inside & (sch == _OPEN) & (depth == 1)]
     closes = st[inside & (sch == _CLOSE) & (depth == 0)]
     hi = int(closes[-1]) if len(closes) else 0
+    cut = np.searchsorted(st, hi)   # the arrays are sorted: those of the complete events are a prefix
     return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
-            "bs": bs[bs < hi], "q": q[q < hi], "st": st[st < hi], "depth": depth[st < hi]}
+            "bs": bs[:np.searchsorted(bs, hi)], "q": q[:np.searchsorted(q, hi)], "st": st[:cut], "depth": depth[:cut]}
 
 
 _PAD = bytes(64)   # zeros after each chunk's text (scan_trace): 8-byte words and number windows read past its end
@@ -220,7 +221,11 @@ class _Chunk:
         return out
 
     def strings(self, events: np.ndarray) -> _Strings:
-        return _Strings(self, self.s_open, self.s_ev, self.s_first, events)
+        """The strings of ``events`` that can be keys: followed by a colon or white space (a key's duplicate with
+        odd spacing is still counted; values are followed by a comma or a bracket, or white space)."""
+        after = self.a[self.q[1::2] + 1]
+        keys = (after == _COLON) | (after == _SPACE) | (after == 10) | (after == 13) | (after == 9)
+        return _Strings(self, np.flatnonzero(keys & events[self.s_ev]))
 
     def value_at(self, key_at: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
         """(where the value starts, whether the string was a key) for keys opening at ``key_at``: its closing
@@ -234,30 +239,32 @@ class _Chunk:
 
 
 class _Strings:
-    """The strings of some of a chunk's events (a mask over them), looked up by value."""
+    """Some of a chunk's strings (``idx``: their numbers in the chunk), looked up by value."""
 
-    def __init__(self, ch: _Chunk, at: np.ndarray, ev: np.ndarray, first: np.ndarray, events: np.ndarray):
-        inside = events[ev]
-        self.ch, self.at, self.ev, self.first = ch, at[inside], ev[inside], first[inside]
+    def __init__(self, ch: _Chunk, idx: np.ndarray):
+        self.ch, self.idx = ch, idx
+        self.at, self.ev, self.first = ch.s_open[idx], ch.s_ev[idx], ch.s_first[idx]
         self._keys: dict = {}
 
     def subset(self, events: np.ndarray) -> _Strings:
-        return _Strings(self.ch, self.at, self.ev, self.first, events)
+        return _Strings(self.ch, self.idx[events[self.ev]])
 
     def key(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """(how many strings equal to ``key`` each event holds, where the last of them opens)."""
+        """(how many strings equal to ``key`` each event holds, the number of the last of them)."""
         if key not in self._keys:
-            hit = _starting(self.ch.w, self.at, [key.encode() + b'"'], self.first)
-            ev, n = self.ev[hit], len(self.ch.opens)
-            at = np.zeros(n, np.int64)
-            at[ev] = self.at[hit]
-            self._keys[key] = (np.bincount(ev, minlength=n), at)
+            ch = self.ch
+            hit = _starting(ch.w, self.at, [key.encode() + b'"'], self.first)
+            ev, n = self.ev[hit], len(ch.opens)
+            last = np.zeros(n, np.int64)
+            last[ev] = self.idx[hit]
+            self._keys[key] = (np.bincount(ev, minlength=n), last)
         return self._keys[key]
 
     def holding(self, keys) -> np.ndarray:
         """Whether each event holds a string equal to one of ``keys``."""
+        hit = _starting(self.ch.w, self.at, [k.encode() + b'"' for k in keys], self.first)
         out = np.zeros(len(self.ch.opens), bool)
-        out[self.ev[_starting(self.ch.w, self.at, [k.encode() + b'"' for k in keys], self.first)]] = True
+        out[self.ev[hit]] = True
         return out
 
 
@@ -311,10 +318,12 @@ def _read_flat(strs: _Strings, events: np.ndarray, cats: tuple, fields: dict,
     read = np.flatnonzero(ok)
     lo, hi = ch.nest_lo[read], ch.nest_hi[read]   # the nested object: args, if it is args' value (checked below)
     good = np.ones(len(read), bool)
-    value = {}
+    value, string = {}, {}
     for key, (depth, kind) in {**keys, **optional}.items():
-        p = (strs if key in keys else opt).key(key)[1][read]
+        s = (strs if key in keys else opt).key(key)[1][read]
+        p = ch.s_open[s]
         value[key], is_key = ch.value_at(p, len(key.encode()))
+        string[key] = s + 1   # the value, if it is a string: the next one
         check = is_key & (((p > lo) & (p < hi)) == (depth == 2)) & ((ch.a[value[key]] == _QUOTE) == (kind == "str"))
         good &= check | (~has[key][read] if key in optional else False)
     w = ch.w
@@ -326,7 +335,7 @@ def _read_flat(strs: _Strings, events: np.ndarray, cats: tuple, fields: dict,
             there = has[key][read] if key in optional else np.ones(len(read), bool)
             v = value[key][good][there]
             if kind == "str":   # no backslash in the event: the bytes between the quotes are the text
-                end = ch.q[np.searchsorted(ch.q, v, side="right")]
+                end = ch.q[2 * string[key][good][there] + 1]
                 x = np.array([ch.buf[s:e].decode() for s, e in zip((v + 1).tolist(), end.tolist())], object)
                 out[key] = np.full(len(read), None, object)
             else:
