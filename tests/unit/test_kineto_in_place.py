@@ -4,12 +4,13 @@ byte reader could misread, among events it reads in place (pretty and compact JS
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
 
 from dtprof.collectors import kineto
-from dtprof.collectors.kineto import parse_trace, rank_tables, trace_identity
+from dtprof.collectors.kineto import KinetoError, check_times, parse_trace, rank_tables, trace_identity
 
 
 def _kernel(i: int, **top) -> dict:
@@ -39,10 +40,18 @@ ODD = {  # name -> an event unlike the plain ones (each is read by json, or read
     "stream_as_text": _kernel(0, args={"External id": 1, "correlation": 2, "stream": "7"}),
     "id_as_float": _kernel(0, args={"External id": 1.0, "correlation": 2, "stream": 7}),
     "ts_as_int": _kernel(0, ts=1000, dur=3),
+    "ts_missing": {k: v for k, v in _kernel(0).items() if k != "ts"},
     "big_ids": _kernel(0, args={"External id": 12345678, "correlation": 2**53 + 1, "stream": 9999999}),
     "negative_stream": _kernel(0, args={"External id": 0, "correlation": 2, "stream": -1}),
     "ts_exponent": _kernel(0, ts=1.5e3),
     "ts_null": _kernel(0, ts=None),
+    # tests/jobs/test_fuzz_inputs.py's damaged values (check_times then refuses them, on either path's tables)
+    "ts_nan": _kernel(0, ts=float("nan")),
+    "ts_inf": _kernel(0, ts=float("inf")),
+    "dur_minus_inf": _kernel(0, dur=float("-inf")),
+    "ts_negative": _kernel(0, ts=-1e6, dur=-3),
+    "ts_text": _kernel(0, ts="yesterday"),
+    "args_text": _kernel(0, args="not a dict"),
     "instant": {"ph": "i", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 5.0,
                 "args": {"stream": 7, "External id": 1, "correlation": 2}},
     "cat_in_name_only": _kernel(0, cat="cpu_op", name="kernel"),
@@ -64,10 +73,22 @@ ODD = {  # name -> an event unlike the plain ones (each is read by json, or read
 
 
 def _same(path) -> None:
-    fast, ref = parse_trace(path, fast=True), parse_trace(path, fast=False)
+    try:
+        ref = parse_trace(path, fast=False)
+    except Exception as e:   # a trace the reference path cannot read: the fast path fails the same way
+        with pytest.raises(type(e)):
+            parse_trace(path, fast=True)
+        return
+    fast = parse_trace(path, fast=True)
     assert (fast["n_events"], fast["other"]) == (ref["n_events"], ref["other"])
     for part in ("kernels", "cpu", "launch"):
         pd.testing.assert_frame_equal(fast[part], ref[part], obj=part)
+    try:   # what the import does next: impossible times refuse the file, with the same message
+        check_times(ref)
+    except KinetoError as e:
+        with pytest.raises(KinetoError, match=re.escape(str(e))):
+            check_times(fast)
+        return
     tf, tr = rank_tables(fast, trace_identity(fast, True)), rank_tables(ref, trace_identity(ref, True))
     for table in tr:
         pd.testing.assert_frame_equal(tf[table], tr[table], obj=table)
