@@ -3,6 +3,7 @@ anything laid out unlike Kineto's events falls back to json: each case below is 
 byte reader could misread, among events it reads in place (pretty and compact JSON, small and default chunks)."""
 from __future__ import annotations
 
+import gzip
 import json
 import re
 
@@ -124,3 +125,23 @@ def test_kineto_layout_is_read_in_place(tmp_path, monkeypatch):
     got = parse_trace(p)
     assert decoded == [] and len(got["kernels"]) == 50
     _same(p)
+
+
+@pytest.mark.parametrize("gunzip", ["zlib", "isal"])
+def test_gzip_read_with_zlib_or_isal(tmp_path, monkeypatch, gunzip):
+    """ISA-L's gunzip (the optional "fast" extra) and zlib's give the same tables and name a damaged file."""
+    if gunzip == "isal":
+        monkeypatch.setattr(kineto, "_GzipFile", pytest.importorskip("isal.igzip").GzipFile)
+    else:
+        monkeypatch.setattr(kineto, "_GzipFile", gzip.GzipFile)
+    monkeypatch.setattr(kineto, "CHUNK", 300)
+    doc = {"traceEvents": [e for i in range(40) for e in (_launch(i), _kernel(i))]}
+    data = gzip.compress(json.dumps(doc, indent=1).encode())
+    p = tmp_path / "rank0.json.gz"
+    p.write_bytes(data)
+    _same(p)
+    assert len(parse_trace(p)["kernels"]) == 40
+    for damaged in (data[: len(data) // 2], data[:30] + b"\xff" * 8 + data[38:], data[:-8] + bytes(4) + data[-4:]):
+        p.write_bytes(damaged)
+        with pytest.raises(KinetoError, match=f"^{re.escape(str(p))}: damaged gzip"):
+            parse_trace(p)
