@@ -326,30 +326,35 @@ def _read_flat(strs: _Strings, events: np.ndarray, cats: tuple, fields: dict,
     read = np.flatnonzero(ok)
     lo, hi = ch.nest_lo[read], ch.nest_hi[read]   # the nested object: args, if it is args' value (checked below)
     good = np.ones(len(read), bool)
-    value, string = {}, {}
+    found = {}   # key: (the rows of read holding it, None for all; where its value starts; the value's string)
     for key, (depth, kind) in {**keys, **optional}.items():
-        s = (strs if key in keys else opt).key(key)[1][read]
+        rows = np.flatnonzero(has[key][read]) if key in optional else None   # few: only those holding it
+        at = slice(None) if rows is None else rows
+        s = (strs if key in keys else opt).key(key)[1][read[at]]
         p = ch.s_open[s]
-        value[key], is_key = ch.value_at(p, len(key.encode()))
-        string[key] = s + 1   # the value, if it is a string: the next one
-        check = is_key & (((p > lo) & (p < hi)) == (depth == 2)) & ((ch.a[value[key]] == _QUOTE) == (kind == "str"))
-        good &= check | (~has[key][read] if key in optional else False)
+        v, is_key = ch.value_at(p, len(key.encode()))
+        good[at] &= (is_key & (((p > lo[at]) & (p < hi[at])) == (depth == 2))
+                     & ((ch.a[v] == _QUOTE) == (kind == "str")))
+        found[key] = (rows, v, s + 1)   # a string value is the key's next string
     w = ch.w
-    good &= (value["args"] == lo) & _starting(w, value["ph"], [b'X"']) & _starting(w, value["cat"], cats)
-    read = read[good]
+    good &= (found["args"][1] == lo) & _starting(w, found["ph"][1], [b'X"']) & _starting(w, found["cat"][1], cats)
+    read, kept = read[good], np.cumsum(good) - 1   # kept: each row's number among the rows read
     out = {}
     try:
         for key, (_, kind) in {**fields, **optional}.items():
-            there = has[key][read] if key in optional else np.ones(len(read), bool)
-            v = value[key][good][there]
+            rows, v, s = found[key]
+            sel = good if rows is None else good[rows]
+            v, s = v[sel], s[sel]
             if kind == "str":   # no backslash in the event: the bytes between the quotes are the text
-                end = ch.q[2 * string[key][good][there] + 1]
-                x = np.array([ch.buf[s:e].decode() for s, e in zip((v + 1).tolist(), end.tolist())], object)
-                out[key] = np.full(len(read), None, object)
+                end = ch.q[2 * s + 1]
+                x = np.array([ch.buf[i:j].decode() for i, j in zip((v + 1).tolist(), end.tolist())], object)
             else:
                 x = _numbers(w, ch.a, v, np.float64 if kind == "float" else np.int64)
-                out[key] = np.full(len(read), np.nan) if key in optional else np.empty(len(read), x.dtype)
-            out[key][there] = x
+            if rows is None:
+                out[key] = x
+            else:   # an optional field: None or NaN where absent
+                out[key] = np.full(len(read), None, object) if kind == "str" else np.full(len(read), np.nan)
+                out[key][kept[rows[sel]]] = x
     except (ValueError, OverflowError):
         return np.zeros(n, bool), {}
     done = np.zeros(n, bool)
