@@ -707,12 +707,13 @@ def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
 
 def _launch_ns(kern: pd.DataFrame, launch: pd.DataFrame, base: int) -> pd.array:
     """Each kernel's CPU launch time (its cuda_runtime/cuda_driver call, same correlation id); null without one."""
-    out = pd.array([None] * len(kern), dtype="Int64")
+    out = pd.arrays.IntegerArray(np.zeros(len(kern), np.int64), np.ones(len(kern), bool))   # all null
     if not len(launch) or "corr" not in kern.columns:
         return out
-    lt = launch.dropna(subset=["corr"]).drop_duplicates("corr").set_index("corr")["ts"]
-    t = kern["corr"].map(lt)
-    has = t.notna().to_numpy()
+    lt = launch.dropna(subset=["corr"]).drop_duplicates("corr")
+    at = pd.Index(lt["corr"]).get_indexer(kern["corr"])   # its launch's row, -1 for none (Series.map: 3x the time)
+    t = lt["ts"].to_numpy()[np.maximum(at, 0)] if len(lt) else np.full(len(kern), np.nan)
+    has = (at >= 0) & pd.notna(t)
     out[has] = _to_ns(t[has], base)
     return out
 
