@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import random
 import subprocess
@@ -107,7 +108,8 @@ def main() -> None:
               f"{sum(p.stat().st_size for p in traces.iterdir()) / 2**20:.1f} MiB gzipped", file=sys.stderr)
         ds, dm = measure(sys.executable, DTPROF, traces, d / "run")
         hs, hm = measure(hta_py, HTA, traces)
-    print(f"dtprof import: {ds:7.2f} s  peak RSS {dm / 2**20:8.0f} MiB")
+    gunzip = "ISA-L" if importlib.util.find_spec("isal") else "zlib"   # the optional "fast" extra, or not
+    print(f"dtprof import: {ds:7.2f} s  peak RSS {dm / 2**20:8.0f} MiB  (gunzip: {gunzip})")
     print(f"HTA load:      {hs:7.2f} s  peak RSS {hm / 2**20:8.0f} MiB")
     speed, mem = hs / ds, dm / hm
     print(f"speed-up: {speed:.1f}x (target >= 10x): {'PASS' if speed >= 10 else 'FAIL'}")

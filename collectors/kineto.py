@@ -18,9 +18,10 @@ every range's start and end fell inside the brackets (docs/interop.md). Imported
 their time base (no monotonic reference exists); captured traces are shifted onto the rank's CLOCK_MONOTONIC with
 the (monotonic, wall) pair TraceCapture recorded next to the trace.
 
-Parsing (see "parsing" below): the (gzip) stream is read in chunks, events are located with numpy and only those
-dtprof keeps are decoded with stdlib ``json``; files are parsed in parallel worker processes. A plain ``json``
-reference path (``parse_trace(path, fast=False)``) is kept and tested to give identical tables.
+Parsing (see "parsing" below): the (gzip) stream is read in chunks and events are located with numpy; kernels and
+launches laid out as Kineto writes them are read in place with numpy, the other events dtprof keeps are decoded
+with stdlib ``json``; files are parsed in parallel worker processes. A plain ``json`` reference path
+(``parse_trace(path, fast=False)``) is kept and tested to give identical tables.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -69,10 +71,11 @@ def _op_key(name: str) -> str:
 # The fast path (``scan_trace``) never holds the whole text and never decodes an event dtprof drops. It reads the
 # (gzip) stream in CHUNK-byte pieces and finds each event's byte range with numpy: the positions of quotes
 # (escaped ones removed), then of braces outside strings, whose running depth opens an event at 1 and closes it at
-# 0. An event is decoded with ``json`` only if it holds a string starting like a kept value (_KEEP), or any
-# backslash (so an escaped spelling cannot hide an event); the same filter as the reference path (``_reduce_batch``)
-# then runs on the decoded dicts, so both give the same tables (tests/unit/test_interop_fast.py checks it).
-# Skipped events are checked for balanced strings and braces only, not decoded.
+# 0. An event is a candidate only if it holds a string starting like a kept value (_KEEP, _LAUNCH), or any
+# backslash (so an escaped spelling cannot hide an event). Kernels and launches laid out as Kineto writes them are
+# read in place (``_read_flat``); the other candidates are decoded with ``json`` and the same filter as the
+# reference path (``_reduce_batch``) runs on the dicts, so both give the same tables (tests/unit/test_interop_fast.py
+# and test_kineto_in_place.py check it). Skipped events are checked for balanced strings and braces only.
 
 CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it
 _TRACE_EVENTS_B = re.compile(rb'"traceEvents"\s*:\s*\[')
@@ -595,6 +598,17 @@ def _tidy(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+_TEXT_DTYPE = pd.Series(["text"]).dtype   # what pandas makes of text: with pandas 3, str backed by Arrow
+
+
+def _column(x: np.ndarray):
+    """A column read in place; text (an object array of str and None) is handed to Arrow as such, which pandas
+    otherwise infers value by value (a 166k-kernel rank's names and its three NCCL text columns: 50 ms, now 6)."""
+    if x.dtype == object and getattr(_TEXT_DTYPE, "storage", "") == "pyarrow":
+        return pd.Series(pa.array(x, type=pa.large_string()), dtype=_TEXT_DTYPE)
+    return x
+
+
 def parse_trace(path: Path, fast: bool = True) -> dict:
     """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}.
 
@@ -620,8 +634,8 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     # a lookup by correlation id: sorted, so both paths give the same table
     launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True) if len(launch) else launch
     flat = parts["flat_kernels"]   # the fast path's kernels read in place: columns of arrays, one frame at the end
-    kernels = cat(([pd.DataFrame({c: np.concatenate([f[c] for f in flat]) for c in flat[0]})] if flat else [])
-                  + parts["kernels"])
+    kernels = cat(([pd.DataFrame({c: _column(np.concatenate([f[c] for f in flat])) for c in flat[0]})] if flat
+                   else []) + parts["kernels"])
     if "event" in kernels:   # back in file order, if some were decoded with json
         if not kernels["event"].is_monotonic_increasing:
             kernels = kernels.sort_values("event", kind="stable").reset_index(drop=True)
