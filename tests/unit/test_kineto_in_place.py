@@ -145,3 +145,13 @@ def test_gzip_read_with_zlib_or_isal(tmp_path, monkeypatch, gunzip):
         p.write_bytes(damaged)
         with pytest.raises(KinetoError, match=f"^{re.escape(str(p))}: damaged gzip"):
             parse_trace(p)
+
+
+def test_kernel_name_not_utf8_is_refused_like_the_reference(tmp_path):
+    events = [_launch(0), _kernel(0, name="gemm@"), _kernel(1)]
+    text = json.dumps({"traceEvents": events}, indent=1).encode().replace(b"gemm@", b"gemm\xff")
+    p = tmp_path / "rank0.json"
+    p.write_bytes(text)
+    with pytest.raises(KinetoError, match=re.escape(str(p))):
+        parse_trace(p)
+    _same(p)
