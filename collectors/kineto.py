@@ -152,7 +152,7 @@ def _layout(buf: bytes, n: int) -> dict:
     """Where the events are in ``buf[:n]``, which starts inside the traceEvents array at depth 0 and outside any
     string: the complete events (``opens``/``closes``: positions of their outer braces), the closing "]"
     (``array_end``, None if not in the text), the backslashes (``bs``) and unescaped quotes (``q``) in the complete
-    events, and the braces outside strings (``st``) with the depth after each (``depth``)."""
+    events, and the braces outside strings (``st``, ``sch``: which) with the depth after each (``depth``)."""
     a = np.frombuffer(buf, np.uint8, count=n)
     q = np.flatnonzero(a == _QUOTE)
     bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\", 0, n) >= 0 else np.empty(0, np.int64)
@@ -172,7 +172,8 @@ def _layout(buf: bytes, n: int) -> dict:
     hi = int(closes[-1]) if len(closes) else 0
     cut = np.searchsorted(st, hi)   # the arrays are sorted: those of the complete events are a prefix
     return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
-            "bs": bs[:np.searchsorted(bs, hi)], "q": q[:np.searchsorted(q, hi)], "st": st[:cut], "depth": depth[:cut]}
+            "bs": bs[:np.searchsorted(bs, hi)], "q": q[:np.searchsorted(q, hi)], "st": st[:cut], "sch": sch[:cut],
+            "depth": depth[:cut]}
 
 
 _PAD = bytes(64)   # zeros after each chunk's text (scan_trace): 8-byte words and number windows read past its end
@@ -216,8 +217,7 @@ class _Chunk:
         # strings, then counted up, costs a third of looking up each string among the events)
         first = np.bincount(np.searchsorted(self.s_open, self.opens), minlength=len(self.s_open) + 1)
         self.s_ev = np.cumsum(first[:-1]) - 1
-        st, depth = lay["st"], lay["depth"]
-        sch = self.a[st]
+        st, sch, depth = lay["st"], lay["sch"], lay["depth"]
         nested = st[(depth >= 2) & (sch == _OPEN)]
         self.nested = np.bincount(np.searchsorted(self.opens, nested, side="right") - 1, minlength=n)
         lo, hi = st[(depth == 2) & (sch == _OPEN)], st[(depth == 1) & (sch == _CLOSE)]
