@@ -325,9 +325,9 @@ def _read_flat(strs: _Strings, events: np.ndarray, cats: tuple, fields: dict,
     """Read ``fields`` and ``optional`` fields of the ``events`` (a mask over the chunk's events, none holding a
     backslash; ``strs``: their strings) in place: (the events read, their values per field). An event is read only
     if laid out as Kineto writes it: "ph" "X", a "cat" of ``cats`` (bytes, ending in a quote), one nested object,
-    its "args"; each field's key occurs once as a string anywhere in the event (an optional one at most once), at
-    its depth, with a value of its type. Others are left to json, as are all of them if a number does not convert.
-    An optional field absent from an event is None (text) or NaN (a number)."""
+    its "args"; each field's key occurs once among the event's strings that can be keys (``_Chunk.strings``; an
+    optional one at most once), at its depth, with a value of its type. Others are left to json, as are all of them
+    if a number does not convert. An optional field absent from an event is None (text) or NaN (a number)."""
     ch, n, optional = strs.ch, len(events), optional or {}
     keys = {"ph": (1, "str"), "cat": (1, "str"), "args": (1, "object"), **fields}
     ok = events & (ch.nested == 1)
