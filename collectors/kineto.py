@@ -18,9 +18,10 @@ every range's start and end fell inside the brackets (docs/interop.md). Imported
 their time base (no monotonic reference exists); captured traces are shifted onto the rank's CLOCK_MONOTONIC with
 the (monotonic, wall) pair TraceCapture recorded next to the trace.
 
-Parsing (see "parsing" below): the (gzip) stream is read in chunks, events are located with numpy and only those
-dtprof keeps are decoded with stdlib ``json``; files are parsed in parallel worker processes. A plain ``json``
-reference path (``parse_trace(path, fast=False)``) is kept and tested to give identical tables.
+Parsing (see "parsing" below): the (gzip) stream is read in chunks and events are located with numpy; kernels and
+launches laid out as Kineto writes them are read in place with numpy, the other events dtprof keeps are decoded
+with stdlib ``json``; files are parsed in parallel worker processes. A plain ``json`` reference path
+(``parse_trace(path, fast=False)``) is kept and tested to give identical tables.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -69,27 +71,47 @@ def _op_key(name: str) -> str:
 # The fast path (``scan_trace``) never holds the whole text and never decodes an event dtprof drops. It reads the
 # (gzip) stream in CHUNK-byte pieces and finds each event's byte range with numpy: the positions of quotes
 # (escaped ones removed), then of braces outside strings, whose running depth opens an event at 1 and closes it at
-# 0. An event is decoded with ``json`` only if it holds a string starting like a kept value (_KEEP), or any
-# backslash (so an escaped spelling cannot hide an event); the same filter as the reference path (``_reduce_batch``)
-# then runs on the decoded dicts, so both give the same tables (tests/unit/test_interop_fast.py checks it).
-# Skipped events are checked for balanced strings and braces only, not decoded.
+# 0. An event is a candidate only if it holds a string starting like a kept value (_KEEP, _LAUNCH), or any
+# backslash (so an escaped spelling cannot hide an event). Kernels and launches laid out as Kineto writes them are
+# read in place (``_read_flat``); the other candidates are decoded with ``json`` and the same filter as the
+# reference path (``_reduce_batch``) runs on the dicts, so both give the same tables (tests/unit/test_interop_fast.py
+# and test_kineto_in_place.py check it). Skipped events are checked for balanced strings and braces only.
 
 CHUNK = 4 * 2**20  # bytes of JSON text per step: numpy's work arrays and the decoded dicts scale with it
 _TRACE_EVENTS_B = re.compile(rb'"traceEvents"\s*:\s*\[')
-_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END = 34, 92, 123, 125, 93
-# An event holding a string that starts with one of these is decoded (whatever its key: a superset of what
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _END, _COMMA, _COLON, _SPACE = 34, 92, 123, 125, 93, 44, 58, 32
+# An event holding a string that starts with one of these is a candidate (whatever its key: a superset of what
 # _reduce_batch keeps). A trailing quote means the whole string.
-_KEEP = [np.frombuffer(s, np.uint8) for s in (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"',
-                                              b"c10d::", b"record_param", b'process_labels"')]
+_KEEP = (b'kernel"', b'gpu_memcpy"', b'gpu_memset"', b'user_annotation"', b"c10d::", b"record_param",
+         b'process_labels"')
+_KERNEL = tuple(c.encode() + b'"' for c in KERNEL_CATS)
 # CUDA runtime/driver calls: only their start and correlation id are kept (a kernel's CPU launch, ``launch_ns``).
-# They are as many as the kernels and more; their two numbers are read in place, vectorised (``_launch_numbers``:
-# the number after the event's one "ts" key and its one "correlation" key), rather than decoded with json (an
-# import of 1M events took 1.7x as long with them decoded) or matched by a regex each (the parse of a 500k-event
-# rank took 1.69 s with the regex, 1.54 s so; benchmarks/import_speed.py's trace, CPU time, best of 6). One
-# holding a backslash, or whose keys are not one each, is decoded like any other candidate.
-_KEEP_LAUNCH = [np.frombuffer(s, np.uint8) for s in (b'cuda_runtime"', b'cuda_driver"')]
-_TS_KEY, _CORR_KEY = np.frombuffer(b'ts"', np.uint8), np.frombuffer(b'correlation"', np.uint8)
-_COMMA = 44
+_LAUNCH = tuple(c.encode() + b'"' for c in LAUNCH_CATS)
+# Kernels and launches are most of what dtprof keeps (a third of the events each in benchmarks/import_speed.py's
+# trace). Those laid out as Kineto writes them are read in place, vectorised (``_read_flat``), rather than decoded
+# with json: decoding the kernels was half of the parse (json and the dicts' fields: 0.47 of 1.22 s CPU for a
+# 500k-event rank) and decoding the launches made a whole import 1.7x as long. Field: (depth, type); depth 1 is the
+# event's own key, 2 a key of its "args". The reference path reads the same fields (_reduce_batch).
+_KERNEL_FIELDS = {"name": (1, "str"), "ts": (1, "float"), "dur": (1, "float"),
+                  "stream": (2, "int"), "External id": (2, "int"), "correlation": (2, "int")}
+# NCCL's collective args, when a kernel has them (at most once each)
+_KERNEL_NCCL = {"Collective name": (2, "str"), "dtype": (2, "str"), "In msg nelems": (2, "int"),
+                "Out msg nelems": (2, "int"), "Process Group Name": (2, "str"), "Group size": (2, "int"),
+                "Seq": (2, "int")}
+# the kernels' columns (as _reduce_batch makes them) and the field each is read from
+_KERNEL_COLUMNS = {"name": "name", "ts": "ts", "dur": "dur", "stream": "stream", "ext": "External id",
+                   "coll": "Collective name", "dtype": "dtype", "in_nelems": "In msg nelems",
+                   "out_nelems": "Out msg nelems", "group": "Process Group Name", "group_size": "Group size",
+                   "seq": "Seq", "corr": "correlation"}
+_LAUNCH_FIELDS = {"ts": (1, "float"), "correlation": (2, "int")}
+
+
+try:   # ISA-L's gunzip, where installed (the optional "fast" extra): a third of zlib's CPU time, 0.03 s instead of
+    # 0.08 s for a 500k-event rank of benchmarks/import_speed.py's trace (a tenth of its parse); zlib otherwise
+    from isal.igzip import GzipFile as _GzipFile
+    from isal.isal_zlib import error as _gzip_error
+except ImportError:
+    _GzipFile, _gzip_error = gzip.GzipFile, zlib.error
 
 
 def _open_stream(path: Path):
@@ -100,13 +122,13 @@ def _open_stream(path: Path):
         f.seek(0)
     except OSError as e:
         raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
-    return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+    return _GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
 
 
 def _read(stream, path, n: int) -> bytes:
     try:
         return stream.read(n)
-    except (OSError, EOFError, zlib.error) as e:
+    except (OSError, EOFError, zlib.error, _gzip_error) as e:
         if isinstance(stream, gzip.GzipFile):
             raise KinetoError(f"{path}: damaged gzip ({e})") from None
         raise KinetoError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -126,13 +148,14 @@ def _unescaped(q: np.ndarray, bs: np.ndarray) -> np.ndarray:
     return q[~np.isin(q, escaped)] if escaped else q
 
 
-def _layout(buf: bytes) -> dict:
-    """Where the events are in ``buf``, which starts inside the traceEvents array at depth 0 and outside any
+def _layout(buf: bytes, n: int) -> dict:
+    """Where the events are in ``buf[:n]``, which starts inside the traceEvents array at depth 0 and outside any
     string: the complete events (``opens``/``closes``: positions of their outer braces), the closing "]"
-    (``array_end``, None if not in ``buf``) and the backslashes (``bs``)."""
-    a = np.frombuffer(buf, np.uint8)
+    (``array_end``, None if not in the text), the backslashes (``bs``) and unescaped quotes (``q``) in the complete
+    events, and the braces outside strings (``st``, ``sch``: which) with the depth after each (``depth``)."""
+    a = np.frombuffer(buf, np.uint8, count=n)
     q = np.flatnonzero(a == _QUOTE)
-    bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\") >= 0 else np.empty(0, np.int64)
+    bs = np.flatnonzero(a == _BACKSLASH) if buf.find(b"\\", 0, n) >= 0 else np.empty(0, np.int64)
     if len(bs):
         q = _unescaped(q, bs)
     st = np.flatnonzero((a == _OPEN) | (a == _CLOSE) | (a == _END))
@@ -147,92 +170,245 @@ def _layout(buf: bytes) -> dict:
     opens = st[inside & (sch == _OPEN) & (depth == 1)]
     closes = st[inside & (sch == _CLOSE) & (depth == 0)]
     hi = int(closes[-1]) if len(closes) else 0
+    cut = np.searchsorted(st, hi)   # the arrays are sorted: those of the complete events are a prefix
     return {"opens": opens[: len(closes)], "closes": closes, "array_end": array_end if len(ends) else None,
-            "bs": bs[bs < hi], "q": q[q < hi]}
+            "bs": bs[:np.searchsorted(bs, hi)], "q": q[:np.searchsorted(q, hi)], "st": st[:cut], "sch": sch[:cut],
+            "depth": depth[:cut]}
 
 
-def _strings_starting(a: np.ndarray, q: np.ndarray, prefixes: list) -> np.ndarray:
-    """Positions among the opening quotes ``q`` (each followed by at least one byte in ``a``) of the strings
-    starting with one of ``prefixes``: filtered on the first byte, then compared whole on the few left."""
-    first = a[q + 1]
-    found = []
+_PAD = bytes(64)   # zeros after each chunk's text (scan_trace): 8-byte words and number windows read past its end
+
+
+def _words(buf: bytes) -> np.ndarray:
+    """The 8 bytes from each position of ``buf`` as one little-endian integer (a view with a stride of one byte):
+    compares up to 8 bytes at a position in one integer operation."""
+    return np.ndarray((len(buf) - 7,), "<u8", buf, strides=(1,))
+
+
+def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None = None) -> np.ndarray:
+    """Whether the string whose opening quote is at each position of ``at`` starts with one of ``prefixes``
+    (bytes, at most 24 long), 8 bytes at a time; ``first``: ``w[at + 1]`` when the caller has it."""
+    first = w[at + 1] if first is None else first
+    found = np.zeros(len(at), bool)
     for p in prefixes:
-        at = q[first == p[0]]
-        at = at[at + len(p) < len(a)]
-        found.append(at[(a[at[:, None] + 1 + np.arange(len(p))] == p).all(axis=1)])
-    return np.concatenate(found)
+        mask = np.uint64((1 << 8 * min(len(p), 8)) - 1)
+        hit = np.flatnonzero((first & mask) == np.uint64(int.from_bytes(p[:8], "little")))
+        for k in range(8, len(p), 8):  # the rest, on the few that matched so far
+            part = p[k:k + 8]
+            mask = np.uint64((1 << 8 * len(part)) - 1)
+            hit = hit[(w[at[hit] + 1 + k] & mask) == np.uint64(int.from_bytes(part, "little"))]
+        found[hit] = True
+    return found
 
 
-# the first bytes of every string the scan looks for: the opening quotes are narrowed to these once per chunk
-_FIRST_BYTES = np.unique([p[0] for p in _KEEP + _KEEP_LAUNCH + [_TS_KEY, _CORR_KEY]])
+class _Chunk:
+    """A chunk's complete events as numpy arrays, for finding the kept ones and reading the flat ones in place:
+    its bytes and 8-byte words (the text is followed by _PAD), the opening quote of each string with its first
+    word and its event, and the objects nested in each event (``nested``: how many, ``nest_lo``/``nest_hi``: where
+    the one at depth 2 opens and closes)."""
+
+    def __init__(self, buf: bytes, lay: dict):
+        self.buf, self.a, self.w = buf, np.frombuffer(buf, np.uint8), _words(buf)
+        self.q, self.opens = lay["q"], lay["opens"]
+        n = len(self.opens)
+        self.s_open = self.q[0::2]
+        self.s_first = self.w[self.s_open + 1]
+        # each string's event: the events opening before it, less one (the few events looked up among the many
+        # strings, then counted up, costs a third of looking up each string among the events)
+        first = np.bincount(np.searchsorted(self.s_open, self.opens), minlength=len(self.s_open) + 1)
+        self.s_ev = np.cumsum(first[:-1]) - 1
+        st, sch, depth = lay["st"], lay["sch"], lay["depth"]
+        nested = st[(depth >= 2) & (sch == _OPEN)]
+        self.nested = np.bincount(np.searchsorted(self.opens, nested, side="right") - 1, minlength=n)
+        lo, hi = st[(depth == 2) & (sch == _OPEN)], st[(depth == 1) & (sch == _CLOSE)]
+        self.nest_lo, self.nest_hi = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        ev = np.searchsorted(self.opens, lo, side="right") - 1
+        self.nest_lo[ev], self.nest_hi[ev] = lo, hi
+
+    def holding(self, prefixes) -> np.ndarray:
+        """Whether each event holds a string starting with one of ``prefixes``."""
+        out = np.zeros(len(self.opens), bool)
+        out[self.s_ev[_starting(self.w, self.s_open, prefixes, self.s_first)]] = True
+        return out
+
+    def strings(self, events: np.ndarray) -> _Strings:
+        """The strings of ``events`` that can be keys: followed by a colon or white space (a key's duplicate with
+        odd spacing is still counted; values are followed by a comma or a bracket, or white space)."""
+        after = self.a[self.q[1::2] + 1]
+        keys = (after == _COLON) | (after == _SPACE) | (after == 10) | (after == 13) | (after == 9)
+        return _Strings(self, np.flatnonzero(keys & events[self.s_ev]))
+
+    def value_at(self, key_at: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(where the value starts, whether the string was a key) for keys opening at ``key_at``: its closing
+        quote, then ":" or " :", then at most one space."""
+        a = self.a
+        colon = key_at + key_len + 2
+        colon += a[colon] == _SPACE
+        v = colon + 1
+        v += a[v] == _SPACE
+        return v, a[colon] == _COLON
+
+
+class _Strings:
+    """Some of a chunk's strings (``idx``: their numbers in the chunk), looked up by value."""
+
+    def __init__(self, ch: _Chunk, idx: np.ndarray):
+        self.ch, self.idx = ch, idx
+        self.at, self.ev, self.first = ch.s_open[idx], ch.s_ev[idx], ch.s_first[idx]
+        self._keys: dict = {}
+
+    def subset(self, events: np.ndarray) -> _Strings:
+        return _Strings(self.ch, self.idx[events[self.ev]])
+
+    def key(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(how many strings equal to ``key`` each event holds, the number of the last of them)."""
+        if key not in self._keys:
+            ch = self.ch
+            hit = _starting(ch.w, self.at, [key.encode() + b'"'], self.first)
+            ev, n = self.ev[hit], len(ch.opens)
+            last = np.zeros(n, np.int64)
+            last[ev] = self.idx[hit]
+            self._keys[key] = (np.bincount(ev, minlength=n), last)
+        return self._keys[key]
+
+    def holding(self, keys) -> np.ndarray:
+        """Whether each event holds a string equal to one of ``keys``."""
+        hit = _starting(self.ch.w, self.at, [k.encode() + b'"' for k in keys], self.first)
+        out = np.zeros(len(self.ch.opens), bool)
+        out[self.ev[hit]] = True
+        return out
+
+
+NUMBER_WIDTH = 24   # bytes read for a number read in place: a number in Kineto's JSON is far shorter
+_PLACES = np.array([[10 ** (n - 1 - i) if i < n else 0 for i in range(8)] for n in range(9)], np.int64)
+_ENDS_NUMBER = np.zeros(256, bool)
+_ENDS_NUMBER[[_COMMA, _CLOSE, _SPACE, 9, 10, 13]] = True
+
+
+def _numbers(w: np.ndarray, a: np.ndarray, v: np.ndarray, dtype) -> np.ndarray:
+    """The numbers starting at ``v`` (``w``: the chunk's ``_words``, ``a``: its bytes): the text up to the next
+    comma or closing brace, within NUMBER_WIDTH bytes, converted by numpy (ValueError or OverflowError if one is
+    not a number of ``dtype``). Integers of up to 7 digits (ids, streams) are summed from their digits instead, in
+    a third of the time."""
+    out, todo = np.empty(len(v), dtype), np.ones(len(v), bool)
+    if dtype == np.int64:
+        d = w[v].view(np.uint8).reshape(-1, 8) - np.uint8(48)   # each byte's digit, if it is one
+        n = np.argmin(d < 10, axis=1)   # digits before the first other byte (0 if all 8 are digits)
+        todo = (n == 0) | ~_ENDS_NUMBER[a[v + n]]
+        out[~todo] = np.einsum("ij,ij->i", d, _PLACES[n])[~todo]
+    if todo.any():
+        v = v[todo]
+        b = np.stack([w[v + i] for i in range(0, NUMBER_WIDTH, 8)], axis=1).view(np.uint8)  # a row of bytes each
+        stop = np.argmax((b == _COMMA) | (b == _CLOSE), axis=1)
+        if not (stop > 0).all():   # no separator in the window, or nothing before it
+            raise ValueError("not a number")
+        b[np.arange(NUMBER_WIDTH) >= stop[:, None]] = 0   # a NUL-padded fixed-width string each
+        out[todo] = b.view(f"S{NUMBER_WIDTH}").ravel().astype(dtype)
+    return out
+
+
+def _texts(buf: bytes, start: np.ndarray, end: np.ndarray) -> pa.Array:
+    """The texts ``buf[start:end]`` (in order, apart) as an Arrow array, without a Python string each (the kernel
+    names: 1.5 ms per chunk as Python strings, which pandas then handed to Arrow one by one): ``buf`` becomes one
+    Arrow array of the texts and the gaps between them, and Arrow copies out every other element. ValueError
+    (ArrowInvalid) if one is not UTF-8."""
+    bounds = np.empty(2 * len(start) + 2, np.int64)
+    bounds[0], bounds[1:-1:2], bounds[2:-1:2], bounds[-1] = 0, start, end, len(buf)
+    whole = pa.LargeStringArray.from_buffers(len(bounds) - 1, pa.py_buffer(bounds), pa.py_buffer(buf))
+    texts = whole.take(pa.array(np.arange(1, len(bounds) - 1, 2)))
+    texts.validate(full=True)
+    return texts
+
+
+def _read_flat(strs: _Strings, events: np.ndarray, cats: tuple, fields: dict,
+               optional: dict | None = None) -> tuple[np.ndarray, dict]:
+    """Read ``fields`` and ``optional`` fields of the ``events`` (a mask over the chunk's events, none holding a
+    backslash; ``strs``: their strings) in place: (the events read, their values per field). An event is read only
+    if laid out as Kineto writes it: "ph" "X", a "cat" of ``cats`` (bytes, ending in a quote), one nested object,
+    its "args"; each field's key occurs once among the event's strings that can be keys (``_Chunk.strings``; an
+    optional one at most once), at its depth, with a value of its type. Others are left to json, as are all of them
+    if a number does not convert. An optional field absent from an event is None (text) or NaN (a number)."""
+    ch, n, optional = strs.ch, len(events), optional or {}
+    keys = {"ph": (1, "str"), "cat": (1, "str"), "args": (1, "object"), **fields}
+    ok = events & (ch.nested == 1)
+    for key in keys:
+        ok &= strs.key(key)[0] == 1
+    opt = strs.subset(ok & strs.holding(optional)) if optional else strs   # looked up where there is one
+    has = {}
+    for key in optional:
+        count = opt.key(key)[0]
+        ok &= count <= 1
+        has[key] = count == 1
+    read = np.flatnonzero(ok)
+    lo, hi = ch.nest_lo[read], ch.nest_hi[read]   # the nested object: args, if it is args' value (checked below)
+    good = np.ones(len(read), bool)
+    found = {}   # key: (the rows of read holding it, None for all; where its value starts; the value's string)
+    for key, (depth, kind) in {**keys, **optional}.items():
+        rows = np.flatnonzero(has[key][read]) if key in optional else None   # few: only those holding it
+        at = slice(None) if rows is None else rows
+        s = (strs if key in keys else opt).key(key)[1][read[at]]
+        p = ch.s_open[s]
+        v, is_key = ch.value_at(p, len(key.encode()))
+        good[at] &= (is_key & (((p > lo[at]) & (p < hi[at])) == (depth == 2))
+                     & ((ch.a[v] == _QUOTE) == (kind == "str")))
+        found[key] = (rows, v, s + 1)   # a string value is the key's next string
+    w = ch.w
+    good &= (found["args"][1] == lo) & _starting(w, found["ph"][1], [b'X"']) & _starting(w, found["cat"][1], cats)
+    read, kept = read[good], np.cumsum(good) - 1   # kept: each row's number among the rows read
+    out = {}
+    try:
+        for key, (_, kind) in {**fields, **optional}.items():
+            rows, v, s = found[key]
+            sel = good if rows is None else good[rows]
+            v, s = v[sel], s[sel]
+            if kind == "str" and rows is None:   # no backslash in the event: the bytes between the quotes
+                x = _texts(ch.buf, v + 1, ch.q[2 * s + 1])
+            elif kind == "str":
+                x = np.array([ch.buf[i:j].decode() for i, j in zip((v + 1).tolist(), ch.q[2 * s + 1].tolist())],
+                             object)
+            else:
+                x = _numbers(w, ch.a, v, np.float64 if kind == "float" else np.int64)
+            if rows is None:
+                out[key] = x
+            else:   # an optional field: None or NaN where absent
+                out[key] = np.full(len(read), None, object) if kind == "str" else np.full(len(read), np.nan)
+                out[key][kept[rows[sel]]] = x
+    except (ValueError, OverflowError):
+        return np.zeros(n, bool), {}
+    done = np.zeros(n, bool)
+    done[read] = True
+    return done, out
 
 
 def _reduce_chunk(buf: bytes, lay: dict, parts: dict) -> None:
-    """Count the chunk's events and decode only the candidates (an event holding a ``_KEEP`` string or any
-    backslash); ``_reduce_batch`` then filters them exactly as the reference path does. Launch events are read in
-    place (``_launch_numbers``)."""
-    opens, closes = lay["opens"], lay["closes"]
-    parts["n_events"] += len(opens)
-    a, opening = np.frombuffer(buf, np.uint8), lay["q"][0::2]
-    opening = opening[np.isin(a[opening + 1], _FIRST_BYTES)]
-    q_ev = np.searchsorted(opens, opening, side="right") - 1   # each string's event
-    is_cand = np.zeros(len(opens) + 1, bool)   # the last slot: strings after the last complete event
-    is_cand[q_ev[np.searchsorted(opening, _strings_starting(a, opening, _KEEP))]] = True
-    is_cand[np.searchsorted(opens, lay["bs"], side="right") - 1] = True
-    is_launch = np.zeros(len(opens) + 1, bool)
-    is_launch[q_ev[np.searchsorted(opening, _strings_starting(a, opening, _KEEP_LAUNCH))]] = True
+    """Count the chunk's events; read the kernels and launches laid out as Kineto writes them in place
+    (``_read_flat``) and decode the other candidates (an event holding a ``_KEEP`` or launch string, or any
+    backslash) with json, for ``_reduce_batch`` to filter exactly as the reference path does."""
+    first_event = parts["n_events"]
+    n = len(lay["opens"])
+    parts["n_events"] += n
+    ch = _Chunk(buf, lay)
+    plain = np.ones(n, bool)   # no backslash
+    plain[np.searchsorted(ch.opens, lay["bs"], side="right") - 1] = False
+    is_kernel, is_launch = ch.holding(_KERNEL), ch.holding(_LAUNCH)
+    is_cand = ~plain | is_kernel | ch.holding([p for p in _KEEP if p not in _KERNEL])
     is_launch &= ~is_cand
-    if is_launch[:-1].any():
-        ts, corr, bad = _launch_numbers(a, opening, q_ev, is_launch)
-        if len(ts):
-            parts["launch"].append(pd.DataFrame({"corr": corr, "ts": ts}))
-        is_cand[bad] = True
-    cand = np.flatnonzero(is_cand[:-1])
+    is_cand |= is_launch
+    strs = ch.strings((is_kernel | is_launch) & plain)
+    done, k = _read_flat(strs, is_kernel & plain, _KERNEL, _KERNEL_FIELDS, _KERNEL_NCCL)
+    if done.any():
+        parts["flat_kernels"].append({**{c: k[f] for c, f in _KERNEL_COLUMNS.items()},
+                                      "event": first_event + np.flatnonzero(done)})
+        parts["kept"] += int(done.sum())
+        is_cand &= ~done
+    done, lt = _read_flat(strs, is_launch, _LAUNCH, _LAUNCH_FIELDS)
+    if done.any():
+        parts["flat_launch"].append((lt["correlation"], lt["ts"]))
+        is_cand &= ~done
+    cand = np.flatnonzero(is_cand)
     if len(cand):
-        sl = [buf[o:c + 1] for o, c in zip(opens[cand].tolist(), closes[cand].tolist())]
-        _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts)
-
-
-NUMBER_WIDTH = 32   # bytes read after a launch event's key: a number in Kineto's JSON is far shorter
-
-
-def _numbers_after(a: np.ndarray, keys: np.ndarray, key_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the text of the value after each key, up to the next comma or closing brace, as fixed-width bytes whose
-    tail is NUL; whether each was a "key": value pair ending within NUMBER_WIDTH bytes). Vectorised: a window of
-    bytes per key, cut at its first separator."""
-    colon = keys + key_len + 1   # the key's opening quote, its bytes and closing quote, then the colon
-    w = a[np.minimum(colon[:, None] + 1 + np.arange(NUMBER_WIDTH), len(a) - 1)]
-    stop = np.logical_or.accumulate((w == _COMMA) | (w == _CLOSE), axis=1)
-    ok = (a[np.minimum(colon, len(a) - 1)] == ord(":")) & stop[:, -1] & ~stop[:, 0]
-    w[stop] = 0
-    return np.ascontiguousarray(w).view(f"S{NUMBER_WIDTH}").ravel(), ok
-
-
-def _launch_numbers(a: np.ndarray, opening: np.ndarray, q_ev: np.ndarray,
-                    is_launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ts, correlation, the events not read) of the launch events (``is_launch`` per event; ``q_ev``: the event of
-    each opening quote): each event's one ``"ts"`` and one ``"correlation"`` key and the numbers after them. An
-    event with another count of either key, or a value that is not a number, is returned in the third array (for
-    json)."""
-    inside = is_launch[q_ev]
-    q, q_ev = opening[inside], q_ev[inside]   # the strings of the launch events only
-    found = []
-    for key in (_TS_KEY, _CORR_KEY):
-        at = _strings_starting(a, q, [key])
-        ev = q_ev[np.searchsorted(q, at)]
-        found.append((at, ev, np.bincount(ev, minlength=len(is_launch)) == 1))
-    (ts_at, ts_ev, ts_one), (co_at, co_ev, co_one) = found
-    good = is_launch & ts_one & co_one   # events are in file order, so are their keys: rows pair up
-    ts_text, ts_ok = _numbers_after(a, ts_at[good[ts_ev]], len(_TS_KEY))
-    co_text, co_ok = _numbers_after(a, co_at[good[co_ev]], len(_CORR_KEY))
-    ok = ts_ok & co_ok
-    events = np.flatnonzero(is_launch)
-    try:
-        ts, corr = ts_text[ok].astype(np.float64), co_text[ok].astype(np.int64)
-    except ValueError:   # some value is not a plain number: decode them all
-        return np.zeros(0), np.zeros(0, np.int64), events
-    read = np.flatnonzero(good)
-    return ts, corr, np.union1d(np.flatnonzero(is_launch & ~good), read[~ok])
+        sl = [buf[o:c + 1] for o, c in zip(lay["opens"][cand].tolist(), lay["closes"][cand].tolist())]
+        _reduce_batch(json.loads(b"[" + b",".join(sl) + b"]"), parts, first_event + cand)
 
 
 def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
@@ -259,25 +435,25 @@ def scan_trace(path: Path, parts: dict, chunk: int | None = None) -> dict:
             raise KinetoError(f"{path}: empty file (no JSON text), not a trace")
         else:
             raise KinetoError(f"{path}: not JSON (starts with {buf[:20]!r})")
-        buf = buf[pos:]
+        buf = buf[pos:] + _PAD   # the text is buf[:n]
         eof = False
         while True:
+            n = len(buf) - len(_PAD)
             try:
-                lay = _layout(buf)
+                lay = _layout(buf, n)
                 closes, array_end = lay["closes"], lay["array_end"]
                 if len(closes):
                     _reduce_chunk(buf, lay, parts)
             except ValueError as e:  # json's errors and UnicodeDecodeError included
                 raise KinetoError(f"{path}: invalid JSON in traceEvents ({str(e).splitlines()[0]})") from None
             if array_end is not None:
-                tail = buf[array_end + 1:] + (b"" if eof else _read(stream, path, -1))
+                tail = buf[array_end + 1:n] + (b"" if eof else _read(stream, path, -1))
                 break
             if eof:
                 raise KinetoError(f"{path}: truncated JSON (traceEvents never closed)")
-            buf = buf[int(closes[-1]) + 1:] if len(closes) else buf
             more = _read(stream, path, chunk)
             eof = not more
-            buf += more
+            buf = b"".join((buf[int(closes[-1]) + 1 if len(closes) else 0:n], more, _PAD))   # one copy
     if prefix is None:
         return {}
     try:
@@ -363,15 +539,18 @@ def iter_event_batches(text: str, path, meta_out: dict, batch: int = BATCH):
         meta_out.update(meta)
 
 
-def _reduce_batch(events: list, parts: dict) -> None:
-    """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out)."""
-    kern, cpu, launch, pids = [], [], [], parts["pids"]
-    for e in events:
+def _reduce_batch(events: list, parts: dict, order=None) -> None:
+    """Keep only the columns dtprof uses from one batch of complete ("X") events (one pass to sort them out).
+    ``order``: each event's number in the file, kept with the kernels (the fast path reads kernels two ways and
+    puts them back in file order)."""
+    kern, kern_i, cpu, launch, pids = [], [], [], [], parts["pids"]
+    for i, e in enumerate(events):
         ph = e.get("ph")
         if ph == "X":
             cat = e.get("cat")
             if cat in KERNEL_CATS:
                 kern.append(e)
+                kern_i.append(i)
             elif cat in LAUNCH_CATS:
                 launch.append(e)
             elif cat == "user_annotation" or (cat == "cpu_op" and str(e.get("name", "")).startswith(
@@ -394,6 +573,7 @@ def _reduce_batch(events: list, parts: dict) -> None:
             "group_size": [a.get("Group size") for a in args],
             "seq": [a.get("Seq") for a in args],
             "corr": [a.get("correlation") for a in args],
+            **({"event": np.asarray(order)[kern_i]} if order is not None else {}),
         }))
     if launch:  # the CPU side of each kernel launch, joined to its kernel by correlation id
         parts["launch"].append(pd.DataFrame({
@@ -433,12 +613,28 @@ def _tidy(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+_TEXT_DTYPE = pd.Series(["text"]).dtype   # what pandas makes of text: with pandas 3, str backed by Arrow
+
+
+def _column(pieces: list):
+    """A column read in place, from its pieces (one per chunk). Text (Arrow arrays, or object arrays of str and
+    None) goes to pandas as Arrow arrays, which pandas would otherwise build value by value (a 166k-kernel rank's
+    three NCCL text columns: 30 ms, now 5)."""
+    arrow = getattr(_TEXT_DTYPE, "storage", "") == "pyarrow"   # pandas 3's str
+    if isinstance(pieces[0], pa.Array):
+        text = pa.concat_arrays(pieces)
+        return pd.Series(text, dtype=_TEXT_DTYPE) if arrow else np.array(text.to_pylist(), object)
+    x = np.concatenate(pieces)
+    return pd.Series(pa.array(x, type=pa.large_string()), dtype=_TEXT_DTYPE) if x.dtype == object and arrow else x
+
+
 def parse_trace(path: Path, fast: bool = True) -> dict:
     """One trace file -> {"meta": top-level keys, "kernels": DataFrame, "cpu": DataFrame, counts}.
 
     ``fast=False`` decodes every event with stdlib json (the reference the fast path is tested against).
     """
-    parts = {"kernels": [], "cpu": [], "launch": [], "n_events": 0, "kept": 0, "pids": set()}
+    parts = {"kernels": [], "flat_kernels": [], "cpu": [], "launch": [], "flat_launch": [], "n_events": 0, "kept": 0,
+             "pids": set()}
     if fast:
         meta = scan_trace(Path(path), parts)
     else:
@@ -451,9 +647,19 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     if parts["n_events"] == 0:
         raise KinetoError(f"{path}: trace has no events")
     cat = lambda dfs: _tidy(pd.concat(dfs, ignore_index=True)) if dfs else pd.DataFrame()  # noqa: E731
-    launch = cat(parts["launch"])  # a lookup by correlation id: sorted, so both paths give the same table
+    flat = parts["flat_launch"]   # the fast path's launches read in place: (correlation ids, starts)
+    launch = cat(([pd.DataFrame({"corr": np.concatenate([c for c, _ in flat]),
+                                 "ts": np.concatenate([t for _, t in flat])})] if flat else []) + parts["launch"])
+    # a lookup by correlation id: sorted, so both paths give the same table
     launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True) if len(launch) else launch
-    return {"meta": meta, "kernels": cat(parts["kernels"]), "cpu": cat(parts["cpu"]), "launch": launch,
+    flat = parts["flat_kernels"]   # the fast path's kernels read in place: columns of arrays, one frame at the end
+    kernels = cat(([pd.DataFrame({c: _column([f[c] for f in flat]) for c in flat[0]})] if flat else [])
+                  + parts["kernels"])
+    if "event" in kernels:   # back in file order, if some were decoded with json
+        if not kernels["event"].is_monotonic_increasing:
+            kernels = kernels.sort_values("event", kind="stable").reset_index(drop=True)
+        kernels = kernels.drop(columns="event")
+    return {"meta": meta, "kernels": kernels, "cpu": cat(parts["cpu"]), "launch": launch,
             "n_events": parts["n_events"], "other": parts["n_events"] - parts["kept"], "pids": parts["pids"],
             "path": Path(path)}
 
@@ -534,12 +740,13 @@ def _assign_step(t_ns: np.ndarray, steps: pd.DataFrame) -> pd.Series:
 
 def _launch_ns(kern: pd.DataFrame, launch: pd.DataFrame, base: int) -> pd.array:
     """Each kernel's CPU launch time (its cuda_runtime/cuda_driver call, same correlation id); null without one."""
-    out = pd.array([None] * len(kern), dtype="Int64")
+    out = pd.arrays.IntegerArray(np.zeros(len(kern), np.int64), np.ones(len(kern), bool))   # all null
     if not len(launch) or "corr" not in kern.columns:
         return out
-    lt = launch.dropna(subset=["corr"]).drop_duplicates("corr").set_index("corr")["ts"]
-    t = kern["corr"].map(lt)
-    has = t.notna().to_numpy()
+    lt = launch.dropna(subset=["corr"]).drop_duplicates("corr")
+    at = pd.Index(lt["corr"]).get_indexer(kern["corr"])   # its launch's row, -1 for none (Series.map: 3x the time)
+    t = lt["ts"].to_numpy()[np.maximum(at, 0)] if len(lt) else np.full(len(kern), np.nan)
+    has = (at >= 0) & pd.notna(t)
     out[has] = _to_ns(t[has], base)
     return out
 

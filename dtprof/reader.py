@@ -43,6 +43,7 @@ _NUMPY_DTYPES = {"int": "int64", "Int": "Int64", "float": "float64", "bool": "bo
 
 def conform(table: str, df):
     """Return ``df`` with exactly the schema's columns, in order, with the schema's dtypes (nulls where missing)."""
+    import numpy as np
     import pandas as pd
 
     out = {}
@@ -50,6 +51,11 @@ def conform(table: str, df):
     for col, kind in TABLES[table]:
         if col in df.columns:
             s = df[col]
+        elif kind == "Int":   # missing: all null, built as such (checking a million Nones one by one cost more
+            # than writing the table's Parquet: the pipeline columns of an imported trace's kernel spans)
+            s = pd.Series(pd.arrays.IntegerArray(np.zeros(n, np.int64), np.ones(n, bool)), index=df.index)
+        elif kind == "float":
+            s = pd.Series(np.nan, index=df.index, dtype="float64")
         else:
             s = pd.Series([None] * n, index=df.index, dtype="object")
         if kind in ("int", "Int"):
