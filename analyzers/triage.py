@@ -552,6 +552,8 @@ def restart_lines(run: dict) -> list[str]:
     lines = []
     for r in run.get("restarts") or []:
         what = (f"failed at step {r['step']} ({r['exception']})" if r["status"] == "failed" else
+                f"stopped in step {r['step']} (its collective failed when rank {r['stopped_by']} did: "
+                f"{str(r['exception'])[:120]})" if r.get("stopped_by") is not None else
                 f"stopped in step {r['step']} (its group was stopped to restart it)")
         after = f", {r['restart_s']:.1f} s after the failure" if r.get("restart_s") is not None else ""
         lines.append(f"rank {r['rank']} attempt {r['attempt']} {what}; restarted at {r['restarted'] or '?'}{after}")

@@ -579,7 +579,8 @@ class Run:
     def restarts(self) -> list[dict]:
         """Each earlier attempt of a restarted rank, by rank and attempt: rank, attempt, host, pid, status
         ("failed": its training function raised; "stopped": it ended without recording its end, as Ray stops the
-        other workers of a failed group), step (the step it was in: the failure's, else the one after its last
+        other workers of a failed group, or raised a peer-went-away error after another rank had failed: then
+        ``stopped_by``, that rank), step (the step it was in: the failure's, else the one after its last
         recorded step), exception, ended (UTC; the failure's time), restarted (UTC: the next attempt's start) and
         restart_s (from the failure to the restart)."""
         import datetime as dt
@@ -607,7 +608,7 @@ class Run:
                         "node": nd.name, "status": "failed" if failure else "stopped", "step": int(step),
                         "exception": failure.get("exception"), "ended": ended, "restarted": nxt,
                         "restart_s": restart_s})
-        return out
+        return _peer_failures_stopped(out)
 
     def _complete(self, nd: Path) -> bool:
         return (nd / TABLES_DIR / TABLES_COMPLETE).exists()
@@ -818,6 +819,25 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, nodes={len(self.node_dirs)})"
+
+
+# A rank's exception that says its peer went away: its collective failed because another rank of the group did
+# (gloo: "Connection closed by peer ... typically caused by a remote worker crashing"; torch's DistNetworkError)
+PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "DistNetworkError")
+
+
+def _peer_failures_stopped(restarts: list[dict]) -> list[dict]:
+    """In each attempt, a rank whose training function raised a peer-went-away error after another rank had failed
+    did not fail of its own: it was stopped by that failure (``status`` "stopped", ``stopped_by`` the rank that
+    failed first; its exception kept). Which of the two Ray ends first after a failure is a race, so without this
+    the same restart reads as one failure or as two."""
+    for attempt in {r["attempt"] for r in restarts}:
+        failed = sorted((r for r in restarts if r["attempt"] == attempt and r["status"] == "failed"),
+                        key=lambda r: str(r["ended"] or ""))
+        for r in failed[1:]:
+            if any(m in str(r["exception"] or "") for m in PEER_FAILURE_MARKS):
+                r["status"], r["stopped_by"] = "stopped", failed[0]["rank"]
+    return restarts
 
 
 def launcher_killed(node_info: dict) -> bool:

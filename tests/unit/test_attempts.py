@@ -76,3 +76,22 @@ def test_a_last_attempt_that_failed_is_a_crash(tmp_path):
     assert res["verdict"] == "crash" and res["culprit_ranks"] == [0], res
     assert "RuntimeError: again" in res["message"]
     assert [e["kind"] for e in res["evidence"]].count("restart") == 2
+
+
+def test_a_rank_whose_collective_failed_after_its_peer_is_stopped_by_it():
+    """Rank 1 raised first; rank 0's all-reduce then failed with gloo's peer-went-away error (which of the two Ray
+    ends first is a race): one failure and one rank stopped by it, not two failures. An error of rank 0's own
+    stays a failure."""
+    from dtprof.reader import _peer_failures_stopped
+
+    def entry(rank, ended, exception):
+        return {"rank": rank, "attempt": 1, "status": "failed", "ended": ended, "exception": exception}
+
+    gloo = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53905. This is "
+            "typically caused by a remote worker crashing.")
+    out = _peer_failures_stopped([entry(0, "2026-01-01T00:00:16Z", gloo),
+                                  entry(1, "2026-01-01T00:00:15Z", "RuntimeError: injected failure at step 3")])
+    assert [(r["rank"], r["status"], r.get("stopped_by")) for r in out] == [(0, "stopped", 1), (1, "failed", None)]
+    own = _peer_failures_stopped([entry(0, "2026-01-01T00:00:16Z", "ValueError: bad batch"),
+                                  entry(1, "2026-01-01T00:00:15Z", "RuntimeError: injected failure at step 3")])
+    assert [r["status"] for r in own] == ["failed", "failed"]
