@@ -181,8 +181,7 @@ def of_run(run, model) -> NodeSummary:
             c.items = c.items[c.items["step"].isin(item_steps).to_numpy()]
     files = {t: stored_files(run, facts, t) for t in ("instance_rows", "arrival_parts", "arrival_counts")}
     ns = combine(tables, files, [f for f in facts if f is not None], computed)
-    skipped = model.job["step"].to_numpy()[model.job["detail_skipped"].to_numpy(bool)]
-    return without_detail(ns, skipped) if len(skipped) else ns
+    return without_detail(ns, model.skipped_steps) if len(model.skipped_steps) else ns
 
 
 def without_detail(ns: NodeSummary, steps: np.ndarray) -> NodeSummary:

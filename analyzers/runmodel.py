@@ -88,12 +88,16 @@ class RunModel:
     def read_spans(self) -> pd.DataFrame:
         return self._detail_read(self.run.table("spans"))
 
+    @cached_property
+    def skipped_steps(self) -> np.ndarray:
+        """The steps whose detail this analysis does not read (``job["detail_skipped"]``)."""
+        return self.job["step"].to_numpy()[self.job["detail_skipped"].to_numpy(bool)]
+
     def _detail_read(self, rows: pd.DataFrame) -> pd.DataFrame:
         """``rows`` (spans or collectives) less those of the steps whose detail is skipped."""
-        skipped = self.job["step"].to_numpy()[self.job["detail_skipped"].to_numpy(bool)]
-        if not len(skipped) or not len(rows):
+        if not len(self.skipped_steps) or not len(rows):
             return rows
-        return rows[~rows["step"].astype("Int64").isin(skipped).fillna(False).to_numpy(bool)]
+        return rows[~rows["step"].astype("Int64").isin(self.skipped_steps).fillna(False).to_numpy(bool)]
 
     @cached_property
     def gpu_ranks(self) -> np.ndarray:

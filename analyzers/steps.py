@@ -228,8 +228,9 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
            "ranks_by_period": {str(p): sorted(r for r, v in rows if int(v.get("period") or 0) == p) for p in periods}}
     cost = (f"dtprof's cost of a detailed step was measured at {cost_s * 1e6:.0f} µs on {step_s * 1e3:.3g} ms steps"
             if cost_s is not None and step_s is not None else "")
-    footprint = [v["reason"] for _, v in rows if str(v.get("reason") or "").startswith("footprint")]
-    out["footprint_ranks"] = sorted(r for r, v in rows if str(v.get("reason") or "").startswith("footprint"))
+    made_sparser = [(r, v["reason"]) for r, v in rows if str(v.get("reason") or "").startswith("footprint")]
+    footprint = [why for _, why in made_sparser]
+    out["footprint_ranks"] = sorted(r for r, _ in made_sparser)
     if footprint:    # collectors/runtime.py check_footprint: a long job's files kept under their daily budget
         cost = (f"{cost}; " if cost else "") + (f"made sparser on {len(footprint)} rank(s) to bound their files' "
                                                 f"growth ({footprint[0]})")

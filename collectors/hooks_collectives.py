@@ -351,11 +351,10 @@ def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue,
 _END = Collective._fields.index("end_ns")
 _PEER = Collective._fields.index("peer")
 _row = tuple.__new__
-_TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added after these 20 (runtime._SPAN_TAIL)
+_TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added after these 20 (as records.SPAN_TAIL)
 
 
 _NO_STAGE = (None, None)
-_HOOK_SPAN_TAIL = HOOK_SPAN_TAIL     # a comm_wait span's columns after its end (records.py): built here
 
 
 # Each pending entry's own number: a completion callback names the entry it was made for, not only its key. Keys
@@ -590,7 +589,7 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
                     head = head[:_PEER] + (result,) + head[_PEER + 1:]
                 state.append_collective(_row(Collective, head + (ret, ret) + tail))
-                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret) + _HOOK_SPAN_TAIL))
+                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret) + HOOK_SPAN_TAIL))
         except Exception:
             state.fault(f"collective wrapper ({api})")
         return result
@@ -737,7 +736,7 @@ def _wrap_work_wait(orig):
             try:
                 t1 = now()
                 state.last_progress_ns = t1
-                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1) + _HOOK_SPAN_TAIL))
+                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1) + HOOK_SPAN_TAIL))
                 if item is not None:      # else nothing of this work is recorded, or its callback completed it
                     complete(id(self), t1)
             except Exception:

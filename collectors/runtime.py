@@ -75,11 +75,10 @@ from dtprof.collectors.records import HOOK_SPAN_TAIL, SPAN_TAIL, STEP_TAIL, Cloc
 from dtprof.schema import DETAIL_BLOCK
 
 now = time.monotonic_ns
-# _row(Span, (...) + _SPAN_TAIL): a typed row from its columns in order without the namedtuple's Python-level
+# _row(Span, (...) + SPAN_TAIL): a typed row from its columns in order without the namedtuple's Python-level
 # __new__ (a call per row); the tails are the trailing nullable columns this code does not set (records.py), so a
 # column added at a table's end needs no change here
 _row = tuple.__new__
-_SPAN_TAIL, _STEP_TAIL, _HOOK_SPAN_TAIL = SPAN_TAIL, STEP_TAIL, HOOK_SPAN_TAIL     # collectors/records.py
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
                     "full_detail": False, "sample_every": None}
 # Step sampling (docs/cli-run.md, "Sampling")
@@ -245,7 +244,7 @@ class Recorder:
         # positional through tuple.__new__ (the namedtuple's own __new__ is a Python call per row) into the spans
         # list's own append: this runs several times per step
         self.append_span(_row(Span, (self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
-                                     microbatch, lane, source) + _SPAN_TAIL))
+                                     microbatch, lane, source) + SPAN_TAIL))
 
     def clock_row(self) -> None:
         self.add(Clock(self.rank, self.host, time.monotonic_ns(), time.time_ns()))
@@ -586,7 +585,7 @@ class Recorder:
                         self.cuda_span("forward", self.fwd_t0, self.fwd_ev0, now())
                     else:
                         self.append_span(_row(Span, (self.rank, self.step, "forward", "forward", self.fwd_t0, now())
-                                              + _HOOK_SPAN_TAIL))
+                                              + HOOK_SPAN_TAIL))
                     if self.parked_hooks:
                         self.unpark_hooks()
         except Exception:
@@ -620,11 +619,11 @@ class Recorder:
                             rec.cuda_span("backward", t0, ev0, t1)
                         else:
                             rec.append_span(_row(Span, (rec.rank, rec.step, "backward", "backward", t0, t1)
-                                                 + _HOOK_SPAN_TAIL))
+                                                 + HOOK_SPAN_TAIL))
                     if rec.ddp_last_issue_ns is not None:
                         # DDP blocks at the end of backward until its last buckets are reduced.
                         rec.append_span(_row(Span, (rec.rank, rec.step, "comm_wait", "ddp_final_wait",
-                                                    rec.ddp_last_issue_ns, t1) + _HOOK_SPAN_TAIL))
+                                                    rec.ddp_last_issue_ns, t1) + HOOK_SPAN_TAIL))
                         rec.ddp_last_issue_ns = None
                         if rec.pending:   # DDP's collectives whose completion callback has not run yet
                             rec.complete_ddp(t1)
@@ -648,7 +647,7 @@ class Recorder:
             finally:
                 try:
                     rec.append_span(_row(Span, (rec.rank, rec.step, "data_wait", "DataLoader.__next__", t0, now())
-                                         + _HOOK_SPAN_TAIL))
+                                         + HOOK_SPAN_TAIL))
                 except Exception:
                     rec.fault("DataLoader.__next__")
 
@@ -678,7 +677,7 @@ class Recorder:
                     self.cuda_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
                 else:
                     self.append_span(_row(Span, (self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t)
-                                          + _HOOK_SPAN_TAIL))
+                                          + HOOK_SPAN_TAIL))
                 if not self.manual_steps:
                     self.end_step(t)
             if self.ab_block:
@@ -721,7 +720,7 @@ class Recorder:
             self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
             a.get("samples", inferred.get("samples")), a.get("model_flops"),
             self.flops_finish(step) if self.flops_step is not None else None, cpu_wait)
-            + _STEP_TAIL))
+            + STEP_TAIL))
         if step == 0:
             # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
             self.threads_cpu_step0 = _own_threads_cpu_s()
