@@ -218,15 +218,19 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
     rows = sorted(last.items())
     periods = sorted({int(v.get("period") or 0) for _, v in rows})
     costs = [v["detail_cost_ns"] / NS for _, v in rows if v.get("detail_cost_ns") is not None]
+    block_costs = [v["block_cost_ns"] / NS for _, v in rows if v.get("block_cost_ns") is not None]
     step = [v["step_ns"] / NS for _, v in rows if v.get("step_ns")]
     v0 = rows[0][1]
     cost_s = float(np.median(costs)) if costs else None
+    block_s = float(np.median(block_costs)) if block_costs else None
     step_s = float(np.median(step)) if step else None
     out: dict = {"period_steps": periods[-1], "block_steps": v0.get("block"), "from_step": v0.get("from_step"),
            "calibration_steps": v0.get("calibration"), "budget_frac": v0.get("budget"),
-           "detail_cost_s": cost_s, "boundary_step_s": step_s,
+           "detail_cost_s": cost_s, "block_cost_s": block_s, "boundary_step_s": step_s,
            "ranks_by_period": {str(p): sorted(r for r, v in rows if int(v.get("period") or 0) == p) for p in periods}}
     cost = (f"dtprof's cost of a detailed step was measured at {cost_s * 1e6:.0f} µs on {step_s * 1e3:.3g} ms steps"
+            + (f", {block_s * 1e6:.0f} µs a block of {v0.get('block')} with its switches" if block_s is not None
+               else "")
             if cost_s is not None and step_s is not None else "")
     made_sparser = [(r, v["reason"]) for r, v in rows if str(v.get("reason") or "").startswith("footprint")]
     footprint = [why for _, why in made_sparser]

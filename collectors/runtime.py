@@ -85,8 +85,10 @@ _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s":
 SAMPLE_FROM = 32             # steps before this one are all in full detail (warm-up, compiles, the FLOP step)
 SAMPLE_CALIBRATION = 32      # then this many steps alternate boundary-only and full-detail blocks
 SAMPLE_BLOCK = DETAIL_BLOCK  # steps per full-detail block (4)
-SAMPLE_BUDGET = 0.01         # dtprof's cost per step, as a fraction of the step, that sampling keeps under
-SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no measured detail cost reaches 1 % of them)
+# dtprof's cost per step, as a fraction of the step, that the detail's sampling keeps under: half of the 1 % dtprof
+# may cost, the other half left to what every step pays (the boundary's optimizer hooks, the flusher's rows)
+SAMPLE_BUDGET = 0.005
+SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no detail cost measured reaches 0.5 % of them)
 SAMPLE_MAX_PERIOD = 4096
 # The footprint: a rank's files may grow by about this much a day (issue: <= 50 MB a rank and day at 10 steps a
 # second; the rest is the node's NVML and events files). Every FOOTPRINT_CHECK_STEPS steps, once at least
@@ -816,22 +818,29 @@ class Recorder:
         self.set_detail(nxt % self.sample_period < SAMPLE_BLOCK)
 
     def decide_from_calibration(self) -> None:
+        """The period from the calibration's alternating blocks (boundary-only first). A detailed step's own cost
+        is the median detailed step less the median boundary-only step, each without its block's first step; a
+        detailed block costs more than its steps: switching the detail on lands in its first step and switching
+        it off in the next block's first (hooks and kernels installed and taken out, first calls), several
+        detailed steps' worth on short steps. The period is chosen from the whole block's cost."""
         calib, self.calibration = self.calibration, []
-        ons, offs = [d for detail, d in calib if detail], [d for detail, d in calib if not detail]
-        on, off = _median(ons), _median(offs)
-        if on is None or not off:
+        at = lambda detail, first: [d for i, (on, d) in enumerate(calib)   # noqa: E731
+                                    if on == detail and (i % SAMPLE_BLOCK == 0) == first]
+        on, off = at(True, False), at(False, False)
+        base, on_first, off_first = _median(off), _median(at(True, True)), _median(at(False, True))
+        if not base or _median(on) is None or on_first is None or off_first is None:
             self.decide_sampling(0, None)
             return
-        cost = max(0, on - off)
+        cost = max(0, _median(on) - base)
         # a difference within the steps' own spread (median absolute deviation) is the machine's noise, not dtprof
-        if cost <= SAMPLE_BUDGET * off or cost <= max(_mad(ons), _mad(offs)):
-            self.decide_sampling(0, None, cost, off)
+        if cost <= SAMPLE_BUDGET * base or cost <= max(_mad(on), _mad(off)):
+            self.decide_sampling(0, None, cost, base)
             return
-        share = SAMPLE_BUDGET * off / cost           # the fraction of steps that may be detailed
+        block = max(0, on_first - base) + (SAMPLE_BLOCK - 1) * cost + max(0, off_first - base)
         period = 2 * SAMPLE_BLOCK
-        while period * share < SAMPLE_BLOCK and period < SAMPLE_MAX_PERIOD:
+        while block > SAMPLE_BUDGET * base * period and period < SAMPLE_MAX_PERIOD:
             period *= 2
-        self.decide_sampling(period, None, cost, off)
+        self.decide_sampling(period, None, cost, base, block)
 
     def check_footprint(self, nxt: int) -> None:
         """Over FOOTPRINT_BYTES_PER_DAY's rate since the last check, the detailed blocks start that many times
@@ -855,11 +864,11 @@ class Recorder:
         self.calibration_from = nxt
         self.meta("sampling", {
             "period": period, "block": SAMPLE_BLOCK, "from_step": nxt, "calibration": None, "detail_cost_ns": None,
-            "step_ns": None, "budget": SAMPLE_BUDGET,
+            "block_cost_ns": None, "step_ns": None, "budget": SAMPLE_BUDGET,
             "reason": f"footprint: the rank's files grew {(written - b0) * NS_PER_S / (t - t0) / 1e3:.1f} kB/s, "
                       f"over the {budget / 1e3:.2f} kB/s ({FOOTPRINT_BYTES_PER_DAY / 1e6:.0f} MB a day) it keeps"})
 
-    def decide_sampling(self, period: int, reason, cost_ns=None, step_ns=None) -> None:
+    def decide_sampling(self, period: int, reason, cost_ns=None, step_ns=None, block_cost_ns=None) -> None:
         self.sample_period = period
         self.sample_times = []
         first = self.calibration_from
@@ -867,7 +876,8 @@ class Recorder:
         self.meta("sampling", {
             "period": period, "block": SAMPLE_BLOCK, "from_step": start if period else None,
             "calibration": [first, first + SAMPLE_CALIBRATION] if cost_ns is not None else None,
-            "detail_cost_ns": cost_ns, "step_ns": step_ns, "budget": SAMPLE_BUDGET, "reason": reason})
+            "detail_cost_ns": cost_ns, "block_cost_ns": block_cost_ns, "step_ns": step_ns, "budget": SAMPLE_BUDGET,
+            "reason": reason})
 
     def set_detail(self, on: bool) -> None:
         """Full detail (every hook in) or the step boundary only (the optimizer hooks) from the next step on."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 6        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
+SCHEMA_MINOR = 7        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
                         # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind,
-                        # 6: JSON-lines files written gzip-compressed); every older minor opens
+                        # 6: JSON-lines files written gzip-compressed, 7: ``sampling.block_cost_ns``); every older
+                        # minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -120,7 +121,8 @@ META_KINDS = {
     "flops_skipped": ("reason",),                       # --count-flops could not count on this rank, and why
     # step sampling on this rank (collectors/runtime.py): detailed blocks of ``block`` steps every ``period`` steps
     # from ``from_step`` (period 0: every step in detail), and what the decision was measured on
-    "sampling": ("period", "block", "from_step", "calibration", "detail_cost_ns", "step_ns", "budget", "reason"),
+    "sampling": ("period", "block", "from_step", "calibration", "detail_cost_ns", "block_cost_ns", "step_ns", "budget",
+                 "reason"),
 }
 
 SPAN_KINDS = (

@@ -17,10 +17,13 @@ class Steps:
         rec.set_detail = lambda on: setattr(rec, "detail", on)
         rec.meta = lambda kind, value: self.decisions.append(value)
 
-    def run(self, n: int, detailed_ns: int, boundary_ns: int) -> None:
+    def run(self, n: int, detailed_ns: int, boundary_ns: int, switch_on_ns: int = 0, switch_off_ns: int = 0) -> None:
+        """``switch_*_ns``: what switching the detail on (off) adds to the first step after the switch."""
         for step in range(n):
-            self.detailed.append(self.rec.detail)
-            self.rec.sample_next(step, detailed_ns if self.rec.detail else boundary_ns)   # as end_step does
+            on, switched = self.rec.detail, step > 0 and self.rec.detail != self.detailed[-1]
+            self.detailed.append(on)
+            d = (detailed_ns if on else boundary_ns) + (switched and (switch_on_ns if on else switch_off_ns))
+            self.rec.sample_next(step, d)   # as end_step does
 
 
 def test_long_steps_are_never_sampled():
@@ -39,6 +42,22 @@ def test_a_costly_detail_samples_blocks_at_a_power_of_two_period():
     assert period // 2 * SAMPLE_BUDGET * 300_000 / 30_000 < SAMPLE_BLOCK    # the smallest such period
     assert all(s.detailed[:32])
     assert [i for i in range(64, 2000) if s.detailed[i]] == [i for i in range(64, 2000) if i % period < SAMPLE_BLOCK]
+
+
+def test_the_switches_around_a_detailed_block_are_priced_with_it():
+    """On 300 us steps a detailed step costs 30 us, switching the detail on 600 us and off 100 us: a block costs
+    4 x 30 + 700 = 820 us, and the period keeps that under the budget (the steps' own cost alone would allow a
+    period eight times shorter)."""
+    s = Steps()
+    s.run(4000, 330_000, 300_000, switch_on_ns=600_000, switch_off_ns=100_000)
+    (d,) = s.decisions
+    assert (d["detail_cost_ns"], d["block_cost_ns"], d["step_ns"]) == (30_000, 820_000, 300_000)
+    period = d["period"]
+    assert 820_000 <= SAMPLE_BUDGET * 300_000 * period < 2 * 820_000
+    window = s.detailed[period:3 * period]                           # two whole periods after the calibration
+    assert window[:SAMPLE_BLOCK + 1] == [True] * SAMPLE_BLOCK + [False] and sum(window) == 2 * SAMPLE_BLOCK
+    paid = sum(330_000 if on else 300_000 for on in window) + 2 * 700_000
+    assert paid / (len(window) * 300_000) - 1 <= SAMPLE_BUDGET     # what the job pays for its detail
 
 
 def test_a_cheap_detail_keeps_every_step_and_calibrates_again_later():
