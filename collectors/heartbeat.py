@@ -36,7 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dtprof.collectors.records import Collective
+from dtprof.collectors.records import COLUMN
 
 INTERVAL_S = 0.5
 _SIGTERM_GRACE_S = 2.0
@@ -116,7 +116,7 @@ class _BeatFile:
 
 # STATE.collective is (a collectives row, or its columns up to issue_ns, in the schema's order; when the main thread
 # entered the wait): a tuple the hot path has at hand, turned into the heartbeat's dict only here
-_IN_FLIGHT_COLUMNS = [(name, Collective._fields.index(name)) for name in ("op", "group", "seq", "in_bytes", "dtype",
+_IN_FLIGHT_COLUMNS = [(name, COLUMN["collectives"][name]) for name in ("op", "group", "seq", "in_bytes", "dtype",
                                                                           "peer")]
 
 

@@ -39,7 +39,7 @@ import time
 from functools import partial
 from typing import Any
 
-from dtprof.collectors.records import HOOK_SPAN_TAIL, SPAN_TAIL, Collective, Group, Span
+from dtprof.collectors.records import COLUMN, Group, collective_row, span_row
 
 now = time.monotonic_ns
 
@@ -341,17 +341,13 @@ def _make_row(op, api, source, where, in_b, out_b, dtype, peer, async_op, issue,
               bucket=None, stage=None, microbatch=None, step=None):
     rec = _rec
     name, size, seq = where
-    # positional, in the schema's column order, through tuple.__new__ (no Python-level __new__: this runs for every
-    # collective)
-    return _row(Collective, (rec.rank, rec.step if step is None else step, op, api, source, name, size, seq, in_b,
-                             out_b, dtype, peer, bool(async_op), issue, return_ns, end_ns, None, bucket, stage,
-                             microbatch) + _TAIL)
+    return collective_row(rec.rank, rec.step if step is None else step, op, api, source, name, size, seq, in_b, out_b,
+                          dtype, peer, bool(async_op), issue, return_ns, end_ns, None, bucket, stage, microbatch)
 
 
-_END = Collective._fields.index("end_ns")
-_PEER = Collective._fields.index("peer")
-_row = tuple.__new__
-_TAIL = (None,) * (len(Collective._fields) - 20)   # trailing columns added after these 20 (as records.SPAN_TAIL)
+_COL = COLUMN["collectives"]
+_END, _PEER, _ISSUE, _OP, _GROUP, _SOURCE, _GPU = (_COL[c] for c in ("end_ns", "peer", "issue_ns", "op", "group",
+                                                                    "source", "gpu_duration_ns"))
 
 
 _NO_STAGE = (None, None)
@@ -368,7 +364,7 @@ def add_pending(key, work, rows) -> int:
     """Hold ``rows`` until ``complete(key, t)`` (or expiry) gives them their end time; returns the entry's number
     for a completion callback (``complete(key, t, entry)``)."""
     entry = next(_entry_numbers)
-    _rec.pending[key] = (work, rows, rows[0].issue_ns, entry)
+    _rec.pending[key] = (work, rows, rows[0][_ISSUE], entry)
     return entry
 
 
@@ -390,9 +386,9 @@ def complete(key, t, entry: int | None = None) -> None:
     rows = item[1]
     if len(rows) == 1:     # most: one row, and no list comprehension (a Python frame) for it
         r = rows[0]
-        rows = [_row(Collective, r[:_END] + (t,) + r[_END + 1:])]          # r._replace(end_ns=t), faster
+        rows = [r[:_END] + (t,) + r[_END + 1:]]          # the row with its end_ns
     else:
-        rows = [_row(Collective, r[:_END] + (t,) + r[_END + 1:]) for r in rows]
+        rows = [r[:_END] + (t,) + r[_END + 1:] for r in rows]
     if _nccl_timing is not False and _wants_gpu_duration() and hasattr(item[0], "_get_duration") \
             and len(rec.timed) < MAX_TIMED:
         rec.timed.append((item[0], rows, 0))
@@ -409,7 +405,7 @@ def complete_ddp(t: int) -> None:
     # list() copies the table at once (the backend's thread may complete an item meanwhile); complete() is then a
     # no-op for it: the first completion wins
     for key, item in list(_rec.pending.items()):
-        if item[1][0].source == "ddp":
+        if item[1][0][_SOURCE] == "ddp":
             complete(key, t)
 
 
@@ -460,7 +456,7 @@ def resolve_gpu_durations(final: bool = False) -> None:
                 continue
             ms = None
         if ms is not None:
-            rows = [r._replace(gpu_duration_ns=int(ms * 1e6)) for r in rows]
+            rows = [r[:_GPU] + (int(ms * 1e6),) + r[_GPU + 1:] for r in rows]
         rec.writer.extend("collectives", rows)
 
 
@@ -485,8 +481,8 @@ def _track(work, rows) -> None:
     """Wait for ``work``'s completion: a future callback where the backend has one, else Work.wait."""
     key = id(work)
     entry = next(_entry_numbers)          # add_pending's two lines, here: every async collective passes
-    _rec.pending[key] = (work, rows, rows[0].issue_ns, entry)
-    kind = (rows[0].op, rows[0].group)
+    _rec.pending[key] = (work, rows, rows[0][_ISSUE], entry)
+    kind = (rows[0][_OP], rows[0][_GROUP])
     if kind in _futureless:
         return
     try:
@@ -558,11 +554,12 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
             else:      # _where for a collective, without its frame: Lightning issues three every step
                 name, size, _pg, counter = state.groups.get(None if group is None else id(group)) or _group(group)
                 seq = next(counter)
-            # the row's columns before return_ns and after end_ns, in _make_row's order, built here rather than
-            # through _make_row: every collective passes here, and each call on its path costs the training thread
+            # the row's columns up to issue_ns (what the heartbeat names while the call runs) and its bucket and
+            # stage, built here rather than through _make_row: every collective passes here, and each call on its
+            # path costs the training thread
             head = (state.rank, state.step, op, api_name, source, name, size, seq, in_b, out_b, dtype, peer,
                     bool(async_op), issue)
-            tail = (None, bucket_index, *(_tls.stage_mb or _NO_STAGE), *_TAIL)
+            stage, mb = _tls.stage_mb or _NO_STAGE
             if not async_op:
                 state.collective = (head, issue)
         except Exception:
@@ -584,12 +581,12 @@ def _wrap_collective(api, orig, caller_depth: int = 1):
             ret = now()
             state.last_progress_ns = ret
             if async_op and result is not None:
-                _track(result, [_row(Collective, head + (ret, None) + tail)])
+                _track(result, [collective_row(*head, ret, None, None, bucket_index, stage, mb)])
             else:
                 if p2p and op == "recv" and peer is None and isinstance(result, int):
                     head = head[:_PEER] + (result,) + head[_PEER + 1:]
-                state.append_collective(_row(Collective, head + (ret, ret) + tail))
-                state.append_span(_row(Span, (head[0], head[1], "comm_wait", api, issue, ret) + HOOK_SPAN_TAIL))
+                state.append_collective(collective_row(*head, ret, ret, None, bucket_index, stage, mb))
+                state.append_span(span_row(head[0], head[1], "comm_wait", api, issue, ret))
         except Exception:
             state.fault(f"collective wrapper ({api})")
         return result
@@ -642,7 +639,7 @@ def _wrap_pipeline_p2p(api, orig, generic):
             head = (state.rank, state.step, op, api, _source_by_code.get(caller.f_code) or _caller_source(caller),
                     name, size, seq, b if op == "send" else 0, 0 if op == "send" else b,
                     _DTYPE_NAMES.get(tensor.dtype) or _dtype(tensor), peer, True, issue)
-            tail = (None, None, *(_tls.stage_mb or _NO_STAGE), *_TAIL)
+            stage, mb = _tls.stage_mb or _NO_STAGE
         except Exception:
             state.fault(f"collective wrapper ({api})")
             return orig(*args, **kwargs)
@@ -655,7 +652,7 @@ def _wrap_pipeline_p2p(api, orig, generic):
             ret = now()
             state.last_progress_ns = ret
             if work is not None:
-                _track(work, [_row(Collective, head + (ret, None) + tail)])
+                _track(work, [collective_row(*head, ret, None, None, None, stage, mb)])
         except Exception:
             state.fault(f"collective wrapper ({api})")
         return work
@@ -736,7 +733,7 @@ def _wrap_work_wait(orig):
             try:
                 t1 = now()
                 state.last_progress_ns = t1
-                state.append_span(_row(Span, (state.rank, state.step, "comm_wait", "wait", t0, t1) + HOOK_SPAN_TAIL))
+                state.append_span(span_row(state.rank, state.step, "comm_wait", "wait", t0, t1))
                 if item is not None:      # else nothing of this work is recorded, or its callback completed it
                     complete(id(self), t1)
             except Exception:
@@ -837,9 +834,8 @@ def _observe_dispatched_allreduce() -> None:
             pg = unbox_pg(process_group)
             name, size, _pg, counter = rec.groups.get(id(pg)) or _group(pg)      # _where, without its frame
             seq = next(counter)
-            _track(unbox_work(out[1]), [_row(Collective, (
-                rec.rank, rec.step, "all_reduce", api, source, name, size, seq, b, b, dtype, None, True, issue, ret,
-                None, None, bucket, None, None) + _TAIL)])
+            _track(unbox_work(out[1]), [collective_row(rec.rank, rec.step, "all_reduce", api, source, name, size,
+                                                       seq, b, b, dtype, None, True, issue, ret, bucket=bucket)])
         except Exception:
             rec.fault("c10d::allreduce_ observer")
         return out
@@ -887,8 +883,7 @@ def _wrap_chunk(orig, kind, name):
                 t1 = now()
                 rec.last_progress_ns = t1
                 # state.span's row, built here (each micro-batch's forward and backward pass here)
-                rec.append_span(_row(Span, (rec.rank, rec.step, kind, name, t0, t1, self.stage_index, int(chunk_id),
-                                            "main", "hook") + SPAN_TAIL))
+                rec.append_span(span_row(rec.rank, rec.step, kind, name, t0, t1, self.stage_index, int(chunk_id)))
             except Exception:
                 rec.fault(f"pipeline {name}")
 

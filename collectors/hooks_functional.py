@@ -99,7 +99,7 @@ def _record(api, op, group_arg, args, kwargs, result, issue, ret):
     rec = _rec
     key = _storage_key(outs[0]) if outs else None
     if key is None:
-        rec.add(row)
+        rec.append_collective(row)
         return
     old = rec.pending.pop(key, None)
     if old is not None:          # that storage was never waited on and got reused: keep the old rows, end unknown

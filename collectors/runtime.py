@@ -71,14 +71,10 @@ import traceback
 from contextlib import contextmanager
 
 from dtprof.collectors import inputs
-from dtprof.collectors.records import HOOK_SPAN_TAIL, SPAN_TAIL, STEP_TAIL, Clock, Event, Meta, Span, Step
+from dtprof.collectors.records import Clock, Event, Meta, span_row, step_row
 from dtprof.schema import DETAIL_BLOCK
 
 now = time.monotonic_ns
-# _row(Span, (...) + SPAN_TAIL): a typed row from its columns in order without the namedtuple's Python-level
-# __new__ (a call per row); the tails are the trailing nullable columns this code does not set (records.py), so a
-# column added at a table's end needs no change here
-_row = tuple.__new__
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
                     "full_detail": False, "sample_every": None}
 # Step sampling (docs/cli-run.md, "Sampling")
@@ -173,9 +169,10 @@ class Recorder:
         # ---- CUDA timing (decided at the first forward) ----
         self.cuda = None           # None undecided, False host timing, True CUDA events
         self.cuda_anchor = None    # (event, host_ns) recorded after one synchronize
-        self.cuda_pending = []     # [row, start_event, end_event] resolved by the flusher
+        self.cuda_pending = []     # [((step, kind), start_event, end_event)] resolved by the flusher
         # ---- installed hooks ----
-        self.hook_handles = []     # optimizer hooks
+        self.hook_handles = []     # optimizer hooks: the post-hook (every step's boundary)
+        self.opt_pre_handle = None  # the pre-hook (the optimizer span's start): only while steps are detailed
         self.module_handles = []   # forward hooks: global ones during step 0, then on the root modules only
         self.wrapped_handles = {}  # id(trained root) -> the handles of the hooks on the modules it wraps
         self.roots = None          # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
@@ -243,10 +240,9 @@ class Recorder:
         self.meta("trace_capture", {"steps": steps, "start_ns": start_ns, "end_ns": end_ns})
 
     def span(self, kind, name, t0, t1, stage=None, microbatch=None, lane="main", source="hook", step=None):
-        # positional through tuple.__new__ (the namedtuple's own __new__ is a Python call per row) into the spans
-        # list's own append: this runs several times per step
-        self.append_span(_row(Span, (self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
-                                     microbatch, lane, source) + SPAN_TAIL))
+        # into the spans list's own append: this runs several times per step
+        self.append_span(span_row(self.rank, self.step if step is None else step, kind, name, t0, t1, stage,
+                                  microbatch, lane, source))
 
     def clock_row(self) -> None:
         self.add(Clock(self.rank, self.host, time.monotonic_ns(), time.time_ns()))
@@ -439,20 +435,19 @@ class Recorder:
         n = len(pending)
         keep = []
         for item in pending[:n]:
-            row, e0, e1 = item
+            (step, kind), e0, e1 = item
             if e1.query() and e0.query():
-                self.add(row._replace(start_ns=anchor_ns + int(anchor.elapsed_time(e0) * 1e6),
-                                      end_ns=anchor_ns + int(anchor.elapsed_time(e1) * 1e6)))
+                t0, t1 = (anchor_ns + int(anchor.elapsed_time(e) * 1e6) for e in (e0, e1))
+                self.append_span(span_row(self.rank, step, kind, kind, t0, t1, lane="cuda", source="cuda_event"))
             else:
                 keep.append(item)
         del pending[:n]
         pending[:0] = keep
 
-    def cuda_span(self, kind, t0, ev0, t1) -> None:
+    def cuda_span(self, kind, ev0) -> None:
         """A forward, backward or optimizer span whose device time comes from the CUDA event ``ev0`` and one
         recorded now (resolve_cuda_events); the hooks append a host-timed one themselves when ``ev0`` is None."""
-        self.cuda_pending.append((Span(self.rank, self.step, kind, kind, t0, t1, None, None, "cuda", "cuda_event"),
-                                  ev0, self.cuda_event()))
+        self.cuda_pending.append(((self.step, kind), ev0, self.cuda_event()))
 
     # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
 
@@ -584,10 +579,9 @@ class Recorder:
                     self.eval_forwards[-1][2] = now()
                 elif not self.in_backward and not self.pp_active:
                     if self.fwd_ev0 is not None:
-                        self.cuda_span("forward", self.fwd_t0, self.fwd_ev0, now())
+                        self.cuda_span("forward", self.fwd_ev0)
                     else:
-                        self.append_span(_row(Span, (self.rank, self.step, "forward", "forward", self.fwd_t0, now())
-                                              + HOOK_SPAN_TAIL))
+                        self.append_span(span_row(self.rank, self.step, "forward", "forward", self.fwd_t0, now()))
                     if self.parked_hooks:
                         self.unpark_hooks()
         except Exception:
@@ -618,14 +612,13 @@ class Recorder:
                     rec.last_progress_ns = t1
                     if not rec.pp_active:
                         if ev0 is not None:
-                            rec.cuda_span("backward", t0, ev0, t1)
+                            rec.cuda_span("backward", ev0)
                         else:
-                            rec.append_span(_row(Span, (rec.rank, rec.step, "backward", "backward", t0, t1)
-                                                 + HOOK_SPAN_TAIL))
+                            rec.append_span(span_row(rec.rank, rec.step, "backward", "backward", t0, t1))
                     if rec.ddp_last_issue_ns is not None:
                         # DDP blocks at the end of backward until its last buckets are reduced.
-                        rec.append_span(_row(Span, (rec.rank, rec.step, "comm_wait", "ddp_final_wait",
-                                                    rec.ddp_last_issue_ns, t1) + HOOK_SPAN_TAIL))
+                        rec.append_span(span_row(rec.rank, rec.step, "comm_wait", "ddp_final_wait",
+                                                 rec.ddp_last_issue_ns, t1))
                         rec.ddp_last_issue_ns = None
                         if rec.pending:   # DDP's collectives whose completion callback has not run yet
                             rec.complete_ddp(t1)
@@ -648,8 +641,7 @@ class Recorder:
                 return orig(it)
             finally:
                 try:
-                    rec.append_span(_row(Span, (rec.rank, rec.step, "data_wait", "DataLoader.__next__", t0, now())
-                                         + HOOK_SPAN_TAIL))
+                    rec.append_span(span_row(rec.rank, rec.step, "data_wait", "DataLoader.__next__", t0, now()))
                 except Exception:
                     rec.fault("DataLoader.__next__")
 
@@ -676,10 +668,9 @@ class Recorder:
             elif not self.ab_off:
                 t = now()
                 if self.opt_ev0 is not None:
-                    self.cuda_span("optimizer", self.opt_t0 or t, self.opt_ev0, t)
+                    self.cuda_span("optimizer", self.opt_ev0)
                 else:
-                    self.append_span(_row(Span, (self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t)
-                                          + HOOK_SPAN_TAIL))
+                    self.append_span(span_row(self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t))
                 if not self.manual_steps:
                     self.end_step(t)
             if self.ab_block:
@@ -718,11 +709,10 @@ class Recorder:
         a, inferred = self.annot, self.inferred
         mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
         cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
-        self.append_step(_row(Step, (
+        self.append_step(step_row(
             self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
             a.get("samples", inferred.get("samples")), a.get("model_flops"),
-            self.flops_finish(step) if self.flops_step is not None else None, cpu_wait)
-            + STEP_TAIL))
+            self.flops_finish(step) if self.flops_step is not None else None, cpu_wait))
         if step == 0:
             # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
             self.threads_cpu_step0 = _own_threads_cpu_s()
@@ -759,9 +749,8 @@ class Recorder:
         step, start, a, inferred = self.step, self.step_start_ns, self.annot, self.last_inferred
         if start is None:
             start = self.init_ns
-        self.append_step(_row(Step, (self.rank, step, start, t, None, a.get("tokens", inferred.get("tokens")),
-                                     a.get("samples", inferred.get("samples")), a.get("model_flops"), None, None,
-                                     0)))
+        self.append_step(step_row(self.rank, step, start, t, None, a.get("tokens", inferred.get("tokens")),
+                                  a.get("samples", inferred.get("samples")), a.get("model_flops"), None, None, 0))
         if a:
             self.annot = {}
         self.prev_step_end_ns = self.step_start_ns = t
@@ -815,7 +804,8 @@ class Recorder:
             if self.sample_period == 0:
                 self.set_detail(True)
                 return
-        self.set_detail(nxt % self.sample_period < SAMPLE_BLOCK)
+        if (nxt % self.sample_period < SAMPLE_BLOCK) != self.detail:     # most steps: no call
+            self.set_detail(not self.detail)
 
     def decide_from_calibration(self) -> None:
         """The period from the calibration's alternating blocks (boundary-only first). A detailed step's own cost
@@ -888,6 +878,8 @@ class Recorder:
         self.detail = on
         hooks_collectives.set_wrappers(on)
         (self.install_path_hooks if on else self.remove_path_hooks)()
+        if self.hook_handles:
+            self.switch_opt_pre_hook(on)
         if on:
             self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_forwards = False, 0, False, []
             self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
@@ -1111,15 +1103,25 @@ class Recorder:
     def install_optimizer_hooks(self) -> None:
         from torch.optim import optimizer as optim
 
-        self.hook_handles[:] = [
-            optim.register_optimizer_step_pre_hook(self.opt_pre_hook),
-            optim.register_optimizer_step_post_hook(self.opt_post_hook),
-        ]
+        self.hook_handles[:] = [optim.register_optimizer_step_post_hook(self.opt_post_hook)]
+        self.switch_opt_pre_hook(self.detail)
+
+    def switch_opt_pre_hook(self, on: bool) -> None:
+        """The optimizer pre-hook times the optimizer span of a detailed step; a boundary-only step does without
+        its call."""
+        from torch.optim import optimizer as optim
+
+        if on and self.opt_pre_handle is None:
+            self.opt_pre_handle = optim.register_optimizer_step_pre_hook(self.opt_pre_hook)
+        elif not on and self.opt_pre_handle is not None:
+            self.opt_pre_handle.remove()
+            self.opt_pre_handle = None
 
     def remove_optimizer_hooks(self) -> None:
         for h in self.hook_handles:
             h.remove()
         self.hook_handles.clear()
+        self.switch_opt_pre_hook(False)
 
     def switch_path_hooks(self, on: bool) -> None:
         """Everything dtprof puts on the training thread's path but the optimizer hooks, in (on) or out: the
