@@ -27,7 +27,10 @@ lint: venv
 
 # two workers, each test file on one of them (its module fixtures are shared by its tests): the real jobs wait on
 # each other (rendezvous, timeouts, Ray) as much as they compute, so two at once fit the 2-core CI machine
+# compileall first: where PYTHONDONTWRITEBYTECODE is set, Python never caches the repository's own modules, and
+# every process the suite starts (launchers, ranks, CLI calls: thousands) would compile them again
 test: lint
+	$(PY) -m compileall -q dtprof collectors analyzers reports examples tests >/dev/null
 	$(PY) -m pytest -q -raR -n 2 --dist loadfile --durations=25
 
 # tests/unit only: synthetic and stored runs, no real jobs (a few minutes); `make test` runs tests/jobs too
