@@ -342,7 +342,9 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
     # per step between consecutive lines (a job may print every few steps: its output, read line by line here and
     # relayed in bursts by `dtprof run`, would otherwise cost the bare run more than the profiled one)
     intervals = [(b[1] - a[1]) / max(1, b[0] - a[0]) for a, b in zip(lines, lines[1:])][WARMUP_INTERVALS:]
-    out = {"step_s": statistics.median(intervals)}
+    # rank 0's process CPU (all its threads: dtprof's hooks, its flusher and heartbeat) per step, the same way
+    cpu_steps = [(b[2] - a[2]) / max(1, b[0] - a[0]) for a, b in zip(lines, lines[1:])][WARMUP_INTERVALS:]
+    out = {"step_s": statistics.median(intervals), "cpu_s": statistics.median(cpu_steps)}
     if ab_block:
         return {**out, "lines": list(lines)}
     if run_dir is not None:
@@ -554,7 +556,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.jobs.split(","):
             steps = a.steps or JOBS[name][1]
-            walls, threads, launcher, colls = [], [], [], []
+            walls, cpus, threads, launcher, colls = [], [], [], [], []
             for r in range(a.rounds):
                 res = {}
                 # bare, profiled, profiled, bare, ...: each mode runs first as often as second
@@ -562,6 +564,7 @@ def main() -> None:
                     print(f"{name} round {r + 1}/{a.rounds}: {mode} ...", file=sys.stderr)
                     res[mode] = run_job(name, steps, Path(tmp) / f"{name}-{r}" if mode == "dtprof" else None)
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
+                cpus.append((res["bare"]["cpu_s"], res["dtprof"]["cpu_s"]))
                 threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
                 launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / ranks_of(name))
                 colls.append((res["dtprof"]["collectives_per_rank_step"], res["dtprof"]["all_reduces_per_rank_step"],
@@ -573,9 +576,10 @@ def main() -> None:
                          median_interval([p / b for b, p in walls]), statistics.median(threads),
                          statistics.median(launcher),
                          n_coll, n_ar, priced(hooks, n_coll, n_ar, n_batch, ""),
-                         priced(hooks, n_coll, n_ar, n_batch, "_other")))
+                         priced(hooks, n_coll, n_ar, n_batch, "_other"), median_interval([p / b for b, p in cpus])))
             print(f"{name}: per-round profiled / bare ratios "
-                  f"{', '.join(f'{p / b:.4f}' for b, p in walls)}; load average after: {os.getloadavg()[0]:.2f}",
+                  f"{', '.join(f'{p / b:.4f}' for b, p in walls)} (process CPU: "
+                  f"{', '.join(f'{p / b:.4f}' for b, p in cpus)}); load average after: {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
             block, ab_steps = AB[name]
             if a.quick:
@@ -604,17 +608,17 @@ def main() -> None:
                          if pairs >= 2 else None,)
     print(f"{'job':14s} {'steps':>5s} {'bare step':>10s} {'dtprof step':>11s} {'wall ratio [CI]':>23s} "
           f"{'CPU/rank-step: threads':>22s} {'launcher':>9s} {'hooks':>8s} {'callbacks':>9s} {'(colls':>6s} "
-          f"{'ar)':>4s} {'= % of step':>11s}")
-    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, _ab in rows:
+          f"{'ar)':>4s} {'= % of step':>11s} {'rank 0 CPU ratio [CI]':>27s}")
+    for name, steps, b, p, (r, rlo, rhi, _cover), th, la, nc, nar, hk, cb, (c, clo, chi, _), _ab in rows:
         print(f"{name:14s} {steps:5d} {b * 1e3:8.2f}ms {p * 1e3:9.2f}ms {r:7.4f} [{rlo:.4f}, {rhi:.4f}] "
               f"{th * 1e6:20.1f}us {la * 1e6:7.1f}us {hk * 1e6:6.1f}us {cb * 1e6:7.1f}us {nc:6.1f} {nar:4.1f} "
-              f"{(th + la + hk + cb) / b * 100:10.2f}%")
+              f"{(th + la + hk + cb) / b * 100:10.2f}% {c:9.4f} [{clo:.4f}, {chi:.4f}]")
     if a.ab_runs:
         print(f"\n{'A/B job':14s} {'runs':>4s} {'blocks':>6s} {'off step':>9s} {'step time on - off [95 %]':>34s} "
               f"{'process CPU on - off':>26s} {'training thread':>26s} {'+ threads, launcher':>19s} "
               f"{'wall cost at most':>17s} {'step time, block medians':>34s} {'step time, trimmed':>34s}")
         us = lambda m: f"{m[0] * 1e6:+7.0f} [{m[1] * 1e6:+.0f}, {m[2] * 1e6:+.0f}]us"   # noqa: E731
-        for name, *_, th, la, _nc, _nar, _hk, _cb, ab in rows:
+        for name, *_, th, la, _nc, _nar, _hk, _cb, _cpu, ab in rows:
             if ab is None:
                 continue
             off, wall, cpu, thread, robust, trimmed, pairs, runs = ab
@@ -628,7 +632,9 @@ def main() -> None:
     print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
-          f"rounds on). dtprof's CPU per rank and step: its threads in the rank (flusher, "
+          f"rounds on); rank 0 CPU ratio: the same for rank 0's process CPU per step (all its threads, dtprof's "
+          f"hooks and threads included; the job's own --print-time clocks), which other work on the machine moves "
+          f"far less than the wall time. dtprof's CPU per rank and step: its threads in the rank (flusher, "
           f"heartbeat; their CPU clocks from the end of step 0 to exit), `dtprof run`'s launcher and output relays "
           f"(process CPU clocks over the timed steps, shared by the {RANKS} ranks), the training-thread hooks "
           f"(in a two-rank job: per step + per further all-reduce + per other collective + per DataLoader batch) "
