@@ -2,7 +2,9 @@
 
 Real jobs (issue 14): two-rank torchrun jobs on this machine -- DDP, FSDP2, a pipeline (examples/) and a framework
 job (examples/frameworks/train_lightning.py; ``--jobs`` also knows ``accelerate`` and ``lightning-wide``, the
-Lightning job with a wider model and ~40 ms steps) -- each run bare and under
+Lightning job with a wider model and ~40 ms steps), a compiled DDP job (``compiled``: torch.compile, inductor), and
+two one-rank jobs of short steps where dtprof samples its detail: ``short`` (the DDP tutorial's Linear(20, 1),
+~0.25 ms steps) and ``ms`` (a one-layer transformer, 1-3 ms steps) -- each run bare and under
 `dtprof run` (its defaults, no report) in interleaved rounds (bare, profiled, profiled, bare, ...: each mode runs
 first as often as second), so the machine's noise (other jobs) hits both alike; many short rounds rather than a few
 long ones, so a burst of load elsewhere spoils a round or two, not the figure. A job's step time is its own: the
@@ -216,6 +218,8 @@ JOBS = {
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
     # the DDP tutorial's shape (Linear(20, 1), batch 32): steps of a fraction of a millisecond, where sampling works
     "short": (["examples/train_tiny.py", "--print-every", "50"], 8000),
+    # a step of 1-3 ms (one rank, a one-layer 32-wide transformer): where dtprof must cost at most 1 %
+    "ms": (["examples/train_ddp.py", "--dim", "32", "--seq", "16", "--layers", "1", "--batch", "4"], 3000),
     # the DDP job with torch.compile (inductor on the CPU): the compiled forward must stay compiled
     "compiled": (["examples/train_ddp.py", *MODEL, "--compile"], 60),
     # one rank on a GPU (NCCL, CUDA-event spans, NVML): ~20-40 ms fp32 steps of a 4-layer, 1024-wide transformer on
@@ -223,15 +227,15 @@ JOBS = {
     "ddp-gpu": (["examples/train_ddp.py", *GPU_MODEL], 200),
     "fsdp2-gpu": (["examples/train_fsdp.py", *GPU_MODEL], 200),
 }
-DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning,short,compiled"
+DEFAULT_JOBS = "ddp,fsdp2,pipeline,lightning,short,ms,compiled"
 # name -> (A/B block in steps, steps per A/B run): about 15-20 on/off pairs of blocks a run, ~30 s of steps here;
 # a block's steps but its first AB_SKIP and its last are used, so at least 4 (the shortest blocks have 6)
 AB = {"ddp": (8, 264), "fsdp2": (6, 180), "pipeline": (7, 224), "lightning": (10, 440), "lightning-wide": (10, 440),
-      "accelerate": (10, 440), "ddp-gpu": (10, 440), "fsdp2-gpu": (10, 440), "short": (64, 3000),
+      "accelerate": (10, 440), "ddp-gpu": (10, 440), "fsdp2-gpu": (10, 440), "short": (64, 3000), "ms": (64, 3000),
       "compiled": (8, 264)}
 RANKS = 2                       # ranks per job (torchrun --nproc_per_node) but those in JOB_RANKS
 # one rank: the issue's ~0.25 ms step (two ranks here take 1.2-2 ms a step, most of it their scheduling on 2 cores)
-JOB_RANKS = {"ddp-gpu": 1, "fsdp2-gpu": 1, "short": 1}
+JOB_RANKS = {"ddp-gpu": 1, "fsdp2-gpu": 1, "short": 1, "ms": 1}
 
 
 WARMUP_INTERVALS = 3
