@@ -368,6 +368,9 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
         out["collectives_per_rank_step"] = len(run.collectives) / n
         out["batches_per_rank_step"] = int((run.spans["kind"].astype(str) == "data_wait").sum()) / n
         out["all_reduces_per_rank_step"] = int((run.collectives["op"].astype(str) == "all_reduce").sum()) / n
+        # what the ranks' step sampling decided (collectors/runtime.py): a round far off is told apart by it
+        out["sampling"] = [(v.get("period"), v.get("calibration")) for k, v in
+                           zip(run.meta["kind"].astype(str), run.meta["value"]) if k == "sampling"]
     return out
 
 
@@ -575,6 +578,7 @@ def main() -> None:
         for name in a.jobs.split(","):
             steps = a.steps or JOBS[name][1]
             walls, cpus, threads, launcher, colls = [], [], [], [], []
+            sampled: list[dict] = []
             for r in range(a.rounds):
                 res = {}
                 # bare, profiled, profiled, bare, ...: each mode runs first as often as second
@@ -582,6 +586,7 @@ def main() -> None:
                     print(f"{name} round {r + 1}/{a.rounds}: {mode} ...", file=sys.stderr)
                     res[mode] = run_job(name, steps, Path(tmp) / f"{name}-{r}" if mode == "dtprof" else None)
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
+                sampled.append(res["dtprof"])
                 cpus.append((res["bare"]["cpu_s"], res["dtprof"]["cpu_s"]))
                 threads.append(res["dtprof"]["threads_cpu_s_per_rank_step"])
                 launcher.append(res["dtprof"]["launcher_cpu_s_per_step"] / ranks_of(name))
@@ -598,6 +603,9 @@ def main() -> None:
             g, glo, ghi = ratio_interval([p / b for b, p in walls])
             print(f"{name}: rounds pooled: profiled / bare {g:.4f} [{glo:.4f}, {ghi:.4f}] (geometric mean, 95 % t "
                   f"interval over {len(walls)} rounds)", file=sys.stderr)
+            if any(res.get("sampling") for res in sampled):
+                print(f"{name}: each profiled run's sampling decisions (period, calibration steps): "
+                      f"{'; '.join(str(res['sampling']) for res in sampled)}", file=sys.stderr)
             print(f"{name}: per-round profiled / bare ratios "
                   f"{', '.join(f'{p / b:.4f}' for b, p in walls)} (process CPU: "
                   f"{', '.join(f'{p / b:.4f}' for b, p in cpus)}); load average after: {os.getloadavg()[0]:.2f}",
