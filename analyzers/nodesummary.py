@@ -268,13 +268,35 @@ def without_detail(ns: NodeSummary, steps: np.ndarray) -> NodeSummary:
     """``ns`` with the rank-steps of ``steps`` as a summary that did not read their detail makes them (a stored
     node summary may have read more blocks than the run reads: steps.detail_every): no span or collective in the
     window, so nothing but ``other``; their exposed communication rows dropped."""
-    per = ns.rank_steps.copy()
-    at = per["step"].isin(steps).to_numpy()
+    per = ns.rank_steps
+    at = np.flatnonzero(per["step"].isin(steps).to_numpy())
+    # a new frame sharing every column that has those values already (a long run's rank-steps are GBs, and a
+    # summary that did not read the detail of these steps either has most of them)
+    blank = {}
+
+    def put(c: str, values) -> None:
+        x = per[c].to_numpy()
+        v = np.broadcast_to(np.asarray(values, x.dtype), len(at))
+        if not np.array_equal(x[at], v, equal_nan=True):
+            x = x.copy()
+            x[at] = v
+            blank[c] = x
+
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_s",
-              *(f"bd_{p}_s" for p in breakdown_mod.PARTS), *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS)):
-        per.loc[at, c] = 0
-    per.loc[at, "overlap_ratio"] = np.nan
-    per.loc[at, "level"] = "hook"
-    per.loc[at, "bd_other_s"] = (per.loc[at, "end_ns"] - per.loc[at, "start_ns"]).to_numpy() / 1e9
+              *(f"bd_{p}_s" for p in breakdown_mod.PARTS if p != "other"),
+              *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS)):
+        put(c, 0)
+    put("overlap_ratio", np.nan)
+    put("bd_other_s", (per["end_ns"].to_numpy(np.int64)[at] - per["start_ns"].to_numpy(np.int64)[at]) / 1e9)
+    level = per["level"]
+    if "hook" not in level.cat.categories:   # (not a level of the summary: pandas says so)
+        level = level.copy()
+        level.iloc[at] = "hook"
+    codes = level.cat.codes.to_numpy()
+    if (codes[at] != level.cat.categories.get_loc("hook")).any():
+        codes = codes.copy()
+        codes[at] = level.cat.categories.get_loc("hook")
+        blank["level"] = pd.Categorical.from_codes(codes, dtype=level.dtype)
+    per = per.assign(**blank)
     exposed = ns.exposed[~ns.exposed["step"].isin(steps).to_numpy()].reset_index(drop=True)
     return replace(ns, rank_steps=per, exposed=exposed)
