@@ -74,7 +74,7 @@ def conform(table: str, df, columns=None):
         elif kind == "json":
             s = s.map(_json_value).to_numpy()
         out[col] = s
-    return pd.DataFrame(out).reset_index(drop=True) if n else pd.DataFrame(
+    return pd.DataFrame(out, copy=False).reset_index(drop=True) if n else pd.DataFrame(
         {c: pd.Series(dtype=("category" if (k == "str" and c in CATEGORICAL) else _NUMPY_DTYPES[k]))
          for c, k in schema})
 
@@ -701,7 +701,7 @@ class Run:
             parts.append(t.select(read).filter(pa.array(mask)))
             kept.append(at + np.flatnonzero(mask))
             at += t.num_rows
-        df = load_table(name, pa.concat_tables(parts).to_pandas(), p, columns=cols)
+        df = load_table(name, pa.concat_tables(parts).to_pandas(split_blocks=True), p, columns=cols)
         df.index = pd.Index(np.concatenate(kept))
         return df
 
