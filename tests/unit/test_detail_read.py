@@ -83,6 +83,21 @@ def test_a_long_table_is_read_in_chunks_as_a_slice_of_the_whole(long_run):
     assert table not in one._loaded   # never read whole
 
 
+def test_rank_steps_met_by_nothing_are_filled_in_as_measuring_them_gives(long_run, monkeypatch):
+    from dtprof.analyzers import nodesummary
+
+    run, nodes = long_run
+    model = RunModel.of(reader.Run(run, [nodes[0]]))
+    tables, facts = nodesummary.node_tables(model)
+    touched = nodesummary._touched(model, model.steps)
+    assert touched.any() and not touched.all()    # boundary-only steps and skipped detail: met by nothing
+    monkeypatch.setattr(nodesummary, "_touched", lambda m, w: np.ones(len(w), bool))
+    measured, measured_facts = nodesummary.node_tables(model)
+    assert facts == measured_facts and tables.keys() == measured.keys()
+    for t in tables:
+        pd.testing.assert_frame_equal(tables[t].reset_index(drop=True), measured[t].reset_index(drop=True))
+
+
 def test_short_runs_read_all_their_detail():
     assert steps_mod.detail_every(np.arange(1000), 8) == 1
     assert steps_mod.detail_every(np.arange(64), 16_384) == 1      # at least ANALYSED_MIN_STEPS steps
