@@ -261,9 +261,9 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     # detail_skipped: recorded in full detail, but a long run's analysis reads only every `every`-th block's
     job["detail_skipped"] = recorded & ~steps_mod.detail_read(job["step"].to_numpy(), every)
     job["measured"] = recorded & ~job["detail_skipped"].to_numpy(bool)
-    per["warmup"] = per["step"].isin(warm)
-    per["timed"] = per["step"].isin(set(job.loc[job["timed"], "step"].tolist()))
-    per["measured"] = per["step"].isin(set(job.loc[job["measured"], "step"].tolist()))
+    at = np.searchsorted(job["step"].to_numpy(np.int64), per["step"].to_numpy(np.int64))   # each one's step's row
+    for c in ("warmup", "timed", "measured"):
+        per[c] = job[c].to_numpy(bool)[at]
     rank = per["rank"].to_numpy(np.int64)
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)

@@ -143,9 +143,10 @@ def main() -> int:
             else:
                 print(f"node summary (the launcher, after the job): {s['summary_s']:.1f} s, peak RSS "
                       f"{s['summary_gib']:.2f} GiB; global analysis (fresh process): {s['analysis_s']:.1f} s, peak "
-                      f"RSS {s['peak_gib']:.2f} GiB (target <= {TARGET_ANALYSIS_S:.0f} s); stragglers named "
+                      f"RSS {s['peak_gib']:.2f} GiB (target <= {TARGET_ANALYSIS_S:.0f} s each); stragglers named "
                       f"{s['stragglers']}")
-                ok &= s["analysis_s"] <= TARGET_ANALYSIS_S
+                # the user waits for both: the launcher's node summary after the job, then `dtprof summary`
+                ok &= s["summary_s"] <= TARGET_ANALYSIS_S and s["analysis_s"] <= TARGET_ANALYSIS_S
         print("PASS" if ok else "FAIL")
         return 0 if ok or not args.check else 1
     finally:
