@@ -90,7 +90,7 @@ def summarize(model, items_by_step: bool = False) -> NodeSummary:
     windows = model.steps
     # the rank-steps that no span, collective or trace capture meets (a long sampled run's boundary-only steps and
     # skipped detail: nearly all of its rank-steps) hold nothing but "other" time: their figures are written in
-    # directly (``_lone_items``), only the others go through the interval measures
+    # directly (``_with_lone_items``), only the others go through the interval measures
     touched = _touched(model, windows)
     sub = windows if touched.all() else windows[touched]
     rows = np.flatnonzero(touched)
