@@ -41,20 +41,52 @@ def exit_sums(ranks: pd.DataFrame, co: pd.DataFrame) -> pd.DataFrame:
     host_of = _host_of_rank(ranks)
     coll = ~co["op"].isin(list(P2P_OPS)).to_numpy() if len(co) else np.zeros(0, bool)
     blocking = coll & ~co["async_op"].to_numpy(bool) if len(co) else coll
-    use = blocking | (coll & co["end_ns"].notna().to_numpy()) if len(co) else coll
+    use = np.flatnonzero(blocking | (coll & co["end_ns"].notna().to_numpy()) if len(co) else coll)
+    # every key as an integer code in its sorted order (no per-row strings: a long run has tens of millions of rows)
+    hosts = pd.Index(sorted(set(host_of.astype(str))), dtype="str")
+    by_rank = host_of.astype(str).groupby(level=0).first()     # rank -> host (the ranks table has one row per rank)
     rank = co["rank"].to_numpy(np.int64)[use]
-    host = host_of.reindex(rank).to_numpy()
-    known = pd.notna(host)
-    c = co[use][known]
-    df = pd.DataFrame({"group": c["group"].astype(str).to_numpy(), "seq": c["seq"].to_numpy(np.int64),
-                       "host": host[known].astype(str), "blocking": blocking[use][known].astype(np.int64),
-                       "exit": c["exit_ns"].to_numpy(np.int64)})
-    g = df.groupby(_KEY, sort=True)["exit"]
-    lo = g.transform("min").to_numpy(np.int64)
-    out = df.assign(d=df["exit"].to_numpy(np.int64) - lo).groupby(_KEY, sort=True).agg(
-        n=("exit", "size"), exit_min_ns=("exit", "min"), exit_dsum_ns=("d", "sum")).reset_index()
-    return out[list(EXIT_SUM_COLUMNS)].astype({"seq": "int64", "blocking": "int64", "n": "int64",
-                                                "exit_min_ns": "int64", "exit_dsum_ns": "int64"})
+    at = np.minimum(np.searchsorted(by_rank.index.to_numpy(np.int64), rank), max(len(by_rank) - 1, 0))
+    known = (by_rank.index.to_numpy(np.int64)[at] == rank) if len(by_rank) else np.zeros(len(rank), bool)
+    use = use[known]
+    h_code = hosts.get_indexer(by_rank.to_numpy())[at[known]] if len(use) else np.zeros(0, np.int64)
+    g = co["group"].iloc[use]
+    g = g if isinstance(g.dtype, pd.CategoricalDtype) else g.astype("category")
+    g_names = g.cat.categories.astype(str)
+    groups = pd.Index(sorted(set(g_names)), dtype="str")
+    g_code = groups.get_indexer(g_names)[g.cat.codes.to_numpy()] if len(use) else np.zeros(0, np.int64)
+    seq = co["seq"].to_numpy(np.int64)[use]
+    bl = blocking[use].astype(np.int64)
+    exit_ns = co["exit_ns"].to_numpy(np.int64)[use]
+    s0 = int(seq.min()) if len(seq) else 0
+    n_seq = int(seq.max()) - s0 + 1 if len(seq) else 1
+    if len(groups) * n_seq * len(hosts) * 2 < 2**62:   # one int64 key in (group, seq, host, blocking) order
+        key = ((g_code * n_seq + (seq - s0)) * len(hosts) + h_code) * 2 + bl
+        codes, uniq = pd.factorize(key)   # hashed, then only the distinct keys sorted
+        rank_of = np.empty(len(uniq), np.int64)
+        rank_of[np.argsort(uniq)] = np.arange(len(uniq))
+        inv = rank_of[codes]
+        first = np.zeros(len(uniq), np.int64)
+        first[inv] = np.arange(len(inv))   # a row of each key, to read its parts back
+    else:
+        order = np.lexsort((bl, h_code, seq, g_code))
+        cols = np.stack([g_code[order], seq[order], h_code[order], bl[order]])
+        new = np.r_[True, (cols[:, 1:] != cols[:, :-1]).any(axis=0)] if len(order) else np.zeros(0, bool)
+        inv = np.empty(len(order), np.int64)
+        inv[order] = np.cumsum(new) - 1
+        first = order[new]
+    n_keys = len(first)
+    lo = np.full(n_keys, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(lo, inv, exit_ns)
+    dsum = np.zeros(n_keys, np.int64)
+    np.add.at(dsum, inv, exit_ns - lo[inv])
+    # (no rows: an empty text column, as pandas makes one from no values)
+    out = pd.DataFrame({"group": pd.array(groups, dtype="str").take(g_code[first]) if n_keys else
+                        np.zeros(0, object), "seq": seq[first],
+                        "host": pd.array(hosts, dtype="str").take(h_code[first]), "blocking": bl[first],
+                        "n": np.bincount(inv, minlength=n_keys).astype(np.int64), "exit_min_ns": lo,
+                        "exit_dsum_ns": dsum})
+    return out[list(EXIT_SUM_COLUMNS)]
 
 
 def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:

@@ -167,6 +167,39 @@ def split_over_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.n
     return item[keep], order[pos[keep]], s[keep], e[keep]
 
 
+def windows_touched(win_key: np.ndarray, win_start: np.ndarray, win_end: np.ndarray,
+                    key: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per window, whether one of the intervals [lo, hi] of the same key meets it (ends included): a superset of the
+    windows that ``assign_to_windows`` gives any time in them and that ``split_over_windows`` gives a piece of them.
+    A window met by nothing holds nothing a per-window measure could count."""
+    win_key = np.asarray(win_key, np.int64)
+    win_start = np.asarray(win_start, np.int64)
+    win_end = np.asarray(win_end, np.int64)
+    key = np.asarray(key, np.int64)
+    lo = np.asarray(lo, np.int64)
+    hi = np.asarray(hi, np.int64)
+    n = len(win_start)
+    if n == 0 or len(lo) == 0:
+        return np.zeros(n, bool)
+    order = np.lexsort((win_start, win_key))
+    wk, ws, we = win_key[order], win_start[order], win_end[order]
+    lo_k = np.searchsorted(wk, key, side="left")
+    hi_k = np.searchsorted(wk, key, side="right")
+    first = np.zeros(len(lo), np.int64)
+    last = np.zeros(len(lo), np.int64)
+    for k in np.unique(key):  # one pass per key (rank), not per interval
+        m = key == k
+        a, b = int(lo_k[m][0]), int(hi_k[m][0])
+        reach = np.maximum.accumulate(we[a:b])   # the latest end so far: windows need not be sorted by end
+        first[m] = a + np.searchsorted(reach, lo[m], side="left")     # first window that may end at or after lo
+        last[m] = a + np.searchsorted(ws[a:b], hi[m], side="right")   # past the last window starting by hi
+    ok = first < last
+    runs = np.cumsum(np.bincount(first[ok], minlength=n + 1) - np.bincount(last[ok], minlength=n + 1))[:n]
+    out = np.zeros(n, bool)
+    out[order] = runs > 0
+    return out
+
+
 def _sorted_distinct(x: np.ndarray) -> np.ndarray:
     """np.unique by sorting (numpy's hash-based unique is several times slower on millions of int64)."""
     x = np.sort(x)

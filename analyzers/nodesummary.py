@@ -22,15 +22,15 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import breakdown as breakdown_mod
-from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import overlap as overlap_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
+from dtprof.analyzers.intervals import windows_touched
 from dtprof.analyzers.rows import Rows, by_rank_step, stored_files
-from dtprof.analyzers.runmodel import RunModel, with_exit
+from dtprof.analyzers.runmodel import RunModel, all_exit_sums
 
 # the overlap figures a summary keeps (its data wait is the breakdown's: overlap's own is not read)
 OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_ratio", "overlap_s", "level")
@@ -84,22 +84,47 @@ class NodeSummary:
             list(whatif_mod.WORK_PARTS), axis=1)
 
 
-def summarize(model) -> NodeSummary:
-    """The summary of the run model ``model`` (analyzers/runmodel.py): one node's, or a whole run's."""
+def summarize(model, items_by_step: bool = False) -> NodeSummary:
+    """The summary of the run model ``model`` (analyzers/runmodel.py): one node's, or a whole run's. Its items by
+    (step, rank) given ``items_by_step`` (as a node summary stores them), else by (rank, step)."""
     windows = model.steps
-    ov = overlap_mod.rank_step_overlap(model, windows)
-    bd = breakdown_mod.step_breakdown(model, windows)
-    ri = whatif_mod.rank_items(model)
+    # the rank-steps that no span, collective or trace capture meets (a long sampled run's boundary-only steps and
+    # skipped detail: nearly all of its rank-steps) hold nothing but "other" time: their figures are written in
+    # directly (``_with_lone_items``), only the others go through the interval measures
+    touched = _touched(model, windows)
+    sub = windows if touched.all() else windows[touched]
+    rows = np.flatnonzero(touched)
+    ov = overlap_mod.rank_step_overlap(model, sub)
+    bd = breakdown_mod.step_breakdown(model, sub)
+    ri = whatif_mod.rank_items(model, sub)
     per = windows[["rank", "step", "start_ns", "end_ns", *steps_mod.STEP_NUMBERS]].reset_index(drop=True)
-    for c in OVERLAP_COLUMNS:
-        per[c] = ov.per_step[c].to_numpy()
+    dur = per["end_ns"].to_numpy(np.int64) - per["start_ns"].to_numpy(np.int64)
+
+    def spread(x, fill) -> np.ndarray:   # a column of ``sub``'s rows as one of all the windows'
+        x = np.asarray(x)
+        out = np.full(len(per), fill, x.dtype)
+        out[rows] = x
+        return out
+
+    for c in OVERLAP_COLUMNS[:-1]:
+        per[c] = spread(ov.per_step[c].to_numpy(), np.nan if c == "overlap_ratio" else 0.0)
+    level = np.asarray(ov.per_step["level"].to_numpy(), dtype=object)
+    cats = pd.Index(sorted(set(level.tolist()) | ({"hook"} if len(rows) < len(per) else set())), dtype="str")
+    per["level"] = pd.Categorical.from_codes(spread(cats.get_indexer(level).astype(np.int8),
+                                                    cats.get_loc("hook") if "hook" in cats else 0), cats)
     for p in breakdown_mod.PARTS:
-        per[f"bd_{p}_s"] = bd.per_step[f"{p}_s"].to_numpy()
-    work = whatif_mod.work_totals(ri.items, windows)
+        # nothing known in a lone window: all of it is "other" (breakdown.step_breakdown's arithmetic)
+        out = np.maximum(dur.astype(np.float64), 0.0) / breakdown_mod.NS if p == "other" else np.zeros(len(per))
+        out[rows] = bd.per_step[f"{p}_s"].to_numpy()
+        per[f"bd_{p}_s"] = out
+    work = whatif_mod.work_totals(ri.items, sub)
     for i, p in enumerate(whatif_mod.WORK_PARTS):
-        per[f"work_{p}_ns"] = work[:, i]
+        out = np.maximum(dur, 0) if p == "other" else np.zeros(len(per), np.int64)
+        out[rows] = work[:, i]
+        per[f"work_{p}_ns"] = out
+    items = _with_lone_items(ri.items, per, touched, items_by_step)
     parts, counts = strag_mod.arrival_parts(model)
-    return NodeSummary(rank_steps=per, exposed=bd.exposed, items=ri.items,
+    return NodeSummary(rank_steps=per, exposed=bd.exposed, items=items,
                        instance_rows=Rows.of("instance_rows", coll_mod.instance_rows(model)),
                        arrival_parts=Rows.of("arrival_parts", parts), arrival_counts=Rows.of("arrival_counts", counts),
                        rank_group_comm=mesh_mod.rank_group_comm(model.collectives),
@@ -107,19 +132,74 @@ def summarize(model) -> NodeSummary:
                        stage=ri.stage, unassigned=ov.unassigned)
 
 
+def _touched(model, windows: pd.DataFrame) -> np.ndarray:
+    """Per window (rank-step), whether a span, a collective or a trace capture of its rank meets it."""
+    sp, co, cap = model.spans, model.collectives, model.captures
+    issue = co["issue_ns"].to_numpy(np.int64)
+    start = co["comm_start_ns"].to_numpy(np.int64)
+    exit_ns = co["exit_ns"].to_numpy(np.int64)
+    key = np.concatenate([sp["rank"].to_numpy(np.int64), co["rank"].to_numpy(np.int64),
+                          cap["rank"].to_numpy(np.int64)])
+    lo = np.concatenate([sp["start_ns"].to_numpy(np.int64), np.minimum(issue, start),
+                         cap["start_ns"].to_numpy(np.int64)])
+    hi = np.concatenate([sp["end_ns"].to_numpy(np.int64), np.maximum(issue, exit_ns),
+                         cap["end_ns"].to_numpy(np.int64)])
+    return windows_touched(windows["rank"].to_numpy(np.int64), windows["start_ns"].to_numpy(np.int64),
+                           windows["end_ns"].to_numpy(np.int64), key, lo, hi)
+
+
+def _with_lone_items(items: pd.DataFrame, per: pd.DataFrame, touched: np.ndarray, by_step: bool) -> pd.DataFrame:
+    """``items`` (``whatif.rank_items`` of the touched windows of ``per``, in window order) with those of the other
+    windows merged in: as rank_items makes them, a window met by nothing is one "other" work item from its start to
+    its end (none if it has no length). In window order (rank, step), or by (step, rank) given ``by_step``; each
+    window's items in their order. Each column written once in place (no frame-wide copy or sort)."""
+    wr, wstep = per["rank"].to_numpy(np.int64), per["step"].to_numpy(np.int64)
+    ws, we = per["start_ns"].to_numpy(np.int64), per["end_ns"].to_numpy(np.int64)
+    lone = np.flatnonzero(~touched & (we > ws))
+    if not len(lone) and not by_step:
+        return items
+    i_win = np.searchsorted(wr * (1 << 32) + wstep,
+                            items["rank"].to_numpy(np.int64) * (1 << 32) + items["step"].to_numpy(np.int64))
+    n_own = np.bincount(i_win, minlength=len(per))
+    n_items = n_own.copy()
+    n_items[lone] = 1
+    order = np.lexsort((wr, wstep)) if by_step else np.arange(len(per))   # the windows in the output's order
+    first = np.empty(len(per), np.int64)
+    first[order] = np.cumsum(n_items[order]) - n_items[order]
+    at_items = first[i_win] + np.arange(len(items)) - (np.cumsum(n_own) - n_own)[i_win]
+    at_lone = first[lone]
+    total = int(n_items.sum())
+    lone_values = {"rank": wr[lone], "step": wstep[lone], "t": ws[lone], "kind": whatif_mod.WORKI,
+                   "part": whatif_mod.OTHER, "dur": (we - ws)[lone], "release": 0, "c_group": "", "c_seq": -1,
+                   "c_sender": -1, "c_receiver": -1, "c_op": "", "c_bytes": -1, "c_group_size": -1}
+    out = {}
+    for c in items.columns:
+        col = items[c]
+        if col.dtype == object or isinstance(col.dtype, pd.StringDtype):   # text: one take (Arrow's, for "str")
+            src = np.empty(total, np.int64)
+            src[at_items] = np.arange(len(items))
+            src[at_lone] = len(items)      # the lone items' value, appended to the items'
+            out[c] = pd.concat([col, pd.Series([lone_values[c]], dtype=col.dtype)], ignore_index=True).array.take(src)
+        else:
+            v = np.empty(total, col.to_numpy().dtype)
+            v[at_items] = col.to_numpy()
+            v[at_lone] = lone_values[c]
+            out[c] = v
+    return pd.DataFrame(out, copy=False)   # (no copy into one block per dtype: a long run's items are ~1 GB)
+
+
 def node_tables(model) -> tuple[dict, dict]:
     """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/schema.py
     SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
     model before the rest: analyzers/runmodel.py)."""
-    ns = summarize(model)
     # the items step by step (each rank-step's in their order): the file's row groups then hold a few steps each, so
     # reading the replay's sample of steps skips the others by their statistics (runformat.SUMMARY_ROW_GROUP_ROWS)
-    items = ns.items.iloc[np.lexsort((ns.items["rank"].to_numpy(), ns.items["step"].to_numpy()))]
-    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": items,
+    ns = summarize(model, items_by_step=True)
+    return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,
              "arrival_counts": ns.arrival_counts.frame, "rank_group_comm": ns.rank_group_comm,
              # the clock fit reads every exit, the skipped detail's too (runmodel.exit_sums does for the raw path)
-             "clock_exits": clock_mod.exit_sums(model.ranks, with_exit(model.run.collectives))},
+             "clock_exits": all_exit_sums(model.run)},
             {"pipeline_ranks": list(ns.pipeline_ranks), "stage": {str(k): v for k, v in ns.stage.items()},
              "unassigned": int(ns.unassigned), "detail_every": int(model.detail_every)})
 
@@ -188,13 +268,35 @@ def without_detail(ns: NodeSummary, steps: np.ndarray) -> NodeSummary:
     """``ns`` with the rank-steps of ``steps`` as a summary that did not read their detail makes them (a stored
     node summary may have read more blocks than the run reads: steps.detail_every): no span or collective in the
     window, so nothing but ``other``; their exposed communication rows dropped."""
-    per = ns.rank_steps.copy()
-    at = per["step"].isin(steps).to_numpy()
+    per = ns.rank_steps
+    at = np.flatnonzero(per["step"].isin(steps).to_numpy())
+    # a new frame sharing every column that has those values already (a long run's rank-steps are GBs, and a
+    # summary that did not read the detail of these steps either has most of them)
+    blank = {}
+
+    def put(c: str, values) -> None:
+        x = per[c].to_numpy()
+        v = np.broadcast_to(np.asarray(values, x.dtype), len(at))
+        if not np.array_equal(x[at], v, equal_nan=True):
+            x = x.copy()
+            x[at] = v
+            blank[c] = x
+
     for c in ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_s",
-              *(f"bd_{p}_s" for p in breakdown_mod.PARTS), *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS)):
-        per.loc[at, c] = 0
-    per.loc[at, "overlap_ratio"] = np.nan
-    per.loc[at, "level"] = "hook"
-    per.loc[at, "bd_other_s"] = (per.loc[at, "end_ns"] - per.loc[at, "start_ns"]).to_numpy() / 1e9
+              *(f"bd_{p}_s" for p in breakdown_mod.PARTS if p != "other"),
+              *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS)):
+        put(c, 0)
+    put("overlap_ratio", np.nan)
+    put("bd_other_s", (per["end_ns"].to_numpy(np.int64)[at] - per["start_ns"].to_numpy(np.int64)[at]) / 1e9)
+    level = per["level"]
+    if "hook" not in level.cat.categories:   # (not a level of the summary: pandas says so)
+        level = level.copy()
+        level.iloc[at] = "hook"
+    codes = level.cat.codes.to_numpy()
+    if (codes[at] != level.cat.categories.get_loc("hook")).any():
+        codes = codes.copy()
+        codes[at] = level.cat.categories.get_loc("hook")
+        blank["level"] = pd.Categorical.from_codes(codes, dtype=level.dtype)
+    per = per.assign(**blank)
     exposed = ns.exposed[~ns.exposed["step"].isin(steps).to_numpy()].reset_index(drop=True)
     return replace(ns, rank_steps=per, exposed=exposed)

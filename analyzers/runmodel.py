@@ -82,22 +82,23 @@ class RunModel:
 
     @cached_property
     def collectives(self) -> pd.DataFrame:
-        return device_comm(with_exit(self._detail_read(self.run.collectives)), self.gpu_ranks)
+        return device_comm(with_exit(self._detail_read("collectives")), self.gpu_ranks)
 
     @cached_property
     def read_spans(self) -> pd.DataFrame:
-        return self._detail_read(self.run.table("spans"))
+        return self._detail_read("spans")
 
     @cached_property
     def skipped_steps(self) -> np.ndarray:
         """The steps whose detail this analysis does not read (``job["detail_skipped"]``)."""
         return self.job["step"].to_numpy()[self.job["detail_skipped"].to_numpy(bool)]
 
-    def _detail_read(self, rows: pd.DataFrame) -> pd.DataFrame:
-        """``rows`` (spans or collectives) less those of the steps whose detail is skipped."""
-        if not len(self.skipped_steps) or not len(rows):
-            return rows
-        return rows[~rows["step"].astype("Int64").isin(self.skipped_steps).fillna(False).to_numpy(bool)]
+    def _detail_read(self, table: str) -> pd.DataFrame:
+        """The run's ``table`` (spans or collectives) less the rows of the steps whose detail is skipped (only the
+        others read, where the run's files allow: ``Run.read_rows``)."""
+        if not len(self.skipped_steps):
+            return self.run.table(table)
+        return self.run.read_rows(table, skip_steps=self.skipped_steps)
 
     @cached_property
     def gpu_ranks(self) -> np.ndarray:
@@ -193,9 +194,7 @@ def exit_sums(run, source: str = "summaries"):
     from dtprof.analyzers.rows import Rows, stored_files
     from dtprof.runformat import summary_file
 
-    def of(r) -> pd.DataFrame:
-        return clock_mod.exit_sums(r.ranks, with_exit(r.collectives))
-
+    of = all_exit_sums
     if source == "raw":
         return Rows.of("clock_exits", of(run))
     facts, _ = run.node_summaries(tables=())
@@ -204,6 +203,20 @@ def exit_sums(run, source: str = "summaries"):
         return Rows.of("clock_exits", of(run))
     return Rows("clock_exits", stored_files(run, facts, "clock_exits"),
                 [(str(summary_file(nd, "clock_exits")), of(run.node_run(nd))) for nd in missing])
+
+
+def all_exit_sums(run) -> pd.DataFrame:
+    """``clock.exit_sums`` of every collectives row of ``run`` (the skipped detail's too), made once per ``Run``: the
+    clock fit and the node summary read the same."""
+    cache = run.__dict__
+    if "_exit_sums" not in cache:   # only the columns read (a long run's collectives are never whole in memory)
+        co = run.read_rows("collectives", columns=EXIT_COLUMNS)
+        cache["_exit_sums"] = clock_mod.exit_sums(run.ranks, with_exit(co))
+    return cache["_exit_sums"]
+
+
+# the collectives columns the exits are reduced from (with_exit, clock.exit_sums; issue_ns: its times are checked)
+EXIT_COLUMNS = ("rank", "op", "group", "seq", "async_op", "issue_ns", "return_ns", "end_ns")
 
 
 def rank_steps(run, source: str = "summaries") -> tuple[pd.DataFrame, pd.DataFrame | None]:
@@ -248,9 +261,9 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     # detail_skipped: recorded in full detail, but a long run's analysis reads only every `every`-th block's
     job["detail_skipped"] = recorded & ~steps_mod.detail_read(job["step"].to_numpy(), every)
     job["measured"] = recorded & ~job["detail_skipped"].to_numpy(bool)
-    per["warmup"] = per["step"].isin(warm)
-    per["timed"] = per["step"].isin(set(job.loc[job["timed"], "step"].tolist()))
-    per["measured"] = per["step"].isin(set(job.loc[job["measured"], "step"].tolist()))
+    at = np.searchsorted(job["step"].to_numpy(np.int64), per["step"].to_numpy(np.int64))   # each one's step's row
+    for c in ("warmup", "timed", "measured"):
+        per[c] = job[c].to_numpy(bool)[at]
     rank = per["rank"].to_numpy(np.int64)
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)

@@ -217,9 +217,10 @@ def _blocked_items(b_win, b0, b1, b_explicit, c_win, c_issue, c_exit, ws) -> lis
     return items
 
 
-def rank_items(model) -> RankItems:
-    """Work, arrival and wait items of every rank-step of ``model``, from that rank's own records only."""
-    w = model.steps
+def rank_items(model, windows: pd.DataFrame | None = None) -> RankItems:
+    """Work, arrival and wait items of every rank-step of ``model`` (of the rows of ``windows``, a selection of its
+    ``steps``, given them), from that rank's own records only."""
+    w = model.steps if windows is None else windows
     wr = w["rank"].to_numpy(np.int64)
     ws = w["start_ns"].to_numpy(np.int64)
     we = w["end_ns"].to_numpy(np.int64)
@@ -309,10 +310,14 @@ def rank_items(model) -> RankItems:
     def of_row(x, none):
         return np.where(has_c, x[row], none) if len(co) else np.full(len(ci), none)
 
-    it = it.assign(rank=wr[i_win], step=wstep[i_win],
-                   c_group=of_row(co["group"].astype(str).to_numpy(), ""),
+    def text_of_row(col: pd.Series):   # "" where none: its distinct values taken by code, no string per item
+        cat = col.astype("category")
+        names = pd.array([*cat.cat.categories.astype(str), ""], dtype="str")
+        return names.take(of_row(cat.cat.codes.to_numpy(np.int64), len(names) - 1))
+
+    it = it.assign(rank=wr[i_win], step=wstep[i_win], c_group=text_of_row(co["group"]),
                    c_seq=of_row(co["seq"].to_numpy(np.int64), -1), c_sender=of_row(sender, -1),
-                   c_receiver=of_row(receiver, -1), c_op=of_row(op, ""), c_bytes=of_row(nbytes, -1),
+                   c_receiver=of_row(receiver, -1), c_op=text_of_row(co["op"]), c_bytes=of_row(nbytes, -1),
                    c_group_size=of_row(co["group_size"].to_numpy(np.int64), -1))
     return RankItems(items=it[list(ITEM_COLUMNS + COLLECTIVE_COLUMNS)], stage=stage, pipeline_ranks=pipe_ranks)
 

@@ -11,7 +11,9 @@ run analysed within a minute).
 2. A synthetic sampled DDP run (tests/synth.py ``build_ddp_node``: 8 ranks, per detailed rank-step 5 spans and 8
    all-reduces, blocks of 4 detailed steps every --detail-period, the others boundary-only) of --synthetic-steps
    steps: its node summary made as the launcher does, then the global analysis (`dtprof summary`'s) timed in a
-   fresh process (benchmarks/analyze_scale.py ``measure``).
+   fresh process (benchmarks/analyze_scale.py ``measure``). Both are checked against the minute (the user waits for
+   the node summary after the job, then for `dtprof summary`): on the 2-core development VM at 1,000,000 steps the
+   node summary takes 25-35 s and 6.0 GiB, the global analysis 20-25 s and 6.9 GiB (docs/validation.md).
 
     .venv/bin/python benchmarks/footprint.py [--job-seconds 360] [--synthetic-steps 1000000] [--detail-period 16]
                                              [--skip-job|--skip-synthetic] [--check]   # --check: exit 1 on a miss
@@ -143,9 +145,10 @@ def main() -> int:
             else:
                 print(f"node summary (the launcher, after the job): {s['summary_s']:.1f} s, peak RSS "
                       f"{s['summary_gib']:.2f} GiB; global analysis (fresh process): {s['analysis_s']:.1f} s, peak "
-                      f"RSS {s['peak_gib']:.2f} GiB (target <= {TARGET_ANALYSIS_S:.0f} s); stragglers named "
+                      f"RSS {s['peak_gib']:.2f} GiB (target <= {TARGET_ANALYSIS_S:.0f} s each); stragglers named "
                       f"{s['stragglers']}")
-                ok &= s["analysis_s"] <= TARGET_ANALYSIS_S
+                # the user waits for both: the launcher's node summary after the job, then `dtprof summary`
+                ok &= s["summary_s"] <= TARGET_ANALYSIS_S and s["analysis_s"] <= TARGET_ANALYSIS_S
         print("PASS" if ok else "FAIL")
         return 0 if ok or not args.check else 1
     finally:

@@ -41,14 +41,16 @@ _NUMPY_DTYPES = {"int": "int64", "Int": "Int64", "float": "float64", "bool": "bo
                  "json": "object"}
 
 
-def conform(table: str, df):
-    """Return ``df`` with exactly the schema's columns, in order, with the schema's dtypes (nulls where missing)."""
+def conform(table: str, df, columns=None):
+    """Return ``df`` with exactly the schema's columns (those of them in ``columns``, given it), in order, with the
+    schema's dtypes (nulls where missing)."""
     import numpy as np
     import pandas as pd
 
     out = {}
     n = len(df)
-    for col, kind in TABLES[table]:
+    schema = [(c, k) for c, k in TABLES[table] if columns is None or c in columns]
+    for col, kind in schema:
         if col in df.columns:
             s = df[col]
         elif kind == "Int":   # missing: all null, built as such (checking a million Nones one by one cost more
@@ -72,9 +74,9 @@ def conform(table: str, df):
         elif kind == "json":
             s = s.map(_json_value).to_numpy()
         out[col] = s
-    return pd.DataFrame(out).reset_index(drop=True) if n else pd.DataFrame(
+    return pd.DataFrame(out, copy=False).reset_index(drop=True) if n else pd.DataFrame(
         {c: pd.Series(dtype=("category" if (k == "str" and c in CATEGORICAL) else _NUMPY_DTYPES[k]))
-         for c, k in TABLES[table]})
+         for c, k in schema})
 
 
 _INT64_MAX = 2**63 - 1
@@ -235,20 +237,24 @@ _INTERVALS = {"steps": [("start_ns", "end_ns")], "spans": [("start_ns", "end_ns"
               "collectives": [("issue_ns", "return_ns"), ("issue_ns", "end_ns")]}
 
 
-def load_table(table: str, df, source) -> Any:
-    """The one validation step every table read from a file goes through: the schema's columns and types
-    (``conform``), and times that can be true. Any violation is one RunFormatError naming ``source``."""
+def load_table(table: str, df, source, columns=None) -> Any:
+    """The one validation step every table read from a file goes through: the schema's columns (those of them in
+    ``columns``, given it) and types (``conform``), and times that can be true. Any violation is one RunFormatError
+    naming ``source``."""
     import numpy as np
 
-    missing = [c for c, kind in TABLES[table] if kind == "int" and c not in df.columns] if len(df) else []
+    missing = [c for c, kind in TABLES[table] if kind == "int" and c not in df.columns
+               and (columns is None or c in columns)] if len(df) else []
     if missing:
         raise RunFormatError(f"{source}: not a dtprof {table} table (no column {', '.join(missing[:3])}; does it "
                              f"hold another table?)")
     try:
-        out = conform(table, df)
+        out = conform(table, df, columns)
     except (ValueError, TypeError, OverflowError) as e:
         raise RunFormatError(f"{source}: {table} table: {str(e).splitlines()[0]}") from None
     for start, end in _INTERVALS.get(table, []):
+        if start not in out.columns or end not in out.columns:
+            continue
         d = out[end].to_numpy("float64", na_value=np.nan) - out[start].to_numpy("float64")
         bad = int(((d < 0) | (d > MAX_DURATION_NS)).sum())
         if bad:
@@ -454,6 +460,7 @@ def _prefaulted_empty(n: int, dtype: str):
 
 
 PREFAULT_BYTES = 64 << 20   # below this a first touch costs little either way
+READ_CHUNK_ROWS = 1 << 20    # Run.read_rows: rows read and filtered at a time (~200 MB of a collectives table)
 
 
 def _frame_in_batches(rel, n: int | None, dtypes: dict):
@@ -643,6 +650,60 @@ class Run:
                 df = legacy_meta(self.table("events"), df)
             self._loaded[name] = df
         return self._loaded[name]
+
+    def read_rows(self, name: str, columns=None, skip_steps=None):
+        """Table ``name`` as ``table`` gives it, less the rows whose step is in ``skip_steps`` (their index kept, as a
+        mask over ``table`` keeps it), and only the ``columns`` given. A one-node run's Parquet table of more than
+        READ_CHUNK_ROWS rows is read that many rows at a time and only the rows and columns kept are converted and
+        checked: a long run's spans and collectives are never whole in memory. Else ``table``, sliced."""
+        import numpy as np
+        import pandas as pd
+
+        cols = [c for c, _ in TABLES[name] if columns is None or c in columns]
+        p = self.node_dirs[0] / TABLES_DIR / f"{name}.parquet" if len(self.node_dirs) == 1 else None
+        pf = None
+        if name not in self._loaded and p is not None and self._complete(self.node_dirs[0]) and _present(p):
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(p)
+            except Exception as e:  # pyarrow raises several types for damaged files
+                raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
+        if pf is None or pf.metadata.num_rows <= READ_CHUNK_ROWS or set(pf.schema_arrow.names) - set(dict(
+                TABLES[name])):   # (a foreign file: ``table`` says what is wrong with it)
+            df = self.table(name)
+            if skip_steps is not None and len(skip_steps) and len(df):
+                df = df[~df["step"].astype("Int64").isin(skip_steps).fillna(False).to_numpy(bool)]
+            return df[cols]
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        read = [c for c in cols if c in pf.schema_arrow.names]
+        skip = pa.array(np.asarray(skip_steps if skip_steps is not None else [], np.int64))
+        md = pf.metadata
+        chunks: list[list[int]] = [[]]   # row groups gathered up to READ_CHUNK_ROWS rows a read
+        rows = 0
+        for g in range(md.num_row_groups):
+            if chunks[-1] and rows + md.row_group(g).num_rows > READ_CHUNK_ROWS:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(g)
+            rows += md.row_group(g).num_rows
+        parts, kept, at = [], [], 0
+        for groups in chunks:
+            try:
+                t = pf.read_row_groups(groups, columns=read + (["step"] if len(skip) and "step" not in read else []))
+            except Exception as e:  # pyarrow raises several types for damaged files
+                raise RunFormatError(f"{p}: unreadable Parquet ({type(e).__name__}: {e})".splitlines()[0]) from None
+            mask = np.ones(t.num_rows, bool)
+            if len(skip):
+                mask = ~pc.fill_null(pc.is_in(t["step"], value_set=skip), False).to_numpy(zero_copy_only=False)
+            parts.append(t.select(read).filter(pa.array(mask)))
+            kept.append(at + np.flatnonzero(mask))
+            at += t.num_rows
+        df = load_table(name, pa.concat_tables(parts).to_pandas(split_blocks=True), p, columns=cols)
+        df.index = pd.Index(np.concatenate(kept))
+        return df
 
     def node_run(self, node_dir: Path) -> Run:
         """The run restricted to one of its node directories (what that node's summary is made from)."""

@@ -320,33 +320,34 @@ def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: in
     s_end = np.broadcast_to(step_start + step_len, (R, S))
     n = R * S
     rk, st = np.repeat(ranks, S), np.tile(np.arange(S), R)
+    host = f"host{node:05d}"
+    detailed = (st < 32) | (st % detail_period < 4) if detail_period else np.ones(n, bool)
+    # the detailed rank-steps' rows only, never all of them first: a sampled run of 1,000,000 steps would hold 40 M
+    # spans and 64 M collectives before the sampling (~18 GB to build)
+    sel = np.flatnonzero(detailed)
+    m, rks, sts = len(sel), rk[sel], st[sel]
 
     def flat(a):
         return (np.asarray(a, np.int64) + host_offset_ns).ravel()
 
-    host = f"host{node:05d}"
-    detailed = (st < 32) | (st % detail_period < 4) if detail_period else np.ones(n, bool)
     steps_t = _typed("steps", n, rank=rk, step=st, start_ns=flat(t0), end_ns=flat(s_end), peak_mem_bytes=2**30,
                      tokens=4096, samples=8, detail=detailed.astype(np.int64) if detail_period else None)
-    # rows by kind, then rank, then step (one block of n rows per kind)
+    # rows by kind, then rank, then step (one block of m rows per kind)
     kinds = ("data_wait", "forward", "backward", "comm_wait", "optimizer")
-    kind = pd.Categorical.from_codes(np.repeat([sorted(kinds).index(k) for k in kinds], n), sorted(kinds))
-    spans = _typed("spans", len(kinds) * n, rank=np.tile(rk, len(kinds)), step=np.tile(st, len(kinds)),
+    kind = pd.Categorical.from_codes(np.repeat([sorted(kinds).index(k) for k in kinds], m), sorted(kinds))
+    spans = _typed("spans", len(kinds) * m, rank=np.tile(rks, len(kinds)), step=np.tile(sts, len(kinds)),
                    kind=kind, name=kind, lane="main", source="hook",
-                   start_ns=np.concatenate([flat(a) for a in (t0, d_end, f_end, b_end, wait_end)]),
-                   end_ns=np.concatenate([flat(b) for b in (d_end, f_end, wait_end, wait_end, o_end)]))
+                   start_ns=np.concatenate([flat(a)[sel] for a in (t0, d_end, f_end, b_end, wait_end)]),
+                   end_ns=np.concatenate([flat(b)[sel] for b in (d_end, f_end, wait_end, wait_end, o_end)]))
     # rows by bucket, then rank, then step
-    issue = np.concatenate([flat(f_end + ph["bwd"] * (j + 1) // B) for j in range(B)])
-    colls = _typed("collectives", B * n, rank=np.tile(rk, B), step=np.tile(st, B), op="all_reduce",
+    issue = np.concatenate([flat(f_end + ph["bwd"] * (j + 1) // B)[sel] for j in range(B)])
+    colls = _typed("collectives", B * m, rank=np.tile(rks, B), step=np.tile(sts, B), op="all_reduce",
                    api="ddp_bucket", source="ddp", group="0", group_size=world_size,
-                   seq=(st[None, :] * B + np.arange(B)[:, None]).ravel(), in_bytes=25 * 2**20,
+                   seq=(sts[None, :] * B + np.arange(B)[:, None]).ravel(), in_bytes=25 * 2**20,
                    out_bytes=25 * 2**20, dtype="float32", async_op=True, issue_ns=issue, return_ns=issue + 10_000,
-                   end_ns=np.concatenate([flat(np.broadcast_to(step_start + issue_rel[j] + bucket_ns, (R, S)))
+                   end_ns=np.concatenate([flat(np.broadcast_to(step_start + issue_rel[j] + bucket_ns, (R, S)))[sel]
                                           for j in range(B)]),
-                   bucket=np.repeat(np.arange(B), n))
-    if detail_period:
-        spans = spans[np.tile(detailed, len(kinds))].reset_index(drop=True)
-        colls = colls[np.tile(detailed, B)].reset_index(drop=True)
+                   bucket=np.repeat(np.arange(B), m))
     rank_tbl = pd.DataFrame({"rank": ranks, "local_rank": ranks - node * R, "world_size": world_size,
                              "node_rank": node, "host": host, "pid": 1000 + ranks, "device_type": "cuda",
                              "device_index": ranks - node * R, "device_name": "NVIDIA H100 80GB HBM3",

@@ -13,7 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from dtprof.analyzers import findings as F  # noqa: E402
-from dtprof.analyzers.intervals import assign_to_windows, measure, union_length  # noqa: E402
+from dtprof.analyzers.intervals import (  # noqa: E402
+    assign_to_windows,
+    measure,
+    split_over_windows,
+    union_length,
+    windows_touched,
+)
 from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
 from dtprof.analyzers.summary import analyze, save_summary  # noqa: E402
 from dtprof.options import resolve_options  # noqa: E402
@@ -45,6 +51,25 @@ def test_assign_to_windows():
 
 
 # ---------------------------------------------------------------- overlap
+
+def test_windows_touched_covers_every_window_an_interval_reaches():
+    rng = np.random.default_rng(3)
+    # per rank, windows back to back with gaps, some of no length; intervals anywhere, some of no length
+    wr = np.repeat(np.arange(3), 40)
+    lengths = rng.integers(0, 5, len(wr)) * 10
+    ws = np.concatenate([np.cumsum(np.r_[0, (lengths[r * 40:(r + 1) * 40] + rng.integers(0, 3, 40) * 5)[:-1]])
+                         for r in range(3)])
+    we = ws + lengths
+    key = rng.integers(0, 4, 500)
+    lo = rng.integers(-20, int(we.max()) + 20, 500)
+    hi = lo + rng.integers(0, 30, 500) * rng.integers(0, 2, 500)
+    got = windows_touched(wr, ws, we, key, lo, hi)
+    want = np.array([((key == r) & (lo <= e) & (hi >= s)).any() for r, s, e in zip(wr, ws, we)])
+    assert (got == want).all() and got.any() and not got.all()
+    # a superset of what the per-window measures attribute: the windows of every time and every piece
+    assert got[assign_to_windows(wr, ws, we, key, lo)[assign_to_windows(wr, ws, we, key, lo) >= 0]].all()
+    assert got[split_over_windows(wr, ws, we, key, lo, hi)[1]].all()
+
 
 def test_overlap_and_exposed_on_hand_built_run(tmp_path):
     # compute = forward [10,40) ∪ backward [40,90) minus comm_wait [70,90) = [10,70) -> 60 ms

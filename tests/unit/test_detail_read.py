@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
+from dtprof import reader, runformat
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from dtprof.runformat import create_run_dir
-from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR
+from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, TABLES_DIR
 from dtprof.summarize import summarize_node
 from scale_checks import assert_summaries_equal_raw
 from synth import build_ddp_node
@@ -25,6 +28,8 @@ STEPS, PERIOD = 400, 8
 def long_run(tmp_path, monkeypatch):
     monkeypatch.setattr(steps_mod, "ANALYSED_RANK_STEPS", 256)
     monkeypatch.setattr(steps_mod, "ANALYSED_MIN_STEPS", 16)
+    monkeypatch.setattr(runformat, "ROW_GROUP_ROWS", 100)   # tables of many row groups, read a few at a time
+    monkeypatch.setattr(reader, "READ_CHUNK_ROWS", 250)
     run = create_run_dir(tmp_path / "run", {"command": ["synthetic"]})
     nodes = [build_ddp_node(run, n, 2, 4, STEPS, slow_rank=3, slow_factor=1.3, seed=1, detail_period=PERIOD)
              for n in range(2)]
@@ -60,6 +65,37 @@ def test_stored_node_summaries_equal_the_raw_tables(long_run):
     assert st["boundary_only_count"] == STEPS - 1 - len(_detailed(range(1, STEPS)))
     assert "the analysis read the detail of" in st["sampling"]["statement"]
     assert s["stragglers"] and s["stragglers"][0]["rank"] == 3
+
+
+def test_a_long_table_is_read_in_chunks_as_a_slice_of_the_whole(long_run):
+    run, nodes = long_run
+    one = reader.Run(run, [nodes[1]])
+    model = RunModel.of(one)
+    skipped = model.skipped_steps
+    files = pq.ParquetFile(nodes[1] / TABLES_DIR / "collectives.parquet").metadata
+    assert len(skipped) and files.num_rows > 4 * reader.READ_CHUNK_ROWS and files.num_row_groups > 4
+    for table in ("spans", "collectives"):
+        whole = reader.Run(run, [nodes[1]]).table(table)
+        keep = ~whole["step"].astype("Int64").isin(skipped).fillna(False).to_numpy(bool)
+        pd.testing.assert_frame_equal(one.read_rows(table, skip_steps=skipped), whole[keep])
+        cols = ["rank", "op", "seq"] if table == "collectives" else ["kind", "end_ns"]
+        pd.testing.assert_frame_equal(one.read_rows(table, columns=cols), whole[cols])
+    assert table not in one._loaded   # never read whole
+
+
+def test_rank_steps_met_by_nothing_are_filled_in_as_measuring_them_gives(long_run, monkeypatch):
+    from dtprof.analyzers import nodesummary
+
+    run, nodes = long_run
+    model = RunModel.of(reader.Run(run, [nodes[0]]))
+    tables, facts = nodesummary.node_tables(model)
+    touched = nodesummary._touched(model, model.steps)
+    assert touched.any() and not touched.all()    # boundary-only steps and skipped detail: met by nothing
+    monkeypatch.setattr(nodesummary, "_touched", lambda m, w: np.ones(len(w), bool))
+    measured, measured_facts = nodesummary.node_tables(model)
+    assert facts == measured_facts and tables.keys() == measured.keys()
+    for t in tables:
+        pd.testing.assert_frame_equal(tables[t].reset_index(drop=True), measured[t].reset_index(drop=True))
 
 
 def test_short_runs_read_all_their_detail():
