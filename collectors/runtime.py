@@ -86,6 +86,10 @@ SAMPLE_BLOCK = DETAIL_BLOCK  # steps per full-detail block (4)
 SAMPLE_BUDGET = 0.005
 SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no detail cost measured reaches 0.5 % of them)
 SAMPLE_MAX_PERIOD = 4096
+# A calibration whose difference is within the steps' noise leaves steps this long in full detail (and calibrates
+# again later); shorter steps are sampled with the detail priced at the noise: a detailed step's tens of µs of
+# Python are a large share of them, and a busy machine's noise must not leave them all detailed
+SAMPLE_NOISY_NS = 5_000_000
 # The footprint: a rank's files may grow by about this much a day (issue: <= 50 MB a rank and day at 10 steps a
 # second; the rest is the node's NVML and events files). Every FOOTPRINT_CHECK_STEPS steps, once at least
 # FOOTPRINT_CHECK_S since the last check, a rank whose files grew faster samples its detail more sparsely; every
@@ -821,9 +825,13 @@ class Recorder:
         if not base or _median(on) is None or on_first is None or off_first is None:
             self.decide_sampling(0, None)
             return
-        cost = max(0, _median(on) - base)
-        # a difference within the steps' own spread (median absolute deviation) is the machine's noise, not dtprof
-        if cost <= SAMPLE_BUDGET * base or cost <= max(_mad(on), _mad(off)):
+        cost, noise = max(0, _median(on) - base), max(_mad(on), _mad(off))
+        if cost <= noise:      # within the steps' own spread (median absolute deviation): the machine's noise
+            if base >= SAMPLE_NOISY_NS:
+                self.decide_sampling(0, None, cost, base)     # full detail, calibrated again later
+                return
+            cost = noise       # a short step: priced at the noise (full detail could cost it tens of percent)
+        if cost <= SAMPLE_BUDGET * base:
             self.decide_sampling(0, None, cost, base)
             return
         block = max(0, on_first - base) + (SAMPLE_BLOCK - 1) * cost + max(0, off_first - base)

@@ -60,6 +60,28 @@ def test_the_switches_around_a_detailed_block_are_priced_with_it():
     assert paid / (len(window) * 300_000) - 1 <= SAMPLE_BUDGET     # what the job pays for its detail
 
 
+def _noisy(s: Steps, n: int, step_ns: int, spread_ns: int) -> None:
+    """Steps of ``step_ns`` +- ``spread_ns`` (a fixed pattern), whatever the detail: dtprof's cost lost in noise."""
+    for step in range(n):
+        s.detailed.append(s.rec.detail)
+        s.rec.sample_next(step, step_ns + spread_ns * ((step * 7) % 5 - 2) // 2)
+
+
+def test_a_short_step_whose_cost_is_lost_in_noise_is_sampled_priced_at_the_noise():
+    s = Steps()
+    _noisy(s, 200, 300_000, 60_000)        # 0.3 ms steps, +-60 us: no difference between detail and boundary
+    (d,) = s.decisions
+    assert d["period"] > 0 and d["detail_cost_ns"] > 0        # not left in full detail
+    assert d["block_cost_ns"] <= SAMPLE_BUDGET * d["step_ns"] * d["period"]
+
+
+def test_a_long_step_whose_cost_is_lost_in_noise_stays_in_full_detail():
+    s = Steps()
+    _noisy(s, 200, 20_000_000, 4_000_000)
+    assert [d["period"] for d in s.decisions] == [0, 0]       # calibrated at 32 and again at 128
+    assert all(s.detailed[64:128])
+
+
 def test_a_cheap_detail_keeps_every_step_and_calibrates_again_later():
     s = Steps()
     s.run(500, 300_100, 300_000)         # 100 ns on 300 us: under the budget
