@@ -217,7 +217,7 @@ JOBS = {
                        100),
     "accelerate": (["examples/frameworks/train_accelerate.py", "--dim", "1024", "--batch", "64"], 200),
     # the DDP tutorial's shape (Linear(20, 1), batch 32): steps of a fraction of a millisecond, where sampling works
-    "short": (["examples/train_tiny.py", "--print-every", "50"], 8000),
+    "short": (["examples/train_tiny.py", "--print-every", "50"], 16000),
     # a step of 1-3 ms (one rank, a one-layer 32-wide transformer): where dtprof must cost at most 1 %
     "ms": (["examples/train_ddp.py", "--dim", "32", "--seq", "16", "--layers", "1", "--batch", "4"], 3000),
     # the DDP job with torch.compile (inductor on the CPU): the compiled forward must stay compiled
@@ -270,7 +270,7 @@ def launcher_cpu_ns(launcher: int) -> int:
     return total
 
 
-RUNNING: list[subprocess.Popen] = []   # the job run_job runs now (in its own session)
+RUNNING: list[subprocess.Popen] = []   # the jobs run_job started (each in its own session)
 
 
 def stop_running_job(signum, _frame) -> None:
@@ -299,7 +299,7 @@ def job_command(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) 
     return cmd, env
 
 
-def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> dict:
+def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0, core: int | None = None) -> dict:
     """One run of a job; ``run_dir`` set: under `dtprof run`. Its median step (s) and, profiled, the CPU seconds per
     step of `dtprof run`'s launcher and output relays over the timed steps, dtprof's thread CPU seconds per
     rank-step after step 0 and the collectives per rank-step. A run that hits torch's exit abort after its steps
@@ -322,9 +322,10 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
         # than it is. stderr to a file (a pipe nobody reads could fill and block the job): read only to recognise
         # torch's exit abort
         with tempfile.TemporaryFile("w+") as err:
+            pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None   # noqa: E731
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    start_new_session=True)
-            RUNNING[:] = [proc]
+                                    start_new_session=True, preexec_fn=pin)
+            RUNNING.append(proc)
             assert proc.stdout is not None
             for line in proc.stdout:
                 m = STEP_LINE.match(line)
@@ -372,6 +373,19 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0) -> d
         out["sampling"] = [(v.get("period"), v.get("calibration")) for k, v in
                            zip(run.meta["kind"].astype(str), run.meta["value"]) if k == "sampling"]
     return out
+
+
+def paired_round(name: str, steps: int, run_dir: Path, r: int) -> dict:
+    """``--paired``: the bare and the profiled run of one round at the same time, each on a core of its own (all
+    its processes: the profiled job's launcher, relays and dtprof's threads share its core, so all of dtprof's CPU
+    counts against its steps), the cores swapped every round: both see the machine's load of the same moment."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = (0, 1) if r % 2 == 0 else (1, 0)
+    with ThreadPoolExecutor(2) as pool:
+        bare = pool.submit(run_job, name, steps, None, 0, cores[0])
+        prof = pool.submit(run_job, name, steps, run_dir, 0, cores[1])
+        return {"bare": bare.result(), "dtprof": prof.result()}
 
 
 def median_interval(xs: list[float], want: float = 0.95) -> tuple[float, float, float, float]:
@@ -542,6 +556,10 @@ def main() -> None:
     ap.add_argument("--jobs", default=DEFAULT_JOBS, help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="smoke check: 1 round of 12-step runs, short hook blocks")
     ap.add_argument("--in-process", action="store_true", help="also the single-process TinyLM comparison")
+    ap.add_argument("--paired", action="store_true",
+                    help="one-rank jobs: each round runs bare and profiled at the same time, each pinned to a core "
+                         "of its own (the profiled job's launcher, relays and dtprof threads on its core too), the "
+                         "cores swapped every round")
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--block-steps", type=int, default=8)
     ap.add_argument("--hook-blocks", type=int, default=300,
@@ -581,8 +599,11 @@ def main() -> None:
             sampled: list[dict] = []
             for r in range(a.rounds):
                 res = {}
+                if a.paired and ranks_of(name) == 1:
+                    print(f"{name} round {r + 1}/{a.rounds}: bare and dtprof at once ...", file=sys.stderr)
+                    res = paired_round(name, steps, Path(tmp) / f"{name}-{r}", r)
                 # bare, profiled, profiled, bare, ...: each mode runs first as often as second
-                for mode in (("bare", "dtprof") if r % 2 == 0 else ("dtprof", "bare")):
+                for mode in () if res else (("bare", "dtprof") if r % 2 == 0 else ("dtprof", "bare")):
                     print(f"{name} round {r + 1}/{a.rounds}: {mode} ...", file=sys.stderr)
                     res[mode] = run_job(name, steps, Path(tmp) / f"{name}-{r}" if mode == "dtprof" else None)
                 walls.append((res["bare"]["step_s"], res["dtprof"]["step_s"]))
@@ -658,7 +679,9 @@ def main() -> None:
                   f"{us(cpu):>26s} {us(thread):>26s} {(th + la) * 1e6:17.1f}us {most / off * 100:16.2f}% "
                   f"{us(robust):>25s} = {robust[0] / off * 100:+5.2f}% {us(trimmed):>25s} = "
                   f"{trimmed[0] / off * 100:+5.2f}%")
-    print(f"{a.rounds} interleaved rounds per job (bare, profiled, profiled, bare, ...); load average at the end "
+    print(f"{a.rounds} " + ("paired rounds per one-rank job (bare and profiled at once, a core each, swapped every "
+                            "round; interleaved for the others: " if a.paired else "interleaved rounds per job (")
+          + f"bare, profiled, profiled, bare, ...); load average at the end "
           f"{os.getloadavg()[0]:.2f}. wall ratio: median over rounds of (profiled / bare median step) and its "
           f"{rows[0][4][3] * 100:.1f} % confidence interval (order statistics of the per-round ratios; 95 % from 6 "
           f"rounds on); rank 0 CPU ratio: the same for rank 0's process CPU per step (all its threads, dtprof's "
