@@ -237,6 +237,9 @@ ROW_GROUP_ROWS = 64 * 1024
 # Parquet pages compressed with zstd rather than pandas' default snappy: 13-18 % smaller on a sampled 2-rank,
 # 3000-step job (its tables 222 -> 192 kB, its node summary 524 -> 429 kB); pyarrow and DuckDB read either
 PARQUET_COMPRESSION = "zstd"
+# Dictionary pages for the text columns only: numbers (times, ids) are mostly distinct, and a dictionary tried on
+# them is dropped at its size limit after the work is done. An imported 1M-event trace's spans were written in 36
+# instead of 56 ms, and 2.2 instead of 3.9 MB (zstd compresses plain runs of sorted times better).
 
 
 def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = None) -> Path:
@@ -245,6 +248,8 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     Missing tables are written empty; missing columns are filled with nulls. ``node_info`` becomes node.json if
     given. The ``_complete`` marker is written last, so a reader never trusts a half-written set.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     import pandas as pd
 
     from dtprof.reader import conform, json_text_columns
@@ -256,15 +261,23 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     # a summary of the tables being replaced would be stale: it is remade from the new ones (dtprof summarize, or
     # in memory by the analysis)
     (node_dir / SUMMARY_DIR / SUMMARY_COMPLETE).unlink(missing_ok=True)
-    for table in TABLES:
+
+    def write(table: str) -> None:
         df = tables.get(table)
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         try:
-            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS, compression=PARQUET_COMPRESSION)
+            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS, compression=PARQUET_COMPRESSION,
+                          use_dictionary=[c for c, kind in TABLES[table] if kind in ("str", "json")])
             os.replace(tmp, out / f"{table}.parquet")
         finally:
             tmp.unlink(missing_ok=True)
+
+    # Two threads, the largest table first: Arrow encodes a table without holding the GIL, so the others are
+    # conformed and written meanwhile (an imported 1M-event trace's spans were half of the writing).
+    size = {t: len(tables[t]) if tables.get(t) is not None else 0 for t in TABLES}
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(write, sorted(TABLES, key=lambda t: -size[t])))
     if node_info is not None:
         write_json_atomic(node_dir / NODE_MANIFEST, node_info)
     (out / TABLES_COMPLETE).write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")
