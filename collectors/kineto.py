@@ -1008,7 +1008,12 @@ def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tu
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_load_one, files, [single] * len(files)))
+            results = pool.map(_load_one, files, [single] * len(files))
+            # what writing the run needs, imported while the workers parse
+            import pyarrow.parquet  # noqa: F401
+
+            import dtprof.reader  # noqa: F401
+            results = list(results)
     else:
         results = [_load_one(f, single) for f in files]
     out, failed = [], []
