@@ -26,9 +26,14 @@ MEASURE = r"""
 import resource, sys, time
 t = time.perf_counter()
 {body}
-# HTA parses ranks in child processes: count the larger of this process and its largest child
+t = time.perf_counter() - t
+import multiprocessing
+# Both parse ranks in child processes: count the larger of this process and its largest child, once every child
+# has exited (dtprof goes on writing while its workers exit)
+for p in multiprocessing.active_children():
+    p.join()
 rss = max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-print(time.perf_counter() - t, rss * 1024)
+print(t, rss * 1024)
 """
 # the command users run: `dtprof import kineto TRACES -o RUN`
 DTPROF = ("from dtprof.cli import main; "

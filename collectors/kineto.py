@@ -1010,13 +1010,16 @@ def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tu
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"))
+        try:
             results = pool.map(_load_one, files, [single] * len(files))
             # what writing the run needs, imported while the workers parse
             import pyarrow.parquet  # noqa: F401
 
             import dtprof.reader  # noqa: F401
             results = list(results)
+        finally:   # the results are here: not waiting for the workers to exit (freeing their memory) saves 15 ms
+            pool.shutdown(wait=False, cancel_futures=True)
     else:
         results = [_load_one(f, single) for f in files]
     out, failed = [], []
