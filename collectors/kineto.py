@@ -603,6 +603,8 @@ def _tidy(df: pd.DataFrame) -> pd.DataFrame:
         s = df[c]
         if c in _TEXT and pd.api.types.infer_dtype(s, skipna=True) in ("string", "empty"):
             df[c] = s.astype("str")
+        elif c in _IDS and s.dtype == np.int64:   # read in place, or json's whole numbers: as they are
+            df[c] = s.astype("Int64")
         elif c in _TIMES + _IDS:
             n = pd.to_numeric(s, errors="coerce")
             if n.isna().sum() != s.isna().sum():  # some value was not a number: keep the column as read
@@ -651,7 +653,8 @@ def parse_trace(path: Path, fast: bool = True) -> dict:
     launch = cat(([pd.DataFrame({"corr": np.concatenate([c for c, _ in flat]),
                                  "ts": np.concatenate([t for _, t in flat])})] if flat else []) + parts["launch"])
     # a lookup by correlation id: sorted, so both paths give the same table
-    launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True) if len(launch) else launch
+    if len(launch) and not (launch["corr"].is_monotonic_increasing and launch["corr"].is_unique):
+        launch = launch.sort_values(["corr", "ts"], kind="stable").reset_index(drop=True)
     flat = parts["flat_kernels"]   # the fast path's kernels read in place: columns of arrays, one frame at the end
     kernels = cat(([pd.DataFrame({c: _column([f[c] for f in flat]) for c in flat[0]})] if flat else [])
                   + parts["kernels"])
@@ -1007,8 +1010,16 @@ def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tu
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_load_one, files, [single] * len(files)))
+        pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"))
+        try:
+            results = pool.map(_load_one, files, [single] * len(files))
+            # what writing the run needs, imported while the workers parse
+            import pyarrow.parquet  # noqa: F401
+
+            import dtprof.reader  # noqa: F401
+            results = list(results)
+        finally:   # the results are here: not waiting for the workers to exit (freeing their memory) saves 15 ms
+            pool.shutdown(wait=False, cancel_futures=True)
     else:
         results = [_load_one(f, single) for f in files]
     out, failed = [], []

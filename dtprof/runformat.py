@@ -237,6 +237,10 @@ ROW_GROUP_ROWS = 64 * 1024
 # Parquet pages compressed with zstd rather than pandas' default snappy: 13-18 % smaller on a sampled 2-rank,
 # 3000-step job (its tables 222 -> 192 kB, its node summary 524 -> 429 kB); pyarrow and DuckDB read either
 PARQUET_COMPRESSION = "zstd"
+# Dictionary pages for the text columns only: numbers (times, ids) are mostly distinct, and a dictionary tried on
+# them is dropped at its size limit after the work is done. Integers are delta-encoded (times, ids and steps
+# mostly grow by small steps), so zstd has less to compress. An imported 1M-event trace's spans: written in 21
+# instead of 56 ms, 1.1 instead of 3.9 MB, read back in 17 instead of 21 ms.
 
 
 def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = None) -> Path:
@@ -245,6 +249,8 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     Missing tables are written empty; missing columns are filled with nulls. ``node_info`` becomes node.json if
     given. The ``_complete`` marker is written last, so a reader never trusts a half-written set.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     import pandas as pd
 
     from dtprof.reader import conform, json_text_columns
@@ -256,15 +262,25 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
     # a summary of the tables being replaced would be stale: it is remade from the new ones (dtprof summarize, or
     # in memory by the analysis)
     (node_dir / SUMMARY_DIR / SUMMARY_COMPLETE).unlink(missing_ok=True)
-    for table in TABLES:
+
+    def write(table: str) -> None:
         df = tables.get(table)
         df = json_text_columns(table, conform(table, df if df is not None else pd.DataFrame()))
         tmp = out / f".{table}.parquet.tmp"
         try:
-            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS, compression=PARQUET_COMPRESSION)
+            df.to_parquet(tmp, index=False, row_group_size=ROW_GROUP_ROWS, compression=PARQUET_COMPRESSION,
+                          use_dictionary=[c for c, kind in TABLES[table] if kind in ("str", "json")],
+                          column_encoding={c: "DELTA_BINARY_PACKED" for c, kind in TABLES[table]
+                                           if kind in ("int", "Int")})
             os.replace(tmp, out / f"{table}.parquet")
         finally:
             tmp.unlink(missing_ok=True)
+
+    # Two threads, the largest table first: Arrow encodes a table without holding the GIL, so the others are
+    # conformed and written meanwhile (an imported 1M-event trace's spans were half of the writing).
+    size = {t: len(tables[t]) if tables.get(t) is not None else 0 for t in TABLES}
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(write, sorted(TABLES, key=lambda t: -size[t])))
     if node_info is not None:
         write_json_atomic(node_dir / NODE_MANIFEST, node_info)
     (out / TABLES_COMPLETE).write_text(json.dumps({"schema_version": SCHEMA_VERSION}) + "\n")
