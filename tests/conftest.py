@@ -98,15 +98,29 @@ def dtprof_popen(*args, cwd=REPO, env=None, boot: str | None = None, **popen) ->
     return subprocess.Popen(_dtprof_command(args, boot), cwd=cwd, env=env, **popen)
 
 
-def record(out: Path, script, *args, opts=(), nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The one way the suite records a job: ``dtprof run --out OUT --no-report OPTS -- torchrun SCRIPT ARGS``;
-    fails the test unless the job and dtprof exit 0 (torch's exit abort is retried: torch_abort.py)."""
-    from torch_abort import returncode
+# Recordings of one test in a row that may hit torch's exit abort before the test itself is rerun: a module fixture
+# of many recordings (test_compare_real's eleven) would otherwise record them all again for one abort
+RECORD_ATTEMPTS = 3
 
-    p = dtprof("run", "--out", out, "--no-report", *opts, "--", *torchrun(script, *args, nproc=nproc),
-               timeout=timeout)
+
+def dtprof_run(out: Path, *run_args, cwd=REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``dtprof run --out OUT RUN_ARGS``, which must succeed; a run whose rank hit torch's exit abort
+    (torch_abort.py) is recorded again into a fresh OUT, up to RECORD_ATTEMPTS times, then the test is rerun."""
+    from torch_abort import aborted_at_exit, returncode
+
+    for attempt in range(RECORD_ATTEMPTS):
+        p = dtprof("run", "--out", out, *run_args, cwd=cwd, timeout=timeout)
+        if not aborted_at_exit(p) or attempt == RECORD_ATTEMPTS - 1:
+            break
+        shutil.rmtree(out, ignore_errors=True)
     assert returncode(p) == 0, f"dtprof run --out {out} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     return p
+
+
+def record(out: Path, script, *args, opts=(), nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The one way the suite records a job: ``dtprof run --out OUT --no-report OPTS -- torchrun SCRIPT ARGS``;
+    fails the test unless the job and dtprof exit 0 (torch's exit abort is retried: dtprof_run)."""
+    return dtprof_run(out, "--no-report", *opts, "--", *torchrun(script, *args, nproc=nproc), timeout=timeout)
 
 
 def bare_job(folder: Path, code: str, out: str, nproc: int = 2, timeout: float = 180) -> Path:

@@ -6,17 +6,15 @@ import json
 
 import pytest
 
-from conftest import dtprof, torchrun
+from conftest import dtprof_run, torchrun
 from dtprof.reader import open_run
-from torch_abort import returncode
 
 STEPS = 320
 
 
 def _run(tmp_path, name, *opts):
-    p = dtprof("run", "--out", tmp_path / name, "--no-nvml", *opts, "--", *torchrun("train_tiny.py", "--steps", STEPS),
-               cwd=tmp_path, timeout=600)
-    assert returncode(p) == 0, p.stderr[-3000:]
+    p = dtprof_run(tmp_path / name, "--no-nvml", *opts, "--", *torchrun("train_tiny.py", "--steps", STEPS),
+                   cwd=tmp_path, timeout=600)
     return p, tmp_path / name
 
 
