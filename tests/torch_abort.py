@@ -11,11 +11,11 @@ even after a barrier and ``destroy_process_group`` (pytorch issue #190489).
 
 The tests check a real job's exit status through ``returncode``: on this abort it raises ``TorchExitAbort``, and
 pytest runs that test again (at most four times: ``--reruns 4 --only-rerun TorchExitAbort`` in pyproject.toml);
-any other failure fails the test. A recording made through ``conftest.dtprof_run`` (every ``conftest.record``) is
-first made again itself, so that one abort does not rerun a module fixture's other recordings. Twice was too
-few: a fresh-clone run of the suite had the accelerate test's pair
-of jobs (four ranks' exits) abort in two attempts in a row, one short of failing. The
-benchmarks, outside pytest, run such a job once more (``once_more_on_exit_abort``).
+any other failure fails the test. Twice was too few: a fresh-clone run of the suite had the accelerate test's pair
+of jobs (four ranks' exits) abort in two attempts in a row, one short of failing. A recording made through
+``conftest.dtprof_run`` (every ``conftest.record``) is first made again itself, so that one abort does not rerun a
+module fixture's other recordings. The benchmarks, outside pytest, run such a job once more
+(``once_more_on_exit_abort``).
 """
 from __future__ import annotations
 
