@@ -245,7 +245,7 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
                   if out["period_steps"] else "calibration blocks only")
         out["statement"] = (f"{detailed + skipped} step(s) in full detail, {boundary_only} with their times only "
                             f"({blocks}"
-                            + (f"; {cost}" + ("" if footprint else f", over {out['budget_frac']:.0%} of the step")
+                            + (f"; {cost}" + ("" if footprint else f", over {out['budget_frac'] * 100:g}% of the step")
                                if cost and out["period_steps"] else "") + read
                             + "); step times and throughput use every step, the breakdown, overlap, what-if and "
                               "stragglers the detailed ones")
