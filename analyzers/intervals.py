@@ -129,6 +129,20 @@ def assign_to_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.nd
     return np.where(ok, idx, -1)
 
 
+def _key_blocks(win_key: np.ndarray, win_start: np.ndarray, win_end: np.ndarray, key: np.ndarray):
+    """The windows sorted by (key, start) -- ``order``, their starts and ends in that order -- and, one pass per key
+    of ``key`` (a rank), not per interval: the mask of its intervals and the block [a, b) of its windows."""
+    order = np.lexsort((win_start, win_key))
+    wk = win_key[order]
+    lo_k = np.searchsorted(wk, key, side="left")
+    hi_k = np.searchsorted(wk, key, side="right")
+    blocks = []
+    for k in np.unique(key):
+        m = key == k
+        blocks.append((m, int(lo_k[m][0]), int(hi_k[m][0])))
+    return order, win_start[order], win_end[order], blocks
+
+
 def split_over_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.ndarray,
                        key: np.ndarray, start: np.ndarray, end: np.ndarray):
     """Each interval cut into its pieces inside the windows of the same key (a rank's steps) it overlaps.
@@ -145,16 +159,11 @@ def split_over_windows(win_key: np.ndarray, win_start: np.ndarray, win_end: np.n
     empty = np.zeros(0, np.int64)
     if len(win_start) == 0 or len(start) == 0:
         return empty, empty, empty, empty
-    order = np.lexsort((win_start, win_key))
-    wk, ws, we = win_key[order], win_start[order], win_end[order]
     # windows sorted by (key, start) also have sorted ends within a key; search within each key's block
-    lo_k = np.searchsorted(wk, key, side="left")
-    hi_k = np.searchsorted(wk, key, side="right")
+    order, ws, we, blocks = _key_blocks(win_key, win_start, win_end, key)
     first = np.empty(len(start), np.int64)
     last = np.empty(len(start), np.int64)
-    for k in np.unique(key):  # one pass per key (rank), not per interval
-        m = key == k
-        a, b = int(lo_k[m][0]), int(hi_k[m][0])
+    for m, a, b in blocks:
         first[m] = a + np.searchsorted(we[a:b], start[m], side="right")      # first window ending after start
         last[m] = a + np.searchsorted(ws[a:b], end[m], side="left") - 1     # last window starting before end
     n = np.maximum(last - first + 1, 0)
@@ -181,15 +190,10 @@ def windows_touched(win_key: np.ndarray, win_start: np.ndarray, win_end: np.ndar
     n = len(win_start)
     if n == 0 or len(lo) == 0:
         return np.zeros(n, bool)
-    order = np.lexsort((win_start, win_key))
-    wk, ws, we = win_key[order], win_start[order], win_end[order]
-    lo_k = np.searchsorted(wk, key, side="left")
-    hi_k = np.searchsorted(wk, key, side="right")
+    order, ws, we, blocks = _key_blocks(win_key, win_start, win_end, key)
     first = np.zeros(len(lo), np.int64)
     last = np.zeros(len(lo), np.int64)
-    for k in np.unique(key):  # one pass per key (rank), not per interval
-        m = key == k
-        a, b = int(lo_k[m][0]), int(hi_k[m][0])
+    for m, a, b in blocks:
         reach = np.maximum.accumulate(we[a:b])   # the latest end so far: windows need not be sorted by end
         first[m] = a + np.searchsorted(reach, lo[m], side="left")     # first window that may end at or after lo
         last[m] = a + np.searchsorted(ws[a:b], hi[m], side="right")   # past the last window starting by hi

@@ -31,9 +31,6 @@ def _record(class_name: str, table: str):
     return cls
 
 
-Step = _record("Step", "steps")
-Span = _record("Span", "spans")
-Collective = _record("Collective", "collectives")
 Group = _record("Group", "groups")
 Clock = _record("Clock", "clock")
 Event = _record("Event", "events")

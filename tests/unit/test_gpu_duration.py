@@ -11,7 +11,7 @@ import torch
 
 from dtprof.collectors import hooks_collectives as hc
 from dtprof.collectors import runtime as rt
-from dtprof.collectors.records import Collective
+from dtprof.collectors.records import collective_row
 from dtprof.reader import open_run
 from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
 
@@ -54,9 +54,10 @@ def writer(tmp_path, monkeypatch):
 
 
 def _row(seq, source="user"):
-    return Collective(rank=0, step=0, op="all_reduce", api="all_reduce", source=source, group="0", group_size=2,
-                      seq=seq, in_bytes=64, out_bytes=64, dtype="float32", peer=None, async_op=True, issue_ns=1000,
-                      return_ns=1100, end_ns=None, gpu_duration_ns=None, bucket=None, stage=None, microbatch=None)
+    return collective_row(rank=0, step=0, op="all_reduce", api="all_reduce", source=source, group="0", group_size=2,
+                          seq=seq, in_bytes=64, out_bytes=64, dtype="float32", peer=None, async_op=True,
+                          issue_ns=1000, return_ns=1100, end_ns=None, gpu_duration_ns=None, bucket=None, stage=None,
+                          microbatch=None)
 
 
 def test_duration_filled_once_the_gpu_has_finished(writer):
