@@ -20,8 +20,9 @@ handler within ``_SIGTERM_GRACE_S``, this thread restores the default with libc 
 process still dies of SIGTERM as it would have without dtprof. A previous Python handler (the user's) is called
 from the main thread as before. If a wakeup fd is already in use (asyncio), SIGTERM is left alone entirely.
 
-Nothing here raises into training: every fault disables the part that failed and is remembered in
-``_faults`` (written into the heartbeat file, so the launcher can record it).
+Nothing here raises into training: every fault disables the part that failed and is remembered in the
+``Heartbeat``'s ``faults`` (written into the heartbeat file, so the launcher can record it). The Recorder owns its
+``Heartbeat`` (``rec.heartbeat``); nothing is kept in this module.
 """
 from __future__ import annotations
 
@@ -42,17 +43,6 @@ INTERVAL_S = 0.5
 _SIGTERM_GRACE_S = 2.0
 _FR_TIMEOUT_S = 3.0
 _SIGTERM_DUMP_WAIT_S = _FR_TIMEOUT_S + 2.0   # a dump waits up to the Flight Recorder's timeout, then writes
-
-_started = False
-_faults: list[str] = []
-# How the interpreter is ending: None while running, "exception: <type>: <msg>" after an uncaught exception,
-# "clean" at a normal interpreter exit (atexit). Written into the heartbeat so the watchdog can tell a rank that
-# finished from one that died (SIGKILL, abort, OOM killer never run atexit).
-_exit_status: str | None = None
-# When the rank received SIGTERM (monotonic ns): torchrun stops the survivors of a crash that way, and the watchdog
-# must not take such a survivor for the rank that died first.
-_sigterm_ns: int | None = None
-
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     # one write of the whole text (json.dump would issue a write per token), and an unlink only after a failure:
@@ -136,8 +126,9 @@ def _jsonable_collective(c: Any) -> Any:
 _HOST = socket.gethostname()
 
 
-def snapshot(state: Any) -> dict:
-    """The heartbeat record: what the rank is doing now (cheap: attribute reads only)."""
+def snapshot(state: Any, beat: Heartbeat | None = None) -> dict:
+    """The heartbeat record: what the rank is doing now (cheap: attribute reads only); ``beat``: the Heartbeat whose
+    faults and exit it reports."""
     return {
         "rank": getattr(state, "rank", None),
         "pid": os.getpid(),
@@ -147,9 +138,9 @@ def snapshot(state: Any) -> dict:
         "last_progress_ns": getattr(state, "last_progress_ns", None),
         "t_ns": time.monotonic_ns(),
         "wall_ns": time.time_ns(),
-        "faults": list(_faults),
-        "exit": _exit_status,
-        "sigterm_ns": _sigterm_ns,
+        "faults": list(beat.faults) if beat else [],
+        "exit": beat.exit_status if beat else None,
+        "sigterm_ns": beat.sigterm_ns if beat else None,
     }
 
 
@@ -209,10 +200,11 @@ def exception_record(exc_type, exc, tb) -> dict:
                        for fs in traceback.extract_tb(tb)]}
 
 
-def write_dump(rank_dir: Path, state: Any, dump_id: str, reason: str, exception: dict | None = None) -> Path:
+def write_dump(rank_dir: Path, state: Any, dump_id: str, reason: str, exception: dict | None = None,
+               beat: Heartbeat | None = None) -> Path:
     """Write ``rank_dir/dump-<dump_id>.json``: heartbeat fields + stacks + Flight Recorder entries (+ the
     exception, for the ``exception`` dump)."""
-    rec = snapshot(state)
+    rec = snapshot(state, beat)
     rec["request"] = dump_id
     rec["reason"] = reason
     if exception is not None:
@@ -226,8 +218,19 @@ def write_dump(rank_dir: Path, state: Any, dump_id: str, reason: str, exception:
     return path
 
 
-class _Heartbeat:
+class Heartbeat:
+    """One rank's heartbeat thread, dump answers and exit hooks (module docstring), and what it reports about
+    itself."""
+
     def __init__(self, rank_dir: Path, state: Any):
+        self.faults: list[str] = []
+        # How the interpreter is ending: None while running, "exception: <type>: <msg>" after an uncaught
+        # exception, "clean" at a normal interpreter exit (atexit). Written into the heartbeat so the watchdog can
+        # tell a rank that finished from one that died (SIGKILL, abort, OOM killer never run atexit).
+        self.exit_status: str | None = None
+        # When the rank received SIGTERM (monotonic ns): torchrun stops the survivors of a crash that way, and the
+        # watchdog must not take such a survivor for the rank that died first.
+        self.sigterm_ns: int | None = None
         self.rank_dir = Path(rank_dir)
         self.node_dir = self.rank_dir.parent
         self.beat_file = _BeatFile(self.rank_dir / "heartbeat.json")
@@ -246,7 +249,7 @@ class _Heartbeat:
     # -- SIGTERM -----------------------------------------------------------------------------------------------
     def install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            _faults.append("heartbeat: not started from the main thread; no SIGTERM dump")
+            self.faults.append("heartbeat: not started from the main thread; no SIGTERM dump")
             return
         prev = signal.getsignal(signal.SIGTERM)
         if prev is signal.SIG_IGN or prev is None:
@@ -268,13 +271,12 @@ class _Heartbeat:
         """Write dump-sigterm.json once; a caller from another thread waits (bounded) for the first one's dump.
         False for a second SIGTERM handled inside the thread that is writing it: that caller must return at once
         and leave the rest (the dump, then the signal's action) to the first."""
-        global _sigterm_ns
         if self._sigterm_dump_claimed.acquire(blocking=False):   # never released: one dump per process
             self._sigterm_dumper = threading.get_ident()
-            _sigterm_ns = time.monotonic_ns()
+            self.sigterm_ns = time.monotonic_ns()
             try:
-                write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received")
-                self.beat_file.write(snapshot(self.state))
+                write_dump(self.rank_dir, self.state, "sigterm", "SIGTERM received", beat=self)
+                self.beat_file.write(snapshot(self.state, self))
             except Exception:
                 pass
             finally:
@@ -326,22 +328,20 @@ class _Heartbeat:
         prev_hook = sys.excepthook
 
         def excepthook(exc_type, exc, tb):
-            global _exit_status
             try:
-                _exit_status = f"exception: {exc_type.__name__}: {exc}"[:500]
-                write_dump(self.rank_dir, self.state, "exception", _exit_status,
-                           exception_record(exc_type, exc, tb))
-                self.beat_file.write(snapshot(self.state))
+                self.exit_status = f"exception: {exc_type.__name__}: {exc}"[:500]
+                write_dump(self.rank_dir, self.state, "exception", self.exit_status,
+                           exception_record(exc_type, exc, tb), beat=self)
+                self.beat_file.write(snapshot(self.state, self))
             except Exception:
                 pass
             prev_hook(exc_type, exc, tb)
 
         def at_exit():
-            global _exit_status
             try:
-                if _exit_status is None:
-                    _exit_status = "clean"
-                self.beat_file.write(snapshot(self.state))
+                if self.exit_status is None:
+                    self.exit_status = "clean"
+                self.beat_file.write(snapshot(self.state, self))
             except Exception:
                 pass
 
@@ -368,18 +368,18 @@ class _Heartbeat:
                 reason = (self.node_dir / name).read_text().strip() or "requested"
             except OSError:
                 reason = "requested"
-            write_dump(self.rank_dir, self.state, dump_id, reason)
+            write_dump(self.rank_dir, self.state, dump_id, reason, beat=self)
 
     def run(self) -> None:
         import select
         while True:
             try:
-                self.beat_file.write(snapshot(self.state))
+                self.beat_file.write(snapshot(self.state, self))
                 self.poll_requests()
             except Exception as e:  # keep beating: a full disk now may be fine later
                 msg = f"heartbeat: {type(e).__name__}: {e}"
-                if msg not in _faults:
-                    _faults.append(msg)
+                if msg not in self.faults:
+                    self.faults.append(msg)
             try:
                 if self.wake_r is not None:
                     ready, _, _ = select.select([self.wake_r], [], [], INTERVAL_S)
@@ -388,30 +388,30 @@ class _Heartbeat:
                 else:
                     time.sleep(INTERVAL_S)
             except Exception as e:
-                _faults.append(f"heartbeat wait: {type(e).__name__}: {e}")
+                self.faults.append(f"heartbeat wait: {type(e).__name__}: {e}")
                 time.sleep(INTERVAL_S)
 
 
+    def start(self) -> bool:
+        """Install the exit hooks and the SIGTERM dump, start the thread. False if it could not start."""
+        try:
+            self.rank_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.install_exit_hooks()
+            except Exception as e:
+                self.faults.append(f"heartbeat: exit hooks disabled ({type(e).__name__}: {e})")
+            try:
+                self.install_sigterm()
+            except Exception as e:
+                self.faults.append(f"heartbeat: SIGTERM dump disabled ({type(e).__name__}: {e})")
+            threading.Thread(target=self.run, name="dtprof-heartbeat", daemon=True).start()
+            return True
+        except Exception as e:
+            self.faults.append(f"heartbeat: disabled ({type(e).__name__}: {e})")
+            return False
+
+
 def start(rank_dir, state) -> bool:
-    """Start the heartbeat thread for this rank (once per process). Returns False if it could not start."""
-    global _started
-    if _started:
-        return True
-    try:
-        rank_dir = Path(rank_dir)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        hb = _Heartbeat(rank_dir, state)
-        try:
-            hb.install_exit_hooks()
-        except Exception as e:
-            _faults.append(f"heartbeat: exit hooks disabled ({type(e).__name__}: {e})")
-        try:
-            hb.install_sigterm()
-        except Exception as e:
-            _faults.append(f"heartbeat: SIGTERM dump disabled ({type(e).__name__}: {e})")
-        threading.Thread(target=hb.run, name="dtprof-heartbeat", daemon=True).start()
-        _started = True
-        return True
-    except Exception as e:
-        _faults.append(f"heartbeat: disabled ({type(e).__name__}: {e})")
-        return False
+    """Start a heartbeat for ``state`` (a process without a Recorder: the Recorder starts and keeps its own).
+    Returns False if it could not start."""
+    return Heartbeat(rank_dir, state).start()

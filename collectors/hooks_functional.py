@@ -1,6 +1,7 @@
 """Functional collectives (``torch.ops._c10d_functional``) as one rank sees them: the collectives that DTensor,
 tensor parallelism (``parallelize_module``), context parallelism and ``torch.distributed._functional_collectives``
-issue. Installed by ``runtime.init`` after ``hooks_collectives.install``; fault rules as in runtime.py.
+issue. The runtime's Recorder makes one ``FunctionalHooks`` beside its ``CollectiveHooks`` and installs it; fault
+rules as in runtime.py.
 
 Why intercept at the op namespace (torch 2.13, read from the installed sources)
 - DTensor's redistribute (``placement_types.py``, ``_collective_utils.py``) calls the Python functions of
@@ -22,21 +23,21 @@ Rows (same columns as other collectives; docs/run-format.md)
   ``all_reduce`` ...; ``<name>_autograd`` for the ``_c10d_functional_autograd`` namespace), ``source``
   "functional", ``async_op`` True.
 - ``group``: the op's ``group_name`` argument resolved to its ProcessGroup and named by
-  ``hooks_collectives._group`` (the name the groups table uses; a new group gets its groups row there);
-  ``seq`` from ``hooks_collectives._where`` (one counter per group, shared with ``torch.distributed`` calls).
+  ``CollectiveHooks.group`` (the name the groups table uses; a new group gets its groups row there);
+  ``seq`` from ``CollectiveHooks.where`` (one counter per group, shared with ``torch.distributed`` calls).
 - ``in_bytes`` from the input tensor(s), ``out_bytes`` from the op's returned tensor(s) (so all_gather's output is
   group_size × input, reduce_scatter's is input ÷ group_size, all_to_all's follows its split sizes).
 - ``issue_ns``/``return_ns``: the op call; ``end_ns``: when ``wait_tensor`` on its output (matched by the output's
   storage) returned. Each such wait is also a ``comm_wait`` span named "wait_tensor", and ``STATE.collective``
   names the op while the main thread waits. A coalesced op completes at the wait on its first output. Rows never
-  waited are written with ``end_ns`` null at exit (``hooks_collectives.expire_pending``).
+  waited are written with ``end_ns`` null at exit (``CollectiveHooks.expire_pending``).
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from dtprof.collectors import hooks_collectives as hc
+from dtprof.collectors.hooks_collectives import _dtype, _nbytes_list
 
 now = time.monotonic_ns
 
@@ -57,9 +58,6 @@ _OPS = {
     "broadcast_": ("broadcast", 2),
 }
 _AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
-_installed = False
-_rec: Any = None             # the runtime's Recorder, given by install (this module never imports the runtime)
-_tracing = None            # torch.distributed._functional_collectives._are_we_tracing, bound at install
 
 
 def _tensors(x):
@@ -82,66 +80,146 @@ def _resolve_group(group_name):
     return group_name           # a ProcessGroup passed directly
 
 
-def _record(api, op, group_arg, args, kwargs, result, issue, ret):
-    ins = _tensors(args[0])
-    outs = _tensors(result)
-    first_in = ins[0] if ins else None
-    peer = None
-    if op == "broadcast":
+class FunctionalHooks:
+    """The recording proxies in the functional-collective namespaces, and DeviceMesh naming (collectors/mesh.py),
+    for one Recorder: rows go through its ``CollectiveHooks`` (``collectives``), which names groups and counts seq
+    for both. ``install`` never raises; ``remove`` puts torch's packets back."""
+
+    def __init__(self, rec, collectives) -> None:
+        self.rec = rec
+        self.collectives = collectives
+        self.tracing: Any = None      # torch.distributed._functional_collectives._are_we_tracing, bound at install
+        self.replaced: list = []      # (namespace, name, packet) replaced by a proxy
+        self.mesh: Any = None         # the DeviceMesh hooks (collectors/mesh.py)
+
+    def record(self, api, op, group_arg, args, kwargs, result, issue, ret) -> None:
+        ins = _tensors(args[0])
+        outs = _tensors(result)
+        first_in = ins[0] if ins else None
+        peer = None
+        if op == "broadcast":
+            import torch.distributed as dist
+
+            pg = _resolve_group(group_arg)
+            peer = dist.get_global_rank(pg, int(args[1])) if len(args) > 1 else None
+        else:
+            pg = _resolve_group(group_arg)
+        hooks = self.collectives
+        row = hooks.make_row(op, api, "functional", hooks.where(op, pg, peer), _nbytes_list(ins), _nbytes_list(outs),
+                             _dtype(first_in), peer, True, issue, ret)
+        rec = self.rec
+        key = _storage_key(outs[0]) if outs else None
+        if key is None:
+            rec.append_collective(row)
+            return
+        old = rec.pending.pop(key, None)
+        if old is not None:        # that storage was never waited on and got reused: keep the old rows, end unknown
+            rec.writer.extend("collectives", old[1])
+        hooks.add_pending(key, None, [row])
+
+    def on_wait(self, tensor, orig):
+        """wait_tensor: completes the pending functional collective whose output this tensor is."""
+        rec = self.rec
+        if rec.disabled or not rec.active or self.tracing():
+            return orig(tensor)
+        try:
+            key = _storage_key(tensor)
+            rows = self.collectives.pending_rows(key) if key is not None else None
+            t0 = now()
+            if rows is not None:
+                rec.collective = (rows[0], t0)
+        except Exception:
+            rec.fault("functional wait_tensor")
+            return orig(tensor)
+        try:
+            return orig(tensor)
+        finally:
+            try:
+                if rows is not None:
+                    rec.collective = None
+                    t1 = now()
+                    rec.last_progress_ns = t1
+                    self.collectives.complete(key, t1)
+                    rec.span("comm_wait", "wait_tensor", t0, t1)
+            except Exception:
+                rec.fault("functional wait_tensor")
+
+    def call(self, packet, spec, args, kwargs):
+        """A call of a proxied packet: recorded, unless dtprof is off or the call is being traced."""
+        rec = self.rec
+        if rec.disabled or not rec.active or self.tracing():
+            return packet(*args, **kwargs)
+        api, op, group_pos = spec
+        if api == "wait_tensor":
+            return self.on_wait(args[0] if args else kwargs["tensor"], packet)
+        issue = now()
+        result = self.collectives.call_recorded(packet, *args, **kwargs)
+        try:
+            ret = now()
+            rec.last_progress_ns = ret
+            group_arg = args[group_pos] if len(args) > group_pos else kwargs.get("group_name")
+            self.record(api, op, group_arg, args, kwargs, result, issue, ret)
+        except Exception:
+            rec.fault(f"functional collective ({api})")
+        return result
+
+    def install(self) -> None:
+        """The runtime's single hook-in for hybrid jobs: functional collectives and DeviceMesh naming. Never
+        raises: what cannot be installed is an events warning row."""
+        from dtprof.collectors.mesh import MeshHooks
+
+        self.mesh = MeshHooks(self.rec, self.collectives)
+        for name, installer in (("dtprof.collectors.hooks_functional.FunctionalHooks.install_functional",
+                                 self.install_functional),
+                                ("dtprof.collectors.mesh.MeshHooks.install", self.mesh.install)):
+            try:
+                installer()
+            except Exception as e:
+                self.rec.event("warning", f"{name} unavailable: {type(e).__name__}: {e}")
+
+    def install_functional(self) -> None:
+        """Replace the functional-collective packets with recording proxies (once)."""
+        if self.replaced:
+            return
+        import torch
         import torch.distributed as dist
 
-        pg = _resolve_group(group_arg)
-        peer = dist.get_global_rank(pg, int(args[1])) if len(args) > 1 else None
-    else:
-        pg = _resolve_group(group_arg)
-    row = hc._make_row(op, api, "functional", hc._where(op, pg, peer), hc._nbytes_list(ins), hc._nbytes_list(outs),
-                       hc._dtype(first_in), peer, True, issue, ret)
-    rec = _rec
-    key = _storage_key(outs[0]) if outs else None
-    if key is None:
-        rec.append_collective(row)
-        return
-    old = rec.pending.pop(key, None)
-    if old is not None:          # that storage was never waited on and got reused: keep the old rows, end unknown
-        rec.writer.extend("collectives", old[1])
-    hc.add_pending(key, None, [row])
+        if not dist.is_available():
+            return
+        from torch.distributed import _functional_collectives as funcol  # registers the ops' Python parts
 
+        self.tracing = funcol._are_we_tracing
+        plan = [("_c10d_functional", name, name, spec) for name, spec in _OPS.items()]
+        plan.append(("_c10d_functional", "wait_tensor", "wait_tensor", (None, None)))
+        plan += [("_c10d_functional_autograd", name, name + "_autograd", _OPS[name]) for name in _AUTOGRAD_OPS]
+        for namespace, name, api, (op, group_pos) in plan:
+            ns = getattr(torch.ops, namespace)
+            try:
+                packet = getattr(ns, name)
+            except AttributeError:
+                continue
+            if isinstance(packet, _OpProxy):
+                continue
+            setattr(ns, name, _OpProxy(packet, (api, op, group_pos), self))
+            self.replaced.append((ns, name, packet))
 
-def _on_wait(tensor, orig):
-    """wait_tensor: completes the pending functional collective whose output this tensor is."""
-    state = _rec
-    if state.disabled or not state.active or _tracing():
-        return orig(tensor)
-    try:
-        key = _storage_key(tensor)
-        rows = hc.pending_rows(key) if key is not None else None
-        t0 = now()
-        if rows is not None:
-            state.collective = (rows[0], t0)
-    except Exception:
-        state.fault("functional wait_tensor")
-        return orig(tensor)
-    try:
-        return orig(tensor)
-    finally:
-        try:
-            if rows is not None:
-                state.collective = None
-                t1 = now()
-                state.last_progress_ns = t1
-                hc.complete(key, t1)
-                state.span("comm_wait", "wait_tensor", t0, t1)
-        except Exception:
-            state.fault("functional wait_tensor")
+    def remove(self) -> None:
+        """torch's packets and DeviceMesh back."""
+        for ns, name, packet in self.replaced:
+            setattr(ns, name, packet)
+        self.replaced.clear()
+        if self.mesh is not None:
+            self.mesh.remove()
 
 
 class _OpProxy:
     """Stands in for one OpOverloadPacket in its ``torch.ops`` namespace: calls are recorded, everything else is
     the packet's."""
 
-    def __init__(self, packet, api, op, group_pos):
+    def __init__(self, packet, spec, hooks):
         self._dtprof_packet = packet
-        self._dtprof_spec = (api, op, group_pos)
+        self._dtprof_spec = spec            # (api, canonical op, position of the group_name argument)
+        self._dtprof_hooks = hooks
 
     def __getattr__(self, name):
         return getattr(self._dtprof_packet, name)
@@ -156,64 +234,4 @@ class _OpProxy:
         return repr(self._dtprof_packet)
 
     def __call__(self, *args, **kwargs):
-        packet = self._dtprof_packet
-        state = _rec
-        if state.disabled or not state.active or _tracing():
-            return packet(*args, **kwargs)
-        api, op, group_pos = self._dtprof_spec
-        if api == "wait_tensor":
-            return _on_wait(args[0] if args else kwargs["tensor"], packet)
-        issue = now()
-        result = hc.call_recorded(packet, *args, **kwargs)
-        try:
-            ret = now()
-            state.last_progress_ns = ret
-            group_arg = args[group_pos] if len(args) > group_pos else kwargs.get("group_name")
-            _record(api, op, group_arg, args, kwargs, result, issue, ret)
-        except Exception:
-            state.fault(f"functional collective ({api})")
-        return result
-
-
-def install(rec) -> None:
-    """The runtime's single hook-in for hybrid jobs: functional collectives and DeviceMesh naming
-    (collectors/mesh.py), recording into ``rec`` (the runtime's Recorder). Never raises: what cannot be installed
-    is an events warning row."""
-    global _rec
-    from dtprof.collectors import mesh
-
-    _rec = rec
-    for name, installer in (("dtprof.collectors.hooks_functional._install_functional", _install_functional),
-                            ("dtprof.collectors.mesh.install", lambda: mesh.install(rec))):
-        try:
-            installer()
-        except Exception as e:
-            _rec.event("warning", f"{name} unavailable: {type(e).__name__}: {e}")
-
-
-def _install_functional() -> None:
-    """Replace the functional-collective packets with recording proxies (idempotent)."""
-    global _installed, _tracing
-    if _installed:
-        return
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return
-    from torch.distributed import _functional_collectives as funcol  # registers the ops' Python parts
-
-    _tracing = funcol._are_we_tracing
-    plan = [("_c10d_functional", name, name, spec) for name, spec in _OPS.items()]
-    plan.append(("_c10d_functional", "wait_tensor", "wait_tensor", (None, None)))
-    plan += [("_c10d_functional_autograd", name, name + "_autograd", _OPS[name]) for name in _AUTOGRAD_OPS]
-    for namespace, name, api, (op, group_pos) in plan:
-        ns = getattr(torch.ops, namespace)
-        try:
-            packet = getattr(ns, name)
-        except AttributeError:
-            continue
-        if isinstance(packet, _OpProxy):
-            continue
-        setattr(ns, name, _OpProxy(packet, api, op, group_pos))
-    _installed = True
+        return self._dtprof_hooks.call(self._dtprof_packet, self._dtprof_spec, args, kwargs)

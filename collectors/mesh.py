@@ -1,11 +1,11 @@
 """DeviceMesh awareness: name each mesh dimension's process group and record the mesh shape.
 
-Installed by ``runtime.init`` (through ``hooks_functional``'s hook-in). ``DeviceMesh.__init__`` is wrapped; after a
-*root* mesh (one built by ``init_device_mesh`` or ``DeviceMesh(...)``, not a slice such as ``mesh["tp"]``) has
-created its process groups, this rank records:
+Installed with the functional-collective hooks (``FunctionalHooks.install``), as a ``MeshHooks`` object.
+``DeviceMesh.__init__`` is wrapped; after a *root* mesh (one built by ``init_device_mesh`` or ``DeviceMesh(...)``,
+not a slice such as ``mesh["tp"]``) has created its process groups, this rank records:
 - for each mesh dimension, the group this rank belongs to along it, as a ``groups`` row with ``mesh_dim`` = the
   dimension's name: the user's ``mesh_dim_names`` (conventionally ``dp``, ``tp``, ``pp``, ``cp``) or ``dim<i>``
-  when the mesh has no names. The group's first row (written by ``hooks_collectives._group`` when the group is
+  when the mesh has no names. The group's first row (written by ``CollectiveHooks.group`` when the group is
   first seen, ``mesh_dim`` empty) stays; readers take the last non-empty ``mesh_dim`` per (rank, group)
   (docs/run-format.md).
 - one ``mesh`` meta row {"shape": [2, 2], "dims": ["dp", "tp"]}.
@@ -16,12 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtprof.collectors import hooks_collectives as hc
 from dtprof.collectors.records import Group
-
-_installed = False
-_rec: Any = None             # the runtime's Recorder, given by install (this module never imports the runtime)
-_announced = set()          # (shape, dims) already written on this rank
 
 
 def dim_names(mesh) -> tuple[str, ...]:
@@ -29,60 +24,73 @@ def dim_names(mesh) -> tuple[str, ...]:
     return tuple(names) if names else tuple(f"dim{i}" for i in range(mesh.ndim))
 
 
-def record_mesh(mesh) -> None:
-    """Write the groups rows and the meta row for ``mesh`` (once per shape and names)."""
-    state = _rec
-    if state.disabled or not state.active:
-        return
-    if getattr(mesh, "_root_mesh", None) is not None:
-        return                                  # a slice of a mesh already recorded
-    shape = tuple(int(s) for s in mesh.shape)
-    dims = dim_names(mesh)
-    if (shape, dims) in _announced:
-        return
-    if mesh.get_coordinate() is None:
-        return                                  # this rank is not in the mesh
-    _announced.add((shape, dims))
-    import torch.distributed as dist
+class MeshHooks:
+    """``DeviceMesh.__init__`` wrapped for one Recorder; groups are named through its ``CollectiveHooks``."""
 
-    for i, dim in enumerate(dims):
-        pg = mesh.get_group(i)
-        name, size = hc._group(pg)[:2]
-        ranks = dist.get_process_group_ranks(pg)
-        try:
-            backend = str(dist.get_backend(pg))
-        except Exception:
-            backend = ""
-        state.add(Group(rank=state.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
-                        desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=dim))
-    state.meta("mesh", {"shape": list(shape), "dims": list(dims)})
+    def __init__(self, rec, collectives) -> None:
+        self.rec = rec
+        self.collectives = collectives
+        self.announced: set = set()       # (shape, dims) already written on this rank
+        self.patched: Any = None          # (DeviceMesh, its own __init__) while installed
 
-
-def _wrap_init(orig):
-    def __init__(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        if _rec.disabled or not _rec.active or not kwargs.get("_init_backend", True):
+    def record_mesh(self, mesh) -> None:
+        """Write the groups rows and the meta row for ``mesh`` (once per shape and names)."""
+        rec = self.rec
+        if rec.disabled or not rec.active:
             return
-        try:
-            record_mesh(self)
-        except Exception:
-            _rec.fault("device mesh")
+        if getattr(mesh, "_root_mesh", None) is not None:
+            return                                  # a slice of a mesh already recorded
+        shape = tuple(int(s) for s in mesh.shape)
+        dims = dim_names(mesh)
+        if (shape, dims) in self.announced:
+            return
+        if mesh.get_coordinate() is None:
+            return                                  # this rank is not in the mesh
+        self.announced.add((shape, dims))
+        import torch.distributed as dist
 
-    __init__.__wrapped__ = orig
-    __init__.__doc__ = orig.__doc__
-    return __init__
+        for i, dim in enumerate(dims):
+            pg = mesh.get_group(i)
+            name, size = self.collectives.group(pg)[:2]
+            ranks = dist.get_process_group_ranks(pg)
+            try:
+                backend = str(dist.get_backend(pg))
+            except Exception:
+                backend = ""
+            rec.add(Group(rank=rec.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
+                          desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=dim))
+        rec.meta("mesh", {"shape": list(shape), "dims": list(dims)})
 
+    def wrap_init(self, orig):
+        rec = self.rec
 
-def install(rec) -> None:
-    """Wrap DeviceMesh.__init__, recording into ``rec`` (the runtime's Recorder)."""
-    global _installed, _rec
-    _rec = rec
-    if _installed:
-        return
-    from torch.distributed import device_mesh
+        def __init__(mesh, *args, **kwargs):
+            orig(mesh, *args, **kwargs)
+            if rec.disabled or not rec.active or not kwargs.get("_init_backend", True):
+                return
+            try:
+                self.record_mesh(mesh)
+            except Exception:
+                rec.fault("device mesh")
 
-    cls = getattr(device_mesh, "DeviceMesh", None)
-    if cls is None or not hasattr(cls, "get_group"):     # torch without distributed support: a stub
-        return
-    cls.__init__ = _wrap_init(cls.__init__)
-    _installed = True
+        __init__.__wrapped__ = orig
+        __init__.__doc__ = orig.__doc__
+        return __init__
+
+    def install(self) -> None:
+        """Wrap DeviceMesh.__init__."""
+        if self.patched is not None:
+            return
+        from torch.distributed import device_mesh
+
+        cls = getattr(device_mesh, "DeviceMesh", None)
+        if cls is None or not hasattr(cls, "get_group"):     # torch without distributed support: a stub
+            return
+        self.patched = (cls, cls.__init__)
+        cls.__init__ = self.wrap_init(cls.__init__)
+
+    def remove(self) -> None:
+        if self.patched is not None:
+            cls, init = self.patched
+            cls.__init__ = init
+            self.patched = None

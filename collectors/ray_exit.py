@@ -10,15 +10,12 @@ import atexit
 import threading
 import time
 
-_flushed = False
-
 
 def final_flush(rec) -> None:
     """Flush the rank once, as its exit would (its ``at_exit``; the atexit call is taken back, it would add its
     rows a second time)."""
-    global _flushed
-    if rec.active and not _flushed:
-        _flushed = True
+    if rec.active and not rec.final_flushed:
+        rec.final_flushed = True
         rec.at_exit()
         atexit.unregister(rec.at_exit)
 

@@ -132,8 +132,10 @@ class _Worker:
             record = heartbeat.exception_record(type(exc), exc, exc.__traceback__)
             if rec.active and not rec.disabled:
                 rec.event("error", f"{FAILURE_EVENT} at step {rec.step}: {text}")
-                heartbeat._exit_status = f"exception: {text}"
-                heartbeat.write_dump(Path(rec.rank_dir), rec, "exception", f"exception: {text}", record)
+                if rec.heartbeat is not None:
+                    rec.heartbeat.exit_status = f"exception: {text}"
+                heartbeat.write_dump(Path(rec.rank_dir), rec, "exception", f"exception: {text}", record,
+                                     beat=rec.heartbeat)
             self.end("failed", 1, failure={"step": rec.step, "exception": text, "time": _utc(),
                                            "mono_ns": time.monotonic_ns(), "traceback": record["frames"][-8:]})
         except Exception:

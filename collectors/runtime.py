@@ -4,11 +4,11 @@ Public interface: ``init(out=None, **options) -> bool``, ``step()``, ``span(name
 ``annotate(**fields)``, ``install_from_env()`` and the module-level ``STATE``.
 
 How it stays out of training's way
-- The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here are its methods, and
-  hooks_collectives.py / hooks_functional.py / mesh.py are given it at install and read and set its attributes
-  (they never import this module, and no module changes another's globals). The hot path only reads a few of its
-  attributes and appends typed rows (collectors/records.py, namedtuples generated from the schema) to the
-  ``RankWriter``'s in-memory lists.
+- The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here are its methods. It owns the hook
+  objects of hooks_collectives.py, hooks_functional.py and mesh.py and its heartbeat (heartbeat.py), which are given
+  the Recorder when it makes them and read and set its attributes (they never import this module, and keep no state
+  in module globals). The hot path only reads a few of its attributes and appends rows (collectors/records.py,
+  plain tuples built by functions generated from the schema) to the ``RankWriter``'s in-memory lists.
   All file I/O, CUDA event resolution and clock readings happen in one daemon
   flusher thread (every ``flush_interval_s``, default 1 s) and at exit (atexit).
 - Every hook body runs under try/except. A fault records an ``events`` error row (the traceback's last line),
@@ -69,10 +69,16 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from dtprof.collectors import inputs
 from dtprof.collectors.records import Clock, Event, Meta, span_row, step_row
 from dtprof.schema import DETAIL_BLOCK
+
+if TYPE_CHECKING:     # imported when the Recorder starts (torch.distributed is not imported before)
+    from dtprof.collectors.heartbeat import Heartbeat
+    from dtprof.collectors.hooks_collectives import CollectiveHooks
+    from dtprof.collectors.hooks_functional import FunctionalHooks
 
 now = time.monotonic_ns
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
@@ -151,11 +157,11 @@ class Recorder:
         self.annot = {}
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
-        self.pp_active = 0         # >0 while a pipeline schedule's step() runs (hooks_collectives)
+        self.pp_active = 0         # >0 while a pipeline schedule's step() runs (CollectiveHooks)
         self.parked_hooks = []     # (hooks dict, key, hook, first) of hooks out for now (park_hooks)
         self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
         self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
-        self.complete_ddp = None   # hooks_collectives.complete_ddp, bound at start (no import per step)
+        self.complete_ddp = None   # collective_hooks.complete_ddp, bound at start (no lookup per step)
         self.trace_capture = None
         self.flop_mode = None
         self.flops_step = None
@@ -164,11 +170,15 @@ class Recorder:
         self.rss_read_ns = -RSS_READ_INTERVAL_NS   # when peak_mem_bytes last read the RSS high-water mark (CPU)
         self.rss_peak = 0
         # ---- collectives (hooks_collectives.py, hooks_functional.py) ----
+        self.collective_hooks: CollectiveHooks | None = None     # made at start
+        self.functional_hooks: FunctionalHooks | None = None     # and DeviceMesh's hooks, made at start
+        self.heartbeat: Heartbeat | None = None
+        self.final_flushed = False            # ray_exit.final_flush ran (a Ray worker, flushed before Ray kills it)
         self.groups = {}           # id(pg) or None -> (name, size, pg, the group's seq counter)
         self.seq = {}              # group name or (group, src, dst) -> itertools.count() of its seqs
         self.pending = {}          # completion key -> (work, rows, issue_ns): async ops awaiting completion
         # NCCL works completed on the host whose GPU-side duration the flusher reads once the GPU has run them
-        # (hooks_collectives.resolve_gpu_durations). A deque: future callbacks append while the flusher pops.
+        # (CollectiveHooks.resolve_gpu_durations). A deque: future callbacks append while the flusher pops.
         self.timed = collections.deque()
         # ---- CUDA timing (decided at the first forward) ----
         self.cuda = None           # None undecided, False host timing, True CUDA events
@@ -309,19 +319,23 @@ class Recorder:
         self.clock_row()
         self.ab_block = int(os.environ.get("DTPROF_AB_BLOCK_STEPS") or 0)
         self.install_train_hooks()
-        hooks_collectives.install(self)
-        self.complete_ddp = hooks_collectives.complete_ddp
-        hooks_functional.install(self)     # hybrid hook-in: functional collectives, DeviceMesh
+        hooks = self.collective_hooks = hooks_collectives.CollectiveHooks(self)
+        hooks.install()
+        self.complete_ddp = hooks.complete_ddp
+        self.functional_hooks = hooks_functional.FunctionalHooks(self, hooks)
+        self.functional_hooks.install()     # hybrid hook-in: functional collectives, DeviceMesh
         self.active = True
         self.start_flusher(float(opts.get("flush_interval_s") or 1.0))
         self.start_companions(opts)
 
     def start_companions(self, opts) -> None:
         """The heartbeat (triage) and the trace capture (--trace-steps)."""
-        from dtprof.collectors import heartbeat
+        from dtprof.collectors.heartbeat import Heartbeat
 
         try:
-            heartbeat.start(self.rank_dir, self)
+            if self.heartbeat is None:
+                self.heartbeat = Heartbeat(self.rank_dir, self)
+                self.heartbeat.start()
         except Exception:
             self.event("warning", f"heartbeat did not start: {_last_error_line()}")
         sample = opts.get("kernel_sample") or {}   # dtprof run's default kernel sample: a GPU job's only
@@ -338,14 +352,13 @@ class Recorder:
     # ---- the flusher thread --------------------------------------------------------------------------------
 
     def flush_once(self) -> None:
-        from dtprof.collectors import hooks_collectives
-
         if self.writer is None:
             return
         if self.cuda:
             self.resolve_cuda_events()
-        hooks_collectives.expire_pending()
-        hooks_collectives.resolve_gpu_durations()
+        if self.collective_hooks is not None:
+            self.collective_hooks.expire_pending()
+            self.collective_hooks.resolve_gpu_durations()
         ident, self.identity_new = self.identity_new, None
         if ident is not None:
             self.writer.write_identity(ident)
@@ -366,8 +379,6 @@ class Recorder:
 
     def at_exit(self) -> None:
         try:
-            from dtprof.collectors import hooks_collectives
-
             if self.trace_capture is not None:
                 try:
                     self.trace_capture.close()
@@ -379,8 +390,9 @@ class Recorder:
                 torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
             if self.eval_forwards:         # an evaluation after the last step
                 self.end_evaluation()
-            hooks_collectives.expire_pending(all_=True)
-            hooks_collectives.resolve_gpu_durations(final=True)
+            if self.collective_hooks is not None:
+                self.collective_hooks.expire_pending(all_=True)
+                self.collective_hooks.resolve_gpu_durations(final=True)
             self.meta("dtprof_threads_cpu", {"threads": _own_threads_cpu_s(), "at_step0_end": self.threads_cpu_step0,
                                              "steps": self.step})
             self.flush_once()
@@ -881,10 +893,8 @@ class Recorder:
         """Full detail (every hook in) or the step boundary only (the optimizer hooks) from the next step on."""
         if on == self.detail:
             return
-        from dtprof.collectors import hooks_collectives
-
         self.detail = on
-        hooks_collectives.set_wrappers(on)
+        self.collective_hooks.set_wrappers(on)
         (self.install_path_hooks if on else self.remove_path_hooks)()
         if self.hook_handles:
             self.switch_opt_pre_hook(on)
@@ -1134,12 +1144,10 @@ class Recorder:
     def switch_path_hooks(self, on: bool) -> None:
         """Everything dtprof puts on the training thread's path but the optimizer hooks, in (on) or out: the
         forward, backward and DataLoader hooks, the collective and pipelining wrappers, ``Work.wait`` and the
-        ``c10d::allreduce_`` kernel (hooks_collectives.set_wrappers); while out, the wrappers off a step's path
+        ``c10d::allreduce_`` kernel (CollectiveHooks.set_wrappers); while out, the wrappers off a step's path
         (DeviceMesh) pass through (``active`` is False). For measuring what they cost: the A/B blocks and
         benchmarks/overhead.py."""
-        from dtprof.collectors import hooks_collectives
-
-        hooks_collectives.set_wrappers(on)
+        self.collective_hooks.set_wrappers(on)
         (self.install_path_hooks if on else self.remove_path_hooks)()
         self.active = on
 

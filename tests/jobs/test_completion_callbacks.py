@@ -15,18 +15,19 @@ JOB = textwrap.dedent("""
     import json, os, sys, threading
     import torch, torch.distributed as dist
     import dtprof
-    from dtprof.collectors import hooks_collectives as hc
+    from dtprof.collectors.runtime import STATE
     from dtprof.reader import open_run
 
     dist.init_process_group("gloo")
     assert dtprof.init(sys.argv[1])
+    hc = STATE.collective_hooks    # the recorder's hooks: their completion callbacks call hc.complete
     seen = []                      # per callback: its thread, and how many callbacks that thread state has run
     complete = hc.complete
 
     def counting_complete(key, t, entry=None):
         if entry is not None:      # a completion callback (a wait passes no entry)
-            hc._tls.calls = getattr(hc._tls, "calls", 0) + 1
-            seen.append((threading.get_ident(), hc._tls.calls))
+            hc.tls.calls = getattr(hc.tls, "calls", 0) + 1
+            seen.append((threading.get_ident(), hc.tls.calls))
         complete(key, t, entry)
 
     hc.complete = counting_complete
@@ -38,8 +39,8 @@ JOB = textwrap.dedent("""
     while n < 200 or (sum(th != main for th, _ in seen) < 50 and n < 5000):
         dist.all_reduce(t, async_op=True).wait()
         n += 1
-    hc.complete = complete
-    dtprof.collectors.runtime.STATE.flush_once()
+    del hc.complete                # the method again
+    STATE.flush_once()
     rows = open_run(sys.argv[1]).table("collectives")
     print(json.dumps({"seen": seen, "main": main, "calls": n, "rows": len(rows),
                       "ended": int(rows["end_ns"].notna().sum())}))

@@ -245,16 +245,22 @@ def test_rank_coordinates_along_each_mesh_dimension():
 def test_op_proxy_is_transparent():
     torch = pytest.importorskip("torch")
     from dtprof.collectors import hooks_functional
+    from dtprof.collectors.runtime import Recorder
 
     ns = torch.ops._c10d_functional
     packet = ns.all_reduce
-    hooks_functional._install_functional()
-    proxy = ns.all_reduce
-    assert isinstance(proxy, hooks_functional._OpProxy)
-    assert proxy.default is packet.default                 # code holding overloads is unaffected
-    assert proxy == packet and hash(proxy) == hash(packet)  # dicts keyed by packets (CommDebugMode) still match
-    assert {packet: 1}.get(proxy) == 1
-    assert isinstance(ns.wait_tensor, hooks_functional._OpProxy)
+    hooks = hooks_functional.FunctionalHooks(Recorder(), None)
+    hooks.install_functional()
+    try:
+        proxy = ns.all_reduce
+        assert isinstance(proxy, hooks_functional._OpProxy)
+        assert proxy.default is packet.default                 # code holding overloads is unaffected
+        assert proxy == packet and hash(proxy) == hash(packet)  # dicts keyed by packets (CommDebugMode) still match
+        assert {packet: 1}.get(proxy) == 1
+        assert isinstance(ns.wait_tensor, hooks_functional._OpProxy)
+    finally:
+        hooks.remove()
+    assert ns.all_reduce is packet                             # remove() puts torch's packets back
 
 
 def test_hybrid_runs_analysed_from_node_summaries_equal_raw(tp_run, pp_run):

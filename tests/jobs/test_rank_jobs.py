@@ -471,7 +471,8 @@ import torch.distributed as dist
 from dtprof.collectors import hooks_collectives as hc
 
 from dtprof.collectors import runtime
-hc.install(runtime.STATE)
+hooks = hc.CollectiveHooks(runtime.STATE)
+hooks.install()
 from torch.distributed.pipelining import schedules, stage   # dtprof wraps it as it is imported
 
 def ours():   # which of these are dtprof's functions
@@ -485,15 +486,15 @@ dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, wor
 torch_isend, dtprof_isend = dist.isend.__wrapped__, dist.isend
 ops_ok = []
 for wrappers_in in (True, False):
-    hc.set_wrappers(wrappers_in)
+    hooks.set_wrappers(wrappers_in)
     for op in (torch_isend, dtprof_isend):
         p = dist.P2POp(op, torch.zeros(1), 0)
-        ops_ok.append(hc._current_p2p_op(p) == "isend" and p.op is dist.distributed_c10d.isend)
-hc.set_wrappers(True)
+        ops_ok.append(hooks.current_p2p_op(p) == "isend" and p.op is dist.distributed_c10d.isend)
+hooks.set_wrappers(True)
 on = ours()
-hc.set_wrappers(False)
+hooks.set_wrappers(False)
 off = ours()
-hc.set_wrappers(True)
+hooks.set_wrappers(True)
 print(json.dumps([on, off, ours(), ops_ok]))
 """
 
@@ -509,6 +510,51 @@ def test_ab_off_block_takes_every_pipelining_wrapper_out(tmp_path):
     on, off, again, ops_ok = json.loads(p.stdout)
     assert len(on) == 6 and off == [] and again == on, p.stdout
     assert ops_ok == [True] * 4
+
+
+REMOVE_CHECK = """
+import json, os, sys, torch
+import torch.distributed as dist
+from dtprof.collectors import hooks_collectives as hc, hooks_functional as hf
+from dtprof.collectors.runtime import Recorder
+
+def torch_own():   # which of these are torch's own, by name
+    from torch.distributed.pipelining import schedules
+    fs = {"all_reduce": dist.all_reduce, "c10d.isend": dist.distributed_c10d.isend, "Work.wait": dist.Work.wait,
+          "init_process_group": dist.init_process_group, "_check_op": dist.distributed_c10d._check_op,
+          "register_comm_hook": torch.nn.parallel.DistributedDataParallel.register_comm_hook,
+          "_batch_p2p": schedules._batch_p2p, "DeviceMesh.__init__": dist.device_mesh.DeviceMesh.__init__,
+          "functional all_reduce": torch.ops._c10d_functional.all_reduce}
+    ours = os.path.dirname(hc.__file__)     # collectors/
+    return sorted(k for k, f in fs.items() if not getattr(getattr(f, "__code__", None), "co_filename", "").startswith(
+        ours) and type(f).__name__ != "_OpProxy")
+
+def kernel():
+    return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "AutogradCPU")
+
+bare, kernel_bare, finders = torch_own(), kernel(), len(sys.meta_path)
+rec = Recorder()
+hooks = hc.CollectiveHooks(rec)
+hooks.install()
+functional = hf.FunctionalHooks(rec, hooks)
+functional.install()
+import torch.nn.parallel.distributed, torch.distributed.pipelining   # dtprof's hooks go in as they are imported
+hooked, kernel_hooked = torch_own(), kernel()
+functional.remove()
+hooks.remove()
+print(json.dumps([bare, hooked, torch_own(), kernel_bare, kernel_hooked, kernel(), finders == len(sys.meta_path)]))
+"""
+
+
+def test_the_recorders_hooks_come_out_as_they_went_in():
+    """The hooks are objects the Recorder owns (issue 39): install() puts every one in, remove() puts torch's own
+    functions, methods, packets and its c10d::allreduce_ kernel back, and leaves no import hook behind."""
+    p = subprocess.run([sys.executable, "-c", REMOVE_CHECK], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    bare, hooked, removed, kernel_bare, kernel_hooked, kernel_removed, finders_gone = json.loads(p.stdout)
+    assert len(bare) == 9 and hooked == [] and removed == bare, p.stdout
+    assert (kernel_bare, kernel_hooked, kernel_removed) == (False, True, False)
+    assert finders_gone
 
 
 P2P_JOB = """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtprof.collectors import hooks_collectives as hc
+from dtprof.collectors import hooks_collectives
 from dtprof.collectors import runtime as rt
 from dtprof.collectors.records import collective_row
 from dtprof.reader import open_run
@@ -40,14 +40,21 @@ class FutureWork:
 
 
 @pytest.fixture
+def hc():
+    """The hooks of the rank's recorder, as its start makes them (no torch.distributed function is wrapped: their
+    tables are what is tested)."""
+    hooks = hooks_collectives.CollectiveHooks(rt.STATE)
+    hooks.nccl_timing = True
+    return hooks
+
+
+@pytest.fixture
 def writer(tmp_path, monkeypatch):
     create_run_dir(tmp_path / "run", {"command": ["test"]})
     node = create_node_dir(tmp_path / "run")
     w = RankWriter(node, 0)
     w.write_identity({"rank": 0, "local_rank": 0, "world_size": 1, "host": "h", "pid": 1, "device_type": "cuda"})
     monkeypatch.setattr(rt.STATE, "writer", w)
-    monkeypatch.setattr(hc, "_rec", rt.STATE)          # as runtime.init's hooks_collectives.install does
-    monkeypatch.setattr(hc, "_nccl_timing", True)
     rt.STATE.timed.clear()
     yield w, tmp_path / "run"
     rt.STATE.timed.clear()
@@ -60,14 +67,14 @@ def _row(seq, source="user"):
                           microbatch=None)
 
 
-def test_duration_filled_once_the_gpu_has_finished(writer):
+def test_duration_filled_once_the_gpu_has_finished(writer, hc):
     w, run_dir = writer
     slow, never = NcclWorkStandIn(ready_after=2, ms=1.5), NcclWorkStandIn(ready_after=10**6, ms=0)
     hc.add_pending(id(slow), slow, [_row(0)])
     hc.add_pending(id(never), never, [_row(1)])
     hc.complete(id(slow), 2000)
     hc.complete(id(never), 2100)
-    for _ in range(hc.MAX_TIMED_TRIES):   # flushes
+    for _ in range(hooks_collectives.MAX_TIMED_TRIES):   # flushes
         hc.resolve_gpu_durations()
     w.flush()
     c = open_run(run_dir).collectives.set_index("seq")
@@ -77,7 +84,7 @@ def test_duration_filled_once_the_gpu_has_finished(writer):
     assert not rt.STATE.timed
 
 
-def test_rows_wait_for_their_duration_but_exit_writes_them(writer):
+def test_rows_wait_for_their_duration_but_exit_writes_them(writer, hc):
     w, run_dir = writer
     work = NcclWorkStandIn(ready_after=10**6, ms=0)
     hc.add_pending(id(work), work, [_row(0)])
@@ -90,14 +97,14 @@ def test_rows_wait_for_their_duration_but_exit_writes_them(writer):
     assert len(open_run(run_dir).collectives) == 1
 
 
-def test_a_late_completion_callback_does_not_end_the_op_that_reused_its_key(writer):
+def test_a_late_completion_callback_does_not_end_the_op_that_reused_its_key(writer, hc):
     # An async op's future completes; its callback waits for the GIL while the main thread ends the backward
     # (complete_ddp) and issues the next op, whose new object can get the freed one's id, the pending key. The old
     # callback must not give the new op its end (it did: a DDP bucket ended 40 ms before its peers arrived)
     w, run_dir = writer
     fut = torch.futures.Future()
     work = FutureWork(fut)
-    hc._track(work, [_row(0, "ddp")])                  # as a collective's wrapper registers it
+    hc.track(work, [_row(0, "ddp")])                  # as a collective's wrapper registers it
     key = id(work)
     hc.complete_ddp(1500)                              # the main thread, at the end of the backward
     hc.add_pending(key, NcclWorkStandIn(ready_after=0, ms=0), [_row(1, "ddp")])   # the next op, same key

@@ -100,3 +100,41 @@ def test_no_function_over_120_lines():
                     if lines > MAX_FUNCTION_LINES:
                         long.append(f"{f.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+# A memo of a pure function of torch's dtypes (the same for any recorder): the one module-level table allowed
+MODULE_TABLES_ALLOWED = {("collectors/hooks_collectives.py", "_DTYPE_NAMES")}
+MUTATORS = {"append", "add", "setdefault", "update", "pop", "popitem", "clear", "extend", "insert", "remove",
+            "discard"}
+
+
+def _module_state(f) -> list[str]:
+    """Where a function of a module rebinds a global or changes the contents of one of the module's names (a table
+    built while the module is imported is a constant)."""
+    tree = ast.parse(f.read_text())
+    names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    in_functions = {n for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(fn)}
+    found = []
+    for n in sorted(in_functions, key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+        if isinstance(n, ast.Global):
+            found += [f"{n.lineno} global {g}" for g in n.names]
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del)) \
+                and isinstance(n.value, ast.Name) and n.value.id in names:
+            found.append(f"{n.lineno} {n.value.id}[...] =")
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS \
+                and isinstance(n.func.value, ast.Name) and n.func.value.id in names:
+            found.append(f"{n.lineno} {n.func.value.id}.{n.func.attr}()")
+    return found
+
+
+def test_rank_side_keeps_no_state_in_module_globals():
+    """The rank side's hooks keep their state in objects the Recorder owns (issue 39): no module of collectors/
+    rebinds a global or changes a module-level table, but the memo above."""
+    found = []
+    for f in sorted((REPO / "collectors").glob("*.py")):
+        name = str(f.relative_to(REPO))
+        found += [f"{name}:{where}" for where in _module_state(f)
+                  if not any(where.split()[1].startswith(table) for n, table in MODULE_TABLES_ALLOWED if n == name)]
+    assert found == []
