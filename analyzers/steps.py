@@ -202,19 +202,25 @@ def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
     return detect_warmup(t), "detected"
 
 
-def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int = 0, every: int = 1) -> dict | None:
+def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int = 0, every: int = 1,
+             means: tuple[float | None, float | None] = (None, None)) -> dict | None:
     """summary.json ``steps.sampling``: what the ranks' step sampling decided (the ``sampling`` meta rows,
-    collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows."""
+    collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows. ``means``:
+    the mean time of the timed steps the analysis read in detail and of the boundary-only ones (the detailed steps
+    are the breakdown's sample: a user compares the two to see whether it stands for the run)."""
     last = {int(r): v for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
             if k == "sampling" and isinstance(v, dict)}    # a rank's last decision (it may calibrate again)
     read = (f"; the analysis read the detail of {detailed} of the {detailed + skipped} detailed steps (the blocks "
             f"starting at multiples of {DETAIL_BLOCK * every} steps)" if skipped else "")
+    compared = (f"; the detailed steps took {means[0] * 1e3:.3g} ms on average, the others {means[1] * 1e3:.3g} ms"
+                if means[0] is not None and means[1] is not None else "")
     if not last:     # no sampling rows (an import, a run before 1.5): what the steps rows say
         if not skipped:
             return None
         recorded = (f"{detailed + skipped} step(s) in full detail, {boundary_only} with their times only"
                     if boundary_only else "every step in full detail")
-        return {"statement": recorded + read}
+        return {"statement": recorded + read + compared, "detailed_step_mean_s": means[0],
+                "boundary_step_mean_s": means[1]}
     rows = sorted(last.items())
     periods = sorted({int(v.get("period") or 0) for _, v in rows})
     costs = [v["detail_cost_ns"] / NS for _, v in rows if v.get("detail_cost_ns") is not None]
@@ -227,7 +233,8 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
     out: dict = {"period_steps": periods[-1], "block_steps": v0.get("block"), "from_step": v0.get("from_step"),
            "calibration_steps": v0.get("calibration"), "budget_frac": v0.get("budget"),
            "detail_cost_s": cost_s, "block_cost_s": block_s, "boundary_step_s": step_s,
-           "ranks_by_period": {str(p): sorted(r for r, v in rows if int(v.get("period") or 0) == p) for p in periods}}
+           "ranks_by_period": {str(p): sorted(r for r, v in rows if int(v.get("period") or 0) == p) for p in periods},
+           "detailed_step_mean_s": means[0], "boundary_step_mean_s": means[1]}
     cost = (f"dtprof's cost of a detailed step was measured at {cost_s * 1e6:.0f} µs on {step_s * 1e3:.3g} ms steps"
             + (f", {block_s * 1e6:.0f} µs a block of {v0.get('block')} with its switches" if block_s is not None
                else "")
@@ -248,8 +255,12 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
                             + (f"; {cost}" + ("" if footprint else f", over {out['budget_frac'] * 100:g}% of the step")
                                if cost and out["period_steps"] else "") + read
                             + "); step times and throughput use every step, the breakdown, overlap, what-if and "
-                              "stragglers the detailed ones")
+                              "stragglers the detailed ones" + compared)
     return out
+
+
+def _mean(t: pd.Series) -> float | None:
+    return float(t.mean()) if len(t) else None
 
 
 def step_stats(model) -> dict:
@@ -279,8 +290,9 @@ def step_stats(model) -> dict:
         out["jitter_frac"] = None
         out["time_s_reason"] = ("no measured steps (all steps are warm-up, traced or FLOP-counted, or none were "
                                 "recorded)")
+    means = (_mean(job.loc[job["measured"], "time_s"]), _mean(meas.loc[meas["boundary_only"], "time_s"]))
     out["sampling"] = sampling(model.run.meta, out["detailed_count"], out["boundary_only_count"],
-                               out["detail_skipped_count"], model.detail_every)
+                               out["detail_skipped_count"], model.detail_every, means)
     out["per_step_time_s"] = [float(x) for x in t]
     out["per_step_index"] = [int(x) for x in meas["step"]]
     total_t = float(t.sum()) if len(t) else 0.0

@@ -65,6 +65,12 @@ def test_stored_node_summaries_equal_the_raw_tables(long_run):
     assert st["boundary_only_count"] == STEPS - 1 - len(_detailed(range(1, STEPS)))
     assert "the analysis read the detail of" in st["sampling"]["statement"]
     assert s["stragglers"] and s["stragglers"][0]["rank"] == 3
+    # the breakdown's sample set beside the rest: the mean step time of the detailed steps read, and of the others
+    job = RunModel.of(open_run(run)).job
+    detailed, others = job.loc[job["measured"], "time_s"], job.loc[job["timed"] & job["boundary_only"], "time_s"]
+    assert st["sampling"]["detailed_step_mean_s"] == pytest.approx(detailed.mean())
+    assert st["sampling"]["boundary_step_mean_s"] == pytest.approx(others.mean())
+    assert f"the detailed steps took {detailed.mean() * 1e3:.3g} ms on average" in st["sampling"]["statement"]
 
 
 def test_a_long_table_is_read_in_chunks_as_a_slice_of_the_whole(long_run):
