@@ -194,8 +194,9 @@ def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None 
     first = w[at + 1] if first is None else first
     found = np.zeros(len(at), bool)
     for p in prefixes:
-        mask = np.uint64((1 << 8 * min(len(p), 8)) - 1)
-        hit = np.flatnonzero((first & mask) == np.uint64(int.from_bytes(p[:8], "little")))
+        word = np.uint64(int.from_bytes(p[:8], "little"))
+        masked = first if len(p) >= 8 else first & np.uint64((1 << 8 * len(p)) - 1)   # a whole word: no copy
+        hit = np.flatnonzero(masked == word)
         for k in range(8, len(p), 8):  # the rest, on the few that matched so far
             part = p[k:k + 8]
             mask = np.uint64((1 << 8 * len(part)) - 1)
