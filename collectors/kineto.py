@@ -188,11 +188,13 @@ def _words(buf: bytes) -> np.ndarray:
     return np.ndarray((len(buf) - 7,), "<u8", buf, strides=(1,))
 
 
-def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None = None) -> np.ndarray:
-    """Whether the string whose opening quote is at each position of ``at`` starts with one of ``prefixes``
-    (bytes, at most 24 long), 8 bytes at a time; ``first``: ``w[at + 1]`` when the caller has it."""
+def _matching(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None = None) -> np.ndarray:
+    """Which strings, of those whose opening quote is at each position of ``at``, start with one of ``prefixes``
+    (bytes, at most 24 long), compared 8 bytes at a time: their indices into ``at`` (in order for one prefix; the
+    callers index with them rather than with a mask, which numpy turns into indices again each time). ``first``:
+    ``w[at + 1]`` when the caller has it."""
     first = w[at + 1] if first is None else first
-    found = np.zeros(len(at), bool)
+    hits = []
     for p in prefixes:
         word = np.uint64(int.from_bytes(p[:8], "little"))
         masked = first if len(p) >= 8 else first & np.uint64((1 << 8 * len(p)) - 1)   # a whole word: no copy
@@ -201,7 +203,14 @@ def _starting(w: np.ndarray, at: np.ndarray, prefixes, first: np.ndarray | None 
             part = p[k:k + 8]
             mask = np.uint64((1 << 8 * len(part)) - 1)
             hit = hit[(w[at[hit] + 1 + k] & mask) == np.uint64(int.from_bytes(part, "little"))]
-        found[hit] = True
+        hits.append(hit)
+    return hits[0] if len(hits) == 1 else np.concatenate(hits)
+
+
+def _starting(w: np.ndarray, at: np.ndarray, prefixes) -> np.ndarray:
+    """``_matching`` as a mask over ``at``."""
+    found = np.zeros(len(at), bool)
+    found[_matching(w, at, prefixes)] = True
     return found
 
 
@@ -232,7 +241,7 @@ class _Chunk:
     def holding(self, prefixes) -> np.ndarray:
         """Whether each event holds a string starting with one of ``prefixes``."""
         out = np.zeros(len(self.opens), bool)
-        out[self.s_ev[_starting(self.w, self.s_open, prefixes, self.s_first)]] = True
+        out[self.s_ev[_matching(self.w, self.s_open, prefixes, self.s_first)]] = True
         return out
 
     def strings(self, events: np.ndarray) -> _Strings:
@@ -268,7 +277,7 @@ class _Strings:
         """(how many strings equal to ``key`` each event holds, the number of the last of them)."""
         if key not in self._keys:
             ch = self.ch
-            hit = _starting(ch.w, self.at, [key.encode() + b'"'], self.first)
+            hit = _matching(ch.w, self.at, [key.encode() + b'"'], self.first)
             ev, n = self.ev[hit], len(ch.opens)
             last = np.zeros(n, np.int64)
             last[ev] = self.idx[hit]
@@ -277,7 +286,7 @@ class _Strings:
 
     def holding(self, keys) -> np.ndarray:
         """Whether each event holds a string equal to one of ``keys``."""
-        hit = _starting(self.ch.w, self.at, [k.encode() + b'"' for k in keys], self.first)
+        hit = _matching(self.ch.w, self.at, [k.encode() + b'"' for k in keys], self.first)
         out = np.zeros(len(self.ch.opens), bool)
         out[self.ev[hit]] = True
         return out
