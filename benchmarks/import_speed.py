@@ -6,8 +6,9 @@ kernels with collective args, CPU ops, runtime calls, ProfilerStep markers), the
 - dtprof: ``dtprof.collectors.kineto.import_kineto`` (parse + write the run directory);
 - HTA: ``hta.trace_analysis.TraceAnalysis(trace_dir=...)`` from a separate venv (never a dtprof dependency).
 Prints both, the ratios and PASS/FAIL per target (issue 7: >= 10x faster, <= 1/3 of HTA's peak RSS).
-Measured on the shared 2-core VM at load 1.1-1.7: dtprof 1.12-1.20 s vs HTA 9.47-10.72 s, 8.5-9.3x (FAIL); peak RSS
-0.24-0.27 of HTA's (PASS). docs/interop.md ("Speed") has the runs, where dtprof's time goes and what 10x needs.
+Measured on the shared 2-core VM at load 1.6-2.2 with HTA 0.5.0: dtprof 0.94-1.14 s vs HTA 9.61-10.08 s, 8.8-10.2x
+(PASS in 3 of 7 runs); peak RSS 0.27-0.28 of HTA's (PASS). docs/interop.md ("Speed") has the runs, where dtprof's time
+goes and what a steady 10x needs.
 Usage: python benchmarks/import_speed.py [--events 1000000] [--hta-venv /tmp/hta-venv]
 """
 from __future__ import annotations
