@@ -234,8 +234,8 @@ class NodeTableWriter:
 # Parquet row groups of this many rows: rows come rank by rank, so a reader of one rank's or some steps' slice
 # (Run.read_spans) skips the other row groups by their rank and step statistics (docs/scale.md)
 ROW_GROUP_ROWS = 64 * 1024
-# Parquet pages compressed with zstd rather than pandas' default snappy: 13-18 % smaller on a sampled 2-rank,
-# 3000-step job (its tables 222 -> 192 kB, its node summary 524 -> 429 kB); pyarrow and DuckDB read either
+# Parquet pages compressed with zstd rather than pandas' default snappy: 13-18 % smaller tables and node summary
+# on a sampled 2-rank job (before the integer columns were delta-encoded); pyarrow and DuckDB read either
 PARQUET_COMPRESSION = "zstd"
 # Dictionary pages for the text columns only: numbers (times, ids) are mostly distinct, and a dictionary tried on
 # them is dropped at its size limit after the work is done. Integers are delta-encoded (times, ids and steps
