@@ -90,7 +90,10 @@ SAMPLE_BLOCK = DETAIL_BLOCK  # steps per full-detail block (4)
 # dtprof's cost per step, as a fraction of the step, that the detail's sampling keeps under: half of the 1 % dtprof
 # may cost, the other half left to what every step pays (the boundary's optimizer hooks, the flusher's rows)
 SAMPLE_BUDGET = 0.005
-SAMPLE_LONG_NS = 50_000_000  # steps this long are never sampled (no detail cost measured reaches 0.5 % of them)
+# Steps this long are never sampled: their detail cost a GPU job 0.11-0.25 % of a 38 ms step (H200), and full
+# detail is what a long step's user expects. On a CPU a compiled DDP job's ~72 ms step pays more, mostly torch's
+# Python-kernel call per DDP bucket (benchmarks/c10d_kernel_cost.py; docs/validation.md)
+SAMPLE_LONG_NS = 50_000_000
 SAMPLE_MAX_PERIOD = 4096
 # A calibration whose difference is within the steps' noise leaves steps this long in full detail (and calibrates
 # again later); shorter steps are sampled with the detail priced at the noise: a detailed step's tens of µs of
