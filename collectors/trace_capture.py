@@ -14,6 +14,12 @@ runs after step B-1 has ended and so lands in step B. ``on_window(steps, start_n
 and the steps it overlaps (A..B; A..the step in progress when the job ends first); the runtime writes it as a
 ``trace_capture`` meta row so that analyses keep those steps out of step statistics and data wait.
 
+Kineto leaves CUPTI attached after a trace unless ``TEARDOWN_CUPTI=1`` when the profiler stops, and then every later
+kernel launch of the job pays for it for the rest of the run. The capture stops with ``TEARDOWN_CUPTI=1`` (for that
+call only) unless the variable is set already (the user's choice; torch sets 0 itself when torch.compile uses CUDA
+graphs) or CUDA is older than 12.6, where re-initialising CUPTI after a teardown can crash a job that uses CUDA
+graphs. ``capture.json``'s ``cupti_teardown`` says which.
+
 ``gpu_only`` (the default kernel sample of `dtprof run` on a GPU job, ``--no-kernel-sample`` turns it off): when
 the window opens, a process that has not initialised CUDA captures nothing, silently (a CPU job pays nothing).
 """
@@ -41,6 +47,7 @@ class TraceCapture:
         self.on_window = on_window
         self.started_ns = None       # monotonic ns the profiler was started
         self.last_step_end = None    # the last step that ended while the profiler ran
+        self.cupti_teardown = False  # the stop tore CUPTI down (TEARDOWN_CUPTI=1 for it)
         if self.end_step <= self.start_step:
             self._fail(f"empty --trace-steps window {start_step}:{end_step}")
         elif self.start_step == 0:
@@ -56,7 +63,7 @@ class TraceCapture:
         prof, self.prof = self.prof, None
         if prof is not None:
             try:
-                prof.stop()
+                self._stop(prof)
             except Exception:
                 pass
             self._window_closed()
@@ -115,8 +122,19 @@ class TraceCapture:
     def _finish(self) -> None:
         prof, self.prof = self.prof, None
         self.done = True
-        prof.stop()  # ends the active cycle: on_trace_ready (self._export) writes the trace
+        self._stop(prof)  # ends the active cycle: on_trace_ready (self._export) writes the trace
         self._window_closed()
+
+    def _stop(self, prof) -> None:
+        """``prof.stop()``, tearing CUPTI down after it where that is safe and nobody chose otherwise (above)."""
+        self.cupti_teardown = "TEARDOWN_CUPTI" not in os.environ and _teardown_safe()
+        if self.cupti_teardown:
+            os.environ["TEARDOWN_CUPTI"] = "1"    # Kineto reads it when it disables the activities
+        try:
+            prof.stop()
+        finally:
+            if self.cupti_teardown:
+                os.environ.pop("TEARDOWN_CUPTI", None)
 
     def _window_closed(self) -> None:
         """Report the disturbed window: from the profiler's start to now (its stop and export are done)."""
@@ -132,7 +150,8 @@ class TraceCapture:
         self.dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.dir / TRACE_NAME))
         meta = {"trace": TRACE_NAME, "start_step": self.start_step, "end_step": self.end_step,
-                "mono_ns": mono, "wall_ns": wall, "clock": "kineto ts*1000 + baseTimeNanoseconds = CLOCK_REALTIME"}
+                "mono_ns": mono, "wall_ns": wall, "cupti_teardown": self.cupti_teardown,
+                "clock": "kineto ts*1000 + baseTimeNanoseconds = CLOCK_REALTIME"}
         tmp = self.dir / f".{CAPTURE_META}.tmp"
         tmp.write_text(json.dumps(meta) + "\n")
         tmp.replace(self.dir / CAPTURE_META)
@@ -145,3 +164,16 @@ class TraceCapture:
             self._finish()
         except Exception as e:
             self._fail(f"could not write the trace at exit: {type(e).__name__}: {e}")
+
+
+def _teardown_safe() -> bool:
+    """CUDA 12.6 or later (or no CUDA): CUPTI can be torn down and initialised again, CUDA graphs or not."""
+    import torch
+
+    version = getattr(torch.version, "cuda", None)
+    if not version:
+        return True
+    try:
+        return tuple(int(x) for x in version.split(".")[:2]) >= (12, 6)
+    except ValueError:
+        return False

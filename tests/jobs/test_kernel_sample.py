@@ -80,3 +80,30 @@ def test_launcher_asks_for_the_sample_by_default_and_not_when_told(tmp_path):
     assert "kernel_sample" not in seen and "kernel_sample" not in config
     seen, config = _launcher_config(tmp_path / "c", "--trace-steps", "3:5")   # the user's window replaces it
     assert "kernel_sample" not in seen and seen["trace_steps"] == "3:5"
+
+
+def _capture_seeing_teardown(tmp_path: Path) -> tuple[list, dict]:
+    """A one-step capture in this process (torch.profiler on the CPU); what TEARDOWN_CUPTI was while the profiler
+    stopped (Kineto reads it then), and the capture's capture.json."""
+    from dtprof.collectors.trace_capture import TraceCapture
+
+    cap = TraceCapture(tmp_path, 0, 1)           # window 0:1 starts at creation, stops at step 0's end
+    seen, stop = [], cap.prof.stop
+    cap.prof.stop = lambda: (seen.append(os.environ.get("TEARDOWN_CUPTI")), stop())
+    cap.on_step_end(0)
+    return seen, json.loads((tmp_path / "kineto" / "capture.json").read_text())
+
+
+def test_the_capture_tears_cupti_down_for_its_stop_only(tmp_path, monkeypatch):
+    # left attached, CUPTI costs every later kernel launch of the job (benchmarks/cupti_linger.py on a GPU)
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    seen, meta = _capture_seeing_teardown(tmp_path)
+    assert seen == ["1"] and meta["cupti_teardown"] is True
+    assert "TEARDOWN_CUPTI" not in os.environ      # the job's child processes inherit nothing of it
+
+
+def test_a_teardown_setting_already_there_wins(tmp_path, monkeypatch):
+    # torch sets 0 itself for CUDA graphs under torch.compile; a user may set either
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    seen, meta = _capture_seeing_teardown(tmp_path)
+    assert seen == ["0"] and meta["cupti_teardown"] is False and os.environ["TEARDOWN_CUPTI"] == "0"
