@@ -27,7 +27,9 @@ pipeline_overhead -> no_pipeline_gaps, straggler -> straggler_removed (its reaso
 - why the GPU is slow, from a kernel-level sample (summary ``gpu_time``, analyzers/kernel_breakdown.py), when MFU
   is below ``LOW_MFU`` (30 %) or unknown; each names the fix and its gain, how it was derived and that it is an
   upper bound: ``gpu_elementwise`` (elementwise and normalisation kernels >= 10 % of the GPU's kernel time: fusing
-  them, as torch.compile does, saves at most that share), ``gpu_launch_bound`` (the GPU idles >= 10 % of its kernel
+  them, as torch.compile does, saves at most that share), ``gpu_misaligned_matmul`` (tensor-core GEMMs built for
+  misaligned operands >= 5 % of the GPU's kernel time: aligned shapes save at most that share),
+  ``gpu_launch_bound`` (the GPU idles >= 10 % of its kernel
   time waiting for the host to launch the next kernel: CUDA graphs or a larger batch save at most that share),
   ``gpu_busy_slow`` (MFU known and low while the GPU idles < 10 %: the kernels are slow, not the host; at most
   1 − MFU, the step at the peak); ``low_mfu_no_kernel_sample`` (MFU low on a GPU and no kernel-level sample to
@@ -41,6 +43,8 @@ from __future__ import annotations
 import math
 
 import pandas as pd
+
+from dtprof.analyzers.regression import gpu_idle_share
 
 BUBBLE_FRAC = 0.20
 MICROBATCH_PER_STAGE = 4
@@ -57,6 +61,7 @@ LOW_MFU = 0.30
 ELEMENTWISE_FRAC = 0.10
 LAUNCH_IDLE_FRAC = 0.10
 BUSY_IDLE_FRAC = 0.10
+MISALIGNED_MATMUL_FRAC = 0.05
 
 
 def _ok(x) -> bool:
@@ -332,20 +337,46 @@ def gpu_elementwise(summary: dict, analysis) -> list[dict]:
         "chains), fused optimizers (foreach/fused=True), fused attention (scaled_dot_product_attention).", "gpu")]
 
 
-def gpu_launch_bound(summary: dict, analysis) -> list[dict]:
+def gpu_misaligned_matmul(summary: dict, analysis) -> list[dict]:
     gt, (low, mfu) = summary.get("gpu_time"), _low_mfu(summary)
-    frac = (gt or {}).get("launch_idle_frac")
-    if not (low and _ok(frac) and frac >= LAUNCH_IDLE_FRAC):
+    frac = (gt or {}).get("misaligned_matmul_frac")
+    if not (low and _ok(frac) and frac >= MISALIGNED_MATMUL_FRAC):
         return []
     return [finding(
+        "gpu_misaligned_matmul", "warning",
+        f"Matrix multiplies on misaligned operands take {frac:.0%} of the GPU's time ({mfu}; kernel sample of "
+        f"{_sampled(gt)}): cuBLAS ran tensor-core kernels built for 1- or 2-element alignment; aligned shapes save "
+        f"at most that much of the GPU's time",
+        {"misaligned_matmul_frac": frac, "saving_frac": frac, "saving_is_upper_bound": True,
+         "derived": "|union of the tensor-core GEMM kernels named _align1/_align2| ÷ GPU kernel time of the sampled "
+                    "steps; an upper bound: aligned kernels take time too, though several times less",
+         "threshold_frac": MISALIGNED_MATMUL_FRAC, "mfu_threshold": LOW_MFU},
+        "Make every matrix dimension a multiple of 8 (64 is better) for 16-bit matmuls: pad the vocabulary (GPT-2's "
+        "50,257 to 50,304), the hidden and batch × sequence sizes; torch.compile pads some matmuls itself "
+        "(Inductor's pad_mm).", "gpu")]
+
+
+def gpu_launch_bound(summary: dict, analysis) -> list[dict]:
+    gt, (low, mfu) = summary.get("gpu_time"), _low_mfu(summary)
+    traced = (gt or {}).get("launch_idle_frac")
+    step = (gt or {}).get("launch_idle_step_frac")
+    frac = step if _ok(step) else traced     # an ordinary step's share where timed steps tell it
+    if not (low and _ok(frac) and frac >= LAUNCH_IDLE_FRAC):
+        return []
+    of = (f"of a step waiting for the host to launch the next kernel ({mfu}; {_sampled(gt)}; the traced steps, "
+          f"which the profiler slows, idle {traced:.0%} of their GPU time)" if _ok(step) else
+          f"of its time waiting for the host to launch the next kernel ({mfu}; {_sampled(gt)})")
+    return [finding(
         "gpu_launch_bound", "warning",
-        f"The GPU idles {frac:.0%} of its time waiting for the host to launch the next kernel ({mfu}; "
-        f"{_sampled(gt)}): the step is launch-bound; removing the gaps saves at most that much",
-        {"launch_idle_frac": frac, "saving_frac": frac, "saving_is_upper_bound": True,
+        f"The GPU idles {frac:.0%} {of}: the step is launch-bound; removing the gaps saves at most that much",
+        {"launch_idle_frac": traced, "launch_idle_step_frac": step, "saving_frac": frac,
+         "saving_is_upper_bound": True,
          "kernels_per_step": gt.get("kernels_per_step"), "median_kernel_s": gt.get("median_kernel_s"),
          "derived": "idle stretches (no kernel on any stream) whose next kernel's CPU launch came after the GPU went "
-                    "idle, summed ÷ GPU kernel time of the sampled steps; an upper bound: faster launching only "
-                    "removes the gaps", "threshold_frac": LAUNCH_IDLE_FRAC, "mfu_threshold": LOW_MFU},
+                    "idle, per traced step, at most an ordinary step less the kernels' busy time per traced step, "
+                    "÷ the ordinary step (the median timed step; without one, ÷ the traced steps' GPU kernel "
+                    "time); an upper bound: faster launching only removes the gaps",
+         "threshold_frac": LAUNCH_IDLE_FRAC, "mfu_threshold": LOW_MFU},
         "Launch fewer, larger kernels: CUDA graphs (torch.compile mode=\"reduce-overhead\", torch.cuda.graphs), "
         "a larger batch per step, fewer host syncs (.item(), logging) inside the step.", "gpu")]
 
@@ -353,7 +384,7 @@ def gpu_launch_bound(summary: dict, analysis) -> list[dict]:
 def gpu_busy_slow(summary: dict, analysis) -> list[dict]:
     gt = summary.get("gpu_time")
     mfu = (summary.get("mfu") or {}).get("value")
-    idle = (gt or {}).get("idle_frac")
+    idle, _ = gpu_idle_share(gt)
     if not (_ok(mfu) and mfu < LOW_MFU and _ok(idle) and idle < BUSY_IDLE_FRAC):
         return []
     cf = gt.get("class_frac") or {}
@@ -384,7 +415,8 @@ def low_mfu_no_kernel_sample(summary: dict, analysis) -> list[dict]:
 
 
 RULES = (pipeline_bubble, pipeline_overhead, exposed_comm, low_busbw, straggler, memory_high, low_gpu_util,
-         data_wait, cpu_contention, gpu_elementwise, gpu_launch_bound, gpu_busy_slow, low_mfu_no_kernel_sample)
+         data_wait, cpu_contention, gpu_elementwise, gpu_misaligned_matmul, gpu_launch_bound, gpu_busy_slow,
+         low_mfu_no_kernel_sample)
 
 
 def find(summary: dict, analysis) -> list[dict]:

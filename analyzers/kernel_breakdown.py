@@ -20,6 +20,14 @@ dtprof's additions (docs/metrics.md "Why the GPU is slow"):
   launched by the host (its CPU launch) only after the GPU had gone idle, summed ÷ kernel time: the GPU waiting
   for the host to launch work (launch-bound). None without launch times.
 - ``kernels_per_step``: kernels ÷ the steps they ran in; ``median_kernel_s``: the median kernel duration.
+- ``misaligned_matmul_frac``: |union of the tensor-core GEMMs built for misaligned operands| (kernels.py
+  ``misaligned_matmul``) ÷ kernel time.
+- ``step_idle_frac`` and ``launch_idle_step_frac``: the same two idle figures for an ordinary step. The profiler
+  slows the host in the steps it traces, so their gaps overstate a host-bound job's (41 % against at most 28 % on
+  the compiled GPT-2 in tests/data/gpu). Kernel durations stay as they are, so an ordinary step (the median of the
+  rank's timed steps outside the window, ``typical_step_s``) idles at most that step less the kernels' busy time
+  per traced step; ``launch_idle_step_frac`` is the traced steps' launch gaps per step, capped by that, ÷ the
+  ordinary step. None without such steps (an imported trace has only traced ones).
 
 Windows (``window=``): "all" (dtprof's default: every kernel span of the rank, the last step included because
 it is real work) or "hta": kernels launched before the start of the rank's last ProfilerStep, as HTA filters
@@ -31,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.analyzers.kernels import KERNEL_CLASSES, kernel_category, kernel_class
+from dtprof.analyzers.kernels import KERNEL_CLASSES, kernel_category, kernel_class, misaligned_matmul
 
 KERNEL_WAIT_NS = 30_000
 WINDOWS = ("all", "hta")
@@ -42,6 +50,12 @@ def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Union of intervals as sorted, disjoint [start, end) arrays."""
     s, e, _ = _union_first(start, end)
     return s, e
+
+
+def _covered(start: np.ndarray, end: np.ndarray) -> int:
+    """|union of the intervals| (ns)."""
+    s, e = _union(start, end)
+    return int((e - s).sum())
 
 
 def _union_first(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,7 +106,8 @@ def _kernels(spans: pd.DataFrame, steps: pd.DataFrame | None, window: str) -> pd
         t = np.where(has_launch, k["launch_ns"].astype("Float64").fillna(np.inf).to_numpy(float),
                      k["start_ns"].to_numpy(float))
         k = k[t < last]
-    return k.assign(category=kernel_category(k["name"]), kernel_class=kernel_class(k["name"]))
+    return k.assign(category=kernel_category(k["name"]), kernel_class=kernel_class(k["name"]),
+                    misaligned=misaligned_matmul(k["name"]))
 
 
 def _idle_causes(g: pd.DataFrame) -> dict:
@@ -125,10 +140,11 @@ def _rank_time(g: pd.DataFrame) -> dict:
     idle = kernel_time - busy
     frac = (lambda x: x / kernel_time) if kernel_time else (lambda x: None)
     cls = g["kernel_class"].to_numpy()
-    class_frac = {c: frac(int((lambda u: (u[1] - u[0]).sum())(_union(s[cls == c], e[cls == c]))))
-                  for c in KERNEL_CLASSES}
+    class_frac = {c: frac(_covered(s[cls == c], e[cls == c])) for c in KERNEL_CLASSES}
+    mis = g["misaligned"].to_numpy(bool)
     launch_idle = _launch_idle_ns(s, e, g["launch_ns"].astype("Float64").to_numpy(float, na_value=np.nan))
     return {"class_frac": class_frac, "launch_idle_frac": None if launch_idle is None else frac(launch_idle),
+            "misaligned_matmul_frac": frac(_covered(s[mis], e[mis])),
             "median_kernel_s": float(np.median(e - s)) / 1e9 if len(s) else None,
             "kernel_time_s": kernel_time / 1e9, "idle_frac": frac(idle), "compute_frac": frac(length["computation"]),
             "non_compute_frac": frac(kernel_time - length["computation"] - idle),
@@ -138,19 +154,52 @@ def _rank_time(g: pd.DataFrame) -> dict:
             "start_ns": int(us.min()) if len(us) else None, "end_ns": int(ue.max()) if len(ue) else None}
 
 
+def _timed_steps(steps: pd.DataFrame | None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """rank -> (step, duration_s) of its timed steps (neither warm-up nor traced nor FLOP-counted), grouped once."""
+    if steps is None or "timed" not in steps or "duration_s" not in steps:
+        return {}
+    t = steps[steps["timed"].to_numpy(bool)]
+    step, dur = t["step"].to_numpy(np.int64), t["duration_s"].to_numpy(float)
+    return {int(r): (step[i], dur[i]) for r, i in t.groupby("rank").indices.items()}
+
+
+def _typical_step(timed: tuple[np.ndarray, np.ndarray] | None, traced: list[int]) -> float | None:
+    """The median duration (s) of a rank's ordinary steps: timed and without kernels in the window. None without
+    one (an imported trace: every step is a traced one)."""
+    if timed is None:
+        return None
+    step, dur = timed
+    d = dur[~np.isin(step, traced)]
+    return float(np.median(d)) if len(d) else None
+
+
+def _per_ordinary_step(t: dict, n_steps: int, typical: float | None) -> dict:
+    """``step_idle_frac``, ``launch_idle_step_frac`` and ``typical_step_s`` (module docstring)."""
+    if not (typical and n_steps and t["kernel_time_s"] and t["idle_frac"] is not None):
+        return {"step_idle_frac": None, "launch_idle_step_frac": None, "typical_step_s": typical}
+    busy = t["kernel_time_s"] * (1 - t["idle_frac"]) / n_steps
+    idle = max(0.0, typical - busy)
+    launch = None if t["launch_idle_frac"] is None else \
+        min(t["launch_idle_frac"] * t["kernel_time_s"] / n_steps, idle) / typical
+    return {"step_idle_frac": idle / typical, "launch_idle_step_frac": launch, "typical_step_s": typical}
+
+
 def gpu_time(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str = "all") -> dict:
     """rank -> ``gpu_time`` dict (docs/summary-schema.md) for every rank with kernel spans."""
     k = _kernels(spans, steps, window)
+    timed = _timed_steps(steps)
     out = {}
     for rank, g in k.groupby("rank", sort=True):
         t = _rank_time(g)
         counted_steps = sorted(int(x) for x in g["step"].dropna().unique())
         out[int(rank)] = {
+            **_per_ordinary_step(t, len(counted_steps), _typical_step(timed.get(int(rank)), counted_steps)),
             "idle_frac": t["idle_frac"], "compute_frac": t["compute_frac"],
             "non_compute_frac": t["non_compute_frac"], "comm_frac": t["comm_frac"],
             "memory_frac": t["memory_frac"], "comm_compute_overlap_frac": t["comm_compute_overlap_frac"],
             "kernel_time_s": t["kernel_time_s"], "class_frac": t["class_frac"],
             "launch_idle_frac": t["launch_idle_frac"], "median_kernel_s": t["median_kernel_s"],
+            "misaligned_matmul_frac": t["misaligned_matmul_frac"],
             "kernels_per_step": len(g) / len(counted_steps) if counted_steps else None,
             "window": {"name": window, "steps": counted_steps, "kernels": int(len(g)),
                        "streams": sorted(str(x) for x in g["lane"].unique()),
@@ -203,7 +252,8 @@ def job_gpu_time(per_rank: dict) -> dict | None:
     causes = {c: (float(np.sum(idle_w * [g["idle_causes"][c] or 0 for g in ranks]) / idle_w.sum())
                   if idle_w.sum() else None) for c in ("host_wait", "kernel_wait", "other")}
     return {**{k: mean(k, kt) for k in ("idle_frac", "compute_frac", "non_compute_frac", "comm_frac",
-                                        "memory_frac", "launch_idle_frac", "median_kernel_s", "kernels_per_step")},
+                                        "memory_frac", "launch_idle_frac", "median_kernel_s", "kernels_per_step",
+                                        "step_idle_frac", "launch_idle_step_frac", "misaligned_matmul_frac")},
             "class_frac": {c: _weighted([g["class_frac"][c] for g in ranks], kt) for c in KERNEL_CLASSES},
             "comm_compute_overlap_frac": mean("comm_compute_overlap_frac", comm_w),
             "idle_causes": causes, "ranks": len(ranks), "window": ranks[0]["window"]["name"]}

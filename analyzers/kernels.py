@@ -52,6 +52,18 @@ ELEMENTWISE_NORM_KERNEL_RE = (r"(?i)elementwise|vectorized|unrolled|reduce|norm|
                               r"nll_loss")
 
 
+# Tensor-core GEMMs built for operands aligned to 1 or 2 elements (CUTLASS names its kernels
+# ``..._tensorop_..._alignN``, N the elements a vector load moves: 8 for 16-bit operands on 16-byte boundaries).
+# cuBLAS picks them when a matrix dimension is not a multiple of 8 (GPT-2's vocabulary of 50,257); SIMT kernels
+# (``simt_sgemm``) say align1 whatever the shapes, so they are not counted.
+MISALIGNED_MATMUL_RE = r"(?i)tensorop.*_align[12](?!\d)"
+
+
+def misaligned_matmul(names: pd.Series) -> np.ndarray:
+    """Per kernel name: a tensor-core GEMM built for misaligned operands (MISALIGNED_MATMUL_RE)."""
+    return names.astype(str).str.contains(MISALIGNED_MATMUL_RE, regex=True).to_numpy(bool)
+
+
 def kernel_class(names: pd.Series) -> np.ndarray:
     """One of KERNEL_CLASSES per kernel name (module docstring), by one regular-expression pass per class over the
     distinct names."""

@@ -708,7 +708,8 @@ PROBE_TOLERANCE = 0.15
 
 
 # Which device bounds the steps (docs/compare.md, "Which probe"): the GPU's busy share of the measured steps, from a
-# kernel sample where the run has one (1 - gpu_time.idle_frac, kernel level), else NVML's utilisation (the share of
+# kernel sample where the run has one (1 - gpu_time.step_idle_frac, an ordinary step's; 1 - idle_frac, the traced
+# steps', where no ordinary step is known), else NVML's utilisation (the share of
 # time a kernel ran; summary gpus[].sm_util_mean_pct over the measured steps, mean over GPUs). At GPU_BOUND or more
 # the host's share of the step is at most a quarter: the GPU bounds it, and only the GPU probe can explain a change;
 # at HOST_BOUND or less the GPU waits for the host most of the step: only the CPU probe can; between, both.
@@ -716,11 +717,23 @@ GPU_BOUND = 0.75
 HOST_BOUND = 0.25
 
 
+def gpu_idle_share(gt: dict | None) -> tuple[float | None, bool]:
+    """The GPU's idle share that stands for the run in a ``gpu_time`` dict: an ordinary step's (``step_idle_frac``)
+    where the run has one, else the traced steps' (``idle_frac``); and whether it is the ordinary step's."""
+    for key, ordinary in (("step_idle_frac", True), ("idle_frac", False)):
+        v = (gt or {}).get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            return float(v), ordinary
+    return None, False
+
+
 def gpu_busy(summary: dict) -> tuple[float | None, str]:
     """(the GPU's busy share of the run's measured steps, its source); (None, why) without one."""
     gt = summary.get("gpu_time") or {}
-    if isinstance(gt.get("idle_frac"), (int, float)):
-        return 1.0 - float(gt["idle_frac"]), "kernel sample (1 - GPU idle share of kernel time)"
+    idle, ordinary = gpu_idle_share(gt)
+    if idle is not None:
+        return 1.0 - idle, ("kernel sample (1 - an ordinary step's GPU idle share)" if ordinary else
+                            "kernel sample (1 - GPU idle share of kernel time)")
     util = [g.get("sm_util_mean_pct") for g in summary.get("gpus") or []]
     util = [float(u) for u in util if isinstance(u, (int, float)) and not math.isnan(u)]
     if util:

@@ -17,7 +17,8 @@ for dtprof's sake: they are kept out of the statistics like warm-up steps (``mea
 
 Warm-up (dtprof convention): by default the leading steps that are slow are excluded -- step 0 always when the run
 has at least 4 steps (it carries allocator, autotuning and DDP bucket set-up), plus any further leading steps
-whose job step time exceeds 1.2 x the median of the rest; at most half the steps. ``warmup=N`` overrides.
+whose job step time exceeds 1.2 x the median of the rest; at most half the steps. The run passes through the steps
+dtprof slowed (a compiled job's step 2 recompiles after the FLOP-counting step 1). ``warmup=N`` overrides.
 """
 from __future__ import annotations
 
@@ -37,19 +38,25 @@ def measured_or_all(df: pd.DataFrame) -> pd.DataFrame:
     return df[m] if m.any() else df
 
 
-def detect_warmup(job_time_s: np.ndarray) -> int:
-    """Number of leading warm-up steps in a sequence of job step times (see module docstring)."""
+def detect_warmup(job_time_s: np.ndarray, disturbed: np.ndarray | None = None) -> int:
+    """Number of leading warm-up steps in a sequence of job step times (see module docstring). ``disturbed``: steps
+    dtprof slowed (FLOP-counted, traced), which the leading run passes through without being ended or extended by
+    them: a compiled job's step 2 recompiles after the FLOP-counting step 1 ran eager."""
     n = len(job_time_s)
     if n < 4:
         return 0
     cap = n // 2
-    k = 1
     rest_median = float(np.median(job_time_s[1:]))
     slow = job_time_s > WARMUP_SLOW_FACTOR * rest_median
-    # extend through the leading run of slow steps after step 0
-    while k < cap and slow[k]:
+    if disturbed is None:
+        disturbed = np.zeros(n, bool)
+    # extend through the leading run of slow or disturbed steps after step 0; it ends after its last slow step
+    k = end = 1
+    while k < cap and (slow[k] or disturbed[k]):
+        if slow[k] and not disturbed[k]:
+            end = k + 1
         k += 1
-    return k
+    return end
 
 
 # the steps table's per-step numbers as the run model carries them (float64, NaN where a rank did not report one;
@@ -199,7 +206,7 @@ def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
     disturbed = job["traced"].to_numpy(bool) | job["flops_counted"].to_numpy(bool)
     if disturbed.any() and (~disturbed).any():
         t[disturbed] = np.median(t[~disturbed])
-    return detect_warmup(t), "detected"
+    return detect_warmup(t, disturbed), "detected"
 
 
 def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int = 0, every: int = 1,

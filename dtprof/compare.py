@@ -228,12 +228,11 @@ def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, sl
     """Why a machine probe that moved makes the comparison inconclusive. Only the probe of a device that bounds the
     steps counts (``bound``: regression.bounding_device; a CPU that ran slower under GPU-bound steps explains
     nothing, nor does a GPU under host-bound ones): each probe's ``used`` and ``used_why`` say so. A slower machine
-    always does: it explains a
-    slower head (``slower``: a gate or a straggler row failed), and a head measured on it says little about the code
-    either way (CPU hogs through a job slowed its probe 3x while its steps, which wait on communication, moved
-    anywhere from 0 to +27 %). A faster machine could hide a slowdown behind a pass, but cannot explain a slower head:
-    that regression stands (the probe's line still shows the change). Sets each moved probe's
-    ``explains_verdict``."""
+    explains a slower head (``slower``: a gate or a straggler row failed; CPU hogs through a job slowed its probe 3x
+    while its steps, which wait on communication, moved anywhere from 0 to +27 %), but cannot turn a pass into doubt:
+    it can only have slowed the head, so a head that passed on it passed. A faster machine could hide a slowdown
+    behind a pass, but cannot explain a slower head: that regression stands. The probe's line shows the change
+    either way. Sets each moved probe's ``explains_verdict``."""
     out = []
     for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
         if p:
@@ -241,7 +240,7 @@ def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, sl
             p["used_why"] = bound["why"]
         if not p or not p["moved"] or not p["used"]:
             continue
-        p["explains_verdict"] = p["ratio"] > 1 or not slower
+        p["explains_verdict"] = slower if p["ratio"] > 1 else not slower
         if p["explains_verdict"]:
             out.append(f"the {what} ran {abs(p['ratio'] - 1) * 100:.0f} % {'slower' if p['ratio'] > 1 else 'faster'}"
                        f" on the {where} (head vs base)")

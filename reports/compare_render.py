@@ -65,7 +65,8 @@ def _probe_text(p: dict) -> str:
     if p.get("used") is False:
         return p["line"] + "; not used: its device does not bound the steps"
     if p.get("explains_verdict") is False:
-        return p["line"] + ", but a faster machine does not explain a slower head"
+        return p["line"] + (", but a slower machine cannot hide a slowdown behind a pass" if p["ratio"] > 1 else
+                            ", but a faster machine does not explain a slower head")
     return p["line"]
 
 

@@ -61,7 +61,8 @@ def fmt_value(x, kind: str, unit: str = "") -> str:
 
 def fmt_evidence(evidence) -> str:
     """A finding's evidence (the numbers that triggered it, keyed as in summary.json's findings) as "key value"
-    pairs, each in its key's unit: a ``frac`` a percentage, ``*_s`` and ``*s_per_step`` a time, ``*_bytes`` bytes."""
+    pairs, each in its key's unit: a ``frac`` a percentage, ``*_s`` and ``*s_per_step`` (a word of its own) a time,
+    ``*_bytes`` bytes."""
     def value(key: str, v) -> str:
         if isinstance(v, dict):
             return "{" + ", ".join(f"{k} {value(key, x)}" for k, x in v.items()) + "}"
@@ -71,9 +72,10 @@ def fmt_evidence(evidence) -> str:
             return "n/a"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return str(v)
-        if "frac" in key.split("_"):
+        words = key.split("_")
+        if "frac" in words:
             return fmt_frac(v)
-        if key.endswith(("_s", "s_per_step")):
+        if words[-1] == "s" or words[-3:] == ["s", "per", "step"]:     # not kernels_per_step
             return fmt_s(v)
         if key.endswith("_bytes"):
             return fmt_bytes(v)

@@ -238,9 +238,11 @@ def gpu_card_subs(summary: dict) -> dict:
     g = summary.get("gpu_time")
     if g:
         c = g.get("idle_causes") or {}
-        subs["gpu_idle"] = (f"no kernel running, share of kernel time (HTA); of it host wait "
+        ordinary = (f"; an ordinary step, which the profiler did not slow: at most {fmt_frac(g['step_idle_frac'])}"
+                    if g.get("step_idle_frac") is not None else "")
+        subs["gpu_idle"] = (f"no kernel running, share of the traced steps' kernel time (HTA); of it host wait "
                             f"{fmt_frac(c.get('host_wait'))}, kernel wait {fmt_frac(c.get('kernel_wait'))}, "
-                            f'other {fmt_frac(c.get("other"))} <a href="#kernels">details</a>')
+                            f'other {fmt_frac(c.get("other"))}{ordinary} <a href="#kernels">details</a>')
     else:
         subs["gpu_idle"] = esc(summary.get("gpu_time_reason") or "no GPU kernel trace")
     return subs

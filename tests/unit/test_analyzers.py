@@ -127,6 +127,23 @@ def test_steps_warmup_detected_and_overridable(tmp_path):
     assert b.steps["warmup"].sum() == 2 * 3
 
 
+def test_warmup_runs_through_the_flop_counting_step():
+    # a compiled job: step 0 compiles, step 1 runs eager under FlopCounterMode (dtprof's, kept out anyway), step 2
+    # compiles again for the steps after it; then 37 ms steps. Step 2 is warm-up too, not a measured 2 s step
+    import pandas as pd
+
+    from dtprof.analyzers.steps import warmup_of
+
+    t = [3.0, 0.9, 2.0] + [0.037] * 12
+    job = pd.DataFrame({"time_s": t, "traced": False, "flops_counted": [i == 1 for i in range(len(t))]})
+    assert warmup_of(job, None) == (3, "detected")
+    job.loc[2, "time_s"] = 0.037          # no second compile: warm-up is step 0 alone, not the FLOP-counted step
+    assert warmup_of(job, None) == (1, "detected")
+    job["flops_counted"] = False          # without dtprof's step between them, a fast step 1 ends the run
+    job.loc[1:2, "time_s"] = [0.037, 2.0]
+    assert warmup_of(job, None) == (1, "detected")
+
+
 # ---------------------------------------------------------------- pipeline
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (3, 12)])

@@ -19,7 +19,8 @@ from dtprof.cli import main
 DATA = TESTS / "data/gpu"
 SHARED = SHARED_DATA
 needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"shared data not found at {SHARED}")
-GPU_RULES = ("gpu_elementwise", "gpu_launch_bound", "gpu_busy_slow", "low_mfu_no_kernel_sample")
+GPU_RULES = ("gpu_elementwise", "gpu_misaligned_matmul", "gpu_launch_bound", "gpu_busy_slow",
+             "low_mfu_no_kernel_sample")
 
 
 def summary(run: Path, *args: str) -> dict:
@@ -112,3 +113,116 @@ def test_low_mfu_without_a_kernel_sample_says_how_to_get_one():
     assert s["gpu_time"] is None and s["mfu"]["value"] < 0.1
     f = found(s)
     assert set(f) == {"low_mfu_no_kernel_sample"} and "--trace-steps" in f["low_mfu_no_kernel_sample"]["recommendation"]
+
+
+# The HF Trainer's GPT-2 124M (bf16, 8 x 1024 tokens) on an H100 under `dtprof run` with its default kernel sample,
+# eager and torch_compile=True (tests/data/gpu/README.md)
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> dict:
+    out = {}
+    for mode in ("eager", "compiled"):
+        d = tmp_path_factory.mktemp("gpt2") / mode
+        shutil.copytree(DATA / f"hf-gpt2-{mode}-h100", d)
+        out[mode] = summary(d)
+    return out
+
+
+def test_eager_gpt2_on_an_h100_says_why_its_mfu_is_low(gpt2):
+    s = gpt2["eager"]
+    assert s["mfu"]["value"] < 0.1
+    f = found(s)
+    assert set(f) == {"gpu_elementwise", "gpu_misaligned_matmul", "gpu_launch_bound"}
+    # half of the GPU's time is unfused elementwise/normalisation work: what compiling would fuse, at most
+    ew = f["gpu_elementwise"]["evidence"]
+    assert ew["saving_frac"] == s["gpu_time"]["class_frac"]["elementwise_norm"] > 0.5
+    assert ew["saving_is_upper_bound"] and "torch.compile" in f["gpu_elementwise"]["recommendation"]
+    lb = f["gpu_launch_bound"]["evidence"]
+    assert lb["saving_frac"] == s["gpu_time"]["launch_idle_step_frac"] and lb["saving_is_upper_bound"]
+
+
+def test_compiled_gpt2_shows_the_fusion(gpt2):
+    eager, compiled = (gpt2[m]["gpu_time"] for m in ("eager", "compiled"))
+    # Inductor fused the elementwise chains: fewer kernels a step, and a far smaller share of elementwise work
+    assert compiled["kernels_per_step"] < 0.7 * eager["kernels_per_step"]
+    assert compiled["class_frac"]["elementwise_norm"] < 0.5 * eager["class_frac"]["elementwise_norm"]
+    assert gpt2["compiled"]["mfu"]["value"] > 1.5 * gpt2["eager"]["mfu"]["value"]
+
+
+def test_an_ordinary_steps_launch_gaps_are_bounded_by_its_idle_time(gpt2):
+    # The compiled job's traced steps ran ~52 ms against ~41 ms ordinary steps: the profiler slowed the host, and
+    # their launch gaps (41 % of their GPU time) overstate an ordinary step's. Kernel durations do not change, so an
+    # ordinary step idles at most its time less the kernels' busy time per traced step.
+    s = gpt2["compiled"]
+    g = s["ranks"][0]["gpu_time"]
+    busy_per_step = g["kernel_time_s"] * (1 - g["idle_frac"]) / len(g["window"]["steps"])
+    typical = s["steps"]["time_s"]["p50"]       # one rank: the job's step is the rank's
+    assert g["typical_step_s"] == pytest.approx(typical)
+    assert g["step_idle_frac"] == pytest.approx(1 - busy_per_step / typical)
+    assert g["launch_idle_step_frac"] <= g["step_idle_frac"] < g["launch_idle_frac"] - 0.1
+    lb = found(s)["gpu_launch_bound"]
+    assert lb["evidence"]["saving_frac"] == pytest.approx(g["step_idle_frac"])   # the cap is what binds here
+    assert "the traced steps, which the profiler slows, idle 41%" in lb["message"]
+
+
+def test_the_hf_kernel_trace_imports_as_the_run_read_it(tmp_path, gpt2):
+    # the same capture's torch.profiler trace through `dtprof import kineto`: the same kernels, the same classes
+    run = import_kineto(tmp_path / "imported", DATA / "hf-gpt2-compiled-h100-trace-steps-10-11.json.gz")
+    imported, recorded = summary(run)["gpu_time"], gpt2["compiled"]["gpu_time"]
+    assert imported["kernels_per_step"] == recorded["kernels_per_step"] == 715
+    for c, v in recorded["class_frac"].items():
+        assert imported["class_frac"][c] == pytest.approx(v, abs=1e-9), c
+
+
+def test_the_launch_findings_evidence_reads_in_its_units(gpt2):
+    # a count per step is a count (it once read "715 s"), a time per step a time
+    from dtprof.reports.fmt import fmt_evidence
+
+    text = fmt_evidence(found(gpt2["compiled"])["gpu_launch_bound"]["evidence"])
+    assert "kernels_per_step 715 ·" in text and "median_kernel_s 12 µs" in text
+    assert "launch_idle_step_frac 28.1 %" in text
+    # the CPU-contention finding's per-step times (its s_per_step once read "0.5183")
+    assert fmt_evidence({"s_per_step": 0.5183, "worst_s_per_step": 0.5194}) == \
+        "s_per_step 518.3 ms · worst_s_per_step 519.4 ms"
+
+
+def test_the_gpu_idle_card_bounds_an_ordinary_step(gpt2):
+    from dtprof.reports.html import gpu_card_subs
+
+    sub = gpu_card_subs(gpt2["compiled"])["gpu_idle"]
+    assert "an ordinary step, which the profiler did not slow: at most 28.1 %" in sub
+
+
+def test_two_identical_gpu_runs_compare_as_pass(tmp_path):
+    # the compiled GPT-2 recorded twice on one H100, one after the other: the steps agree (-3 %), the GPU probe did
+    # not move, the CPU probe ran 49 % slower after the second job (CPU jobs ran on the machine's other cores). The
+    # GPU is busy ~73 % of an ordinary step, so both probes count; a slower CPU could only have slowed the head
+    base, head = (tmp_path / n for n in ("base", "head"))
+    shutil.copytree(DATA / "hf-gpt2-compiled-h100", base)
+    shutil.copytree(DATA / "hf-gpt2-compiled-h100-2", head)
+    res = CliRunner().invoke(main, ["compare", str(base), "--head", str(head), "--format", "json"])
+    d = json.loads(res.stdout)           # stderr says each run was analysed afresh
+    assert res.exit_code == 0, d["outcome"]
+    assert d["bound"]["device"] == "both" and "an ordinary step" in d["bound"]["why"]
+    assert d["probe"]["moved"] and d["probe"]["ratio"] > 1.2 and d["probe"]["explains_verdict"] is False
+    assert not d["gpu_probe"]["moved"]
+
+
+def test_matmuls_on_gpt2s_unaligned_vocabulary_are_named(gpt2, ddp):
+    # GPT-2's vocabulary (50,257) is no multiple of 8: the LM head's three GEMMs ran on CUTLASS tensor-core kernels
+    # built for 1-element alignment (cutlass_75_tensorop_bf16_s1688gemm_..._align1), a fifth of the eager GPU time;
+    # Inductor pads two of them, and the compiled run keeps one
+    from dtprof.analyzers.kernels import misaligned_matmul
+
+    eager, compiled = (gpt2[m] for m in ("eager", "compiled"))
+    mis = found(eager)["gpu_misaligned_matmul"]
+    ev = mis["evidence"]
+    assert ev["saving_frac"] == eager["gpu_time"]["misaligned_matmul_frac"] and 0.15 < ev["saving_frac"] < 0.3
+    assert ev["saving_is_upper_bound"] is True and "50,304" in mis["recommendation"]
+    assert 0.05 < compiled["gpu_time"]["misaligned_matmul_frac"] < 0.5 * ev["saving_frac"]
+    top = [k["name"] for k in eager["kernels"][:3]]
+    assert misaligned_matmul(pd.Series(top)).sum() == 2          # two of the top three kernels
+    # the fp32 DDP job's SIMT GEMMs say align1 whatever the shapes (its dimensions are multiples of 1,024): not
+    # counted
+    s = summary(ddp)
+    assert s["gpu_time"]["misaligned_matmul_frac"] == 0 and "gpu_misaligned_matmul" not in found(s)
+    assert any("simt_sgemm" in k["name"] and "align1" in k["name"] for k in s["kernels"])
