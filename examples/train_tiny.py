@@ -1,6 +1,8 @@
 """pytorch/examples' DDP tutorial shape (distributed/ddp-tutorial-series/multigpu_torchrun.py): Linear(20, 1), batch
 32, SGD, a DataLoader over a synthetic dataset, epochs over it until --steps; steps of a fraction of a millisecond
-on a CPU. The short-step job of benchmarks/overhead.py and of the sampling tests.
+on a CPU. The short-step job of benchmarks/overhead.py and of the sampling tests. Where a GPU is visible it runs
+there as the tutorial does (NCCL, the model on the rank's GPU, each batch copied to it from pinned memory): steps of
+about 1.3 ms on an H100.
 
     torchrun --nproc_per_node=2 examples/train_tiny.py --steps 2000
 """
@@ -27,15 +29,19 @@ def main() -> None:
     p.add_argument("--print-every", type=int, default=1, help="with --print-time: every this many steps")
     args = p.parse_args()
     distributed = "RANK" in os.environ
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
     data = TensorDataset(torch.rand(32 * args.batches, 20), torch.rand(32 * args.batches, 1))
     sampler = DistributedSampler(data) if distributed else None
-    loader = DataLoader(data, batch_size=32, sampler=sampler, shuffle=sampler is None)
-    model = torch.nn.Linear(20, 1)
+    loader = DataLoader(data, batch_size=32, sampler=sampler, shuffle=sampler is None, pin_memory=cuda)
+    model = torch.nn.Linear(20, 1).to(device)
     if distributed:
-        model = DDP(model)
+        model = DDP(model, device_ids=[device.index] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     rank0 = not distributed or dist.get_rank() == 0
     step, epoch = 0, 0
@@ -43,6 +49,7 @@ def main() -> None:
         if sampler is not None:
             sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
             loss.backward()

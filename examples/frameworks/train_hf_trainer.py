@@ -4,10 +4,12 @@
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --accumulate 2
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --eval-every 2   # evaluates too
     dtprof run -- torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py   # profiled, unchanged
+    # on a GPU: GPT-2 124M, bf16, 8 x 1024 tokens, the loss logged every 50 steps, each step's end printed
+    torchrun --nproc_per_node=1 examples/frameworks/train_hf_trainer.py --gpt2-124m --steps 150 --print-time [--compile]
 
-Nothing is downloaded: the model comes from ``GPT2Config`` (2 layers, a 256-token vocabulary) and the data is a
-list of random token sequences. Rank 0 prints ``final loss <value>`` and, with ``--eval-every``, ``evaluation
-after step <n>`` after each evaluation.
+Nothing is downloaded: the model comes from ``GPT2Config`` (2 layers, a 256-token vocabulary; ``--gpt2-124m``: the
+default config, GPT-2 small) and the data is a list of random token sequences. Rank 0 prints ``final loss <value>``
+and, with ``--eval-every``, ``evaluation after step <n>`` after each evaluation.
 """
 import argparse
 import os
@@ -35,6 +37,14 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class PrintStepTimes(TrainerCallback):
+    """The job's own clock: ``step N t CLOCK`` at each optimizer step's end (the wall time the host reached it)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(f"step {state.global_step} t {time.monotonic():.6f}", flush=True)
+
+
 class PrintEvaluations(TrainerCallback):
     def on_evaluate(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -50,10 +60,19 @@ def main():
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="evaluation batches per device")
     p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--gpt2-124m", action="store_true",
+                   help="GPT-2 small on the GPU: the default GPT2Config, bf16, sequences of 1024, batch 8, the loss "
+                        "logged every 50 steps (the other size options are ignored)")
+    p.add_argument("--print-time", action="store_true", help="rank 0 prints 'step N t CLOCK' at each step's end")
     p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
     args = p.parse_args()
     torch.manual_seed(0)
-    config = tiny_gpt2_config(args.seq)
+    gpu = args.gpt2_124m and torch.cuda.is_available()
+    if args.gpt2_124m:
+        args.seq, args.batch = 1024, 8
+        config = GPT2Config(n_positions=args.seq)
+    else:
+        config = tiny_gpt2_config(args.seq)
     model = GPT2LMHeadModel(config)
     world = int(os.environ.get("WORLD_SIZE", 1))
     data = RandomTokens(args.steps * args.accumulate * args.batch * world, args.seq, config.vocab_size)
@@ -62,14 +81,15 @@ def main():
     training_args = TrainingArguments(
         output_dir=args.out or tempfile.mkdtemp(prefix="hf-trainer-"), max_steps=args.steps,
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulate, learning_rate=1e-3,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", seed=0,
+        logging_steps=50 if args.gpt2_124m else 1, save_strategy="no", report_to=[], use_cpu=not gpu,
+        ddp_backend="nccl" if gpu else "gloo", bf16=gpu, seed=0,
         dataloader_num_workers=0, disable_tqdm=True, torch_compile=args.compile,
         **(dict(eval_strategy="steps", eval_steps=args.eval_every, per_device_eval_batch_size=args.batch)
            if args.eval_every else {}))
     evaluation = (RandomTokens(args.eval_batches * args.batch * world, args.seq, config.vocab_size, seed=1)
                   if args.eval_every else None)
     trainer = Trainer(model=model, args=training_args, train_dataset=data, eval_dataset=evaluation,
-                      callbacks=[PrintEvaluations()])
+                      callbacks=[PrintEvaluations()] + ([PrintStepTimes()] if args.print_time else []))
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss {result.training_loss:.8f}", flush=True)
