@@ -139,7 +139,15 @@ def test_two_runs_of_one_configuration_pass(runs):
     # slowdown tests below keep the default confidence.
     code, d = compare_json(*runs["base"], "--head", *runs["same"], "--confidence", 0.99)
     assert code == 0 or machine_changed(d), d
-    assert d["gates"][0]["key"] == "steps.time_s.p50" and d["gates"][0]["verdict"] == "pass"
+    g = d["gates"][0]
+    assert g["key"] == "steps.time_s.p50", g
+    if code == 3:
+        # the machine's load changed between the recordings (its probe) and explains the outcome: it ran slower for
+        # the head runs, whose gate then failed, or faster, whose pass could have hidden a slowdown
+        assert d["probe"]["explains_verdict"] and (g["verdict"] == "fail") == (d["probe"]["ratio"] > 1), \
+            (g, d["probe"])
+    else:
+        assert g["verdict"] == "pass", g
     assert d["identity"] == []          # same command, script, world size and devices
 
 
@@ -154,11 +162,15 @@ def test_a_rank_slowed_in_backward_fails_naming_backward_and_the_rank(runs):
 
 def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
     code, d = compare_json(runs["same"][-1], "--head", runs["hog"])
-    # whatever the hogs did to the steps (measured: from 0 to +27 % on a quiet machine; ranks waiting on
-    # communication keep much of their share), the machine ran slower: inconclusive, never a regression
-    assert code == 3, (d["outcome"], d["probe"])
-    assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
-    assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"]
+    # the hogs slowed the machine (its probe) and, by anything from 0 to +27 % on a quiet machine, the steps (ranks
+    # waiting on communication keep much of their share): never a regression. Where the steps failed a gate the
+    # slower machine explains it (inconclusive); where they passed, a slower machine cannot have hidden a slowdown
+    assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"] and d["probe"]["moved"]
+    failed = any(g["verdict"] == "fail" for g in d["gates"])
+    assert code == (3 if failed else 0), (d["outcome"], d["probe"], d["gates"])
+    assert d["probe"]["explains_verdict"] is failed
+    if failed:
+        assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
 
 
 def test_a_different_world_size_is_inconclusive_unless_allowed(runs):
@@ -173,7 +185,19 @@ def test_a_slow_rank_fails_the_step_time_gate(runs):
     code, d = compare_json(*runs["base"], "--head", *runs["slow"])
     assert code == 1 or machine_changed(d), d
     g = d["gates"][0]
-    assert g["key"] == "steps.time_s.p50" and g["verdict"] == "fail"
+    assert g["key"] == "steps.time_s.p50", g
+    if g["verdict"] == "pass":
+        # Only where the machine ran faster for the slow runs than for the base ones (CI once saw this on a machine
+        # whose other load slowed it ~2x for part of the suite): a faster machine can hide a slowdown from the step
+        # gate, and its probe shows it. The comparison still never passes: the rank that got worse fails it (exit
+        # 1), or the faster machine makes it inconclusive (exit 3, the machine named)
+        assert d["probe"]["moved"] and d["probe"]["ratio"] < 1, (g, d["probe"])
+        if code == 3:
+            assert any("faster on the probe" in x for x in d["reasons"]), d["reasons"]
+        else:
+            assert code == 1 and any("a straggler got worse" in x for x in d["reasons"]), (code, d["reasons"])
+        return
+    assert g["verdict"] == "fail", g
     assert g["ci"][0] > 0.02            # confidently slower than the tolerance
     assert g["change"] > 0.05          # slower; by how much varies a lot on this VM (+11 % to +117 % measured)
 
@@ -258,9 +282,9 @@ def test_a_gpu_probe_that_moved_is_the_machine_not_a_regression(runs, tmp_path):
     code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "fast", 0.0015 / 1.4, seed=5))
     assert code == 3 and len(d["reasons"]) == 1, d["reasons"]
     assert re.fullmatch(r"the GPUs ran (2\d|30) % faster on the GPU probe \(head vs base\)", d["reasons"][0])
-    # slower GPUs: a head measured on them says little about the code either way: inconclusive too
+    # slower GPUs could only have slowed the head: a head that passed on them passed (the probe's line still shows it)
     code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "slowgpu", 0.0015 * 1.4, seed=5))
-    assert code == 3 and d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is True, d["reasons"]
+    assert code == 0 and d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is False, d["reasons"]
     # a head slowed in backward on slower GPUs: the machine may explain the slowdown, so it is not called a regression
     code, d = compare_json(base, "--head", with_gpu_probe(runs["slow"][0], tmp_path / "slow", 0.0015 * 1.4, seed=7))
     assert code == 3, d["outcome"]

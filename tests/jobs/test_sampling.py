@@ -43,7 +43,9 @@ def test_every_step_timed_and_only_blocks_detailed(runs):
     summary = json.loads((run_dir / "summary.json").read_text())
     st = summary["steps"]
     assert st["boundary_only_count"] == len({s for s in range(32, STEPS) if s % 16 >= 4})
-    assert st["count"] == st["total_count"] - st["warmup_steps"] - len(st["flops_counted_steps"])
+    # the FLOP-counted step may lie inside the warm-up (the leading slow steps run through it)
+    kept_out = set(range(st["warmup_steps"])) | set(st["flops_counted_steps"])
+    assert st["count"] == st["total_count"] - len(kept_out)
     assert st["sampling"]["period_steps"] == 16 and st["sampling"]["block_steps"] == 4
     assert "sampling: " in p.stdout and "with their times only" in p.stdout
     html = (run_dir / "report.html").read_text()
