@@ -209,10 +209,15 @@ def warmup_of(job: pd.DataFrame, warmup: int | None) -> tuple[int, str]:
     return detect_warmup(t, disturbed), "detected"
 
 
+# what a sampled run's numbers are made of, said wherever some steps have their times only
+USES = "; step times and throughput use every step, the breakdown, overlap, what-if and stragglers the detailed ones"
+
+
 def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int = 0, every: int = 1,
              means: tuple[float | None, float | None] = (None, None)) -> dict | None:
     """summary.json ``steps.sampling``: what the ranks' step sampling decided (the ``sampling`` meta rows,
-    collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows. ``means``:
+    collectors/runtime.py) and what it means for the analysis; None for a run without sampling rows whose every step
+    was read in full detail. ``means``:
     the mean time of the timed steps the analysis read in detail and of the boundary-only ones (the detailed steps
     are the breakdown's sample: a user compares the two to see whether it stands for the run)."""
     last = {int(r): v for r, k, v in zip(meta["rank"], meta["kind"].astype(str), meta["value"])
@@ -221,12 +226,12 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
             f"starting at multiples of {DETAIL_BLOCK * every} steps)" if skipped else "")
     compared = (f"; the detailed steps took {means[0] * 1e3:.3g} ms on average, the others {means[1] * 1e3:.3g} ms"
                 if means[0] is not None and means[1] is not None else "")
-    if not last:     # no sampling rows (an import, a run before 1.5): what the steps rows say
-        if not skipped:
+    if not last:     # no sampling rows (an import, a run before 1.5, a job that ended in its calibration)
+        if not skipped and not boundary_only:
             return None
-        recorded = (f"{detailed + skipped} step(s) in full detail, {boundary_only} with their times only"
-                    if boundary_only else "every step in full detail")
-        return {"statement": recorded + read + compared, "detailed_step_mean_s": means[0],
+        recorded = (f"{detailed + skipped} step(s) in full detail, {boundary_only} with their times only{read}{USES}"
+                    if boundary_only else f"every step in full detail{read}")
+        return {"statement": recorded + compared, "detailed_step_mean_s": means[0],
                 "boundary_step_mean_s": means[1]}
     rows = sorted(last.items())
     periods = sorted({int(v.get("period") or 0) for _, v in rows})
@@ -261,8 +266,7 @@ def sampling(meta: pd.DataFrame, detailed: int, boundary_only: int, skipped: int
                             f"({blocks}"
                             + (f"; {cost}" + ("" if footprint else f", over {out['budget_frac'] * 100:g}% of the step")
                                if cost and out["period_steps"] else "") + read
-                            + "); step times and throughput use every step, the breakdown, overlap, what-if and "
-                              "stragglers the detailed ones" + compared)
+                            + ")" + USES + compared)
     return out
 
 

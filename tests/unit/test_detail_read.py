@@ -109,3 +109,14 @@ def test_short_runs_read_all_their_detail():
     assert steps_mod.detail_every(np.arange(64), 16_384) == 1      # at least ANALYSED_MIN_STEPS steps
     big = steps_mod.detail_every(np.arange(1_000_000), 8)
     assert big & (big - 1) == 0 and np.count_nonzero(steps_mod.detail_read(np.arange(1_000_000), big)) <= 16_384
+
+
+def test_a_job_that_ended_in_its_calibration_says_which_steps_are_sampled():
+    # a 60-step Lightning job of 7 ms steps ended before the ranks' first sampling decision (no sampling rows): 16
+    # steps of the calibration blocks had their times only, and the summary must say so beside "42 steps" a rank
+    meta = pd.DataFrame({"rank": [0], "kind": ["flops"], "value": [{}]})
+    st = steps_mod.sampling(meta, detailed=42, boundary_only=16, means=(0.0069, 0.0081))
+    assert st["statement"] == ("42 step(s) in full detail, 16 with their times only; step times and throughput use "
+                               "every step, the breakdown, overlap, what-if and stragglers the detailed ones; the "
+                               "detailed steps took 6.9 ms on average, the others 8.1 ms")
+    assert steps_mod.sampling(meta, detailed=58, boundary_only=0) is None   # every step in detail: nothing to say
