@@ -72,6 +72,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from dtprof.collectors import inputs
+from dtprof.collectors.parts import Parts
 from dtprof.collectors.records import Clock, Event, Meta, span_row, step_row
 from dtprof.schema import DETAIL_BLOCK
 
@@ -79,6 +80,7 @@ if TYPE_CHECKING:     # imported when the Recorder starts (torch.distributed is 
     from dtprof.collectors.heartbeat import Heartbeat
     from dtprof.collectors.hooks_collectives import CollectiveHooks
     from dtprof.collectors.hooks_functional import FunctionalHooks
+    from dtprof.collectors.parts import RankContext
 
 now = time.monotonic_ns
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
@@ -215,6 +217,9 @@ class Recorder:
         self.ab_block = 0          # switch the hooks off and on every this many optimizer steps (0: never)
         self.ab_steps = 0          # optimizer steps seen so far
         self.ab_off = False        # the hooks are out (an "off" block)
+        # ---- rank-side parts (collectors/parts.py): made at start ----
+        self.ctx: RankContext | None = None
+        self.parts = Parts([], self.part_fault)
 
     # ---- rows ----------------------------------------------------------------------------------------------
 
@@ -327,9 +332,24 @@ class Recorder:
         self.complete_ddp = hooks.complete_ddp
         self.functional_hooks = hooks_functional.FunctionalHooks(self, hooks)
         self.functional_hooks.install()     # hybrid hook-in: functional collectives, DeviceMesh
+        self.start_parts(opts)
         self.active = True
         self.start_flusher(float(opts.get("flush_interval_s") or 1.0))
         self.start_companions(opts)
+
+    def start_parts(self, opts) -> None:
+        """The rank-side parts (collectors/parts.py), over a context that is not the recorder."""
+        from dtprof.collectors.parts import RankContext, make_parts
+
+        self.ctx = RankContext(self.rank, self.host, self.rank_dir, opts, self.add, self.fault, self.event,
+                               self.meta)
+        self.ctx.detail = self.detail
+        self.parts = make_parts(opts, self.part_fault)
+        self.parts.install(self.ctx)
+
+    def part_fault(self, where: str) -> None:
+        """A part's own fault switches that part off (collectors/parts.py), not the rank's recording."""
+        self.event("error", f"dtprof part {where} switched off after a fault: {_last_error_line()}")
 
     def start_companions(self, opts) -> None:
         """The heartbeat (triage) and the trace capture (--trace-steps)."""
@@ -365,6 +385,8 @@ class Recorder:
         ident, self.identity_new = self.identity_new, None
         if ident is not None:
             self.writer.write_identity(ident)
+        if self.parts.on_flush:
+            self.parts.call(self.parts.on_flush)
         self.clock_row()
         self.writer.flush()
 
@@ -398,6 +420,8 @@ class Recorder:
                 self.collective_hooks.resolve_gpu_durations(final=True)
             self.meta("dtprof_threads_cpu", {"threads": _own_threads_cpu_s(), "at_step0_end": self.threads_cpu_step0,
                                              "steps": self.step})
+            if self.parts.on_exit:
+                self.parts.call(self.parts.on_exit)
             self.flush_once()
             self.writer.close()
         except BaseException:
@@ -618,6 +642,8 @@ class Recorder:
                 ev0 = rec.cuda_event() if rec.cuda else None
                 rec.ddp_last_issue_ns = None
                 rec.ddp_next_bucket = 0
+                if rec.parts.on_backward and args:
+                    rec.parts.call(rec.parts.on_backward, args[0])
             except Exception:
                 rec.fault("backward")
                 return orig(*args, **kwargs)
@@ -681,6 +707,8 @@ class Recorder:
         if self.disabled:
             return None
         try:
+            if self.parts.on_optimizer_step:     # before the step ends: ctx.step is still this optimizer step's
+                self.parts.call(self.parts.on_optimizer_step, optimizer)
             if not self.detail:
                 if not self.manual_steps:
                     self.end_boundary_step(now())
@@ -753,6 +781,13 @@ class Recorder:
         if self.options.get("count_flops") and self.step == 1:
             self.flops_start()
         self.sample_next(step, t - start)
+        self.parts_step_end(step, t, True)
+
+    def parts_step_end(self, step: int, t: int, detailed: bool) -> None:
+        if self.ctx is not None:
+            self.ctx.step = self.step
+        if self.parts.on_step_end:
+            self.parts.call(self.parts.on_step_end, step, t, detailed)
 
     def trace_step_end(self, step: int) -> None:
         try:
@@ -778,6 +813,7 @@ class Recorder:
         if self.trace_capture is not None:
             self.trace_step_end(step)
         self.sample_next(step, t - start)
+        self.parts_step_end(step, t, False)
 
     def sample_next(self, step: int, duration_ns: int) -> None:
         """After step ``step`` ended: is the next one in full detail? Steps before SAMPLE_FROM are. Steps of
@@ -897,6 +933,10 @@ class Recorder:
         if on == self.detail:
             return
         self.detail = on
+        if self.ctx is not None:
+            self.ctx.detail = on
+        if self.parts.on_detail:
+            self.parts.call(self.parts.on_detail, on)
         self.collective_hooks.set_wrappers(on)
         (self.install_path_hooks if on else self.remove_path_hooks)()
         if self.hook_handles:

@@ -1,0 +1,153 @@
+"""Rank-side parts: each owns one concern of what dtprof does inside a rank, over a narrow ``RankContext``.
+
+A part never sees the ``Recorder`` (collectors/runtime.py). It is given a ``RankContext`` at ``install`` and
+hears of the rank's progress through the few callbacks below, each optional: the recorder calls only the ones a
+part's class overrides, so a part costs the hot path nothing it does not use. Every callback runs under
+try/except in the recorder: a part that raises is switched off with a ``fault`` naming it, and training goes on.
+
+Where the callbacks run
+- ``install(ctx)``: the training thread, once, when the rank starts recording (torch imported, the writer open).
+- ``on_backward(tensors)``: the training thread, at each top-level ``torch.autograd.backward`` /
+  ``Tensor.backward`` of a detailed step, before it runs; ``tensors`` is what backward was called on.
+- ``on_optimizer_step(optimizer)``: the training thread, after each ``torch.optim`` optimizer step and before
+  the step it ends is closed (``ctx.step`` is still that step); every step, detailed or not: keep it cheap.
+- ``on_step_end(step, t_ns, detailed)``: the training thread, after step ``step``'s row was appended.
+- ``on_detail(on)``: the training thread, when sampling switches full detail on or off for the following steps.
+- ``on_flush()``: the flusher thread, before the writer flushes (once a second): the place for slow work.
+- ``on_exit()``: at exit (atexit or SIGTERM), before the final flush.
+
+Rules (docs/architecture.md, "Rank-side rules"): no graph break, recompile or host-device sync; nothing on the
+training thread that waits on the network, the disk or another process; cost bounded per step (use ``ctx.detail``
+or ``detailed`` to do expensive work on sampled steps only).
+
+To add a part: write its class in its own module under collectors/, and add its factory to ``PART_FACTORIES``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+now = time.monotonic_ns
+
+
+class RankContext:
+    """What a part may know and do: the rank's identity, the step in progress, whether it is recorded in full
+    detail, and the run format's writers. The recorder keeps ``step`` and ``detail`` current."""
+
+    __slots__ = ("rank", "host", "rank_dir", "options", "step", "detail", "add", "fault", "event", "_meta")
+
+    def __init__(self, rank: int, host: str, rank_dir: str, options: dict, add: Callable, fault: Callable,
+                 event: Callable, meta: Callable):
+        self.rank = rank
+        self.host = host
+        self.rank_dir = rank_dir
+        self.options = options
+        self.step = 0               # the step in progress
+        self.detail = True          # the step in progress is recorded in full detail
+        self.add = add              # add(row): one typed row (collectors/records.py) to its table
+        self.fault = fault          # fault(where): dtprof's own fault, switching the rank's recording off
+        self.event = event          # event(level, message): an events row
+        self._meta = meta
+
+    def meta(self, kind: str, value: dict) -> None:
+        """One structured fact (the ``meta`` table; kinds in dtprof.schema.META_KINDS)."""
+        self._meta(kind, value)
+
+
+class RankPart:
+    """Base class of a rank-side part (module docstring). Override only the callbacks the part needs."""
+
+    name = "part"
+
+    def install(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+
+    def on_backward(self, tensors) -> None:
+        pass
+
+    def on_optimizer_step(self, optimizer) -> None:
+        pass
+
+    def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
+        pass
+
+    def on_detail(self, on: bool) -> None:
+        pass
+
+    def on_flush(self) -> None:
+        pass
+
+    def on_exit(self) -> None:
+        pass
+
+
+CALLBACKS = ("on_backward", "on_optimizer_step", "on_step_end", "on_detail", "on_flush", "on_exit")
+
+
+class Parts:
+    """The parts of one rank and, per callback, the bound methods of the parts that override it (an empty tuple
+    costs the hot path one truth test)."""
+
+    def __init__(self, parts: list[RankPart], report: Callable):
+        self.parts = list(parts)
+        self._report = report       # report(where): an events error row naming the part and the exception
+        self.rebind()
+
+    def rebind(self) -> None:
+        for cb in CALLBACKS:
+            setattr(self, cb, tuple(getattr(p, cb) for p in self.parts
+                                    if getattr(type(p), cb) is not getattr(RankPart, cb)))
+
+    def install(self, ctx: RankContext) -> None:
+        for part in list(self.parts):
+            try:
+                part.install(ctx)
+            except Exception:
+                self.drop(part, "install")
+
+    def call(self, methods: tuple, *args) -> None:
+        """Call each of ``methods`` (one callback's tuple); a part that raises is dropped with a fault event."""
+        for m in methods:
+            try:
+                m(*args)
+            except Exception:
+                self.drop(m.__self__, m.__name__)
+
+    def drop(self, part: RankPart, where: str) -> None:
+        """Switch off one part after its own fault; the recorder and the other parts go on."""
+        try:
+            self._report(f"{part.name}.{where}")
+        except Exception:
+            pass
+        if part in self.parts:
+            self.parts.remove(part)
+            self.rebind()
+
+
+def lazy_part(module: str, factory: str) -> Callable[[dict], RankPart | None]:
+    """A factory that imports ``module`` only when the rank starts (the rank side is imported before torch)."""
+    def make(options: dict):
+        import importlib
+
+        return getattr(importlib.import_module(module), factory)(options)
+
+    make.__name__ = f"{module}.{factory}"
+    return make
+
+
+# Each factory takes the rank's options and returns a part, or None when the part does not apply to this job.
+# New rank-side concerns (an engine's hooks, the memory ledger, the numerics sentinel) are added here.
+PART_FACTORIES: list[Callable[[dict], RankPart | None]] = []
+
+
+def make_parts(options: dict, report: Callable) -> Parts:
+    made = []
+    for factory in PART_FACTORIES:
+        try:
+            part = factory(options)
+        except Exception:
+            report(f"part {factory.__name__}")
+            continue
+        if part is not None:
+            made.append(part)
+    return Parts(made, report)

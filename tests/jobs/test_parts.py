@@ -1,0 +1,59 @@
+"""The rank-side part contract (collectors/parts.py) on a real training loop: each callback arrives on the step
+it belongs to, and a part that raises is switched off alone while the recording and the training go on."""
+import subprocess
+import sys
+import textwrap
+
+from dtprof.reader import open_run
+
+JOB = textwrap.dedent("""
+    import sys, torch
+    import dtprof
+    from dtprof.collectors import parts
+
+    class Probe(parts.RankPart):
+        name = "probe"
+        def on_backward(self, tensors):
+            self.ctx.event("info", f"backward {self.ctx.step} {tensors.numel()} {tensors.grad_fn is not None}")
+        def on_optimizer_step(self, optimizer):
+            self.ctx.event("info", f"optimizer {self.ctx.step} {optimizer.param_groups[0]['lr']}")
+        def on_step_end(self, step, t_ns, detailed):
+            self.ctx.event("info", f"step_end {step} {self.ctx.step} {detailed}")
+
+    class Faulty(parts.RankPart):
+        name = "faulty"
+        def on_step_end(self, step, t_ns, detailed):
+            if step == 2:
+                raise RuntimeError("faulty part at step 2")
+            self.ctx.event("info", f"faulty {step}")
+
+    parts.PART_FACTORIES[:] = [lambda o: Probe(), lambda o: Faulty()]
+    dtprof.init(sys.argv[1], rank=0)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.125)
+    for i in range(5):
+        loss = m(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print("final", m.weight.sum().item())
+""")
+
+
+def test_parts_hear_each_step_and_a_faulty_part_is_dropped_alone(tmp_path):
+    (tmp_path / "job.py").write_text(JOB)
+    p = subprocess.run([sys.executable, "job.py", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = open_run(tmp_path / "run")
+    assert run.steps.step.tolist() == [0, 1, 2, 3, 4]      # the recording went on after the part's fault
+    messages = run.events.message.tolist()
+    probe = [m for m in messages if m.split()[0] in ("backward", "optimizer", "step_end")]
+    expected = []
+    for s in range(5):   # the loss's backward, then the optimizer step, then the step's end, all of step s
+        expected += [f"backward {s} 1 True", f"optimizer {s} 0.125", f"step_end {s} {s + 1} True"]
+    assert probe == expected
+    assert [m for m in messages if m.startswith("faulty")] == ["faulty 0", "faulty 1"]
+    errors = run.events[run.events.level == "error"].message.tolist()
+    assert errors == ["dtprof part faulty.on_step_end switched off after a fault: RuntimeError: faulty part at step 2"]
