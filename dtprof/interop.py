@@ -89,7 +89,7 @@ def import_fr_command(paths, out):
     \b
     Example: dtprof import fr /tmp/fr_trace_rank_0 /tmp/fr_trace_rank_1 -o runs/from-fr
     """
-    from dtprof.collectors.flight_recorder import DumpError
+    from dtprof.flight_recorder import DumpError
     from dtprof.runformat import RunExistsError
 
     try:
@@ -148,7 +148,7 @@ def import_fr(paths: list, out_dir: Path, command: str = "") -> Path:
 
     import pandas as pd
 
-    from dtprof.collectors.flight_recorder import DumpError, load_dumps
+    from dtprof.flight_recorder import DumpError, load_dumps
     from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
 
     entries = load_dumps(paths)

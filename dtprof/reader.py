@@ -956,7 +956,7 @@ class Incident:
     dumps: dict = field(default_factory=dict)        # rank -> {dump id: dump}
     watchdog: dict = field(default_factory=lambda: {"hang": [], "crash": [], "exit": []})
     logs: str = ""                                   # the job's stderr and stdout, every node
-    fr: Any = None                                   # Flight Recorder entries (collectors/flight_recorder.COLUMNS)
+    fr: Any = None                                   # Flight Recorder entries (dtprof/flight_recorder.COLUMNS)
     fr_given: bool = False                           # dump files were given: a snapshot taken at one moment
 
 
@@ -1018,10 +1018,10 @@ def best_dump(dumps: dict, prefer=("hang", "crash", "sigterm")) -> dict | None:
 
 
 def fr_entries_from_dumps(dumps: dict):
-    """Flight Recorder entries carried in rank dumps -> one DataFrame (collectors/flight_recorder.py columns)."""
+    """Flight Recorder entries carried in rank dumps -> one DataFrame (dtprof/flight_recorder.py columns)."""
     import pandas as pd
 
-    from dtprof.collectors.flight_recorder import COLUMNS, entries_frame
+    from dtprof.flight_recorder import COLUMNS, entries_frame
 
     frames = []
     for rank, by_id in dumps.items():
@@ -1044,7 +1044,7 @@ def read_incident(run_dir: Path | None, fr_paths=(), node_dirs=None) -> Incident
         inc.logs = read_logs(run_dir)
     inc.fr = fr_entries_from_dumps(inc.dumps)
     if fr_paths:
-        from dtprof.collectors.flight_recorder import load_dumps
+        from dtprof.flight_recorder import load_dumps
 
         ext = load_dumps(fr_paths)
         inc.fr = pd.concat([x for x in (inc.fr, ext) if len(x)], ignore_index=True) if len(ext) else inc.fr

@@ -58,7 +58,7 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     124 when it stopped a hung job.
     """
     from dtprof.analyzers.triage import triage
-    from dtprof.collectors.flight_recorder import DumpError
+    from dtprof.flight_recorder import DumpError
     from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run, read_incident
     from dtprof.reports.triage import format_text

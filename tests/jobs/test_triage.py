@@ -21,7 +21,7 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
 
 from dtprof.analyzers.triage import match_across_ranks, ranks_text, where  # noqa: E402
-from dtprof.collectors.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
+from dtprof.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.runformat import NodeTableWriter  # noqa: E402
 from dtprof.triage import triage_command  # noqa: E402
@@ -219,7 +219,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
 
 
 def test_triage_path_never_imports_torch():
-    code = ("import sys, dtprof.triage, dtprof.analyzers.triage, dtprof.watchdog, dtprof.collectors.flight_recorder;"
+    code = ("import sys, dtprof.triage, dtprof.analyzers.triage, dtprof.watchdog, dtprof.flight_recorder;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

@@ -85,6 +85,19 @@ def test_analyzers_import_neither_collectors_nor_reports_and_reports_no_collecto
     assert bad == []
 
 
+# dtprof/ modules that run or import foreign data and so may use collectors/: the launcher (NVML sampling, merging
+# the ranks' traces), the public rank API and `dtprof import kineto`. Reading, analysing, reporting, comparing and
+# triaging a run never does (issue 46 point 4): the run format and its readers live in dtprof/.
+MAY_IMPORT_COLLECTORS = {"dtprof/launcher.py", "dtprof/__init__.py", "dtprof/interop.py"}
+
+
+def test_nothing_that_reads_runs_imports_collectors():
+    graph = imports()
+    bad = sorted((f, t) for f, ts in graph.items() for t in ts
+                 if f.startswith("dtprof/") and t.startswith("collectors/") and f not in MAY_IMPORT_COLLECTORS)
+    assert bad == []
+
+
 MAX_FUNCTION_LINES = 120
 
 
