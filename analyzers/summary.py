@@ -67,6 +67,7 @@ class Analysis:
     pipeline_ops: pd.DataFrame | None = None  # per compute op of a pipeline rank: measured and replayed times
     model: Any = None            # the run model (analyzers/runmodel.py): derived columns every view reads
     exposed: pd.DataFrame | None = None   # per rank × step × mesh dim × op: exposed communication (breakdown.py)
+    triage: dict | None = None   # the incident verdict with its evidence (analyzers/triage.py), None if it failed
 
 
 def _run_block(run) -> dict:
@@ -309,12 +310,15 @@ def _clean(x: Any) -> Any:
 
 
 def analyze(run, options: AnalysisOptions | None = None, *,
-            progress: Callable[[str], None] | None = None, source: str = "summaries") -> Analysis:
+            progress: Callable[[str], None] | None = None, source: str = "summaries", incident=None,
+            live: bool = False, stale_s: float = 60.0) -> Analysis:
     """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
     ``progress`` is called with a short message before each stage. ``source``: "summaries" (the rank-local
     figures from the node summaries, made here in memory for nodes that have none; only the spans the pipeline
     and kernel views need are read) or "raw" (from the whole run's tables at once); the results are equal
-    (docs/scale.md)."""
+    (docs/scale.md). ``incident``: the run's incident files as `dtprof triage` read them (with its ``--fr``
+    dumps; default: read here); ``live`` and ``stale_s``: triage a job still running (``--live``). The verdict is
+    made once, here: ``Analysis.triage``."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
@@ -416,7 +420,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
                         exposed=bd.exposed)
     say("triage")
-    _add_triage(summary, run, stragglers_list, ns, model.steps)
+    analysis.triage = _add_triage(summary, run, stragglers_list, ns, model.steps, incident, live, stale_s)
     say("findings")
     summary["findings"] = findings_mod.find(summary, analysis)
     analysis.findings = summary["findings"]
@@ -536,19 +540,23 @@ def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
             step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
 
 
-def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFrame) -> None:
+def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFrame, incident, live: bool,
+                stale_s: float) -> dict | None:
     """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
-    reads only the collectives rows of the instances the node summaries ``ns`` flag."""
+    reads only the collectives rows of the instances the node summaries ``ns`` flag. Returns the whole result
+    (evidence included: `dtprof triage` prints it); summary.json keeps its headline keys."""
     from dtprof.analyzers import triage
 
     try:
         rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
-        res = triage.triage(run, run.incident(), stragglers=stragglers, collectives=rows, steps=steps)
+        res = triage.triage(run, incident if incident is not None else run.incident(), stragglers=stragglers,
+                            collectives=rows, steps=steps, live=live, stale_s=stale_s)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         summary["triage"] = None
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
-        return
+        return None
     summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
+    return res
 
 
 def _add_mesh(summary: dict, run, steps, bd, ns) -> None:

@@ -92,6 +92,4 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     if as_json:
         click.echo(json.dumps(a.summary, indent=2))
     else:
-        from dtprof.reports.gpu import summary_lines
-
-        click.echo("\n".join([format_summary_text(a.summary), *summary_lines(a.summary)]))
+        click.echo(format_summary_text(a.summary))

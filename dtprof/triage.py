@@ -77,15 +77,16 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
         incident = run.incident(fr_paths) if run is not None else read_incident(None, fr_paths)
     except (RunFormatError, DumpError) as e:
         raise InputError(str(e)) from None
-    stragglers, error = None, None
-    if run is not None and len(run.steps):   # the straggler verdict: the analysis, with the run's own options
+    res, error = None, None
+    if run is not None and len(run.steps):   # the analysis (with the run's own options) makes the verdict once
         from dtprof.analyzers.summary import analyze
 
         try:
-            stragglers = analyze(run, resolve_options(run)).summary["stragglers"]
+            res = analyze(run, resolve_options(run), incident=incident, live=live, stale_s=stale_s).triage
         except Exception as e:  # noqa: BLE001  (the analysis failing must not hide the rest of the triage)
             error = f"{type(e).__name__}: {e}"
-    res = triage(run, incident, stragglers=stragglers, straggler_error=error, live=live, stale_s=stale_s)
+    if res is None:   # no steps, no run (only --fr dumps), or the analysis failed: the verdict without stragglers
+        res = triage(run, incident, stragglers=None, straggler_error=error, live=live, stale_s=stale_s)
     if as_json:
         click.echo(json.dumps(res, indent=1, default=str))
     else:

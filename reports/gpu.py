@@ -51,7 +51,7 @@ def overlap_labels(summary: dict) -> list[tuple[str, str, object]]:
 
 
 def summary_lines(summary: dict) -> list[str]:
-    """Lines for `dtprof summary`: GPU time per rank, both overlap figures and the top kernels (empty without a
+    """Lines for the terminal summary: GPU time per rank, both overlap figures and the top kernels (empty without a
     kernel trace)."""
     ranks = [r for r in summary.get("ranks") or [] if r.get("gpu_time")]
     if not ranks:

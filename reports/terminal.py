@@ -6,10 +6,12 @@ from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers.summary import is_unnamed_suspect
 from dtprof.analyzers.triage import restart_lines
 from dtprof.reports.fmt import pct, saving, short_s
+from dtprof.reports.gpu import summary_lines as gpu_summary_lines
 
 
 def format_summary_text(summary: dict) -> str:
-    """The short per-rank table printed at the end of a run, plus the headline lines."""
+    """The short per-rank table printed at the end of a run and by `dtprof summary` (the same text), the headline
+    lines, and with a kernel trace the GPU time per rank and the top kernels."""
     lines = []
     run = summary.get("run") or {}
     st = summary.get("steps") or {}
@@ -111,4 +113,5 @@ def format_summary_text(summary: dict) -> str:
             for s in tl))
     for f in summary.get("findings") or []:
         lines.append(f"[{f['severity']}] {f['message']}")
+    lines += gpu_summary_lines(summary)
     return "\n".join(lines)
