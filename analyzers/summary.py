@@ -68,6 +68,12 @@ class Analysis:
     model: Any = None            # the run model (analyzers/runmodel.py): derived columns every view reads
     exposed: pd.DataFrame | None = None   # per rank × step × mesh dim × op: exposed communication (breakdown.py)
     triage: dict | None = None   # the incident verdict with its evidence (analyzers/triage.py), None if it failed
+    notices: list = field(default_factory=list)   # what the report lists under "Notices" (run_notices)
+    flagged: pd.DataFrame | None = None   # the rows of ``stragglers`` whose rank is flagged (stragglers.flagged)
+
+    def __post_init__(self):
+        if self.flagged is None and self.stragglers is not None:
+            self.flagged = strag_mod.flagged(self.stragglers)
 
 
 def _run_block(run) -> dict:
@@ -418,7 +424,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
-                        exposed=bd.exposed)
+                        exposed=bd.exposed, notices=run_notices(run))
     say("triage")
     analysis.triage = _add_triage(summary, run, stragglers_list, ns, model.steps, incident, live, stale_s)
     say("findings")
@@ -427,6 +433,23 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     summary["analysis_s"] = time.perf_counter() - t0
     analysis.summary = _clean(summary)
     return analysis
+
+
+def run_notices(run) -> list[str]:
+    """The run's read problems, its restarts (a restarted Ray Train group) and its events' warnings and errors
+    (the first 30, then how many more)."""
+    from dtprof.analyzers.triage import restart_lines
+
+    notices = list(run.problems)
+    notices += restart_lines({"restarts": run.restarts, "attempts": run.attempts})
+    ev = run.events
+    if len(ev):
+        bad = ev[ev["level"].astype(str).isin(["warning", "error"])]
+        notices += [f"{r['level']} from {r['source']} (rank {r['rank']}): {r['message']}"
+                    for r in bad.head(30).to_dict("records")]
+        if len(bad) > 30:
+            notices.append(f"... and {len(bad) - 30} more warnings/errors in the events table")
+    return notices
 
 
 def _rank_step_table(model, ov, bd) -> pd.DataFrame:

@@ -33,7 +33,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dtprof.analyzers.steps import measured_or_all
-from dtprof.analyzers.stragglers import flagged
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
 from dtprof.reports.fmt import fmt_bytes
@@ -307,9 +306,9 @@ def timeline_ranks(ctx: Context) -> list[int]:
     if len(ranks) <= MAX_TIMELINE_RANKS:
         return [int(r) for r in ranks]
     chosen = [int(ranks[0])]
-    st = ctx.analysis.stragglers
-    if st is not None and len(st):
-        late = flagged(st).sort_values("time_lost_s", ascending=False)
+    late = ctx.analysis.flagged
+    if late is not None and len(late):
+        late = late.sort_values("time_lost_s", ascending=False)
         chosen += [int(r) for r in late["rank"].head(4)]
     comp = ctx.measured.groupby("rank")["compute_s"].mean()
     if len(comp):

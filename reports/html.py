@@ -45,8 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE, flagged
-from dtprof.analyzers.triage import restart_lines
+from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 from dtprof.reports import rankgroups as RG
 from dtprof.reports.fmt import esc, fmt_bytes, fmt_evidence, fmt_frac, fmt_s, fmt_value
 
@@ -481,8 +480,8 @@ def _pipeline_section(p: _Parts) -> str:
 def _stragglers_section(p: _Parts) -> str:
     from dtprof.reports import figures as F
 
-    st = p.analysis.stragglers
-    shown = flagged(st).sort_values("time_lost_s", ascending=False) if st is not None and len(st) else st
+    st = p.analysis.flagged
+    shown = st.sort_values("time_lost_s", ascending=False) if st is not None and len(st) else st
     strag_table = _table(shown, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
                                    ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
                                    ("time_lost_s", "peers' arrival wait", fmt_s),
@@ -568,17 +567,8 @@ REPORT_SECTIONS: tuple[tuple[Callable[[_Parts], str], str | None], ...] = (
 )
 
 
-def _notices(run) -> str:
-    """The run's read problems and its events' warnings and errors (the first 30), or "" when there are none."""
-    notices = list(run.problems)
-    notices += restart_lines({"restarts": run.restarts, "attempts": run.attempts})   # a restarted Ray Train group
-    ev = run.events
-    if len(ev):
-        bad = ev[ev["level"].astype(str).isin(["warning", "error"])]
-        notices += [f"{r['level']} from {r['source']} (rank {r['rank']}): {r['message']}"
-                    for r in bad.head(30).to_dict("records")]
-        if len(bad) > 30:
-            notices.append(f"... and {len(bad) - 30} more warnings/errors in the events table")
+def _notices(notices: list[str]) -> str:
+    """The analysis' notices (analyzers/summary.py run_notices), or "" when there are none."""
     return ("<section id=\"notices\"><h2>Notices</h2><ul class=\"notices\">" +
             "".join(f"<li>{esc(n)}</li>" for n in notices) + "</ul></section>") if notices else ""
 
@@ -608,7 +598,7 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 
     anchors = {s.split('"')[1] for s in sections} | {"headline"} | {f"card-{k}" for k, *_ in HEADLINES} | \
         {"card-stragglers"} | ({"breakdown"} if breakdown_chart else set())
-    notice_html = _notices(run)
+    notice_html = _notices(analysis.notices)
     toc = "".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in SECTIONS.items() if a in anchors)
     plotly_js = _plotly_js()
     css = (ASSETS / "report.css").read_text()
