@@ -24,8 +24,9 @@ import os
 import threading
 import time
 
-import torch
-import torch.distributed as dist
+os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before DeepSpeed picks its accelerator
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 # ---- the job's own clock of communication (installed before DeepSpeed imports torch.distributed's functions)
 _MAIN = threading.get_ident()
@@ -139,5 +140,4 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()
