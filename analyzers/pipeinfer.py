@@ -13,7 +13,8 @@ spans then become ``pp_forward``/``pp_backward`` spans (named ``inferred_forward
 - ``stage``: 0 for a rank that receives nothing before its forwards; else its upstream peer's stage + 1, the
   upstream peer being the one whose ``recv`` most often comes right before one of its forwards (activations; a
   ``recv`` right before a backward brings gradients from downstream). Stages are numbered along that chain among
-  the ranks analysed together (a node summary of a pipeline spread over nodes numbers its own ranks' chain).
+  the ranks analysed together (in a node summary of a pipeline spread over nodes, a chain that leaves the node is
+  numbered as if the first peer outside were stage 0).
 
 Everything downstream (the breakdown's bubble, the pipeline analyzer's bubble, theory, imbalance and bottleneck,
 the what-if's balanced stages) then reads these spans as it reads torch pipelining's. Ranks that already have
