@@ -24,14 +24,17 @@ flight in case 1 or 3 is ``bubble`` too: the stage waits for its neighbour (sche
 imbalance and the transfer itself; the pipeline section separates the schedule's own share). So the pipeline's
 fill is never read as data wait: its ``recv`` outranks the ``data_wait`` span it sits in.
 
-A collective issued outside every forward, backward and optimizer span of its rank (between steps: a framework's
-logging or SIGTERM check, a loss all-gather after the optimizer) counts, in case 1 or 3, as
-``comm_outside_fwd_bwd`` ("collectives outside forward/backward") instead of ``exposed_comm``: communication, never
-data wait, and apart from the training collectives that overlap could hide.
+Exposed communication is judged by what it does to the step, not by who issued it: a collective issued outside
+every forward, backward and optimizer span (an engine's gradient reduction after ``loss.backward()`` returns, as
+DeepSpeed ZeRO's; its all-gather of updated partitions after the optimizer; a framework's logging collective
+between steps) is ``exposed_comm`` wherever no compute hides it, like one issued inside backward. Where it was
+issued is a split of the part (``issued``, one of ISSUED: inside forward, backward or the optimizer; after forward;
+after backward; between steps, i.e. after the optimizer or before any compute), never a part of its own.
 
 Where several collectives are in flight at once, the instant is split equally between them. Exposed
-communication is also split by mesh dimension (the group's ``mesh_dim``, ``"(none)"`` outside a DeviceMesh) and by
-op; a ``comm_wait`` with no collective in flight counts under op ``"(no collective in flight)"``.
+communication is also split by mesh dimension (the group's ``mesh_dim``, ``"(none)"`` outside a DeviceMesh), by
+op and by where it was issued; a ``comm_wait`` with no collective in flight counts under op and issued
+``"(no collective in flight)"``.
 
 On a GPU rank communication is what the device did (analyzers/runmodel.py ``device_comm``): a one-rank group's
 collective is not communication, a collective NCCL timed is in flight only for its device-side duration, and a
@@ -73,7 +76,7 @@ SPAN_SET = {"comm_wait": COMM_WAIT, "optimizer": OPTIMIZER, "backward": BACKWARD
 @dataclass
 class Breakdown:
     per_step: pd.DataFrame   # rank, step, one ``<part>_s`` column per PARTS (same row order as the windows)
-    exposed: pd.DataFrame    # rank, step, dim, op, exposed_s: exposed communication of a rank-step per channel
+    exposed: pd.DataFrame    # rank, step, dim, op, issued, exposed_s: exposed communication of a rank-step per channel
     pipeline_ranks: list[int]
 
 
@@ -85,48 +88,56 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     return codes.astype(np.int64), np.asarray(values)
 
 
-def issued_outside_compute(sp: pd.DataFrame, sp_set: np.ndarray, co: pd.DataFrame) -> np.ndarray:
-    """Per collective: issued outside every forward/backward/optimizer span (``pp_*`` included) of its rank. A rank
-    with no such span at all (an imported trace without them) cannot tell: its collectives are not outside."""
-    compute = np.isin(sp_set, COMPUTE_SETS)
-    s_rank, s_start = sp["rank"].to_numpy(np.int64)[compute], sp["start_ns"].to_numpy(np.int64)[compute]
-    s_end = sp["end_ns"].to_numpy(np.int64)[compute]
+# where each collective was issued (its rank's innermost compute phase at its issue, or the last one before it):
+# a split of exposed communication, never a part of its own
+ISSUED = ("forward", "backward", "optimizer", "after forward", "after backward", "between steps")
+NO_ISSUE = UNKNOWN_OP   # a communication wait with no collective in flight: issued by nothing recorded
+
+
+def issued_phase(phases: tuple, co: pd.DataFrame) -> np.ndarray:
+    """Per collective, the index in ISSUED of where it was issued: inside its rank's innermost compute phase
+    (``phases``: intervals.innermost of the compute spans), else after the last phase that ended before it
+    (forward, backward; after the optimizer, or before any compute: "between steps")."""
+    p_rank, p_set, p_start, p_end = phases
     c_rank, c_issue = co["rank"].to_numpy(np.int64), co["issue_ns"].to_numpy(np.int64)
-    out = np.zeros(len(co), bool)
-    for r in np.unique(c_rank):
-        mine = s_rank == r
-        sel = np.flatnonzero(c_rank == r)
-        if not mine.any():
-            continue
-        order = np.argsort(s_start[mine], kind="stable")
-        starts, ends = s_start[mine][order], np.maximum.accumulate(s_end[mine][order])
-        i = np.searchsorted(starts, c_issue[sel], side="right") - 1   # last span starting at or before the issue
-        out[sel] = ~((i >= 0) & (c_issue[sel] < ends[np.maximum(i, 0)]))
-    return out
+    inside, after = np.full(N_SPAN_SETS, 5, np.int64), np.full(N_SPAN_SETS, 5, np.int64)
+    inside[[FORWARD, BACKWARD, OPTIMIZER]] = 0, 1, 2
+    after[[FORWARD, BACKWARD, OPTIMIZER]] = 3, 4, 5
+    out = np.full(len(co), 5, np.int64)
+    if not len(p_rank) or not len(co):
+        return out
+    # phases are disjoint and sorted by (rank, start): the last one of the rank starting at or before the issue
+    t0 = min(int(p_start.min()), int(c_issue.min()))
+    span = max(int(p_end.max()), int(c_issue.max())) - t0 + 1
+    i = np.searchsorted(p_rank * span + (p_start - t0), c_rank * span + (c_issue - t0), side="right") - 1
+    j = np.maximum(i, 0)
+    hit = (i >= 0) & (p_rank[j] == c_rank)
+    in_phase = hit & (c_issue < p_end[j])
+    return np.where(hit, np.where(in_phase, inside[p_set[j]], after[p_set[j]]), out)
 
 
-CHANNEL_KINDS = ("exposed_comm", "bubble", "comm_outside_fwd_bwd")   # the part a channel's exposed time goes to
+CHANNEL_KINDS = ("exposed_comm", "bubble")   # the part a channel's exposed time goes to
 
 
-def _channels(run, pipeline_ranks: list[int], outside: np.ndarray, co: pd.DataFrame) -> tuple[np.ndarray, pd.DataFrame]:
-    """Each collective's channel code and the channels: dim (its group's mesh dimension), op, and part (one of
-    CHANNEL_KINDS: ``bubble`` for a p2p op on a pipeline rank, whose waits are the pipeline's bubble;
-    ``comm_outside_fwd_bwd`` for a collective issued outside compute, ``outside``; else ``exposed_comm``).
-    Vectorised on the columns' integer codes."""
+def _channels(run, pipeline_ranks: list[int], issued: np.ndarray, co: pd.DataFrame) -> tuple[np.ndarray, pd.DataFrame]:
+    """Each collective's channel code and the channels: dim (its group's mesh dimension), op, issued (where it was
+    issued: ISSUED) and part (one of CHANNEL_KINDS: ``bubble`` for a p2p op on a pipeline rank, whose waits are the
+    pipeline's bubble; else ``exposed_comm``). Vectorised on the columns' integer codes."""
     g_code, g_names = _codes(co["group"])
     o_code, o_names = _codes(co["op"])
     bubble = np.isin(co["rank"].to_numpy(np.int64), pipeline_ranks) & np.isin(o_names, P2P_OPS)[o_code]
-    kind = np.where(bubble, 1, np.where(outside, 2, 0))
-    nk = len(CHANNEL_KINDS)
-    raw = (g_code * len(o_names) + o_code) * nk + kind
+    nk, ni = len(CHANNEL_KINDS), len(ISSUED)
+    raw = ((g_code * len(o_names) + o_code) * ni + issued) * nk + bubble.astype(np.int64)
     uniq, inverse = np.unique(raw, return_inverse=True)
     u_part = np.asarray(CHANNEL_KINDS, dtype=object)[uniq % nk]
-    u_op = o_names[(uniq // nk) % max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
-    u_group = g_names[(uniq // nk) // max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    u_issued = np.asarray(ISSUED, dtype=object)[(uniq // nk) % ni]
+    rest = uniq // nk // ni
+    u_op = o_names[rest % max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
+    u_group = g_names[rest // max(len(o_names), 1)] if len(uniq) else np.zeros(0, object)
     dims = mesh_dim_of(run.groups, pd.Series(u_group, dtype=object)).to_numpy()
-    # channels that differ only by group collapse onto one (dim, op, part)
-    chans = pd.DataFrame({"dim": dims, "op": u_op, "part": u_part})
-    code = chans.groupby(["dim", "op", "part"], sort=True).ngroup().to_numpy(np.int64)
+    # channels that differ only by group collapse onto one (dim, op, issued, part)
+    chans = pd.DataFrame({"dim": dims, "op": u_op, "issued": u_issued, "part": u_part})
+    code = chans.groupby(["dim", "op", "issued", "part"], sort=True).ngroup().to_numpy(np.int64)
     table = chans.assign(code=code).drop_duplicates("code").sort_values("code", ignore_index=True)
     return code[inverse.ravel()], table
 
@@ -148,14 +159,13 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
 
     co = run.collectives
     co = co[co["comm"].to_numpy(bool)]   # only communication (runmodel.device_comm)
-    # each collective's channel (dim, op, part) is a set after the span sets
-    chan_codes, chans = _channels(run, pipeline_ranks, issued_outside_compute(sp, sp_set, co), co)
-    n_chan = len(chans)
-    cap = run.captures
-
     sp_rank, sp_start, sp_end = (sp[c].to_numpy(np.int64) for c in ("rank", "start_ns", "end_ns"))
     other_span = (sp_set >= 0) & ~np.isin(sp_set, COMPUTE_SETS)
     phases = innermost(*(a[np.isin(sp_set, COMPUTE_SETS)] for a in (sp_rank, sp_set, sp_start, sp_end)))
+    # each collective's channel (dim, op, issued, part) is a set after the span sets
+    chan_codes, chans = _channels(run, pipeline_ranks, issued_phase(phases, co), co)
+    n_chan = len(chans)
+    cap = run.captures
     device = np.isin(sp_set, COMPUTE_SETS) & (sp["source"].astype(str).to_numpy() == "cuda_event")
     key = np.concatenate([sp_rank[other_span], phases[0], sp_rank[device], co["rank"].to_numpy(np.int64),
                           cap["rank"].to_numpy(np.int64)])
@@ -198,7 +208,7 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         "forward": total(~waiting & cov[FORWARD]),
         "gpu_wait": total(gpu_wait),
         "data_wait": total(~comm_time & ~compute & ~cov[CAPTURE] & cov[DATA_WAIT]),
-        "exposed_comm": np.zeros(n_win), "comm_outside_fwd_bwd": np.zeros(n_win), "bubble": np.zeros(n_win),
+        "exposed_comm": np.zeros(n_win), "bubble": np.zeros(n_win),
     }
     exposed_rows = []
     share = np.divide(1.0, n_cover, out=np.zeros(len(seg)), where=n_cover > 0)
@@ -206,11 +216,11 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
         t = total(comm_time & chan_cov[i], share)
         parts[ch.part] += t
         if ch.part == "exposed_comm":
-            exposed_rows.append((ch.dim, ch.op, t))
+            exposed_rows.append((ch.dim, ch.op, ch.issued, t))
     parts["bubble"] += total(~comm_time & ~compute & ~cov[DATA_WAIT] & ~cov[CAPTURE] & cov[PIPE_REGION])
     orphan = total(blocked & (n_cover == 0))   # blocked, but no collective of this rank in flight (a CPU rank)
     parts["exposed_comm"] += orphan
-    exposed_rows.append((NO_DIM, UNKNOWN_OP, orphan))
+    exposed_rows.append((NO_DIM, UNKNOWN_OP, NO_ISSUE, orphan))
 
     duration = (we - ws).astype(np.float64)
     known = sum(parts.values())
@@ -218,10 +228,11 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
     per_step = pd.DataFrame({"rank": wr, "step": windows["step"].to_numpy(np.int64)})
     for p in PARTS:
         per_step[f"{p}_s"] = parts[p] / NS
-    exposed = [pd.DataFrame({"rank": wr, "step": per_step["step"].to_numpy(), "dim": d, "op": o, "exposed_s": t / NS})
-               for d, o, t in exposed_rows]
+    exposed = [pd.DataFrame({"rank": wr, "step": per_step["step"].to_numpy(), "dim": d, "op": o, "issued": i,
+                             "exposed_s": t / NS})
+               for d, o, i, t in exposed_rows]
     exposed = pd.concat(exposed, ignore_index=True)
-    exposed = exposed.groupby(["rank", "step", "dim", "op"], as_index=False, sort=False)["exposed_s"].sum()
+    exposed = exposed.groupby(["rank", "step", "dim", "op", "issued"], as_index=False, sort=False)["exposed_s"].sum()
     # rank-step order (channels in their sorted order within one): the same rows in the same order whether the
     # breakdown ran on one node or on the whole run, so sums over them agree to the last bit (nodesummary.combine)
     exposed = exposed[exposed["exposed_s"] > 0].sort_values(["rank", "step"], kind="stable", ignore_index=True)
@@ -230,7 +241,8 @@ def step_breakdown(run, windows: pd.DataFrame) -> Breakdown:
 
 def rank_means(bd: Breakdown, by_rank, duration_s) -> pd.DataFrame:
     """Per rank, mean over its measured steps: ``step_time_s_mean``, each part's ``<part>_s``, and the exposed
-    communication per step by dimension and by op as dicts (``exposed_by_dim``, ``exposed_by_op``). ``by_rank``:
+    communication per step by dimension, by op and by where it was issued as dicts (``exposed_by_dim``,
+    ``exposed_by_op``, ``exposed_by_issued``). ``by_rank``:
     ``steps.ByRank`` of ``bd.per_step``'s ranks and its measured rows (a column at a time: a mask over the whole
     frame copies every column at once, 16.4 M rank-steps)."""
     ps = bd.per_step
@@ -246,7 +258,7 @@ def rank_means(bd: Breakdown, by_rank, duration_s) -> pd.DataFrame:
     sel = np.flatnonzero(measured_rows(ps, measured, ex))
     ex_ranks, rank_code = dense_codes(ex["rank"].to_numpy(np.int64)[sel])
     value = pd.Series(ex["exposed_s"].to_numpy(float)[sel])
-    for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op")):
+    for what, col in (("dim", "exposed_by_dim"), ("op", "exposed_by_op"), ("issued", "exposed_by_issued")):
         chan = ex[what].astype("category")
         names = chan.cat.categories
         key = rank_code * len(names) + chan.cat.codes.to_numpy(np.int64)[sel]
@@ -285,8 +297,8 @@ def critical_per_step(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarra
     """The job's breakdown per measured step: for each step, the parts of its **critical rank**, the rank that
     waited least on its peers (the largest step duration minus ``exposed_comm`` and ``bubble``; ties to the lower
     rank). Its parts sum to its own step duration, and a rank slowed in one phase shows that phase growing there,
-    not its peers' waiting. Columns: step, rank, ``<part>_s`` per PARTS, and ``exposed:<dim|op>:<name>_s`` for the
-    critical rank's exposed communication by mesh dimension and by op (0 where it had none)."""
+    not its peers' waiting. Columns: step, rank, ``<part>_s`` per PARTS, and ``exposed:<dim|op|issued>:<name>_s``
+    for the critical rank's exposed communication by mesh dimension, op and place of issue (0 where it had none)."""
     ps = bd.per_step
     rows = np.flatnonzero(measured)   # the measured rows by position: a mask over the frame copies every column
     if not len(rows):
@@ -308,7 +320,7 @@ def critical_per_step(bd: Breakdown, measured: np.ndarray, duration_s: np.ndarra
     ex = bd.exposed
     ckey = crit["rank"].to_numpy(np.int64) * (1 << 32) + crit["step"].to_numpy(np.int64)
     ex = ex[np.isin(ex["rank"].to_numpy(np.int64) * (1 << 32) + ex["step"].to_numpy(np.int64), ckey)]
-    for what in ("dim", "op"):
+    for what in ("dim", "op", "issued"):
         wide = ex.pivot_table(index="step", columns=what, values="exposed_s", aggfunc="sum", fill_value=0.0)
         for name in wide.columns:
             crit[f"exposed:{what}:{name}_s"] = wide[name].reindex(crit["step"]).fillna(0.0).to_numpy()

@@ -10,7 +10,8 @@ Thresholds come from docs/metrics.md (the seeds' rules of thumb) and are module 
   bubble under 25 %);
 - ``exposed_comm``: exposed communication (the step breakdown's part, mean over ranks) > 30 % of step time
   (communication-to-compute ratio above ~30 % calls the parallelism strategy into question); the finding names the
-  mesh dimension and op with the most exposed time, and its advice fits them (``COMM_ADVICE``);
+  mesh dimension, op and place of issue with the most exposed time, and its advice fits them (``COMM_ADVICE``:
+  by dimension, then by where it was issued, e.g. a gradient reduction after backward, then by op);
 - ``low_busbw``: a collective bucket carrying >= 5 % of the communication time at busbw < 50 % of the link's peak;
 - ``pipeline_overhead``: the measured bubble exceeds the schedule replayed on its own op times (pipeline.py) by
   more than 10 % of the step: idle time that more microbatches would not remove (p2p transfers, other communication,
@@ -165,6 +166,18 @@ COMM_ADVICE_BY_OP = {
     "all_to_all": COMM_ADVICE_BY_DIM["ep"],
     "send": COMM_ADVICE_BY_DIM["pp"], "recv": COMM_ADVICE_BY_DIM["pp"],
 }
+# where the most exposed communication was issued (breakdown.ISSUED), when that says more than its op
+COMM_ADVICE_BY_ISSUED = {
+    "after backward": "The gradient reduction runs after backward returns, so no backward compute can hide it "
+                      "(DeepSpeed ZeRO reduces in engine.backward() after loss.backward(); a hand-written "
+                      "all-reduce loop does the same): overlap it with backward (ZeRO's overlap_comm, DDP's "
+                      "bucketed hooks), use larger buckets (reduce_bucket_size), or reduce less often "
+                      "(gradient accumulation).",
+    "between steps": "Communication between steps (after the optimizer: ZeRO's all-gather of the updated "
+                     "partitions; a framework's logging collective) hides behind nothing: overlap it with the next "
+                     "step's forward (ZeRO's overlap_comm / prefetching), log less often, or use larger buckets "
+                     "(allgather_bucket_size).",
+}
 COMM_ADVICE_DEFAULT = ("Overlap this communication with compute (async collectives), cut its volume, or rethink "
                        "the parallelism layout.")
 
@@ -180,21 +193,25 @@ def exposed_comm(summary: dict, analysis) -> list[dict]:
     bd = summary["breakdown"]
     by_dim = bd.get("exposed_comm_by_dim_s_per_step") or {}
     by_op = bd.get("exposed_comm_by_op_s_per_step") or {}
+    by_issued = bd.get("exposed_comm_by_issued_s_per_step") or {}
     dim = max(by_dim, key=by_dim.get) if by_dim else None
     op = max(by_op, key=by_op.get) if by_op else None
+    issued = max(by_issued, key=by_issued.get) if by_issued else None
     where = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_dim.items() if v > 0)
     ops = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_op.items() if v > 0)
+    when = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_issued.items() if v > 0)
     exposed_ms = bd["mean_over_ranks_s_per_step"]["exposed_comm"] * 1e3
     cite, saving = _cite(summary, "perfect_overlap", "overlapping it perfectly")
     return [finding(
         "exposed_comm", "warning",
         f"Exposed communication is {frac:.0%} of the step ({exposed_ms:.1f} ms a step, mean over ranks)"
         + (f"; by mesh dimension: {where}" if where and set(by_dim) != {"(none)"} else "")
-        + (f"; by op: {ops}" if ops else "") + cite,
+        + (f"; by op: {ops}" if ops else "") + (f"; issued: {when}" if when else "") + cite,
         {"exposed_comm_frac": frac, "saving_frac": saving, "exposed_comm_s_per_step": exposed_ms / 1e3,
-         "by_dim_s_per_step": by_dim,
-         "by_op_s_per_step": by_op, "threshold_frac": EXPOSED_COMM_FRAC},
-        comm_advice(dim, op), "breakdown", part="exposed_comm", dim=None if dim == "(none)" else dim)]
+         "by_dim_s_per_step": by_dim, "by_op_s_per_step": by_op, "by_issued_s_per_step": by_issued,
+         "threshold_frac": EXPOSED_COMM_FRAC},
+        COMM_ADVICE_BY_DIM.get(dim or "") or COMM_ADVICE_BY_ISSUED.get(issued or "") or comm_advice(dim, op),
+        "breakdown", part="exposed_comm", dim=None if dim == "(none)" else dim)]
 
 
 def low_busbw(summary: dict, analysis) -> list[dict]:

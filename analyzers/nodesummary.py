@@ -40,7 +40,7 @@ OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "over
 class NodeSummary:
     rank_steps: pd.DataFrame   # rank, step, start_ns, end_ns, OVERLAP_COLUMNS, ``bd_<part>_s`` per breakdown PARTS,
                                # ``work_<part>_ns`` per whatif.WORK_PARTS
-    exposed: pd.DataFrame      # rank, step, dim, op, exposed_s (breakdown.Breakdown.exposed), by rank-step
+    exposed: pd.DataFrame      # rank, step, dim, op, issued, exposed_s (breakdown.Breakdown.exposed), by rank-step
     items: pd.DataFrame        # whatif.ITEM_COLUMNS + COLLECTIVE_COLUMNS (of the replayed steps at least)
     instance_rows: Rows        # collectives.INSTANCE_ROW_COLUMNS: the own collectives reduced per instance
     arrival_parts: Rows        # stragglers.ARRIVAL_PART_COLUMNS: the arrivals reduced per instance and part
@@ -54,7 +54,7 @@ class NodeSummary:
         # the text columns repeated on every rank-step as categoricals in sorted order, whichever path made them
         # (read from the files, dictionary-encoded in the files' order; or computed as text)
         # (a categorical's dtype compares equal whatever its categories' order, so the order is checked here)
-        for df, cols in ((self.rank_steps, ("level",)), (self.exposed, ("dim", "op"))):
+        for df, cols in ((self.rank_steps, ("level",)), (self.exposed, ("dim", "op", "issued"))):
             for c in cols:
                 col = df[c] if isinstance(df[c].dtype, pd.CategoricalDtype) else df[c].astype(str).astype("category")
                 have = col.cat.categories.astype("str")

@@ -8,6 +8,8 @@ compare and triage read these columns; none derives them again.
   ``return_ns`` when completion was never seen), ``comm`` (whether it is communication) and ``comm_start_ns`` (when
   its communication began, as far as known): ``device_comm``. Loaded on first use: only the views that draw rows
   read it.
+- ``spans``: the run's spans, with the stages of pipelines that ran without schedule hooks recognised from what
+  their ranks did (``pp_forward``/``pp_backward`` spans with stage and micro-batch: analyzers/pipeinfer.py).
 - ``gpu_ranks``: the ranks whose device is a GPU (the ranks table's ``device_type`` "cuda").
 - ``clock``: one clock model per host (``analyzers/clock.py``: offset + drift fitted on collective exits against
   the reference host, ``residual_ns`` the stated uncertainty), from the exits reduced per (instance, host)
@@ -42,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import clock as clock_mod
+from dtprof.analyzers import pipeinfer
 from dtprof.analyzers import steps as steps_mod
 from dtprof.schema import TABLES
 
@@ -65,8 +68,16 @@ class RunModel:
 
     def sliced(self, spans: pd.DataFrame) -> RunModel:
         """This model whose ``spans`` are ``spans`` (a slice read with ``Run.read_spans``): for analyzers that
-        need only some spans, so the others are never loaded."""
-        return replace(self, span_slice=spans)
+        need only some spans, so the others are never loaded. Pipelines are recognised in the slice as in the
+        whole (``pipeline_spans``)."""
+        return replace(self, span_slice=self.pipeline_spans(spans))
+
+    def pipeline_spans(self, spans: pd.DataFrame) -> pd.DataFrame:
+        """``spans`` with the pipeline stages that ran without schedule hooks recognised (analyzers/pipeinfer.py);
+        the collectives are read only where some rank runs several forwards a step."""
+        if not pipeinfer.may_hold_pipeline(spans):
+            return spans
+        return pipeinfer.with_pipeline_spans(spans, self.collectives)
 
     @classmethod
     def of(cls, run, warmup: int | None = None, source: str = "summaries",
@@ -86,7 +97,7 @@ class RunModel:
 
     @cached_property
     def read_spans(self) -> pd.DataFrame:
-        return self._detail_read("spans")
+        return self.pipeline_spans(self._detail_read("spans"))
 
     @cached_property
     def skipped_steps(self) -> np.ndarray:

@@ -219,6 +219,7 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
         rec["breakdown_s_per_step"] = {q: float(p[f"{q}_s"]) for q in breakdown_mod.PARTS} if p else None
         rec["exposed_comm_s_per_step_by_dim"] = p["exposed_by_dim"] if p else None
         rec["exposed_comm_s_per_step_by_op"] = p["exposed_by_op"] if p else None
+        rec["exposed_comm_s_per_step_by_issued"] = p["exposed_by_issued"] if p else None
     return records
 
 
@@ -271,7 +272,8 @@ def _breakdown_block(ranks: list[dict], pipeline_ranks: list[int], gpu_ranks: li
     out["mean_over_ranks_s_per_step"] = {p: sum(r["breakdown_s_per_step"][p] for r in rows) / n
                                          for p in breakdown_mod.PARTS}
     for key, col in (("exposed_comm_by_dim_s_per_step", "exposed_comm_s_per_step_by_dim"),
-                     ("exposed_comm_by_op_s_per_step", "exposed_comm_s_per_step_by_op")):
+                     ("exposed_comm_by_op_s_per_step", "exposed_comm_s_per_step_by_op"),
+                     ("exposed_comm_by_issued_s_per_step", "exposed_comm_s_per_step_by_issued")):
         tot: dict = {}
         for r in rows:
             for k, v in (r[col] or {}).items():
@@ -287,7 +289,8 @@ def _critical_series(bd, steps: pd.DataFrame) -> dict:
     crit = breakdown_mod.critical_per_step(bd, steps["measured"].to_numpy(), steps["duration_s"].to_numpy())
     out: dict = {"step": crit["step"].astype(int).tolist(), "critical_rank": crit["rank"].astype(int).tolist(),
                  "parts": {p: crit[f"{p}_s"].astype(float).tolist() for p in breakdown_mod.PARTS}}
-    for what, key in (("dim", "exposed_comm_by_dim"), ("op", "exposed_comm_by_op")):
+    for what, key in (("dim", "exposed_comm_by_dim"), ("op", "exposed_comm_by_op"),
+                      ("issued", "exposed_comm_by_issued")):
         prefix = f"exposed:{what}:"
         out[key] = {c[len(prefix):-2]: crit[c].astype(float).tolist() for c in crit.columns if c.startswith(prefix)}
     return out

@@ -159,8 +159,8 @@ def columns(table: str) -> list[str]:
 # ``summary/_complete`` (written last) is a JSON object: schema_version, schema_minor, pipeline_ranks, stage
 # (pipeline rank -> stage), unassigned, n_collectives.
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")   # analyzers/whatif.py
-BREAKDOWN_PARTS = ("forward", "backward", "optimizer", "gpu_wait", "exposed_comm", "comm_outside_fwd_bwd", "data_wait",
-                   "bubble", "other")   # analyzers/breakdown.py PARTS, in its order
+BREAKDOWN_PARTS = ("forward", "backward", "optimizer", "gpu_wait", "exposed_comm", "data_wait", "bubble",
+                   "other")   # analyzers/breakdown.py PARTS, in its order
 SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     # per rank-step: the step window, the overlap figures (analyzers/overlap.py) and the breakdown parts
     "rank_steps": [
@@ -175,7 +175,8 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
     # the what-if items' work per part (analyzers/whatif.py work_totals)
     + [(f"work_{p}_ns", "int") for p in WORK_PARTS],
     # per rank-step and channel: exposed communication (analyzers/breakdown.py)
-    "exposed": [("rank", "int"), ("step", "int"), ("dim", "str"), ("op", "str"), ("exposed_s", "float")],
+    "exposed": [("rank", "int"), ("step", "int"), ("dim", "str"), ("op", "str"), ("issued", "str"),
+                ("exposed_s", "float")],
     # the what-if model's rank-local items (analyzers/whatif.py rank_items); arrivals and waits name their
     # collective's instance (c_group, c_seq, c_sender, c_receiver) and carry its op, bytes and group size
     "whatif_items": [("rank", "int"), ("step", "int"), ("t", "int"), ("kind", "int"), ("part", "int"),
@@ -209,8 +210,9 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS). 7: the
 # breakdown's gpu_wait part (a GPU rank's host blocked while its GPU runs earlier work); on a GPU rank a one-rank
 # group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm);
-# rank_steps carries the steps' ``detail`` (sampling)
-SUMMARY_LAYOUT = 7
+# rank_steps carries the steps' ``detail`` (sampling). 8: communication issued outside forward/backward is exposed
+# communication (the ``comm_outside_fwd_bwd`` part dropped); the exposed table says where each was issued
+SUMMARY_LAYOUT = 8
 
 
 # ---- the run directory's layout (docs/run-format.md): its files' and folders' names

@@ -23,11 +23,9 @@ MAX_BARS = 64
 WORST_BARS = 8
 PART_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer",
                "gpu_wait": "waiting for the GPU", "exposed_comm": "exposed communication",
-               "comm_outside_fwd_bwd": "collectives outside forward/backward",
                "data_wait": "data wait", "bubble": "pipeline bubble", "other": "other"}
 PART_COLORS = {"forward": "#4C78A8", "backward": "#72B7B2", "optimizer": "#54A24B", "gpu_wait": "#9D755D",
                "exposed_comm": "#E45756",
-               "comm_outside_fwd_bwd": "#FF9DA6",
                "data_wait": "#EECA3B", "bubble": "#B279A2", "other": "#BAB0AC"}
 
 

@@ -38,7 +38,7 @@ def format_summary_text(summary: dict) -> str:
         lines.append(f"sampling: {st['sampling']['statement']}")
     # where the step went (breakdown.py): one column per part, summing to the mean step time
     parts = (summary.get("breakdown") or {}).get("parts") or list(breakdown_mod.PARTS)
-    short = {"exposed_comm": "exposed", "comm_outside_fwd_bwd": "comm out", "data_wait": "data wait",
+    short = {"exposed_comm": "exposed", "data_wait": "data wait",
              "optimizer": "optim", "gpu_wait": "GPU wait"}
     # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
     cpu_col = summary.get("cpu_wait") is not None
@@ -55,11 +55,14 @@ def format_summary_text(summary: dict) -> str:
     bd = summary.get("breakdown") or {}
     by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
     by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}
+    by_issued = {k: v for k, v in (bd.get("exposed_comm_by_issued_s_per_step") or {}).items() if v > 0}
     if by_op:
         dims = ", ".join(f"{k} {short_s(v)}" for k, v in by_dim.items()) if set(by_dim) != {"(none)"} else ""
         lines.append("exposed communication per step (mean over ranks): "
                      + (f"by mesh dimension {dims}; " if dims else "")
-                     + "by op " + ", ".join(f"{k} {short_s(v)}" for k, v in by_op.items()))
+                     + "by op " + ", ".join(f"{k} {short_s(v)}" for k, v in by_op.items())
+                     + ("; issued " + ", ".join(f"{k} {short_s(v)}" for k, v in by_issued.items())
+                        if by_issued else ""))
     wif = summary.get("what_if") or []
     if wif:   # the what-if model's top three (analyzers/whatif.py)
         named = {s["rank"] for s in summary.get("stragglers") or []}

@@ -32,7 +32,7 @@ def test_overlapping_spans_and_comm_partitioned_by_priority(tmp_path):
                    [(0, "all_reduce", 0, 30, 50, 1024, 1), (0, "all_reduce", 1, 60, 98, 1024, 1)])
     a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a) == {"forward": 30, "backward": 30, "optimizer": 5, "exposed_comm": 23,
-                            "comm_outside_fwd_bwd": 0, "data_wait": 10, "bubble": 0, "other": 2}
+                            "data_wait": 10, "bubble": 0, "other": 2}
     r = a.summary["ranks"][0]
     assert r["step_time_s_mean"] == pytest.approx(0.1)
     assert sum(r["breakdown_s_per_step"].values()) == pytest.approx(0.1, rel=1e-12)
@@ -52,9 +52,9 @@ def test_phases_nested_in_optimizer_step_closure_are_the_innermost(tmp_path):
                    [(0, "all_reduce", 0, 60, 88, 1024, 1)], ranks=(0, 1))
     a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a) == {"forward": 20, "backward": 35, "optimizer": 15, "exposed_comm": 15,
-                            "comm_outside_fwd_bwd": 0, "data_wait": 10, "bubble": 0, "other": 5}
+                            "data_wait": 10, "bubble": 0, "other": 5}
     assert _parts_ms(a, rank=1) == {"forward": 20, "backward": 0, "optimizer": 30, "exposed_comm": 0,
-                                    "comm_outside_fwd_bwd": 0, "data_wait": 0, "bubble": 0, "other": 50}
+                                    "data_wait": 0, "bubble": 0, "other": 50}
     # the what-if model cuts the same timeline into the same work (its blocked time is waits, not work)
     g = whatif.build(RunModel.of(open_run(run)))
     work = g.kind == whatif.WORKI
@@ -64,21 +64,45 @@ def test_phases_nested_in_optimizer_step_closure_are_the_innermost(tmp_path):
         assert got == {p: want.get(p, 0) for p in ("forward", "backward", "optimizer")}
 
 
-def test_collective_issued_between_steps_is_communication_outside_forward_backward(tmp_path):
+def test_collective_issued_between_steps_is_exposed_communication_split_by_where_it_was_issued(tmp_path):
     # step [0,100): data_wait [0,10), forward [10,40), backward [40,80), optimizer [80,85); DDP's all_reduce issued
     # in backward, in flight [50,90); a framework's broadcast issued after the optimizer, in flight [88,95), the rank
     # blocked on it [90,95) (comm_wait); the next batch's DataLoader.__next__ [92,100).
-    # exposed_comm = all_reduce alone [85,88) + half of [88,90) = 4; comm_outside_fwd_bwd = the other half + [90,95)
-    # = 6 (it outranks the data_wait span it overlaps); data_wait = 10 + [95,100) = 15.
+    # exposed_comm = all_reduce alone [85,88) + half of [88,90) = 4, plus the broadcast's other half + [90,95)
+    # = 6 (it outranks the data_wait span it overlaps): 10, issued 4 in backward and 6 between steps;
+    # data_wait = 10 + [95,100) = 15.
     run = hand_run(tmp_path / "r", [(0, "data_wait", 0, 10), (0, "forward", 10, 40), (0, "backward", 40, 80),
                                     (0, "optimizer", 80, 85), (0, "comm_wait", 90, 95), (0, "data_wait", 92, 100)],
                    [(0, "all_reduce", 0, 50, 90, 1024, 1), (0, "broadcast", 1, 88, 95, 8, 1)])
     a = analyze(run, AnalysisOptions(warmup=0))
-    assert _parts_ms(a) == {"forward": 30, "backward": 40, "optimizer": 5, "exposed_comm": 4,
-                            "comm_outside_fwd_bwd": 6, "data_wait": 15, "bubble": 0, "other": 0}
+    assert _parts_ms(a) == {"forward": 30, "backward": 40, "optimizer": 5, "exposed_comm": 10,
+                            "data_wait": 15, "bubble": 0, "other": 0}
     r = a.summary["ranks"][0]
     assert sum(r["breakdown_s_per_step"].values()) == pytest.approx(r["step_time_s_mean"], rel=1e-12)
-    assert r["exposed_comm_s_per_step_by_op"] == {"all_reduce": pytest.approx(0.004)}
+    assert r["exposed_comm_s_per_step_by_op"] == {"all_reduce": pytest.approx(0.004),
+                                                  "broadcast": pytest.approx(0.006)}
+    assert r["exposed_comm_s_per_step_by_issued"] == {"backward": pytest.approx(0.004),
+                                                      "between steps": pytest.approx(0.006)}
+    assert a.summary["overlap"]["exposed_comm_frac"] == pytest.approx(0.10)
+
+
+def test_reduction_after_backward_is_exposed_and_said_to_be_issued_there(tmp_path):
+    # DeepSpeed ZeRO's shape: forward [0,20), backward [20,50), then the engine's gradient all_reduce issued after
+    # backward returns, in flight [52,80) with nothing else; optimizer [80,90); the updated partitions all-gathered
+    # after it, [90,100). Exposed: 28 issued after backward, 10 between steps; 38 % of the step, in the headline,
+    # the breakdown and the finding alike.
+    run = hand_run(tmp_path / "r", [(0, "forward", 0, 20), (0, "backward", 20, 50), (0, "optimizer", 80, 90)],
+                   [(0, "all_reduce", 0, 52, 80, 1024, 1), (0, "all_gather", 1, 90, 100, 1024, 1)])
+    a = analyze(run, AnalysisOptions(warmup=0))
+    assert _parts_ms(a) == {"forward": 20, "backward": 30, "optimizer": 10, "exposed_comm": 38,
+                            "data_wait": 0, "bubble": 0, "other": 2}
+    s = a.summary
+    assert s["ranks"][0]["exposed_comm_s_per_step_by_issued"] == {"after backward": pytest.approx(0.028),
+                                                                  "between steps": pytest.approx(0.010)}
+    assert s["overlap"]["exposed_comm_frac"] == pytest.approx(0.38)
+    found = [f for f in s["findings"] if f["id"] == "exposed_comm"]
+    assert found and found[0]["evidence"]["exposed_comm_frac"] == pytest.approx(0.38)
+    assert "after backward" in found[0]["recommendation"] or "after backward" in found[0]["message"]
 
 
 def test_concurrent_collectives_split_equally_by_mesh_dimension_and_op(tmp_path):
@@ -103,7 +127,7 @@ def test_pipeline_fill_is_bubble_not_data_wait(tmp_path):
                    [(1, "recv", 0, 5, 30, 64, 2), (0, "send", 0, 80, 90, 64, 2)], ranks=(0, 1))
     a = analyze(run, AnalysisOptions(warmup=0))
     assert _parts_ms(a, rank=1) == {"forward": 10, "backward": 10, "optimizer": 0, "exposed_comm": 0,
-                                    "comm_outside_fwd_bwd": 0, "data_wait": 5, "bubble": 75, "other": 0}
+                                    "data_wait": 5, "bubble": 75, "other": 0}
     assert _parts_ms(a, rank=0)["exposed_comm"] == 10 and _parts_ms(a, rank=0)["bubble"] == 0
     assert a.summary["breakdown"]["pipeline_ranks"] == [1]
 
@@ -128,7 +152,7 @@ def test_ddp_synth_breakdown_is_the_built_step(tmp_path):
     for r in a.summary["ranks"]:
         b = {k: round(v * 1e3, 6) for k, v in r["breakdown_s_per_step"].items()}
         assert b.pop("gpu_wait") == 0   # a CPU rank
-        assert b == {"forward": 10, "backward": 20, "optimizer": 2, "exposed_comm": 4, "comm_outside_fwd_bwd": 0,
+        assert b == {"forward": 10, "backward": 20, "optimizer": 2, "exposed_comm": 4,
                      "data_wait": 1, "bubble": 0, "other": 0}
         assert r["step_time_s_mean"] == pytest.approx(0.037)
 

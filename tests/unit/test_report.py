@@ -367,7 +367,7 @@ def test_breakdown_bars_on_the_first_screen_add_up_to_each_ranks_step(pipeline_p
     names = [b[0] for b in bars]
     # the synthetic run's ranks are GPU ranks: their breakdown has the waiting-for-the-GPU part
     assert names == ["forward", "backward", "optimizer", "waiting for the GPU", "exposed communication",
-                     "collectives outside forward/backward", "data wait", "pipeline bubble", "other"]
+                     "data wait", "pipeline bubble", "other"]
     for r in summary["ranks"]:
         label = f"rank {r['rank']}"
         stacked = sum(y[x.index(label)] for _, x, y in bars)

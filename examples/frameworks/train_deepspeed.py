@@ -1,0 +1,143 @@
+"""A DeepSpeed job on CPU (gloo): ZeRO stages 0-3 or the PipelineEngine, with its own clock of communication.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/frameworks/train_deepspeed.py --zero 2
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/frameworks/train_deepspeed.py --pipeline
+    dtprof run -- deepspeed --num_gpus 2 examples/frameworks/train_deepspeed.py --zero 3     # profiled, unchanged
+
+The model is blocks of Linear(dim, 4·dim) → ReLU → Linear(4·dim, dim). ``--pipeline`` runs DeepSpeed's
+PipelineEngine (``deepspeed.pipe.PipelineModule``, 2 stages, ``train_batch`` with ``--accum`` micro-batches):
+ten layers, eight blocks and two parameterless ReLUs at positions 5 and 6, so the default ``uniform`` partition
+(layer counts) puts five blocks on stage 0 and three on stage 1, while ``--partition parameters`` balances them
+four and four. ZeRO jobs step the optimizer every ``--accum`` micro-batches (``engine.step()`` at the boundary).
+
+The job measures its own truth, independent of any profiler: the time its training thread spends inside
+``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
+rank prints one line ``clock <rank> {"steps": [[duration, communication], ...]}`` (s, one pair per optimizer
+step). Every rank prints
+``weights <rank> <sha256>`` of its final parameters (its own partition under ZeRO-3, its stage's under the
+pipeline), to compare a bare run with a profiled one.
+"""
+import argparse
+import hashlib
+import json
+import os
+import threading
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before DeepSpeed picks its accelerator
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# ---- the job's own clock of communication (installed before DeepSpeed imports torch.distributed's functions)
+_MAIN = threading.get_ident()
+_clock = {"depth": 0, "comm_s": 0.0}
+COMM_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+              "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+              "all_to_all_single", "all_to_all", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+
+
+def _timed(fn):
+    def wrapper(*args, **kwargs):
+        if threading.get_ident() != _MAIN or _clock["depth"]:
+            return fn(*args, **kwargs)
+        _clock["depth"] += 1
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _clock["comm_s"] += time.perf_counter() - t0
+            _clock["depth"] -= 1
+    wrapper.__name__ = getattr(fn, "__name__", "wrapper")
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+for _name in COMM_FUNCS:
+    if hasattr(dist, _name):
+        setattr(dist, _name, _timed(getattr(dist, _name)))
+dist.Work.wait = _timed(dist.Work.wait)
+
+import deepspeed  # noqa: E402  (after the clock: deepspeed.comm looks some functions up once)
+
+
+def block(dim):
+    return torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(), torch.nn.Linear(4 * dim, dim))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dim, blocks):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[block(dim) for _ in range(blocks)])
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.blocks(x), y)
+
+
+def weights_hash(params) -> str:
+    h = hashlib.sha256()
+    for p in params:
+        t = getattr(p, "ds_tensor", None)
+        h.update((t if t is not None else p).detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3 (not with --pipeline)")
+    p.add_argument("--overlap-comm", action="store_true")
+    p.add_argument("--pipeline", action="store_true", help="DeepSpeed's PipelineEngine, 2 stages")
+    p.add_argument("--partition", default="uniform", help="PipelineModule partition_method")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16, help="micro-batch per rank")
+    p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
+    args = p.parse_args()
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if args.pipeline:
+        from deepspeed.pipe import PipelineModule
+        layers = [block(args.dim) for _ in range(5)] + [torch.nn.ReLU(), torch.nn.ReLU()] + \
+                 [block(args.dim) for _ in range(3)]
+        model = PipelineModule(layers=layers, num_stages=2, partition_method=args.partition,
+                               loss_fn=torch.nn.functional.mse_loss)
+    else:
+        cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
+                                    "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+        model = Net(args.dim, args.blocks)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+    g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
+    n_micro = args.steps * args.accum
+    data = [(torch.randn(args.batch, args.dim, generator=g), torch.randn(args.batch, args.dim, generator=g))
+            for _ in range(n_micro)]
+    per_step = []
+    it = iter(data)
+    for step in range(args.steps):
+        _clock["comm_s"] = 0.0
+        t0 = time.perf_counter()
+        if args.pipeline:
+            loss = engine.train_batch(it)
+        else:
+            for _ in range(args.accum):
+                x, y = next(it)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+        per_step.append([time.perf_counter() - t0, _clock["comm_s"]])
+        if rank == 0:
+            print(f"step {step} loss {float(loss):.6f}", flush=True)
+    print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
+    print(f"weights {rank} {weights_hash(engine.module.parameters())}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
