@@ -385,6 +385,7 @@ class Job:
         self.stops: list[dict] = []      # records of stop_processes() (node.json "stops")
         self.log_problems: list[str] = []
         self.proc: subprocess.Popen | None = None
+        self.command_end_ns: int | None = None
         self._stopper: threading.Thread | None = None
         self._old_handlers: dict = {}
 
@@ -434,6 +435,7 @@ class Job:
     def wait(self) -> int:
         assert self.proc is not None, "start() first"
         rc = self.proc.wait()
+        self.command_end_ns = time.monotonic_ns()   # before any leftover is stopped: triage orders deaths by it
         if self._stopper is not None:
             self._stopper.join()
         # The command ended (its own failure, a signal, the watchdog): none of its processes may outlive it.
@@ -622,6 +624,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     status, died_of = _job_status(returncode, fired, job)
     node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
                      exit_code=exit_code, job_returncode=returncode, status=status,
+                     command_pid=job.proc.pid if job.proc else None, command_end_mono_ns=job.command_end_ns,
                      signal=died_of, signals_forwarded=job.forwarded or None, stops=job.stops or None,
                      log_problems=job.log_problems or None)
     _close_events(events, host, job, status, exit_code, died_of)
