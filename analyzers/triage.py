@@ -492,7 +492,8 @@ def _command_killed(c: Case) -> dict | None:
     outside while its ranks ran: no rank died before it (the watchdog saw none vanish before node.json's
     ``command_end_mono_ns``, on the same host's clock), the command is not itself a rank, dtprof forwarded no
     signal to it and did not stop it for a hang, and the ranks it left running were stopped by dtprof after it.
-    The ranks are not the cause: they lost their parent."""
+    The ranks are not the cause: they lost their parent (and train on: ``dtprof run`` waits for them while they
+    progress)."""
     if c.run is None:
         return None
     inc = c.incident
@@ -520,7 +521,9 @@ def _command_killed(c: Case) -> dict | None:
                               f"{sig}; no rank had died before it", "pid": pid, "signal": sig})
         msg = (f"crash: {who} (pid {pid}, host {n.get('host') or '?'}) was killed by {sig} while its ranks "
                f"{ranks_text(node_ranks)} trained{at}; no rank failed: they lost their parent"
-               + (f" and dtprof stopped the {orphans} process(es) it left running" if orphans else ""))
+               + (f"; dtprof stopped the {orphans} process(es) it left running once they made no progress"
+                  if orphans else "; they trained on to their end" if all(
+                      inc.heartbeats.get(r, {}).get("exit") == "clean" for r in node_ranks) else ""))
         return c.result("crash", [], None, msg)
     return None
 

@@ -162,8 +162,12 @@ def test_killed_agent_is_named_not_a_rank(tmp_path):
     out = triage_json(tmp_path / "r")
     assert out["verdict"] == "crash" and out["culprit_ranks"] == [], out
     assert out["message"].startswith("crash: torchrun's agent (pid ") and "was killed by SIGKILL" in out["message"]
-    assert "no rank failed" in out["message"], out["message"]
+    assert "no rank failed" in out["message"] and "trained on to their end" in out["message"], out["message"]
     node = next((tmp_path / "r").glob("node-*"))
     info = json.loads((node / "node.json").read_text())
     assert f"pid {info['command_pid']}," in out["message"]
     assert _left_running(node) == []
+    # as without dtprof, the ranks trained on without their agent, to the script's last step (8 steps)
+    from dtprof.reader import open_run
+    steps = open_run(tmp_path / "r").steps
+    assert steps.groupby("rank")["step"].nunique().to_dict() == {0: 8, 1: 8, 2: 8}, steps
