@@ -23,7 +23,6 @@ remounted read-only or filled); without it those are skipped.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import random
