@@ -807,8 +807,7 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
     line = (f"machine probe ({kind.upper()}, at the job's {phase}): head {abs(est - 1) * 100:.0f} % {word} than "
             f"base [{(lo - 1) * 100:+.0f}, {(hi - 1) * 100:+.0f} %]"
             + (" -- beyond its noise: the machine changed" if moved else
-               f" -- the machine changed (the interval excludes no change; within ±{PROBE_TOLERANCE:.0%} it "
-               f"alone does not make the verdict inconclusive)" if changed else " (within its noise)"))
+               " -- the machine changed (its interval excludes no change)" if changed else " (within its noise)"))
     return {"kind": kind, "phase": phase, "ratio": est, "ci": [lo, hi], "moved": bool(moved), "changed": bool(changed),
             "tolerance": PROBE_TOLERANCE, "base_median_s": float(np.median(_pooled(b))),
             "head_median_s": float(np.median(_pooled(h))), "line": line}
@@ -858,8 +857,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
 
     - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
       shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
-      base step, that is a regression that faster compute hid (fail). Otherwise, when the base's ranks waited
-      for a CPU (a busy base), the pass is inconclusive: a slowdown of compute could hide behind it.
+      base step, that is a regression that faster compute hid (fail). Otherwise the pass is inconclusive: a
+      slowdown of compute could hide behind it.
     - a fail with the head on the slower machine: inconclusive, the busy machine named.
     """
     out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "waits": None, "compute": None,
@@ -889,23 +888,26 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
             out[key] = {"parts": list(parts), "base_s": b_med, "head_s": h_med, "change_s": change,
                         "ci_s": [lo, hi], "grew": bool(lo > tolerance * step)}
     waits, compute = out["waits"], out["compute"]
+    def machine_words(side_busy: str) -> str:
+        if busier == side_busy:
+            w, wo = (wb, wh) if side_busy == "base" else (wh, wb)
+            other = "head" if side_busy == "base" else "base"
+            return (f"the {side_busy} was recorded on a busy machine (its ranks waited for a CPU {w:.0%} of the step,"
+                    f" the {other}'s {wo:.0%})")
+        assert probe is not None
+        return (f"the machine ran {abs(probe['ratio'] - 1):.0%} {'faster' if probe['ratio'] < 1 else 'slower'} for "
+                f"the head on the CPU probe [{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
     if code == 0 and head_faster:
+        out["verdict"] = "inconclusive"
+        out["reason"] = machine_words("base") + ": a slowdown of the head could hide behind the pass"
         if waits and waits["grew"]:
             faster = (f"; compute {compute['change_s'] * 1e3:+.1f} ms" if compute else "")
             out["verdict"] = "fail"
             out["reason"] = (f"the step's waits ({', '.join(WAIT_PARTS)}: time a faster machine does not shorten) "
                              f"grew {waits['change_s'] * 1e3:+.1f} ms per step [{waits['ci_s'][0] * 1e3:+.1f}, "
                              f"{waits['ci_s'][1] * 1e3:+.1f}], beyond the gate's +{tolerance:.0%} of the base step"
-                             f"{faster}: the head ran on the faster machine, which hid the slowdown in the step time")
-        elif busier == "base":
-            out["verdict"] = "inconclusive"
-            out["reason"] = (f"the base was recorded on a busy machine (its ranks waited for a CPU {wb:.0%} of the "
-                             f"step, the head's {wh:.0%}): a slowdown of the head's compute could hide behind the pass")
+                             f"{faster}: {machine_words('base')}, which hid the slowdown in the step time")
     elif code == 1 and head_slower:
         out["verdict"] = "inconclusive"
-        out["reason"] = ((f"the head was recorded on a busy machine (its ranks waited for a CPU {wh:.0%} of the step,"
-                          f" the base's {wb:.0%})" if busier == "head" else
-                          f"the machine was slower for the head (CPU probe {probe['ratio'] - 1:+.0%} "
-                          f"[{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}])" if probe else "")
-                         + ": a busy machine, not the code, may have slowed it")
+        out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
     return out

@@ -217,7 +217,7 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
     drift = rg.machine_drift(code, b, h, probe, confidence=confidence, seed=seed)
     if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
         machine = []
-    elif drift["verdict"] == "inconclusive" and drift["reason"] not in machine:
+    elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
         machine.append(drift["reason"])
     reasons += machine
     if reasons:
