@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "chaos_job.py"
 BIN = Path(sys.executable).parent
 HANG_TIMEOUT_S = 20
-LIMIT_S = 240          # a bare job still running after this is hung
+LIMIT_S = 150          # a bare job still running after this is hung
+PG_TIMEOUT_S = 20      # the process group's timeout in a collective-timeout fault (its culprit sleeps 1.5x that)
 NPROC = 3
 
 # kind: (expected verdict, the culprit is the injecting rank?, a word the message must hold, the job survives it)
@@ -141,7 +142,7 @@ def job_env(fault: Fault, tag: str, out: Path, mount: Path | None) -> dict:
     env = dict(os.environ, CHAOS_FAULT="agent_kill" if fault.kind == "node_lost" else fault.kind,
                CHAOS_RANK=str(fault.rank), CHAOS_STEP=str(fault.step), CHAOS_STEPS=str(fault.steps),
                CHAOS_OUT=str(out), CHAOS_TAG=tag, OMP_NUM_THREADS="1",
-               CHAOS_PG_TIMEOUT="8" if fault.kind == "coll_timeout" else "300")
+               CHAOS_PG_TIMEOUT=str(PG_TIMEOUT_S) if fault.kind == "coll_timeout" else "300")
     if mount is not None:
         env["CHAOS_MOUNT"] = str(mount)
     return env
@@ -155,8 +156,10 @@ def launch(fault: Fault, tag: str, out: Path, run_dir: Path | None, mount: Path 
     for node in nodes:
         cmd = torchrun(fault, node, port)
         if run_dir is not None:
+            # a collective timeout is gloo's to report: the watchdog waits longer than the process group does
+            hang = 2 * PG_TIMEOUT_S + HANG_TIMEOUT_S if fault.kind == "coll_timeout" else HANG_TIMEOUT_S
             cmd = [str(BIN / "dtprof"), "run", "--out", str(run_dir), "--no-report", "--no-nvml", "--hang-timeout",
-                   str(HANG_TIMEOUT_S), "--", *cmd]
+                   str(hang), "--", *cmd]
         procs.append(subprocess.Popen(cmd, env=job_env(fault, tag, out, mount), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True))
     return procs
