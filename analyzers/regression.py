@@ -539,6 +539,19 @@ def _mover_rank(base: Sequence[dict], head: Sequence[dict], row: str, sign: floa
     return r, deltas[r]
 
 
+def median_change(br: Sequence[np.ndarray], hr: Sequence[np.ndarray], confidence: float, n_boot: int,
+                  seed: int) -> tuple[float, float, float, float, float]:
+    """(base median, head median, head − base, its interval) of one per-step series: a block bootstrap of the
+    difference of medians (runs resampled first), widened to the runs' t interval."""
+    rng = np.random.default_rng(seed)
+    a = (1.0 - confidence) / 2.0
+    rb = _stat(side_resamples(br, n_boot, rng), 0.5)
+    rh = _stat(side_resamples(hr, n_boot, rng), 0.5)
+    lo, hi = _widened(np.quantile(rh - rb, [a, 1.0 - a]), br, hr, 0.5, confidence, log=False)
+    b_med, h_med = float(np.median(_pooled(br))), float(np.median(_pooled(hr)))
+    return b_med, h_med, h_med - b_med, float(lo), float(hi)
+
+
 def _row_runs(side: list[dict[str, np.ndarray]], name: str) -> list[np.ndarray]:
     """One row's per-step series of each run of a side; zeros where a run never had it (no exposed comm on a dim)."""
     return [x[name] if name in x else np.zeros(len(next(iter(x.values())))) for x in side]
@@ -564,18 +577,12 @@ def part_changes(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
     step_mean = float(np.mean(np.concatenate([x for x in base_steps if x is not None] or [np.zeros(1)])))
     floor = floor_frac * step_mean
     names = sorted(set().union(*[set(x) for x in b_series + h_series]))
-    a = (1.0 - confidence) / 2.0
     rows: list[dict[str, Any]] = []
     for i, name in enumerate(names):
         br, hr = _row_runs(b_series, name), _row_runs(h_series, name)
         if min(min(len(x) for x in br), min(len(x) for x in hr)) < 2:
             continue
-        rng = np.random.default_rng(seed + i)
-        rb = _stat(side_resamples(br, n_boot, rng), 0.5)
-        rh = _stat(side_resamples(hr, n_boot, rng), 0.5)
-        lo, hi = _widened(np.quantile(rh - rb, [a, 1.0 - a]), br, hr, 0.5, confidence, log=False)
-        b_med, h_med = float(np.median(_pooled(br))), float(np.median(_pooled(hr)))
-        change = h_med - b_med
+        b_med, h_med, change, lo, hi = median_change(br, hr, confidence, n_boot, seed + i)
         if not (lo > floor or hi < -floor):
             continue
         rank, rank_change = _mover_rank(base, head, name, 1.0 if change > 0 else -1.0)
@@ -795,10 +802,115 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
         return None
     beyond, phase, est, lo, hi, b, h = best
     moved = beyond > 0
+    changed = lo > 1.0 or hi < 1.0   # the interval excludes no change: the machine changed, however little
     word = "slower" if est >= 1 else "faster"
     line = (f"machine probe ({kind.upper()}, at the job's {phase}): head {abs(est - 1) * 100:.0f} % {word} than "
             f"base [{(lo - 1) * 100:+.0f}, {(hi - 1) * 100:+.0f} %]"
-            + (" -- beyond its noise: the machine changed" if moved else " (within its noise)"))
-    return {"kind": kind, "phase": phase, "ratio": est, "ci": [lo, hi], "moved": bool(moved),
+            + (" -- beyond its noise: the machine changed" if moved else
+               " -- the machine changed (its interval excludes no change)" if changed else " (within its noise)"))
+    return {"kind": kind, "phase": phase, "ratio": est, "ci": [lo, hi], "moved": bool(moved), "changed": bool(changed),
             "tolerance": PROBE_TOLERANCE, "base_median_s": float(np.median(_pooled(b))),
             "head_median_s": float(np.median(_pooled(h))), "line": line}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Machine drift within the step: the parts that do not scale with the machine, and the ranks' own wait for a CPU
+
+# Parts of the step that a faster machine does not shorten (nor a slower one lengthen in proportion): sleeps and the
+# step's idle host time (``other``), waits for data, for a peer (exposed communication, collectives outside
+# forward/backward) and the pipeline bubble. Compute is the rest. A head whose waits grew while its compute ran
+# faster on a quieter machine can pass on step time alone: the waits are judged apart (``machine_drift``).
+WAIT_PARTS = ("data_wait", "exposed_comm", "comm_outside_fwd_bwd", "bubble", "other")
+COMPUTE_PARTS = ("forward", "backward", "optimizer", "gpu_wait")
+# A run whose ranks waited for a CPU (summary ``cpu_wait.frac_of_step``: runnable, not running) for this share of
+# the step or more was recorded on a busy machine; one side is the busier when its share exceeds the other's by
+# BUSY_DELTA of the step (measured: tests/jobs/test_compare_real.py and benchmarks/gate_power.py, docs/compare.md)
+BUSY_CPU_WAIT = 0.05
+BUSY_DELTA = 0.03
+
+
+def cpu_wait_share(runs: Sequence[dict]) -> float | None:
+    """Median over a side's runs of the share of the step its ranks waited for a CPU; None where not measured."""
+    v = [lookup(s, "cpu_wait.frac_of_step") for s in runs]
+    v = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
+    return float(np.median(v)) if v else None
+
+
+def _group_series(summary: dict, parts: Sequence[str]) -> np.ndarray | None:
+    """Per measured step, the critical rank's seconds in ``parts`` summed (summary ``breakdown.per_step``)."""
+    ps = lookup(summary, "breakdown.per_step")
+    if not isinstance(ps, dict) or not ps.get("parts"):
+        return None
+    got = [np.asarray(ps["parts"][p], float) for p in parts if p in ps["parts"]]
+    return np.sum(got, axis=0) if got else None
+
+
+def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: dict | None, *,
+                  confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
+                  tolerance: float = DEFAULT_STEP_TOLERANCE) -> dict:
+    """What the machine's drift does to the gates' exit ``code`` (0 pass, 1 fail): ``{verdict, reason, busy,
+    waits, compute, lines}``; ``verdict`` is "fail", "inconclusive" or None (leave the code as it is).
+
+    Which side ran on the slower machine: the side whose ranks waited for a CPU ``BUSY_DELTA`` of the step more
+    (measured inside the job itself), else the CPU probe's interval where it excludes no change (``changed``;
+    measured before and after the job). Then:
+
+    - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
+      shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
+      base step, that is a regression that faster compute hid (fail). Otherwise, when the base's ranks waited for
+      a CPU more (a busy base), the pass is inconclusive: a slowdown of compute could hide behind it. (A probe
+      change within ``PROBE_TOLERANCE`` alone does not make a pass inconclusive: on a busy 2-core machine that
+      would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
+    - a fail with the head on the slower machine: inconclusive, the busy machine named.
+    """
+    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "waits": None, "compute": None,
+                           "lines": []}
+    wb, wh = cpu_wait_share(base), cpu_wait_share(head)
+    busier = None
+    if wb is not None and wh is not None:
+        busier = "head" if wh - wb >= BUSY_DELTA else "base" if wb - wh >= BUSY_DELTA else None
+        out["busy"] = {"base": wb, "head": wh, "busier": busier, "threshold": BUSY_CPU_WAIT, "delta": BUSY_DELTA}
+        for side, w, other, w_other in (("base", wb, "head", wh), ("head", wh, "base", wb)):
+            if w >= BUSY_CPU_WAIT:
+                out["lines"].append(f"{side} recorded on a busy machine: its ranks waited for a CPU {w:.0%} of the "
+                                    f"step (runnable, not running; {other} {w_other:.0%})")
+    probe_dir = None
+    if probe and probe.get("used", True) and probe.get("changed"):
+        probe_dir = "slower" if probe["ratio"] > 1 else "faster"
+    head_faster = busier == "base" or (busier is None and probe_dir == "faster")
+    head_slower = busier == "head" or (busier is None and probe_dir == "slower")
+    steps = [step_samples(s) for s in base]
+    step = float(np.median(np.concatenate([x for x in steps if x is not None]))) if all(
+        x is not None for x in steps) else None
+    for key, parts in (("waits", WAIT_PARTS), ("compute", COMPUTE_PARTS)):
+        bo, ho = [_group_series(s, parts) for s in base], [_group_series(s, parts) for s in head]
+        br, hr = [x for x in bo if x is not None and len(x) >= 2], [x for x in ho if x is not None and len(x) >= 2]
+        if step and len(br) == len(bo) and len(hr) == len(ho):
+            b_med, h_med, change, lo, hi = median_change(br, hr, confidence, n_boot, seed + (key == "compute"))
+            out[key] = {"parts": list(parts), "base_s": b_med, "head_s": h_med, "change_s": change,
+                        "ci_s": [lo, hi], "grew": bool(lo > tolerance * step)}
+    waits, compute = out["waits"], out["compute"]
+    def machine_words(side_busy: str) -> str:
+        if busier == side_busy:
+            w, wo = (wb, wh) if side_busy == "base" else (wh, wb)
+            other = "head" if side_busy == "base" else "base"
+            return (f"the {side_busy} was recorded on a busy machine (its ranks waited for a CPU {w:.0%} of the step,"
+                    f" the {other}'s {wo:.0%})")
+        assert probe is not None
+        return (f"the machine ran {abs(probe['ratio'] - 1):.0%} {'faster' if probe['ratio'] < 1 else 'slower'} for "
+                f"the head on the CPU probe [{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
+    if code == 0 and head_faster:
+        if busier == "base":   # (a probe that moved beyond its band does the same: dtprof.compare)
+            out["verdict"] = "inconclusive"
+            out["reason"] = machine_words("base") + ": a slowdown of the head could hide behind the pass"
+        if waits and waits["grew"]:
+            faster = (f"; compute {compute['change_s'] * 1e3:+.1f} ms" if compute else "")
+            out["verdict"] = "fail"
+            out["reason"] = (f"the step's waits ({', '.join(WAIT_PARTS)}: time a faster machine does not shorten) "
+                             f"grew {waits['change_s'] * 1e3:+.1f} ms per step [{waits['ci_s'][0] * 1e3:+.1f}, "
+                             f"{waits['ci_s'][1] * 1e3:+.1f}], beyond the gate's +{tolerance:.0%} of the base step"
+                             f"{faster}: {machine_words('base')}, which hid the slowdown in the step time")
+    elif code == 1 and head_slower:
+        out["verdict"] = "inconclusive"
+        out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
+    return out

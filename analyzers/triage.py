@@ -206,6 +206,38 @@ def find_hang(hbs, dumps, known_ranks, groups_tbl, fr_entries, now_ns) -> dict:
     return {"collective": None, "waiting": [], "culprits": [], "waited_s": None, "source": None}
 
 
+# A process in one of these states (/proc/<pid>/stat, recorded by the watchdog as it fires) cannot run at all
+FROZEN_STATES = {"T": "is stopped (SIGSTOP)", "t": "is stopped by a tracer",
+                 "D": "is in an uninterruptible sleep in the kernel"}
+# A heartbeat this old while another rank's is fresh (under half of it) is one that stopped: a rank's heartbeat
+# thread beats every 0.5 s whatever its main thread does, so only a frozen process (or one holding the GIL inside
+# C++) stops beating
+STALE_BEAT_S = 5.0
+
+
+def frozen_ranks(hang_recs: list[dict], heartbeats: dict, now_ns: int | None) -> dict[int, str]:
+    """Ranks whose whole process stopped, each with how it shows: a process state that cannot run, or a heartbeat
+    that stopped while other ranks' beat on. From the watchdog's hang records (``heartbeat_age_s``,
+    ``process_state``), else (live) from the heartbeats' own times against ``now_ns``."""
+    ages: dict[int, tuple[float, str | None]] = {}
+    for rec in hang_recs:
+        for r, v in (rec.get("ranks") or {}).items():
+            if v.get("heartbeat_age_s") is not None:
+                ages[int(r)] = (float(v["heartbeat_age_s"]), v.get("process_state"))
+    if not ages and now_ns:
+        ages = {r: ((now_ns - hb["t_ns"]) / 1e9, None) for r, hb in heartbeats.items()
+                if hb.get("t_ns") and hb.get("exit") is None}
+    out = {}
+    for r, (age, state) in ages.items():
+        fresh = [a for q, (a, _) in ages.items() if q != r]
+        if state in FROZEN_STATES:
+            out[r] = f"its process {FROZEN_STATES[state]}; its heartbeat stopped {age:.0f} s before the hang was seen"
+        elif age >= STALE_BEAT_S and fresh and min(fresh) < age / 2:
+            out[r] = (f"its heartbeat stopped {age:.0f} s before the hang was seen while the others' beat on "
+                      f"(newest {min(fresh):.1f} s old): its whole process froze")
+    return out
+
+
 def match_across_ranks(entries, group_ranks: dict[str, list[int]] | None = None):
     """Match collective entries by (group, seq). Returns a DataFrame per instance: group, seq, ops, sizes,
     dtypes (distinct values seen), ranks_present, ranks_missing, mismatch (op, size or dtype differ).
@@ -398,6 +430,13 @@ def _hang(c: Case) -> dict | None:
         if hang_rec.get("missing_dumps"):
             c.evidence.append({"kind": "watchdog", "message": "no state dump from ranks "
                                + ranks_text(hang_rec["missing_dumps"])})
+    frozen = frozen_ranks(inc.watchdog["hang"], inc.heartbeats, now if c.live else None)
+    for r, how in sorted(frozen.items()):
+        c.evidence.append({"kind": "heartbeat", "rank": r, "message": f"{c.label(r)}: {how}"})
+    if frozen and not h["culprits"]:   # no collective names the culprit: the rank whose process froze does
+        h["culprits"] = sorted(frozen)
+        h["waiting"] = [r for r in h["waiting"] if r not in frozen]
+        h["source"] = "the ranks' heartbeats (the one that stopped)"
     coll = h["collective"]
     cname = (f"{coll['op']} #{coll['seq']}" + (f" of group {coll['group']}" if coll.get("group") is not None else "")
              if coll else "a collective")
@@ -412,6 +451,11 @@ def _hang(c: Case) -> dict | None:
     else:
         msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
                f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
+    if culprits and culprits[0] in frozen and coll is None:   # nothing names a collective: the freeze is the story
+        msg = (f"hang: {c.label(culprits[0])} froze: {frozen[culprits[0]]}"
+               + (f"; ranks {ranks_text(h['waiting'])} wait for it" if h["waiting"] else ""))
+    elif culprits and culprits[0] in frozen:
+        msg += f"; rank {culprits[0]}: {frozen[culprits[0]]}"
     if h["source"]:
         c.evidence.append({"kind": "method", "message": f"culprits from {h['source']}"})
     return c.result("hang", culprits, coll, msg)
@@ -435,9 +479,62 @@ def _hang_message(c: Case, h: dict, culprits: list, cname: str) -> str:
     return msg
 
 
+def _launcher_name(command) -> str:
+    """'torchrun's agent' for a torchrun command, else the command's program."""
+    words = [str(w) for w in command or []]
+    if any(Path(w).name in ("torchrun", "torch.distributed.run", "torch.distributed.launch") for w in words):
+        return "torchrun's agent"
+    return f"the job's command ({Path(words[0]).name})" if words else "the job's command"
+
+
+def _command_killed(c: Case) -> dict | None:
+    """A node's command that started the ranks (torchrun's agent, a spawning parent) was killed by a signal from
+    outside while its ranks ran: no rank died before it (the watchdog saw none vanish before node.json's
+    ``command_end_mono_ns``, on the same host's clock), the command is not itself a rank, dtprof forwarded no
+    signal to it and did not stop it for a hang, and the ranks it left running were stopped by dtprof after it.
+    The ranks are not the cause: they lost their parent (and train on: ``dtprof run`` waits for them while they
+    progress)."""
+    if c.run is None:
+        return None
+    inc = c.incident
+    rank_pids = {hb.get("pid") for hb in inc.heartbeats.values()}
+    if c.ranks_tbl is not None and "pid" in c.ranks_tbl:
+        rank_pids |= {int(p) for p in c.ranks_tbl["pid"].dropna()}
+    for n in c.run.nodes:
+        rc, pid, end = n.get("job_returncode"), n.get("command_pid"), n.get("command_end_mono_ns")
+        if not (isinstance(rc, int) and rc < 0 and pid and end and pid not in rank_pids
+                and not n.get("signals_forwarded") and n.get("status") != "hung"):
+            continue
+        dead = [d for x in inc.watchdog["crash"] if x.get("node") == n.get("node") for d in x.get("dead") or []]
+        if any(d["detected_ns"] < end for d in dead):
+            continue   # a rank died first: the command's death followed it
+        left = [s for s in n.get("stops") or [] if str(s.get("reason", "")).startswith("left running")]
+        orphans = sum(s.get("sigterm_sent_to") or 0 for s in left)
+        sig = n.get("signal") or f"signal {-rc}"
+        node_ranks = sorted(r for r, hb in inc.heartbeats.items() if hb.get("host") == n.get("host")) or \
+            sorted(c.known)
+        steps = sorted({hb.get("step") for r, hb in inc.heartbeats.items() if r in node_ranks
+                        and hb.get("step") is not None})
+        at = (f" at step {steps[0]}" if len(steps) == 1 else f" at steps {steps[0]}–{steps[-1]}") if steps else ""
+        who = _launcher_name(n.get("command"))
+        c.evidence.insert(0, {"kind": "exit", "message": f"node {n.get('node')}: {who} (pid {pid}) was killed by "
+                              f"{sig}; no rank had died before it", "pid": pid, "signal": sig})
+        msg = (f"crash: {who} (pid {pid}, host {n.get('host') or '?'}) was killed by {sig} while its ranks "
+               f"{ranks_text(node_ranks)} trained{at}; no rank failed: they lost their parent"
+               + (f"; dtprof stopped the {orphans} process(es) it left running once they made no progress"
+                  if orphans else "; they trained on to their end" if all(
+                      inc.heartbeats.get(r, {}).get("exit") == "clean" for r in node_ranks) else ""))
+        return c.result("crash", [], None, msg)
+    return None
+
+
 def _crash(c: Case) -> dict | None:
     """3. A rank exited non-zero or was killed: torchrun's failure report and the watchdog's record of which
-    rank's process vanished first."""
+    rank's process vanished first. The command that started the ranks killed from outside comes first: then no
+    rank is the cause (``_command_killed``)."""
+    killed = _command_killed(c)
+    if killed is not None:
+        return killed
     inc, dumps = c.incident, c.incident.dumps
     exits = inc.watchdog["exit"]
     failures = [f for e in exits for f in e.get("torchrun_failures") or []]

@@ -213,15 +213,24 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
                                                                    for x in blocking)
                        + " (--allow-different to decide anyway)")
     bound = rg.bounding_device(b, h)
-    reasons += _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
+    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
+    drift = rg.machine_drift(code, b, h, probe, confidence=confidence, seed=seed)
+    if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
+        machine = []
+    elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
+        machine.append(drift["reason"])
+    reasons += machine
     if reasons:
         code = EXIT_INCONCLUSIVE
+    elif drift["verdict"] == "fail":
+        code = EXIT_REGRESSION
+        reasons.append(drift["reason"])
     elif worse:
         code = EXIT_REGRESSION
         reasons.append("a straggler got worse: " + "; ".join(worse))
     return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe,
                   "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
-                  "bound": bound, "reasons": reasons}
+                  "bound": bound, "drift": drift, "reasons": reasons}
 
 
 def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:

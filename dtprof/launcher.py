@@ -17,7 +17,9 @@ Decisions (documented in ``dtprof run --help`` and docs/cli-run.md)
   ``dtprof run`` are forwarded to the command's process group; a second one SIGKILLs every process of the job.
   When the hang watchdog fires, and whenever the command ends with processes of the job still running, they get
   SIGTERM, then SIGKILL after ``KILL_GRACE_S``, and a check; each such stop is recorded in node.json ("stops")
-  and the events table.
+  and the events table. A command killed by a signal dtprof did not forward (torchrun's agent SIGKILLed) leaves
+  its ranks training, as they would without dtprof: they are waited for while their heartbeats show progress
+  (``ORPHAN_IDLE_S``), and only then stopped.
 - Exit code: the job's own; 128+N if it died of signal N (the shell convention); 124 if the hang watchdog stopped
   it; 2 for dtprof's own usage errors (an existing run directory, bad options). Post-run analysis never changes it.
 - This process never imports torch, and dtprof does not depend on it: the job brings its own. Before starting the
@@ -65,6 +67,8 @@ DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
 USAGE_EXIT = InputError.exit_code
 DEFAULT_METRICS_INTERVAL_S = 10.0   # --metrics-interval: a week of 8 ranks' points stays in the tens of MB
+# ranks left running by a killed command are waited for while they progress; this long without, they are stopped
+ORPHAN_IDLE_S = 30.0
 KILL_GRACE_S = 10.0    # a stop's SIGTERM, then SIGKILL to every process of the job still alive this much later
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "GLOO_", "PET_", "TORCHELASTIC_",
                 "SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "SLURM_NTASKS", "DTPROF_")
@@ -385,6 +389,7 @@ class Job:
         self.stops: list[dict] = []      # records of stop_processes() (node.json "stops")
         self.log_problems: list[str] = []
         self.proc: subprocess.Popen | None = None
+        self.command_end_ns: int | None = None
         self._stopper: threading.Thread | None = None
         self._old_handlers: dict = {}
 
@@ -423,6 +428,23 @@ class Job:
         if rec is not None:
             self.stops.append(rec)
 
+    def _wait_for_orphans(self) -> None:
+        """The command died of a signal from outside (torchrun's agent killed): the ranks it left running train
+        on, as they would without dtprof. Wait while they make progress (their heartbeats' ``last_progress_ns``),
+        for at most ``ORPHAN_IDLE_S`` without; wait() stops what is left after that."""
+        from dtprof.watchdog import read_heartbeats
+
+        assert self.proc is not None, "start() first"
+        last, since = None, time.monotonic()
+        while job_processes(self.proc.pid, self.node_dir):
+            beats = read_heartbeats(self.node_dir).values()
+            newest = max((hb.get("last_progress_ns") or 0 for hb in beats if hb.get("exit") is None), default=0)
+            if newest != last:
+                last, since = newest, time.monotonic()
+            elif time.monotonic() - since > ORPHAN_IDLE_S:
+                return
+            time.sleep(0.5)
+
     def stop_by_watchdog(self) -> None:
         """Called by the hang watchdog (from its thread): SIGTERM every process of the job, SIGKILL after a
         grace period, check (in a thread of its own; wait() waits for it)."""
@@ -434,8 +456,11 @@ class Job:
     def wait(self) -> int:
         assert self.proc is not None, "start() first"
         rc = self.proc.wait()
+        self.command_end_ns = time.monotonic_ns()   # before any leftover is stopped: triage orders deaths by it
         if self._stopper is not None:
             self._stopper.join()
+        if rc < 0 and not self.forwarded and not self.stopped_by_watchdog:
+            self._wait_for_orphans()
         # The command ended (its own failure, a signal, the watchdog): none of its processes may outlive it.
         self._stop("left running after the job's command ended")
         for relay, name in self._relays:
@@ -622,6 +647,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     status, died_of = _job_status(returncode, fired, job)
     node_info.update(end_time=utc_iso(end_wall), end_mono_ns=end_mono, duration_s=round(end_wall - start_wall, 3),
                      exit_code=exit_code, job_returncode=returncode, status=status,
+                     command_pid=job.proc.pid if job.proc else None, command_end_mono_ns=job.command_end_ns,
                      signal=died_of, signals_forwarded=job.forwarded or None, stops=job.stops or None,
                      log_problems=job.log_problems or None)
     _close_events(events, host, job, status, exit_code, died_of)

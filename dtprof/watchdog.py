@@ -84,6 +84,16 @@ def pid_alive(pid) -> bool:
         return True
 
 
+def process_state(pid) -> str | None:
+    """The one-letter state of a process (/proc/<pid>/stat: R running, S sleeping, T stopped, D in the kernel...),
+    or None where it cannot be read (gone, another host's, not Linux)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
+
+
 def request_dumps(node_dir: Path, dump_id: str, reason: str) -> None:
     """Ask every rank of this node for a state dump (answered as rank-<r>/dump-<dump_id>.json)."""
     path = Path(node_dir) / f"dump-request-{dump_id}"
@@ -264,13 +274,19 @@ class Watchdog:
         if idle_s < self.timeout_s:
             return False
         self.fired = True
+        # Each rank's last beat and process state before the dump request: a frozen process (SIGSTOP, stuck in the
+        # kernel) stops its heartbeat thread too, so its beat is the one that is old while the others' are fresh.
+        # (None for a rank that exited: its heartbeat ended with it)
+        frozen = {r: {"heartbeat_age_s": round((now - (hb.get("t_ns") or now)) / 1e9, 3)
+                      if hb.get("exit") is None else None,
+                      "process_state": process_state(hb.get("pid"))} for r, hb in hbs.items()}
         live = [r for r, hb in hbs.items() if pid_alive(hb.get("pid"))]
         request_dumps(self.node_dir, "hang", f"no rank progressed for {idle_s:.1f} s")
         got = wait_for_dumps(self.node_dir, "hang", live, DUMP_WAIT_S)
         rec = {"detected_ns": now, "timeout_s": self.timeout_s, "idle_s": idle_s, "dump_id": "hang",
                "ranks": {r: {"step": hb.get("step"), "collective": hb.get("collective"),
                              "last_progress_ns": hb.get("last_progress_ns"), "pid": hb.get("pid"),
-                             "dumped": r in got} for r, hb in sorted(hbs.items())},
+                             "dumped": r in got, **frozen[r]} for r, hb in sorted(hbs.items())},
                "missing_dumps": sorted(set(live) - set(got))}
         self._write("hang.json", rec)
         self._event("error", f"hang: no rank progressed for {idle_s:.1f} s (--hang-timeout {self.timeout_s:g}); "

@@ -6,6 +6,7 @@
 import contextlib
 import os
 import sys
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,6 +22,9 @@ def main():
         p.add_argument("--sync-point", action="store_true",
                        help="with --no-sync: all-reduce one number after backward instead, so the ranks still meet "
                             "where the gradient all-reduce met them but (almost) nothing is transferred")
+        p.add_argument("--sleep-ms", type=float, default=0.0,
+                       help="every rank sleeps this long after each optimizer step (idle host time: the step "
+                            "breakdown's 'other', which a faster machine does not shorten)")
 
     args = parse_args(__doc__, extra)
     rank, world, device = setup_distributed()
@@ -45,6 +49,8 @@ def main():
         if no_sync and args.sync_point:
             torch.distributed.all_reduce(torch.zeros(1, device=device))
         opt.step()
+        if args.sleep_ms:
+            time.sleep(args.sleep_ms / 1000)
         if rank == 0:
             print(step_line(step, loss.item(), args), flush=True)
     if args.compile:

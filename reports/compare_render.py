@@ -17,7 +17,8 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
                     settings: dict, explain: dict | None = None) -> dict:
     """``explain``: ``parts`` (regression.part_changes), ``stragglers`` (regression.straggler_changes),
     ``identity`` (regression.config_differences), ``probe`` and ``gpu_probe`` (regression.probe_change; without a GPU
-    probe ``gpu_probe_reason`` says why), ``bound`` (regression.bounding_device: which probe is used, and why) and
+    probe ``gpu_probe_reason`` says why), ``bound`` (regression.bounding_device: which probe is used, and why),
+    ``drift`` (regression.machine_drift: the ranks' wait for a CPU, the step's waits and compute apart) and
     ``reasons`` (why the
     outcome is what it is, one line each)."""
     ex = explain or {}
@@ -31,7 +32,7 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
             "parts": ex.get("parts") or {"rows": [], "floor_s": None, "note": ""},
             "stragglers": ex.get("stragglers") or [], "identity": ex.get("identity") or [],
             "probe": ex.get("probe"), "gpu_probe": ex.get("gpu_probe"),
-            "gpu_probe_reason": ex.get("gpu_probe_reason"), "bound": ex.get("bound")}
+            "gpu_probe_reason": ex.get("gpu_probe_reason"), "bound": ex.get("bound"), "drift": ex.get("drift")}
 
 
 def _ms(x: float) -> str:
@@ -83,6 +84,18 @@ def gpu_probe_line(d: dict) -> str | None:
     return f"machine probe (GPU): none -- {d['gpu_probe_reason']}" if d.get("gpu_probe_reason") else None
 
 
+def drift_lines(d: dict) -> list[str]:
+    """A side recorded on a busy machine, and the step's waits against its compute (regression.machine_drift)."""
+    x = d.get("drift") or {}
+    out = list(x.get("lines") or [])
+    w, c = x.get("waits"), x.get("compute")
+    if w and c:
+        out.append(f"waits (time a faster machine does not shorten) {_ms(w['change_s'])} per step "
+                   f"[{_ms(w['ci_s'][0])}, {_ms(w['ci_s'][1])}]; compute {_ms(c['change_s'])} "
+                   f"[{_ms(c['ci_s'][0])}, {_ms(c['ci_s'][1])}]")
+    return out
+
+
 def explain_lines(d: dict) -> list[str]:
     """Everything beside the gate table, in the order a reader needs it: what moved, stragglers, machine, config."""
     out = []
@@ -96,6 +109,7 @@ def explain_lines(d: dict) -> list[str]:
     else:
         out.append("what moved: no part of the step moved beyond the noise")
     out += straggler_lines(d)
+    out += drift_lines(d)
     out += [x for x in (probe_line(d), gpu_probe_line(d)) if x]
     if d.get("bound"):
         used = {"gpu": "the GPU probe", "cpu": "the CPU probe", "both": "both probes"}[d["bound"]["device"]]

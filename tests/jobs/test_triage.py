@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
 
-from dtprof.analyzers.triage import match_across_ranks, ranks_text, where  # noqa: E402
+from dtprof.analyzers.triage import frozen_ranks, match_across_ranks, ranks_text, where  # noqa: E402
 from dtprof.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.runformat import NodeTableWriter  # noqa: E402
@@ -196,6 +196,23 @@ def test_parse_torchrun_failures_names_root_cause_and_signal():
     f = parse_torchrun_failures(TORCHRUN_REPORT)
     assert [(x["rank"], x["exit_code"], x["signal"], x["root_cause"]) for x in f] == [
         (5, -9, "SIGKILL", True), (0, -15, "SIGTERM", False)]
+
+
+def test_frozen_ranks_from_the_watchdogs_record_and_live_heartbeats():
+    # the process state names a stopped rank; without one (another host), a heartbeat far older than the others'
+    rec = {"ranks": {"0": {"heartbeat_age_s": 0.4, "process_state": "S"},
+                     "1": {"heartbeat_age_s": 14.0, "process_state": "T"},
+                     "2": {"heartbeat_age_s": 0.3, "process_state": "S"},
+                     "3": {"heartbeat_age_s": 12.0, "process_state": None}}}
+    got = frozen_ranks([rec], {}, None)
+    assert sorted(got) == [1, 3] and "stopped (SIGSTOP)" in got[1] and "heartbeat stopped 12 s" in got[3], got
+    # every rank's beat equally old (a machine stalled as a whole, a slow reader): none stands out
+    assert frozen_ranks([{"ranks": {"0": {"heartbeat_age_s": 9.0}, "1": {"heartbeat_age_s": 8.0}}}], {}, None) == {}
+    # live: heartbeats' own times against now; a rank that exited is not frozen
+    now = 100_000_000_000
+    hbs = {0: {"t_ns": now - 200_000_000, "exit": None}, 1: {"t_ns": now - 20_000_000_000, "exit": None},
+           2: {"t_ns": now - 30_000_000_000, "exit": "clean"}}
+    assert list(frozen_ranks([], hbs, now)) == [1]
 
 
 def test_ranks_text():

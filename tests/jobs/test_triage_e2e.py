@@ -120,3 +120,54 @@ def test_healthy(tmp_path):
     proc, _ = dtprof_run(tmp_path / "r", "healthy")
     assert returncode(proc) == 0, proc.stderr[-2000:]
     assert triage_json(tmp_path / "r")["verdict"] == "healthy"
+
+
+def _left_running(node: Path) -> list[int]:
+    """Live processes whose environment names this node directory (the ranks, torchrun)."""
+    entry = f"DTPROF_NODE_DIR={node.resolve()}".encode()
+    out = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if entry in env and state not in ("Z", "X"):
+            out.append(int(name))
+    return out
+
+
+def test_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
+    # issue 50: a rank SIGSTOPped (a process frozen, as one stuck in the kernel or on a dead device is) gave "hang"
+    # with no culprit; its heartbeat is the one that stopped while the others beat on inside the all-reduce
+    proc, _ = dtprof_run(tmp_path / "r", "stop", nproc=3)
+    assert proc.returncode == 124, proc.stderr[-2000:]
+    out = triage_json(tmp_path / "r")
+    assert out["verdict"] == "hang" and out["culprit_ranks"] == [1], out
+    assert "rank 1 (host " in out["message"] and "its process is stopped (SIGSTOP)" in out["message"], out["message"]
+    node = next((tmp_path / "r").glob("node-*"))
+    hang = json.loads((node / "triage" / "hang.json").read_text())["ranks"]
+    assert hang["1"]["process_state"] == "T" and hang["1"]["heartbeat_age_s"] >= 5, hang
+    assert max(hang[r]["heartbeat_age_s"] for r in ("0", "2")) < 2.5, hang   # the others beat on
+    assert _left_running(node) == []   # the stopped rank too (SIGKILL reaches a stopped process)
+
+
+def test_killed_agent_is_named_not_a_rank(tmp_path):
+    # issue 50: torchrun's agent SIGKILLed gave "crash: rank 1 exited at step 6", blaming a rank for its launcher's
+    # death; the launcher saw its command die first, and the ranks only lost their parent
+    proc, _ = dtprof_run(tmp_path / "r", "kill_agent", nproc=3)
+    assert proc.returncode == 128 + 9, proc.stderr[-2000:]
+    out = triage_json(tmp_path / "r")
+    assert out["verdict"] == "crash" and out["culprit_ranks"] == [], out
+    assert out["message"].startswith("crash: torchrun's agent (pid ") and "was killed by SIGKILL" in out["message"]
+    assert "no rank failed" in out["message"] and "trained on to their end" in out["message"], out["message"]
+    node = next((tmp_path / "r").glob("node-*"))
+    info = json.loads((node / "node.json").read_text())
+    assert f"pid {info['command_pid']}," in out["message"]
+    assert _left_running(node) == []
+    # as without dtprof, the ranks trained on without their agent, to the script's last step (8 steps)
+    from dtprof.reader import open_run
+    steps = open_run(tmp_path / "r").steps
+    assert steps.groupby("rank")["step"].nunique().to_dict() == {0: 8, 1: 8, 2: 8}, steps

@@ -3,7 +3,9 @@
     torchrun --nproc_per_node=4 plain_train.py MODE [--culprit 1] [--steps 8] [--bad-step 3]
 
 MODE as in job.py: healthy | hang | raise | kill | mismatch | slow; abort_at_exit: the culprit trains to the end and
-is killed by SIGABRT in its interpreter's teardown, after its atexit hooks (as torch's own teardown abort is).
+is killed by SIGABRT in its interpreter's teardown, after its atexit hooks (as torch's own teardown abort is);
+stop: a DDP job whose culprit SIGSTOPs itself (a frozen process: a rank stuck in the kernel or on a dead device);
+kill_agent: the culprit SIGKILLs its parent, torchrun's agent, and trains on.
 """
 import argparse
 import ctypes
@@ -25,6 +27,9 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 culprit = rank == args.culprit
 model = torch.nn.Linear(64, 1)
+ddp = args.mode == "stop"   # DDP's bucket all-reduce runs inside backward: no collective call of the script's own
+if ddp:
+    model = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -66,9 +71,13 @@ for step in range(args.steps):
             raise RuntimeError(f"loss is NaN at step {step}")
         if args.mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if args.mode == "kill_agent":
+            os.kill(os.getppid(), signal.SIGKILL)
     if args.mode == "mismatch" and step == args.bad_step:
         dist.broadcast(torch.ones(12 if culprit else 10), src=0)
-    for prm in model.parameters():
+    for prm in model.parameters() if not ddp else ():
         dist.all_reduce(prm.grad)
     opt.step()
     opt.zero_grad()

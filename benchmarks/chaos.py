@@ -1,0 +1,339 @@
+"""Random faults into real small jobs under `dtprof run`, each against the same fault without dtprof (issue 50).
+
+    .venv/bin/python benchmarks/chaos.py --faults 20 --seed 1 [--kinds rank_kill,agent_kill] [--keep DIR]
+
+Each fault is drawn (seeded) from CATALOGUE with a culprit rank and a step: a 3-rank DDP job
+(benchmarks/chaos_job.py), or for a node lost a two-node torchrun on this machine (two agents, one rank each, each
+under its own `dtprof run` into one run directory). The job injects the fault itself at the end of that step, so
+the run without dtprof meets the same fault at the same point. For each fault:
+
+- **unharmed**: the job's fate under dtprof equals its fate without: the same exit code (a hang: both stopped,
+  `dtprof run --hang-timeout` exiting 124, the bare job still running at its time limit), and where the job
+  finishes, the same final weights (SHA-256 of rank 0's state dict);
+- **rows lost**: while the job runs, the rows of each rank's `steps` table that are already readable on disk are
+  counted every 0.2 s; after the fault, the run must still read at least as many for every rank;
+- **leftovers**: no process of the job (its environment names the node directory) nor `dtprof run` is left once
+  it has returned (after a killed `dtprof run`, once the job itself ended);
+- **named**: `dtprof triage --json` gives the verdict and culprit ranks CATALOGUE expects (for dtprof's own
+  faults: no false verdict, and `dtprof run` names its fault).
+
+Prints one row per fault, then one table by kind. Needs root for the run-directory faults (a tmpfs mounted and
+remounted read-only or filled); without it those are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "benchmarks" / "chaos_job.py"
+BIN = Path(sys.executable).parent
+HANG_TIMEOUT_S = 20
+LIMIT_S = 150          # a bare job still running after this is hung
+PG_TIMEOUT_S = 20      # the process group's timeout in a collective-timeout fault (its culprit sleeps 1.5x that)
+NPROC = 3
+
+# kind: (expected verdict, the culprit is the injecting rank?, a word the message must hold, the job survives it)
+CATALOGUE = {
+    "rank_kill": ("crash", True, "SIGKILL", False),
+    "rank_stop": ("hang", True, "SIGSTOP", False),
+    "rank_raise": ("crash", True, "chaos: injected failure", False),
+    "rank_exit": ("crash", True, "exit", False),
+    "agent_kill": ("crash", False, "torchrun's agent", False),
+    "dtprof_kill": ("interrupted", False, "launcher was killed", True),
+    "node_lost": ("crash", False, "torchrun's agent", False),
+    "coll_timeout": ("hang", True, "", False),
+    "mismatch": ("mismatch", True, "broadcast", True),
+    "dir_readonly": ("healthy", False, "", True),
+    "dir_full": ("healthy", False, "", True),
+    "hb_raise": ("healthy", False, "", True),
+    "hb_stall": ("healthy", False, "", True),
+    "flusher_raise": ("healthy", False, "", True),
+    "flusher_stall": ("healthy", False, "", True),
+}
+# what `dtprof run` must say on its stderr for a fault inside dtprof or its run directory (the cause named)
+OWN_FAULT_WORDS = {"dir_readonly": ("read-only", "Read-only"), "dir_full": ("disk full", "No space"),
+                   "hb_raise": ("heartbeat",), "hb_stall": ("heartbeat",), "flusher_raise": ("flusher",),
+                   "flusher_stall": ("flusher",)}
+
+
+@dataclass
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    steps: int
+    row: dict = field(default_factory=dict)
+
+
+def draw(n: int, seed: int, kinds: list[str]) -> list[Fault]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
+        nranks = 2 if kind == "node_lost" else NPROC
+        rank = 0 if kind in ("dir_readonly", "dir_full", "dtprof_kill") else rng.randrange(1, nranks)
+        steps = rng.randrange(14, 22)
+        out.append(Fault(kind, rank, rng.randrange(4, steps - 6), steps))
+    return out
+
+
+# ---- processes -------------------------------------------------------------------------------------------------
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment holds CHAOS_TAG=tag: every process of one fault's jobs."""
+    entry = f"CHAOS_TAG={tag}".encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry in f.read().split(b"\0") and _state(int(name)) not in (None, "Z", "X"):
+                    out.append(int(name))
+        except OSError:
+            pass
+    return out
+
+
+def kill_tagged(tag: str) -> None:
+    for _ in range(3):
+        pids = tagged(tag)
+        if not pids:
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.5)
+
+
+def torchrun(fault: Fault, node: int | None, port: int) -> list[str]:
+    if node is None:
+        return [str(BIN / "torchrun"), f"--nproc_per_node={NPROC}", "--standalone", "--monitor-interval=0.2",
+                str(JOB)]
+    return [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=chaos{port}",
+            "--monitor-interval=0.2", str(JOB)]
+
+
+def job_env(fault: Fault, tag: str, out: Path, mount: Path | None) -> dict:
+    env = dict(os.environ, CHAOS_FAULT="agent_kill" if fault.kind == "node_lost" else fault.kind,
+               CHAOS_RANK=str(fault.rank), CHAOS_STEP=str(fault.step), CHAOS_STEPS=str(fault.steps),
+               CHAOS_OUT=str(out), CHAOS_TAG=tag, OMP_NUM_THREADS="1",
+               CHAOS_PG_TIMEOUT=str(PG_TIMEOUT_S) if fault.kind == "coll_timeout" else "300")
+    if mount is not None:
+        env["CHAOS_MOUNT"] = str(mount)
+    return env
+
+
+def launch(fault: Fault, tag: str, out: Path, run_dir: Path | None, mount: Path | None) -> list[subprocess.Popen]:
+    """The job's launchers: bare torchrun (run_dir None) or `dtprof run`; two for a two-node job."""
+    port = _free_port()
+    nodes = [0, 1] if fault.kind == "node_lost" else [None]
+    procs = []
+    for node in nodes:
+        cmd = torchrun(fault, node, port)
+        if run_dir is not None:
+            # a collective timeout is gloo's to report: the watchdog waits longer than the process group does
+            hang = 2 * PG_TIMEOUT_S + HANG_TIMEOUT_S if fault.kind == "coll_timeout" else HANG_TIMEOUT_S
+            cmd = [str(BIN / "dtprof"), "run", "--out", str(run_dir), "--no-report", "--no-nvml", "--hang-timeout",
+                   str(hang), "--", *cmd]
+        procs.append(subprocess.Popen(cmd, env=job_env(fault, tag, out, mount), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True))
+    return procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- rows on disk ----------------------------------------------------------------------------------------------
+
+def readable_rows(run_dir: Path) -> dict[int, int]:
+    """Rows of each rank's steps table a reader can decode from disk now (complete lines of the gzip stream so far;
+    a flush ends in a complete deflate block, so a running rank's file reads up to its last flush)."""
+    out: dict[int, int] = {}
+    for p in run_dir.glob("node-*/rank-*/steps*.jsonl.gz"):
+        try:
+            rank = int(p.parent.name.split("-")[1])
+            data = zlib.decompressobj(31).decompress(p.read_bytes())
+        except (OSError, ValueError, zlib.error):
+            continue
+        out[rank] = out.get(rank, 0) + max(0, data.count(b"\n") - 1)   # less the header line
+    return out
+
+
+def rows_after(run_dir: Path) -> dict[int, int]:
+    """Steps rows per rank as `dtprof` reads the finished run (its tables, compacted or not)."""
+    from dtprof.reader import open_run
+
+    steps = open_run(run_dir).steps
+    return {int(r): int(n) for r, n in steps.groupby("rank").size().items()} if len(steps) else {}
+
+
+# ---- one fault -------------------------------------------------------------------------------------------------
+
+def finish(procs: list[subprocess.Popen], limit_s: float, watch=None) -> tuple[list[int | None], str]:
+    """Wait for the launchers (None: still running at the limit); returns their exit codes and stderr."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if watch:
+            watch()
+        time.sleep(0.2)
+    codes = [p.poll() for p in procs]
+    err = ""
+    for p in procs:
+        if p.poll() is None:
+            continue
+        err += p.stderr.read().decode(errors="replace") if p.stderr else ""
+    return [None if c is None else (128 - c if c < 0 else c) for c in codes], err
+
+
+def fate(codes: list[int | None], out: Path) -> str:
+    if any(c is None for c in codes) or 124 in codes:
+        return "hung"
+    weights = out / "weights.sha256"
+    return ",".join(map(str, codes)) + (f" w={weights.read_text()[:8]}" if weights.exists() else "")
+
+
+def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
+    tag = f"{os.getpid()}-{work.name}"
+    mount = None
+    if fault.kind in ("dir_readonly", "dir_full"):
+        mount = work / "disk"
+        mount.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
+        if r.returncode != 0:
+            return {"kind": fault.kind, "skipped": "cannot mount a tmpfs (needs root)"}
+    try:
+        # without dtprof
+        bare_out = work / "bare"
+        bare_out.mkdir()
+        procs = launch(fault, tag + "b", bare_out, None, None)
+        bare_codes, _ = finish(procs, LIMIT_S)
+        kill_tagged(tag + "b")
+        bare = fate(bare_codes, bare_out)
+        # under dtprof
+        out = work / "dtprof"
+        out.mkdir()
+        run_dir = (mount or work) / "run"
+        seen: dict[int, int] = {}
+
+        def watch():
+            for r, n in readable_rows(run_dir).items():
+                seen[r] = max(seen.get(r, 0), n)
+        procs = launch(fault, tag + "d", out, run_dir, mount)
+        codes, err = finish(procs, LIMIT_S + 60, watch)
+        if fault.kind == "dtprof_kill":   # the job trains on without its launcher: wait for its end
+            deadline = time.monotonic() + LIMIT_S
+            while tagged(tag + "d") and time.monotonic() < deadline:
+                watch()
+                time.sleep(0.5)
+            codes = [0] if (out / "weights.sha256").exists() else codes
+        leftovers = tagged(tag + "d")
+        kill_tagged(tag + "d")
+        if mount is not None:
+            subprocess.run(["mount", "-o", "remount,rw", str(mount)], capture_output=True)
+        under = fate(codes, out)
+        try:
+            after = rows_after(run_dir)
+            lost = sum(max(0, n - after.get(r, 0)) for r, n in seen.items())
+            read_error = ""
+        except Exception as e:   # an unreadable run loses every row it had
+            lost, read_error = sum(seen.values()), f"{type(e).__name__}: {e}"[:200]
+        tri = subprocess.run([str(BIN / "dtprof"), "triage", str(run_dir), "--json"], capture_output=True, text=True,
+                             timeout=300)
+        try:
+            verdict = json.loads(tri.stdout)
+        except ValueError:
+            verdict = {"verdict": "error", "culprit_ranks": [], "message": (tri.stderr or tri.stdout)[-300:]}
+        exp_verdict, culprit_is_rank, word, _ = CATALOGUE[fault.kind]
+        exp_culprits = [fault.rank] if culprit_is_rank else []
+        named = (verdict.get("verdict") == exp_verdict and verdict.get("culprit_ranks") == exp_culprits
+                 and word in verdict.get("message", ""))
+        if fault.kind in OWN_FAULT_WORDS:   # and dtprof run names its own fault
+            named = named and any(w in err for w in OWN_FAULT_WORDS[fault.kind])
+        row = {"kind": fault.kind, "rank": fault.rank, "step": fault.step, "bare": bare, "dtprof": under,
+               "unharmed": bare == under, "rows_seen": sum(seen.values()), "rows_lost": lost,
+               "read_error": read_error, "leftovers": len(leftovers), "named": named,
+               "verdict": verdict.get("verdict"), "culprits": verdict.get("culprit_ranks"),
+               "message": verdict.get("message", "")[:240]}
+        return row
+    finally:
+        kill_tagged(tag + "b")
+        kill_tagged(tag + "d")
+        if mount is not None:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def table(rows: list[dict]) -> str:
+    kinds = sorted({r["kind"] for r in rows})
+    lines = [f"{'fault':<14} {'n':>3} {'unharmed':>9} {'rows lost':>10} {'leftovers':>10} {'named':>7}"]
+    for k in kinds + ["all"]:
+        rs = [r for r in rows if (k == "all" or r["kind"] == k) and "skipped" not in r]
+        if not rs:
+            continue
+        n = len(rs)
+        lines.append(f"{k:<14} {n:>3} {sum(r['unharmed'] for r in rs) / n:>9.0%} "
+                     f"{sum(r['rows_lost'] for r in rs):>10} {sum(r['leftovers'] for r in rs):>10} "
+                     f"{sum(r['named'] for r in rs) / n:>7.0%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--faults", type=int, default=len(CATALOGUE))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", default=",".join(CATALOGUE), help="comma-separated kinds to draw from")
+    p.add_argument("--keep", type=Path, help="keep each fault's runs under this folder")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    a = p.parse_args(argv)
+    kinds = [k for k in a.kinds.split(",") if k]
+    unknown = set(kinds) - set(CATALOGUE)
+    if unknown:
+        print(f"chaos.py: unknown fault kind(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    root = a.keep or Path(tempfile.mkdtemp(prefix="dtprof-chaos-"))
+    rows = []
+    for i, fault in enumerate(draw(a.faults, a.seed, kinds)):
+        work = root / f"{i:03d}-{fault.kind}"
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        row = run_fault(fault, work, quiet=False)
+        row["took_s"] = round(time.monotonic() - t0, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(rows, indent=1))
+    if not a.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
