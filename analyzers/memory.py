@@ -140,11 +140,12 @@ def layout(run) -> dict:
 
 
 def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None,
-           activations: int | None = None, request: int = 0) -> list[dict]:
+           activations: int | None = None, request: int = 0, peak: int | None = None) -> list[dict]:
     """The levers that lower one rank's peak, ranked by predicted saving (largest first). ``rec``: the rank's
     ledger (``ledger`` keys); ``activations`` (default the ledger's ``activations_bytes``) and ``request`` (an
     allocation that failed in forward or backward, which scales with the micro-batch) for an out-of-memory case;
-    ``shortfall``: the bytes that were missing, each lever then says whether it alone ``covers`` them."""
+    ``shortfall``: the bytes that were missing, each lever then says whether it alone ``covers`` them; ``peak``
+    (default the ledger's ``peak_bytes``): the peak each lever's ``predicted_peak_bytes`` is taken from."""
     p, g, o = (rec.get(k) or 0 for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes"))
     act = activations if activations is not None else (rec.get("activations_bytes") or 0)
     keep = (world - 1) / world if world > 1 else 0.0
@@ -174,7 +175,7 @@ def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None
     add("bf16_optimizer_state", o / 2, "optimizer_state / 2", "fp32 optimizer state kept in bf16",
         "none measurable; numerics to check")
     out.sort(key=lambda x: -int(x["predicted_saving_bytes"]))
-    peak = rec.get("peak_bytes")
+    peak = rec.get("peak_bytes") if peak is None else peak
     for x in out:
         x["predicted_peak_bytes"] = int(peak - x["predicted_saving_bytes"]) if peak is not None else None
         if shortfall is not None:
