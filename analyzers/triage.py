@@ -480,6 +480,8 @@ def _oom(c: Case) -> dict | None:
     held = {k: first[k] if first.get(k) is not None else row.get(k)
             for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes")}
     ledger = {**row, **held}
+    if first.get("reserved_unallocated_bytes") is not None:    # a CUDA message's fragmentation at the failure
+        ledger["fragmentation_bytes"] = first["reserved_unallocated_bytes"]
     request = int(first["requested_bytes"])
     free = first.get("device_free_bytes")
     shortfall = request - int(free) if free is not None else request

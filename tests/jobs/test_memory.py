@@ -13,7 +13,6 @@ import shutil
 import pytest
 
 from conftest import REPO, dtprof, record, torchrun
-from dtprof.analyzers import memory as memory_mod
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 
