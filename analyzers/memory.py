@@ -120,7 +120,8 @@ def memory_block(run) -> dict:
         out["least_headroom_rank"] = worst["rank"]
     peaks = [r for r in ranks if r["peak_bytes"] is not None]
     if peaks:
-        out["largest_peak_rank"] = max(peaks, key=lambda r: int(r["peak_bytes"]))["rank"]
+        top = max(peaks, key=lambda r: int(r["peak_bytes"]))
+        out["largest_peak_rank"], out["peak_bytes_max"] = top["rank"], top["peak_bytes"]
     return out
 
 

@@ -102,3 +102,40 @@ def test_triage_oom_in_backward_with_fragmentation_names_expandable_segments():
     covering = [x["lever"] for x in res["levers"] if x["covers_shortfall"]]
     assert covering == ["expandable_segments"]
     assert "expandable_segments alone would cover" in res["message"]
+
+
+def _summary(peaks: dict, opt_state: int) -> dict:
+    ranks = [{"rank": r, "peak_bytes": p, "params_bytes": 4 * MiB, "grads_bytes": 4 * MiB,
+              "optimizer_state_bytes": opt_state, "activations_peak_bytes": p - 8 * MiB - opt_state}
+             for r, p in peaks.items()]
+    return {"memory": {"ranks": ranks, "peak_bytes_max": max(peaks.values())}}
+
+
+def test_compare_gates_peak_memory_and_names_the_rank_and_category():
+    from dtprof.analyzers import regression as rg
+
+    gate = rg.parse_gate("memory.peak_bytes_max < +5%")
+    assert "memory.peak_bytes_max < +5%" in rg.DEFAULT_ADVISORY
+    base = _summary({0: 100 * MiB, 1: 100 * MiB}, 8 * MiB)
+    same = rg.evaluate_gate(gate, [base], [_summary({0: 101 * MiB, 1: 100 * MiB}, 8 * MiB)])
+    assert same.verdict == rg.PASS
+    # rank 1 keeps fp32 moments it did not before (+16 MiB of optimizer state): +16 % on its peak
+    grown = rg.evaluate_gate(gate, [base], [_summary({0: 100 * MiB, 1: 116 * MiB}, 8 * MiB) | {
+        "memory": {"ranks": [{"rank": 0, "peak_bytes": 100 * MiB, "params_bytes": 4 * MiB, "grads_bytes": 4 * MiB,
+                              "optimizer_state_bytes": 8 * MiB, "activations_peak_bytes": 84 * MiB},
+                             {"rank": 1, "peak_bytes": 116 * MiB, "params_bytes": 4 * MiB, "grads_bytes": 4 * MiB,
+                              "optimizer_state_bytes": 24 * MiB, "activations_peak_bytes": 84 * MiB}],
+                   "peak_bytes_max": 116 * MiB}}])
+    assert grown.verdict == rg.FAIL and grown.change == pytest.approx(0.16)
+    assert grown.note == "rank 1's peak +16.0% (most in optimizer state: +16.0 MiB)"
+
+
+def test_report_ledger_bars_add_up_to_the_summary_peak():
+    from dtprof.reports import memory as report_memory
+
+    mem = _summary({0: 100 * MiB, 1: 120 * MiB}, 8 * MiB)["memory"]
+    fig = report_memory.ledger_figure(mem)
+    stacked = [sum(t.y[i] for t in fig.data if t.type == "bar") for i in range(2)]
+    assert stacked == pytest.approx([100 / 1024, 120 / 1024])       # GiB: the stack is the rank's peak
+    html = report_memory.ledger_html(mem)
+    assert html.count("<tr>") == 3 and "100.0 MiB" in html and "120.0 MiB" in html   # a header, a row per rank
