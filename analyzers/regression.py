@@ -55,6 +55,7 @@ DEFAULT_ADVISORY = (
     "overlap.exposed_comm_frac < +0.05",
     "pipeline.bubble_frac < +0.02",
     "stragglers <= +0",
+    "memory.peak_bytes_max < +5%",    # the memory ledger's largest peak over ranks; the note names the rank
 )
 
 STEP_KEY = "steps.time_s."
@@ -464,7 +465,35 @@ def _evaluate_scalar_gate(gate, base, head) -> GateResult:
     res = _finish(res, not bool(_OPS[gate.op](value, gate.limit)), False)
     if gate.key.startswith("mfu.") and gate.mode != "absolute":
         res.note = "; ".join(x for x in (res.note, _peak_note(base, head)) if x)
+    if gate.key.startswith("memory.") and gate.mode != "absolute":
+        res.note = "; ".join(x for x in (res.note, _memory_note(base, head)) if x)
     return res
+
+
+def _rank_ledgers(summaries: Sequence[dict]) -> dict[int, dict]:
+    """rank -> its memory ledger (summary.json ``memory.ranks``), each byte count the median over the runs."""
+    by_rank: dict[int, list[dict]] = {}
+    for s in summaries:
+        for r in (s.get("memory") or {}).get("ranks") or []:
+            by_rank.setdefault(int(r["rank"]), []).append(r)
+    keys = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_peak_bytes")
+    return {rank: {k: float(np.median(v)) for k in keys if (v := [x[k] for x in rows if x.get(k) is not None])}
+            for rank, rows in by_rank.items()}
+
+
+def _memory_note(base: Sequence[dict], head: Sequence[dict]) -> str:
+    """The rank whose peak memory grew most, from base to head, and the ledger category that grew most in it."""
+    b, h = _rank_ledgers(base), _rank_ledgers(head)
+    both = [r for r in sorted(set(b) & set(h)) if b[r].get("peak_bytes") and h[r].get("peak_bytes")]
+    if not both:
+        return ""
+    r = max(both, key=lambda x: h[x]["peak_bytes"] / b[x]["peak_bytes"])
+    change = h[r]["peak_bytes"] / b[r]["peak_bytes"] - 1.0
+    cats = [(h[r][k] - b[r][k], k[:-6].replace("_", " ")) for k in ("params_bytes", "grads_bytes",
+            "optimizer_state_bytes", "activations_peak_bytes") if k in h[r] and k in b[r]]
+    grew = max(cats) if cats else None
+    return (f"rank {r}'s peak {change:+.1%}" + (f" (most in {grew[1]}: {grew[0] / 2**20:+.1f} MiB)"
+                                                 if grew and grew[0] > 0 else ""))
 
 
 def _peak_note(base: Sequence[dict], head: Sequence[dict]) -> str:

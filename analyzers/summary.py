@@ -25,6 +25,7 @@ from dtprof.analyzers import collectives as coll_mod
 from dtprof.analyzers import findings as findings_mod
 from dtprof.analyzers import gpu as gpu_mod
 from dtprof.analyzers import kernel_breakdown as kernels_mod
+from dtprof.analyzers import memory as memory_mod
 from dtprof.analyzers import mesh as mesh_mod
 from dtprof.analyzers import mfu as mfu_mod
 from dtprof.analyzers import nodesummary as nodesummary_mod
@@ -412,6 +413,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     }
     summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
     summary["evaluation"] = _evaluation_block(spans_view.spans, model.steps)
+    say("memory ledger")
+    summary["memory"].update(memory_mod.memory_block(run))
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks, model.gpu_ranks.tolist())
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:

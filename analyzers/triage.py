@@ -14,6 +14,9 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
    others entered. The collective most waiting ranks are inside (group, seq, op) is "the collective"; the
    culprits are the group's members that are not inside it (where they are instead comes from their stacks).
    Without in-flight collectives, the Flight Recorder's newest seq per rank and group gives the same answer.
+3a. **oom** — a rank failed an allocation (its ``oom`` meta row, or an out-of-memory message in its exception dump
+   or the job's output: dtprof/oom.py): the request, step, phase, its memory ledger and the levers that would have
+   made room (analyzers/memory.py ``levers``); the other ranks are listed as stopped by it.
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
 4. **interrupted** — a node's ``dtprof run`` launcher was killed before it recorded the job's end (node.json
@@ -37,10 +40,11 @@ from typing import Any
 
 from dtprof.analyzers.collectives import own_records
 from dtprof.reader import Incident, best_dump
+from dtprof.reports.fmt import fmt_bytes
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
 
-VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy")
+VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
 TIMEOUT_PATTERNS = [
     re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
@@ -528,6 +532,87 @@ def _command_killed(c: Case) -> dict | None:
     return None
 
 
+def _oom_of_rank(c: Case, r: int) -> dict | None:
+    """Rank ``r``'s out-of-memory error: its ``oom`` meta row (collectors/memory.py), else the message of its
+    exception dump or of its last exception line in the job's output (dtprof/oom.py), or None."""
+    from dtprof import oom
+
+    meta = c.run.meta if c.run is not None else None
+    if meta is not None and len(meta):
+        rows = meta[(meta["kind"].astype(str) == "oom") & (meta["rank"] == r)]
+        if len(rows) and isinstance(rows["value"].iloc[-1], dict):
+            rec = dict(rows["value"].iloc[-1])
+            rec["source"] = "the rank's oom record"
+            return rec
+    own = (c.incident.dumps.get(r, {}).get("exception") or {}).get("exception") or {}
+    text = own.get("message") or _exception_line(c.incident.logs, r) or ""
+    parsed = oom.parse(text)
+    if parsed is None:
+        return None
+    funcs = [f.get("func") for f in own.get("frames") or []]
+    phase = ("backward" if "_engine_run_backward" in funcs or "backward" in funcs else
+             "forward" if "forward" in funcs else None)
+    return {**parsed, "step": c.step_of(r), "phase": phase, "module": None, "message": text.splitlines()[0][:500],
+            "source": "its exception dump" if own.get("message") else "the job's output"}
+
+
+def _oom(c: Case) -> dict | None:
+    """3a. A rank failed an allocation (CUDA out of memory, the CPU allocator's "can't allocate memory"): the
+    request, the step and phase, what it held (its memory ledger: analyzers/memory.py) and the levers that would have
+    made room, each with its predicted saving against the shortfall. The other ranks were stopped by it."""
+    from dtprof.analyzers import memory as memory_mod
+
+    found = {r: rec for r in sorted(c.known) if (rec := _oom_of_rank(c, r)) is not None}
+    if not found:
+        return None
+    raised = {r: (c.incident.dumps.get(r, {}).get("exception") or {}).get("wall_ns") or 0 for r in found}
+    culprits = sorted(found, key=lambda r: (raised[r], r))
+    first = found[culprits[0]]
+    led = memory_mod.ledger(c.run) if c.run is not None else None
+    row = (led[led["rank"] == culprits[0]].to_dict("records") or [{}])[0] if led is not None and len(led) else {}
+    held = {k: first[k] if first.get(k) is not None else row.get(k)
+            for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes")}
+    ledger = {**row, **held}
+    if first.get("reserved_unallocated_bytes") is not None:    # a CUDA message's fragmentation at the failure
+        ledger["fragmentation_bytes"] = first["reserved_unallocated_bytes"]
+    request = int(first["requested_bytes"])
+    free = first.get("device_free_bytes")
+    shortfall = request - int(free) if free is not None else request
+    lay = memory_mod.layout(c.run) if c.run is not None else {"world": len(c.known) or 1, "sharded": False}
+    scales = first.get("phase") in ("forward", "backward")
+    # what the rank needed at that moment: what it held (its ledger's tensors) and the request
+    needed = sum(int(ledger.get(k) or 0) for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes",
+                                                    "activations_bytes")) + request
+    levers = memory_mod.levers(ledger, lay["world"], lay["sharded"], shortfall=shortfall,
+                               request=request if scales else 0, peak=needed)
+    stopped = sorted(set(c.known) - set(found))
+    for r in culprits:
+        f = found[r]
+        c.evidence.append({"kind": "oom", "rank": r, "message": f"{c.label(r)} at step {f.get('step')}"
+                           + (f" in {f['phase']}" if f.get("phase") else "")
+                           + (f" ({f['module']})" if f.get("module") else "")
+                           + f": {f.get('message')} (from {f.get('source')})", **{k: v for k, v in f.items()
+                                                                                 if k != "message"}})
+    for r in stopped:
+        c.evidence.append({"kind": "stopped", "rank": r, "message": f"{c.label(r)} was stopped by rank "
+                           f"{culprits[0]}'s out-of-memory error (its own end follows from it)"})
+    covering = [x["lever"] for x in levers if x.get("covers_shortfall")]
+    held_text = ", ".join(f"{k[:-6].replace('_', ' ')} {fmt_bytes(v)}" for k, v in held.items() if v is not None)
+    msg = (f"oom: {c.label(culprits[0])} could not allocate {fmt_bytes(request)} at step {first.get('step')}"
+           + (f" in {first['phase']}" if first.get("phase") else "")
+           + (f" ({first['module']})" if first.get("module") else "")
+           + (f" with {fmt_bytes(free)} free" if free is not None else "")
+           + (f"; it held {held_text}" if held_text else "")
+           + (f"; {', '.join(covering)} alone would cover the {fmt_bytes(shortfall)} shortfall" if covering else
+              f"; no single lever covers the {fmt_bytes(shortfall)} shortfall" if levers else "")
+           + (f"; rank(s) {ranks_text(stopped)} stopped by it" if stopped else ""))
+    res = c.result("oom", culprits, None, msg)
+    res.update(step=first.get("step"), requested_bytes=request, phase=first.get("phase"), module=first.get("module"),
+               shortfall_bytes=shortfall, device_free_bytes=free, ledger=ledger, levers=levers,
+               stopped_ranks=stopped)
+    return res
+
+
 def _crash(c: Case) -> dict | None:
     """3. A rank exited non-zero or was killed: torchrun's failure report and the watchdog's record of which
     rank's process vanished first. The command that started the ranks killed from outside comes first: then no
@@ -661,7 +746,7 @@ def restart_lines(run: dict) -> list[str]:
 
 
 # The verdicts in the order they are checked: the first that applies is the root cause (module docstring).
-RULES = (_mismatch, _hang, _crash, _interrupted, _straggler)
+RULES = (_mismatch, _hang, _oom, _crash, _interrupted, _straggler)
 
 
 def triage(run, incident: Incident, *, stragglers: list | None = None, straggler_error: str | None = None,

@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 7        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
+SCHEMA_MINOR = 8        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
                         # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind,
-                        # 6: JSON-lines files written gzip-compressed, 7: ``sampling.block_cost_ns``); every older
-                        # minor opens
+                        # 6: JSON-lines files written gzip-compressed, 7: ``sampling.block_cost_ns``, 8: the
+                        # ``memory`` table and the ``memory_ledger`` and ``oom`` meta kinds); every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -107,6 +107,19 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     ],
     # Structured facts about the run, one JSON object per row; ``kind`` is one of META_KINDS (docs/run-format.md).
     "meta": [("rank", "int"), ("host", "str"), ("t_ns", "int"), ("kind", "str"), ("value", "json")],
+    # The memory ledger (collectors/memory.py): one row per rank and sampled step, written at its optimizer step.
+    # Tensor bytes are counted from the optimizers' tensors, each storage once (a DTensor: its local shard).
+    "memory": [
+        ("rank", "int"), ("step", "int"), ("t_ns", "int"),
+        ("params_bytes", "Int"), ("grads_bytes", "Int"), ("optimizer_state_bytes", "Int"),
+        ("bwd_allocated_bytes", "Int"),   # the allocator's in-use bytes at the step's first backward's start
+        ("bwd_grads_bytes", "Int"),       # grads present then
+        ("allocated_bytes", "Int"),       # the allocator's in-use bytes at the optimizer step
+        # CUDA only (torch.cuda.memory_stats; null on a CPU): peaks since the previous step's end
+        ("forward_peak_bytes", "Int"), ("peak_bytes", "Int"), ("reserved_peak_bytes", "Int"),
+        ("alloc_retries", "Int"), ("ooms", "Int"),   # cumulative counts of the caching allocator
+        ("rss_peak_bytes", "Int"),        # the process's resident high-water mark (monotone)
+    ],
 }
 
 # meta kinds and the keys of their ``value`` objects
@@ -123,6 +136,11 @@ META_KINDS = {
     # from ``from_step`` (period 0: every step in detail), and what the decision was measured on
     "sampling": ("period", "block", "from_step", "calibration", "detail_cost_ns", "block_cost_ns", "step_ns", "budget",
                  "reason"),
+    # the memory ledger at exit (collectors/memory.py): rows written, its own time on the training thread
+    "memory_ledger": ("rows", "cost_ns", "cpu_allocator"),
+    # an uncaught out-of-memory error (collectors/memory.py): the request, where, and what the rank held
+    "oom": ("step", "requested_bytes", "phase", "module", "message", "type", "allocated_bytes", "reserved_bytes",
+            "device_total_bytes", "device_free_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes"),
 }
 
 SPAN_KINDS = (

@@ -71,6 +71,7 @@ SECTIONS = {
     "mesh": "Parallelism dimensions (DeviceMesh)",
     "gpu": "GPU telemetry (NVML)",
     "memory": "Memory",
+    "memory-ledger": "Memory ledger and what would fit",
 }
 
 # (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
@@ -556,6 +557,16 @@ def _memory_section(p: _Parts) -> str:
                     "Peak = CUDA allocator peak on GPU, process RSS high-water mark on CPU.")
 
 
+def _memory_ledger_section(p: _Parts) -> str:
+    from dtprof.reports import memory as M
+
+    mem = p.summary.get("memory") or {}
+    if not mem.get("ranks"):
+        return ""
+    return _section("memory-ledger", p.page.figure(M.ledger_figure(mem), "fig-memory-ledger") + M.ledger_html(mem),
+                    M.NOTE)
+
+
 # The page's sections after the headline, in order: each builder returns its <section> ("" when the run has nothing
 # for it), then the progress bar moves on by the label beside it (None: no step of its own). A new view is a
 # builder here, an anchor and title in SECTIONS, and its figure in reports/figures.py.
@@ -564,6 +575,7 @@ REPORT_SECTIONS: tuple[tuple[Callable[[_Parts], str], str | None], ...] = (
     (_kernels_section, None), (_heatmaps_section, "heatmaps"), (_overlap_section, "overlap"),
     (_pipeline_section, "pipeline"), (_stragglers_section, "stragglers"), (_collectives_section, "collectives"),
     (_mesh_section, None), (_gpu_section, "gpu"), (_memory_section, "memory"),
+    (_memory_ledger_section, None),
 )
 
 

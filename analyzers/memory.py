@@ -1,0 +1,194 @@
+"""The memory ledger per rank (docs/metrics.md "Memory ledger"; summary.json ``memory.ranks``). No torch.
+
+From the ``memory`` table (collectors/memory.py: one row per rank and sampled step), the ranks table and, on GPUs,
+the NVML samples. Per rank:
+
+- ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``: its last row's counts (the tensors it holds, each
+  storage once, a shard as its local bytes); ``persistent_bytes`` their sum.
+- ``activations_bytes``: what the forward left for backward, the largest over the rank's rows of the allocator's
+  in-use bytes at backward's start less the tensors that persist then (parameters, optimizer state, the grads
+  present) and less the allocator's bytes that were no counted tensor at the previous sampled optimizer step (its
+  in-use bytes less params, grads and optimizer state: on a CPU the interpreter's and libraries' own heap):
+  activations saved for backward, the batch and the outputs.
+- ``peak_bytes``: on a GPU the caching allocator's peak allocated bytes, the largest over the rows; on a CPU (no
+  allocator peak) the largest tensor bytes read at backward's start or at the optimizer step (in-use bytes less that
+  same non-tensor base), with ``peak_source`` saying which.
+- ``activations_peak_bytes``: ``peak_bytes`` less the persistent bytes (activations and temporaries at the peak).
+- GPU: ``reserved_peak_bytes``; ``fragmentation_bytes`` = reserved − allocated at the peak (the row of the largest
+  peak: its reserved peak less its allocated peak); ``alloc_retries`` and ``ooms`` (the allocator's cumulative counts
+  at the last row); ``non_pytorch_bytes`` = NVML's largest used memory of the rank's GPU less the reserved peak (CUDA
+  context, NCCL buffers, other processes on that GPU).
+- ``rss_peak_bytes``: the process's resident high-water mark; ``device_mem_total_bytes``, ``headroom_bytes`` =
+  device memory − (reserved peak + non-PyTorch bytes) on a GPU, null on a CPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+RANK_KEYS = ("rank", "params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes", "activations_bytes",
+             "activations_peak_bytes", "peak_bytes", "peak_source", "rss_peak_bytes", "reserved_peak_bytes",
+             "fragmentation_bytes", "non_pytorch_bytes", "alloc_retries", "ooms", "device_mem_total_bytes",
+             "headroom_bytes", "rows")
+GPU_PEAK = "CUDA caching allocator peak (torch.cuda.memory_stats allocated_bytes.all.peak)"
+CPU_PEAK = ("tensor bytes at backward's start and at the optimizer step (glibc mallinfo2 in-use bytes less the "
+            "non-tensor base; a CPU has no per-step allocator peak)")
+
+
+def _int(v):
+    return None if v is None or pd.isna(v) else int(v)
+
+
+def ledger(run) -> pd.DataFrame:
+    """Per rank: the keys of ``RANK_KEYS`` (None where not measured); empty when the run has no memory rows."""
+    m = run.memory
+    if not len(m):
+        return pd.DataFrame(columns=list(RANK_KEYS))
+    m = m.sort_values(["rank", "step"])
+    ranks = run.ranks
+    total_of = dict(zip(ranks["rank"].astype(int), ranks["device_mem_total_bytes"])) if len(ranks) else {}
+    used_of = _nvml_used_by_rank(run)
+    out = []
+    for rank, g in m.groupby("rank", sort=True):
+        last = g.iloc[-1]
+        params, grads, state = (_int(last[c]) for c in ("params_bytes", "grads_bytes", "optimizer_state_bytes"))
+        persistent = sum(x or 0 for x in (params, grads, state))
+        held = g["params_bytes"] + g["optimizer_state_bytes"]
+        # the allocator's bytes that are no counted tensor, at the previous sampled optimizer step
+        base = (g["allocated_bytes"] - held - g["grads_bytes"]).shift(1)
+        fwd = (g["bwd_allocated_bytes"] - held - g["bwd_grads_bytes"] - base).astype("Float64").dropna()
+        activations = _int(fwd.max()) if len(fwd) else None
+        rec = {"rank": int(rank), "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": state,
+               "persistent_bytes": persistent, "activations_bytes": activations, "rows": len(g),
+               "rss_peak_bytes": _int(g["rss_peak_bytes"].max()), "reserved_peak_bytes": None,
+               "fragmentation_bytes": None, "non_pytorch_bytes": None, "alloc_retries": None, "ooms": None}
+        gpu = g["peak_bytes"].notna().any()
+        if gpu:
+            at = g.loc[g["peak_bytes"].astype("Float64").idxmax()]
+            rec.update(peak_bytes=_int(at["peak_bytes"]), peak_source=GPU_PEAK,
+                       reserved_peak_bytes=_int(g["reserved_peak_bytes"].max()),
+                       fragmentation_bytes=_int(at["reserved_peak_bytes"] - at["peak_bytes"])
+                       if pd.notna(at["reserved_peak_bytes"]) else None,
+                       alloc_retries=_int(last["alloc_retries"]), ooms=_int(last["ooms"]))
+            used = used_of.get(int(rank))
+            if used is not None and rec["reserved_peak_bytes"] is not None:
+                rec["non_pytorch_bytes"] = max(0, int(used) - rec["reserved_peak_bytes"])
+        else:
+            tensors = pd.concat([g["bwd_allocated_bytes"] - base, g["allocated_bytes"] - base]).astype("Float64")
+            tensors = tensors.dropna()
+            rec.update(peak_bytes=_int(tensors.max()) if len(tensors) else None, peak_source=CPU_PEAK)
+        rec["activations_peak_bytes"] = (rec["peak_bytes"] - persistent if rec["peak_bytes"] is not None else None)
+        total = total_of.get(int(rank))
+        rec["device_mem_total_bytes"] = _int(total) if total is not None else None
+        rec["headroom_bytes"] = (rec["device_mem_total_bytes"] - rec["reserved_peak_bytes"]
+                                 - (rec["non_pytorch_bytes"] or 0)
+                                 if gpu and rec["device_mem_total_bytes"] and rec["reserved_peak_bytes"] is not None
+                                 else None)
+        out.append(rec)
+    return pd.DataFrame(out, columns=list(RANK_KEYS))
+
+
+def _nvml_used_by_rank(run) -> dict:
+    """rank -> NVML's largest used memory of its GPU (matched by host and device index), where sampled."""
+    nv, ranks = run.nvml, run.ranks
+    if not len(nv) or not len(ranks):
+        return {}
+    used = nv.groupby([nv["host"].astype(str), nv["gpu"].astype(int)])["mem_used_bytes"].max()
+    out = {}
+    for r in ranks.itertuples(index=False):
+        if str(r.device_type) != "cuda" or pd.isna(r.device_index):
+            continue
+        v = used.get((str(r.host), int(r.device_index)))
+        if v is not None and np.isfinite(v):
+            out[int(r.rank)] = float(v)
+    return out
+
+
+def memory_block(run) -> dict:
+    """summary.json ``memory``'s ledger keys: ``ranks`` (per rank, ``RANK_KEYS``), the rank with the least headroom
+    (GPU) or the largest peak, or ``ranks_reason`` when no rank recorded a ledger."""
+    led = ledger(run)
+    if not len(led):
+        return {"ranks": [], "ranks_reason": "no memory ledger rows (no optimizer step in a sampled step, an "
+                                             "imported trace, or recorded by an older dtprof)"}
+    ranks: list[dict] = [{k: (None if v is None or (isinstance(v, float) and not np.isfinite(v)) else v)
+                          for k, v in rec.items()} for rec in led.to_dict("records")]
+    out: dict = {"ranks": ranks, "what_fits": what_fits(run, led)}
+    with_headroom = [r for r in ranks if r["headroom_bytes"] is not None]
+    if with_headroom:
+        worst = min(with_headroom, key=lambda r: int(r["headroom_bytes"]))
+        out["least_headroom_rank"] = worst["rank"]
+    peaks = [r for r in ranks if r["peak_bytes"] is not None]
+    if peaks:
+        top = max(peaks, key=lambda r: int(r["peak_bytes"]))
+        out["largest_peak_rank"], out["peak_bytes_max"] = top["rank"], top["peak_bytes"]
+    return out
+
+
+# ---- what would fit: each lever's predicted saving from the ledger (docs/metrics.md "What would fit") -----------
+# Activation checkpointing of every transformer block keeps each block's input (2·s·b·h bytes in 16 bits) of the
+# 34·s·b·h + 5·a·s²·b it saves without recompute (Korthikanti et al. 2022, Table 2; the attention term left out)
+CHECKPOINT_KEEP = 2 / 34
+
+
+def layout(run) -> dict:
+    """What the levers need to know of the job's layout: ``world`` (the data-parallel width assumed: the world
+    size) and ``sharded`` (the run's collectives include FSDP's: parameters, grads and optimizer state are already
+    sharded, so the ZeRO levers have nothing left to shard)."""
+    coll = run.collectives
+    sharded = bool(len(coll) and (coll["source"].astype(str) == "fsdp").any())
+    return {"world": int(run.world_size), "sharded": sharded}
+
+
+def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None,
+           activations: int | None = None, request: int = 0, peak: int | None = None) -> list[dict]:
+    """The levers that lower one rank's peak, ranked by predicted saving (largest first). ``rec``: the rank's
+    ledger (``ledger`` keys); ``activations`` (default the ledger's ``activations_bytes``) and ``request`` (an
+    allocation that failed in forward or backward, which scales with the micro-batch) for an out-of-memory case;
+    ``shortfall``: the bytes that were missing, each lever then says whether it alone ``covers`` them; ``peak``
+    (default the ledger's ``peak_bytes``): the peak each lever's ``predicted_peak_bytes`` is taken from."""
+    p, g, o = (rec.get(k) or 0 for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes"))
+    act = activations if activations is not None else (rec.get("activations_bytes") or 0)
+    keep = (world - 1) / world if world > 1 else 0.0
+    out: list[dict] = []
+
+    def add(lever: str, saving: float, formula: str, assumes: str, cost: str) -> None:
+        if saving > 0:
+            out.append({"lever": lever, "predicted_saving_bytes": int(saving), "formula": formula,
+                        "assumes": assumes, "step_time_cost": cost})
+
+    if not sharded and world > 1:
+        add("zero1", o * keep, "optimizer_state × (1 − 1/N)", f"N = {world} data-parallel ranks",
+            "an all-gather of the updated parameters per step")
+        add("zero2", (o + g) * keep, "(optimizer_state + grads) × (1 − 1/N)", f"N = {world} data-parallel ranks",
+            "reduce-scatter instead of all-reduce: about the same traffic")
+        add("zero3_fsdp_full_shard", (o + g + p) * keep, "(optimizer_state + grads + params) × (1 − 1/N)",
+            f"N = {world}; the one layer gathered at a time is left out",
+            "parameters all-gathered in forward and backward: 1.5× the data-parallel traffic")
+    add("activation_checkpointing", act * (1 - CHECKPOINT_KEEP), "activations × (1 − 2/34)",
+        "every block checkpointed; transformer blocks (Korthikanti et al. Table 2: a block's input is 2 of its 34 "
+        "s·b·h bytes)", "one more forward per step (about +33 % compute)")
+    add("half_micro_batch", (act + request) / 2, "(activations + the failed request) / 2" if request else
+        "activations / 2", "activations scale linearly with the micro-batch (same sequence length)",
+        "twice the micro-batches per step (or half the global batch)")
+    add("expandable_segments", rec.get("fragmentation_bytes") or 0, "reserved − allocated at the peak",
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True returns the fragmentation", "none measurable")
+    add("bf16_optimizer_state", o / 2, "optimizer_state / 2", "fp32 optimizer state kept in bf16",
+        "none measurable; numerics to check")
+    out.sort(key=lambda x: -int(x["predicted_saving_bytes"]))
+    peak = rec.get("peak_bytes") if peak is None else peak
+    for x in out:
+        x["predicted_peak_bytes"] = int(peak - x["predicted_saving_bytes"]) if peak is not None else None
+        if shortfall is not None:
+            x["covers_shortfall"] = int(x["predicted_saving_bytes"]) >= shortfall
+    return out
+
+
+def what_fits(run, led: pd.DataFrame | None = None) -> list[dict]:
+    """summary.json ``memory.what_fits``: per rank, its peak and each lever's predicted peak (``levers``)."""
+    led = ledger(run) if led is None else led
+    if not len(led):
+        return []
+    lay = layout(run)
+    return [{"rank": int(r["rank"]), "peak_bytes": _int(r["peak_bytes"]),
+             "levers": levers(r, lay["world"], lay["sharded"])} for r in led.to_dict("records")]

@@ -1,0 +1,273 @@
+"""The memory ledger: where a rank's bytes go, step by step (the ``memory`` table; docs/run-format.md, issue 48).
+
+A rank-side part (collectors/parts.py). On the steps it samples it writes one ``memory`` row:
+
+- ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``: counted from the tensors the optimizers hold
+  (``param_groups``' parameters, their ``.grad``, every tensor in ``optimizer.state``), each storage once (keyed by
+  ``untyped_storage().data_ptr()``), so a view, a tied weight or a flat buffer is counted once and a DTensor (FSDP2,
+  tensor parallel) counts its local shard's storage: what this rank holds. Grads are counted at the optimizer step,
+  where they exist. Counted again only when the set of tensors may have changed (the optimizers' parameter and state
+  counts, the number of grads present) or on every ``COUNT_EVERY``-th sampled step; otherwise the last count is
+  carried (the same tensors have the same bytes).
+- ``bwd_allocated_bytes``, ``bwd_grads_bytes``: at the start of the step's first backward, what the allocator holds
+  (CUDA: ``torch.cuda.memory_allocated()``; CPU: glibc's ``mallinfo2`` in-use bytes, heap and mmapped chunks, where
+  torch's CPU tensors live, beside the interpreter's and libraries' own) and the grads present then (none when the
+  first parameter has no grad, else the last count's: grads are all set to None or all kept). The analysis takes
+  what persists and the previous row's non-tensor bytes from the first to get what the forward left for backward.
+- CUDA only: ``forward_peak_bytes`` (the allocator's peak from the step's start to backward's start), ``peak_bytes``
+  (the step's peak; the recorder resets the peak after each step, collectors/runtime.py), ``reserved_peak_bytes``,
+  ``alloc_retries`` and ``ooms`` (cumulative), from ``torch.cuda.memory_stats()`` (host-side counters: no sync).
+- ``allocated_bytes``: the allocator's in-use bytes at the optimizer step; ``rss_peak_bytes``: the process's resident
+  high-water mark (``getrusage``; monotone over the process: on a CPU there is no per-step allocator peak).
+
+At exit after an uncaught out-of-memory error (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate
+memory") it writes an ``oom`` meta row: the request, the phase and module it was in, the allocator's state then and the
+step (read from ``sys.last_value``; the traceback still holds the frames' tensors, so the allocator's figures are
+those of the failure).
+
+Cost: a few attribute reads at backward and at each optimizer step; the counting (a Python loop over the tensors)
+and the allocator reads only on sampled steps (``ctx.detail``), its time measured (``cost_ns`` in the ``memory_ledger``
+meta row at exit). No dispatch mode, no sync: compiled models stay compiled (the part runs in the eager code around
+them: backward's call and the optimizer step).
+"""
+from __future__ import annotations
+
+import ctypes
+import resource
+import sys
+import time
+import weakref
+
+from dtprof.collectors.parts import RankContext, RankPart
+from dtprof.collectors.records import _record
+
+MemoryRow = _record("MemoryRow", "memory")
+
+COUNT_EVERY = 8          # sampled steps between two full counts of an unchanged tensor set
+now = time.monotonic_ns
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _cpu_allocated():
+    """glibc's bytes in use (heap chunks + mmapped chunks), or None without glibc's mallinfo2 (glibc < 2.33)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    fn.restype = _MallInfo2
+
+    def allocated() -> int:
+        m = fn()
+        return int(m.uordblks + m.hblkhd)
+    return allocated
+
+
+def _storage_key(t):
+    """(key, bytes) of the storage a tensor lives in; a DTensor's local shard."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        t = local
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr()), s.nbytes()
+
+
+def _tensors_bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        try:
+            key, n = _storage_key(t)
+        except Exception:        # a tensor without storage (meta, fake): nothing held
+            continue
+        if key not in seen and key[2]:
+            seen.add(key)
+            total += n
+    return total
+
+
+class MemoryLedger(RankPart):
+    name = "memory"
+
+    def __init__(self):
+        self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.counts = None        # (params, grads, optimizer state) bytes of the last count
+        self.signature = None     # what the last count was made of
+        self.sampled = 0          # sampled steps since the last full count
+        self.bwd = None           # (allocated, grads present) at the step's first backward
+        self.fwd_peak = None
+        self.cost_ns = 0
+        self.rows = 0
+        self.step_of_row = -1
+        self.torch = None
+        self.cuda = False
+        self.cpu_allocated = None
+
+    def install(self, ctx: RankContext) -> None:
+        import torch
+
+        self.ctx = ctx
+        self.torch = torch
+        self.cpu_allocated = _cpu_allocated()
+
+    # ---- the tensors ------------------------------------------------------------------------------------------
+
+    def _params(self):
+        for opt in list(self.optimizers):
+            for g in opt.param_groups:
+                yield from g["params"]
+
+    def _signature(self):
+        opts = list(self.optimizers)
+        return (tuple(id(o) for o in opts), tuple(sum(len(g["params"]) for g in o.param_groups) for o in opts),
+                tuple(len(o.state) for o in opts))
+
+    def _grads_present(self) -> int:
+        """The grads' bytes at backward's start without a pass over the parameters: none when the first parameter
+        has no grad (zero_grad(set_to_none=True) before the step), else the last count's (grads accumulate)."""
+        first = next(self._params(), None)
+        if first is None or first.grad is None or self.counts is None:
+            return 0
+        return self.counts[1]
+
+    def _count(self) -> tuple[int, int, int]:
+        seen: set = set()
+        params = _tensors_bytes(self._params(), seen)
+        grads = _tensors_bytes((p.grad for p in self._params() if p.grad is not None), seen)
+        state = _tensors_bytes((v for o in list(self.optimizers) for st in o.state.values() if isinstance(st, dict)
+                                for v in st.values() if isinstance(v, self.torch.Tensor)), seen)
+        return params, grads, state
+
+    def _allocated(self):
+        if self.cuda:
+            return int(self.torch.cuda.memory_allocated())
+        return self.cpu_allocated() if self.cpu_allocated is not None else None
+
+    # ---- callbacks --------------------------------------------------------------------------------------------
+
+    def on_backward(self, tensors) -> None:
+        if self.bwd is not None or not self.ctx.detail or not self.optimizers:
+            return            # the step's first backward only; before the first optimizer step nothing is known
+        t0 = now()
+        torch = self.torch
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self.cuda:
+            self.fwd_peak = int(torch.cuda.max_memory_allocated())
+        self.bwd = (self._allocated(), self._grads_present())
+        self.cost_ns += now() - t0
+
+    def on_optimizer_step(self, optimizer) -> None:
+        new = optimizer not in self.optimizers
+        if new:
+            self.optimizers[optimizer] = True
+        step = self.ctx.step
+        if not self.ctx.detail or step == self.step_of_row:
+            if new:
+                self.signature = None
+            return
+        t0 = now()
+        sig = self._signature()
+        self.sampled += 1
+        if sig != self.signature or self.counts is None or self.sampled >= COUNT_EVERY:
+            self.counts = self._count()
+            self.signature, self.sampled = sig, 0
+        params, grads, state = self.counts
+        stats = {}
+        torch = self.torch
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self.cuda:
+            stats = torch.cuda.memory_stats()
+        bwd_alloc, bwd_grads = self.bwd if self.bwd is not None else (None, None)
+        self.ctx.add(MemoryRow(
+            self.ctx.rank, step, now(), params, grads, state, bwd_alloc, bwd_grads,
+            self._allocated(),
+            self.fwd_peak if self.cuda else None,
+            stats.get("allocated_bytes.all.peak"), stats.get("reserved_bytes.all.peak"),
+            stats.get("num_alloc_retries"), stats.get("num_ooms"),
+            int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024))
+        self.rows += 1
+        self.step_of_row = step
+        self.bwd = self.fwd_peak = None
+        self.cost_ns += now() - t0
+
+    def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
+        self.bwd = self.fwd_peak = None    # a step without an optimizer step (dtprof.step()) starts afresh
+
+    def on_exit(self) -> None:
+        self.ctx.meta("memory_ledger", {"rows": self.rows, "cost_ns": self.cost_ns,
+                                        "cpu_allocator": self.cpu_allocated is not None})
+        exc = getattr(sys, "last_value", None)
+        if exc is None:
+            return
+        from dtprof import oom
+
+        parsed = oom.parse(str(exc))
+        if parsed is None:
+            return
+        self.ctx.meta("oom", self.oom_record(exc, parsed["requested_bytes"]))
+
+    def oom_record(self, exc, request: int) -> dict:
+        """What the rank held when an allocation failed: the request, the phase and module (from the traceback's
+        frames), the allocator's figures (the traceback still holds the frames' tensors) and the last count."""
+        phase, module = _phase_of(getattr(sys, "last_traceback", None))
+        rec = {"step": self.ctx.step, "requested_bytes": request, "phase": phase, "module": module,
+               "message": str(exc).splitlines()[0][:500], "type": type(exc).__name__,
+               "allocated_bytes": None, "reserved_bytes": None, "device_total_bytes": None,
+               "device_free_bytes": None}
+        try:
+            rec["allocated_bytes"] = self._allocated()
+            if self.cuda:
+                torch = self.torch
+                rec["reserved_bytes"] = int(torch.cuda.memory_reserved())
+                free, total = torch.cuda.mem_get_info()
+                rec.update(device_free_bytes=int(free), device_total_bytes=int(total))
+            else:
+                rec.update(_cpu_room())
+        except Exception:
+            pass
+        if self.counts is not None:
+            rec.update(zip(("params_bytes", "grads_bytes", "optimizer_state_bytes"), self.counts))
+        return rec
+
+
+def _cpu_room() -> dict:
+    """A CPU rank's room: the machine's available memory (/proc/meminfo MemAvailable) and, under an address-space
+    limit (RLIMIT_AS), what is left of it; the smaller is what an allocation could have had."""
+    import os
+
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = avail
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        free = min(free, max(0, limit - vm))
+        total = min(total, limit)
+    return {"device_free_bytes": int(free), "device_total_bytes": int(total)}
+
+
+def _phase_of(tb) -> tuple[str | None, str | None]:
+    """('forward' | 'backward' | 'optimizer' | None, the innermost module's class) from a traceback's frames."""
+    phase = module = None
+    while tb is not None:
+        f = tb.tb_frame
+        path, func = f.f_code.co_filename, f.f_code.co_name
+        if "/torch/autograd/" in path or (path.endswith("/torch/_tensor.py") and func == "backward"):
+            phase = "backward"
+        elif "/torch/optim/" in path and phase is None:
+            phase = "optimizer"
+        elif func == "forward" and phase is None:
+            phase = "forward"
+        if func == "forward":
+            obj = f.f_locals.get("self")
+            if obj is not None and hasattr(obj, "_modules"):
+                module = type(obj).__name__
+        tb = tb.tb_next
+    return phase, module
+
+
+def make(options: dict):
+    return MemoryLedger()

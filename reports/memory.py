@@ -1,0 +1,72 @@
+"""The report's memory ledger: each rank's bytes stacked by category beside its device's capacity, and what would
+fit (summary.json ``memory.ranks`` and ``memory.what_fits``: analyzers/memory.py). Formats only."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from dtprof.reports.figures import layout, rank_axis
+from dtprof.reports.fmt import esc, fmt_bytes
+
+# (summary key, legend name, colour), bottom to top
+CATEGORIES = (("params_bytes", "parameters", "#4C78A8"), ("grads_bytes", "gradients", "#F58518"),
+              ("optimizer_state_bytes", "optimizer state", "#54A24B"),
+              ("activations_peak_bytes", "activations and temporaries at the peak", "#B279A2"),
+              ("fragmentation_bytes", "fragmentation (reserved − allocated)", "#BAB0AC"),
+              ("non_pytorch_bytes", "outside PyTorch (NVML − reserved)", "#9D755D"))
+NOTE = ("Per rank, what it holds at its peak: parameters, gradients and optimizer state counted from its tensors "
+        "(a shard as its local bytes), activations and temporaries = peak − those; on a GPU the caching allocator's "
+        "fragmentation and the memory outside PyTorch on top (docs/metrics.md, Memory ledger). On a CPU there is no "
+        "per-step allocator peak: the peak is the largest tensor bytes read at backward's start or the optimizer step.")
+
+
+def ledger_figure(memory: dict) -> go.Figure | None:
+    ranks = memory.get("ranks") or []
+    if not ranks:
+        return None
+    gib = 2**30
+    x = [r["rank"] for r in ranks]
+    fig = go.Figure()
+    for key, name, colour in CATEGORIES:
+        ys = [max(0, r.get(key) or 0) / gib for r in ranks]
+        if any(ys):
+            fig.add_trace(go.Bar(x=x, y=ys, name=name, marker_color=colour,
+                                 hovertemplate=f"rank %{{x}}<br>{name}: %{{y:.3f}} GiB<extra></extra>"))
+    totals = [r.get("device_mem_total_bytes") for r in ranks]
+    if any(t is not None for t in totals):
+        fig.add_trace(go.Scatter(x=x, y=[t / gib if t is not None else None for t in totals], mode="lines",
+                                 name="device memory", line={"color": "#E45756", "dash": "dash", "shape": "hvh"}))
+    fig.update_layout(barmode="stack")
+    rank_axis(fig, len(ranks))
+    return layout(fig, "Memory ledger per rank", height=360, xtitle="rank", ytitle="memory (GiB)")
+
+
+def _rows(head: list[str], rows: list[list[str]]) -> str:
+    h = "".join(f"<th>{esc(c)}</th>" for c in head)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="data"><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def ledger_html(memory: dict) -> str:
+    """The ledger per rank as a table, then the levers of the rank with the least headroom (else the largest
+    peak), ranked by predicted saving."""
+    ranks = memory.get("ranks") or []
+    if not ranks:
+        return ""
+    out = [_rows(["rank", "params", "grads", "optimizer state", "activations (fwd → bwd)", "peak",
+                  "reserved peak", "fragmentation", "outside PyTorch", "alloc retries", "headroom"],
+                 [[str(r["rank"]), fmt_bytes(r.get("params_bytes")), fmt_bytes(r.get("grads_bytes")),
+                   fmt_bytes(r.get("optimizer_state_bytes")), fmt_bytes(r.get("activations_bytes")),
+                   fmt_bytes(r.get("peak_bytes")), fmt_bytes(r.get("reserved_peak_bytes")),
+                   fmt_bytes(r.get("fragmentation_bytes")), fmt_bytes(r.get("non_pytorch_bytes")),
+                   "–" if r.get("alloc_retries") is None else str(r["alloc_retries"]),
+                   fmt_bytes(r.get("headroom_bytes"))] for r in ranks])]
+    focus = memory.get("least_headroom_rank", memory.get("largest_peak_rank"))
+    fits = next((f for f in memory.get("what_fits") or [] if f["rank"] == focus), None)
+    if fits and fits["levers"]:
+        out.append(f"<h3>What would fit: rank {esc(focus)}'s predicted peak under each lever (peak "
+                   f"{esc(fmt_bytes(fits['peak_bytes']))})</h3>")
+        out.append(_rows(["lever", "saving", "predicted peak", "formula", "assumes", "cost in step time"],
+                         [[x["lever"], fmt_bytes(x["predicted_saving_bytes"]),
+                           fmt_bytes(x.get("predicted_peak_bytes")), x["formula"], x["assumes"], x["step_time_cost"]]
+                          for x in fits["levers"]]))
+    return "".join(out)

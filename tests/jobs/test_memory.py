@@ -1,0 +1,127 @@
+"""The memory ledger on real 2-rank jobs (gloo on CPU): DDP and FSDP2 with AdamW hold the bytes their tensors hold,
+what-fits predictions against reruns, and a real CPU allocator failure mid-forward triaged as ``oom``.
+
+Truths that are not dtprof's: the model's parameter count P (printed by the job: 4P bytes of fp32 parameters, 4P
+of grads, 8P of Adam moments plus one 4-byte step tensor per parameter tensor), the 2 GiB the job asks for, and
+reruns of the job with half the micro-batch and with FSDP2 sharding."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+from conftest import REPO, dtprof, record, torchrun
+from dtprof.analyzers.summary import analyze
+from dtprof.reader import open_run
+
+JOB = REPO / "tests" / "memory_jobs" / "mlp.py"
+BATCH = 512
+
+
+def _run(out, *args):
+    p = record(out, JOB, *args, opts=["--quiet"], timeout=300)
+    m = re.search(r"PARAMS (\d+) TENSORS (\d+)", p.stdout)
+    assert m, p.stdout[-2000:]
+    return out, int(m.group(1)), int(m.group(2))
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("mem") / "ddp", "--batch", str(BATCH))
+
+
+@pytest.fixture(scope="module")
+def ddp_half(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("mem") / "ddp-half", "--batch", str(BATCH // 2))
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("mem") / "fsdp", "--fsdp", "--batch", str(BATCH))
+
+
+def _ranks(out) -> dict:
+    summary = analyze(out).summary
+    return {r["rank"]: r for r in summary["memory"]["ranks"]}
+
+
+def test_ddp_adamw_ledger_is_the_tensors_bytes(ddp):
+    out, P, n_tensors = ddp
+    ranks = _ranks(out)
+    assert sorted(ranks) == [0, 1]
+    for r in ranks.values():
+        assert r["params_bytes"] == 4 * P
+        assert r["grads_bytes"] == 4 * P
+        assert r["optimizer_state_bytes"] == 8 * P + 4 * n_tensors      # exp_avg, exp_avg_sq, step
+        assert r["optimizer_state_bytes"] == pytest.approx(8 * P, rel=0.02)
+        # what the forward left for backward: the four ReLUs' outputs (the next layer's input, the last one pow's),
+        # [BATCH, 512] fp32 each; the batch itself replaced the previous step's, which the base already held
+        assert r["activations_bytes"] == pytest.approx(4 * BATCH * 512 * 4, rel=0.05)
+        assert r["rss_peak_bytes"] > r["persistent_bytes"]
+
+
+def test_fsdp2_ranks_hold_their_shards(ddp, fsdp):
+    out, P, _ = fsdp
+    ranks = _ranks(out)
+    for r in ranks.values():
+        assert r["params_bytes"] == pytest.approx(4 * P / 2, rel=0.02)
+        assert r["grads_bytes"] == pytest.approx(4 * P / 2, rel=0.02)
+        assert r["optimizer_state_bytes"] == pytest.approx(8 * P / 2, rel=0.02)
+
+
+def test_what_fits_zero3_and_half_micro_batch_against_reruns(ddp, ddp_half, fsdp):
+    """The levers' predictions from the DDP run, against the FSDP2 rerun (full sharding: params, grads and state
+    each 1/N) and the half-micro-batch rerun, on the ledger's own categories, within 10 %."""
+    base = _ranks(ddp[0])
+    fits = {f["rank"]: {x["lever"]: x for x in f["levers"]} for f in analyze(ddp[0]).summary["memory"]["what_fits"]}
+    sharded, half = _ranks(fsdp[0]), _ranks(ddp_half[0])
+    for rank in (0, 1):
+        b = base[rank]
+        zero3 = fits[rank]["zero3_fsdp_full_shard"]["predicted_saving_bytes"]
+        assert b["persistent_bytes"] - zero3 == pytest.approx(sharded[rank]["persistent_bytes"], rel=0.10)
+        saving = fits[rank]["half_micro_batch"]["predicted_saving_bytes"]
+        assert b["activations_bytes"] - saving == pytest.approx(half[rank]["activations_bytes"], rel=0.10)
+        assert half[rank]["persistent_bytes"] == b["persistent_bytes"]     # the lever leaves the tensors alone
+
+
+def test_summary_json_and_run_format(ddp):
+    out = ddp[0]
+    p = dtprof("summary", str(out), "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    mem = json.loads(p.stdout)["memory"]
+    keys = {"rank", "params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_peak_bytes", "peak_bytes"}
+    assert all(keys <= set(r) for r in mem["ranks"])
+    run = open_run(out)
+    ledgers = run.meta[run.meta["kind"].astype(str) == "memory_ledger"]["value"].tolist()
+    assert len(ledgers) == 2 and all(v["rows"] == len(run.memory[run.memory["rank"] == 0]) for v in ledgers[:1])
+
+
+def test_a_cpu_allocator_failure_mid_forward_is_an_oom_with_levers(tmp_path):
+    out = tmp_path / "oom"
+    p = dtprof("run", "--out", str(out), "--quiet", "--no-report", "--", *torchrun(JOB, "--oom-rank", "1",
+                                                                                    "--oom-step", "2"),
+               timeout=300)
+    assert p.returncode != 0
+    t = dtprof("triage", str(out), "--json")
+    res = json.loads(t.stdout)
+    assert res["verdict"] == "oom", res["message"]
+    assert res["culprit_ranks"] == [1]
+    assert res["step"] == 2 and res["phase"] == "forward"
+    assert res["requested_bytes"] == 2**31
+    assert res["stopped_ranks"] == [0]
+    assert 0 < res["shortfall_bytes"] <= 2**31
+    levers = {x["lever"]: x for x in res["levers"]}
+    savings = [x["predicted_saving_bytes"] for x in res["levers"]]
+    assert savings == sorted(savings, reverse=True) and res["levers"][0]["lever"] == "half_micro_batch"
+    for x in res["levers"]:
+        assert x["covers_shortfall"] == (x["predicted_saving_bytes"] >= res["shortfall_bytes"])
+    # the failed 2 GiB scales with the micro-batch: half of it is more than the ~0.5 GiB that was missing under
+    # the 1.5 GiB of room the job left itself; sharding a 4 MiB model's states cannot make that room
+    assert levers["half_micro_batch"]["covers_shortfall"]
+    assert not levers["zero3_fsdp_full_shard"]["covers_shortfall"]
+    assert res["ledger"]["params_bytes"] == 4 * 4 * (512 * 512 + 512)
+    run = open_run(out)
+    assert sorted(run.steps[run.steps["rank"] == 1]["step"]) == [0, 1]     # the steps before it stay
+    shutil.rmtree(out, ignore_errors=True)
