@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
-SCHEMA_MINOR = 7        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
+SCHEMA_MINOR = 8        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
                         # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind,
-                        # 6: JSON-lines files written gzip-compressed, 7: ``sampling.block_cost_ns``); every older
-                        # minor opens
+                        # 6: JSON-lines files written gzip-compressed, 7: ``sampling.block_cost_ns``, 8: the
+                        # ``health`` table and the ``numerics`` meta kind); every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -107,6 +107,19 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     ],
     # Structured facts about the run, one JSON object per row; ``kind`` is one of META_KINDS (docs/run-format.md).
     "meta": [("rank", "int"), ("host", "str"), ("t_ns", "int"), ("kind", "str"), ("value", "json")],
+    # Numerics health (collectors/numerics.py): one row per rank and optimizer step, read from the device a step
+    # later (never a host-device sync). Non-finite values are null in their column and named in ``nonfinite``.
+    "health": [
+        ("rank", "int"), ("step", "int"),
+        ("loss", "float"),        # mean of the step's local losses (the scalars backward was called on, before any
+                                  # cross-rank reduction); null: not read (a step recorded by its boundary only)
+        ("grad_norm", "float"),   # the total norm the step's last clip_grad_norm_ returned; null: not clipped
+        ("lr", "float"),          # the first optimizer param group's learning rate after the step
+        ("lrs", "json"),          # every param group's learning rate, when there is more than one group
+        ("nonfinite", "str"),     # the names of the step's values that were NaN or +-Inf ("loss grad_norm"), or ""
+        ("param_fp", "Int"),      # fingerprint of the optimizer's parameters after the step: the int64 sum of their
+                                  # bits read as integers (replicas hold equal ones); null: not taken on this step
+    ],
 }
 
 # meta kinds and the keys of their ``value`` objects
@@ -123,6 +136,10 @@ META_KINDS = {
     # from ``from_step`` (period 0: every step in detail), and what the decision was measured on
     "sampling": ("period", "block", "from_step", "calibration", "detail_cost_ns", "block_cost_ns", "step_ns", "budget",
                  "reason"),
+    # the parameter fingerprint's price on this rank (collectors/numerics.py): taken every ``interval`` optimizer
+    # steps (a power of two) from ``from_step``; ``cost_ns`` one fingerprint of ``parameters`` elements, ``step_ns``
+    # the median step, ``budget`` the share of the step it may cost; ``interval`` null with ``reason``: not taken
+    "numerics": ("interval", "from_step", "cost_ns", "step_ns", "budget", "parameters", "reason"),
 }
 
 SPAN_KINDS = (
