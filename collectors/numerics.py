@@ -11,7 +11,7 @@ What it reads, and when (docs/metrics.md, "Numerics health")
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
   one flipped bit changes it by a power of two. Its interval is priced from its measured cost: it is taken at
-  steps 0 and 1 (the second timed: the training thread's CPU, plus the device's time on a GPU), then every
+  steps 0 and 2 (the second timed: the training thread's CPU, plus the device's time on a GPU), then every
   ``interval`` steps, the smallest power of two that keeps it under FP_BUDGET of the median step (ranks that
   priced differently still share the steps of the largest interval).
 
@@ -36,6 +36,9 @@ from dtprof.collectors.records import Health
 RING = 16                 # steps whose device values may be in flight at once
 FP_BUDGET = 0.005         # the share of a step the parameter fingerprint may cost
 FP_PRICE_STEPS = 4        # steps 1..FP_PRICE_STEPS price the fingerprint (step 0 is a warm-up)
+# the step whose fingerprint is timed: not step 0 (torch's first-call costs) nor step 1 (dtprof counts its FLOPs
+# under FlopCounterMode, which every op of the step goes through)
+FP_TIMED_STEP = 2
 FP_MAX_INTERVAL = 1024
 CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
 
@@ -132,7 +135,7 @@ class NumericsSentinel(RankPart):
         return float(v) if isinstance(v, (int, float)) else None
 
     def fp_due(self, step: int) -> bool:
-        if step <= 1:
+        if step in (0, FP_TIMED_STEP):
             return True
         i = self.fp_interval
         return i is not None and i > 0 and step >= self.fp_from and step % i == 0
@@ -145,7 +148,7 @@ class NumericsSentinel(RankPart):
         if any(hasattr(p, "placements") for p in params):
             self.no_fingerprint("the optimizer holds sharded parameters (DTensor): the ranks are not replicas")
             return None
-        timed = self.ctx.step == 1      # priced on its second run (the first pays torch's first-call costs)
+        timed = self.ctx.step == FP_TIMED_STEP
         t0 = time.thread_time_ns()     # the training thread's CPU: a busy machine's preemptions are not its cost
         ev = None
         if timed and params[0].is_cuda:
@@ -235,7 +238,7 @@ class NumericsSentinel(RankPart):
         """The fingerprint's interval from its measured cost (the training thread's CPU time, plus its device time
         on a GPU once the events have completed) and the median of the first steps."""
         if self.fp_timing is None:
-            self.no_fingerprint("no optimizer step with parameters to fingerprint at step 1")
+            self.no_fingerprint(f"no optimizer step with parameters to fingerprint at step {FP_TIMED_STEP}")
             return
         host_ns, ev, numel = self.fp_timing
         cost = host_ns

@@ -72,6 +72,7 @@ SECTIONS = {
     "mesh": "Parallelism dimensions (DeviceMesh)",
     "gpu": "GPU telemetry (NVML)",
     "memory": "Memory",
+    "health": "Numerics health",
 }
 
 # (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
@@ -557,6 +558,33 @@ def _memory_section(p: _Parts) -> str:
                     "Peak = CUDA allocator peak on GPU, process RSS high-water mark on CPU.")
 
 
+def _health_section(p: _Parts) -> str:
+    """Loss and gradient norm per rank over steps with the incidents marked, and the incidents (analyzers/health.py,
+    summary.json ``health``)."""
+    import pandas as pd
+
+    from dtprof.reports import figures as F
+    from dtprof.reports.fmt import fmt_num
+
+    health = p.summary.get("health") or {}
+    if not health.get("per_step") and not health.get("incidents"):
+        return ""
+    incidents = pd.DataFrame(health.get("incidents") or [], columns=["step", "kind", "ranks", "message"])
+    incidents["ranks"] = [", ".join(map(str, r)) for r in incidents["ranks"]]
+    table = _table(incidents, [("step", "step", _num("{}")), ("kind", "incident", None), ("ranks", "ranks", None),
+                               ("message", "what dtprof saw", None)], 20, "numerics incidents")
+    test = health.get("spike_test") or {}
+    fp = health.get("fingerprint") or {}
+    fp_note = (f"replica fingerprints compared {fp.get('compared', 0)} time(s), every {fp['interval']} steps"
+               if fp.get("interval") and fp.get("replica_groups") else
+               f"replica fingerprints not compared ({fp.get('reason') or 'no fingerprint'})")
+    last = max(health.get("per_step") or [{}], key=lambda e: e.get("step", -1))
+    return _section("health", p.page.figure(F.health_figure(p.ctx), "fig-health") + table, (
+        f"Each rank's local loss (before any reduction) and the gradient norm its clip_grad_norm_ returned; learning "
+        f"rate at the last step {fmt_num(last.get('lr'))}. Spikes: a robust z over {test.get('window')} steps above "
+        f"{test.get('z')} (docs/metrics.md, Numerics health); {fp_note}."))
+
+
 # The page's sections after the headline, in order: each builder returns its <section> ("" when the run has nothing
 # for it), then the progress bar moves on by the label beside it (None: no step of its own). A new view is a
 # builder here, an anchor and title in SECTIONS, and its figure in reports/figures.py.
@@ -565,6 +593,7 @@ REPORT_SECTIONS: tuple[tuple[Callable[[_Parts], str], str | None], ...] = (
     (_kernels_section, None), (_heatmaps_section, "heatmaps"), (_overlap_section, "overlap"),
     (_pipeline_section, "pipeline"), (_stragglers_section, "stragglers"), (_collectives_section, "collectives"),
     (_mesh_section, None), (_gpu_section, "gpu"), (_memory_section, "memory"),
+    (_health_section, None),
 )
 
 
