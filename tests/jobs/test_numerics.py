@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import TESTS, bare_and_profiled, dtprof, record
+from conftest import TESTS, bare_and_profiled, compare_cli, dtprof, record
 from dtprof.reader import open_run
 
 JOB = TESTS / "numerics_jobs" / "health.py"
@@ -27,10 +27,11 @@ def _printed(p: subprocess.CompletedProcess) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for mode, nproc in (("clean", 2), ("nan", 2), ("lr", 2), ("flip", 3)):
-        d = tmp_path_factory.mktemp(mode) / "run"
+    for name, mode, nproc in (("clean", "clean", 2), ("clean2", "clean", 2), ("nan", "nan", 2), ("lr", "lr", 2),
+                              ("flip", "flip", 3)):
+        d = tmp_path_factory.mktemp(name) / "run"
         p = record(d, JOB, mode, STEPS, K, opts=("--full-detail", "--no-nvml"), nproc=nproc)
-        out[mode] = (d, _printed(p))
+        out[name] = (d, _printed(p))
     return out
 
 
@@ -90,6 +91,23 @@ def test_flipped_sign_bit_on_one_replica_is_named_within_the_fingerprint_interva
     fp = run.health.dropna(subset=["param_fp"])
     before = fp[fp["step"] < K].groupby("step")["param_fp"].nunique()
     assert len(before) and (before == 1).all()        # the replicas were equal before the flip
+
+
+def test_compare_flags_the_loss_departing_from_a_bit_identical_base_and_the_nan(runs):
+    base = [runs["clean"][0], runs["clean2"][0]]
+    assert runs["clean"][1] == runs["clean2"][1]     # the job is deterministic: its own printout says so
+    code, out = compare_cli(*base, "--head", runs["lr"][0], "--format", "json")
+    d = json.loads(out)
+    (row,) = d["health"]
+    assert (row["what"], row["step"], row["ranks"], row["verdict"]) == ("loss departs", K + 1, [0, 1], "fail"), row
+    assert code == 1 or d["exit_code"] == 3, d["outcome"]     # 3 only when a machine probe moved (docs/compare.md)
+    assert any(r.startswith("numerics: loss departs at step") for r in d["reasons"]), d["reasons"]
+    code, out = compare_cli(*base, "--head", runs["nan"][0], "--format", "json")
+    rows = {r["what"]: r for r in json.loads(out)["health"]}
+    assert (rows["non-finite"]["step"], rows["non-finite"]["ranks"], rows["non-finite"]["verdict"]) == (K, [1], "fail")
+    assert rows["loss departs"]["step"] == K and rows["loss departs"]["ranks"] == [1]   # rank 0 still finite at K
+    code, out = compare_cli(runs["clean"][0], "--head", runs["clean2"][0], "--format", "json")
+    assert json.loads(out)["health"] == []
 
 
 def test_clip_inside_and_outside_compiled_code_keeps_dynamo_counters(compile_env, tmp_path):
