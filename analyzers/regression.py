@@ -943,3 +943,55 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
         out["verdict"] = "inconclusive"
         out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
     return out
+# Numerics: non-finite values in the head, and a head whose loss departs from a bit-identical base (summary.json
+# ``health``, analyzers/health.py)
+
+def _losses(summary: dict) -> dict[tuple[int, int], float]:
+    """(rank, step) -> the local loss recorded; NaN where it was non-finite (unequal to every loss)."""
+    health = summary.get("health") or {}
+    out = {(int(e["rank"]), int(e["step"])): e["loss"] for e in health.get("per_step") or []
+           if e.get("loss") is not None}
+    out.update({(int(e["rank"]), int(e["step"])): math.nan for e in health.get("nonfinite_steps") or []
+                if "loss" in e["what"]})
+    return out
+
+
+def health_changes(base: Sequence[dict], head: Sequence[dict]) -> list[dict]:
+    """Rows about the numerics of the head: ``non-finite`` (a head run with a NaN/Inf loss or gradient norm:
+    ``fail`` when no base run had one, else ``warn``), and ``loss departs`` (a head run whose local loss at some
+    (rank, step) the base runs recorded differs from theirs: ``fail`` when two or more base runs agree bit for bit
+    at every shared (rank, step), a deterministic job, so the same seed and data must give the same losses;
+    ``warn`` with one base run, whose determinism is not known). Each row names the first step and its ranks."""
+    rows: list[dict] = []
+    base_bad = any((s.get("health") or {}).get("first_nonfinite") for s in base)
+    for i, s in enumerate(head):
+        first = (s.get("health") or {}).get("first_nonfinite")
+        if first:
+            rows.append({"what": "non-finite", "run": i, "step": first["step"], "ranks": first["ranks"],
+                         "detail": f"{first['what']} NaN/Inf first at step {first['step']} on rank(s) "
+                                   f"{', '.join(map(str, first['ranks']))} "
+                                   f"({(s.get('health') or {}).get('nonfinite_count', 0)} rank-steps)",
+                         "verdict": WARN if base_bad else FAIL})
+    b = [_losses(s) for s in base]
+    b = [x for x in b if x]
+    if not b:
+        return rows
+    shared = set(b[0]).intersection(*b[1:]) if len(b) > 1 else set(b[0])
+    identical = len(b) > 1 and all(x[k] == b[0][k] for x in b[1:] for k in shared)
+    if len(b) > 1 and not identical:
+        return rows          # the base itself is not deterministic: a head's different losses say nothing
+    for i, s in enumerate(head):
+        h = _losses(s)
+        diff = sorted(k for k in shared if k in h and h[k] != b[0][k])    # (a NaN differs from everything)
+        if not diff:
+            continue
+        step = diff[0][1]
+        ranks = sorted(r for r, st in diff if st == step)
+        r0 = ranks[0]
+        rows.append({"what": "loss departs", "run": i, "step": step, "ranks": ranks,
+                     "detail": f"the local loss departs from the base's at step {step} (rank {r0}: "
+                               f"{b[0][(r0, step)]:.6g} -> {h[(r0, step)]:.6g}); "
+                               + ("the base runs agree bit for bit, so the same seed and data give the same losses"
+                                  if identical else "one base run: whether the job is deterministic is not known"),
+                     "verdict": FAIL if identical else WARN})
+    return rows

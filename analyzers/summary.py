@@ -427,6 +427,8 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     say("GPU kernels")
     _add_gpu_time(summary, spans_view.spans, model.steps, options.gpu_window)
     _add_reasons(summary, pp)
+    say("numerics health")
+    _add_health(summary, run)
     analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
                         pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
                         memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
@@ -585,7 +587,20 @@ def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFr
         summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
         return None
     summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
+    if "step" in res:   # the verdict's step (analyzers/triage.py: numerics, divergence, oom)
+        summary["triage"]["step"] = res["step"]
     return res
+
+
+def _add_health(summary: dict, run) -> None:
+    """Numerics health (analyzers/health.py): per-step loss, gradient norm and learning rate, and the incidents."""
+    from dtprof.analyzers import health
+
+    try:
+        summary["health"] = health.of_run(run)
+    except Exception as e:  # a damaged health table must not lose the rest of the analysis
+        summary["health"] = None
+        summary["health_reason"] = f"health analysis failed: {type(e).__name__}: {e}"
 
 
 def _add_mesh(summary: dict, run, steps, bd, ns) -> None:

@@ -21,10 +21,13 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
 4. **interrupted** — a node's ``dtprof run`` launcher was killed before it recorded the job's end (node.json
    still "running", its process gone: ``dtprof.reader.launcher_killed``); its timings are not a straggler's.
-5. **straggler** — a rank the analysis classifies as a persistent straggler (``stragglers.PERSISTENT_RULE``:
+5. **numerics** / **divergence** — the earliest numerics incident (analyzers/health.py): a local loss or gradient
+   norm that went non-finite, a loss spike or gradient-norm explosion ("numerics"), or data-parallel replicas whose
+   parameter fingerprints differ ("divergence"); ``step`` is the incident's step.
+6. **straggler** — a rank the analysis classifies as a persistent straggler (``stragglers.PERSISTENT_RULE``:
    slow in at least 75 % of the measured steps, by compute or by holding its peers up at a collective), with the
    NVML evidence the analysis built for it (throttle reasons, SM clock, temperature, power, ECC errors).
-6. **healthy** otherwise.
+7. **healthy** otherwise.
 
 Every stop of the job's processes by the launcher (node.json "stops": the hang watchdog's, or leftovers after the
 command ended) is named in the evidence, with its signals, grace period and whether any process survived it.
@@ -44,7 +47,7 @@ from dtprof.reports.fmt import fmt_bytes
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
 
-VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom")
+VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom", "numerics", "divergence")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
 TIMEOUT_PATTERNS = [
     re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
@@ -745,8 +748,36 @@ def restart_lines(run: dict) -> list[str]:
     return lines
 
 
+_HEALTH_ORDER = {"divergence": 0, "nonfinite": 1, "loss_spike": 2, "grad_norm_explosion": 3}
+
+
+def _numerics(c: Case) -> dict | None:
+    """Numerics health (analyzers/health.py): the earliest incident decides: replicas whose parameter fingerprints
+    differ ("divergence"), the first non-finite local loss or gradient norm, a loss spike or a gradient-norm
+    explosion ("numerics"); ``step`` is its step, the culprits the ranks it names."""
+    if c.run is None:
+        return None
+    from dtprof.analyzers import health
+
+    try:
+        block = health.of_run(c.run)
+    except Exception as e:  # a damaged health table must not hide the rest of the triage
+        c.evidence.append({"kind": "error", "message": f"health analysis failed: {type(e).__name__}: {e}"})
+        return None
+    incidents = sorted(block["incidents"], key=lambda i: (i["step"], _HEALTH_ORDER[i["kind"]]))
+    if not incidents:
+        return None
+    for i in incidents[:20]:
+        c.evidence.append({"kind": "health", **i})
+    first = incidents[0]
+    verdict = "divergence" if first["kind"] == "divergence" else "numerics"
+    res = c.result(verdict, first["ranks"], None, f"{verdict}: {first['message']}")
+    res["step"] = first["step"]
+    return res
+
+
 # The verdicts in the order they are checked: the first that applies is the root cause (module docstring).
-RULES = (_mismatch, _hang, _oom, _crash, _interrupted, _straggler)
+RULES = (_mismatch, _hang, _oom, _crash, _interrupted, _numerics, _straggler)
 
 
 def triage(run, incident: Incident, *, stragglers: list | None = None, straggler_error: str | None = None,

@@ -138,7 +138,8 @@ def lazy_part(module: str, factory: str) -> Callable[[dict], RankPart | None]:
 # Each factory takes the rank's options and returns a part, or None when the part does not apply to this job.
 # New rank-side concerns (an engine's hooks, the memory ledger, the numerics sentinel) are added here.
 PART_FACTORIES: list[Callable[[dict], RankPart | None]] = [
-    lazy_part("dtprof.collectors.memory", "make"),    # the memory ledger (issue 48)
+    lazy_part("dtprof.collectors.memory", "make"),      # the memory ledger (issue 48)
+    lazy_part("dtprof.collectors.numerics", "make"),    # loss, grad norm, lr, fingerprints (issue 49)
 ]
 
 

@@ -54,3 +54,4 @@ def _builder(name: str, table: str, required: int, defaults: dict):
 step_row = _builder("step_row", "steps", 4, {})
 span_row = _builder("span_row", "spans", 6, {"lane": "main", "source": "hook"})
 collective_row = _builder("collective_row", "collectives", COLUMN["collectives"]["end_ns"], {})
+Health = _record("Health", "health")

@@ -202,11 +202,13 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
 
     parts = rg.part_changes(b, h, confidence=confidence, seed=seed)
     strag = rg.straggler_changes(b, h)
+    health = rg.health_changes(b, h)
     identity = rg.config_differences(b, h)
     probe = rg.probe_change(b, h, confidence=confidence, seed=seed)
     gpu_probe = rg.probe_change(b, h, confidence=confidence, seed=seed, kind="gpu")
     reasons = []
     worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == rg.FAIL]
+    numerics = [f"{r['what']} at step {r['step']}" for r in health if r["verdict"] == rg.FAIL]
     blocking = [x for x in identity if x["blocking"]]
     if blocking and not allow_different:
         reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
@@ -225,10 +227,13 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
     elif drift["verdict"] == "fail":
         code = EXIT_REGRESSION
         reasons.append(drift["reason"])
-    elif worse:
+    elif worse or numerics:
         code = EXIT_REGRESSION
-        reasons.append("a straggler got worse: " + "; ".join(worse))
-    return code, {"parts": parts, "stragglers": strag, "identity": identity, "probe": probe,
+        if worse:
+            reasons.append("a straggler got worse: " + "; ".join(worse))
+        if numerics:
+            reasons.append("numerics: " + "; ".join(numerics))
+    return code, {"parts": parts, "stragglers": strag, "health": health, "identity": identity, "probe": probe,
                   "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
                   "bound": bound, "drift": drift, "reasons": reasons}
 

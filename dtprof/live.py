@@ -53,7 +53,7 @@ STRAGGLER_MIN_STEPS = 20
 STRAGGLER_LATE_FRAC = 0.5
 HANG_MIN_S = 120.0
 HANG_STEPS = 50
-RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta")
+RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta", "health")
 
 
 class _Tail:
@@ -147,6 +147,12 @@ class RankStep:
     lateness_s: float = 0.0             # Σ over its collectives of (its arrival - the first arrival on this node)
     lead_s: float = 0.0                 # Σ over the collectives it arrived last at of (its arrival - the 2nd latest)
     detailed: bool = True               # False: sampling recorded only its times (no parts, no collectives)
+    # numerics health (run format ``health``; its row is written a step after the step's: one that lands later
+    # than the step's publication is not exported live)
+    loss: float | None = None
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    nonfinite: str = ""                 # the step's non-finite values ("loss grad_norm"), "" for none
 
     @property
     def mfu(self) -> float | None:
@@ -188,6 +194,7 @@ class _Rank:
         self.identity: dict | None = None
         self.executed_flops: float | None = None   # the rank's FlopCounterMode count, once its counted step is seen
         self.published_end_ns = 0
+        self.health: dict[int, tuple] = {}         # step -> (loss, grad_norm, lr, nonfinite), until published
 
 
 class LiveNode:
@@ -235,6 +242,9 @@ class LiveNode:
             self._append("collectives", device_comm(with_exit(r.tails["collectives"].frame("collectives")),
                                                     self._gpu_ranks()))
             self._append("captures", captures(r.tails["meta"].frame("meta")))
+            h = r.tails["health"].frame("health")
+            for step, loss, norm, lr, bad in zip(h["step"], h["loss"], h["grad_norm"], h["lr"], h["nonfinite"]):
+                r.health[int(step)] = (_num(loss), _num(norm), _num(lr), "" if pd.isna(bad) else str(bad))
 
     def _gpu_ranks(self) -> np.ndarray:
         """The ranks whose rank.json names a GPU (the run model's ``gpu_ranks``, from what has been read)."""
@@ -280,6 +290,9 @@ class LiveNode:
                           peak_mem_bytes=_num(row.peak_mem_bytes),
                           cpu_wait_s=None if pd.isna(row.cpu_wait_ns) else float(row.cpu_wait_ns) / 1e9,
                           lateness_s=float(lateness[i]), lead_s=float(lead[i]), detailed=bool(detailed[i]))
+            health = r.health.pop(rs.step, None)
+            if health is not None:
+                rs.loss, rs.grad_norm, rs.learning_rate, rs.nonfinite = health
             r.published_end_ns = max(r.published_end_ns, rs.end_ns)
             out.append(rs)
         self._track_stragglers(out)
@@ -310,6 +323,10 @@ class LiveNode:
 
     def _prune(self) -> None:
         """Drop rows that no later step can need (see the module docstring)."""
+        for r in self.ranks.values():     # health rows of steps published without them (they came too late)
+            if len(r.health) > 4 * STRAGGLER_WINDOW:
+                for step in sorted(r.health)[:-STRAGGLER_WINDOW]:
+                    del r.health[step]
         end = {rank: r.published_end_ns for rank, r in self.ranks.items()}
         for table, col, keep in (("spans", "end_ns", 0), ("collectives", "exit_ns", KEEP_NS)):
             df = self.buf[table]

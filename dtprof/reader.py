@@ -368,7 +368,7 @@ def read_node_raw(node_dir: Path, problems: list[str] | None = None) -> dict:
     return out
 
 
-_LATER_TABLES = ("meta", "memory")   # added after run format 1.0: absent from older runs' complete tables
+_LATER_TABLES = ("meta", "memory", "health")   # added after run format 1.0: absent from older runs' complete tables
 
 
 def _read_node_table(node_dir: Path, table: str):

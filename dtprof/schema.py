@@ -16,7 +16,8 @@ SCHEMA_VERSION = 1      # major: a reader refuses a newer one
 SCHEMA_MINOR = 8        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
                         # 4: the ``evaluation`` span kind, 5: steps.detail and the ``sampling`` meta kind,
                         # 6: JSON-lines files written gzip-compressed, 7: ``sampling.block_cost_ns``, 8: the
-                        # ``memory`` table and the ``memory_ledger`` and ``oom`` meta kinds); every older minor opens
+                        # ``memory`` table, the ``memory_ledger`` and ``oom`` meta kinds, the ``health`` table and the
+                        # ``numerics`` meta kind); every older minor opens
 RUN_SCHEMA = f"dtprof.run/{SCHEMA_VERSION}.{SCHEMA_MINOR}"
 
 # dtype names: "int" (int64), "Int" (nullable Int64), "float" (float64), "str" (string, categorical on read for
@@ -120,6 +121,19 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("alloc_retries", "Int"), ("ooms", "Int"),   # cumulative counts of the caching allocator
         ("rss_peak_bytes", "Int"),        # the process's resident high-water mark (monotone)
     ],
+    # Numerics health (collectors/numerics.py): one row per rank and optimizer step, read from the device a step
+    # later (never a host-device sync). Non-finite values are null in their column and named in ``nonfinite``.
+    "health": [
+        ("rank", "int"), ("step", "int"),
+        ("loss", "float"),        # mean of the step's local losses (the scalars backward was called on, before any
+                                  # cross-rank reduction); null: not read (a step recorded by its boundary only)
+        ("grad_norm", "float"),   # the total norm the step's last clip_grad_norm_ returned; null: not clipped
+        ("lr", "float"),          # the first optimizer param group's learning rate after the step
+        ("lrs", "json"),          # every param group's learning rate, when there is more than one group
+        ("nonfinite", "str"),     # the names of the step's values that were NaN or +-Inf ("loss grad_norm"), or ""
+        ("param_fp", "Int"),      # fingerprint of the optimizer's parameters after the step: the int64 sum of their
+                                  # bits read as integers (replicas hold equal ones); null: not taken on this step
+    ],
 }
 
 # meta kinds and the keys of their ``value`` objects
@@ -141,6 +155,10 @@ META_KINDS = {
     # an uncaught out-of-memory error (collectors/memory.py): the request, where, and what the rank held
     "oom": ("step", "requested_bytes", "phase", "module", "message", "type", "allocated_bytes", "reserved_bytes",
             "device_total_bytes", "device_free_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes"),
+    # the parameter fingerprint's price on this rank (collectors/numerics.py): taken every ``interval`` optimizer
+    # steps (a power of two) from ``from_step``; ``cost_ns`` one fingerprint of ``parameters`` elements, ``step_ns``
+    # the median step, ``budget`` the share of the step it may cost; ``interval`` null with ``reason``: not taken
+    "numerics": ("interval", "from_step", "cost_ns", "step_ns", "budget", "parameters", "reason"),
 }
 
 SPAN_KINDS = (

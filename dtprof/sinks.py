@@ -295,6 +295,10 @@ class PrometheusSink(Sink):
                           "Newest step: Σ over its collectives of its arrival - the first arrival on this node")
         self.late_total = counter("dtprof_collective_lateness_seconds", "Lateness at collectives, summed over steps")
         self.straggler = gauge("dtprof_straggler", "1 while dtprof names the rank a straggler (live rule)")
+        self.loss = gauge("dtprof_loss", "The rank's local loss of its newest step with one (before any reduction)")
+        self.grad_norm = gauge("dtprof_grad_norm", "The gradient norm clip_grad_norm_ returned in the newest step")
+        self.lr = gauge("dtprof_learning_rate", "The first param group's learning rate of the newest step")
+        self.nonfinite = counter("dtprof_nonfinite_steps", "Steps whose loss or gradient norm was NaN or Inf")
         self.hang = gauge("dtprof_hang", "1 while no rank of the node has progressed for the hang threshold",
                           ("host",))
         self.age = gauge("dtprof_progress_age_seconds", "Seconds since any rank of the node progressed", ("host",))
@@ -342,6 +346,14 @@ class PrometheusSink(Sink):
         if s.detailed:            # a boundary-only step has no collectives recorded
             self.late.labels(*lab).set(s.lateness_s)
             self.late_total.labels(*lab).inc(s.lateness_s)
+        for gauge_, v in ((self.loss, s.loss), (self.grad_norm, s.grad_norm), (self.lr, s.learning_rate)):
+            if v is not None:
+                gauge_.labels(*lab).set(v)
+        if s.nonfinite:
+            self.nonfinite.labels(*lab).inc()
+            for name, gauge_ in (("loss", self.loss), ("grad_norm", self.grad_norm)):
+                if name in s.nonfinite.split():
+                    gauge_.labels(*lab).set(float("nan"))
 
     def _gpu(self, g: GpuSample) -> None:
         from dtprof.analyzers.gpu import THROTTLE_MASK
@@ -380,6 +392,8 @@ class _StepAcc:
     peak_mem: float | None = None
     lateness: float = 0.0
     n_detailed: int = 0                           # steps with parts and lateness (sampling: not every step)
+    health: dict = field(default_factory=dict)    # loss, grad_norm, learning_rate: the newest step's that has it
+    nonfinite: int = 0                            # steps with a NaN/Inf loss or gradient norm
 
     def add(self, s: RankStep) -> None:
         self.n += 1
@@ -396,6 +410,10 @@ class _StepAcc:
         if s.peak_mem_bytes is not None:
             self.peak_mem = max(self.peak_mem or 0.0, s.peak_mem_bytes)
         self.lateness += s.lateness_s
+        for k, v in (("loss", s.loss), ("grad_norm", s.grad_norm), ("learning_rate", s.learning_rate)):
+            if v is not None:
+                self.health[k] = v
+        self.nonfinite += bool(s.nonfinite)     # (a NaN point is not written: not every tracker stores one)
 
     def values(self) -> dict[str, float]:
         v = {"step_duration_seconds": self.duration / self.n}
@@ -413,6 +431,9 @@ class _StepAcc:
             v["step_peak_memory_bytes"] = self.peak_mem
         if self.n_detailed:
             v["step_collective_lateness_seconds"] = self.lateness / self.n_detailed
+        v.update(self.health)
+        if self.nonfinite:
+            v["nonfinite_steps"] = float(self.nonfinite)
         return v
 
 
@@ -462,6 +483,10 @@ class Tracker(Sink):
             acc.add(s)
             if each:
                 self._rank_point(s.rank, acc)
+            if s.nonfinite and "nonfinite" not in self.alerted:    # the first one only: the NaN spreads
+                self.alerted.add("nonfinite")
+                self.alert("nonfinite", f"rank {s.rank} on {s.host}: {s.nonfinite.replace(' ', ' and ')} "
+                                        f"non-finite (NaN/Inf) at step {s.step}")
         for g in update.gpus:
             self.gpu_acc.setdefault(g.gpu, _GpuAcc()).add(g)
         self._alerts(update.status)

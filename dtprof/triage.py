@@ -53,7 +53,8 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     dtprof triage --live RUN_DIR          a job still running (asks ranks for dumps, does not stop them)
     dtprof triage --fr /tmp/nccl_trace_rank_*   Flight Recorder dumps written outside dtprof
 
-    Verdicts: hang, crash, mismatch, interrupted (the launcher was killed), straggler, healthy. Exit codes:
+    Verdicts: hang, crash, mismatch, interrupted (the launcher was killed), numerics, divergence, straggler,
+    healthy. Exit codes:
     0 healthy, 1 any other verdict (a problem was found), 2 unreadable input. `dtprof run --hang-timeout` exits
     124 when it stopped a hung job.
     """

@@ -30,7 +30,8 @@ def comparison_dict(results: list[GateResult], base_names: list[str], head_names
             "base": base_names, "head": head_names, "settings": settings,
             "gates": [r.to_dict() for r in results], "reasons": reasons,
             "parts": ex.get("parts") or {"rows": [], "floor_s": None, "note": ""},
-            "stragglers": ex.get("stragglers") or [], "identity": ex.get("identity") or [],
+            "stragglers": ex.get("stragglers") or [], "health": ex.get("health") or [],
+            "identity": ex.get("identity") or [],
             "probe": ex.get("probe"), "gpu_probe": ex.get("gpu_probe"),
             "gpu_probe_reason": ex.get("gpu_probe_reason"), "bound": ex.get("bound"), "drift": ex.get("drift")}
 
@@ -110,6 +111,8 @@ def explain_lines(d: dict) -> list[str]:
         out.append("what moved: no part of the step moved beyond the noise")
     out += straggler_lines(d)
     out += drift_lines(d)
+    out += [f"numerics: head run {r['run']}: {r['what']}: {r['detail']}: {_MARK[r['verdict']]}"
+            for r in d.get("health") or []]
     out += [x for x in (probe_line(d), gpu_probe_line(d)) if x]
     if d.get("bound"):
         used = {"gpu": "the GPU probe", "cpu": "the CPU probe", "both": "both probes"}[d["bound"]["device"]]

@@ -599,3 +599,45 @@ def memory_figure(ctx: Context) -> go.Figure | None:
                                  hovertemplate="rank %{x}<br>device total: %{y:.1f} GiB<extra></extra>"))
     rank_axis(fig, len(mem))
     return layout(fig, "Peak memory per rank", height=340, xtitle="rank", ytitle="memory (GiB)")
+
+
+# ---------------------------------------------------------------------------------------------- numerics health
+HEALTH_RANKS_DRAWN = 16      # beyond this many ranks, each step's median over ranks and its min-max band
+INCIDENT_COLOR = {"nonfinite": "#E45756", "loss_spike": "#F58518", "grad_norm_explosion": "#B279A2",
+                  "divergence": "#54A24B"}
+
+
+def health_figure(ctx: Context) -> go.Figure | None:
+    """Loss and gradient norm per rank over steps (summary.json ``health.per_step``), incidents marked at their
+    step."""
+    health = (ctx.analysis.summary or {}).get("health") or {}
+    rows = pd.DataFrame(health.get("per_step") or [], columns=["rank", "step", "loss", "grad_norm", "lr"])
+    panels = [c for c in ("loss", "grad_norm") if rows[c].notna().any()]
+    if not panels:
+        return None
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=[{"loss": "local loss", "grad_norm": "gradient norm"}[c] for c in panels])
+    ranks = sorted(rows["rank"].unique())
+    for i, col in enumerate(panels, start=1):
+        data = rows.dropna(subset=[col])
+        if len(ranks) <= HEALTH_RANKS_DRAWN:
+            for r in ranks:
+                d = data[data["rank"] == r]
+                fig.add_trace(go.Scatter(x=d["step"], y=d[col], mode="lines", name=f"rank {r}", legendgroup=str(r),
+                                         showlegend=i == 1, hovertemplate=f"rank {r}<br>step %{{x}}<br>{col} "
+                                                                           "%{y:.4g}<extra></extra>"), row=i, col=1)
+        else:
+            g = data.groupby("step")[col]
+            lo, mid, hi = g.min(), g.median(), g.max()
+            fig.add_trace(go.Scatter(x=hi.index, y=hi, mode="lines", line={"width": 0}, showlegend=False,
+                                     hoverinfo="skip"), row=i, col=1)
+            fig.add_trace(go.Scatter(x=lo.index, y=lo, mode="lines", line={"width": 0}, fill="tonexty",
+                                     fillcolor="rgba(76,120,168,0.25)", name="min-max over ranks",
+                                     showlegend=i == 1, hoverinfo="skip"), row=i, col=1)
+            fig.add_trace(go.Scatter(x=mid.index, y=mid, mode="lines", line={"color": "#4C78A8"},
+                                     name="median over ranks", showlegend=i == 1), row=i, col=1)
+    for inc in health.get("incidents") or []:
+        fig.add_vline(x=inc["step"], line={"color": INCIDENT_COLOR.get(inc["kind"], "#888"), "dash": "dash"},
+                      annotation_text=inc["kind"].replace("_", " "), annotation_position="top")
+    step_axis(fig, int(rows["step"].nunique()))
+    return layout(fig, "Loss and gradient norm per rank", height=260 + 160 * len(panels), xtitle=None)

@@ -107,3 +107,10 @@ def saving(frac: float) -> str:
     """A predicted saving as a change of the step: "-47%"; a scenario that saves nothing or a little less: "+0%"
     (it read "--0%")."""
     return f"{'-' if frac >= 0 else '+'}{abs(frac):.0%}"
+
+
+def fmt_num(x) -> str:
+    """A loss, a gradient norm or a learning rate: 4 significant digits; "n/a" when unknown."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{float(x):.4g}"

@@ -72,6 +72,7 @@ SECTIONS = {
     "gpu": "GPU telemetry (NVML)",
     "memory": "Memory",
     "memory-ledger": "Memory ledger and what would fit",
+    "health": "Numerics health",
 }
 
 # (key, label, summary paths tried in order, kind). Kinds: frac (shown as %), s (time), rate, count.
@@ -565,6 +566,31 @@ def _memory_ledger_section(p: _Parts) -> str:
         return ""
     return _section("memory-ledger", p.page.figure(M.ledger_figure(mem), "fig-memory-ledger") + M.ledger_html(mem),
                     M.NOTE)
+def _health_section(p: _Parts) -> str:
+    """Loss and gradient norm per rank over steps with the incidents marked, and the incidents (analyzers/health.py,
+    summary.json ``health``)."""
+    import pandas as pd
+
+    from dtprof.reports import figures as F
+    from dtprof.reports.fmt import fmt_num
+
+    health = p.summary.get("health") or {}
+    if not health.get("per_step") and not health.get("incidents"):
+        return ""
+    incidents = pd.DataFrame(health.get("incidents") or [], columns=["step", "kind", "ranks", "message"])
+    incidents["ranks"] = [", ".join(map(str, r)) for r in incidents["ranks"]]
+    table = _table(incidents, [("step", "step", _num("{}")), ("kind", "incident", None), ("ranks", "ranks", None),
+                               ("message", "what dtprof saw", None)], 20, "numerics incidents")
+    test = health.get("spike_test") or {}
+    fp = health.get("fingerprint") or {}
+    fp_note = (f"replica fingerprints compared {fp.get('compared', 0)} time(s), every {fp['interval']} steps"
+               if fp.get("interval") and fp.get("replica_groups") else
+               f"replica fingerprints not compared ({fp.get('reason') or 'no fingerprint'})")
+    last = max(health.get("per_step") or [{}], key=lambda e: e.get("step", -1))
+    return _section("health", p.page.figure(F.health_figure(p.ctx), "fig-health") + table, (
+        f"Each rank's local loss (before any reduction) and the gradient norm its clip_grad_norm_ returned; learning "
+        f"rate at the last step {fmt_num(last.get('lr'))}. Spikes: a robust z over {test.get('window')} steps above "
+        f"{test.get('z')} (docs/metrics.md, Numerics health); {fp_note}."))
 
 
 # The page's sections after the headline, in order: each builder returns its <section> ("" when the run has nothing
@@ -576,6 +602,7 @@ REPORT_SECTIONS: tuple[tuple[Callable[[_Parts], str], str | None], ...] = (
     (_pipeline_section, "pipeline"), (_stragglers_section, "stragglers"), (_collectives_section, "collectives"),
     (_mesh_section, None), (_gpu_section, "gpu"), (_memory_section, "memory"),
     (_memory_ledger_section, None),
+    (_health_section, None),
 )
 
 

@@ -2,7 +2,7 @@
 and, for a last step run under torch.profiler, which eager ops of the forward's fused parts ran (none when the
 forward ran compiled). The job test_compiled.py runs bare and under `dtprof run`.
 
-    python forms.py FORM STEPS [BACKEND]        # FORM: compile, fullgraph_autograd, method, blocks (one process)
+    python forms.py FORM STEPS [BACKEND]        # FORM: compile, fullgraph_autograd, method, blocks, clip (one process)
     torchrun --nproc_per_node=2 forms.py FORM STEPS [BACKEND]   # FORM: ddp_of_compiled, compiled_ddp, fsdp2
 
 BACKEND: inductor (default) or aot_eager (Dynamo's graphs, breaks and recompiles are the same; no C++ to build).
@@ -34,7 +34,7 @@ class LM(nn.Module):
 
 
 def build(form: str, m: nn.Module, backend: str) -> nn.Module:
-    if form == "compile":
+    if form in ("compile", "clip"):
         return torch.compile(m, backend=backend)
     if form == "fullgraph_autograd":  # one graph or an error, and the backward compiled too (compiled autograd)
         torch._dynamo.config.compiled_autograd = True
@@ -73,11 +73,18 @@ def main() -> None:
     model = build(form, m, backend)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     x = torch.randint(0, 128, (4, 32))
+    # "clip": the gradients clipped twice a step, inside a compiled function (Dynamo traces clip_grad_norm_) and
+    # eagerly (the norm the job logs, printed by rank 0 as "NORM step value")
+    clip_compiled = torch.compile(lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1e9), backend=backend)
+    norms = []
 
     def step():
         out = model(x)
         loss = F.cross_entropy(out.view(-1, 128), x.view(-1))
         loss.backward()
+        if form == "clip":
+            clip_compiled(list(m.parameters()))
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9))
         opt.step()
         opt.zero_grad()
         return loss
@@ -97,6 +104,8 @@ def main() -> None:
     stats["loss"] = round(float(step().detach()), 5)
     if os.environ.get("RANK", "0") == "0":   # one line: two ranks' lines can interleave on a shared pipe
         print("FORM " + json.dumps(stats), flush=True)
+        for i, n in enumerate(norms):
+            print(f"NORM {i} {float(n)!r}", flush=True)
 
 
 if __name__ == "__main__":

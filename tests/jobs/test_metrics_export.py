@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -33,6 +34,7 @@ BIN = Path(sys.executable).parent
 # The jobs run with --full-detail: these tests read every step's parts and lateness in each sink (with sampling,
 # boundary-only steps publish their times only: docs/metrics-export.md)
 DDP_STEPS = 120   # ~12 s of training: steps are published ~3 s after they end, and the scrape must come before the end
+LR = 1e-3         # examples/model.py's default --lr
 BOOT_FAKE_GPUS = ("import sys, fake_pynvml; "
                   "sys.modules['pynvml'] = fake_pynvml.make(gpus=2, values={1: {'throttle': 4}}); "
                   "from dtprof.cli import main; main()")
@@ -159,6 +161,8 @@ def test_prometheus_scraped_while_the_job_trains(ddp):
         assert rank_value(live, "dtprof_step_samples_per_second", r) > 0
         assert rank_value(live, "dtprof_step_peak_memory_bytes", r) > 0
         assert rank_value(live, "dtprof_step_collective_lateness_seconds", r) is not None
+        assert rank_value(live, "dtprof_loss", r) > 0 and rank_value(live, "dtprof_learning_rate", r) == LR
+        assert rank_value(live, "dtprof_grad_norm", r) is None      # the job does not clip: no norm to report
     # rank 1 sleeps 80 ms in each forward (over half a step even with another test file running beside it): it
     # arrives late at the all-reduces, rank 0 waits in exposed communication
     assert rank_value(live, "dtprof_collective_lateness_seconds_total", 1) > \
@@ -189,7 +193,7 @@ def tb_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.mark.slow
 def test_tensorboard_reads_every_step(ddp):
-    tmp, _, _ = ddp
+    tmp, proc, _ = ddp
     run = open_run(tmp / "run")
     for r in (0, 1):
         tb = tb_scalars(tmp / "tb" / f"rank-{r}")
@@ -203,6 +207,14 @@ def test_tensorboard_reads_every_step(ddp):
                     "step_collective_lateness_seconds", "straggler"):
             assert tag in tb, (tag, sorted(tb))
         assert all(0 < v < 1 for _, v in tb["step_mfu_ratio"])
+        # numerics health: every step's local loss as the run's health table has it, the job's learning rate
+        h = run.health[run.health["rank"] == r]
+        assert dict(tb["loss"]) == pytest.approx(dict(zip(h["step"], h["loss"])), rel=1e-6)   # float32 in the file
+        assert {v for _, v in tb["learning_rate"]} == {pytest.approx(LR)} and "grad_norm" not in tb
+    # rank 0's as the job printed it (6 decimals)
+    printed = {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", proc.stdout, re.M)}
+    tb0 = dict(tb_scalars(tmp / "tb" / "rank-0")["loss"])
+    assert len(printed) == DDP_STEPS and all(tb0[s] == pytest.approx(v, abs=2e-6) for s, v in printed.items())
     gpu = tb_scalars(tmp / "tb" / f"gpu-{socket.gethostname()}-1")
     assert {v for _, v in gpu["gpu_power_watts"]} == {312.5} and {v for _, v in gpu["gpu_throttled_ratio"]} == {1.0}
     assert tb_scalars(tmp / "tb" / "rank-1")["straggler"][-1][1] == 1.0

@@ -1,0 +1,245 @@
+"""Numerics health (docs/metrics.md, "Numerics health"): the per-step loss, gradient norm and learning rate of each
+rank, and the incidents in them: the first non-finite value, loss spikes and gradient-norm explosions by a rolling
+robust test, and data-parallel replicas whose parameter fingerprints differ (silent corruption). A pure function of
+the run's ``health`` table (collectors/numerics.py), its ``numerics`` meta rows and, for the replica groups, its
+DDP collectives and groups. No torch.
+
+The robust test: a value x of a rank's series is an outlier when (x - m) / (1.4826 · MAD) > SPIKE_Z, m and MAD
+the median and median absolute deviation of the rank's previous SPIKE_WINDOW finite values (at least
+SPIKE_MIN_WINDOW of them); upward only (a falling loss is progress). Non-finite values never enter the window (one
+NaN must not shift it), flagged values do (a lasting new level is absorbed). Consecutive flagged steps of a series
+are one incident, at its first step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+
+SPIKE_WINDOW = 32
+SPIKE_MIN_WINDOW = 8
+SPIKE_Z = 8.0
+MAD_SIGMA = 1.4826       # MAD of a normal distribution is 0.6745 sigma
+MAD_FLOOR = 1e-3         # the MAD's floor, a share of |median|: a flat series is not noise-free
+LR_JUMP = 2.0            # a learning rate this many times its window's median (or under its inverse) "changed"
+PER_STEP_MAX = 200_000   # rows of ``per_step`` written into summary.json at most
+
+
+def _num(x):
+    return None if x is None or pd.isna(x) else float(x)
+
+
+def outliers(values: np.ndarray) -> np.ndarray:
+    """Robust z of each value against its SPIKE_WINDOW finite predecessors (NaN where not tested)."""
+    z = np.full(len(values), np.nan)
+    window: list[float] = []
+    for i, x in enumerate(values):
+        if not np.isfinite(x):
+            continue
+        if len(window) >= SPIKE_MIN_WINDOW:
+            w = np.asarray(window[-SPIKE_WINDOW:])
+            m = float(np.median(w))
+            mad = max(float(np.median(np.abs(w - m))), MAD_FLOOR * abs(m), 1e-12)
+            z[i] = (x - m) / (MAD_SIGMA * mad)
+        window.append(float(x))
+        if len(window) > SPIKE_WINDOW:
+            del window[0]
+    return z
+
+
+def _runs(steps: np.ndarray, flagged: np.ndarray) -> list[int]:
+    """The first step of each run of consecutive flagged entries."""
+    first, prev = [], False
+    for s, f in zip(steps, flagged):
+        if f and not prev:
+            first.append(int(s))
+        prev = bool(f)
+    return first
+
+
+def replica_groups(collectives: pd.DataFrame, groups: pd.DataFrame) -> list[list[int]]:
+    """The data-parallel replica groups: the process groups of DDP's gradient buckets (collectives source "ddp"),
+    as their members. FSDP, ZeRO and tensor-parallel shards are not replicas and are never compared."""
+    if collectives is None or not len(collectives) or groups is None or not len(groups):
+        return []
+    ddp = collectives[collectives["source"].astype(str) == "ddp"]
+    names = set(ddp["group"].astype(str))
+    out = []
+    for g in groups[groups["group"].astype(str).isin(names)].drop_duplicates("group").itertuples(index=False):
+        members = sorted(int(x) for x in str(g.ranks).split(",") if x.strip())
+        if len(members) > 1 and members not in out:
+            out.append(members)
+    return out
+
+
+def fingerprint_incidents(health: pd.DataFrame, groups: list[list[int]]) -> tuple[list[dict], int]:
+    """(the first step each replica group's fingerprints differed, named by the members off the majority value;
+    the number of (group, step) comparisons made)."""
+    fp = health.dropna(subset=["param_fp"])
+    out, compared = [], 0
+    for members in groups:
+        g = fp[fp["rank"].isin(members)]
+        for step, at in g.groupby("step", sort=True):
+            if at["rank"].nunique() < 2:
+                continue
+            compared += 1
+            values = dict(zip(at["rank"].astype(int), at["param_fp"].astype("int64")))
+            counts = Counter(values.values())
+            if len(counts) == 1:
+                continue
+            (top, n), = counts.most_common(1)
+            tie = sum(1 for c in counts.values() if c == n) > 1
+            culprits = sorted(values) if tie else sorted(r for r, v in values.items() if v != top)
+            who = (f"rank(s) {', '.join(map(str, culprits))} hold parameters that differ from the other "
+                   f"{len(values) - len(culprits)} replica(s)") if not tie else \
+                  (f"ranks {', '.join(map(str, culprits))} hold different parameters ({len(values)} replicas, no "
+                   f"majority: which one is wrong cannot be told)")
+            out.append({"kind": "divergence", "step": int(step), "ranks": culprits, "group": members,
+                        "cause": "silent corruption or a replica-local update",
+                        "message": f"data-parallel replicas diverged by step {int(step)}: {who} (parameter "
+                                   f"fingerprints of group {members})"})
+            break
+    return out, compared
+
+
+def _series(health: pd.DataFrame, col: str) -> pd.DataFrame:
+    return health[["rank", "step", col]].sort_values(["rank", "step"])
+
+
+def _spikes(health: pd.DataFrame, col: str) -> list[dict]:
+    """Per rank, the first step of each run of outliers of ``col`` (robust z, module docstring)."""
+    out = []
+    for rank, g in _series(health, col).groupby("rank", sort=True):
+        v = g[col].to_numpy(float)
+        z = outliers(v)
+        steps = g["step"].to_numpy()
+        for s in _runs(steps, np.nan_to_num(z, nan=-np.inf) > SPIKE_Z):
+            i = int(np.flatnonzero(steps == s)[0])
+            prior = v[:i][np.isfinite(v[:i])][-SPIKE_WINDOW:]
+            out.append({"rank": int(rank), "step": s, "value": float(v[i]), "median": float(np.median(prior)),
+                        "z": float(z[i])})
+    return out
+
+
+def _lr_change(health: pd.DataFrame, rank: int, step: int) -> str | None:
+    """The learning rate of the update before ``step`` (the row of ``step - 1``) against its window's median."""
+    g = health[(health["rank"] == rank) & (health["step"] < step)].sort_values("step")
+    lr = g["lr"].to_numpy(float)
+    if len(lr) < 2 or not np.isfinite(lr[-1]):
+        return None
+    prior = lr[:-1][np.isfinite(lr[:-1])][-SPIKE_WINDOW:]
+    if not len(prior):
+        return None
+    m = float(np.median(prior))
+    if m > 0 and (lr[-1] > LR_JUMP * m or lr[-1] < m / LR_JUMP):
+        return f"the learning rate changed: {lr[-1]:.4g} at step {int(g['step'].iloc[-1])}, against {m:.4g} before"
+    return None
+
+
+def _grouped(spikes: list[dict]) -> dict[int, list[dict]]:
+    by: dict[int, list[dict]] = {}
+    for s in spikes:
+        by.setdefault(s["step"], []).append(s)
+    return by
+
+
+def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
+                   collectives: pd.DataFrame | None = None, groups: pd.DataFrame | None = None) -> dict:
+    """summary.json's ``health`` block (docs/summary-schema.md)."""
+    block: dict = {"per_step": [], "incidents": [], "first_nonfinite": None, "nonfinite_steps": [],
+                   "spike_test": {"window": SPIKE_WINDOW, "min_window": SPIKE_MIN_WINDOW, "z": SPIKE_Z},
+                   "fingerprint": None}
+    if health is None or not len(health):
+        block["reason"] = "no health rows (a run recorded before run format 1.8, or no optimizer step)"
+        return block
+    h = health.sort_values(["step", "rank"]).reset_index(drop=True)
+    if len(h) <= PER_STEP_MAX:
+        block["per_step"] = [{"rank": int(r.rank), "step": int(r.step), "loss": _num(r.loss),
+                              "grad_norm": _num(r.grad_norm), "lr": _num(r.lr)}
+                             for r in h[["rank", "step", "loss", "grad_norm", "lr"]].itertuples(index=False)]
+    else:
+        block["per_step_reason"] = (f"{len(h)} rank-steps, over the {PER_STEP_MAX} written here (the run's health "
+                                    f"table has them all)")
+    nonfinite = h[h["nonfinite"].fillna("").astype(str) != ""]
+    block["nonfinite_steps"] = [{"rank": int(r.rank), "step": int(r.step), "what": str(r.nonfinite).split()}
+                                for r in nonfinite.head(1000).itertuples(index=False)]
+    block["nonfinite_count"] = int(len(nonfinite))
+    incidents: list[dict] = []
+    if len(nonfinite):
+        first = int(nonfinite["step"].min())
+        at = nonfinite[nonfinite["step"] == first]
+        loss_bad = at[at["nonfinite"].astype(str).str.contains("loss")]
+        culprits = sorted(int(r) for r in (loss_bad if len(loss_bad) else at)["rank"])
+        what = "local loss" if len(loss_bad) else "gradient norm"
+        others = sorted(set(int(r) for r in h.loc[h["step"] == first, "rank"]) - set(culprits))
+        spread = (f"; rank(s) {', '.join(map(str, others))} still finite at that step" if others and len(loss_bad)
+                  else "")
+        block["first_nonfinite"] = {"step": first, "ranks": culprits, "what": what}
+        incidents.append({"kind": "nonfinite", "step": first, "ranks": culprits, "what": what,
+                          "cause": "a non-finite " + what,
+                          "message": f"the {what} went non-finite (NaN/Inf) first at step {first} on rank(s) "
+                                     f"{', '.join(map(str, culprits))}{spread}"})
+    norm_spikes = _spikes(h, "grad_norm")
+    norm_steps = {(s["rank"], s["step"]) for s in norm_spikes}
+    for step, ss in sorted(_grouped(_spikes(h, "loss")).items()):
+        ranks = sorted(s["rank"] for s in ss)
+        at_step = sorted(set(int(r) for r in h.loc[(h["step"] == step) & h["loss"].notna(), "rank"]))
+        causes = []
+        lr = _lr_change(h, ranks[0], step)
+        if lr:
+            causes.append(lr)
+        norm_at = h[(h["step"] == step) & (h["rank"].isin(ranks))]["grad_norm"]
+        if norm_at.notna().any():
+            if any((r, step) in norm_steps for r in ranks):
+                causes.append("the gradient norm jumped with it")
+            elif not lr:
+                causes.append("the gradient norm is normal: the data")
+        if len(at_step) > 1 and len(ranks) == 1:
+            causes.append(f"only rank {ranks[0]}'s loss jumped: that rank's data")
+        s0 = ss[0]
+        incidents.append({"kind": "loss_spike", "step": int(step), "ranks": ranks, "value": s0["value"],
+                          "median": s0["median"], "z": s0["z"], "cause": "; ".join(causes) or None,
+                          "message": f"loss spike at step {int(step)} on rank(s) {', '.join(map(str, ranks))}: "
+                                     f"{s0['value']:.4g} against a median of {s0['median']:.4g} (robust z "
+                                     f"{s0['z']:.1f})" + (f"; {'; '.join(causes)}" if causes else "")})
+    for step, ss in sorted(_grouped(norm_spikes).items()):
+        ranks = sorted(s["rank"] for s in ss)
+        s0 = ss[0]
+        lr = _lr_change(h, ranks[0], step)
+        incidents.append({"kind": "grad_norm_explosion", "step": int(step), "ranks": ranks, "value": s0["value"],
+                          "median": s0["median"], "z": s0["z"], "cause": lr,
+                          "message": f"gradient-norm explosion at step {int(step)} on rank(s) "
+                                     f"{', '.join(map(str, ranks))}: {s0['value']:.4g} against a median of "
+                                     f"{s0['median']:.4g} (robust z {s0['z']:.1f})" + (f"; {lr}" if lr else "")})
+    rgroups = replica_groups(collectives, groups)
+    div, compared = fingerprint_incidents(h, rgroups)
+    incidents += div
+    block["fingerprint"] = _fingerprint_block(meta, rgroups, compared)
+    block["incidents"] = sorted(incidents, key=lambda i: (i["step"], i["kind"]))
+    return block
+
+
+def _fingerprint_block(meta: pd.DataFrame | None, rgroups: list, compared: int) -> dict:
+    rows = meta[meta["kind"].astype(str) == "numerics"]["value"] if meta is not None and len(meta) else []
+    values = [v for v in rows if isinstance(v, dict)]
+    intervals = [v["interval"] for v in values if v.get("interval")]
+    reasons = sorted({v["reason"] for v in values if v.get("reason")})
+    block = {"interval": max(intervals) if intervals else None,
+             "cost_ns_max": max((v["cost_ns"] for v in values if v.get("cost_ns") is not None), default=None),
+             "replica_groups": rgroups, "compared": compared}
+    if not rgroups:
+        block["reason"] = "no data-parallel replica group (DDP) in this run" + (f"; {reasons[0]}" if reasons else "")
+    elif reasons:
+        block["reason"] = reasons[0]
+    return block
+
+
+def of_run(run) -> dict:
+    """``analyze_health`` of an open run (dtprof.reader.Run): the DDP collectives are read only when some rank
+    recorded a fingerprint."""
+    h = run.health
+    coll = None
+    if len(h) and h["param_fp"].notna().any():
+        coll = run.read_rows("collectives", columns=["rank", "source", "group"])
+    return analyze_health(h, run.meta, coll, run.groups)

@@ -1,0 +1,284 @@
+"""The numerics sentinel (a rank-side part, collectors/parts.py): each optimizer step's local loss, gradient norm,
+learning rate and, at a priced interval, a fingerprint of the parameters, as ``health`` rows (dtprof/schema.py).
+
+What it reads, and when (docs/metrics.md, "Numerics health")
+- the local loss: the scalar tensors ``backward`` is called on in a step recorded in full detail (``on_backward``;
+  the rank's own loss, before any cross-rank reduction), their mean when there are several (gradient accumulation);
+- the gradient norm: the tensor ``torch.nn.utils.clip_grad_norm_`` (or its alias ``clip_grad_norm``) returned,
+  the last call of the step; the wrapper is in place on every step, and does nothing while Dynamo traces (a clip
+  inside a compiled region is traced as the bare job's and not read);
+- the learning rate of each param group, a host-side read after the optimizer step (``on_optimizer_step``);
+- the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
+  after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
+  one flipped bit changes it by a power of two. Its interval is priced from its measured cost: it is taken at
+  steps 0 and 2 (the second timed: the training thread's CPU, plus the device's time on a GPU), then every
+  ``interval`` steps, the smallest power of two that keeps it under FP_BUDGET of the median step (ranks that
+  priced differently still share the steps of the largest interval).
+
+No host-device sync: device values are copied ``non_blocking`` into a ring of host buffers (pinned on CUDA) with
+an event recorded after the copies, and read at a later step's end once the event has completed (on CPU the copy
+is done when it returns, and the value is still read a step later: one code path). A step whose slot is still in
+flight RING steps later is recorded without its device values. The cross-rank comparisons (which rank went
+non-finite first, which replica's fingerprint differs) are the analysis' (analyzers/health.py), never a
+collective on the training thread.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from typing import Any
+
+from dtprof.collectors.parts import RankContext, RankPart
+from dtprof.collectors.records import Health
+
+RING = 16                 # steps whose device values may be in flight at once
+FP_BUDGET = 0.005         # the share of a step the parameter fingerprint may cost
+FP_PRICE_STEPS = 4        # steps 1..FP_PRICE_STEPS price the fingerprint (step 0 is a warm-up)
+# the step whose fingerprint is timed: not step 0 (torch's first-call costs) nor step 1 (dtprof counts its FLOPs
+# under FlopCounterMode, which every op of the step goes through)
+FP_TIMED_STEP = 2
+FP_MAX_INTERVAL = 1024
+CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
+
+
+def make(options: dict) -> NumericsSentinel:
+    return NumericsSentinel()
+
+
+class NumericsSentinel(RankPart):
+    name = "numerics"
+
+    def install(self, ctx: RankContext) -> None:
+        super().install(ctx)
+        import torch
+
+        self.torch = torch
+        self.is_compiling = torch.compiler.is_compiling
+        self.losses: list = []          # this step's local losses (detached)
+        self.norm = None                # this step's last clip_grad_norm_ result (detached)
+        self.lr: float | None = None
+        self.lrs: list | None = None
+        self.fp = None                  # this step's fingerprint (an int64 scalar on the parameters' device)
+        self.fp_timing = None           # (step, host ns, start event, end event) of the priced fingerprint
+        self.fp_interval: int | None = 0      # 0: not priced yet; None: never again (why in the meta row)
+        self.fp_from = 0
+        self.step_ns: list[int] = []
+        self.last_end_ns: int | None = None
+        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, has norm, has fingerprint)
+        self.slot = 0
+        self.dropped = 0
+        self.buf_f: Any = None          # the ring: (RING, 2) float64 [loss, grad_norm], (RING,) int64 fingerprint
+        self.buf_i: Any = None
+        self.cuda = False
+        self.int_of = _int_of(torch)
+        self.clip_off = False
+        self.patched: list = []
+        import torch.nn.utils as nn_utils
+        import torch.nn.utils.clip_grad as clip_grad
+
+        for mod in (clip_grad, nn_utils):
+            for name in CLIP_NAMES:
+                f = getattr(mod, name, None)
+                if f is not None and not getattr(f, "dtprof_numerics", False):
+                    self.patched.append((mod, name, f))
+                    setattr(mod, name, self.wrap_clip(f))
+
+    # ---- the training thread -------------------------------------------------------------------------------
+
+    def wrap_clip(self, orig):
+        part = self
+
+        def clip_grad_norm_(*args, **kwargs):
+            norm = orig(*args, **kwargs)
+            if not part.clip_off and not part.is_compiling():
+                try:
+                    part.norm = part.local(norm)
+                except Exception:
+                    part.clip_off = True     # the wrapper keeps passing the job's result through
+                    part.ctx.event("error", "dtprof part numerics: clip_grad_norm_ not read after a fault")
+            return norm
+
+        clip_grad_norm_.__wrapped__ = orig
+        clip_grad_norm_.__name__ = orig.__name__
+        clip_grad_norm_.__doc__ = orig.__doc__
+        clip_grad_norm_.dtprof_numerics = True
+        return clip_grad_norm_
+
+    def local(self, norm):
+        """The norm as a plain tensor: a DTensor's local value when it is replicated (FSDP2's clip returns one),
+        else None (a partial norm is not the total)."""
+        if not isinstance(norm, self.torch.Tensor):
+            return None
+        if hasattr(norm, "placements"):
+            return norm.to_local().detach() if all(p.is_replicate() for p in norm.placements) else None
+        return norm.detach()
+
+    def on_backward(self, tensors) -> None:
+        t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
+        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and not self.is_compiling():
+            self.losses.append(t.detach())
+
+    def on_optimizer_step(self, optimizer) -> None:
+        if self.lrs is not None or self.is_compiling():    # the step's first optimizer names the step's rate
+            return
+        lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
+        self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
+        if self.fp_due(self.ctx.step):
+            self.fp = self.fingerprint(optimizer)
+
+    def host_float(self, v):
+        """A learning rate without a device read: a number, or a CPU tensor's value; None for a device tensor."""
+        if isinstance(v, self.torch.Tensor):
+            return float(v) if v.device.type == "cpu" and v.numel() == 1 else None
+        return float(v) if isinstance(v, (int, float)) else None
+
+    def fp_due(self, step: int) -> bool:
+        if step in (0, FP_TIMED_STEP):
+            return True
+        i = self.fp_interval
+        return i is not None and i > 0 and step >= self.fp_from and step % i == 0
+
+    def fingerprint(self, optimizer):
+        torch = self.torch
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not params:
+            return None
+        if any(hasattr(p, "placements") for p in params):
+            self.no_fingerprint("the optimizer holds sharded parameters (DTensor): the ranks are not replicas")
+            return None
+        timed = self.ctx.step == FP_TIMED_STEP
+        t0 = time.thread_time_ns()     # the training thread's CPU: a busy machine's preemptions are not its cost
+        ev = None
+        if timed and params[0].is_cuda:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        sums = [p.detach().view(self.int_of[p.dtype]).sum(dtype=torch.int64) for p in params
+                if p.dtype in self.int_of]
+        fp = torch.stack(sums).sum() if sums else None
+        if timed:
+            if ev is not None:
+                ev[1].record()
+            self.fp_timing = (time.thread_time_ns() - t0, ev, sum(p.numel() for p in params))
+        return fp
+
+    def no_fingerprint(self, reason: str) -> None:
+        if self.fp_interval is not None:
+            self.fp_interval = None
+            self.ctx.meta("numerics", {"interval": None, "from_step": None, "cost_ns": None, "step_ns": None,
+                                       "budget": FP_BUDGET, "parameters": None, "reason": reason})
+
+    def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
+        self.read_ready(step)
+        if self.last_end_ns is not None and len(self.step_ns) < FP_PRICE_STEPS:
+            self.step_ns.append(t_ns - self.last_end_ns)
+        self.last_end_ns = t_ns
+        if self.fp_interval == 0 and len(self.step_ns) >= FP_PRICE_STEPS:
+            self.price_fingerprint(step + 1)
+        try:
+            self.launch(step)
+        finally:
+            self.losses, self.norm, self.fp, self.lr, self.lrs = [], None, None, None, None
+
+    def launch(self, step: int) -> None:
+        """This step's device values into the next ring slot, non-blocking, and the event that says they landed."""
+        torch = self.torch
+        loss = norm = None
+        if self.losses:
+            dev = self.losses[0].device
+            same = [x for x in self.losses if x.device == dev]
+            loss = same[0] if len(same) == 1 else torch.stack([x.reshape(()).double() for x in same]).mean()
+        norm, fp = self.norm, self.fp
+        slot = self.slot
+        if loss is not None or norm is not None or fp is not None:
+            if self.buf_f is None:
+                self.cuda = any(v is not None and v.is_cuda for v in (loss, norm, fp))
+                self.buf_f = torch.zeros((RING, 2), dtype=torch.float64, pin_memory=self.cuda)
+                self.buf_i = torch.zeros((RING,), dtype=torch.int64, pin_memory=self.cuda)
+            if len(self.pending) >= RING:
+                self.dropped += 1
+                loss = norm = fp = None
+            else:
+                if loss is not None:
+                    self.buf_f[slot, 0].copy_(loss.reshape(()), non_blocking=True)
+                if norm is not None:
+                    self.buf_f[slot, 1].copy_(norm.reshape(()), non_blocking=True)
+                if fp is not None:
+                    self.buf_i[slot].copy_(fp, non_blocking=True)
+                self.slot = (slot + 1) % RING
+        event = None
+        if self.cuda and (loss is not None or norm is not None or fp is not None):
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None, norm is not None,
+                             fp is not None))
+
+    def read_ready(self, before: int) -> None:
+        """Rows of the pending steps before ``before`` whose copies have landed, oldest first."""
+        while self.pending and self.pending[0][0] < before:
+            step, slot, event, lr, lrs, has_loss, has_norm, has_fp = self.pending[0]
+            if event is not None and not event.query():
+                break
+            self.pending.popleft()
+            loss = norm = fp = None
+            if has_loss or has_norm:
+                f = self.buf_f[slot].tolist()
+                loss, norm = (f[0] if has_loss else None), (f[1] if has_norm else None)
+            if has_fp:
+                fp = int(self.buf_i[slot])
+            bad = " ".join(n for n, v in (("loss", loss), ("grad_norm", norm))
+                           if v is not None and not math.isfinite(v))
+            if bad:
+                loss = loss if loss is None or math.isfinite(loss) else None
+                norm = norm if norm is None or math.isfinite(norm) else None
+            self.ctx.add(Health(self.ctx.rank, step, loss, norm, lr, json.dumps(lrs) if lrs else None, bad, fp))
+
+    def price_fingerprint(self, next_step: int) -> None:
+        """The fingerprint's interval from its measured cost (the training thread's CPU time, plus its device time
+        on a GPU once the events have completed) and the median of the first steps."""
+        if self.fp_timing is None:
+            self.no_fingerprint(f"no optimizer step with parameters to fingerprint at step {FP_TIMED_STEP}")
+            return
+        host_ns, ev, numel = self.fp_timing
+        cost = host_ns
+        if ev is not None:
+            if not ev[1].query():
+                return                  # priced at a later step's end
+            cost += int(ev[0].elapsed_time(ev[1]) * 1e6)
+        step_ns = sorted(self.step_ns)[len(self.step_ns) // 2]
+        interval = 1
+        while cost > FP_BUDGET * step_ns * interval and interval < FP_MAX_INTERVAL:
+            interval *= 2
+        self.fp_interval = interval
+        self.fp_from = -(-next_step // interval) * interval
+        self.ctx.meta("numerics", {"interval": interval, "from_step": self.fp_from, "cost_ns": cost,
+                                   "step_ns": step_ns, "budget": FP_BUDGET, "parameters": numel, "reason": None})
+
+    # ---- exit -----------------------------------------------------------------------------------------------
+
+    def on_exit(self) -> None:
+        """The last steps' values: the ones whose copies have landed within a second (never a wait on a hung
+        device), then the clip wrappers out."""
+        deadline = time.monotonic() + 1.0
+        while self.pending:
+            self.read_ready(1 << 62)
+            if not self.pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if self.dropped:
+            self.ctx.event("warning", f"numerics: {self.dropped} step(s) recorded without their device values "
+                                      f"(their slot was still in flight {RING} steps later)")
+        for mod, name, f in self.patched:
+            setattr(mod, name, f)
+        self.patched = []
+
+
+def _int_of(torch) -> dict:
+    """A floating dtype -> the integer dtype of its width (the fingerprint sums the bits)."""
+    table = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            table[getattr(torch, name)] = torch.int8
+    return table

@@ -1,0 +1,124 @@
+"""Numerics health on real DDP jobs (collectors/numerics.py, analyzers/health.py): a clean run raises nothing and
+its summary.json holds every step's loss, gradient norm and learning rate as the job itself printed them; a NaN in
+one rank's batch at step K is named (that rank, step K); a learning rate 3000x at step K gives a loss spike at K+1
+whose cause names the learning rate; one weight's sign bit flipped on one replica is named by the fingerprints
+within their interval; a clip inside a compiled function leaves Dynamo's counters as the bare job's."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TESTS, bare_and_profiled, compare_cli, dtprof, record
+from dtprof.reader import open_run
+
+JOB = TESTS / "numerics_jobs" / "health.py"
+STEPS, K = 24, 14
+
+
+def _printed(p: subprocess.CompletedProcess) -> dict:
+    """(rank, step) -> (loss, grad_norm, lr) as the job printed them."""
+    num = r"(nan|-?inf|-?[0-9.]+(?:e[-+][0-9]+)?)"    # the ranks' lines can run together on a shared pipe
+    return {(int(r), int(s)): (float(loss), float(norm), float(lr))
+            for r, s, loss, norm, lr in re.findall(rf"HEALTH (\d+) (\d+) {num} {num} {num}", p.stdout)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, mode, nproc in (("clean", "clean", 2), ("clean2", "clean", 2), ("nan", "nan", 2), ("lr", "lr", 2),
+                              ("flip", "flip", 3)):
+        d = tmp_path_factory.mktemp(name) / "run"
+        p = record(d, JOB, mode, STEPS, K, opts=("--full-detail", "--no-nvml"), nproc=nproc)
+        out[name] = (d, _printed(p))
+    return out
+
+
+def _summary(d) -> dict:
+    return json.loads((d / "summary.json").read_text())
+
+
+def _triage(d) -> tuple[int, dict]:
+    p = dtprof("triage", d, "--json")
+    return p.returncode, json.loads(p.stdout)
+
+
+def test_clean_run_is_healthy_with_every_step_as_the_job_printed_it(runs):
+    d, printed = runs["clean"]
+    assert len(printed) == 2 * STEPS
+    health = _summary(d)["health"]
+    assert health["incidents"] == [] and health["first_nonfinite"] is None
+    got = {(e["rank"], e["step"]): (e["loss"], e["grad_norm"], e["lr"]) for e in health["per_step"]}
+    assert got == printed          # float32 losses and norms read back bit for bit, the lr the optimizer used
+    assert len({v[2] for v in got.values()}) == 3      # StepLR changed the rate twice in 24 steps
+    fp = health["fingerprint"]
+    assert fp["replica_groups"] == [[0, 1]] and fp["compared"] >= 2 and fp["interval"] >= 1
+    rc, t = _triage(d)
+    assert (rc, t["verdict"]) == (0, "healthy"), t
+
+
+def test_nan_in_one_ranks_batch_is_named_with_its_rank_and_step(runs):
+    d, printed = runs["nan"]
+    assert printed[1, K][0] != printed[1, K][0] and printed[0, K][0] == printed[0, K][0]   # the job's own view
+    rc, t = _triage(d)
+    assert (rc, t["verdict"], t["culprit_ranks"], t["step"]) == (1, "numerics", [1], K), t
+    first = _summary(d)["health"]["first_nonfinite"]
+    assert first == {"step": K, "ranks": [1], "what": "local loss"}
+    assert _summary(d)["triage"]["step"] == K
+
+
+def test_learning_rate_jump_gives_a_loss_spike_at_the_next_step_with_the_rate_named(runs):
+    d, printed = runs["lr"]
+    assert printed[0, K][2] == pytest.approx(3000 * printed[0, K - 1][2])
+    rc, t = _triage(d)
+    assert (rc, t["verdict"], t["step"]) == (1, "numerics", K + 1), t
+    spike = next(i for i in _summary(d)["health"]["incidents"] if i["kind"] == "loss_spike")
+    assert spike["step"] == K + 1 and spike["ranks"] == [0, 1]
+    assert spike["cause"].startswith("the learning rate changed"), spike
+    assert f"at step {K}" in spike["cause"]
+
+
+def test_flipped_sign_bit_on_one_replica_is_named_within_the_fingerprint_interval(runs):
+    d, printed = runs["flip"]
+    run = open_run(d)
+    numerics = [v for v in run.meta[run.meta["kind"] == "numerics"]["value"]]
+    assert len(numerics) == 3 and all(v["interval"] for v in numerics), numerics
+    interval = max(v["interval"] for v in numerics)
+    rc, t = _triage(d)
+    assert (rc, t["verdict"], t["culprit_ranks"]) == (1, "divergence", [2]), t
+    assert K <= t["step"] < K + interval, (t["step"], interval)
+    fp = run.health.dropna(subset=["param_fp"])
+    before = fp[fp["step"] < K].groupby("step")["param_fp"].nunique()
+    assert len(before) and (before == 1).all()        # the replicas were equal before the flip
+
+
+def test_compare_flags_the_loss_departing_from_a_bit_identical_base_and_the_nan(runs):
+    base = [runs["clean"][0], runs["clean2"][0]]
+    assert runs["clean"][1] == runs["clean2"][1]     # the job is deterministic: its own printout says so
+    code, out = compare_cli(*base, "--head", runs["lr"][0], "--format", "json")
+    d = json.loads(out)
+    (row,) = d["health"]
+    assert (row["what"], row["step"], row["ranks"], row["verdict"]) == ("loss departs", K + 1, [0, 1], "fail"), row
+    assert code == 1 or d["exit_code"] == 3, d["outcome"]     # 3 only when a machine probe moved (docs/compare.md)
+    assert any(r.startswith("numerics: loss departs at step") for r in d["reasons"]), d["reasons"]
+    code, out = compare_cli(*base, "--head", runs["nan"][0], "--format", "json")
+    rows = {r["what"]: r for r in json.loads(out)["health"]}
+    assert (rows["non-finite"]["step"], rows["non-finite"]["ranks"], rows["non-finite"]["verdict"]) == (K, [1], "fail")
+    assert rows["loss departs"]["step"] == K and rows["loss departs"]["ranks"] == [1]   # rank 0 still finite at K
+    code, out = compare_cli(runs["clean"][0], "--head", runs["clean2"][0], "--format", "json")
+    assert json.loads(out)["health"] == []
+
+
+def test_clip_inside_and_outside_compiled_code_keeps_dynamo_counters(compile_env, tmp_path):
+    job = [sys.executable, str(TESTS / "compile_jobs" / "forms.py"), "clip", "4", "aot_eager"]
+    bare, prof = bare_and_profiled(job, compile_env, tmp_path)
+    stats = [json.loads(line[5:]) for out in (bare, prof) for line in out.splitlines() if line.startswith("FORM ")]
+    keys = ("graphs", "graph_breaks", "recompiles")
+    assert len(stats) == 2 and {k: stats[1][k] for k in keys} == {k: stats[0][k] for k in keys}, stats
+    assert stats[0]["graphs"] >= 2          # the model and the compiled clip
+    norms = {int(s): float(v) for _, s, v in (ln.split() for ln in prof.splitlines() if ln.startswith("NORM "))}
+    h = open_run(tmp_path / "run").health.set_index("step")
+    assert {s: float(h.loc[s, "grad_norm"]) for s in norms} == norms   # the eager clip's norm, each step
+    assert not open_run(tmp_path / "run").events["level"].eq("error").any()
+

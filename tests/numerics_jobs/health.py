@@ -1,0 +1,46 @@
+"""A small DDP regression trained STEPS steps with its gradients clipped, and one numerics incident at step K on
+purpose; each rank prints what it computed per step, "HEALTH rank step loss grad_norm lr" (the truth that
+tests/jobs/test_numerics.py checks dtprof's health table and summary against).
+
+    torchrun --nproc_per_node=N health.py MODE STEPS K
+MODE: clean (no incident), nan (a NaN in rank 1's batch at step K), lr (the learning rate 3000x for step K's
+update only), flip (rank N-1 flips the sign bit of one weight before step K's forward: its replica differs).
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+mode, steps, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+model = DDP(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)    # an lr that changes as schedules do
+for step in range(steps):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 16, generator=g)
+    y = x[:, :1] * 0.5 + 0.1 * torch.randn(8, 1, generator=g)
+    if mode == "nan" and step == k and rank == 1:
+        x[0, 0] = float("nan")
+    if mode == "flip" and step == k and rank == world - 1:
+        with torch.no_grad():
+            net[0].weight.detach().view(torch.int32)[0, 0] ^= torch.tensor(-2**31, dtype=torch.int32)   # the sign bit
+    if mode == "lr" and step == k:
+        opt.param_groups[0]["lr"] *= 3000
+    loss = (model(x) - y).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    lr = opt.param_groups[0]["lr"]
+    if mode == "lr" and step == k:
+        opt.param_groups[0]["lr"] /= 3000
+    sched.step()
+    print(f"HEALTH {rank} {step} {loss.item()!r} {norm.item()!r} {lr!r}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
