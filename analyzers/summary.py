@@ -323,12 +323,10 @@ def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None, source: str = "summaries", incident=None,
             live: bool = False, stale_s: float = 60.0) -> Analysis:
     """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
-    ``progress`` is called with a short message before each stage. ``source``: "summaries" (the rank-local
-    figures from the node summaries, made here in memory for nodes that have none; only the spans the pipeline
-    and kernel views need are read) or "raw" (from the whole run's tables at once); the results are equal
-    (docs/scale.md). ``incident``: the run's incident files as `dtprof triage` read them (with its ``--fr``
-    dumps; default: read here); ``live`` and ``stale_s``: triage a job still running (``--live``). The verdict is
-    made once, here: ``Analysis.triage``."""
+    ``progress``: called with a short message before each stage. ``source``: "summaries" (the rank-local figures
+    from the node summaries, made here for nodes that have none) or "raw" (the whole run's tables at once): equal
+    results (docs/scale.md). ``incident``: the incident files as `dtprof triage` read them (its ``--fr`` dumps;
+    default: read here); ``live``, ``stale_s``: a job still running. The verdict is made here: ``Analysis.triage``."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
