@@ -53,7 +53,10 @@ STRAGGLER_MIN_STEPS = 20
 STRAGGLER_LATE_FRAC = 0.5
 HANG_MIN_S = 120.0
 HANG_STEPS = 50
-RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta")
+RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta", "memory")
+# the memory ledger's columns published per rank-step (collectors/memory.py; only sampled steps have a row)
+MEMORY_SERIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes",
+                 "reserved_peak_bytes")
 
 
 class _Tail:
@@ -147,6 +150,7 @@ class RankStep:
     lateness_s: float = 0.0             # Σ over its collectives of (its arrival - the first arrival on this node)
     lead_s: float = 0.0                 # Σ over the collectives it arrived last at of (its arrival - the 2nd latest)
     detailed: bool = True               # False: sampling recorded only its times (no parts, no collectives)
+    memory: dict[str, float] = field(default_factory=dict)   # its memory ledger row's MEMORY_SERIES, where sampled
 
     @property
     def mfu(self) -> float | None:
@@ -188,6 +192,7 @@ class _Rank:
         self.identity: dict | None = None
         self.executed_flops: float | None = None   # the rank's FlopCounterMode count, once its counted step is seen
         self.published_end_ns = 0
+        self.ledger: dict[int, dict[str, float]] = {}   # step -> its memory row's series, until the step is published
 
 
 class LiveNode:
@@ -235,6 +240,9 @@ class LiveNode:
             self._append("collectives", device_comm(with_exit(r.tails["collectives"].frame("collectives")),
                                                     self._gpu_ranks()))
             self._append("captures", captures(r.tails["meta"].frame("meta")))
+            mem = r.tails["memory"].frame("memory")
+            for row in mem.to_dict("records"):
+                r.ledger[int(row["step"])] = {k: float(row[k]) for k in MEMORY_SERIES if pd.notna(row[k])}
 
     def _gpu_ranks(self) -> np.ndarray:
         """The ranks whose rank.json names a GPU (the run model's ``gpu_ranks``, from what has been read)."""
@@ -279,11 +287,19 @@ class LiveNode:
                           flops=self._flops(r, row), peak_flops=self._peak(r),
                           peak_mem_bytes=_num(row.peak_mem_bytes),
                           cpu_wait_s=None if pd.isna(row.cpu_wait_ns) else float(row.cpu_wait_ns) / 1e9,
-                          lateness_s=float(lateness[i]), lead_s=float(lead[i]), detailed=bool(detailed[i]))
+                          lateness_s=float(lateness[i]), lead_s=float(lead[i]), detailed=bool(detailed[i]),
+                          memory=r.ledger.pop(int(row.step), {}))
             r.published_end_ns = max(r.published_end_ns, rs.end_ns)
             out.append(rs)
         self._track_stragglers(out)
         self._prune()
+        newest: dict[int, int] = {}
+        for s in out:
+            newest[s.rank] = max(newest.get(s.rank, -1), s.step)
+        for rank, step in newest.items():    # ledger rows of steps already published: never to be used (bounded)
+            led = self.ranks[rank].ledger
+            for k in [k for k in led if k <= step]:
+                del led[k]
         return out
 
     def _lateness(self, windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

@@ -291,6 +291,10 @@ class PrometheusSink(Sink):
         self.mfu = gauge("dtprof_step_mfu_ratio", "Model FLOPs utilisation of the newest step (0..1)")
         self.mem = gauge("dtprof_step_peak_memory_bytes", "Peak memory of the newest step")
         self.cpu_wait = counter("dtprof_step_cpu_wait_seconds", "Time the training thread waited for a CPU")
+        from dtprof.live import MEMORY_SERIES
+
+        self.memory = {k: gauge(f"dtprof_memory_{k}", f"Memory ledger: {k} of the newest sampled step")
+                       for k in MEMORY_SERIES}
         self.late = gauge("dtprof_step_collective_lateness_seconds",
                           "Newest step: Σ over its collectives of its arrival - the first arrival on this node")
         self.late_total = counter("dtprof_collective_lateness_seconds", "Lateness at collectives, summed over steps")
@@ -339,6 +343,8 @@ class PrometheusSink(Sink):
             self.mem.labels(*lab).set(s.peak_mem_bytes)
         if s.cpu_wait_s is not None:
             self.cpu_wait.labels(*lab).inc(s.cpu_wait_s)
+        for k, v in s.memory.items():
+            self.memory[k].labels(*lab).set(v)
         if s.detailed:            # a boundary-only step has no collectives recorded
             self.late.labels(*lab).set(s.lateness_s)
             self.late_total.labels(*lab).inc(s.lateness_s)
@@ -380,6 +386,7 @@ class _StepAcc:
     peak_mem: float | None = None
     lateness: float = 0.0
     n_detailed: int = 0                           # steps with parts and lateness (sampling: not every step)
+    memory: dict = field(default_factory=dict)    # the newest memory ledger row's series in the interval
 
     def add(self, s: RankStep) -> None:
         self.n += 1
@@ -396,6 +403,8 @@ class _StepAcc:
         if s.peak_mem_bytes is not None:
             self.peak_mem = max(self.peak_mem or 0.0, s.peak_mem_bytes)
         self.lateness += s.lateness_s
+        if s.memory:
+            self.memory = s.memory
 
     def values(self) -> dict[str, float]:
         v = {"step_duration_seconds": self.duration / self.n}
@@ -413,6 +422,7 @@ class _StepAcc:
             v["step_peak_memory_bytes"] = self.peak_mem
         if self.n_detailed:
             v["step_collective_lateness_seconds"] = self.lateness / self.n_detailed
+        v.update({f"memory_{k}": x for k, x in self.memory.items()})
         return v
 
 
