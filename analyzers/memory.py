@@ -104,6 +104,15 @@ def _nvml_used_by_rank(run) -> dict:
     return out
 
 
+def _cost(meta: pd.DataFrame) -> float | None:
+    """The ledger's own time on the training thread per row written, over the ranks (``memory_ledger`` meta rows,
+    written at exit)."""
+    vals = [v for v in meta.loc[meta["kind"].astype(str) == "memory_ledger", "value"] if isinstance(v, dict)] \
+        if len(meta) else []
+    rows = sum(int(v.get("rows") or 0) for v in vals)
+    return sum(int(v.get("cost_ns") or 0) for v in vals) / rows / 1e9 if rows else None
+
+
 def memory_block(run) -> dict:
     """summary.json ``memory``'s ledger keys: ``ranks`` (per rank, ``RANK_KEYS``), the rank with the least headroom
     (GPU) or the largest peak, or ``ranks_reason`` when no rank recorded a ledger."""
@@ -113,7 +122,7 @@ def memory_block(run) -> dict:
                                              "imported trace, or recorded by an older dtprof)"}
     ranks: list[dict] = [{k: (None if v is None or (isinstance(v, float) and not np.isfinite(v)) else v)
                           for k, v in rec.items()} for rec in led.to_dict("records")]
-    out: dict = {"ranks": ranks, "what_fits": what_fits(run, led)}
+    out: dict = {"ranks": ranks, "what_fits": what_fits(run, led), "ledger_cost_s_per_row": _cost(run.meta)}
     with_headroom = [r for r in ranks if r["headroom_bytes"] is not None]
     if with_headroom:
         worst = min(with_headroom, key=lambda r: int(r["headroom_bytes"]))

@@ -18,7 +18,8 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
   (the step's peak; the recorder resets the peak after each step, collectors/runtime.py), ``reserved_peak_bytes``,
   ``alloc_retries`` and ``ooms`` (cumulative), from ``torch.cuda.memory_stats()`` (host-side counters: no sync).
 - ``allocated_bytes``: the allocator's in-use bytes at the optimizer step; ``rss_peak_bytes``: the process's resident
-  high-water mark (``getrusage``; monotone over the process: on a CPU there is no per-step allocator peak).
+  high-water mark (``getrusage``; monotone over the process: on a CPU there is no per-step allocator peak), read
+  when the tensors are counted.
 
 At exit after an uncaught out-of-memory error (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate
 memory") it writes an ``oom`` meta row: the request, the phase and module it was in, the allocator's state then and the
@@ -100,6 +101,7 @@ class MemoryLedger(RankPart):
         self.cost_ns = 0
         self.rows = 0
         self.step_of_row = -1
+        self.rss_peak = None
         self.torch = None
         self.cuda = False
         self.cpu_allocated = None
@@ -172,6 +174,8 @@ class MemoryLedger(RankPart):
         if sig != self.signature or self.counts is None or self.sampled >= COUNT_EVERY:
             self.counts = self._count()
             self.signature, self.sampled = sig, 0
+            # monotone, and a system call that sums over the process's threads: read with the counts only
+            self.rss_peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         params, grads, state = self.counts
         stats = {}
         torch = self.torch
@@ -184,8 +188,7 @@ class MemoryLedger(RankPart):
             self._allocated(),
             self.fwd_peak if self.cuda else None,
             stats.get("allocated_bytes.all.peak"), stats.get("reserved_bytes.all.peak"),
-            stats.get("num_alloc_retries"), stats.get("num_ooms"),
-            int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024))
+            stats.get("num_alloc_retries"), stats.get("num_ooms"), self.rss_peak))
         self.rows += 1
         self.step_of_row = step
         self.bwd = self.fwd_peak = None

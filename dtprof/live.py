@@ -53,7 +53,10 @@ STRAGGLER_MIN_STEPS = 20
 STRAGGLER_LATE_FRAC = 0.5
 HANG_MIN_S = 120.0
 HANG_STEPS = 50
-RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta", "health")
+RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta", "health", "memory")
+# the memory ledger's columns published per rank-step (collectors/memory.py; only sampled steps have a row)
+MEMORY_SERIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes",
+                 "reserved_peak_bytes")
 
 
 class _Tail:
@@ -153,6 +156,7 @@ class RankStep:
     grad_norm: float | None = None
     learning_rate: float | None = None
     nonfinite: str = ""                 # the step's non-finite values ("loss grad_norm"), "" for none
+    memory: dict[str, float] = field(default_factory=dict)   # its memory ledger row's MEMORY_SERIES, where sampled
 
     @property
     def mfu(self) -> float | None:
@@ -195,6 +199,7 @@ class _Rank:
         self.executed_flops: float | None = None   # the rank's FlopCounterMode count, once its counted step is seen
         self.published_end_ns = 0
         self.health: dict[int, tuple] = {}         # step -> (loss, grad_norm, lr, nonfinite), until published
+        self.ledger: dict[int, dict[str, float]] = {}   # step -> its memory row's series, until the step is published
 
 
 class LiveNode:
@@ -245,6 +250,9 @@ class LiveNode:
             h = r.tails["health"].frame("health")
             for step, loss, norm, lr, bad in zip(h["step"], h["loss"], h["grad_norm"], h["lr"], h["nonfinite"]):
                 r.health[int(step)] = (_num(loss), _num(norm), _num(lr), "" if pd.isna(bad) else str(bad))
+            mem = r.tails["memory"].frame("memory")
+            for row in mem.to_dict("records"):
+                r.ledger[int(row["step"])] = {k: float(row[k]) for k in MEMORY_SERIES if pd.notna(row[k])}
 
     def _gpu_ranks(self) -> np.ndarray:
         """The ranks whose rank.json names a GPU (the run model's ``gpu_ranks``, from what has been read)."""
@@ -289,7 +297,8 @@ class LiveNode:
                           flops=self._flops(r, row), peak_flops=self._peak(r),
                           peak_mem_bytes=_num(row.peak_mem_bytes),
                           cpu_wait_s=None if pd.isna(row.cpu_wait_ns) else float(row.cpu_wait_ns) / 1e9,
-                          lateness_s=float(lateness[i]), lead_s=float(lead[i]), detailed=bool(detailed[i]))
+                          lateness_s=float(lateness[i]), lead_s=float(lead[i]), detailed=bool(detailed[i]),
+                          memory=r.ledger.pop(int(row.step), {}))
             health = r.health.pop(rs.step, None)
             if health is not None:
                 rs.loss, rs.grad_norm, rs.learning_rate, rs.nonfinite = health
@@ -297,6 +306,13 @@ class LiveNode:
             out.append(rs)
         self._track_stragglers(out)
         self._prune()
+        newest: dict[int, int] = {}
+        for s in out:
+            newest[s.rank] = max(newest.get(s.rank, -1), s.step)
+        for rank, step in newest.items():    # ledger rows of steps already published: never to be used (bounded)
+            led = self.ranks[rank].ledger
+            for k in [k for k in led if k <= step]:
+                del led[k]
         return out
 
     def _lateness(self, windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

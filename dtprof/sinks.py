@@ -291,6 +291,10 @@ class PrometheusSink(Sink):
         self.mfu = gauge("dtprof_step_mfu_ratio", "Model FLOPs utilisation of the newest step (0..1)")
         self.mem = gauge("dtprof_step_peak_memory_bytes", "Peak memory of the newest step")
         self.cpu_wait = counter("dtprof_step_cpu_wait_seconds", "Time the training thread waited for a CPU")
+        from dtprof.live import MEMORY_SERIES
+
+        self.memory = {k: gauge(f"dtprof_memory_{k}", f"Memory ledger: {k} of the newest sampled step")
+                       for k in MEMORY_SERIES}
         self.late = gauge("dtprof_step_collective_lateness_seconds",
                           "Newest step: Σ over its collectives of its arrival - the first arrival on this node")
         self.late_total = counter("dtprof_collective_lateness_seconds", "Lateness at collectives, summed over steps")
@@ -343,12 +347,14 @@ class PrometheusSink(Sink):
             self.mem.labels(*lab).set(s.peak_mem_bytes)
         if s.cpu_wait_s is not None:
             self.cpu_wait.labels(*lab).inc(s.cpu_wait_s)
+        for k, v in s.memory.items():
+            self.memory[k].labels(*lab).set(v)
         if s.detailed:            # a boundary-only step has no collectives recorded
             self.late.labels(*lab).set(s.lateness_s)
             self.late_total.labels(*lab).inc(s.lateness_s)
-        for gauge_, v in ((self.loss, s.loss), (self.grad_norm, s.grad_norm), (self.lr, s.learning_rate)):
-            if v is not None:
-                gauge_.labels(*lab).set(v)
+        for gauge_, value in ((self.loss, s.loss), (self.grad_norm, s.grad_norm), (self.lr, s.learning_rate)):
+            if value is not None:
+                gauge_.labels(*lab).set(value)
         if s.nonfinite:
             self.nonfinite.labels(*lab).inc()
             for name, gauge_ in (("loss", self.loss), ("grad_norm", self.grad_norm)):
@@ -394,6 +400,7 @@ class _StepAcc:
     n_detailed: int = 0                           # steps with parts and lateness (sampling: not every step)
     health: dict = field(default_factory=dict)    # loss, grad_norm, learning_rate: the newest step's that has it
     nonfinite: int = 0                            # steps with a NaN/Inf loss or gradient norm
+    memory: dict = field(default_factory=dict)    # the newest memory ledger row's series in the interval
 
     def add(self, s: RankStep) -> None:
         self.n += 1
@@ -414,6 +421,8 @@ class _StepAcc:
             if v is not None:
                 self.health[k] = v
         self.nonfinite += bool(s.nonfinite)     # (a NaN point is not written: not every tracker stores one)
+        if s.memory:
+            self.memory = s.memory
 
     def values(self) -> dict[str, float]:
         v = {"step_duration_seconds": self.duration / self.n}
@@ -434,6 +443,7 @@ class _StepAcc:
         v.update(self.health)
         if self.nonfinite:
             v["nonfinite_steps"] = float(self.nonfinite)
+        v.update({f"memory_{k}": x for k, x in self.memory.items()})
         return v
 
 

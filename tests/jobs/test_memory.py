@@ -125,3 +125,49 @@ def test_a_cpu_allocator_failure_mid_forward_is_an_oom_with_levers(tmp_path):
     run = open_run(out)
     assert sorted(run.steps[run.steps["rank"] == 1]["step"]) == [0, 1]     # the steps before it stay
     shutil.rmtree(out, ignore_errors=True)
+
+
+def test_live_series_carry_each_sampled_steps_ledger(ddp):
+    """What `dtprof run --metrics` publishes per rank-step (dtprof/live.py) is the ledger row of that step."""
+    from dtprof.live import MEMORY_SERIES, LiveNode
+    from dtprof.sinks import _StepAcc
+
+    out = ddp[0]
+    run = open_run(out)
+    node = next(out.glob("node-*"))
+    steps = LiveNode(node, {}, "host").poll(final=True).steps
+    rows = {(int(r["rank"]), int(r["step"])): r for r in run.memory.to_dict("records")}
+    assert rows and {(s.rank, s.step) for s in steps} >= set(rows)
+    for s in steps:
+        want = rows.get((s.rank, s.step))
+        assert s.memory == ({k: float(want[k]) for k in MEMORY_SERIES if want[k] is not None and want[k] == want[k]}
+                            if want else {})
+    acc = _StepAcc()
+    for s in steps:
+        if s.rank == 1:
+            acc.add(s)
+    assert acc.values()["memory_optimizer_state_bytes"] == rows[(1, max(k[1] for k in rows if k[0] == 1))][
+        "optimizer_state_bytes"]
+
+
+def test_prometheus_exports_the_ledger_per_rank(ddp):
+    import urllib.request
+
+    from dtprof import sinks
+    from dtprof.live import LiveNode
+
+    out = ddp[0]
+    node = next(out.glob("node-*"))
+    sink = sinks.make_sink(sinks.parse_sink("prometheus:127.0.0.1:0"),
+                           sinks.Context(out, node, "host", {}, 0.0, lambda msg: None))
+    sink.open()
+    try:
+        sink.publish(LiveNode(node, {}, "host").poll(final=True))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{sink.server.server_address[1]}/metrics").read().decode()
+    finally:
+        sink.server.shutdown()
+    run = open_run(out)
+    last = run.memory[run.memory["rank"] == 1].sort_values("step").iloc[-1]
+    line = next(x for x in text.splitlines() if x.startswith("dtprof_memory_optimizer_state_bytes")
+                and 'rank="1"' in x)
+    assert float(line.split()[-1]) == float(last["optimizer_state_bytes"])
