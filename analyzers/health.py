@@ -80,10 +80,13 @@ def fingerprint_incidents(health: pd.DataFrame, groups: list[list[int]]) -> tupl
     out, compared = [], 0
     for members in groups:
         g = fp[fp["rank"].isin(members)]
+        found = False
         for step, at in g.groupby("step", sort=True):
             if at["rank"].nunique() < 2:
                 continue
             compared += 1
+            if found:
+                continue
             values = dict(zip(at["rank"].astype(int), at["param_fp"].astype("int64")))
             counts = Counter(values.values())
             if len(counts) == 1:
@@ -99,7 +102,7 @@ def fingerprint_incidents(health: pd.DataFrame, groups: list[list[int]]) -> tupl
                         "cause": "silent corruption or a replica-local update",
                         "message": f"data-parallel replicas diverged by step {int(step)}: {who} (parameter "
                                    f"fingerprints of group {members})"})
-            break
+            found = True
     return out, compared
 
 
