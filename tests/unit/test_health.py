@@ -26,12 +26,15 @@ def series(rank, losses, norms=None, lrs=None, fps=None):
 
 
 def test_robust_z_by_hand():
-    # window 1..10: median 5.5, MAD 2.5, so x = 30 has z = (30 - 5.5) / (1.4826 * 2.5) = 6.61: not a spike (< 8);
-    # x = 40 has z = 34.5 / 3.7065 = 9.31: a spike
-    z = health.outliers(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 30.0]))
-    assert np.isnan(z[:8]).all() and math.isclose(z[10], 24.5 / (1.4826 * 2.5))
-    z = health.outliers(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 40.0]))
-    assert z[10] > health.SPIKE_Z
+    # a series with negative values is tested as it is: window -10..-1 has median -5.5 and MAD 2.5, so x = 14 has
+    # z = (14 + 5.5) / (1.4826 * 2.5) = 5.26: not a spike (< 8); x = 25 has z = 30.5 / 3.7065 = 8.23: a spike
+    z = health.outliers(np.array([-10, -9, -8, -7, -6, -5, -4, -3, -2, -1, 14.0]))
+    assert np.isnan(z[:8]).all() and math.isclose(z[10], 19.5 / (1.4826 * 2.5))
+    assert health.outliers(np.array([-10, -9, -8, -7, -6, -5, -4, -3, -2, -1, 25.0]))[10] > health.SPIKE_Z
+    # a positive one on its logarithms: window 1, 2, 4, ..., 512 (log2: 0..9, median 4.5, MAD 2.5), so x = 2^24
+    # has z = (24 - 4.5) / (1.4826 * 2.5) = 5.26 (in log2 units: the ratio is the same in any base)
+    z = health.outliers(np.array([2.0 ** k for k in range(10)] + [2.0 ** 24]))
+    assert math.isclose(z[10], 19.5 / (1.4826 * 2.5))
 
 
 def test_nan_is_kept_out_of_the_window_and_named_on_its_rank():
