@@ -431,9 +431,34 @@ def low_mfu_no_kernel_sample(summary: dict, analysis) -> list[dict]:
         "A:B`: the findings then name the cause (fusable kernels, launch gaps, slow kernels) and its gain.", "gpu")]
 
 
+NUMERICS_ADVICE = {
+    "nonfinite": "Look at the named rank's batch at that step and at the operations that can overflow (loss "
+                 "scaling, log/exp, division); `torch.autograd.set_detect_anomaly` on a rerun of that step names "
+                 "the operation.",
+    "loss_spike": "If the learning rate changed, check the schedule (warm-up, restarts, a mis-scaled group); if the "
+                  "gradient norm stayed normal, check the data of that step (shuffle order, a corrupt shard); "
+                  "clipping or skipping outlier steps contains it.",
+    "grad_norm_explosion": "Lower the learning rate or clip the gradients; check the step's data and the "
+                           "learning-rate schedule.",
+    "divergence": "Replicas must hold identical weights: rerun the step on the named rank's GPU (a faulty GPU or "
+                  "HBM corrupts silently) and drain it if it differs again; check for rank-local parameter "
+                  "updates outside the optimizer.",
+}
+
+
+def numerics(summary: dict, analysis) -> list[dict]:
+    """One finding per numerics incident (analyzers/health.py), the first 5 by step."""
+    incidents = ((summary.get("health") or {}).get("incidents") or [])[:5]
+    return [finding(
+        f"numerics_{i['kind']}", "critical" if i["kind"] in ("nonfinite", "divergence") else "warning",
+        i["message"][:1].upper() + i["message"][1:],
+        {k: i[k] for k in ("step", "ranks", "value", "median", "z", "cause") if k in i},
+        NUMERICS_ADVICE[i["kind"]], "health") for i in incidents]
+
+
 RULES = (pipeline_bubble, pipeline_overhead, exposed_comm, low_busbw, straggler, memory_high, low_gpu_util,
          data_wait, cpu_contention, gpu_elementwise, gpu_misaligned_matmul, gpu_launch_bound, gpu_busy_slow,
-         low_mfu_no_kernel_sample)
+         low_mfu_no_kernel_sample, numerics)
 
 
 def find(summary: dict, analysis) -> list[dict]:

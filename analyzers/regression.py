@@ -982,7 +982,8 @@ def health_changes(base: Sequence[dict], head: Sequence[dict]) -> list[dict]:
         return rows          # the base itself is not deterministic: a head's different losses say nothing
     for i, s in enumerate(head):
         h = _losses(s)
-        diff = sorted(k for k in shared if k in h and h[k] != b[0][k])    # (a NaN differs from everything)
+        # (rank, step) pairs, by step; a NaN differs from everything
+        diff = sorted((k for k in shared if k in h and h[k] != b[0][k]), key=lambda k: (k[1], k[0]))
         if not diff:
             continue
         step = diff[0][1]

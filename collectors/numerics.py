@@ -41,6 +41,7 @@ FP_PRICE_STEPS = 4        # steps 1..FP_PRICE_STEPS price the fingerprint (step 
 FP_TIMED_STEP = 2
 FP_MAX_INTERVAL = 1024
 CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
+MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
 
 
 def make(options: dict) -> NumericsSentinel:
@@ -61,7 +62,8 @@ class NumericsSentinel(RankPart):
         self.lr: float | None = None
         self.lrs: list | None = None
         self.fp = None                  # this step's fingerprint (an int64 scalar on the parameters' device)
-        self.fp_timing = None           # (step, host ns, start event, end event) of the priced fingerprint
+        self.fp_timing = None           # (CPU ns, (start, end) CUDA events or None, elements) of the timed one
+        self.opt_seen = False           # this step's first optimizer step was read
         self.fp_interval: int | None = 0      # 0: not priced yet; None: never again (why in the meta row)
         self.fp_from = 0
         self.step_ns: list[int] = []
@@ -117,12 +119,14 @@ class NumericsSentinel(RankPart):
 
     def on_backward(self, tensors) -> None:
         t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
-        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and not self.is_compiling():
+        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES \
+                and not self.is_compiling():
             self.losses.append(t.detach())
 
     def on_optimizer_step(self, optimizer) -> None:
-        if self.lrs is not None or self.is_compiling():    # the step's first optimizer names the step's rate
+        if self.opt_seen or self.is_compiling():    # the step's first optimizer names the step's rate
             return
+        self.opt_seen = True
         lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
         self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
         if self.fp_due(self.ctx.step):
@@ -179,7 +183,7 @@ class NumericsSentinel(RankPart):
         try:
             self.launch(step)
         finally:
-            self.losses, self.norm, self.fp, self.lr, self.lrs = [], None, None, None, None
+            self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
 
     def launch(self, step: int) -> None:
         """This step's device values into the next ring slot, non-blocking, and the event that says they landed."""

@@ -24,15 +24,20 @@ def _printed(p: subprocess.CompletedProcess) -> dict:
             for r, s, loss, norm, lr in re.findall(rf"HEALTH (\d+) (\d+) {num} {num} {num}", p.stdout)}
 
 
+JOBS = {"clean": ("clean", 2), "clean2": ("clean", 2), "nan": ("nan", 2), "lr": ("lr", 2), "flip": ("flip", 3)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for name, mode, nproc in (("clean", "clean", 2), ("clean2", "clean", 2), ("nan", "nan", 2), ("lr", "lr", 2),
-                              ("flip", "flip", 3)):
-        d = tmp_path_factory.mktemp(name) / "run"
-        p = record(d, JOB, mode, STEPS, K, opts=("--full-detail", "--no-nvml"), nproc=nproc)
-        out[name] = (d, _printed(p))
-    return out
+    """The recordings, each made when a test first asks for it (a test's time limit covers only its own)."""
+    class Recorded(dict):
+        def __missing__(self, name):
+            mode, nproc = JOBS[name]
+            d = tmp_path_factory.mktemp(name) / "run"
+            p = record(d, JOB, mode, STEPS, K, opts=("--full-detail", "--no-nvml"), nproc=nproc)
+            self[name] = (d, _printed(p))
+            return self[name]
+    return Recorded()
 
 
 def _summary(d) -> dict:

@@ -1,0 +1,78 @@
+"""analyzers/health.py on hand-made health tables whose answers are worked out by hand: the robust test's z, a NaN
+kept out of the window, the causes it names, and which replica a fingerprint vote names."""
+import math
+
+import numpy as np
+import pandas as pd
+
+from dtprof.analyzers import health
+
+COLS = ["rank", "step", "loss", "grad_norm", "lr", "lrs", "nonfinite", "param_fp"]
+
+
+def table(rows) -> pd.DataFrame:
+    df = pd.DataFrame([dict(zip(COLS, r)) for r in rows], columns=COLS)
+    df["param_fp"] = df["param_fp"].astype("Int64")
+    return df
+
+
+def series(rank, losses, norms=None, lrs=None, fps=None):
+    out = []
+    for s, x in enumerate(losses):
+        bad = "loss" if x is not None and not math.isfinite(x) else ""
+        out.append((rank, s, None if bad else x, None if norms is None else norms[s], 0.1 if lrs is None else lrs[s],
+                    None, bad, None if fps is None else fps[s]))
+    return out
+
+
+def test_robust_z_by_hand():
+    # a series with negative values is tested as it is: window -10..-1 has median -5.5 and MAD 2.5, so x = 14 has
+    # z = (14 + 5.5) / (1.4826 * 2.5) = 5.26: not a spike (< 8); x = 25 has z = 30.5 / 3.7065 = 8.23: a spike
+    z = health.outliers(np.array([-10, -9, -8, -7, -6, -5, -4, -3, -2, -1, 14.0]))
+    assert np.isnan(z[:8]).all() and math.isclose(z[10], 19.5 / (1.4826 * 2.5))
+    assert health.outliers(np.array([-10, -9, -8, -7, -6, -5, -4, -3, -2, -1, 25.0]))[10] > health.SPIKE_Z
+    # a positive one on its logarithms: window 1, 2, 4, ..., 512 (log2: 0..9, median 4.5, MAD 2.5), so x = 2^24
+    # has z = (24 - 4.5) / (1.4826 * 2.5) = 5.26 (in log2 units: the ratio is the same in any base)
+    z = health.outliers(np.array([2.0 ** k for k in range(10)] + [2.0 ** 24]))
+    assert math.isclose(z[10], 19.5 / (1.4826 * 2.5))
+
+
+def test_nan_is_kept_out_of_the_window_and_named_on_its_rank():
+    clean = [1.0 + 0.01 * (s % 3) for s in range(20)]
+    r1 = list(clean)
+    r1[12] = float("nan")
+    h = table(series(0, clean) + series(1, r1))
+    block = health.analyze_health(h)
+    assert block["first_nonfinite"] == {"step": 12, "ranks": [1], "what": "local loss"}
+    assert [i["kind"] for i in block["incidents"]] == ["nonfinite"]      # no spike from the NaN's neighbours
+
+
+def test_spike_causes_lr_and_one_ranks_data():
+    base = [2.0 + 0.02 * (s % 5) for s in range(30)]
+    lr = [0.1] * 30
+    lr[19] = 100.0                      # the update before step 20
+    spike = list(base)
+    spike[20] = 50.0
+    block = health.analyze_health(table(series(0, spike, norms=[1.0] * 30, lrs=lr) + series(1, base, lrs=lr)))
+    (inc,) = block["incidents"]
+    assert (inc["kind"], inc["step"], inc["ranks"]) == ("loss_spike", 20, [0])
+    assert inc["cause"].startswith("the learning rate changed: 100 at step 19")
+    assert "only rank 0's loss jumped" in inc["cause"]
+    block = health.analyze_health(table(series(0, spike, norms=[1.0] * 30) + series(1, base)))
+    assert "the gradient norm is normal: the data" in block["incidents"][0]["cause"]
+
+
+def test_fingerprint_vote_names_the_odd_replica_or_both_of_two():
+    groups = pd.DataFrame({"rank": [0, 1, 2], "group": ["0"] * 3, "ranks": ["0,1,2"] * 3})
+    coll = pd.DataFrame({"rank": [0, 1, 2], "source": ["ddp"] * 3, "group": ["0"] * 3})
+    fps = {0: [5, 7, 9, 11], 1: [5, 7, 9, 11], 2: [5, 7, 10, 12]}
+    rows = [r for k, v in fps.items() for r in series(k, [1.0] * 4, fps=v)]
+    block = health.analyze_health(table(rows), None, coll, groups)
+    (inc,) = block["incidents"]
+    assert (inc["kind"], inc["step"], inc["ranks"]) == ("divergence", 2, [2])
+    assert block["fingerprint"]["compared"] == 4 and block["fingerprint"]["replica_groups"] == [[0, 1, 2]]
+    two = table([r for k in (0, 2) for r in series(k, [1.0] * 4, fps=fps[k])])
+    inc = health.analyze_health(two, None, coll, groups)["incidents"][0]
+    assert inc["ranks"] == [0, 2] and "cannot be told" in inc["message"]
+    # without DDP's collectives the ranks are not known to be replicas: nothing is compared
+    assert health.analyze_health(table(rows), None, coll.assign(source="user"), groups)["incidents"] == []
