@@ -19,8 +19,7 @@ import chaos  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-FAULTS = [chaos.Fault("rank_exit", 2, 5, 14), chaos.Fault("node_lost", 1, 6, 16),
-          chaos.Fault("hb_stall", 1, 4, 14), chaos.Fault("flusher_raise", 2, 4, 14)]
+FAULTS = [chaos.Fault("rank_exit", 2, 5, 14), chaos.Fault("flusher_raise", 2, 4, 14)]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.kind for f in FAULTS])
