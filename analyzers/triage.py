@@ -240,7 +240,9 @@ def frozen_ranks(hang_recs: list[dict], heartbeats: dict, now_ns: int | None) ->
             out[r] = f"its process {FROZEN_STATES[state]}; its heartbeat stopped {age:.0f} s before the hang was seen"
         elif age >= STALE_BEAT_S and fresh and min(fresh) < age / 2:
             out[r] = (f"its heartbeat stopped {age:.0f} s before the hang was seen while the others' beat on "
-                      f"(newest {min(fresh):.1f} s old): its whole process froze")
+                      f"(newest {min(fresh):.1f} s old): "
+                      + (f"its process runs (state {state}) but its heartbeat thread is blocked (the GIL held inside "
+                         f"C++, or a fault of dtprof's own)" if state else "its whole process froze"))
     return out
 
 

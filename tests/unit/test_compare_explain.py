@@ -180,3 +180,45 @@ def test_a_machine_that_changed_is_inconclusive_where_it_could_explain_the_verdi
     if code != 3:
         _, text = compare_cli(base, "--head", head)
         assert "-- beyond its noise: the machine changed, but a " in text
+
+
+def _machine(summary: dict, compute_scale: float, cpu_wait: float, sleep_s: float = 0.0) -> dict:
+    """The run as a machine that ran its compute ``compute_scale`` times as long would record it, its ranks waiting
+    for a CPU ``cpu_wait`` of the step, every step sleeping ``sleep_s`` more (in 'other', which no machine
+    shortens)."""
+    parts = summary["breakdown"]["per_step"]["parts"]
+    for p in ("forward", "backward", "optimizer"):
+        parts[p] = [v * compute_scale for v in parts[p]]
+    parts["other"] = [v + sleep_s for v in parts["other"]]
+    steps = np.sum([np.asarray(v) for v in parts.values()], axis=0)
+    summary["steps"]["per_step_time_s"] = steps.tolist()
+    summary["steps"]["time_s"]["p50"] = float(np.median(steps))
+    summary["cpu_wait"] = {"frac_of_step": cpu_wait}
+    return summary
+
+
+def test_a_sleep_hidden_by_a_busy_base_fails_and_a_busy_head_is_inconclusive(tmp_path):
+    # issue 50, the two real cases: (1) the base recorded beside a CPU hog (compute 30 % longer, its ranks waiting
+    # for a CPU 20 % of the step), the head sleeping 10 ms more per step (+8 %): the step gate passes, the waits
+    # fail it; (2) an identical configuration with hogs beside the head: a failed gate is the machine's, exit 3
+    base = write_json(tmp_path, "b", _machine(run_summary(1), 1.3, 0.20))
+    head = write_json(tmp_path, "h", _machine(run_summary(2), 1.0, 0.01, sleep_s=0.010))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and code == 1, (d["gates"][0], d["reasons"])
+    assert d["drift"]["verdict"] == "fail" and d["drift"]["busy"]["busier"] == "base"
+    assert d["drift"]["waits"]["ci_s"][0] > 0.02 * d["gates"][0]["base"], d["drift"]["waits"]
+    assert any("waits" in x and "hid the slowdown" in x for x in d["reasons"]), d["reasons"]
+    _, text = compare_cli(base, "--head", head)
+    assert "base recorded on a busy machine: its ranks waited for a CPU 20% of the step" in text
+    # the same pass without the sleep: a busy base could hide a slowdown of compute -> inconclusive, named
+    head = write_json(tmp_path, "h2", _machine(run_summary(3), 1.0, 0.01))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    assert code == 3 and any("the base was recorded on a busy machine" in x for x in json.loads(out)["reasons"])
+    # (2) hogs beside the head: compute 20 % longer, its ranks waiting for a CPU 25 % of the step
+    base = write_json(tmp_path, "b3", _machine(run_summary(4), 1.0, 0.01))
+    head = write_json(tmp_path, "h3", _machine(run_summary(5), 1.2, 0.25))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "fail" and code == 3, d["outcome"]
+    assert any("the head was recorded on a busy machine" in x for x in d["reasons"]), d["reasons"]
