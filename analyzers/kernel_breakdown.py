@@ -158,9 +158,10 @@ def _timed_steps(steps: pd.DataFrame | None) -> dict[int, tuple[np.ndarray, np.n
     """rank -> (step, duration_s) of its timed steps (neither warm-up nor traced nor FLOP-counted), grouped once."""
     if steps is None or "timed" not in steps or "duration_s" not in steps:
         return {}
-    t = steps[steps["timed"].to_numpy(bool)]
-    step, dur = t["step"].to_numpy(np.int64), t["duration_s"].to_numpy(float)
-    return {int(r): (step[i], dur[i]) for r, i in t.groupby("rank").indices.items()}
+    timed = steps["timed"].to_numpy(bool)   # the three columns read, not the whole frame (16.4 M rank-steps)
+    step, dur = steps["step"].to_numpy(np.int64)[timed], steps["duration_s"].to_numpy(float)[timed]
+    rank = steps["rank"].to_numpy(np.int64)[timed]
+    return {int(r): (step[i], dur[i]) for r, i in pd.Series(rank).groupby(rank).indices.items()}
 
 
 def _typical_step(timed: tuple[np.ndarray, np.ndarray] | None, traced: list[int]) -> float | None:
@@ -187,7 +188,7 @@ def _per_ordinary_step(t: dict, n_steps: int, typical: float | None) -> dict:
 def gpu_time(spans: pd.DataFrame, steps: pd.DataFrame | None = None, window: str = "all") -> dict:
     """rank -> ``gpu_time`` dict (docs/summary-schema.md) for every rank with kernel spans."""
     k = _kernels(spans, steps, window)
-    timed = _timed_steps(steps)
+    timed = _timed_steps(steps) if len(k) else {}   # a run without kernel spans has no gpu_time to type
     out = {}
     for rank, g in k.groupby("rank", sort=True):
         t = _rank_time(g)

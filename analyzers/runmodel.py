@@ -59,8 +59,9 @@ class RunModel:
     warmup_source: str
     captures: pd.DataFrame
     span_slice: pd.DataFrame | None = None   # ``spans`` is this slice of the run's spans (``sliced``), not all
-    # source "summaries": the stored node summaries' rank_steps as read (``steps`` shares their columns; the
-    # summary's per rank-step figures are taken from here, not read again); None where no node has one
+    # source "summaries": the stored node summaries' rank_steps as read, the skipped detail's blanked
+    # (nodesummary.blank_skipped; ``steps`` shares their columns; the summary's per rank-step figures are taken from
+    # here, not read again); None where no node has one
     stored_rank_steps: pd.DataFrame | None = None
     # the analysis reads the spans and collectives of every this-many-th detailed block (steps.detail_every; 1: all):
     # the others' rows are left out of ``spans`` and ``collectives``
@@ -278,6 +279,11 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     rank = per["rank"].to_numpy(np.int64)
     per["aligned_start_ns"] = clock_mod.align_by_rank(run, per["start_ns"].to_numpy(np.int64), rank, clk)
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)
+    skipped = job["step"].to_numpy()[job["detail_skipped"].to_numpy(bool)]
+    if stored is not None and len(skipped):   # blanked once, as read: the stored columns are not kept beside
+        from dtprof.analyzers.nodesummary import blank_skipped
+
+        stored = blank_skipped(stored, skipped)
     return RunModel(run=run, clock=clk, steps=per, job=job, warmup_steps=n_warm,
                     warmup_source=warmup_source, captures=cap, stored_rank_steps=stored, detail_every=every)
 

@@ -34,25 +34,56 @@ sys.path.insert(0, str(ROOT / "tests"))
 RANKS_PER_NODE = 8
 SLOW_RANK, SLOW_FACTOR = 7, 1.3
 TARGET_GLOBAL_S, TARGET_GLOBAL_GIB, TARGET_NODE_S = 60.0, 8.0, 2.0
+# the global analysis of --ranks 16384 --steps 1000 (seconds, peak RSS GiB, RSS after the imports GiB: 0.11 measured
+# at 2,048 ranks, the same imports), printed per rank-step beside a smaller run's (issue 52)
+REFERENCE = {"main at 2aa38ac (issue 52)": (52.1, 7.7, 0.11), "main at 69f8e94 (issue 52)": (81.8, 10.56, 0.11)}
 
 # run in a fresh interpreter: time and peak RSS of one step alone (ru_maxrss: KiB on Linux)
 MEASURE = """
-import json, resource, sys, time
+import json, os, resource, sys, threading, time
 from dtprof.allocator import keep_freed_memory
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.summarize import summarize_node
 what, path = sys.argv[1], sys.argv[2]
 keep_freed_memory()   # as every dtprof command's process does (dtprof/cli.py)
+page = os.sysconf("SC_PAGE_SIZE")
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+
+base = rss()   # after the imports: what the analysis adds is measured from here
+stages, cur = [], {"peak": base}
+
+def sample():   # the peak RSS of each stage (a stage's own peak, not the process's so far)
+    while True:
+        cur["peak"] = max(cur["peak"], rss())
+        time.sleep(0.01)
+
+def progress(msg):   # analyze() names each stage before it starts it
+    now, r = time.perf_counter(), rss()
+    if stages:
+        stages[-1].update(seconds=now - stages[-1]["seconds"], peak=max(cur["peak"], r), end=r)
+    if msg is not None:
+        stages.append({"stage": msg, "seconds": now})
+        cur["peak"] = r
+
+threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()   # after the imports: a launcher or a worker has them loaded already
 if what == "node":
     summarize_node(path)
     out = {}
 else:
-    s = analyze(open_run(path)).summary
+    s = analyze(open_run(path), progress=progress).summary
+    progress(None)
     out = {"stragglers": [x["rank"] for x in s["stragglers"]], "step_p50_s": s["steps"]["time_s"]["p50"],
-           "what_if": [w["scenario"] for w in s["what_if"][:3]]}
-out.update(seconds=time.perf_counter() - t0, peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+           "what_if": [w["scenario"] for w in s["what_if"][:3]], "stages": stages}
+    if len(sys.argv) > 3:   # the summary itself, to compare two versions' answers on one run
+        with open(sys.argv[3], "w") as f:
+            json.dump(s, f, sort_keys=True)
+out.update(seconds=time.perf_counter() - t0, peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+           base_gib=base / 2**30)
 print(json.dumps(out))
 """
 
@@ -70,11 +101,12 @@ def build_and_summarize(args) -> float:
     return time.perf_counter() - t0
 
 
-def measure(what: str, path: Path, cap_gib: float) -> dict:
+def measure(what: str, path: Path, cap_gib: float, summary_out: str | None = None) -> dict:
     """Run MEASURE in a fresh process; stop it if its RSS passes ``cap_gib`` (the machine has no swap: a process
-    past its memory starves or gets others killed), returning ``stopped`` with the RSS it had reached."""
-    p = subprocess.Popen([sys.executable, "-c", MEASURE, what, str(path)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    past its memory starves or gets others killed), returning ``stopped`` with the RSS it had reached. The global
+    analysis's summary.json is written to ``summary_out`` if given."""
+    p = subprocess.Popen([sys.executable, "-c", MEASURE, what, str(path), *([summary_out] if summary_out else [])],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0, rss = time.perf_counter(), 0.0
     while True:
         try:
@@ -89,6 +121,25 @@ def measure(what: str, path: Path, cap_gib: float) -> dict:
     if p.returncode:
         raise SystemExit(f"{what} measurement failed:\n{err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def print_per_rank_step(glob: dict, rank_steps: int) -> None:
+    """The global analysis per rank-step beside the 16,384 × 1,000 run's (REFERENCE): the guard's figures. Memory is
+    the peak RSS less the process's after its imports (a fixed ~0.2 GiB that would swamp a small run's figure)."""
+    us = glob["seconds"] / rank_steps * 1e6
+    grown = (glob["peak_gib"] - glob["base_gib"]) * 2**30 / rank_steps
+    print(f"per rank-step: {us:.2f} us, {grown:.0f} B over the imports ({glob['base_gib']:.2f} GiB); "
+          f"16,384 x 1,000 ({16384 * 1000:,} rank-steps) for comparison:")
+    for what, (sec, gib, base) in REFERENCE.items():
+        print(f"  {what}: {sec / 16.384:.2f} us, {(gib - base) * 2**30 / 16.384e6:.0f} B ({sec:.1f} s, {gib:.2f} GiB)")
+
+
+def print_stages(stages: list[dict]) -> None:
+    """analyze()'s stages: seconds, the stage's own peak RSS and the RSS it left (DuckDB's per-instance reductions
+    run in a thread beside the stages from "node summaries" to "collective bandwidth", which wait for them)."""
+    print("| stage | s | peak GiB | after GiB |\n|---|---|---|---|")
+    for st in stages:
+        print(f"| {st['stage']} | {st['seconds']:.2f} | {st['peak'] / 2**30:.2f} | {st['end'] / 2**30:.2f} |")
 
 
 def rss_gib(pid: int) -> float:
@@ -114,6 +165,10 @@ def main() -> int:
                          "half of the development machine, which has no swap)")
     ap.add_argument("--reuse", default=None, metavar="RUN",
                     help="measure this run (built with --keep for the same --ranks and --steps) instead of building")
+    ap.add_argument("--stages", action="store_true",
+                    help="print the global analysis's time and peak RSS stage by stage (analyze's progress stages)")
+    ap.add_argument("--summary-out", default=None, metavar="FILE",
+                    help="write the global analysis's summary.json here (to compare two versions on one run)")
     args = ap.parse_args()
     if args.ranks % RANKS_PER_NODE or args.ranks <= SLOW_RANK:
         ap.error(f"--ranks must be a multiple of {RANKS_PER_NODE} above {SLOW_RANK}")
@@ -155,7 +210,7 @@ def main() -> int:
         one = measure("node", run_dir / f"node-host{0:05d}", args.memory_cap_gib)
         print(f"one node's summary (fresh process): {one['seconds']:.2f} s, peak RSS {one['peak_gib']:.2f} GiB "
               f"(target <= {TARGET_NODE_S:.0f} s)", flush=True)
-        glob = measure("global", run_dir, args.memory_cap_gib)
+        glob = measure("global", run_dir, args.memory_cap_gib, args.summary_out)
         if glob.get("stopped"):
             print(f"global analysis from the node summaries (fresh process): STOPPED after {glob['seconds']:.1f} s "
                   f"at {glob['peak_gib']:.2f} GiB RSS, over --memory-cap-gib {args.memory_cap_gib:g} "
@@ -166,6 +221,9 @@ def main() -> int:
                   f"{glob['peak_gib']:.2f} GiB (targets <= {TARGET_GLOBAL_S:.0f} s, <= {TARGET_GLOBAL_GIB:.0f} GiB)")
             print(f"stragglers named: {glob['stragglers']} (injected: [{SLOW_RANK}]); step p50 "
                   f"{glob['step_p50_s']:.4f} s; top what-if: {glob['what_if']}")
+            print_per_rank_step(glob, args.ranks * args.steps)
+            if args.stages:
+                print_stages(glob["stages"])
         checks = {"global analysis finished": not glob.get("stopped"),
                   "global time": glob["seconds"] <= TARGET_GLOBAL_S,
                   "global memory": glob["peak_gib"] <= TARGET_GLOBAL_GIB,
