@@ -58,15 +58,18 @@ class Job:
             import subprocess
             p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=REPO)
         assert returncode(p) == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        assert len(self.weights()) == 2, p.stdout[-3000:]
         self.stdout = p.stdout
         self.summary = assert_breakdown_adds_up(out) if profiled else None
 
     def clock(self) -> dict[int, list[list[float]]]:
         """rank -> per step [duration, communication] (s), the job's own clock."""
-        return {int(r): json.loads(js)["steps"] for r, js in re.findall(r"^clock (\d+) (\{.*\})$", self.stdout, re.M)}
+        # not anchored to line starts: two ranks printing at once may share a line of the relayed output
+        return {int(r): json.loads(js)["steps"]
+                for r, js in re.findall(r"clock (\d+) (\{\"steps\": \[.*?\]\]\})", self.stdout)}
 
     def weights(self) -> dict[int, str]:
-        return {int(r): h for r, h in re.findall(r"^weights (\d+) ([0-9a-f]{64})$", self.stdout, re.M)}
+        return {int(r): h for r, h in re.findall(r"weights (\d+) ([0-9a-f]{64})", self.stdout)}
 
 
 @pytest.fixture(scope="module")
