@@ -267,45 +267,7 @@ def of_run(run, model) -> NodeSummary:
 def without_detail(ns: NodeSummary, steps: np.ndarray) -> NodeSummary:
     """``ns`` with the exposed communication rows of ``steps`` dropped, as a summary that did not read their detail
     makes it (a stored node summary may have read more blocks than the run reads: steps.detail_every). Its
-    rank_steps are blank there already: the stored ones were blanked as the run model read them (``blank_skipped``
-    in runmodel.build), a node summarised here read the run's blocks only."""
+    rank_steps are blank there already: the stored ones were blanked as the run model read them (runmodel's
+    ``blank_skipped``), a node summarised here read the run's blocks only."""
     exposed = ns.exposed[~np.isin(ns.exposed["step"].to_numpy(np.int64), steps)].reset_index(drop=True)
     return replace(ns, exposed=exposed)
-
-
-# the rank_steps columns a rank-step whose detail is not read holds nothing in (its time is all "other")
-DETAIL_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_s",
-                  *(f"bd_{p}_s" for p in breakdown_mod.PARTS if p != "other"),
-                  *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS))
-
-
-def blank_skipped(per: pd.DataFrame, steps: np.ndarray) -> pd.DataFrame:
-    """The stored summaries' rank_steps ``per`` with the rank-steps of ``steps`` as a summary that did not read
-    their detail makes them: no span or collective in the window, so nothing but ``other``. A new frame sharing
-    every column that has those values already (a summary that did not read these steps either has most of them);
-    each other column is made once, and ``per``'s own is dropped with ``per`` (16.4 M rank-steps: 131 MB a
-    column, ~20 columns)."""
-    at = np.flatnonzero(np.isin(per["step"].to_numpy(np.int64), steps))
-    blank = {}
-
-    def put(c: str, values) -> None:
-        x = per[c].to_numpy()
-        v = np.broadcast_to(np.asarray(values, x.dtype), len(at))
-        if not np.array_equal(x[at], v, equal_nan=True):
-            x = x.copy()
-            x[at] = v
-            blank[c] = pd.Series(x, index=per.index, copy=False)   # a Series: not copied again by assign
-
-    for c in DETAIL_COLUMNS:
-        put(c, 0)
-    put("overlap_ratio", np.nan)
-    put("bd_other_s", (per["end_ns"].to_numpy(np.int64)[at] - per["start_ns"].to_numpy(np.int64)[at]) / 1e9)
-    level = per["level"]
-    if "hook" not in level.cat.categories:   # (not a level of the summary: as summarize orders them, sorted)
-        level = level.cat.set_categories(sorted([*level.cat.categories, "hook"]))
-    codes = level.cat.codes.to_numpy()
-    if (codes[at] != level.cat.categories.get_loc("hook")).any():
-        codes = codes.copy()
-        codes[at] = level.cat.categories.get_loc("hook")
-        blank["level"] = pd.Categorical.from_codes(codes, dtype=level.dtype)
-    return per.assign(**blank)

@@ -43,9 +43,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers import breakdown as breakdown_mod
 from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import pipeinfer
 from dtprof.analyzers import steps as steps_mod
+from dtprof.analyzers import whatif as whatif_mod
 from dtprof.schema import TABLES
 
 
@@ -60,7 +62,7 @@ class RunModel:
     captures: pd.DataFrame
     span_slice: pd.DataFrame | None = None   # ``spans`` is this slice of the run's spans (``sliced``), not all
     # source "summaries": the stored node summaries' rank_steps as read, the skipped detail's blanked
-    # (nodesummary.blank_skipped; ``steps`` shares their columns; the summary's per rank-step figures are taken from
+    # (blank_skipped; ``steps`` shares their columns; the summary's per rank-step figures are taken from
     # here, not read again); None where no node has one
     stored_rank_steps: pd.DataFrame | None = None
     # the analysis reads the spans and collectives of every this-many-th detailed block (steps.detail_every; 1: all):
@@ -281,8 +283,6 @@ def build(run, warmup: int | None = None, source: str = "summaries", detail_ever
     per["aligned_end_ns"] = clock_mod.align_by_rank(run, per["end_ns"].to_numpy(np.int64), rank, clk)
     skipped = job["step"].to_numpy()[job["detail_skipped"].to_numpy(bool)]
     if stored is not None and len(skipped):   # blanked once, as read: the stored columns are not kept beside
-        from dtprof.analyzers.nodesummary import blank_skipped
-
         stored = blank_skipped(stored, skipped)
     return RunModel(run=run, clock=clk, steps=per, job=job, warmup_steps=n_warm,
                     warmup_source=warmup_source, captures=cap, stored_rank_steps=stored, detail_every=every)
@@ -295,3 +295,41 @@ def stored_detail_every(run, source: str) -> list[int]:
         return []
     facts, _ = run.node_summaries(tables=())
     return [int(f.get("detail_every") or 1) for f in facts if f is not None]
+
+
+# the rank_steps columns a rank-step whose detail is not read holds nothing in (its time is all "other")
+DETAIL_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_s",
+                  *(f"bd_{p}_s" for p in breakdown_mod.PARTS if p != "other"),
+                  *(f"work_{p}_ns" for p in whatif_mod.WORK_PARTS))
+
+
+def blank_skipped(per: pd.DataFrame, steps: np.ndarray) -> pd.DataFrame:
+    """The stored summaries' rank_steps ``per`` with the rank-steps of ``steps`` as a summary that did not read
+    their detail makes them: no span or collective in the window, so nothing but ``other``. A new frame sharing
+    every column that has those values already (a summary that did not read these steps either has most of them);
+    each other column is made once, and ``per``'s own is dropped with ``per`` (16.4 M rank-steps: 131 MB a
+    column, ~20 columns)."""
+    at = np.flatnonzero(np.isin(per["step"].to_numpy(np.int64), steps))
+    blank = {}
+
+    def put(c: str, values) -> None:
+        x = per[c].to_numpy()
+        v = np.broadcast_to(np.asarray(values, x.dtype), len(at))
+        if not np.array_equal(x[at], v, equal_nan=True):
+            x = x.copy()
+            x[at] = v
+            blank[c] = pd.Series(x, index=per.index, copy=False)   # a Series: not copied again by assign
+
+    for c in DETAIL_COLUMNS:
+        put(c, 0)
+    put("overlap_ratio", np.nan)
+    put("bd_other_s", (per["end_ns"].to_numpy(np.int64)[at] - per["start_ns"].to_numpy(np.int64)[at]) / 1e9)
+    level = per["level"]
+    if "hook" not in level.cat.categories:   # (not a level of the summary: as summarize orders them, sorted)
+        level = level.cat.set_categories(sorted([*level.cat.categories, "hook"]))
+    codes = level.cat.codes.to_numpy()
+    if (codes[at] != level.cat.categories.get_loc("hook")).any():
+        codes = codes.copy()
+        codes[at] = level.cat.categories.get_loc("hook")
+        blank["level"] = pd.Categorical.from_codes(codes, dtype=level.dtype)
+    return per.assign(**blank)
