@@ -59,7 +59,6 @@ A/B blocks (for measuring dtprof's cost, benchmarks/overhead.py; not a user opti
 from __future__ import annotations
 
 import atexit
-import collections
 import json
 import os
 import resource
@@ -69,10 +68,11 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from dtprof.collectors import inputs
-from dtprof.collectors.parts import Parts
+from dtprof.collectors.parts import Parts, RankContext, StepFlags
 from dtprof.collectors.records import Clock, Event, Meta, span_row, step_row
 from dtprof.schema import DETAIL_BLOCK
 
@@ -80,7 +80,6 @@ if TYPE_CHECKING:     # imported when the Recorder starts (torch.distributed is 
     from dtprof.collectors.heartbeat import Heartbeat
     from dtprof.collectors.hooks_collectives import CollectiveHooks
     from dtprof.collectors.hooks_functional import FunctionalHooks
-    from dtprof.collectors.parts import RankContext
 
 now = time.monotonic_ns
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
@@ -126,20 +125,19 @@ class Recorder:
     The rest is bookkeeping of the main thread's step, kept here so that one object holds the rank's state."""
 
     def __init__(self):
-        self.active = False        # recording
-        self.disabled = False      # a fault switched dtprof off for this rank
         self.rank = -1
-        self.step = 0              # index of the step in progress
-        self.collective = None     # (row or its first columns, entered_ns) of the collective the main thread is in
-        self.last_progress_ns = 0
         self.rank_dir = None
         self.host = socket.gethostname()
         self.options = {}
+        # what the hook objects and parts may know and do (collectors/parts.py): the flags above are kept there
+        self.ctx = RankContext(self.rank, self.host, self.rank_dir, self.options, self.add, self.fault, self.event,
+                               self.meta)
+        self.ctx.extend, self.ctx.span, self.ctx.refresh_identity = self.extend, self.span, self.refresh_identity
+        self.flags = StepFlags()   # per-step state shared with the DDP and pipelining hooks
         self.writer = None         # the RankWriter (None until init)
         self.append_span = None    # the writer's append for the spans table
         self.append_collective = None   # and for the collectives table (a synchronous collective's row)
         self.append_step = None    # and for the steps table
-        self.fault_test = ""       # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
         # ---- per-step bookkeeping (main thread only) ----
         self.init_ns = 0
         self.step_start_ns = None  # start of the step in progress (None before the first forward)
@@ -150,7 +148,6 @@ class Recorder:
         self.fwd_t0 = 0
         self.fwd_ev0 = None
         self.fwd_seen_in_step = False
-        self.in_backward = False
         self.opt_t0 = 0
         self.opt_ev0 = None
         self.manual_steps = False
@@ -162,11 +159,8 @@ class Recorder:
         self.annot = {}
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
-        self.pp_active = 0         # >0 while a pipeline schedule's step() runs (CollectiveHooks)
         self.parked_hooks = []     # (hooks dict, key, hook, first) of hooks out for now (park_hooks)
-        self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
-        self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
-        self.complete_ddp = None   # collective_hooks.complete_ddp, bound at start (no lookup per step)
+        self.end_ddp_backward = None   # collective_hooks.ddp.end_backward, bound at start (no lookup per step)
         self.trace_capture = None
         self.flop_mode = None
         self.flops_step = None
@@ -179,12 +173,6 @@ class Recorder:
         self.functional_hooks: FunctionalHooks | None = None     # and DeviceMesh's hooks, made at start
         self.heartbeat: Heartbeat | None = None
         self.final_flushed = False            # ray_exit.final_flush ran (a Ray worker, flushed before Ray kills it)
-        self.groups = {}           # id(pg) or None -> (name, size, pg, the group's seq counter)
-        self.seq = {}              # group name or (group, src, dst) -> itertools.count() of its seqs
-        self.pending = {}          # completion key -> (work, rows, issue_ns): async ops awaiting completion
-        # NCCL works completed on the host whose GPU-side duration the flusher reads once the GPU has run them
-        # (CollectiveHooks.resolve_gpu_durations). A deque: future callbacks append while the flusher pops.
-        self.timed = collections.deque()
         # ---- CUDA timing (decided at the first forward) ----
         self.cuda = None           # None undecided, False host timing, True CUDA events
         self.cuda_anchor = None    # (event, host_ns) recorded after one synchronize
@@ -205,7 +193,6 @@ class Recorder:
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
         # ---- step sampling (docs/cli-run.md, "Sampling") ----
-        self.detail = True         # the step in progress is recorded in full detail (else its boundary only)
         self.sample_period = None  # None: undecided; 0: every step in detail; P: SAMPLE_BLOCK steps every P
         self.sample_times = []     # durations (ns) of steps 8..31: are steps long?
         self.calibration_from = SAMPLE_FROM   # the first step of the calibration in progress or last made
@@ -218,14 +205,28 @@ class Recorder:
         self.ab_steps = 0          # optimizer steps seen so far
         self.ab_off = False        # the hooks are out (an "off" block)
         # ---- rank-side parts (collectors/parts.py): made at start ----
-        self.ctx: RankContext | None = None
         self.parts = Parts([], self.part_fault)
+
+    # The rank's flags live in its RankContext, where the hook objects read them; these name them on the Recorder
+    # too (the heartbeat, the watchdog's tests and the benchmarks read them here). attrgetter: a C-level read.
+    active = property(attrgetter("ctx.active"), lambda self, v: setattr(self.ctx, "active", v))
+    disabled = property(attrgetter("ctx.disabled"), lambda self, v: setattr(self.ctx, "disabled", v))
+    step = property(attrgetter("ctx.step"), lambda self, v: setattr(self.ctx, "step", v))
+    detail = property(attrgetter("ctx.detail"), lambda self, v: setattr(self.ctx, "detail", v))
+    collective = property(attrgetter("ctx.collective"), lambda self, v: setattr(self.ctx, "collective", v))
+    last_progress_ns = property(attrgetter("ctx.last_progress_ns"),
+                                lambda self, v: setattr(self.ctx, "last_progress_ns", v))
+    fault_test = property(attrgetter("ctx.fault_test"), lambda self, v: setattr(self.ctx, "fault_test", v))
 
     # ---- rows ----------------------------------------------------------------------------------------------
 
     def add(self, row) -> None:
         """Append one typed row (collectors/records.py) to its table."""
         self.writer.append(row.table, row)
+
+    def extend(self, table: str, rows: list) -> None:
+        """Append several rows (plain tuples) to one table."""
+        self.writer.extend(table, rows)
 
     def fault(self, where: str) -> None:
         """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
@@ -314,12 +315,13 @@ class Recorder:
         from dtprof.collectors import hooks_collectives, hooks_functional
         from dtprof.runformat import RankWriter
 
-        self.rank, self.rank_dir, self.options = rank, rdir, opts
+        ctx = self.ctx
+        self.rank, self.rank_dir, self.options = ctx.rank, ctx.rank_dir, ctx.options = rank, rdir, opts
         where, _, only_rank = os.environ.get("DTPROF_TEST_FAULT", "").partition("@")
         self.fault_test = where if (not only_rank or int(only_rank) == rank) else ""
         self.writer = RankWriter(node_dir, rank)
-        self.append_span = self.writer.appender("spans")
-        self.append_collective = self.writer.appender("collectives")
+        self.append_span = ctx.append_span = self.writer.appender("spans")
+        self.append_collective = ctx.append_collective = self.writer.appender("collectives")
         self.append_step = self.writer.appender("steps")
         self.init_ns = now()
         self.last_progress_ns = self.init_ns
@@ -327,10 +329,12 @@ class Recorder:
         self.clock_row()
         self.ab_block = int(os.environ.get("DTPROF_AB_BLOCK_STEPS") or 0)
         self.install_train_hooks()
-        hooks = self.collective_hooks = hooks_collectives.CollectiveHooks(self)
+        hooks = self.collective_hooks = hooks_collectives.CollectiveHooks(
+            ctx, self.flags, (self.begin_pipeline_step, self.end_pipeline_step))
+        ctx.group = hooks.rows.group
         hooks.install()
-        self.complete_ddp = hooks.complete_ddp
-        self.functional_hooks = hooks_functional.FunctionalHooks(self, hooks)
+        self.end_ddp_backward = hooks.ddp.end_backward
+        self.functional_hooks = hooks_functional.FunctionalHooks(ctx, hooks.rows)
         self.functional_hooks.install()     # hybrid hook-in: functional collectives, DeviceMesh
         self.start_parts(opts)
         self.active = True
@@ -339,11 +343,8 @@ class Recorder:
 
     def start_parts(self, opts) -> None:
         """The rank-side parts (collectors/parts.py), over a context that is not the recorder."""
-        from dtprof.collectors.parts import RankContext, make_parts
+        from dtprof.collectors.parts import make_parts
 
-        self.ctx = RankContext(self.rank, self.host, self.rank_dir, opts, self.add, self.fault, self.event,
-                               self.meta)
-        self.ctx.detail = self.detail
         self.parts = make_parts(opts, self.part_fault)
         self.parts.install(self.ctx)
 
@@ -357,7 +358,7 @@ class Recorder:
 
         try:
             if self.heartbeat is None:
-                self.heartbeat = Heartbeat(self.rank_dir, self)
+                self.heartbeat = Heartbeat(self.rank_dir, self.ctx)
                 self.heartbeat.start()
         except Exception:
             self.event("warning", f"heartbeat did not start: {_last_error_line()}")
@@ -380,8 +381,8 @@ class Recorder:
         if self.cuda:
             self.resolve_cuda_events()
         if self.collective_hooks is not None:
-            self.collective_hooks.expire_pending()
-            self.collective_hooks.resolve_gpu_durations()
+            self.collective_hooks.rows.expire_pending()
+            self.collective_hooks.rows.resolve_gpu_durations()
         ident, self.identity_new = self.identity_new, None
         if ident is not None:
             self.writer.write_identity(ident)
@@ -416,8 +417,8 @@ class Recorder:
             if self.eval_forwards:         # an evaluation after the last step
                 self.end_evaluation()
             if self.collective_hooks is not None:
-                self.collective_hooks.expire_pending(all_=True)
-                self.collective_hooks.resolve_gpu_durations(final=True)
+                self.collective_hooks.rows.expire_pending(all_=True)
+                self.collective_hooks.rows.resolve_gpu_durations(final=True)
             self.meta("dtprof_threads_cpu", {"threads": _own_threads_cpu_s(), "at_step0_end": self.threads_cpu_step0,
                                              "steps": self.step})
             if self.parts.on_exit:
@@ -504,7 +505,7 @@ class Recorder:
                 self.in_flight.append(id(module))
                 if not self.compile_watch and "torch._dynamo" in sys.modules:
                     self.watch_compiles()
-            if self.fwd_depth == 1 and not self.in_backward:
+            if self.fwd_depth == 1 and not self.flags.in_backward:
                 t = now()
                 grad = self.grad_enabled()
                 if not grad and not self.fwd_seen_in_step and (self.step == 0 or id(module) in self.trained):
@@ -519,7 +520,7 @@ class Recorder:
                         self.note_trained(module)
                 if self.eval_forwards:
                     self.end_evaluation()
-                if grad and not self.pp_active:    # what the trained model consumes: not a frozen teacher's input
+                if grad and not self.flags.pp_active:    # what the trained model consumes: not a frozen teacher's input
                     self.count_inputs(args, kwargs)   # (a pipeline's: begin_pipeline_step)
                 if self.fault_test == "forward":
                     raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
@@ -620,7 +621,7 @@ class Recorder:
                 if self.in_eval_call:
                     self.in_eval_call = False
                     self.eval_forwards[-1][2] = now()
-                elif not self.in_backward and not self.pp_active:
+                elif not self.flags.in_backward and not self.flags.pp_active:
                     if self.fwd_ev0 is not None:
                         self.cuda_span("forward", self.fwd_ev0)
                     else:
@@ -632,41 +633,36 @@ class Recorder:
         return None
 
     def timed_backward(self, orig):
-        rec = self
+        rec, flags = self, self.flags
 
         def backward(*args, **kwargs):
-            if rec.disabled or rec.in_backward:
+            if rec.disabled or flags.in_backward:
                 return orig(*args, **kwargs)
             try:
                 t0 = now()
                 ev0 = rec.cuda_event() if rec.cuda else None
-                rec.ddp_last_issue_ns = None
-                rec.ddp_next_bucket = 0
+                flags.ddp_last_issue_ns = None
+                flags.ddp_next_bucket = 0
                 if rec.parts.on_backward and args:
                     rec.parts.call(rec.parts.on_backward, args[0])
             except Exception:
                 rec.fault("backward")
                 return orig(*args, **kwargs)
-            rec.in_backward = True
+            flags.in_backward = True
             try:
                 return orig(*args, **kwargs)
             finally:
-                rec.in_backward = False
+                flags.in_backward = False
                 try:
                     t1 = now()
                     rec.last_progress_ns = t1
-                    if not rec.pp_active:
+                    if not flags.pp_active:
                         if ev0 is not None:
                             rec.cuda_span("backward", ev0)
                         else:
                             rec.append_span(span_row(rec.rank, rec.step, "backward", "backward", t0, t1))
-                    if rec.ddp_last_issue_ns is not None:
-                        # DDP blocks at the end of backward until its last buckets are reduced.
-                        rec.append_span(span_row(rec.rank, rec.step, "comm_wait", "ddp_final_wait",
-                                                 rec.ddp_last_issue_ns, t1))
-                        rec.ddp_last_issue_ns = None
-                        if rec.pending:   # DDP's collectives whose completion callback has not run yet
-                            rec.complete_ddp(t1)
+                    if flags.ddp_last_issue_ns is not None:   # DDP blocked at the end for its last buckets
+                        rec.end_ddp_backward(t1)
                 except Exception:
                     rec.fault("backward")
 
@@ -749,7 +745,7 @@ class Recorder:
             return
         if self.eval_forwards:             # dtprof.step() right after an evaluation: the step starts at its end
             self.end_evaluation()
-        if self.parked_hooks and not self.pp_active:     # a training forward that raised: fwd_hook never ran
+        if self.parked_hooks and not self.flags.pp_active:     # a training forward that raised: fwd_hook never ran
             self.unpark_hooks()
         step = self.step
         start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
@@ -784,8 +780,6 @@ class Recorder:
         self.parts_step_end(step, t, True)
 
     def parts_step_end(self, step: int, t: int, detailed: bool) -> None:
-        if self.ctx is not None:
-            self.ctx.step = self.step
         if self.parts.on_step_end:
             self.parts.call(self.parts.on_step_end, step, t, detailed)
 
@@ -933,8 +927,6 @@ class Recorder:
         if on == self.detail:
             return
         self.detail = on
-        if self.ctx is not None:
-            self.ctx.detail = on
         if self.parts.on_detail:
             self.parts.call(self.parts.on_detail, on)
         self.collective_hooks.set_wrappers(on)
@@ -999,6 +991,11 @@ class Recorder:
         self.last_progress_ns = t
         if self.roots is not None and not self.parked_hooks:
             self.park_hooks(self.module_handles)
+
+    def end_pipeline_step(self) -> None:
+        """The outermost pipeline schedule's ``step()`` returned: the root modules' hooks go back."""
+        if self.parked_hooks:
+            self.unpark_hooks()
 
     def park_hooks(self, handles) -> None:
         """Take these module hooks out of their modules until ``unpark_hooks``: a module with hooks takes
@@ -1255,7 +1252,16 @@ def _dynamo_skip_our_code() -> None:
         from torch._dynamo.types import FrameAction, FrameExecStrategy
     except Exception:
         return
-    from dtprof.collectors import hooks_collectives, hooks_functional, identity, inputs
+    from dtprof.collectors import (
+        collective_rows,
+        hooks_collectives,
+        hooks_ddp,
+        hooks_functional,
+        hooks_pipelining,
+        identity,
+        inputs,
+        parts,
+    )
 
     own = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
     with_callees = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
@@ -1273,7 +1279,8 @@ def _dynamo_skip_our_code() -> None:
             if hasattr(nested, "co_code"):
                 skip(nested, own)
 
-    for mod in (sys.modules[__name__], identity, hooks_collectives, hooks_functional, inputs):
+    for mod in (sys.modules[__name__], identity, hooks_collectives, collective_rows, hooks_ddp, hooks_pipelining,
+                hooks_functional, parts, inputs):
         strategy = with_callees if mod in (sys.modules[__name__], identity) else own
         for obj in vars(mod).values():
             if getattr(obj, "__module__", None) != mod.__name__:
