@@ -4,7 +4,7 @@ user's comm hook wrapped only to label its collectives) is in hooks_collectives.
 
 ``DdpHooks`` is made by the c10d hooks (``CollectiveHooks``), which install it once DDP is imported and switch its
 kernel with their wrappers (``set_kernel``). It is given the rank's ``RankContext``, the shared ``CollectiveRows``
-and the ``StepFlags`` it shares with the step clock (collectors/runtime.py): the step clock sets ``in_backward``
+and the ``StepFlags`` it shares with the step clock (collectors/stepclock.py): the step clock sets ``in_backward``
 and resets the bucket count at each backward; this sets ``ddp_last_issue_ns``, and the step clock calls
 ``end_backward`` when a backward in which DDP issued buckets returns.
 """

@@ -7,7 +7,7 @@ first ``step()`` of each schedule object writes a ``pipeline_schedule`` meta row
 
 ``PipelineHooks`` is made by the c10d hooks (``CollectiveHooks``) and installed once pipelining is imported; its
 wrappers go in through their ``swap``, so an A/B block's "off" takes them out with the collective wrappers. A
-schedule's ``step()`` raises ``StepFlags.pp_active`` while it runs and tells the step clock (collectors/runtime.py)
+schedule's ``step()`` raises ``StepFlags.pp_active`` while it runs and tells the step clock (collectors/stepclock.py)
 when the outermost one begins (``begin_step(args)``: the batch it is given) and ends (``end_step()``).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The forward hooks' modules: which modules the step clock's forward hooks (collectors/runtime.py) sit on.
+"""The forward hooks' modules: which modules the step clock's forward hooks (collectors/stepclock.py) sit on.
 
 Global module hooks put every module call of the program on nn.Module's slow path, so they are used only in step
 0, to find the top-level modules (the roots); after that the hooks sit on the roots alone (and on the modules a

@@ -71,7 +71,7 @@ class RankContext:
 
 
 class StepFlags:
-    """The per-step state the step clock (collectors/runtime.py) shares with the DDP and pipelining hooks: each
+    """The per-step state the step clock (collectors/stepclock.py) shares with the DDP and pipelining hooks: each
     side sets what it knows, the other reads it. Given to both; held by neither's other."""
 
     __slots__ = ("in_backward", "pp_active", "ddp_last_issue_ns", "ddp_next_bucket")

@@ -377,11 +377,11 @@ class Recorder:
         if on:
             self.clock.forget_forwards()
 
-    # ---- torch.compile (collectors/compile_watch.py) ------------------------------------------------------
-
     def begin_forward(self, module, args) -> None:
         """The forward pre-hook for a call already under way when recording started (collectors/identity.py)."""
         self.clock.begin_forward(module, args)
+
+    # ---- torch.compile (collectors/compile_watch.py) ------------------------------------------------------
 
     def on_compile_start(self, _args=None) -> None:
         """Dynamo is about to trace a frame: global module hooks would be traced into its graph and guarded on,
@@ -465,6 +465,7 @@ class Recorder:
             from torch.utils.data import dataloader
 
             dataloader._BaseDataLoaderIter.__next__ = self.orig_next
+
 
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
 Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ alternating blocks prices a detailed step and the detail is recorded in blocks o
 (``sample_next``), made sparser when the rank's files grow too fast (``check_footprint``). Each decision is a
 ``sampling`` meta row.
 
-The step clock (collectors/runtime.py) calls ``sample_next`` after each step; the ``Sampler`` switches the detail
+The step clock (collectors/stepclock.py) calls ``sample_next`` after each step; the ``Sampler`` switches the detail
 through the ``set_detail`` it is given and reads the detail in force, the options and ``meta`` from the rank's
 ``RankContext``.
 """
