@@ -1,8 +1,8 @@
 """What dtprof's ``c10d::allreduce_`` kernel costs the thread that issues a DDP bucket, hot and cold.
 
 DDP's Reducer all-reduces each gradient bucket through the dispatcher op ``c10d::allreduce_``, where dtprof's Python
-kernel (collectors/hooks_collectives.py, ``CollectiveHooks.observe_dispatched_allreduce``) sees it. In a loop of
-calls the kernel adds ~10-20 us a call; in a training step it adds several times that, because a bucket is issued in
+kernel (collectors/hooks_ddp.py, ``DdpHooks.observe_dispatched_allreduce``) sees it. In a loop of calls the kernel
+adds ~10-20 us a call; in a training step it adds several times that, because a bucket is issued in
 the middle of the backward, whose compute has evicted from the caches everything the kernel's path touches: the
 dispatcher's boxing of the arguments into Python objects (three TorchScript objects -- process group, ReduceOp, the
 returned Work -- each converted through an import of ``torch.jit._state``), the Python frames, the Python-side
@@ -45,8 +45,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     import torch.nn.parallel  # noqa: F401  (importing DDP installs dtprof's kernel)
 
-    rec = runtime.STATE
-    hooks = rec.collective_hooks
+    hooks = runtime.STATE.collective_hooks.ddp    # the DDP part: its kernel
+    flags, rows = hooks.flags, hooks.rows
     pg = dist.distributed_c10d._get_default_group()
     t = torch.zeros(1000)
     op = torch.ops.c10d.allreduce_.default
@@ -61,14 +61,14 @@ def main() -> None:
         for _ in range(n):
             if cold:
                 big_b.copy_(big_a)
-            rec.in_backward, rec.ddp_next_bucket = True, 0      # as DDP's buckets are issued
+            flags.in_backward, flags.ddp_next_bucket = True, 0      # as DDP's buckets are issued
             t0 = time.thread_time_ns()
             work = pg.allreduce([t])
             total += time.thread_time_ns() - t0
-            rec.in_backward = False
+            flags.in_backward = False
             work.wait()
-            if rec.pending:
-                rec.complete_ddp(time.monotonic_ns())
+            if rows.pending:
+                rows.complete_ddp(time.monotonic_ns())
         return total / n / 1e3
 
     hooks.library._destroy()      # each case below puts its own kernel in

@@ -6,7 +6,7 @@ run analysed within a minute).
    (each step waits 90 ms for its batch, ~100 ms steps), with a TensorBoard sink (--metrics-interval 0, so the
    sink's bytes per point are measured too), for --job-seconds. The ranks' files are measured every few seconds
    while it runs: their growth in the first minute (every step in full detail) and over the last third of the run
-   (after the footprint check, collectors/runtime.py check_footprint, has sampled the detail), as MB per rank per
+   (after the footprint check, collectors/sampling.py check_footprint, has sampled the detail), as MB per rank per
    day; then what the launcher writes after the job (tables/*.parquet, the node summary) per rank-step.
 2. A synthetic sampled DDP run (tests/synth.py ``build_ddp_node``: 8 ranks, per detailed rank-step 5 spans and 8
    all-reduces, blocks of 4 detailed steps every --detail-period, the others boundary-only) of --synthetic-steps

@@ -122,7 +122,7 @@ def hooks_worker(blocks: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dtprof.collectors import runtime
+    from dtprof.collectors import runtime, stepclock
 
     sys.path.insert(0, str(REPO / "examples"))
     from model import TinyLM
@@ -145,7 +145,7 @@ def hooks_worker(blocks: int) -> None:
     def cpu():
         """(the training thread's CPU seconds, the CPU seconds of the process's other threads but dtprof's own):
         the second holds what dtprof's completion callbacks cost the backend's threads."""
-        own, thread, process = runtime._own_threads_cpu_s(), time.thread_time(), time.process_time()
+        own, thread, process = stepclock.own_threads_cpu_s(), time.thread_time(), time.process_time()
         return thread, process - thread - sum(own.values())
 
     def per_call(t0, n):

@@ -1,7 +1,7 @@
 """Functional collectives (``torch.ops._c10d_functional``) as one rank sees them: the collectives that DTensor,
 tensor parallelism (``parallelize_module``), context parallelism and ``torch.distributed._functional_collectives``
-issue. The runtime's Recorder makes one ``FunctionalHooks`` beside its ``CollectiveHooks`` and installs it; fault
-rules as in runtime.py.
+issue. The runtime's Recorder makes one ``FunctionalHooks`` over the rank's ``RankContext`` and the
+``CollectiveRows`` its ``CollectiveHooks`` write (collective_rows.py) and installs it; fault rules as in runtime.py.
 
 Why intercept at the op namespace (torch 2.13, read from the installed sources)
 - DTensor's redistribute (``placement_types.py``, ``_collective_utils.py``) calls the Python functions of
@@ -23,21 +23,21 @@ Rows (same columns as other collectives; docs/run-format.md)
   ``all_reduce`` ...; ``<name>_autograd`` for the ``_c10d_functional_autograd`` namespace), ``source``
   "functional", ``async_op`` True.
 - ``group``: the op's ``group_name`` argument resolved to its ProcessGroup and named by
-  ``CollectiveHooks.group`` (the name the groups table uses; a new group gets its groups row there);
-  ``seq`` from ``CollectiveHooks.where`` (one counter per group, shared with ``torch.distributed`` calls).
+  ``CollectiveRows.group`` (the name the groups table uses; a new group gets its groups row there);
+  ``seq`` from ``CollectiveRows.where`` (one counter per group, shared with ``torch.distributed`` calls).
 - ``in_bytes`` from the input tensor(s), ``out_bytes`` from the op's returned tensor(s) (so all_gather's output is
   group_size × input, reduce_scatter's is input ÷ group_size, all_to_all's follows its split sizes).
 - ``issue_ns``/``return_ns``: the op call; ``end_ns``: when ``wait_tensor`` on its output (matched by the output's
-  storage) returned. Each such wait is also a ``comm_wait`` span named "wait_tensor", and ``STATE.collective``
+  storage) returned. Each such wait is also a ``comm_wait`` span named "wait_tensor", and ``RankContext.collective``
   names the op while the main thread waits. A coalesced op completes at the wait on its first output. Rows never
-  waited are written with ``end_ns`` null at exit (``CollectiveHooks.expire_pending``).
+  waited are written with ``end_ns`` null at exit (``CollectiveRows.expire_pending``).
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from dtprof.collectors.hooks_collectives import _dtype, _nbytes_list
+from dtprof.collectors.collective_rows import dtype_name, nbytes_list
 
 now = time.monotonic_ns
 
@@ -82,12 +82,12 @@ def _resolve_group(group_name):
 
 class FunctionalHooks:
     """The recording proxies in the functional-collective namespaces, and DeviceMesh naming (collectors/mesh.py),
-    for one Recorder: rows go through its ``CollectiveHooks`` (``collectives``), which names groups and counts seq
-    for both. ``install`` never raises; ``remove`` puts torch's packets back."""
+    for one rank: rows go through its ``CollectiveRows`` (``collectives``), which names groups and counts seq for
+    every collective hook. ``install`` never raises; ``remove`` puts torch's packets back."""
 
-    def __init__(self, rec, collectives) -> None:
-        self.rec = rec
-        self.collectives = collectives
+    def __init__(self, ctx, rows) -> None:
+        self.ctx = ctx
+        self.collectives = rows       # the rank's CollectiveRows (collective_rows.py)
         self.tracing: Any = None      # torch.distributed._functional_collectives._are_we_tracing, bound at install
         self.replaced: list = []      # (namespace, name, packet) replaced by a proxy
         self.mesh: Any = None         # the DeviceMesh hooks (collectors/mesh.py)
@@ -105,49 +105,48 @@ class FunctionalHooks:
         else:
             pg = _resolve_group(group_arg)
         hooks = self.collectives
-        row = hooks.make_row(op, api, "functional", hooks.where(op, pg, peer), _nbytes_list(ins), _nbytes_list(outs),
-                             _dtype(first_in), peer, True, issue, ret)
-        rec = self.rec
+        row = hooks.make_row(op, api, "functional", hooks.where(op, pg, peer), nbytes_list(ins), nbytes_list(outs),
+                             dtype_name(first_in), peer, True, issue, ret)
         key = _storage_key(outs[0]) if outs else None
         if key is None:
-            rec.append_collective(row)
+            self.ctx.append_collective(row)
             return
-        old = rec.pending.pop(key, None)
+        old = hooks.pending.pop(key, None)
         if old is not None:        # that storage was never waited on and got reused: keep the old rows, end unknown
-            rec.writer.extend("collectives", old[1])
+            self.ctx.extend("collectives", old[1])
         hooks.add_pending(key, None, [row])
 
     def on_wait(self, tensor, orig):
         """wait_tensor: completes the pending functional collective whose output this tensor is."""
-        rec = self.rec
-        if rec.disabled or not rec.active or self.tracing():
+        ctx = self.ctx
+        if ctx.disabled or not ctx.active or self.tracing():
             return orig(tensor)
         try:
             key = _storage_key(tensor)
             rows = self.collectives.pending_rows(key) if key is not None else None
             t0 = now()
             if rows is not None:
-                rec.collective = (rows[0], t0)
+                ctx.collective = (rows[0], t0)
         except Exception:
-            rec.fault("functional wait_tensor")
+            ctx.fault("functional wait_tensor")
             return orig(tensor)
         try:
             return orig(tensor)
         finally:
             try:
                 if rows is not None:
-                    rec.collective = None
+                    ctx.collective = None
                     t1 = now()
-                    rec.last_progress_ns = t1
+                    ctx.last_progress_ns = t1
                     self.collectives.complete(key, t1)
-                    rec.span("comm_wait", "wait_tensor", t0, t1)
+                    ctx.span("comm_wait", "wait_tensor", t0, t1)
             except Exception:
-                rec.fault("functional wait_tensor")
+                ctx.fault("functional wait_tensor")
 
     def call(self, packet, spec, args, kwargs):
         """A call of a proxied packet: recorded, unless dtprof is off or the call is being traced."""
-        rec = self.rec
-        if rec.disabled or not rec.active or self.tracing():
+        ctx = self.ctx
+        if ctx.disabled or not ctx.active or self.tracing():
             return packet(*args, **kwargs)
         api, op, group_pos = spec
         if api == "wait_tensor":
@@ -156,11 +155,11 @@ class FunctionalHooks:
         result = self.collectives.call_recorded(packet, *args, **kwargs)
         try:
             ret = now()
-            rec.last_progress_ns = ret
+            ctx.last_progress_ns = ret
             group_arg = args[group_pos] if len(args) > group_pos else kwargs.get("group_name")
             self.record(api, op, group_arg, args, kwargs, result, issue, ret)
         except Exception:
-            rec.fault(f"functional collective ({api})")
+            ctx.fault(f"functional collective ({api})")
         return result
 
     def install(self) -> None:
@@ -168,14 +167,14 @@ class FunctionalHooks:
         raises: what cannot be installed is an events warning row."""
         from dtprof.collectors.mesh import MeshHooks
 
-        self.mesh = MeshHooks(self.rec, self.collectives)
+        self.mesh = MeshHooks(self.ctx, self.collectives)
         for name, installer in (("dtprof.collectors.hooks_functional.FunctionalHooks.install_functional",
                                  self.install_functional),
                                 ("dtprof.collectors.mesh.MeshHooks.install", self.mesh.install)):
             try:
                 installer()
             except Exception as e:
-                self.rec.event("warning", f"{name} unavailable: {type(e).__name__}: {e}")
+                self.ctx.event("warning", f"{name} unavailable: {type(e).__name__}: {e}")
 
     def install_functional(self) -> None:
         """Replace the functional-collective packets with recording proxies (once)."""

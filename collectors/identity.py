@@ -55,6 +55,38 @@ def process_group_rank() -> tuple[int, int] | None:
     return None
 
 
+def rank_identity(rank: int, host: str, rank_dir: str, options: dict) -> dict:
+    """The rank's rank.json (docs/run-format.md): who it is, on which device, with which torch and options."""
+    import torch
+
+    env = os.environ
+    ident = {
+        "rank": rank, "local_rank": local_rank(env),
+        "world_size": int(env.get("WORLD_SIZE", 1)),
+        "node_rank": node_rank(env),
+        "host": host, "pid": os.getpid(), "node": os.path.basename(os.path.dirname(rank_dir)),
+        "device_type": "cpu", "device_index": None, "device_name": "cpu", "device_uuid": "",
+        "device_mem_total_bytes": None, "backend": "",
+        "torch_version": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv,
+        "options": options,
+    }
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            ident["backend"] = str(dist.get_backend())
+            ident["world_size"] = dist.get_world_size()
+    except Exception:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        i = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(i)
+        ident.update(device_type="cuda", device_index=i, device_name=props.name,
+                     device_uuid=str(getattr(props, "uuid", "")),
+                     device_mem_total_bytes=int(props.total_memory))
+    return ident
+
+
 class _Waiter:
     """Holds an unnamed process until it identifies itself, then calls ``start(rank)`` once."""
 

@@ -5,7 +5,7 @@ Installed with the functional-collective hooks (``FunctionalHooks.install``), as
 not a slice such as ``mesh["tp"]``) has created its process groups, this rank records:
 - for each mesh dimension, the group this rank belongs to along it, as a ``groups`` row with ``mesh_dim`` = the
   dimension's name: the user's ``mesh_dim_names`` (conventionally ``dp``, ``tp``, ``pp``, ``cp``) or ``dim<i>``
-  when the mesh has no names. The group's first row (written by ``CollectiveHooks.group`` when the group is
+  when the mesh has no names. The group's first row (written by ``CollectiveRows.group`` when the group is
   first seen, ``mesh_dim`` empty) stays; readers take the last non-empty ``mesh_dim`` per (rank, group)
   (docs/run-format.md).
 - one ``mesh`` meta row {"shape": [2, 2], "dims": ["dp", "tp"]}.
@@ -25,18 +25,19 @@ def dim_names(mesh) -> tuple[str, ...]:
 
 
 class MeshHooks:
-    """``DeviceMesh.__init__`` wrapped for one Recorder; groups are named through its ``CollectiveHooks``."""
+    """``DeviceMesh.__init__`` wrapped for one rank (its ``RankContext``); groups are named through its
+    ``CollectiveRows``."""
 
-    def __init__(self, rec, collectives) -> None:
-        self.rec = rec
-        self.collectives = collectives
+    def __init__(self, ctx, rows) -> None:
+        self.ctx = ctx
+        self.collectives = rows       # the rank's CollectiveRows: names the groups
         self.announced: set = set()       # (shape, dims) already written on this rank
         self.patched: Any = None          # (DeviceMesh, its own __init__) while installed
 
     def record_mesh(self, mesh) -> None:
         """Write the groups rows and the meta row for ``mesh`` (once per shape and names)."""
-        rec = self.rec
-        if rec.disabled or not rec.active:
+        ctx = self.ctx
+        if ctx.disabled or not ctx.active:
             return
         if getattr(mesh, "_root_mesh", None) is not None:
             return                                  # a slice of a mesh already recorded
@@ -57,21 +58,21 @@ class MeshHooks:
                 backend = str(dist.get_backend(pg))
             except Exception:
                 backend = ""
-            rec.add(Group(rank=rec.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
+            ctx.add(Group(rank=ctx.rank, group=name, ranks=",".join(map(str, ranks)), size=size, backend=backend,
                           desc=str(getattr(pg, "group_desc", "") or ""), mesh_dim=dim))
-        rec.meta("mesh", {"shape": list(shape), "dims": list(dims)})
+        ctx.meta("mesh", {"shape": list(shape), "dims": list(dims)})
 
     def wrap_init(self, orig):
-        rec = self.rec
+        ctx = self.ctx
 
         def __init__(mesh, *args, **kwargs):
             orig(mesh, *args, **kwargs)
-            if rec.disabled or not rec.active or not kwargs.get("_init_backend", True):
+            if ctx.disabled or not ctx.active or not kwargs.get("_init_backend", True):
                 return
             try:
                 self.record_mesh(mesh)
             except Exception:
-                rec.fault("device mesh")
+                ctx.fault("device mesh")
 
         __init__.__wrapped__ = orig
         __init__.__doc__ = orig.__doc__

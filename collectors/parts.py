@@ -31,10 +31,14 @@ now = time.monotonic_ns
 
 
 class RankContext:
-    """What a part may know and do: the rank's identity, the step in progress, whether it is recorded in full
-    detail, and the run format's writers. The recorder keeps ``step`` and ``detail`` current."""
+    """What a part or a hook object may know and do: the rank's identity, the step in progress, whether it is
+    recorded in full detail, whether dtprof records at all, and the run format's writers. The recorder keeps the
+    mutable fields current; a hook object sets ``collective`` and ``last_progress_ns`` (what the heartbeat reports).
+    It is the one place these flags live: the recorder reads them here too."""
 
-    __slots__ = ("rank", "host", "rank_dir", "options", "step", "detail", "add", "fault", "event", "_meta")
+    __slots__ = ("rank", "host", "rank_dir", "options", "step", "detail", "active", "disabled", "fault_test",
+                 "collective", "last_progress_ns", "add", "fault", "event", "_meta", "append_span",
+                 "append_collective", "extend", "span", "refresh_identity", "group")
 
     def __init__(self, rank: int, host: str, rank_dir: str, options: dict, add: Callable, fault: Callable,
                  event: Callable, meta: Callable):
@@ -44,14 +48,39 @@ class RankContext:
         self.options = options
         self.step = 0               # the step in progress
         self.detail = True          # the step in progress is recorded in full detail
+        self.active = False         # recording (False before start, and during an A/B "off" block)
+        self.disabled = False       # a fault switched dtprof off for this rank: every hook passes through
+        self.fault_test = ""        # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
+        self.collective = None      # (row or its first columns, entered_ns) of the collective the main thread is in
+        self.last_progress_ns = 0   # the main thread's last sign of progress (the heartbeat's hang evidence)
         self.add = add              # add(row): one typed row (collectors/records.py) to its table
         self.fault = fault          # fault(where): dtprof's own fault, switching the rank's recording off
         self.event = event          # event(level, message): an events row
         self._meta = meta
+        # set when the rank starts (the writer open): the hot paths' appends, without a table lookup per row
+        self.append_span = None         # append_span(row): a spans row (records.span_row)
+        self.append_collective = None   # append_collective(row): a collectives row (records.collective_row)
+        self.extend = None              # extend(table, rows): several rows of one table
+        self.span = None                # span(kind, name, t0, t1, ...): a spans row of the step in progress
+        self.refresh_identity = None    # refresh_identity(): rank.json recomputed (after init_process_group)
+        self.group = None               # group(pg) -> (name, size, pg, seq counter): a process group, named once
 
     def meta(self, kind: str, value: dict) -> None:
         """One structured fact (the ``meta`` table; kinds in dtprof.schema.META_KINDS)."""
         self._meta(kind, value)
+
+
+class StepFlags:
+    """The per-step state the step clock (collectors/stepclock.py) shares with the DDP and pipelining hooks: each
+    side sets what it knows, the other reads it. Given to both; held by neither's other."""
+
+    __slots__ = ("in_backward", "pp_active", "ddp_last_issue_ns", "ddp_next_bucket")
+
+    def __init__(self):
+        self.in_backward = False       # a top-level backward is running (the step clock's wrapper)
+        self.pp_active = 0             # >0 while a pipeline schedule's step() runs (hooks_pipelining)
+        self.ddp_last_issue_ns = None  # issue time of DDP's last bucket in the backward in progress (hooks_ddp)
+        self.ddp_next_bucket = 0       # index of DDP's next bucket in the backward in progress (no comm hook)
 
 
 class RankPart:

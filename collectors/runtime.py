@@ -4,12 +4,24 @@ Public interface: ``init(out=None, **options) -> bool``, ``step()``, ``span(name
 ``annotate(**fields)``, ``install_from_env()`` and the module-level ``STATE``.
 
 How it stays out of training's way
-- The rank's whole state is one ``Recorder`` object, ``STATE``; the hooks here are its methods. It owns the hook
-  objects of hooks_collectives.py, hooks_functional.py and mesh.py and its heartbeat (heartbeat.py), which are given
-  the Recorder when it makes them and read and set its attributes (they never import this module, and keep no state
-  in module globals). The hot path only reads a few of its attributes and appends rows (collectors/records.py,
-  plain tuples built by functions generated from the schema) to the ``RankWriter``'s in-memory lists.
-  All file I/O, CUDA event resolution and clock readings happen in one daemon
+- One ``Recorder`` per rank, ``STATE``: it starts the recording (the writer, the hooks, the parts), runs the flusher
+  and the exit, switches the detail and owns the objects that do the rest, each one concern in its own module and
+  none holding the recorder. What they may know and do is the rank's ``RankContext`` (collectors/parts.py: rank,
+  step, detail, the ``active``/``disabled`` flags, ``add(row)``, ``fault(where)``, ...), where those flags live;
+  the per-step state the step clock shares with the DDP and pipelining hooks is a ``StepFlags``:
+  - the step clock (stepclock.py ``StepClock``): steps, forward/backward/optimizer/data-wait/evaluation spans, with
+    CUDA-event timing (cuda_timing.py), FLOP counting (flops.py) and the forward hooks' modules (module_hooks.py);
+  - sampling (sampling.py ``Sampler``): which steps are recorded in full detail;
+  - torch.compile (compile_watch.py ``CompileWatch``): Dynamo never traces dtprof;
+  - the A/B blocks of benchmarks/overhead.py (ab.py ``AbBlocks``);
+  - collectives: c10d's functions (hooks_collectives.py ``CollectiveHooks``), DDP's buckets (hooks_ddp.py),
+    pipelining (hooks_pipelining.py), functional collectives (hooks_functional.py) and DeviceMesh (mesh.py), all
+    writing through one ``CollectiveRows`` (collective_rows.py);
+  - the heartbeat (heartbeat.py), the trace capture (trace_capture.py), and the parts of PART_FACTORIES
+    (parts.py: a new rank-side concern is a part).
+  None of them imports this module or keeps state in module globals. The hot path only reads a few attributes and
+  appends rows (collectors/records.py, plain tuples built by functions generated from the schema) to the
+  ``RankWriter``'s in-memory lists. All file I/O, CUDA event resolution and clock readings happen in one daemon
   flusher thread (every ``flush_interval_s``, default 1 s) and at exit (atexit).
 - Every hook body runs under try/except. A fault records an ``events`` error row (the traceback's last line),
   sets ``STATE.disabled`` (every hook becomes a pass-through) and never raises into training.
@@ -42,27 +54,19 @@ Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
   ``Tensor.backward``; ``optimizer``: optimizer step pre- to post-hook; ``data_wait``: the time in
   the DataLoader iterator's ``__next__`` (what a framework does between steps, such as logging collectives, is not
   data wait). Inside a pipeline schedule these are replaced by ``pp_forward``/``pp_backward``
-  (hooks_collectives.py). On CUDA, forward/backward/optimizer are timed with CUDA events recorded at the same
+  (hooks_pipelining.py). On CUDA, forward/backward/optimizer are timed with CUDA events recorded at the same
   points and converted to host ns through an anchor event (source "cuda_event"); on CPU they are host times
   (source "hook").
 - ``flops_count``: with ``count_flops``, step 1 (the second) runs under ``FlopCounterMode`` and its
   ``executed_flops`` is written; that step is slower and the span marks it.
 
-A/B blocks (for measuring dtprof's cost, benchmarks/overhead.py; not a user option)
-- With ``DTPROF_AB_BLOCK_STEPS=K`` in the rank's environment, every K optimizer steps the rank switches its hooks on
-  the training thread's path out or back in: the forward/backward/DataLoader hooks, the collective and pipelining
-  wrappers, ``Work.wait`` and the ``c10d::allreduce_`` kernel (the optimizer hooks stay: they count the steps). Every
-  rank switches after the same optimizer step, so the job's step K·i+1 .. K·(i+1) (counting from 1) runs with the
-  hooks on for even i and off for odd i, and the job's own step times compare the two in one run. Steps run off are
-  not recorded. The background threads run throughout: their cost is not in the difference.
+A/B blocks (for measuring dtprof's cost, benchmarks/overhead.py; not a user option): collectors/ab.py.
 """
 from __future__ import annotations
 
 import atexit
-import collections
 import json
 import os
-import resource
 import socket
 import sys
 import threading
@@ -71,45 +75,21 @@ import traceback
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from dtprof.collectors import inputs
-from dtprof.collectors.parts import Parts
-from dtprof.collectors.records import Clock, Event, Meta, span_row, step_row
-from dtprof.schema import DETAIL_BLOCK
+from dtprof.collectors.ab import AbBlocks
+from dtprof.collectors.compile_watch import CompileWatch
+from dtprof.collectors.parts import Parts, RankContext, StepFlags
+from dtprof.collectors.records import Clock, Event, Meta, span_row
+from dtprof.collectors.sampling import Sampler
+from dtprof.collectors.stepclock import StepClock, on_ctx, own_threads_cpu_s
 
 if TYPE_CHECKING:     # imported when the Recorder starts (torch.distributed is not imported before)
     from dtprof.collectors.heartbeat import Heartbeat
     from dtprof.collectors.hooks_collectives import CollectiveHooks
     from dtprof.collectors.hooks_functional import FunctionalHooks
-    from dtprof.collectors.parts import RankContext
 
 now = time.monotonic_ns
 _OPTIONS_DEFAULT = {"trace_steps": None, "count_flops": False, "hang_timeout_s": None, "flush_interval_s": 1.0,
                     "full_detail": False, "sample_every": None}
-# Step sampling (docs/cli-run.md, "Sampling")
-SAMPLE_FROM = 32             # steps before this one are all in full detail (warm-up, compiles, the FLOP step)
-SAMPLE_CALIBRATION = 32      # then this many steps alternate boundary-only and full-detail blocks
-SAMPLE_BLOCK = DETAIL_BLOCK  # steps per full-detail block (4)
-# dtprof's cost per step, as a fraction of the step, that the detail's sampling keeps under: half of the 1 % dtprof
-# may cost, the other half left to what every step pays (the boundary's optimizer hooks, the flusher's rows)
-SAMPLE_BUDGET = 0.005
-# Steps this long are never sampled: their detail cost a GPU job 0.11-0.25 % of a 38 ms step (H200), and full
-# detail is what a long step's user expects. On a CPU a compiled DDP job's ~72 ms step pays more, mostly torch's
-# Python-kernel call per DDP bucket (benchmarks/c10d_kernel_cost.py; docs/validation.md)
-SAMPLE_LONG_NS = 50_000_000
-SAMPLE_MAX_PERIOD = 4096
-# A calibration whose difference is within the steps' noise leaves steps this long in full detail (and calibrates
-# again later); shorter steps are sampled with the detail priced at the noise: a detailed step's tens of µs of
-# Python are a large share of them, and a busy machine's noise must not leave them all detailed
-SAMPLE_NOISY_NS = 5_000_000
-# The footprint: a rank's files may grow by about this much a day (issue: <= 50 MB a rank and day at 10 steps a
-# second; the rest is the node's NVML and events files). Every FOOTPRINT_CHECK_STEPS steps, once at least
-# FOOTPRINT_CHECK_S since the last check, a rank whose files grew faster samples its detail more sparsely; every
-# step's boundary row is kept whatever it costs.
-FOOTPRINT_BYTES_PER_DAY = 40_000_000
-FOOTPRINT_CHECK_STEPS = 1024
-FOOTPRINT_CHECK_S = 60
-NS_PER_S = 1_000_000_000
-RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 _ANNOTATABLE = ("tokens", "samples", "model_flops", "stage", "microbatch")
 
 
@@ -118,114 +98,69 @@ def _last_error_line() -> str:
 
 
 class Recorder:
-    """Everything dtprof knows and does inside one rank. ``STATE`` is the only instance.
+    """One rank's recording: its start, writer, flusher and exit, and the objects it owns (module docstring).
+    ``STATE`` is the only instance.
 
-    Heartbeat and watchdog read ``active``, ``disabled``, ``rank``, ``step``, ``collective`` (the blocking
-    collective the main thread is in: its row, or the row's columns up to ``issue_ns``, and when it entered; else
-    None), ``last_progress_ns`` and ``rank_dir``: plain attributes.
-    The rest is bookkeeping of the main thread's step, kept here so that one object holds the rank's state."""
+    The heartbeat reads ``rank``, ``step``, ``collective`` (the blocking collective the main thread is in: its row,
+    or the row's columns up to ``issue_ns``, and when it entered; else None) and ``last_progress_ns`` from the
+    rank's ``RankContext``; the recorder names them too, with ``active``, ``disabled`` and ``rank_dir``."""
 
     def __init__(self):
-        self.active = False        # recording
-        self.disabled = False      # a fault switched dtprof off for this rank
         self.rank = -1
-        self.step = 0              # index of the step in progress
-        self.collective = None     # (row or its first columns, entered_ns) of the collective the main thread is in
-        self.last_progress_ns = 0
         self.rank_dir = None
         self.host = socket.gethostname()
         self.options = {}
+        # what the hook objects and parts may know and do (collectors/parts.py): the flags above are kept there
+        self.ctx = ctx = RankContext(self.rank, self.host, self.rank_dir, self.options, self.add, self.fault,
+                                     self.event, self.meta)
+        ctx.extend, ctx.span, ctx.refresh_identity = self.extend, self.span, self.refresh_identity
+        self.flags = StepFlags()   # per-step state shared with the DDP and pipelining hooks
         self.writer = None         # the RankWriter (None until init)
         self.append_span = None    # the writer's append for the spans table
         self.append_collective = None   # and for the collectives table (a synchronous collective's row)
         self.append_step = None    # and for the steps table
-        self.fault_test = ""       # tests only: DTPROF_TEST_FAULT=<hook>[@<rank>] injects a fault ("collective", ...)
-        # ---- per-step bookkeeping (main thread only) ----
-        self.init_ns = 0
-        self.step_start_ns = None  # start of the step in progress (None before the first forward)
-        self.prev_step_end_ns = None
-        self.run_delay_fd = None   # the training thread's /proc schedstat (None: not Linux, or no step started yet)
-        self.run_delay_mark = None  # its run delay (ns) when the step in progress started
-        self.fwd_depth = 0
-        self.fwd_t0 = 0
-        self.fwd_ev0 = None
-        self.fwd_seen_in_step = False
-        self.in_backward = False
-        self.opt_t0 = 0
-        self.opt_ev0 = None
-        self.manual_steps = False
-        # evaluation between steps (module docstring, "Evaluation")
-        self.grad_enabled = None   # torch.is_grad_enabled, bound with the hooks (no import per call)
-        self.trained = set()       # ids of step 0's roots whose forward ran with gradients, and the modules they wrap
-        self.in_eval_call = False  # the top-level forward in progress is an evaluation forward
-        self.eval_forwards = []    # the evaluation stretch in progress: [model id, start, end] per forward
-        self.annot = {}
-        self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
-        self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
-        self.pp_active = 0         # >0 while a pipeline schedule's step() runs (CollectiveHooks)
-        self.parked_hooks = []     # (hooks dict, key, hook, first) of hooks out for now (park_hooks)
-        self.ddp_last_issue_ns = None   # issue time of DDP's last bucket in the backward in progress
-        self.ddp_next_bucket = 0   # index of DDP's next bucket in the backward in progress (no comm hook)
-        self.complete_ddp = None   # collective_hooks.complete_ddp, bound at start (no lookup per step)
-        self.trace_capture = None
-        self.flop_mode = None
-        self.flops_step = None
         self.identity_new = None   # a fresh rank.json dict computed on the main thread, written by the flusher
-        self.threads_cpu_step0 = None   # dtprof's threads' CPU seconds when step 0 ended (dtprof_threads_cpu)
-        self.rss_read_ns = -RSS_READ_INTERVAL_NS   # when peak_mem_bytes last read the RSS high-water mark (CPU)
-        self.rss_peak = 0
+        self.trace_capture = None
+        # ---- the step in progress and its hooks (collectors/stepclock.py) ----
+        self.clock = clock = StepClock(ctx, self.flags)
+        # torch.compile: Dynamo never traces dtprof (collectors/compile_watch.py)
+        self.compiler = clock.compiler = CompileWatch(ctx, self.on_compile_start, clock.fwd_pre_hook, clock.fwd_hook,
+                                                      clock.modules.compiled_roots)
+        self.sampler = clock.sampler = Sampler(ctx, self.set_detail)   # full detail or not (collectors/sampling.py)
+        self.ab = clock.ab = AbBlocks(self.switch_path_hooks, clock.restart_step)   # benchmarks (collectors/ab.py)
         # ---- collectives (hooks_collectives.py, hooks_functional.py) ----
         self.collective_hooks: CollectiveHooks | None = None     # made at start
         self.functional_hooks: FunctionalHooks | None = None     # and DeviceMesh's hooks, made at start
         self.heartbeat: Heartbeat | None = None
         self.final_flushed = False            # ray_exit.final_flush ran (a Ray worker, flushed before Ray kills it)
-        self.groups = {}           # id(pg) or None -> (name, size, pg, the group's seq counter)
-        self.seq = {}              # group name or (group, src, dst) -> itertools.count() of its seqs
-        self.pending = {}          # completion key -> (work, rows, issue_ns): async ops awaiting completion
-        # NCCL works completed on the host whose GPU-side duration the flusher reads once the GPU has run them
-        # (CollectiveHooks.resolve_gpu_durations). A deque: future callbacks append while the flusher pops.
-        self.timed = collections.deque()
-        # ---- CUDA timing (decided at the first forward) ----
-        self.cuda = None           # None undecided, False host timing, True CUDA events
-        self.cuda_anchor = None    # (event, host_ns) recorded after one synchronize
-        self.cuda_pending = []     # [((step, kind), start_event, end_event)] resolved by the flusher
         # ---- installed hooks ----
         self.hook_handles = []     # optimizer hooks: the post-hook (every step's boundary)
         self.opt_pre_handle = None  # the pre-hook (the optimizer span's start): only while steps are detailed
-        self.module_handles = []   # forward hooks: global ones during step 0, then on the root modules only
-        self.wrapped_handles = {}  # id(trained root) -> the handles of the hooks on the modules it wraps
-        self.roots = None          # weakref.WeakSet of the modules seen at nesting depth 0 in step 0
-        self.global_hooks_on = False   # the global module hooks are installed (step 0, until a compile starts)
-        self.in_flight = []        # ids of the modules whose forward is under way, while the global hooks are on
-        self.compile_watch = False  # Dynamo's compile-start callback is registered (on_compile_start)
         self.waiter = None         # identity's waiter while this process does not know its rank yet
-        self.compiled_roots = set()  # ids of modules compiled with Module.compile(): timed by their call wrapper
-        self.is_compiling = None   # torch.compiler.is_compiling, bound with the hooks
-        self.flop_stance = None    # the force_eager stance of the FLOP-counting step (flops_start)
         self.orig_backward = None
         self.orig_next = None      # torch.utils.data's _BaseDataLoaderIter.__next__
-        # ---- step sampling (docs/cli-run.md, "Sampling") ----
-        self.detail = True         # the step in progress is recorded in full detail (else its boundary only)
-        self.sample_period = None  # None: undecided; 0: every step in detail; P: SAMPLE_BLOCK steps every P
-        self.sample_times = []     # durations (ns) of steps 8..31: are steps long?
-        self.calibration_from = SAMPLE_FROM   # the first step of the calibration in progress or last made
-        self.calibration = []      # (in detail, duration ns) of the calibration's steps
-        self.recalibrate_at = None  # the step at which a calibration that kept full detail is made again
-        self.last_inferred = {}    # the last detailed step's inferred samples/tokens (boundary-only steps repeat them)
-        self.footprint_mark = None  # (monotonic ns, the writer's bytes) at the last footprint check
-        # ---- A/B blocks (module docstring) ----
-        self.ab_block = 0          # switch the hooks off and on every this many optimizer steps (0: never)
-        self.ab_steps = 0          # optimizer steps seen so far
-        self.ab_off = False        # the hooks are out (an "off" block)
         # ---- rank-side parts (collectors/parts.py): made at start ----
-        self.ctx: RankContext | None = None
         self.parts = Parts([], self.part_fault)
+
+    # The rank's flags live in its RankContext, where the hook objects read them; these name them on the Recorder
+    # too (the heartbeat, raytrain.py, the tests and the benchmarks read them here).
+    active = on_ctx("active")
+    disabled = on_ctx("disabled")
+    step = on_ctx("step")
+    detail = on_ctx("detail")
+    collective = on_ctx("collective")
+    last_progress_ns = on_ctx("last_progress_ns")
+    fault_test = on_ctx("fault_test")
 
     # ---- rows ----------------------------------------------------------------------------------------------
 
     def add(self, row) -> None:
         """Append one typed row (collectors/records.py) to its table."""
         self.writer.append(row.table, row)
+
+    def extend(self, table: str, rows: list) -> None:
+        """Append several rows (plain tuples) to one table."""
+        self.writer.extend(table, rows)
 
     def fault(self, where: str) -> None:
         """Disable dtprof on this rank after a fault of its own: a ``fault`` meta row (the fact) and an events
@@ -271,42 +206,15 @@ class Recorder:
 
     # ---- identity ------------------------------------------------------------------------------------------
 
-    def identity(self) -> dict:
-        import torch
-
+    def rank_json(self) -> dict:
         from dtprof.collectors import identity
 
-        env = os.environ
-        ident = {
-            "rank": self.rank, "local_rank": identity.local_rank(env),
-            "world_size": int(env.get("WORLD_SIZE", 1)),
-            "node_rank": identity.node_rank(env),
-            "host": self.host, "pid": os.getpid(), "node": os.path.basename(os.path.dirname(self.rank_dir)),
-            "device_type": "cpu", "device_index": None, "device_name": "cpu", "device_uuid": "",
-            "device_mem_total_bytes": None, "backend": "",
-            "torch_version": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv,
-            "options": self.options,
-        }
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                ident["backend"] = str(dist.get_backend())
-                ident["world_size"] = dist.get_world_size()
-        except Exception:
-            pass
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            i = torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(i)
-            ident.update(device_type="cuda", device_index=i, device_name=props.name,
-                         device_uuid=str(getattr(props, "uuid", "")),
-                         device_mem_total_bytes=int(props.total_memory))
-        return ident
+        return identity.rank_identity(self.rank, self.host, self.rank_dir, self.options)
 
     def refresh_identity(self) -> None:
         """Recompute rank.json on the calling (main) thread, e.g. after init_process_group; the flusher writes
         it."""
-        self.identity_new = self.identity()
+        self.identity_new = self.rank_json()
 
     # ---- start-up ------------------------------------------------------------------------------------------
 
@@ -314,23 +222,28 @@ class Recorder:
         from dtprof.collectors import hooks_collectives, hooks_functional
         from dtprof.runformat import RankWriter
 
-        self.rank, self.rank_dir, self.options = rank, rdir, opts
+        ctx = self.ctx
+        self.rank, self.rank_dir, self.options = ctx.rank, ctx.rank_dir, ctx.options = rank, rdir, opts
         where, _, only_rank = os.environ.get("DTPROF_TEST_FAULT", "").partition("@")
         self.fault_test = where if (not only_rank or int(only_rank) == rank) else ""
         self.writer = RankWriter(node_dir, rank)
-        self.append_span = self.writer.appender("spans")
-        self.append_collective = self.writer.appender("collectives")
+        self.append_span = ctx.append_span = self.writer.appender("spans")
+        self.append_collective = ctx.append_collective = self.writer.appender("collectives")
         self.append_step = self.writer.appender("steps")
-        self.init_ns = now()
-        self.last_progress_ns = self.init_ns
-        self.writer.write_identity(self.identity())
+        clock = self.clock
+        self.last_progress_ns = clock.init_ns = now()
+        clock.rank, clock.append_span, clock.append_step = rank, self.append_span, self.append_step
+        self.writer.write_identity(self.rank_json())
         self.clock_row()
-        self.ab_block = int(os.environ.get("DTPROF_AB_BLOCK_STEPS") or 0)
+        self.ab.block = self.sampler.ab_block = int(os.environ.get("DTPROF_AB_BLOCK_STEPS") or 0)
+        self.sampler.writer = self.writer
         self.install_train_hooks()
-        hooks = self.collective_hooks = hooks_collectives.CollectiveHooks(self)
+        hooks = self.collective_hooks = hooks_collectives.CollectiveHooks(
+            ctx, self.flags, (clock.begin_pipeline_step, clock.end_pipeline_step))
+        ctx.group = hooks.rows.group
         hooks.install()
-        self.complete_ddp = hooks.complete_ddp
-        self.functional_hooks = hooks_functional.FunctionalHooks(self, hooks)
+        clock.end_ddp_backward = hooks.ddp.end_backward
+        self.functional_hooks = hooks_functional.FunctionalHooks(ctx, hooks.rows)
         self.functional_hooks.install()     # hybrid hook-in: functional collectives, DeviceMesh
         self.start_parts(opts)
         self.active = True
@@ -339,12 +252,9 @@ class Recorder:
 
     def start_parts(self, opts) -> None:
         """The rank-side parts (collectors/parts.py), over a context that is not the recorder."""
-        from dtprof.collectors.parts import RankContext, make_parts
+        from dtprof.collectors.parts import make_parts
 
-        self.ctx = RankContext(self.rank, self.host, self.rank_dir, opts, self.add, self.fault, self.event,
-                               self.meta)
-        self.ctx.detail = self.detail
-        self.parts = make_parts(opts, self.part_fault)
+        self.parts = self.clock.parts = make_parts(opts, self.part_fault)
         self.parts.install(self.ctx)
 
     def part_fault(self, where: str) -> None:
@@ -357,7 +267,7 @@ class Recorder:
 
         try:
             if self.heartbeat is None:
-                self.heartbeat = Heartbeat(self.rank_dir, self)
+                self.heartbeat = Heartbeat(self.rank_dir, self.ctx)
                 self.heartbeat.start()
         except Exception:
             self.event("warning", f"heartbeat did not start: {_last_error_line()}")
@@ -367,8 +277,9 @@ class Recorder:
                 from dtprof.collectors.trace_capture import TraceCapture
 
                 a, b = str(opts.get("trace_steps") or sample["steps"]).split(":")
-                self.trace_capture = TraceCapture(self.rank_dir, int(a), int(b), on_window=self.trace_window,
-                                                  gpu_only=not opts.get("trace_steps") and sample.get("gpu_only"))
+                self.trace_capture = self.clock.trace_capture = TraceCapture(
+                    self.rank_dir, int(a), int(b), on_window=self.trace_window,
+                    gpu_only=not opts.get("trace_steps") and sample.get("gpu_only"))
             except Exception:
                 self.event("warning", f"trace capture unavailable: {_last_error_line()}")
 
@@ -377,11 +288,11 @@ class Recorder:
     def flush_once(self) -> None:
         if self.writer is None:
             return
-        if self.cuda:
-            self.resolve_cuda_events()
+        if self.clock.cuda.on:
+            self.clock.cuda.resolve()
         if self.collective_hooks is not None:
-            self.collective_hooks.expire_pending()
-            self.collective_hooks.resolve_gpu_durations()
+            self.collective_hooks.rows.expire_pending()
+            self.collective_hooks.rows.resolve_gpu_durations()
         ident, self.identity_new = self.identity_new, None
         if ident is not None:
             self.writer.write_identity(ident)
@@ -409,16 +320,17 @@ class Recorder:
                     self.trace_capture.close()
                 except Exception:
                     self.event("warning", "trace capture close failed: " + _last_error_line())
-            if self.cuda:
+            if self.clock.cuda.on:
                 import torch
 
                 torch.cuda.synchronize()      # at exit only: lets the last steps' CUDA-event spans resolve
-            if self.eval_forwards:         # an evaluation after the last step
-                self.end_evaluation()
+            if self.clock.eval_forwards:         # an evaluation after the last step
+                self.clock.end_evaluation()
             if self.collective_hooks is not None:
-                self.collective_hooks.expire_pending(all_=True)
-                self.collective_hooks.resolve_gpu_durations(final=True)
-            self.meta("dtprof_threads_cpu", {"threads": _own_threads_cpu_s(), "at_step0_end": self.threads_cpu_step0,
+                self.collective_hooks.rows.expire_pending(all_=True)
+                self.collective_hooks.rows.resolve_gpu_durations(final=True)
+            self.meta("dtprof_threads_cpu", {"threads": own_threads_cpu_s(),
+                                             "at_step0_end": self.clock.threads_cpu_step0,
                                              "steps": self.step})
             if self.parts.on_exit:
                 self.parts.call(self.parts.on_exit)
@@ -449,492 +361,13 @@ class Recorder:
         except Exception:
             pass
 
-    # ---- CUDA event timing (recorded in hooks, resolved in the flusher, never synchronising training) ------
-
-    def decide_cuda(self) -> None:
-        import torch
-
-        self.cuda = bool(torch.cuda.is_available() and torch.cuda.is_initialized())
-        if self.cuda:
-            torch.cuda.synchronize()          # once, before the first step: pairs a GPU event with a host time
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            ev.synchronize()
-            self.cuda_anchor = (ev, now())
-
-    @staticmethod
-    def cuda_event():
-        import torch
-
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def resolve_cuda_events(self) -> None:
-        """Turn finished event pairs into spans. The hot path only appends to ``cuda_pending``; this thread
-        removes the prefix it looked at (list slice operations are atomic under the GIL)."""
-        anchor, anchor_ns = self.cuda_anchor
-        pending = self.cuda_pending
-        n = len(pending)
-        keep = []
-        for item in pending[:n]:
-            (step, kind), e0, e1 = item
-            if e1.query() and e0.query():
-                t0, t1 = (anchor_ns + int(anchor.elapsed_time(e) * 1e6) for e in (e0, e1))
-                self.append_span(span_row(self.rank, step, kind, kind, t0, t1, lane="cuda", source="cuda_event"))
-            else:
-                keep.append(item)
-        del pending[:n]
-        pending[:0] = keep
-
-    def cuda_span(self, kind, ev0) -> None:
-        """A forward, backward or optimizer span whose device time comes from the CUDA event ``ev0`` and one
-        recorded now (resolve_cuda_events); the hooks append a host-timed one themselves when ``ev0`` is None."""
-        self.cuda_pending.append(((self.step, kind), ev0, self.cuda_event()))
-
-    # ---- training hooks: module forward, backward, optimizer -----------------------------------------------
-
-    def fwd_pre_hook(self, module, args, kwargs=None):
-        """Global hook in step 0, then registered on the roots with ``with_kwargs`` (install_module_hooks)."""
-        if self.is_compiling() or self.disabled:     # traced by Dynamo: nothing of dtprof's may enter a graph
-            return None
-        try:
-            self.fwd_depth += 1
-            if self.global_hooks_on:
-                self.in_flight.append(id(module))
-                if not self.compile_watch and "torch._dynamo" in sys.modules:
-                    self.watch_compiles()
-            if self.fwd_depth == 1 and not self.in_backward:
-                t = now()
-                grad = self.grad_enabled()
-                if not grad and not self.fwd_seen_in_step and (self.step == 0 or id(module) in self.trained):
-                    if self.step == 0:
-                        self.note_root(module)     # a frozen model run before training is still a root
-                    self.evaluation_forward(module, t)
-                    return None
-                self.in_eval_call = False
-                if self.step == 0:
-                    self.note_root(module)
-                    if grad:
-                        self.note_trained(module)
-                if self.eval_forwards:
-                    self.end_evaluation()
-                if grad and not self.pp_active:    # what the trained model consumes: not a frozen teacher's input
-                    self.count_inputs(args, kwargs)   # (a pipeline's: begin_pipeline_step)
-                if self.fault_test == "forward":
-                    raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
-                if self.cuda is None:
-                    self.decide_cuda()
-                if not self.fwd_seen_in_step:
-                    self.fwd_seen_in_step = True
-                    if self.step_start_ns is None:
-                        self.step_start_ns = t
-                        self.run_delay_fd = _open_run_delay()
-                        self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
-                self.fwd_t0 = t
-                self.fwd_ev0 = self.cuda_event() if self.cuda else None
-                self.last_progress_ns = t
-                wrapped = self.wrapped_handles.get(id(module))
-                if wrapped and not self.parked_hooks:
-                    self.park_hooks(wrapped)
-        except Exception:
-            self.fault("forward pre-hook")
-        return None
-
-    def count_inputs(self, args, kwargs) -> None:
-        """Samples/tokens of this top-level call, summed over the step (collectors/inputs.py)."""
-        got = inputs.batch_counts(args, kwargs)
-        if got is None:
-            return
-        for key, n in zip(("samples", "tokens"), got):
-            if n is not None:
-                self.inferred[key] = self.inferred.get(key, 0) + n
-                if key not in self.inferred_sources:
-                    self.inferred_sources[key] = inputs.SOURCE[key]
-                    self.meta("step_inputs", dict(self.inferred_sources))
-
-    def begin_forward(self, module, args) -> None:
-        """The forward pre-hook for a call already under way when recording started (collectors/identity.py)."""
-        if self.active:
-            self.fwd_pre_hook(module, args)
-
-    def note_root(self, module) -> None:
-        if self.roots is None:
-            import weakref
-
-            self.roots = weakref.WeakSet()
-        self.roots.add(module)
-
-    def note_trained(self, module) -> None:
-        self.trained.update(id(m) for m in (module, *_wrapped_modules(module)))
-
-    def evaluation_forward(self, module, t: int) -> None:
-        """A forward without gradients before the step's first training forward: of the trained model, or in step
-        0 of any model (which ones were evaluation is known once one trains: ``end_evaluation``)."""
-        self.in_eval_call = True
-        self.eval_forwards.append([id(module), t, t])    # its end: fwd_hook sets it
-        self.last_progress_ns = t          # a long evaluation is progress, not a hang
-
-    def end_evaluation(self) -> None:
-        """Record the evaluation stretch in progress; the step in progress starts again at its end. In step 0 the
-        stretch ends with the last forward of a model that then trained: the forwards after it (a frozen teacher
-        before the first training forward) are the step's, and with none, there was no evaluation (a loop that
-        never trains: the step starts at its first forward)."""
-        forwards, self.eval_forwards = self.eval_forwards, []
-        t0 = forwards[0][1]
-        calls = len(forwards)
-        if self.step == 0:
-            calls = max((i + 1 for i, (mid, _, _) in enumerate(forwards) if mid in self.trained), default=0)
-        t1 = forwards[calls - 1][2] if calls else t0
-        if calls:   # from the previous step's end: the time between two steps is the evaluation's
-            start = self.prev_step_end_ns if self.prev_step_end_ns is not None else t0
-            self.span("evaluation", f"{calls} forward(s) without gradients", start, t1)
-        self.step_start_ns = t1
-        if self.run_delay_fd is None:      # an evaluation before step 0's first training forward
-            self.run_delay_fd = _open_run_delay()
-        self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
-
-    def record_model(self) -> None:
-        """A ``model`` meta row at the end of step 0: the parameters of the root modules (each parameter once; a
-        DTensor counts its global shape, a plain shard its local one), part of what identifies a configuration
-        (`dtprof compare`). Once per run; a model that cannot be counted is left out, never a fault."""
-        try:
-            roots = list(self.roots or ())
-            if not roots:
-                return
-            params = {id(p): p for m in roots for p in m.parameters()}
-            self.meta("model", {"parameters": int(sum(p.numel() for p in params.values())),
-                                "modules": sorted({type(m).__name__ for m in roots})})
-        except Exception:
-            pass
-
-    def fwd_hook(self, module, args, output):
-        if self.is_compiling() or self.disabled:
-            return None
-        try:
-            self.fwd_depth -= 1
-            if self.global_hooks_on and self.in_flight:
-                self.in_flight.pop()
-            if self.fwd_depth <= 0:
-                self.fwd_depth = 0
-                if self.in_eval_call:
-                    self.in_eval_call = False
-                    self.eval_forwards[-1][2] = now()
-                elif not self.in_backward and not self.pp_active:
-                    if self.fwd_ev0 is not None:
-                        self.cuda_span("forward", self.fwd_ev0)
-                    else:
-                        self.append_span(span_row(self.rank, self.step, "forward", "forward", self.fwd_t0, now()))
-                    if self.parked_hooks:
-                        self.unpark_hooks()
-        except Exception:
-            self.fault("forward hook")
-        return None
-
-    def timed_backward(self, orig):
-        rec = self
-
-        def backward(*args, **kwargs):
-            if rec.disabled or rec.in_backward:
-                return orig(*args, **kwargs)
-            try:
-                t0 = now()
-                ev0 = rec.cuda_event() if rec.cuda else None
-                rec.ddp_last_issue_ns = None
-                rec.ddp_next_bucket = 0
-                if rec.parts.on_backward and args:
-                    rec.parts.call(rec.parts.on_backward, args[0])
-            except Exception:
-                rec.fault("backward")
-                return orig(*args, **kwargs)
-            rec.in_backward = True
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                rec.in_backward = False
-                try:
-                    t1 = now()
-                    rec.last_progress_ns = t1
-                    if not rec.pp_active:
-                        if ev0 is not None:
-                            rec.cuda_span("backward", ev0)
-                        else:
-                            rec.append_span(span_row(rec.rank, rec.step, "backward", "backward", t0, t1))
-                    if rec.ddp_last_issue_ns is not None:
-                        # DDP blocks at the end of backward until its last buckets are reduced.
-                        rec.append_span(span_row(rec.rank, rec.step, "comm_wait", "ddp_final_wait",
-                                                 rec.ddp_last_issue_ns, t1))
-                        rec.ddp_last_issue_ns = None
-                        if rec.pending:   # DDP's collectives whose completion callback has not run yet
-                            rec.complete_ddp(t1)
-                except Exception:
-                    rec.fault("backward")
-
-        backward.__wrapped__ = orig
-        backward.__name__ = getattr(orig, "__name__", "backward")
-        backward.__doc__ = getattr(orig, "__doc__", None)
-        return backward
-
-    def timed_next(self, orig):
-        rec = self
-
-        def __next__(it):
-            if rec.disabled:
-                return orig(it)
-            t0 = now()
-            try:
-                return orig(it)
-            finally:
-                try:
-                    rec.append_span(span_row(rec.rank, rec.step, "data_wait", "DataLoader.__next__", t0, now()))
-                except Exception:
-                    rec.fault("DataLoader.__next__")
-
-        __next__.__wrapped__ = orig
-        return __next__
-
-    def opt_pre_hook(self, optimizer, args, kwargs):
-        if self.disabled or self.ab_off or not self.detail:
-            return None
-        try:
-            self.opt_t0 = now()
-            self.opt_ev0 = self.cuda_event() if self.cuda else None
-        except Exception:
-            self.fault("optimizer pre-hook")
-        return None
-
-    def opt_post_hook(self, optimizer, args, kwargs):
-        if self.disabled:
-            return None
-        try:
-            if self.parts.on_optimizer_step:     # before the step ends: ctx.step is still this optimizer step's
-                self.parts.call(self.parts.on_optimizer_step, optimizer)
-            if not self.detail:
-                if not self.manual_steps:
-                    self.end_boundary_step(now())
-            elif not self.ab_off:
-                t = now()
-                if self.opt_ev0 is not None:
-                    self.cuda_span("optimizer", self.opt_ev0)
-                else:
-                    self.append_span(span_row(self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t))
-                if not self.manual_steps:
-                    self.end_step(t)
-            if self.ab_block:
-                self.ab_step_done()
-        except Exception:
-            self.fault("optimizer post-hook")
-        return None
-
-    def peak_mem_bytes(self):
-        if self.cuda:
-            import torch
-
-            peak = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            return int(peak)
-        # A system call that sums over all the process's threads (~10 us on the training thread of a busy 2-core
-        # VM, timed in a tiny DDP step); the value only grows, so steps under RSS_READ_INTERVAL_NS apart reuse the
-        # last reading.
-        t = now()
-        if t - self.rss_read_ns >= RSS_READ_INTERVAL_NS:
-            self.rss_read_ns = t
-            self.rss_peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
-        return self.rss_peak
-
-    def end_step(self, t: int) -> None:
-        """Close the step in progress at host time ``t`` (main thread)."""
-        if not self.detail:
-            self.end_boundary_step(t)
-            return
-        if self.eval_forwards:             # dtprof.step() right after an evaluation: the step starts at its end
-            self.end_evaluation()
-        if self.parked_hooks and not self.pp_active:     # a training forward that raised: fwd_hook never ran
-            self.unpark_hooks()
-        step = self.step
-        start = self.step_start_ns if self.step_start_ns is not None else self.init_ns
-        a, inferred = self.annot, self.inferred
-        mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
-        cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
-        self.append_step(step_row(
-            self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
-            a.get("samples", inferred.get("samples")), a.get("model_flops"),
-            self.flops_finish(step) if self.flops_step is not None else None, cpu_wait))
-        if step == 0:
-            # the threads' CPU from here to exit is what they cost the steps after step 0 (start-up excluded)
-            self.threads_cpu_step0 = _own_threads_cpu_s()
-            self.refresh_identity()           # the device and the process group are set up by now
-            self.record_model()
-            self.hooks_to_roots()
-        if a:
-            self.annot = {}
-        if inferred:
-            self.inferred = {}
-            self.last_inferred = inferred
-        self.prev_step_end_ns = self.step_start_ns = t
-        self.fwd_seen_in_step = False
-        self.fwd_depth = 0
-        self.step = step + 1
-        self.last_progress_ns = t
-        if self.trace_capture is not None:
-            self.trace_step_end(step)
-        if self.options.get("count_flops") and self.step == 1:
-            self.flops_start()
-        self.sample_next(step, t - start)
-        self.parts_step_end(step, t, True)
-
-    def parts_step_end(self, step: int, t: int, detailed: bool) -> None:
-        if self.ctx is not None:
-            self.ctx.step = self.step
-        if self.parts.on_step_end:
-            self.parts.call(self.parts.on_step_end, step, t, detailed)
-
-    def trace_step_end(self, step: int) -> None:
-        try:
-            self.trace_capture.on_step_end(step)
-        except Exception:
-            self.event("warning", "trace capture failed: " + _last_error_line())
-
-    # ---- step sampling: full detail for blocks of steps, the step boundary for the others -------------------
-
-    def end_boundary_step(self, t: int) -> None:
-        """Close a boundary-only step: its times, the annotations, and the samples/tokens the last detailed step
-        inferred (the same loader's batches); nothing else was recorded in it."""
-        step, start, a, inferred = self.step, self.step_start_ns, self.annot, self.last_inferred
-        if start is None:
-            start = self.init_ns
-        self.append_step(step_row(self.rank, step, start, t, None, a.get("tokens", inferred.get("tokens")),
-                                  a.get("samples", inferred.get("samples")), a.get("model_flops"), None, None, 0))
-        if a:
-            self.annot = {}
-        self.prev_step_end_ns = self.step_start_ns = t
-        self.step = step + 1
-        self.last_progress_ns = t
-        if self.trace_capture is not None:
-            self.trace_step_end(step)
-        self.sample_next(step, t - start)
-        self.parts_step_end(step, t, False)
-
-    def sample_next(self, step: int, duration_ns: int) -> None:
-        """After step ``step`` ended: is the next one in full detail? Steps before SAMPLE_FROM are. Steps of
-        SAMPLE_LONG_NS or more are never sampled. Otherwise SAMPLE_CALIBRATION steps alternate boundary-only and
-        detailed blocks; dtprof's cost of a detailed step is the difference of the two medians, and when it is over
-        SAMPLE_BUDGET of the boundary-only step, detailed blocks of SAMPLE_BLOCK steps start every P steps (P a
-        power of two, so ranks that measured different P still share the detailed steps of the largest). A
-        calibration that found the cost under budget is repeated at twice its start step, then four times, ...
-        (one noisy measurement does not decide a long job; every rank calibrates at the same steps)."""
-        nxt = step + 1
-        if nxt % FOOTPRINT_CHECK_STEPS == 0 and self.sample_period is not None:
-            self.check_footprint(nxt)
-        if self.sample_period == 0:
-            if nxt != self.recalibrate_at:
-                return
-            self.sample_period, self.calibration_from, self.sample_times = None, nxt, []
-            self.recalibrate_at = 2 * nxt
-        elif self.sample_period is None:
-            if nxt <= SAMPLE_FROM and step >= 8:      # the steps that tell a long step
-                self.sample_times.append(duration_ns)
-            elif nxt > self.calibration_from:
-                self.calibration.append((self.detail, duration_ns))
-        if self.sample_period is None:
-            if nxt < SAMPLE_FROM:
-                return
-            if nxt == SAMPLE_FROM:
-                if self.options.get("sample_every") and not self.ab_block:
-                    self.decide_sampling(int(self.options["sample_every"]), "--sample-every")
-                    self.set_detail(nxt % self.sample_period < SAMPLE_BLOCK)
-                    return
-                if self.ab_block or self.options.get("full_detail") or self.options.get("trace_steps"):
-                    self.decide_sampling(0, "full detail asked for" if self.options.get("full_detail") else None)
-                    return
-                long = _median(self.sample_times)
-                if long is not None and long >= SAMPLE_LONG_NS:
-                    self.decide_sampling(0, None)
-                    return
-                self.recalibrate_at = 2 * (SAMPLE_FROM + SAMPLE_CALIBRATION)
-            if nxt < self.calibration_from + SAMPLE_CALIBRATION:
-                self.set_detail(((nxt - self.calibration_from) // SAMPLE_BLOCK) % 2 == 1)   # boundary-only first
-                return
-            self.decide_from_calibration()
-            if self.sample_period == 0:
-                self.set_detail(True)
-                return
-        if (nxt % self.sample_period < SAMPLE_BLOCK) != self.detail:     # most steps: no call
-            self.set_detail(not self.detail)
-
-    def decide_from_calibration(self) -> None:
-        """The period from the calibration's alternating blocks (boundary-only first). A detailed step's own cost
-        is the median detailed step less the median boundary-only step, each without its block's first step; a
-        detailed block costs more than its steps: switching the detail on lands in its first step and switching
-        it off in the next block's first (hooks and kernels installed and taken out, first calls), several
-        detailed steps' worth on short steps. The period is chosen from the whole block's cost."""
-        calib, self.calibration = self.calibration, []
-        at = lambda detail, first: [d for i, (on, d) in enumerate(calib)   # noqa: E731
-                                    if on == detail and (i % SAMPLE_BLOCK == 0) == first]
-        on, off = at(True, False), at(False, False)
-        base, on_first, off_first = _median(off), _median(at(True, True)), _median(at(False, True))
-        if not base or _median(on) is None or on_first is None or off_first is None:
-            self.decide_sampling(0, None)
-            return
-        cost, noise = max(0, _median(on) - base), max(_mad(on), _mad(off))
-        if cost <= noise:      # within the steps' own spread (median absolute deviation): the machine's noise
-            if base >= SAMPLE_NOISY_NS:
-                self.decide_sampling(0, None, cost, base)     # full detail, calibrated again later
-                return
-            cost = noise       # a short step: priced at the noise (full detail could cost it tens of percent)
-        if cost <= SAMPLE_BUDGET * base:
-            self.decide_sampling(0, None, cost, base)
-            return
-        block = max(0, on_first - base) + (SAMPLE_BLOCK - 1) * cost + max(0, off_first - base)
-        period = 2 * SAMPLE_BLOCK
-        while block > SAMPLE_BUDGET * base * period and period < SAMPLE_MAX_PERIOD:
-            period *= 2
-        self.decide_sampling(period, None, cost, base, block)
-
-    def check_footprint(self, nxt: int) -> None:
-        """Over FOOTPRINT_BYTES_PER_DAY's rate since the last check, the detailed blocks start that many times
-        more sparsely (a power of two, so ranks still share the detailed steps of the sparsest). Sampling the user
-        chose (--full-detail, --sample-every, --trace-steps, A/B blocks) is left as it is."""
-        if self.writer is None or self.ab_block or self.options.get("full_detail") \
-                or self.options.get("sample_every") or self.options.get("trace_steps"):
-            return
-        t, written = now(), self.writer.bytes_written()
-        if self.footprint_mark is None or t - self.footprint_mark[0] < FOOTPRINT_CHECK_S * NS_PER_S:
-            self.footprint_mark = self.footprint_mark or (t, written)
-            return
-        (t0, b0), self.footprint_mark = self.footprint_mark, (t, written)
-        rate, budget = (written - b0) * NS_PER_S / (t - t0), FOOTPRINT_BYTES_PER_DAY / 86_400
-        period = max(self.sample_period or 0, SAMPLE_BLOCK)    # every step in detail: a block every block
-        if rate <= budget or period >= SAMPLE_MAX_PERIOD:
-            return
-        while rate > budget and period < SAMPLE_MAX_PERIOD:     # the detail's bytes fall with its share of steps
-            period, rate = 2 * period, rate / 2
-        self.sample_period = period
-        self.calibration_from = nxt
-        self.meta("sampling", {
-            "period": period, "block": SAMPLE_BLOCK, "from_step": nxt, "calibration": None, "detail_cost_ns": None,
-            "block_cost_ns": None, "step_ns": None, "budget": SAMPLE_BUDGET,
-            "reason": f"footprint: the rank's files grew {(written - b0) * NS_PER_S / (t - t0) / 1e3:.1f} kB/s, "
-                      f"over the {budget / 1e3:.2f} kB/s ({FOOTPRINT_BYTES_PER_DAY / 1e6:.0f} MB a day) it keeps"})
-
-    def decide_sampling(self, period: int, reason, cost_ns=None, step_ns=None, block_cost_ns=None) -> None:
-        self.sample_period = period
-        self.sample_times = []
-        first = self.calibration_from
-        start = first + (SAMPLE_CALIBRATION if cost_ns is not None else 0)
-        self.meta("sampling", {
-            "period": period, "block": SAMPLE_BLOCK, "from_step": start if period else None,
-            "calibration": [first, first + SAMPLE_CALIBRATION] if cost_ns is not None else None,
-            "detail_cost_ns": cost_ns, "block_cost_ns": block_cost_ns, "step_ns": step_ns, "budget": SAMPLE_BUDGET,
-            "reason": reason})
+    # ---- the step boundary only (sampling, collectors/sampling.py), and switching the detail -----------------
 
     def set_detail(self, on: bool) -> None:
         """Full detail (every hook in) or the step boundary only (the optimizer hooks) from the next step on."""
         if on == self.detail:
             return
         self.detail = on
-        if self.ctx is not None:
-            self.ctx.detail = on
         if self.parts.on_detail:
             self.parts.call(self.parts.on_detail, on)
         self.collective_hooks.set_wrappers(on)
@@ -942,149 +375,13 @@ class Recorder:
         if self.hook_handles:
             self.switch_opt_pre_hook(on)
         if on:
-            self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_forwards = False, 0, False, []
-            self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
-            self.inferred = {}
+            self.clock.forget_forwards()
 
-    def flops_start(self) -> None:
-        """Run the next step (step 1) under FlopCounterMode."""
-        import torch
-        from torch.utils.flop_counter import FlopCounterMode
+    def begin_forward(self, module, args) -> None:
+        """The forward pre-hook for a call already under way when recording started (collectors/identity.py)."""
+        self.clock.begin_forward(module, args)
 
-        if "torch._dynamo" in sys.modules:
-            # Under a dispatch mode Dynamo declines a frame and marks its code "skip" for the rest of the process:
-            # the counted step runs eager (force_eager), so compiled code stays compiled afterwards.
-            set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-            if set_stance is None:
-                self.meta("flops_skipped", {"reason": "this torch has no torch.compiler.set_stance: counting FLOPs "
-                                                      "in a compiled job would turn its compiled code eager"})
-                return
-            self.flop_stance = set_stance("force_eager")
-        self.flop_mode = FlopCounterMode(display=False)
-        self.flop_mode.__enter__()
-        self.flops_step = (self.step, now())
-
-    def flops_finish(self, step):
-        if self.flop_mode is None or self.flops_step is None or self.flops_step[0] != step:
-            return None
-        mode, (s, t0) = self.flop_mode, self.flops_step
-        self.flop_mode = self.flops_step = None
-        mode.__exit__(None, None, None)
-        if self.flop_stance is not None:
-            stance, self.flop_stance = self.flop_stance, None
-            stance.__exit__(None, None, None)
-        self.span("flops_count", "FlopCounterMode", t0, now(), step=s)
-        return int(mode.get_total_flops())
-
-    def begin_pipeline_step(self, args) -> None:
-        """A pipeline schedule's ``step(*args)`` starts (hooks_collectives): its micro-batches' forwards are timed
-        by the stage's own chunk spans, so after step 0 (which finds the roots) the root modules' hooks are taken out
-        of their modules for the schedule's step: each micro-batch's call would put the stage module on nn.Module's
-        slow path for nothing (~80 Python lines each). What those hooks do once a step happens here instead, and
-        the samples and tokens are counted once, from the batch the schedule is given (the first stage's: a later
-        stage is called with what the stage before it sent, which is not more samples)."""
-        t = now()
-        if self.eval_forwards:
-            self.end_evaluation()
-        if args:
-            self.count_inputs(args, None)
-        if self.cuda is None:
-            self.decide_cuda()
-        if not self.fwd_seen_in_step:
-            self.fwd_seen_in_step = True
-            if self.step_start_ns is None:
-                self.step_start_ns = t
-                self.run_delay_fd = _open_run_delay()
-                self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
-        self.last_progress_ns = t
-        if self.roots is not None and not self.parked_hooks:
-            self.park_hooks(self.module_handles)
-
-    def park_hooks(self, handles) -> None:
-        """Take these module hooks out of their modules until ``unpark_hooks``: a module with hooks takes
-        nn.Module's slow path on every call. Out during a pipeline schedule's step (begin_pipeline_step), and the
-        hooks of the modules a trained root wraps during its training forward, where they would only count depth
-        (install_module_hooks)."""
-        for h in handles:
-            hooks = h.hooks_dict_ref()
-            if hooks is not None and h.id in hooks:
-                first = next(iter(hooks)) == h.id
-                self.parked_hooks.append((hooks, h.id, hooks.pop(h.id), first))
-
-    def unpark_hooks(self) -> None:
-        """Put parked hooks back where they were (a pre-hook registered first goes first)."""
-        parked, self.parked_hooks = self.parked_hooks, []
-        for hooks, key, hook, first in parked:
-            hooks[key] = hook
-            if first:
-                hooks.move_to_end(key, last=False)
-
-    def install_module_hooks(self) -> None:
-        """Global module hooks put every module call of the program on nn.Module's slow path (~4 us each,
-        measured in benchmarks/overhead.py), so they are used only in step 0 to find the top-level modules; after
-        that the forward hooks sit on those root modules alone. Forward spans after step 0 therefore come from the
-        modules that were top-level in step 0 (a model first called later is not timed as ``forward``).
-        Dynamo traces module hooks into its graphs and guards on the global ones, so they also leave for the roots
-        as soon as Dynamo starts to compile (on_compile_start): no graph is ever traced with them."""
-        from torch.nn.modules import module as nn_module
-
-        if self.roots is None:
-            self.module_handles[:] = [nn_module.register_module_forward_pre_hook(self.fwd_pre_hook),
-                                      nn_module.register_module_forward_hook(self.fwd_hook)]
-            self.global_hooks_on = True
-        else:
-            # the roots and, of the trained ones, the modules they wrap: a framework evaluates the unwrapped model
-            # (the Hugging Face Trainer calls DDP's module directly); inside the wrapper's training forward their
-            # hooks are parked (fwd_pre_hook), so the wrapped module's calls take nn.Module's fast path. A module
-            # compiled with Module.compile() is timed by its call wrapper (wrap_compiled_call): hooks on it would
-            # run inside its graph.
-            handles: dict = {}
-            self.wrapped_handles = {}
-            for m in list(self.roots):
-                wrapped = _wrapped_modules(m) if id(m) in self.trained else []
-                for w in (m, *wrapped):
-                    if id(w) not in handles and id(w) not in self.compiled_roots:
-                        handles[id(w)] = [w.register_forward_pre_hook(self.fwd_pre_hook, prepend=True,
-                                                                      with_kwargs=True),
-                                          w.register_forward_hook(self.fwd_hook)]
-                if wrapped:
-                    self.wrapped_handles[id(m)] = [h for w in wrapped for h in handles.get(id(w), ())]
-            self.module_handles[:] = [h for hs in handles.values() for h in hs]
-            self.global_hooks_on = False
-            # forwards under way when the global hooks left: only those with a hook of their own will call fwd_hook
-            self.fwd_depth = sum(1 for mid in self.in_flight if mid in handles or mid in self.compiled_roots)
-            self.in_flight = []
-
-    def remove_module_hooks(self) -> None:
-        for h in self.module_handles:
-            h.remove()
-        self.module_handles.clear()
-        self.wrapped_handles = {}
-        self.parked_hooks = []
-
-    def hooks_to_roots(self) -> None:
-        if not self.global_hooks_on:
-            return
-        if self.roots is None:             # a compile before any module ran: no root known yet
-            import weakref
-
-            self.roots = weakref.WeakSet()
-        self.remove_module_hooks()         # the global ones (installed while roots was None)
-        self.install_module_hooks()
-
-    # ---- torch.compile: Dynamo must never trace dtprof (docs/cli-run.md, "Compiled models") ----------------
-
-    def watch_compiles(self) -> None:
-        """Have Dynamo call on_compile_start before it traces anything (torch._dynamo is imported by now: the
-        program compiled something; importing it ourselves would cost every job ~1.5 s)."""
-        self.compile_watch = True
-        try:
-            from torch._dynamo.callback import callback_handler
-
-            callback_handler.register_start_callback(self.on_compile_start)
-        except Exception:             # an older torch: the roots' hooks only move at step 0's end
-            self.event("warning", f"Dynamo's compile callbacks are unavailable: {_last_error_line()}")
-        _dynamo_skip_our_code()
+    # ---- torch.compile (collectors/compile_watch.py) ------------------------------------------------------
 
     def on_compile_start(self, _args=None) -> None:
         """Dynamo is about to trace a frame: global module hooks would be traced into its graph and guarded on,
@@ -1094,63 +391,10 @@ class Recorder:
             if self.waiter is not None:
                 waiter, self.waiter = self.waiter, None
                 waiter.identify_now()
-            if self.global_hooks_on and not self.disabled:
-                self.hooks_to_roots()
+            if self.clock.modules.global_hooks_on and not self.disabled:
+                self.clock.hooks_to_roots()
         except Exception:
             self.fault("compile start")
-
-    def patch_compile(self) -> None:
-        """Before the program compiles anything (at ``import torch``): ``torch.compile`` and ``Module.compile``
-        watch Dynamo's compiles (watch_compiles), and ``Module.compile()`` (which compiles the module's own
-        ``_call_impl``, its hooks included) has the module's forward timed by a wrapper around that compiled call,
-        which nn.Module calls outside the graph (wrap_compiled_call)."""
-        import warnings
-
-        import torch
-
-        # torch warns at each call of a torch.compile(module) while global module hooks exist: ours, in step 0
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        rec = self
-        orig_compile, orig_module_compile = torch.compile, torch.nn.Module.compile
-
-        def compile(*args, **kwargs):
-            out = orig_compile(*args, **kwargs)
-            if not rec.compile_watch:
-                rec.watch_compiles()
-            return out
-
-        def module_compile(module, *args, **kwargs):
-            out = orig_module_compile(module, *args, **kwargs)
-            try:
-                rec.wrap_compiled_call(module)
-            except Exception:
-                rec.fault("Module.compile")
-            return out
-
-        for wrapper, orig in ((compile, orig_compile), (module_compile, orig_module_compile)):
-            wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-            wrapper.__doc__ = orig.__doc__
-        torch.compile = compile
-        torch.nn.Module.compile = module_compile
-
-    def wrap_compiled_call(self, module) -> None:
-        inner = module._compiled_call_impl
-        if inner is None:
-            return
-        rec = self
-        self.compiled_roots.add(id(module))
-        if not self.compile_watch:
-            self.watch_compiles()
-
-        def compiled_call(*args, **kwargs):
-            if not rec.active or rec.disabled or not rec.detail:
-                return inner(*args, **kwargs)
-            rec.fwd_pre_hook(module, args, kwargs)
-            out = inner(*args, **kwargs)
-            rec.fwd_hook(module, args, out)
-            return out
-
-        module._compiled_call_impl = compiled_call
 
     def install_train_hooks(self) -> None:
         self.install_optimizer_hooks()
@@ -1164,7 +408,7 @@ class Recorder:
     def install_optimizer_hooks(self) -> None:
         from torch.optim import optimizer as optim
 
-        self.hook_handles[:] = [optim.register_optimizer_step_post_hook(self.opt_post_hook)]
+        self.hook_handles[:] = [optim.register_optimizer_step_post_hook(self.clock.opt_post_hook)]
         self.switch_opt_pre_hook(self.detail)
 
     def switch_opt_pre_hook(self, on: bool) -> None:
@@ -1173,7 +417,7 @@ class Recorder:
         from torch.optim import optimizer as optim
 
         if on and self.opt_pre_handle is None:
-            self.opt_pre_handle = optim.register_optimizer_step_pre_hook(self.opt_pre_hook)
+            self.opt_pre_handle = optim.register_optimizer_step_pre_hook(self.clock.opt_pre_hook)
         elif not on and self.opt_pre_handle is not None:
             self.opt_pre_handle.remove()
             self.opt_pre_handle = None
@@ -1199,19 +443,22 @@ class Recorder:
         import torch
         from torch.utils.data import dataloader
 
-        self.grad_enabled = torch.is_grad_enabled
-        self.is_compiling = torch.compiler.is_compiling
-        self.install_module_hooks()
+        clock = self.clock
+        clock.grad_enabled = torch.is_grad_enabled
+        clock.is_compiling = torch.compiler.is_compiling
+        depth = clock.modules.install()
+        if depth is not None:
+            clock.fwd_depth = depth
         # Tensor.backward calls torch.autograd.backward (looked up at each call): one wrapper times both
         self.orig_backward = torch.autograd.backward
-        torch.autograd.backward = self.timed_backward(self.orig_backward)
+        torch.autograd.backward = clock.timed_backward(self.orig_backward)
         self.orig_next = dataloader._BaseDataLoaderIter.__next__
-        dataloader._BaseDataLoaderIter.__next__ = self.timed_next(self.orig_next)
+        dataloader._BaseDataLoaderIter.__next__ = clock.timed_next(self.orig_next)
 
     def remove_path_hooks(self) -> None:
         import torch
 
-        self.remove_module_hooks()
+        self.clock.modules.remove()
         if self.orig_backward is not None:
             torch.autograd.backward = self.orig_backward
         if self.orig_next is not None:
@@ -1219,127 +466,10 @@ class Recorder:
 
             dataloader._BaseDataLoaderIter.__next__ = self.orig_next
 
-    # ---- A/B blocks: what dtprof costs the job's own steps (benchmarks/overhead.py) -------------------------
-
-    def ab_step_done(self) -> None:
-        """Every ``ab_block`` optimizer steps, switch dtprof's hooks off or back on, at the same step on every rank
-        (``DTPROF_AB_BLOCK_STEPS``; module docstring, "A/B blocks")."""
-        self.ab_steps += 1
-        if self.ab_steps % self.ab_block:
-            return
-        on = self.ab_off
-        self.switch_path_hooks(on)
-        if on:
-            self.step_start_ns = now()     # the next recorded step starts here
-            self.fwd_seen_in_step, self.fwd_depth, self.in_eval_call, self.eval_forwards = False, 0, False, []
-            self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
-            self.inferred, self.annot = {}, {}
-        self.ab_off = not on
-
 
 # The heartbeat's SIGTERM fallback treats this handler as the default action: it must still kill a rank stuck in C++.
 Recorder.on_sigterm.dtprof_default_action = True  # type: ignore[attr-defined]
 STATE = Recorder()
-
-
-def _dynamo_skip_our_code() -> None:
-    """Tell Dynamo never to compile a frame of dtprof's rank side. A hook called from eager code that runs under
-    a compiled module's frame callback (torch.compile(module) runs the module's own hooks outside its graph) is a
-    frame Dynamo would otherwise compile (its cached graph would then run instead of the hook), and so would be
-    every torch function a hook calls (registering hooks, starting the recording). The hooks and the recorder's
-    methods skip their callees too; a wrapper of a torch function (a collective, backward, a DataLoader's
-    ``__next__``: the closures) skips only its own frame, so what it wraps is Dynamo's to judge as in a bare job.
-    Costs nothing per call."""
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except Exception:
-        return
-    from dtprof.collectors import hooks_collectives, hooks_functional, identity, inputs
-
-    own = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
-    with_callees = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    seen: set = set()
-
-    ours = os.path.dirname(os.path.abspath(__file__))
-
-    def skip(code, strategy) -> None:
-        # (a decorated function's code may be the decorator's: contextlib's, shared by every context manager)
-        if id(code) in seen or not os.path.abspath(code.co_filename).startswith(ours):
-            return
-        seen.add(id(code))
-        set_code_exec_strategy(code, strategy)
-        for nested in code.co_consts:      # closures and comprehensions defined inside
-            if hasattr(nested, "co_code"):
-                skip(nested, own)
-
-    for mod in (sys.modules[__name__], identity, hooks_collectives, hooks_functional, inputs):
-        strategy = with_callees if mod in (sys.modules[__name__], identity) else own
-        for obj in vars(mod).values():
-            if getattr(obj, "__module__", None) != mod.__name__:
-                continue
-            for member in (vars(obj).values() if isinstance(obj, type) else (obj,)):
-                code = getattr(getattr(member, "__func__", member), "__code__", None)
-                if code is not None:
-                    skip(code, strategy)
-
-
-def _wrapped_modules(module) -> list:
-    """The modules a wrapper holds as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine), outermost first.
-    Not what a torch.compile'd module holds (it forwards ``.module`` to the module it compiled): Dynamo traces
-    that one, and a hook on it would be traced into the graph."""
-    out: list = []
-    m = module
-    while "_orig_mod" not in getattr(m, "_modules", ()) and len(out) < 4:
-        m = getattr(m, "module", None)
-        if not hasattr(m, "register_forward_pre_hook"):
-            break
-        out.append(m)
-    return out
-
-
-def _median(xs: list):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def _mad(xs: list) -> int:
-    m = _median(xs)
-    return _median([abs(x - m) for x in xs]) if m is not None else 0
-
-
-def _open_run_delay() -> int | None:
-    """The calling (training) thread's scheduler statistics, opened once: reading them costs ~1 µs a step."""
-    try:
-        return os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-    except OSError:                 # not Linux, or a kernel without schedstat
-        return None
-
-
-def _run_delay_ns(fd: int | None) -> int | None:
-    """The thread's run delay so far: ns it was runnable but waiting for a CPU (schedstat's second field); None
-    without the file, or once the thread that opened it has ended."""
-    try:
-        return int(os.pread(fd, 64, 0).split()[1]) if fd is not None else None
-    except OSError:
-        return None
-
-
-def _own_threads_cpu_s() -> dict:
-    """CPU seconds each of dtprof's own threads (``dtprof-*``: flusher, heartbeat) has used so far, read from the
-    thread's own CPU clock (nanosecond resolution; /proc's utime/stime count 10 ms ticks)."""
-    import threading
-
-    out = {}
-    for t in threading.enumerate():
-        if t.name.startswith("dtprof") and t.ident is not None:
-            try:
-                out[t.name] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident)) / 1e9
-            except OSError:                       # the thread just ended
-                pass
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1392,7 +522,7 @@ def install_from_env() -> bool:
 
     if "LOCAL_RANK" not in os.environ and identity.launcher_rank() is None and _is_torchrun_launcher():
         return False
-    STATE.patch_compile()
+    STATE.compiler.patch()
     if identity.launcher_rank() is not None:
         if init(report_taken=False) or STATE.disabled:
             return STATE.active
@@ -1411,7 +541,7 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, node_d
     another live process records that rank, name this one in the run as unidentified (collectors/identity.py).
     ``node_dir``: an existing node directory to record into (collectors/raytrain.py makes one per Ray Train
     worker). Options override ``DTPROF_CONFIG``. Returns True when recording."""
-    if STATE.active or STATE.ab_off:       # recording (an A/B "off" block is recording too)
+    if STATE.active or STATE.ab.off:       # recording (an A/B "off" block is recording too)
         return True
     if STATE.disabled:
         return False
@@ -1469,11 +599,12 @@ def step() -> None:
     if not rec.active or rec.disabled:
         return
     try:
-        first_manual = not rec.manual_steps
-        rec.manual_steps = True
-        if first_manual and rec.step > 0 and not rec.fwd_seen_in_step:
+        clock = rec.clock
+        first_manual = not clock.manual_steps
+        clock.manual_steps = True
+        if first_manual and rec.step > 0 and not clock.fwd_seen_in_step:
             return                   # the optimizer hook just ended this step
-        rec.end_step(now())
+        clock.end_step(now())
     except Exception:
         rec.fault("dtprof.step")
 
@@ -1490,8 +621,8 @@ def span(name: str):
         yield
     finally:
         try:
-            rec.span("user", str(name), t0, now(), stage=rec.annot.get("stage"),
-                     microbatch=rec.annot.get("microbatch"))
+            annot = rec.clock.annot
+            rec.span("user", str(name), t0, now(), stage=annot.get("stage"), microbatch=annot.get("microbatch"))
         except Exception:
             rec.fault("dtprof.span")
 
@@ -1506,7 +637,7 @@ def annotate(**fields) -> None:
         for k, v in fields.items():
             if k not in _ANNOTATABLE:
                 raise ValueError(f"dtprof.annotate: unknown field {k!r} (known: {', '.join(_ANNOTATABLE)})")
-            rec.annot[k] = None if v is None else int(v)
+            rec.clock.annot[k] = None if v is None else int(v)
     except ValueError as e:
         rec.event("warning", str(e))
     except Exception:

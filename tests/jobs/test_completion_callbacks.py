@@ -20,7 +20,7 @@ JOB = textwrap.dedent("""
 
     dist.init_process_group("gloo")
     assert dtprof.init(sys.argv[1])
-    hc = STATE.collective_hooks    # the recorder's hooks: their completion callbacks call hc.complete
+    hc = STATE.collective_hooks.rows    # the recorder's tables: the completion callbacks call hc.complete
     seen = []                      # per callback: its thread, and how many callbacks that thread state has run
     complete = hc.complete
 

@@ -466,12 +466,12 @@ def test_ab_blocks_in_a_pipeline_keep_its_point_to_point_ops_valid(tmp_path):
 
 
 SWITCH_CHECK = """
-import json, sys, torch
+import json, os, sys, torch
 import torch.distributed as dist
 from dtprof.collectors import hooks_collectives as hc
 
 from dtprof.collectors import runtime
-hooks = hc.CollectiveHooks(runtime.STATE)
+hooks = hc.CollectiveHooks(runtime.STATE.ctx)
 hooks.install()
 from torch.distributed.pipelining import schedules, stage   # dtprof wraps it as it is imported
 
@@ -479,7 +479,9 @@ def ours():   # which of these are dtprof's functions
     fs = {"forward_one_chunk": stage._PipelineStageBase.forward_one_chunk, "_batch_p2p": schedules._batch_p2p,
           "get_fwd_send_ops": stage._PipelineStageBase.get_fwd_send_ops, "step": schedules.Schedule1F1B.step,
           "isend": dist.isend, "Work.wait": dist.Work.wait}
-    return sorted(k for k, f in fs.items() if hc.__file__ == getattr(getattr(f, "__code__", None), "co_filename", ""))
+    ours = os.path.dirname(hc.__file__)     # collectors/: hooks_collectives.py, hooks_pipelining.py
+    return sorted(k for k, f in fs.items()
+                  if os.path.dirname(getattr(getattr(f, "__code__", None), "co_filename", "")) == ours)
 
 # a P2POp built with torch's isend or dtprof's, with dtprof's wrappers in or out, is valid and gets the one in place
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
@@ -534,9 +536,9 @@ def kernel():
 
 bare, kernel_bare, finders = torch_own(), kernel(), len(sys.meta_path)
 rec = Recorder()
-hooks = hc.CollectiveHooks(rec)
+hooks = hc.CollectiveHooks(rec.ctx)
 hooks.install()
-functional = hf.FunctionalHooks(rec, hooks)
+functional = hf.FunctionalHooks(rec.ctx, hooks.rows)
 functional.install()
 import torch.nn.parallel.distributed, torch.distributed.pipelining   # dtprof's hooks go in as they are imported
 hooked, kernel_hooked = torch_own(), kernel()

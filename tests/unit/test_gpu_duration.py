@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtprof.collectors import hooks_collectives
+from dtprof.collectors import collective_rows
 from dtprof.collectors import runtime as rt
 from dtprof.collectors.records import collective_row
 from dtprof.reader import open_run
@@ -41,9 +41,9 @@ class FutureWork:
 
 @pytest.fixture
 def hc():
-    """The hooks of the rank's recorder, as its start makes them (no torch.distributed function is wrapped: their
+    """The collective tables of the rank, as its start makes them (no torch.distributed function is wrapped: the
     tables are what is tested)."""
-    hooks = hooks_collectives.CollectiveHooks(rt.STATE)
+    hooks = collective_rows.CollectiveRows(rt.STATE.ctx)
     hooks.nccl_timing = True
     return hooks
 
@@ -55,9 +55,7 @@ def writer(tmp_path, monkeypatch):
     w = RankWriter(node, 0)
     w.write_identity({"rank": 0, "local_rank": 0, "world_size": 1, "host": "h", "pid": 1, "device_type": "cuda"})
     monkeypatch.setattr(rt.STATE, "writer", w)
-    rt.STATE.timed.clear()
     yield w, tmp_path / "run"
-    rt.STATE.timed.clear()
 
 
 def _row(seq, source="user"):
@@ -74,14 +72,14 @@ def test_duration_filled_once_the_gpu_has_finished(writer, hc):
     hc.add_pending(id(never), never, [_row(1)])
     hc.complete(id(slow), 2000)
     hc.complete(id(never), 2100)
-    for _ in range(hooks_collectives.MAX_TIMED_TRIES):   # flushes
+    for _ in range(collective_rows.MAX_TIMED_TRIES):   # flushes
         hc.resolve_gpu_durations()
     w.flush()
     c = open_run(run_dir).collectives.set_index("seq")
     assert c.loc[0, "gpu_duration_ns"] == 1_500_000 and c.loc[0, "end_ns"] == 2000
     # a work whose events never complete is written anyway, without a duration, after the retries
     assert c.loc[1, "end_ns"] == 2100 and c["gpu_duration_ns"].isna().loc[1]
-    assert not rt.STATE.timed
+    assert not hc.timed
 
 
 def test_rows_wait_for_their_duration_but_exit_writes_them(writer, hc):

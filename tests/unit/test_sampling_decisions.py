@@ -1,21 +1,21 @@
-"""The rank's sampling decisions (collectors/runtime.py sample_next) on given step durations: which steps are in
+"""The rank's sampling decisions (collectors/sampling.py sample_next) on given step durations: which steps are in
 full detail, and the period chosen from the measured cost of a detailed step."""
 import pytest
 
-from dtprof.collectors import runtime
-from dtprof.collectors.runtime import SAMPLE_BLOCK, SAMPLE_BUDGET, Recorder
+from dtprof.collectors import sampling
+from dtprof.collectors.parts import RankContext
+from dtprof.collectors.sampling import SAMPLE_BLOCK, SAMPLE_BUDGET, Sampler
 
 
 class Steps:
-    """A recorder whose detail switches and meta rows are noted instead of done."""
+    """A rank's sampler whose detail switches and meta rows are noted instead of done."""
 
     def __init__(self, **options):
-        self.rec = rec = Recorder()
-        rec.options = dict(options)
         self.detailed: list[bool] = []
         self.decisions: list[dict] = []
-        rec.set_detail = lambda on: setattr(rec, "detail", on)
-        rec.meta = lambda kind, value: self.decisions.append(value)
+        ctx = RankContext(0, "host", "", dict(options), add=None, fault=None, event=None,
+                          meta=lambda kind, value: self.decisions.append(value))
+        self.rec = Sampler(ctx, lambda on: setattr(ctx, "detail", on))
 
     def run(self, n: int, detailed_ns: int, boundary_ns: int, switch_on_ns: int = 0, switch_off_ns: int = 0) -> None:
         """``switch_*_ns``: what switching the detail on (off) adds to the first step after the switch."""
@@ -106,7 +106,7 @@ def test_options_decide_at_step_32(options, reason):
 
 
 def test_module_constants_keep_the_documented_schedule():
-    assert (runtime.SAMPLE_FROM, runtime.SAMPLE_CALIBRATION, runtime.SAMPLE_BLOCK) == (32, 32, 4)
+    assert (sampling.SAMPLE_FROM, sampling.SAMPLE_CALIBRATION, sampling.SAMPLE_BLOCK) == (32, 32, 4)
 
 
 class Written:
@@ -123,7 +123,7 @@ def _long_job(monkeypatch, n, step_ns, detailed_bytes, boundary_bytes, **options
     """``n`` steps of ``step_ns`` on a clock of their own; each step's rows add ``detailed_bytes`` (in detail) or
     ``boundary_bytes`` to the rank's files. Returns the Steps and the bytes written after each step."""
     clock = [0]
-    monkeypatch.setattr(runtime, "now", lambda: clock[0])
+    monkeypatch.setattr(sampling, "now", lambda: clock[0])
     s = Steps(**options)
     s.rec.writer = w = Written()
     sizes = []
@@ -145,7 +145,7 @@ def test_a_long_jobs_files_stay_under_their_daily_budget(monkeypatch):
     foot = [d for d in s.decisions if str(d["reason"]).startswith("footprint")]
     assert foot and all(d["period"] & (d["period"] - 1) == 0 for d in foot)
     last = foot[-1]["from_step"]
-    budget = runtime.FOOTPRINT_BYTES_PER_DAY / 86_400 * step_ns / 1e9       # bytes a step may add
+    budget = sampling.FOOTPRINT_BYTES_PER_DAY / 86_400 * step_ns / 1e9       # bytes a step may add
     assert (sizes[-1] - sizes[last]) / (n - 1 - last) <= budget
     assert all(s.detailed[i] == (i % foot[-1]["period"] < SAMPLE_BLOCK) for i in range(last + 1, n))
     assert last < 5000                   # decided within minutes of the job, not at its end
