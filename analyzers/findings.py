@@ -171,8 +171,8 @@ COMM_ADVICE_BY_ISSUED = {
     "after backward": "The gradient reduction runs after backward returns, so no backward compute can hide it "
                       "(DeepSpeed ZeRO reduces in engine.backward() after loss.backward(); a hand-written "
                       "all-reduce loop does the same): overlap it with backward (ZeRO's overlap_comm, DDP's "
-                      "bucketed hooks), use larger buckets (reduce_bucket_size), or reduce less often "
-                      "(gradient accumulation).",
+                      "bucketed hooks), use larger buckets (DDP's bucket_cap_mb, ZeRO's reduce_bucket_size), or "
+                      "reduce less often (gradient accumulation).",
     "between steps": "Communication between steps (after the optimizer: ZeRO's all-gather of the updated "
                      "partitions; a framework's logging collective) hides behind nothing: overlap it with the next "
                      "step's forward (ZeRO's overlap_comm / prefetching), log less often, or use larger buckets "

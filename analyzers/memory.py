@@ -144,9 +144,7 @@ def layout(run) -> dict:
     """What the levers need to know of the job's layout: ``world`` (the data-parallel width assumed: the world
     size) and ``sharded`` (the run's collectives include FSDP's: parameters, grads and optimizer state are already
     sharded, so the ZeRO levers have nothing left to shard)."""
-    coll = run.collectives
-    sharded = bool(len(coll) and (coll["source"].astype(str) == "fsdp").any())
-    return {"world": int(run.world_size), "sharded": sharded}
+    return {"world": int(run.world_size), "sharded": run.has_collectives_from("fsdp")}
 
 
 def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None,

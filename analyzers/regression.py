@@ -881,8 +881,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     waits, compute, lines}``; ``verdict`` is "fail", "inconclusive" or None (leave the code as it is).
 
     Which side ran on the slower machine: the side whose ranks waited for a CPU ``BUSY_DELTA`` of the step more
-    (measured inside the job itself), else the CPU probe's interval where it excludes no change (``changed``;
-    measured before and after the job). Then:
+    (measured inside the job itself) unless the CPU probe's interval says the opposite, else the CPU probe's
+    interval where it excludes no change (``changed``; measured before and after the job). Then:
 
     - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
       shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
@@ -906,8 +906,10 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     probe_dir = None
     if probe and probe.get("used", True) and probe.get("changed"):
         probe_dir = "slower" if probe["ratio"] > 1 else "faster"
-    head_faster = busier == "base" or (busier is None and probe_dir == "faster")
-    head_slower = busier == "head" or (busier is None and probe_dir == "slower")
+    # the ranks' own CPU wait decides which side ran on the busier machine, unless the probe says the opposite
+    # (conflicting evidence: no side is taken for the faster one)
+    head_faster = (busier == "base" and probe_dir != "slower") or (busier is None and probe_dir == "faster")
+    head_slower = (busier == "head" and probe_dir != "faster") or (busier is None and probe_dir == "slower")
     steps = [step_samples(s) for s in base]
     step = float(np.median(np.concatenate([x for x in steps if x is not None]))) if all(
         x is not None for x in steps) else None

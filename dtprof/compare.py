@@ -221,18 +221,21 @@ def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: i
         machine = []
     elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
         machine.append(drift["reason"])
+    comparable = not reasons
     reasons += machine
-    if reasons:
+    if numerics and comparable:   # a NaN, or a loss departing from a bit-identical base: no machine explains that
+        code = EXIT_REGRESSION
+        reasons.insert(0, "numerics: " + "; ".join(numerics))
+        if worse:
+            reasons.insert(1, "a straggler got worse: " + "; ".join(worse))
+    elif reasons:
         code = EXIT_INCONCLUSIVE
     elif drift["verdict"] == "fail":
         code = EXIT_REGRESSION
         reasons.append(drift["reason"])
-    elif worse or numerics:
+    elif worse:
         code = EXIT_REGRESSION
-        if worse:
-            reasons.append("a straggler got worse: " + "; ".join(worse))
-        if numerics:
-            reasons.append("numerics: " + "; ".join(numerics))
+        reasons.append("a straggler got worse: " + "; ".join(worse))
     return code, {"parts": parts, "stragglers": strag, "health": health, "identity": identity, "probe": probe,
                   "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
                   "bound": bound, "drift": drift, "reasons": reasons}

@@ -790,6 +790,29 @@ class Run:
                 parts.append(keep(self._raw_nodes[nd]["collectives"]))
         return _concat("collectives", parts)
 
+    def has_collectives_from(self, source: str) -> bool:
+        """Whether any collectives row has ``source`` (e.g. "fsdp"), reading only that column where the tables are
+        Parquet (never every collective: the analysis of a large run reads them as summaries)."""
+        if "collectives" in self._loaded:
+            return bool((self._loaded["collectives"]["source"].astype(str) == source).any())
+        complete = [nd for nd in self.node_dirs if self._complete(nd)]
+        if complete:
+            import duckdb
+
+            files = [str(nd / TABLES_DIR / "collectives.parquet") for nd in complete]
+            con = duckdb.connect()
+            try:
+                hit = con.execute("SELECT 1 FROM read_parquet(?) WHERE source = ? LIMIT 1", [files, source]).fetchall()
+            except duckdb.Error as e:
+                raise RunFormatError(f"{self.path}: cannot read the collectives tables "
+                                     f"({str(e).splitlines()[0]})") from None
+            finally:
+                con.close()
+            if hit:
+                return True
+        return any((self._raw_nodes[nd]["collectives"]["source"].astype(str) == source).any()
+                   for nd in self.node_dirs if not self._complete(nd))
+
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
         incomplete, or written in another layout: dtprof/schema.py SUMMARY_LAYOUT)."""

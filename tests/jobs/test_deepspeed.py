@@ -58,8 +58,8 @@ class Job:
             import subprocess
             p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=REPO)
         assert returncode(p) == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-        assert len(self.weights()) == 2, p.stdout[-3000:]
         self.stdout = p.stdout
+        assert len(self.weights()) == 2, p.stdout[-3000:]
         self.summary = assert_breakdown_adds_up(out) if profiled else None
 
     def clock(self) -> dict[int, list[list[float]]]:
