@@ -249,5 +249,6 @@ def of_run(run) -> dict:
     h = run.health
     coll = None
     if len(h) and h["param_fp"].notna().any():
-        coll = run.read_rows("collectives", columns=["rank", "source", "group"])
+        ddp_groups = run.collective_groups_from("ddp")   # two columns read, never every collective
+        coll = pd.DataFrame({"source": ["ddp"] * len(ddp_groups), "group": ddp_groups})
     return analyze_health(h, run.meta, coll, run.groups)

@@ -791,10 +791,17 @@ class Run:
         return _concat("collectives", parts)
 
     def has_collectives_from(self, source: str) -> bool:
-        """Whether any collectives row has ``source`` (e.g. "fsdp"), reading only that column where the tables are
-        Parquet (never every collective: the analysis of a large run reads them as summaries)."""
+        """Whether any collectives row has ``source`` (e.g. "fsdp"): ``collective_groups_from``."""
+        return bool(self.collective_groups_from(source))
+
+    def collective_groups_from(self, source: str) -> list[str]:
+        """The groups of the collectives rows whose ``source`` is ``source`` (e.g. DDP's buckets: "ddp"), reading
+        only those two columns where the tables are Parquet (never every collective: the analysis of a large run
+        reads them as node summaries)."""
+        found: set[str] = set()
         if "collectives" in self._loaded:
-            return bool((self._loaded["collectives"]["source"].astype(str) == source).any())
+            c = self._loaded["collectives"]
+            return sorted(set(c.loc[(c["source"].astype(str) == source).to_numpy(), "group"].astype(str)))
         complete = [nd for nd in self.node_dirs if self._complete(nd)]
         if complete:
             import duckdb
@@ -802,16 +809,19 @@ class Run:
             files = [str(nd / TABLES_DIR / "collectives.parquet") for nd in complete]
             con = duckdb.connect()
             try:
-                hit = con.execute("SELECT 1 FROM read_parquet(?) WHERE source = ? LIMIT 1", [files, source]).fetchall()
+                rows = con.execute('SELECT DISTINCT "group" FROM read_parquet(?) WHERE source = ?',
+                                   [files, source]).fetchall()
             except duckdb.Error as e:
                 raise RunFormatError(f"{self.path}: cannot read the collectives tables "
                                      f"({str(e).splitlines()[0]})") from None
             finally:
                 con.close()
-            if hit:
-                return True
-        return any((self._raw_nodes[nd]["collectives"]["source"].astype(str) == source).any()
-                   for nd in self.node_dirs if not self._complete(nd))
+            found |= {str(r[0]) for r in rows}
+        for nd in self.node_dirs:   # nodes still in JSON lines
+            if not self._complete(nd):
+                c = self._raw_nodes[nd]["collectives"]
+                found |= set(c.loc[(c["source"].astype(str) == source).to_numpy(), "group"].astype(str))
+        return sorted(found)
 
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
