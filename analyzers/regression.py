@@ -878,7 +878,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
                   confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
                   tolerance: float = DEFAULT_STEP_TOLERANCE) -> dict:
     """What the machine's drift does to the gates' exit ``code`` (0 pass, 1 fail): ``{verdict, reason, busy,
-    waits, compute, lines}``; ``verdict`` is "fail", "inconclusive" or None (leave the code as it is).
+    head_machine, waits, compute, lines}``; ``verdict`` is "fail", "inconclusive" or None (leave the code as it
+    is); ``head_machine`` is "faster", "slower" or None: the machine the head ran on, as decided below.
 
     Which side ran on the slower machine: the side whose ranks waited for a CPU ``BUSY_DELTA`` of the step more
     (measured inside the job itself) unless the CPU probe's interval says the opposite, else the CPU probe's
@@ -892,8 +893,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
       would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
     - a fail with the head on the slower machine: inconclusive, the busy machine named.
     """
-    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "waits": None, "compute": None,
-                           "lines": []}
+    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None, "waits": None,
+                           "compute": None, "lines": []}
     wb, wh = cpu_wait_share(base), cpu_wait_share(head)
     busier = None
     if wb is not None and wh is not None:
@@ -910,6 +911,7 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     # (conflicting evidence: no side is taken for the faster one)
     head_faster = (busier == "base" and probe_dir != "slower") or (busier is None and probe_dir == "faster")
     head_slower = (busier == "head" and probe_dir != "faster") or (busier is None and probe_dir == "slower")
+    out["head_machine"] = "faster" if head_faster else "slower" if head_slower else None
     steps = [step_samples(s) for s in base]
     step = float(np.median(np.concatenate([x for x in steps if x is not None]))) if all(
         x is not None for x in steps) else None

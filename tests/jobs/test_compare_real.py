@@ -153,10 +153,15 @@ def test_two_runs_of_one_configuration_pass(runs):
     g = d["gates"][0]
     assert g["key"] == "steps.time_s.p50", g
     if code == 3:
-        # the machine's load changed between the recordings (its probe) and explains the outcome: it ran slower for
-        # the head runs, whose gate then failed, or faster, whose pass could have hidden a slowdown
-        assert d["probe"]["explains_verdict"] and (g["verdict"] == "fail") == (d["probe"]["ratio"] > 1), \
-            (g, d["probe"])
+        # the machine's load changed between the recordings and explains the outcome: it ran slower for
+        # the head runs, whose gate then failed, or faster, whose pass could have hidden a slowdown. Either the
+        # probe moved beyond its band, or the ranks' own CPU wait (machine_drift) named the busier side
+        if d["probe"].get("explains_verdict"):
+            slower = d["probe"]["ratio"] > 1
+        else:
+            assert d["drift"]["verdict"] == "inconclusive", (d["drift"], d["probe"])
+            slower = d["drift"]["head_machine"] == "slower"
+        assert (g["verdict"] == "fail") == slower, (g, d["probe"], d["drift"])
     else:
         assert g["verdict"] == "pass", g
     assert d["identity"] == []          # same command, script, world size and devices
