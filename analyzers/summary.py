@@ -73,6 +73,10 @@ class Analysis:
     triage: dict | None = None   # the incident verdict with its evidence (analyzers/triage.py), None if it failed
     notices: list = field(default_factory=list)   # what the report lists under "Notices" (run_notices)
     flagged: pd.DataFrame | None = None   # the rows of ``stragglers`` whose rank is flagged (stragglers.flagged)
+    # indexes into summary ``what_if`` of the entries that remove a rank the straggler rule does not name: shown
+    # "(not a straggler)" (is_unnamed_suspect)
+    unnamed_suspects: list = field(default_factory=list)
+    run: Any = None              # the dtprof.reader.Run analysed (the page's header and raw spans)
 
     def __post_init__(self):
         if self.flagged is None and self.stragglers is not None:
@@ -581,6 +585,11 @@ def _triage_stage(g) -> dict:
     return {"triage": res, "summary": {"triage": head}}
 
 
+def _suspects_stage(g) -> dict:
+    named = {s["rank"] for s in g["summary"]["stragglers"]}
+    return {"unnamed_suspects": [i for i, w in enumerate(g["summary"]["what_if"]) if is_unnamed_suspect(w, named)]}
+
+
 def _analysis_stage(g) -> dict:
     """The Analysis' tables (its summary is set when every stage has run)."""
     pp, bd = g["pp"], g["bd"]
@@ -588,7 +597,8 @@ def _analysis_stage(g) -> dict:
         summary={}, steps=g["steps"], collectives=g["coll"], arrivals=g["arr"].drop(columns=["measured"]),
         stragglers=g["strag"], pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None,
         gpu=g["gpus"], memory=g["mem"], clock=g["model"].clock, job_steps=g["model"].job, instances=g["instances"],
-        model=g["model"], exposed=bd.exposed, notices=run_notices(g["run"]), triage=g["triage"])}
+        model=g["model"], exposed=bd.exposed, notices=run_notices(g["run"]), triage=g["triage"],
+        unnamed_suspects=g["unnamed_suspects"], run=g["run"])}
 
 
 def _findings_stage(g) -> dict:
@@ -620,6 +630,7 @@ STAGES: list[Stage] = [
     Stage("what-if summary", _what_if_summary_stage),
     Stage("mesh", _mesh_stage),
     Stage("flagged", _flagged_stage),
+    Stage("unnamed suspects", _suspects_stage),
     Stage("evaluation", _evaluation_stage),
     Stage("health", _health_stage, "numerics health"),
     Stage("triage", _triage_stage, "triage"),
@@ -724,7 +735,8 @@ def _not_straggler_basis(what_if: list[dict], strag: pd.DataFrame) -> list[dict]
 
 def is_unnamed_suspect(w: dict, named: set) -> bool:
     """A what-if entry that removes a rank the straggler rule does not name (``named``: the ranks of
-    summary.json ``stragglers``); the terminal and the report mark it "(not a straggler)"."""
+    summary.json ``stragglers``); Analysis.unnamed_suspects, which the terminal and the report mark
+    "(not a straggler)"."""
     return w["scenario"] == "straggler_removed" and not set(w["ranks"]) <= named
 
 
