@@ -12,7 +12,12 @@ CPU (DeepSpeed's CPU accelerator, gloo), checked against truths that are not dtp
   uniform,parameters``): the uniform partition's steps (six of the eight blocks on stage 0) and the balanced
   partition's (four and four), so that the busy 2-core machine's load hits both alike (between separate runs the
   balanced run's step moved with the load by more than the imbalance: tests/jobs/test_whatif_real.py says the same
-  of its cases).
+  of its cases);
+- Accelerate with its DeepSpeed plugin (ZeRO-2) under ``accelerate launch --use_deepspeed``: both ranks recorded, a
+  step per optimizer step, ZeRO's reduction after backward and its gathers exposed. (The Hugging Face Trainer's
+  DeepSpeed integration runs on CPU too, examples/frameworks/train_hf_trainer.py ``--deepspeed 2``, but is not
+  asserted here: ZeRO-1/2 steps the torch optimizer once per parameter group, and the Trainer makes two, so each
+  optimizer step is recorded as two steps; issue 47.)
 
 DeepSpeed compiles its shared-memory communication op with the C++ compiler on first use (about a minute, once per
 machine): the module is skipped, saying why, where DeepSpeed or a C++ compiler is missing.
@@ -183,3 +188,37 @@ def test_balanced_stages_prediction_is_the_balanced_partitions_step(pipe):
     # six blocks against two: a prediction of no saving, or of the uniform step, fails here
     assert predicted_saving > BALANCED_POINTS, facts
     assert predicted_s == pytest.approx(balanced_s - cpu_wait_change, rel=BALANCED_POINTS), facts
+
+
+ACCELERATE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def accelerate_zero2(tmp_path_factory):
+    """examples/frameworks/train_accelerate.py with Accelerate's DeepSpeed plugin (ZeRO-2) under `accelerate launch
+    --use_deepspeed`, profiled."""
+    out = tmp_path_factory.mktemp("ds") / "accelerate"
+    cmd = [str(BIN / "accelerate"), "launch", "--num_machines", "1", "--num_processes", "2", "--use_deepspeed",
+           "--zero_stage", "2", "--main_process_port", str(free_port()),
+           str(REPO / "examples" / "frameworks" / "train_accelerate.py"), "--steps", str(ACCELERATE_STEPS),
+           "--deepspeed", "2"]
+    p = dtprof("run", "--out", out, "--no-report", "--", *cmd, env=ENV, timeout=JOB_TIMEOUT_S)
+    assert returncode(p) == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p, assert_breakdown_adds_up(out)
+
+
+def test_accelerate_deepspeed_is_recorded_as_zero_with_its_communication_phases(accelerate_zero2):
+    p, s = accelerate_zero2
+    run = s["run"]
+    # both ranks, not the accelerate CLI nor torchrun's agent; one main process (the data sharded over two)
+    assert run["world_size"] == 2 and not run.get("ranks_missing") and not run.get("unidentified_processes"), run
+    assert len(re.findall(r"final loss", p.stdout)) == 1, p.stdout[-2000:]
+    # a step is an optimizer step: DeepSpeed's engine.step() inside accelerator.backward(), not the plugin's no-op
+    # optimizer.step() after it
+    assert all(r["steps_recorded"] == ACCELERATE_STEPS for r in s["ranks"]), s["ranks"]
+    # ZeRO-2: the gradients reduced after backward, the updated partitions gathered after the optimizer step; all
+    # of it blocks the training thread on CPU, in the headline
+    issued = s["breakdown"]["exposed_comm_by_issued_s_per_step"]
+    assert issued.get("after backward", 0) > 0, issued
+    assert s["overlap"]["exposed_comm_frac"] > 0
+    assert "all_gather" in s["breakdown"]["exposed_comm_by_op_s_per_step"], s["breakdown"]
