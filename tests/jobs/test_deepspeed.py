@@ -162,10 +162,10 @@ def test_balanced_stages_prediction_is_the_balanced_partitions_step(pipe):
     measured steps of the same job (medians: one step of a busy machine can take twice the others).
 
     The model keeps each rank's work as measured; the balanced steps, where both stages compute at once, also wait
-    longer for a CPU on this 2-core machine (at load average 15-17: 30-50 % of the step; the uniform steps' idle stage
-    leaves its core to the busy one), which no partition of the layers can change: their extra wait for a CPU (the
-    kernel's run delay of the training threads, the largest change over the ranks, as tests/jobs/test_whatif_real.py
-    counts it) is the machine's, not the prediction's."""
+    longer for a CPU on this 2-core machine (the uniform steps' idle stage leaves its core to the busy one), so the
+    prediction tends to undershoot: measured -8.5 %, -2.6 % (load average 15-17). Taking the balanced steps' extra
+    wait for a CPU out of them, as tests/jobs/test_whatif_real.py does for its pipeline, over-corrected here: the
+    ranks waited 0.6 s more per step for a CPU in one run, most of it off the critical path."""
     from dtprof.analyzers import whatif
     from dtprof.analyzers.runmodel import build
     from dtprof.reader import open_run
@@ -179,15 +179,12 @@ def test_balanced_stages_prediction_is_the_balanced_partitions_step(pipe):
     scen = whatif.job_steps(g, whatif.replay(g, whatif.balanced_stages(g))).reindex(uniform)
     predicted_saving = 1.0 - scen.sum() / ident.sum()
     uniform_s, balanced_s = float(job.reindex(uniform).median()), float(job.reindex(balanced).median())
-    st = model.steps[model.steps["step"].isin(model.measured_steps)]
-    cw = st.assign(bal=st["step"] % 2 == 1).groupby(["rank", "bal"])["cpu_wait_s"].median().unstack()
-    cpu_wait_change = max(float((cw[True] - cw[False]).max()), 0.0)
     predicted_s = uniform_s * (1.0 - predicted_saving)
-    facts = dict(uniform_s=uniform_s, balanced_s=balanced_s, predicted_s=predicted_s, cpu_wait_change=cpu_wait_change,
+    facts = dict(uniform_s=uniform_s, balanced_s=balanced_s, predicted_s=predicted_s,
                  predicted_saving=predicted_saving, measured_saving=1 - balanced_s / uniform_s)
     # six blocks against two: a prediction of no saving, or of the uniform step, fails here
     assert predicted_saving > BALANCED_POINTS, facts
-    assert predicted_s == pytest.approx(balanced_s - cpu_wait_change, rel=BALANCED_POINTS), facts
+    assert predicted_s == pytest.approx(balanced_s, rel=BALANCED_POINTS), facts
 
 
 ACCELERATE_STEPS = 6
