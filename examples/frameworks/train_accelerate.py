@@ -4,6 +4,8 @@
     accelerate launch --multi_gpu --num_machines 1 --num_processes 2 examples/frameworks/train_accelerate.py
     dtprof run -- accelerate launch --multi_gpu --num_machines 1 --num_processes 2 \\
         examples/frameworks/train_accelerate.py                                   # profiled, unchanged
+    DS_ACCELERATOR=cpu accelerate launch --use_deepspeed --zero_stage 2 --num_machines 1 --num_processes 2 \\
+        examples/frameworks/train_accelerate.py --deepspeed 2                     # DeepSpeed ZeRO-2 on CPU
 
 ``--multi_gpu --num_processes 2`` starts two ranks on one machine (through torchrun's launcher, inside the
 accelerate process); ``Accelerator(cpu=True)`` keeps them on the CPU with gloo, so no GPU is needed.

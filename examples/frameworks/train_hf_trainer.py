@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --accumulate 2
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --eval-every 2   # evaluates too
     dtprof run -- torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py   # profiled, unchanged
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --deepspeed 2   # ZeRO-2
     # on a GPU: GPT-2 124M, bf16, 8 x 1024 tokens, the loss logged every 50 steps, each step's end printed
     torchrun --nproc_per_node=1 examples/frameworks/train_hf_trainer.py --gpt2-124m --steps 150 --print-time [--compile]
 
