@@ -4,6 +4,8 @@
     accelerate launch --multi_gpu --num_machines 1 --num_processes 2 examples/frameworks/train_accelerate.py
     dtprof run -- accelerate launch --multi_gpu --num_machines 1 --num_processes 2 \\
         examples/frameworks/train_accelerate.py                                   # profiled, unchanged
+    DS_ACCELERATOR=cpu accelerate launch --use_deepspeed --zero_stage 2 --num_machines 1 --num_processes 2 \\
+        examples/frameworks/train_accelerate.py --deepspeed 2                     # DeepSpeed ZeRO-2 on CPU
 
 ``--multi_gpu --num_processes 2`` starts two ranks on one machine (through torchrun's launcher, inside the
 accelerate process); ``Accelerator(cpu=True)`` keeps them on the CPU with gloo, so no GPU is needed.
@@ -23,10 +25,21 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
+                   help="Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=STAGE)) (on CPU: DS_ACCELERATOR=cpu)")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with time.monotonic() and time.process_time() (s)")
     args = p.parse_args()
-    accelerator = Accelerator(cpu=True)
+    if args.deepspeed is None:
+        accelerator = Accelerator(cpu=True)
+    else:
+        # Accelerate's cpu=True never uses DeepSpeed; DeepSpeed's own CPU accelerator (DS_ACCELERATOR=cpu) does. The
+        # backend must be named: on a machine without a GPU Accelerate finds none, and its state then counts one
+        # process of rank 0 on every rank (DeepSpeed itself still runs on both), so the data are not sharded and
+        # DeepSpeed rejects the batch size ("16 != 16 * 1 * 2")
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=args.deepspeed),
+                                  kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     set_seed(0)
     n = args.steps * args.batch * accelerator.num_processes
     data = TensorDataset(torch.randn(n, args.dim), torch.randint(0, 4, (n,)))

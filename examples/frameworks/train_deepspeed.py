@@ -6,9 +6,12 @@
 
 The model is blocks of Linear(dim, 4·dim) → ReLU → Linear(4·dim, dim). ``--pipeline`` runs DeepSpeed's
 PipelineEngine (``deepspeed.pipe.PipelineModule``, 2 stages, ``train_batch`` with ``--accum`` micro-batches):
-ten layers, eight blocks and two parameterless ReLUs at positions 5 and 6, so the default ``uniform`` partition
-(layer counts) puts five blocks on stage 0 and three on stage 1, while ``--partition parameters`` balances them
-four and four. ZeRO jobs step the optimizer every ``--accum`` micro-batches (``engine.step()`` at the boundary).
+twelve layers, six blocks, four parameterless ReLUs, two blocks, so the default ``uniform`` partition (layer
+counts) puts six blocks on stage 0 and two on stage 1, while ``--partition parameters`` balances them four and
+four. ``--partition uniform,parameters`` builds one engine per method (the same initial weights) and alternates
+them step by step (step k on the k mod 2-th): the unbalanced and the balanced pipeline in one job, so that a busy
+machine's load hits both alike. ZeRO jobs step the optimizer every ``--accum`` micro-batches (``engine.step()`` at
+the boundary).
 
 The job measures its own truth, independent of any profiler: the time its training thread spends inside
 ``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
@@ -85,8 +88,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3 (not with --pipeline)")
     p.add_argument("--overlap-comm", action="store_true")
+    p.add_argument("--bucket", type=float, default=5e8, help="ZeRO's reduce and all-gather bucket sizes (elements)")
     p.add_argument("--pipeline", action="store_true", help="DeepSpeed's PipelineEngine, 2 stages")
-    p.add_argument("--partition", default="uniform", help="PipelineModule partition_method")
+    p.add_argument("--partition", default="uniform",
+                   help="PipelineModule partition_method; several, comma-separated: one engine each, alternating")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)
@@ -97,21 +102,23 @@ def main():
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
            "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
-    if args.pipeline:
-        from deepspeed.pipe import PipelineModule
-        layers = [block(args.dim) for _ in range(5)] + [torch.nn.ReLU(), torch.nn.ReLU()] + \
-                 [block(args.dim) for _ in range(3)]
-        model = PipelineModule(layers=layers, num_stages=2, partition_method=args.partition,
-                               loss_fn=torch.nn.functional.mse_loss)
-    else:
-        cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
-                                    "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
-        model = Net(args.dim, args.blocks)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    engines = []
+    for method in args.partition.split(",") if args.pipeline else [None]:
+        torch.manual_seed(0)
+        if args.pipeline:
+            from deepspeed.pipe import PipelineModule
+            layers = [block(args.dim) for _ in range(6)] + [torch.nn.ReLU() for _ in range(4)] + \
+                     [block(args.dim) for _ in range(2)]
+            model = PipelineModule(layers=layers, num_stages=2, partition_method=method,
+                                   loss_fn=torch.nn.functional.mse_loss)
+        else:
+            cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
+                                        "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
+            model = Net(args.dim, args.blocks)
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+        engines.append(deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0])
 
     g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
     n_micro = args.steps * args.accum
@@ -120,6 +127,7 @@ def main():
     per_step = []
     it = iter(data)
     for step in range(args.steps):
+        engine = engines[step % len(engines)]
         _clock["comm_s"] = 0.0
         t0 = time.perf_counter()
         if args.pipeline:
@@ -134,7 +142,7 @@ def main():
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
-    print(f"weights {rank} {weights_hash(engine.module.parameters())}", flush=True)
+    print(f"weights {rank} {weights_hash(q for e in engines for q in e.module.parameters())}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --accumulate 2
     torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --steps 6 --eval-every 2   # evaluates too
     dtprof run -- torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py   # profiled, unchanged
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 examples/frameworks/train_hf_trainer.py --deepspeed 2   # ZeRO-2
     # on a GPU: GPT-2 124M, bf16, 8 x 1024 tokens, the loss logged every 50 steps, each step's end printed
     torchrun --nproc_per_node=1 examples/frameworks/train_hf_trainer.py --gpt2-124m --steps 150 --print-time [--compile]
 
@@ -37,6 +38,15 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def ds_config(stage: int | None) -> dict | None:
+    """DeepSpeed's config for the Trainer: its "auto" values are filled from the TrainingArguments."""
+    if stage is None:
+        return None
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9}
+
+
 class PrintStepTimes(TrainerCallback):
     """The job's own clock: ``step N t CLOCK`` at each optimizer step's end (the wall time the host reached it)."""
 
@@ -60,6 +70,8 @@ def main():
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="evaluation batches per device")
     p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
+                   help="TrainingArguments(deepspeed=...) with this ZeRO stage (on CPU: DS_ACCELERATOR=cpu)")
     p.add_argument("--gpt2-124m", action="store_true",
                    help="GPT-2 small on the GPU: the default GPT2Config, bf16, sequences of 1024, batch 8, the loss "
                         "logged every 50 steps (the other size options are ignored)")
@@ -78,10 +90,23 @@ def main():
     data = RandomTokens(args.steps * args.accumulate * args.batch * world, args.seq, config.vocab_size)
     import tempfile
 
+    accelerator_config = None
+    if args.deepspeed is not None and not gpu:
+        # On a machine without a GPU, Accelerate's state (which the Trainer makes) finds no device backend and counts
+        # one process of rank 0 on every rank while DeepSpeed runs on all of them: the data are not sharded, every
+        # rank logs as the main one, and DeepSpeed rejects the batch size ("4 != 4 * 1 * 2"). The Trainer passes
+        # no backend for DeepSpeed, so the state is made here with gloo named, and the Trainer told to use it.
+        from accelerate import PartialState
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+        accelerator_config = {"use_configured_state": True}
+
     training_args = TrainingArguments(
         output_dir=args.out or tempfile.mkdtemp(prefix="hf-trainer-"), max_steps=args.steps,
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulate, learning_rate=1e-3,
-        logging_steps=50 if args.gpt2_124m else 1, save_strategy="no", report_to=[], use_cpu=not gpu,
+        logging_steps=50 if args.gpt2_124m else 1, save_strategy="no", report_to=[],
+        use_cpu=not gpu and args.deepspeed is None, deepspeed=ds_config(args.deepspeed),
+        accelerator_config=accelerator_config,
         ddp_backend="nccl" if gpu else "gloo", bf16=gpu, seed=0,
         dataloader_num_workers=0, disable_tqdm=True, torch_compile=args.compile,
         **(dict(eval_strategy="steps", eval_steps=args.eval_every, per_device_eval_batch_size=args.batch)
