@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from operator import attrgetter
+from types import FrameType
 
 from dtprof.collectors import inputs
 from dtprof.collectors.cuda_timing import CudaTiming
@@ -26,6 +27,26 @@ from dtprof.collectors.parts import Parts
 from dtprof.collectors.records import span_row, step_row
 
 now = time.monotonic_ns
+
+
+def _deepspeed_groups_pending(depth: int = 8) -> bool:
+    """Inside DeepSpeed ZeRO's optimizer step before its last parameter group: ZeRO-1/2 (stage_1_and_2.py
+    ``_optimizer_step(group_no)``, ``param_groups`` swapped to that one group) and ZeRO-3 (stage3.py
+    ``_optimizer_step(sub_group_id)``) step the torch optimizer once per (sub-)group, every group each step; one
+    optimizer step is all of them (an HF Trainer's two weight-decay groups were recorded as two steps). A walk of a
+    few frames from the optimizer's post-hook: no cost beyond that."""
+    f: FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if f is None:
+            return False
+        code = f.f_code
+        if code.co_name == "_optimizer_step" and "deepspeed" in code.co_filename:
+            loc = f.f_locals
+            i = loc.get("group_no", loc.get("sub_group_id"))
+            groups = getattr(loc.get("self"), "bit16_groups", None) or getattr(loc.get("self"), "fp16_groups", None)
+            return isinstance(i, int) and groups is not None and i < len(groups) - 1
+        f = f.f_back
+    return False
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 
 
@@ -60,6 +81,7 @@ class StepClock:
         self.opt_t0 = 0
         self.opt_ev0 = None
         self.manual_steps = False
+        self.opt_groups_pending = False   # DeepSpeed ZeRO stepped some of its groups (_deepspeed_groups_pending)
         # evaluation between steps (runtime.py's module docstring, "Evaluation")
         self.grad_enabled = None   # torch.is_grad_enabled, bound with the hooks (no import per call)
         self.is_compiling = None   # torch.compiler.is_compiling, bound with the hooks
@@ -267,8 +289,8 @@ class StepClock:
         return __next__
 
     def opt_pre_hook(self, optimizer, args, kwargs):
-        if self.disabled or self.ab.off or not self.detail:
-            return None
+        if self.disabled or self.ab.off or not self.detail or self.opt_groups_pending:
+            return None      # (a later parameter group's step of one optimizer step keeps the first one's start)
         try:
             self.opt_t0 = now()
             self.opt_ev0 = self.cuda.event() if self.cuda.on else None
@@ -280,6 +302,9 @@ class StepClock:
         if self.disabled:
             return None
         try:
+            self.opt_groups_pending = _deepspeed_groups_pending()
+            if self.opt_groups_pending:          # the optimizer step is not over: its last group ends it
+                return None
             if self.parts.on_optimizer_step:     # before the step ends: ctx.step is still this optimizer step's
                 self.parts.call(self.parts.on_optimizer_step, optimizer)
             if not self.detail:

@@ -117,7 +117,11 @@ def main():
             cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
                                         "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
             model = Net(args.dim, args.blocks)
-        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+        # two parameter groups, as the HF Trainer makes (weight decay on matrices, none on biases): ZeRO steps the
+        # torch optimizer once per group, and one engine.step() is still one step
+        params = [q for q in model.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW([{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
+                                 {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
         engines.append(deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0])
 
     g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
