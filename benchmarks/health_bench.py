@@ -2,7 +2,7 @@
 sentinel costs a step.
 
     python benchmarks/health_bench.py alarms [--runs 2] [--steps 1500]
-    python benchmarks/health_bench.py cost [--steps 400]
+    python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
 
 ``alarms``: clean two-rank jobs recorded with `dtprof run --full-detail` (every step's loss read): the examples'
 TinyLM with AdamW on synthetic tokens (examples/train_ddp.py: a noisy, slowly falling loss) and the small
@@ -11,11 +11,18 @@ and a changing learning rate). Nothing goes wrong in them, so every health incid
 false alarm; reported per job: rank-steps tested, incidents, and the rate per 10,000 rank-steps (with a 95 %
 upper bound when there are none: 3 / n, the rule of three).
 
-``cost``: the sentinel's callbacks on a real training step of TinyLM in one process: the training thread's CPU
-time per step (``time.thread_time``) with the part's callbacks called as the recorder calls them (``on_backward``
-with the loss, the ``clip_grad_norm_`` wrapper, ``on_optimizer_step``, ``on_step_end``) and without, in
-alternating blocks, the median over blocks of (with - without); beside it the step's own CPU time, so the cost
-reads in benchmarks/overhead.py's terms (dtprof's CPU per rank-step, and its share of the step).
+``cost``: what the numerics part costs a step under dtprof, side by side in one process: the job runs as `dtprof
+run` runs a rank (dtprof injected, recording; its step sampling as it decides), in blocks of whole sampling periods
+with the numerics part in the recorder (its callbacks and its ``clip_grad_norm_`` wrapper) and out (on, off, off,
+on, ...), everything else of dtprof in throughout. Per job (``--jobs``): ``short``, the DDP tutorial's Linear(20,
+1) (a fraction of a millisecond: sampled), ``lm``, the examples' TinyLM (~10 ms), and ``compiled``, that TinyLM
+under torch.compile (inductor); each clips its gradients. Reported: the sampling and the fingerprint's interval
+the run chose; the part's own CPU per step (its callbacks timed in place: the direct cost, the least noisy
+figure), the training thread's CPU of on - off blocks (median over pairs: the direct cost and what it does to the
+rest, e.g. caches) and the wall ratio on / off (median over pairs), each beside the step's own time.
+``--full-detail``: every step in full detail (no sampling), the part's cost on each step.
+
+    python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
 """
 from __future__ import annotations
 
@@ -116,6 +123,20 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
     parts = runtime.STATE.parts
     part = next(p for p in parts.parts if p.name == "numerics")
     wrapped = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in part.patched]
+    own = [0]       # the part's own CPU: its callbacks and what its clip wrapper adds (``local``), timed in place
+
+    def timed(f):
+        def g(*args):
+            t = time.thread_time_ns()
+            try:
+                return f(*args)
+            finally:
+                own[0] += time.thread_time_ns() - t
+        return g
+
+    for cb in ("on_backward", "on_optimizer_step", "on_step_end", "local"):
+        setattr(part, cb, timed(getattr(part, cb)))
+    parts.rebind()
 
     def switch(on: bool) -> None:
         (parts.parts.append if on else parts.parts.remove)(part)
@@ -140,10 +161,11 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
         if want != on:
             switch(want)
             on = want
-        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        c0, w0, o0 = time.thread_time_ns(), time.perf_counter_ns(), own[0]
         for _ in range(block):
             step()
-        res["on" if on else "off"].append(((time.thread_time_ns() - c0) / block, (time.perf_counter_ns() - w0) / block))
+        res["on" if on else "off"].append(((time.thread_time_ns() - c0) / block, (time.perf_counter_ns() - w0) / block,
+                                           (own[0] - o0) / block))
     if not on:
         switch(True)
     assert not runtime.STATE.disabled and part in parts.parts, "dtprof or its numerics part switched off"
@@ -180,10 +202,12 @@ def cost(jobs: list[str], pairs: int, full_detail: bool) -> None:
         wall = [a[1] / b[1] for a, b in zip(on, off)]
         base_cpu, base_wall = statistics.median(b[0] for b in off), statistics.median(b[1] for b in off)
         extra = statistics.median(cpu)
+        own = statistics.fmean(a[2] for a in on)
         sampling = "every step in full detail" if not d["period"] else \
             f"detail sampled: 4 steps every {d['period']}"
         print(f"{name} ({d['params']} parameters; {sampling}; fingerprint every {d['fp_interval']} steps): "
               f"bare-of-numerics step {base_wall / 1e3:.1f} us wall, {base_cpu / 1e3:.1f} us training-thread CPU; "
+              f"the part's own CPU (its callbacks, timed in place) {own / 1e3:.2f} us per step ({own / base_cpu:.2%}); "
               f"the numerics part adds {extra / 1e3:+.2f} us CPU per step ({extra / base_cpu:+.2%}; CPU of on - off "
               f"over {len(cpu)} block pairs of {d['block']} steps, median), wall ratio on / off "
               f"{statistics.median(wall):.4f} (median; range {min(wall):.4f}-{max(wall):.4f})", flush=True)

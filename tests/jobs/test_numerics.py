@@ -176,3 +176,25 @@ def test_engine_losses_and_norms_as_printed_and_the_nan_named(engines, engine):
     rc, t = _triage(d)
     assert (rc, t["verdict"], t["culprit_ranks"], t["step"]) == (1, "numerics", [1], ENGINE_K), t
     assert _summary(d)["health"]["first_nonfinite"] == {"step": ENGINE_K, "ranks": [1], "what": "local loss"}
+
+
+def test_no_device_value_is_read_on_the_host(tmp_path):
+    """No host-device sync added: every host read of a tensor's values made from dtprof's rank-side code during a
+    real DDP job (Tensor.item/tolist/__float__/__int__/__bool__/numpy/cpu/to, counted by their caller;
+    tests/numerics_jobs/syncs.py) is of the numerics part's host ring, and every copy into the ring is
+    non_blocking: what reaches the host from the job's tensors travels only that way (on a GPU each other read
+    would be a sync; this machine has none for torch.cuda.set_sync_debug_mode)."""
+    steps = 12
+    p = record(tmp_path / "run", TESTS / "numerics_jobs" / "syncs.py", steps, opts=("--full-detail", "--no-nvml"))
+    notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*\})", p.stdout)}
+    assert set(notes) == {0, 1}
+    for n in notes.values():
+        calls = n["calls"]
+        copies = [c for c in calls if c["method"] == "copy_" and c["into_ring"]]
+        reads = [c for c in calls if c["method"] != "copy_"]
+        assert len(copies) >= 2 * steps        # the loss and the norm of each step, at least
+        assert all(c["non_blocking"] and not c["from_ring"] for c in copies), copies
+        assert [c for c in calls if c["method"] == "copy_" and not c["into_ring"]] == []
+        assert reads and all(c["in_ring"] for c in reads), [c for c in reads if not c["in_ring"]]
+    h = open_run(tmp_path / "run").health
+    assert h["loss"].notna().sum() == 2 * steps and h["grad_norm"].notna().sum() == 2 * steps
