@@ -70,3 +70,23 @@ def test_sampled_breakdown_agrees_with_full_detail(runs):
         for part in f[rank]:
             # a boundary-only step read as detailed would put its whole time in "other" (~3/4 of the steps)
             assert abs(s[rank][part] - f[rank][part]) < 0.2, (rank, part, s[rank], f[rank])
+
+
+def test_numerics_read_on_the_detailed_steps_only(runs):
+    """The numerics part (collectors/numerics.py) reads each detailed step's loss and nothing in boundary-only steps;
+    its fingerprints are taken at steps 0 and 4 and then at the detailed steps that are multiples of the interval
+    each rank priced, equal on the two DDP replicas."""
+    (_, run_dir), _ = runs
+    run = open_run(run_dir)
+    steps, h = run.steps, run.health
+    detailed = {(int(r), int(s)) for r, s, d in zip(steps["rank"], steps["step"], steps["detail"].fillna(1)) if d}
+    assert set(zip(h["rank"].astype(int), h["step"].astype(int))) == detailed
+    assert h["loss"].notna().all()
+    meta = run.meta[run.meta["kind"] == "numerics"]
+    assert len(meta) == 2
+    for v, rank in zip(meta["value"], meta["rank"]):
+        fp = h[(h["rank"] == rank) & h["param_fp"].notna()]
+        want = {0, 4} | {s for r, s in detailed if r == rank and s >= v["from_step"] and s % v["interval"] == 0}
+        assert set(fp["step"].astype(int)) == want, (v, sorted(fp["step"]))
+    fp = h.dropna(subset=["param_fp"])
+    assert (fp.groupby("step")["param_fp"].nunique() == 1).all()
