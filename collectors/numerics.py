@@ -46,6 +46,10 @@ FP_PRICE_FROM = 2
 FP_PRICE_STEPS = 8
 FP_TIMED_STEP = 4         # the step whose fingerprint is timed (one is also taken at step 0)
 FP_MAX_INTERVAL = 1024
+# the share of a step this part's reads (loss, norm, lr: its callbacks' own CPU, measured on the pricing steps) may
+# cost: over it, they are made on every ``read_every``-th detailed step only (a power of two; not with --full-detail)
+READ_BUDGET = 0.0025
+READ_MAX_EVERY = 1024
 CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
 MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
 
@@ -75,6 +79,11 @@ class NumericsSentinel(RankPart):
         self.fp_from = 0
         self.step_cost: list[int] = []      # the pricing steps' cost (ns): the training thread's CPU, or on a
         self.last_end: tuple | None = None  # GPU the wall time; (wall ns, thread CPU ns) at the last step's end
+        self.pricing = True             # steps 0..FP_PRICE_FROM + FP_PRICE_STEPS - 1: the callbacks time themselves
+        self.own_ns = 0                 # this step's callbacks' own CPU (pricing steps only), and each pricing step's
+        self.own_steps: list[int] = []
+        self.read_every = 1             # reads on the detailed steps that are multiples of this (priced)
+        self.full_detail = bool(ctx.options.get("full_detail"))
         self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, has norm, has fingerprint)
         self.slot = 0
         self.dropped = 0
@@ -103,9 +112,13 @@ class NumericsSentinel(RankPart):
         def clip_grad_norm_(*args, **kwargs):
             norm = orig(*args, **kwargs)
             ctx = part.ctx
-            if ctx.detail and ctx.active and not part.clip_off and not part.is_compiling():
+            if ctx.detail and ctx.active and not ctx.step % part.read_every and not part.clip_off \
+                    and not part.is_compiling():
                 try:
+                    t0 = time.thread_time_ns() if part.pricing else 0
                     part.norm = part.local(norm)
+                    if t0:
+                        part.own_ns += time.thread_time_ns() - t0
                 except Exception:
                     part.clip_off = True     # the wrapper keeps passing the job's result through
                     part.ctx.event("error", "dtprof part numerics: clip_grad_norm_ not read after a fault")
@@ -127,19 +140,28 @@ class NumericsSentinel(RankPart):
         return norm.detach()
 
     def on_backward(self, tensors) -> None:
+        if self.ctx.step % self.read_every:
+            return
+        t0 = time.thread_time_ns() if self.pricing else 0
         t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
         if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES \
                 and not self.is_compiling():
             self.losses.append(t.detach())
+        if t0:
+            self.own_ns += time.thread_time_ns() - t0
 
     def on_optimizer_step(self, optimizer) -> None:
         ctx = self.ctx      # detailed steps only (an A/B "off" block is not recorded: ctx.active is False)
         if self.opt_seen or not ctx.detail or not ctx.active or self.is_compiling():
             return          # the step's first optimizer names the step's rate
         self.opt_seen = True
-        lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
-        self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
-        if self.fp_due(self.ctx.step):
+        if not ctx.step % self.read_every:
+            t0 = time.thread_time_ns() if self.pricing else 0
+            lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
+            self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
+            if t0:
+                self.own_ns += time.thread_time_ns() - t0
+        if self.fp_due(ctx.step):
             self.fp = self.fingerprint(optimizer)
 
     def host_float(self, v):
@@ -185,16 +207,19 @@ class NumericsSentinel(RankPart):
                                        "budget": FP_BUDGET, "parameters": None, "reason": reason})
 
     def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
+        t0 = time.thread_time_ns() if self.pricing else 0
         if self.pending:
             self.read_ready(step)
         if not detailed:        # a boundary-only step: nothing of it was read
             return
-        if self.fp_interval == 0:
-            self.price_step(step, t_ns)
         try:
-            self.launch(step)
+            if self.fp is not None or not step % self.read_every:
+                self.launch(step)
         finally:
             self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
+        if t0:
+            self.own_ns += time.thread_time_ns() - t0
+            self.price_step(step, t_ns)
 
     def launch(self, step: int) -> None:
         """This step's device values into the next ring slot, non-blocking, and the event that says they landed."""
@@ -260,9 +285,30 @@ class NumericsSentinel(RankPart):
         if self.last_end is not None and step >= FP_PRICE_FROM and len(self.step_cost) < FP_PRICE_STEPS:
             wall, cpu = t_ns - self.last_end[0], th - self.last_end[1]
             self.step_cost.append(wall if self.fp_cuda else cpu)
+            self.own_steps.append(self.own_ns)
+        self.own_ns = 0
         self.last_end = (t_ns, th)
-        if len(self.step_cost) >= FP_PRICE_STEPS:
+        if len(self.step_cost) < FP_PRICE_STEPS:
+            return
+        if self.fp_interval == 0:
             self.price_fingerprint(step + 1)
+            if self.fp_interval == 0:
+                return                  # a GPU fingerprint's time not known yet: priced at a later step's end
+        self.pricing = False
+        self.price_reads(step + 1)
+
+    def price_reads(self, next_step: int) -> None:
+        """Reads on every ``read_every``-th detailed step: the smallest power of two that keeps the callbacks' own
+        CPU per read step (median of the pricing steps, the fingerprint's apart) under READ_BUDGET of the median
+        pricing step; 1 with --full-detail (every step asked for)."""
+        own = sorted(self.own_steps)[len(self.own_steps) // 2]
+        step_ns = sorted(self.step_cost)[len(self.step_cost) // 2]
+        every = 1
+        while not self.full_detail and own > READ_BUDGET * step_ns * every and every < READ_MAX_EVERY:
+            every *= 2
+        self.read_every = every
+        self.ctx.meta("numerics_reads", {"every": every, "from_step": next_step, "cost_ns": own, "step_ns": step_ns,
+                                         "budget": READ_BUDGET, "full_detail": self.full_detail})
 
     def price_fingerprint(self, next_step: int) -> None:
         """The fingerprint's interval from its measured cost (the training thread's CPU time, plus its device time

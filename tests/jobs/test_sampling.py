@@ -73,20 +73,23 @@ def test_sampled_breakdown_agrees_with_full_detail(runs):
 
 
 def test_numerics_read_on_the_detailed_steps_only(runs):
-    """The numerics part (collectors/numerics.py) reads each detailed step's loss and nothing in boundary-only steps;
-    its fingerprints are taken at steps 0 and 4 and then at the detailed steps that are multiples of the interval
-    each rank priced, equal on the two DDP replicas."""
+    """The numerics part (collectors/numerics.py) reads nothing in boundary-only steps: the loss of every detailed
+    step before its reads are priced (steps 0-9) and then of the detailed steps that are multiples of the
+    ``read_every`` each rank priced; its fingerprints at steps 0 and 4 and then at the detailed steps that are
+    multiples of the interval each rank priced, equal on the two DDP replicas."""
     (_, run_dir), _ = runs
     run = open_run(run_dir)
-    steps, h = run.steps, run.health
+    steps, h, meta = run.steps, run.health, run.meta
     detailed = {(int(r), int(s)) for r, s, d in zip(steps["rank"], steps["step"], steps["detail"].fillna(1)) if d}
-    assert set(zip(h["rank"].astype(int), h["step"].astype(int))) == detailed
-    assert h["loss"].notna().all()
-    meta = run.meta[run.meta["kind"] == "numerics"]
-    assert len(meta) == 2
-    for v, rank in zip(meta["value"], meta["rank"]):
-        fp = h[(h["rank"] == rank) & h["param_fp"].notna()]
-        want = {0, 4} | {s for r, s in detailed if r == rank and s >= v["from_step"] and s % v["interval"] == 0}
-        assert set(fp["step"].astype(int)) == want, (v, sorted(fp["step"]))
+    for rank in (0, 1):
+        (fpv,) = meta[(meta["kind"] == "numerics") & (meta["rank"] == rank)]["value"]
+        (rd,) = meta[(meta["kind"] == "numerics_reads") & (meta["rank"] == rank)]["value"]
+        assert rd["from_step"] == 10 and rd["every"] >= 1 and not rd["full_detail"], rd
+        mine = h[h["rank"] == rank]
+        reads = {s for r, s in detailed if r == rank and (s < rd["from_step"] or s % rd["every"] == 0)}
+        fps = {0, 4} | {s for r, s in detailed if r == rank and s >= fpv["from_step"] and s % fpv["interval"] == 0}
+        assert set(mine.loc[mine["loss"].notna(), "step"].astype(int)) == reads
+        assert set(mine.loc[mine["param_fp"].notna(), "step"].astype(int)) == fps, (fpv, sorted(mine["step"]))
+        assert set(mine["step"].astype(int)) == reads | fps       # no row for anything else
     fp = h.dropna(subset=["param_fp"])
     assert (fp.groupby("step")["param_fp"].nunique() == 1).all()
