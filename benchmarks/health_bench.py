@@ -16,10 +16,11 @@ run` runs a rank (dtprof injected, recording; its step sampling as it decides), 
 with the numerics part in the recorder (its callbacks and its ``clip_grad_norm_`` wrapper) and out (on, off, off,
 on, ...), everything else of dtprof in throughout. Per job (``--jobs``): ``short``, the DDP tutorial's Linear(20,
 1) (a fraction of a millisecond: sampled), ``lm``, the examples' TinyLM (~10 ms), and ``compiled``, that TinyLM
-under torch.compile (inductor); each clips its gradients. Reported: the sampling and the fingerprint's interval
-the run chose; the part's own CPU per step (its callbacks timed in place: the direct cost, the least noisy
-figure), the training thread's CPU of on - off blocks (median over pairs: the direct cost and what it does to the
-rest, e.g. caches) and the wall ratio on / off (median over pairs), each beside the step's own time.
+under torch.compile (inductor); each clips its gradients. Reported: the sampling, the reads' and the fingerprint's
+intervals the run chose; the part's own CPU per step (its callbacks timed in place, the clock reads' own cost
+taken out: the direct cost, the least noisy figure), the training thread's CPU of on - off blocks (median over
+pairs: the direct cost and what it does to the rest, e.g. caches) and the wall ratio on / off (median over pairs),
+each beside the step's own time.
 ``--full-detail``: every step in full detail (no sampling), the part's cost on each step.
 
     python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
@@ -123,7 +124,8 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
     parts = runtime.STATE.parts
     part = next(p for p in parts.parts if p.name == "numerics")
     wrapped = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in part.patched]
-    own = [0]       # the part's own CPU: its callbacks and what its clip wrapper adds (``local``), timed in place
+    own = [0, 0]    # the part's own CPU: its callbacks and what its clip wrapper adds (``local``), timed in place;
+    #                 the calls timed (each pays the two clock reads, CLOCK_NS, taken out)
 
     def timed(f):
         def g(*args):
@@ -132,7 +134,13 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
                 return f(*args)
             finally:
                 own[0] += time.thread_time_ns() - t
+                own[1] += 1
         return g
+
+    t = time.thread_time_ns()
+    for _ in range(10000):
+        timed(int)()
+    clock_ns = (time.thread_time_ns() - t) / 10000
 
     for cb in ("on_backward", "on_optimizer_step", "on_step_end", "local"):
         setattr(part, cb, timed(getattr(part, cb)))
@@ -161,16 +169,16 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
         if want != on:
             switch(want)
             on = want
-        c0, w0, o0 = time.thread_time_ns(), time.perf_counter_ns(), own[0]
+        c0, w0, o0, n0 = time.thread_time_ns(), time.perf_counter_ns(), own[0], own[1]
         for _ in range(block):
             step()
         res["on" if on else "off"].append(((time.thread_time_ns() - c0) / block, (time.perf_counter_ns() - w0) / block,
-                                           (own[0] - o0) / block))
+                                           (own[0] - o0 - clock_ns * (own[1] - n0)) / block))
     if not on:
         switch(True)
     assert not runtime.STATE.disabled and part in parts.parts, "dtprof or its numerics part switched off"
     print(json.dumps({"res": res, "block": block, "period": period, "params": nparams,
-                      "fp_interval": part.fp_interval}))
+                      "fp_interval": part.fp_interval, "read_every": part.read_every}))
 
 
 def _in_dtprof(args: list[str], full_detail: bool) -> dict:
@@ -205,7 +213,8 @@ def cost(jobs: list[str], pairs: int, full_detail: bool) -> None:
         own = statistics.fmean(a[2] for a in on)
         sampling = "every step in full detail" if not d["period"] else \
             f"detail sampled: 4 steps every {d['period']}"
-        print(f"{name} ({d['params']} parameters; {sampling}; fingerprint every {d['fp_interval']} steps): "
+        print(f"{name} ({d['params']} parameters; {sampling}; reads at multiples of {d['read_every']}, fingerprints "
+              f"at multiples of {d['fp_interval']} (detailed steps)): "
               f"bare-of-numerics step {base_wall / 1e3:.1f} us wall, {base_cpu / 1e3:.1f} us training-thread CPU; "
               f"the part's own CPU (its callbacks, timed in place) {own / 1e3:.2f} us per step ({own / base_cpu:.2%}); "
               f"the numerics part adds {extra / 1e3:+.2f} us CPU per step ({extra / base_cpu:+.2%}; CPU of on - off "
