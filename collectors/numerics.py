@@ -13,7 +13,8 @@ boundary-only step costs this part two early returns.
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
   one flipped bit changes it by a power of two. Its interval is priced from its measured cost: it is taken at
-  step 0 and at FP_TIMED_STEP (timed: the training thread's CPU, plus the device's time on a GPU), then at the
+  step 0 and at FP_TIMED_STEPS (timed: the training thread's CPU, plus the device's time on a GPU; the cheaper
+  counts, so one preempted or cold measurement does not price a rank apart from its replicas), then at the
   detailed steps that are multiples of ``interval``, the smallest power of two that keeps it under FP_BUDGET of
   the median pricing step (ranks that priced or sampled differently still share the steps of the largest
   interval and period: both are powers of two, and detailed blocks start at multiples of the period).
@@ -44,7 +45,7 @@ FP_BUDGET = 0.0025
 # FLOP count (dtprof counts step 1's FLOPs under FlopCounterMode, which every op of the step goes through)
 FP_PRICE_FROM = 2
 FP_PRICE_STEPS = 8
-FP_TIMED_STEP = 4         # the step whose fingerprint is timed (one is also taken at step 0)
+FP_TIMED_STEPS = (4, 8)   # the steps whose fingerprints are timed (one is also taken at step 0)
 FP_MAX_INTERVAL = 1024
 # the share of a step this part's reads (loss, norm, lr: its callbacks' own CPU, measured on the pricing steps) may
 # cost: over it, they are made on every ``read_every``-th detailed step only (a power of two; not with --full-detail)
@@ -72,7 +73,7 @@ class NumericsSentinel(RankPart):
         self.lr: float | None = None
         self.lrs: list | None = None
         self.fp = None                  # this step's fingerprint (an int64 scalar on the parameters' device)
-        self.fp_timing = None           # (CPU ns, (start, end) CUDA events or None, elements) of the timed one
+        self.fp_timing: list = []       # (CPU ns, (start, end) CUDA events or None, elements) of the timed ones
         self.fp_cuda = False            # the parameters are on a GPU (the step is then priced by its wall time)
         self.opt_seen = False           # this step's first optimizer step was read
         self.fp_interval: int | None = 0      # 0: not priced yet; None: never again (why in the meta row)
@@ -171,7 +172,7 @@ class NumericsSentinel(RankPart):
         return float(v) if isinstance(v, (int, float)) else None
 
     def fp_due(self, step: int) -> bool:
-        if step in (0, FP_TIMED_STEP):
+        if step == 0 or step in FP_TIMED_STEPS:
             return True
         i = self.fp_interval
         return i is not None and i > 0 and step >= self.fp_from and step % i == 0
@@ -185,7 +186,7 @@ class NumericsSentinel(RankPart):
             self.no_fingerprint("the optimizer holds sharded parameters (DTensor): the ranks are not replicas")
             return None
         self.fp_cuda = params[0].is_cuda
-        timed = self.ctx.step == FP_TIMED_STEP
+        timed = self.ctx.step in FP_TIMED_STEPS
         t0 = time.thread_time_ns()     # the training thread's CPU: a busy machine's preemptions are not its cost
         ev = None
         if timed and params[0].is_cuda:
@@ -197,7 +198,7 @@ class NumericsSentinel(RankPart):
         if timed:
             if ev is not None:
                 ev[1].record()
-            self.fp_timing = (time.thread_time_ns() - t0, ev, sum(p.numel() for p in params))
+            self.fp_timing.append((time.thread_time_ns() - t0, ev, sum(p.numel() for p in params)))
         return fp
 
     def no_fingerprint(self, reason: str) -> None:
@@ -313,15 +314,14 @@ class NumericsSentinel(RankPart):
     def price_fingerprint(self, next_step: int) -> None:
         """The fingerprint's interval from its measured cost (the training thread's CPU time, plus its device time
         on a GPU once the events have completed) and the median of the pricing steps."""
-        if self.fp_timing is None:
-            self.no_fingerprint(f"no optimizer step with parameters to fingerprint at step {FP_TIMED_STEP}")
+        if not self.fp_timing:
+            self.no_fingerprint(f"no optimizer step with parameters to fingerprint at steps {FP_TIMED_STEPS}")
             return
-        host_ns, ev, numel = self.fp_timing
-        cost = host_ns
-        if ev is not None:
-            if not ev[1].query():
-                return                  # priced at a later step's end
-            cost += int(ev[0].elapsed_time(ev[1]) * 1e6)
+        if any(ev is not None and not ev[1].query() for _, ev, _ in self.fp_timing):
+            return                      # priced at a later step's end
+        cost = min(host + (int(ev[0].elapsed_time(ev[1]) * 1e6) if ev is not None else 0)
+                   for host, ev, _ in self.fp_timing)
+        numel = self.fp_timing[-1][2]
         step_ns = sorted(self.step_cost)[len(self.step_cost) // 2]
         interval = 1
         while cost > FP_BUDGET * step_ns * interval and interval < FP_MAX_INTERVAL:
