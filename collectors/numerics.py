@@ -112,9 +112,10 @@ class NumericsSentinel(RankPart):
 
         def clip_grad_norm_(*args, **kwargs):
             norm = orig(*args, **kwargs)
+            # is_compiling first: while Dynamo traces, nothing of dtprof's state is read (no guard on it)
             ctx = part.ctx
-            if ctx.detail and ctx.active and not ctx.step % part.read_every and not part.clip_off \
-                    and not part.is_compiling():
+            if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
+                    and not part.clip_off:
                 try:
                     t0 = time.thread_time_ns() if part.pricing else 0
                     part.norm = part.local(norm)
@@ -141,19 +142,18 @@ class NumericsSentinel(RankPart):
         return norm.detach()
 
     def on_backward(self, tensors) -> None:
-        if self.ctx.step % self.read_every:
+        if self.is_compiling() or self.ctx.step % self.read_every:
             return
         t0 = time.thread_time_ns() if self.pricing else 0
         t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
-        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES \
-                and not self.is_compiling():
+        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES:
             self.losses.append(t.detach())
         if t0:
             self.own_ns += time.thread_time_ns() - t0
 
     def on_optimizer_step(self, optimizer) -> None:
         ctx = self.ctx      # detailed steps only (an A/B "off" block is not recorded: ctx.active is False)
-        if self.opt_seen or not ctx.detail or not ctx.active or self.is_compiling():
+        if self.is_compiling() or self.opt_seen or not ctx.detail or not ctx.active:
             return          # the step's first optimizer names the step's rate
         self.opt_seen = True
         if not ctx.step % self.read_every:
