@@ -2,7 +2,7 @@
 sentinel costs a step.
 
     python benchmarks/health_bench.py alarms [--runs 2] [--steps 1500]
-    python benchmarks/health_bench.py cost [--steps 400]
+    python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
 
 ``alarms``: clean two-rank jobs recorded with `dtprof run --full-detail` (every step's loss read): the examples'
 TinyLM with AdamW on synthetic tokens (examples/train_ddp.py: a noisy, slowly falling loss) and the small
@@ -11,16 +11,25 @@ and a changing learning rate). Nothing goes wrong in them, so every health incid
 false alarm; reported per job: rank-steps tested, incidents, and the rate per 10,000 rank-steps (with a 95 %
 upper bound when there are none: 3 / n, the rule of three).
 
-``cost``: the sentinel's callbacks on a real training step of TinyLM in one process: the training thread's CPU
-time per step (``time.thread_time``) with the part's callbacks called as the recorder calls them (``on_backward``
-with the loss, the ``clip_grad_norm_`` wrapper, ``on_optimizer_step``, ``on_step_end``) and without, in
-alternating blocks, the median over blocks of (with - without); beside it the step's own CPU time, so the cost
-reads in benchmarks/overhead.py's terms (dtprof's CPU per rank-step, and its share of the step).
+``cost``: what the numerics part costs a step under dtprof, side by side in one process: the job runs as `dtprof
+run` runs a rank (dtprof injected, recording; its step sampling as it decides), in blocks of whole sampling periods
+with the numerics part in the recorder (its callbacks and its ``clip_grad_norm_`` wrapper) and out (on, off, off,
+on, ...), everything else of dtprof in throughout. Per job (``--jobs``): ``short``, the DDP tutorial's Linear(20,
+1) (a fraction of a millisecond: sampled), ``lm``, the examples' TinyLM (~10 ms), and ``compiled``, that TinyLM
+under torch.compile (inductor); each clips its gradients. Reported: the sampling, the reads' and the fingerprint's
+intervals the run chose; the part's own CPU per step (its callbacks timed in place, the clock reads' own cost
+taken out: the direct cost, the least noisy figure), the training thread's CPU of on - off blocks (median over
+pairs: the direct cost and what it does to the rest, e.g. caches) and the wall ratio on / off (median over pairs),
+each beside the step's own time.
+``--full-detail``: every step in full detail (no sampling), the part's cost on each step.
+
+    python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -64,71 +73,172 @@ def alarms(runs: int, steps: int) -> None:
                   f"{incidents} incident(s) {kinds or ''}: {rate:.2f} per 10,000 rank-steps{bound}", flush=True)
 
 
-def cost(steps: int) -> None:
+JOBS = ("short", "lm", "compiled")
+
+
+def _job(name: str):
+    """(one training step, the model's parameter count) of a bench job: ``short``, the DDP tutorial's Linear(20, 1)
+    with SGD (a fraction of a millisecond); ``lm``, the examples' TinyLM (dim 64, 2 layers) with AdamW (~10 ms
+    here); ``compiled``, the same TinyLM under torch.compile (inductor). Each clips its gradients
+    (``clip_grad_norm_``: the norm the sentinel reads) and calls backward on its loss."""
     import torch
 
     sys.path.insert(0, str(REPO / "examples"))
     from model import TinyLM
 
-    from dtprof.collectors.numerics import NumericsSentinel
-    from dtprof.collectors.parts import RankContext
-
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = TinyLM(128, 64, 2, seq=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 128, (8, 32))
-    rows: list = []
-    meta: list = []
-    ctx = RankContext(0, "bench", tempfile.gettempdir(), {}, rows.append, lambda w: None, lambda lv, m: None,
-                      lambda k, v: meta.append(v))
-    part = NumericsSentinel()
-    part.install(ctx)          # wraps clip_grad_norm_ (taken out again by on_exit)
-    clip = torch.nn.utils.clip_grad_norm_
+    if name == "short":
+        model = torch.nn.Linear(20, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = torch.rand(32, 20), torch.rand(32, 1)
+        loss_of = lambda: torch.nn.functional.mse_loss(model(x), y)       # noqa: E731
+    else:
+        model = TinyLM(128, 64, 2, seq=32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fwd = torch.compile(model) if name == "compiled" else model
+        x = torch.randint(0, 128, (8, 32))
+        loss_of = lambda: torch.nn.functional.cross_entropy(fwd(x).view(-1, 128), x.view(-1))   # noqa: E731
 
-    def step(i: int, on: bool) -> None:
-        loss = torch.nn.functional.cross_entropy(model(x).view(-1, 128), x.view(-1))
-        if on:
-            part.on_backward(loss)
+    def step() -> None:
+        loss = loss_of()
         loss.backward()
-        (clip if on else clip.__wrapped__)(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # looked up each call, as a job does
         opt.step()
-        if on:
-            ctx.step = i
-            part.on_optimizer_step(opt)
-            part.on_step_end(i, time.monotonic_ns(), True)
-            ctx.step = i + 1
         opt.zero_grad()
+    return step, sum(p.numel() for p in model.parameters())
 
-    block, with_, without = 20, [], []
-    i = 0
-    for b in range(steps // block):
-        on = b % 2 == 0
-        t0 = time.thread_time_ns()
+
+def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
+    """In a process that dtprof records (``_in_dtprof``): the job's steps in blocks with the numerics part in and
+    out of the recorder (its callbacks and its clip wrapper), everything else of dtprof in throughout, its sampling
+    as dtprof decides it; per block the training thread's CPU and the wall time per step. Prints one JSON line."""
+    import torch
+
+    from dtprof.collectors import runtime
+
+    torch.set_num_threads(1)
+    step, nparams = _job(name)
+    for _ in range(8):
+        step()                    # dtprof starts recording at the first forward; compiles happen here
+    assert runtime.STATE.active, "dtprof did not start in the benchmark process"
+    parts = runtime.STATE.parts
+    part = next(p for p in parts.parts if p.name == "numerics")
+    wrapped = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in part.patched]
+    own = [0, 0]    # the part's own CPU: its callbacks and what its clip wrapper adds (``local``), timed in place;
+    #                 the calls timed (each pays the two clock reads, CLOCK_NS, taken out)
+
+    def timed(f):
+        def g(*args):
+            t = time.thread_time_ns()
+            try:
+                return f(*args)
+            finally:
+                own[0] += time.thread_time_ns() - t
+                own[1] += 1
+        return g
+
+    t = time.thread_time_ns()
+    for _ in range(10000):
+        timed(int)()
+    clock_ns = (time.thread_time_ns() - t) / 10000
+
+    for cb in ("on_backward", "on_optimizer_step", "on_step_end", "local"):
+        setattr(part, cb, timed(getattr(part, cb)))
+    parts.rebind()
+
+    def switch(on: bool) -> None:
+        (parts.parts.append if on else parts.parts.remove)(part)
+        for mod, attr, w in wrapped:
+            setattr(mod, attr, w if on else w.__wrapped__)
+        parts.rebind()
+
+    t0 = time.perf_counter()
+    while runtime.STATE.clock.sampler.sample_period is None or time.perf_counter() - t0 < 1.0:
+        step()                    # through the sampling's calibration (steps 32..63), and a second of steps
+    period = runtime.STATE.clock.sampler.sample_period
+    # blocks of whole sampling periods, aligned with them: on and off blocks hold as many detailed steps
+    block = max(period, 16)
+    while block * (time.perf_counter() - t0) / max(1, runtime.STATE.clock.step) < 0.2:
+        block *= 2                # a block of at least 0.2 s
+    while runtime.STATE.clock.step % block:
+        step()
+    res: dict = {"on": [], "off": []}
+    on = True
+    for b in range(2 * pairs):
+        want = (b % 4 in (0, 3))  # on, off, off, on, ...: each comes first as often
+        if want != on:
+            switch(want)
+            on = want
+        c0, w0, o0, n0 = time.thread_time_ns(), time.perf_counter_ns(), own[0], own[1]
         for _ in range(block):
-            step(i, on)
-            i += 1
-        (with_ if on else without).append((time.thread_time_ns() - t0) / block)
-    part.on_exit()
-    diffs = [a - b for a, b in zip(with_, without)]
-    base = statistics.median(without)
-    extra = statistics.median(diffs)
-    print(f"TinyLM step (dim 64, 2 layers, {sum(p.numel() for p in model.parameters())} parameters) on this CPU: "
-          f"{base / 1e3:.0f} us of the training thread's CPU without the sentinel; the sentinel adds "
-          f"{extra / 1e3:.1f} us per step ({extra / base:.2%}), median over {len(diffs)} block pairs "
-          f"of {block} steps; {len(rows)} health rows written; the fingerprint's price: {meta}")
+            step()
+        res["on" if on else "off"].append(((time.thread_time_ns() - c0) / block, (time.perf_counter_ns() - w0) / block,
+                                           (own[0] - o0 - clock_ns * (own[1] - n0)) / block))
+    if not on:
+        switch(True)
+    assert not runtime.STATE.disabled and part in parts.parts, "dtprof or its numerics part switched off"
+    print(json.dumps({"res": res, "block": block, "period": period, "params": nparams,
+                      "fp_interval": part.fp_interval, "read_every": part.read_every}))
+
+
+def _in_dtprof(args: list[str], full_detail: bool) -> dict:
+    """This file's worker run as `dtprof run` runs a rank (dtprof injected, recording into a throwaway run); its
+    last stdout line, parsed."""
+    import dtprof._inject
+    from dtprof.runformat import create_node_dir, create_run_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
+        env["OMP_NUM_THREADS"] = "1"
+        env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "health"})))
+        env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0, "full_detail": full_detail})
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")])
+        p = subprocess.run([sys.executable, __file__, "cost-worker", *args], env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cost(jobs: list[str], pairs: int, full_detail: bool) -> None:
+    """Per job: what the numerics part adds to a step under dtprof, on - off in the same process (module
+    docstring)."""
+    for name in jobs:
+        d = _in_dtprof([name, str(pairs)] + (["--full-detail"] if full_detail else []), full_detail)
+        on, off = d["res"]["on"], d["res"]["off"]
+        # pairs of neighbouring blocks (on, off, off, on, ...): each on block with the off block beside it
+        cpu = [a[0] - b[0] for a, b in zip(on, off)]
+        wall = [a[1] / b[1] for a, b in zip(on, off)]
+        base_cpu, base_wall = statistics.median(b[0] for b in off), statistics.median(b[1] for b in off)
+        extra = statistics.median(cpu)
+        own = statistics.fmean(a[2] for a in on)
+        sampling = "every step in full detail" if not d["period"] else \
+            f"detail sampled: 4 steps every {d['period']}"
+        print(f"{name} ({d['params']} parameters; {sampling}; reads at multiples of {d['read_every']}, fingerprints "
+              f"at multiples of {d['fp_interval']} (detailed steps)): "
+              f"bare-of-numerics step {base_wall / 1e3:.1f} us wall, {base_cpu / 1e3:.1f} us training-thread CPU; "
+              f"the part's own CPU (its callbacks, timed in place) {own / 1e3:.2f} us per step ({own / base_cpu:.2%}); "
+              f"the numerics part adds {extra / 1e3:+.2f} us CPU per step ({extra / base_cpu:+.2%}; CPU of on - off "
+              f"over {len(cpu)} block pairs of {d['block']} steps, median), wall ratio on / off "
+              f"{statistics.median(wall):.4f} (median; range {min(wall):.4f}-{max(wall):.4f})", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["alarms", "cost"])
+    ap.add_argument("what", choices=["alarms", "cost", "cost-worker"])
+    ap.add_argument("job", nargs="?", help="cost-worker: the job")
+    ap.add_argument("pairs", nargs="?", type=int, default=10, help="cost-worker: on/off block pairs")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--jobs", default=",".join(JOBS), help=f"cost: comma-separated, of {', '.join(JOBS)}")
+    ap.add_argument("--pairs", type=int, default=10, help="cost: on/off block pairs per job")
+    ap.add_argument("--full-detail", action="store_true", help="cost: every step in full detail (no sampling)")
     a = ap.parse_args()
     if a.what == "alarms":
         alarms(a.runs, a.steps or 1500)
+    elif a.what == "cost-worker":
+        cost_worker(a.job, a.pairs, a.full_detail)
     else:
-        cost(a.steps or 400)
+        cost(a.jobs.split(","), a.pairs, a.full_detail)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
 """The numerics sentinel (a rank-side part, collectors/parts.py): each optimizer step's local loss, gradient norm,
 learning rate and, at a priced interval, a fingerprint of the parameters, as ``health`` rows (dtprof/schema.py).
 
-What it reads, and when (docs/metrics.md, "Numerics health")
-- the local loss: the scalar tensors ``backward`` is called on in a step recorded in full detail (``on_backward``;
-  the rank's own loss, before any cross-rank reduction), their mean when there are several (gradient accumulation);
+What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recorded in full detail only (the
+step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a
+boundary-only step costs this part two early returns.
+- the local loss: the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before any
+  cross-rank reduction), their mean when there are several (gradient accumulation, pipeline microbatches);
 - the gradient norm: the tensor ``torch.nn.utils.clip_grad_norm_`` (or its alias ``clip_grad_norm``) returned,
-  the last call of the step; the wrapper is in place on every step, and does nothing while Dynamo traces (a clip
-  inside a compiled region is traced as the bare job's and not read);
+  the last call of the step; the wrapper is in place on every step, passes the job's result through, and does
+  nothing while Dynamo traces (a clip inside a compiled region is traced as the bare job's and not read);
 - the learning rate of each param group, a host-side read after the optimizer step (``on_optimizer_step``);
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
   one flipped bit changes it by a power of two. Its interval is priced from its measured cost: it is taken at
-  steps 0 and 2 (the second timed: the training thread's CPU, plus the device's time on a GPU), then every
-  ``interval`` steps, the smallest power of two that keeps it under FP_BUDGET of the median step (ranks that
-  priced differently still share the steps of the largest interval).
+  step 0 and at FP_TIMED_STEPS (timed: the training thread's CPU, plus the device's time on a GPU; the cheaper
+  counts, so one preempted or cold measurement does not price a rank apart from its replicas), then at the
+  detailed steps that are multiples of ``interval``, the smallest power of two that keeps it under FP_BUDGET of
+  the median pricing step (ranks that priced or sampled differently still share the steps of the largest
+  interval and period: both are powers of two, and detailed blocks start at multiples of the period).
 
 No host-device sync: device values are copied ``non_blocking`` into a ring of host buffers (pinned on CUDA) with
 an event recorded after the copies, and read at a later step's end once the event has completed (on CPU the copy
@@ -34,12 +38,19 @@ from dtprof.collectors.parts import RankContext, RankPart
 from dtprof.collectors.records import Health
 
 RING = 16                 # steps whose device values may be in flight at once
-FP_BUDGET = 0.005         # the share of a step the parameter fingerprint may cost
-FP_PRICE_STEPS = 4        # steps 1..FP_PRICE_STEPS price the fingerprint (step 0 is a warm-up)
-# the step whose fingerprint is timed: not step 0 (torch's first-call costs) nor step 1 (dtprof counts its FLOPs
-# under FlopCounterMode, which every op of the step goes through)
-FP_TIMED_STEP = 2
+# the share of a step the parameter fingerprint may cost: a quarter of the 1 % dtprof may cost (the detail's
+# sampling keeps the rest of a detailed step's cost, this part's loss/norm/lr reads among it, under half of it)
+FP_BUDGET = 0.0025
+# steps FP_PRICE_FROM.. (FP_PRICE_STEPS of them) price the fingerprint: past step 0's first calls and step 1's
+# FLOP count (dtprof counts step 1's FLOPs under FlopCounterMode, which every op of the step goes through)
+FP_PRICE_FROM = 2
+FP_PRICE_STEPS = 8
+FP_TIMED_STEPS = (4, 8)   # the steps whose fingerprints are timed (one is also taken at step 0)
 FP_MAX_INTERVAL = 1024
+# the share of a step this part's reads (loss, norm, lr: its callbacks' own CPU, measured on the pricing steps) may
+# cost: over it, they are made on every ``read_every``-th detailed step only (a power of two; not with --full-detail)
+READ_BUDGET = 0.0025
+READ_MAX_EVERY = 1024
 CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
 MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
 
@@ -62,17 +73,24 @@ class NumericsSentinel(RankPart):
         self.lr: float | None = None
         self.lrs: list | None = None
         self.fp = None                  # this step's fingerprint (an int64 scalar on the parameters' device)
-        self.fp_timing = None           # (CPU ns, (start, end) CUDA events or None, elements) of the timed one
+        self.fp_timing: list = []       # (CPU ns, (start, end) CUDA events or None, elements) of the timed ones
+        self.fp_cuda = False            # the parameters are on a GPU (the step is then priced by its wall time)
         self.opt_seen = False           # this step's first optimizer step was read
         self.fp_interval: int | None = 0      # 0: not priced yet; None: never again (why in the meta row)
         self.fp_from = 0
-        self.step_ns: list[int] = []
-        self.last_end_ns: int | None = None
+        self.step_cost: list[int] = []      # the pricing steps' cost (ns): the training thread's CPU, or on a
+        self.last_end: tuple | None = None  # GPU the wall time; (wall ns, thread CPU ns) at the last step's end
+        self.pricing = True             # steps 0..FP_PRICE_FROM + FP_PRICE_STEPS - 1: the callbacks time themselves
+        self.own_ns = 0                 # this step's callbacks' own CPU (pricing steps only), and each pricing step's
+        self.own_steps: list[int] = []
+        self.read_every = 1             # reads on the detailed steps that are multiples of this (priced)
+        self.full_detail = bool(ctx.options.get("full_detail"))
         self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, has norm, has fingerprint)
         self.slot = 0
         self.dropped = 0
         self.buf_f: Any = None          # the ring: (RING, 2) float64 [loss, grad_norm], (RING,) int64 fingerprint
         self.buf_i: Any = None
+        self.views: list = []
         self.cuda = False
         self.int_of = _int_of(torch)
         self.clip_off = False
@@ -94,9 +112,15 @@ class NumericsSentinel(RankPart):
 
         def clip_grad_norm_(*args, **kwargs):
             norm = orig(*args, **kwargs)
-            if not part.clip_off and not part.is_compiling():
+            # is_compiling first: while Dynamo traces, nothing of dtprof's state is read (no guard on it)
+            ctx = part.ctx
+            if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
+                    and not part.clip_off:
                 try:
+                    t0 = time.thread_time_ns() if part.pricing else 0
                     part.norm = part.local(norm)
+                    if t0:
+                        part.own_ns += time.thread_time_ns() - t0
                 except Exception:
                     part.clip_off = True     # the wrapper keeps passing the job's result through
                     part.ctx.event("error", "dtprof part numerics: clip_grad_norm_ not read after a fault")
@@ -118,18 +142,27 @@ class NumericsSentinel(RankPart):
         return norm.detach()
 
     def on_backward(self, tensors) -> None:
+        if self.is_compiling() or self.ctx.step % self.read_every:
+            return
+        t0 = time.thread_time_ns() if self.pricing else 0
         t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
-        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES \
-                and not self.is_compiling():
+        if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES:
             self.losses.append(t.detach())
+        if t0:
+            self.own_ns += time.thread_time_ns() - t0
 
     def on_optimizer_step(self, optimizer) -> None:
-        if self.opt_seen or self.is_compiling():    # the step's first optimizer names the step's rate
-            return
+        ctx = self.ctx      # detailed steps only (an A/B "off" block is not recorded: ctx.active is False)
+        if self.is_compiling() or self.opt_seen or not ctx.detail or not ctx.active:
+            return          # the step's first optimizer names the step's rate
         self.opt_seen = True
-        lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
-        self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
-        if self.fp_due(self.ctx.step):
+        if not ctx.step % self.read_every:
+            t0 = time.thread_time_ns() if self.pricing else 0
+            lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
+            self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
+            if t0:
+                self.own_ns += time.thread_time_ns() - t0
+        if self.fp_due(ctx.step):
             self.fp = self.fingerprint(optimizer)
 
     def host_float(self, v):
@@ -139,7 +172,7 @@ class NumericsSentinel(RankPart):
         return float(v) if isinstance(v, (int, float)) else None
 
     def fp_due(self, step: int) -> bool:
-        if step in (0, FP_TIMED_STEP):
+        if step == 0 or step in FP_TIMED_STEPS:
             return True
         i = self.fp_interval
         return i is not None and i > 0 and step >= self.fp_from and step % i == 0
@@ -152,19 +185,20 @@ class NumericsSentinel(RankPart):
         if any(hasattr(p, "placements") for p in params):
             self.no_fingerprint("the optimizer holds sharded parameters (DTensor): the ranks are not replicas")
             return None
-        timed = self.ctx.step == FP_TIMED_STEP
+        self.fp_cuda = params[0].is_cuda
+        timed = self.ctx.step in FP_TIMED_STEPS
         t0 = time.thread_time_ns()     # the training thread's CPU: a busy machine's preemptions are not its cost
         ev = None
         if timed and params[0].is_cuda:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
-        sums = [p.detach().view(self.int_of[p.dtype]).sum(dtype=torch.int64) for p in params
-                if p.dtype in self.int_of]
-        fp = torch.stack(sums).sum() if sums else None
+        with torch.no_grad():       # the views need no detach (one dispatcher call less per parameter)
+            sums = [p.view(self.int_of[p.dtype]).sum(dtype=torch.int64) for p in params if p.dtype in self.int_of]
+            fp = torch.stack(sums).sum() if sums else None
         if timed:
             if ev is not None:
                 ev[1].record()
-            self.fp_timing = (time.thread_time_ns() - t0, ev, sum(p.numel() for p in params))
+            self.fp_timing.append((time.thread_time_ns() - t0, ev, sum(p.numel() for p in params)))
         return fp
 
     def no_fingerprint(self, reason: str) -> None:
@@ -174,16 +208,19 @@ class NumericsSentinel(RankPart):
                                        "budget": FP_BUDGET, "parameters": None, "reason": reason})
 
     def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
-        self.read_ready(step)
-        if self.last_end_ns is not None and len(self.step_ns) < FP_PRICE_STEPS:
-            self.step_ns.append(t_ns - self.last_end_ns)
-        self.last_end_ns = t_ns
-        if self.fp_interval == 0 and len(self.step_ns) >= FP_PRICE_STEPS:
-            self.price_fingerprint(step + 1)
+        t0 = time.thread_time_ns() if self.pricing else 0
+        if self.pending:
+            self.read_ready(step)
+        if not detailed:        # a boundary-only step: nothing of it was read
+            return
         try:
-            self.launch(step)
+            if self.fp is not None or not step % self.read_every:
+                self.launch(step)
         finally:
             self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
+        if t0:
+            self.own_ns += time.thread_time_ns() - t0
+            self.price_step(step, t_ns)
 
     def launch(self, step: int) -> None:
         """This step's device values into the next ring slot, non-blocking, and the event that says they landed."""
@@ -200,16 +237,19 @@ class NumericsSentinel(RankPart):
                 self.cuda = any(v is not None and v.is_cuda for v in (loss, norm, fp))
                 self.buf_f = torch.zeros((RING, 2), dtype=torch.float64, pin_memory=self.cuda)
                 self.buf_i = torch.zeros((RING,), dtype=torch.int64, pin_memory=self.cuda)
+                # each slot's views made once: indexing is a dispatcher call per view per step
+                self.views = [(self.buf_f[i], self.buf_f[i, 0], self.buf_f[i, 1], self.buf_i[i]) for i in range(RING)]
             if len(self.pending) >= RING:
                 self.dropped += 1
                 loss = norm = fp = None
             else:
+                _, v_loss, v_norm, v_fp = self.views[slot]
                 if loss is not None:
-                    self.buf_f[slot, 0].copy_(loss.reshape(()), non_blocking=True)
+                    v_loss.copy_(loss.reshape(()), non_blocking=True)
                 if norm is not None:
-                    self.buf_f[slot, 1].copy_(norm.reshape(()), non_blocking=True)
+                    v_norm.copy_(norm.reshape(()), non_blocking=True)
                 if fp is not None:
-                    self.buf_i[slot].copy_(fp, non_blocking=True)
+                    v_fp.copy_(fp, non_blocking=True)
                 self.slot = (slot + 1) % RING
         event = None
         if self.cuda and (loss is not None or norm is not None or fp is not None):
@@ -227,10 +267,10 @@ class NumericsSentinel(RankPart):
             self.pending.popleft()
             loss = norm = fp = None
             if has_loss or has_norm:
-                f = self.buf_f[slot].tolist()
+                f = self.views[slot][0].tolist()     # host memory the copies landed in: no device read
                 loss, norm = (f[0] if has_loss else None), (f[1] if has_norm else None)
             if has_fp:
-                fp = int(self.buf_i[slot])
+                fp = int(self.views[slot][3])
             bad = " ".join(n for n, v in (("loss", loss), ("grad_norm", norm))
                            if v is not None and not math.isfinite(v))
             if bad:
@@ -238,19 +278,51 @@ class NumericsSentinel(RankPart):
                 norm = norm if norm is None or math.isfinite(norm) else None
             self.ctx.add(Health(self.ctx.rank, step, loss, norm, lr, json.dumps(lrs) if lrs else None, bad, fp))
 
+    def price_step(self, step: int, t_ns: int) -> None:
+        """The pricing steps' cost, then the fingerprint's interval. A CPU job's step is priced by the training
+        thread's CPU, as the fingerprint is (a busy machine's preemptions are neither's cost; a rank waiting on
+        its peers uses less CPU than wall time, so the share is the larger one); a GPU job's by its wall time."""
+        th = time.thread_time_ns()
+        if self.last_end is not None and step >= FP_PRICE_FROM and len(self.step_cost) < FP_PRICE_STEPS:
+            wall, cpu = t_ns - self.last_end[0], th - self.last_end[1]
+            self.step_cost.append(wall if self.fp_cuda else cpu)
+            self.own_steps.append(self.own_ns)
+        self.own_ns = 0
+        self.last_end = (t_ns, th)
+        if len(self.step_cost) < FP_PRICE_STEPS:
+            return
+        if self.fp_interval == 0:
+            self.price_fingerprint(step + 1)
+            if self.fp_interval == 0:
+                return                  # a GPU fingerprint's time not known yet: priced at a later step's end
+        self.pricing = False
+        self.price_reads(step + 1)
+
+    def price_reads(self, next_step: int) -> None:
+        """Reads on every ``read_every``-th detailed step: the smallest power of two that keeps the callbacks' own
+        CPU per read step (median of the pricing steps, the fingerprint's apart) under READ_BUDGET of the median
+        pricing step; 1 with --full-detail (every step asked for)."""
+        own = sorted(self.own_steps)[len(self.own_steps) // 2]
+        step_ns = sorted(self.step_cost)[len(self.step_cost) // 2]
+        every = 1
+        while not self.full_detail and own > READ_BUDGET * step_ns * every and every < READ_MAX_EVERY:
+            every *= 2
+        self.read_every = every
+        self.ctx.meta("numerics_reads", {"every": every, "from_step": next_step, "cost_ns": own, "step_ns": step_ns,
+                                         "budget": READ_BUDGET, "full_detail": self.full_detail})
+
     def price_fingerprint(self, next_step: int) -> None:
         """The fingerprint's interval from its measured cost (the training thread's CPU time, plus its device time
-        on a GPU once the events have completed) and the median of the first steps."""
-        if self.fp_timing is None:
-            self.no_fingerprint(f"no optimizer step with parameters to fingerprint at step {FP_TIMED_STEP}")
+        on a GPU once the events have completed) and the median of the pricing steps."""
+        if not self.fp_timing:
+            self.no_fingerprint(f"no optimizer step with parameters to fingerprint at steps {FP_TIMED_STEPS}")
             return
-        host_ns, ev, numel = self.fp_timing
-        cost = host_ns
-        if ev is not None:
-            if not ev[1].query():
-                return                  # priced at a later step's end
-            cost += int(ev[0].elapsed_time(ev[1]) * 1e6)
-        step_ns = sorted(self.step_ns)[len(self.step_ns) // 2]
+        if any(ev is not None and not ev[1].query() for _, ev, _ in self.fp_timing):
+            return                      # priced at a later step's end
+        cost = min(host + (int(ev[0].elapsed_time(ev[1]) * 1e6) if ev is not None else 0)
+                   for host, ev, _ in self.fp_timing)
+        numel = self.fp_timing[-1][2]
+        step_ns = sorted(self.step_cost)[len(self.step_cost) // 2]
         interval = 1
         while cost > FP_BUDGET * step_ns * interval and interval < FP_MAX_INTERVAL:
             interval *= 2

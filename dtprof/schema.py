@@ -159,6 +159,10 @@ META_KINDS = {
     # steps (a power of two) from ``from_step``; ``cost_ns`` one fingerprint of ``parameters`` elements, ``step_ns``
     # the median step, ``budget`` the share of the step it may cost; ``interval`` null with ``reason``: not taken
     "numerics": ("interval", "from_step", "cost_ns", "step_ns", "budget", "parameters", "reason"),
+    # the numerics part's reads (loss, norm, lr) priced on this rank: made from ``from_step`` on the detailed steps
+    # that are multiples of ``every``; ``cost_ns`` their own CPU per step, ``step_ns`` the median pricing step,
+    # ``budget`` the share they may cost; ``full_detail``: --full-detail asked for every step (``every`` 1)
+    "numerics_reads": ("every", "from_step", "cost_ns", "step_ns", "budget", "full_detail"),
 }
 
 SPAN_KINDS = (

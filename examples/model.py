@@ -118,11 +118,39 @@ def parse_args(description: str, extra=None):
                         "process's CPU time (time.process_time(), s) and the printing thread's, the training "
                         "thread (time.thread_time(), s): benchmarks/overhead.py times the steps by them, whatever "
                         "way the line travels")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip the gradients' global norm to this (torch.nn.utils.clip_grad_norm_); 0: no clipping")
+    p.add_argument("--nan-at", default="", metavar="STEP:RANK",
+                   help="a numerics incident on purpose: rank RANK's loss is NaN at step STEP")
+    p.add_argument("--print-health", action="store_true",
+                   help="each rank with a loss prints 'HEALTH rank step loss grad_norm lr' per step, full precision "
+                        "(grad_norm nan without --clip)")
     if extra:
         extra(p)
     args = p.parse_args()
     BUSY[0] = args.slow_busy
     return args
+
+
+def poisoned(loss, step: int, rank: int, args):
+    """The loss, NaN on the step and rank of ``--nan-at``."""
+    if args.nan_at and [step, rank] == [int(v) for v in args.nan_at.split(":")]:
+        return loss * float("nan")     # the gradients go NaN too, as with a NaN in the data
+    return loss
+
+
+def clipped(parameters, args):
+    """``--clip``: the gradients clipped, and their global norm as a float (FSDP2's is a replicated DTensor);
+    None without it."""
+    if not args.clip:
+        return None
+    norm = torch.nn.utils.clip_grad_norm_(parameters, args.clip)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def health_line(rank: int, step: int, loss: float, norm: float | None, lr: float) -> str:
+    """``--print-health``: what the rank computed this step, each value's repr (read back bit for bit)."""
+    return f"HEALTH {rank} {step} {loss!r} {float('nan') if norm is None else norm!r} {lr!r}"
 
 
 def step_line(step: int, loss: float, args) -> str:

@@ -1,7 +1,7 @@
 """Fully sharded data-parallel training of the tiny LM with FSDP2 (`fully_shard`), gloo on CPU or NCCL on GPU;
 `--fsdp1` wraps it with the older FullyShardedDataParallel instead (one unit per transformer block).
 
-    torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 20 [--fsdp1]
+    torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 20 [--fsdp1] [--clip 1.0] [--print-health]
 """
 import os
 import sys
@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import TinyLM, batch_for, lm_loss, parse_args, setup_distributed, step_line  # noqa: E402
+from model import TinyLM, batch_for, clipped, health_line, lm_loss, parse_args, poisoned, setup_distributed, step_line  # noqa: E402
 
 
 def wrap_fsdp1(model, device):
@@ -39,10 +39,13 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step in range(args.steps):
         x, y = batch_for(step, rank, args, device)
-        loss = lm_loss(model(x), y)
+        loss = poisoned(lm_loss(model(x), y), step, rank, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        norm = clipped(model.parameters(), args)
         opt.step()
+        if args.print_health:
+            print(health_line(rank, step, loss.item(), norm, opt.param_groups[0]["lr"]), flush=True)
         if rank == 0:
             print(step_line(step, loss.item(), args), flush=True)
     torch.distributed.destroy_process_group()

@@ -1,7 +1,7 @@
 """Pipeline-parallel training of the tiny LM with torch.distributed.pipelining: one stage per rank (2 or more),
 the blocks split evenly, GPipe or 1F1B schedule.
 
-    torchrun --nproc_per_node=2 examples/train_pipeline.py --schedule 1f1b --microbatches 4
+    torchrun --nproc_per_node=2 examples/train_pipeline.py --schedule 1f1b --microbatches 4 [--print-health]
 """
 import os
 import sys
@@ -11,7 +11,19 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import SlowDown, TinyLM, batch_for, fixed_step, lm_loss, parse_args, setup_distributed, step_line  # noqa: E402
+from model import (  # noqa: E402
+    SlowDown,
+    TinyLM,
+    batch_for,
+    clipped,
+    fixed_step,
+    health_line,
+    lm_loss,
+    parse_args,
+    poisoned,
+    setup_distributed,
+    step_line,
+)
 
 
 class StageModule(nn.Module):
@@ -59,10 +71,13 @@ def main():
         module.slow.seconds = float(args.stage_ms.split(",")[rank]) / 1000 / args.microbatches
     stage = PipelineStage(module, rank, world, device)
     cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
-    schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=lm_loss)
+    at = [0]      # the step in progress, for --nan-at (the schedule calls the loss function per microbatch)
+    schedule = cls(stage, n_microbatches=args.microbatches,
+                   loss_fn=lambda out, target: poisoned(lm_loss(out, target), at[0], rank, args))
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
     last = rank == world - 1
     for step in range(args.steps):
+        at[0] = step
         if args.fix_every and args.stage_ms:
             ms = args.fixed_stage_ms if fixed_step(args, step) else args.stage_ms
             module.slow.seconds = float(ms.split(",")[rank]) / 1000 / args.microbatches if ms else 0.0
@@ -78,10 +93,14 @@ def main():
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
+        norm = clipped(module.parameters(), args)     # the stage's own parameters: each stage clips its own
         opt.step()
         if last:
             loss = torch.stack(losses).mean()
             print(step_line(step, loss.item(), args), flush=True)
+            if args.print_health:     # the microbatches' mean in float64, the mean dtprof records
+                mean = torch.stack([v.double() for v in losses]).mean().item()
+                print(health_line(rank, step, mean, norm, opt.param_groups[0]["lr"]), flush=True)
     torch.distributed.destroy_process_group()
 
 

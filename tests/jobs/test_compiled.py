@@ -2,7 +2,7 @@
 the bare job's for each way users compile, the forward runs compiled after dtprof's FLOP-counting step (the eager
 ops of its fused parts do not run), nothing of dtprof's enters a graph (fullgraph=True would raise at a graph break;
 compiled autograd compiles the backward around dtprof's backward wrapper), and dtprof still records the steps,
-forward, backward and MFU.
+forward, backward, MFU and, with its numerics part on (as always), every step's loss.
 Real torch.compile on this CPU (inductor where the kernels matter, aot_eager where only Dynamo's counters do); one
 inductor cache for the module (conftest ``compile_env``), so bare and profiled runs of a form build its kernels once.
 The framework switches and sampling are in test_compiled_frameworks.py."""
@@ -49,6 +49,12 @@ def test_dynamo_counters_equal_bare_and_under_dtprof(form, compile_env, tmp_path
     assert set(run.steps["rank"]) == ({0} if len(_job(form)) == 5 else {0, 1})
     for kind in ("forward", "backward", "optimizer"):
         assert (spans["kind"] == kind).any(), kind
+    # the numerics part (collectors/numerics.py) was on: every step's local loss read from the compiled model's
+    # output, the last one the job's own (rank 0 prints it, rounded)
+    h = run.health
+    assert len(h) == len(run.steps) and h["loss"].notna().all(), h
+    last = h[h["rank"] == 0].sort_values("step")["loss"].iloc[-1]
+    assert round(float(last), 5) == sp["loss"], (last, sp["loss"])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mfu"]["flops_source"].startswith("executed FLOPs"), summary["mfu"]
     assert not (run.events["level"] == "error").any(), run.events

@@ -14,7 +14,7 @@ from conftest import TESTS, bare_and_profiled, compare_cli, dtprof, record
 from dtprof.reader import open_run
 
 JOB = TESTS / "numerics_jobs" / "health.py"
-STEPS, K = 24, 14
+STEPS, K = 40, 14     # 40 steps: the fingerprint's priced interval on this toy job is up to 32
 
 
 def _printed(p: subprocess.CompletedProcess) -> dict:
@@ -56,7 +56,7 @@ def test_clean_run_is_healthy_with_every_step_as_the_job_printed_it(runs):
     assert health["incidents"] == [] and health["first_nonfinite"] is None
     got = {(e["rank"], e["step"]): (e["loss"], e["grad_norm"], e["lr"]) for e in health["per_step"]}
     assert got == printed          # float32 losses and norms read back bit for bit, the lr the optimizer used
-    assert len({v[2] for v in got.values()}) == 3      # StepLR changed the rate twice in 24 steps
+    assert len({v[2] for v in got.values()}) == 4      # StepLR changed the rate every 10 steps
     fp = health["fingerprint"]
     assert fp["replica_groups"] == [[0, 1]] and fp["compared"] >= 2 and fp["interval"] >= 1
     rc, t = _triage(d)
@@ -127,3 +127,74 @@ def test_clip_inside_and_outside_compiled_code_keeps_dynamo_counters(compile_env
     assert {s: float(h.loc[s, "grad_norm"]) for s in norms} == norms   # the eager clip's norm, each step
     assert not open_run(tmp_path / "run").events["level"].eq("error").any()
 
+
+
+# ---- FSDP2 and a torch pipelining job: the examples' own scripts, a NaN in rank 1's loss at step ENGINE_K -------
+
+ENGINE_STEPS, ENGINE_K = 8, 5
+ENGINE_ARGS = ("--steps", ENGINE_STEPS, "--batch", 4, "--seq", 16, "--dim", 32, "--layers", 2, "--clip", 1.0,
+               "--print-health", "--nan-at", f"{ENGINE_K}:1")
+ENGINES = {"fsdp2": ("train_fsdp.py",), "pipeline": ("train_pipeline.py", "--schedule", "1f1b", "--microbatches", 4)}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """FSDP2 and 1F1B pipeline recordings with full detail, each made when a test first asks for it."""
+    class Recorded(dict):
+        def __missing__(self, name):
+            script, *extra = ENGINES[name]
+            d = tmp_path_factory.mktemp(name) / "run"
+            p = record(d, script, *ENGINE_ARGS, *extra, opts=("--full-detail", "--no-nvml"))
+            self[name] = (d, _printed(p))
+            return self[name]
+    return Recorded()
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "pipeline"])
+def test_engine_losses_and_norms_as_printed_and_the_nan_named(engines, engine):
+    """FSDP2: each rank's local loss and the replicated norm FSDP2's clip returns (a DTensor), as each rank printed
+    them. Pipeline (1F1B, a stage per rank): the last stage's loss is its microbatches' mean (the job prints the
+    same mean in float64), the first stage has no loss (its backward gets activations' gradients) and its own
+    clipped norm. A NaN in rank 1's loss at step K: triage names rank 1 and step K."""
+    d, printed = engines[engine]
+    h = open_run(d).health
+    rows = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    assert set(rows) == {(r, s) for r in (0, 1) for s in range(ENGINE_STEPS)}
+    loss_ranks = (0, 1) if engine == "fsdp2" else (1,)
+    assert {r for r, _ in printed} == set(loss_ranks)
+    for (rank, step), (loss, norm, lr) in printed.items():
+        got = rows[rank, step]
+        assert got.lr == lr, (rank, step)
+        if step < ENGINE_K:
+            assert (got.loss, got.grad_norm) == (loss, norm), (rank, step, got, loss, norm)
+    if engine == "pipeline":
+        first = h[h["rank"] == 0].sort_values("step")
+        assert first["loss"].isna().all()                                     # no loss on the first stage
+        assert (first["grad_norm"].head(ENGINE_K) > 0).all()                  # its own stage's clipped norm
+    assert printed[1, ENGINE_K][0] != printed[1, ENGINE_K][0]                 # the job's own view: NaN at K
+    assert "loss" in str(rows[1, ENGINE_K].nonfinite)
+    rc, t = _triage(d)
+    assert (rc, t["verdict"], t["culprit_ranks"], t["step"]) == (1, "numerics", [1], ENGINE_K), t
+    assert _summary(d)["health"]["first_nonfinite"] == {"step": ENGINE_K, "ranks": [1], "what": "local loss"}
+
+
+def test_no_device_value_is_read_on_the_host(tmp_path):
+    """No host-device sync added: every host read of a tensor's values made from dtprof's rank-side code during a
+    real DDP job (Tensor.item/tolist/__float__/__int__/__bool__/numpy/cpu/to, counted by their caller;
+    tests/numerics_jobs/syncs.py) is of the numerics part's host ring, and every copy into the ring is
+    non_blocking: what reaches the host from the job's tensors travels only that way (on a GPU each other read
+    would be a sync; this machine has none for torch.cuda.set_sync_debug_mode)."""
+    steps = 12
+    p = record(tmp_path / "run", TESTS / "numerics_jobs" / "syncs.py", steps, opts=("--full-detail", "--no-nvml"))
+    notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*\})", p.stdout)}
+    assert set(notes) == {0, 1}
+    for n in notes.values():
+        calls = n["calls"]
+        copies = [c for c in calls if c["method"] == "copy_" and c["into_ring"]]
+        reads = [c for c in calls if c["method"] != "copy_"]
+        assert len(copies) >= 2 * steps        # the loss and the norm of each step, at least
+        assert all(c["non_blocking"] and not c["from_ring"] for c in copies), copies
+        assert [c for c in calls if c["method"] == "copy_" and not c["into_ring"]] == []
+        assert reads and all(c["in_ring"] for c in reads), [c for c in reads if not c["in_ring"]]
+    h = open_run(tmp_path / "run").health
+    assert h["loss"].notna().sum() == 2 * steps and h["grad_norm"].notna().sum() == 2 * steps

@@ -70,3 +70,26 @@ def test_sampled_breakdown_agrees_with_full_detail(runs):
         for part in f[rank]:
             # a boundary-only step read as detailed would put its whole time in "other" (~3/4 of the steps)
             assert abs(s[rank][part] - f[rank][part]) < 0.2, (rank, part, s[rank], f[rank])
+
+
+def test_numerics_read_on_the_detailed_steps_only(runs):
+    """The numerics part (collectors/numerics.py) reads nothing in boundary-only steps: the loss of every detailed
+    step before its reads are priced (steps 0-9) and then of the detailed steps that are multiples of the
+    ``read_every`` each rank priced; its fingerprints at steps 0, 4 and 8 and then at the detailed steps that are
+    multiples of the interval each rank priced, equal on the two DDP replicas."""
+    (_, run_dir), _ = runs
+    run = open_run(run_dir)
+    steps, h, meta = run.steps, run.health, run.meta
+    detailed = {(int(r), int(s)) for r, s, d in zip(steps["rank"], steps["step"], steps["detail"].fillna(1)) if d}
+    for rank in (0, 1):
+        (fpv,) = meta[(meta["kind"] == "numerics") & (meta["rank"] == rank)]["value"]
+        (rd,) = meta[(meta["kind"] == "numerics_reads") & (meta["rank"] == rank)]["value"]
+        assert rd["from_step"] == 10 and rd["every"] >= 1 and not rd["full_detail"], rd
+        mine = h[h["rank"] == rank]
+        reads = {s for r, s in detailed if r == rank and (s < rd["from_step"] or s % rd["every"] == 0)}
+        fps = {0, 4, 8} | {s for r, s in detailed if r == rank and s >= fpv["from_step"] and s % fpv["interval"] == 0}
+        assert set(mine.loc[mine["loss"].notna(), "step"].astype(int)) == reads
+        assert set(mine.loc[mine["param_fp"].notna(), "step"].astype(int)) == fps, (fpv, sorted(mine["step"]))
+        assert set(mine["step"].astype(int)) == reads | fps       # no row for anything else
+    fp = h.dropna(subset=["param_fp"])
+    assert (fp.groupby("step")["param_fp"].nunique() == 1).all()
