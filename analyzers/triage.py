@@ -45,6 +45,7 @@ from dtprof.analyzers.collectives import own_records
 from dtprof.reader import Incident, best_dump
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
+from dtprof.watchdog import STALE_BEAT_S
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom", "numerics", "divergence")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
@@ -217,8 +218,7 @@ FROZEN_STATES = {"T": "is stopped (SIGSTOP)", "t": "is stopped by a tracer",
                  "D": "is in an uninterruptible sleep in the kernel"}
 # A heartbeat this old while another rank's is fresh (under half of it) is one that stopped: a rank's heartbeat
 # thread beats every 0.5 s whatever its main thread does, so only a frozen process (or one holding the GIL inside
-# C++) stops beating
-STALE_BEAT_S = 5.0
+# C++) stops beating: STALE_BEAT_S (dtprof/watchdog.py, which judges a stalled heartbeat thread by it too)
 
 
 def frozen_ranks(hang_recs: list[dict], heartbeats: dict, now_ns: int | None) -> dict[int, str]:

@@ -192,6 +192,30 @@ def test_deaths_seen_in_one_poll_put_the_rank_that_lost_a_peer_last(tmp_path):
     assert (tmp_path / "dump-request-crash").exists()   # the survivors were asked for their state at once
 
 
+def test_watchdog_names_a_stalled_heartbeat_thread_not_a_frozen_rank(tmp_path):
+    # rank 1's process runs but its heartbeat is 8 s old while rank 0's is fresh: dtprof's own thread stopped
+    # (a fault of dtprof's, named once); rank 2's is as old but its process is SIGSTOPped: the hang's to name
+    from dtprof.watchdog import Watchdog
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        procs[2].send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        now = time.monotonic_ns()
+        for rank, age_s in ((0, 0.3), (1, 8.0), (2, 8.0)):
+            d = tmp_path / f"rank-{rank}"
+            d.mkdir()
+            (d / "heartbeat.json").write_text(json.dumps({"rank": rank, "pid": procs[rank].pid, "step": 3,
+                                                           "t_ns": now - int(age_s * 1e9), "exit": None}))
+        wd = Watchdog(tmp_path, timeout_s=60, stop_job=lambda: None)
+        wd._check_beats()
+        wd._check_beats()
+        assert len(wd.beat_faults) == 1 and "rank 1's heartbeat thread stopped" in wd.beat_faults[0], wd.beat_faults
+    finally:
+        for pr in procs:
+            pr.kill()
+            pr.wait()
+
+
 def test_parse_torchrun_failures_names_root_cause_and_signal():
     f = parse_torchrun_failures(TORCHRUN_REPORT)
     assert [(x["rank"], x["exit_code"], x["signal"], x["root_cause"]) for x in f] == [
