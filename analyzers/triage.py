@@ -427,7 +427,18 @@ def _hang(c: Case) -> dict | None:
     if not (hang_rec or (stale is not None and stale >= c.stale_s) or nccl_timeout or fr_behind):
         return None
     groups_tbl = c.run.groups if c.run is not None else None
-    h = find_hang(inc.heartbeats, inc.dumps, c.known, groups_tbl, inc.fr, now)
+    # a rank whose process cannot run (stopped, in the kernel) is the culprit whatever its last beat said it was
+    # inside: that beat is older than the freeze; the collective is the one the others wait in
+    stopped = sorted({int(r) for rec in inc.watchdog["hang"] for r, v in (rec.get("ranks") or {}).items()
+                      if v.get("process_state") in FROZEN_STATES})
+    h = find_hang({r: hb for r, hb in inc.heartbeats.items() if r not in stopped},
+                  {r: d for r, d in inc.dumps.items() if r not in stopped}, c.known, groups_tbl, inc.fr, now)
+    in_one = True   # every waiting rank waits in the one collective named
+    if stopped:
+        others = [r for r in sorted(c.known) if r not in stopped]
+        in_one = h["waiting"] == others
+        h["culprits"], h["waiting"] = stopped, others
+        h["source"] = "the watchdog's process states (a rank that cannot run)"
     if h["collective"] is None and nccl_timeout:
         op = nccl_timeout.group(2).lower()
         h["collective"] = {"op": _NCCL_OPS.get(op, op), "group": None, "seq": int(nccl_timeout.group(1))}
@@ -459,9 +470,10 @@ def _hang(c: Case) -> dict | None:
     else:
         msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
                f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
-    if culprits and culprits[0] in frozen and coll is None:   # nothing names a collective: the freeze is the story
+    if culprits and culprits[0] in frozen and (coll is None or culprits[0] in stopped):   # the freeze is the story
         msg = (f"hang: {c.label(culprits[0])} froze: {frozen[culprits[0]]}"
-               + (f"; ranks {ranks_text(h['waiting'])} wait for it" if h["waiting"] else ""))
+               + (f"; ranks {ranks_text(h['waiting'])} wait for it" + (f" in {cname}" if coll and in_one else "")
+                  if h["waiting"] else ""))
     elif culprits and culprits[0] in frozen:
         msg += f"; rank {culprits[0]}: {frozen[culprits[0]]}"
     if h["source"]:

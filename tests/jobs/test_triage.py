@@ -239,6 +239,24 @@ def test_frozen_ranks_from_the_watchdogs_record_and_live_heartbeats():
     assert list(frozen_ranks([], hbs, now)) == [1]
 
 
+def test_a_stopped_rank_is_the_culprit_whatever_its_last_beat_was_inside():
+    # Lightning, rank 2 SIGSTOPped (chaos): its last beat, 21 s old, says all_reduce #37; the others wait in two
+    # later collectives. Counting in-flight collectives named ranks 1 and 2 "inside barrier #56".
+    from dtprof.analyzers.triage import triage
+    from dtprof.reader import Incident
+
+    def beat(rank, op, seq, t_ns):
+        return {"rank": rank, "pid": 10 + rank, "step": 12, "t_ns": t_ns, "exit": None, "collective":
+                {"op": op, "group": "0", "seq": seq, "in_bytes": 8, "dtype": "int64", "peer": None, "entered_ns": 1}}
+    hbs = {0: beat(0, "broadcast", 55, 100), 1: beat(1, "barrier", 56, 100), 2: beat(2, "all_reduce", 37, 50)}
+    rec = {"detected_ns": 2 * 10**10, "timeout_s": 20, "idle_s": 20, "ranks": {
+        "0": {"heartbeat_age_s": 0.4, "process_state": "S"}, "1": {"heartbeat_age_s": 0.3, "process_state": "S"},
+        "2": {"heartbeat_age_s": 20.7, "process_state": "T"}}}
+    res = triage(None, Incident(heartbeats=hbs, watchdog={"hang": [rec], "crash": [], "exit": []}))
+    assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
+    assert "rank 2 froze: its process is stopped (SIGSTOP)" in res["message"] and "ranks 0–1 wait" in res["message"]
+
+
 def test_ranks_text():
     assert ranks_text([0, 1, 2, 4, 5, 6, 7]) == "0–2, 4–7"
     assert ranks_text([3]) == "3"
