@@ -179,8 +179,9 @@ def launch(fault: Fault, tag: str, out: Path, run_dir: Path | None, mount: Path 
         if run_dir is not None:
             # a collective timeout is gloo's to report: the watchdog waits longer than the process group does
             hang = 2 * PG_TIMEOUT_S + HANG_TIMEOUT_S if fault.kind == "coll_timeout" else HANG_TIMEOUT_S
-            cmd = [str(BIN / "dtprof"), "run", "--out", str(run_dir), "--no-report", "--no-nvml", "--hang-timeout",
-                   str(hang), "--", *cmd]
+            # --peak-tflops: no MFU calibration after the job (seconds of a torch start-up, nothing the faults touch)
+            cmd = [str(BIN / "dtprof"), "run", "--out", str(run_dir), "--no-report", "--no-nvml", "--peak-tflops", "1",
+                   "--hang-timeout", str(hang), "--", *cmd]
         procs.append(subprocess.Popen(cmd, env=job_env(fault, tag, out, mount), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True))
     return procs
