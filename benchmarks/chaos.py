@@ -154,9 +154,11 @@ def torchrun(fault: Fault, node: int | None, port: int) -> list[str]:
     if node is None:
         return [str(BIN / "torchrun"), f"--nproc_per_node={NPROC}", "--standalone", "--monitor-interval=0.2",
                 str(JOB)]
+    # the rendezvous store on the node whose agent is killed (node 1, rank 1's), never left to a race: with it the
+    # surviving agent fails at once (exit 1); without it, it waits in torchrun's exit barrier for 300 s
     return [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=chaos{port}",
-            "--monitor-interval=0.2", str(JOB)]
+            f"--rdzv-conf=is_host={int(node == fault.rank)}", "--monitor-interval=0.2", str(JOB)]
 
 
 def job_env(fault: Fault, tag: str, out: Path, mount: Path | None) -> dict:
@@ -297,7 +299,9 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
                 watch()
                 time.sleep(0.5)
             codes = [0] if (out / "weights-0.sha256").exists() else codes
-        leftovers = tagged(tag + "d")
+        # left running after `dtprof run` returned (a launcher still running at the limit is the job's own hang,
+        # counted in its fate, as the bare job's)
+        leftovers = tagged(tag + "d") if all(c is not None for c in codes) else []
         kill_tagged(tag + "d")
         if mount is not None:
             subprocess.run(["mount", "-o", "remount,rw", str(mount)], capture_output=True)
