@@ -57,6 +57,8 @@ TIMEOUT_PATTERNS = [
     re.compile(r"[^\n]*DistStoreError[^\n]*"),
 ]
 _NCCL_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
+# a rank's own exception saying its collective timed out (gloo's, NCCL's watchdog): it waited, it is not the cause
+_COLL_TIMEOUT = re.compile(r"Timed out waiting \d+ms for \w+ operation|Watchdog caught collective operation timeout")
 _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/dtprof/", "/collectors/", "<frozen")
 
 
@@ -404,9 +406,23 @@ def _mismatch(c: Case) -> dict | None:
     return c.result("mismatch", odd, {"op": m["op"], "group": m["group"], "seq": m["seq"]}, msg)
 
 
+def _timed_out(c: Case) -> dict[int, str | None]:
+    """Ranks whose own exception is a collective timeout, each with the torch.distributed call it was in (from its
+    traceback's frames), or {}."""
+    out = {}
+    for r, by_id in c.incident.dumps.items():
+        exc = (by_id.get("exception") or {}).get("exception") or {}
+        if _COLL_TIMEOUT.search(exc.get("message") or ""):
+            calls = [f.get("func") for f in exc.get("frames") or [] if str(f.get("file", "")).endswith(
+                "distributed_c10d.py")]
+            out[r] = calls[-1] if calls else None
+    return out
+
+
 def _hang(c: Case) -> dict | None:
-    """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout, or
-    Flight Recorder files given show ranks that never reached a collective the others entered."""
+    """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout (or
+    ranks' own exceptions are collective timeouts while other ranks' are not), or Flight Recorder files given show
+    ranks that never reached a collective the others entered."""
     inc = c.incident
     hang_rec = inc.watchdog["hang"][0] if inc.watchdog["hang"] else None
     now = (hang_rec or {}).get("detected_ns") or c.now_ns or time.monotonic_ns()
@@ -424,7 +440,10 @@ def _hang(c: Case) -> dict | None:
         if fr_behind:
             c.evidence.append({"kind": "flight_recorder", "message": "Flight Recorder dumps: some ranks never "
                                "reached a collective the others entered"})
-    if not (hang_rec or (stale is not None and stale >= c.stale_s) or nccl_timeout or fr_behind):
+    timed_out = _timed_out(c)
+    if not timed_out or set(timed_out) >= set(c.known):
+        timed_out = {}   # none, or every rank timed out: nothing tells a rank that never entered
+    if not (hang_rec or (stale is not None and stale >= c.stale_s) or nccl_timeout or fr_behind or timed_out):
         return None
     groups_tbl = c.run.groups if c.run is not None else None
     # a rank whose process cannot run (stopped, in the kernel) is the culprit whatever its last beat said it was
@@ -433,6 +452,15 @@ def _hang(c: Case) -> dict | None:
                       if v.get("process_state") in FROZEN_STATES})
     h = find_hang({r: hb for r, hb in inc.heartbeats.items() if r not in stopped},
                   {r: d for r, d in inc.dumps.items() if r not in stopped}, c.known, groups_tbl, inc.fr, now)
+    if timed_out and not h["culprits"]:   # the process group timed out first: the ranks that did not wait in it
+        h["waiting"] = sorted(timed_out)
+        h["culprits"] = [r for r in sorted(c.known) if r not in timed_out]
+        op = next((o for o in timed_out.values() if o), None)
+        h["collective"] = h["collective"] or ({"op": op, "group": None, "seq": None} if op else None)
+        h["source"] = "the ranks' own collective-timeout errors (the others never entered the collective)"
+        c.evidence.append({"kind": "exit", "message": f"ranks {ranks_text(h['waiting'])} raised the process "
+                           f"group's collective timeout in {op or 'a collective'}; ranks {ranks_text(h['culprits'])} "
+                           f"did not"})
     in_one = True   # every waiting rank waits in the one collective named
     if stopped:
         others = [r for r in sorted(c.known) if r not in stopped]

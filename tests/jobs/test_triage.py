@@ -257,6 +257,28 @@ def test_a_stopped_rank_is_the_culprit_whatever_its_last_beat_was_inside():
     assert "rank 2 froze: its process is stopped (SIGSTOP)" in res["message"] and "ranks 0–1 wait" in res["message"]
 
 
+def test_a_collective_timeout_names_the_rank_that_never_entered_not_the_first_that_timed_out():
+    # chaos coll_timeout: rank 2 sleeps past the process group's timeout; ranks 0 and 1 raise gloo's timeout in
+    # all_reduce (rank 0 first), torchrun stops rank 2. It was "crash: rank 0 ... Timed out waiting".
+    from dtprof.analyzers.triage import triage
+    from dtprof.reader import Incident
+
+    msg = ("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv "
+           "operation to complete")
+    frames = [{"file": "/job/train.py", "line": 142, "func": "end_of_step"},
+              {"file": "/site-packages/torch/distributed/distributed_c10d.py", "line": 2900, "func": "all_reduce"}]
+
+    def raised(rank, t):
+        return {"exception": {"rank": rank, "t_ns": t, "reason": f"exception: RuntimeError: {msg}",
+                              "exception": {"type": "RuntimeError", "message": msg, "frames": frames}}}
+    dumps = {0: raised(0, 100), 1: raised(1, 200), 2: {"sigterm": {"rank": 2, "t_ns": 300, "reason": "SIGTERM"}}}
+    hbs = {r: {"rank": r, "pid": 10 + r, "step": 6, "t_ns": 100, "exit": None if r == 2 else "exception: ..."}
+           for r in range(3)}
+    res = triage(None, Incident(heartbeats=hbs, dumps=dumps))
+    assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
+    assert res["collective"]["op"] == "all_reduce" and "rank 2" in res["message"], res["message"]
+
+
 def test_ranks_text():
     assert ranks_text([0, 1, 2, 4, 5, 6, 7]) == "0–2, 4–7"
     assert ranks_text([3]) == "3"
