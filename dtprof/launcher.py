@@ -898,7 +898,8 @@ def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None
 
 
 def own_faults_line(node_dir: Path) -> str | None:
-    """One line naming the faults dtprof had in the job's processes (their ``FAULT_EVENT`` events rows), or None.
+    """One line naming the faults dtprof had in the job's processes (their ``FAULT_EVENT`` events rows, and the
+    heartbeat threads' own, kept in heartbeat.json), or None.
     The ranks record them and print nothing into the job's output, so this is the only place a user hears of them
     at once."""
     faults = []
@@ -916,11 +917,19 @@ def own_faults_line(node_dir: Path) -> str | None:
                 continue                         # a torn last line (the reader reports it)
             if level == "error" and str(message).startswith(FAULT_EVENT):
                 faults.append((rank, str(message)))
+    for path in sorted(node_dir.glob(f"{RANK_PREFIX}*/heartbeat.json")):   # the heartbeat thread's own (it never
+        try:                                                                # raises: it keeps them in its file)
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        faults += [(-2, f"dtprof's heartbeat thread on rank {beat.get('rank')}: {f}") for f in beat.get("faults") or []]
     if not faults:
         return None
     rank, message = faults[0]
     first = message.replace("on this rank", f"on rank {rank}") if rank >= 0 else message
     more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+    if rank == -2:   # the heartbeat switches off only its failing part
+        return f"{first}{more}; that part of the heartbeat is off, the job and its recording ran on ({node_dir})"
     return f"{first}{more}; the job ran on unprofiled there; see the events in {node_dir}"
 
 
