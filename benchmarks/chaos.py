@@ -23,8 +23,8 @@ the run without dtprof meets the same fault at the same point. For each fault:
   step). Named right, wrong (another verdict or culprit) or missed (nothing found: "healthy", or dtprof's own
   fault left unsaid).
 
-Prints one row per fault, then one table by kind. Needs root for the run-directory faults (a tmpfs mounted and
-remounted read-only or filled); without it those are skipped.
+Prints one row per fault, then one table by kind. Needs root for the run-directory faults (a small tmpfs filled;
+a loop-mounted ext4 turned read-only by an error); without it those are skipped.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ CATALOGUE = {
     "node_lost": ("crash", False, "torchrun's agent", False),
     "coll_timeout": ("hang", True, "", False),
     "mismatch": ("mismatch", True, "broadcast", True),
-    "dir_readonly": ("healthy", False, "", True),
+    "dir_readonly": ("interrupted", False, "unwritable", True),
     "dir_full": ("healthy", False, "", True),
     "hb_raise": ("healthy", False, "", True),
     "hb_stall": ("healthy", False, "", True),
@@ -161,17 +161,20 @@ def torchrun(fault: Fault, node: int | None, port: int) -> list[str]:
             f"--rdzv-conf=is_host={int(node == fault.rank)}", "--monitor-interval=0.2", str(JOB)]
 
 
-def job_env(fault: Fault, tag: str, out: Path, mount: Path | None) -> dict:
+def job_env(fault: Fault, tag: str, out: Path, mount: Path | None, fs_error: str | None = None) -> dict:
     env = dict(os.environ, CHAOS_FAULT="agent_kill" if fault.kind == "node_lost" else fault.kind, CHAOS_JOB=fault.job,
                CHAOS_RANK=str(fault.rank), CHAOS_STEP=str(fault.step), CHAOS_STEPS=str(fault.steps),
                CHAOS_OUT=str(out), CHAOS_TAG=tag, OMP_NUM_THREADS="1",
                CHAOS_PG_TIMEOUT=str(PG_TIMEOUT_S) if fault.kind == "coll_timeout" else "300")
     if mount is not None:
         env["CHAOS_MOUNT"] = str(mount)
+    if fs_error is not None:
+        env["CHAOS_FS_ERROR"] = fs_error
     return env
 
 
-def launch(fault: Fault, tag: str, out: Path, run_dir: Path | None, mount: Path | None) -> list[subprocess.Popen]:
+def launch(fault: Fault, tag: str, out: Path, run_dir: Path | None, mount: Path | None,
+           fs_error: str | None = None) -> list[subprocess.Popen]:
     """The job's launchers: bare torchrun (run_dir None) or `dtprof run`; two for a two-node job."""
     port = _free_port()
     nodes = [0, 1] if fault.kind == "node_lost" else [None]
@@ -184,7 +187,7 @@ def launch(fault: Fault, tag: str, out: Path, run_dir: Path | None, mount: Path 
             # --peak-tflops: no MFU calibration after the job (seconds of a torch start-up, nothing the faults touch)
             cmd = [str(BIN / "dtprof"), "run", "--out", str(run_dir), "--no-report", "--no-nvml", "--peak-tflops", "1",
                    "--hang-timeout", str(hang), "--", *cmd]
-        procs.append(subprocess.Popen(cmd, env=job_env(fault, tag, out, mount), stdout=subprocess.DEVNULL,
+        procs.append(subprocess.Popen(cmd, env=job_env(fault, tag, out, mount, fs_error), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True))
     return procs
 
@@ -263,12 +266,25 @@ def bare_key(fault: Fault) -> str | None:
 def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
     tag = f"{os.getpid()}-{work.name}"
     mount = None
+    fs_error = None
     if fault.kind in ("dir_readonly", "dir_full"):
+        # full: a small tmpfs the job fills. Read-only: a loop-mounted ext4 that turns read-only on an error, which
+        # the job triggers (/sys/fs/ext4/<dev>/trigger_fs_error): a busy file system refuses `mount -o remount,ro`
         mount = work / "disk"
         mount.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
-        if r.returncode != 0:
-            return {"kind": fault.kind, "skipped": "cannot mount a tmpfs (needs root)"}
+        if fault.kind == "dir_full":
+            cmds = [["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)]]
+        else:
+            img = work / "disk.img"
+            cmds = [["truncate", "-s", "64M", str(img)], ["mkfs.ext4", "-q", "-F", str(img)],
+                    ["mount", "-o", "loop,errors=remount-ro", str(img), str(mount)]]
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True)
+            if r.returncode != 0:
+                return {"kind": fault.kind, "skipped": f"{' '.join(cmd[:2])} failed (needs root and loop devices)"}
+        if fault.kind == "dir_readonly":
+            dev = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mount)], capture_output=True, text=True)
+            fs_error = f"/sys/fs/ext4/{Path(dev.stdout.strip()).name}/trigger_fs_error"
     try:
         # without dtprof
         key = bare_key(fault)
@@ -291,7 +307,7 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
         def watch():
             for r, n in readable_rows(run_dir).items():
                 seen[r] = max(seen.get(r, 0), n)
-        procs = launch(fault, tag + "d", out, run_dir, mount)
+        procs = launch(fault, tag + "d", out, run_dir, mount, fs_error)
         codes, err = finish(procs, LIMIT_S + 60, watch)
         if fault.kind == "dtprof_kill":   # the job trains on without its launcher: wait for its end
             deadline = time.monotonic() + LIMIT_S
@@ -303,8 +319,6 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
         # counted in its fate, as the bare job's)
         leftovers = tagged(tag + "d") if all(c is not None for c in codes) else []
         kill_tagged(tag + "d")
-        if mount is not None:
-            subprocess.run(["mount", "-o", "remount,rw", str(mount)], capture_output=True)
         under = fate(codes, out)
         try:
             after = rows_after(run_dir)

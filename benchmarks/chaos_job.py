@@ -17,15 +17,14 @@ is a node lost), coll_timeout (the rank sleeps past the process group's timeout 
 wait in), mismatch (a broadcast of another size on one rank; gloo lets it pass), oom (a real allocation the CPU
 allocator refuses, inside the model's forward), oom_cuda (CUDA's out-of-memory error with its message, raised there:
 this machine has no GPU), nan (a NaN in the rank's batch of that step). Faults that need dtprof (a no-op
-without it): dtprof_kill (SIGKILL to `dtprof run`, the agent's parent), dir_readonly / dir_full (the run
-directory's file system remounted read-only / filled), hb_raise / hb_stall (dtprof's heartbeat thread raises at
-every beat / blocks forever), flusher_raise / flusher_stall (dtprof's flusher thread raises / blocks forever).
+without it): dtprof_kill (SIGKILL to `dtprof run`, the agent's parent), dir_readonly / dir_full (the
+run directory's file system turned read-only by an error / filled), hb_raise / hb_stall (dtprof's heartbeat thread
+raises at every beat / blocks forever), flusher_raise / flusher_stall (dtprof's flusher thread raises / blocks forever).
 """
 import datetime
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -76,8 +75,9 @@ def inject(step: int) -> None:
                 os.kill(launcher, signal.SIGKILL)
     elif FAULT in ("dir_readonly", "dir_full") and os.environ.get("CHAOS_MOUNT") and os.environ.get("DTPROF_NODE_DIR"):
         mount = os.environ["CHAOS_MOUNT"]
-        if FAULT == "dir_readonly":
-            subprocess.run(["mount", "-o", "remount,ro", mount], check=False)
+        if FAULT == "dir_readonly":   # ext4 mounted errors=remount-ro: an error turns it read-only, files open or not
+            with open(os.environ["CHAOS_FS_ERROR"], "w") as f:
+                f.write("chaos\n")
         else:
             try:
                 with open(os.path.join(mount, "filler"), "wb") as f:
