@@ -105,7 +105,8 @@ def inject(step: int) -> None:
                 own()
             rec.flush_once = flush_once
     if FAULT.startswith(("hb_", "flusher_")):   # let the thread meet its fault before the job ends (with or without
-        time.sleep(2.5)                          # dtprof alike: a pause changes no weight)
+        # dtprof alike: a pause changes no weight); a stalled heartbeat shows once it is 5 s old (STALE_BEAT_S)
+        time.sleep(7.0 if FAULT == "hb_stall" else 2.5)
 
 
 class Trip(torch.nn.Module):
