@@ -206,7 +206,7 @@ class MemoryLedger(RankPart):
         from dtprof import oom
 
         exc, parsed = oom.in_chain(exc)
-        if exc is None:
+        if exc is None or parsed is None:
             return
         self.ctx.meta("oom", self.oom_record(exc, parsed["requested_bytes"]))
 
