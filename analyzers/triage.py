@@ -582,8 +582,8 @@ def _bytes_text(b) -> str:
     if b is None:
         return "?"
     b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
             break
         b /= 1024
     return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"

@@ -52,7 +52,8 @@ LIMIT_S = 90           # a bare job still running after this is hung (a clean on
 PG_TIMEOUT_S = 20      # the process group's timeout in a collective-timeout fault (its culprit sleeps 1.5x that)
 NPROC = 3
 
-# kind: (expected verdict, the culprit is the injecting rank?, a word the message must hold, the job survives it)
+# kind: (expected verdict, the culprit is the injecting rank?, words the message must hold (alternatives split by
+# "|"), the job survives it)
 CATALOGUE = {
     "rank_kill": ("crash", True, "SIGKILL", False),
     "rank_stop": ("hang", True, "SIGSTOP", False),
@@ -69,7 +70,7 @@ CATALOGUE = {
     "hb_stall": ("healthy", False, "", True),
     "flusher_raise": ("healthy", False, "", True),
     "flusher_stall": ("healthy", False, "", True),
-    "oom": ("oom", True, "could not allocate 64.0 TiB", False),
+    "oom": ("oom", True, "could not allocate 64.0 TiB|could not allocate 65536.0 GiB", False),
     "oom_cuda": ("oom", True, "could not allocate 2.0 GiB", False),
     "nan": ("numerics", True, "", True),
 }
@@ -332,28 +333,32 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
             verdict = json.loads(tri.stdout)
         except ValueError:
             verdict = {"verdict": "error", "culprit_ranks": [], "message": (tri.stderr or tri.stdout)[-300:]}
-        exp_verdict, culprit_is_rank, word, _ = CATALOGUE[fault.kind]
-        exp_culprits = [fault.rank] if culprit_is_rank else []
-        named = (verdict.get("verdict") == exp_verdict and verdict.get("culprit_ranks") == exp_culprits
-                 and word in verdict.get("message", ""))
-        if fault.kind in STEP_NAMED:
-            named = named and verdict.get("step") == fault.step
-        if fault.kind in OWN_FAULT_WORDS:   # and dtprof run names its own fault
-            named = named and any(w in err for w in OWN_FAULT_WORDS[fault.kind])
         row = {"kind": fault.kind, "job": fault.job, "rank": fault.rank, "step": fault.step, "steps": fault.steps,
                "bare": bare, "dtprof": under,
                "unharmed": bare == under, "rows_seen": sum(seen.values()), "rows_lost": lost,
-               "read_error": read_error, "leftovers": len(leftovers), "named": named,
-               "missed": not named and verdict.get("verdict") == "healthy",
+               "read_error": read_error, "leftovers": len(leftovers),
+               "dtprof_said": any(w in err for w in OWN_FAULT_WORDS.get(fault.kind, ())),
                "verdict": verdict.get("verdict"), "culprits": verdict.get("culprit_ranks"),
-               "verdict_step": verdict.get("step"),
-               "message": verdict.get("message", "")[:240]}
-        return row
+               "verdict_step": verdict.get("step"), "message": verdict.get("message", "")[:400]}
+        return judge(row)
     finally:
         kill_tagged(tag + "b")
         kill_tagged(tag + "d")
         if mount is not None:
             subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def judge(row: dict) -> dict:
+    """``named`` (triage's verdict, culprit, cause words, and for STEP_NAMED the step; for a fault of dtprof's own,
+    `dtprof run` said it) and ``missed`` (not named, and triage found nothing), from the row's own fields."""
+    exp_verdict, culprit_is_rank, words, _ = CATALOGUE[row["kind"]]
+    named = (row["verdict"] == exp_verdict and row["culprits"] == ([row["rank"]] if culprit_is_rank else [])
+             and any(w in (row["message"] or "") for w in words.split("|")))
+    if row["kind"] in STEP_NAMED:
+        named = named and row["verdict_step"] == row["step"]
+    if row["kind"] in OWN_FAULT_WORDS:
+        named = named and row.get("dtprof_said", row.get("named"))
+    return {**row, "named": bool(named), "missed": not named and row["verdict"] == "healthy"}
 
 
 def table(rows: list[dict]) -> str:
@@ -391,7 +396,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.tally:
         try:
-            rows = [r for f in a.tally for r in json.loads(f.read_text())]
+            rows = [judge(r) if "skipped" not in r else r for f in a.tally for r in json.loads(f.read_text())]
         except (OSError, ValueError) as e:
             print(f"chaos.py: cannot read the rows: {e}", file=sys.stderr)
             return 2
