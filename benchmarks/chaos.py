@@ -315,6 +315,7 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
             while tagged(tag + "d") and time.monotonic() < deadline:
                 watch()
                 time.sleep(0.5)
+            watch()   # what the ranks flushed at their end, which no launcher compacted
             codes = [0] if (out / "weights-0.sha256").exists() else codes
         # left running after `dtprof run` returned (a launcher still running at the limit is the job's own hang,
         # counted in its fate, as the bare job's)

@@ -27,13 +27,13 @@ FAULTS = [
     F("oom", 2, 5, 14, "pipeline"),          # the stage's RuntimeError wraps the allocator's (was a crash)
     F("oom_cuda", 1, 5, 14, "fsdp2"),        # CUDA's message, raised at the library boundary (no GPU here)
     F("nan", 1, 5, 14, "lightning"),         # the rank's own loss went NaN at that step
-    F("rank_exit", 2, 5, 14, "lightning"),
+    F("rank_stop", 2, 5, 14, "lightning"),   # frozen: its stale beat named a collective (was ranks 1, 2 blamed)
     F("dtprof_kill", 0, 5, 14, "fsdp2"),     # the job trains on to its end, same weights
     F("coll_timeout", 2, 5, 14, "ddp"),      # the rank that never entered (was the first rank that timed out)
     F("hb_stall", 2, 5, 14, "ddp"),          # dtprof's heartbeat thread blocked (was silent)
-    F("flusher_raise", 2, 4, 14, "ddp"),
+    F("hb_raise", 1, 5, 14, "pipeline"),     # dtprof's heartbeat thread raising (was silent)
     F("dir_full", 0, 5, 14, "ddp"),          # (was "interrupted": node.json's end not written)
-    F("dir_readonly", 0, 5, 14, "ddp"),
+    F("dir_readonly", 0, 5, 14, "ddp"),      # (the fault never happened: a busy tmpfs refuses a read-only remount)
 ]
 
 
