@@ -3,9 +3,11 @@
 Runs as a thread in the ``dtprof run`` launcher process and reads what the ranks' heartbeat threads write
 (``collectors/heartbeat.py``): ``node_dir/rank-<r>/heartbeat.json`` every ~0.5 s.
 
-- **Hang**: when no rank has made progress (``last_progress_ns``, the newest over all ranks; the clock starts at
-  the first heartbeat, so start-up and rendezvous are left to torchrun's own timeouts; once every rank has
-  exited cleanly, a slow teardown is not a hang) for ``timeout_s``, it writes ``node_dir/dump-request-hang``, waits
+- **Hang**: when no rank has made progress (``last_progress_ns``, the newest over all ranks) for ``timeout_s``.
+  The clock starts once training has: a rank past its first step, inside a collective, or whose progress moved
+  since its first heartbeat; start-up before that (imports: Lightning's takes over 20 s on a loaded 2-core
+  machine; rendezvous; data loading) is left to torchrun's and the process group's own timeouts. Once every rank
+  has exited cleanly, a slow teardown is not a hang. Then it writes ``node_dir/dump-request-hang``, waits
   up to ``DUMP_WAIT_S`` for every live rank's ``dump-hang.json``, records ``node_dir/triage/hang.json``, calls
   ``stop_job()`` (the launcher's SIGTERM, then SIGKILL after a grace period) and sets ``fired``; ``dtprof run``
   then exits with 124.
@@ -174,6 +176,8 @@ class Watchdog:
         self._seen: dict[int, dict] = {}
         self.beat_faults: list[str] = []   # one line per rank whose heartbeat thread stopped while it ran
         self._stalled: set[int] = set()
+        self._first_progress: dict[int, int | None] = {}   # each rank's last_progress_ns in its first heartbeat seen
+        self._training_ns: int | None = None                # when the watchdog first saw the job training
 
     # -- public ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -300,9 +304,16 @@ class Watchdog:
         running = {r: hb for r, hb in hbs.items() if hb.get("exit") != "clean"}
         if not running:
             return False  # every rank finished; a slow interpreter exit is not a hang
-        progress = [hb.get("last_progress_ns") or 0 for hb in hbs.values()]
-        newest = max(progress)
         now = time.monotonic_ns()
+        for r, hb in hbs.items():
+            self._first_progress.setdefault(r, hb.get("last_progress_ns"))
+        if self._training_ns is None:
+            if not any((hb.get("step") or 0) > 0 or hb.get("collective")
+                       or hb.get("last_progress_ns") != self._first_progress[r] for r, hb in hbs.items()):
+                return False   # still starting up
+            self._training_ns = now
+        progress = [hb.get("last_progress_ns") or 0 for hb in hbs.values()]
+        newest = max(*progress, self._training_ns)
         idle_s = (now - newest) / 1e9
         if idle_s < self.timeout_s:
             return False

@@ -216,6 +216,36 @@ def test_watchdog_names_a_stalled_heartbeat_thread_not_a_frozen_rank(tmp_path):
             pr.wait()
 
 
+def test_the_hang_clock_starts_with_training_not_at_start_up(tmp_path):
+    # chaos: a Lightning job's ranks were all still in `import lightning` 20 s after their first heartbeat, and the
+    # watchdog (--hang-timeout 20) stopped the job as hung. Start-up is not a hang; once a rank is past its first
+    # step, the clock runs from then.
+    from dtprof.watchdog import Watchdog
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        init = time.monotonic_ns() - 30 * 10**9     # the ranks started 30 s ago
+
+        def beat(step, progress_ns):
+            for rank, pr in enumerate(procs):
+                d = tmp_path / f"rank-{rank}"
+                d.mkdir(exist_ok=True)
+                (d / "heartbeat.json").write_text(json.dumps({
+                    "rank": rank, "pid": pr.pid, "step": step, "t_ns": time.monotonic_ns(), "exit": None,
+                    "collective": None, "last_progress_ns": progress_ns}))
+        stops = []
+        wd = Watchdog(tmp_path, timeout_s=1.0, stop_job=lambda: stops.append(1))
+        beat(0, init)
+        assert wd._check_hang() is False and not wd.fired     # 30 s without progress, but still starting up
+        beat(1, init + 29 * 10**9)                             # training: a step ended 1 s ago
+        assert wd._check_hang() is False
+        time.sleep(1.2)
+        assert wd._check_hang() is True and wd.fired and stops == [1]   # then no progress for the timeout
+    finally:
+        for pr in procs:
+            pr.kill()
+            pr.wait()
+
+
 def test_parse_torchrun_failures_names_root_cause_and_signal():
     f = parse_torchrun_failures(TORCHRUN_REPORT)
     assert [(x["rank"], x["exit_code"], x["signal"], x["root_cause"]) for x in f] == [
