@@ -769,7 +769,7 @@ def _start_job(command: list[str], env: dict, node_dir: Path, say: Callable[[str
         _guarded("events", warn, events.close)
         node_info.update(end_time=utc_iso(), end_mono_ns=time.monotonic_ns(), exit_code=127, status="failed")
         _write_manifest(node_dir, node_info)
-        (node_dir / RESERVE).unlink(missing_ok=True)
+        _drop_reserve(node_dir)
         click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
         sys.exit(127)
     return job
@@ -868,7 +868,14 @@ def _keep_reserve(node_dir: Path) -> None:
         with open(node_dir / RESERVE, "wb") as f:
             f.write(b"\0" * RESERVE_BYTES)
     except OSError:
+        _drop_reserve(node_dir)
+
+
+def _drop_reserve(node_dir: Path) -> None:
+    try:
         (node_dir / RESERVE).unlink(missing_ok=True)
+    except OSError:   # a read-only run directory keeps it, as it keeps everything
+        pass
 
 
 def _write_manifest(node_dir: Path, node_info: dict) -> None:
@@ -881,7 +888,7 @@ def _write_manifest(node_dir: Path, node_info: dict) -> None:
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         why = "disk full" if full else (e.strerror or str(e))
     if full and (node_dir / RESERVE).exists():
-        (node_dir / RESERVE).unlink(missing_ok=True)
+        _drop_reserve(node_dir)
         node_info["disk_full"] = True
         try:
             write_json_atomic(node_dir / NODE_MANIFEST, node_info)
@@ -978,7 +985,7 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
         post["report"] = str(path) if path is not None else None
     node_info["post"] = post
     _write_manifest(node_dir, node_info)
-    (node_dir / RESERVE).unlink(missing_ok=True)
+    _drop_reserve(node_dir)
     say(f"run: {run_dir}")
     if post["summary"]:
         say(f"summary: {run_dir / 'summary.json'}")
