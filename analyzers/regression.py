@@ -856,6 +856,10 @@ COMPUTE_PARTS = ("forward", "backward", "optimizer", "gpu_wait")
 # BUSY_DELTA of the step (measured: tests/jobs/test_compare_real.py and benchmarks/gate_power.py, docs/compare.md)
 BUSY_CPU_WAIT = 0.05
 BUSY_DELTA = 0.03
+# Both sides' ranks waited for a CPU this share of the step or more: the step times measure the scheduler more than
+# the code (on the shared 2-core VM, identical configurations at 77 % each failed the gate at +22 % with the probe
+# saying the head's machine was the faster: docs/compare.md), so a failed gate is inconclusive
+SATURATED_CPU_WAIT = 0.5
 
 
 def cpu_wait_share(runs: Sequence[dict]) -> float | None:
@@ -891,7 +895,9 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
       a CPU more (a busy base), the pass is inconclusive: a slowdown of compute could hide behind it. (A probe
       change within ``PROBE_TOLERANCE`` alone does not make a pass inconclusive: on a busy 2-core machine that
       would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
-    - a fail with the head on the slower machine: inconclusive, the busy machine named.
+    - a fail with the head on the slower machine: inconclusive, the busy machine named;
+    - a fail where both sides' ranks waited for a CPU ``SATURATED_CPU_WAIT`` of the step or more: inconclusive,
+      whatever the probe says (the step times are the scheduler's).
     """
     out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None, "waits": None,
                            "compute": None, "lines": []}
@@ -946,6 +952,10 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     elif code == 1 and head_slower:
         out["verdict"] = "inconclusive"
         out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
+    elif code == 1 and wb is not None and wh is not None and min(wb, wh) >= SATURATED_CPU_WAIT:
+        out["verdict"] = "inconclusive"
+        out["reason"] = (f"both sides were recorded on a busy machine, saturated (their ranks waited for a CPU {wb:.0%}"
+                         f" and {wh:.0%} of the step): the step times measure the scheduler more than the code")
     return out
 # Numerics: non-finite values in the head, and a head whose loss departs from a bit-identical base (summary.json
 # ``health``, analyzers/health.py)

@@ -45,6 +45,7 @@ from dtprof.analyzers.collectives import own_records
 from dtprof.reader import Incident, best_dump
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
+from dtprof.watchdog import STALE_BEAT_S
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom", "numerics", "divergence")
 # Collective timeouts and transport failures in a job's output (NCCL watchdog, gloo, c10d store).
@@ -56,6 +57,8 @@ TIMEOUT_PATTERNS = [
     re.compile(r"[^\n]*DistStoreError[^\n]*"),
 ]
 _NCCL_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
+# a rank's own exception saying its collective timed out (gloo's, NCCL's watchdog): it waited, it is not the cause
+_COLL_TIMEOUT = re.compile(r"Timed out waiting \d+ms for \w+ operation|Watchdog caught collective operation timeout")
 _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/dtprof/", "/collectors/", "<frozen")
 
 
@@ -217,8 +220,7 @@ FROZEN_STATES = {"T": "is stopped (SIGSTOP)", "t": "is stopped by a tracer",
                  "D": "is in an uninterruptible sleep in the kernel"}
 # A heartbeat this old while another rank's is fresh (under half of it) is one that stopped: a rank's heartbeat
 # thread beats every 0.5 s whatever its main thread does, so only a frozen process (or one holding the GIL inside
-# C++) stops beating
-STALE_BEAT_S = 5.0
+# C++) stops beating: STALE_BEAT_S (dtprof/watchdog.py, which judges a stalled heartbeat thread by it too)
 
 
 def frozen_ranks(hang_recs: list[dict], heartbeats: dict, now_ns: int | None) -> dict[int, str]:
@@ -404,9 +406,23 @@ def _mismatch(c: Case) -> dict | None:
     return c.result("mismatch", odd, {"op": m["op"], "group": m["group"], "seq": m["seq"]}, msg)
 
 
+def _timed_out(c: Case) -> dict[int, str | None]:
+    """Ranks whose own exception is a collective timeout, each with the torch.distributed call it was in (from its
+    traceback's frames), or {}."""
+    out = {}
+    for r, by_id in c.incident.dumps.items():
+        exc = (by_id.get("exception") or {}).get("exception") or {}
+        if _COLL_TIMEOUT.search(exc.get("message") or ""):
+            calls = [f.get("func") for f in exc.get("frames") or [] if str(f.get("file", "")).endswith(
+                "distributed_c10d.py")]
+            out[r] = calls[-1] if calls else None
+    return out
+
+
 def _hang(c: Case) -> dict | None:
-    """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout, or
-    Flight Recorder files given show ranks that never reached a collective the others entered."""
+    """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout (or
+    ranks' own exceptions are collective timeouts while other ranks' are not), or Flight Recorder files given show
+    ranks that never reached a collective the others entered."""
     inc = c.incident
     hang_rec = inc.watchdog["hang"][0] if inc.watchdog["hang"] else None
     now = (hang_rec or {}).get("detected_ns") or c.now_ns or time.monotonic_ns()
@@ -424,10 +440,33 @@ def _hang(c: Case) -> dict | None:
         if fr_behind:
             c.evidence.append({"kind": "flight_recorder", "message": "Flight Recorder dumps: some ranks never "
                                "reached a collective the others entered"})
-    if not (hang_rec or (stale is not None and stale >= c.stale_s) or nccl_timeout or fr_behind):
+    timed_out = _timed_out(c)
+    if not timed_out or set(timed_out) >= set(c.known):
+        timed_out = {}   # none, or every rank timed out: nothing tells a rank that never entered
+    if not (hang_rec or (stale is not None and stale >= c.stale_s) or nccl_timeout or fr_behind or timed_out):
         return None
     groups_tbl = c.run.groups if c.run is not None else None
-    h = find_hang(inc.heartbeats, inc.dumps, c.known, groups_tbl, inc.fr, now)
+    # a rank whose process cannot run (stopped, in the kernel) is the culprit whatever its last beat said it was
+    # inside: that beat is older than the freeze; the collective is the one the others wait in
+    stopped = sorted({int(r) for rec in inc.watchdog["hang"] for r, v in (rec.get("ranks") or {}).items()
+                      if v.get("process_state") in FROZEN_STATES})
+    h = find_hang({r: hb for r, hb in inc.heartbeats.items() if r not in stopped},
+                  {r: d for r, d in inc.dumps.items() if r not in stopped}, c.known, groups_tbl, inc.fr, now)
+    if timed_out and not h["culprits"]:   # the process group timed out first: the ranks that did not wait in it
+        h["waiting"] = sorted(timed_out)
+        h["culprits"] = [r for r in sorted(c.known) if r not in timed_out]
+        op = next((o for o in timed_out.values() if o), None)
+        h["collective"] = h["collective"] or ({"op": op, "group": None, "seq": None} if op else None)
+        h["source"] = "the ranks' own collective-timeout errors (the others never entered the collective)"
+        c.evidence.append({"kind": "exit", "message": f"ranks {ranks_text(h['waiting'])} raised the process "
+                           f"group's collective timeout in {op or 'a collective'}; ranks {ranks_text(h['culprits'])} "
+                           f"did not"})
+    in_one = True   # every waiting rank waits in the one collective named
+    if stopped:
+        others = [r for r in sorted(c.known) if r not in stopped]
+        in_one = h["waiting"] == others
+        h["culprits"], h["waiting"] = stopped, others
+        h["source"] = "the watchdog's process states (a rank that cannot run)"
     if h["collective"] is None and nccl_timeout:
         op = nccl_timeout.group(2).lower()
         h["collective"] = {"op": _NCCL_OPS.get(op, op), "group": None, "seq": int(nccl_timeout.group(1))}
@@ -459,9 +498,10 @@ def _hang(c: Case) -> dict | None:
     else:
         msg = (f"hang: the job's output reports a timeout in {cname}; no heartbeats say which rank never "
                f"entered it (record with `dtprof run --hang-timeout` to name the culprit)")
-    if culprits and culprits[0] in frozen and coll is None:   # nothing names a collective: the freeze is the story
+    if culprits and culprits[0] in frozen and (coll is None or culprits[0] in stopped):   # the freeze is the story
         msg = (f"hang: {c.label(culprits[0])} froze: {frozen[culprits[0]]}"
-               + (f"; ranks {ranks_text(h['waiting'])} wait for it" if h["waiting"] else ""))
+               + (f"; ranks {ranks_text(h['waiting'])} wait for it" + (f" in {cname}" if coll and in_one else "")
+                  if h["waiting"] else ""))
     elif culprits and culprits[0] in frozen:
         msg += f"; rank {culprits[0]}: {frozen[culprits[0]]}"
     if h["source"]:
@@ -542,8 +582,8 @@ def _bytes_text(b) -> str:
     if b is None:
         return "?"
     b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
             break
         b /= 1024
     return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"

@@ -205,15 +205,16 @@ class MemoryLedger(RankPart):
             return
         from dtprof import oom
 
-        parsed = oom.parse(str(exc))
-        if parsed is None:
+        exc, parsed = oom.in_chain(exc)
+        if exc is None or parsed is None:
             return
         self.ctx.meta("oom", self.oom_record(exc, parsed["requested_bytes"]))
 
     def oom_record(self, exc, request: int) -> dict:
         """What the rank held when an allocation failed: the request, the phase and module (from the traceback's
-        frames), the allocator's figures (the traceback still holds the frames' tensors) and the last count."""
-        phase, module = _phase_of(getattr(sys, "last_traceback", None))
+        frames: the out-of-memory error's own, where another exception wraps it), the allocator's figures (the
+        traceback still holds the frames' tensors) and the last count."""
+        phase, module = _phase_of(getattr(exc, "__traceback__", None) or getattr(sys, "last_traceback", None))
         rec = {"step": self.ctx.step, "requested_bytes": request, "phase": phase, "module": module,
                "message": str(exc).splitlines()[0][:500], "type": type(exc).__name__,
                "allocated_bytes": None, "reserved_bytes": None, "device_total_bytes": None,

@@ -742,6 +742,7 @@ def _start_node_info(node_dir: Path, host: str, command: list[str], cwd: Path, e
         "nvml": {"available": False, "reason": "disabled with --no-nvml"} if no_nvml else None, **machine_info,
     }
     _write_manifest(node_dir, node_info)
+    _keep_reserve(node_dir)
     return node_info, start_wall
 
 
@@ -768,6 +769,7 @@ def _start_job(command: list[str], env: dict, node_dir: Path, say: Callable[[str
         _guarded("events", warn, events.close)
         node_info.update(end_time=utc_iso(), end_mono_ns=time.monotonic_ns(), exit_code=127, status="failed")
         _write_manifest(node_dir, node_info)
+        _drop_reserve(node_dir)
         click.echo(f"dtprof: cannot start {command[0]!r}: {e.strerror or e}", err=True)
         sys.exit(127)
     return job
@@ -779,6 +781,8 @@ def _stop_watchdog(watchdog, job: Job, returncode: int) -> bool:
         return False
     _guarded("watchdog", warn, watchdog.on_job_exit, exit_code_for(returncode))
     _guarded("watchdog", warn, watchdog.stop)
+    for line in getattr(watchdog, "beat_faults", []):
+        warn(line)
     return bool(getattr(watchdog, "fired", False)) or job.stopped_by_watchdog
 
 
@@ -854,13 +858,46 @@ def _start_watchdog(cls, node_dir: Path, timeout_s: float, stop_job: Callable[[]
     return wd
 
 
+# Room kept on the run directory's disk for node.json's last writes: a disk that fills up during the job would
+# otherwise leave node.json "running" and the run read as its launcher killed ("interrupted").
+RESERVE, RESERVE_BYTES = ".node-json-reserve", 256 << 10
+
+
+def _keep_reserve(node_dir: Path) -> None:
+    try:
+        with open(node_dir / RESERVE, "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
+    except OSError:
+        _drop_reserve(node_dir)
+
+
+def _drop_reserve(node_dir: Path) -> None:
+    try:
+        (node_dir / RESERVE).unlink(missing_ok=True)
+    except OSError:   # a read-only run directory keeps it, as it keeps everything
+        pass
+
+
 def _write_manifest(node_dir: Path, node_info: dict) -> None:
-    """node.json; a failing disk costs the record, never the job (one line, the job runs on)."""
+    """node.json; a failing disk costs the record, never the job (one line, the job runs on). On a full disk the
+    room kept for it (RESERVE) is given back first."""
     try:
         write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+        return
     except OSError as e:
-        why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
-        warn(f"dtprof: {node_dir / NODE_MANIFEST}: not written ({why})")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        why = "disk full" if full else (e.strerror or str(e))
+    if full and (node_dir / RESERVE).exists():
+        _drop_reserve(node_dir)
+        node_info["disk_full"] = True
+        try:
+            write_json_atomic(node_dir / NODE_MANIFEST, node_info)
+            warn(f"dtprof: {node_dir}: disk full; node.json written in the room dtprof kept for it (rows the ranks "
+                 f"wrote after the disk filled are lost)")
+            return
+        except OSError:
+            pass
+    warn(f"dtprof: {node_dir / NODE_MANIFEST}: not written ({why})")
 
 
 def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None:
@@ -868,7 +905,8 @@ def _event(events: NodeTableWriter, host: str, level: str, message: str) -> None
 
 
 def own_faults_line(node_dir: Path) -> str | None:
-    """One line naming the faults dtprof had in the job's processes (their ``FAULT_EVENT`` events rows), or None.
+    """One line naming the faults dtprof had in the job's processes (their ``FAULT_EVENT`` events rows, and the
+    heartbeat threads' own, kept in heartbeat.json), or None.
     The ranks record them and print nothing into the job's output, so this is the only place a user hears of them
     at once."""
     faults = []
@@ -886,11 +924,19 @@ def own_faults_line(node_dir: Path) -> str | None:
                 continue                         # a torn last line (the reader reports it)
             if level == "error" and str(message).startswith(FAULT_EVENT):
                 faults.append((rank, str(message)))
+    for path in sorted(node_dir.glob(f"{RANK_PREFIX}*/heartbeat.json")):   # the heartbeat thread's own (it never
+        try:                                                                # raises: it keeps them in its file)
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        faults += [(-2, f"dtprof's heartbeat thread on rank {beat.get('rank')}: {f}") for f in beat.get("faults") or []]
     if not faults:
         return None
     rank, message = faults[0]
     first = message.replace("on this rank", f"on rank {rank}") if rank >= 0 else message
     more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+    if rank == -2:   # the heartbeat switches off only its failing part
+        return f"{first}{more}; that part of the heartbeat is off, the job and its recording ran on ({node_dir})"
     return f"{first}{more}; the job ran on unprofiled there; see the events in {node_dir}"
 
 
@@ -938,7 +984,8 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
         path = _guarded("report", warn, report, run, analysis) if analysis is not None else None
         post["report"] = str(path) if path is not None else None
     node_info["post"] = post
-    _guarded("manifest", warn, write_json_atomic, node_dir / NODE_MANIFEST, node_info)
+    _write_manifest(node_dir, node_info)
+    _drop_reserve(node_dir)
     say(f"run: {run_dir}")
     if post["summary"]:
         say(f"summary: {run_dir / 'summary.json'}")

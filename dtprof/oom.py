@@ -58,3 +58,16 @@ def parse(message: str) -> dict | None:
     if g:
         out["gpu"] = int(g.group(1))
     return out
+
+
+def in_chain(exc) -> tuple[BaseException, dict] | tuple[None, None]:
+    """The out-of-memory error an exception is or wraps (its ``__cause__``/``__context__`` chain: a pipelining stage
+    raises its own RuntimeError "from" the model's error), with its figures; (None, None) when none is."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parsed = parse(str(exc))
+        if parsed is not None:
+            return exc, parsed
+        exc = exc.__cause__ or exc.__context__
+    return None, None

@@ -552,7 +552,9 @@ class Run:
             info = _read_json(nd / NODE_MANIFEST) if _present(nd / NODE_MANIFEST) else {}
             info["node"] = nd.name
             if info.get("status") == "running" and launcher_killed(info):
-                info["status"], info["status_reason"] = "interrupted", "interrupted: the launcher was killed"
+                info["status"], info["status_reason"] = "interrupted", (
+                    "interrupted: the launcher was killed (or its run directory became unwritable before it recorded "
+                    "the job's end)")
             self.nodes.append(info)
         self.earlier_attempts = self._set_aside_earlier_attempts()
         self.problems: list[str] = []

@@ -3,9 +3,11 @@
 Runs as a thread in the ``dtprof run`` launcher process and reads what the ranks' heartbeat threads write
 (``collectors/heartbeat.py``): ``node_dir/rank-<r>/heartbeat.json`` every ~0.5 s.
 
-- **Hang**: when no rank has made progress (``last_progress_ns``, the newest over all ranks; the clock starts at
-  the first heartbeat, so start-up and rendezvous are left to torchrun's own timeouts; once every rank has
-  exited cleanly, a slow teardown is not a hang) for ``timeout_s``, it writes ``node_dir/dump-request-hang``, waits
+- **Hang**: when no rank has made progress (``last_progress_ns``, the newest over all ranks) for ``timeout_s``.
+  The clock starts once training has: a rank past its first step, inside a collective, or whose progress moved
+  since its first heartbeat; start-up before that (imports: Lightning's takes over 20 s on a loaded 2-core
+  machine; rendezvous; data loading) is left to torchrun's and the process group's own timeouts. Once every rank
+  has exited cleanly, a slow teardown is not a hang. Then it writes ``node_dir/dump-request-hang``, waits
   up to ``DUMP_WAIT_S`` for every live rank's ``dump-hang.json``, records ``node_dir/triage/hang.json``, calls
   ``stop_job()`` (the launcher's SIGTERM, then SIGKILL after a grace period) and sets ``fired``; ``dtprof run``
   then exits with 124.
@@ -13,6 +15,11 @@ Runs as a thread in the ``dtprof run`` launcher process and reads what the ranks
   ``node_dir/dump-request-crash`` at once so the survivors dump their state before torchrun stops them (their
   SIGTERM dumps are the second chance), and records ``triage/crash.json``. ``on_job_exit(code)`` adds torchrun's
   own account of the failure, parsed from ``node_dir/stderr.log``, to ``triage/exit.json``.
+
+- **A stalled heartbeat**: a live, runnable rank whose heartbeat is ``STALE_BEAT_S`` old while another rank's is
+  under half that has a heartbeat thread that stopped (a fault of dtprof's own: the thread beats every 0.5 s
+  whatever the training does); it is recorded once per rank in ``beat_faults`` (``dtprof run`` prints them) and
+  as an events row.
 
 Every finding is also an ``events`` row (source "watchdog") through NodeTableWriter. Files: docs/run-format.md.
 """
@@ -35,6 +42,11 @@ PEER_LOSS_RE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remo
                           r"communicator was aborted", re.I)
 DUMP_WAIT_S = 8.0
 HANG_EXIT_CODE = 124
+# A heartbeat this old while another rank's is fresh (under half of it) is one that stopped: a rank's heartbeat
+# thread beats every 0.5 s whatever its main thread does (analyzers/triage.py reads the same threshold)
+STALE_BEAT_S = 5.0
+# process states (/proc/<pid>/stat) in which no thread of the process runs: its heartbeat stopped with it
+FROZEN_STATES = ("T", "t", "D")
 
 
 def read_heartbeats(node_dir: Path) -> dict[int, dict]:
@@ -162,6 +174,10 @@ class Watchdog:
         self._host = socket.gethostname()
         self._started_ns = time.monotonic_ns()
         self._seen: dict[int, dict] = {}
+        self.beat_faults: list[str] = []   # one line per rank whose heartbeat thread stopped while it ran
+        self._stalled: set[int] = set()
+        self._first_progress: dict[int, int | None] = {}   # each rank's last_progress_ns in its first heartbeat seen
+        self._training_ns: int | None = None                # when the watchdog first saw the job training
 
     # -- public ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +238,7 @@ class Watchdog:
         while not self._stop.wait(POLL_S):
             try:
                 self._check_crashes()
+                self._check_beats()
                 if self._check_hang():
                     return
             except Exception as e:  # the watchdog must never take the launcher down
@@ -258,6 +275,26 @@ class Watchdog:
         for r in dead:
             self._event("error", f"rank {r} (pid {hbs[r].get('pid')}) exited at step {hbs[r].get('step')}")
 
+    def _check_beats(self) -> None:
+        """A rank that runs but whose heartbeat stopped while another's beats on: dtprof's own thread is stuck."""
+        hbs = read_heartbeats(self.node_dir)
+        now = time.monotonic_ns()
+        ages = {r: (now - hb["t_ns"]) / 1e9 for r, hb in hbs.items() if hb.get("t_ns") and hb.get("exit") is None}
+        for r, age in ages.items():
+            fresh = [a for q, a in ages.items() if q != r]
+            if r in self._stalled or age < STALE_BEAT_S or not fresh or min(fresh) >= age / 2:
+                continue
+            pid = hbs[r].get("pid")
+            state = process_state(pid)
+            if not pid_alive(pid) or state in FROZEN_STATES or state is None:
+                continue   # gone (the crash check's) or frozen whole (the hang's)
+            self._stalled.add(r)
+            line = (f"dtprof: rank {r}'s heartbeat thread stopped beating {age:.0f} s ago while its process ran "
+                    f"(state {state}) and the other ranks' beat on: a fault of dtprof's own in that rank; its state "
+                    f"dumps are missing, the job runs on")
+            self.beat_faults.append(line)
+            self._event("error", line)
+
     def _check_hang(self) -> bool:
         hbs = read_heartbeats(self.node_dir)
         if self.crashed:
@@ -267,9 +304,16 @@ class Watchdog:
         running = {r: hb for r, hb in hbs.items() if hb.get("exit") != "clean"}
         if not running:
             return False  # every rank finished; a slow interpreter exit is not a hang
-        progress = [hb.get("last_progress_ns") or 0 for hb in hbs.values()]
-        newest = max(progress)
         now = time.monotonic_ns()
+        for r, hb in hbs.items():
+            self._first_progress.setdefault(r, hb.get("last_progress_ns"))
+        if self._training_ns is None:
+            if not any((hb.get("step") or 0) > 0 or hb.get("collective")
+                       or hb.get("last_progress_ns") != self._first_progress[r] for r, hb in hbs.items()):
+                return False   # still starting up
+            self._training_ns = now
+        progress = [hb.get("last_progress_ns") or 0 for hb in hbs.values()]
+        newest = max(*progress, self._training_ns)
         idle_s = (now - newest) / 1e9
         if idle_s < self.timeout_s:
             return False

@@ -215,6 +215,11 @@ def test_full_disk_never_silences_a_quiet_job(small_disk, tmp_path):
     assert len(set(re.findall(r"rank (\d) loss (\d+)", proc.stdout))) == 30, proc.stdout[-2000:]
     assert "disk full" in proc.stderr and "Traceback" not in proc.stderr
     assert not list(small_disk.rglob("*.tmp"))
+    # the job's end is recorded in the room dtprof kept for it: the run is not read as its launcher killed
+    node = json.loads(next((small_disk / "r").glob("node-*/node.json")).read_text())
+    assert node["status"] == "completed" and node["disk_full"], node
+    tri = dtprof("triage", small_disk / "r", "--json", cwd=tmp_path)
+    assert json.loads(tri.stdout)["verdict"] == "healthy", tri.stdout[-2000:]
 
 
 # ---- the launcher killed -----------------------------------------------------------------------------------------

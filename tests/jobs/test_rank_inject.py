@@ -66,3 +66,18 @@ def test_a_fault_at_start_up_is_recorded_not_printed(tmp_path):
     assert len(ev) == 1 and ev["level"].iloc[0] == "error"
     assert ev["message"].iloc[0].startswith("dtprof disabled in pid ") and "JSONDecodeError" in ev["message"].iloc[0]
     assert own_faults_line(node).startswith("dtprof disabled in pid ")
+
+
+def test_a_fault_of_the_heartbeat_thread_is_named_at_the_end(tmp_path):
+    """The heartbeat never raises: it keeps its faults in its heartbeat.json (chaos hb_raise); `dtprof run` names
+    them with the rank, as it names a rank's disabled recorder."""
+    import json
+
+    from dtprof.launcher import own_faults_line
+
+    rank_dir = tmp_path / "node" / "rank-1"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "heartbeat.json").write_text(json.dumps({"rank": 1, "faults": ["heartbeat: OSError: disk gone"]}))
+    line = own_faults_line(tmp_path / "node")
+    assert line.startswith("dtprof's heartbeat thread on rank 1: heartbeat: OSError: disk gone"), line
+    assert "the job and its recording ran on" in line

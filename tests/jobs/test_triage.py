@@ -192,6 +192,60 @@ def test_deaths_seen_in_one_poll_put_the_rank_that_lost_a_peer_last(tmp_path):
     assert (tmp_path / "dump-request-crash").exists()   # the survivors were asked for their state at once
 
 
+def test_watchdog_names_a_stalled_heartbeat_thread_not_a_frozen_rank(tmp_path):
+    # rank 1's process runs but its heartbeat is 8 s old while rank 0's is fresh: dtprof's own thread stopped
+    # (a fault of dtprof's, named once); rank 2's is as old but its process is SIGSTOPped: the hang's to name
+    from dtprof.watchdog import Watchdog
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        procs[2].send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        now = time.monotonic_ns()
+        for rank, age_s in ((0, 0.3), (1, 8.0), (2, 8.0)):
+            d = tmp_path / f"rank-{rank}"
+            d.mkdir()
+            (d / "heartbeat.json").write_text(json.dumps({"rank": rank, "pid": procs[rank].pid, "step": 3,
+                                                           "t_ns": now - int(age_s * 1e9), "exit": None}))
+        wd = Watchdog(tmp_path, timeout_s=60, stop_job=lambda: None)
+        wd._check_beats()
+        wd._check_beats()
+        assert len(wd.beat_faults) == 1 and "rank 1's heartbeat thread stopped" in wd.beat_faults[0], wd.beat_faults
+    finally:
+        for pr in procs:
+            pr.kill()
+            pr.wait()
+
+
+def test_the_hang_clock_starts_with_training_not_at_start_up(tmp_path):
+    # chaos: a Lightning job's ranks were all still in `import lightning` 20 s after their first heartbeat, and the
+    # watchdog (--hang-timeout 20) stopped the job as hung. Start-up is not a hang; once a rank is past its first
+    # step, the clock runs from then.
+    from dtprof.watchdog import Watchdog
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        init = time.monotonic_ns() - 30 * 10**9     # the ranks started 30 s ago
+
+        def beat(step, progress_ns):
+            for rank, pr in enumerate(procs):
+                d = tmp_path / f"rank-{rank}"
+                d.mkdir(exist_ok=True)
+                (d / "heartbeat.json").write_text(json.dumps({
+                    "rank": rank, "pid": pr.pid, "step": step, "t_ns": time.monotonic_ns(), "exit": None,
+                    "collective": None, "last_progress_ns": progress_ns}))
+        stops = []
+        wd = Watchdog(tmp_path, timeout_s=1.0, stop_job=lambda: stops.append(1))
+        beat(0, init)
+        assert wd._check_hang() is False and not wd.fired     # 30 s without progress, but still starting up
+        beat(1, init + 29 * 10**9)                             # training: a step ended 1 s ago
+        assert wd._check_hang() is False
+        time.sleep(1.2)
+        assert wd._check_hang() is True and wd.fired and stops == [1]   # then no progress for the timeout
+    finally:
+        for pr in procs:
+            pr.kill()
+            pr.wait()
+
+
 def test_parse_torchrun_failures_names_root_cause_and_signal():
     f = parse_torchrun_failures(TORCHRUN_REPORT)
     assert [(x["rank"], x["exit_code"], x["signal"], x["root_cause"]) for x in f] == [
@@ -213,6 +267,46 @@ def test_frozen_ranks_from_the_watchdogs_record_and_live_heartbeats():
     hbs = {0: {"t_ns": now - 200_000_000, "exit": None}, 1: {"t_ns": now - 20_000_000_000, "exit": None},
            2: {"t_ns": now - 30_000_000_000, "exit": "clean"}}
     assert list(frozen_ranks([], hbs, now)) == [1]
+
+
+def test_a_stopped_rank_is_the_culprit_whatever_its_last_beat_was_inside():
+    # Lightning, rank 2 SIGSTOPped (chaos): its last beat, 21 s old, says all_reduce #37; the others wait in two
+    # later collectives. Counting in-flight collectives named ranks 1 and 2 "inside barrier #56".
+    from dtprof.analyzers.triage import triage
+    from dtprof.reader import Incident
+
+    def beat(rank, op, seq, t_ns):
+        return {"rank": rank, "pid": 10 + rank, "step": 12, "t_ns": t_ns, "exit": None, "collective":
+                {"op": op, "group": "0", "seq": seq, "in_bytes": 8, "dtype": "int64", "peer": None, "entered_ns": 1}}
+    hbs = {0: beat(0, "broadcast", 55, 100), 1: beat(1, "barrier", 56, 100), 2: beat(2, "all_reduce", 37, 50)}
+    rec = {"detected_ns": 2 * 10**10, "timeout_s": 20, "idle_s": 20, "ranks": {
+        "0": {"heartbeat_age_s": 0.4, "process_state": "S"}, "1": {"heartbeat_age_s": 0.3, "process_state": "S"},
+        "2": {"heartbeat_age_s": 20.7, "process_state": "T"}}}
+    res = triage(None, Incident(heartbeats=hbs, watchdog={"hang": [rec], "crash": [], "exit": []}))
+    assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
+    assert "rank 2 froze: its process is stopped (SIGSTOP)" in res["message"] and "ranks 0–1 wait" in res["message"]
+
+
+def test_a_collective_timeout_names_the_rank_that_never_entered_not_the_first_that_timed_out():
+    # chaos coll_timeout: rank 2 sleeps past the process group's timeout; ranks 0 and 1 raise gloo's timeout in
+    # all_reduce (rank 0 first), torchrun stops rank 2. It was "crash: rank 0 ... Timed out waiting".
+    from dtprof.analyzers.triage import triage
+    from dtprof.reader import Incident
+
+    msg = ("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv "
+           "operation to complete")
+    frames = [{"file": "/job/train.py", "line": 142, "func": "end_of_step"},
+              {"file": "/site-packages/torch/distributed/distributed_c10d.py", "line": 2900, "func": "all_reduce"}]
+
+    def raised(rank, t):
+        return {"exception": {"rank": rank, "t_ns": t, "reason": f"exception: RuntimeError: {msg}",
+                              "exception": {"type": "RuntimeError", "message": msg, "frames": frames}}}
+    dumps = {0: raised(0, 100), 1: raised(1, 200), 2: {"sigterm": {"rank": 2, "t_ns": 300, "reason": "SIGTERM"}}}
+    hbs = {r: {"rank": r, "pid": 10 + r, "step": 6, "t_ns": 100, "exit": None if r == 2 else "exception: ..."}
+           for r in range(3)}
+    res = triage(None, Incident(heartbeats=hbs, dumps=dumps))
+    assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
+    assert res["collective"]["op"] == "all_reduce" and "rank 2" in res["message"], res["message"]
 
 
 def test_ranks_text():

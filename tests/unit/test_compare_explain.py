@@ -222,3 +222,18 @@ def test_a_sleep_hidden_by_a_busy_base_fails_and_a_busy_head_is_inconclusive(tmp
     d = json.loads(out)
     assert d["gates"][0]["verdict"] == "fail" and code == 3, d["outcome"]
     assert any("the head was recorded on a busy machine" in x for x in d["reasons"]), d["reasons"]
+
+
+def test_a_failed_gate_between_two_saturated_recordings_is_inconclusive(tmp_path):
+    # the shared VM's gate_power pool: identical configurations, both sides' ranks waiting for a CPU 77 % of the
+    # step, the head's compute 25 % longer by the machine's other load: a failed gate the scheduler explains (exit 3,
+    # not a regression). The same compute change on a machine that did not saturate stays a regression.
+    base = write_json(tmp_path, "b", _machine(run_summary(1), 1.0, 0.77))
+    head = write_json(tmp_path, "h", _machine(run_summary(2), 1.25, 0.77))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "fail" and code == 3, (d["outcome"], d["drift"])
+    assert any("saturated" in x and "77%" in x for x in d["reasons"]), d["reasons"]
+    base = write_json(tmp_path, "b2", _machine(run_summary(1), 1.0, 0.30))
+    head = write_json(tmp_path, "h2", _machine(run_summary(2), 1.25, 0.30))
+    assert compare_cli(base, "--head", head)[0] == 1

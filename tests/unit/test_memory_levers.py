@@ -51,6 +51,20 @@ def test_oom_messages_give_the_request_and_the_allocator_state():
     assert oom.parse("RuntimeError: Expected all tensors to be on the same device") is None
 
 
+def test_an_oom_wrapped_by_another_exception_is_found_in_its_chain():
+    """torch.distributed.pipelining's stage raises RuntimeError("... failed to run forward ...") from the model's own
+    error: the out-of-memory error is the wrapped one."""
+    try:
+        try:
+            raise RuntimeError(CPU)
+        except RuntimeError as inner:
+            raise RuntimeError("[Stage 2] failed to run forward") from inner
+    except RuntimeError as outer:
+        exc, parsed = oom.in_chain(outer)
+        assert exc is outer.__cause__ and parsed == {"kind": "cpu", "requested_bytes": 2**31}
+    assert oom.in_chain(RuntimeError("a shape mismatch")) == (None, None)
+
+
 def test_levers_from_a_hand_worked_ledger():
     # a replicated 1 G-parameter fp32 model with Adam on 8 ranks: 4, 4 and 8 GiB; 10 GiB of activations
     rec = {"params_bytes": 4 * GiB, "grads_bytes": 4 * GiB, "optimizer_state_bytes": 8 * GiB,
