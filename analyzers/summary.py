@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import pandas as pd
@@ -319,14 +319,33 @@ def _clean(x: Any) -> Any:
     return x
 
 
+class Reduce(Protocol):
+    """Starts the per-instance reductions of a run model and its node summaries: (a future of
+    ``stragglers.arrivals``, a future of ``collectives.instances_of`` of the measured steps)."""
+
+    def __call__(self, model: RunModel, ns: nodesummary_mod.NodeSummary) -> tuple[Future, Future]: ...
+
+
+def reduce_here(model: RunModel, ns: nodesummary_mod.NodeSummary) -> tuple[Future, Future]:
+    """The per-instance reductions in this process: DuckDB releases the GIL, so they run in a thread, one after the
+    other (one query's working memory at a time), beside the pandas work of the analysis."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dtprof-reduce")
+    arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
+    instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
+    pool.shutdown(wait=False)
+    return arrivals_done, instances_done
+
+
 def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None, source: str = "summaries", incident=None,
-            live: bool = False, stale_s: float = 60.0) -> Analysis:
+            live: bool = False, stale_s: float = 60.0, reduce: Reduce | None = None) -> Analysis:
     """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
     ``progress``: called with a short message before each stage. ``source``: "summaries" (the rank-local figures
     from the node summaries, made here for nodes that have none) or "raw" (the whole run's tables at once): equal
     results (docs/scale.md). ``incident``: the incident files as `dtprof triage` read them (its ``--fr`` dumps;
-    default: read here); ``live``, ``stale_s``: a job still running. The verdict is made here: ``Analysis.triage``."""
+    default: read here); ``live``, ``stale_s``: a job still running. ``reduce``: where the per-instance reductions
+    run (default ``reduce_here``; dtprof/cluster.py: on a Dask cluster). The verdict is made here:
+    ``Analysis.triage``."""
     from dtprof.reader import Run, open_run
 
     run = run if isinstance(run, Run) else open_run(run)
@@ -345,12 +364,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
         ns = nodesummary_mod.of_run(run, model)
         # the views below read only these spans (the Analysis keeps the whole model for the renderers)
         spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
-    # The per-instance reductions run in DuckDB, which releases the GIL: one after the other (one query's working
-    # memory at a time), beside the pandas work below
-    pool = ThreadPoolExecutor(1, thread_name_prefix="dtprof-reduce")
-    arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
-    instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
-    pool.shutdown(wait=False)
+    arrivals_done, instances_done = (reduce or reduce_here)(model, ns)
     ov, bd = ns.overlap(), ns.breakdown()
     steps = _rank_step_table(model, ov, bd)
     overlap_cols = steps[["comm_s", "duration_s", "overlap_s", "exposed_comm_s", "level"]]

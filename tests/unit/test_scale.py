@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import re
 
+import pandas as pd
 import pytest
 
 from conftest import dtprof
 from dtprof.analyzers.runmodel import RunModel
+from dtprof.analyzers.summary import analyze
+from dtprof.options import open_and_analyze
 from dtprof.reader import open_run
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
-from scale_checks import assert_summaries_equal_raw
+from scale_checks import assert_summaries_equal_raw, differences
 from synth import build_run, split_by_host
 
 # 4 hosts of 2 ranks, a slow rank on host 2, host clocks apart: every cross-node part of the analysis is exercised
@@ -52,6 +55,52 @@ def test_summarize_on_a_dask_cluster(four_nodes):
     assert r.returncode == 0, r.stderr
     assert f"summarised 4 node(s) on {c.scheduler_address}" in r.stdout
     assert_summaries_equal_raw(four_nodes)
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c, \
+            distributed.Client(c) as client:
+        yield client
+
+
+def test_summary_on_a_dask_cluster_equals_one_machine(four_nodes, dask_client):
+    """`dtprof summary --address`: the node summaries and the per-instance reductions on a Dask cluster of two
+    worker processes give the one-machine analysis, every field of summary.json."""
+    from distributed import get_task_stream
+
+    with get_task_stream(dask_client) as ts:
+        r = dtprof("summary", str(four_nodes), "--json", "--address",
+                   dask_client.scheduler.address)
+    assert r.returncode == 0, r.stderr
+    ran = [t["key"] for t in ts.data]
+    assert any("summarize_node" in str(k) for k in ran), "the node summaries were not made on the cluster"
+    assert len(summarised(four_nodes)) == 4
+    assert sum("instance_arrivals" in str(k) for k in ran) == 2, "the arrivals were not reduced in two partitions"
+    assert sum("instances_of" in str(k) for k in ran) == 2
+    on_dask = json.loads(r.stdout)
+    _, one = open_and_analyze(four_nodes)   # the command's own options, in this process
+    diff = differences(json.loads(json.dumps(one.summary)), on_dask)
+    assert not diff, f"{len(diff)} field(s) differ, e.g. {diff[:5]}"
+    assert [x["rank"] for x in on_dask["stragglers"]] == [5]
+    assert on_dask["what_if"] and on_dask["breakdown"]["mean_over_ranks_s_per_step"]
+
+
+def test_pipeline_analysis_on_a_dask_cluster_equals_one_machine(tmp_path, dask_client):
+    """A pipeline run (point-to-point instances: sender and receiver in the key), reduced in three partitions on
+    the cluster: the same summary, arrivals and instances as in one process."""
+    from dtprof.cluster import analyze_on_cluster
+
+    run_dir = build_run(tmp_path / "pp", pipeline_stages=4, world_size=4, steps=10, microbatches=4, p2p_ms=1.0)
+    on_dask = analyze_on_cluster(run_dir, dask_client, partitions=3)
+    one = analyze(open_run(run_dir))
+    diff = differences(one.summary, on_dask.summary)
+    assert not diff, f"{len(diff)} field(s) differ, e.g. {diff[:5]}"
+    assert "sender" not in on_dask.instances   # the partitions' merge keys are dropped
+    pd.testing.assert_frame_equal(one.arrivals, on_dask.arrivals)
+    pd.testing.assert_frame_equal(one.instances, on_dask.instances)
+    assert len(one.instances) > 3 and one.summary["pipeline"]["stages"] == 4
 
 
 def test_some_nodes_without_summaries_and_none(four_nodes):
