@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from conftest import dtprof
+from dtprof.analyzers.collectives import INSTANCE_KEY, instances_of, merge_instances
+from dtprof.analyzers.rows import Rows
 from dtprof.analyzers.runmodel import RunModel
-from dtprof.analyzers.summary import analyze
 from dtprof.options import open_and_analyze
 from dtprof.reader import open_run
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
@@ -87,20 +89,23 @@ def test_summary_on_a_dask_cluster_equals_one_machine(four_nodes, dask_client):
     assert on_dask["what_if"] and on_dask["breakdown"]["mean_over_ranks_s_per_step"]
 
 
-def test_pipeline_analysis_on_a_dask_cluster_equals_one_machine(tmp_path, dask_client):
-    """A pipeline run (point-to-point instances: sender and receiver in the key), reduced in three partitions on
-    the cluster: the same summary, arrivals and instances as in one process."""
-    from dtprof.cluster import analyze_on_cluster
-
-    run_dir = build_run(tmp_path / "pp", pipeline_stages=4, world_size=4, steps=10, microbatches=4, p2p_ms=1.0)
-    on_dask = analyze_on_cluster(run_dir, dask_client, partitions=3)
-    one = analyze(open_run(run_dir))
-    diff = differences(one.summary, on_dask.summary)
-    assert not diff, f"{len(diff)} field(s) differ, e.g. {diff[:5]}"
-    assert "sender" not in on_dask.instances   # the partitions' merge keys are dropped
-    pd.testing.assert_frame_equal(one.arrivals, on_dask.arrivals)
-    pd.testing.assert_frame_equal(one.instances, on_dask.instances)
-    assert len(one.instances) > 3 and one.summary["pipeline"]["stages"] == 4
+def test_instances_in_partitions_merge_to_the_whole():
+    """Point-to-point instances (sender and receiver in the key) over several groups, reduced in three partitions
+    by the instance's hash as the Dask path does (dtprof/cluster.py): merged, the frame of one query over all rows.
+    An instance's rows from two nodes fall in one partition (its shortest and summed durations are whole)."""
+    rng = np.random.default_rng(3)
+    n = 400
+    rows = pd.DataFrame({"group": rng.choice(["pp0", "pp1", "dp", "10"], n), "sender": rng.integers(-1, 4, n),
+                         "receiver": rng.integers(-1, 4, n), "seq": rng.integers(0, 40, n),
+                         "wstep": rng.integers(-1, 5, n), "op": rng.choice(["send", "recv", "all_reduce"], n),
+                         "n": rng.integers(1, 3, n), "dur_min_ns": rng.integers(1, 100, n),
+                         "dur_sum_ns": rng.integers(100, 1000, n), "bytes_max": rng.integers(1, 10, n),
+                         "group_size_max": 2})
+    whole = Rows("instance_rows", frames=[("node-a", rows[: n // 2]), ("node-b", rows[n // 2:])])
+    one = instances_of(whole, measured_steps={1, 2})
+    parts = [instances_of(whole.partition(INSTANCE_KEY, i, 3), {1, 2}, keys=True) for i in range(3)]
+    assert all(len(p) for p in parts) and sum(map(len, parts)) == len(one) > 100
+    pd.testing.assert_frame_equal(merge_instances(parts), one)
 
 
 def test_some_nodes_without_summaries_and_none(four_nodes):
