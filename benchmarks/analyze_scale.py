@@ -272,6 +272,7 @@ def main() -> int:
     else:
         tmp = Path(tempfile.mkdtemp(prefix="dtprof-scale-", dir=args.dir))
         run_dir = tmp / "run"
+    tmp_summary = Path(tempfile.mkdtemp(prefix="dtprof-scale-summary-"))
     try:
         if not args.reuse:
             create_run_dir(run_dir, {"command": ["synthetic"], "created": "benchmarks/analyze_scale.py"})
@@ -288,8 +289,8 @@ def main() -> int:
         one = measure("node", run_dir / f"node-host{0:05d}", args.memory_cap_gib)
         print(f"one node's summary (fresh process): {one['seconds']:.2f} s, peak RSS {one['peak_gib']:.2f} GiB "
               f"(target <= {TARGET_NODE_S:.0f} s)", flush=True)
-        if args.dask_workers and not args.summary_out:   # the one-machine summary, to compare
-            args.summary_out = str(Path(tempfile.mkdtemp(prefix="dtprof-scale-summary-")) / "summary.json")
+        if args.dask_workers and not args.summary_out:   # the one-machine summary, to compare (removed below)
+            args.summary_out = str(tmp_summary / "summary.json")
         glob = measure("global", run_dir, args.memory_cap_gib, args.summary_out)
         if glob.get("stopped"):
             print(f"global analysis from the node summaries (fresh process): STOPPED after {glob['seconds']:.1f} s "
@@ -321,6 +322,7 @@ def main() -> int:
         print("PASS" if ok else "FAIL: " + ", ".join(k for k, v in checks.items() if not v))
         return 0 if ok else 1
     finally:
+        shutil.rmtree(tmp_summary, ignore_errors=True)
         if args.keep:
             if not args.reuse:
                 print(f"kept {run_dir}")
