@@ -203,12 +203,17 @@ def _typed(df: pd.DataFrame) -> pd.DataFrame:
                                                   if c not in ("group", "op")})
 
 
-def instances_of(rows, measured_steps) -> pd.DataFrame:
+INSTANCE_KEY = '"group", sender, receiver, seq'   # the per-instance reduction's key (Rows.partition)
+
+
+def instances_of(rows, measured_steps, keys: bool = False) -> pd.DataFrame:
     """One row per collective instance, from ``instance_rows`` of all nodes (nodesummary.Rows, merged per instance
     in DuckDB): op (its first node's), group, seq, group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see
     WINDOWS: the lowest over its rows, a row inside a measured step making it measured), sorted by (group, sender,
-    receiver, seq)."""
+    receiver, seq). ``rows`` may be a partition by INSTANCE_KEY: then, given ``keys`` (with the sender and the
+    receiver), ``merge_instances`` joins the partitions."""
     cols = ["op", "group", "seq", "group_size", "bytes", "transfer_s", "mean_s", "ranks", "window"]
+    cols += ["sender", "receiver"] if keys else []
     agg = rows.query(f"""
         SELECT "group", sender, receiver, seq, arg_min(op, origin) AS op, CAST(sum(n) AS BIGINT) AS n,
                min(dur_min_ns) AS dur_min, CAST(sum(dur_sum_ns) AS BIGINT) AS dur_sum, max(bytes_max) AS nbytes,
@@ -221,12 +226,29 @@ def instances_of(rows, measured_steps) -> pd.DataFrame:
     if len(agg) == 0:
         return pd.DataFrame(columns=cols)
     n = agg["n"].to_numpy(np.int64)
-    return pd.DataFrame({
+    out = pd.DataFrame({
         "op": pd.Categorical(agg["op"].astype(str)), "group": pd.Categorical(agg["group"].astype(str)),
         "seq": agg["seq"].to_numpy(np.int64), "group_size": agg["group_size"].to_numpy(np.int64),
         "bytes": agg["nbytes"].to_numpy(np.int64), "transfer_s": agg["dur_min"].to_numpy(np.int64) / NS,
         "mean_s": agg["dur_sum"].to_numpy(np.int64) / n / NS, "ranks": n,
         "window": np.asarray(WINDOWS, dtype=object)[agg["code"].to_numpy(np.int64)]})
+    if keys:
+        out["sender"], out["receiver"] = agg["sender"].to_numpy(np.int64), agg["receiver"].to_numpy(np.int64)
+    return out
+
+
+def merge_instances(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """``instances_of`` all the rows from its partitions' (by INSTANCE_KEY, each made with ``keys``): the same
+    frame, in (group, sender, receiver, seq) order with the text columns' categories as one frame's."""
+    got = [f for f in frames if len(f)]
+    if not got:
+        return frames[0].drop(columns=["sender", "receiver"], errors="ignore")
+    out = pd.concat(got, ignore_index=True)
+    for c in ("op", "group"):
+        out[c] = pd.Categorical(out[c].astype(str).to_numpy())
+    order = np.lexsort((out["seq"].to_numpy(np.int64), out["receiver"].to_numpy(np.int64),
+                        out["sender"].to_numpy(np.int64), out["group"].cat.codes.to_numpy()))
+    return out.iloc[order].drop(columns=["sender", "receiver"]).reset_index(drop=True)
 
 
 def collective_table(run, inst: pd.DataFrame) -> pd.DataFrame:

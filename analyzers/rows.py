@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -26,6 +26,13 @@ class Rows:
     table: str
     files: list[str] = field(default_factory=list)
     frames: list[tuple[str, pd.DataFrame]] = field(default_factory=list)   # (origin, rows)
+    where: str = ""   # an SQL condition on the rows: one partition of them (``partition``), "" for all
+
+    def partition(self, key: str, i: int, n: int) -> Rows:
+        """The rows whose ``key`` (an SQL expression of the schema's columns) hashes to partition ``i`` of ``n``:
+        a reduction grouped by a key that determines ``key`` gives, over the ``n`` partitions, exactly its rows
+        over all the rows (the global analysis on a Dask cluster splits the per-instance reductions so)."""
+        return replace(self, where=f"hash({key}) % {int(n)} = {int(i)}")
 
     @classmethod
     def of(cls, table: str, df: pd.DataFrame, origin: str = "") -> Rows:
@@ -67,7 +74,9 @@ class Rows:
             for i, (origin, df) in enumerate(self.frames or ([] if self.files else [("", empty)])):
                 con.register(f"_frame{i}", df)
                 parts.append(f"SELECT {select}, {sql_text(origin)} AS origin FROM _frame{i}")
-            con.execute("CREATE TEMP VIEW rows AS " + " UNION ALL ".join(parts))
+            union = " UNION ALL ".join(parts)
+            con.execute("CREATE TEMP VIEW rows AS "
+                        + (f"SELECT * FROM ({union}) WHERE {self.where}" if self.where else union))
             for name, df in frames.items():
                 con.register(name, df)
             yield con

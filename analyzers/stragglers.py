@@ -170,17 +170,32 @@ def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
     (a part's sum aligned linearly, then rounded to the ns). ``measured``: the last rank's row is in the model's
     measured steps (every instance when no row has a step). Every reduction is exact (integers, minima, maxima, the
     latest by a total order), so the result does not depend on the parts' order."""
-    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "peers_lost_s",
-            "ranks", "measured"]
-    measured = pd.DataFrame({"step": np.asarray(sorted(model.measured_steps), np.int64)})
+    no_steps, rows_per_rank = measured_rows_per_rank(counts, model.measured_steps)
+    return instance_arrivals(parts, model.clock, model.measured_steps, no_steps), rows_per_rank
+
+
+def measured_rows_per_rank(counts, measured_steps) -> tuple[bool, pd.Series]:
+    """(whether no row of ``arrival_counts`` has a step; per rank its rows in measured steps, every row then)."""
+    measured = pd.DataFrame({"step": np.asarray(sorted(measured_steps), np.int64)})
     with counts.connection(measured=measured) as con:
         no_steps = not con.execute("SELECT coalesce(bool_or(step >= 0), false) FROM rows").fetchall()[0][0]
         cm = con.sql("SELECT rank, CAST(sum(n) AS BIGINT) AS n FROM rows "
                      + ("" if no_steps else "WHERE step IN (SELECT step FROM measured) ")
                      + "GROUP BY rank ORDER BY rank").df()
-    rows_per_rank = pd.Series(cm["n"].to_numpy(np.int64), index=pd.Index(cm["rank"].to_numpy(np.int64), name="rank"),
-                              name="n")
-    clk = model.clock
+    return no_steps, pd.Series(cm["n"].to_numpy(np.int64),
+                               index=pd.Index(cm["rank"].to_numpy(np.int64), name="rank"), name="n")
+
+
+ARRIVALS_KEY = '"group", seq'   # the per-instance reduction's key: a partition of the parts by it (Rows.partition)
+
+
+def instance_arrivals(parts, clk: pd.DataFrame, measured_steps, no_steps: bool) -> pd.DataFrame:
+    """``arrivals``' per-instance frame from ``arrival_parts`` (all of them, or a partition by ARRIVALS_KEY: then
+    the rows of that partition's instances; ``merge_arrivals`` joins the partitions), the run model's clocks
+    ``clk`` and measured steps."""
+    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "peers_lost_s",
+            "ranks", "measured"]
+    measured = np.asarray(sorted(measured_steps), np.int64)
     off, drift = clock_mod.alignment(clk["host"].astype(str).to_numpy(), clk) if len(clk) else ([], [])
     ref = clock_mod.ref_t(clk)
 
@@ -210,8 +225,8 @@ def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
         ORDER BY "group", seq""", clk=pd.DataFrame({"host": clk["host"].astype(str).to_numpy() if len(clk) else [],
                                                     "off": np.asarray(off, float), "drift": np.asarray(drift, float)}))
     if len(inst) == 0:
-        return (pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64"))
-                              for c in cols}), rows_per_rank)
+        return pd.DataFrame({c: pd.Series(dtype=("bool" if c in ("last", "measured") else "float64"))
+                             for c in cols})
     first, last_t = inst["first"].to_numpy(np.int64), inst["last_t"].to_numpy(np.int64)
     count, step = inst["count"].to_numpy(np.int64), inst["step"].to_numpy(np.int64)
     is_last = (last_t > first) & (count > 1)
@@ -225,8 +240,21 @@ def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
     out.loc[step < 0, "step"] = pd.NA
     # set-up and teardown traffic (no step: ranks start seconds apart) is not lateness; a run with no steps at all
     # (an import without step markers) has nothing else
-    out["measured"] = np.ones(len(out), bool) if no_steps else np.isin(step, measured["step"].to_numpy())
-    return out, rows_per_rank
+    out["measured"] = np.ones(len(out), bool) if no_steps else np.isin(step, measured)
+    return out
+
+
+def merge_arrivals(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """``instance_arrivals`` of all the parts from those of its partitions (ARRIVALS_KEY): the same frame, in
+    (group, seq) order with the text columns' categories as one frame's."""
+    got = [f for f in frames if len(f)]
+    if len(got) <= 1:
+        return got[0] if got else frames[0]
+    out = pd.concat(got, ignore_index=True)
+    for c in ("group", "op"):
+        out[c] = pd.Categorical(out[c].astype(str).to_numpy())
+    order = np.lexsort((out["seq"].to_numpy(np.int64), out["group"].cat.codes.to_numpy()))
+    return out.iloc[order].reset_index(drop=True)
 
 
 def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.DataFrame, step_p50_s: float | None,

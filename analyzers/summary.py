@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 import pandas as pd
@@ -339,30 +339,49 @@ SUMMARY_ORDER = (
 
 class Stage(NamedTuple):
     """One stage of ``analyze``. ``fn(got)`` reads what the stages before it returned (``got``, read-only: the
-    command's inputs ``run``, ``options``, ``source``, ``incident``, ``live``, ``stale_s``; the summary so far is
-    ``got["summary"]``) and returns the names it owns: values for the stages after it and the Analysis, and under
-    ``"summary"`` its keys of summary.json. No name is set twice. ``message``: the progress line before it (a
+    command's inputs ``run``, ``options``, ``source``, ``incident``, ``live``, ``stale_s``, ``reduce``; the summary
+    so far is ``got["summary"]``) and returns the names it owns: values for the stages after it and the Analysis,
+    and under ``"summary"`` its keys of summary.json. No name is set twice. ``message``: the progress line before it (a
     function of ``got`` where it depends on the inputs)."""
     name: str
     fn: Callable[[Mapping[str, Any]], dict]
     message: str | Callable[[Mapping[str, Any]], str] | None = None
 
 
+class Reduce(Protocol):
+    """Starts the per-instance reductions of a run model and its node summaries: (a future of
+    ``stragglers.arrivals``, a future of ``collectives.instances_of`` of the measured steps)."""
+
+    def __call__(self, model: RunModel, ns: nodesummary_mod.NodeSummary) -> tuple[Future, Future]: ...
+
+
+def reduce_here(model: RunModel, ns: nodesummary_mod.NodeSummary) -> tuple[Future, Future]:
+    """The per-instance reductions in this process: DuckDB releases the GIL, so they run in a thread, one after the
+    other (one query's working memory at a time), beside the pandas work of the analysis."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dtprof-reduce")
+    arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
+    instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
+    pool.shutdown(wait=False)
+    return arrivals_done, instances_done
+
+
 def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None, source: str = "summaries", incident=None,
-            live: bool = False, stale_s: float = 60.0) -> Analysis:
+            live: bool = False, stale_s: float = 60.0, reduce: Reduce | None = None) -> Analysis:
     """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks):
     ``STAGES`` in order. ``progress``: called with a short message before each stage. ``source``: "summaries" (the
     rank-local figures from the node summaries, made here for nodes that have none) or "raw" (the whole run's tables
     at once): equal results (docs/scale.md). ``incident``: the incident files as `dtprof triage` read them (its
-    ``--fr`` dumps; default: read here); ``live``, ``stale_s``: a job still running. The verdict is made here:
-    ``Analysis.triage``."""
+    ``--fr`` dumps; default: read here); ``live``, ``stale_s``: a job still running. ``reduce``: where the
+    per-instance reductions run (default ``reduce_here``; dtprof/cluster.py: on a Dask cluster). The verdict is
+    made here: ``Analysis.triage``."""
     from dtprof.reader import Run, open_run
 
     t0 = time.perf_counter()
     got = run_stages(STAGES, {"run": run if isinstance(run, Run) else open_run(run),
                               "options": options or AnalysisOptions(), "source": source, "incident": incident,
-                              "live": live, "stale_s": stale_s}, progress or (lambda msg: None))
+                              "live": live, "stale_s": stale_s, "reduce": reduce or reduce_here},
+                     progress or (lambda msg: None))
     summary = {k: got["summary"][k] for k in SUMMARY_ORDER if k in got["summary"]}
     summary.update((k, v) for k, v in got["summary"].items() if k not in summary)
     summary["analysis_s"] = time.perf_counter() - t0
@@ -405,14 +424,10 @@ def _node_summaries_stage(g) -> dict:
 
 
 def _reductions_stage(g) -> dict:
-    """The per-instance reductions run in DuckDB, which releases the GIL: one after the other (one query's working
-    memory at a time), beside the stages after this one, which take their ``result()``."""
-    model, ns = g["model"], g["ns"]
-    pool = ThreadPoolExecutor(1, thread_name_prefix="dtprof-reduce")
-    out = {"arrivals_done": pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts),
-           "instances_done": pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)}
-    pool.shutdown(wait=False)
-    return out
+    """The per-instance reductions (``reduce``: in a thread here, ``reduce_here``, or on a Dask cluster) run beside
+    the stages after this one, which take their ``result()``."""
+    arrivals_done, instances_done = g["reduce"](g["model"], g["ns"])   # reduce_here, or on a Dask cluster
+    return {"arrivals_done": arrivals_done, "instances_done": instances_done}
 
 
 def _rank_steps_stage(g) -> dict:

@@ -12,8 +12,11 @@ target run is `--ranks 16384 --steps 1000` (2,048 nodes; build it where there is
     .venv/bin/python benchmarks/analyze_scale.py [--ranks 1024] [--steps 200] [--dir /tmp] [--keep]
     .venv/bin/python benchmarks/analyze_scale.py --ranks 16384 --steps 100 --reuse RUN   # a run kept by --keep
 
-``--reuse RUN`` skips the build: it remakes the node summaries that are missing or stale (written in another
-summary layout, e.g. after a change of dtprof/schema.py SUMMARY_LAYOUT) with a local pool, then measures.
+``--reuse RUN`` skips the build: it builds the nodes a stopped build left unfinished (a run kept by --keep whose
+build was killed: the 16,384-rank build takes hours on a loaded 2-core machine), remakes the node summaries that
+are missing or stale (written in another summary layout, e.g. after a change of dtprof/schema.py SUMMARY_LAYOUT)
+with a local pool, then measures. ``--dask-workers N`` measures the global analysis again with its per-instance
+reductions on a local Dask cluster of N processes (dtprof/cluster.py) and checks it gives the same summary.json.
 """
 from __future__ import annotations
 
@@ -71,19 +74,43 @@ def progress(msg):   # analyze() names each stage before it starts it
 
 threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()   # after the imports: a launcher or a worker has them loaded already
+workers = None
 if what == "node":
     summarize_node(path)
     out = {}
+elif what.startswith("dask:"):   # the per-instance reductions on a local Dask cluster of N worker processes
+    from distributed import Client, LocalCluster, get_task_stream
+    from dtprof.cluster import DaskReduce
+    n = int(what[5:])
+    with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        def worker_rss():
+            import resource
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        workers_base = client.run(worker_rss)
+        t0 = time.perf_counter()
+        with get_task_stream(client) as ts:
+            s = analyze(open_run(path), progress=progress, reduce=DaskReduce(client)).summary
+        progress(None)
+        elapsed = time.perf_counter() - t0   # not the cluster's shutdown
+        peaks = client.run(worker_rss)
+    busy = {}
+    for t in ts.data:   # each task's compute time, per worker
+        busy[t["worker"]] = busy.get(t["worker"], 0.0) + sum(x["stop"] - x["start"] for x in t["startstops"]
+                                                              if x["action"] == "compute")
+    workers = [{"worker": w, "task_s": busy.get(w, 0.0), "peak_gib": peaks[w] / 2**30,
+                "base_gib": workers_base[w] / 2**30} for w in sorted(peaks)]
 else:
     s = analyze(open_run(path), progress=progress).summary
     progress(None)
+if what != "node":
     out = {"stragglers": [x["rank"] for x in s["stragglers"]], "step_p50_s": s["steps"]["time_s"]["p50"],
-           "what_if": [w["scenario"] for w in s["what_if"][:3]], "stages": stages}
+           "what_if": [w["scenario"] for w in s["what_if"][:3]], "stages": stages, "workers": workers}
     if len(sys.argv) > 3:   # the summary itself, to compare two versions' answers on one run
         with open(sys.argv[3], "w") as f:
             json.dump(s, f, sort_keys=True)
-out.update(seconds=time.perf_counter() - t0, peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-           base_gib=base / 2**30)
+out.update(seconds=elapsed if workers else time.perf_counter() - t0, base_gib=base / 2**30,
+           peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 print(json.dumps(out))
 """
 
@@ -99,6 +126,23 @@ def build_and_summarize(args) -> float:
     t0 = time.perf_counter()
     summarize_node(str(nd))
     return time.perf_counter() - t0
+
+
+def build_missing(run_dir: Path, nodes: int, args) -> int:
+    """Build the nodes of a kept run that a stopped build (killed, out of time) left without a complete summary
+    (a partly written one is removed first), so that a long build can be finished in several sittings. Returns
+    how many."""
+    from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+
+    todo = [n for n in range(nodes) if not (run_dir / f"node-host{n:05d}" / SUMMARY_DIR / SUMMARY_COMPLETE).exists()]
+    if len(todo) == nodes:   # nothing of this run: not a run this benchmark built
+        return 0
+    for n in todo:
+        shutil.rmtree(run_dir / f"node-host{n:05d}", ignore_errors=True)
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        list(pool.map(build_and_summarize, [(run_dir, n, args.ranks, args.steps) for n in todo],
+                      chunksize=max(1, len(todo) // (args.workers * 8))))
+    return len(todo)
 
 
 def measure(what: str, path: Path, cap_gib: float, summary_out: str | None = None) -> dict:
@@ -121,6 +165,33 @@ def measure(what: str, path: Path, cap_gib: float, summary_out: str | None = Non
     if p.returncode:
         raise SystemExit(f"{what} measurement failed:\n{err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def measure_on_dask(run_dir: Path, args, glob: dict, rank_steps: int) -> bool:
+    """The global analysis again with the per-instance reductions on a local Dask cluster of ``--dask-workers``
+    processes: the client's time and peak RSS, each worker's task seconds and peak RSS, and whether its
+    summary.json is the one-machine one (every key but analysis_s). Returns that."""
+    from scale_checks import differences
+
+    out = str(Path(args.summary_out).with_suffix(".dask.json"))
+    d = measure(f"dask:{args.dask_workers}", run_dir, args.memory_cap_gib, out)
+    if d.get("stopped"):
+        print(f"on Dask: STOPPED at {d['peak_gib']:.2f} GiB RSS of the client")
+        return False
+    one, dask = (json.loads(Path(f).read_text()) for f in (args.summary_out, out))
+    diff = differences(one, dask)
+    print(f"on a local Dask cluster of {args.dask_workers} worker processes (fresh client process): "
+          f"{d['seconds']:.1f} s, client peak RSS {d['peak_gib']:.2f} GiB "
+          f"({(d['peak_gib'] - d['base_gib']) * 2**30 / rank_steps:.0f} B per rank-step over the imports); "
+          f"one machine: {glob['seconds']:.1f} s, {glob['peak_gib']:.2f} GiB")
+    for w in d["workers"]:
+        print(f"  worker {w['worker']}: tasks {w['task_s']:.1f} s, peak RSS {w['peak_gib']:.2f} GiB "
+              f"({w['base_gib']:.2f} GiB after its start)")
+    print("  summary.json: the same as the one-machine one" if not diff else
+          f"  summary.json DIFFERS in {len(diff)} field(s), e.g. {diff[:3]}")
+    if args.stages:
+        print_stages(d["stages"])
+    return not diff
 
 
 def print_per_rank_step(glob: dict, rank_steps: int) -> None:
@@ -167,6 +238,10 @@ def main() -> int:
                     help="measure this run (built with --keep for the same --ranks and --steps) instead of building")
     ap.add_argument("--stages", action="store_true",
                     help="print the global analysis's time and peak RSS stage by stage (analyze's progress stages)")
+    ap.add_argument("--dask-workers", type=int, default=0, metavar="N",
+                    help="also run the global analysis with its per-instance reductions on a local Dask cluster of "
+                         "N worker processes (dtprof/cluster.py), print the client's and each worker's figures and "
+                         "check that its summary.json equals the one-machine one")
     ap.add_argument("--summary-out", default=None, metavar="FILE",
                     help="write the global analysis's summary.json here (to compare two versions on one run)")
     args = ap.parse_args()
@@ -183,17 +258,21 @@ def main() -> int:
         run_dir = Path(args.reuse)
         tmp = run_dir
         args.keep = True   # never delete a run given to measure
+        t0 = time.perf_counter()
+        built = build_missing(run_dir, nodes, args)
         run = open_run(run_dir)
         if len(run.node_dirs) != nodes:
             ap.error(f"{run_dir} has {len(run.node_dirs)} nodes, not {nodes}")
-        t0 = time.perf_counter()
         made = make_summaries(run, workers=args.workers)
+        if built:
+            print(f"built the {built} node(s) a stopped build had left unbuilt or unsummarised", flush=True)
         print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
               f"collectives, {du_gib(run_dir):.2f} GiB on disk; reused {run_dir}, {len(made)} stale or missing "
               f"node summaries remade in {time.perf_counter() - t0:.0f} s with {args.workers} processes", flush=True)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="dtprof-scale-", dir=args.dir))
         run_dir = tmp / "run"
+    tmp_summary = Path(tempfile.mkdtemp(prefix="dtprof-scale-summary-"))
     try:
         if not args.reuse:
             create_run_dir(run_dir, {"command": ["synthetic"], "created": "benchmarks/analyze_scale.py"})
@@ -210,6 +289,8 @@ def main() -> int:
         one = measure("node", run_dir / f"node-host{0:05d}", args.memory_cap_gib)
         print(f"one node's summary (fresh process): {one['seconds']:.2f} s, peak RSS {one['peak_gib']:.2f} GiB "
               f"(target <= {TARGET_NODE_S:.0f} s)", flush=True)
+        if args.dask_workers and not args.summary_out:   # the one-machine summary, to compare (removed below)
+            args.summary_out = str(tmp_summary / "summary.json")
         glob = measure("global", run_dir, args.memory_cap_gib, args.summary_out)
         if glob.get("stopped"):
             print(f"global analysis from the node summaries (fresh process): STOPPED after {glob['seconds']:.1f} s "
@@ -224,7 +305,11 @@ def main() -> int:
             print_per_rank_step(glob, args.ranks * args.steps)
             if args.stages:
                 print_stages(glob["stages"])
+        same_on_dask = True
+        if args.dask_workers and not glob.get("stopped"):
+            same_on_dask = measure_on_dask(run_dir, args, glob, args.ranks * args.steps)
         checks = {"global analysis finished": not glob.get("stopped"),
+                  "the same summary on Dask": same_on_dask,
                   "global time": glob["seconds"] <= TARGET_GLOBAL_S,
                   "global memory": glob["peak_gib"] <= TARGET_GLOBAL_GIB,
                   "node summary time": one["seconds"] <= TARGET_NODE_S,
@@ -237,6 +322,7 @@ def main() -> int:
         print("PASS" if ok else "FAIL: " + ", ".join(k for k, v in checks.items() if not v))
         return 0 if ok else 1
     finally:
+        shutil.rmtree(tmp_summary, ignore_errors=True)
         if args.keep:
             if not args.reuse:
                 print(f"kept {run_dir}")

@@ -41,12 +41,16 @@ def pending(run, force: bool = False) -> list[Path]:
             and (force or run.summary_facts(nd) is None)]
 
 
-def make_summaries(run, force: bool = False, workers: int | None = None, address: str | None = None) -> list[str]:
-    """Summarise ``run``'s pending nodes: on the Dask cluster at ``address``, else in a local process pool of
-    ``workers`` processes (default: one per CPU; 1: in this process). Returns the summaries written."""
+def make_summaries(run, force: bool = False, workers: int | None = None, address: str | None = None,
+                   client=None) -> list[str]:
+    """Summarise ``run``'s pending nodes: on the Dask cluster at ``address`` (or of the Dask ``client``), else in a
+    local process pool of ``workers`` processes (default: one per CPU; 1: in this process). Returns the summaries
+    written."""
     todo = [str(nd) for nd in pending(run, force)]
     if not todo:
         return []
+    if client is not None:
+        return list(client.gather(client.map(summarize_node, todo, pure=False)))
     if address:
         from distributed import Client
 

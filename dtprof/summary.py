@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -27,6 +28,28 @@ def _parse_transformer(value: str | None) -> dict | None:
     return out
 
 
+@contextmanager
+def _cluster(address: str | None):
+    """A Dask client of the scheduler at ``address`` (None without one); one line (exit 2) if it cannot be reached."""
+    if not address:
+        yield None
+        return
+    from distributed import Client
+
+    try:
+        client = Client(address, timeout="10s")
+    except OSError as e:   # a scheduler that cannot be reached raises OSError (its timeout)
+        raise InputError(f"{address}: {e}") from None
+    with client:
+        yield client
+
+
+def _dask_reduce(client):
+    from dtprof.cluster import DaskReduce
+
+    return DaskReduce(client) if client is not None else None
+
+
 @click.command("summary")
 @click.argument("run_dir", type=click.Path(file_okay=True, dir_okay=True))
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the table.")
@@ -42,14 +65,18 @@ def _parse_transformer(value: str | None) -> dict | None:
 @click.option("--gpu-window", type=click.Choice(["all", "hta"]), default="all", show_default=True,
               help="Kernels counted in GPU time: all of them, or HolisticTraceAnalysis' window (launched before "
                    "the last step) to compare with HTA.")
+@click.option("--address", default=None, metavar="tcp://HOST:PORT",
+              help="A Dask scheduler's address: make the missing node summaries and the per-instance reductions "
+                   "on that cluster (docs/scale.md; its workers must see RUN_DIR).")
 def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype, transformer, no_write,
-                    gpu_window):
+                    gpu_window, address):
     """Per-rank summary of a recorded run; also writes RUN_DIR/summary.json (docs/summary-schema.md).
 
     \b
     dtprof summary dtprof-runs/20261122T101500Z-train_ddp
     dtprof summary RUN --json --flops-per-step 3.2e15 --peak-tflops 989
     dtprof summary RUN --transformer n_params=1.2e9,layers=24,heads=16,head_dim=128,seq_len=2048
+    dtprof summary RUN --address tcp://scheduler:8786         reductions on a Dask cluster
 
     Exit codes: 0 done, 2 unreadable run directory or bad option.
     """
@@ -71,19 +98,21 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
         raise InputError(str(e)) from None
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    if not no_write:   # first analysis of a run without node summaries: make them (dtprof summarize)
-        from dtprof.summarize import make_summaries
+    with _cluster(address) as client:
+        if not no_write:   # first analysis of a run without node summaries: make them (dtprof summarize)
+            from dtprof.summarize import make_summaries
 
+            try:
+                make_summaries(run, client=client)
+            except OSError as e:   # a read-only run is analysed from its tables
+                click.echo(f"dtprof: could not write node summaries into {run.path}: {e}", err=True)
+            except RunFormatError as e:
+                raise InputError(str(e)) from None
         try:
-            make_summaries(run)
-        except OSError as e:   # a read-only run is analysed from its tables
-            click.echo(f"dtprof: could not write node summaries into {run.path}: {e}", err=True)
+            a = analyze(run, options, progress=progress if sys.stderr.isatty() else None,
+                        reduce=_dask_reduce(client))
         except RunFormatError as e:
             raise InputError(str(e)) from None
-    try:
-        a = analyze(run, options, progress=progress if sys.stderr.isatty() else None)
-    except RunFormatError as e:
-        raise InputError(str(e)) from None
     if not no_write:
         try:
             save_summary(run.path, a.summary)

@@ -8,14 +8,19 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from conftest import dtprof
+from dtprof.analyzers.collectives import INSTANCE_KEY, instances_of, merge_instances
+from dtprof.analyzers.rows import Rows
 from dtprof.analyzers.runmodel import RunModel
+from dtprof.options import open_and_analyze
 from dtprof.reader import open_run
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
-from scale_checks import assert_summaries_equal_raw
+from scale_checks import assert_summaries_equal_raw, differences
 from synth import build_run, split_by_host
 
 # 4 hosts of 2 ranks, a slow rank on host 2, host clocks apart: every cross-node part of the analysis is exercised
@@ -52,6 +57,55 @@ def test_summarize_on_a_dask_cluster(four_nodes):
     assert r.returncode == 0, r.stderr
     assert f"summarised 4 node(s) on {c.scheduler_address}" in r.stdout
     assert_summaries_equal_raw(four_nodes)
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c, \
+            distributed.Client(c) as client:
+        yield client
+
+
+def test_summary_on_a_dask_cluster_equals_one_machine(four_nodes, dask_client):
+    """`dtprof summary --address`: the node summaries and the per-instance reductions on a Dask cluster of two
+    worker processes give the one-machine analysis, every field of summary.json."""
+    from distributed import get_task_stream
+
+    with get_task_stream(dask_client) as ts:
+        r = dtprof("summary", str(four_nodes), "--json", "--address",
+                   dask_client.scheduler.address)
+    assert r.returncode == 0, r.stderr
+    ran = [t["key"] for t in ts.data]
+    assert any("summarize_node" in str(k) for k in ran), "the node summaries were not made on the cluster"
+    assert len(summarised(four_nodes)) == 4
+    assert sum("instance_arrivals" in str(k) for k in ran) == 2, "the arrivals were not reduced in two partitions"
+    assert sum("instances_of" in str(k) for k in ran) == 2
+    on_dask = json.loads(r.stdout)
+    _, one = open_and_analyze(four_nodes)   # the command's own options, in this process
+    diff = differences(json.loads(json.dumps(one.summary)), on_dask)
+    assert not diff, f"{len(diff)} field(s) differ, e.g. {diff[:5]}"
+    assert [x["rank"] for x in on_dask["stragglers"]] == [5]
+    assert on_dask["what_if"] and on_dask["breakdown"]["mean_over_ranks_s_per_step"]
+
+
+def test_instances_in_partitions_merge_to_the_whole():
+    """Point-to-point instances (sender and receiver in the key) over several groups, reduced in three partitions
+    by the instance's hash as the Dask path does (dtprof/cluster.py): merged, the frame of one query over all rows.
+    An instance's rows from two nodes fall in one partition (its shortest and summed durations are whole)."""
+    rng = np.random.default_rng(3)
+    n = 400
+    rows = pd.DataFrame({"group": rng.choice(["pp0", "pp1", "dp", "10"], n), "sender": rng.integers(-1, 4, n),
+                         "receiver": rng.integers(-1, 4, n), "seq": rng.integers(0, 40, n),
+                         "wstep": rng.integers(-1, 5, n), "op": rng.choice(["send", "recv", "all_reduce"], n),
+                         "n": rng.integers(1, 3, n), "dur_min_ns": rng.integers(1, 100, n),
+                         "dur_sum_ns": rng.integers(100, 1000, n), "bytes_max": rng.integers(1, 10, n),
+                         "group_size_max": 2})
+    whole = Rows("instance_rows", frames=[("node-a", rows[: n // 2]), ("node-b", rows[n // 2:])])
+    one = instances_of(whole, measured_steps={1, 2})
+    parts = [instances_of(whole.partition(INSTANCE_KEY, i, 3), {1, 2}, keys=True) for i in range(3)]
+    assert all(len(p) for p in parts) and sum(map(len, parts)) == len(one) > 100
+    pd.testing.assert_frame_equal(merge_instances(parts), one)
 
 
 def test_some_nodes_without_summaries_and_none(four_nodes):
