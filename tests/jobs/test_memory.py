@@ -24,12 +24,18 @@ def _run(out, *args):
     p = record(out, JOB, *args, opts=["--quiet"], timeout=300)
     m = re.search(r"PARAMS (\d+) TENSORS (\d+)", p.stdout)
     assert m, p.stdout[-2000:]
+    _run.hoard[out] = int(re.search(r"HOARD (\d+)", p.stdout).group(1)) if "HOARD" in p.stdout else 0
     return out, int(m.group(1)), int(m.group(2))
+
+
+_run.hoard = {}    # run -> the bytes its hoarding rank kept (the job's own count)
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("mem") / "ddp", "--batch", str(BATCH))
+    # rank 1 keeps 8 MiB of each step's output (between backward and the optimizer step: the activations, which
+    # are read at backward's start against the previous optimizer step, are not touched): imbalance's truth
+    return _run(tmp_path_factory.mktemp("mem") / "ddp", "--batch", str(BATCH), "--hoard-rank", "1")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +90,23 @@ def test_what_fits_zero3_and_half_micro_batch_against_reruns(ddp, ddp_half, fsdp
         saving = fits[rank]["half_micro_batch"]["predicted_saving_bytes"]
         assert b["activations_bytes"] - saving == pytest.approx(half[rank]["activations_bytes"], rel=0.10)
         assert half[rank]["persistent_bytes"] == b["persistent_bytes"]     # the lever leaves the tensors alone
+
+
+def test_a_rank_keeping_tensors_is_named_with_their_bytes(ddp):
+    """Rank 1 keeps tensors its DDP peer does not (the job counts their bytes): the imbalance names rank 1, the
+    excess within 5 % of those bytes, in the ledger's 'other' category, and a memory_imbalance finding says so."""
+    out = ddp[0]
+    hoard = _run.hoard[out]
+    assert hoard == 6 * 8 * 2**20
+    summary = analyze(out).summary
+    imb = summary["memory"]["imbalance"]
+    assert [x["rank"] for x in imb["ranks"]] == [1], imb
+    x = imb["ranks"][0]
+    assert x["peers"] == [0] and x["category"] == "other_bytes"
+    assert x["category_excess_bytes"] == pytest.approx(hoard, rel=0.05)
+    assert x["excess_bytes"] == pytest.approx(hoard, rel=0.05)
+    found = [f for f in summary["findings"] if f["id"] == "memory_imbalance"]
+    assert len(found) == 1 and found[0]["evidence"]["rank"] == 1 and "Rank 1 holds" in found[0]["message"]
 
 
 def test_summary_json_and_run_format(ddp):

@@ -2,7 +2,9 @@
 linear layers, AdamW. Prints the model's parameter count (its truth: P) on rank 0.
 
 --oom-rank R: at step --oom-step rank R meets a 16384x longer batch in forward (a 2 GiB tensor) with its address
-space capped (RLIMIT_AS) 1.5 GiB above what it uses: a real CPU allocator failure mid-forward."""
+space capped (RLIMIT_AS) 1.5 GiB above what it uses: a real CPU allocator failure mid-forward.
+--hoard-rank R: rank R keeps --hoard-mib MiB made of each step's loss between backward and the optimizer
+step, as a loop keeping outputs for logging does; it prints the bytes it keeps (their truth: HOARD)."""
 import argparse
 import os
 import resource
@@ -17,6 +19,8 @@ p.add_argument("--batch", type=int, default=512)
 p.add_argument("--dim", type=int, default=512)
 p.add_argument("--oom-rank", type=int, default=-1)
 p.add_argument("--oom-step", type=int, default=2)
+p.add_argument("--hoard-rank", type=int, default=-1)
+p.add_argument("--hoard-mib", type=int, default=8)
 args = p.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -49,13 +53,18 @@ if args.fsdp:
 else:
     model = torch.nn.parallel.DistributedDataParallel(net)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+kept = []
 for step in range(args.steps):
     net.step = step
     x = torch.randn(args.batch, args.dim)
     loss = model(x).pow(2).mean()
     loss.backward()
+    if rank == args.hoard_rank:
+        kept.append(loss.detach().repeat(args.hoard_mib * 2**20 // loss.element_size()))
     opt.step()
     opt.zero_grad(set_to_none=True)
 if rank == 0:
     print("PARAMS", P, "TENSORS", len(list(net.parameters())), flush=True)
+if kept:
+    print("HOARD", sum(t.untyped_storage().nbytes() for t in kept), flush=True)
 dist.destroy_process_group()
