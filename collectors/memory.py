@@ -2,10 +2,13 @@
 
 A rank-side part (collectors/parts.py). On the steps it samples it writes one ``memory`` row:
 
-- ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``: counted from the tensors the optimizers hold
-  (``param_groups``' parameters, their ``.grad``, every tensor in ``optimizer.state``), each storage once (keyed by
-  ``untyped_storage().data_ptr()``), so a view, a tied weight or a flat buffer is counted once and a DTensor (FSDP2,
-  tensor parallel) counts its local shard's storage: what this rank holds. Grads are counted at the optimizer step,
+- ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``: counted from the tensors themselves: the parameters
+  of the modules the rank trains (the top-level modules of step 0's forwards, ``ctx.roots``; the optimizers'
+  parameters when none is known), their and the optimizers' parameters' ``.grad``, every tensor in
+  ``optimizer.state``, and as optimizer state an optimizer parameter that is no module parameter (a master copy:
+  DeepSpeed ZeRO's fp32 partition), each storage once (keyed by ``untyped_storage().data_ptr()``), so a view, a tied
+  weight or a flat buffer is counted once and a DTensor (FSDP2, tensor parallel) counts its local shard's storage, a
+  ZeRO-3 parameter its partition (``ds_tensor``): what this rank holds. Grads are counted at the optimizer step,
   where they exist. Counted again only when the set of tensors may have changed (the optimizers' parameter and state
   counts, the number of grads present) or on every ``COUNT_EVERY``-th sampled step; otherwise the last count is
   carried (the same tensors have the same bytes).
@@ -67,10 +70,13 @@ def _cpu_allocated():
 
 
 def _storage_key(t):
-    """(key, bytes) of the storage a tensor lives in; a DTensor's local shard. The key is the storage's address:
-    host and device memory share one virtual address space (CUDA's unified addressing), so it names one storage
-    whatever the device (reading ``t.device`` would double the count's time)."""
+    """(key, bytes) of the storage a tensor lives in; a DTensor's local shard, a DeepSpeed ZeRO-3 parameter's
+    partition (``ds_tensor``: its ``data`` is empty outside its forward). The key is the storage's address: host and
+    device memory share one virtual address space (CUDA's unified addressing), so it names one storage whatever the
+    device (reading ``t.device`` would double the count's time)."""
     local = getattr(t, "_local_tensor", None)
+    if local is None:
+        local = getattr(t, "ds_tensor", None)
     if local is not None:
         t = local
     s = t.untyped_storage()
@@ -135,12 +141,23 @@ class MemoryLedger(RankPart):
             return 0
         return self.counts[1]
 
+    def _model_params(self) -> list:
+        roots = self.ctx.roots() if self.ctx.roots is not None else []
+        return list({id(p): p for m in roots for p in m.parameters()}.values())
+
     def _count(self) -> tuple[int, int, int]:
+        """(params, grads, optimizer state) bytes. Params: the trained modules' parameters (the roots step 0's
+        forwards ran), else the optimizers'; an optimizer parameter that is no module parameter's storage is a master
+        copy (ZeRO's fp32 partition, a mixed-precision master): optimizer state, as ZeRO's accounting has it."""
         seen: set = set()
-        params = _tensors_bytes(self._params(), seen)
-        grads = _tensors_bytes((p.grad for p in self._params() if p.grad is not None), seen)
-        state = _tensors_bytes((v for o in list(self.optimizers) for st in o.state.values() if isinstance(st, dict)
-                                for v in st.values() if isinstance(v, self.torch.Tensor)), seen)
+        model = self._model_params()
+        opt = list(self._params())
+        params = _tensors_bytes(model or opt, seen)
+        masters = _tensors_bytes(opt, seen) if model else 0
+        grads = _tensors_bytes((p.grad for p in (*model, *opt) if p.grad is not None), seen)
+        state = masters + _tensors_bytes((v for o in list(self.optimizers) for st in o.state.values()
+                                          if isinstance(st, dict) for v in st.values()
+                                          if isinstance(v, self.torch.Tensor)), seen)
         return params, grads, state
 
     def _allocated(self):

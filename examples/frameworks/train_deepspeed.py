@@ -14,6 +14,7 @@ The job measures its own truth, independent of any profiler: the time its traini
 ``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
 rank prints one line ``clock <rank> {"steps": [[duration, communication], ...]}`` (s, one pair per optimizer
 step). Every rank prints
+``parameters <rank> <count>`` (its model's, before DeepSpeed partitions it: its stage's under the pipeline) and
 ``weights <rank> <sha256>`` of its final parameters (its own partition under ZeRO-3, its stage's under the
 pipeline), to compare a bare run with a profiled one.
 """
@@ -111,6 +112,7 @@ def main():
                                     "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
         model = Net(args.dim, args.blocks)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
+    n_params = sum(q.numel() for q in model.parameters())   # this rank's model (its stage's under the pipeline)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
     g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
@@ -135,6 +137,7 @@ def main():
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
     print(f"weights {rank} {weights_hash(engine.module.parameters())}", flush=True)
+    print(f"parameters {rank} {n_params}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
