@@ -24,6 +24,11 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
   high-water mark (``getrusage``; monotone over the process: on a CPU there is no per-step allocator peak), read
   when the tensors are counted.
 
+With ``memory_history`` in the rank's options (`dtprof run --memory-history N`, opt-in: each allocation then records
+its stack), a CUDA rank keeps the caching allocator's last N allocation events from its first sampled optimizer step
+on (``torch.cuda.memory._record_memory_history(max_entries=N)``: a bounded ring) and writes them at an out-of-memory
+exit to ``memory_snapshot.pickle`` in its rank directory (``_dump_snapshot``; named in the ``oom`` row).
+
 At exit after an uncaught out-of-memory error (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate
 memory") it writes an ``oom`` meta row: the request, the phase and module it was in, the allocator's state then and the
 step (read from ``sys.last_value``; the traceback still holds the frames' tensors, so the allocator's figures are
@@ -113,6 +118,7 @@ class MemoryLedger(RankPart):
         self.torch = None
         self.cuda = False
         self.cpu_allocated = None
+        self.history = False      # the allocator's history ring is on (--memory-history)
 
     def install(self, ctx: RankContext) -> None:
         import torch
@@ -199,6 +205,9 @@ class MemoryLedger(RankPart):
         stats = {}
         torch = self.torch
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self.cuda and not self.history and self.ctx.options.get("memory_history"):
+            self.history = True       # once, whatever happens: a ring that cannot start is not retried each step
+            torch.cuda.memory._record_memory_history(max_entries=int(self.ctx.options["memory_history"]))
         if self.cuda:
             stats = torch.cuda.memory_stats()
         bwd_alloc, bwd_grads = self.bwd if self.bwd is not None else (None, None)
@@ -250,6 +259,15 @@ class MemoryLedger(RankPart):
             pass
         if self.counts is not None:
             rec.update(zip(("params_bytes", "grads_bytes", "optimizer_state_bytes"), self.counts))
+        if self.history:
+            try:
+                import os
+
+                path = os.path.join(self.ctx.rank_dir, "memory_snapshot.pickle")
+                self.torch.cuda.memory._dump_snapshot(path)
+                rec["snapshot"] = "memory_snapshot.pickle"
+            except Exception:
+                pass
         return rec
 
 
