@@ -177,3 +177,12 @@ def test_imbalance_leaves_small_differences_alone():
     assert memory_mod.imbalance(led)["ranks"] == []
     big = _led({0: (GiB, GiB, 2 * GiB, GiB, 0), 1: (GiB, GiB, 2 * GiB, GiB + 200 * MiB, 0)})
     assert memory_mod.imbalance(big)["ranks"] == []
+
+
+def test_report_names_the_imbalanced_rank_and_the_stages():
+    from dtprof.reports import memory as report_memory
+
+    led = _led({0: (4 * MiB, 4 * MiB, 8 * MiB, 4 * MiB, 10 * MiB), 1: (4 * MiB, 4 * MiB, 8 * MiB, 4 * MiB, 58 * MiB)})
+    mem = {"ranks": [{"rank": r} for r in (0, 1)], "imbalance": memory_mod.imbalance(led)}
+    html = report_memory.ledger_html(mem)
+    assert "Imbalance" in html and "<td>1</td><td>0</td><td>48.0 MiB</td><td>other (+48.0 MiB)</td>" in html
