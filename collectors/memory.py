@@ -119,6 +119,7 @@ class MemoryLedger(RankPart):
         self.cuda = False
         self.cpu_allocated = None
         self.history = False      # the allocator's history ring is on (--memory-history)
+        self.has_cuda = False
 
     def install(self, ctx: RankContext) -> None:
         import torch
@@ -126,6 +127,8 @@ class MemoryLedger(RankPart):
         self.ctx = ctx
         self.torch = torch
         self.cpu_allocated = _cpu_allocated()
+        # once: is_available() asks the driver (tens of µs), and a process's CUDA does not come or go
+        self.has_cuda = bool(torch.cuda.is_available())
 
     # ---- the tensors ------------------------------------------------------------------------------------------
 
@@ -178,7 +181,7 @@ class MemoryLedger(RankPart):
             return            # the step's first backward only; before the first optimizer step nothing is known
         t0 = now()
         torch = self.torch
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = self.has_cuda and torch.cuda.is_initialized()
         if self.cuda:
             self.fwd_peak = int(torch.cuda.max_memory_allocated())
         self.bwd = (self._allocated(), self._grads_present())
@@ -204,7 +207,7 @@ class MemoryLedger(RankPart):
         params, grads, state = self.counts
         stats = {}
         torch = self.torch
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = self.has_cuda and torch.cuda.is_initialized()
         if self.cuda and not self.history and self.ctx.options.get("memory_history"):
             self.history = True       # once, whatever happens: a ring that cannot start is not retried each step
             torch.cuda.memory._record_memory_history(max_entries=int(self.ctx.options["memory_history"]))
