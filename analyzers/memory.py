@@ -203,10 +203,13 @@ def imbalance(led: pd.DataFrame, stage_of: dict[int, int] | None = None, pipelin
     return out
 
 
-def memory_block(run, stage_of: dict[int, int] | None = None, pipeline: dict | None = None) -> dict:
+def memory_block(run, pp=None) -> dict:
     """summary.json ``memory``'s ledger keys: ``ranks`` (per rank, ``RANK_KEYS``), the rank with the least headroom
-    (GPU) or the largest peak, ``imbalance`` (``stage_of``: rank -> pipeline stage, ``pipeline``: summary.json's
-    ``pipeline``), or ``ranks_reason`` when no rank recorded a ledger."""
+    (GPU) or the largest peak, ``imbalance`` (``pp``: the pipeline analysis, analyzers/pipeline.py
+    ``PipelineResult``, whose table gives each pipeline rank's stage), or ``ranks_reason`` when no rank recorded a
+    ledger."""
+    stage_of = pp.table.groupby("rank")["stage"].first().astype(int).to_dict() if pp is not None else None
+    pipeline = pp.summary if pp is not None else None
     led = ledger(run)
     if not len(led):
         return {"ranks": [], "ranks_reason": "no memory ledger rows (no optimizer step in a sampled step, an "

@@ -412,8 +412,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
     summary["evaluation"] = _evaluation_block(spans_view.spans, model.steps)
     say("memory ledger")
-    stage_of = pp.table.groupby("rank")["stage"].first().astype(int).to_dict() if pp else None
-    summary["memory"].update(memory_mod.memory_block(run, stage_of, pp.summary if pp else None))
+    summary["memory"].update(memory_mod.memory_block(run, pp))
     summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks, model.gpu_ranks.tolist())
     summary["breakdown"]["per_step"] = _critical_series(bd, steps)
     if wi is None:
