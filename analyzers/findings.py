@@ -272,16 +272,21 @@ def memory_high(summary: dict, analysis) -> list[dict]:
     return out
 
 
+MEMORY_CATEGORY_NAMES = {"params_bytes": "parameters", "grads_bytes": "gradients",
+                         "optimizer_state_bytes": "optimizer state", "activations_bytes": "activations",
+                         "other_bytes": "memory outside its parameters, gradients and optimizer state between steps"}
+
+
 def memory_imbalance(summary: dict, analysis) -> list[dict]:
     """A rank holding more memory than its peers in the layout (analyzers/memory.py ``imbalance``)."""
     out = []
     for x in ((summary.get("memory") or {}).get("imbalance") or {}).get("ranks") or []:
-        cat = x["category"].removesuffix("_bytes").replace("_", " ")
+        cat = MEMORY_CATEGORY_NAMES[x["category"]]
+        peers = ("rank " if len(x["peers"]) == 1 else "ranks ") + ", ".join(map(str, x["peers"]))
         out.append(finding(
             "memory_imbalance", "warning",
-            f"Rank {x['rank']} holds {x['excess_bytes'] / 2**20:,.0f} MiB more than its peers (ranks "
-            f"{', '.join(map(str, x['peers']))}, which its layout says hold the same), "
-            f"{x['category_excess_bytes'] / 2**20:,.0f} MiB of it in {cat}",
+            f"Rank {x['rank']} holds {x['excess_bytes'] / 2**20:,.0f} MiB more than its peers ({peers}, which its "
+            f"layout says hold the same), {x['category_excess_bytes'] / 2**20:,.0f} MiB of it in {cat}",
             {k: x[k] for k in ("rank", "peers", "excess_bytes", "category", "category_excess_bytes", "held_bytes",
                                "peers_median_bytes")},
             f"Likely cause: {x['cause']}. The rank with the most memory sets the job's limit: even it out before "
