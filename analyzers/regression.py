@@ -933,7 +933,7 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
         return (f"the machine ran {abs(probe['ratio'] - 1):.0%} {'faster' if probe['ratio'] < 1 else 'slower'} for "
                 f"the head on the CPU probe [{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
     if code == 0 and head_faster:
-        if busier == "base":   # (a probe that moved beyond its band does the same: dtprof.compare)
+        if busier == "base":   # (a probe that moved beyond its band does the same: verdict)
             out["verdict"] = "inconclusive"
             out["reason"] = machine_words("base") + ": a slowdown of the head could hide behind the pass"
         if waits and waits["grew"]:
@@ -1000,3 +1000,116 @@ def health_changes(base: Sequence[dict], head: Sequence[dict]) -> list[dict]:
                                   if identical else "one base run: whether the job is deterministic is not known"),
                      "verdict": FAIL if identical else WARN})
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The verdict: the exit code and its reasons, from the gates and the rows beside them (`dtprof compare` renders it)
+
+EXIT_OK, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
+EXIT_MEANING = {EXIT_OK: "all gates passed", EXIT_REGRESSION: "regression", EXIT_INCONCLUSIVE: "inconclusive"}
+
+
+def comparison(gates: Sequence[Gate], base: Sequence[dict], head: Sequence[dict], *, base_names: Sequence[str],
+               head_names: Sequence[str], test: str = "bootstrap", confidence: float = DEFAULT_CONFIDENCE,
+               seed: int = 0, allow_different: bool = False) -> dict:
+    """The comparison result (``dtprof.compare/1``, docs/compare.md) of the base and head summaries: each gate's
+    result, the verdict (``exit_code``, ``outcome``, ``reasons``) and the rows that explain it (``verdict``). What
+    the renderers of reports/compare_render.py format; raises GateError for a gate the summaries cannot decide."""
+    results = [evaluate_gate(g, base, head, test=test, confidence=confidence, seed=seed) for g in gates]
+    v = verdict(results, base, head, confidence=confidence, seed=seed, allow_different=allow_different)
+    code, reasons = v["exit_code"], v["reasons"]
+    failed = [r.gate.expr for r in results if r.verdict == FAIL and not r.gate.advisory]
+    why = ([f"gate {', '.join(failed)} failed"] if failed and code == EXIT_REGRESSION else []) + reasons
+    return {"schema": "dtprof.compare/1", "exit_code": code,
+            "outcome": EXIT_MEANING[code] + (": " + "; ".join(why) if why else ""),
+            "base": list(base_names), "head": list(head_names),
+            "settings": {"test": test, "confidence": confidence, "seed": seed, "n_boot": DEFAULT_N_BOOT,
+                         "min_steps": MIN_STEPS, "allow_different": allow_different},
+            "gates": [r.to_dict() for r in results], "reasons": reasons,
+            **{k: v[k] for k in ("parts", "stragglers", "health", "identity", "probe", "gpu_probe",
+                                 "gpu_probe_reason", "bound", "drift")}}
+
+
+def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[dict], *,
+            confidence: float = DEFAULT_CONFIDENCE, seed: int = 0, allow_different: bool = False) -> dict:
+    """The exit code after the checks beside the gates, and what explains it: which parts moved, stragglers that
+    got worse (a rank that became persistent fails), a machine that changed and configurations that differ
+    (inconclusive, exit 3: neither is a regression of the code). ``{exit_code, reasons, parts (part_changes),
+    stragglers (straggler_changes), health (health_changes), identity (config_differences), probe and gpu_probe
+    (probe_change; without a GPU probe ``gpu_probe_reason`` says why), bound (bounding_device: which probe is used,
+    and why), drift (machine_drift)}``; ``reasons``: why the outcome is what it is, one line each."""
+    code = overall_exit(results)
+    parts = part_changes(base, head, confidence=confidence, seed=seed)
+    strag = straggler_changes(base, head)
+    health = health_changes(base, head)
+    identity = config_differences(base, head)
+    probe = probe_change(base, head, confidence=confidence, seed=seed)
+    gpu_probe = probe_change(base, head, confidence=confidence, seed=seed, kind="gpu")
+    reasons = []
+    worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == FAIL]
+    numerics = [f"{r['what']} at step {r['step']}" for r in health if r["verdict"] == FAIL]
+    blocking = [x for x in identity if x["blocking"]]
+    if blocking and not allow_different:
+        reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
+                                                                   for x in blocking)
+                       + " (--allow-different to decide anyway)")
+    bound = bounding_device(base, head)
+    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
+    drift = machine_drift(code, base, head, probe, confidence=confidence, seed=seed)
+    if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
+        machine = []
+    elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
+        machine.append(drift["reason"])
+    comparable = not reasons
+    reasons += machine
+    if numerics and comparable:   # a NaN, or a loss departing from a bit-identical base: no machine explains that
+        code = EXIT_REGRESSION
+        reasons.insert(0, "numerics: " + "; ".join(numerics))
+        if worse:
+            reasons.insert(1, "a straggler got worse: " + "; ".join(worse))
+    elif reasons:
+        code = EXIT_INCONCLUSIVE
+    elif drift["verdict"] == "fail":
+        code = EXIT_REGRESSION
+        reasons.append(drift["reason"])
+    elif worse:
+        code = EXIT_REGRESSION
+        reasons.append("a straggler got worse: " + "; ".join(worse))
+    return {"exit_code": code, "reasons": reasons, "parts": parts, "stragglers": strag, "health": health,
+            "identity": identity, "probe": probe, "gpu_probe": gpu_probe,
+            "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(base, head), "bound": bound, "drift": drift}
+
+
+def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:
+    """Why a machine probe that moved makes the comparison inconclusive. Only the probe of a device that bounds the
+    steps counts (``bound``: bounding_device; a CPU that ran slower under GPU-bound steps explains nothing, nor does
+    a GPU under host-bound ones): each probe's ``used`` and ``used_why`` say so. A slower machine explains a slower
+    head (``slower``: a gate or a straggler row failed; CPU hogs through a job slowed its probe 3x while its steps,
+    which wait on communication, moved anywhere from 0 to +27 %), but cannot turn a pass into doubt: it can only
+    have slowed the head, so a head that passed on it passed. A faster machine could hide a slowdown behind a pass,
+    but cannot explain a slower head: that regression stands. The probe's line shows the change either way. Sets
+    each moved probe's ``explains_verdict``."""
+    out = []
+    for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
+        if p:
+            p["used"] = bound["device"] in ("both", p["kind"])
+            p["used_why"] = bound["why"]
+        if not p or not p["moved"] or not p["used"]:
+            continue
+        p["explains_verdict"] = slower if p["ratio"] > 1 else not slower
+        if p["explains_verdict"]:
+            out.append(f"the {what} ran {abs(p['ratio'] - 1) * 100:.0f} % {'slower' if p['ratio'] > 1 else 'faster'}"
+                       f" on the {where} (head vs base)")
+    return out
+
+
+def _no_gpu_probe(base: Sequence[dict], head: Sequence[dict]) -> str:
+    """Why there is no GPU probe comparison: the first run without one, and its reason (a CPU-only node, an older
+    run)."""
+    for side, runs in (("base", base), ("head", head)):
+        for s in runs:
+            p = lookup(s, "run.probe")
+            if not isinstance(p, dict) or not p.get("gpu_start_s"):
+                why = p.get("gpu_reason") if isinstance(p, dict) else None
+                return f"{side}: {why or 'no GPU probe recorded'}"
+    return "no GPU probe recorded"

@@ -10,12 +10,14 @@ device peaks with their sources) and recorded in summary.json ``options``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -71,6 +73,10 @@ class Analysis:
     triage: dict | None = None   # the incident verdict with its evidence (analyzers/triage.py), None if it failed
     notices: list = field(default_factory=list)   # what the report lists under "Notices" (run_notices)
     flagged: pd.DataFrame | None = None   # the rows of ``stragglers`` whose rank is flagged (stragglers.flagged)
+    # indexes into summary ``what_if`` of the entries that remove a rank the straggler rule does not name: shown
+    # "(not a straggler)" (is_unnamed_suspect)
+    unnamed_suspects: list = field(default_factory=list)
+    run: Any = None              # the dtprof.reader.Run analysed (the page's header and raw spans)
 
     def __post_init__(self):
         if self.flagged is None and self.stragglers is not None:
@@ -179,7 +185,8 @@ def _gpu_probe(probes: list[dict]) -> dict:
     return out
 
 
-def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[dict]:
+def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd, gpu_time: dict) -> list[dict]:
+    """summary.json ``ranks``: per rank its step figures, breakdown and GPU time (``gpu_time``: kernels.gpu_time)."""
     mask = steps["measured"].to_numpy(bool)
     if not mask.any():
         mask = np.ones(len(steps), bool)
@@ -221,6 +228,7 @@ def _per_rank_block(run, steps: pd.DataFrame, strag: pd.DataFrame, bd) -> list[d
         rec["exposed_comm_s_per_step_by_dim"] = p["exposed_by_dim"] if p else None
         rec["exposed_comm_s_per_step_by_op"] = p["exposed_by_op"] if p else None
         rec["exposed_comm_s_per_step_by_issued"] = p["exposed_by_issued"] if p else None
+        rec["gpu_time"] = gpu_time.get(int(rec["rank"]))
     return records
 
 
@@ -319,126 +327,316 @@ def _clean(x: Any) -> Any:
     return x
 
 
+# summary.json's top-level keys in the order its readers find them (docs/summary-schema.md); a key a stage returns
+# that is not listed follows them, in the stages' order
+SUMMARY_ORDER = (
+    "schema", "generated_by", "run", "steps", "ranks", "mfu", "overlap", "pipeline", "stragglers",
+    "transient_lateness", "collectives", "collectives_outside_steps", "clock", "gpus", "memory", "options",
+    "problems", "cpu_wait", "evaluation", "breakdown", "replay", "what_if", "what_if_skipped", "critical_path",
+    "what_if_reason", "mesh", "mesh_reason", "kernels", "gpu_time", "gpu_time_reason", "pipeline_reason",
+    "stragglers_reason", "health", "health_reason", "triage", "triage_reason", "findings")
+
+
+class Stage(NamedTuple):
+    """One stage of ``analyze``. ``fn(got)`` reads what the stages before it returned (``got``, read-only: the
+    command's inputs ``run``, ``options``, ``source``, ``incident``, ``live``, ``stale_s``; the summary so far is
+    ``got["summary"]``) and returns the names it owns: values for the stages after it and the Analysis, and under
+    ``"summary"`` its keys of summary.json. No name is set twice. ``message``: the progress line before it (a
+    function of ``got`` where it depends on the inputs)."""
+    name: str
+    fn: Callable[[Mapping[str, Any]], dict]
+    message: str | Callable[[Mapping[str, Any]], str] | None = None
+
+
 def analyze(run, options: AnalysisOptions | None = None, *,
             progress: Callable[[str], None] | None = None, source: str = "summaries", incident=None,
             live: bool = False, stale_s: float = 60.0) -> Analysis:
-    """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks).
-    ``progress``: called with a short message before each stage. ``source``: "summaries" (the rank-local figures
-    from the node summaries, made here for nodes that have none) or "raw" (the whole run's tables at once): equal
-    results (docs/scale.md). ``incident``: the incident files as `dtprof triage` read them (its ``--fr`` dumps;
-    default: read here); ``live``, ``stale_s``: a job still running. The verdict is made here: ``Analysis.triage``."""
+    """Analyse a run (a ``Run`` or a path) with ``options`` (default: ``AnalysisOptions()``, no device peaks):
+    ``STAGES`` in order. ``progress``: called with a short message before each stage. ``source``: "summaries" (the
+    rank-local figures from the node summaries, made here for nodes that have none) or "raw" (the whole run's tables
+    at once): equal results (docs/scale.md). ``incident``: the incident files as `dtprof triage` read them (its
+    ``--fr`` dumps; default: read here); ``live``, ``stale_s``: a job still running. The verdict is made here:
+    ``Analysis.triage``."""
     from dtprof.reader import Run, open_run
 
-    run = run if isinstance(run, Run) else open_run(run)
-    options = options or AnalysisOptions()
-    say = progress or (lambda msg: None)
     t0 = time.perf_counter()
+    got = run_stages(STAGES, {"run": run if isinstance(run, Run) else open_run(run),
+                              "options": options or AnalysisOptions(), "source": source, "incident": incident,
+                              "live": live, "stale_s": stale_s}, progress or (lambda msg: None))
+    summary = {k: got["summary"][k] for k in SUMMARY_ORDER if k in got["summary"]}
+    summary.update((k, v) for k, v in got["summary"].items() if k not in summary)
+    summary["analysis_s"] = time.perf_counter() - t0
+    return dataclasses.replace(got["analysis"], summary=_clean(summary), findings=summary["findings"])
 
-    say("reading tables")
-    model = RunModel.of(run, options.warmup, "raw" if source == "raw" else "summaries")
-    if source == "raw":
-        say("rank-local figures (overlap, breakdown, what-if items) of the whole run")
-        ns = nodesummary_mod.summarize(model)
-        spans_view = model
-    else:
-        say("node summaries")
-        ns = nodesummary_mod.of_run(run, model)
-        # the views below read only these spans (the Analysis keeps the whole model for the renderers)
-        spans_view = model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))
-    # The per-instance reductions run in DuckDB, which releases the GIL: one after the other (one query's working
-    # memory at a time), beside the pandas work below
+
+def run_stages(stages, got: dict, say: Callable[[str], None]) -> dict:
+    """Run ``stages`` in order over ``got`` (the inputs); returns every name they set, the summary's keys under
+    ``"summary"``."""
+    summary: dict = {}
+    got = {**got, "summary": MappingProxyType(summary)}
+    view = MappingProxyType(got)
+    for st in stages:
+        if st.message:
+            say(st.message if isinstance(st.message, str) else st.message(view))
+        out = dict(st.fn(view))
+        keys = out.pop("summary", {})
+        twice = sorted((set(out) & set(got)) | (set(keys) & set(summary)))
+        if twice:
+            raise RuntimeError(f"analyze stage {st.name!r} sets {', '.join(twice)}, set by a stage before it")
+        got.update(out)
+        summary.update(keys)
+    return {**got, "summary": summary}
+
+
+# ---- the stages, in STAGES order ---------------------------------------------------------------------------------
+
+def _model_stage(g) -> dict:
+    return {"model": RunModel.of(g["run"], g["options"].warmup, "raw" if g["source"] == "raw" else "summaries")}
+
+
+def _node_summaries_stage(g) -> dict:
+    """The rank-local figures: from the node summaries, or (``source="raw"``) of the whole run at once."""
+    run, model = g["run"], g["model"]
+    if g["source"] == "raw":
+        return {"ns": nodesummary_mod.summarize(model), "spans_view": model}
+    ns = nodesummary_mod.of_run(run, model)
+    # the stages read only these spans (the Analysis keeps the whole model for the renderers)
+    return {"ns": ns, "spans_view": model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))}
+
+
+def _reductions_stage(g) -> dict:
+    """The per-instance reductions run in DuckDB, which releases the GIL: one after the other (one query's working
+    memory at a time), beside the stages after this one, which take their ``result()``."""
+    model, ns = g["model"], g["ns"]
     pool = ThreadPoolExecutor(1, thread_name_prefix="dtprof-reduce")
-    arrivals_done = pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts)
-    instances_done = pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)
+    out = {"arrivals_done": pool.submit(strag_mod.arrivals, model, ns.arrival_parts, ns.arrival_counts),
+           "instances_done": pool.submit(coll_mod.instances_of, ns.instance_rows, model.measured_steps)}
     pool.shutdown(wait=False)
+    return out
+
+
+def _rank_steps_stage(g) -> dict:
+    """Per rank × step: the run model's steps with overlap and breakdown; the job's step statistics."""
+    model, ns = g["model"], g["ns"]
     ov, bd = ns.overlap(), ns.breakdown()
     steps = _rank_step_table(model, ov, bd)
     overlap_cols = steps[["comm_s", "duration_s", "overlap_s", "exposed_comm_s", "level"]]
     measured = overlap_cols[steps["measured"].to_numpy(bool)]
     step_block = steps_mod.step_stats(model)
-    _label_step_inputs(step_block, run.meta)
+    return {"ov": ov, "bd": bd, "steps": steps,
+            "summary": {"steps": {**step_block, **_step_input_sources(step_block, g["run"].meta)},
+                        "overlap": overlap_mod.whole_run(measured if len(measured) else overlap_cols)}}
 
-    clk = model.clock
-    say("what-if replay")
+
+def _run_stage(g) -> dict:
+    run, options = g["run"], g["options"]
+    run_block = _run_block(run)
+    return {"summary": {"schema": SUMMARY_SCHEMA, "generated_by": "dtprof.analyzers", "run": run_block,
+                        "clock": g["model"].clock.to_dict("records"), "options": options.record(),
+                        "problems": _problems(run, run_block, g["ov"].unassigned)}}
+
+
+def _what_if_stage(g) -> dict:
+    run, ns = g["run"], g["ns"]
     on_gpu = bool((run.ranks["device_type"].astype(str) == "cuda").any())
-    wi = whatif_mod.analyze_whatif(model, ns.whatif_items(), on_gpu=on_gpu, work=ns.work())
-    say("collective arrivals and stragglers")
-    arr, rows_per_rank = arrivals_done.result()
-    strag = strag_mod.classify(run, arr, rows_per_rank, steps, step_block["time_s"]["p50"],
+    return {"wi": whatif_mod.analyze_whatif(g["model"], ns.whatif_items(), on_gpu=on_gpu, work=ns.work())}
+
+
+def _stragglers_stage(g) -> dict:
+    wi, options = g["wi"], g["options"]
+    arr, rows_per_rank = g["arrivals_done"].result()
+    strag = strag_mod.classify(g["run"], arr, rows_per_rank, g["steps"], g["summary"]["steps"]["time_s"]["p50"],
                                wi.straggler_savings if wi else None, options.straggler_min_saving,
                                wi.typical_excess if wi else None, wi.typical_cpu_wait if wi else None)
-    say("GPU and memory")
-    gpus = gpu_mod.gpu_stats(run, model.steps)
-    rg = gpu_mod.rank_gpu(run, gpus)
-    mem = gpu_mod.memory(run, steps, gpus)
-    evidence = strag_mod.nvml_evidence(strag, rg, gpus)
-    say("collective bandwidth")
-    inst = instances_done.result()
-    coll = coll_mod.collective_table(model, inst[inst["window"] == "measured"])
-    coll["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll["group"]).to_numpy()
-    coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])
-    coll_outside["mesh_dim"] = mesh_mod.mesh_dim_of(run.groups, coll_outside["group"]).to_numpy()
-    say("pipeline")
-    pp = pipeline_mod.analyze_pipeline(spans_view, steps)
-    say("MFU")
-    mfu = mfu_mod.compute_mfu(run, model.steps, model.job, options)
+    return {"arr": arr, "strag": strag}
 
-    stragglers_list, transient_list = _flagged_ranks(strag, evidence)
-    run_block = _run_block(run)
-    problems = _problems(run, run_block, ov.unassigned)
-    arr_out = arr.drop(columns=["measured"])
-    summary = {
-        "schema": SUMMARY_SCHEMA,
-        "generated_by": "dtprof.analyzers",
-        "run": run_block,
-        "steps": step_block,
-        "ranks": _per_rank_block(run, steps, strag, bd),
-        "mfu": mfu,
-        "overlap": overlap_mod.whole_run(measured if len(measured) else overlap_cols),
-        "pipeline": pp.summary if pp else None,
-        "stragglers": stragglers_list,
-        "transient_lateness": transient_list,
-        "collectives": coll.to_dict("records"),
-        "collectives_outside_steps": coll_outside.to_dict("records"),
-        "clock": clk.to_dict("records"),
-        "gpus": gpus.to_dict("records"),
-        "memory": {"peak_mem_bytes_max": (float(mem["peak_mem_bytes"].max())
-                                          if mem["peak_mem_bytes"].notna().any() else None),
-                   "headroom_frac_min": (float(mem["headroom_frac"].min())
-                                         if mem["headroom_frac"].notna().any() else None)},
-        "options": options.record(),
-        "problems": problems,
-    }
-    summary["cpu_wait"] = _cpu_wait_block(summary["ranks"], step_block)
-    summary["evaluation"] = _evaluation_block(spans_view.spans, model.steps)
-    say("memory ledger")
-    summary["memory"].update(memory_mod.memory_block(run, pp))
-    summary["breakdown"] = _breakdown_block(summary["ranks"], bd.pipeline_ranks, model.gpu_ranks.tolist())
-    summary["breakdown"]["per_step"] = _critical_series(bd, steps)
+
+def _gpu_stage(g) -> dict:
+    run = g["run"]
+    gpus = gpu_mod.gpu_stats(run, g["model"].steps)
+    rg = gpu_mod.rank_gpu(run, gpus)
+    return {"gpus": gpus, "mem": gpu_mod.memory(run, g["steps"], gpus),
+            "evidence": strag_mod.nvml_evidence(g["strag"], rg, gpus), "summary": {"gpus": gpus.to_dict("records")}}
+
+
+def _collectives_stage(g) -> dict:
+    model, groups = g["model"], g["run"].groups
+    inst = g["instances_done"].result()
+    coll = coll_mod.collective_table(model, inst[inst["window"] == "measured"])
+    coll["mesh_dim"] = mesh_mod.mesh_dim_of(groups, coll["group"]).to_numpy()
+    coll_outside = coll_mod.collective_table(model, inst[inst["window"] == "outside"])
+    coll_outside["mesh_dim"] = mesh_mod.mesh_dim_of(groups, coll_outside["group"]).to_numpy()
+    return {"instances": inst, "coll": coll, "summary": {"collectives": coll.to_dict("records"),
+                                                         "collectives_outside_steps": coll_outside.to_dict("records")}}
+
+
+def _pipeline_stage(g) -> dict:
+    pp = pipeline_mod.analyze_pipeline(g["spans_view"], g["steps"])
+    keys: dict = {"pipeline": pp.summary if pp else None}
+    if pp is None:
+        keys["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
+    return {"pp": pp, "summary": keys}
+
+
+def _mfu_stage(g) -> dict:
+    model = g["model"]
+    return {"summary": {"mfu": mfu_mod.compute_mfu(g["run"], model.steps, model.job, g["options"])}}
+
+
+def _memory_stage(g) -> dict:
+    """summary.json ``memory``: the steps' peaks and headroom, and the memory ledger (analyzers/memory.py)."""
+    mem = g["mem"]
+    block = {"peak_mem_bytes_max": float(mem["peak_mem_bytes"].max()) if mem["peak_mem_bytes"].notna().any() else None,
+             "headroom_frac_min": float(mem["headroom_frac"].min()) if mem["headroom_frac"].notna().any() else None,
+             **memory_mod.memory_block(g["run"], g["pp"])}
+    if block["headroom_frac_min"] is None:
+        block["headroom_frac_min_reason"] = "device memory size unknown"
+    return {"summary": {"memory": block}}
+
+
+def _gpu_time_stage(g) -> dict:
+    """GPU time per rank and for the job, and the top kernels, from the trace's kernel spans (analyzers/kernels)."""
+    spans = g["spans_view"].spans
+    gpu_time = kernels_mod.gpu_time(spans, g["model"].steps, g["options"].gpu_window)
+    keys = {"kernels": kernels_mod.top_kernels(spans), "gpu_time": kernels_mod.job_gpu_time(gpu_time)}
+    if keys["gpu_time"] is None:
+        keys["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
+    return {"gpu_time_by_rank": gpu_time, "summary": keys}
+
+
+def _ranks_stage(g) -> dict:
+    """Per rank, and what the job's blocks take from the ranks: CPU wait and the step breakdown."""
+    bd, steps = g["bd"], g["steps"]
+    ranks = _per_rank_block(g["run"], steps, g["strag"], bd, g["gpu_time_by_rank"])
+    return {"summary": {"ranks": ranks, "cpu_wait": _cpu_wait_block(ranks, g["summary"]["steps"]),
+                        "breakdown": {**_breakdown_block(ranks, bd.pipeline_ranks, g["model"].gpu_ranks.tolist()),
+                                      "per_step": _critical_series(bd, steps)}}}
+
+
+def _what_if_summary_stage(g) -> dict:
+    wi = g["wi"]
     if wi is None:
-        summary.update(replay=None, what_if=[], critical_path=None,
-                       what_if_reason="no measured steps to replay")
-    else:
-        summary.update(wi.summary)
-        _say_which_suspects_are_not_stragglers(summary["what_if"], strag)
-    _add_mesh(summary, spans_view, steps, bd, ns)
-    say("GPU kernels")
-    _add_gpu_time(summary, spans_view.spans, model.steps, options.gpu_window)
-    _add_reasons(summary, pp)
-    say("numerics health")
-    _add_health(summary, run)
-    analysis = Analysis(summary=summary, steps=steps, collectives=coll, arrivals=arr_out, stragglers=strag,
-                        pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None, gpu=gpus,
-                        memory=mem, clock=clk, job_steps=model.job, instances=inst, model=model,
-                        exposed=bd.exposed, notices=run_notices(run))
-    say("triage")
-    analysis.triage = _add_triage(summary, run, stragglers_list, ns, model.steps, incident, live, stale_s)
-    say("findings")
-    summary["findings"] = findings_mod.find(summary, analysis)
-    analysis.findings = summary["findings"]
-    summary["analysis_s"] = time.perf_counter() - t0
-    analysis.summary = _clean(summary)
-    return analysis
+        return {"summary": {"replay": None, "what_if": [], "critical_path": None,
+                            "what_if_reason": "no measured steps to replay"}}
+    return {"summary": {**wi.summary, "what_if": _not_straggler_basis(wi.summary["what_if"], g["strag"])}}
+
+
+def _mesh_stage(g) -> dict:
+    """Hybrid parallelism (analyzers/mesh.py): communication and exposed communication per DeviceMesh dimension,
+    the costliest dimension, the bubble of each pipeline group."""
+    view, ns, bd, steps = g["spans_view"], g["ns"], g["bd"], g["steps"]   # view: the run model
+    block = None
+    if mesh_mod.named_dims(view.groups):   # the summaries' rank_group_comm is read only then (nodesummary.of_run)
+        block = mesh_mod.mesh_summary(view.groups, ns.rank_group_comm, steps, view.meta,
+                                      exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
+    if block is None:
+        return {"mesh_groups_of": None, "summary": {
+            "mesh": None, "mesh_reason": "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"}}
+    pp = mesh_mod.pipeline_bubble_by_group(view.groups, view.spans, steps)
+    block["pipeline_groups"] = [
+        {"group": str(r.group), "ranks": [int(x) for x in str(r.ranks).split(",")], "stages": int(r.stages),
+         "bubble_frac": float(r.bubble_frac), "bubble_frac_max": float(r.bubble_frac_max)}
+        for r in pp.itertuples()]
+    return {"mesh_groups_of": lambda rank: mesh_mod.mesh_groups_of_rank(view.groups, rank),
+            "summary": {"mesh": block}}
+
+
+def _flagged_stage(g) -> dict:
+    """summary.json ``stragglers`` (each in its group of every mesh dimension) and ``transient_lateness``."""
+    named, transient = _flagged_ranks(g["strag"], g["evidence"], g["mesh_groups_of"])
+    keys: dict = {"stragglers": named, "transient_lateness": transient}
+    if not named:
+        keys["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
+    return {"summary": keys}
+
+
+def _evaluation_stage(g) -> dict:
+    return {"summary": {"evaluation": _evaluation_block(g["spans_view"].spans, g["model"].steps)}}
+
+
+def _health_stage(g) -> dict:
+    """Numerics health (analyzers/health.py): per-step loss, gradient norm and learning rate, and the incidents."""
+    from dtprof.analyzers import health
+
+    try:
+        return {"summary": {"health": health.of_run(g["run"])}}
+    except Exception as e:  # a damaged health table must not lose the rest of the analysis
+        return {"summary": {"health": None, "health_reason": f"health analysis failed: {type(e).__name__}: {e}"}}
+
+
+def _triage_stage(g) -> dict:
+    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
+    reads only the collectives rows of the instances the node summaries flag. ``triage``: the whole result
+    (evidence included: `dtprof triage` prints it); summary.json keeps its headline keys."""
+    from dtprof.analyzers import triage
+
+    run, incident = g["run"], g["incident"]
+    try:
+        rows = run.read_collectives(triage.mismatch_candidates(g["ns"].arrival_parts))
+        res = triage.triage(run, incident if incident is not None else run.incident(),
+                            stragglers=g["summary"]["stragglers"], collectives=rows, steps=g["model"].steps,
+                            live=g["live"], stale_s=g["stale_s"])
+    except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
+        return {"triage": None, "summary": {"triage": None,
+                                            "triage_reason": f"triage failed: {type(e).__name__}: {e}"}}
+    head = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
+    if "step" in res:   # the verdict's step (analyzers/triage.py: numerics, divergence, oom)
+        head["step"] = res["step"]
+    return {"triage": res, "summary": {"triage": head}}
+
+
+def _suspects_stage(g) -> dict:
+    named = {s["rank"] for s in g["summary"]["stragglers"]}
+    return {"unnamed_suspects": [i for i, w in enumerate(g["summary"]["what_if"]) if is_unnamed_suspect(w, named)]}
+
+
+def _analysis_stage(g) -> dict:
+    """The Analysis' tables (its summary is set when every stage has run)."""
+    pp, bd = g["pp"], g["bd"]
+    return {"analysis": Analysis(
+        summary={}, steps=g["steps"], collectives=g["coll"], arrivals=g["arr"].drop(columns=["measured"]),
+        stragglers=g["strag"], pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None,
+        gpu=g["gpus"], memory=g["mem"], clock=g["model"].clock, job_steps=g["model"].job, instances=g["instances"],
+        model=g["model"], exposed=bd.exposed, notices=run_notices(g["run"]), triage=g["triage"],
+        unnamed_suspects=g["unnamed_suspects"], run=g["run"])}
+
+
+def _findings_stage(g) -> dict:
+    return {"summary": {"findings": findings_mod.find(dict(g["summary"]), g["analysis"])}}
+
+
+def _node_summaries_message(g) -> str:
+    return ("rank-local figures (overlap, breakdown, what-if items) of the whole run" if g["source"] == "raw"
+            else "node summaries")
+
+
+# The analysis, stage by stage: a new metric is a stage appended here (before "analysis" when the Analysis or the
+# findings read it) and its key in SUMMARY_ORDER.
+STAGES: list[Stage] = [
+    Stage("model", _model_stage, "reading tables"),
+    Stage("node summaries", _node_summaries_stage, _node_summaries_message),
+    Stage("reductions", _reductions_stage),
+    Stage("rank steps", _rank_steps_stage),
+    Stage("run", _run_stage),
+    Stage("what-if", _what_if_stage, "what-if replay"),
+    Stage("stragglers", _stragglers_stage, "collective arrivals and stragglers"),
+    Stage("gpu", _gpu_stage, "GPU and memory"),
+    Stage("collectives", _collectives_stage, "collective bandwidth"),
+    Stage("pipeline", _pipeline_stage, "pipeline"),
+    Stage("mfu", _mfu_stage, "MFU"),
+    Stage("memory", _memory_stage, "memory ledger"),
+    Stage("gpu time", _gpu_time_stage, "GPU kernels"),
+    Stage("ranks", _ranks_stage),
+    Stage("what-if summary", _what_if_summary_stage),
+    Stage("mesh", _mesh_stage),
+    Stage("flagged", _flagged_stage),
+    Stage("unnamed suspects", _suspects_stage),
+    Stage("evaluation", _evaluation_stage),
+    Stage("health", _health_stage, "numerics health"),
+    Stage("triage", _triage_stage, "triage"),
+    Stage("analysis", _analysis_stage),
+    Stage("findings", _findings_stage, "findings"),
+]
 
 
 def run_notices(run) -> list[str]:
@@ -479,9 +677,10 @@ def _rank_step_table(model, ov, bd) -> pd.DataFrame:
                  + [f"{p}_s" for p in breakdown_mod.PARTS if p not in ("exposed_comm", "data_wait")]]
 
 
-def _flagged_ranks(strag: pd.DataFrame, evidence: dict) -> tuple[list[dict], list[dict]]:
-    """(summary ``stragglers``, ``transient_lateness``): named stragglers are the persistent ones; transient
-    lateness is listed apart and never made a headline."""
+def _flagged_ranks(strag: pd.DataFrame, evidence: dict, mesh_groups_of) -> tuple[list[dict], list[dict]]:
+    """(summary ``stragglers``, ``transient_lateness``): named stragglers are the persistent ones, each with its
+    ``mesh_groups`` where the run has DeviceMesh dimensions (``mesh_groups_of``: rank -> its groups, or None);
+    transient lateness is listed apart and never made a headline."""
     stragglers_list: list[dict] = []
     transient_list: list[dict] = []
     for s in strag_mod.flagged(strag).itertuples(index=False):
@@ -497,6 +696,8 @@ def _flagged_ranks(strag: pd.DataFrame, evidence: dict) -> tuple[list[dict], lis
                                 "typical_cpu_wait_s": float(s.typical_cpu_wait_s),
                                 "evidence": evidence[int(s.rank)]["lines"],
                                 "nvml": {k: v for k, v in evidence[int(s.rank)].items() if k != "lines"}})
+    if mesh_groups_of is not None:
+        stragglers_list = [{**s, "mesh_groups": mesh_groups_of(s["rank"])} for s in stragglers_list]
     return stragglers_list, transient_list
 
 
@@ -514,114 +715,40 @@ def _problems(run, run_block: dict, unassigned: int) -> list[str]:
     return problems
 
 
-def _add_gpu_time(summary: dict, spans: pd.DataFrame, steps: pd.DataFrame, window: str) -> None:
-    """GPU time per rank and for the job, and the top kernels, from the trace's kernel spans (analyzers/kernels)."""
-    gpu_time = kernels_mod.gpu_time(spans, steps, window)
-    for r in summary["ranks"]:
-        r["gpu_time"] = gpu_time.get(int(r["rank"]))
-    summary["kernels"] = kernels_mod.top_kernels(spans)
-    summary["gpu_time"] = kernels_mod.job_gpu_time(gpu_time)
-    if summary["gpu_time"] is None:
-        summary["gpu_time_reason"] = "no GPU kernel spans (no torch.profiler trace: dtprof run --trace-steps)"
-
-
-def _add_reasons(summary: dict, pipeline) -> None:
-    """The reason beside each null or empty headline figure (``pipeline``: analyze_pipeline's result)."""
-    if pipeline is None:
-        summary["pipeline_reason"] = "no pipeline stage spans (pp_forward/pp_backward) inside this run's steps"
-    if not summary["stragglers"]:
-        summary["stragglers_reason"] = "no rank is a persistent straggler (stragglers.PERSISTENT_RULE)"
-    if summary["memory"]["headroom_frac_min"] is None:
-        summary["memory"]["headroom_frac_min_reason"] = "device memory size unknown"
-
-
-def _say_which_suspects_are_not_stragglers(what_if: list[dict], strag: pd.DataFrame) -> None:
+def _not_straggler_basis(what_if: list[dict], strag: pd.DataFrame) -> list[dict]:
     """A ``straggler_removed`` saving of a rank that the straggler rule does not name (stragglers.PERSISTENT_RULE)
     says so in its basis, with the numbers the rule weighed: with symmetric step-to-step noise, the rank that is
     slower on average still "saves" in the steps where it happened to be the slower one."""
     by_rank = strag.set_index("rank")
+    out = []
     for w in what_if:
-        if w["scenario"] != "straggler_removed" or len(w["ranks"]) != 1 or w["ranks"][0] not in by_rank.index:
-            continue
-        s = by_rank.loc[w["ranks"][0]]
-        if s["kind"] != "persistent":
-            w["basis"] += (f"; not named a straggler: the saving held (>= the threshold) in "
-                           f"{s['saving_step_frac']:.0%} of measured steps and a typical step does "
-                           f"{s['typical_excess_s'] * 1e3:.1f} ms more work than its peers"
-                           f"{strag_mod.cpu_wait_note(s['typical_cpu_wait_s'])}")
+        s = (by_rank.loc[w["ranks"][0]] if w["scenario"] == "straggler_removed" and len(w["ranks"]) == 1
+             and w["ranks"][0] in by_rank.index else None)
+        if s is not None and s["kind"] != "persistent":
+            w = {**w, "basis": w["basis"] + (f"; not named a straggler: the saving held (>= the threshold) in "
+                                             f"{s['saving_step_frac']:.0%} of measured steps and a typical step "
+                                             f"does {s['typical_excess_s'] * 1e3:.1f} ms more work than its peers"
+                                             f"{strag_mod.cpu_wait_note(s['typical_cpu_wait_s'])}")}
+        out.append(w)
+    return out
 
 
 def is_unnamed_suspect(w: dict, named: set) -> bool:
     """A what-if entry that removes a rank the straggler rule does not name (``named``: the ranks of
-    summary.json ``stragglers``); the terminal and the report mark it "(not a straggler)"."""
+    summary.json ``stragglers``); Analysis.unnamed_suspects, which the terminal and the report mark
+    "(not a straggler)"."""
     return w["scenario"] == "straggler_removed" and not set(w["ranks"]) <= named
 
 
-def _label_step_inputs(step_block: dict, meta: pd.DataFrame) -> None:
+def _step_input_sources(step_block: dict, meta: pd.DataFrame) -> dict:
     """``samples_per_s_source``/``tokens_per_s_source``: "inferred: ..." when a rank inferred them from its root
     module's input (a ``step_inputs`` meta row, collectors/inputs.py), else "dtprof.annotate"."""
     rows = meta.loc[meta["kind"].astype(str) == "step_inputs", "value"] if len(meta) else []
     inferred: dict = {}
     for v in rows:
         inferred.update(v if isinstance(v, dict) else {})
-    for what in ("samples", "tokens"):
-        if step_block.get(f"{what}_per_s") is not None:
-            step_block[f"{what}_per_s_source"] = inferred.get(what, "dtprof.annotate")
-
-
-def _add_triage(summary: dict, run, stragglers: list[dict], ns, steps: pd.DataFrame, incident, live: bool,
-                stale_s: float) -> dict | None:
-    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
-    reads only the collectives rows of the instances the node summaries ``ns`` flag. Returns the whole result
-    (evidence included: `dtprof triage` prints it); summary.json keeps its headline keys."""
-    from dtprof.analyzers import triage
-
-    try:
-        rows = run.read_collectives(triage.mismatch_candidates(ns.arrival_parts))
-        res = triage.triage(run, incident if incident is not None else run.incident(), stragglers=stragglers,
-                            collectives=rows, steps=steps, live=live, stale_s=stale_s)
-    except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
-        summary["triage"] = None
-        summary["triage_reason"] = f"triage failed: {type(e).__name__}: {e}"
-        return None
-    summary["triage"] = {k: res[k] for k in ("verdict", "message", "culprit_ranks", "collective")}
-    if "step" in res:   # the verdict's step (analyzers/triage.py: numerics, divergence, oom)
-        summary["triage"]["step"] = res["step"]
-    return res
-
-
-def _add_health(summary: dict, run) -> None:
-    """Numerics health (analyzers/health.py): per-step loss, gradient norm and learning rate, and the incidents."""
-    from dtprof.analyzers import health
-
-    try:
-        summary["health"] = health.of_run(run)
-    except Exception as e:  # a damaged health table must not lose the rest of the analysis
-        summary["health"] = None
-        summary["health_reason"] = f"health analysis failed: {type(e).__name__}: {e}"
-
-
-def _add_mesh(summary: dict, run, steps, bd, ns) -> None:
-    """Hybrid parallelism (analyzers/mesh.py): communication and exposed communication per DeviceMesh dimension,
-    the costliest dimension, the bubble of each pipeline group, and each straggler's group in every dimension."""
-    from dtprof.analyzers import mesh
-
-    block = None
-    if mesh.named_dims(run.groups):   # the summaries' rank_group_comm is read only then (nodesummary.of_run)
-        block = mesh.mesh_summary(run.groups, ns.rank_group_comm, steps, run.meta,   # run: the run model
-                                  exposed=breakdown_mod.exposed_by_dim_rank_step(bd))
-    if block is None:
-        summary["mesh"] = None
-        summary["mesh_reason"] = "no DeviceMesh dimensions recorded (groups.mesh_dim is empty)"
-        return
-    pp = mesh.pipeline_bubble_by_group(run.groups, run.spans, steps)
-    block["pipeline_groups"] = [
-        {"group": str(r.group), "ranks": [int(x) for x in str(r.ranks).split(",")], "stages": int(r.stages),
-         "bubble_frac": float(r.bubble_frac), "bubble_frac_max": float(r.bubble_frac_max)}
-        for r in pp.itertuples()]
-    summary["mesh"] = block
-    for s in summary["stragglers"]:
-        s["mesh_groups"] = mesh.mesh_groups_of_rank(run.groups, s["rank"])
+    return {f"{what}_per_s_source": inferred.get(what, "dtprof.annotate") for what in ("samples", "tokens")
+            if step_block.get(f"{what}_per_s") is not None}
 
 
 def save_summary(run_dir, summary: dict) -> Path:

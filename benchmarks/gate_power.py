@@ -131,16 +131,14 @@ def part_rates(effect: float, trials: int, seed: int) -> tuple[float, float, flo
 
 def verdict_rates(effect: float, trials: int, seed: int) -> dict[int, float]:
     """Share of pairs per exit code of the whole decision, as `dtprof compare` makes it with its defaults: the step
-    gate plus the rows beside it (parts, stragglers, identity, CPU and GPU probes; dtprof.compare._explain)."""
-    from dtprof.compare import _explain
-
+    gate plus the rows beside it (parts, stragglers, identity, CPU and GPU probes; regression.verdict)."""
     rng = np.random.default_rng(seed)
     gate = rg.parse_gate(rg.DEFAULT_GATES[0])
     codes = {0: 0, 1: 0, 3: 0}
     for t in range(trials):
         base, head = synth_parts(rng), synth_parts(rng, backward_effect=effect)
         r = rg.evaluate_gate(gate, [base], [head], seed=t)
-        code, _ = _explain(rg.overall_exit([r]), [base], [head], rg.DEFAULT_CONFIDENCE, t, False)
+        code = rg.verdict([r], [base], [head], seed=t)["exit_code"]
         codes[code] += 1
     return {c: n / trials for c, n in codes.items()}
 
@@ -207,8 +205,6 @@ def real_runs(folder, reps: int) -> dict[str, list]:
 
 def real_rates(pool: dict[str, list]) -> list[tuple[str, int, dict[int, int]]]:
     """Per cell: (name, pairs, {exit code: count}) over every base run x head run of the cell."""
-    from dtprof.compare import _explain
-
     gate = rg.parse_gate(rg.DEFAULT_GATES[0])
     out = []
     for name, b_kind, h_kind, _ in REAL_CELLS:
@@ -216,7 +212,7 @@ def real_rates(pool: dict[str, list]) -> list[tuple[str, int, dict[int, int]]]:
         for i, b in enumerate(pool[b_kind]):
             for j, h in enumerate(pool[h_kind]):
                 r = rg.evaluate_gate(gate, [b], [h], seed=i * 100 + j)
-                code, _ = _explain(rg.overall_exit([r]), [b], [h], rg.DEFAULT_CONFIDENCE, i * 100 + j, True)
+                code = rg.verdict([r], [b], [h], seed=i * 100 + j, allow_different=True)["exit_code"]
                 codes[code] += 1
         out.append((name, sum(codes.values()), codes))
     return out

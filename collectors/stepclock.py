@@ -120,23 +120,28 @@ class StepClock:
                     self.count_inputs(args, kwargs)   # (a pipeline's: begin_pipeline_step)
                 if self.fault_test == "forward":
                     raise RuntimeError("injected fault (DTPROF_TEST_FAULT=forward)")
-                if self.cuda.on is None:
-                    self.cuda.decide()
-                if not self.fwd_seen_in_step:
-                    self.fwd_seen_in_step = True
-                    if self.step_start_ns is None:
-                        self.step_start_ns = t
-                        self.run_delay_fd = _open_run_delay()
-                        self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
+                self.training_forward_at(t)
                 self.fwd_t0 = t
                 self.fwd_ev0 = self.cuda.event() if self.cuda.on else None
-                self.last_progress_ns = t
                 wrapped = self.modules.wrapped_handles.get(id(module))
                 if wrapped and not self.modules.parked_hooks:
                     self.modules.park_hooks(wrapped)
         except Exception:
             self.ctx.fault("forward pre-hook")
         return None
+
+    def training_forward_at(self, t: int) -> None:
+        """A training forward (or a pipeline schedule's step) starts at ``t``: CUDA timing is decided on the first,
+        the step's first one marks the step as seen, the first step starts here, and it is progress."""
+        if self.cuda.on is None:
+            self.cuda.decide()
+        if not self.fwd_seen_in_step:
+            self.fwd_seen_in_step = True
+            if self.step_start_ns is None:
+                self.step_start_ns = t
+                self.run_delay_fd = _open_run_delay()
+                self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
+        self.last_progress_ns = t
 
     def count_inputs(self, args, kwargs) -> None:
         """Samples/tokens of this top-level call, summed over the step (collectors/inputs.py)."""
@@ -391,15 +396,7 @@ class StepClock:
             self.end_evaluation()
         if args:
             self.count_inputs(args, None)
-        if self.cuda.on is None:
-            self.cuda.decide()
-        if not self.fwd_seen_in_step:
-            self.fwd_seen_in_step = True
-            if self.step_start_ns is None:
-                self.step_start_ns = t
-                self.run_delay_fd = _open_run_delay()
-                self.run_delay_mark = _run_delay_ns(self.run_delay_fd)
-        self.last_progress_ns = t
+        self.training_forward_at(t)
         if self.modules.roots is not None and not self.modules.parked_hooks:
             self.modules.park_hooks(self.modules.module_handles)
 

@@ -1,7 +1,8 @@
 """`dtprof compare`: CI regression gates between runs, and scaling efficiency across world sizes.
 
-The CLI only reads inputs, delegates to ``dtprof.analyzers.regression`` / ``dtprof.analyzers.scaling`` (the
-statistics) and ``dtprof.reports.compare_render`` (the formats), and maps the outcome to an exit code.
+The CLI only reads inputs, calls ``dtprof.analyzers.regression.comparison`` (the gates, the verdict and its exit
+code) or ``dtprof.analyzers.scaling``, renders through ``dtprof.reports.compare_render`` and exits with the
+verdict's code.
 Never imports torch.
 """
 from __future__ import annotations
@@ -13,8 +14,6 @@ from pathlib import Path
 import click
 
 from dtprof.cli import InputError
-
-EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, InputError.exit_code, 3
 
 
 def load_summary(path: str | Path) -> tuple[str, dict]:
@@ -179,103 +178,15 @@ def compare_command(base, head, gates, gates_file, fmt, output, confidence, test
     b = [s for _, s in base_runs]
     h = [s for _, s in head_runs]
     try:
-        results = [rg.evaluate_gate(g, b, h, test=test, confidence=confidence, seed=seed) for g in parsed]
+        d = rg.comparison(parsed, b, h, base_names=[n for n, _ in base_runs], head_names=[n for n, _ in head_runs],
+                          test=test, confidence=confidence, seed=seed, allow_different=allow_different)
     except rg.GateError as e:
         raise InputError(str(e)) from None
-    code, explain = _explain(rg.overall_exit(results), b, h, confidence, seed, allow_different)
-    d = cr.comparison_dict(results, [n for n, _ in base_runs], [n for n, _ in head_runs], code,
-                           {"test": test, "confidence": confidence, "seed": seed, "n_boot": rg.DEFAULT_N_BOOT,
-                            "min_steps": rg.MIN_STEPS, "allow_different": allow_different}, explain)
     d["prediction"] = _check_prediction(prediction, b, h) if prediction else None
     _emit(cr.RENDERERS[fmt](d), output)
     if output and fmt != "text":
-        click.echo(f"dtprof compare: {d['outcome']} (exit {code}); wrote {output}", err=True)
-    sys.exit(code)
-
-
-def _explain(code: int, b: list[dict], h: list[dict], confidence: float, seed: int,
-             allow_different: bool) -> tuple[int, dict]:
-    """The exit code after the checks beside the gates, and what explains it: which parts moved, stragglers that
-    got worse (a rank that became persistent fails), a machine that changed and configurations that differ
-    (inconclusive, exit 3: neither is a regression of the code)."""
-    from dtprof.analyzers import regression as rg
-
-    parts = rg.part_changes(b, h, confidence=confidence, seed=seed)
-    strag = rg.straggler_changes(b, h)
-    health = rg.health_changes(b, h)
-    identity = rg.config_differences(b, h)
-    probe = rg.probe_change(b, h, confidence=confidence, seed=seed)
-    gpu_probe = rg.probe_change(b, h, confidence=confidence, seed=seed, kind="gpu")
-    reasons = []
-    worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == rg.FAIL]
-    numerics = [f"{r['what']} at step {r['step']}" for r in health if r["verdict"] == rg.FAIL]
-    blocking = [x for x in identity if x["blocking"]]
-    if blocking and not allow_different:
-        reasons.append("the runs are not comparable: " + "; ".join(f"{x['key']} {x['base']} -> {x['head']}"
-                                                                   for x in blocking)
-                       + " (--allow-different to decide anyway)")
-    bound = rg.bounding_device(b, h)
-    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
-    drift = rg.machine_drift(code, b, h, probe, confidence=confidence, seed=seed)
-    if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
-        machine = []
-    elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
-        machine.append(drift["reason"])
-    comparable = not reasons
-    reasons += machine
-    if numerics and comparable:   # a NaN, or a loss departing from a bit-identical base: no machine explains that
-        code = EXIT_REGRESSION
-        reasons.insert(0, "numerics: " + "; ".join(numerics))
-        if worse:
-            reasons.insert(1, "a straggler got worse: " + "; ".join(worse))
-    elif reasons:
-        code = EXIT_INCONCLUSIVE
-    elif drift["verdict"] == "fail":
-        code = EXIT_REGRESSION
-        reasons.append(drift["reason"])
-    elif worse:
-        code = EXIT_REGRESSION
-        reasons.append("a straggler got worse: " + "; ".join(worse))
-    return code, {"parts": parts, "stragglers": strag, "health": health, "identity": identity, "probe": probe,
-                  "gpu_probe": gpu_probe, "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(b, h),
-                  "bound": bound, "drift": drift, "reasons": reasons}
-
-
-def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:
-    """Why a machine probe that moved makes the comparison inconclusive. Only the probe of a device that bounds the
-    steps counts (``bound``: regression.bounding_device; a CPU that ran slower under GPU-bound steps explains
-    nothing, nor does a GPU under host-bound ones): each probe's ``used`` and ``used_why`` say so. A slower machine
-    explains a slower head (``slower``: a gate or a straggler row failed; CPU hogs through a job slowed its probe 3x
-    while its steps, which wait on communication, moved anywhere from 0 to +27 %), but cannot turn a pass into doubt:
-    it can only have slowed the head, so a head that passed on it passed. A faster machine could hide a slowdown
-    behind a pass, but cannot explain a slower head: that regression stands. The probe's line shows the change
-    either way. Sets each moved probe's ``explains_verdict``."""
-    out = []
-    for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
-        if p:
-            p["used"] = bound["device"] in ("both", p["kind"])
-            p["used_why"] = bound["why"]
-        if not p or not p["moved"] or not p["used"]:
-            continue
-        p["explains_verdict"] = slower if p["ratio"] > 1 else not slower
-        if p["explains_verdict"]:
-            out.append(f"the {what} ran {abs(p['ratio'] - 1) * 100:.0f} % {'slower' if p['ratio'] > 1 else 'faster'}"
-                       f" on the {where} (head vs base)")
-    return out
-
-
-def _no_gpu_probe(b: list[dict], h: list[dict]) -> str:
-    """Why there is no GPU probe comparison: the first run without one, and its reason (a CPU-only node, an older
-    run)."""
-    from dtprof.analyzers.regression import lookup
-
-    for side, runs in (("base", b), ("head", h)):
-        for s in runs:
-            p = lookup(s, "run.probe")
-            if not isinstance(p, dict) or not p.get("gpu_start_s"):
-                why = p.get("gpu_reason") if isinstance(p, dict) else None
-                return f"{side}: {why or 'no GPU probe recorded'}"
-    return "no GPU probe recorded"
+        click.echo(f"dtprof compare: {d['outcome']} (exit {d['exit_code']}); wrote {output}", err=True)
+    sys.exit(d["exit_code"])
 
 
 def _emit(text: str, output: str | None) -> None:

@@ -938,9 +938,9 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
     post["summary"] = analysis is not None and _guarded("summary", warn, save_summary, run_dir,
                                                         analysis.summary) is not None
     if analysis is not None and not quiet:
-        from dtprof.reports.terminal import format_summary_text
+        from dtprof.reports import terminal
 
-        click.echo(format_summary_text(analysis.summary))
+        click.echo(terminal.render(analysis))
     if not no_report:
         path = _guarded("report", warn, report, run, analysis) if analysis is not None else None
         post["report"] = str(path) if path is not None else None

@@ -56,7 +56,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     from dtprof.analyzers.summary import SUMMARY_FILE, analyze, save_summary
     from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
-    from dtprof.reports.terminal import format_summary_text
+    from dtprof.reports import terminal
 
     tf = _parse_transformer(transformer)
 
@@ -92,4 +92,4 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     if as_json:
         click.echo(json.dumps(a.summary, indent=2))
     else:
-        click.echo(format_summary_text(a.summary))
+        click.echo(terminal.render(a))

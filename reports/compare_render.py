@@ -1,6 +1,7 @@
 """Renderers for `dtprof compare`: text table, Markdown (PR comment), JSON and JUnit XML.
 
-Each takes the comparison as a plain dict (``comparison_dict``) so that adding a format touches nothing else.
+Each takes the comparison result as a plain dict (analyzers/regression.py ``comparison``: the gates, the verdict
+and the rows that explain it) and only formats it, so that adding a format touches nothing else.
 """
 from __future__ import annotations
 
@@ -8,32 +9,7 @@ import json
 import math
 from xml.sax.saxutils import escape, quoteattr
 
-from dtprof.analyzers.regression import FAIL, INCONCLUSIVE, NA, PASS, WARN, GateResult
-
-EXIT_MEANING = {0: "all gates passed", 1: "regression", 3: "inconclusive"}
-
-
-def comparison_dict(results: list[GateResult], base_names: list[str], head_names: list[str], exit_code: int,
-                    settings: dict, explain: dict | None = None) -> dict:
-    """``explain``: ``parts`` (regression.part_changes), ``stragglers`` (regression.straggler_changes),
-    ``identity`` (regression.config_differences), ``probe`` and ``gpu_probe`` (regression.probe_change; without a GPU
-    probe ``gpu_probe_reason`` says why), ``bound`` (regression.bounding_device: which probe is used, and why),
-    ``drift`` (regression.machine_drift: the ranks' wait for a CPU, the step's waits and compute apart) and
-    ``reasons`` (why the
-    outcome is what it is, one line each)."""
-    ex = explain or {}
-    reasons = ex.get("reasons") or []
-    failed = [r.gate.expr for r in results if r.verdict == FAIL and not r.gate.advisory]
-    why = ([f"gate {', '.join(failed)} failed"] if failed and exit_code == 1 else []) + reasons
-    outcome = EXIT_MEANING[exit_code] + (": " + "; ".join(why) if why else "")
-    return {"schema": "dtprof.compare/1", "exit_code": exit_code, "outcome": outcome,
-            "base": base_names, "head": head_names, "settings": settings,
-            "gates": [r.to_dict() for r in results], "reasons": reasons,
-            "parts": ex.get("parts") or {"rows": [], "floor_s": None, "note": ""},
-            "stragglers": ex.get("stragglers") or [], "health": ex.get("health") or [],
-            "identity": ex.get("identity") or [],
-            "probe": ex.get("probe"), "gpu_probe": ex.get("gpu_probe"),
-            "gpu_probe_reason": ex.get("gpu_probe_reason"), "bound": ex.get("bound"), "drift": ex.get("drift")}
+from dtprof.analyzers.regression import FAIL, INCONCLUSIVE, NA, PASS, WARN
 
 
 def _ms(x: float) -> str:
@@ -62,7 +38,7 @@ def identity_lines(d: dict) -> list[str]:
 
 
 def _probe_text(p: dict) -> str:
-    """The probe's line; a probe that moved but does not explain the verdict (dtprof.compare) says so, and so does
+    """The probe's line; a probe that moved but does not explain the verdict (regression.verdict) says so, and so does
     one not used because its device does not bound the steps."""
     if p.get("used") is False:
         return p["line"] + "; not used: its device does not bound the steps"

@@ -612,6 +612,12 @@ def _notices(notices: list[str]) -> str:
             "".join(f"<li>{esc(n)}</li>" for n in notices) + "</ul></section>") if notices else ""
 
 
+def render(analysis, options: dict | None = None) -> str:
+    """The page of ``analysis`` (analyzers/summary.py ``Analysis``, its run ``analysis.run``), the renderer
+    contract (docs/architecture.md); ``options``: ``progress`` (a progress bar on stderr)."""
+    return render_report(analysis.run, analysis, Progress(10, bool((options or {}).get("progress"))))
+
+
 def render_report(run, analysis, progress: Progress | None = None) -> str:
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
@@ -623,7 +629,8 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
     # first on the page, so the first screen says where the step went
     breakdown_chart = page.figure(breakdown_figure(summary, analysis.pipeline), "fig-breakdown")
     breakdown_chart = f'<div id="breakdown">{breakdown_chart}</div>' if breakdown_chart else ""
-    breakdown_chart = f'<div class="headline-row">{breakdown_chart}{whatif_html(summary)}</div>'
+    breakdown_chart = (f'<div class="headline-row">{breakdown_chart}'
+                       f'{whatif_html(summary, analysis.unnamed_suspects)}</div>')
     ctx = F.make_context(run, analysis)
     progress.step("context")
     parts = _Parts(page, ctx, analysis, run, summary, ctx.steps["rank"].nunique())

@@ -1,17 +1,23 @@
 """The terminal summary: the short per-rank table and headline lines printed at the end of a run and by
-`dtprof summary`. Formats summary.json only."""
+`dtprof summary`. Formats the analysis only: ``render(analysis)``, the renderer contract (docs/architecture.md)."""
 from __future__ import annotations
 
 from dtprof.analyzers import breakdown as breakdown_mod
-from dtprof.analyzers.summary import is_unnamed_suspect
 from dtprof.analyzers.triage import restart_lines
 from dtprof.reports.fmt import pct, saving, short_s
 from dtprof.reports.gpu import summary_lines as gpu_summary_lines
 
 
-def format_summary_text(summary: dict) -> str:
+def render(analysis, options: dict | None = None) -> str:
+    """The terminal text of ``analysis`` (analyzers/summary.py ``Analysis``): what `dtprof run` and
+    `dtprof summary` print."""
+    return format_summary_text(analysis.summary, analysis.unnamed_suspects)
+
+
+def format_summary_text(summary: dict, unnamed_suspects=()) -> str:
     """The short per-rank table printed at the end of a run and by `dtprof summary` (the same text), the headline
-    lines, and with a kernel trace the GPU time per rank and the top kernels."""
+    lines, and with a kernel trace the GPU time per rank and the top kernels. ``unnamed_suspects``: the what-if
+    entries marked "(not a straggler)" (Analysis.unnamed_suspects)."""
     lines = []
     run = summary.get("run") or {}
     st = summary.get("steps") or {}
@@ -65,13 +71,12 @@ def format_summary_text(summary: dict) -> str:
                         if by_issued else ""))
     wif = summary.get("what_if") or []
     if wif:   # the what-if model's top three (analyzers/whatif.py)
-        named = {s["rank"] for s in summary.get("stragglers") or []}
         rep = summary.get("replay") or {}
         err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
         lines.append(f"what if (predicted mean step; measured {short_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
             f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
-            f"{' (not a straggler)' if is_unnamed_suspect(w, named) else ''} "
-            f"{short_s(w['predicted_step_s'])} ({saving(w['saving_frac'])})" for w in wif[:3]))
+            f"{' (not a straggler)' if i in unnamed_suspects else ''} "
+            f"{short_s(w['predicted_step_s'])} ({saving(w['saving_frac'])})" for i, w in enumerate(wif[:3])))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
         lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")

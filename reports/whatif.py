@@ -1,11 +1,9 @@
 """The what-if list (analyzers/whatif.py) as the report's first-screen table beside the step breakdown: each
 scenario's predicted mean step and saving, most first, with the replay's identity error and the critical path's
-shares. Formats summary.json only."""
+shares. Formats the analysis' summary only."""
 from __future__ import annotations
 
 from html import escape
-
-from dtprof.analyzers.summary import is_unnamed_suspect
 
 NAMES = {"straggler_removed": "Straggler removed", "perfect_overlap": "Perfect overlap",
          "no_data_wait": "No data wait", "balanced_stages": "Balanced stages",
@@ -19,18 +17,18 @@ def _ms(x) -> str:
 NOT_NAMED = ' <span class="note">(not a straggler)</span>'
 
 
-def whatif_html(summary: dict) -> str:
-    """The ranked what-if table (``<div id="what-if">``), or "" when the run has none."""
+def whatif_html(summary: dict, unnamed_suspects=()) -> str:
+    """The ranked what-if table (``<div id="what-if">``), or "" when the run has none; ``unnamed_suspects``: the
+    entries marked "(not a straggler)" (Analysis.unnamed_suspects)."""
     wif = summary.get("what_if") or []
     if not wif:
         return ""
-    named = {s["rank"] for s in summary.get("stragglers") or []}
     rows = "".join(
         f"<tr><td title=\"{escape(w['basis'])}\">{escape(NAMES.get(w['scenario'], w['scenario']))}"
         f"{' rank ' + escape(', '.join(map(str, w['ranks']))) if w['ranks'] else ''}"
-        f"{NOT_NAMED if is_unnamed_suspect(w, named) else ''}</td>"
+        f"{NOT_NAMED if i in unnamed_suspects else ''}</td>"
         f"<td class=\"num\">{_ms(w['predicted_step_s'])}</td><td class=\"num\">{w['saving_frac']:.0%}</td></tr>"
-        for w in wif)
+        for i, w in enumerate(wif))
     rep = summary.get("replay") or {}
     err = (f"replaying the unmodified model reproduces the measured steps within {rep['error_frac']:.1%} (mean)"
            if rep.get("error_frac") is not None else "replay error unknown")

@@ -11,7 +11,7 @@ from dtprof.analyzers import whatif
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
-from dtprof.reports.terminal import format_summary_text
+from dtprof.reports import terminal
 from dtprof.reports.whatif import whatif_html
 from synth import build_run
 
@@ -67,7 +67,7 @@ def test_a_rank_slowed_by_waiting_for_a_cpu_is_not_a_straggler_and_the_contentio
     assert "rank 1 most: 16.5 ms per step" in f["message"]
     assert not any(f["id"] == "straggler" for f in a.findings)
     # the terminal's per-rank table shows each rank's wait for a CPU after the breakdown's parts
-    rows = format_summary_text(a.summary).splitlines()
+    rows = terminal.render(a).splitlines()
     header = next(i for i, line in enumerate(rows) if line.split()[:2] == ["rank", "host"])
     assert rows[header].endswith("cpu wait")
     assert rows[header + 2].endswith("16.5 ms") and rows[header + 1].endswith(" 0"), rows[header:header + 4]
@@ -105,9 +105,9 @@ def test_late_rank_saving_holds_in_every_step_and_symmetric_noise_names_nobody(t
     # a suspect's what-if still shows what removing its excess would save, and says it is not a straggler and why
     suspects = [w for w in a.summary["what_if"] if w["scenario"] == "straggler_removed"]
     assert suspects and all("not named a straggler: the saving held" in w["basis"] for w in suspects), suspects
-    text = format_summary_text(a.summary)
+    text = terminal.render(a)
     assert text.count("(not a straggler)") == min(len(suspects), text.count("straggler_removed"))
-    assert whatif_html(a.summary).count("(not a straggler)") == len(suspects)
+    assert whatif_html(a.summary, a.unnamed_suspects).count("(not a straggler)") == len(suspects)
 
 
 def test_critical_path_runs_through_the_slow_rank(tmp_path):
@@ -133,10 +133,9 @@ def test_scenarios_are_pure_edits(tmp_path):
 
 
 def test_terminal_summary_prints_the_top_three(tmp_path):
-    from dtprof.reports.terminal import format_summary_text
 
     a = analyze(build_run(tmp_path / "r", world_size=3, steps=8, slow_rank=1, slow_factor=1.5, data_ms=4.0))
-    line = next(ln for ln in format_summary_text(a.summary).splitlines() if ln.startswith("what if"))
+    line = next(ln for ln in terminal.render(a).splitlines() if ln.startswith("what if"))
     top = a.summary["what_if"][:3]
     assert len(a.summary["what_if"]) > 3 or len(top) == len(a.summary["what_if"])
     for w in top:
