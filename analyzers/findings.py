@@ -22,6 +22,8 @@ Each finding whose fix has a what-if scenario (analyzers/whatif.py) cites its sa
 (``saving_frac``): exposed_comm -> perfect_overlap, data_wait -> no_data_wait, pipeline_bubble -> balanced_stages,
 pipeline_overhead -> no_pipeline_gaps, straggler -> straggler_removed (its reason).
 - ``memory_high``: peak memory above 70 % of the device's memory (warning above 90 %);
+- ``memory_imbalance``: a rank holding more than 10 % (and 16 MiB) more than its peers in the layout (the ranks of its
+  pipeline stage, or all ranks): the category of the excess and its likely cause (analyzers/memory.py ``imbalance``);
 - ``low_gpu_util``: mean SM utilisation below 50 % on a GPU, with the likeliest cause among data wait, exposed
   communication, throttling, else host overhead;
 - ``data_wait``: waiting for input (the step breakdown's part, mean over ranks) above 10 % of step time;
@@ -270,6 +272,28 @@ def memory_high(summary: dict, analysis) -> list[dict]:
     return out
 
 
+MEMORY_CATEGORY_NAMES = {"params_bytes": "parameters", "grads_bytes": "gradients",
+                         "optimizer_state_bytes": "optimizer state", "activations_bytes": "activations",
+                         "other_bytes": "memory outside its parameters, gradients and optimizer state between steps"}
+
+
+def memory_imbalance(summary: dict, analysis) -> list[dict]:
+    """A rank holding more memory than its peers in the layout (analyzers/memory.py ``imbalance``)."""
+    out = []
+    for x in ((summary.get("memory") or {}).get("imbalance") or {}).get("ranks") or []:
+        cat = MEMORY_CATEGORY_NAMES[x["category"]]
+        peers = ("rank " if len(x["peers"]) == 1 else "ranks ") + ", ".join(map(str, x["peers"]))
+        out.append(finding(
+            "memory_imbalance", "warning",
+            f"Rank {x['rank']} holds {x['excess_bytes'] / 2**20:,.0f} MiB more than its peers ({peers}, which its "
+            f"layout says hold the same), {x['category_excess_bytes'] / 2**20:,.0f} MiB of it in {cat}",
+            {k: x[k] for k in ("rank", "peers", "excess_bytes", "category", "category_excess_bytes", "held_bytes",
+                               "peers_median_bytes")},
+            f"Likely cause: {x['cause']}. The rank with the most memory sets the job's limit: even it out before "
+            "scaling the batch.", "memory"))
+    return out
+
+
 def low_gpu_util(summary: dict, analysis) -> list[dict]:
     gpu = analysis.gpu
     if gpu is None or not len(gpu):
@@ -458,7 +482,7 @@ def numerics(summary: dict, analysis) -> list[dict]:
 
 RULES = (pipeline_bubble, pipeline_overhead, exposed_comm, low_busbw, straggler, memory_high, low_gpu_util,
          data_wait, cpu_contention, gpu_elementwise, gpu_misaligned_matmul, gpu_launch_bound, gpu_busy_slow,
-         low_mfu_no_kernel_sample, numerics)
+         low_mfu_no_kernel_sample, numerics, memory_imbalance)
 
 
 def find(summary: dict, analysis) -> list[dict]:

@@ -18,8 +18,18 @@ the NVML samples. Per rank:
   peak: its reserved peak less its allocated peak); ``alloc_retries`` and ``ooms`` (the allocator's cumulative counts
   at the last row); ``non_pytorch_bytes`` = NVML's largest used memory of the rank's GPU less the reserved peak (CUDA
   context, NCCL buffers, other processes on that GPU).
+- ``other_bytes``: the allocator's in-use bytes at the last sampled optimizer step less params, grads and optimizer
+  state: what the rank keeps besides its model states between steps (tensors the loop keeps, caches; on a CPU also
+  the interpreter's and libraries' own heap).
 - ``rss_peak_bytes``: the process's resident high-water mark; ``device_mem_total_bytes``, ``headroom_bytes`` =
   device memory − (reserved peak + non-PyTorch bytes) on a GPU, null on a CPU.
+
+Imbalance (``imbalance``): ranks that the layout says hold the same bytes (peers: the ranks of one pipeline stage, or
+every rank without a pipeline: data-parallel replicas, ZeRO/FSDP and tensor-parallel shards hold equal shares) are
+compared category by category with the median of their peers; a rank holding more than ``IMBALANCE_FRAC`` of its
+peers' bytes and at least ``IMBALANCE_MIN_BYTES`` more is named, with the category that holds the excess and its
+likely cause (``IMBALANCE_CAUSES``). Between pipeline stages the model states differ by design; their activations
+are set against the micro-batches each stage keeps in flight.
 """
 from __future__ import annotations
 
@@ -27,9 +37,9 @@ import numpy as np
 import pandas as pd
 
 RANK_KEYS = ("rank", "params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes", "activations_bytes",
-             "activations_peak_bytes", "peak_bytes", "peak_source", "rss_peak_bytes", "reserved_peak_bytes",
-             "fragmentation_bytes", "non_pytorch_bytes", "alloc_retries", "ooms", "device_mem_total_bytes",
-             "headroom_bytes", "rows")
+             "other_bytes", "activations_peak_bytes", "peak_bytes", "peak_source", "rss_peak_bytes",
+             "reserved_peak_bytes", "fragmentation_bytes", "non_pytorch_bytes", "alloc_retries", "ooms",
+             "device_mem_total_bytes", "headroom_bytes", "rows")
 GPU_PEAK = "CUDA caching allocator peak (torch.cuda.memory_stats allocated_bytes.all.peak)"
 CPU_PEAK = ("tensor bytes at backward's start and at the optimizer step (glibc mallinfo2 in-use bytes less the "
             "non-tensor base; a CPU has no per-step allocator peak)")
@@ -58,8 +68,10 @@ def ledger(run) -> pd.DataFrame:
         base = (g["allocated_bytes"] - held - g["grads_bytes"]).shift(1)
         fwd = (g["bwd_allocated_bytes"] - held - g["bwd_grads_bytes"] - base).astype("Float64").dropna()
         activations = _int(fwd.max()) if len(fwd) else None
+        other = last["allocated_bytes"] - persistent if pd.notna(last["allocated_bytes"]) else None
         rec = {"rank": int(rank), "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": state,
-               "persistent_bytes": persistent, "activations_bytes": activations, "rows": len(g),
+               "persistent_bytes": persistent, "activations_bytes": activations, "other_bytes": _int(other),
+               "rows": len(g),
                "rss_peak_bytes": _int(g["rss_peak_bytes"].max()), "reserved_peak_bytes": None,
                "fragmentation_bytes": None, "non_pytorch_bytes": None, "alloc_retries": None, "ooms": None}
         gpu = g["peak_bytes"].notna().any()
@@ -113,16 +125,99 @@ def _cost(meta: pd.DataFrame) -> float | None:
     return sum(int(v.get("cost_ns") or 0) for v in vals) / rows / 1e9 if rows else None
 
 
-def memory_block(run) -> dict:
+# ---- imbalance against the layout ----------------------------------------------------------------------------------
+IMBALANCE_FRAC = 0.10             # a rank holding 10 % more than its peers' median ...
+IMBALANCE_MIN_BYTES = 16 * 2**20  # ... and at least this much more (a CPU rank's heap differs by a few MiB)
+IMBALANCE_CATEGORIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes", "other_bytes")
+IMBALANCE_CAUSES = {
+    "params_bytes": "uneven sharding: parameters this rank holds whole that its peers shard (a module left out of "
+                    "fully_shard/ZeRO, tied or buffer-like weights) or an uneven partition",
+    "grads_bytes": "gradients kept unsharded or not freed on this rank (a module outside the sharding, grads "
+                   "accumulated without zero_grad)",
+    "optimizer_state_bytes": "optimizer state of parameters its peers do not hold state for (an uneven optimizer "
+                             "partition, a second optimizer on this rank)",
+    "activations_bytes": "a larger micro-batch or longer sequences on this rank (uneven data or packing), or "
+                         "micro-batches in flight its peers do not keep",
+    "other_bytes": "tensors the training loop keeps across steps on this rank (outputs or losses kept for logging "
+                   "without .item()/detach, a cache, an evaluation buffer) or work only this rank does "
+                   "(checkpointing, logging)",
+}
+
+
+def _in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int | None:
+    """Micro-batches whose activations stage ``stage`` holds at once: GPipe all of them, 1F1B the warm-up depth
+    (stages − stage, at most the micro-batches); None for schedules not modelled here."""
+    name = schedule.lower()
+    if "gpipe" in name:
+        return microbatches
+    if "1f1b" in name and "interleaved" not in name:
+        return min(stages - stage, microbatches)
+    return None
+
+
+def imbalance(led: pd.DataFrame, stage_of: dict[int, int] | None = None, pipeline: dict | None = None) -> dict:
+    """summary.json ``memory.imbalance`` (module docstring): ``ranks`` (the ranks holding more than their layout
+    explains, largest excess first: ``{rank, peers, excess_bytes, category, category_excess_bytes, held_bytes,
+    peers_median_bytes, cause}``), ``peer_groups`` (how the ranks were grouped) and, for a pipeline, ``stages``
+    (per stage: its ranks, their largest activations, the micro-batches in flight under its schedule and the
+    activations per micro-batch in flight)."""
+    stage_of = stage_of or {}
+    recs = {int(r["rank"]): r for r in led.to_dict("records")}
+    groups: dict = {}
+    for rank in recs:
+        groups.setdefault(stage_of.get(rank), []).append(rank)
+
+    def held(r: dict) -> int:
+        return sum(int(r.get(c) or 0) for c in IMBALANCE_CATEGORIES)
+
+    flagged = []
+    for ranks in groups.values():
+        if len(ranks) < 2:
+            continue
+        for rank in ranks:
+            peers = [q for q in ranks if q != rank]
+            median = float(np.median([held(recs[q]) for q in peers]))
+            excess = held(recs[rank]) - median
+            if excess < max(IMBALANCE_FRAC * median, IMBALANCE_MIN_BYTES):
+                continue
+            by_cat = {c: int(recs[rank].get(c) or 0) - float(np.median([int(recs[q].get(c) or 0) for q in peers]))
+                      for c in IMBALANCE_CATEGORIES}
+            cat = max(by_cat, key=lambda c: by_cat[c])
+            flagged.append({"rank": rank, "peers": sorted(peers), "excess_bytes": int(excess), "category": cat,
+                            "category_excess_bytes": int(by_cat[cat]), "held_bytes": held(recs[rank]),
+                            "peers_median_bytes": int(median), "cause": IMBALANCE_CAUSES[cat]})
+    flagged.sort(key=lambda x: -x["excess_bytes"])
+    out: dict = {"ranks": flagged,
+                 "peer_groups": "ranks of the same pipeline stage" if stage_of else "all ranks (no pipeline)"}
+    if stage_of and pipeline:
+        stages = []
+        for st in sorted({s for s in stage_of.values()}):
+            ranks = sorted(r for r in recs if stage_of.get(r) == st)
+            act = [recs[r]["activations_bytes"] for r in ranks if recs[r].get("activations_bytes") is not None]
+            n = _in_flight(str(pipeline.get("schedule") or ""), int(pipeline.get("stages") or 0),
+                           int(pipeline.get("microbatches") or 0), st) if ranks else None
+            top = int(max(act)) if act else None
+            stages.append({"stage": st, "ranks": ranks, "activations_bytes": top, "in_flight_microbatches": n,
+                           "activations_per_microbatch_bytes": top // n if top is not None and n else None})
+        out["stages"] = stages
+    return out
+
+
+def memory_block(run, pp=None) -> dict:
     """summary.json ``memory``'s ledger keys: ``ranks`` (per rank, ``RANK_KEYS``), the rank with the least headroom
-    (GPU) or the largest peak, or ``ranks_reason`` when no rank recorded a ledger."""
+    (GPU) or the largest peak, ``imbalance`` (``pp``: the pipeline analysis, analyzers/pipeline.py
+    ``PipelineResult``, whose table gives each pipeline rank's stage), or ``ranks_reason`` when no rank recorded a
+    ledger."""
+    stage_of = pp.table.groupby("rank")["stage"].first().astype(int).to_dict() if pp is not None else None
+    pipeline = pp.summary if pp is not None else None
     led = ledger(run)
     if not len(led):
         return {"ranks": [], "ranks_reason": "no memory ledger rows (no optimizer step in a sampled step, an "
                                              "imported trace, or recorded by an older dtprof)"}
     ranks: list[dict] = [{k: (None if v is None or (isinstance(v, float) and not np.isfinite(v)) else v)
                           for k, v in rec.items()} for rec in led.to_dict("records")]
-    out: dict = {"ranks": ranks, "what_fits": what_fits(run, led), "ledger_cost_s_per_row": _cost(run.meta)}
+    out: dict = {"ranks": ranks, "what_fits": what_fits(run, led), "ledger_cost_s_per_row": _cost(run.meta),
+                 "imbalance": imbalance(led, stage_of, pipeline)}
     with_headroom = [r for r in ranks if r["headroom_bytes"] is not None]
     if with_headroom:
         worst = min(with_headroom, key=lambda r: int(r["headroom_bytes"]))

@@ -503,7 +503,7 @@ def _memory_stage(g) -> dict:
     mem = g["mem"]
     block = {"peak_mem_bytes_max": float(mem["peak_mem_bytes"].max()) if mem["peak_mem_bytes"].notna().any() else None,
              "headroom_frac_min": float(mem["headroom_frac"].min()) if mem["headroom_frac"].notna().any() else None,
-             **memory_mod.memory_block(g["run"])}
+             **memory_mod.memory_block(g["run"], g["pp"])}
     if block["headroom_frac_min"] is None:
         block["headroom_frac_min_reason"] = "device memory size unknown"
     return {"summary": {"memory": block}}

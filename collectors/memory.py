@@ -2,10 +2,13 @@
 
 A rank-side part (collectors/parts.py). On the steps it samples it writes one ``memory`` row:
 
-- ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``: counted from the tensors the optimizers hold
-  (``param_groups``' parameters, their ``.grad``, every tensor in ``optimizer.state``), each storage once (keyed by
-  ``untyped_storage().data_ptr()``), so a view, a tied weight or a flat buffer is counted once and a DTensor (FSDP2,
-  tensor parallel) counts its local shard's storage: what this rank holds. Grads are counted at the optimizer step,
+- ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``: counted from the tensors themselves: the parameters
+  of the modules the rank trains (the top-level modules of step 0's forwards, ``ctx.roots``; the optimizers'
+  parameters when none is known), their and the optimizers' parameters' ``.grad``, every tensor in
+  ``optimizer.state``, and as optimizer state an optimizer parameter that is no module parameter (a master copy:
+  DeepSpeed ZeRO's fp32 partition), each storage once (keyed by ``untyped_storage().data_ptr()``), so a view, a tied
+  weight or a flat buffer is counted once and a DTensor (FSDP2, tensor parallel) counts its local shard's storage, a
+  ZeRO-3 parameter its partition (``ds_tensor``): what this rank holds. Grads are counted at the optimizer step,
   where they exist. Counted again only when the set of tensors may have changed (the optimizers' parameter and state
   counts, the number of grads present) or on every ``COUNT_EVERY``-th sampled step; otherwise the last count is
   carried (the same tensors have the same bytes).
@@ -20,6 +23,11 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
 - ``allocated_bytes``: the allocator's in-use bytes at the optimizer step; ``rss_peak_bytes``: the process's resident
   high-water mark (``getrusage``; monotone over the process: on a CPU there is no per-step allocator peak), read
   when the tensors are counted.
+
+With ``memory_history`` in the rank's options (`dtprof run --memory-history N`, opt-in: each allocation then records
+its stack), a CUDA rank keeps the caching allocator's last N allocation events from its first sampled optimizer step
+on (``torch.cuda.memory._record_memory_history(max_entries=N)``: a bounded ring) and writes them at an out-of-memory
+exit to ``memory_snapshot.pickle`` in its rank directory (``_dump_snapshot``; named in the ``oom`` row).
 
 At exit after an uncaught out-of-memory error (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate
 memory") it writes an ``oom`` meta row: the request, the phase and module it was in, the allocator's state then and the
@@ -67,12 +75,17 @@ def _cpu_allocated():
 
 
 def _storage_key(t):
-    """(key, bytes) of the storage a tensor lives in; a DTensor's local shard."""
+    """(key, bytes) of the storage a tensor lives in; a DTensor's local shard, a DeepSpeed ZeRO-3 parameter's
+    partition (``ds_tensor``: its ``data`` is empty outside its forward). The key is the storage's address: host and
+    device memory share one virtual address space (CUDA's unified addressing), so it names one storage whatever the
+    device (reading ``t.device`` would double the count's time)."""
     local = getattr(t, "_local_tensor", None)
+    if local is None:
+        local = getattr(t, "ds_tensor", None)
     if local is not None:
         t = local
     s = t.untyped_storage()
-    return (t.device.type, t.device.index, s.data_ptr()), s.nbytes()
+    return s.data_ptr(), s.nbytes()
 
 
 def _tensors_bytes(tensors, seen: set) -> int:
@@ -82,7 +95,7 @@ def _tensors_bytes(tensors, seen: set) -> int:
             key, n = _storage_key(t)
         except Exception:        # a tensor without storage (meta, fake): nothing held
             continue
-        if key not in seen and key[2]:
+        if key and key not in seen:
             seen.add(key)
             total += n
     return total
@@ -105,6 +118,8 @@ class MemoryLedger(RankPart):
         self.torch = None
         self.cuda = False
         self.cpu_allocated = None
+        self.history = False      # the allocator's history ring is on (--memory-history)
+        self.has_cuda = False
 
     def install(self, ctx: RankContext) -> None:
         import torch
@@ -112,6 +127,8 @@ class MemoryLedger(RankPart):
         self.ctx = ctx
         self.torch = torch
         self.cpu_allocated = _cpu_allocated()
+        # once: is_available() asks the driver (tens of µs), and a process's CUDA does not come or go
+        self.has_cuda = bool(torch.cuda.is_available())
 
     # ---- the tensors ------------------------------------------------------------------------------------------
 
@@ -133,12 +150,23 @@ class MemoryLedger(RankPart):
             return 0
         return self.counts[1]
 
+    def _model_params(self) -> list:
+        roots = self.ctx.roots() if self.ctx.roots is not None else []
+        return list({id(p): p for m in roots for p in m.parameters()}.values())
+
     def _count(self) -> tuple[int, int, int]:
+        """(params, grads, optimizer state) bytes. Params: the trained modules' parameters (the roots step 0's
+        forwards ran), else the optimizers'; an optimizer parameter that is no module parameter's storage is a master
+        copy (ZeRO's fp32 partition, a mixed-precision master): optimizer state, as ZeRO's accounting has it."""
         seen: set = set()
-        params = _tensors_bytes(self._params(), seen)
-        grads = _tensors_bytes((p.grad for p in self._params() if p.grad is not None), seen)
-        state = _tensors_bytes((v for o in list(self.optimizers) for st in o.state.values() if isinstance(st, dict)
-                                for v in st.values() if isinstance(v, self.torch.Tensor)), seen)
+        model = self._model_params()
+        opt = list(self._params())
+        params = _tensors_bytes(model or opt, seen)
+        masters = _tensors_bytes(opt, seen) if model else 0
+        grads = _tensors_bytes((p.grad for p in (*model, *opt) if p.grad is not None), seen)
+        state = masters + _tensors_bytes((v for o in list(self.optimizers) for st in o.state.values()
+                                          if isinstance(st, dict) for v in st.values()
+                                          if isinstance(v, self.torch.Tensor)), seen)
         return params, grads, state
 
     def _allocated(self):
@@ -153,7 +181,7 @@ class MemoryLedger(RankPart):
             return            # the step's first backward only; before the first optimizer step nothing is known
         t0 = now()
         torch = self.torch
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = self.has_cuda and torch.cuda.is_initialized()
         if self.cuda:
             self.fwd_peak = int(torch.cuda.max_memory_allocated())
         self.bwd = (self._allocated(), self._grads_present())
@@ -179,7 +207,10 @@ class MemoryLedger(RankPart):
         params, grads, state = self.counts
         stats = {}
         torch = self.torch
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = self.has_cuda and torch.cuda.is_initialized()
+        if self.cuda and not self.history and self.ctx.options.get("memory_history"):
+            self.history = True       # once, whatever happens: a ring that cannot start is not retried each step
+            torch.cuda.memory._record_memory_history(max_entries=int(self.ctx.options["memory_history"]))
         if self.cuda:
             stats = torch.cuda.memory_stats()
         bwd_alloc, bwd_grads = self.bwd if self.bwd is not None else (None, None)
@@ -232,6 +263,15 @@ class MemoryLedger(RankPart):
             pass
         if self.counts is not None:
             rec.update(zip(("params_bytes", "grads_bytes", "optimizer_state_bytes"), self.counts))
+        if self.history:
+            try:
+                import os
+
+                path = os.path.join(self.ctx.rank_dir, "memory_snapshot.pickle")
+                self.torch.cuda.memory._dump_snapshot(path)
+                rec["snapshot"] = "memory_snapshot.pickle"
+            except Exception:
+                pass
         return rec
 
 

@@ -38,7 +38,7 @@ class RankContext:
 
     __slots__ = ("rank", "host", "rank_dir", "options", "step", "detail", "active", "disabled", "fault_test",
                  "collective", "last_progress_ns", "add", "fault", "event", "_meta", "append_span",
-                 "append_collective", "extend", "span", "refresh_identity", "group")
+                 "append_collective", "extend", "span", "refresh_identity", "group", "roots")
 
     def __init__(self, rank: int, host: str, rank_dir: str, options: dict, add: Callable, fault: Callable,
                  event: Callable, meta: Callable):
@@ -64,6 +64,7 @@ class RankContext:
         self.span = None                # span(kind, name, t0, t1, ...): a spans row of the step in progress
         self.refresh_identity = None    # refresh_identity(): rank.json recomputed (after init_process_group)
         self.group = None               # group(pg) -> (name, size, pg, seq counter): a process group, named once
+        self.roots = None               # roots() -> the top-level modules step 0's forwards ran (may be empty)
 
     def meta(self, kind: str, value: dict) -> None:
         """One structured fact (the ``meta`` table; kinds in dtprof.schema.META_KINDS)."""

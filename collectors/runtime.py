@@ -123,6 +123,7 @@ class Recorder:
         self.trace_capture = None
         # ---- the step in progress and its hooks (collectors/stepclock.py) ----
         self.clock = clock = StepClock(ctx, self.flags)
+        ctx.roots = lambda: list(clock.modules.roots or ())
         # torch.compile: Dynamo never traces dtprof (collectors/compile_watch.py)
         self.compiler = clock.compiler = CompileWatch(ctx, self.on_compile_start, clock.fwd_pre_hook, clock.fwd_hook,
                                                       clock.modules.compiled_roots)

@@ -593,12 +593,17 @@ Exit codes:
 @click.option("--sample-every", type=click.IntRange(min=8), default=None, metavar="P",
               help="Detail blocks of 4 steps every P steps (P a power of two) from step 32 on, the other steps' "
                    "times only, whatever dtprof's measured cost (default: chosen from it).")
+@click.option("--memory-history", type=click.IntRange(min=1), default=None, metavar="N",
+              help="On a GPU, keep the CUDA allocator's last N allocation events (a bounded ring, "
+                   "torch.cuda.memory._record_memory_history) and write them to rank-<r>/memory_snapshot.pickle when "
+                   "the rank runs out of memory (pytorch.org/memory_viz). Each allocation then records its stack: "
+                   "off by default.")
 @click.option("--no-report", is_flag=True, help="Do not write report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the job's output and dtprof's errors.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype, count_flops, trace_steps,
-                kernel_sample, hang_timeout, metrics, metrics_interval, full_detail, sample_every, no_report, quiet,
-                command):
+                kernel_sample, hang_timeout, metrics, metrics_interval, full_detail, sample_every, memory_history,
+                no_report, quiet, command):
     command, trace_steps, sink_specs = _check_options(command, trace_steps, sample_every, full_detail, metrics)
 
     def say(msg: str) -> None:
@@ -609,7 +614,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
         flops_per_step=flops_per_step, peak_tflops=peak_tflops, dtype=dtype, count_flops=count_flops,
         trace_steps=trace_steps, hang_timeout=hang_timeout, nvml_interval=None if no_nvml else nvml_interval,
         sink_specs=sink_specs, metrics_interval=metrics_interval, full_detail=full_detail,
-        sample_every=sample_every, kernel_sample=kernel_sample)
+        sample_every=sample_every, kernel_sample=kernel_sample, memory_history=memory_history)
     host = socket.gethostname()
     cwd = Path.cwd()
     env = dict(os.environ)
@@ -681,7 +686,7 @@ def _check_options(command: tuple[str, ...], trace_steps: str | None, sample_eve
 def _configs(*, flops_per_step: float | None, peak_tflops: float | None, dtype: str | None, count_flops: bool,
              trace_steps: str | None, hang_timeout: float | None, nvml_interval: float | None, sink_specs: list,
              metrics_interval: float, full_detail: bool, sample_every: int | None,
-             kernel_sample: bool) -> tuple[dict, dict]:
+             kernel_sample: bool, memory_history: int | None = None) -> tuple[dict, dict]:
     """node.json's ``config`` (the options as asked) and the ranks' DTPROF_CONFIG (what the ranks act on)."""
     config: dict[str, object] = {
         "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "dtype": dtype, "count_flops": count_flops,
@@ -693,6 +698,8 @@ def _configs(*, flops_per_step: float | None, peak_tflops: float | None, dtype: 
     if full_detail or sample_every:     # sampling's defaults need no word to the ranks
         config.update(full_detail=full_detail, sample_every=sample_every)
         rank_config.update(full_detail=full_detail, sample_every=sample_every)
+    if memory_history:                      # the memory ledger part (collectors/memory.py) keeps the ring
+        config["memory_history"] = rank_config["memory_history"] = memory_history
     if kernel_sample and not trace_steps:   # the rank decides: only a process that uses a GPU captures
         config["kernel_sample"] = KERNEL_SAMPLE_STEPS
         rank_config["kernel_sample"] = {"steps": KERNEL_SAMPLE_STEPS, "gpu_only": True}

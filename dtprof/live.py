@@ -24,6 +24,16 @@ Decisions
   unslowed 2-rank job on 2 shared cores had one rank late in 15 of 50 steps, the other in 7).
 - Live hang: no rank progressed (heartbeat ``last_progress_ns``) for ``--hang-timeout`` when it is given (the
   watchdog's criterion), else for ``max(HANG_MIN_S, HANG_STEPS x median step)``.
+- Live memory pressure (the out-of-memory early warning): per rank, samples of what it uses and the room it has
+  left (a GPU rank: its ledger rows' reserved peak against its device's memory, rank.json; a CPU rank: its process's
+  address space (``/proc/<pid>/statm``) under its ``RLIMIT_AS`` (``/proc/<pid>/limits``), or its resident bytes,
+  against the machine's available memory, read here once a poll: the rank does nothing). A rank is under memory
+  pressure when its room is under ``MEM_LOW_FRAC`` of its capacity, or when its use grew at each of its last
+  ``MEM_MIN_SAMPLES`` samples and, at the rate fitted over the last ``MEM_WINDOW``, fills the room within
+  ``max(MEM_HORIZON_MIN_S, MEM_HORIZON_STEPS x median step)``: the trend, not a level, so a job that settled near its
+  capacity after its first steps is left alone. Samples count from the rank's step ``MEM_WARMUP_STEPS`` on: its
+  start-up (imports, the first steps' optimizer state) grows its memory at a rate no later step keeps. A rank that
+  failed an allocation (its ``oom`` meta row) is reported as such.
 - Memory stays bounded over weeks: rows are dropped once their steps are published (collectives ``KEEP_NS`` later,
   so a peer's arrival at the same collective is still there), and the published history is a bounded window.
 """
@@ -54,6 +64,12 @@ STRAGGLER_LATE_FRAC = 0.5
 HANG_MIN_S = 120.0
 HANG_STEPS = 50
 RANK_TABLES = ("steps", "spans", "collectives", "groups", "meta", "health", "memory")
+MEM_WARMUP_STEPS = 3           # a rank's memory samples count from its step this far in (start-up grows its memory)
+MEM_WINDOW = 20
+MEM_MIN_SAMPLES = 4
+MEM_LOW_FRAC = 0.05
+MEM_HORIZON_STEPS = 50
+MEM_HORIZON_MIN_S = 60.0
 # the memory ledger's columns published per rank-step (collectors/memory.py; only sampled steps have a row)
 MEMORY_SERIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes",
                  "reserved_peak_bytes")
@@ -182,6 +198,8 @@ class NodeStatus:
     hang: bool = False
     hang_after_s: float | None = None
     stragglers: dict[int, str] = field(default_factory=dict)   # rank -> why
+    memory: dict[int, str] = field(default_factory=dict)       # rank -> why it is under memory pressure (or failed)
+    headroom: dict[int, float] = field(default_factory=dict)   # rank -> bytes it can still allocate (newest sample)
 
 
 @dataclass
@@ -200,6 +218,9 @@ class _Rank:
         self.published_end_ns = 0
         self.health: dict[int, tuple] = {}         # step -> (loss, grad_norm, lr, nonfinite), until published
         self.ledger: dict[int, dict[str, float]] = {}   # step -> its memory row's series, until the step is published
+        self.room: deque[tuple[int, float, float, float]] = deque(maxlen=MEM_WINDOW)  # (t_ns, used, room, capacity)
+        self.oom: str | None = None                    # its out-of-memory failure, once its oom meta row is read
+        self.newest_step = -1                          # the newest step its steps rows have shown
 
 
 class LiveNode:
@@ -242,17 +263,28 @@ class LiveNode:
             steps = r.tails["steps"].frame("steps")
             if len(steps):
                 self.pending.append((now, steps))
+                r.newest_step = max(r.newest_step, int(steps["step"].max()))
             for t in ("spans", "groups"):
                 self._append(t, r.tails[t].frame(t))
             self._append("collectives", device_comm(with_exit(r.tails["collectives"].frame("collectives")),
                                                     self._gpu_ranks()))
-            self._append("captures", captures(r.tails["meta"].frame("meta")))
             h = r.tails["health"].frame("health")
             for step, loss, norm, lr, bad in zip(h["step"], h["loss"], h["grad_norm"], h["lr"], h["nonfinite"]):
                 r.health[int(step)] = (_num(loss), _num(norm), _num(lr), "" if pd.isna(bad) else str(bad))
             mem = r.tails["memory"].frame("memory")
+            total = (r.identity or {}).get("device_mem_total_bytes")
             for row in mem.to_dict("records"):
                 r.ledger[int(row["step"])] = {k: float(row[k]) for k in MEMORY_SERIES if pd.notna(row[k])}
+                if total and pd.notna(row["reserved_peak_bytes"]) and row["step"] >= MEM_WARMUP_STEPS:   # a GPU rank
+                    used = float(row["reserved_peak_bytes"])
+                    r.room.append((int(row["t_ns"]), used, float(total) - used, float(total)))
+            meta = r.tails["meta"].frame("meta")
+            if len(meta):
+                self._append("captures", captures(meta))
+                for v in meta.loc[meta["kind"].astype(str) == "oom", "value"]:
+                    if isinstance(v, dict):
+                        r.oom = (f"failed to allocate {_gib(v.get('requested_bytes'))} at step {v.get('step')}"
+                                 f" in {v.get('phase') or 'an unknown phase'}")
 
     def _gpu_ranks(self) -> np.ndarray:
         """The ranks whose rank.json names a GPU (the run model's ``gpu_ranks``, from what has been read)."""
@@ -270,6 +302,7 @@ class LiveNode:
         now = self.clock()
         self._discover()
         self._read_rows(now)
+        self._sample_cpu_room(now)
         ready = [df for seen, df in self.pending if final or now - seen >= SETTLE_NS]
         self.pending = [(seen, df) for seen, df in self.pending if not (final or now - seen >= SETTLE_NS)]
         steps = self._publish(pd.concat(ready, ignore_index=True)) if ready else []
@@ -410,11 +443,50 @@ class LiveNode:
                           f"of its last {len(self.late[r])} steps")
         return out
 
+    def _sample_cpu_room(self, now: int) -> None:
+        """One (used, room, capacity) sample of each running CPU rank's process (module docstring)."""
+        avail = total = None
+        for r in self.ranks.values():
+            ident = r.identity or {}
+            if ident.get("device_type") == "cuda" or not ident.get("pid") or r.oom or r.newest_step < MEM_WARMUP_STEPS:
+                continue
+            if avail is None or total is None:
+                avail, total = _meminfo()
+                if avail is None or total is None:
+                    return
+            got = _process_room(int(ident["pid"]), avail, total)
+            if got is not None:
+                r.room.append((now, *got))
+
+    def memory_pressure(self) -> dict[int, str]:
+        """rank -> why it is under memory pressure, or that it failed an allocation (module docstring)."""
+        out = {}
+        median = statistics.median(self.durations) if self.durations else 0.0
+        horizon = max(MEM_HORIZON_MIN_S, MEM_HORIZON_STEPS * median)
+        for rank, r in self.ranks.items():
+            if r.oom:
+                out[rank] = f"out of memory: {r.oom}"
+                continue
+            if not r.room:
+                continue
+            t, used, room, cap = (np.array(x, np.float64) for x in zip(*r.room))
+            if room[-1] < MEM_LOW_FRAC * cap[-1]:
+                out[rank] = f"{_gib(room[-1])} left of {_gib(cap[-1])} ({room[-1] / cap[-1]:.0%})"
+                continue
+            if len(t) < MEM_MIN_SAMPLES or not (np.diff(used[-MEM_MIN_SAMPLES:]) > 0).all() or t[-1] <= t[0]:
+                continue
+            rate = float(np.polyfit((t - t[0]) / 1e9, used, 1)[0])    # bytes per second
+            if rate > 0 and room[-1] / rate < horizon:
+                out[rank] = (f"its memory grows {_gib(rate)}/s with {_gib(room[-1])} left of {_gib(cap[-1])}: "
+                             f"out of memory in about {room[-1] / rate:.0f} s at this rate")
+        return out
+
     def _status(self, now: int) -> NodeStatus:
         from dtprof.watchdog import read_heartbeats
 
         st = NodeStatus(self.host, {rank: self._host_of(r) for rank, r in self.ranks.items()},
-                        stragglers=self.stragglers())
+                        stragglers=self.stragglers(), memory=self.memory_pressure(),
+                        headroom={rank: r.room[-1][2] for rank, r in self.ranks.items() if r.room})
         hbs = read_heartbeats(self.node_dir)
         running = [hb for hb in hbs.values() if hb.get("exit") is None]
         if running:
@@ -434,6 +506,40 @@ def _empty_buffers() -> dict[str, pd.DataFrame]:
     return {"spans": conform("spans", empty), "groups": conform("groups", empty),
             "collectives": device_comm(with_exit(conform("collectives", empty)), np.zeros(0, np.int64)),
             "captures": captures(conform("meta", empty))}
+
+
+def _gib(v) -> str:
+    return "?" if v is None else f"{float(v) / 2**30:.2f} GiB"
+
+
+def _meminfo() -> tuple[float | None, float | None]:
+    """(MemAvailable, MemTotal) of this machine in bytes; (None, None) without /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {line.split(":")[0]: float(line.split()[1]) * 1024 for line in f}
+        return kb["MemAvailable"], kb["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None, None
+
+
+def _process_room(pid: int, avail: float, total: float) -> tuple[float, float, float] | None:
+    """(used, room, capacity) of a CPU rank's process: under an address-space limit its address space against the
+    limit (what a CPU allocator failure comes from) and the machine's available memory; else its resident bytes
+    against the available memory. None once the process is gone."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            size, resident = (int(x) * os.sysconf("SC_PAGE_SIZE") for x in f.read().split()[:2])
+        with open(f"/proc/{pid}/limits") as f:
+            line = next(x for x in f if x.startswith("Max address space"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    soft = line.split()[3]
+    if soft.isdigit():
+        limit = float(soft)
+        return float(size), max(0.0, min(limit - size, avail)), min(limit, total)
+    return float(resident), avail, total
 
 
 def _num(v) -> float | None:

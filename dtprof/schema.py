@@ -154,7 +154,8 @@ META_KINDS = {
     "memory_ledger": ("rows", "cost_ns", "cpu_allocator"),
     # an uncaught out-of-memory error (collectors/memory.py): the request, where, and what the rank held
     "oom": ("step", "requested_bytes", "phase", "module", "message", "type", "allocated_bytes", "reserved_bytes",
-            "device_total_bytes", "device_free_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes"),
+            "device_total_bytes", "device_free_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes",
+            "snapshot"),
     # the parameter fingerprint's price on this rank (collectors/numerics.py): taken every ``interval`` optimizer
     # steps (a power of two) from ``from_step``; ``cost_ns`` one fingerprint of ``parameters`` elements, ``step_ns``
     # the median step, ``budget`` the share of the step it may cost; ``interval`` null with ``reason``: not taken

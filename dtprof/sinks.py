@@ -299,6 +299,9 @@ class PrometheusSink(Sink):
                           "Newest step: Σ over its collectives of its arrival - the first arrival on this node")
         self.late_total = counter("dtprof_collective_lateness_seconds", "Lateness at collectives, summed over steps")
         self.straggler = gauge("dtprof_straggler", "1 while dtprof names the rank a straggler (live rule)")
+        self.mem_pressure = gauge("dtprof_memory_pressure", "1 while the rank's memory would run out soon at its "
+                                  "trend, or it failed an allocation (live rule)")
+        self.headroom = gauge("dtprof_memory_headroom_bytes", "Bytes the rank can still allocate (newest sample)")
         self.loss = gauge("dtprof_loss", "The rank's local loss of its newest step with one (before any reduction)")
         self.grad_norm = gauge("dtprof_grad_norm", "The gradient norm clip_grad_norm_ returned in the newest step")
         self.lr = gauge("dtprof_learning_rate", "The first param group's learning rate of the newest step")
@@ -378,6 +381,9 @@ class PrometheusSink(Sink):
         self.ranks.labels(st.host).set(len(st.ranks))
         for rank, host in st.ranks.items():
             self.straggler.labels(str(rank), host).set(1 if rank in st.stragglers else 0)
+            self.mem_pressure.labels(str(rank), host).set(1 if rank in st.memory else 0)
+            if rank in st.headroom:
+                self.headroom.labels(str(rank), host).set(st.headroom[rank])
         self.hang.labels(st.host).set(1 if st.hang else 0)
         if st.progress_age_s is not None:
             self.age.labels(st.host).set(st.progress_age_s)
@@ -474,7 +480,8 @@ class _GpuAcc:
 
 class Tracker(Sink):
     """A sink that stores points for good (TensorBoard, W&B, MLflow): one point per rank and per GPU each
-    ``interval_s``; a straggler or a hang, when it first shows, is also an alert (``alert``)."""
+    ``interval_s``; a straggler, a hang or a rank's memory pressure (or out-of-memory failure), when it first shows,
+    is also an alert (``alert``)."""
 
     def __init__(self, spec: SinkSpec, ctx: Context):
         super().__init__(spec, ctx)
@@ -524,6 +531,9 @@ class Tracker(Sink):
         values = acc.values()
         if self.status is not None:
             values["straggler"] = 1.0 if rank in self.status.stragglers else 0.0
+            values["memory_pressure"] = 1.0 if rank in self.status.memory else 0.0
+            if rank in self.status.headroom:
+                values["memory_headroom_bytes"] = self.status.headroom[rank]
         self.rank_point(rank, acc.step, values)
 
     def _alerts(self, st: NodeStatus) -> None:
@@ -531,6 +541,11 @@ class Tracker(Sink):
             if f"straggler {rank}" not in self.alerted:
                 self.alerted.add(f"straggler {rank}")
                 self.alert("straggler", f"rank {rank} on {st.ranks.get(rank, st.host)} is a straggler: {why}")
+        for rank, why in st.memory.items():
+            kind = "oom" if why.startswith("out of memory") else "memory"
+            if f"{kind} {rank}" not in self.alerted:
+                self.alerted.add(f"{kind} {rank}")
+                self.alert(kind, f"rank {rank} on {st.ranks.get(rank, st.host)}: {why}")
         if st.hang and "hang" not in self.alerted:
             self.alerted.add("hang")
             self.alert("hang", f"no rank on {st.host} progressed for {st.progress_age_s:.0f} s "

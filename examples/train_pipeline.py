@@ -69,6 +69,9 @@ def main():
     module = StageModule(full, rank, world).to(device)
     if args.stage_ms:
         module.slow.seconds = float(args.stage_ms.split(",")[rank]) / 1000 / args.microbatches
+    # this stage's parameters, counted by the job (the memory ledger's truth, tests/jobs/test_rank_jobs.py)
+    print(f"stage {rank} parameters {sum(q.numel() for q in module.parameters())} "
+          f"tensors {len(list(module.parameters()))}", flush=True)
     stage = PipelineStage(module, rank, world, device)
     cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
     at = [0]      # the step in progress, for --nan-at (the schedule calls the loss function per microbatch)

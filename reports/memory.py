@@ -47,8 +47,9 @@ def _rows(head: list[str], rows: list[list[str]]) -> str:
 
 
 def ledger_html(memory: dict) -> str:
-    """The ledger per rank as a table, then the levers of the rank with the least headroom (else the largest
-    peak), ranked by predicted saving."""
+    """The ledger per rank as a table, the ranks holding more than their layout explains and, for a pipeline, each
+    stage's activations per micro-batch in flight, then the levers of the rank with the least headroom (else the
+    largest peak), ranked by predicted saving."""
     ranks = memory.get("ranks") or []
     if not ranks:
         return ""
@@ -60,6 +61,19 @@ def ledger_html(memory: dict) -> str:
                    fmt_bytes(r.get("fragmentation_bytes")), fmt_bytes(r.get("non_pytorch_bytes")),
                    "–" if r.get("alloc_retries") is None else str(r["alloc_retries"]),
                    fmt_bytes(r.get("headroom_bytes"))] for r in ranks])]
+    imb = memory.get("imbalance") or {}
+    if imb.get("ranks"):
+        out.append(f"<h3>Imbalance: ranks holding more than their peers ({esc(imb.get('peer_groups', ''))})</h3>")
+        out.append(_rows(["rank", "peers", "more than their median", "in", "likely cause"],
+                         [[str(x["rank"]), ", ".join(map(str, x["peers"])), fmt_bytes(x["excess_bytes"]),
+                           f"{x['category'].removesuffix('_bytes').replace('_', ' ')} "
+                           f"(+{fmt_bytes(x['category_excess_bytes'])})", x["cause"]] for x in imb["ranks"]]))
+    if imb.get("stages"):
+        out.append("<h3>Pipeline stages: activations per micro-batch in flight</h3>")
+        out.append(_rows(["stage", "ranks", "activations", "micro-batches in flight", "per micro-batch"],
+                         [[str(x["stage"]), ", ".join(map(str, x["ranks"])), fmt_bytes(x.get("activations_bytes")),
+                           "–" if x.get("in_flight_microbatches") is None else str(x["in_flight_microbatches"]),
+                           fmt_bytes(x.get("activations_per_microbatch_bytes"))] for x in imb["stages"]]))
     focus = memory.get("least_headroom_rank", memory.get("largest_peak_rank"))
     fits = next((f for f in memory.get("what_fits") or [] if f["rank"] == focus), None)
     if fits and fits["levers"]:

@@ -17,6 +17,7 @@ The job measures its own truth, independent of any profiler: the time its traini
 ``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
 rank prints one line ``clock <rank> {"steps": [[duration, communication], ...]}`` (s, one pair per optimizer
 step). Every rank prints
+``parameters <rank> <count>`` (its model's, before DeepSpeed partitions it: its stage's under the pipeline) and
 ``weights <rank> <sha256>`` of its final parameters (its own partition under ZeRO-3, its stage's under the
 pipeline), to compare a bare run with a profiled one.
 """
@@ -122,6 +123,8 @@ def main():
         params = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW([{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
                                  {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
+        if not engines:   # this rank's model (its stage's under the pipeline), before ZeRO-3 partitions it
+            n_params = sum(q.numel() for q in model.parameters())
         engines.append(deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0])
 
     g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
@@ -147,6 +150,7 @@ def main():
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
     print(f"weights {rank} {weights_hash(q for e in engines for q in e.module.parameters())}", flush=True)
+    print(f"parameters {rank} {n_params}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

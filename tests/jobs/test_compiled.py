@@ -2,7 +2,8 @@
 the bare job's for each way users compile, the forward runs compiled after dtprof's FLOP-counting step (the eager
 ops of its fused parts do not run), nothing of dtprof's enters a graph (fullgraph=True would raise at a graph break;
 compiled autograd compiles the backward around dtprof's backward wrapper), and dtprof still records the steps,
-forward, backward, MFU and, with its numerics part on (as always), every step's loss.
+forward, backward, MFU, its memory ledger and, with its numerics part on (as always), every step's loss (both parts
+at work while Dynamo's counters are read).
 Real torch.compile on this CPU (inductor where the kernels matter, aot_eager where only Dynamo's counters do); one
 inductor cache for the module (conftest ``compile_env``), so bare and profiled runs of a form build its kernels once.
 The framework switches and sampling are in test_compiled_frameworks.py."""
@@ -58,3 +59,5 @@ def test_dynamo_counters_equal_bare_and_under_dtprof(form, compile_env, tmp_path
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mfu"]["flops_source"].startswith("executed FLOPs"), summary["mfu"]
     assert not (run.events["level"] == "error").any(), run.events
+    # the memory ledger part counted its tensors in these compiled runs: the counters above are with it at work
+    assert len(run.memory) and (run.memory["params_bytes"] > 0).all(), run.memory

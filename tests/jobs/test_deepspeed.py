@@ -138,6 +138,26 @@ def test_zero_headline_exposed_communication_is_the_jobs_own_clock(request, name
     assert issued.get("after backward", 0) > 0, issued
 
 
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_zero_memory_ledger_is_each_ranks_share(request, name):
+    """The memory ledger per rank against the job's own parameter count P (fp32 model, AdamW, N = 2 ranks) and
+    ZeRO's accounting (DeepSpeed docs memory.rst: the fp32 master copy is optimizer state): ZeRO-2 holds the model's
+    parameters whole (4P), its partition of the grads (4P/N) and of the optimizer state (fp32 master 4P/N + Adam's
+    moments 8P/N); ZeRO-3 also partitions the parameters (4P/N). Within 2 % (ZeRO pads its partitions)."""
+    job = request.getfixturevalue(name)
+    counts = {int(r): int(n) for r, n in re.findall(r"parameters (\d+) (\d+)", job.stdout)}
+    assert sorted(counts) == [0, 1]
+    ranks = {r["rank"]: r for r in job.summary["memory"]["ranks"]}
+    n = 2
+    for rank, p in counts.items():
+        r = ranks[rank]
+        assert r["params_bytes"] == pytest.approx(4 * p if name == "zero2" else 4 * p / n, rel=0.02), r
+        assert r["grads_bytes"] == pytest.approx(4 * p / n, rel=0.02), r
+        assert r["optimizer_state_bytes"] == pytest.approx(12 * p / n, rel=0.02), r
+    # the ranks hold equal shares: no imbalance
+    assert job.summary["memory"]["imbalance"]["ranks"] == []
+
+
 def test_zero3_final_weights_bit_identical_bare_and_profiled(zero3, tmp_path):
     bare = Job(tmp_path / "bare", ("--zero", "3", "--accum", "2", *ZERO_ARGS), profiled=False)
     assert len(zero3.weights()) == 2 and zero3.weights() == bare.weights()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
+import urllib.request
 
 import pytest
 
-from conftest import REPO, dtprof, record, torchrun
+from conftest import REPO, dtprof, dtprof_popen, free_port, record, torchrun
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 
@@ -24,12 +26,18 @@ def _run(out, *args):
     p = record(out, JOB, *args, opts=["--quiet"], timeout=300)
     m = re.search(r"PARAMS (\d+) TENSORS (\d+)", p.stdout)
     assert m, p.stdout[-2000:]
+    _run.hoard[out] = int(re.search(r"HOARD (\d+)", p.stdout).group(1)) if "HOARD" in p.stdout else 0
     return out, int(m.group(1)), int(m.group(2))
+
+
+_run.hoard = {}    # run -> the bytes its hoarding rank kept (the job's own count)
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("mem") / "ddp", "--batch", str(BATCH))
+    # rank 1 keeps 8 MiB of each step's output (between backward and the optimizer step: the activations, which
+    # are read at backward's start against the previous optimizer step, are not touched): imbalance's truth
+    return _run(tmp_path_factory.mktemp("mem") / "ddp", "--batch", str(BATCH), "--hoard-rank", "1")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +92,23 @@ def test_what_fits_zero3_and_half_micro_batch_against_reruns(ddp, ddp_half, fsdp
         saving = fits[rank]["half_micro_batch"]["predicted_saving_bytes"]
         assert b["activations_bytes"] - saving == pytest.approx(half[rank]["activations_bytes"], rel=0.10)
         assert half[rank]["persistent_bytes"] == b["persistent_bytes"]     # the lever leaves the tensors alone
+
+
+def test_a_rank_keeping_tensors_is_named_with_their_bytes(ddp):
+    """Rank 1 keeps tensors its DDP peer does not (the job counts their bytes): the imbalance names rank 1, the
+    excess within 5 % of those bytes, in the ledger's 'other' category, and a memory_imbalance finding says so."""
+    out = ddp[0]
+    hoard = _run.hoard[out]
+    assert hoard == 6 * 8 * 2**20
+    summary = analyze(out).summary
+    imb = summary["memory"]["imbalance"]
+    assert [x["rank"] for x in imb["ranks"]] == [1], imb
+    x = imb["ranks"][0]
+    assert x["peers"] == [0] and x["category"] == "other_bytes"
+    assert x["category_excess_bytes"] == pytest.approx(hoard, rel=0.05)
+    assert x["excess_bytes"] == pytest.approx(hoard, rel=0.05)
+    found = [f for f in summary["findings"] if f["id"] == "memory_imbalance"]
+    assert len(found) == 1 and found[0]["evidence"]["rank"] == 1 and "Rank 1 holds" in found[0]["message"]
 
 
 def test_summary_json_and_run_format(ddp):
@@ -171,3 +196,52 @@ def test_prometheus_exports_the_ledger_per_rank(ddp):
     line = next(x for x in text.splitlines() if x.startswith("dtprof_memory_optimizer_state_bytes")
                 and 'rank="1"' in x)
     assert float(line.split()[-1]) == float(last["optimizer_state_bytes"])
+
+
+def _scrape(port: int) -> dict:
+    """The endpoint's samples as {(name, rank): value}, read with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    return {(x.name, x.labels.get("rank")): x.value
+            for fam in text_string_to_metric_families(text) for x in fam.samples}
+
+
+def _ranks_running(run_dir) -> bool:
+    from dtprof.watchdog import read_heartbeats
+
+    beats = [b for node in run_dir.glob("node-*") for b in read_heartbeats(node).values()]
+    return bool(beats) and all(b.get("exit") is None for b in beats)
+
+
+def test_live_memory_alert_comes_steps_before_the_allocator_fails(tmp_path):
+    """Rank 1 keeps 16 MiB more every step under an address space capped 1 GiB above its use (the job's own cap):
+    `dtprof run --metrics prometheus` raises its memory-pressure gauge while it still trains, for rank 1 alone, with
+    its headroom under that 1 GiB; at step 30 its forward asks for 2 GiB and the allocator fails (a real CPU
+    allocator failure, triage's oom). (The leak is not run to exhaustion: glibc then aborts the process in whatever
+    thread or arena next wants address space, before any allocator can say so.)"""
+    port, out = free_port(), tmp_path / "run"
+    job = torchrun(JOB, "--leak-rank", "1", "--leak-mib", "16", "--oom-rank", "1", "--oom-step", "30", "--steps", "40",
+                   "--step-s", "0.4", "--batch", "64")
+    proc = dtprof_popen("run", "--out", str(out), "--no-report", "--quiet", "--metrics", f"prometheus:127.0.0.1:{port}",
+                        "--", *job)
+    alert = None
+    deadline = time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline:
+        got = _scrape(port)
+        if got.get(("dtprof_memory_pressure", "1")) == 1 and _ranks_running(out):
+            alert = got
+            break
+        time.sleep(0.3)
+    stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    assert alert is not None, stderr[-3000:]
+    assert alert.get(("dtprof_memory_pressure", "0")) == 0
+    assert 0 < alert[("dtprof_memory_headroom_bytes", "1")] < 2**30
+    assert proc.returncode != 0
+    res = json.loads(dtprof("triage", str(out), "--json").stdout)
+    assert res["verdict"] == "oom" and res["culprit_ranks"] == [1], res["message"]
+    # the alert came while rank 1 still had steps to run before the one its allocator failed in
+    assert res["step"] == 30 and alert[("dtprof_step_number", "1")] < 30

@@ -87,8 +87,11 @@ def fsdp1(tmp_path_factory):
 @pytest.fixture(scope="module", params=["gpipe", "1f1b"])
 def pipeline(request, tmp_path_factory):
     args = SMALL + ["--schedule", request.param, "--microbatches", "4"]
-    run_dir, losses, _ = run_job(tmp_path_factory.mktemp("pp" + request.param), "train_pipeline.py", args)
-    return open_run(run_dir), request.param
+    run_dir, losses, p = run_job(tmp_path_factory.mktemp("pp" + request.param), "train_pipeline.py", args)
+    # each stage's parameter and tensor counts, as the job counts them
+    counts = {int(r): (int(n), int(k)) for r, n, k in re.findall(r"stage (\d+) parameters (\d+) tensors (\d+)",
+                                                                  p.stdout)}
+    return open_run(run_dir), request.param, counts
 
 
 def _assert_collectives_matched(run):
@@ -213,7 +216,7 @@ def test_fsdp1_all_gather_and_reduce_scatter(fsdp1):
 # ---- pipelining -------------------------------------------------------------------------------------------------
 
 def test_pipeline_chunks_per_stage_and_step(pipeline):
-    run, schedule = pipeline
+    run, schedule, _ = pipeline
     sp = run.spans
     for kind in ("pp_forward", "pp_backward"):
         k = sp[sp.kind == kind]
@@ -229,8 +232,27 @@ def test_pipeline_chunks_per_stage_and_step(pipeline):
     assert not run.events.message.astype(str).str.contains("pipeline schedule:").any()   # a fact, not a message
 
 
+def test_pipeline_memory_ledger_holds_each_stages_tensors(pipeline):
+    """Each stage's ledger row is its own stage module's tensors, as the job counts them (AdamW, fp32): 4P parameter
+    bytes, 4P of grads, 8P of moments and a 4-byte step per tensor. The stages hold different layers: they are not
+    peers, so no imbalance is named between them; the micro-batches each keeps in flight follow the schedule."""
+    from dtprof.analyzers.summary import analyze
+
+    run, schedule, counts = pipeline
+    assert sorted(counts) == [0, 1] and counts[0][0] != counts[1][0]
+    memory = analyze(run).summary["memory"]
+    ranks = {r["rank"]: r for r in memory["ranks"]}
+    for rank, (n, tensors) in counts.items():
+        r = ranks[rank]
+        assert (r["params_bytes"], r["grads_bytes"], r["optimizer_state_bytes"]) == (4 * n, 4 * n, 8 * n + 4 * tensors)
+    imb = memory["imbalance"]
+    assert imb["ranks"] == [] and imb["peer_groups"] == "ranks of the same pipeline stage"
+    assert [(s["stage"], s["ranks"], s["in_flight_microbatches"]) for s in imb["stages"]] == \
+        ([(0, [0], 4), (1, [1], 4)] if schedule == "gpipe" else [(0, [0], 2), (1, [1], 1)])
+
+
 def test_pipeline_p2p_matched(pipeline):
-    run, _ = pipeline
+    run, _, _ = pipeline
     _assert_p2p_matched(run)
     c = run.collectives
     act = c[(c.op.isin(["send", "recv"])) & (c.dtype == "float32")]
@@ -243,7 +265,7 @@ def test_pipeline_counts_each_sample_once(pipeline):
     """The first stage is given the batch (4 sequences of 16 tokens) and the second is called with what the first
     sent, the same samples: each step has 4 samples and 64 tokens, counted once, by the stage given the batch
     (also in step 0, where the stage's shape inference runs one more micro-batch of its own)."""
-    run, _ = pipeline
+    run, _, _ = pipeline
     st = run.steps.sort_values(["rank", "step"])
     first, later = st[st["rank"] == 0], st[st["rank"] == 1]
     assert first.tokens.tolist() == [64] * STEPS and first.samples.tolist() == [4] * STEPS

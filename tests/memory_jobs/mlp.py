@@ -2,10 +2,15 @@
 linear layers, AdamW. Prints the model's parameter count (its truth: P) on rank 0.
 
 --oom-rank R: at step --oom-step rank R meets a 16384x longer batch in forward (a 2 GiB tensor) with its address
-space capped (RLIMIT_AS) 1.5 GiB above what it uses: a real CPU allocator failure mid-forward."""
+space capped (RLIMIT_AS) 1.5 GiB above what it uses: a real CPU allocator failure mid-forward.
+--hoard-rank R: rank R keeps --hoard-mib MiB made of each step's loss between backward and the optimizer
+step, as a loop keeping outputs for logging does; it prints the bytes it keeps (their truth: HOARD).
+--leak-rank R: rank R caps its address space (RLIMIT_AS) --leak-room-mib above what it uses, then keeps --leak-mib
+more every step (steps of at least --step-s): its allocator fails some steps later (the live memory alert's case)."""
 import argparse
 import os
 import resource
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,6 +22,12 @@ p.add_argument("--batch", type=int, default=512)
 p.add_argument("--dim", type=int, default=512)
 p.add_argument("--oom-rank", type=int, default=-1)
 p.add_argument("--oom-step", type=int, default=2)
+p.add_argument("--hoard-rank", type=int, default=-1)
+p.add_argument("--hoard-mib", type=int, default=8)
+p.add_argument("--leak-rank", type=int, default=-1)
+p.add_argument("--leak-mib", type=int, default=32)
+p.add_argument("--leak-room-mib", type=int, default=1024)
+p.add_argument("--step-s", type=float, default=0.0)
 args = p.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -49,13 +60,25 @@ if args.fsdp:
 else:
     model = torch.nn.parallel.DistributedDataParallel(net)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+kept = []
+if rank == args.leak_rank:
+    vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (vm + args.leak_room_mib * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
 for step in range(args.steps):
+    t0 = time.monotonic()
     net.step = step
     x = torch.randn(args.batch, args.dim)
     loss = model(x).pow(2).mean()
     loss.backward()
+    if rank == args.hoard_rank:
+        kept.append(loss.detach().repeat(args.hoard_mib * 2**20 // loss.element_size()))
+    if rank == args.leak_rank:
+        kept.append(torch.ones(args.leak_mib * 2**20 // 4))
     opt.step()
     opt.zero_grad(set_to_none=True)
+    time.sleep(max(0.0, args.step_s - (time.monotonic() - t0)))
 if rank == 0:
     print("PARAMS", P, "TENSORS", len(list(net.parameters())), flush=True)
+if kept:
+    print("HOARD", sum(t.untyped_storage().nbytes() for t in kept), flush=True)
 dist.destroy_process_group()

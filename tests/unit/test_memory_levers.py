@@ -153,3 +153,50 @@ def test_report_ledger_bars_add_up_to_the_summary_peak():
     assert stacked == pytest.approx([100 / 1024, 120 / 1024])       # GiB: the stack is the rank's peak
     html = report_memory.ledger_html(mem)
     assert html.count("<tr>") == 3 and "100.0 MiB" in html and "120.0 MiB" in html   # a header, a row per rank
+
+
+def _led(rows):
+    import pandas as pd
+
+    keys = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes", "other_bytes")
+    return pd.DataFrame([{"rank": r, **dict(zip(keys, v))} for r, v in rows.items()])
+
+
+def test_imbalance_compares_a_rank_with_its_layout_peers_only():
+    """Four pipeline ranks, two per stage (DP x PP): stage 0 holds more activations (1F1B keeps more micro-batches in
+    flight) and other params than stage 1 (its layers): no finding for that. Rank 2, a stage-1 replica of rank 3,
+    holds 200 MiB of grads more: named, against rank 3 alone, with the grads' cause."""
+    led = _led({0: (400 * MiB, 400 * MiB, 800 * MiB, 300 * MiB, 50 * MiB),
+                1: (400 * MiB, 400 * MiB, 800 * MiB, 300 * MiB, 52 * MiB),
+                2: (200 * MiB, 400 * MiB, 400 * MiB, 100 * MiB, 50 * MiB),
+                3: (200 * MiB, 200 * MiB, 400 * MiB, 100 * MiB, 50 * MiB)})
+    out = memory_mod.imbalance(led, {0: 0, 1: 0, 2: 1, 3: 1},
+                               {"schedule": "Schedule1F1B", "stages": 2, "microbatches": 4})
+    assert [(x["rank"], x["peers"], x["category"], x["excess_bytes"]) for x in out["ranks"]] == \
+        [(2, [3], "grads_bytes", 200 * MiB)]
+    assert out["ranks"][0]["cause"] == memory_mod.IMBALANCE_CAUSES["grads_bytes"]
+    # 1F1B: stage 0 keeps 2 micro-batches in flight, stage 1 one: the same activations per micro-batch
+    per = {s["stage"]: s for s in out["stages"]}
+    assert (per[0]["in_flight_microbatches"], per[1]["in_flight_microbatches"]) == (2, 1)
+    assert per[0]["activations_per_microbatch_bytes"] == 150 * MiB and \
+        per[1]["activations_per_microbatch_bytes"] == 100 * MiB
+    # without a pipeline every rank is a peer: the same ledger flags stage 0's ranks against the median
+    flat = memory_mod.imbalance(led)
+    assert {x["rank"] for x in flat["ranks"]} == {0, 1} and "stages" not in flat
+
+
+def test_imbalance_leaves_small_differences_alone():
+    """A few MiB between two replicas' heaps is noise (below IMBALANCE_MIN_BYTES), and so is 5 %."""
+    led = _led({0: (4 * MiB, 4 * MiB, 8 * MiB, 4 * MiB, 60 * MiB), 1: (4 * MiB, 4 * MiB, 8 * MiB, 4 * MiB, 70 * MiB)})
+    assert memory_mod.imbalance(led)["ranks"] == []
+    big = _led({0: (GiB, GiB, 2 * GiB, GiB, 0), 1: (GiB, GiB, 2 * GiB, GiB + 200 * MiB, 0)})
+    assert memory_mod.imbalance(big)["ranks"] == []
+
+
+def test_report_names_the_imbalanced_rank_and_the_stages():
+    from dtprof.reports import memory as report_memory
+
+    led = _led({0: (4 * MiB, 4 * MiB, 8 * MiB, 4 * MiB, 10 * MiB), 1: (4 * MiB, 4 * MiB, 8 * MiB, 4 * MiB, 58 * MiB)})
+    mem = {"ranks": [{"rank": r} for r in (0, 1)], "imbalance": memory_mod.imbalance(led)}
+    html = report_memory.ledger_html(mem)
+    assert "Imbalance" in html and "<td>1</td><td>0</td><td>48.0 MiB</td><td>other (+48.0 MiB)</td>" in html
