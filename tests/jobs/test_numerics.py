@@ -186,7 +186,7 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
     would be a sync; this machine has none for torch.cuda.set_sync_debug_mode)."""
     steps = 12
     p = record(tmp_path / "run", TESTS / "numerics_jobs" / "syncs.py", steps, opts=("--full-detail", "--no-nvml"))
-    notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*\})", p.stdout)}
+    notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*?\})(?=SYNCS|\s*$)", p.stdout, re.M)}
     assert set(notes) == {0, 1}
     for n in notes.values():
         calls = n["calls"]
