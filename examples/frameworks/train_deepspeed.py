@@ -89,6 +89,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3 (not with --pipeline)")
     p.add_argument("--overlap-comm", action="store_true")
+    p.add_argument("--decay-groups", action="store_true",
+                   help="two parameter groups (weight decay on matrices only), as the HF Trainer makes")
     p.add_argument("--bucket", type=float, default=5e8, help="ZeRO's reduce and all-gather bucket sizes (elements)")
     p.add_argument("--pipeline", action="store_true", help="DeepSpeed's PipelineEngine, 2 stages")
     p.add_argument("--partition", default="uniform",
@@ -118,11 +120,12 @@ def main():
             cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
                                         "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
             model = Net(args.dim, args.blocks)
-        # two parameter groups, as the HF Trainer makes (weight decay on matrices, none on biases): ZeRO steps the
-        # torch optimizer once per group, and one engine.step() is still one step
         params = [q for q in model.parameters() if q.requires_grad]
-        opt = torch.optim.AdamW([{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
-                                 {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
+        if args.decay_groups:   # the HF Trainer's two groups: ZeRO steps the torch optimizer once per group
+            opt = torch.optim.AdamW([{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
+                                     {"params": [q for q in params if q.dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
+        else:
+            opt = torch.optim.AdamW(params, lr=1e-3)
         if not engines:   # this rank's model (its stage's under the pipeline), before ZeRO-3 partitions it
             n_params = sum(q.numel() for q in model.parameters())
         engines.append(deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0])
