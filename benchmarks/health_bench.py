@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -184,15 +183,10 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
 def _in_dtprof(args: list[str], full_detail: bool) -> dict:
     """This file's worker run as `dtprof run` runs a rank (dtprof injected, recording into a throwaway run); its
     last stdout line, parsed."""
-    import dtprof._inject
-    from dtprof.runformat import create_node_dir, create_run_dir
+    from injected import rank_env
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
-        env["OMP_NUM_THREADS"] = "1"
-        env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "health"})))
-        env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0, "full_detail": full_detail})
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")])
+        env = rank_env(tmp, "health", full_detail)
         p = subprocess.run([sys.executable, __file__, "cost-worker", *args], env=env, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(p.stderr[-3000:])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -88,19 +87,13 @@ def worker(model_name: str, blocks: int, block_steps: int) -> None:
 
 def run(model_name: str, blocks: int, block_steps: int, full_detail: bool) -> dict:
     """The worker as `dtprof run` runs a rank (dtprof injected, recording into a throwaway run)."""
-    import dtprof._inject
-    from dtprof.runformat import create_node_dir, create_run_dir
+    from injected import rank_env
 
     cmd = [sys.executable, __file__, "--worker", model_name, str(blocks), str(block_steps)]
 
     def launch(attempt: int) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
-            env["OMP_NUM_THREADS"] = "1"
-            env["DTPROF_NODE_DIR"] = str(create_node_dir(create_run_dir(Path(tmp) / "run", {"benchmark": "memory"})))
-            env["DTPROF_CONFIG"] = json.dumps({"flush_interval_s": 1.0, "full_detail": full_detail})
-            env["PYTHONPATH"] = os.pathsep.join([str(Path(dtprof._inject.__file__).parent), env.get("PYTHONPATH", "")])
-            return subprocess.run(cmd, env=env, capture_output=True, text=True)
+            return subprocess.run(cmd, env=rank_env(tmp, "memory", full_detail), capture_output=True, text=True)
 
     out = once_more_on_exit_abort(launch)
     if out.returncode:

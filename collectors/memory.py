@@ -42,6 +42,7 @@ them: backward's call and the optimizer step).
 from __future__ import annotations
 
 import ctypes
+import os
 import resource
 import sys
 import time
@@ -265,8 +266,6 @@ class MemoryLedger(RankPart):
             rec.update(zip(("params_bytes", "grads_bytes", "optimizer_state_bytes"), self.counts))
         if self.history:
             try:
-                import os
-
                 path = os.path.join(self.ctx.rank_dir, "memory_snapshot.pickle")
                 self.torch.cuda.memory._dump_snapshot(path)
                 rec["snapshot"] = "memory_snapshot.pickle"
@@ -278,8 +277,6 @@ class MemoryLedger(RankPart):
 def _cpu_room() -> dict:
     """A CPU rank's room: the machine's available memory (/proc/meminfo MemAvailable) and, under an address-space
     limit (RLIMIT_AS), what is left of it; the smaller is what an allocation could have had."""
-    import os
-
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -27,6 +27,7 @@ from dtprof.collectors.parts import Parts
 from dtprof.collectors.records import span_row, step_row
 
 now = time.monotonic_ns
+RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 
 
 def _deepspeed_groups_pending(depth: int = 8) -> bool:
@@ -34,7 +35,9 @@ def _deepspeed_groups_pending(depth: int = 8) -> bool:
     ``_optimizer_step(group_no)``, ``param_groups`` swapped to that one group) and ZeRO-3 (stage3.py
     ``_optimizer_step(sub_group_id)``) step the torch optimizer once per (sub-)group, every group each step; one
     optimizer step is all of them (an HF Trainer's two weight-decay groups were recorded as two steps). A walk of a
-    few frames from the optimizer's post-hook: no cost beyond that."""
+    few frames from the optimizer's post-hook, and none in a process that has not imported DeepSpeed."""
+    if "deepspeed" not in sys.modules:
+        return False
     f: FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if f is None:
@@ -47,7 +50,6 @@ def _deepspeed_groups_pending(depth: int = 8) -> bool:
             return isinstance(i, int) and groups is not None and i < len(groups) - 1
         f = f.f_back
     return False
-RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 
 
 def _last_error_line() -> str:
