@@ -39,7 +39,10 @@ import pandas as pd
 RANK_KEYS = ("rank", "params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes", "activations_bytes",
              "other_bytes", "activations_peak_bytes", "peak_bytes", "peak_source", "rss_peak_bytes",
              "reserved_peak_bytes", "fragmentation_bytes", "non_pytorch_bytes", "alloc_retries", "ooms",
-             "device_mem_total_bytes", "headroom_bytes", "rows")
+             "device_mem_total_bytes", "headroom_bytes", "rows", "params_full_bytes", "optimizer_shard_frac",
+             "forward_activations_peak_bytes", "backward_activations_peak_bytes", "optimizer_activations_peak_bytes",
+             "peak_phase")
+PHASES = ("forward", "backward", "optimizer")
 GPU_PEAK = "CUDA caching allocator peak (torch.cuda.memory_stats allocated_bytes.all.peak)"
 CPU_PEAK = ("tensor bytes at backward's start and at the optimizer step (glibc mallinfo2 in-use bytes less the "
             "non-tensor base; a CPU has no per-step allocator peak)")
@@ -69,7 +72,10 @@ def ledger(run) -> pd.DataFrame:
         fwd = (g["bwd_allocated_bytes"] - held - g["bwd_grads_bytes"] - base).astype("Float64").dropna()
         activations = _int(fwd.max()) if len(fwd) else None
         other = last["allocated_bytes"] - persistent if pd.notna(last["allocated_bytes"]) else None
+        frac = last.get("optimizer_shard_frac")
         rec = {"rank": int(rank), "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": state,
+               "params_full_bytes": _int(last.get("params_full_bytes")),
+               "optimizer_shard_frac": float(frac) if frac is not None and pd.notna(frac) else None,
                "persistent_bytes": persistent, "activations_bytes": activations, "other_bytes": _int(other),
                "rows": len(g),
                "rss_peak_bytes": _int(g["rss_peak_bytes"].max()), "reserved_peak_bytes": None,
@@ -82,6 +88,9 @@ def ledger(run) -> pd.DataFrame:
                        fragmentation_bytes=_int(at["reserved_peak_bytes"] - at["peak_bytes"])
                        if pd.notna(at["reserved_peak_bytes"]) else None,
                        alloc_retries=_int(last["alloc_retries"]), ooms=_int(last["ooms"]))
+            phased = g[g["forward_peak_bytes"].notna()]    # step 0's backward comes before any optimizer is known
+            if len(phased):
+                rec.update(_phases(phased.loc[phased["peak_bytes"].astype("Float64").idxmax()]))
             used = used_of.get(int(rank))
             if used is not None and rec["reserved_peak_bytes"] is not None:
                 rec["non_pytorch_bytes"] = max(0, int(used) - rec["reserved_peak_bytes"])
@@ -98,6 +107,21 @@ def ledger(run) -> pd.DataFrame:
                                  else None)
         out.append(rec)
     return pd.DataFrame(out, columns=list(RANK_KEYS))
+
+
+def _phases(at) -> dict:
+    """A GPU row's activations and temporaries by each phase's end (the allocator's peak since the step's start,
+    read at backward's start, the optimizer step's start and the step's end, less what persists then: params,
+    optimizer state and the grads present) and the phase whose peak is the step's."""
+    held = at["params_bytes"] + at["optimizer_state_bytes"]
+    peaks = {"forward": (at.get("forward_peak_bytes"), at.get("bwd_grads_bytes")),
+             "backward": (at.get("backward_peak_bytes"), at["grads_bytes"]),
+             "optimizer": (at["peak_bytes"], at["grads_bytes"])}
+    out: dict = {f"{ph}_activations_peak_bytes": _int(pk - held - (0 if pd.isna(g) else g))
+                 if pk is not None and pd.notna(pk) else None for ph, (pk, g) in peaks.items()}
+    out["peak_phase"] = next((ph for ph, (pk, _) in peaks.items() if pk is not None and pd.notna(pk)
+                              and pk >= at["peak_bytes"]), None)
+    return out
 
 
 def _nvml_used_by_rank(run) -> dict:
@@ -252,6 +276,9 @@ def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None
     p, g, o = (rec.get(k) or 0 for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes"))
     act = activations if activations is not None else (rec.get("activations_bytes") or 0)
     keep = (world - 1) / world if world > 1 else 0.0
+    # the categories already sharded (ZeRO, FSDP) have nothing left to shard: saving only from the replicated ones
+    rep_p, rep_g, rep_o = replicated(rec, world, sharded)
+    p, g, o = p * rep_p, g * rep_g, o * rep_o
     out: list[dict] = []
 
     def add(lever: str, saving: float, formula: str, assumes: str, cost: str) -> None:
@@ -259,13 +286,13 @@ def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None
             out.append({"lever": lever, "predicted_saving_bytes": int(saving), "formula": formula,
                         "assumes": assumes, "step_time_cost": cost})
 
-    if not sharded and world > 1:
-        add("zero1", o * keep, "optimizer_state × (1 − 1/N)", f"N = {world} data-parallel ranks",
-            "an all-gather of the updated parameters per step")
-        add("zero2", (o + g) * keep, "(optimizer_state + grads) × (1 − 1/N)", f"N = {world} data-parallel ranks",
+    if world > 1:
+        n = f"N = {world} data-parallel ranks; only the categories this rank holds whole (not yet sharded)"
+        add("zero1", o * keep, "optimizer_state × (1 − 1/N)", n, "an all-gather of the updated parameters per step")
+        add("zero2", (o + g) * keep, "(optimizer_state + grads) × (1 − 1/N)", n,
             "reduce-scatter instead of all-reduce: about the same traffic")
         add("zero3_fsdp_full_shard", (o + g + p) * keep, "(optimizer_state + grads + params) × (1 − 1/N)",
-            f"N = {world}; the one layer gathered at a time is left out",
+            f"{n}; the one layer gathered at a time is left out",
             "parameters all-gathered in forward and backward: 1.5× the data-parallel traffic")
     add("activation_checkpointing", act * (1 - CHECKPOINT_KEEP), "activations × (1 − 2/34)",
         "every block checkpointed; transformer blocks (Korthikanti et al. Table 2: a block's input is 2 of its 34 "
@@ -284,6 +311,20 @@ def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None
         if shortfall is not None:
             x["covers_shortfall"] = int(x["predicted_saving_bytes"]) >= shortfall
     return out
+
+
+def replicated(rec: dict, world: int, sharded: bool) -> tuple[int, int, int]:
+    """(params, grads, optimizer state): 1 where the rank holds the category whole, 0 where it is already sharded.
+    A category is sharded when the rank holds nearer 1/N than all of it: params and grads against the parameters'
+    unsharded bytes (``params_full_bytes``), optimizer state by ``optimizer_shard_frac`` (the optimizers'
+    parameters' local elements ÷ the parameters' full ones: ZeRO-1/2/3 and FSDP2 optimise a 1/N partition). A ledger
+    without those (recorded by an older dtprof) is all sharded when FSDP's collectives show (``sharded``)."""
+    full, frac = rec.get("params_full_bytes"), rec.get("optimizer_shard_frac")
+    if world < 2 or not full or frac is None or not np.isfinite(frac):
+        return (0, 0, 0) if sharded else (1, 1, 1)
+    mid = (1 + 1 / world) / 2
+    shares = ((rec.get("params_bytes") or 0) / full, (rec.get("grads_bytes") or 0) / full, frac)
+    return tuple(int(x > mid) for x in shares)    # type: ignore[return-value]
 
 
 def what_fits(run, led: pd.DataFrame | None = None) -> list[dict]:

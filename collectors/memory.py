@@ -80,13 +80,22 @@ def _storage_key(t):
     partition (``ds_tensor``: its ``data`` is empty outside its forward). The key is the storage's address: host and
     device memory share one virtual address space (CUDA's unified addressing), so it names one storage whatever the
     device (reading ``t.device`` would double the count's time)."""
+    s = _local(t).untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _local(t):
+    """The tensor this rank holds of ``t``: a DTensor's local shard, a ZeRO-3 parameter's partition, else ``t``."""
     local = getattr(t, "_local_tensor", None)
     if local is None:
         local = getattr(t, "ds_tensor", None)
-    if local is not None:
-        t = local
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
+    return t if local is None else local
+
+
+def _full_numel(t) -> int:
+    """The elements of ``t`` unsharded: a DTensor's global shape, a ZeRO-3 parameter's ``ds_numel``."""
+    n = getattr(t, "ds_numel", None)
+    return int(n) if n is not None else int(t.numel())
 
 
 def _tensors_bytes(tensors, seen: set) -> int:
@@ -108,10 +117,12 @@ class MemoryLedger(RankPart):
     def __init__(self):
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counts = None        # (params, grads, optimizer state) bytes of the last count
+        self.shards = (None, None)  # (params' full bytes, optimizer's shard fraction) of the last count
         self.signature = None     # what the last count was made of
         self.sampled = 0          # sampled steps since the last full count
         self.bwd = None           # (allocated, grads present) at the step's first backward
         self.fwd_peak = None
+        self.bwd_peak = None      # CUDA: the allocator's peak at the step's optimizer step's start
         self.cost_ns = 0
         self.rows = 0
         self.step_of_row = -1
@@ -121,6 +132,7 @@ class MemoryLedger(RankPart):
         self.cpu_allocated = None
         self.history = False      # the allocator's history ring is on (--memory-history)
         self.has_cuda = False
+        self.pre_handle = None    # CUDA, detailed steps: the optimizer pre-hook reading backward's peak
 
     def install(self, ctx: RankContext) -> None:
         import torch
@@ -130,6 +142,7 @@ class MemoryLedger(RankPart):
         self.cpu_allocated = _cpu_allocated()
         # once: is_available() asks the driver (tens of µs), and a process's CUDA does not come or go
         self.has_cuda = bool(torch.cuda.is_available())
+        self.on_detail(ctx.detail)
 
     # ---- the tensors ------------------------------------------------------------------------------------------
 
@@ -170,6 +183,16 @@ class MemoryLedger(RankPart):
                                           if isinstance(v, self.torch.Tensor)), seen)
         return params, grads, state
 
+    def _shards(self) -> tuple[int, float | None]:
+        """(the trained parameters' bytes unsharded, the optimizers' parameters' local elements ÷ the trained
+        parameters' full elements): what the what-fits levers need to tell a replicated category (1) from a
+        ZeRO/FSDP-sharded one (1/N)."""
+        model = self._model_params() or list(self._params())
+        full = sum(_full_numel(p) for p in model)
+        full_bytes = sum(_full_numel(p) * p.element_size() for p in model)
+        opt = sum(int(_local(p).numel()) for p in {id(p): p for p in self._params()}.values())
+        return full_bytes, (opt / full if full else None)
+
     def _allocated(self):
         if self.cuda:
             return int(self.torch.cuda.memory_allocated())
@@ -188,6 +211,14 @@ class MemoryLedger(RankPart):
         self.bwd = (self._allocated(), self._grads_present())
         self.cost_ns += now() - t0
 
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        """CUDA: the allocator's peak when the step's first optimizer step starts (forward and backward's peak)."""
+        try:
+            if self.ctx.detail and self.cuda and self.bwd is not None and self.bwd_peak is None:
+                self.bwd_peak = int(self.torch.cuda.max_memory_allocated())
+        except Exception:
+            pass
+
     def on_optimizer_step(self, optimizer) -> None:
         new = optimizer not in self.optimizers
         if new:
@@ -202,6 +233,7 @@ class MemoryLedger(RankPart):
         self.sampled += 1
         if sig != self.signature or self.counts is None or self.sampled >= COUNT_EVERY:
             self.counts = self._count()
+            self.shards = self._shards()
             self.signature, self.sampled = sig, 0
             # monotone, and a system call that sums over the process's threads: read with the counts only
             self.rss_peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -220,16 +252,31 @@ class MemoryLedger(RankPart):
             self._allocated(),
             self.fwd_peak if self.cuda else None,
             stats.get("allocated_bytes.all.peak"), stats.get("reserved_bytes.all.peak"),
-            stats.get("num_alloc_retries"), stats.get("num_ooms"), self.rss_peak))
+            stats.get("num_alloc_retries"), stats.get("num_ooms"), self.rss_peak, *self.shards,
+            self.bwd_peak if self.cuda else None))
         self.rows += 1
         self.step_of_row = step
-        self.bwd = self.fwd_peak = None
+        self.bwd = self.fwd_peak = self.bwd_peak = None
         self.cost_ns += now() - t0
 
+    def on_detail(self, on: bool) -> None:
+        """CUDA: the optimizer pre-hook that reads the peak at the optimizer step's start, on detailed steps only."""
+        if not self.has_cuda:
+            return
+        from torch.optim import optimizer as optim
+
+        if on and self.pre_handle is None:
+            self.pre_handle = optim.register_optimizer_step_pre_hook(self._pre_step)
+        elif not on and self.pre_handle is not None:
+            self.pre_handle.remove()
+            self.pre_handle = None
+
     def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
-        self.bwd = self.fwd_peak = None    # a step without an optimizer step (dtprof.step()) starts afresh
+        # a step without an optimizer step (dtprof.step()) starts afresh
+        self.bwd = self.fwd_peak = self.bwd_peak = None
 
     def on_exit(self) -> None:
+        self.on_detail(False)
         self.ctx.meta("memory_ledger", {"rows": self.rows, "cost_ns": self.cost_ns,
                                         "cpu_allocator": self.cpu_allocated is not None})
         exc = getattr(sys, "last_value", None)

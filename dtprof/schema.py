@@ -120,6 +120,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("forward_peak_bytes", "Int"), ("peak_bytes", "Int"), ("reserved_peak_bytes", "Int"),
         ("alloc_retries", "Int"), ("ooms", "Int"),   # cumulative counts of the caching allocator
         ("rss_peak_bytes", "Int"),        # the process's resident high-water mark (monotone)
+        ("params_full_bytes", "Int"),     # the trained parameters' bytes unsharded (DTensor: global; ZeRO-3: ds_numel)
+        ("optimizer_shard_frac", "float"),  # the optimizers' parameters' local elements / the parameters' full ones
+        ("backward_peak_bytes", "Int"),   # CUDA: the allocator's peak at the optimizer step's start
     ],
     # Numerics health (collectors/numerics.py): one row per rank and optimizer step, read from the device a step
     # later (never a host-device sync). Non-finite values are null in their column and named in ``nonfinite``.

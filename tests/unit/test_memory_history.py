@@ -74,3 +74,86 @@ def test_history_ring_only_when_asked_and_dumped_at_oom(tmp_path, monkeypatch, h
         assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"
     else:
         assert cuda.dumped == [] and "snapshot" not in oom
+
+
+class ScriptedCuda:
+    """torch.cuda's allocator counters as a GPU rank would read them, set by the test at each phase of a step: the
+    numbers it sets are the truth the ledger's GPU fields are checked against."""
+
+    def __init__(self):
+        self.allocated = self.peak = self.reserved_peak = self.retries = 0
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        for name, value in (("is_available", lambda: True), ("is_initialized", lambda: True),
+                            ("memory_allocated", lambda: self.allocated), ("max_memory_allocated", lambda: self.peak),
+                            ("memory_stats", lambda: {"allocated_bytes.all.peak": self.peak,
+                                                      "reserved_bytes.all.peak": self.reserved_peak,
+                                                      "num_alloc_retries": self.retries, "num_ooms": 0})):
+            monkeypatch.setattr(cuda, name, value)
+
+
+def test_gpu_fields_and_phases_from_the_allocator_counters(tmp_path, monkeypatch):
+    """A GPU rank's summary fields (reserved peak, fragmentation, memory outside PyTorch from NVML, retries,
+    headroom) and its activations by phase, from the caching allocator's counters as the rank reads them at
+    backward's start, at the optimizer step's start (its pre-hook) and at the optimizer step's end: the part and the
+    analysis run for real, only torch.cuda's counters and NVML's sample are stood in for."""
+    import pandas as pd
+
+    from dtprof.analyzers import memory as memory_mod
+    from dtprof.collectors.memory import MemoryRow
+
+    cuda = ScriptedCuda()
+    cuda.install(monkeypatch)
+    rows: list = []
+    ctx = RankContext(0, "host", str(tmp_path), {}, add=rows.append, fault=None, event=None, meta=lambda k, v: None)
+    part = MemoryLedger()
+    part.install(ctx)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    P, G, S = 4 * n, 4 * n, 8 * n + 4 * 2          # fp32 params, grads; AdamW's moments and two step tensors
+    MiB = 2**20
+    try:
+        for step in range(3):
+            ctx.step = step
+            opt.zero_grad(set_to_none=True)
+            cuda.allocated, cuda.peak = P + S + 200 * MiB, P + S + 300 * MiB    # forward left 200, peaked at 300
+            part.on_backward(None)
+            model(torch.randn(4, 256)).sum().backward()
+            cuda.peak = P + S + G + 500 * MiB                                   # backward's peak
+            opt.step()
+            cuda.allocated, cuda.reserved_peak, cuda.retries = P + S + G, P + S + G + 564 * MiB, step
+            part.on_optimizer_step(opt)
+    finally:
+        part.on_exit()
+    frame = pd.DataFrame([r._asdict() for r in rows if isinstance(r, MemoryRow)])
+    assert list(frame["step"]) == [0, 1, 2]
+
+    class Run:
+        memory = frame
+        ranks = pd.DataFrame([{"rank": 0, "host": "host", "device_type": "cuda", "device_index": 0,
+                               "device_mem_total_bytes": 80 * 2**30}])
+        nvml = pd.DataFrame([{"host": "host", "gpu": 0, "mem_used_bytes": float(P + S + G + 1264 * MiB)}])
+        meta = pd.DataFrame(columns=["kind", "value"])
+        world_size = 1
+
+        @staticmethod
+        def has_collectives_from(source):
+            return False
+
+    block = memory_mod.memory_block(Run())
+    r = block["ranks"][0]
+    assert (r["params_bytes"], r["grads_bytes"], r["optimizer_state_bytes"]) == (P, G, S)
+    assert r["peak_bytes"] == P + S + G + 500 * MiB and r["activations_peak_bytes"] == 500 * MiB
+    assert r["reserved_peak_bytes"] == P + S + G + 564 * MiB and r["fragmentation_bytes"] == 64 * MiB
+    assert r["non_pytorch_bytes"] == 700 * MiB and r["alloc_retries"] == 2 and r["ooms"] == 0
+    assert r["headroom_bytes"] == 80 * 2**30 - (P + S + G + 564 * MiB) - 700 * MiB
+    assert block["least_headroom_rank"] == 0
+    assert r["activations_bytes"] == 200 * MiB            # what the forward left for backward
+    assert (r["forward_activations_peak_bytes"], r["backward_activations_peak_bytes"],
+            r["optimizer_activations_peak_bytes"]) == (300 * MiB, 500 * MiB, 500 * MiB)
+    assert r["peak_phase"] == "backward"                  # the optimizer step added nothing above backward's peak
+    fits = {x["lever"]: x for x in block["what_fits"][0]["levers"]}
+    assert fits["expandable_segments"]["predicted_saving_bytes"] == 64 * MiB
+    assert part.pre_handle is None                        # the pre-hook is taken out at exit

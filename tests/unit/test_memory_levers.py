@@ -84,6 +84,16 @@ def test_levers_from_a_hand_worked_ledger():
                                                                        "activation_checkpointing"]
     sharded = {x["lever"] for x in memory_mod.levers(rec, 8, True)}   # FSDP already shards: no ZeRO lever
     assert not sharded & {"zero1", "zero2", "zero3_fsdp_full_shard"}
+    # the same model under ZeRO-2 on 8 ranks: grads and the optimizer's partition (fp32 master + moments) are 1/8,
+    # the parameters whole: ZeRO-3 would shard the parameters only, ZeRO-1/2 have nothing left to shard
+    zero2 = rec | {"grads_bytes": GiB // 2, "optimizer_state_bytes": int(1.5 * GiB), "params_full_bytes": 4 * GiB,
+                   "optimizer_shard_frac": 1 / 8}
+    got = {x["lever"]: x for x in memory_mod.levers(zero2, 8, False)}
+    assert got["zero3_fsdp_full_shard"]["predicted_saving_bytes"] == int(3.5 * GiB)
+    assert not {"zero1", "zero2"} & set(got)
+    assert memory_mod.replicated(zero2, 8, False) == (1, 0, 0)
+    replicated = rec | {"params_full_bytes": 4 * GiB, "optimizer_shard_frac": 1.0}      # DDP: all of it whole
+    assert memory_mod.levers(replicated, 8, False) == memory_mod.levers(rec, 8, False)
 
 
 def _dump(message: str, step: int, wall_ns: int, funcs=("<module>", "forward")) -> dict:
