@@ -227,6 +227,22 @@ def imbalance(led: pd.DataFrame, stage_of: dict[int, int] | None = None, pipelin
     return out
 
 
+PER_STEP_MAX = 200_000   # rows of ``per_step`` written into summary.json at most
+
+
+def per_step(m: pd.DataFrame) -> dict:
+    """summary.json ``memory.per_step``: per rank and sampled step the allocator's in-use bytes at the optimizer
+    step and, on a GPU, the step's allocated and reserved peaks (the report's memory over steps); ``per_step_reason``
+    instead above ``PER_STEP_MAX`` rows."""
+    if len(m) > PER_STEP_MAX:
+        return {"per_step": [], "per_step_reason": f"{len(m)} rank-steps, over the {PER_STEP_MAX} written here (the "
+                                                   "run's memory table has them all)"}
+    m = m.sort_values(["rank", "step"])
+    return {"per_step": [{"rank": int(r.rank), "step": int(r.step), "allocated_bytes": _int(r.allocated_bytes),
+                          "peak_bytes": _int(r.peak_bytes), "reserved_peak_bytes": _int(r.reserved_peak_bytes)}
+                         for r in m.itertuples(index=False)]}
+
+
 def memory_block(run, pp=None) -> dict:
     """summary.json ``memory``'s ledger keys: ``ranks`` (per rank, ``RANK_KEYS``), the rank with the least headroom
     (GPU) or the largest peak, ``imbalance`` (``pp``: the pipeline analysis, analyzers/pipeline.py
@@ -241,7 +257,7 @@ def memory_block(run, pp=None) -> dict:
     ranks: list[dict] = [{k: (None if v is None or (isinstance(v, float) and not np.isfinite(v)) else v)
                           for k, v in rec.items()} for rec in led.to_dict("records")]
     out: dict = {"ranks": ranks, "what_fits": what_fits(run, led), "ledger_cost_s_per_row": _cost(run.meta),
-                 "imbalance": imbalance(led, stage_of, pipeline)}
+                 "imbalance": imbalance(led, stage_of, pipeline), **per_step(run.memory)}
     with_headroom = [r for r in ranks if r["headroom_bytes"] is not None]
     if with_headroom:
         worst = min(with_headroom, key=lambda r: int(r["headroom_bytes"]))

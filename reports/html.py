@@ -564,8 +564,8 @@ def _memory_ledger_section(p: _Parts) -> str:
     mem = p.summary.get("memory") or {}
     if not mem.get("ranks"):
         return ""
-    return _section("memory-ledger", p.page.figure(M.ledger_figure(mem), "fig-memory-ledger") + M.ledger_html(mem),
-                    M.NOTE)
+    return _section("memory-ledger", p.page.figure(M.ledger_figure(mem), "fig-memory-ledger")
+                    + p.page.figure(M.over_steps_figure(mem), "fig-memory-steps") + M.ledger_html(mem), M.NOTE)
 def _health_section(p: _Parts) -> str:
     """Loss and gradient norm per rank over steps with the incidents marked, and the incidents (analyzers/health.py,
     summary.json ``health``)."""

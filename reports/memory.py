@@ -40,6 +40,42 @@ def ledger_figure(memory: dict) -> go.Figure | None:
     return layout(fig, "Memory ledger per rank", height=360, xtitle="rank", ytitle="memory (GiB)")
 
 
+RANKS_DRAWN = 16      # beyond this many ranks, each step's largest value over the ranks
+OVER_STEPS = (("allocated_bytes", "allocated at the optimizer step", "solid"),
+              ("peak_bytes", "allocated peak", "dot"), ("reserved_peak_bytes", "reserved peak", "dash"))
+
+
+def over_steps_figure(memory: dict) -> go.Figure | None:
+    """Allocated and reserved memory per rank over the sampled steps (summary.json ``memory.per_step``); with more
+    than ``RANKS_DRAWN`` ranks, each step's largest over the ranks."""
+    rows = memory.get("per_step") or []
+    if not rows:
+        return None
+    gib = 2**30
+    by_rank: dict = {}
+    for r in rows:
+        by_rank.setdefault(r["rank"], []).append(r)
+    if len(by_rank) > RANKS_DRAWN:
+        top: dict = {}
+        for r in rows:
+            cur = top.setdefault(r["step"], {"step": r["step"]})
+            for key, _, _ in OVER_STEPS:
+                if r.get(key) is not None:
+                    cur[key] = max(cur.get(key) or 0, r[key])
+        by_rank = {"max": sorted(top.values(), key=lambda x: x["step"])}
+    fig = go.Figure()
+    for rank, rs in by_rank.items():
+        who = "largest over ranks" if rank == "max" else f"rank {rank}"
+        for key, name, dash in OVER_STEPS:
+            pts = [(r["step"], r[key] / gib) for r in rs if r.get(key) is not None]
+            if pts:
+                fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
+                                         name=f"{who}: {name}", line={"dash": dash}, legendgroup=str(rank),
+                                         hovertemplate=f"{who}<br>step %{{x}}<br>{name}: %{{y:.3f}} GiB"
+                                                       "<extra></extra>"))
+    return layout(fig, "Memory over the sampled steps", height=340, xtitle="step", ytitle="memory (GiB)")
+
+
 def _rows(head: list[str], rows: list[list[str]]) -> str:
     h = "".join(f"<th>{esc(c)}</th>" for c in head)
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)

@@ -161,6 +161,23 @@ def test_zero_memory_ledger_is_each_ranks_share(request, name):
     assert job.summary["memory"]["imbalance"]["ranks"] == []
 
 
+def test_what_fits_zero3_from_the_zero2_run_against_the_zero3_run(zero2, zero3):
+    """A ZeRO-stage change predicted from the ZeRO-2 run's ledger and checked against a real ZeRO-3 run of the same
+    model, on the ledger's categories: the ledger tells the grads and the optimizer's partition are already 1/N, so
+    only ZeRO-3's lever is offered, sharding the parameters alone; its predicted persistent bytes (params + grads +
+    optimizer state) within 10 % of the ZeRO-3 run's, rank by rank."""
+    base = {r["rank"]: r for r in zero2.summary["memory"]["ranks"]}
+    rerun = {r["rank"]: r for r in zero3.summary["memory"]["ranks"]}
+    for fits in zero2.summary["memory"]["what_fits"]:
+        levers = {x["lever"]: x for x in fits["levers"]}
+        assert not {"zero1", "zero2"} & set(levers), levers
+        rank = fits["rank"]
+        predicted = base[rank]["persistent_bytes"] - levers["zero3_fsdp_full_shard"]["predicted_saving_bytes"]
+        assert predicted == pytest.approx(rerun[rank]["persistent_bytes"], rel=0.10)
+        assert levers["zero3_fsdp_full_shard"]["predicted_saving_bytes"] == pytest.approx(
+            base[rank]["params_bytes"] / 2, rel=0.01)
+
+
 def test_zero3_final_weights_bit_identical_bare_and_profiled(zero3, tmp_path):
     bare = Job(tmp_path / "bare", ("--zero", "3", "--accum", "2", *ZERO_ARGS), profiled=False)
     assert len(zero3.weights()) == 2 and zero3.weights() == bare.weights()

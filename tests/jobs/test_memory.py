@@ -121,6 +121,10 @@ def test_summary_json_and_run_format(ddp):
     run = open_run(out)
     ledgers = run.meta[run.meta["kind"].astype(str) == "memory_ledger"]["value"].tolist()
     assert len(ledgers) == 2 and all(v["rows"] == len(run.memory[run.memory["rank"] == 0]) for v in ledgers[:1])
+    # the report's memory over steps: each rank's sampled steps, the allocator's bytes at each optimizer step
+    rows = run.memory.sort_values(["rank", "step"]).itertuples()
+    assert [(x["rank"], x["step"], x["allocated_bytes"]) for x in mem["per_step"]] == [
+        (int(r.rank), int(r.step), int(r.allocated_bytes)) for r in rows]
 
 
 def test_a_cpu_allocator_failure_mid_forward_is_an_oom_with_levers(tmp_path):

@@ -210,3 +210,18 @@ def test_report_names_the_imbalanced_rank_and_the_stages():
     mem = {"ranks": [{"rank": r} for r in (0, 1)], "imbalance": memory_mod.imbalance(led)}
     html = report_memory.ledger_html(mem)
     assert "Imbalance" in html and "<td>1</td><td>0</td><td>48.0 MiB</td><td>other (+48.0 MiB)</td>" in html
+
+
+def test_report_draws_allocated_and_reserved_over_the_steps():
+    from dtprof.reports import memory as report_memory
+
+    rows = [{"rank": r, "step": s, "allocated_bytes": (10 + s + r) * MiB, "peak_bytes": (20 + s) * MiB,
+             "reserved_peak_bytes": (24 + s) * MiB} for r in (0, 1) for s in (0, 4, 8)]
+    fig = report_memory.over_steps_figure({"per_step": rows})
+    got = {t.name: (list(t.x), [round(y * 1024, 6) for y in t.y]) for t in fig.data}
+    assert got["rank 1: allocated at the optimizer step"] == ([0, 4, 8], [11, 15, 19])     # MiB
+    assert got["rank 0: reserved peak"] == ([0, 4, 8], [24, 28, 32])
+    assert len(got) == 6
+    many = [r | {"rank": k} for k in range(20) for r in rows[:3]]          # 20 ranks: the largest over them
+    names = {t.name for t in report_memory.over_steps_figure({"per_step": many}).data}
+    assert names == {f"largest over ranks: {n}" for _, n, _ in report_memory.OVER_STEPS}
