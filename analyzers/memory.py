@@ -18,6 +18,12 @@ the NVML samples. Per rank:
   peak: its reserved peak less its allocated peak); ``alloc_retries`` and ``ooms`` (the allocator's cumulative counts
   at the last row); ``non_pytorch_bytes`` = NVML's largest used memory of the rank's GPU less the reserved peak (CUDA
   context, NCCL buffers, other processes on that GPU).
+- GPU, by phase: ``forward_activations_peak_bytes``, ``backward_activations_peak_bytes``,
+  ``optimizer_activations_peak_bytes``: the allocator's peak by the end of that phase (read at backward's start, at
+  the optimizer step's start and at the step's end) less what persists then (params, optimizer state, the grads
+  present), at the row of the largest peak among those with the phase readings; ``peak_phase``: the phase whose
+  peak is the step's.
+- ``params_full_bytes``, ``optimizer_shard_frac``: the last row's (which categories a ZeRO lever can still shard).
 - ``other_bytes``: the allocator's in-use bytes at the last sampled optimizer step less params, grads and optimizer
   state: what the rank keeps besides its model states between steps (tensors the loop keeps, caches; on a CPU also
   the interpreter's and libraries' own heap).

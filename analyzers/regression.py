@@ -55,8 +55,9 @@ DEFAULT_ADVISORY = (
     "overlap.exposed_comm_frac < +0.05",
     "pipeline.bubble_frac < +0.02",
     "stragglers <= +0",
-    "memory.peak_bytes_max < +5%",    # the memory ledger's largest peak over ranks; the note names the rank
+    "memory.ranks.peak_bytes < +5%",  # each rank's memory ledger peak against its own; the note names the rank
 )
+RANKS_KEY = "memory.ranks."       # memory.ranks.<ledger field>: gated rank by rank, the rank that moved most decides
 
 STEP_KEY = "steps.time_s."
 STEP_SAMPLES_KEY = "steps.per_step_time_s"
@@ -433,7 +434,48 @@ def _side_value(summaries: Sequence[dict], key: str) -> tuple[float | None, bool
     return (float(np.median(vals)) if vals else None), present
 
 
+def _evaluate_rank_gate(gate, base, head) -> GateResult:
+    """``memory.ranks.<field>``: each rank's ledger value (median over a side's runs) against the same rank's, the
+    rank whose value moved most (ratio, delta) or is largest (absolute) deciding; ranks on one side only are left
+    out. The note names that rank and, for a peak, the ledger category that grew most in it."""
+    field = gate.key[len(RANKS_KEY):]
+    res = GateResult(gate, NA, n_base=len(base), n_head=len(head), method="per rank: summary values (median over "
+                                                                         "runs), the rank that moved most")
+
+    def side(runs):
+        by_rank: dict[int, list[float]] = {}
+        for s in runs:
+            for r in (s.get("memory") or {}).get("ranks") or []:
+                if r.get(field) is not None:
+                    by_rank.setdefault(int(r["rank"]), []).append(float(r[field]))
+        return {rank: float(np.median(v)) for rank, v in by_rank.items()}
+
+    h, b = side(head), side(base)
+    both = sorted(h) if gate.mode == "absolute" else [r for r in sorted(h) if r in b and b[r]]
+    if not both:
+        res.verdict, res.note = INCONCLUSIVE, f"no rank has {field} on both sides"
+        return res
+
+    def change(r):
+        return h[r] if gate.mode == "absolute" else h[r] / b[r] - 1.0 if gate.mode == "ratio" else h[r] - b[r]
+    worst = max(both, key=change) if gate.op in ("<", "<=") else min(both, key=change)
+    moved = change(worst)
+    res.head, res.base, res.change = h[worst], b.get(worst), moved
+    value = moved + 1.0 if gate.mode == "ratio" else moved
+    res = _finish(res, not bool(_OPS[gate.op](value, gate.limit)), False)
+    mib = field.endswith("_bytes")
+    word = {"absolute": f"{h[worst] / 2**20:.1f} MiB" if mib else f"{h[worst]:.6g}", "ratio": f"{moved:+.1%}",
+            "delta": f"{moved / 2**20:+.1f} MiB" if mib else f"{moved:+.6g}"}[gate.mode]
+    note = f"rank {worst}'s {field} {word}" + (f" (of {len(both)} ranks)" if len(both) > 1 else "")
+    if field == "peak_bytes" and gate.mode != "absolute":
+        note = _memory_note(base, head, worst) or note
+    res.note = "; ".join(x for x in (res.note, note) if x)
+    return res
+
+
 def _evaluate_scalar_gate(gate, base, head) -> GateResult:
+    if gate.key.startswith(RANKS_KEY):
+        return _evaluate_rank_gate(gate, base, head)
     res = GateResult(gate, NA, n_base=len(base), n_head=len(head), method="summary values (median over runs)")
     try:
         h, h_present = _side_value(head, gate.key)
@@ -481,10 +523,12 @@ def _rank_ledgers(summaries: Sequence[dict]) -> dict[int, dict]:
             for rank, rows in by_rank.items()}
 
 
-def _memory_note(base: Sequence[dict], head: Sequence[dict]) -> str:
-    """The rank whose peak memory grew most, from base to head, and the ledger category that grew most in it."""
+def _memory_note(base: Sequence[dict], head: Sequence[dict], rank: int | None = None) -> str:
+    """The rank whose peak memory grew most (or ``rank``), from base to head, and the ledger category that grew
+    most in it."""
     b, h = _rank_ledgers(base), _rank_ledgers(head)
-    both = [r for r in sorted(set(b) & set(h)) if b[r].get("peak_bytes") and h[r].get("peak_bytes")]
+    both = [r for r in sorted(set(b) & set(h)) if b[r].get("peak_bytes") and h[r].get("peak_bytes")
+            and rank in (None, r)]
     if not both:
         return ""
     r = max(both, key=lambda x: h[x]["peak_bytes"] / b[x]["peak_bytes"])

@@ -17,7 +17,13 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
   torch's CPU tensors live, beside the interpreter's and libraries' own) and the grads present then (none when the
   first parameter has no grad, else the last count's: grads are all set to None or all kept). The analysis takes
   what persists and the previous row's non-tensor bytes from the first to get what the forward left for backward.
-- CUDA only: ``forward_peak_bytes`` (the allocator's peak from the step's start to backward's start), ``peak_bytes``
+- ``params_full_bytes`` (the trained parameters' bytes unsharded: a DTensor's global shape, a ZeRO-3 parameter's
+  ``ds_numel``) and ``optimizer_shard_frac`` (the optimizers' parameters' local elements ÷ the trained parameters'
+  full elements: 1 replicated, about 1/N under ZeRO or FSDP), read with the counts: what the what-fits levers need
+  to tell which categories are already sharded.
+- CUDA only: ``forward_peak_bytes`` (the allocator's peak from the step's start to backward's start),
+  ``backward_peak_bytes`` (to the optimizer step's start: an optimizer pre-hook registered on detailed steps only),
+  ``peak_bytes``
   (the step's peak; the recorder resets the peak after each step, collectors/runtime.py), ``reserved_peak_bytes``,
   ``alloc_retries`` and ``ooms`` (cumulative), from ``torch.cuda.memory_stats()`` (host-side counters: no sync).
 - ``allocated_bytes``: the allocator's in-use bytes at the optimizer step; ``rss_peak_bytes``: the process's resident

@@ -16,7 +16,9 @@ CATEGORIES = (("params_bytes", "parameters", "#4C78A8"), ("grads_bytes", "gradie
 NOTE = ("Per rank, what it holds at its peak: parameters, gradients and optimizer state counted from its tensors "
         "(a shard as its local bytes), activations and temporaries = peak − those; on a GPU the caching allocator's "
         "fragmentation and the memory outside PyTorch on top (docs/metrics.md, Memory ledger). On a CPU there is no "
-        "per-step allocator peak: the peak is the largest tensor bytes read at backward's start or the optimizer step.")
+        "per-step allocator peak: the peak is the largest tensor bytes read at backward's start or the optimizer step. "
+        "Over the steps: the allocator's in-use bytes at each sampled optimizer step and, on a GPU, the step's "
+        "allocated and reserved peaks.")
 
 
 def ledger_figure(memory: dict) -> go.Figure | None:

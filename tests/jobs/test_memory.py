@@ -94,6 +94,22 @@ def test_what_fits_zero3_and_half_micro_batch_against_reruns(ddp, ddp_half, fsdp
         assert half[rank]["persistent_bytes"] == b["persistent_bytes"]     # the lever leaves the tensors alone
 
 
+def test_compare_gates_each_ranks_peak(ddp, ddp_half):
+    """`dtprof compare` of the half-micro-batch run (base) against the full one (head), gated on each rank's peak:
+    the activations doubled, so every rank's peak grew by about the activations' half (the job's [BATCH/2, 512] fp32
+    ReLU outputs, 2 MiB) over its base peak; the gate fails and names the category that grew: activations."""
+    p = dtprof("compare", str(ddp_half[0]), "--head", str(ddp[0]), "--gate", "memory.ranks.peak_bytes < +5%",
+               "--format", "json")
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    gate = next(g for g in json.loads(p.stdout)["gates"] if g["key"] == "memory.ranks.peak_bytes")
+    assert gate["verdict"] == "fail"
+    rank = int(re.match(r"rank (\d+)'s peak", gate["note"]).group(1))
+    grew = 4 * (BATCH // 2) * 512 * 4                     # four ReLU outputs of the extra BATCH/2 rows
+    assert gate["head"] - gate["base"] == pytest.approx(grew, rel=0.10)
+    assert gate["base"] == _ranks(ddp_half[0])[rank]["peak_bytes"]
+    assert "most in activations and temporaries" in gate["note"]
+
+
 def test_a_rank_keeping_tensors_is_named_with_their_bytes(ddp):
     """Rank 1 keeps tensors its DDP peer does not (the job counts their bytes): the imbalance names rank 1, the
     excess within 5 % of those bytes, in the ledger's 'other' category, and a memory_imbalance finding says so."""
