@@ -23,7 +23,8 @@ the NVML samples. Per rank:
   the optimizer step's start and at the step's end) less what persists then (params, optimizer state, the grads
   present), at the row of the largest peak among those with the phase readings; ``peak_phase``: the phase whose
   peak is the step's.
-- ``params_full_bytes``, ``optimizer_shard_frac``: the last row's (which categories a ZeRO lever can still shard).
+- ``params_full_bytes``, ``optimizer_shard_frac``: the last row's (which categories a ZeRO lever can still shard);
+  ``kept_unsharded_bytes``, ``kept_unsharded_max_bytes``: the last row's (FSDP2 groups not resharded after forward).
 - ``other_bytes``: the allocator's in-use bytes at the last sampled optimizer step less params, grads and optimizer
   state: what the rank keeps besides its model states between steps (tensors the loop keeps, caches; on a CPU also
   the interpreter's and libraries' own heap).
@@ -47,7 +48,7 @@ RANK_KEYS = ("rank", "params_bytes", "grads_bytes", "optimizer_state_bytes", "pe
              "reserved_peak_bytes", "fragmentation_bytes", "non_pytorch_bytes", "alloc_retries", "ooms",
              "device_mem_total_bytes", "headroom_bytes", "rows", "params_full_bytes", "optimizer_shard_frac",
              "forward_activations_peak_bytes", "backward_activations_peak_bytes", "optimizer_activations_peak_bytes",
-             "peak_phase")
+             "peak_phase", "kept_unsharded_bytes", "kept_unsharded_max_bytes")
 PHASES = ("forward", "backward", "optimizer")
 GPU_PEAK = "CUDA caching allocator peak (torch.cuda.memory_stats allocated_bytes.all.peak)"
 CPU_PEAK = ("tensor bytes at backward's start and at the optimizer step (glibc mallinfo2 in-use bytes less the "
@@ -81,6 +82,8 @@ def ledger(run) -> pd.DataFrame:
         frac = last.get("optimizer_shard_frac")
         rec = {"rank": int(rank), "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": state,
                "params_full_bytes": _int(last.get("params_full_bytes")),
+               "kept_unsharded_bytes": _int(last.get("kept_unsharded_bytes")),
+               "kept_unsharded_max_bytes": _int(last.get("kept_unsharded_max_bytes")),
                "optimizer_shard_frac": float(frac) if frac is not None and pd.notna(frac) else None,
                "persistent_bytes": persistent, "activations_bytes": activations, "other_bytes": _int(other),
                "rows": len(g),
@@ -316,6 +319,12 @@ def levers(rec: dict, world: int, sharded: bool, *, shortfall: int | None = None
         add("zero3_fsdp_full_shard", (o + g + p) * keep, "(optimizer_state + grads + params) × (1 − 1/N)",
             f"{n}; the one layer gathered at a time is left out",
             "parameters all-gathered in forward and backward: 1.5× the data-parallel traffic")
+    kept = rec.get("kept_unsharded_bytes") or 0
+    add("fsdp_reshard_after_forward", kept - 2 * (rec.get("kept_unsharded_max_bytes") or 0),
+        "kept_unsharded − 2 × the largest kept group",
+        "fully_shard(reshard_after_forward=True) on the groups that keep their parameters unsharded from forward to "
+        "backward; backward then holds one group gathered and the next prefetched",
+        "those groups' parameters all-gathered again in backward: one more all-gather of their bytes per step")
     add("activation_checkpointing", act * (1 - CHECKPOINT_KEEP), "activations × (1 − 2/34)",
         "every block checkpointed; transformer blocks (Korthikanti et al. Table 2: a block's input is 2 of its 34 "
         "s·b·h bytes)", "one more forward per step (about +33 % compute)")

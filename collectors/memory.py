@@ -21,6 +21,9 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
   ``ds_numel``) and ``optimizer_shard_frac`` (the optimizers' parameters' local elements ÷ the trained parameters'
   full elements: 1 replicated, about 1/N under ZeRO or FSDP), read with the counts: what the what-fits levers need
   to tell which categories are already sharded.
+- ``kept_unsharded_bytes``, ``kept_unsharded_max_bytes``: FSDP2 groups with ``reshard_after_forward=False`` (the
+  root's left out: it never reshards): the bytes of their unsharded parameters, held from forward to backward, and
+  the largest group's; null without FSDP2.
 - CUDA only: ``forward_peak_bytes`` (the allocator's peak from the step's start to backward's start),
   ``backward_peak_bytes`` (to the optimizer step's start: an optimizer pre-hook registered on detailed steps only),
   ``peak_bytes``
@@ -123,7 +126,7 @@ class MemoryLedger(RankPart):
     def __init__(self):
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counts = None        # (params, grads, optimizer state) bytes of the last count
-        self.shards = (None, None)  # (params' full bytes, optimizer's shard fraction) of the last count
+        self.shards = (None, None, None, None)  # the last count's _shards()
         self.signature = None     # what the last count was made of
         self.sampled = 0          # sampled steps since the last full count
         self.bwd = None           # (allocated, grads present) at the step's first backward
@@ -189,15 +192,36 @@ class MemoryLedger(RankPart):
                                           if isinstance(v, self.torch.Tensor)), seen)
         return params, grads, state
 
-    def _shards(self) -> tuple[int, float | None]:
+    def _shards(self) -> tuple[int, float | None, int | None, int | None]:
         """(the trained parameters' bytes unsharded, the optimizers' parameters' local elements ÷ the trained
-        parameters' full elements): what the what-fits levers need to tell a replicated category (1) from a
-        ZeRO/FSDP-sharded one (1/N)."""
+        parameters' full elements, ``_kept_unsharded``): what the what-fits levers need to tell a replicated
+        category (1) from a ZeRO/FSDP-sharded one (1/N), and FSDP2 groups not resharded after forward."""
         model = self._model_params() or list(self._params())
         full = sum(_full_numel(p) for p in model)
         full_bytes = sum(_full_numel(p) * p.element_size() for p in model)
         opt = sum(int(_local(p).numel()) for p in {id(p): p for p in self._params()}.values())
-        return full_bytes, (opt / full if full else None)
+        return (full_bytes, opt / full if full else None, *self._kept_unsharded())
+
+    def _kept_unsharded(self) -> tuple[int | None, int | None]:
+        """FSDP2 modules that keep their parameters unsharded from forward to backward (``reshard_after_forward``
+        False; the root's group never reshards, so it is left out): (their unsharded bytes, the largest group's),
+        or (None, None) without FSDP2."""
+        groups = []
+        roots = self.ctx.roots() if self.ctx.roots is not None else []
+        for m in {id(m): m for r in roots for m in r.modules()}.values():
+            get = getattr(m, "_get_fsdp_state", None)
+            if get is None:
+                continue
+            state = get()
+            group = getattr(state, "_fsdp_param_group", None)
+            if group is None:
+                continue
+            if state._is_root or group.post_forward_mesh_info is not None:
+                groups.append(0)
+                continue
+            groups.append(sum(fp.sharded_param.numel() * (fp.param_dtype or fp.orig_dtype).itemsize
+                              for fp in group.fsdp_params))
+        return (sum(groups), max(groups)) if groups else (None, None)
 
     def _allocated(self):
         if self.cuda:
@@ -258,8 +282,8 @@ class MemoryLedger(RankPart):
             self._allocated(),
             self.fwd_peak if self.cuda else None,
             stats.get("allocated_bytes.all.peak"), stats.get("reserved_bytes.all.peak"),
-            stats.get("num_alloc_retries"), stats.get("num_ooms"), self.rss_peak, *self.shards,
-            self.bwd_peak if self.cuda else None))
+            stats.get("num_alloc_retries"), stats.get("num_ooms"), self.rss_peak, *self.shards[:2],
+            self.bwd_peak if self.cuda else None, *self.shards[2:]))
         self.rows += 1
         self.step_of_row = step
         self.bwd = self.fwd_peak = self.bwd_peak = None

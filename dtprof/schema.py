@@ -123,6 +123,8 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("params_full_bytes", "Int"),     # the trained parameters' bytes unsharded (DTensor: global; ZeRO-3: ds_numel)
         ("optimizer_shard_frac", "float"),  # the optimizers' parameters' local elements / the parameters' full ones
         ("backward_peak_bytes", "Int"),   # CUDA: the allocator's peak at the optimizer step's start
+        ("kept_unsharded_bytes", "Int"),  # FSDP2 groups not resharded after forward: their unsharded bytes
+        ("kept_unsharded_max_bytes", "Int"),  # ... and the largest such group's
     ],
     # Numerics health (collectors/numerics.py): one row per rank and optimizer step, read from the device a step
     # later (never a host-device sync). Non-finite values are null in their column and named in ``nonfinite``.

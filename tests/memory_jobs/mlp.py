@@ -1,5 +1,6 @@
 """A 2-rank job for the memory ledger (tests/jobs/test_memory.py): DDP, or FSDP2 with --fsdp, over four 512x512
-linear layers, AdamW. Prints the model's parameter count (its truth: P) on rank 0.
+linear layers, AdamW. Prints the model's parameter count (its truth: P) on rank 0. --keep-unsharded: the FSDP2
+layers keep their parameters unsharded from forward to backward (reshard_after_forward=False).
 
 --oom-rank R: at step --oom-step rank R meets a 16384x longer batch in forward (a 2 GiB tensor) with its address
 space capped (RLIMIT_AS) 1.5 GiB above what it uses: a real CPU allocator failure mid-forward.
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 p = argparse.ArgumentParser()
 p.add_argument("--fsdp", action="store_true")
+p.add_argument("--keep-unsharded", action="store_true")   # FSDP2 layers with reshard_after_forward=False
 p.add_argument("--steps", type=int, default=6)
 p.add_argument("--batch", type=int, default=512)
 p.add_argument("--dim", type=int, default=512)
@@ -55,7 +57,7 @@ P = sum(p.numel() for p in net.parameters())
 if args.fsdp:
     from torch.distributed.fsdp import fully_shard
     for layer in net.layers:
-        fully_shard(layer)
+        fully_shard(layer, reshard_after_forward=not args.keep_unsharded)
     model = fully_shard(net)
 else:
     model = torch.nn.parallel.DistributedDataParallel(net)
