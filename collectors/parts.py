@@ -221,29 +221,38 @@ def lazy_part(module: str, factory: str, when_imported: str | None = None) -> Ca
 
 class _OnImport:
     """A finder first on ``sys.meta_path`` that lets the others find ``name`` and calls ``callback`` once that
-    package's ``__init__`` has run. Asked only at a module's first import: nothing at run time."""
+    package's ``__init__`` has run (then leaves). Asked only at a module's first import: nothing at run time. A
+    look-up that imports nothing (``importlib.util.find_spec``, as transformers' ``is_deepspeed_available`` does)
+    wraps a loader that never runs, and the finder stays for the real import."""
 
     def __init__(self, name: str, callback: Callable[[], None]):
         self.name, self.callback = name, callback
+        self.busy = self.done = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self.busy or self.done:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)       # once: a failed import is not watched again
+        self.busy = True                     # the other finders' look-up asks this one again
         try:
             spec = importlib.util.find_spec(fullname)
         except Exception:
             return None                      # the import goes on without the part
+        finally:
+            self.busy = False
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        exec_module, callback = loader.exec_module, self.callback
+        exec_module = loader.exec_module
 
         def exec_then_call(module):
             exec_module(module)
+            if self.done:
+                return
+            self.done = True
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             try:
-                callback()
+                self.callback()
             except Exception:
                 pass          # Parts.add reports its own faults
         loader.exec_module = exec_then_call

@@ -92,6 +92,8 @@ GROUPED_JOB = textwrap.dedent("""
                 opt.param_groups[0]["lr"] = lr
                 opt.step()
             opt.zero_grad()
+    import importlib.util
+    importlib.util.find_spec("enginelib")   # a look-up that imports nothing (transformers' is_*_available)
     train(2, [0.5, 0.125])        # before the import: no part, each torch step a step
     import enginelib
     train(3, [0.5, 0.5, 0.125])   # after: three groups, one step
