@@ -9,6 +9,8 @@ Where the callbacks run
 - ``install(ctx)``: the training thread, once, when the rank starts recording (torch imported, the writer open).
 - ``on_backward(tensors)``: the training thread, at each top-level ``torch.autograd.backward`` /
   ``Tensor.backward`` of a detailed step, before it runs; ``tensors`` is what backward was called on.
+- ``on_optimizer_pre_step(optimizer)``: the training thread, before a ``torch.optim`` optimizer step of a detailed
+  step (not in an A/B "off" block), where its gradients are final (after DDP's all-reduce, before the update).
 - ``on_optimizer_step(optimizer)``: the training thread, after each ``torch.optim`` optimizer step and before
   the step it ends is closed (``ctx.step`` is still that step); every step, detailed or not: keep it cheap.
 - ``on_step_end(step, t_ns, detailed)``: the training thread, after step ``step``'s row was appended.
@@ -95,6 +97,9 @@ class RankPart:
     def on_backward(self, tensors) -> None:
         pass
 
+    def on_optimizer_pre_step(self, optimizer) -> None:
+        pass
+
     def on_optimizer_step(self, optimizer) -> None:
         pass
 
@@ -111,7 +116,8 @@ class RankPart:
         pass
 
 
-CALLBACKS = ("on_backward", "on_optimizer_step", "on_step_end", "on_detail", "on_flush", "on_exit")
+CALLBACKS = ("on_backward", "on_optimizer_pre_step", "on_optimizer_step", "on_step_end", "on_detail", "on_flush",
+             "on_exit")
 
 
 class Parts:
