@@ -74,7 +74,7 @@ class NumericsSentinel(RankPart):
         import torch
 
         self.torch = torch
-        self.is_compiling = torch.compiler.is_compiling
+        self.is_compiling = _is_compiling(torch)
         self.losses: list = []          # this step's local losses (detached)
         self.norm = None                # this step's last clip_grad_norm_ result (detached)
         self.own_norms: list = []       # this step's norms dtprof computed (one per optimizer step; no clip seen)
@@ -405,6 +405,18 @@ class NumericsSentinel(RankPart):
         for mod, name, f in self.patched:
             setattr(mod, name, f)
         self.patched = []
+
+
+def _is_compiling(torch):
+    """``torch.compiler.is_compiling`` at a fraction of its cost (it first calls ``torch.jit.is_scripting``, a
+    Python function: two of these run on every step): Dynamo folds ``is_dynamo_compiling`` to True while it traces
+    (no guard on what follows), and torch.export's non-strict tracing sets the flag."""
+    compiler = torch.compiler
+    dynamo = compiler.is_dynamo_compiling
+
+    def is_compiling() -> bool:
+        return dynamo() or compiler._is_compiling_flag
+    return is_compiling
 
 
 def _stepped_by_deepspeed(depth: int = 12) -> bool:

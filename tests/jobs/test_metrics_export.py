@@ -162,7 +162,7 @@ def test_prometheus_scraped_while_the_job_trains(ddp):
         assert rank_value(live, "dtprof_step_peak_memory_bytes", r) > 0
         assert rank_value(live, "dtprof_step_collective_lateness_seconds", r) is not None
         assert rank_value(live, "dtprof_loss", r) > 0 and rank_value(live, "dtprof_learning_rate", r) == LR
-        assert rank_value(live, "dtprof_grad_norm", r) is None      # the job does not clip: no norm to report
+        assert rank_value(live, "dtprof_grad_norm", r) > 0     # the job does not clip: the norm dtprof computed
     # rank 1 sleeps 80 ms in each forward (over half a step even with another test file running beside it): it
     # arrives late at the all-reduces, rank 0 waits in exposed communication
     assert rank_value(live, "dtprof_collective_lateness_seconds_total", 1) > \
