@@ -207,10 +207,13 @@ def test_tensorboard_reads_every_step(ddp):
                     "step_collective_lateness_seconds", "straggler"):
             assert tag in tb, (tag, sorted(tb))
         assert all(0 < v < 1 for _, v in tb["step_mfu_ratio"])
-        # numerics health: every step's local loss as the run's health table has it, the job's learning rate
+        # numerics health: every step's local loss and gradient norm (the job does not clip: dtprof's) as the run's
+        # health table has them, the job's learning rate
         h = run.health[run.health["rank"] == r]
         assert dict(tb["loss"]) == pytest.approx(dict(zip(h["step"], h["loss"])), rel=1e-6)   # float32 in the file
-        assert len(tb["learning_rate"]) == DDP_STEPS and "grad_norm" not in tb
+        assert set(h["grad_norm_source"]) == {"dtprof"} and len(h) == DDP_STEPS
+        assert dict(tb["grad_norm"]) == pytest.approx(dict(zip(h["step"], h["grad_norm"])), rel=1e-6)
+        assert len(tb["learning_rate"]) == DDP_STEPS
         assert all(v == pytest.approx(LR) for _, v in tb["learning_rate"])     # float32 in the file
     # rank 0's as the job printed it (6 decimals)
     printed = {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", proc.stdout, re.M)}
