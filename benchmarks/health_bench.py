@@ -1,7 +1,7 @@
 """Numerics health (collectors/numerics.py, analyzers/health.py): false alarms on long clean runs, and what the
 sentinel costs a step.
 
-    python benchmarks/health_bench.py alarms [--runs 2] [--steps 1500]
+    python benchmarks/health_bench.py alarms [--runs 2] [--steps 1500] [--only NAME-PART]
     python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
 
 ``alarms``: clean two-rank jobs recorded with `dtprof run --full-detail` (every step's loss read): the examples'
@@ -50,7 +50,7 @@ def _record(out: Path, script: Path, args: list[str]) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def alarms(runs: int, steps: int) -> None:
+def alarms(runs: int, steps: int, only: str = "") -> None:
     jobs = {
         "train_ddp (TinyLM, AdamW)": (REPO / "examples" / "train_ddp.py",
                                       ["--steps", str(steps), "--dim", "64", "--seq", "32"]),
@@ -61,6 +61,8 @@ def alarms(runs: int, steps: int) -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, (script, args) in jobs.items():
+            if only not in name:
+                continue
             tested = incidents = 0
             kinds: dict[str, int] = {}
             for i in range(runs):
@@ -229,12 +231,13 @@ def main() -> None:
     ap.add_argument("pairs", nargs="?", type=int, default=10, help="cost-worker: on/off block pairs")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--only", default="", help="alarms: only the jobs whose name contains this")
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"cost: comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--pairs", type=int, default=10, help="cost: on/off block pairs per job")
     ap.add_argument("--full-detail", action="store_true", help="cost: every step in full detail (no sampling)")
     a = ap.parse_args()
     if a.what == "alarms":
-        alarms(a.runs, a.steps or 1500)
+        alarms(a.runs, a.steps or 1500, a.only)
     elif a.what == "cost-worker":
         cost_worker(a.job, a.pairs, a.full_detail)
     else:

@@ -3,7 +3,7 @@ learning rate and, at a priced interval, a fingerprint of the parameters, as ``h
 
 What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recorded in full detail only (the
 step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a
-boundary-only step costs this part two early returns.
+boundary-only step costs this part three calls that return at once (its clip wrapper, on_optimizer_step, on_step_end).
 - the local loss: the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before any
   cross-rank reduction), their mean when there are several (gradient accumulation, pipeline microbatches);
 - the gradient norm: the tensor ``torch.nn.utils.clip_grad_norm_`` (or its alias ``clip_grad_norm``) returned,
