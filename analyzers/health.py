@@ -163,9 +163,12 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
         return block
     h = health.sort_values(["step", "rank"]).reset_index(drop=True)
     if len(h) <= PER_STEP_MAX:
+        src = h["grad_norm_source"].fillna("").astype(str) if "grad_norm_source" in h else pd.Series("", h.index)
         block["per_step"] = [{"rank": int(r.rank), "step": int(r.step), "loss": _num(r.loss),
-                              "grad_norm": _num(r.grad_norm), "lr": _num(r.lr)}
-                             for r in h[["rank", "step", "loss", "grad_norm", "lr"]].itertuples(index=False)]
+                              "grad_norm": _num(r.grad_norm), "lr": _num(r.lr),
+                              "grad_norm_source": s or None}
+                             for r, s in zip(h[["rank", "step", "loss", "grad_norm", "lr"]].itertuples(index=False),
+                                             src)]
     else:
         block["per_step_reason"] = (f"{len(h)} rank-steps, over the {PER_STEP_MAX} written here (the run's health "
                                     f"table has them all)")

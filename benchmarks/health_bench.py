@@ -1,26 +1,27 @@
 """Numerics health (collectors/numerics.py, analyzers/health.py): false alarms on long clean runs, and what the
 sentinel costs a step.
 
-    python benchmarks/health_bench.py alarms [--runs 2] [--steps 1500]
+    python benchmarks/health_bench.py alarms [--runs 2] [--steps 1500] [--only NAME-PART]
     python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
 
 ``alarms``: clean two-rank jobs recorded with `dtprof run --full-detail` (every step's loss read): the examples'
-TinyLM with AdamW on synthetic tokens (examples/train_ddp.py: a noisy, slowly falling loss) and the small
-regression of tests/numerics_jobs/health.py with its gradients clipped and a step schedule (loss, gradient norm
-and a changing learning rate). Nothing goes wrong in them, so every health incident in their summary.json is a
-false alarm; reported per job: rank-steps tested, incidents, and the rate per 10,000 rank-steps (with a 95 %
-upper bound when there are none: 3 / n, the rule of three).
+TinyLM with AdamW on synthetic tokens (examples/train_ddp.py: a noisy, slowly falling loss) and the small regression
+of tests/numerics_jobs/health.py with its gradients clipped and a step schedule (loss, gradient norm and a changing
+learning rate), and the same unclipped (the gradient norm dtprof computes). Nothing goes wrong in them, so every
+health incident in their summary.json is a false alarm; reported per job: rank-steps tested, incidents, and the rate
+per 10,000 rank-steps (with a 95 % upper bound when there are none: 3 / n, the rule of three).
 
 ``cost``: what the numerics part costs a step under dtprof, side by side in one process: the job runs as `dtprof
 run` runs a rank (dtprof injected, recording; its step sampling as it decides), in blocks of whole sampling periods
-with the numerics part in the recorder (its callbacks and its ``clip_grad_norm_`` wrapper) and out (on, off, off,
-on, ...), everything else of dtprof in throughout. Per job (``--jobs``): ``short``, the DDP tutorial's Linear(20,
-1) (a fraction of a millisecond: sampled), ``lm``, the examples' TinyLM (~10 ms), and ``compiled``, that TinyLM
-under torch.compile (inductor); each clips its gradients. Reported: the sampling, the reads' and the fingerprint's
-intervals the run chose; the part's own CPU per step (its callbacks timed in place, the clock reads' own cost
-taken out: the direct cost, the least noisy figure), the training thread's CPU of on - off blocks (median over
-pairs: the direct cost and what it does to the rest, e.g. caches) and the wall ratio on / off (median over pairs),
-each beside the step's own time.
+with the numerics part in the recorder (its callbacks and its ``clip_grad_norm_`` wrapper), out, and in with its
+callbacks timed in place (on, off, timed, timed, off, on, ...), everything else of dtprof in throughout. Per job
+(``--jobs``): ``short``, the DDP tutorial's Linear(20, 1) (a fraction of a millisecond: sampled), ``lm``, the
+examples' TinyLM (~10 ms), and ``compiled``, that TinyLM under torch.compile (inductor); each clips its gradients.
+Reported: the sampling, the reads' and the fingerprint's intervals the run chose; the part's own CPU per step (its
+callbacks timed in place in the timed blocks, the clock reads' own cost taken out: the direct cost, the least noisy
+figure) and what those timers add to a step (timed - on: the harness's, not dtprof's), the training thread's CPU of
+on - off blocks (untimed; median over pairs: the direct cost and what it does to the rest, e.g. caches) and the wall
+ratio on / off (median over pairs), each beside the step's own time.
 ``--full-detail``: every step in full detail (no sampling), the part's cost on each step.
 
     python benchmarks/health_bench.py cost [--jobs short,lm,compiled] [--pairs 10] [--full-detail]
@@ -49,15 +50,19 @@ def _record(out: Path, script: Path, args: list[str]) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def alarms(runs: int, steps: int) -> None:
+def alarms(runs: int, steps: int, only: str = "") -> None:
     jobs = {
         "train_ddp (TinyLM, AdamW)": (REPO / "examples" / "train_ddp.py",
                                       ["--steps", str(steps), "--dim", "64", "--seq", "32"]),
         "numerics_jobs/health.py clean (clipped, StepLR)": (REPO / "tests" / "numerics_jobs" / "health.py",
                                                             ["clean", str(steps), "0"]),
+        "numerics_jobs/health.py noclip (dtprof's gradient norm, StepLR)": (
+            REPO / "tests" / "numerics_jobs" / "health.py", ["noclip", str(steps), "0"]),
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, (script, args) in jobs.items():
+            if only not in name:
+                continue
             tested = incidents = 0
             kinds: dict[str, int] = {}
             for i in range(runs):
@@ -141,14 +146,17 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
         timed(int)()
     clock_ns = (time.thread_time_ns() - t) / 10000
 
-    for cb in ("on_backward", "on_optimizer_step", "on_step_end", "local"):
-        setattr(part, cb, timed(getattr(part, cb)))
-    parts.rebind()
+    callbacks = {cb: getattr(part, cb) for cb in ("on_backward", "on_optimizer_pre_step", "on_optimizer_step",
+                                                  "on_step_end", "local")}
 
-    def switch(on: bool) -> None:
-        (parts.parts.append if on else parts.parts.remove)(part)
+    def switch(kind: str) -> None:
+        """``on``: the part in; ``timed``: in, its callbacks timed in place; ``off``: out."""
+        if (part in parts.parts) != (kind != "off"):
+            (parts.parts.remove if kind == "off" else parts.parts.append)(part)
+        for cb, f in callbacks.items():
+            setattr(part, cb, timed(f) if kind == "timed" else f)
         for mod, attr, w in wrapped:
-            setattr(mod, attr, w if on else w.__wrapped__)
+            setattr(mod, attr, w.__wrapped__ if kind == "off" else w)
         parts.rebind()
 
     t0 = time.perf_counter()
@@ -161,20 +169,18 @@ def cost_worker(name: str, pairs: int, full_detail: bool) -> None:
         block *= 2                # a block of at least 0.2 s
     while runtime.STATE.clock.step % block:
         step()
-    res: dict = {"on": [], "off": []}
-    on = True
-    for b in range(2 * pairs):
-        want = (b % 4 in (0, 3))  # on, off, off, on, ...: each comes first as often
-        if want != on:
-            switch(want)
-            on = want
+    res: dict = {"on": [], "off": [], "timed": []}
+    # on, off, timed, timed, off, on, ...: each kind in each position as often. The on - off pairs are of untimed
+    # blocks (the in-place timers cost the training thread two clock reads per call: a syscall on some VMs)
+    for b in range(3 * pairs):
+        kind = ("on", "off", "timed", "timed", "off", "on")[b % 6]
+        switch(kind)
         c0, w0, o0, n0 = time.thread_time_ns(), time.perf_counter_ns(), own[0], own[1]
         for _ in range(block):
             step()
-        res["on" if on else "off"].append(((time.thread_time_ns() - c0) / block, (time.perf_counter_ns() - w0) / block,
-                                           (own[0] - o0 - clock_ns * (own[1] - n0)) / block))
-    if not on:
-        switch(True)
+        res[kind].append(((time.thread_time_ns() - c0) / block, (time.perf_counter_ns() - w0) / block,
+                          (own[0] - o0 - clock_ns * (own[1] - n0)) / block))
+    switch("on")
     assert not runtime.STATE.disabled and part in parts.parts, "dtprof or its numerics part switched off"
     print(json.dumps({"res": res, "block": block, "period": period, "params": nparams,
                       "fp_interval": part.fp_interval, "read_every": part.read_every}))
@@ -204,13 +210,15 @@ def cost(jobs: list[str], pairs: int, full_detail: bool) -> None:
         wall = [a[1] / b[1] for a, b in zip(on, off)]
         base_cpu, base_wall = statistics.median(b[0] for b in off), statistics.median(b[1] for b in off)
         extra = statistics.median(cpu)
-        own = statistics.fmean(a[2] for a in on)
+        own = statistics.fmean(a[2] for a in d["res"]["timed"])
+        timers = statistics.median(t[0] - a[0] for t, a in zip(d["res"]["timed"], on))
         sampling = "every step in full detail" if not d["period"] else \
             f"detail sampled: 4 steps every {d['period']}"
         print(f"{name} ({d['params']} parameters; {sampling}; reads at multiples of {d['read_every']}, fingerprints "
               f"at multiples of {d['fp_interval']} (detailed steps)): "
               f"bare-of-numerics step {base_wall / 1e3:.1f} us wall, {base_cpu / 1e3:.1f} us training-thread CPU; "
-              f"the part's own CPU (its callbacks, timed in place) {own / 1e3:.2f} us per step ({own / base_cpu:.2%}); "
+              f"the part's own CPU (its callbacks, timed in place in separate blocks) {own / 1e3:.2f} us per step "
+              f"({own / base_cpu:.2%}; the in-place timers themselves add {timers / 1e3:+.2f} us); "
               f"the numerics part adds {extra / 1e3:+.2f} us CPU per step ({extra / base_cpu:+.2%}; CPU of on - off "
               f"over {len(cpu)} block pairs of {d['block']} steps, median), wall ratio on / off "
               f"{statistics.median(wall):.4f} (median; range {min(wall):.4f}-{max(wall):.4f})", flush=True)
@@ -223,12 +231,13 @@ def main() -> None:
     ap.add_argument("pairs", nargs="?", type=int, default=10, help="cost-worker: on/off block pairs")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--only", default="", help="alarms: only the jobs whose name contains this")
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"cost: comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--pairs", type=int, default=10, help="cost: on/off block pairs per job")
     ap.add_argument("--full-detail", action="store_true", help="cost: every step in full detail (no sampling)")
     a = ap.parse_args()
     if a.what == "alarms":
-        alarms(a.runs, a.steps or 1500)
+        alarms(a.runs, a.steps or 1500, a.only)
     elif a.what == "cost-worker":
         cost_worker(a.job, a.pairs, a.full_detail)
     else:

@@ -3,12 +3,17 @@ learning rate and, at a priced interval, a fingerprint of the parameters, as ``h
 
 What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recorded in full detail only (the
 step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a
-boundary-only step costs this part two early returns.
+boundary-only step costs this part three calls that return at once (its clip wrapper, on_optimizer_step, on_step_end).
 - the local loss: the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before any
   cross-rank reduction), their mean when there are several (gradient accumulation, pipeline microbatches);
 - the gradient norm: the tensor ``torch.nn.utils.clip_grad_norm_`` (or its alias ``clip_grad_norm``) returned,
   the last call of the step; the wrapper is in place on every step, passes the job's result through, and does
-  nothing while Dynamo traces (a clip inside a compiled region is traced as the bare job's and not read);
+  nothing while Dynamo traces (a clip inside a compiled region is traced as the bare job's and not read).
+  When the step has not clipped by its optimizer step, dtprof computes the norm itself (``on_optimizer_pre_step``:
+  the optimizer's gradients are final there, after DDP's all-reduce): the 2-norm of the optimizer's gradients as
+  ``clip_grad_norm_`` computes it (``torch._foreach_norm``, on the device, no collective), on the read steps only,
+  its CPU among the reads' priced cost. Not for sharded gradients (DTensor, FSDP1's flat parameters, DeepSpeed's
+  optimizer: a local shard's norm is not the total, and the cross-rank sum would be a collective);
 - the learning rate of each param group, a host-side read after the optimizer step (``on_optimizer_step``);
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
@@ -30,8 +35,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections import deque
+from types import FrameType
 from typing import Any
 
 from dtprof.collectors.parts import RankContext, RankPart
@@ -67,9 +74,11 @@ class NumericsSentinel(RankPart):
         import torch
 
         self.torch = torch
-        self.is_compiling = torch.compiler.is_compiling
+        self.is_compiling = _is_compiling(torch)
         self.losses: list = []          # this step's local losses (detached)
         self.norm = None                # this step's last clip_grad_norm_ result (detached)
+        self.own_norms: list = []       # this step's norms dtprof computed (one per optimizer step; no clip seen)
+        self.norm_ok: dict = {}         # id(optimizer) -> its gradients can be normed (checked once)
         self.lr: float | None = None
         self.lrs: list | None = None
         self.fp = None                  # this step's fingerprint (an int64 scalar on the parameters' device)
@@ -85,7 +94,7 @@ class NumericsSentinel(RankPart):
         self.own_steps: list[int] = []
         self.read_every = 1             # reads on the detailed steps that are multiples of this (priced)
         self.full_detail = bool(ctx.options.get("full_detail"))
-        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, has norm, has fingerprint)
+        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, norm's source or None, has fp)
         self.slot = 0
         self.dropped = 0
         self.buf_f: Any = None          # the ring: (RING, 2) float64 [loss, grad_norm], (RING,) int64 fingerprint
@@ -150,6 +159,44 @@ class NumericsSentinel(RankPart):
             self.losses.append(t.detach())
         if t0:
             self.own_ns += time.thread_time_ns() - t0
+
+    def on_optimizer_pre_step(self, optimizer) -> None:
+        """The step's gradient norm, when the job did not clip: computed on the device, read with the rest."""
+        ctx = self.ctx      # (detailed steps only: the pre-hook is installed on them, and not in an A/B "off" block)
+        if self.is_compiling() or self.norm is not None or ctx.step % self.read_every or not ctx.active:
+            return
+        t0 = time.thread_time_ns() if self.pricing else 0
+        ok = self.norm_ok.get(id(optimizer))
+        if ok is None:
+            ok = self.norm_ok[id(optimizer)] = self.can_norm(optimizer)
+        if ok:
+            torch = self.torch
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                with torch.no_grad():
+                    norms = torch._foreach_norm(grads)
+                    self.own_norms.append(norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms)))
+        if t0:
+            self.own_ns += time.thread_time_ns() - t0
+
+    def can_norm(self, optimizer) -> bool:
+        """Whether dtprof's norm of this optimizer's gradients is the total: not for sharded ones (an events row
+        says why, once per optimizer)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        why = None
+        if _stepped_by_deepspeed():
+            why = "DeepSpeed steps the optimizer (ZeRO's partitions; its engine computes its own norm)"
+        elif any(hasattr(p, "placements") for p in params):
+            why = "sharded parameters (DTensor): a local shard's norm is not the total"
+        elif any(getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False) for p in params):
+            why = "FSDP1's flat parameters: a local shard's norm is not the total"
+        elif len({p.device for p in params}) > 1:
+            why = "parameters on several devices"
+        elif any(p.is_sparse for p in params):
+            why = "sparse parameters"
+        if why:
+            self.ctx.event("info", f"numerics: no gradient norm computed by dtprof for this optimizer: {why}")
+        return why is None
 
     def on_optimizer_step(self, optimizer) -> None:
         ctx = self.ctx      # detailed steps only (an A/B "off" block is not recorded: ctx.active is False)
@@ -218,6 +265,7 @@ class NumericsSentinel(RankPart):
                 self.launch(step)
         finally:
             self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
+            self.own_norms = []
         if t0:
             self.own_ns += time.thread_time_ns() - t0
             self.price_step(step, t_ns)
@@ -230,7 +278,14 @@ class NumericsSentinel(RankPart):
             dev = self.losses[0].device
             same = [x for x in self.losses if x.device == dev]
             loss = same[0] if len(same) == 1 else torch.stack([x.reshape(()).double() for x in same]).mean()
-        norm, fp = self.norm, self.fp
+        norm, fp, source = self.norm, self.fp, "clip" if self.norm is not None else None
+        if norm is None and self.own_norms:
+            own = self.own_norms
+            if len(own) == 1:
+                norm = own[0]
+            elif len({x.device for x in own}) == 1:     # several optimizers: the norm of all their gradients
+                norm = torch.linalg.vector_norm(torch.stack([x.reshape(()).double() for x in own]))
+            source = "dtprof" if norm is not None else None
         slot = self.slot
         if loss is not None or norm is not None or fp is not None:
             if self.buf_f is None:
@@ -241,7 +296,7 @@ class NumericsSentinel(RankPart):
                 self.views = [(self.buf_f[i], self.buf_f[i, 0], self.buf_f[i, 1], self.buf_i[i]) for i in range(RING)]
             if len(self.pending) >= RING:
                 self.dropped += 1
-                loss = norm = fp = None
+                loss = norm = fp = source = None
             else:
                 _, v_loss, v_norm, v_fp = self.views[slot]
                 if loss is not None:
@@ -255,13 +310,14 @@ class NumericsSentinel(RankPart):
         if self.cuda and (loss is not None or norm is not None or fp is not None):
             event = torch.cuda.Event()
             event.record()
-        self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None, norm is not None,
-                             fp is not None))
+        self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None, source if norm is not None
+                             else None, fp is not None))
 
     def read_ready(self, before: int) -> None:
         """Rows of the pending steps before ``before`` whose copies have landed, oldest first."""
         while self.pending and self.pending[0][0] < before:
-            step, slot, event, lr, lrs, has_loss, has_norm, has_fp = self.pending[0]
+            step, slot, event, lr, lrs, has_loss, source, has_fp = self.pending[0]
+            has_norm = source is not None
             if event is not None and not event.query():
                 break
             self.pending.popleft()
@@ -276,7 +332,8 @@ class NumericsSentinel(RankPart):
             if bad:
                 loss = loss if loss is None or math.isfinite(loss) else None
                 norm = norm if norm is None or math.isfinite(norm) else None
-            self.ctx.add(Health(self.ctx.rank, step, loss, norm, lr, json.dumps(lrs) if lrs else None, bad, fp))
+            self.ctx.add(Health(self.ctx.rank, step, loss, norm, lr, json.dumps(lrs) if lrs else None, bad, fp,
+                                source))
 
     def price_step(self, step: int, t_ns: int) -> None:
         """The pricing steps' cost, then the fingerprint's interval. A CPU job's step is priced by the training
@@ -348,6 +405,33 @@ class NumericsSentinel(RankPart):
         for mod, name, f in self.patched:
             setattr(mod, name, f)
         self.patched = []
+
+
+def _is_compiling(torch):
+    """``torch.compiler.is_compiling`` at a fraction of its cost (it first calls ``torch.jit.is_scripting``, a
+    Python function: two of these run on every step): Dynamo folds ``is_dynamo_compiling`` to True while it traces
+    (no guard on what follows), and torch.export's non-strict tracing sets the flag."""
+    compiler = torch.compiler
+    dynamo = compiler.is_dynamo_compiling
+
+    def is_compiling() -> bool:
+        return dynamo() or compiler._is_compiling_flag
+    return is_compiling
+
+
+def _stepped_by_deepspeed(depth: int = 12) -> bool:
+    """The optimizer step in progress was called from DeepSpeed's code (a walk of a few frames, none in a process
+    that has not imported DeepSpeed)."""
+    if "deepspeed" not in sys.modules:
+        return False
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if "deepspeed" in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
 
 
 def _int_of(torch) -> dict:

@@ -9,6 +9,8 @@ Where the callbacks run
 - ``install(ctx)``: the training thread, once, when the rank starts recording (torch imported, the writer open).
 - ``on_backward(tensors)``: the training thread, at each top-level ``torch.autograd.backward`` /
   ``Tensor.backward`` of a detailed step, before it runs; ``tensors`` is what backward was called on.
+- ``on_optimizer_pre_step(optimizer)``: the training thread, before a ``torch.optim`` optimizer step of a detailed
+  step (not in an A/B "off" block), where its gradients are final (after DDP's all-reduce, before the update).
 - ``optimizer_step_pending(optimizer) -> bool``: the training thread, after each ``torch.optim`` optimizer step:
   True when that step is one parameter group of an optimizer step that goes on (an engine that steps its groups
   one at a time, DeepSpeed ZeRO: collectors/engine_deepspeed.py); the step clock then waits for the last group.
@@ -106,6 +108,9 @@ class RankPart:
     def on_backward(self, tensors) -> None:
         pass
 
+    def on_optimizer_pre_step(self, optimizer) -> None:
+        pass
+
     def optimizer_step_pending(self, optimizer) -> bool:
         return False
 
@@ -128,8 +133,8 @@ class RankPart:
         pass
 
 
-CALLBACKS = ("on_backward", "optimizer_step_pending", "on_optimizer_group", "on_optimizer_step", "on_step_end",
-             "on_detail", "on_flush", "on_exit")
+CALLBACKS = ("on_backward", "on_optimizer_pre_step", "optimizer_step_pending", "on_optimizer_group",
+             "on_optimizer_step", "on_step_end", "on_detail", "on_flush", "on_exit")
 
 
 class Parts:

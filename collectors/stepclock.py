@@ -271,6 +271,8 @@ class StepClock:
         if self.disabled or self.ab.off or not self.detail or self.opt_groups_pending:
             return None      # (a later parameter group's step of one optimizer step keeps the first one's start)
         try:
+            if self.parts.on_optimizer_pre_step:     # before the span starts: the parts' work is not the job's
+                self.parts.call(self.parts.on_optimizer_pre_step, optimizer)
             self.opt_t0 = now()
             self.opt_ev0 = self.cuda.event() if self.cuda.on else None
         except Exception:

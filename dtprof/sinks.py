@@ -303,7 +303,8 @@ class PrometheusSink(Sink):
                                   "trend, or it failed an allocation (live rule)")
         self.headroom = gauge("dtprof_memory_headroom_bytes", "Bytes the rank can still allocate (newest sample)")
         self.loss = gauge("dtprof_loss", "The rank's local loss of its newest step with one (before any reduction)")
-        self.grad_norm = gauge("dtprof_grad_norm", "The gradient norm clip_grad_norm_ returned in the newest step")
+        self.grad_norm = gauge("dtprof_grad_norm", "The newest step's gradient norm (the job's clip_grad_norm_'s, "
+                               "else dtprof's)")
         self.lr = gauge("dtprof_learning_rate", "The first param group's learning rate of the newest step")
         self.nonfinite = counter("dtprof_nonfinite_steps", "Steps whose loss or gradient norm was NaN or Inf")
         self.hang = gauge("dtprof_hang", "1 while no rank of the node has progressed for the hang threshold",

@@ -162,7 +162,7 @@ def test_prometheus_scraped_while_the_job_trains(ddp):
         assert rank_value(live, "dtprof_step_peak_memory_bytes", r) > 0
         assert rank_value(live, "dtprof_step_collective_lateness_seconds", r) is not None
         assert rank_value(live, "dtprof_loss", r) > 0 and rank_value(live, "dtprof_learning_rate", r) == LR
-        assert rank_value(live, "dtprof_grad_norm", r) is None      # the job does not clip: no norm to report
+        assert rank_value(live, "dtprof_grad_norm", r) > 0     # the job does not clip: the norm dtprof computed
     # rank 1 sleeps 80 ms in each forward (over half a step even with another test file running beside it): it
     # arrives late at the all-reduces, rank 0 waits in exposed communication
     assert rank_value(live, "dtprof_collective_lateness_seconds_total", 1) > \
@@ -207,10 +207,13 @@ def test_tensorboard_reads_every_step(ddp):
                     "step_collective_lateness_seconds", "straggler"):
             assert tag in tb, (tag, sorted(tb))
         assert all(0 < v < 1 for _, v in tb["step_mfu_ratio"])
-        # numerics health: every step's local loss as the run's health table has it, the job's learning rate
+        # numerics health: every step's local loss and gradient norm (the job does not clip: dtprof's) as the run's
+        # health table has them, the job's learning rate
         h = run.health[run.health["rank"] == r]
         assert dict(tb["loss"]) == pytest.approx(dict(zip(h["step"], h["loss"])), rel=1e-6)   # float32 in the file
-        assert len(tb["learning_rate"]) == DDP_STEPS and "grad_norm" not in tb
+        assert set(h["grad_norm_source"]) == {"dtprof"} and len(h) == DDP_STEPS
+        assert dict(tb["grad_norm"]) == pytest.approx(dict(zip(h["step"], h["grad_norm"])), rel=1e-6)
+        assert len(tb["learning_rate"]) == DDP_STEPS
         assert all(v == pytest.approx(LR) for _, v in tb["learning_rate"])     # float32 in the file
     # rank 0's as the job printed it (6 decimals)
     printed = {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", proc.stdout, re.M)}

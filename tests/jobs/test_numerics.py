@@ -24,7 +24,9 @@ def _printed(p: subprocess.CompletedProcess) -> dict:
             for r, s, loss, norm, lr in re.findall(rf"HEALTH (\d+) (\d+) {num} {num} {num}", p.stdout)}
 
 
-JOBS = {"clean": ("clean", 2), "clean2": ("clean", 2), "nan": ("nan", 2), "lr": ("lr", 2), "flip": ("flip", 3)}
+FULL = ("--full-detail", "--no-nvml")
+JOBS = {"clean": ("clean", 2, FULL), "clean2": ("clean", 2, FULL), "nan": ("nan", 2, FULL), "lr": ("lr", 2, FULL),
+        "flip": ("flip", 3, FULL), "noclip": ("noclip", 2, ("--no-nvml",))}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +34,9 @@ def runs(tmp_path_factory):
     """The recordings, each made when a test first asks for it (a test's time limit covers only its own)."""
     class Recorded(dict):
         def __missing__(self, name):
-            mode, nproc = JOBS[name]
+            mode, nproc, opts = JOBS[name]
             d = tmp_path_factory.mktemp(name) / "run"
-            p = record(d, JOB, mode, STEPS, K, opts=("--full-detail", "--no-nvml"), nproc=nproc)
+            p = record(d, JOB, mode, STEPS, K, opts=opts, nproc=nproc)
             self[name] = (d, _printed(p))
             return self[name]
     return Recorded()
@@ -61,6 +63,26 @@ def test_clean_run_is_healthy_with_every_step_as_the_job_printed_it(runs):
     assert fp["replica_groups"] == [[0, 1]] and fp["compared"] >= 2 and fp["interval"] >= 1
     rc, t = _triage(d)
     assert (rc, t["verdict"]) == (0, "healthy"), t
+
+
+def test_unclipped_job_gets_dtprofs_norm_on_its_read_steps_equal_to_the_jobs_own(runs):
+    """A DDP job that does not clip, recorded with dtprof's own sampling and read pricing: on the steps whose values
+    dtprof read (those with a loss), the gradient norm dtprof computed before the optimizer step equals the one the
+    job computed itself in float64 and printed, within 1e-5 relative; summary.json names its source. The clipped
+    run's norms are the job's clip's."""
+    d, printed = runs["noclip"]
+    per_step = _summary(d)["health"]["per_step"]
+    read = [e for e in per_step if e["loss"] is not None]
+    assert {e["step"] for e in read} >= set(range(10))      # the pricing steps 0-9 are all read
+    for e in read:
+        assert e["grad_norm_source"] == "dtprof", e
+        assert e["grad_norm"] == pytest.approx(printed[e["rank"], e["step"]][1], rel=1e-5), e
+    assert all(e["grad_norm"] is None and e["grad_norm_source"] is None for e in per_step if e["loss"] is None)
+    meta = open_run(d).meta
+    reads = list(meta[meta["kind"] == "numerics_reads"]["value"])
+    assert len(reads) == 2 and all(v["cost_ns"] > 0 for v in reads), reads
+    clipped = _summary(runs["clean"][0])["health"]["per_step"]
+    assert {e["grad_norm_source"] for e in clipped} == {"clip"}
 
 
 def test_nan_in_one_ranks_batch_is_named_with_its_rank_and_step(runs):
@@ -183,7 +205,8 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
     real DDP job (Tensor.item/tolist/__float__/__int__/__bool__/numpy/cpu/to, counted by their caller;
     tests/numerics_jobs/syncs.py) is of the numerics part's host ring, and every copy into the ring is
     non_blocking: what reaches the host from the job's tensors travels only that way (on a GPU each other read
-    would be a sync; this machine has none for torch.cuda.set_sync_debug_mode)."""
+    would be a sync; this machine has none for torch.cuda.set_sync_debug_mode). The job clips on even steps only:
+    the norm dtprof computes on the odd ones travels the same way."""
     steps = 12
     p = record(tmp_path / "run", TESTS / "numerics_jobs" / "syncs.py", steps, opts=("--full-detail", "--no-nvml"))
     notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*?\})(?=SYNCS|\s*$)", p.stdout, re.M)}
@@ -198,3 +221,5 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
         assert reads and all(c["in_ring"] for c in reads), [c for c in reads if not c["in_ring"]]
     h = open_run(tmp_path / "run").health
     assert h["loss"].notna().sum() == 2 * steps and h["grad_norm"].notna().sum() == 2 * steps
+    # the job clips on even steps: the odd steps' norms are the ones dtprof computed, read the same way
+    assert h.groupby(h["step"] % 2)["grad_norm_source"].agg(set).to_dict() == {0: {"clip"}, 1: {"dtprof"}}

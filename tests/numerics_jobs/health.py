@@ -4,7 +4,9 @@ tests/jobs/test_numerics.py checks dtprof's health table and summary against).
 
     torchrun --nproc_per_node=N health.py MODE STEPS K
 MODE: clean (no incident), nan (a NaN in rank 1's batch at step K), lr (the learning rate 3000x for step K's
-update only), flip (rank N-1 flips the sign bit of one weight before step K's forward: its replica differs).
+update only), flip (rank N-1 flips the sign bit of one weight before step K's forward: its replica differs),
+noclip (no incident and no clipping: the printed grad_norm is the job's own, the 2-norm of every gradient in
+float64 after DDP's all-reduce).
 """
 import sys
 
@@ -35,7 +37,10 @@ for step in range(steps):
     loss = (model(x) - y).pow(2).mean()
     opt.zero_grad()
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if mode == "noclip":
+        norm = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm()
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     lr = opt.param_groups[0]["lr"]
     if mode == "lr" and step == k:

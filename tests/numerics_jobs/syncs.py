@@ -1,11 +1,12 @@
-"""A DDP job with its gradients clipped, recorded by tests/jobs/test_numerics.py to show that dtprof reads no
-device value on the host: before training, the Tensor methods that read a tensor's values on the host (``item``,
-``tolist``, ``__float__``, ``__int__``, ``__bool__``, ``numpy``, ``cpu``, ``to``) and ``copy_`` are wrapped to
-note each call made from dtprof's rank-side code (collectors/), wherever it runs; at the end each rank prints
-"SYNCS rank {json}": per call, the method, whether its tensor lies in the numerics part's host ring (the buffers
-its non-blocking copies land in) and, for copy_, ``non_blocking`` and whether it copies into the ring. On a GPU
-each read outside the ring would be a host-device sync (torch.cuda.set_sync_debug_mode would name it there; this
-check needs no GPU: it is the same calls, counted by their caller).
+"""A DDP job with its gradients clipped on even steps (on odd steps dtprof computes the norm), recorded by
+tests/jobs/test_numerics.py to show that dtprof reads no device value on the host: before training, the Tensor
+methods that read a tensor's values on the host (``item``, ``tolist``, ``__float__``, ``__int__``, ``__bool__``,
+``numpy``, ``cpu``, ``to``) and ``copy_`` are wrapped to note each call made from dtprof's rank-side code
+(collectors/), wherever it runs; at the end each rank prints "SYNCS rank {json}": per call, the method, whether
+its tensor lies in the numerics part's host ring (the buffers its non-blocking copies land in) and, for copy_,
+``non_blocking`` and whether it copies into the ring. On a GPU each read outside the ring would be a host-device
+sync (torch.cuda.set_sync_debug_mode would name it there; this check needs no GPU: it is the same calls, counted
+by their caller).
 
     torchrun --nproc_per_node=2 syncs.py STEPS
 """
@@ -50,7 +51,8 @@ for step in range(steps):
     loss = (model(x) - x[:, :1]).pow(2).mean()
     opt.zero_grad()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if step % 2 == 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
 dist.barrier()
 from dtprof.collectors import runtime  # noqa: E402
