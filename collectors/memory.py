@@ -27,7 +27,7 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
   root's left out: it never reshards): the bytes of their unsharded parameters, held from forward to backward, and
   the largest group's; null without FSDP2.
 - CUDA only: ``forward_peak_bytes`` (the allocator's peak from the step's start to backward's start),
-  ``backward_peak_bytes`` (to the optimizer step's start: an optimizer pre-hook registered on detailed steps only),
+  ``backward_peak_bytes`` (to the optimizer step's start: ``on_optimizer_pre_step``, detailed steps only),
   ``peak_bytes``
   (the step's peak; the recorder resets the peak after each step, collectors/runtime.py), ``reserved_peak_bytes``,
   ``alloc_retries`` and ``ooms`` (cumulative), from ``torch.cuda.memory_stats()`` (host-side counters: no sync).
@@ -143,7 +143,6 @@ class MemoryLedger(RankPart):
         self.cpu_allocated = None
         self.history = False      # the allocator's history ring is on (--memory-history)
         self.has_cuda = False
-        self.pre_handle = None    # CUDA, detailed steps: the optimizer pre-hook reading backward's peak
         self.groups: list = []    # the earlier groups of a grouped optimizer step: [params, [(grad ref, key, bytes)]]
 
     def install(self, ctx: RankContext) -> None:
@@ -154,7 +153,6 @@ class MemoryLedger(RankPart):
         self.cpu_allocated = _cpu_allocated()
         # once: is_available() asks the driver (tens of µs), and a process's CUDA does not come or go
         self.has_cuda = bool(torch.cuda.is_available())
-        self.on_detail(ctx.detail)
 
     # ---- the tensors ------------------------------------------------------------------------------------------
 
@@ -248,13 +246,11 @@ class MemoryLedger(RankPart):
         self.bwd = (self._allocated(), self._grads_present())
         self.cost_ns += now() - t0
 
-    def _pre_step(self, optimizer, args, kwargs) -> None:
-        """CUDA: the allocator's peak when the step's first optimizer step starts (forward and backward's peak)."""
-        try:
-            if self.ctx.detail and self.cuda and self.bwd is not None and self.bwd_peak is None:
-                self.bwd_peak = int(self.torch.cuda.max_memory_allocated())
-        except Exception:
-            pass
+    def on_optimizer_pre_step(self, optimizer) -> None:
+        """CUDA, detailed steps: the allocator's peak when the step's first optimizer step starts (forward and
+        backward's peak)."""
+        if self.cuda and self.bwd is not None and self.bwd_peak is None:
+            self.bwd_peak = int(self.torch.cuda.max_memory_allocated())
 
     def on_optimizer_group(self, optimizer) -> None:
         if not self.ctx.detail or self.ctx.step == self.step_of_row:
@@ -313,25 +309,12 @@ class MemoryLedger(RankPart):
         self.groups = []
         self.cost_ns += now() - t0
 
-    def on_detail(self, on: bool) -> None:
-        """CUDA: the optimizer pre-hook that reads the peak at the optimizer step's start, on detailed steps only."""
-        if not self.has_cuda:
-            return
-        from torch.optim import optimizer as optim
-
-        if on and self.pre_handle is None:
-            self.pre_handle = optim.register_optimizer_step_pre_hook(self._pre_step)
-        elif not on and self.pre_handle is not None:
-            self.pre_handle.remove()
-            self.pre_handle = None
-
     def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
         # a step without an optimizer step (dtprof.step()) starts afresh
         self.bwd = self.fwd_peak = self.bwd_peak = None
         self.groups = []
 
     def on_exit(self) -> None:
-        self.on_detail(False)
         self.ctx.meta("memory_ledger", {"rows": self.rows, "cost_ns": self.cost_ns,
                                         "cpu_allocator": self.cpu_allocated is not None})
         exc = getattr(sys, "last_value", None)

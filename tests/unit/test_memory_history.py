@@ -122,6 +122,7 @@ def test_gpu_fields_and_phases_from_the_allocator_counters(tmp_path, monkeypatch
             part.on_backward(None)
             model(torch.randn(4, 256)).sum().backward()
             cuda.peak = P + S + G + 500 * MiB                                   # backward's peak
+            part.on_optimizer_pre_step(opt)                   # as the step clock's optimizer pre-hook calls it
             opt.step()
             cuda.allocated, cuda.reserved_peak, cuda.retries = P + S + G, P + S + G + 564 * MiB, step
             part.on_optimizer_step(opt)
@@ -156,4 +157,3 @@ def test_gpu_fields_and_phases_from_the_allocator_counters(tmp_path, monkeypatch
     assert r["peak_phase"] == "backward"                  # the optimizer step added nothing above backward's peak
     fits = {x["lever"]: x for x in block["what_fits"][0]["levers"]}
     assert fits["expandable_segments"]["predicted_saving_bytes"] == 64 * MiB
-    assert part.pre_handle is None                        # the pre-hook is taken out at exit
