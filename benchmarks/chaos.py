@@ -51,10 +51,10 @@ BIN = Path(sys.executable).parent
 HANG_TIMEOUT_S = 15
 LIMIT_S = 120          # the longest a job may take (a clean Lightning one takes about 50 s on the busy VM)
 PG_TIMEOUT_S = 10      # the process group's timeout in a collective-timeout fault (its culprit sleeps 1.5x that)
-# a bare job of a kind that hangs (rank_stop, coll_timeout) still running this long after its culprit injected the
-# fault (the job's "injected" file) is hung: past a collective timeout's end (PG_TIMEOUT_S, then torchrun's
-# teardown), so that a hang costs no full LIMIT_S
-HUNG_AFTER_S = 2 * PG_TIMEOUT_S + 15
+# a bare job of a kind that hangs still running this long after its culprit injected the fault (the job's "injected"
+# file) is hung, so that a hang costs no full LIMIT_S: past a collective timeout's end (PG_TIMEOUT_S, then
+# torchrun's teardown); a frozen rank's peers wait in a collective with a 300 s timeout
+HUNG_AFTER_S = {"coll_timeout": 2 * PG_TIMEOUT_S + 15, "rank_stop": 20}
 NPROC = 3
 
 # kind: (expected verdict, the culprit is the injecting rank?, words the message must hold (alternatives split by
@@ -98,6 +98,7 @@ class Fault:
     step: int
     steps: int
     job: str = "ddp"
+    nproc: int = NPROC   # ranks of the one-node job (the test subset runs 2: each rank's start-up is most of a fault)
     row: dict = field(default_factory=dict)
 
 
@@ -158,7 +159,7 @@ def kill_tagged(tag: str) -> None:
 
 def torchrun(fault: Fault, node: int | None, port: int) -> list[str]:
     if node is None:
-        return [str(BIN / "torchrun"), f"--nproc_per_node={NPROC}", "--standalone", "--monitor-interval=0.2",
+        return [str(BIN / "torchrun"), f"--nproc_per_node={fault.nproc}", "--standalone", "--monitor-interval=0.2",
                 str(JOB)]
     # the rendezvous store on the node whose agent is killed (node 1, rank 1's), never left to a race: with it the
     # surviving agent fails at once (exit 1); without it, it waits in torchrun's exit barrier for 300 s
@@ -243,16 +244,16 @@ def triage_json(run_dir: Path) -> dict:
 
 # ---- one fault -------------------------------------------------------------------------------------------------
 
-def finish(procs: list[subprocess.Popen], limit_s: float, watch=None, injected: Path | None = None
-           ) -> tuple[list[int | None], str]:
-    """Wait for the launchers (None: still running at the limit, or HUNG_AFTER_S after the fault was injected when
-    ``injected`` names the job's marker file); returns their exit codes and stderr."""
+def finish(procs: list[subprocess.Popen], limit_s: float, watch=None, injected: Path | None = None,
+           hung_after_s: float = 0.0) -> tuple[list[int | None], str]:
+    """Wait for the launchers (None: still running at the limit, or ``hung_after_s`` after the fault was injected
+    when ``injected`` names the job's marker file); returns their exit codes and stderr."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         if watch:
             watch()
         if injected is not None and injected.exists():
-            deadline = min(deadline, time.monotonic() - (time.time() - injected.stat().st_mtime) + HUNG_AFTER_S)
+            deadline = min(deadline, time.monotonic() - (time.time() - injected.stat().st_mtime) + hung_after_s)
         time.sleep(0.2)
     codes = [p.poll() for p in procs]
     err = ""
@@ -281,9 +282,10 @@ BARE: dict[str, str] = {}
 
 
 def bare_key(fault: Fault) -> str | None:
+    ranks = "" if fault.nproc == NPROC else f" x{fault.nproc}"
     if fault.kind in NEEDS_DTPROF:
-        return f"clean {fault.job} {fault.steps}"
-    return None if CATALOGUE[fault.kind][3] else f"{fault.kind} {fault.job} {fault.rank}"
+        return f"clean {fault.job} {fault.steps}{ranks}"
+    return None if CATALOGUE[fault.kind][3] else f"{fault.kind} {fault.job} {fault.rank}{ranks}"
 
 
 def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
@@ -317,8 +319,9 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
             bare_out = work / "bare"
             bare_out.mkdir()
             procs = launch(fault, tag + "b", bare_out, None, None)
-            hangs = CATALOGUE[fault.kind][0] == "hang"
-            bare_codes, _ = finish(procs, LIMIT_S, injected=bare_out / "injected" if hangs else None)
+            hangs = fault.kind in HUNG_AFTER_S
+            bare_codes, _ = finish(procs, LIMIT_S, injected=bare_out / "injected" if hangs else None,
+                                   hung_after_s=HUNG_AFTER_S.get(fault.kind, 0.0))
             kill_tagged(tag + "b")
             bare = fate(bare_codes, bare_out)
             if key:
