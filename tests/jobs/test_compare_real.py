@@ -162,9 +162,10 @@ def test_two_runs_of_one_configuration_pass(runs):
             slower = d["probe"]["ratio"] > 1
         else:
             assert d["drift"]["verdict"] == "inconclusive", (d["drift"], d["probe"])
-            # the head's machine slower, or both sides saturated (a failed gate the scheduler explains)
-            slower = d["drift"]["head_machine"] == "slower" or "saturated" in d["drift"]["reason"]
-        assert (g["verdict"] == "fail") == slower, (g, d["probe"], d["drift"])
+            slower = d["drift"]["head_machine"] == "slower"
+        # both sides saturated: inconclusive whatever the gate said (the step times are the scheduler's)
+        saturated = "saturated" in (d["drift"] or {}).get("reason") or ""
+        assert saturated or (g["verdict"] == "fail") == slower, (g, d["probe"], d["drift"])
     else:
         assert g["verdict"] == "pass", g
     assert d["identity"] == []          # same command, script, world size and devices
