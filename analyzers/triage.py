@@ -59,6 +59,10 @@ TIMEOUT_PATTERNS = [
 _NCCL_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
 # a rank's own exception saying its collective timed out (gloo's, NCCL's watchdog): it waited, it is not the cause
 _COLL_TIMEOUT = re.compile(r"Timed out waiting \d+ms for \w+ operation|Watchdog caught collective operation timeout")
+# a rank's own exception saying a peer closed its connection: in a collective timeout, the ranks that waited beside
+# the one that timed out raise this as it exits (within PEER_LOSS_S of its error); the late rank when it enters
+_PEER_CLOSED = re.compile(r"Connection closed by peer|Connection reset by peer")
+PEER_LOSS_S = 2.0
 _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/dtprof/", "/collectors/", "<frozen")
 
 
@@ -419,6 +423,21 @@ def _timed_out(c: Case) -> dict[int, str | None]:
     return out
 
 
+def _lost_peer_beside(c: Case, timed_out: dict) -> set[int]:
+    """Ranks whose own exception is a closed connection raised within PEER_LOSS_S of the first collective timeout's:
+    they waited in the collective too and lost the rank that timed out as it exited (under load one waiting rank's
+    timeout fires first). None when that leaves no other rank to blame."""
+    def at(r):
+        return (c.incident.dumps.get(r, {}).get("exception") or {}).get("t_ns")
+    first = min((t for t in map(at, timed_out) if t is not None), default=None)
+    if first is None:
+        return set()
+    lost = {r for r, by_id in c.incident.dumps.items() if r not in timed_out and at(r) is not None
+            and abs(at(r) - first) <= PEER_LOSS_S * 1e9
+            and _PEER_CLOSED.search(((by_id.get("exception") or {}).get("exception") or {}).get("message") or "")}
+    return lost if set(c.known) - set(timed_out) - lost else set()
+
+
 def _hang(c: Case) -> dict | None:
     """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout (or
     ranks' own exceptions are collective timeouts while other ranks' are not), or Flight Recorder files given show
@@ -453,14 +472,16 @@ def _hang(c: Case) -> dict | None:
     h = find_hang({r: hb for r, hb in inc.heartbeats.items() if r not in stopped},
                   {r: d for r, d in inc.dumps.items() if r not in stopped}, c.known, groups_tbl, inc.fr, now)
     if timed_out and not h["culprits"]:   # the process group timed out first: the ranks that did not wait in it
-        h["waiting"] = sorted(timed_out)
-        h["culprits"] = [r for r in sorted(c.known) if r not in timed_out]
+        lost = _lost_peer_beside(c, timed_out)
+        h["waiting"] = sorted(set(timed_out) | lost)
+        h["culprits"] = [r for r in sorted(c.known) if r not in h["waiting"]]
         op = next((o for o in timed_out.values() if o), None)
         h["collective"] = h["collective"] or ({"op": op, "group": None, "seq": None} if op else None)
         h["source"] = "the ranks' own collective-timeout errors (the others never entered the collective)"
-        c.evidence.append({"kind": "exit", "message": f"ranks {ranks_text(h['waiting'])} raised the process "
+        c.evidence.append({"kind": "exit", "message": f"ranks {ranks_text(sorted(timed_out))} raised the process "
                            f"group's collective timeout in {op or 'a collective'}; ranks {ranks_text(h['culprits'])} "
-                           f"did not"})
+                           f"did not" + (f"; ranks {ranks_text(sorted(lost))} lost a peer as it timed out" if lost
+                                         else "")})
     in_one = True   # every waiting rank waits in the one collective named
     if stopped:
         others = [r for r in sorted(c.known) if r not in stopped]

@@ -12,7 +12,8 @@ directory). `--slice A:B` runs faults A to B-1 of the drawn list, so that a long
 the run without dtprof meets the same fault at the same point. For each fault:
 
 - **unharmed**: the job's fate under dtprof equals its fate without: the same exit code (a hang: both stopped,
-  `dtprof run --hang-timeout` exiting 124, the bare job still running at its time limit), and where the job
+  `dtprof run --hang-timeout` exiting 124, the bare job still running HUNG_AFTER_S after the fault landed), and
+  where the job
   finishes, the same final weights (SHA-256 of rank 0's state dict);
 - **rows lost**: while the job runs, the rows of each rank's `steps` table that are already readable on disk are
   counted every 0.2 s; after the fault, the run must still read at least as many for every rank;
@@ -47,9 +48,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "chaos_job.py"
 BIN = Path(sys.executable).parent
-HANG_TIMEOUT_S = 20
-LIMIT_S = 90           # a bare job still running after this is hung (a clean one takes about 30 s on the busy VM)
-PG_TIMEOUT_S = 20      # the process group's timeout in a collective-timeout fault (its culprit sleeps 1.5x that)
+HANG_TIMEOUT_S = 15
+LIMIT_S = 120          # the longest a job may take (a clean Lightning one takes about 50 s on the busy VM)
+PG_TIMEOUT_S = 10      # the process group's timeout in a collective-timeout fault (its culprit sleeps 1.5x that)
+# a bare job of a kind that hangs still running this long after its culprit injected the fault (the job's "injected"
+# file) is hung, so that a hang costs no full LIMIT_S: past a collective timeout's end (PG_TIMEOUT_S, then
+# torchrun's teardown); a frozen rank's peers wait in a collective with a 300 s timeout
+HUNG_AFTER_S = {"coll_timeout": 2 * PG_TIMEOUT_S + 15, "rank_stop": 20}
 NPROC = 3
 
 # kind: (expected verdict, the culprit is the injecting rank?, words the message must hold (alternatives split by
@@ -93,6 +98,7 @@ class Fault:
     step: int
     steps: int
     job: str = "ddp"
+    nproc: int = NPROC   # ranks of the one-node job (the test subset runs 2: each rank's start-up is most of a fault)
     row: dict = field(default_factory=dict)
 
 
@@ -153,7 +159,7 @@ def kill_tagged(tag: str) -> None:
 
 def torchrun(fault: Fault, node: int | None, port: int) -> list[str]:
     if node is None:
-        return [str(BIN / "torchrun"), f"--nproc_per_node={NPROC}", "--standalone", "--monitor-interval=0.2",
+        return [str(BIN / "torchrun"), f"--nproc_per_node={fault.nproc}", "--standalone", "--monitor-interval=0.2",
                 str(JOB)]
     # the rendezvous store on the node whose agent is killed (node 1, rank 1's), never left to a race: with it the
     # surviving agent fails at once (exit 1); without it, it waits in torchrun's exit barrier for 300 s
@@ -223,14 +229,31 @@ def rows_after(run_dir: Path) -> dict[int, int]:
     return {int(r): int(n) for r, n in steps.groupby("rank").size().items()} if len(steps) else {}
 
 
+def triage_json(run_dir: Path) -> dict:
+    """`dtprof triage RUN --json`, in this process (a fresh process spends seconds importing what this one has)."""
+    from click.testing import CliRunner
+
+    from dtprof.triage import triage_command
+
+    res = CliRunner().invoke(triage_command, [str(run_dir), "--json"])
+    try:
+        return json.loads(res.stdout)
+    except ValueError:
+        return {"verdict": "error", "culprit_ranks": [], "message": (res.output or repr(res.exception))[-300:]}
+
+
 # ---- one fault -------------------------------------------------------------------------------------------------
 
-def finish(procs: list[subprocess.Popen], limit_s: float, watch=None) -> tuple[list[int | None], str]:
-    """Wait for the launchers (None: still running at the limit); returns their exit codes and stderr."""
+def finish(procs: list[subprocess.Popen], limit_s: float, watch=None, injected: Path | None = None,
+           hung_after_s: float = 0.0) -> tuple[list[int | None], str]:
+    """Wait for the launchers (None: still running at the limit, or ``hung_after_s`` after the fault was injected
+    when ``injected`` names the job's marker file); returns their exit codes and stderr."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         if watch:
             watch()
+        if injected is not None and injected.exists():
+            deadline = min(deadline, time.monotonic() - (time.time() - injected.stat().st_mtime) + hung_after_s)
         time.sleep(0.2)
     codes = [p.poll() for p in procs]
     err = ""
@@ -259,9 +282,10 @@ BARE: dict[str, str] = {}
 
 
 def bare_key(fault: Fault) -> str | None:
+    ranks = "" if fault.nproc == NPROC else f" x{fault.nproc}"
     if fault.kind in NEEDS_DTPROF:
-        return f"clean {fault.job} {fault.steps}"
-    return None if CATALOGUE[fault.kind][3] else f"{fault.kind} {fault.job} {fault.rank}"
+        return f"clean {fault.job} {fault.steps}{ranks}"
+    return None if CATALOGUE[fault.kind][3] else f"{fault.kind} {fault.job} {fault.rank}{ranks}"
 
 
 def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
@@ -290,11 +314,14 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
         # without dtprof
         key = bare_key(fault)
         bare = BARE.get(key) if key else None
+        t0 = time.monotonic()
         if bare is None:
             bare_out = work / "bare"
             bare_out.mkdir()
             procs = launch(fault, tag + "b", bare_out, None, None)
-            bare_codes, _ = finish(procs, LIMIT_S)
+            hangs = fault.kind in HUNG_AFTER_S
+            bare_codes, _ = finish(procs, LIMIT_S, injected=bare_out / "injected" if hangs else None,
+                                   hung_after_s=HUNG_AFTER_S.get(fault.kind, 0.0))
             kill_tagged(tag + "b")
             bare = fate(bare_codes, bare_out)
             if key:
@@ -308,6 +335,7 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
         def watch():
             for r, n in readable_rows(run_dir).items():
                 seen[r] = max(seen.get(r, 0), n)
+        t1 = time.monotonic()
         procs = launch(fault, tag + "d", out, run_dir, mount, fs_error)
         codes, err = finish(procs, LIMIT_S + 60, watch)
         if fault.kind == "dtprof_kill":   # the job trains on without its launcher: wait for its end
@@ -328,19 +356,17 @@ def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:
             read_error = ""
         except Exception as e:   # an unreadable run loses every row it had
             lost, read_error = sum(seen.values()), f"{type(e).__name__}: {e}"[:200]
-        tri = subprocess.run([str(BIN / "dtprof"), "triage", str(run_dir), "--json"], capture_output=True, text=True,
-                             timeout=300)
-        try:
-            verdict = json.loads(tri.stdout)
-        except ValueError:
-            verdict = {"verdict": "error", "culprit_ranks": [], "message": (tri.stderr or tri.stdout)[-300:]}
+        t2 = time.monotonic()
+        verdict = triage_json(run_dir)
         row = {"kind": fault.kind, "job": fault.job, "rank": fault.rank, "step": fault.step, "steps": fault.steps,
                "bare": bare, "dtprof": under,
                "unharmed": bare == under, "rows_seen": sum(seen.values()), "rows_lost": lost,
                "read_error": read_error, "leftovers": len(leftovers),
                "dtprof_said": any(w in err for w in OWN_FAULT_WORDS.get(fault.kind, ())),
                "verdict": verdict.get("verdict"), "culprits": verdict.get("culprit_ranks"),
-               "verdict_step": verdict.get("step"), "message": verdict.get("message", "")[:400]}
+               "verdict_step": verdict.get("step"), "message": verdict.get("message", "")[:400],
+               "took": {"bare_s": round(t1 - t0, 1), "dtprof_s": round(t2 - t1, 1),
+                        "triage_s": round(time.monotonic() - t2, 1)}}
         return judge(row)
     finally:
         kill_tagged(tag + "b")

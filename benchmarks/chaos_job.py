@@ -56,6 +56,9 @@ def parent_of(pid: int) -> int:
 
 
 def inject(step: int) -> None:
+    if os.environ.get("CHAOS_OUT"):   # when the fault landed (benchmarks/chaos.py times a bare hang from it)
+        with open(os.path.join(os.environ["CHAOS_OUT"], "injected"), "w") as f:
+            f.write(f"{FAULT} {step}\n")
     if FAULT == "rank_kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif FAULT == "rank_stop":

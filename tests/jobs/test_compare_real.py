@@ -143,6 +143,12 @@ def machine_changed(d: dict) -> bool:
         "machine ran" in x or "busy machine" in x for x in d["reasons"])
 
 
+def saturated_only(d: dict) -> bool:
+    """Inconclusive only because the run(s) were recorded on a saturated machine (this shared VM's load): both sides'
+    ranks waited for a CPU SATURATED_CPU_WAIT of the step or more, a pass as much as a fail."""
+    return d["exit_code"] == 3 and bool(d["reasons"]) and all("saturated" in x for x in d["reasons"])
+
+
 def test_two_runs_of_one_configuration_pass(runs):
     # This VM's run-to-run spread of the median step (per-run p50 27.9-36.2 ms in four fixtures, a sigma of ~6-8 %)
     # is over ten times the 0.5 % the default 90 % interval was tuned for (docs/compare.md): there even the honest
@@ -162,9 +168,10 @@ def test_two_runs_of_one_configuration_pass(runs):
             slower = d["probe"]["ratio"] > 1
         else:
             assert d["drift"]["verdict"] == "inconclusive", (d["drift"], d["probe"])
-            # the head's machine slower, or both sides saturated (a failed gate the scheduler explains)
-            slower = d["drift"]["head_machine"] == "slower" or "saturated" in d["drift"]["reason"]
-        assert (g["verdict"] == "fail") == slower, (g, d["probe"], d["drift"])
+            slower = d["drift"]["head_machine"] == "slower"
+        # both sides saturated: inconclusive whatever the gate said (the step times are the scheduler's)
+        saturated = "saturated" in ((d["drift"] or {}).get("reason") or "")
+        assert saturated or (g["verdict"] == "fail") == slower, (g, d["probe"], d["drift"])
     else:
         assert g["verdict"] == "pass", g
     assert d["identity"] == []          # same command, script, world size and devices
@@ -186,7 +193,8 @@ def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
     # slower machine explains it (inconclusive); where they passed, a slower machine cannot have hidden a slowdown
     assert d["probe"]["ratio"] > 1 + d["probe"]["tolerance"] and d["probe"]["moved"]
     failed = any(g["verdict"] == "fail" for g in d["gates"])
-    assert code == (3 if failed else 0), (d["outcome"], d["probe"], d["gates"])
+    # (a pass between two saturated recordings is inconclusive too: saturated_only)
+    assert code == (3 if failed else 0) or (not failed and saturated_only(d)), (d["outcome"], d["probe"], d["gates"])
     assert d["probe"]["explains_verdict"] is failed
     if failed:
         assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
@@ -311,7 +319,8 @@ def test_a_gpu_probe_that_moved_is_the_machine_not_a_regression(runs, tmp_path):
     run = runs["same"][0]          # one run on both sides: only the GPU probe rows differ
     base = with_gpu_probe(run, tmp_path / "base", 0.0015, seed=1)
     code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "same", 0.0015, seed=3))
-    assert code == 0 and d["gpu_probe"]["moved"] is False and d["gpu_probe_reason"] is None, d["reasons"]
+    assert (code == 0 or saturated_only(d)) and d["gpu_probe"]["moved"] is False and d["gpu_probe_reason"] is None, \
+        d["reasons"]
     assert summary_of(base)["run"]["probe"]["gpu_devices"] == ["node 0:0 NVIDIA H100 80GB HBM3",
                                                                "node 0:1 NVIDIA H100 80GB HBM3"]
     # faster GPUs could hide a slowdown behind this pass: inconclusive
@@ -320,7 +329,8 @@ def test_a_gpu_probe_that_moved_is_the_machine_not_a_regression(runs, tmp_path):
     assert re.fullmatch(r"the GPUs ran (2\d|30) % faster on the GPU probe \(head vs base\)", d["reasons"][0])
     # slower GPUs could only have slowed the head: a head that passed on them passed (the probe's line still shows it)
     code, d = compare_json(base, "--head", with_gpu_probe(run, tmp_path / "slowgpu", 0.0015 * 1.4, seed=5))
-    assert code == 0 and d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is False, d["reasons"]
+    assert code == 0 or saturated_only(d), d["reasons"]
+    assert d["gpu_probe"]["moved"] and d["gpu_probe"]["explains_verdict"] is False, d["reasons"]
     # a head slowed in backward on slower GPUs: the machine may explain the slowdown, so it is not called a regression
     code, d = compare_json(base, "--head", with_gpu_probe(runs["slow"][0], tmp_path / "slow", 0.0015 * 1.4, seed=7))
     assert code == 3, d["outcome"]

@@ -309,6 +309,33 @@ def test_a_collective_timeout_names_the_rank_that_never_entered_not_the_first_th
     assert res["collective"]["op"] == "all_reduce" and "rank 2" in res["message"], res["message"]
 
 
+def test_a_collective_timeout_tells_a_rank_that_lost_its_peer_from_the_late_one():
+    # chaos coll_timeout #90 (3-rank DDP, rank 2 asleep past the 10 s timeout, loaded VM): rank 1's timeout fired
+    # first and rank 0, waiting beside it, raised "Connection closed by peer" 2.5 ms before rank 1's dump; rank 2 woke,
+    # entered, and raised the same 5 s later. It was "rank 0, rank 2 never entered".
+    from dtprof.analyzers.triage import triage
+    from dtprof.reader import Incident
+
+    timeout = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"
+    closed = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:20876. This is typically "
+              "caused by a remote worker crashing.")
+    frames = [{"file": "/job/train.py", "line": 146, "func": "end_of_step"},
+              {"file": "/site-packages/torch/distributed/distributed_c10d.py", "line": 2900, "func": "all_reduce"}]
+
+    def raised(rank, t, msg):
+        return {"exception": {"rank": rank, "t_ns": t, "reason": f"exception: RuntimeError: {msg}",
+                              "exception": {"type": "RuntimeError", "message": msg, "frames": frames}}}
+    s = 10**9
+    dumps = {0: raised(0, 100 * s, closed), 1: raised(1, 100 * s + 2_500_000, timeout), 2: raised(2, 105 * s, closed)}
+    hbs = {r: {"rank": r, "pid": 10 + r, "step": 6, "t_ns": 100 * s, "exit": "exception: ..."} for r in range(3)}
+    res = triage(None, Incident(heartbeats=hbs, dumps=dumps))
+    assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
+    assert "ranks 0–1 wait" in res["message"], res["message"]
+    # the late rank raising within the window too: nothing tells the two apart, both stay named
+    dumps[2] = raised(2, 101 * s, closed)
+    assert triage(None, Incident(heartbeats=hbs, dumps=dumps))["culprit_ranks"] == [0, 2]
+
+
 def test_ranks_text():
     assert ranks_text([0, 1, 2, 4, 5, 6, 7]) == "0–2, 4–7"
     assert ranks_text([3]) == "3"

@@ -237,3 +237,14 @@ def test_a_failed_gate_between_two_saturated_recordings_is_inconclusive(tmp_path
     base = write_json(tmp_path, "b2", _machine(run_summary(1), 1.0, 0.30))
     head = write_json(tmp_path, "h2", _machine(run_summary(2), 1.25, 0.30))
     assert compare_cli(base, "--head", head)[0] == 1
+    # a pass between two saturated recordings is no pass either (gate_power --real: a +10 % sleep beside CPU hogs
+    # passed against a base at 77 %, the head at 68 %, the probe saying the head's machine was the slower); here
+    # the head the busier side, nothing else holding the pass up
+    base = write_json(tmp_path, "b3", _machine(run_summary(1), 1.0, 0.70))
+    head = write_json(tmp_path, "h3", _machine(run_summary(2), 1.0, 0.77))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and code == 3, (d["outcome"], d["drift"])
+    assert any("saturated" in x for x in d["reasons"]), d["reasons"]
+    head = write_json(tmp_path, "h4", _machine(run_summary(2), 1.0, 0.30))
+    assert compare_cli(base, "--head", head)[0] != 1
