@@ -133,18 +133,21 @@ def build_class(args) -> tuple[int, int]:
     """Build the nodes of one class (the same host offset and jitter draws: node % CLASS_NODES), each with its
     summary, as its launcher would write it: the class's template node (its first) and the slow rank's node
     summarised from their tables, every other one's summary copied from the template's with its ranks shifted
-    (synth.copy_summary: the same files, ~10x faster). Returns (nodes summarised, nodes copied)."""
+    (synth.copy_summary: the same files, ~10x faster). ``tables`` False: the nodes' tables exist, only their
+    summaries are (re)made (stale after a change of the summary layout). Returns (nodes summarised, nodes copied)."""
     from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
     from dtprof.summarize import summarize_node
     from synth import build_ddp_node, copy_summary
 
-    run_dir, todo, template, ranks, steps = args
+    run_dir, todo, template, ranks, steps, tables = args
     made = copied = 0
     cache: dict = {}
     for node in ([template] if template in todo else []) + [n for n in todo if n != template]:
-        nd = build_ddp_node(run_dir, node, RANKS_PER_NODE, ranks, steps, slow_rank=SLOW_RANK, slow_factor=SLOW_FACTOR,
-                            host_offset_ns=(node % CLASS_NODES) * 1_000_000, seed=1,
-                            jitter_period=CLASS_NODES * RANKS_PER_NODE)
+        nd = node_dir(run_dir, node)
+        if tables:
+            build_ddp_node(run_dir, node, RANKS_PER_NODE, ranks, steps, slow_rank=SLOW_RANK, slow_factor=SLOW_FACTOR,
+                           host_offset_ns=(node % CLASS_NODES) * 1_000_000, seed=1,
+                           jitter_period=CLASS_NODES * RANKS_PER_NODE)
         tpl = node_dir(run_dir, template)
         if node in (template, SLOW_RANK // RANKS_PER_NODE) or not (tpl / SUMMARY_DIR / SUMMARY_COMPLETE).exists():
             summarize_node(str(nd))
@@ -155,8 +158,9 @@ def build_class(args) -> tuple[int, int]:
     return made, copied
 
 
-def build_nodes(run_dir: Path, todo: list[int], args) -> tuple[int, int]:
-    """Build the nodes ``todo`` of the run in a process pool, one task per class; returns (summarised, copied)."""
+def build_nodes(run_dir: Path, todo: list[int], args, tables: bool = True) -> tuple[int, int]:
+    """Build the nodes ``todo`` of the run (``tables`` False: their summaries only) in a process pool, one task per
+    class; returns (summarised, copied)."""
     slow_node = SLOW_RANK // RANKS_PER_NODE
     tasks = []
     for c in range(CLASS_NODES):
@@ -164,7 +168,7 @@ def build_nodes(run_dir: Path, todo: list[int], args) -> tuple[int, int]:
         template = next((n for n in members if n != slow_node), members[0] if members else None)
         mine = [n for n in todo if n % CLASS_NODES == c]
         if mine:
-            tasks.append((run_dir, mine, template, args.ranks, args.steps))
+            tasks.append((run_dir, mine, template, args.ranks, args.steps, tables))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         done = list(pool.map(build_class, tasks))
     return sum(d[0] for d in done), sum(d[1] for d in done)
@@ -300,22 +304,24 @@ def main() -> int:
     rows = args.ranks * args.steps * (5 + 8)
     if args.reuse:
         from dtprof.reader import open_run
-        from dtprof.summarize import make_summaries
+        from dtprof.summarize import pending
 
         run_dir = Path(args.reuse)
         tmp = run_dir
         args.keep = True   # never delete a run given to measure
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         built = build_missing(run_dir, nodes, args)
         run = open_run(run_dir)
         if len(run.node_dirs) != nodes:
             ap.error(f"{run_dir} has {len(run.node_dirs)} nodes, not {nodes}")
-        made = make_summaries(run, workers=args.workers)
+        made = build_nodes(run_dir, [int(nd.name.removeprefix("node-host")) for nd in pending(run)], args,
+                           tables=False)
         if built:
             print(f"built the {built} node(s) a stopped build had left unbuilt or unsummarised", flush=True)
         print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
-              f"collectives, {du_gib(run_dir):.2f} GiB on disk; reused {run_dir}, {len(made)} stale or missing "
-              f"node summaries remade in {time.perf_counter() - t0:.0f} s with {args.workers} processes", flush=True)
+              f"collectives, {du_gib(run_dir):.2f} GiB on disk; reused {run_dir}; stale or missing node "
+              f"summaries: {made[0]} remade, {made[1]} copied from their class's; in {time.perf_counter() - t0:.0f} s "
+              f"({cpu_s() - c0:.0f} CPU s) with {args.workers} processes", flush=True)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="dtprof-scale-", dir=args.dir))
         run_dir = tmp / "run"
