@@ -43,6 +43,7 @@ SLOW_RANK, SLOW_FACTOR = 7, 1.3
 # class have the same tables but for rank numbers and host, so one of them is summarised and the others' summaries
 # copied from it (build_class)
 CLASS_NODES = 64
+BUILT_BY = f"benchmarks/analyze_scale.py, node classes of {CLASS_NODES}"   # run.json "created"; --reuse checks it
 TARGET_GLOBAL_S, TARGET_GLOBAL_GIB, TARGET_NODE_S = 60.0, 8.0, 2.0
 # the global analysis of --ranks 16384 --steps 1000 (seconds, peak RSS GiB, RSS after the imports GiB: 0.11 measured
 # at 2,048 ranks, the same imports), printed per rank-step beside a smaller run's (issue 52)
@@ -309,6 +310,11 @@ def main() -> int:
         run_dir = Path(args.reuse)
         tmp = run_dir
         args.keep = True   # never delete a run given to measure
+        created = json.loads((run_dir / "run.json").read_text()).get("created") if (run_dir / "run.json").exists() \
+            else None
+        if created != BUILT_BY:   # its nodes drew independent jitter: a summary copied from a class's would be wrong
+            ap.error(f"{run_dir}/run.json: not a run this benchmark built in classes (created: {created!r}); "
+                     f"build a new one")
         t0, c0 = time.perf_counter(), cpu_s()
         built = build_missing(run_dir, nodes, args)
         run = open_run(run_dir)
@@ -328,7 +334,7 @@ def main() -> int:
     tmp_summary = Path(tempfile.mkdtemp(prefix="dtprof-scale-summary-"))
     try:
         if not args.reuse:
-            create_run_dir(run_dir, {"command": ["synthetic"], "created": "benchmarks/analyze_scale.py"})
+            create_run_dir(run_dir, {"command": ["synthetic"], "created": BUILT_BY})
             t0, c0 = time.perf_counter(), cpu_s()
             made, copied = build_nodes(run_dir, list(range(nodes)), args)
             print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
