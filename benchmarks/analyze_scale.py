@@ -2,8 +2,11 @@
 
 The run is built node by node (8 ranks a node; per rank-step data_wait, forward, backward, comm_wait and optimizer
 spans and 8 all-reduces; rank 7 slowed 1.3×), never held whole: a process pool writes each node's tables and then
-its node summary, as each node's launcher does in a real job. Then, each in a fresh process so its peak memory is
-its own: one node's summary again (what one node pays), and the global analysis from the summaries.
+its node summary, as each node's launcher does in a real job. The nodes fall in CLASS_NODES classes of the same
+clock offset and jitter draws; one node of each class (and the slow rank's) is summarised from its tables, the
+others' summaries are copied from it with their ranks and host (synth.copy_summary, the same files: ~0.27 CPU s a
+node in all instead of ~1.6). Then, each in a fresh process so its peak memory is its own: one node's summary again
+(what one node pays), and the global analysis from the summaries, with its wall and CPU seconds.
 
 Targets (issue 19): global analysis <= 60 s and <= 8 GiB peak on the 2-core development machine, one node's
 summary <= 2 s, the injected straggler named alone. `make bench` runs the 1,024 × 200 default; the issue's
@@ -13,7 +16,7 @@ target run is `--ranks 16384 --steps 1000` (2,048 nodes; build it where there is
     .venv/bin/python benchmarks/analyze_scale.py --ranks 16384 --steps 100 --reuse RUN   # a run kept by --keep
 
 ``--reuse RUN`` skips the build: it builds the nodes a stopped build left unfinished (a run kept by --keep whose
-build was killed: the 16,384-rank build takes hours on a loaded 2-core machine), remakes the node summaries that
+build was killed), remakes the node summaries that
 are missing or stale (written in another summary layout, e.g. after a change of dtprof/schema.py SUMMARY_LAYOUT)
 with a local pool, then measures. ``--dask-workers N`` measures the global analysis again with its per-instance
 reductions on a local Dask cluster of N processes (dtprof/cluster.py) and checks it gives the same summary.json.
@@ -36,6 +39,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 RANKS_PER_NODE = 8
 SLOW_RANK, SLOW_FACTOR = 7, 1.3
+# node n's clock is (n % CLASS_NODES) ms off and rank r draws rank r mod CLASS_NODES × 8's jitter: the nodes of a
+# class have the same tables but for rank numbers and host, so one of them is summarised and the others' summaries
+# copied from it (build_class)
+CLASS_NODES = 64
+BUILT_BY = f"benchmarks/analyze_scale.py, node classes of {CLASS_NODES}"   # run.json "created"; --reuse checks it
 TARGET_GLOBAL_S, TARGET_GLOBAL_GIB, TARGET_NODE_S = 60.0, 8.0, 2.0
 # the global analysis of --ranks 16384 --steps 1000 (seconds, peak RSS GiB, RSS after the imports GiB: 0.11 measured
 # at 2,048 ranks, the same imports), printed per rank-step beside a smaller run's (issue 52)
@@ -65,16 +73,18 @@ def sample():   # the peak RSS of each stage (a stage's own peak, not the proces
         time.sleep(0.01)
 
 def progress(msg):   # analyze() names each stage before it starts it
-    now, r = time.perf_counter(), rss()
+    now, cpu, r = time.perf_counter(), time.process_time(), rss()
     if stages:
-        stages[-1].update(seconds=now - stages[-1]["seconds"], peak=max(cur["peak"], r), end=r)
+        stages[-1].update(seconds=now - stages[-1]["seconds"], cpu_s=cpu - stages[-1]["cpu_s"],
+                          peak=max(cur["peak"], r), end=r)
     if msg is not None:
-        stages.append({"stage": msg, "seconds": now})
+        stages.append({"stage": msg, "seconds": now, "cpu_s": cpu})
         cur["peak"] = r
 
 threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()   # after the imports: a launcher or a worker has them loaded already
-workers = None
+c0 = time.process_time()   # this process's CPU time, all its threads (DuckDB's too): what a shared machine's load
+workers = None             # does not inflate
 if what == "node":
     summarize_node(path)
     out = {}
@@ -109,23 +119,60 @@ if what != "node":
     if len(sys.argv) > 3:   # the summary itself, to compare two versions' answers on one run
         with open(sys.argv[3], "w") as f:
             json.dump(s, f, sort_keys=True)
-out.update(seconds=elapsed if workers else time.perf_counter() - t0, base_gib=base / 2**30,
+out.update(seconds=elapsed if workers else time.perf_counter() - t0, cpu_s=time.process_time() - c0,
+           load=os.getloadavg()[0], base_gib=base / 2**30,
            peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 print(json.dumps(out))
 """
 
 
-def build_and_summarize(args) -> float:
-    """One node: its tables, then its summary (as its launcher does); returns the summary's seconds."""
-    from dtprof.summarize import summarize_node
-    from synth import build_ddp_node
+def node_dir(run_dir: Path, node: int) -> Path:
+    return run_dir / f"node-host{node:05d}"
 
-    run_dir, node, ranks, steps = args
-    nd = build_ddp_node(run_dir, node, RANKS_PER_NODE, ranks, steps, slow_rank=SLOW_RANK, slow_factor=SLOW_FACTOR,
-                        host_offset_ns=(node % 64) * 1_000_000, seed=1)
-    t0 = time.perf_counter()
-    summarize_node(str(nd))
-    return time.perf_counter() - t0
+
+def build_class(args) -> tuple[int, int]:
+    """Build the nodes of one class (the same host offset and jitter draws: node % CLASS_NODES), each with its
+    summary, as its launcher would write it: the class's template node (its first) and the slow rank's node
+    summarised from their tables, every other one's summary copied from the template's with its ranks shifted
+    (synth.copy_summary: the same files, ~10x faster). ``tables`` False: the nodes' tables exist, only their
+    summaries are (re)made (stale after a change of the summary layout). Returns (nodes summarised, nodes copied)."""
+    from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+    from dtprof.summarize import summarize_node
+    from synth import build_ddp_node, copy_summary
+
+    run_dir, todo, template, ranks, steps, tables = args
+    made = copied = 0
+    cache: dict = {}
+    for node in ([template] if template in todo else []) + [n for n in todo if n != template]:
+        nd = node_dir(run_dir, node)
+        if tables:
+            build_ddp_node(run_dir, node, RANKS_PER_NODE, ranks, steps, slow_rank=SLOW_RANK, slow_factor=SLOW_FACTOR,
+                           host_offset_ns=(node % CLASS_NODES) * 1_000_000, seed=1,
+                           jitter_period=CLASS_NODES * RANKS_PER_NODE)
+        tpl = node_dir(run_dir, template)
+        if node in (template, SLOW_RANK // RANKS_PER_NODE) or not (tpl / SUMMARY_DIR / SUMMARY_COMPLETE).exists():
+            summarize_node(str(nd))
+            made += 1
+        else:
+            copy_summary(tpl, nd, (node - template) * RANKS_PER_NODE, cache)
+            copied += 1
+    return made, copied
+
+
+def build_nodes(run_dir: Path, todo: list[int], args, tables: bool = True) -> tuple[int, int]:
+    """Build the nodes ``todo`` of the run (``tables`` False: their summaries only) in a process pool, one task per
+    class; returns (summarised, copied)."""
+    slow_node = SLOW_RANK // RANKS_PER_NODE
+    tasks = []
+    for c in range(CLASS_NODES):
+        members = [n for n in range(c, args.ranks // RANKS_PER_NODE, CLASS_NODES)]
+        template = next((n for n in members if n != slow_node), members[0] if members else None)
+        mine = [n for n in todo if n % CLASS_NODES == c]
+        if mine:
+            tasks.append((run_dir, mine, template, args.ranks, args.steps, tables))
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        done = list(pool.map(build_class, tasks))
+    return sum(d[0] for d in done), sum(d[1] for d in done)
 
 
 def build_missing(run_dir: Path, nodes: int, args) -> int:
@@ -134,14 +181,12 @@ def build_missing(run_dir: Path, nodes: int, args) -> int:
     how many."""
     from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
 
-    todo = [n for n in range(nodes) if not (run_dir / f"node-host{n:05d}" / SUMMARY_DIR / SUMMARY_COMPLETE).exists()]
+    todo = [n for n in range(nodes) if not (node_dir(run_dir, n) / SUMMARY_DIR / SUMMARY_COMPLETE).exists()]
     if len(todo) == nodes:   # nothing of this run: not a run this benchmark built
         return 0
     for n in todo:
-        shutil.rmtree(run_dir / f"node-host{n:05d}", ignore_errors=True)
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        list(pool.map(build_and_summarize, [(run_dir, n, args.ranks, args.steps) for n in todo],
-                      chunksize=max(1, len(todo) // (args.workers * 8))))
+        shutil.rmtree(node_dir(run_dir, n), ignore_errors=True)
+    build_nodes(run_dir, todo, args)
     return len(todo)
 
 
@@ -208,9 +253,10 @@ def print_per_rank_step(glob: dict, rank_steps: int) -> None:
 def print_stages(stages: list[dict]) -> None:
     """analyze()'s stages: seconds, the stage's own peak RSS and the RSS it left (DuckDB's per-instance reductions
     run in a thread beside the stages from "node summaries" to "collective bandwidth", which wait for them)."""
-    print("| stage | s | peak GiB | after GiB |\n|---|---|---|---|")
+    print("| stage | s | CPU s | peak GiB | after GiB |\n|---|---|---|---|---|")
     for st in stages:
-        print(f"| {st['stage']} | {st['seconds']:.2f} | {st['peak'] / 2**30:.2f} | {st['end'] / 2**30:.2f} |")
+        print(f"| {st['stage']} | {st['seconds']:.2f} | {st['cpu_s']:.2f} | {st['peak'] / 2**30:.2f} | "
+              f"{st['end'] / 2**30:.2f} |")
 
 
 def rss_gib(pid: int) -> float:
@@ -218,6 +264,12 @@ def rss_gib(pid: int) -> float:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     except (OSError, IndexError, ValueError):   # it just ended
         return 0.0
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the build's pool)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def du_gib(path: Path) -> float:
@@ -253,39 +305,42 @@ def main() -> int:
     rows = args.ranks * args.steps * (5 + 8)
     if args.reuse:
         from dtprof.reader import open_run
-        from dtprof.summarize import make_summaries
+        from dtprof.summarize import pending
 
         run_dir = Path(args.reuse)
         tmp = run_dir
         args.keep = True   # never delete a run given to measure
-        t0 = time.perf_counter()
+        created = json.loads((run_dir / "run.json").read_text()).get("created") if (run_dir / "run.json").exists() \
+            else None
+        if created != BUILT_BY:   # its nodes drew independent jitter: a summary copied from a class's would be wrong
+            ap.error(f"{run_dir}/run.json: not a run this benchmark built in classes (created: {created!r}); "
+                     f"build a new one")
+        t0, c0 = time.perf_counter(), cpu_s()
         built = build_missing(run_dir, nodes, args)
         run = open_run(run_dir)
         if len(run.node_dirs) != nodes:
             ap.error(f"{run_dir} has {len(run.node_dirs)} nodes, not {nodes}")
-        made = make_summaries(run, workers=args.workers)
+        made = build_nodes(run_dir, [int(nd.name.removeprefix("node-host")) for nd in pending(run)], args,
+                           tables=False)
         if built:
             print(f"built the {built} node(s) a stopped build had left unbuilt or unsummarised", flush=True)
         print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
-              f"collectives, {du_gib(run_dir):.2f} GiB on disk; reused {run_dir}, {len(made)} stale or missing "
-              f"node summaries remade in {time.perf_counter() - t0:.0f} s with {args.workers} processes", flush=True)
+              f"collectives, {du_gib(run_dir):.2f} GiB on disk; reused {run_dir}; stale or missing node "
+              f"summaries: {made[0]} remade, {made[1]} copied from their class's; in {time.perf_counter() - t0:.0f} s "
+              f"({cpu_s() - c0:.0f} CPU s) with {args.workers} processes", flush=True)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="dtprof-scale-", dir=args.dir))
         run_dir = tmp / "run"
     tmp_summary = Path(tempfile.mkdtemp(prefix="dtprof-scale-summary-"))
     try:
         if not args.reuse:
-            create_run_dir(run_dir, {"command": ["synthetic"], "created": "benchmarks/analyze_scale.py"})
-            t0 = time.perf_counter()
-            with ProcessPoolExecutor(max_workers=args.workers) as pool:
-                node_s = list(pool.map(build_and_summarize,
-                                       [(run_dir, n, args.ranks, args.steps) for n in range(nodes)],
-                                       chunksize=max(1, nodes // (args.workers * 8))))
-            t_build = time.perf_counter() - t0
+            create_run_dir(run_dir, {"command": ["synthetic"], "created": BUILT_BY})
+            t0, c0 = time.perf_counter(), cpu_s()
+            made, copied = build_nodes(run_dir, list(range(nodes)), args)
             print(f"ranks {args.ranks} ({nodes} nodes of {RANKS_PER_NODE}), steps {args.steps}: {rows:,} spans + "
-                  f"collectives, {du_gib(run_dir):.2f} GiB on disk; built and summarised in {t_build:.0f} s with "
-                  f"{args.workers} processes (node summary in the pool: median "
-                  f"{sorted(node_s)[len(node_s) // 2]:.2f} s, max {max(node_s):.2f} s)", flush=True)
+                  f"collectives, {du_gib(run_dir):.2f} GiB on disk; built in {time.perf_counter() - t0:.0f} s "
+                  f"({cpu_s() - c0:.0f} CPU s) with {args.workers} processes: {made} node summaries made, {copied} "
+                  f"copied from their class's", flush=True)
         one = measure("node", run_dir / f"node-host{0:05d}", args.memory_cap_gib)
         print(f"one node's summary (fresh process): {one['seconds']:.2f} s, peak RSS {one['peak_gib']:.2f} GiB "
               f"(target <= {TARGET_NODE_S:.0f} s)", flush=True)
@@ -298,8 +353,10 @@ def main() -> int:
                   f"(targets <= {TARGET_GLOBAL_S:.0f} s, <= {TARGET_GLOBAL_GIB:.0f} GiB)")
             glob.update(stragglers=None)
         else:
-            print(f"global analysis from the node summaries (fresh process): {glob['seconds']:.1f} s, peak RSS "
-                  f"{glob['peak_gib']:.2f} GiB (targets <= {TARGET_GLOBAL_S:.0f} s, <= {TARGET_GLOBAL_GIB:.0f} GiB)")
+            print(f"global analysis from the node summaries (fresh process): {glob['seconds']:.1f} s "
+                  f"({glob['cpu_s']:.1f} CPU s, load {glob['load']:.1f} on {os.cpu_count()} CPUs at its end), "
+                  f"peak RSS {glob['peak_gib']:.2f} GiB (targets <= {TARGET_GLOBAL_S:.0f} s, "
+                  f"<= {TARGET_GLOBAL_GIB:.0f} GiB)")
             print(f"stragglers named: {glob['stragglers']} (injected: [{SLOW_RANK}]); step p50 "
                   f"{glob['step_p50_s']:.4f} s; top what-if: {glob['what_if']}")
             print_per_rank_step(glob, args.ranks * args.steps)

@@ -280,21 +280,24 @@ def split_by_host(path: Path) -> Path:
 
 def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: int, steps: int, buckets: int = 8,
                    jitter_frac: float = 0.05, slow_rank: int | None = None, slow_factor: float = 1.0,
-                   host_offset_ns: int = 0, seed: int = 0, detail_period: int = 0) -> Path:
+                   host_offset_ns: int = 0, seed: int = 0, detail_period: int = 0, jitter_period: int = 0) -> Path:
     """Write node ``node`` (ranks node*ranks_per_node ...) of a DDP-like job of ``world_size`` ranks, without
     building the other nodes: each rank's compute is its base × (1 + jitter_frac·u), u uniform in [0, 1) drawn from
     the rank's own seed, the slow rank's × slow_factor; collectives end at their last possible arrival (the slowest
     unslowed rank's bound, or the slow rank) + transfer, which every node computes alike. Per rank-step: data_wait,
     forward, backward, comm_wait, optimizer spans and ``buckets`` all-reduces. ``run_dir`` must exist (run.json).
     ``detail_period`` P > 0: sampled as the ranks sample (collectors/runtime.py): steps 0-31 and blocks of 4 steps
-    every P in full detail, the others boundary-only (their steps row, ``detail`` 0, and nothing else)."""
+    every P in full detail, the others boundary-only (their steps row, ``detail`` 0, and nothing else).
+    ``jitter_period`` K > 0: rank r draws rank r mod K's jitter (the same uniform draws, repeated every K ranks), so
+    two nodes K ranks apart with the same host offset have the same tables but for rank numbers and host, and the
+    later one's summary can be copied from the earlier one's (``copy_summary``)."""
     R, S, B = ranks_per_node, steps, buckets
     ranks = np.arange(node * R, (node + 1) * R)
     base = {"data": 1 * MS, "fwd": 10 * MS, "bwd": 20 * MS, "opt": 2 * MS}
     bucket_ns, top = 4 * MS, 1 + jitter_frac
 
     def phases(r: int) -> dict:
-        u = np.random.default_rng([seed, int(r)]).random((4, S))
+        u = np.random.default_rng([seed, int(r) % jitter_period if jitter_period else int(r)]).random((4, S))
         out = {k: (base[k] * (1 + jitter_frac * u[i])).astype(np.int64) for i, k in enumerate(base)}
         if r == slow_rank:
             out["fwd"] = (out["fwd"] * slow_factor).astype(np.int64)
@@ -362,6 +365,49 @@ def build_ddp_node(run_dir: Path, node: int, ranks_per_node: int, world_size: in
                            "groups": groups, "clock": clock},
                       {"host": host, "command": ["synthetic"], "status": "completed", "exit_code": 0})
     return nd
+
+
+# summary columns that hold a rank (-1: none), shifted by copy_summary
+RANK_COLUMNS = ("rank", "rank_max", "sender", "receiver", "c_sender", "c_receiver")
+
+
+def copy_summary(template: Path, node: Path, rank_shift: int, cache: dict | None = None) -> Path:
+    """Write ``node``'s summary as ``template``'s (another node's directory) with every rank shifted by
+    ``rank_shift`` and the template's host replaced by ``node``'s: exactly what summarize_node writes when ``node``'s
+    tables are the template's but for those (build_ddp_node with ``jitter_period`` a multiple of ``rank_shift`` and
+    the same host offset; tests/unit/test_scale.py checks it file by file). ~10x faster than summarize_node, which is
+    what makes a 16,384 × 1,000 run buildable in minutes. ``cache``: a dict kept across calls, holding the
+    template's tables once read."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from dtprof.runformat import PARQUET_COMPRESSION, SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_ROW_GROUP_ROWS
+    from dtprof.schema import SUMMARY_TABLES, summary_file
+
+    cache = {} if cache is None else cache
+    if cache.get("template") != template:
+        cache.clear()
+        cache.update(template=template, tables={t: pq.read_table(summary_file(template, t)) for t in SUMMARY_TABLES},
+                     complete=(template / SUMMARY_DIR / SUMMARY_COMPLETE).read_bytes())
+    old_host, new_host = template.name.removeprefix("node-"), node.name.removeprefix("node-")
+    out = node / SUMMARY_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SUMMARY_COMPLETE).unlink(missing_ok=True)
+    for table, t in cache["tables"].items():
+        for i, name in enumerate(t.column_names):
+            col = t.column(i)
+            if name in RANK_COLUMNS:
+                col = pc.if_else(pc.greater_equal(col, 0), pc.add(col, rank_shift), col)
+            elif name == "host":
+                col = pc.if_else(pc.equal(col, old_host), pa.scalar(new_host, col.type), col)
+            else:
+                continue
+            t = t.set_column(i, t.field(i), col)
+        pq.write_table(t, summary_file(node, table), row_group_size=SUMMARY_ROW_GROUP_ROWS.get(table),
+                       compression=PARQUET_COMPRESSION)
+    (out / SUMMARY_COMPLETE).write_bytes(cache["complete"])
+    return out
 
 
 def _typed(table: str, n: int, **cols) -> pd.DataFrame:

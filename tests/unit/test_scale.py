@@ -240,3 +240,33 @@ def test_items_stored_step_by_step_in_small_row_groups(four_nodes, monkeypatch):
     stats = [meta.row_group(i).column(step).statistics for i in range(meta.num_row_groups)]
     assert len(stats) > 20 and all(a.max <= b.min for a, b in zip(stats, stats[1:]))   # step by step
     assert_summaries_equal_raw(four_nodes)
+
+
+def test_copied_summary_equals_the_nodes_own(tmp_path):
+    """The scale benchmark's builder (benchmarks/analyze_scale.py) copies a node's summary from the node of its
+    class (same host offset, same jitter draws, other ranks and host) instead of summarising it: the copy must be
+    file for file what summarize_node writes from the node's own tables."""
+    import pyarrow.parquet as pq
+
+    from dtprof.runformat import create_run_dir
+    from dtprof.schema import SUMMARY_TABLES, summary_file
+    from synth import build_ddp_node, copy_summary
+
+    kw = dict(ranks_per_node=2, world_size=8, steps=12, slow_rank=1, slow_factor=1.3, seed=3, jitter_period=4)
+    runs = {}
+    for name in ("own", "copied"):   # node n's clock is (n % 2) ms off: nodes 1 and 3 are of one class
+        create_run_dir(tmp_path / name, {"command": ["synthetic"]})
+        runs[name] = [build_ddp_node(tmp_path / name, n, host_offset_ns=(n % 2) * 1_000_000, **kw) for n in range(4)]
+    for nd in runs["own"] + runs["copied"][:3]:
+        summarize_node(str(nd))
+    copy_summary(runs["copied"][1], runs["copied"][3], rank_shift=4)   # ranks 2-3 -> 6-7
+    own, copied = runs["own"][3], runs["copied"][3]
+    for table in SUMMARY_TABLES:
+        a, b = pq.ParquetFile(summary_file(own, table)), pq.ParquetFile(summary_file(copied, table))
+        assert a.metadata.num_row_groups == b.metadata.num_row_groups, table
+        assert a.read().equals(b.read()), table
+    assert pd.read_parquet(summary_file(copied, "rank_steps"))["rank"].unique().tolist() == [6, 7]
+    assert (copied / SUMMARY_DIR / SUMMARY_COMPLETE).read_text() == (own / SUMMARY_DIR / SUMMARY_COMPLETE).read_text()
+    # and the analysis of the run with the copied summary is the analysis of the run with its own
+    a, b = (open_and_analyze(tmp_path / name)[1].summary for name in ("own", "copied"))
+    assert a["stragglers"] and not [d for d in differences(a, b) if not d.startswith(".run.path:")]
