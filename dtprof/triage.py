@@ -87,7 +87,7 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
         except Exception as e:  # noqa: BLE001  (the analysis failing must not hide the rest of the triage)
             error = f"{type(e).__name__}: {e}"
     if res is None:   # no steps, no run (only --fr dumps), or the analysis failed: the verdict without stragglers
-        res = triage(run, incident, stragglers=None, straggler_error=error, live=live, stale_s=stale_s)
+        res = triage(run, {"incident": incident, "analysis_error": error, "live": live, "stale_s": stale_s})
     if as_json:
         click.echo(json.dumps(res, indent=1, default=str))
     else:

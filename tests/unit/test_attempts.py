@@ -49,7 +49,7 @@ def test_a_restarted_rank_is_its_last_attempt_and_the_first_is_a_restart(tmp_pat
     assert ("[restart] rank 0 attempt 1 failed at step 3 (RuntimeError: boom); restarted at 2026-01-01T00:00:20Z, "
             "5.0 s after the failure") in text
     assert "[restart] statistics cover each rank's last attempt (rank 0: attempt 2)" in text
-    res = triage(run, run.incident())
+    res = triage(run, {"incident": run.incident()})
     assert res["verdict"] == "healthy" and "failed at step 3 (RuntimeError: boom) and was restarted" in res["message"]
 
 
@@ -72,7 +72,7 @@ def test_a_last_attempt_that_failed_is_a_crash(tmp_path):
             "type": "RuntimeError", "message": "again", "frames": [
                 {"file": "train.py", "line": 9, "func": "train_func", "code": "raise RuntimeError('again')"}]}}))
     run = open_run(path)
-    res = triage(run, run.incident())
+    res = triage(run, {"incident": run.incident()})
     assert res["verdict"] == "crash" and res["culprit_ranks"] == [0], res
     assert "RuntimeError: again" in res["message"]
     assert [e["kind"] for e in res["evidence"]].count("restart") == 2
