@@ -76,6 +76,9 @@ class Analysis:
     # indexes into summary ``what_if`` of the entries that remove a rank the straggler rule does not name: shown
     # "(not a straggler)" (is_unnamed_suspect)
     unnamed_suspects: list = field(default_factory=list)
+    # one line per earlier attempt of a restarted rank and what the statistics cover (triage.restart_lines of
+    # summary ``run``): the terminal's "[restart]" lines
+    restart_lines: list = field(default_factory=list)
     run: Any = None              # the dtprof.reader.Run analysed (the page's header and raw spans)
 
     def __post_init__(self):
@@ -620,13 +623,15 @@ def _suspects_stage(g) -> dict:
 
 def _analysis_stage(g) -> dict:
     """The Analysis' tables (its summary is set when every stage has run)."""
+    from dtprof.analyzers.triage import restart_lines
+
     pp, bd = g["pp"], g["bd"]
     return {"analysis": Analysis(
         summary={}, steps=g["steps"], collectives=g["coll"], arrivals=g["arr"].drop(columns=["measured"]),
         stragglers=g["strag"], pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None,
         gpu=g["gpus"], memory=g["mem"], clock=g["model"].clock, job_steps=g["model"].job, instances=g["instances"],
         model=g["model"], exposed=bd.exposed, notices=run_notices(g["run"]), triage=g["triage"],
-        unnamed_suspects=g["unnamed_suspects"], run=g["run"])}
+        unnamed_suspects=g["unnamed_suspects"], restart_lines=restart_lines(g["summary"]["run"]), run=g["run"])}
 
 
 def _findings_stage(g) -> dict:
