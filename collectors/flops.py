@@ -2,6 +2,10 @@
 into that step's row and a ``flops_count`` span marks the step, which is slower. In a compiled job the counted step
 runs eager (``torch.compiler.set_stance("force_eager")``): under a dispatch mode Dynamo declines a frame and marks
 its code "skip" for the rest of the process, so compiled code stays compiled afterwards.
+
+FlopCounterMode has formulas for the GPU attention kernels only; on a CPU, ``scaled_dot_product_attention`` runs
+``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), whose FLOPs it would leave out (7.5 % of a small
+GPT's step). ``_cpu_attention_formulas`` gives those two ops the formulas of their GPU counterparts (same shapes).
 """
 from __future__ import annotations
 
@@ -9,6 +13,24 @@ import sys
 import time
 
 now = time.monotonic_ns
+
+
+def _cpu_attention_formulas() -> dict:
+    """FlopCounterMode's ``custom_mapping`` for the CPU attention ops (module docstring); empty where this torch
+    lacks either side."""
+    import torch
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    pairs = (("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+             ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"))
+    registry = getattr(flop_counter, "flop_registry", {})
+    mapping = {}
+    for cpu_op, gpu_op in pairs:
+        cpu, gpu = getattr(aten, cpu_op, None), getattr(aten, gpu_op, None)
+        if cpu is not None and gpu is not None and gpu in registry:
+            mapping[cpu] = getattr(registry[gpu], "__wrapped__", registry[gpu])   # FlopCounterMode wraps it again
+    return mapping
 
 
 class FlopCounter:
@@ -33,7 +55,7 @@ class FlopCounter:
                                                           "FLOPs in a compiled job would turn its compiled code eager"})
                 return
             self.stance = set_stance("force_eager")
-        self.mode = FlopCounterMode(display=False)
+        self.mode = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
         self.mode.__enter__()
         self.step = (self.ctx.step, now())
 

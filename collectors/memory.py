@@ -9,9 +9,11 @@ A rank-side part (collectors/parts.py). On the steps it samples it writes one ``
   DeepSpeed ZeRO's fp32 partition), each storage once (keyed by ``untyped_storage().data_ptr()``), so a view, a tied
   weight or a flat buffer is counted once and a DTensor (FSDP2, tensor parallel) counts its local shard's storage, a
   ZeRO-3 parameter its partition (``ds_tensor``): what this rank holds. Grads are counted at the optimizer step,
-  where they exist. Counted again only when the set of tensors may have changed (the optimizers' parameter and state
-  counts, the number of grads present) or on every ``COUNT_EVERY``-th sampled step; otherwise the last count is
-  carried (the same tensors have the same bytes).
+  where they exist; an optimizer step taken one parameter group at a time (DeepSpeed ZeRO, whose fp32 grads of a
+  group live only around that group's step: collectors/engine_deepspeed.py) adds the earlier groups' grads and
+  parameters, read at each group's step (``on_optimizer_group``). Counted again only when the set of tensors may
+  have changed (the optimizers' parameter and state counts, the number of grads present) or on every
+  ``COUNT_EVERY``-th sampled step; otherwise the last count is carried (the same tensors have the same bytes).
 - ``bwd_allocated_bytes``, ``bwd_grads_bytes``: at the start of the step's first backward, what the allocator holds
   (CUDA: ``torch.cuda.memory_allocated()``; CPU: glibc's ``mallinfo2`` in-use bytes, heap and mmapped chunks, where
   torch's CPU tensors live, beside the interpreter's and libraries' own) and the grads present then (none when the
@@ -121,6 +123,7 @@ class MemoryLedger(RankPart):
         self.cpu_allocated = None
         self.history = False      # the allocator's history ring is on (--memory-history)
         self.has_cuda = False
+        self.groups: list = []    # the earlier groups of a grouped optimizer step: [params, [(grad ref, key, bytes)]]
 
     def install(self, ctx: RankContext) -> None:
         import torch
@@ -137,6 +140,8 @@ class MemoryLedger(RankPart):
         for opt in list(self.optimizers):
             for g in opt.param_groups:
                 yield from g["params"]
+        for params, _ in self.groups:
+            yield from params
 
     def _signature(self):
         opts = list(self.optimizers)
@@ -165,6 +170,8 @@ class MemoryLedger(RankPart):
         params = _tensors_bytes(model or opt, seen)
         masters = _tensors_bytes(opt, seen) if model else 0
         grads = _tensors_bytes((p.grad for p in (*model, *opt) if p.grad is not None), seen)
+        # the earlier groups' grads: freed since (their address may be a later group's now), or counted above
+        grads += sum(n for _, refs in self.groups for ref, key, n in refs if ref() is None or key not in seen)
         state = masters + _tensors_bytes((v for o in list(self.optimizers) for st in o.state.values()
                                           if isinstance(st, dict) for v in st.values()
                                           if isinstance(v, self.torch.Tensor)), seen)
@@ -186,6 +193,22 @@ class MemoryLedger(RankPart):
         if self.cuda:
             self.fwd_peak = int(torch.cuda.max_memory_allocated())
         self.bwd = (self._allocated(), self._grads_present())
+        self.cost_ns += now() - t0
+
+    def on_optimizer_group(self, optimizer) -> None:
+        if not self.ctx.detail or self.ctx.step == self.step_of_row:
+            return
+        t0 = now()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        refs, seen = [], set()
+        for p in params:
+            g = p.grad
+            if g is not None:
+                key, n = _storage_key(g)
+                if key and key not in seen:
+                    seen.add(key)
+                    refs.append((weakref.ref(g), key, n))
+        self.groups.append((params, refs))
         self.cost_ns += now() - t0
 
     def on_optimizer_step(self, optimizer) -> None:
@@ -224,10 +247,12 @@ class MemoryLedger(RankPart):
         self.rows += 1
         self.step_of_row = step
         self.bwd = self.fwd_peak = None
+        self.groups = []
         self.cost_ns += now() - t0
 
     def on_step_end(self, step: int, t_ns: int, detailed: bool) -> None:
         self.bwd = self.fwd_peak = None    # a step without an optimizer step (dtprof.step()) starts afresh
+        self.groups = []
 
     def on_exit(self) -> None:
         self.ctx.meta("memory_ledger", {"rows": self.rows, "cost_ns": self.cost_ns,

@@ -9,8 +9,14 @@ Where the callbacks run
 - ``install(ctx)``: the training thread, once, when the rank starts recording (torch imported, the writer open).
 - ``on_backward(tensors)``: the training thread, at each top-level ``torch.autograd.backward`` /
   ``Tensor.backward`` of a detailed step, before it runs; ``tensors`` is what backward was called on.
-- ``on_optimizer_step(optimizer)``: the training thread, after each ``torch.optim`` optimizer step and before
-  the step it ends is closed (``ctx.step`` is still that step); every step, detailed or not: keep it cheap.
+- ``optimizer_step_pending(optimizer) -> bool``: the training thread, after each ``torch.optim`` optimizer step:
+  True when that step is one parameter group of an optimizer step that goes on (an engine that steps its groups
+  one at a time, DeepSpeed ZeRO: collectors/engine_deepspeed.py); the step clock then waits for the last group.
+- ``on_optimizer_group(optimizer)``: the training thread, after each such group before the last (a part said
+  pending); the last group's is ``on_optimizer_step``. Only in jobs with such a part.
+- ``on_optimizer_step(optimizer)``: the training thread, after each ``torch.optim`` optimizer step (the last group's
+  of a grouped one) and before the step it ends is closed (``ctx.step`` is still that step); every step, detailed
+  or not: keep it cheap.
 - ``on_step_end(step, t_ns, detailed)``: the training thread, after step ``step``'s row was appended.
 - ``on_detail(on)``: the training thread, when sampling switches full detail on or off for the following steps.
 - ``on_flush()``: the flusher thread, before the writer flushes (once a second): the place for slow work.
@@ -20,10 +26,15 @@ Rules (docs/architecture.md, "Rank-side rules"): no graph break, recompile or ho
 training thread that waits on the network, the disk or another process; cost bounded per step (use ``ctx.detail``
 or ``detailed`` to do expensive work on sampled steps only).
 
-To add a part: write its class in its own module under collectors/, and add its factory to ``PART_FACTORIES``.
+To add a part: write its class in its own module under collectors/, and add its factory to ``PART_FACTORIES``. A
+part for one library names it (``lazy_part(..., when_imported="deepspeed")``): it is made when the job imports that
+library (at the rank's start if it already has), and never in a job that does not: no cost there.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
 import time
 from typing import Callable
 
@@ -95,6 +106,12 @@ class RankPart:
     def on_backward(self, tensors) -> None:
         pass
 
+    def optimizer_step_pending(self, optimizer) -> bool:
+        return False
+
+    def on_optimizer_group(self, optimizer) -> None:
+        pass
+
     def on_optimizer_step(self, optimizer) -> None:
         pass
 
@@ -111,16 +128,21 @@ class RankPart:
         pass
 
 
-CALLBACKS = ("on_backward", "on_optimizer_step", "on_step_end", "on_detail", "on_flush", "on_exit")
+CALLBACKS = ("on_backward", "optimizer_step_pending", "on_optimizer_group", "on_optimizer_step", "on_step_end",
+             "on_detail", "on_flush", "on_exit")
 
 
 class Parts:
     """The parts of one rank and, per callback, the bound methods of the parts that override it (an empty tuple
     costs the hot path one truth test)."""
 
-    def __init__(self, parts: list[RankPart], report: Callable):
+    optimizer_step_pending: tuple    # (rebind sets one tuple per callback)
+
+    def __init__(self, parts: list[RankPart], report: Callable, deferred: tuple = ()):
         self.parts = list(parts)
         self._report = report       # report(where): an events error row naming the part and the exception
+        self.deferred = deferred    # (factory, options) of parts made when their library is imported
+        self.ctx: RankContext | None = None
         self.rebind()
 
     def rebind(self) -> None:
@@ -129,11 +151,41 @@ class Parts:
                                     if getattr(type(p), cb) is not getattr(RankPart, cb)))
 
     def install(self, ctx: RankContext) -> None:
+        self.ctx = ctx
         for part in list(self.parts):
             try:
                 part.install(ctx)
             except Exception:
                 self.drop(part, "install")
+        for factory, options in self.deferred:
+            _on_import(factory.when_imported, functools.partial(self.add, factory, options))
+
+    def add(self, factory: Callable, options: dict) -> None:
+        """Make and install one part now (a deferred part, its library just imported)."""
+        try:
+            part = factory(options)
+        except Exception:
+            self._report(f"part {factory.__name__}")
+            return
+        if part is None or self.ctx is None:
+            return
+        try:
+            part.install(self.ctx)
+        except Exception:
+            self._report(f"{part.name}.install")
+            return
+        self.parts.append(part)
+        self.rebind()
+
+    def pending(self, optimizer) -> bool:
+        """A part says this torch optimizer step is a group of an optimizer step not over yet."""
+        for m in self.optimizer_step_pending:
+            try:
+                if m(optimizer):
+                    return True
+            except Exception:
+                self.drop(m.__self__, m.__name__)
+        return False
 
     def call(self, methods: tuple, *args) -> None:
         """Call each of ``methods`` (one callback's tuple); a part that raises is dropped with a fault event."""
@@ -154,15 +206,65 @@ class Parts:
             self.rebind()
 
 
-def lazy_part(module: str, factory: str) -> Callable[[dict], RankPart | None]:
-    """A factory that imports ``module`` only when the rank starts (the rank side is imported before torch)."""
+def lazy_part(module: str, factory: str, when_imported: str | None = None) -> Callable[[dict], RankPart | None]:
+    """A factory that imports ``module`` only when the rank starts (the rank side is imported before torch), or,
+    with ``when_imported``, only once the job has imported that top-level package."""
     def make(options: dict):
         import importlib
 
         return getattr(importlib.import_module(module), factory)(options)
 
     make.__name__ = f"{module}.{factory}"
+    make.when_imported = when_imported    # type: ignore[attr-defined]
     return make
+
+
+class _OnImport:
+    """A finder first on ``sys.meta_path`` that lets the others find ``name`` and calls ``callback`` once that
+    package's ``__init__`` has run (then leaves). Asked only at a module's first import: nothing at run time. A
+    look-up that imports nothing (``importlib.util.find_spec``, as transformers' ``is_deepspeed_available`` does)
+    wraps a loader that never runs, and the finder stays for the real import."""
+
+    def __init__(self, name: str, callback: Callable[[], None]):
+        self.name, self.callback = name, callback
+        self.busy = self.done = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self.busy or self.done:
+            return None
+        self.busy = True                     # the other finders' look-up asks this one again
+        try:
+            spec = importlib.util.find_spec(fullname)
+        except Exception:
+            return None                      # the import goes on without the part
+        finally:
+            self.busy = False
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_call(module):
+            exec_module(module)
+            if self.done:
+                return
+            self.done = True
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            try:
+                self.callback()
+            except Exception:
+                pass          # Parts.add reports its own faults
+        loader.exec_module = exec_then_call
+        return spec
+
+
+def _on_import(name: str, callback: Callable[[], None]) -> None:
+    """``callback()`` now if the job has imported ``name``, else once it does."""
+    if name in sys.modules:
+        callback()
+    else:
+        sys.meta_path.insert(0, _OnImport(name, callback))
 
 
 # Each factory takes the rank's options and returns a part, or None when the part does not apply to this job.
@@ -170,12 +272,16 @@ def lazy_part(module: str, factory: str) -> Callable[[dict], RankPart | None]:
 PART_FACTORIES: list[Callable[[dict], RankPart | None]] = [
     lazy_part("dtprof.collectors.memory", "make"),      # the memory ledger (issue 48)
     lazy_part("dtprof.collectors.numerics", "make"),    # loss, grad norm, lr, fingerprints (issue 49)
+    lazy_part("dtprof.collectors.engine_deepspeed", "make", when_imported="deepspeed"),   # issue 47
 ]
 
 
 def make_parts(options: dict, report: Callable) -> Parts:
-    made = []
+    made, deferred = [], []
     for factory in PART_FACTORIES:
+        if getattr(factory, "when_imported", None):
+            deferred.append((factory, options))
+            continue
         try:
             part = factory(options)
         except Exception:
@@ -183,4 +289,4 @@ def make_parts(options: dict, report: Callable) -> Parts:
             continue
         if part is not None:
             made.append(part)
-    return Parts(made, report)
+    return Parts(made, report, tuple(deferred))

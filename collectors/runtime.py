@@ -27,7 +27,9 @@ How it stays out of training's way
   sets ``STATE.disabled`` (every hook becomes a pass-through) and never raises into training.
 
 Steps (the ``steps`` table)
-- A step ends at every ``torch.optim`` optimizer step (global step post-hook) or at ``dtprof.step()``.
+- A step ends at every ``torch.optim`` optimizer step (global step post-hook) or at ``dtprof.step()``; an engine
+  that steps the torch optimizer once per parameter group ends it at the last group (a part says the step goes
+  on: DeepSpeed ZeRO, collectors/engine_deepspeed.py).
   Rule against double counting: once the program calls ``dtprof.step()``, optimizer steps no longer end steps;
   a ``dtprof.step()`` that directly follows an optimizer-ended step (no forward in between) only switches the
   mode and does not add an empty step. Loops with several optimizers per iteration should call ``dtprof.step()``.

@@ -17,7 +17,6 @@ import sys
 import time
 import traceback
 from operator import attrgetter
-from types import FrameType
 
 from dtprof.collectors import inputs
 from dtprof.collectors.cuda_timing import CudaTiming
@@ -28,28 +27,6 @@ from dtprof.collectors.records import span_row, step_row
 
 now = time.monotonic_ns
 RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
-
-
-def _deepspeed_groups_pending(depth: int = 8) -> bool:
-    """Inside DeepSpeed ZeRO's optimizer step before its last parameter group: ZeRO-1/2 (stage_1_and_2.py
-    ``_optimizer_step(group_no)``, ``param_groups`` swapped to that one group) and ZeRO-3 (stage3.py
-    ``_optimizer_step(sub_group_id)``) step the torch optimizer once per (sub-)group, every group each step; one
-    optimizer step is all of them (an HF Trainer's two weight-decay groups were recorded as two steps). A walk of a
-    few frames from the optimizer's post-hook, and none in a process that has not imported DeepSpeed."""
-    if "deepspeed" not in sys.modules:
-        return False
-    f: FrameType | None = sys._getframe(2)
-    for _ in range(depth):
-        if f is None:
-            return False
-        code = f.f_code
-        if code.co_name == "_optimizer_step" and "deepspeed" in code.co_filename:
-            loc = f.f_locals
-            i = loc.get("group_no", loc.get("sub_group_id"))
-            groups = getattr(loc.get("self"), "bit16_groups", None) or getattr(loc.get("self"), "fp16_groups", None)
-            return isinstance(i, int) and groups is not None and i < len(groups) - 1
-        f = f.f_back
-    return False
 
 
 def _last_error_line() -> str:
@@ -83,7 +60,7 @@ class StepClock:
         self.opt_t0 = 0
         self.opt_ev0 = None
         self.manual_steps = False
-        self.opt_groups_pending = False   # DeepSpeed ZeRO stepped some of its groups (_deepspeed_groups_pending)
+        self.opt_groups_pending = False   # a part said the optimizer step goes on (parts.py optimizer_step_pending)
         # evaluation between steps (runtime.py's module docstring, "Evaluation")
         self.grad_enabled = None   # torch.is_grad_enabled, bound with the hooks (no import per call)
         self.is_compiling = None   # torch.compiler.is_compiling, bound with the hooks
@@ -304,9 +281,13 @@ class StepClock:
         if self.disabled:
             return None
         try:
-            self.opt_groups_pending = _deepspeed_groups_pending()
-            if self.opt_groups_pending:          # the optimizer step is not over: its last group ends it
+            parts = self.parts
+            if parts.optimizer_step_pending and parts.pending(optimizer):
+                self.opt_groups_pending = True    # the optimizer step is not over: its last group ends it
+                if parts.on_optimizer_group:
+                    parts.call(parts.on_optimizer_group, optimizer)
                 return None
+            self.opt_groups_pending = False
             if self.parts.on_optimizer_step:     # before the step ends: ctx.step is still this optimizer step's
                 self.parts.call(self.parts.on_optimizer_step, optimizer)
             if not self.detail:

@@ -91,6 +91,8 @@ def main():
     p.add_argument("--overlap-comm", action="store_true")
     p.add_argument("--decay-groups", action="store_true",
                    help="two parameter groups (weight decay on matrices only), as the HF Trainer makes")
+    p.add_argument("--sub-group-size", type=int, default=None,
+                   help="ZeRO-3 steps the optimizer once per sub-group of this many elements (DeepSpeed's 1e9)")
     p.add_argument("--bucket", type=float, default=5e8, help="ZeRO's reduce and all-gather bucket sizes (elements)")
     p.add_argument("--pipeline", action="store_true", help="DeepSpeed's PipelineEngine, 2 stages")
     p.add_argument("--partition", default="uniform",
@@ -119,6 +121,8 @@ def main():
         else:
             cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
                                         "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
+            if args.sub_group_size:
+                cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
             model = Net(args.dim, args.blocks)
         params = [q for q in model.parameters() if q.requires_grad]
         if args.decay_groups:   # the HF Trainer's two groups: ZeRO steps the torch optimizer once per group

@@ -24,7 +24,13 @@ def _stats(out: str) -> list[dict]:
 ])
 def test_framework_compile_switch_keeps_its_graphs(script, args, compile_env, tmp_path):
     job = torchrun(EXAMPLES / "frameworks" / script, *args)
-    bare, prof = bare_and_profiled(job, dict(compile_env, HF_HUB_OFFLINE="1"), tmp_path)
+    # The framework compiles as its users ask it to (torch.compile through its own switch); the Dynamo counters
+    # compared here (graphs, graph breaks, recompiles) come from Dynamo's tracing and guards, not the backend, so
+    # every graph goes to aot_eager, as test_compiled.py's forms do where only the counters matter: inductor's C++
+    # builds were most of the HF Trainer job's time (its bare job side by side: 553 s with inductor, 233 s with
+    # aot_eager, the same counters, on a loaded machine). Torch's own per-graph backend override.
+    env = dict(compile_env, HF_HUB_OFFLINE="1", TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager")
+    bare, prof = bare_and_profiled(job, env, tmp_path)
 
     def lines(out):
         return sorted(ln for ln in out.splitlines() if "dynamo:" in ln)

@@ -37,10 +37,12 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = REPO / "examples" / "frameworks"
 BIN = Path(sys.executable).parent
-# an empty cache: these jobs check the calibration `dtprof run` makes itself (tests/conftest.py stores one for the rest)
-ENV = {**os.environ, "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="dtprof-no-calibration-"),
-       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+# an empty cache for the jobs that check the calibration `dtprof run` makes itself (assert_mfu: the framework
+# pairs); the others read the one tests/conftest.py stores, as a user's runs after `dtprof calibrate` do (a
+# calibration is a fresh Python timing a ~1 s GEMM: seconds of each job that checks nothing of it)
+CALIBRATING = {**ENV, "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="dtprof-no-calibration-")}
 TORCHRUN = [str(BIN / "torchrun"), "--nproc_per_node=2"]
 ACCELERATE = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "1", "--num_processes", "2"]
 
@@ -60,13 +62,13 @@ JOB_TIMEOUT_S = 420
 TEARDOWN_HANG_S = 60
 
 
-def _run(full: list[str], tmp: Path, hang_after: str | None = None) -> subprocess.CompletedProcess:
+def _run(full: list[str], tmp: Path, hang_after: str | None = None, env: dict = ENV) -> subprocess.CompletedProcess:
     """Run ``full`` in its own session; on a time-out stop the whole session (torchrun's ranks too, which a plain
     subprocess.run time-out leaves running). With ``hang_after``: once that text is in the job's output, a job
     that has not exited ``TEARDOWN_HANG_S`` later is killed too (returncode None)."""
     out, err = tmp / "job.stdout", tmp / "job.stderr"
     with open(out, "w") as o, open(err, "w") as e:
-        p = subprocess.Popen(full, cwd=tmp, env=ENV, stdout=o, stderr=e, text=True, start_new_session=True)
+        p = subprocess.Popen(full, cwd=tmp, env=env, stdout=o, stderr=e, text=True, start_new_session=True)
         t0 = time.monotonic()
         seen = None
         while p.poll() is None:
@@ -85,8 +87,9 @@ def _run(full: list[str], tmp: Path, hang_after: str | None = None) -> subproces
     return subprocess.CompletedProcess(full, p.returncode, out.read_text(), err.read_text())
 
 
-def job(command, tmp, profiled=True) -> Job:
-    """Run ``command`` (with ``dtprof run`` around it when profiled); fail with its output if it fails."""
+def job(command, tmp, profiled=True, calibrate=False) -> Job:
+    """Run ``command`` (with ``dtprof run`` around it when profiled, calibrating for MFU itself when
+    ``calibrate``: no stored calibration); fail with its output if it fails."""
     run_dir = tmp / "run" if profiled else None
     full = ([sys.executable, "-m", "dtprof.cli", "run", "--out", str(run_dir), "--no-nvml", "--no-report", "--"]
             if profiled else []) + [str(c) for c in command]
@@ -94,7 +97,7 @@ def job(command, tmp, profiled=True) -> Job:
     # freeing DDP's reducer, whose ~ProcessGroupGloo joins a gloo worker that waits for the GIL to free a collective's
     # saved state: 1 bare run of a fresh-clone CI run hung until the time-out); either, after the final loss, has
     # pytest run the test again (TorchExitAbort)
-    proc = _run(full, tmp, hang_after="final loss")
+    proc = _run(full, tmp, hang_after="final loss", env=CALIBRATING if calibrate else ENV)
     if proc.returncode is None and "final loss" in proc.stdout:
         raise TorchExitAbort(f"{full} hung in torch's teardown after its final loss\n{proc.stderr[-3000:]}")
     assert returncode(proc) == 0, f"{full} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -102,8 +105,8 @@ def job(command, tmp, profiled=True) -> Job:
 
 
 def pair(tmp_path_factory, name, command) -> tuple[Job, Job]:
-    """The job under dtprof, and the same job without it."""
-    return (job(command, tmp_path_factory.mktemp(name)),
+    """The job under dtprof, calibrating itself (assert_mfu), and the same job without it."""
+    return (job(command, tmp_path_factory.mktemp(name), calibrate=True),
             job(command, tmp_path_factory.mktemp(name + "-bare"), profiled=False))
 
 

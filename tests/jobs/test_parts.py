@@ -57,3 +57,59 @@ def test_parts_hear_each_step_and_a_faulty_part_is_dropped_alone(tmp_path):
     assert [m for m in messages if m.startswith("faulty")] == ["faulty 0", "faulty 1"]
     errors = run.events[run.events.level == "error"].message.tolist()
     assert errors == ["dtprof part faulty.on_step_end switched off after a fault: RuntimeError: faulty part at step 2"]
+
+
+GROUPED_JOB = textwrap.dedent("""
+    import sys, torch
+    import dtprof
+    from dtprof.collectors import parts
+
+    class Grouped(parts.RankPart):
+        # an engine that steps the torch optimizer once per parameter group (DeepSpeed ZeRO): all but the last
+        name = "grouped"
+        def install(self, ctx):
+            self.ctx = ctx
+            ctx.event("info", f"made at step {ctx.step}")
+        def optimizer_step_pending(self, optimizer):
+            return optimizer.param_groups[0]["lr"] == 0.5
+        def on_optimizer_group(self, optimizer):
+            self.ctx.event("info", f"group {self.ctx.step}")
+        def on_optimizer_step(self, optimizer):
+            self.ctx.event("info", f"optimizer {self.ctx.step}")
+
+    def make(options):
+        return Grouped()
+    make.when_imported = "enginelib"      # made once the job imports it
+    parts.PART_FACTORIES[:] = [make]
+    dtprof.init(sys.argv[1], rank=0)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.125)
+    def train(steps, groups):
+        for i in range(steps):
+            m(torch.randn(4, 8)).pow(2).mean().backward()
+            for lr in groups:
+                opt.param_groups[0]["lr"] = lr
+                opt.step()
+            opt.zero_grad()
+    import importlib.util
+    importlib.util.find_spec("enginelib")   # a look-up that imports nothing (transformers' is_*_available)
+    train(2, [0.5, 0.125])        # before the import: no part, each torch step a step
+    import enginelib
+    train(3, [0.5, 0.5, 0.125])   # after: three groups, one step
+""")
+
+
+def test_a_part_made_when_its_library_is_imported_joins_the_groups_of_one_optimizer_step(tmp_path):
+    (tmp_path / "job.py").write_text(GROUPED_JOB)
+    (tmp_path / "enginelib.py").write_text("")
+    p = subprocess.run([sys.executable, "job.py", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = open_run(tmp_path / "run")
+    # two torch steps a step before the import (4 steps), three torch steps one step after it (3 steps)
+    assert run.steps.step.tolist() == list(range(7))
+    messages = [m for m in run.events.message.tolist() if m.split()[0] in ("made", "group", "optimizer")]
+    assert messages == ["made at step 4"] + [m for s in (4, 5, 6) for m in (f"group {s}", f"group {s}",
+                                                                            f"optimizer {s}")]
+    assert (run.events.level != "error").all(), run.events

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TESTS, dtprof
+from conftest import REPO, TESTS, dtprof, dtprof_popen
 from torch_abort import returncode
 
 PLAIN = TESTS / "triage_jobs" / "plain_train.py"
@@ -27,15 +28,45 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(missing), reason=f"{' and '.join(missing)} not in this checkout yet")]
 
 
-def dtprof_run(out: Path, mode: str, *extra_run_opts, boot: str | None = None, nproc: int = 4) -> tuple:
+def _run_args(out: Path, mode: str, *extra_run_opts, nproc: int = 4) -> tuple[list, dict]:
+    """`dtprof run`'s arguments and environment for a job of plain_train.py in ``mode``."""
     cmd = ["run", "--out", str(out), "--no-report", "--hang-timeout", str(HANG_TIMEOUT_S), *extra_run_opts, "--",
            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
            str(PLAIN), mode]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return cmd, env
+
+
+def dtprof_run(out: Path, mode: str, *extra_run_opts, boot: str | None = None, nproc: int = 4) -> tuple:
+    cmd, env = _run_args(out, mode, *extra_run_opts, nproc=nproc)
     t0 = time.monotonic()
     proc = dtprof(*cmd, env=env, boot=boot, cwd=None)
     return proc, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory):
+    """The two jobs that end by the hang timeout, run side by side: each spends HANG_TIMEOUT_S idle (its ranks
+    blocked or stopped) before the watchdog fires, and that wait is the same alone or beside the other job (the
+    clock starts once training has: dtprof/watchdog.py). ``hang``: 4 ranks, rank 1 stuck in its data loader;
+    ``stop``: 3 ranks, rank 1 SIGSTOPped. {mode: (run dir, CompletedProcess)}."""
+    jobs = {}
+    for mode, nproc in (("hang", 4), ("stop", 3)):
+        out = tmp_path_factory.mktemp(mode) / "r"
+        cmd, env = _run_args(out, mode, nproc=nproc)
+        jobs[mode] = out, cmd, dtprof_popen(*cmd, env=env, cwd=None)
+    done = {}
+    try:
+        for mode, (out, cmd, p) in jobs.items():
+            stdout, stderr = p.communicate(timeout=300)
+            done[mode] = out, subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+    finally:
+        for _, _, p in jobs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
 
 
 def triage_json(run_dir: Path) -> dict:
@@ -44,14 +75,14 @@ def triage_json(run_dir: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_hang_exit_124_culprit_and_collective(tmp_path):
-    proc, elapsed = dtprof_run(tmp_path / "r", "hang")
+def test_hang_exit_124_culprit_and_collective(stalled):
+    run_dir, proc = stalled["hang"]
     assert proc.returncode == 124, proc.stderr[-2000:]
-    out = triage_json(tmp_path / "r")
+    out = triage_json(run_dir)
     assert out["verdict"] == "hang" and out["culprit_ranks"] == [1], out
     assert out["collective"]["op"] == "all_reduce"
     assert "plain_train.py" in out["message"] and "__next__" in out["message"]
-    node = next((tmp_path / "r").glob("node-*"))
+    node = next(run_dir.glob("node-*"))
     hang = json.loads((node / "triage" / "hang.json").read_text())
     newest = max(v["last_progress_ns"] for v in hang["ranks"].values())
     assert (hang["stopped_ns"] - newest) / 1e9 <= HANG_TIMEOUT_S + 15
@@ -139,15 +170,15 @@ def _left_running(node: Path) -> list[int]:
     return out
 
 
-def test_frozen_rank_is_named_by_its_stopped_heartbeat(tmp_path):
+def test_frozen_rank_is_named_by_its_stopped_heartbeat(stalled):
     # issue 50: a rank SIGSTOPped (a process frozen, as one stuck in the kernel or on a dead device is) gave "hang"
     # with no culprit; its heartbeat is the one that stopped while the others beat on inside the all-reduce
-    proc, _ = dtprof_run(tmp_path / "r", "stop", nproc=3)
+    run_dir, proc = stalled["stop"]
     assert proc.returncode == 124, proc.stderr[-2000:]
-    out = triage_json(tmp_path / "r")
+    out = triage_json(run_dir)
     assert out["verdict"] == "hang" and out["culprit_ranks"] == [1], out
     assert "rank 1 (host " in out["message"] and "its process is stopped (SIGSTOP)" in out["message"], out["message"]
-    node = next((tmp_path / "r").glob("node-*"))
+    node = next(run_dir.glob("node-*"))
     hang = json.loads((node / "triage" / "hang.json").read_text())["ranks"]
     assert hang["1"]["process_state"] == "T" and hang["1"]["heartbeat_age_s"] >= 5, hang
     assert max(hang[r]["heartbeat_age_s"] for r in ("0", "2")) < 2.5, hang   # the others beat on

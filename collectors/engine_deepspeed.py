@@ -1,0 +1,50 @@
+"""DeepSpeed's engine on the rank side: one ``engine.step()`` is one optimizer step (issue 47).
+
+A rank-side part (collectors/parts.py), made only when the job imports DeepSpeed. ZeRO steps the torch optimizer
+once per parameter group: ZeRO-1/2 (``stage_1_and_2.py`` ``_optimizer_step(group_no)``, ``param_groups`` swapped to
+that one group) and ZeRO-3 (``stage3.py`` ``_optimizer_step(sub_group_id)``, once per sub-group of
+``sub_group_size`` elements), every group each step, building each group's fp32 gradients just before its step and
+freeing them after. One optimizer step is all of them (an HF Trainer's two weight-decay groups were recorded as two
+steps): this part says "not over yet" (``optimizer_step_pending``) at every group's torch step but the last, so the
+step clock ends the step at the last and the other parts hear the earlier ones through ``on_optimizer_group``.
+
+How: from the torch optimizer's post-hook, a walk of a few frames up to DeepSpeed's ``_optimizer_step`` reads its
+group index and the number of groups (``bit16_groups`` under ZeRO-1/2, ``fp16_groups``, one per sub-group, under
+ZeRO-3). Cost: that walk at each torch optimizer step of a DeepSpeed job; nothing in any other job.
+"""
+from __future__ import annotations
+
+import sys
+from types import FrameType
+
+from dtprof.collectors.parts import RankPart
+
+FRAMES = 12     # the post-hook's callers up to DeepSpeed's _optimizer_step: torch's step wrappers, Parts.pending
+
+
+def group_pending(depth: int = FRAMES) -> bool:
+    """Inside DeepSpeed ZeRO's optimizer step, before its last (sub-)group."""
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        code = f.f_code
+        if code.co_name == "_optimizer_step" and "deepspeed" in code.co_filename:
+            loc = f.f_locals
+            i = loc.get("group_no", loc.get("sub_group_id"))
+            owner = loc.get("self")
+            groups = getattr(owner, "bit16_groups", None) or getattr(owner, "fp16_groups", None)
+            return isinstance(i, int) and groups is not None and i < len(groups) - 1
+        f = f.f_back
+    return False
+
+
+class DeepSpeedGroups(RankPart):
+    name = "deepspeed"
+
+    def optimizer_step_pending(self, optimizer) -> bool:
+        return group_pending()
+
+
+def make(options: dict):
+    return DeepSpeedGroups()
