@@ -76,6 +76,9 @@ class Analysis:
     # indexes into summary ``what_if`` of the entries that remove a rank the straggler rule does not name: shown
     # "(not a straggler)" (is_unnamed_suspect)
     unnamed_suspects: list = field(default_factory=list)
+    # one line per earlier attempt of a restarted rank and what the statistics cover (triage.restart_lines of
+    # summary ``run``): the terminal's "[restart]" lines
+    restart_lines: list = field(default_factory=list)
     run: Any = None              # the dtprof.reader.Run analysed (the page's header and raw spans)
 
     def __post_init__(self):
@@ -339,10 +342,10 @@ SUMMARY_ORDER = (
 
 class Stage(NamedTuple):
     """One stage of ``analyze``. ``fn(got)`` reads what the stages before it returned (``got``, read-only: the
-    command's inputs ``run``, ``options``, ``source``, ``incident``, ``live``, ``stale_s``, ``reduce``; the summary
-    so far is ``got["summary"]``) and returns the names it owns: values for the stages after it and the Analysis,
-    and under ``"summary"`` its keys of summary.json. No name is set twice. ``message``: the progress line before it (a
-    function of ``got`` where it depends on the inputs)."""
+    command's inputs ``run``, ``options``, ``source``, ``given_incident``, ``live``, ``stale_s``, ``reduce``; the
+    summary so far is ``got["summary"]``) and returns the names it owns: values for the stages after it and the
+    Analysis, and under ``"summary"`` its keys of summary.json. No name is set twice. ``message``: the progress line
+    before it (a function of ``got`` where it depends on the inputs)."""
     name: str
     fn: Callable[[Mapping[str, Any]], dict]
     message: str | Callable[[Mapping[str, Any]], str] | None = None
@@ -379,7 +382,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
 
     t0 = time.perf_counter()
     got = run_stages(STAGES, {"run": run if isinstance(run, Run) else open_run(run),
-                              "options": options or AnalysisOptions(), "source": source, "incident": incident,
+                              "options": options or AnalysisOptions(), "source": source, "given_incident": incident,
                               "live": live, "stale_s": stale_s, "reduce": reduce or reduce_here},
                      progress or (lambda msg: None))
     summary = {k: got["summary"][k] for k in SUMMARY_ORDER if k in got["summary"]}
@@ -421,6 +424,21 @@ def _node_summaries_stage(g) -> dict:
     ns = nodesummary_mod.of_run(run, model)
     # the stages read only these spans (the Analysis keeps the whole model for the renderers)
     return {"ns": ns, "spans_view": model.sliced(run.read_spans(kinds=SLICE_KINDS, ranks=ns.pipeline_ranks))}
+
+
+def _incident_stage(g) -> dict:
+    """The rest of what the analysis reads, read once: the run's incident files (the command's own when it read them:
+    `dtprof triage --fr`) and the collectives rows of the instances the node summaries flag as mismatched, for
+    triage. A read that fails fails only triage (``inputs_error``), never the rest of the analysis."""
+    from dtprof.analyzers.triage import mismatch_candidates
+
+    run = g["run"]
+    try:
+        incident = g["given_incident"] if g["given_incident"] is not None else run.incident()
+        rows = run.read_collectives(mismatch_candidates(g["ns"].arrival_parts))
+    except Exception as e:  # noqa: BLE001  (reported by the triage stage)
+        return {"incident": None, "mismatch_rows": None, "inputs_error": e}
+    return {"incident": incident, "mismatch_rows": rows, "inputs_error": None}
 
 
 def _reductions_stage(g) -> dict:
@@ -580,17 +598,15 @@ def _health_stage(g) -> dict:
 
 
 def _triage_stage(g) -> dict:
-    """The incident verdict (analyzers/triage.py) of this run, with the stragglers found here; its mismatch check
-    reads only the collectives rows of the instances the node summaries flag. ``triage``: the whole result
-    (evidence included: `dtprof triage` prints it); summary.json keeps its headline keys."""
+    """The incident verdict (analyzers/triage.py) from the run and what the analysis found before it (the inputs
+    stage's incident files and mismatch rows, the stragglers and numerics health found here). ``triage``: the whole
+    result (evidence included: `dtprof triage` prints it); summary.json keeps its headline keys."""
     from dtprof.analyzers import triage
 
-    run, incident = g["run"], g["incident"]
     try:
-        rows = run.read_collectives(triage.mismatch_candidates(g["ns"].arrival_parts))
-        res = triage.triage(run, incident if incident is not None else run.incident(),
-                            stragglers=g["summary"]["stragglers"], collectives=rows, steps=g["model"].steps,
-                            live=g["live"], stale_s=g["stale_s"])
+        if g["inputs_error"] is not None:
+            raise g["inputs_error"]
+        res = triage.triage(g["run"], g)
     except Exception as e:  # a damaged run's triage must not lose the rest of its analysis
         return {"triage": None, "summary": {"triage": None,
                                             "triage_reason": f"triage failed: {type(e).__name__}: {e}"}}
@@ -607,13 +623,15 @@ def _suspects_stage(g) -> dict:
 
 def _analysis_stage(g) -> dict:
     """The Analysis' tables (its summary is set when every stage has run)."""
+    from dtprof.analyzers.triage import restart_lines
+
     pp, bd = g["pp"], g["bd"]
     return {"analysis": Analysis(
         summary={}, steps=g["steps"], collectives=g["coll"], arrivals=g["arr"].drop(columns=["measured"]),
         stragglers=g["strag"], pipeline=pp.table if pp else None, pipeline_ops=pp.ops if pp else None,
         gpu=g["gpus"], memory=g["mem"], clock=g["model"].clock, job_steps=g["model"].job, instances=g["instances"],
         model=g["model"], exposed=bd.exposed, notices=run_notices(g["run"]), triage=g["triage"],
-        unnamed_suspects=g["unnamed_suspects"], run=g["run"])}
+        unnamed_suspects=g["unnamed_suspects"], restart_lines=restart_lines(g["summary"]["run"]), run=g["run"])}
 
 
 def _findings_stage(g) -> dict:
@@ -630,6 +648,7 @@ def _node_summaries_message(g) -> str:
 STAGES: list[Stage] = [
     Stage("model", _model_stage, "reading tables"),
     Stage("node summaries", _node_summaries_stage, _node_summaries_message),
+    Stage("incident", _incident_stage),
     Stage("reductions", _reductions_stage),
     Stage("rank steps", _rank_steps_stage),
     Stage("run", _run_stage),

@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from dtprof.analyzers.collectives import own_records
 from dtprof.reader import Incident, best_dump
@@ -346,9 +346,21 @@ class Case:
     live: bool
     stale_s: float
     now_ns: int | None
+    health: Any = None          # the analysis' summary ``health`` (None: ``health_error``, or no analysis)
+    health_error: str | None = None
     evidence: list = field(default_factory=list)
     known: set = field(default_factory=set)
     timeouts: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, run, analysis: Mapping[str, Any]) -> Case:
+        """The case of ``run`` from what the analysis found (``triage``'s ``analysis``)."""
+        summary = analysis.get("summary") or {}
+        model = analysis.get("model")
+        return cls(run, analysis["incident"], summary.get("stragglers"), analysis.get("analysis_error"),
+                   analysis.get("mismatch_rows"), model.steps if model is not None else None,
+                   bool(analysis.get("live", False)), float(analysis.get("stale_s", 60.0)), analysis.get("now_ns"),
+                   summary.get("health"), summary.get("health_reason"))
 
     @property
     def ranks_tbl(self):
@@ -832,12 +844,16 @@ def _numerics(c: Case) -> dict | None:
     explosion ("numerics"); ``step`` is its step, the culprits the ranks it names."""
     if c.run is None:
         return None
-    from dtprof.analyzers import health
+    block = c.health
+    if block is None and c.health_error is None:   # no analysis before triage: read the health table here
+        from dtprof.analyzers import health
 
-    try:
-        block = health.of_run(c.run)
-    except Exception as e:  # a damaged health table must not hide the rest of the triage
-        c.evidence.append({"kind": "error", "message": f"health analysis failed: {type(e).__name__}: {e}"})
+        try:
+            block = health.of_run(c.run)
+        except Exception as e:  # a damaged health table must not hide the rest of the triage
+            c.health_error = f"health analysis failed: {type(e).__name__}: {e}"
+    if block is None:
+        c.evidence.append({"kind": "error", "message": c.health_error})
         return None
     incidents = sorted(block["incidents"], key=lambda i: (i["step"], _HEALTH_ORDER[i["kind"]]))
     if not incidents:
@@ -855,21 +871,21 @@ def _numerics(c: Case) -> dict | None:
 RULES = (_mismatch, _hang, _oom, _crash, _interrupted, _numerics, _straggler)
 
 
-def triage(run, incident: Incident, *, stragglers: list | None = None, straggler_error: str | None = None,
-           collectives=None, steps=None, live: bool = False, stale_s: float = 60.0,
-           now_ns: int | None = None) -> dict:
-    """The verdict for one run. Returns the ``--json`` dict: verdict, culprit_ranks, collective, message, evidence
-    (list of {kind, message, ...}).
+def triage(run, analysis: Mapping[str, Any]) -> dict:
+    """The verdict for one run: analyze's "triage" stage. Returns the ``--json`` dict: verdict, culprit_ranks,
+    collective, message, evidence (list of {kind, message, ...}).
 
-    ``run``: the open run (dtprof.reader.Run), or None when only Flight Recorder files are given. ``incident``: its
-    incident files and the Flight Recorder entries (dtprof.reader ``read_incident``). ``stragglers``: the
-    analysis' flagged ranks (summary ``stragglers``, analysed with the run's own options), or None with
-    ``straggler_error`` saying why the analysis failed. ``collectives``: the rows the mismatch check reads (the
-    analysis passes those of its ``mismatch_candidates``); default all of the run's. ``steps``: the run's
-    rank-steps (rank, step); default the run's steps table. ``live``: the job is still running; ``stale_s`` is how
-    long without progress counts as a hang.
+    ``run``: the open run (dtprof.reader.Run), or None when only Flight Recorder files are given. ``analysis``: what
+    the analysis found before this stage (analyzers/summary.py ``analyze``): ``incident``, the run's incident files
+    and Flight Recorder entries as its inputs stage read them (dtprof.reader ``read_incident``); ``mismatch_rows``,
+    the collectives rows the mismatch check reads (those of ``mismatch_candidates``; absent: all of the run's);
+    ``model``, whose rank-steps the crash rule reads (absent: the run's steps table); ``summary`` ``stragglers``
+    and ``health`` (or ``health_reason``); the command's ``live`` (the job is still running) and ``stale_s`` (how
+    long without progress counts as a hang). Where there is no analysis (a run without steps, Flight Recorder files
+    only, or an analysis that failed: ``analysis_error`` says why), only ``incident`` and the command's options.
     """
-    c = Case(run, incident, stragglers, straggler_error, collectives, steps, live, stale_s, now_ns)
+    c = Case.of(run, analysis)
+    incident = c.incident
     c.known = set(incident.heartbeats) | set(incident.dumps)
     ranks_tbl = c.ranks_tbl
     if ranks_tbl is not None and len(ranks_tbl):

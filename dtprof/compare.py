@@ -183,7 +183,7 @@ def compare_command(base, head, gates, gates_file, fmt, output, confidence, test
     except rg.GateError as e:
         raise InputError(str(e)) from None
     d["prediction"] = _check_prediction(prediction, b, h) if prediction else None
-    _emit(cr.RENDERERS[fmt](d), output)
+    _emit(cr.render(d, {"format": fmt}), output)
     if output and fmt != "text":
         click.echo(f"dtprof compare: {d['outcome']} (exit {d['exit_code']}); wrote {output}", err=True)
     sys.exit(d["exit_code"])
@@ -210,15 +210,9 @@ def _scaling(paths: list[str], fmt: str, output: str | None) -> None:
         d = scaling(runs)
     except ScalingError as e:
         raise InputError(str(e)) from None
-    if fmt == "json":
-        text = json.dumps(d, indent=1) + "\n"
-    elif fmt == "markdown":
-        text = cr.render_scaling_markdown(d)
-    elif fmt == "text":
-        text = cr.render_scaling_text(d)
-    else:
+    if fmt not in cr.SCALING_RENDERERS:
         raise InputError("--scaling supports --format text, markdown or json")
-    _emit(text, output)
+    _emit(cr.render(d, {"format": fmt, "scaling": True}), output)
 
 
 def _check_prediction(spec: str, b: list[dict], h: list[dict]) -> dict:

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 
@@ -198,11 +199,13 @@ def export_perfetto_command(run_dir, out):
     collectives linked across ranks by flow arrows."""
     from dtprof.analyzers.runmodel import RunModel
     from dtprof.reader import RunFormatError, open_run
-    from dtprof.reports.perfetto import write_perfetto
+    from dtprof.reports import perfetto
 
     try:
         run = open_run(run_dir, check_tables=True)
-        path = write_perfetto(run, RunModel.of(run), out)
+        # the trace needs the run and its model only, not the whole analysis
+        data = perfetto.render(SimpleNamespace(run=run, model=RunModel.of(run)), {"gzip": out.name.endswith(".gz")})
+        path = _write_atomic(out, data)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     except OSError as e:
@@ -210,3 +213,11 @@ def export_perfetto_command(run_dir, out):
     for p in run.problems:
         _warn(p)
     click.echo(str(path))
+
+
+def _write_atomic(out: Path, data: bytes) -> Path:
+    """Write ``data`` to ``out`` through a temporary name: a reader sees no half-written file."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(out)
+    return out

@@ -1,7 +1,6 @@
 """``dtprof summary RUN_DIR``: analyse a run, write summary.json into it and print the per-rank table."""
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import contextmanager
 
@@ -83,7 +82,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     from dtprof.analyzers.summary import SUMMARY_FILE, analyze, save_summary
     from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run
-    from dtprof.reports import terminal
+    from dtprof.reports import summary_json, terminal
 
     tf = _parse_transformer(transformer)
 
@@ -119,6 +118,6 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
         except OSError as e:
             click.echo(f"dtprof: could not write {run.path / SUMMARY_FILE}: {e}", err=True)
     if as_json:
-        click.echo(json.dumps(a.summary, indent=2))
+        click.echo(summary_json.render(a))
     else:
         click.echo(terminal.render(a))

@@ -4,10 +4,10 @@ The analysis lives in ``dtprof.analyzers.triage``; this module parses options, a
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 
@@ -62,7 +62,7 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     from dtprof.flight_recorder import DumpError
     from dtprof.options import resolve_options
     from dtprof.reader import RunFormatError, open_run, read_incident
-    from dtprof.reports.triage import format_text
+    from dtprof.reports.triage import render
 
     if run_dir is None and not fr_paths:
         raise click.UsageError("give RUN_DIR, or Flight Recorder dumps with --fr")
@@ -78,18 +78,17 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
         incident = run.incident(fr_paths) if run is not None else read_incident(None, fr_paths)
     except (RunFormatError, DumpError) as e:
         raise InputError(str(e)) from None
-    res, error = None, None
+    analysis, error = None, None
     if run is not None and len(run.steps):   # the analysis (with the run's own options) makes the verdict once
         from dtprof.analyzers.summary import analyze
 
         try:
-            res = analyze(run, resolve_options(run), incident=incident, live=live, stale_s=stale_s).triage
+            analysis = analyze(run, resolve_options(run), incident=incident, live=live, stale_s=stale_s)
         except Exception as e:  # noqa: BLE001  (the analysis failing must not hide the rest of the triage)
             error = f"{type(e).__name__}: {e}"
-    if res is None:   # no steps, no run (only --fr dumps), or the analysis failed: the verdict without stragglers
-        res = triage(run, incident, stragglers=None, straggler_error=error, live=live, stale_s=stale_s)
-    if as_json:
-        click.echo(json.dumps(res, indent=1, default=str))
-    else:
-        click.echo(format_text(res))
-    sys.exit(0 if res["verdict"] == "healthy" else 1)
+    if analysis is None or analysis.triage is None:
+        # no steps, no run (only --fr dumps), or the analysis failed: the verdict without stragglers
+        analysis = SimpleNamespace(triage=triage(run, {"incident": incident, "analysis_error": error, "live": live,
+                                                       "stale_s": stale_s}))
+    click.echo(render(analysis, {"json": as_json}))
+    sys.exit(0 if analysis.triage["verdict"] == "healthy" else 1)

@@ -265,3 +265,16 @@ def render_scaling_text(d: dict) -> str:
 def render_scaling_markdown(d: dict) -> str:
     text = render_scaling_text(d).split("\n\n")
     return "### dtprof scaling\n\n```\n" + text[0] + "\n```\n\n" + d["explanation"] + "\n"
+
+
+SCALING_RENDERERS = {"text": render_scaling_text, "markdown": render_scaling_markdown,
+                     "json": lambda d: json.dumps(d, indent=1) + "\n"}
+
+
+def render(comparison: dict, options: dict | None = None) -> str:
+    """The output of `dtprof compare` for ``comparison`` (analyzers/regression.py ``comparison``, or with
+    ``options["scaling"]`` analyzers/scaling.py ``scaling``) in ``options["format"]`` (default text; ``RENDERERS``,
+    ``SCALING_RENDERERS``). Raises KeyError for a format the result has no renderer for."""
+    options = options or {}
+    renderers = SCALING_RENDERERS if options.get("scaling") else RENDERERS
+    return renderers[options.get("format", "text")](comparison)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -32,9 +31,17 @@ def _x_events(df: pd.DataFrame, pid, tid, name, start, end, t0, cat: str, args=N
     return out.to_dict("records")
 
 
-def build_trace(run, model) -> dict:
-    """The Chrome trace dict for ``run`` (a dtprof.reader.Run) on its run model's aligned clock (``model``:
-    analyzers/runmodel.py ``RunModel.of(run)``, or an Analysis' ``model``)."""
+def render(analysis, options: dict | None = None) -> bytes:
+    """The Chrome JSON trace of ``analysis``' run (``build_trace``), gzipped with ``options["gzip"]``."""
+    data = json.dumps(build_trace(analysis), default=_clean, separators=(",", ":")).encode()
+    return gzip.compress(data, 6) if (options or {}).get("gzip") else data
+
+
+def build_trace(analysis) -> dict:
+    """The Chrome trace dict of ``analysis.run`` (a dtprof.reader.Run) on its run model's aligned clock
+    (``analysis.model``: analyzers/runmodel.py ``RunModel``). ``analysis``: an ``Analysis``, or anything with its
+    ``run`` and ``model`` (`dtprof export perfetto` needs only those)."""
+    run, model = analysis.run, analysis.model
     host_of = run.ranks.set_index("rank")["host"].astype(str).to_dict() if len(run.ranks) else {}
 
     def aligned(t, ranks):
@@ -126,13 +133,3 @@ def _clean(o):
     if o is pd.NA or o is None:
         return None
     return str(o)
-
-
-def write_perfetto(run, model, out: Path) -> Path:
-    """Write ``run`` as a Chrome JSON trace to ``out`` (gzip when it ends in .gz)."""
-    out = Path(out)
-    data = json.dumps(build_trace(run, model), default=_clean, separators=(",", ":")).encode()
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_bytes(gzip.compress(data, 6) if out.name.endswith(".gz") else data)
-    tmp.replace(out)
-    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dtprof.analyzers import breakdown as breakdown_mod
-from dtprof.analyzers.triage import restart_lines
 from dtprof.reports.fmt import pct, saving, short_s
 from dtprof.reports.gpu import summary_lines as gpu_summary_lines
 
@@ -11,13 +10,13 @@ from dtprof.reports.gpu import summary_lines as gpu_summary_lines
 def render(analysis, options: dict | None = None) -> str:
     """The terminal text of ``analysis`` (analyzers/summary.py ``Analysis``): what `dtprof run` and
     `dtprof summary` print."""
-    return format_summary_text(analysis.summary, analysis.unnamed_suspects)
+    return format_summary_text(analysis.summary, analysis.unnamed_suspects, analysis.restart_lines)
 
 
-def format_summary_text(summary: dict, unnamed_suspects=()) -> str:
+def format_summary_text(summary: dict, unnamed_suspects=(), restart_lines=()) -> str:
     """The short per-rank table printed at the end of a run and by `dtprof summary` (the same text), the headline
     lines, and with a kernel trace the GPU time per rank and the top kernels. ``unnamed_suspects``: the what-if
-    entries marked "(not a straggler)" (Analysis.unnamed_suspects)."""
+    entries marked "(not a straggler)" (Analysis.unnamed_suspects); ``restart_lines``: Analysis.restart_lines."""
     lines = []
     run = summary.get("run") or {}
     st = summary.get("steps") or {}
@@ -32,7 +31,7 @@ def format_summary_text(summary: dict, unnamed_suspects=()) -> str:
         lines.append(f"[error] {msg}")
     if run.get("status") == "interrupted":
         lines.append(run.get("status_reason") or "interrupted")
-    lines += [f"[restart] {line}" for line in restart_lines(run)]
+    lines += [f"[restart] {line}" for line in restart_lines]
     tri = summary.get("triage")
     if tri and tri.get("verdict") != "healthy":
         lines.append(f"triage: {tri['message']}")

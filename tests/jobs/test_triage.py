@@ -282,7 +282,7 @@ def test_a_stopped_rank_is_the_culprit_whatever_its_last_beat_was_inside():
     rec = {"detected_ns": 2 * 10**10, "timeout_s": 20, "idle_s": 20, "ranks": {
         "0": {"heartbeat_age_s": 0.4, "process_state": "S"}, "1": {"heartbeat_age_s": 0.3, "process_state": "S"},
         "2": {"heartbeat_age_s": 20.7, "process_state": "T"}}}
-    res = triage(None, Incident(heartbeats=hbs, watchdog={"hang": [rec], "crash": [], "exit": []}))
+    res = triage(None, {"incident": Incident(heartbeats=hbs, watchdog={"hang": [rec], "crash": [], "exit": []})})
     assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
     assert "rank 2 froze: its process is stopped (SIGSTOP)" in res["message"] and "ranks 0–1 wait" in res["message"]
 
@@ -304,7 +304,7 @@ def test_a_collective_timeout_names_the_rank_that_never_entered_not_the_first_th
     dumps = {0: raised(0, 100), 1: raised(1, 200), 2: {"sigterm": {"rank": 2, "t_ns": 300, "reason": "SIGTERM"}}}
     hbs = {r: {"rank": r, "pid": 10 + r, "step": 6, "t_ns": 100, "exit": None if r == 2 else "exception: ..."}
            for r in range(3)}
-    res = triage(None, Incident(heartbeats=hbs, dumps=dumps))
+    res = triage(None, {"incident": Incident(heartbeats=hbs, dumps=dumps)})
     assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
     assert res["collective"]["op"] == "all_reduce" and "rank 2" in res["message"], res["message"]
 

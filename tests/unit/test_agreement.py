@@ -26,7 +26,7 @@ def test_span_at_same_aligned_time_in_html_timeline_and_perfetto(tmp_path):
     ctx = F.make_context(run, a)
     fig, window, ranks = F.timeline_figure(ctx)
     t0 = int(ctx.steps.loc[ctx.steps["step"].isin(window), "start_ns"].min())
-    trace = build_trace(run, a.model)
+    trace = build_trace(a)
     p_t0 = trace["otherData"]["t0_ns"]
     fwd = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "forward"]
 

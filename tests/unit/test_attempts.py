@@ -12,7 +12,7 @@ import pytest
 from dtprof.analyzers.summary import analyze
 from dtprof.analyzers.triage import triage
 from dtprof.reader import RunFormatError, open_run
-from dtprof.reports.terminal import format_summary_text
+from dtprof.reports import terminal
 from synth import build_run
 
 
@@ -42,14 +42,15 @@ def test_a_restarted_rank_is_its_last_attempt_and_the_first_is_a_restart(tmp_pat
     assert run.restarts == [{"rank": 0, "attempt": 1, "host": "h", "pid": 1, "node": "node-h-1", "status": "failed",
                              "step": 3, "exception": "RuntimeError: boom", "ended": "2026-01-01T00:00:15Z",
                              "restarted": "2026-01-01T00:00:20Z", "restart_s": 5.0}]
-    s = analyze(run).summary
+    a = analyze(run)
+    s = a.summary
     assert s["run"]["restarts"] == run.restarts and s["run"]["attempts"] == {"0": 2}
     assert s["run"]["status"] == "completed" and s["steps"]["count"] > 0
-    text = format_summary_text(s)
+    text = terminal.render(a)
     assert ("[restart] rank 0 attempt 1 failed at step 3 (RuntimeError: boom); restarted at 2026-01-01T00:00:20Z, "
             "5.0 s after the failure") in text
     assert "[restart] statistics cover each rank's last attempt (rank 0: attempt 2)" in text
-    res = triage(run, run.incident())
+    res = triage(run, {"incident": run.incident()})
     assert res["verdict"] == "healthy" and "failed at step 3 (RuntimeError: boom) and was restarted" in res["message"]
 
 
@@ -72,7 +73,7 @@ def test_a_last_attempt_that_failed_is_a_crash(tmp_path):
             "type": "RuntimeError", "message": "again", "frames": [
                 {"file": "train.py", "line": 9, "func": "train_func", "code": "raise RuntimeError('again')"}]}}))
     run = open_run(path)
-    res = triage(run, run.incident())
+    res = triage(run, {"incident": run.incident()})
     assert res["verdict"] == "crash" and res["culprit_ranks"] == [0], res
     assert "RuntimeError: again" in res["message"]
     assert [e["kind"] for e in res["evidence"]].count("restart") == 2

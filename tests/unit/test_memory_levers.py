@@ -105,7 +105,7 @@ def _dump(message: str, step: int, wall_ns: int, funcs=("<module>", "forward")) 
 @pytest.mark.parametrize("message", [CUDA_NEW, CUDA_21, CUDA_OLD])
 def test_triage_names_a_cuda_oom_from_the_exception_dump(message):
     inc = Incident(dumps={3: _dump(message, 7, 5), 0: {"sigterm": {"step": 7, "request": "sigterm"}}})
-    res = triage(None, inc)
+    res = triage(None, {"incident": inc})
     parsed = oom.parse(message)
     assert res["verdict"] == "oom" and res["culprit_ranks"] == [3]
     assert res["step"] == 7 and res["phase"] == "forward"
@@ -121,7 +121,8 @@ def test_triage_oom_in_backward_with_fragmentation_names_expandable_segments():
     msg = ("CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.00 GiB "
            "is free. Including non-PyTorch memory, this process has 78.17 GiB memory in use. Of the allocated memory "
            "62.00 GiB is allocated by PyTorch, and 15.50 GiB is reserved by PyTorch but unallocated.")
-    res = triage(None, Incident(dumps={0: _dump(msg, 2, 1, ("<module>", "backward", "_engine_run_backward"))}))
+    inc = Incident(dumps={0: _dump(msg, 2, 1, ("<module>", "backward", "_engine_run_backward"))})
+    res = triage(None, {"incident": inc})
     assert res["phase"] == "backward" and res["shortfall_bytes"] == 3 * GiB
     covering = [x["lever"] for x in res["levers"] if x["covers_shortfall"]]
     assert covering == ["expandable_segments"]
