@@ -328,12 +328,12 @@ def test_a_collective_timeout_tells_a_rank_that_lost_its_peer_from_the_late_one(
     s = 10**9
     dumps = {0: raised(0, 100 * s, closed), 1: raised(1, 100 * s + 2_500_000, timeout), 2: raised(2, 105 * s, closed)}
     hbs = {r: {"rank": r, "pid": 10 + r, "step": 6, "t_ns": 100 * s, "exit": "exception: ..."} for r in range(3)}
-    res = triage(None, Incident(heartbeats=hbs, dumps=dumps))
+    res = triage(None, {"incident": Incident(heartbeats=hbs, dumps=dumps)})
     assert res["verdict"] == "hang" and res["culprit_ranks"] == [2], res
     assert "ranks 0–1 wait" in res["message"], res["message"]
     # the late rank raising within the window too: nothing tells the two apart, both stay named
     dumps[2] = raised(2, 101 * s, closed)
-    assert triage(None, Incident(heartbeats=hbs, dumps=dumps))["culprit_ranks"] == [0, 2]
+    assert triage(None, {"incident": Incident(heartbeats=hbs, dumps=dumps)})["culprit_ranks"] == [0, 2]
 
 
 def test_ranks_text():
