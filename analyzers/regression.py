@@ -443,12 +443,7 @@ def _evaluate_rank_gate(gate, base, head) -> GateResult:
                                                                          "runs), the rank that moved most")
 
     def side(runs):
-        by_rank: dict[int, list[float]] = {}
-        for s in runs:
-            for r in (s.get("memory") or {}).get("ranks") or []:
-                if r.get(field) is not None:
-                    by_rank.setdefault(int(r["rank"]), []).append(float(r[field]))
-        return {rank: float(np.median(v)) for rank, v in by_rank.items()}
+        return {rank: led[field] for rank, led in _rank_ledgers(runs, (field,)).items() if field in led}
 
     h, b = side(head), side(base)
     both = sorted(h) if gate.mode == "absolute" else [r for r in sorted(h) if r in b and b[r]]
@@ -512,13 +507,15 @@ def _evaluate_scalar_gate(gate, base, head) -> GateResult:
     return res
 
 
-def _rank_ledgers(summaries: Sequence[dict]) -> dict[int, dict]:
-    """rank -> its memory ledger (summary.json ``memory.ranks``), each byte count the median over the runs."""
+LEDGER_KEYS = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_peak_bytes")
+
+
+def _rank_ledgers(summaries: Sequence[dict], keys: Sequence[str] = LEDGER_KEYS) -> dict[int, dict]:
+    """rank -> its memory ledger (summary.json ``memory.ranks``), each of ``keys`` the median over the runs."""
     by_rank: dict[int, list[dict]] = {}
     for s in summaries:
         for r in (s.get("memory") or {}).get("ranks") or []:
             by_rank.setdefault(int(r["rank"]), []).append(r)
-    keys = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_peak_bytes")
     return {rank: {k: float(np.median(v)) for k in keys if (v := [x[k] for x in rows if x.get(k) is not None])}
             for rank, rows in by_rank.items()}
 

@@ -39,6 +39,19 @@ def group_pending(depth: int = FRAMES) -> bool:
     return False
 
 
+def called_from_deepspeed(depth: int = FRAMES) -> bool:
+    """The optimizer step in progress was called from DeepSpeed's code (the numerics part: ZeRO's gradients are
+    partitions, so a norm of them is not the total)."""
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if "deepspeed" in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
+
+
 class DeepSpeedGroups(RankPart):
     name = "deepspeed"
 

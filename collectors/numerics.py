@@ -38,9 +38,9 @@ import math
 import sys
 import time
 from collections import deque
-from types import FrameType
 from typing import Any
 
+from dtprof.collectors.engine_deepspeed import called_from_deepspeed as _called_from_deepspeed
 from dtprof.collectors.parts import RankContext, RankPart
 from dtprof.collectors.records import Health
 
@@ -184,7 +184,7 @@ class NumericsSentinel(RankPart):
         says why, once per optimizer)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         why = None
-        if _stepped_by_deepspeed():
+        if "deepspeed" in sys.modules and _called_from_deepspeed():
             why = "DeepSpeed steps the optimizer (ZeRO's partitions; its engine computes its own norm)"
         elif any(hasattr(p, "placements") for p in params):
             why = "sharded parameters (DTensor): a local shard's norm is not the total"
@@ -412,26 +412,13 @@ def _is_compiling(torch):
     Python function: two of these run on every step): Dynamo folds ``is_dynamo_compiling`` to True while it traces
     (no guard on what follows), and torch.export's non-strict tracing sets the flag."""
     compiler = torch.compiler
-    dynamo = compiler.is_dynamo_compiling
+    dynamo = getattr(compiler, "is_dynamo_compiling", None)
+    if dynamo is None or not hasattr(compiler, "_is_compiling_flag"):
+        return compiler.is_compiling         # an older torch: its own check (the part must not fail to install)
 
     def is_compiling() -> bool:
         return dynamo() or compiler._is_compiling_flag
     return is_compiling
-
-
-def _stepped_by_deepspeed(depth: int = 12) -> bool:
-    """The optimizer step in progress was called from DeepSpeed's code (a walk of a few frames, none in a process
-    that has not imported DeepSpeed)."""
-    if "deepspeed" not in sys.modules:
-        return False
-    f: FrameType | None = sys._getframe(1)
-    for _ in range(depth):
-        if f is None:
-            return False
-        if "deepspeed" in f.f_code.co_filename:
-            return True
-        f = f.f_back
-    return False
 
 
 def _int_of(torch) -> dict:

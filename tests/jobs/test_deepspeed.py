@@ -253,20 +253,26 @@ def test_balanced_stages_prediction_is_the_balanced_partitions_step(pipe):
 ACCELERATE_STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def accelerate_zero2(tmp_path_factory):
-    """examples/frameworks/train_accelerate.py with Accelerate's DeepSpeed plugin (ZeRO-2) under `accelerate launch
-    --use_deepspeed`, profiled."""
-    out = tmp_path_factory.mktemp("ds") / "accelerate"
+def framework_job(out: Path, command_on_port) -> tuple:
+    """A framework's DeepSpeed job (``command_on_port(port)``: its launcher's command line) under `dtprof run`:
+    (the completed process, its summary)."""
     port = free_port()
-    cmd = [str(BIN / "accelerate"), "launch", "--num_machines", "1", "--num_processes", "2", "--use_deepspeed",
-           "--zero_stage", "2", "--main_process_port", str(port),
-           str(REPO / "examples" / "frameworks" / "train_accelerate.py"), "--steps", str(ACCELERATE_STEPS),
-           "--deepspeed", "2"]
+    cmd = command_on_port(port)
     with shm_buffers_removed(port):
         p = dtprof("run", "--out", out, "--no-report", "--", *cmd, env=ENV, timeout=JOB_TIMEOUT_S)
     assert returncode(p) == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p, assert_breakdown_adds_up(out)
+
+
+@pytest.fixture(scope="module")
+def accelerate_zero2(tmp_path_factory):
+    """examples/frameworks/train_accelerate.py with Accelerate's DeepSpeed plugin (ZeRO-2) under `accelerate launch
+    --use_deepspeed`, profiled."""
+    return framework_job(tmp_path_factory.mktemp("ds") / "accelerate", lambda port: [
+        str(BIN / "accelerate"), "launch", "--num_machines", "1", "--num_processes", "2", "--use_deepspeed",
+        "--zero_stage", "2", "--main_process_port", str(port),
+        str(REPO / "examples" / "frameworks" / "train_accelerate.py"), "--steps", str(ACCELERATE_STEPS),
+        "--deepspeed", "2"])
 
 
 def test_accelerate_deepspeed_is_recorded_as_zero_with_its_communication_phases(accelerate_zero2):
@@ -294,15 +300,10 @@ def hf_zero2(tmp_path_factory):
     """examples/frameworks/train_hf_trainer.py with TrainingArguments(deepspeed=...) (ZeRO-2, gradient accumulation
     2) under DeepSpeed's launcher, profiled. The Trainer makes two parameter groups (weight decay on matrices only):
     ZeRO-2 steps the torch optimizer once per group."""
-    out = tmp_path_factory.mktemp("ds") / "hf"
-    port = free_port()
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_local_rank", "--master_port", str(port),
-           str(REPO / "examples" / "frameworks" / "train_hf_trainer.py"), "--deepspeed", "2",
-           "--steps", str(HF_STEPS), "--accumulate", str(HF_ACCUMULATE), "--print-time"]
-    with shm_buffers_removed(port):
-        p = dtprof("run", "--out", out, "--no-report", "--", *cmd, env=ENV, timeout=JOB_TIMEOUT_S)
-    assert returncode(p) == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p, assert_breakdown_adds_up(out)
+    return framework_job(tmp_path_factory.mktemp("ds") / "hf", lambda port: [
+        str(BIN / "deepspeed"), "--num_gpus", "2", "--no_local_rank", "--master_port", str(port),
+        str(REPO / "examples" / "frameworks" / "train_hf_trainer.py"), "--deepspeed", "2",
+        "--steps", str(HF_STEPS), "--accumulate", str(HF_ACCUMULATE), "--print-time"])
 
 
 def test_hf_trainer_deepspeed_steps_are_the_trainers_optimizer_steps(hf_zero2):
