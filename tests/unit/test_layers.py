@@ -151,3 +151,29 @@ def test_rank_side_keeps_no_state_in_module_globals():
         found += [f"{name}:{where}" for where in _module_state(f)
                   if not any(where.split()[1].startswith(table) for n, table in MODULE_TABLES_ALLOWED if n == name)]
     assert found == []
+
+
+def _format_specs(f) -> list[str]:
+    """Where a module formats a number itself: an f-string's format spec (``{x:.1f}``, ``{x:>8}``), ``str.format``
+    or ``format()``, or ``%`` formatting of a string."""
+    found = []
+    for n in ast.walk(ast.parse(f.read_text())):
+        if isinstance(n, ast.FormattedValue) and n.format_spec is not None:
+            found.append(f"{n.lineno} {{...:{ast.unparse(n.format_spec)[2:-1]}}}")
+        elif isinstance(n, ast.Call) and ((isinstance(n.func, ast.Attribute) and n.func.attr == "format")
+                                          or (isinstance(n.func, ast.Name) and n.func.id == "format")):
+            found.append(f"{n.lineno} {ast.unparse(n.func)}()")
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and (isinstance(n.left, ast.JoinedStr) or (
+                isinstance(n.left, ast.Constant) and isinstance(n.left.value, str))):
+            found.append(f"{n.lineno} '...' % ...")
+    return found
+
+
+def test_reports_format_numbers_only_in_fmt():
+    """Numbers are formatted in one place (issue 46 point 5): no module of reports/ but fmt.py holds a format spec;
+    the others call fmt.py's formatters (a missing value is fmt.MISSING everywhere)."""
+    found = [f"{f.relative_to(REPO)}:{where}" for f in sorted((REPO / "reports").glob("*.py")) if f.name != "fmt.py"
+             for where in _format_specs(f)]
+    assert found == []
+    # the test finds what it guards against: fmt.py itself holds them
+    assert len(_format_specs(REPO / "reports" / "fmt.py")) > 10
