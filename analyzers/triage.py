@@ -43,6 +43,7 @@ from typing import Any, Mapping
 
 from dtprof.analyzers.collectives import own_records
 from dtprof.reader import Incident, best_dump
+from dtprof.reports.fmt import fmt_bytes  # the one byte formatter (the one module of reports/ analyzers use)
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
 from dtprof.watchdog import STALE_BEAT_S
@@ -609,19 +610,6 @@ def _command_killed(c: Case) -> dict | None:
     return None
 
 
-def _bytes_text(b) -> str:
-    """A byte count in the verdict's sentence (the analysis side may not import reports/: the values themselves are
-    in the result beside it)."""
-    if b is None:
-        return "?"
-    b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            break
-        b /= 1024
-    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-
-
 def _oom_of_rank(c: Case, r: int) -> dict | None:
     """Rank ``r``'s out-of-memory error: its ``oom`` meta row (collectors/memory.py), else the message of its
     exception dump or of its last exception line in the job's output (dtprof/oom.py), or None."""
@@ -687,14 +675,14 @@ def _oom(c: Case) -> dict | None:
         c.evidence.append({"kind": "stopped", "rank": r, "message": f"{c.label(r)} was stopped by rank "
                            f"{culprits[0]}'s out-of-memory error (its own end follows from it)"})
     covering = [x["lever"] for x in levers if x.get("covers_shortfall")]
-    held_text = ", ".join(f"{k[:-6].replace('_', ' ')} {_bytes_text(v)}" for k, v in held.items() if v is not None)
-    msg = (f"oom: {c.label(culprits[0])} could not allocate {_bytes_text(request)} at step {first.get('step')}"
+    held_text = ", ".join(f"{k[:-6].replace('_', ' ')} {fmt_bytes(v)}" for k, v in held.items() if v is not None)
+    msg = (f"oom: {c.label(culprits[0])} could not allocate {fmt_bytes(request)} at step {first.get('step')}"
            + (f" in {first['phase']}" if first.get("phase") else "")
            + (f" ({first['module']})" if first.get("module") else "")
-           + (f" with {_bytes_text(free)} free" if free is not None else "")
+           + (f" with {fmt_bytes(free)} free" if free is not None else "")
            + (f"; it held {held_text}" if held_text else "")
-           + (f"; {', '.join(covering)} alone would cover the {_bytes_text(shortfall)} shortfall" if covering else
-              f"; no single lever covers the {_bytes_text(shortfall)} shortfall" if levers else "")
+           + (f"; {', '.join(covering)} alone would cover the {fmt_bytes(shortfall)} shortfall" if covering else
+              f"; no single lever covers the {fmt_bytes(shortfall)} shortfall" if levers else "")
            + (f"; rank(s) {ranks_text(stopped)} stopped by it" if stopped else ""))
     res = c.result("oom", culprits, None, msg)
     res.update(step=first.get("step"), requested_bytes=request, phase=first.get("phase"), module=first.get("module"),
