@@ -1,6 +1,6 @@
 """The offline HTML report: one self-contained file that opens from file:// on an air-gapped machine.
 
-    write_report(run, analysis, out_path=None) -> Path     (default: the run's report.html)
+    render(analysis, options=None) -> str     (dtprof/report.py save_report writes it: the run's report.html)
 
 The page: a header (command, world size, hosts and devices, versions, duration, status and why: the analysis'
 ``run`` block and triage verdict), the step breakdown as one stacked bar per rank (reports/breakdown.py), headline
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import math
-import os
 import shlex
 import sys
 import time
@@ -197,11 +196,10 @@ class _Page:
                 f'style="min-height:{int(height)}px"></div>')
 
 
-def _header(run, summary: dict) -> str:
-    """The run's identity from its manifests (command, devices, versions) and its state from the analysis
+def _header(identity: dict, summary: dict) -> str:
+    """The run's identity (``Analysis.identity``: command, devices, versions) and its state from the analysis
     (summary ``run`` and ``triage``): nothing is derived here."""
-    node = (run.nodes or [{}])[0]
-    command = node.get("command") or run.manifest.get("command") or ""
+    command = identity["command"]
     command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
     srun = summary.get("run") or {}
     status = srun.get("status") or "unknown"   # the worst node's (analyzers/summary.py worst_status)
@@ -210,12 +208,9 @@ def _header(run, summary: dict) -> str:
         reason = (summary.get("triage") or {}).get("message") or summary.get("triage_reason") or ""
     code = srun.get("exit_code")
     code_html = f" (exit code {esc(code)})" if code is not None else ""
-    ranks = run.ranks
-    devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
-    dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in devices.items()) or "unknown"
-    versions: dict[str, object] = {}
-    for n in run.nodes:
-        versions.update(n.get("versions") or {})
+    dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in identity["devices"].items()) \
+        or "unknown"
+    versions = identity["versions"]
     # a version the run could not read is shown with the launcher's reason (``<name>_reason``), not as "None"
     def version(k: str, v) -> str:
         why = versions.get(f"{k}_reason")
@@ -233,7 +228,7 @@ def _header(run, summary: dict) -> str:
     cls = status if status in ("completed", "failed", "hung", "killed") else "other"
     reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
     return f"""<header class="top">
-<h1>dtprof report — {esc(run.path.name)}</h1>
+<h1>dtprof report — {esc(identity["name"])}</h1>
 <div><code id="command">{esc(command)}</code></div>
 <dl class="meta">
 <dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}{code_html}</dd>
@@ -404,7 +399,7 @@ class _Parts:
     page: _Page
     ctx: Any                  # reports/figures.py Context
     analysis: Any             # dtprof.analyzers.summary.Analysis
-    run: Any                  # dtprof.reader.Run (raw spans for the timeline, the world size)
+    run: Any                  # dtprof.rundir.run.Run (raw spans for the timeline, the world size)
     summary: dict
     n_ranks: int
 
@@ -625,17 +620,18 @@ def _notices(notices: list[str]) -> str:
 
 
 def render(analysis, options: dict | None = None) -> str:
-    """The page of ``analysis`` (analyzers/summary.py ``Analysis``, its run ``analysis.run``), the renderer
-    contract (docs/architecture.md); ``options``: ``progress`` (a progress bar on stderr)."""
-    return render_report(analysis.run, analysis, Progress(10, bool((options or {}).get("progress"))))
-
-
-def render_report(run, analysis, progress: Progress | None = None) -> str:
+    """The page of ``analysis`` (analyzers/summary.py ``Analysis``; its run ``analysis.run`` read only for raw
+    spans: the timeline), the renderer contract (docs/architecture.md); ``options``: ``progress``, a progress bar
+    on stderr (None or absent: only for runs with more than 50,000 rank-steps). dtprof/report.py writes it."""
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
     from dtprof.reports.whatif import whatif_html
 
-    progress = progress or Progress(10, False)
+    show = (options or {}).get("progress")
+    if show is None:
+        show = len(analysis.run.steps) > 50_000   # counting the spans would read them all
+    progress = Progress(10, bool(show))
+    run = analysis.run
     page = _Page()
     summary = analysis.summary or {}
     # first on the page, so the first screen says where the step went
@@ -665,10 +661,10 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>dtprof report — {esc(run.path.name)}</title>
+<title>dtprof report — {esc(analysis.identity["name"])}</title>
 <style>{css}</style></head>
 <body>
-{_header(run, summary)}
+{_header(analysis.identity, summary)}
 <nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
 <main>
 <section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div>{breakdown_chart}</section>
@@ -697,24 +693,3 @@ def _plotly_js() -> str:
     if "</script" in js.lower():  # never seen, but an inlined script must not close its own tag
         js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
     return js
-
-
-def write_report(run, analysis, out_path=None, *, progress: bool | None = None) -> Path:
-    """Write the HTML report of ``run`` (an open dtprof.reader.Run, read only for raw spans: the timeline) and its
-    ``analysis`` (``dtprof.analyzers.summary.analyze``; the command made it, dtprof/options.py
-    ``open_and_analyze``) to ``out_path`` (default the run's ``report.html``) and return its path.
-    ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps).
-    The file is written to a temporary name and renamed, so a reader never sees half a report.
-    """
-    if progress is None:
-        progress = len(run.steps) > 50_000   # counting the spans would read them all
-    text = render_report(run, analysis, Progress(10, bool(progress)))
-    out = Path(out_path) if out_path else run.path / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)   # a full disk must not leave half a report behind under a hidden name
-    return out

@@ -247,9 +247,9 @@ def test_lightning_validation_is_evaluation_between_steps(lightning_torchrun):
     assert_evaluation_between_steps(j, runs)
     assert_inferred(j, "samples", 16)
     from dtprof.options import open_and_analyze
-    from dtprof.reports.html import write_report
+    from dtprof.report import save_report
 
-    page = write_report(*open_and_analyze(j.run_dir), out_path=j.run_dir.parent / "report.html",
+    page = save_report(open_and_analyze(j.run_dir)[1], out_path=j.run_dir.parent / "report.html",
                         progress=False).read_text()
     card = page[page.index('id="card-step_time_p50"'):][:2000]
     assert f"evaluation between steps not included ({runs} stretch(es)" in card, card
