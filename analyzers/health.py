@@ -247,7 +247,7 @@ def _fingerprint_block(meta: pd.DataFrame | None, rgroups: list, compared: int) 
 
 
 def of_run(run) -> dict:
-    """``analyze_health`` of an open run (dtprof.reader.Run): the DDP collectives are read only when some rank
+    """``analyze_health`` of an open run (dtprof.rundir.run.Run): the DDP collectives are read only when some rank
     recorded a fingerprint."""
     h = run.health
     coll = None

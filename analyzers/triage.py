@@ -20,7 +20,7 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
 4. **interrupted** — a node's ``dtprof run`` launcher was killed before it recorded the job's end (node.json
-   still "running", its process gone: ``dtprof.reader.launcher_killed``); its timings are not a straggler's.
+   still "running", its process gone: ``dtprof.rundir.run.launcher_killed``); its timings are not a straggler's.
 5. **numerics** / **divergence** — the earliest numerics incident (analyzers/health.py): a local loss or gradient
    norm that went non-finite, a loss spike or gradient-norm explosion ("numerics"), or data-parallel replicas whose
    parameter fingerprints differ ("divergence"); ``step`` is the incident's step.
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dtprof.analyzers.collectives import own_records
-from dtprof.reader import Incident, best_dump
 from dtprof.reports.fmt import fmt_bytes  # the one byte formatter (the one module of reports/ analyzers use)
+from dtprof.rundir.incident import Incident, best_dump
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
 from dtprof.watchdog import STALE_BEAT_S
@@ -338,7 +338,7 @@ class Case:
     """What one triage reads, and the evidence its rules collect in order (a rule may add evidence whether or not
     its verdict applies)."""
 
-    run: Any                    # the run (dtprof.reader.Run), or None: only Flight Recorder files were given
+    run: Any                    # the run (dtprof.rundir.run.Run), or None: only Flight Recorder files were given
     incident: Incident          # its heartbeats, dumps, watchdog records, logs and Flight Recorder entries
     stragglers: list | None     # the analysis' summary ``stragglers``
     straggler_error: str | None  # why the analysis has none, when it failed
@@ -863,9 +863,9 @@ def triage(run, analysis: Mapping[str, Any]) -> dict:
     """The verdict for one run: analyze's "triage" stage. Returns the ``--json`` dict: verdict, culprit_ranks,
     collective, message, evidence (list of {kind, message, ...}).
 
-    ``run``: the open run (dtprof.reader.Run), or None when only Flight Recorder files are given. ``analysis``: what
+    ``run``: the open run (dtprof.rundir.run.Run), or None when only Flight Recorder files are given. ``analysis``: what
     the analysis found before this stage (analyzers/summary.py ``analyze``): ``incident``, the run's incident files
-    and Flight Recorder entries as its inputs stage read them (dtprof.reader ``read_incident``); ``mismatch_rows``,
+    and Flight Recorder entries as its inputs stage read them (rundir/incident.py ``read_incident``); ``mismatch_rows``,
     the collectives rows the mismatch check reads (those of ``mismatch_candidates``; absent: all of the run's);
     ``model``, whose rank-steps the crash rule reads (absent: the run's steps table); ``summary`` ``stragglers``
     and ``health`` (or ``health_reason``); the command's ``live`` (the job is still running) and ``stale_s`` (how

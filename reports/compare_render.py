@@ -112,7 +112,7 @@ def prediction_lines(d: dict) -> list[str]:
 
 
 def _num(x: float | None, key: str = "") -> str:
-    if missing(x):
+    if x is None or missing(x):
         return MISSING
     if key.startswith("steps.time_s") or key.endswith("_s"):
         return ms(x, 2) if abs(x) < 10 else f"{fixed(x, 2)} s"

@@ -54,7 +54,7 @@ FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 
 @dataclass
 class Context:
-    run: Any                       # dtprof.reader.Run
+    run: Any                       # dtprof.rundir.run.Run
     analysis: Any                  # dtprof.analyzers.summary.Analysis
     model: Any                     # the run model (analyzers/runmodel.py): aligned times, job step time
     t0_ns: int                     # aligned start of the first step: x = 0 on time axes

@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO
 from torch_abort import returncode
 
-SUBPACKAGES = ("dtprof.collectors", "dtprof.analyzers", "dtprof.reports", "dtprof._inject")
+SUBPACKAGES = ("dtprof.collectors", "dtprof.analyzers", "dtprof.reports", "dtprof._inject", "dtprof.rundir")
 
 
 def _pip(py: Path, *args: str) -> None:

@@ -28,7 +28,7 @@ def _file_of(module: str) -> str | None:
 def imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for folder in PACKAGES.values():
-        for f in sorted((REPO / folder).glob("*.py")):
+        for f in sorted((REPO / folder).rglob("*.py")):
             name = str(f.relative_to(REPO))
             graph[name] = set()
             for node in ast.walk(ast.parse(f.read_text())):
@@ -90,9 +90,11 @@ def test_analyzers_import_neither_collectors_nor_reports_and_reports_no_collecto
 
 
 # dtprof/ modules that run or import foreign data and so may use collectors/: the launcher (NVML sampling, merging
-# the ranks' traces), the public rank API and `dtprof import kineto`. Reading, analysing, reporting, comparing and
-# triaging a run never does (issue 46 point 4): the run format and its readers live in dtprof/.
-MAY_IMPORT_COLLECTORS = {"dtprof/launcher.py", "dtprof/__init__.py", "dtprof/interop.py"}
+# the ranks' traces), the public rank API, `dtprof import kineto` and the job's start-up hook (dtprof/_inject: it
+# starts the rank side). Reading, analysing, reporting, comparing and triaging a run never does (issue 46 point 4):
+# the run format and its readers live in dtprof/ (dtprof/rundir/, walked with the rest).
+MAY_IMPORT_COLLECTORS = {"dtprof/launcher.py", "dtprof/__init__.py", "dtprof/interop.py",
+                         "dtprof/_inject/sitecustomize.py"}
 
 
 def test_nothing_that_reads_runs_imports_collectors():
