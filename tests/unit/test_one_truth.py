@@ -59,10 +59,10 @@ def test_worst_node_status_is_the_same_in_summary_and_report(tmp_path):
     for name, status in (("node-b", "failed"), ("node-c", "hung")):
         (run_dir / name).mkdir()
         write_json_atomic(run_dir / name / "node.json", {"host": name, "status": status, "exit_code": 1})
-    run = open_run(run_dir)
-    summary = analyze(run).summary
+    a = analyze(open_run(run_dir))
+    summary = a.summary
     assert summary["run"]["status"] == "hung"
-    assert 'id="status">hung<' in H._header(run, summary)
+    assert 'id="status">hung<' in H._header(a.identity, summary)
 
 
 def test_compute_kinds_have_one_meaning(tmp_path):
