@@ -16,7 +16,8 @@ compute at once do not also compete for the host's cores. ZeRO jobs step the opt
 micro-batches (``engine.step()`` at the boundary).
 
 The job measures its own truth, independent of any profiler: the time its training thread spends inside
-``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
+``torch.distributed`` calls and ``Work.wait`` (comm_clock.py, installed before DeepSpeed looks any of them up),
+per step. Each
 rank prints one line ``clock <rank> {"steps": [[duration, communication], ...]}`` (s, one pair per optimizer
 step). Every rank prints
 ``parameters <rank> <count>`` (its model's, before DeepSpeed partitions it: its stage's under the pipeline) and
@@ -27,42 +28,14 @@ import argparse
 import hashlib
 import json
 import os
-import threading
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before DeepSpeed picks its accelerator
+import comm_clock  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# ---- the job's own clock of communication (installed before DeepSpeed imports torch.distributed's functions)
-_MAIN = threading.get_ident()
-_clock = {"depth": 0, "comm_s": 0.0}
-COMM_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-              "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
-              "all_to_all_single", "all_to_all", "gather", "scatter", "all_gather_object", "broadcast_object_list")
-
-
-def _timed(fn):
-    def wrapper(*args, **kwargs):
-        if threading.get_ident() != _MAIN or _clock["depth"]:
-            return fn(*args, **kwargs)
-        _clock["depth"] += 1
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _clock["comm_s"] += time.perf_counter() - t0
-            _clock["depth"] -= 1
-    wrapper.__name__ = getattr(fn, "__name__", "wrapper")
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-for _name in COMM_FUNCS:
-    if hasattr(dist, _name):
-        setattr(dist, _name, _timed(getattr(dist, _name)))
-dist.Work.wait = _timed(dist.Work.wait)
-
+comm_clock.install()   # the job's own clock of communication, before DeepSpeed looks up torch.distributed's functions
 import deepspeed  # noqa: E402  (after the clock: deepspeed.comm looks some functions up once)
 
 
@@ -173,8 +146,7 @@ def main():
     it = iter(data)
     for step in range(args.steps):
         engine = engines[step % len(engines)]
-        _clock["comm_s"] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), comm_clock.comm_s()
         if args.pipeline:
             loss = engine.train_batch(it)
         else:
@@ -183,7 +155,7 @@ def main():
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
-        per_step.append([time.perf_counter() - t0, _clock["comm_s"]])
+        per_step.append([time.perf_counter() - t0, comm_clock.comm_s() - c0])
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
