@@ -7,7 +7,7 @@ CPU (DeepSpeed's CPU accelerator, gloo), checked against truths that are not dtp
   for the job; a step is an optimizer step (ZeRO steps the torch optimizer once per group or sub-group); every rank
   is recorded and the launcher processes are not taken for ranks; the memory ledger is each rank's share, every
   group's gradients counted though ZeRO frees each after its own step; ZeRO-3's final weights are bit-identical to a
-  bare run's;
+  bare run's; the ZeRO-1 job runs under DeepSpeed's launcher with a one-host hostfile (``launcher_command``);
 - DeepSpeed's PipelineEngine (2 stages, 4 micro-batches, 1F1B ``train_batch``), recognised as a pipeline from what
   its ranks do (analyzers/pipeinfer.py): bubble, bottleneck stage and a balanced-stages what-if whose prediction
   is checked against the balanced partition itself. One job alternates two engines step by step (``--partition
@@ -19,7 +19,8 @@ CPU (DeepSpeed's CPU accelerator, gloo), checked against truths that are not dtp
 - Accelerate with its DeepSpeed plugin (ZeRO-2) under ``accelerate launch --use_deepspeed``, and the Hugging Face
   Trainer's DeepSpeed integration (``TrainingArguments(deepspeed=...)``, ZeRO-2, two parameter groups, gradient
   accumulation 2) under DeepSpeed's launcher: both ranks recorded, a step per optimizer step (the Trainer's own
-  count), ZeRO's reduction after backward and its gathers exposed;
+  count), ZeRO's reduction after backward and its gathers exposed; the Trainer's headline within 5 points of the
+  job's own clock (examples/frameworks/comm_clock.py) and its final weights bit-identical to a bare run's;
 - DeepSpeed's CPU communication leaves shared-memory buffers behind: each job's are removed after it.
 
 DeepSpeed compiles its shared-memory communication op with the C++ compiler on first use (about a minute, once per
