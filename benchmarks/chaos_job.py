@@ -146,8 +146,18 @@ def net() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(32, 64), Trip(), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
 
+def hosts_the_store() -> bool:
+    """Whether this rank's agent hosts the rendezvous store (`--rdzv-conf=is_host=1`, benchmarks/chaos.py's node
+    to lose). The rendezvous numbers the two nodes by their agents' pids, not by --node_rank, so under two
+    `dtprof run` launchers either node may hold rank 1: lose the other and the surviving agent, its job finished,
+    waits 300 s in torchrun's exit barrier for the lost one."""
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return b"--rdzv-conf=is_host=1" in f.read().split(b"\0")
+
+
 def end_of_step(step: int, rank: int, loss: torch.Tensor) -> None:
-    if step == AT and (rank == CULPRIT or FAULT == "mismatch"):
+    culprit = hosts_the_store() if FAULT == "node_lost" and step == AT else rank == CULPRIT
+    if step == AT and (culprit or FAULT == "mismatch"):
         if FAULT == "mismatch":
             dist.broadcast(torch.ones(12 if rank == CULPRIT else 10), src=0 if CULPRIT else 1)
         else:
