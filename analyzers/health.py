@@ -192,7 +192,8 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
         # culprits' last finite read and `first` were not read, and a value that went non-finite there has
         # spread to every data-parallel peer by `first`. Say so, and name no rank when no rank read there was
         # still finite.
-        last = h.loc[(h["step"] < first) & h["rank"].isin(culprits), "step"]
+        col = "loss" if len(loss_bad) else "grad_norm"   # a row may hold a fingerprint alone: not a read of it
+        last = h.loc[(h["step"] < first) & h["rank"].isin(culprits) & h[col].notna(), "step"]
         if len(last) and int(last.max()) + 1 < first:
             since = int(last.max()) + 1
             block["first_nonfinite"]["since_step"] = since

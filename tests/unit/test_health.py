@@ -49,9 +49,9 @@ def test_nan_is_kept_out_of_the_window_and_named_on_its_rank():
 
 def test_nan_between_reads_is_bounded_and_names_no_rank_once_it_spread():
     # the loss read at steps 0-9, then every 8th step (the numerics part's priced reads): rank 2's NaN at step 11
-    # reached every rank by step 16, the first read after it
-    steps = list(range(10)) + [16]
-    rows = [(r, s, None if s == 16 else 1.0, None, 0.1, None, "loss" if s == 16 else "", None)
+    # reached every rank by step 16, the first read after it (step 12's row holds a fingerprint alone)
+    steps = list(range(10)) + [12, 16]
+    rows = [(r, s, None if s >= 12 else 1.0, None, 0.1, None, "loss" if s == 16 else "", 7 if s == 12 else None)
             for r in range(3) for s in steps]
     block = health.analyze_health(table(rows))
     assert block["first_nonfinite"] == {"step": 16, "ranks": [0, 1, 2], "what": "local loss", "since_step": 10}
