@@ -102,6 +102,9 @@ def main():
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--batch", type=int, default=16, help="micro-batch per rank")
+    p.add_argument("--print-health", action="store_true",
+                   help="each rank prints HEALTH <rank> <step> <loss> <grad norm> <lr> per step: its micro-batches' "
+                        "mean loss and the engine's get_global_grad_norm() (ZeRO jobs)")
     p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
     args = p.parse_args()
 
@@ -147,12 +150,17 @@ def main():
         if args.pipeline:
             loss = engine.train_batch(it)
         else:
+            losses = []
             for _ in range(args.accum):
                 x, y = next(it)
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
+                losses.append(float(loss) if args.print_health else 0.0)
         per_step.append([time.perf_counter() - t0, _clock["comm_s"]])
+        if args.print_health and not args.pipeline:
+            print(f"HEALTH {rank} {step} {sum(losses) / len(losses)!r} {float(engine.get_global_grad_norm())!r} "
+                  f"{engine.get_lr()[0]!r}", flush=True)
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
