@@ -313,7 +313,7 @@ def hf_trainer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_trainer_accumulating(tmp_path_factory):
     return job([*TORCHRUN, EXAMPLES / "train_hf_trainer.py", "--steps", HF_STEPS, "--seq", HF_SEQ,
-                "--accumulate", 2], tmp_path_factory.mktemp("hf-accumulate"))
+                "--accumulate", 2, "--print-logs"], tmp_path_factory.mktemp("hf-accumulate"))
 
 
 def test_hf_trainer(hf_trainer):
@@ -346,6 +346,22 @@ def test_hf_trainer_gradient_accumulation_counts_optimizer_steps(hf_trainer_accu
     assert (fwd.groupby(["rank", "step"]).size() == 2).all()
     assert_inferred(j, "tokens", 2 * 4 * HF_SEQ)           # both micro-batches
     assert_no_data_wait_finding(j)
+
+
+def test_hf_trainer_loss_and_grad_norm_are_the_trainers_logged_ones(hf_trainer_accumulating):
+    """The Trainer clips (max_grad_norm 1.0, through Accelerate and torch's clip_grad_norm_) and logs each step's
+    grad_norm, and its loss: the ranks' mean of the sum of each micro-batch's loss as divided before backward
+    (gradient accumulation 2). dtprof's health rows hold that grad_norm on both ranks (source "clip"), and the
+    ranks' mean of their local losses is the logged loss within float32 rounding."""
+    j = hf_trainer_accumulating
+    logs = {d["step"]: d for d in map(json.loads, re.findall(r"LOG (\{[^{}]*\})", j.proc.stdout))}
+    assert set(logs) == set(range(1, HF_STEPS + 1)), j.proc.stdout[-2000:]
+    h = j.run.health
+    for step, log in logs.items():
+        rows = h[h["step"] == step - 1]      # the Trainer's global_step counts the steps done
+        assert len(rows) == 2 and set(rows["grad_norm_source"]) == {"clip"}, rows
+        assert list(rows["grad_norm"]) == [log["grad_norm"]] * 2, (step, log, rows)
+        assert rows["loss"].mean() == pytest.approx(log["loss"], rel=1e-6), (step, log, rows)
 
 
 # ---- Accelerate -------------------------------------------------------------------------------------------------
