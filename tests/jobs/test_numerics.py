@@ -109,6 +109,10 @@ def test_learning_rate_jump_gives_a_loss_spike_at_the_next_step_with_the_rate_na
     assert spike["step"] == K + 1 and spike["ranks"] == [0, 1]
     assert spike["cause"].startswith("the learning rate changed"), spike
     assert f"at step {K}" in spike["cause"]
+    # this job clips as torchtitan does (get_total_norm, then clip_grads_with_norm_ given it): that norm is read
+    h = open_run(d).health
+    assert {(int(r.rank), int(r.step)): r.grad_norm for r in h.itertuples()} == {k: v[1] for k, v in printed.items()}
+    assert set(h["grad_norm_source"]) == {"clip"}
 
 
 def test_flipped_sign_bit_on_one_replica_is_named_within_the_fingerprint_interval(runs):

@@ -4,7 +4,8 @@ tests/jobs/test_numerics.py checks dtprof's health table and summary against).
 
     torchrun --nproc_per_node=N health.py MODE STEPS K
 MODE: clean (no incident), nan (a NaN in rank 1's batch at step K), lr (the learning rate 3000x for step K's
-update only), flip (rank N-1 flips the sign bit of one weight before step K's forward: its replica differs),
+update only; clipped as torchtitan does, torch.nn.utils.get_total_norm then clip_grads_with_norm_), flip (rank N-1
+flips the sign bit of one weight before step K's forward: its replica differs),
 noclip (no incident and no clipping: the printed grad_norm is the job's own, the 2-norm of every gradient in
 float64 after DDP's all-reduce; and nanoGPT's gradient accumulation: two micro-batches a step, each one's loss
 divided by 2 before its backward, the first under no_sync; the printed loss is the micro-batches' mean, undivided,
@@ -56,6 +57,9 @@ for step in range(steps):
         losses.append(loss.item())
     if mode == "noclip":
         norm = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm()
+    elif mode == "lr":      # torchtitan's form of the clip: the total norm computed, then the clip given it
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
