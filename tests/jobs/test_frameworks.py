@@ -175,7 +175,7 @@ LIGHTNING_STEPS = 5
 @pytest.fixture(scope="module")
 def lightning_own_launcher(tmp_path_factory):
     return pair(tmp_path_factory, "lightning", [sys.executable, EXAMPLES / "train_lightning.py",
-                                                "--steps", LIGHTNING_STEPS])
+                                                "--steps", LIGHTNING_STEPS, "--clip", 1.0, "--print-health"])
 
 
 LIGHTNING_VAL_EVERY, LIGHTNING_VAL_BATCHES = 2, 6
@@ -197,6 +197,24 @@ def test_lightning_own_launcher_records_both_ranks(lightning_own_launcher):
     assert_inferred(profiled, "samples", 16)
     assert_mfu(profiled)
     assert len(profiled.final_losses()) == 2 and sorted(profiled.final_losses()) == sorted(bare.final_losses())
+
+
+def test_lightning_gradient_clipping_norm_is_read_as_lightnings_own(lightning_own_launcher):
+    """Lightning's gradient clipping (gradient_clip_val 1.0) calls torch.nn.utils.clip_grad_norm_ and drops its
+    result: dtprof reads it (source "clip"), within 1e-5 of the total norm Lightning's own grad_norm utility gives
+    in on_before_optimizer_step (before the clip), on each rank's every step, beside the loss and the learning rate
+    each rank printed."""
+    profiled, _ = lightning_own_launcher
+    num = r"(-?[0-9.]+(?:e[-+][0-9]+)?)"
+    printed = {(int(r), int(s)): (float(loss), float(norm), float(lr))
+               for r, s, loss, norm, lr in re.findall(rf"HEALTH (\d+) (\d+) {num} {num} {num}", profiled.proc.stdout)}
+    assert set(printed) == {(r, s) for r in (0, 1) for s in range(LIGHTNING_STEPS)}, profiled.proc.stdout[-2000:]
+    h = profiled.run.health
+    got = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    for key, (loss, norm, lr) in printed.items():
+        row = got[key]
+        assert (row.grad_norm_source, row.loss, row.lr) == ("clip", loss, lr), (key, row, printed[key])
+        assert row.grad_norm == pytest.approx(norm, rel=1e-5), (key, row, printed[key])
 
 
 def test_lightning_torchrun(lightning_torchrun):
