@@ -4,11 +4,14 @@ learning rate and, at a priced interval, a fingerprint of the parameters, as ``h
 What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recorded in full detail only (the
 step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a
 boundary-only step costs this part three calls that return at once (its clip wrapper, on_optimizer_step, on_step_end).
-- the local loss: the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before any
-  cross-rank reduction), their mean when there are several (gradient accumulation, pipeline microbatches);
-- the gradient norm: the tensor ``torch.nn.utils.clip_grad_norm_`` (or its alias ``clip_grad_norm``) returned,
-  the last call of the step; the wrapper is in place on every step, passes the job's result through, and does
-  nothing while Dynamo traces (a clip inside a compiled region is traced as the bare job's and not read).
+- the local loss: from the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before
+  any cross-rank reduction): their sum, or their mean inside a torch pipelining schedule that scales its
+  gradients (``step_loss``: what jobs log under gradient accumulation);
+- the gradient norm: DeepSpeed's own (its optimizer wrapper's ``_global_grad_norm``, read at the torch optimizer
+  step it makes: collectors/engine_deepspeed.py), else the tensor ``torch.nn.utils.clip_grad_norm_`` (or its
+  alias ``clip_grad_norm``) returned or ``clip_grads_with_norm_`` was given, the last call of the step; the
+  wrappers are in place on every step, pass the job's result through, and do nothing while Dynamo traces (a
+  clip inside a compiled region is traced as the bare job's and not read).
   When the step has not clipped by its optimizer step, dtprof computes the norm itself (``on_optimizer_pre_step``:
   the optimizer's gradients are final there, after DDP's all-reduce): the 2-norm of the optimizer's gradients as
   ``clip_grad_norm_`` computes it (``torch._foreach_norm``, on the device, no collective), on the read steps only,
