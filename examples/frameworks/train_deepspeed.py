@@ -10,8 +10,10 @@ twelve layers, six blocks, four parameterless ReLUs, two blocks, so the default 
 counts) puts six blocks on stage 0 and two on stage 1, while ``--partition parameters`` balances them four and
 four. ``--partition uniform,parameters`` builds one engine per method (the same initial weights) and alternates
 them step by step (step k on the k mod 2-th): the unbalanced and the balanced pipeline in one job, so that a busy
-machine's load hits both alike. ZeRO jobs step the optimizer every ``--accum`` micro-batches (``engine.step()`` at
-the boundary).
+machine's load hits both alike. ``--device-ms T`` gives each block a stand-in for device time: a wait of T ms in its
+forward and 2T in its backward that holds no CPU (as the host thread waits for a GPU kernel), so that stages that
+compute at once do not also compete for the host's cores. ZeRO jobs step the optimizer every ``--accum``
+micro-batches (``engine.step()`` at the boundary).
 
 The job measures its own truth, independent of any profiler: the time its training thread spends inside
 ``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
@@ -64,14 +66,40 @@ dist.Work.wait = _timed(dist.Work.wait)
 import deepspeed  # noqa: E402  (after the clock: deepspeed.comm looks some functions up once)
 
 
-def block(dim):
-    return torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(), torch.nn.Linear(4 * dim, dim))
+class _DeviceTime(torch.autograd.Function):
+    """Waits ``seconds`` in forward and twice that in backward without holding a CPU, as the host thread waits for
+    a GPU kernel's time: the block's compute on a device of its own, whatever the host's load."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class DeviceTime(torch.nn.Module):
+    def __init__(self, ms: float):
+        super().__init__()
+        self.seconds = ms / 1000
+
+    def forward(self, x):
+        return _DeviceTime.apply(x, self.seconds)
+
+
+def block(dim, device_ms=0.0):
+    layers = [torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(), torch.nn.Linear(4 * dim, dim)]
+    return torch.nn.Sequential(*layers, *([DeviceTime(device_ms)] if device_ms else []))
 
 
 class Net(torch.nn.Module):
-    def __init__(self, dim, blocks):
+    def __init__(self, dim, blocks, device_ms=0.0):
         super().__init__()
-        self.blocks = torch.nn.Sequential(*[block(dim) for _ in range(blocks)])
+        self.blocks = torch.nn.Sequential(*[block(dim, device_ms) for _ in range(blocks)])
 
     def forward(self, x, y):
         return torch.nn.functional.mse_loss(self.blocks(x), y)
@@ -105,6 +133,9 @@ def main():
     p.add_argument("--print-health", action="store_true",
                    help="each rank prints HEALTH <rank> <step> <loss> <grad norm> <lr> per step: its micro-batches' "
                         "mean loss and the engine's get_global_grad_norm() (ZeRO jobs)")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="each block also waits this long in forward (twice in backward) holding no CPU: a stand-in "
+                        "for a device's compute time that a busy host does not stretch")
     p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
     args = p.parse_args()
 
@@ -117,8 +148,8 @@ def main():
         torch.manual_seed(0)
         if args.pipeline:
             from deepspeed.pipe import PipelineModule
-            layers = [block(args.dim) for _ in range(6)] + [torch.nn.ReLU() for _ in range(4)] + \
-                     [block(args.dim) for _ in range(2)]
+            layers = [block(args.dim, args.device_ms) for _ in range(6)] + [torch.nn.ReLU() for _ in range(4)] + \
+                     [block(args.dim, args.device_ms) for _ in range(2)]
             model = PipelineModule(layers=layers, num_stages=2, partition_method=method,
                                    loss_fn=torch.nn.functional.mse_loss)
         else:
@@ -126,7 +157,7 @@ def main():
                                         "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
             if args.sub_group_size:
                 cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
-            model = Net(args.dim, args.blocks)
+            model = Net(args.dim, args.blocks, args.device_ms)
         params = [q for q in model.parameters() if q.requires_grad]
         if args.decay_groups:   # the HF Trainer's two groups: ZeRO steps the torch optimizer once per group
             opt = torch.optim.AdamW([{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
