@@ -103,6 +103,9 @@ def main():
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--batch", type=int, default=16, help="micro-batch per rank")
+    p.add_argument("--print-health", action="store_true",
+                   help="each rank prints HEALTH <rank> <step> <loss> <grad norm> <lr> per step: its micro-batches' "
+                        "mean loss and the engine's get_global_grad_norm() (ZeRO jobs)")
     p.add_argument("--device-ms", type=float, default=0.0,
                    help="each block also waits this long in forward (twice in backward) holding no CPU: a stand-in "
                         "for a device's compute time that a busy host does not stretch")
@@ -150,12 +153,17 @@ def main():
         if args.pipeline:
             loss = engine.train_batch(it)
         else:
+            losses = []
             for _ in range(args.accum):
                 x, y = next(it)
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
+                losses.append(float(loss) if args.print_health else 0.0)
         per_step.append([time.perf_counter() - t0, comm_clock.comm_s() - c0])
+        if args.print_health and not args.pipeline:
+            print(f"HEALTH {rank} {step} {sum(losses) / len(losses)!r} {float(engine.get_global_grad_norm())!r} "
+                  f"{engine.get_lr()[0]!r}", flush=True)
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)

@@ -86,6 +86,15 @@ def weights_hash(model) -> str:
     return h.hexdigest()
 
 
+class PrintLogs(TrainerCallback):
+    """The Trainer's own log of each logged step: ``LOG {"step": N, "loss": ..., "grad_norm": ...}`` (rank 0)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            import json
+            print("LOG " + json.dumps({"step": state.global_step, **logs}), flush=True)
+
+
 class PrintEvaluations(TrainerCallback):
     def on_evaluate(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -106,6 +115,7 @@ def main():
     p.add_argument("--gpt2-124m", action="store_true",
                    help="GPT-2 small on the GPU: the default GPT2Config, bf16, sequences of 1024, batch 8, the loss "
                         "logged every 50 steps (the other size options are ignored)")
+    p.add_argument("--print-logs", action="store_true", help="rank 0 prints the Trainer's log of each step")
     p.add_argument("--print-time", action="store_true", help="rank 0 prints 'step N t CLOCK' at each step's end")
     p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
     p.add_argument("--own-clock", action="store_true",
@@ -150,8 +160,8 @@ def main():
     evaluation = (RandomTokens(args.eval_batches * args.batch * world, args.seq, config.vocab_size, seed=1)
                   if args.eval_every else None)
     trainer = Trainer(model=model, args=training_args, train_dataset=data, eval_dataset=evaluation,
-                      callbacks=[PrintEvaluations()] + ([PrintStepTimes()] if args.print_time else []) +
-                      ([own_clock] if args.own_clock else []))
+                      callbacks=[PrintEvaluations()] + ([PrintStepTimes()] if args.print_time else [])
+                      + ([PrintLogs()] if args.print_logs else []) + ([own_clock] if args.own_clock else []))
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss {result.training_loss:.8f}", flush=True)
