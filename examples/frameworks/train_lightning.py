@@ -9,7 +9,8 @@ script once more as rank 1 (its subprocess launcher). Rank 0 prints each step's 
 (as the other examples do; benchmarks/overhead.py times the steps by the clock ``--print-time`` adds to them), and
 each rank its final loss as ``final loss <value>``. ``--val-every N`` adds Lightning's validation loop every N
 training batches (and its sanity check before training), as most Lightning jobs have; rank 0 prints
-``validation`` each time it starts.
+``validation`` each time it starts. ``--sleep-ms`` adds idle host time after each step on every rank (a job that
+must stay alive a while without computing much: a live scrape of its metrics).
 """
 import argparse
 import time
@@ -43,10 +44,12 @@ class Regressor(L.LightningModule):
 
 
 class PrintSteps(L.Callback):
-    def __init__(self, print_time: bool):
-        self.print_time = print_time
+    def __init__(self, print_time: bool, sleep_ms: float):
+        self.print_time, self.sleep_ms = print_time, sleep_ms
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.sleep_ms:
+            time.sleep(self.sleep_ms / 1000)
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             t = ""
             if self.print_time:
@@ -66,6 +69,7 @@ def main():
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--compile", action="store_true", help="compile the module's network (torch.compile(module.net))")
+    p.add_argument("--sleep-ms", type=float, default=0.0, help="idle host time after each training batch")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with time.monotonic() and time.process_time() (s)")
     p.add_argument("--val-every", type=int, default=0,
@@ -84,7 +88,7 @@ def main():
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         **(dict(val_check_interval=args.val_every, limit_val_batches=args.val_batches) if val else {}),
-                        callbacks=[PrintSteps(args.print_time)])
+                        callbacks=[PrintSteps(args.print_time, args.sleep_ms)])
     model = Regressor(args.dim, lr=args.lr)
     if args.compile:
         model.net = torch.compile(model.net)
