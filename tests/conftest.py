@@ -68,6 +68,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if jobs in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
+    # Under pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) files are handed out in this order:
+    # the real jobs first (a file takes minutes) and tests/unit after (seconds a file), so the unit files fill the
+    # end and the two workers finish together. xdist's own order (most tests first) put job files of few but long
+    # tests (test_compiled_frameworks.py, test_sampling.py, test_ray.py) at the end, one worker idle meanwhile.
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: jobs not in Path(str(item.fspath)).parents)
 
 
 # ------------------------------------------------------------------------------------------------ running dtprof
