@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,31 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--no-first-run"]
 
 _CACHE = tempfile.mkdtemp(prefix="dtprof-test-cache-")
+# A build lock of torch's C++ extensions older than this belongs to a killed session, not a build (minutes at most)
+EXTENSION_LOCK_STALE_S = 1800
+
+
+def _keep_torch_extensions() -> None:
+    """The C++ extensions torch builds for a job (DeepSpeed's CPU shared-memory comm op: a g++ build of about a minute
+    of CPU) stay in the machine's cache, built by the first session and loaded by the next ones: torch looks for them
+    under $XDG_CACHE_HOME, which the suite points at a fresh folder. Set before that (the xdist workers inherit it);
+    a TORCH_EXTENSIONS_DIR already set is kept. A build lock left by a killed session would make every later session
+    wait forever (torch's FileBaton): one older than any build is removed."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    ext = cache / "torch_extensions" / "dtprof-tests"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
+    for lock in ext.glob("*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime > EXTENSION_LOCK_STALE_S:
+                lock.unlink()
+        except OSError:
+            pass
 
 
 def pytest_configure(config):
+    _keep_torch_extensions()
     os.environ["XDG_CACHE_HOME"] = _CACHE
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return   # pytest-xdist's controller runs no test: each worker stores its own calibration (seconds each)
