@@ -12,6 +12,8 @@ training batches (and its sanity check before training), as most Lightning jobs 
 ``validation`` each time it starts. ``--clip C``: Lightning's gradient clipping (``gradient_clip_val``, by norm);
 ``--print-health``: each rank prints ``HEALTH <rank> <step> <loss> <grad norm> <lr>`` before each optimizer step,
 its micro-batches' mean loss and the total norm of Lightning's ``grad_norm`` utility (before any clipping).
+``--sleep-ms`` adds idle host time after each step on every rank (a job that
+must stay alive a while without computing much: a live scrape of its metrics).
 """
 import argparse
 import time
@@ -59,10 +61,12 @@ class PrintHealth(L.Callback):
 
 
 class PrintSteps(L.Callback):
-    def __init__(self, print_time: bool):
-        self.print_time = print_time
+    def __init__(self, print_time: bool, sleep_ms: float):
+        self.print_time, self.sleep_ms = print_time, sleep_ms
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.sleep_ms:
+            time.sleep(self.sleep_ms / 1000)
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             t = ""
             if self.print_time:
@@ -84,6 +88,7 @@ def main():
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...): clip by norm")
     p.add_argument("--print-health", action="store_true", help="each rank prints HEALTH lines (module docstring)")
     p.add_argument("--compile", action="store_true", help="compile the module's network (torch.compile(module.net))")
+    p.add_argument("--sleep-ms", type=float, default=0.0, help="idle host time after each training batch")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with time.monotonic() and time.process_time() (s)")
     p.add_argument("--val-every", type=int, default=0,
@@ -103,7 +108,8 @@ def main():
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         **(dict(val_check_interval=args.val_every, limit_val_batches=args.val_batches) if val else {}),
                         gradient_clip_val=args.clip,
-                        callbacks=[PrintSteps(args.print_time)] + ([PrintHealth()] if args.print_health else []))
+                        callbacks=[PrintSteps(args.print_time, args.sleep_ms)]
+                        + ([PrintHealth()] if args.print_health else []))
     model = Regressor(args.dim, lr=args.lr)
     if args.print_health:
         model.losses = []
