@@ -519,8 +519,9 @@ def _hang(c: Case) -> dict | None:
         h["waiting"] = [r for r in h["waiting"] if r not in frozen]
         h["source"] = "the ranks' heartbeats (the one that stopped)"
     coll = h["collective"]
-    cname = (f"{coll['op']} #{coll['seq']}" + (f" of group {coll['group']}" if coll.get("group") is not None else "")
-             if coll else "a collective")
+    # a collective named by a timeout's error alone (gloo's) has no sequence number
+    cname = (coll["op"] + (f" #{coll['seq']}" if coll.get("seq") is not None else "")
+             + (f" of group {coll['group']}" if coll.get("group") is not None else "") if coll else "a collective")
     culprits = h["culprits"]
     c.stacks_evidence(culprits, "was")
     c.stacks_evidence(h["waiting"][:1], "waits (like the others)")
