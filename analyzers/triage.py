@@ -303,10 +303,19 @@ def log_timeouts(text: str) -> list[str]:
     return out[:20]
 
 
+# a '[rankN]: SomeError: message' line torchrun's workers print
+EXCEPTION_LINE = re.compile(r"^\[rank(\d+)\]:\s*(\w[\w.]*(?:Error|Exception|Interrupt)\b[^\n]*)$", re.M)
+
+
 def _exception_line(text: str, rank: int) -> str | None:
     """The last '[rankN]: SomeError: message' line torchrun's workers printed, if any."""
-    lines = re.findall(rf"^\[rank{rank}\]:\s*(\w[\w.]*(?:Error|Exception|Interrupt)\b[^\n]*)$", text, re.M)
-    return lines[-1].strip() if lines else None
+    return _exception_lines(text).get(rank)
+
+
+def _exception_lines(text: str) -> dict[int, str]:
+    """Per rank, its last exception line in ``text`` (``_exception_line`` of every rank in one pass over the logs:
+    a pattern per rank compiled 16,384 times was seconds of triage at that many ranks)."""
+    return {int(m.group(1)): m.group(2).strip() for m in EXCEPTION_LINE.finditer(text)}
 
 
 # What libstdc++ prints when a C++ thread ends by unwinding through a noexcept destructor: in torch 2.x, a gloo
@@ -611,20 +620,16 @@ def _command_killed(c: Case) -> dict | None:
     return None
 
 
-def _oom_of_rank(c: Case, r: int) -> dict | None:
-    """Rank ``r``'s out-of-memory error: its ``oom`` meta row (collectors/memory.py), else the message of its
-    exception dump or of its last exception line in the job's output (dtprof/oom.py), or None."""
+def _oom_of_rank(c: Case, r: int, records: dict, lines: dict) -> dict | None:
+    """Rank ``r``'s out-of-memory error: its ``oom`` meta row (collectors/memory.py; ``records``: each rank's last
+    ``oom`` meta value), else the message of its exception dump or of its last exception line in the job's output
+    (``lines``: ``_exception_lines``; dtprof/oom.py), or None."""
     from dtprof import oom
 
-    meta = c.run.meta if c.run is not None else None
-    if meta is not None and len(meta):
-        rows = meta[(meta["kind"].astype(str) == "oom") & (meta["rank"] == r)]
-        if len(rows) and isinstance(rows["value"].iloc[-1], dict):
-            rec = dict(rows["value"].iloc[-1])
-            rec["source"] = "the rank's oom record"
-            return rec
+    if isinstance(records.get(r), dict):
+        return {**records[r], "source": "the rank's oom record"}
     own = (c.incident.dumps.get(r, {}).get("exception") or {}).get("exception") or {}
-    text = own.get("message") or _exception_line(c.incident.logs, r) or ""
+    text = own.get("message") or lines.get(r) or ""
     parsed = oom.parse(text)
     if parsed is None:
         return None
@@ -641,7 +646,13 @@ def _oom(c: Case) -> dict | None:
     made room, each with its predicted saving against the shortfall. The other ranks were stopped by it."""
     from dtprof.analyzers import memory as memory_mod
 
-    found = {r: rec for r in sorted(c.known) if (rec := _oom_of_rank(c, r)) is not None}
+    meta = c.run.meta if c.run is not None else None
+    records: dict = {}
+    if meta is not None and len(meta):   # each rank's last oom row, read once (not a pass over meta per rank)
+        oom_rows = meta[(meta["kind"].astype(str) == "oom").to_numpy()]
+        records = dict(zip(oom_rows["rank"].tolist(), oom_rows["value"].tolist()))
+    lines = _exception_lines(c.incident.logs)
+    found = {r: rec for r in sorted(c.known) if (rec := _oom_of_rank(c, r, records, lines)) is not None}
     if not found:
         return None
     raised = {r: (c.incident.dumps.get(r, {}).get("exception") or {}).get("wall_ns") or 0 for r in found}

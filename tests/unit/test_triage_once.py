@@ -37,3 +37,16 @@ def test_triage_verb_triages_once_and_reads_the_incident_once(tmp_path, monkeypa
     # the verdict printed is the analysis' own, with its stragglers and evidence
     assert out["verdict"] == "straggler" and out["culprit_ranks"] == [2] and res.exit_code == 1
     assert out["evidence"]
+
+
+def test_exception_lines_of_every_rank_in_one_pass_are_each_ranks_last():
+    """The job's output read once for every rank (one pattern, not one compiled per rank): rank 1's last exception
+    line, never rank 12's, and no line for a rank that printed none."""
+    logs = ("[rank1]: ValueError: first\n[rank12]: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+            "[rank1]:   File \"train.py\", line 3\n[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n"
+            "[rank3]: just a warning\n")
+    lines = triage_mod._exception_lines(logs)
+    assert lines == {1: "torch.OutOfMemoryError: CUDA out of memory.",
+                     12: "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert triage_mod._exception_line(logs, 1) == lines[1]
+    assert triage_mod._exception_line(logs, 3) is None
