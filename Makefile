@@ -27,11 +27,12 @@ lint: venv
 
 # two workers, each test file on one of them (its module fixtures are shared by its tests): the real jobs wait on
 # each other (rendezvous, timeouts, Ray) as much as they compute, so two at once fit the 2-core CI machine
+# --no-loadscope-reorder: files in the order tests/conftest.py gives them (the jobs first, the unit files after)
 # compileall first: where PYTHONDONTWRITEBYTECODE is set, Python never caches the repository's own modules, and
 # every process the suite starts (launchers, ranks, CLI calls: thousands) would compile them again
 test: lint
 	$(PY) -m compileall -q dtprof collectors analyzers reports examples tests >/dev/null
-	$(PY) -m pytest -q -raR -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -raR -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # tests/unit only: synthetic and stored runs, no real jobs (a few minutes); `make test` runs tests/jobs too
 unit: venv

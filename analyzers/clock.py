@@ -95,7 +95,7 @@ def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
     rows, or the whole run's), merged per (instance, host) and fitted in DuckDB: the mean exit per (instance, host),
     rounded to the ns, is all the fit reads. Its sums are exact integers, so the fit does not depend on the order
     the rows come in (nodes, threads)."""
-    from dtprof.reader import sql_text
+    from dtprof.rundir.files import sql_text
 
     host_of = _host_of_rank(ranks)
     hosts = sorted(set(host_of.tolist()))

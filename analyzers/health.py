@@ -187,9 +187,23 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
         spread = (f"; rank(s) {', '.join(map(str, others))} still finite at that step" if others and len(loss_bad)
                   else "")
         block["first_nonfinite"] = {"step": first, "ranks": culprits, "what": what}
-        incidents.append({"kind": "nonfinite", "step": first, "ranks": culprits, "what": what,
+        named, when = culprits, f"first at step {first}"
+        # The reads are priced (collectors/numerics.py: every read_every-th detailed step): steps between the
+        # culprits' last finite read and `first` were not read, and a value that went non-finite there has
+        # spread to every data-parallel peer by `first`. Say so, and name no rank when no rank read there was
+        # still finite.
+        col = "loss" if len(loss_bad) else "grad_norm"   # a row may hold a fingerprint alone: not a read of it
+        last = h.loc[(h["step"] < first) & h["rank"].isin(culprits) & h[col].notna(), "step"]
+        if len(last) and int(last.max()) + 1 < first:
+            since = int(last.max()) + 1
+            block["first_nonfinite"]["since_step"] = since
+            when = f"between steps {since} and {first} (not read in between; first seen at step {first})"
+            if not others and len(culprits) > 1:
+                named = []
+                spread = "; every rank read there was non-finite, so which went first is not known"
+        incidents.append({"kind": "nonfinite", "step": first, "ranks": named, "what": what,
                           "cause": "a non-finite " + what,
-                          "message": f"the {what} went non-finite (NaN/Inf) first at step {first} on rank(s) "
+                          "message": f"the {what} went non-finite (NaN/Inf) {when} on rank(s) "
                                      f"{', '.join(map(str, culprits))}{spread}"})
     norm_spikes = _spikes(h, "grad_norm")
     norm_steps = {(s["rank"], s["step"]) for s in norm_spikes}
@@ -247,7 +261,7 @@ def _fingerprint_block(meta: pd.DataFrame | None, rgroups: list, compared: int) 
 
 
 def of_run(run) -> dict:
-    """``analyze_health`` of an open run (dtprof.reader.Run): the DDP collectives are read only when some rank
+    """``analyze_health`` of an open run (dtprof.rundir.run.Run): the DDP collectives are read only when some rank
     recorded a fingerprint."""
     h = run.health
     coll = None

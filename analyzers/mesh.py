@@ -1,6 +1,6 @@
 """Hybrid-parallel analysis: communication split by DeviceMesh dimension, pipeline bubble per pipeline group, and
 the mesh groups a slow rank belongs to. Pure pandas/numpy (no torch), vectorised; inputs are the run's tables
-(``dtprof.reader.open_run``) and, when given, the analyzers' per-rank step DataFrame (``Analysis.steps``).
+(``dtprof.rundir.run.open_run``) and, when given, the analyzers' per-rank step DataFrame (``Analysis.steps``).
 
 Where dimensions come from: the rank side (collectors/mesh.py) writes a ``groups`` row with ``mesh_dim`` for the
 group each rank has along each DeviceMesh dimension, and a ``meta`` row of kind ``mesh``

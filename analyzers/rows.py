@@ -56,7 +56,8 @@ class Rows:
         file raises RunFormatError naming the table."""
         import duckdb
 
-        from dtprof.reader import RunFormatError, sql_list, sql_text
+        from dtprof.rundir.conform import RunFormatError
+        from dtprof.rundir.files import sql_list, sql_text
         from dtprof.schema import SUMMARY_TABLES
 
         cols = SUMMARY_TABLES[self.table]

@@ -53,7 +53,7 @@ from dtprof.schema import TABLES
 
 @dataclass
 class RunModel:
-    run: Any                       # dtprof.reader.Run
+    run: Any                       # dtprof.rundir.run.Run
     clock: pd.DataFrame
     steps: pd.DataFrame
     job: pd.DataFrame

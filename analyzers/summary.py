@@ -79,11 +79,29 @@ class Analysis:
     # one line per earlier attempt of a restarted rank and what the statistics cover (triage.restart_lines of
     # summary ``run``): the terminal's "[restart]" lines
     restart_lines: list = field(default_factory=list)
-    run: Any = None              # the dtprof.reader.Run analysed (the page's header and raw spans)
+    run: Any = None              # the dtprof.rundir.run.Run analysed (raw spans: the timeline)
+    # the run's identity from its manifests, as the page's header shows it (run_identity); made from ``run``
+    identity: dict | None = None
 
     def __post_init__(self):
         if self.flagged is None and self.stragglers is not None:
             self.flagged = strag_mod.flagged(self.stragglers)
+        if self.identity is None and self.run is not None:
+            self.identity = run_identity(self.run)
+
+
+def run_identity(run) -> dict:
+    """What names the run beside summary.json's ``run`` block: its directory's name, the command that ran it (the
+    first node's, else the manifest's), the devices of its ranks (name -> count) and the versions its nodes
+    recorded (later nodes' over earlier ones')."""
+    node = (run.nodes or [{}])[0]
+    ranks = run.ranks
+    devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
+    versions: dict = {}
+    for n in run.nodes:
+        versions.update(n.get("versions") or {})
+    return {"name": run.path.name, "command": node.get("command") or run.manifest.get("command") or "",
+            "devices": {str(k): int(v) for k, v in devices.items()}, "versions": versions}
 
 
 def _run_block(run) -> dict:
@@ -378,7 +396,7 @@ def analyze(run, options: AnalysisOptions | None = None, *,
     ``--fr`` dumps; default: read here); ``live``, ``stale_s``: a job still running. ``reduce``: where the
     per-instance reductions run (default ``reduce_here``; dtprof/cluster.py: on a Dask cluster). The verdict is
     made here: ``Analysis.triage``."""
-    from dtprof.reader import Run, open_run
+    from dtprof.rundir.run import Run, open_run
 
     t0 = time.perf_counter()
     got = run_stages(STAGES, {"run": run if isinstance(run, Run) else open_run(run),

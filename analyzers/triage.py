@@ -20,7 +20,7 @@ Verdicts, checked in this order (the first that applies is the root cause; the o
 3. **crash** — a rank exited non-zero or was killed: torchrun's failure report ("Root Cause" block:
    ``exitcode : -9`` = SIGKILL) and the watchdog's record of which rank's process vanished first.
 4. **interrupted** — a node's ``dtprof run`` launcher was killed before it recorded the job's end (node.json
-   still "running", its process gone: ``dtprof.reader.launcher_killed``); its timings are not a straggler's.
+   still "running", its process gone: ``dtprof.rundir.run.launcher_killed``); its timings are not a straggler's.
 5. **numerics** / **divergence** — the earliest numerics incident (analyzers/health.py): a local loss or gradient
    norm that went non-finite, a loss spike or gradient-norm explosion ("numerics"), or data-parallel replicas whose
    parameter fingerprints differ ("divergence"); ``step`` is the incident's step.
@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dtprof.analyzers.collectives import own_records
-from dtprof.reader import Incident, best_dump
+from dtprof.reports.fmt import fmt_bytes  # the one byte formatter (the one module of reports/ analyzers use)
+from dtprof.rundir.incident import Incident, best_dump
 from dtprof.runformat import stop_text
 from dtprof.schema import P2P_OPS
 from dtprof.watchdog import STALE_BEAT_S
@@ -337,7 +338,7 @@ class Case:
     """What one triage reads, and the evidence its rules collect in order (a rule may add evidence whether or not
     its verdict applies)."""
 
-    run: Any                    # the run (dtprof.reader.Run), or None: only Flight Recorder files were given
+    run: Any                    # the run (dtprof.rundir.run.Run), or None: only Flight Recorder files were given
     incident: Incident          # its heartbeats, dumps, watchdog records, logs and Flight Recorder entries
     stragglers: list | None     # the analysis' summary ``stragglers``
     straggler_error: str | None  # why the analysis has none, when it failed
@@ -518,8 +519,9 @@ def _hang(c: Case) -> dict | None:
         h["waiting"] = [r for r in h["waiting"] if r not in frozen]
         h["source"] = "the ranks' heartbeats (the one that stopped)"
     coll = h["collective"]
-    cname = (f"{coll['op']} #{coll['seq']}" + (f" of group {coll['group']}" if coll.get("group") is not None else "")
-             if coll else "a collective")
+    # a collective named by a timeout's error alone (gloo's) has no sequence number
+    cname = (coll["op"] + (f" #{coll['seq']}" if coll.get("seq") is not None else "")
+             + (f" of group {coll['group']}" if coll.get("group") is not None else "") if coll else "a collective")
     culprits = h["culprits"]
     c.stacks_evidence(culprits, "was")
     c.stacks_evidence(h["waiting"][:1], "waits (like the others)")
@@ -609,19 +611,6 @@ def _command_killed(c: Case) -> dict | None:
     return None
 
 
-def _bytes_text(b) -> str:
-    """A byte count in the verdict's sentence (the analysis side may not import reports/: the values themselves are
-    in the result beside it)."""
-    if b is None:
-        return "?"
-    b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            break
-        b /= 1024
-    return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-
-
 def _oom_of_rank(c: Case, r: int) -> dict | None:
     """Rank ``r``'s out-of-memory error: its ``oom`` meta row (collectors/memory.py), else the message of its
     exception dump or of its last exception line in the job's output (dtprof/oom.py), or None."""
@@ -687,14 +676,14 @@ def _oom(c: Case) -> dict | None:
         c.evidence.append({"kind": "stopped", "rank": r, "message": f"{c.label(r)} was stopped by rank "
                            f"{culprits[0]}'s out-of-memory error (its own end follows from it)"})
     covering = [x["lever"] for x in levers if x.get("covers_shortfall")]
-    held_text = ", ".join(f"{k[:-6].replace('_', ' ')} {_bytes_text(v)}" for k, v in held.items() if v is not None)
-    msg = (f"oom: {c.label(culprits[0])} could not allocate {_bytes_text(request)} at step {first.get('step')}"
+    held_text = ", ".join(f"{k[:-6].replace('_', ' ')} {fmt_bytes(v)}" for k, v in held.items() if v is not None)
+    msg = (f"oom: {c.label(culprits[0])} could not allocate {fmt_bytes(request)} at step {first.get('step')}"
            + (f" in {first['phase']}" if first.get("phase") else "")
            + (f" ({first['module']})" if first.get("module") else "")
-           + (f" with {_bytes_text(free)} free" if free is not None else "")
+           + (f" with {fmt_bytes(free)} free" if free is not None else "")
            + (f"; it held {held_text}" if held_text else "")
-           + (f"; {', '.join(covering)} alone would cover the {_bytes_text(shortfall)} shortfall" if covering else
-              f"; no single lever covers the {_bytes_text(shortfall)} shortfall" if levers else "")
+           + (f"; {', '.join(covering)} alone would cover the {fmt_bytes(shortfall)} shortfall" if covering else
+              f"; no single lever covers the {fmt_bytes(shortfall)} shortfall" if levers else "")
            + (f"; rank(s) {ranks_text(stopped)} stopped by it" if stopped else ""))
     res = c.result("oom", culprits, None, msg)
     res.update(step=first.get("step"), requested_bytes=request, phase=first.get("phase"), module=first.get("module"),
@@ -875,9 +864,9 @@ def triage(run, analysis: Mapping[str, Any]) -> dict:
     """The verdict for one run: analyze's "triage" stage. Returns the ``--json`` dict: verdict, culprit_ranks,
     collective, message, evidence (list of {kind, message, ...}).
 
-    ``run``: the open run (dtprof.reader.Run), or None when only Flight Recorder files are given. ``analysis``: what
+    ``run``: the open run (dtprof.rundir.run.Run), or None when only Flight Recorder files are given. ``analysis``: what
     the analysis found before this stage (analyzers/summary.py ``analyze``): ``incident``, the run's incident files
-    and Flight Recorder entries as its inputs stage read them (dtprof.reader ``read_incident``); ``mismatch_rows``,
+    and Flight Recorder entries as its inputs stage read them (rundir/incident.py ``read_incident``); ``mismatch_rows``,
     the collectives rows the mismatch check reads (those of ``mismatch_candidates``; absent: all of the run's);
     ``model``, whose rank-steps the crash rule reads (absent: the run's steps table); ``summary`` ``stragglers``
     and ``health`` (or ``health_reason``); the command's ``live`` (the job is still running) and ``stale_s`` (how

@@ -169,7 +169,7 @@ def torchrun(fault: Fault, node: int | None, port: int) -> list[str]:
 
 
 def job_env(fault: Fault, tag: str, out: Path, mount: Path | None, fs_error: str | None = None) -> dict:
-    env = dict(os.environ, CHAOS_FAULT="agent_kill" if fault.kind == "node_lost" else fault.kind, CHAOS_JOB=fault.job,
+    env = dict(os.environ, CHAOS_FAULT=fault.kind, CHAOS_JOB=fault.job,
                CHAOS_RANK=str(fault.rank), CHAOS_STEP=str(fault.step), CHAOS_STEPS=str(fault.steps),
                CHAOS_OUT=str(out), CHAOS_TAG=tag, OMP_NUM_THREADS="1",
                CHAOS_PG_TIMEOUT=str(PG_TIMEOUT_S) if fault.kind == "coll_timeout" else "300")
@@ -275,8 +275,9 @@ def fate(codes: list[int | None], out: Path) -> str:
 
 # The bare job's fate is measured once per key and kept (--cache): a fault that needs dtprof (a no-op without it)
 # leaves the clean job's fate, by (job, steps); a fault the job does not survive ends it with an exit code of the
-# kind, job and culprit, not of the step, by (job, kind, rank); a fault the job survives (a NaN, a mismatched
-# broadcast) changes its weights by its step: measured every time.
+# kind, job and culprit, not of the step, by (job, kind, rank), and for a killed agent, whose ranks train on to
+# their end, by its step count too; a fault the job survives (a NaN, a mismatched broadcast) changes its weights
+# by its step: measured every time.
 NEEDS_DTPROF = (*OWN_FAULT_WORDS, "dtprof_kill")
 BARE: dict[str, str] = {}
 
@@ -285,7 +286,11 @@ def bare_key(fault: Fault) -> str | None:
     ranks = "" if fault.nproc == NPROC else f" x{fault.nproc}"
     if fault.kind in NEEDS_DTPROF:
         return f"clean {fault.job} {fault.steps}{ranks}"
-    return None if CATALOGUE[fault.kind][3] else f"{fault.kind} {fault.job} {fault.rank}{ranks}"
+    if CATALOGUE[fault.kind][3]:
+        return None
+    # torchrun's agent killed: its ranks train on to their end, and their weights depend on the step count
+    steps = f" {fault.steps}" if fault.kind == "agent_kill" else ""
+    return f"{fault.kind} {fault.job} {fault.rank}{steps}{ranks}"
 
 
 def run_fault(fault: Fault, work: Path, quiet: bool) -> dict:

@@ -12,14 +12,15 @@ CHAOS_PG_TIMEOUT (the process group's timeout, s), CHAOS_MOUNT (the tmpfs the ru
 directory faults).
 
 Faults the job injects itself, the same with and without dtprof: rank_kill, rank_stop (SIGSTOP, left frozen),
-rank_raise, rank_exit (os._exit(3)), agent_kill (SIGKILL to its parent, torchrun's agent; in a two-agent job that
-is a node lost), coll_timeout (the rank sleeps past the process group's timeout before a collective its peers
-wait in), mismatch (a broadcast of another size on one rank; gloo lets it pass), oom (a real allocation the CPU
-allocator refuses, inside the model's forward), oom_cuda (CUDA's out-of-memory error with its message, raised there:
-this machine has no GPU), nan (a NaN in the rank's batch of that step). Faults that need dtprof (a no-op
-without it): dtprof_kill (SIGKILL to `dtprof run`, the agent's parent), dir_readonly / dir_full (the
-run directory's file system turned read-only by an error / filled), hb_raise / hb_stall (dtprof's heartbeat thread
-raises at every beat / blocks forever), flusher_raise / flusher_stall (dtprof's flusher thread raises / blocks forever).
+rank_raise, rank_exit (os._exit(3)), agent_kill (SIGKILL to its parent, torchrun's agent), node_lost (the same in a
+two-agent job; every rank's steps after it take NODE_LOST_STEP_S), coll_timeout (the rank sleeps past the process
+group's timeout before a collective its peers wait in), mismatch (a broadcast of another size on one rank; gloo lets
+it pass), oom (a real allocation the CPU allocator refuses, inside the model's forward), oom_cuda (CUDA's out-of-
+memory error with its message, raised there: this machine has no GPU), nan (a NaN in the rank's batch of that step).
+Faults that need dtprof (a no-op without it): dtprof_kill (SIGKILL to `dtprof run`, the agent's parent),
+dir_readonly / dir_full (the run directory's file system turned read-only by an error / filled), hb_raise / hb_stall
+(dtprof's heartbeat thread raises at every beat / blocks forever), flusher_raise / flusher_stall (dtprof's flusher
+thread raises / blocks forever).
 """
 import datetime
 import hashlib
@@ -38,6 +39,11 @@ AT = int(os.environ.get("CHAOS_STEP", "5"))
 STEPS = int(os.environ.get("CHAOS_STEPS", "16"))
 PG_TIMEOUT = float(os.environ.get("CHAOS_PG_TIMEOUT", "300"))
 JOB = os.environ.get("CHAOS_JOB", "ddp")
+# A node lost: the surviving agent finds the rendezvous store gone within 0.2-1.2 s (its monitor interval, then
+# the rendezvous state's 1 s cache) and SIGTERMs its rank. With the job's 0.05 s steps, the few steps left after
+# the fault raced that: the bare job wrote its final weights in 3 of 6 runs (campaign fault #45). Steps this long
+# after it leave the survivors training when their agent stops them, with or without dtprof.
+NODE_LOST_STEP_S = 1.0
 # torch 2.x caching allocator text (c10/cuda/CUDACachingAllocator.cpp), as a GPU would raise it
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which 1.23 GiB "
             "is free. Including non-PyTorch memory, this process has 77.87 GiB memory in use. Of the allocated memory "
@@ -67,7 +73,7 @@ def inject(step: int) -> None:
         raise RuntimeError(f"chaos: injected failure at step {step}")
     elif FAULT == "rank_exit":
         os._exit(3)
-    elif FAULT == "agent_kill":
+    elif FAULT in ("agent_kill", "node_lost"):
         os.kill(os.getppid(), signal.SIGKILL)
     elif FAULT == "coll_timeout":
         time.sleep(PG_TIMEOUT * 1.5)
@@ -140,14 +146,24 @@ def net() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(32, 64), Trip(), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
 
+def hosts_the_store() -> bool:
+    """Whether this rank's agent hosts the rendezvous store (`--rdzv-conf=is_host=1`, benchmarks/chaos.py's node
+    to lose). The rendezvous numbers the two nodes by their agents' pids, not by --node_rank, so under two
+    `dtprof run` launchers either node may hold rank 1: lose the other and the surviving agent, its job finished,
+    waits 300 s in torchrun's exit barrier for the lost one."""
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return b"--rdzv-conf=is_host=1" in f.read().split(b"\0")
+
+
 def end_of_step(step: int, rank: int, loss: torch.Tensor) -> None:
-    if step == AT and (rank == CULPRIT or FAULT == "mismatch"):
+    culprit = hosts_the_store() if FAULT == "node_lost" and step == AT else rank == CULPRIT
+    if step == AT and (culprit or FAULT == "mismatch"):
         if FAULT == "mismatch":
             dist.broadcast(torch.ones(12 if rank == CULPRIT else 10), src=0 if CULPRIT else 1)
         else:
             inject(step)
     dist.all_reduce(loss.detach().clone())   # a logging collective, as most jobs have
-    time.sleep(0.05)
+    time.sleep(NODE_LOST_STEP_S if FAULT == "node_lost" and step >= AT else 0.05)
 
 
 def write_weights(rank: int, state: dict) -> None:

@@ -201,9 +201,9 @@ def main() -> int:
     ap.add_argument("--run-dir", type=Path, default=None, help="build the run here and keep it (reused if there)")
     args = ap.parse_args()
 
-    from dtprof.analyzers.summary import analyze
+    from dtprof.analyzers.summary import analyze, run_identity
     from dtprof.reader import open_run
-    from dtprof.reports.html import write_report
+    from dtprof.report import save_report
     from synth_report import build_report_run
 
     tmp = tempfile.TemporaryDirectory() if args.run_dir is None else None
@@ -227,6 +227,7 @@ def main() -> int:
             build_report_run(tpl_dir, world_size=64, steps=8, hosts=8, slow_rank=21, slow_factor=1.3,
                              jitter_frac=0.03, nvml=False)
         analysis = widened_analysis(analyze(open_run(tpl_dir)), run, args.ranks, args.steps, slow, late, mem)
+        analysis.run, analysis.identity = run, run_identity(run)   # the page's timeline and header: this run's
         print(f"analysis synthesised at {args.ranks:,} ranks x {args.steps:,} steps (widened_analysis; injected: "
               f"rank {slow} computes 1.3x longer, rank {late} arrives 8 ms late, rank {mem} peaks at 78 GiB) in "
               f"{time.perf_counter() - t:.1f} s")
@@ -234,7 +235,7 @@ def main() -> int:
         analysis = analyze(run)
         print(f"analysis: {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
-    out = write_report(run, analysis, progress=True)
+    out = save_report(analysis, progress=True)
     print(f"report written in {time.perf_counter() - t:.1f} s")
     size_mb = out.stat().st_size / 1e6
 

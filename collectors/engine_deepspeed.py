@@ -52,6 +52,33 @@ def called_from_deepspeed(depth: int = FRAMES) -> bool:
     return False
 
 
+# DeepSpeed's optimizer wrappers' methods that call the torch optimizer's step, each after setting its
+# ``_global_grad_norm`` for the step (ZeRO-1/2 and ZeRO-3's ``_optimizer_step``, FP16/BF16_Optimizer's ``step``)
+NORM_STEPPERS = ("_optimizer_step", "step", "step_fused_adam", "step_fused_lamb")
+
+
+def global_grad_norm(depth: int = FRAMES):
+    """The global gradient norm DeepSpeed computed for the optimizer step in progress (called from a torch
+    optimizer's post-hook): the ``_global_grad_norm`` of the DeepSpeed optimizer wrapper that stepped it, set
+    before its first group's step (a tensor, or a float: ``inf`` on an overflow), the value the engine copies to
+    ``get_global_grad_norm()`` once the step returns. None when the first DeepSpeed frame above is not such a
+    wrapper (the engine steps a torch optimizer itself at ZeRO stage 0 in fp32: its norm, if any, is kept nowhere)."""
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return None
+        code = f.f_code
+        if "deepspeed" in code.co_filename:
+            if code.co_name not in NORM_STEPPERS:
+                if code.co_name == "step_with_gradscaler":    # ZeRO-3's closure inside _optimizer_step
+                    f = f.f_back
+                    continue
+                return None
+            return getattr(f.f_locals.get("self"), "_global_grad_norm", None)
+        f = f.f_back
+    return None
+
+
 class DeepSpeedGroups(RankPart):
     name = "deepspeed"
 

@@ -1034,7 +1034,7 @@ def load_traces(paths: list, warn=lambda msg: None, info=lambda msg: None) -> tu
             # what writing the run needs, imported while the workers parse
             import pyarrow.parquet  # noqa: F401
 
-            import dtprof.reader  # noqa: F401
+            import dtprof.rundir.run  # noqa: F401
             results = list(results)
         finally:   # the results are here: not waiting for the workers to exit (freeing their memory) saves 15 ms
             pool.shutdown(wait=False, cancel_futures=True)
@@ -1131,7 +1131,7 @@ def merge_captured_traces(node_dir: Path) -> int:
                 ident["rank"] = rank
                 t = rank_tables(parsed, ident, shift_ns=int(cap["mono_ns"]) - int(cap["wall_ns"]),
                                 step_offset=int(cap["start_step"]))
-                from dtprof.reader import conform
+                from dtprof.rundir.conform import conform
                 for table in ("spans", "collectives"):
                     df = conform(table, t[table])
                     if len(df):

@@ -5,11 +5,14 @@ What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recor
 step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a
 boundary-only step costs this part one call that returns at once (its clip wrapper; ``every_step`` False: its
 step callbacks are not called there).
-- the local loss: the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before any
-  cross-rank reduction), their mean when there are several (gradient accumulation, pipeline microbatches);
-- the gradient norm: the tensor ``torch.nn.utils.clip_grad_norm_`` (or its alias ``clip_grad_norm``) returned,
-  the last call of the step; the wrapper is in place on every step, passes the job's result through, and does
-  nothing while Dynamo traces (a clip inside a compiled region is traced as the bare job's and not read).
+- the local loss: from the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before
+  any cross-rank reduction): their sum, or their mean inside a torch pipelining schedule that scales its
+  gradients (``step_loss``: what jobs log under gradient accumulation);
+- the gradient norm: DeepSpeed's own (its optimizer wrapper's ``_global_grad_norm``, read at the torch optimizer
+  step it makes: collectors/engine_deepspeed.py), else the tensor ``torch.nn.utils.clip_grad_norm_`` (or its
+  alias ``clip_grad_norm``) returned or ``clip_grads_with_norm_`` was given, the last call of the step; the
+  wrappers are in place on every step, pass the job's result through, and do nothing while Dynamo traces (a
+  clip inside a compiled region is traced as the bare job's and not read).
   When the step has not clipped by its optimizer step, dtprof computes the norm itself (``on_optimizer_pre_step``:
   the optimizer's gradients are final there, after DDP's all-reduce): the 2-norm of the optimizer's gradients as
   ``clip_grad_norm_`` computes it (``torch._foreach_norm``, on the device, no collective), on the read steps only,
@@ -40,9 +43,11 @@ import math
 import sys
 import time
 from collections import deque
+from types import FrameType
 from typing import Any
 
 from dtprof.collectors.engine_deepspeed import called_from_deepspeed as _called_from_deepspeed
+from dtprof.collectors.engine_deepspeed import global_grad_norm as _deepspeed_norm
 from dtprof.collectors.parts import RankContext, RankPart
 from dtprof.collectors.records import Health
 
@@ -61,6 +66,11 @@ FP_MAX_INTERVAL = 1024
 READ_BUDGET = 0.0025
 READ_MAX_EVERY = 1024
 CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
+# torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm): the clip of a norm the job computed
+# itself (torch.nn.utils.get_total_norm; torchtitan's form), read from its argument
+WITH_NORM = "clip_grads_with_norm_"
+PIPELINE_FRAMES = 24      # on_backward's callers up to a torch pipelining schedule's _step_microbatches
+FRAMES = 16               # on_optimizer_step's callers up to DeepSpeed's optimizer wrapper's step
 MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
 
 
@@ -79,7 +89,9 @@ class NumericsSentinel(RankPart):
         self.torch = torch
         self.is_compiling = _is_compiling(torch)
         self.losses: list = []          # this step's local losses (detached)
-        self.norm = None                # this step's last clip_grad_norm_ result (detached)
+        self.norm: Any = None           # this step's norm: the last clip's result (detached), or DeepSpeed's
+        self.norm_source = "clip"       # where self.norm came from (health.grad_norm_source)
+        self.loss_mean = False          # this step's losses are averaged, not summed (step_loss)
         self.own_norms: list = []       # this step's norms dtprof computed (one per optimizer step; no clip seen)
         self.norm_ok: dict = {}         # id(optimizer) -> its gradients can be normed (checked once)
         self.lr: float | None = None
@@ -116,27 +128,35 @@ class NumericsSentinel(RankPart):
                 if f is not None and not getattr(f, "dtprof_numerics", False):
                     self.patched.append((mod, name, f))
                     setattr(mod, name, self.wrap_clip(f))
+        f = getattr(nn_utils, WITH_NORM, None)      # torch >= 2.6
+        if f is not None and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((nn_utils, WITH_NORM, f))
+            setattr(nn_utils, WITH_NORM, self.wrap_clip(f, norm_arg=2))
 
     # ---- the training thread -------------------------------------------------------------------------------
 
-    def wrap_clip(self, orig):
+    def wrap_clip(self, orig, norm_arg=None):
+        """The clip passing the job's result through; on a read step the total norm is kept: the result, or with
+        ``norm_arg`` the argument at that position (``clip_grads_with_norm_``'s ``total_norm``)."""
         part = self
 
         def clip_grad_norm_(*args, **kwargs):
-            norm = orig(*args, **kwargs)
+            result = orig(*args, **kwargs)
             # is_compiling first: while Dynamo traces, nothing of dtprof's state is read (no guard on it)
             ctx = part.ctx
             if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
                     and not part.clip_off:
                 try:
                     t0 = time.thread_time_ns() if part.pricing else 0
-                    part.norm = part.local(norm)
+                    norm = result if norm_arg is None else (
+                        args[norm_arg] if len(args) > norm_arg else kwargs.get("total_norm"))
+                    part.norm, part.norm_source = part.local(norm), "clip"
                     if t0:
                         part.own_ns += time.thread_time_ns() - t0
                 except Exception:
                     part.clip_off = True     # the wrapper keeps passing the job's result through
                     part.ctx.event("error", "dtprof part numerics: clip_grad_norm_ not read after a fault")
-            return norm
+            return result
 
         clip_grad_norm_.__wrapped__ = orig
         clip_grad_norm_.__name__ = orig.__name__
@@ -159,6 +179,8 @@ class NumericsSentinel(RankPart):
         t0 = time.thread_time_ns() if self.pricing else 0
         t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
         if isinstance(t, self.torch.Tensor) and t.numel() == 1 and len(self.losses) < MAX_LOSSES:
+            if not self.losses and "torch.distributed.pipelining" in sys.modules:
+                self.loss_mean = _pipeline_scales_grads()
             self.losses.append(t.detach())
         if t0:
             self.own_ns += time.thread_time_ns() - t0
@@ -210,10 +232,22 @@ class NumericsSentinel(RankPart):
             t0 = time.thread_time_ns() if self.pricing else 0
             lrs = [self.host_float(g.get("lr")) for g in optimizer.param_groups]
             self.lr, self.lrs = lrs[0] if lrs else None, lrs if len(lrs) > 1 else None
+            if "deepspeed" in sys.modules:
+                self.deepspeed_norm()
             if t0:
                 self.own_ns += time.thread_time_ns() - t0
         if self.fp_due(ctx.step):
             self.fp = self.fingerprint(optimizer)
+
+    def deepspeed_norm(self) -> None:
+        """DeepSpeed's own global gradient norm of this step (what ``engine.get_global_grad_norm()`` returns after
+        it), in place of any clip's: DeepSpeed's gradients are partitions (a torch clip inside its step would norm
+        one rank's share). A tensor travels as a clip's does; a float is kept as it is."""
+        v = _deepspeed_norm(FRAMES)
+        if isinstance(v, self.torch.Tensor) and v.numel() == 1:
+            self.norm, self.norm_source = v.detach(), "deepspeed"
+        elif isinstance(v, (int, float)):
+            self.norm, self.norm_source = float(v), "deepspeed"
 
     def host_float(self, v):
         """A learning rate without a device read: a number, or a CPU tensor's value; None for a device tensor."""
@@ -268,7 +302,7 @@ class NumericsSentinel(RankPart):
                 self.launch(step)
         finally:
             self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
-            self.own_norms = []
+            self.own_norms, self.loss_mean = [], False
         if t0:
             self.own_ns += time.thread_time_ns() - t0
             self.price_step(step, t_ns)
@@ -276,13 +310,12 @@ class NumericsSentinel(RankPart):
     def launch(self, step: int) -> None:
         """This step's device values into the next ring slot, non-blocking, and the event that says they landed."""
         torch = self.torch
-        loss = norm = None
-        if self.losses:
-            dev = self.losses[0].device
-            same = [x for x in self.losses if x.device == dev]
-            loss = same[0] if len(same) == 1 else torch.stack([x.reshape(()).double() for x in same]).mean()
-        norm, fp, source = self.norm, self.fp, "clip" if self.norm is not None else None
-        if norm is None and self.own_norms:
+        loss = step_loss(torch, self.losses, self.loss_mean) if self.losses else None
+        norm, fp, source = self.norm, self.fp, self.norm_source if self.norm is not None else None
+        host_norm = None
+        if isinstance(norm, float):         # a norm the framework keeps as a float (DeepSpeed's FP16_Optimizer)
+            host_norm, norm = norm, None
+        if norm is None and host_norm is None and self.own_norms:
             own = self.own_norms
             if len(own) == 1:
                 norm = own[0]
@@ -313,14 +346,15 @@ class NumericsSentinel(RankPart):
         if self.cuda and (loss is not None or norm is not None or fp is not None):
             event = torch.cuda.Event()
             event.record()
-        self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None, source if norm is not None
-                             else None, fp is not None))
+        self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None,
+                             source if norm is not None or host_norm is not None else None, fp is not None,
+                             host_norm))
 
     def read_ready(self, before: int) -> None:
         """Rows of the pending steps before ``before`` whose copies have landed, oldest first."""
         while self.pending and self.pending[0][0] < before:
-            step, slot, event, lr, lrs, has_loss, source, has_fp = self.pending[0]
-            has_norm = source is not None
+            step, slot, event, lr, lrs, has_loss, source, has_fp, host_norm = self.pending[0]
+            has_norm = source is not None and host_norm is None
             if event is not None and not event.query():
                 break
             self.pending.popleft()
@@ -328,6 +362,8 @@ class NumericsSentinel(RankPart):
             if has_loss or has_norm:
                 f = self.views[slot][0].tolist()     # host memory the copies landed in: no device read
                 loss, norm = (f[0] if has_loss else None), (f[1] if has_norm else None)
+            if host_norm is not None:
+                norm = host_norm
             if has_fp:
                 fp = int(self.views[slot][3])
             bad = " ".join(n for n, v in (("loss", loss), ("grad_norm", norm))
@@ -408,6 +444,33 @@ class NumericsSentinel(RankPart):
         for mod, name, f in self.patched:
             setattr(mod, name, f)
         self.patched = []
+
+
+def step_loss(torch, losses: list, mean: bool):
+    """The step's loss from the losses ``backward`` was called on (docs/metrics.md, "Local loss"): their sum, the
+    objective whose gradient the step applies (a loop that divides each micro-batch's loss by its accumulation
+    steps, as DeepSpeed's engine does itself, so sums to the undivided losses' mean: what such jobs log), or their
+    mean (``mean``: a torch pipelining schedule, which backpropagates each micro-batch's loss undivided and divides
+    the gradients by their count). In float64, on the first loss's device (others are left out)."""
+    dev = losses[0].device
+    same = [x for x in losses if x.device == dev]
+    if len(same) == 1:
+        return same[0]
+    total = torch.stack([x.reshape(()).double() for x in same])
+    return total.mean() if mean else total.sum()
+
+
+def _pipeline_scales_grads() -> bool:
+    """Inside a torch pipelining schedule whose ``scale_grads`` divides the gradients by the micro-batch count
+    (the default): its losses are then averaged (``step_loss``)."""
+    f: FrameType | None = sys._getframe(2)
+    for _ in range(PIPELINE_FRAMES):
+        if f is None:
+            return False
+        if f.f_code.co_name == "_step_microbatches" and "pipelining" in f.f_code.co_filename:
+            return bool(getattr(f.f_locals.get("self"), "scale_grads", True))
+        f = f.f_back
+    return False
 
 
 def _is_compiling(torch):

@@ -15,7 +15,7 @@ In each worker, before ``train_func`` runs (Ray Train has set up the process gro
   (``attempt_rank``, Ray Train's world rank) and which ``attempt`` of that rank it is: 1 + the node directories of
   that rank already in the run. Ray restarts the whole worker group after a failure, so every rank of a restarted
   group is a new process with the next attempt; the reader keeps each rank's last attempt as the rank and lists
-  the earlier ones as restarts (dtprof/reader.py ``Run.restarts``);
+  the earlier ones as restarts (dtprof/rundir/run.py ``Run.restarts``);
 - the rank is recorded as under `dtprof run` (collectors/runtime.py ``init`` with this node directory and rank).
 
 Only the processes that run the wrapped function are recorded: Ray's own processes (driver, controller, raylet,

@@ -11,7 +11,7 @@ profiled, so jobs can keep these calls in production:
         dtprof.annotate(tokens=batch.numel())
         dtprof.step()                  # only for loops without torch.optim optimizers
 
-Analysis lives in `dtprof.reader.open_run` (tables) and `dtprof.analyzers`.
+Analysis lives in `dtprof.rundir.run.open_run` (tables) and `dtprof.analyzers`.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def analyze_on_cluster(run, client, options=None, partitions: int | None = None,
     """``analyze(run, options, **kw)`` with the node summaries that are missing made on the Dask ``client``'s
     cluster and the per-instance reductions run there (``DaskReduce``): the one-machine path's Analysis."""
     from dtprof.analyzers.summary import analyze
-    from dtprof.reader import Run, open_run
+    from dtprof.rundir.run import Run, open_run
     from dtprof.summarize import make_summaries
 
     run = run if isinstance(run, Run) else open_run(run)

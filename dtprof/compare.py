@@ -41,7 +41,7 @@ def load_summary(path: str | Path) -> tuple[str, dict]:
 def _analyze_run_dir(run_dir: Path) -> dict:
     """Summary of a run directory without summary.json, computed by the analyzers (not written to the run)."""
     from dtprof.options import open_and_analyze
-    from dtprof.reader import RunFormatError
+    from dtprof.rundir.conform import RunFormatError
 
     click.echo(f"dtprof compare: analysing {run_dir} (no summary.json)", err=True)
     try:

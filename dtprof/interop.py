@@ -198,8 +198,9 @@ def export_perfetto_command(run_dir, out):
     """One clock-aligned timeline of all ranks: a process per rank, lanes as threads, NVML samples as counters,
     collectives linked across ranks by flow arrows."""
     from dtprof.analyzers.runmodel import RunModel
-    from dtprof.reader import RunFormatError, open_run
     from dtprof.reports import perfetto
+    from dtprof.rundir.conform import RunFormatError
+    from dtprof.rundir.run import open_run
 
     try:
         run = open_run(run_dir, check_tables=True)

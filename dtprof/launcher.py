@@ -48,8 +48,9 @@ import click
 from dtprof import machine
 from dtprof.cli import InputError
 from dtprof.machine import TORCHRUN_MODULES, script_index
-from dtprof.reader import RunFormatError, read_table_text
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
+from dtprof.rundir.conform import RunFormatError
+from dtprof.rundir.files import read_table_text
 from dtprof.runformat import (
     FAULT_EVENT,
     NODE_MANIFEST,
@@ -432,7 +433,7 @@ class Job:
         """The command died of a signal from outside (torchrun's agent killed): the ranks it left running train
         on, as they would without dtprof. Wait while they make progress (their heartbeats' ``last_progress_ns``),
         for at most ``ORPHAN_IDLE_S`` without; wait() stops what is left after that."""
-        from dtprof.watchdog import read_heartbeats
+        from dtprof.rundir.incident import read_heartbeats
 
         assert self.proc is not None, "start() first"
         last, since = None, time.monotonic()
@@ -520,9 +521,9 @@ def compact(node_dir: Path, say: Callable[[str], None]):
 
 
 def report(run, analysis):
-    from dtprof.reports.html import write_report
+    from dtprof.report import save_report
 
-    return write_report(run, analysis)
+    return save_report(analysis)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------

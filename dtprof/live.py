@@ -42,22 +42,20 @@ from __future__ import annotations
 import json
 import statistics
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from dtprof.rundir.files import TableTail
 from dtprof.runformat import RANK_PREFIX
-from dtprof.schema import JSONL_GZ_SUFFIX, P2P_OPS, table_files
+from dtprof.schema import P2P_OPS
 
 SETTLE_NS = 2_500_000_000      # two flushes of the ranks (1 s each) and a margin
 KEEP_NS = 30_000_000_000       # collectives rows kept this long after their rank's published steps
-MAX_READ = 64 * 2**20          # bytes read per file and poll, at most (a late start catches up over several polls)
 STRAGGLER_WINDOW = 50
 STRAGGLER_MIN_STEPS = 20
 STRAGGLER_LATE_FRAC = 0.5
@@ -75,77 +73,6 @@ MEMORY_SERIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "alloca
                  "reserved_peak_bytes")
 
 
-class _Tail:
-    """One JSON-lines table of the run format (its files in the order written: dtprof.schema.table_files), read from
-    where the last read stopped; a gzip file through one decompressor kept between reads; a line not yet complete
-    is kept for the next read (a writer's flush can end mid-line)."""
-
-    def __init__(self, directory: Path, stem: str):
-        self.directory, self.stem = Path(directory), stem
-        self.path: Path | None = None
-        self.pos = 0
-        self.rest = b""
-        self.unzip: Any = None
-        self.columns: list[str] | None = None
-
-    def _start(self, path: Path) -> None:
-        self.path, self.pos, self.rest = path, 0, b""
-        self.unzip = zlib.decompressobj(31) if path.name.endswith(JSONL_GZ_SUFFIX) else None
-
-    def _new_text(self) -> bytes:
-        try:
-            with open(self.path, "rb") as f:      # type: ignore[arg-type]
-                f.seek(self.pos)
-                data = f.read(MAX_READ)
-        except OSError:
-            return b""     # gone: nothing new
-        self.pos += len(data)
-        if self.unzip is not None:
-            try:
-                data = self.unzip.decompress(data)
-            except zlib.error:
-                self.unzip, self.pos = None, 1 << 62    # damaged: the reader names it after the job
-                return b""
-        return data
-
-    def read(self) -> list[list]:
-        files = table_files(self.directory, self.stem)
-        rows: list[list] = []
-        while files:
-            if self.path is None:
-                self._start(files[0])
-            data = self.rest + self._new_text()
-            cut = data.rfind(b"\n") + 1
-            self.rest = data[cut:]
-            for line in data[:cut].splitlines():
-                try:
-                    value = json.loads(line)
-                except ValueError:
-                    continue   # a torn line: the reader names it after the job
-                if isinstance(value, dict):
-                    self.columns = value.get("columns")
-                elif isinstance(value, list) and self.columns and len(value) == len(self.columns):
-                    rows.append(value)
-            later = files[files.index(self.path) + 1:] if self.path in files else []
-            if cut or not later:
-                return rows
-            self._start(later[0])     # this file is finished: a later process writes the next one
-        return rows
-
-    def frame(self, table: str) -> pd.DataFrame:
-        """The new rows as a table of the schema's columns and types (most polls of most files find none: the
-        empty table is made once)."""
-        from dtprof.reader import conform
-
-        rows = self.read()
-        if not rows:
-            if table not in _EMPTY:
-                _EMPTY[table] = conform(table, pd.DataFrame())
-            return _EMPTY[table]
-        return conform(table, pd.DataFrame(rows, columns=self.columns))
-
-
-_EMPTY: dict[str, pd.DataFrame] = {}
 
 
 @dataclass
@@ -212,7 +139,7 @@ class Update:
 class _Rank:
     def __init__(self, rank_dir: Path):
         self.dir = rank_dir
-        self.tails = {t: _Tail(rank_dir, t) for t in RANK_TABLES}
+        self.tails = {t: TableTail(rank_dir, t) for t in RANK_TABLES}
         self.identity: dict | None = None
         self.executed_flops: float | None = None   # the rank's FlopCounterMode count, once its counted step is seen
         self.published_end_ns = 0
@@ -236,7 +163,7 @@ class LiveNode:
         self.clock = clock
         self.calibrations = load_calibrations() if config.get("peak_tflops") is None else {}
         self.ranks: dict[int, _Rank] = {}
-        self.nvml = _Tail(self.node_dir, "nvml")
+        self.nvml = TableTail(self.node_dir, "nvml")
         self.buf = _empty_buffers()
         self.pending: list[tuple[int, pd.DataFrame]] = []   # (first seen ns, new steps rows)
         self.durations: deque[float] = deque(maxlen=STRAGGLER_WINDOW * 8)
@@ -482,7 +409,7 @@ class LiveNode:
         return out
 
     def _status(self, now: int) -> NodeStatus:
-        from dtprof.watchdog import read_heartbeats
+        from dtprof.rundir.incident import read_heartbeats
 
         st = NodeStatus(self.host, {rank: self._host_of(r) for rank, r in self.ranks.items()},
                         stragglers=self.stragglers(), memory=self.memory_pressure(),
@@ -500,7 +427,7 @@ class LiveNode:
 
 def _empty_buffers() -> dict[str, pd.DataFrame]:
     from dtprof.analyzers.runmodel import captures, device_comm, with_exit
-    from dtprof.reader import conform
+    from dtprof.rundir.conform import conform
 
     empty = pd.DataFrame()
     return {"spans": conform("spans", empty), "groups": conform("groups", empty),

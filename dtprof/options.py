@@ -73,9 +73,9 @@ def device_peak(name: str, device_type: str, dtype: str, peak_tflops: float | No
 def open_and_analyze(run_dir, *, check_tables: bool = True, progress=None):
     """The commands' one way from a run directory to its analysis: open the run, resolve its options (below: the
     run's own configuration, then defaults) and analyse it once. Returns (run, analysis); raises
-    dtprof.reader.RunFormatError for an unreadable run."""
+    dtprof.rundir.run.RunFormatError for an unreadable run."""
     from dtprof.analyzers.summary import analyze
-    from dtprof.reader import open_run
+    from dtprof.rundir.run import open_run
 
     run = open_run(run_dir, check_tables=check_tables)
     return run, analyze(run, resolve_options(run), progress=progress)
@@ -84,7 +84,7 @@ def open_and_analyze(run_dir, *, check_tables: bool = True, progress=None):
 def resolve_options(run, *, warmup: int | None = None, flops_per_step: float | None = None,
                     peak_tflops: float | None = None, dtype: str | None = None,
                     transformer: dict | None = None, gpu_window: str = "all") -> AnalysisOptions:
-    """The options for analysing ``run`` (a dtprof.reader.Run). Raises ValueError on an invalid value."""
+    """The options for analysing ``run`` (a dtprof.rundir.run.Run). Raises ValueError on an invalid value."""
     cfg = _node_config(run)
     r = run.ranks
     devices = dict(zip(r["device_name"].astype(str), r["device_type"].astype(str)))

@@ -26,15 +26,29 @@ def report_command(run_dir: Path, out: Path | None, progress: bool | None) -> No
     (one-line message on stderr).
     """
     from dtprof.options import open_and_analyze
-    from dtprof.reader import RunFormatError
-    from dtprof.reports.html import write_report
+    from dtprof.rundir.conform import RunFormatError
 
     try:
-        run, analysis = open_and_analyze(run_dir)
-        path = write_report(run, analysis, out_path=out, progress=progress)
+        _, analysis = open_and_analyze(run_dir)
+        path = save_report(analysis, out, progress=progress)
     except RunFormatError as e:
         raise InputError(str(e)) from None
     except OSError as e:
         raise InputError(f"{e.filename or out or run_dir}: cannot write the report ({e.strerror})") \
             from None
     click.echo(str(path))
+
+
+def save_report(analysis, out_path=None, *, progress: bool | None = None) -> Path:
+    """Write the HTML report of ``analysis`` (reports/html.py ``render``; the command made the analysis,
+    dtprof/options.py ``open_and_analyze``) to ``out_path`` (default the run's ``report.html``) and return its path.
+    ``progress``: a progress bar on stderr (None = only for large runs). Written to a temporary name and renamed, so
+    a reader never sees half a report."""
+    from dtprof.reports.html import render
+    from dtprof.runformat import write_text_atomic
+
+    text = render(analysis, {"progress": progress})
+    out = Path(out_path) if out_path else analysis.run.path / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, text)
+    return out

@@ -56,6 +56,17 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         tmp.unlink(missing_ok=True)   # after a failure (a full disk) no temporary file is left behind
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text so that a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)   # a full disk must not leave half a file behind under a hidden name
+
+
 def create_run_dir(run_dir: Path, run_info: dict, join_id: str | None = None) -> Path:
     """Create ``run_dir`` with its run.json, or join it if it is the same multi-node job.
 
@@ -253,7 +264,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
 
     import pandas as pd
 
-    from dtprof.reader import conform, json_text_columns
+    from dtprof.rundir.conform import conform, json_text_columns
 
     node_dir = Path(node_dir)
     out = node_dir / TABLES_DIR
@@ -289,7 +300,7 @@ def write_node_tables(node_dir: Path, tables: dict, node_info: dict | None = Non
 
 def compact_node(node_dir: Path) -> Path:
     """Read a node's JSON-lines files and write them as Parquet tables (the raw files are kept)."""
-    from dtprof.reader import read_node_raw
+    from dtprof.rundir.files import read_node_raw
 
     return write_node_tables(node_dir, read_node_raw(Path(node_dir)))
 

@@ -138,7 +138,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("nonfinite", "str"),     # the names of the step's values that were NaN or +-Inf ("loss grad_norm"), or ""
         ("param_fp", "Int"),      # fingerprint of the optimizer's parameters after the step: the int64 sum of their
                                   # bits read as integers (replicas hold equal ones); null: not taken on this step
-        ("grad_norm_source", "str"),  # where grad_norm came from: "clip" (the job's clip_grad_norm_) or "dtprof"
+        ("grad_norm_source", "str"),  # where grad_norm came from: "deepspeed", "clip" (the job's clip) or "dtprof"
                                       # (computed by dtprof on a step that did not clip); "" when there is none
     ],
 }

@@ -22,7 +22,7 @@ def summarize_node(node_dir: str) -> str:
     a plain function of a path, so a process pool or a Dask worker can run it."""
     from dtprof.analyzers.nodesummary import node_tables
     from dtprof.analyzers.runmodel import RunModel
-    from dtprof.reader import Run
+    from dtprof.rundir.run import Run
     from dtprof.runformat import write_node_summary
 
     nd = Path(node_dir)
@@ -82,7 +82,8 @@ def summarize_command(run_dir, address, workers, force):
 
     Exit codes: 0 done, 2 unreadable run directory (or node tables), or the cluster cannot be reached.
     """
-    from dtprof.reader import RunFormatError, open_run
+    from dtprof.rundir.conform import RunFormatError
+    from dtprof.rundir.run import open_run
 
     t0 = time.perf_counter()
     try:

@@ -81,8 +81,9 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     """
     from dtprof.analyzers.summary import SUMMARY_FILE, analyze, save_summary
     from dtprof.options import resolve_options
-    from dtprof.reader import RunFormatError, open_run
     from dtprof.reports import summary_json, terminal
+    from dtprof.rundir.conform import RunFormatError
+    from dtprof.rundir.run import open_run
 
     tf = _parse_transformer(transformer)
 

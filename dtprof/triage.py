@@ -18,8 +18,9 @@ LIVE_DUMP_WAIT_S = 5.0
 
 def _live_dumps(run_dir: Path) -> str:
     """Ask every rank of a running job for a dump (without stopping it) and wait for the answers."""
+    from dtprof.rundir.incident import read_heartbeats
     from dtprof.runformat import NODE_PREFIX
-    from dtprof.watchdog import pid_alive, read_heartbeats, request_dumps, wait_for_dumps
+    from dtprof.watchdog import pid_alive, request_dumps, wait_for_dumps
 
     dump_id = f"live-{time.strftime('%Y%m%dT%H%M%S')}"
     for nd in sorted(run_dir.glob(f"{NODE_PREFIX}*")):
@@ -61,8 +62,10 @@ def triage_command(run_dir, as_json, live, stale_s, fr_paths):
     from dtprof.analyzers.triage import triage
     from dtprof.flight_recorder import DumpError
     from dtprof.options import resolve_options
-    from dtprof.reader import RunFormatError, open_run, read_incident
     from dtprof.reports.triage import render
+    from dtprof.rundir.conform import RunFormatError
+    from dtprof.rundir.incident import read_incident
+    from dtprof.rundir.run import open_run
 
     if run_dir is None and not fr_paths:
         raise click.UsageError("give RUN_DIR, or Flight Recorder dumps with --fr")

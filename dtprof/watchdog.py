@@ -25,7 +25,6 @@ Every finding is also an ``events`` row (source "watchdog") through NodeTableWri
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from dtprof.rundir.incident import read_heartbeats  # the one heartbeat reader
 from dtprof.runformat import RANK_PREFIX, NodeTableWriter, write_json_atomic
 
 POLL_S = 0.25
@@ -47,38 +47,6 @@ HANG_EXIT_CODE = 124
 STALE_BEAT_S = 5.0
 # process states (/proc/<pid>/stat) in which no thread of the process runs: its heartbeat stopped with it
 FROZEN_STATES = ("T", "t", "D")
-
-
-def read_heartbeats(node_dir: Path) -> dict[int, dict]:
-    """Every rank's latest heartbeat in one node directory, by rank."""
-    out = {}
-    for p in Path(node_dir).glob(f"{RANK_PREFIX}*/heartbeat.json"):
-        hb = _read_heartbeat(p)
-        if hb is None:
-            continue
-        try:
-            out[int(hb.get("rank", p.parent.name[len(RANK_PREFIX):]))] = hb
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
-def _read_heartbeat(path: Path, tries: int = 5) -> dict | None:
-    """One heartbeat file, or None (vanished, foreign). The rank rewrites it in place (collectors/heartbeat.py,
-    ``_BeatFile``): a read that overlaps a write can see parts of two beats, which shows as invalid JSON or as a
-    ``beat`` that differs from ``beat_end``; such a read is taken again."""
-    for _ in range(tries):
-        try:
-            hb = json.loads(path.read_text())
-        except OSError:
-            return None
-        except ValueError:
-            time.sleep(0.001)
-            continue
-        if isinstance(hb, dict) and hb.get("beat") == hb.get("beat_end"):
-            return hb
-        time.sleep(0.001)
-    return None
 
 
 def pid_alive(pid) -> bool:

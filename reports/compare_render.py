@@ -6,14 +6,10 @@ and the rows that explain it) and only formats it, so that adding a format touch
 from __future__ import annotations
 
 import json
-import math
 from xml.sax.saxutils import escape, quoteattr
 
 from dtprof.analyzers.regression import FAIL, INCONCLUSIVE, NA, PASS, WARN
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:+.1f} ms"
+from dtprof.reports.fmt import MISSING, fixed, fmt_frac, missing, ms, pct, pct1, sig, signed_ms, signed_pct
 
 
 def part_lines(d: dict) -> list[str]:
@@ -21,8 +17,9 @@ def part_lines(d: dict) -> list[str]:
     p = d["parts"]
     out = []
     for r in p["rows"]:
-        who = f"; most on rank {r['rank']} ({_ms(r['rank_change_s'])})" if r.get("rank") is not None else ""
-        out.append(f"{r['part']}: {_ms(r['change_s'])} per step [{_ms(r['ci_s'][0])}, {_ms(r['ci_s'][1])}]{who}")
+        who = f"; most on rank {r['rank']} ({signed_ms(r['rank_change_s'])})" if r.get("rank") is not None else ""
+        out.append(f"{r['part']}: {signed_ms(r['change_s'])} per step "
+                   f"[{signed_ms(r['ci_s'][0])}, {signed_ms(r['ci_s'][1])}]{who}")
     return out
 
 
@@ -67,9 +64,9 @@ def drift_lines(d: dict) -> list[str]:
     out = list(x.get("lines") or [])
     w, c = x.get("waits"), x.get("compute")
     if w and c:
-        out.append(f"waits (time a faster machine does not shorten) {_ms(w['change_s'])} per step "
-                   f"[{_ms(w['ci_s'][0])}, {_ms(w['ci_s'][1])}]; compute {_ms(c['change_s'])} "
-                   f"[{_ms(c['ci_s'][0])}, {_ms(c['ci_s'][1])}]")
+        out.append(f"waits (time a faster machine does not shorten) {signed_ms(w['change_s'])} per step "
+                   f"[{signed_ms(w['ci_s'][0])}, {signed_ms(w['ci_s'][1])}]; compute {signed_ms(c['change_s'])} "
+                   f"[{signed_ms(c['ci_s'][0])}, {signed_ms(c['ci_s'][1])}]")
     return out
 
 
@@ -79,7 +76,7 @@ def explain_lines(d: dict) -> list[str]:
     parts = part_lines(d)
     if parts:
         floor = d["parts"]["floor_s"]
-        out += [f"what moved (the critical rank's step parts, interval beyond ±{floor * 1e3:.1f} ms), largest first:"]
+        out += [f"what moved (the critical rank's step parts, interval beyond ±{ms(floor)}), largest first:"]
         out += ["  " + x for x in parts]
     elif d["parts"].get("note"):
         out.append("what moved: " + d["parts"]["note"])
@@ -103,11 +100,11 @@ def prediction_lines(d: dict) -> list[str]:
     if not p:
         return []
     who = f" rank {','.join(map(str, p['ranks']))}" if p["ranks"] else ""
-    line = (f"prediction check: {p['scenario']}{who} (base run's what-if): predicted {p['predicted_step_s'] * 1e3:.1f}"
-            f" ms per step (saving {p['predicted_saving_frac']:.1%}), head measured {p['measured_step_s'] * 1e3:.1f}"
-            f" ms (saving {p['measured_saving_frac']:.1%}); error of the step {p['step_error_frac']:+.0%}")
+    line = (f"prediction check: {p['scenario']}{who} (base run's what-if): predicted {ms(p['predicted_step_s'])}"
+            f" per step (saving {pct1(p['predicted_saving_frac'])}), head measured {ms(p['measured_step_s'])}"
+            f" (saving {pct1(p['measured_saving_frac'])}); error of the step {signed_pct(p['step_error_frac'])}")
     if p["saving_error_frac"] is not None:
-        line += f", of the saving {p['saving_error_frac']:+.0%}"
+        line += f", of the saving {signed_pct(p['saving_error_frac'])}"
     if p["kind"] == "bound":
         line += ("; an upper bound of the saving: " + ("held" if p["bound_held"] else "BEATEN by the head run "
                                                        "(docs/what-if.md: where the model is wrong)"))
@@ -115,25 +112,25 @@ def prediction_lines(d: dict) -> list[str]:
 
 
 def _num(x: float | None, key: str = "") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "—"
+    if x is None or missing(x):
+        return MISSING
     if key.startswith("steps.time_s") or key.endswith("_s"):
-        return f"{x * 1e3:.2f} ms" if abs(x) < 10 else f"{x:.2f} s"
+        return ms(x, 2) if abs(x) < 10 else f"{fixed(x, 2)} s"
     if key.endswith("_frac") or key == "mfu.value":
-        return f"{x * 100:.1f} %"
+        return fmt_frac(x)
     if float(x).is_integer():
-        return f"{int(x)}"
-    return f"{x:.4g}"
+        return str(int(x))
+    return sig(x)
 
 
 def _change(g: dict) -> str:
     c, ci, mode, key = g["change"], g["ci"], g["mode"], g["key"]
     if c is None:
-        return "—"
+        return MISSING
     if mode == "ratio":
-        s = f"{c * 100:+.1f} %"
+        s = f"{fixed(c * 100, 1, signed=True)} %"
         if ci:
-            s += f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"
+            s += f" [{fixed(ci[0] * 100, 1, signed=True)}, {fixed(ci[1] * 100, 1, signed=True)}]"
         return s
     if mode == "absolute":
         s = _num(c, key)
@@ -141,13 +138,13 @@ def _change(g: dict) -> str:
             s += f" [{_num(ci[0], key)}, {_num(ci[1], key)}]"
         return s
     if key.endswith("_frac") or key == "mfu.value":
-        s = f"{c * 100:+.1f} pp"
+        s = f"{fixed(c * 100, 1, signed=True)} pp"
         if ci:
-            s += f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"
+            s += f" [{fixed(ci[0] * 100, 1, signed=True)}, {fixed(ci[1] * 100, 1, signed=True)}]"
         return s
-    s = f"{c:+.4g}"
+    s = sig(c, signed=True)
     if ci:
-        s += f" [{ci[0]:+.4g}, {ci[1]:+.4g}]"
+        s += f" [{sig(ci[0], signed=True)}, {sig(ci[1], signed=True)}]"
     return s
 
 
@@ -174,7 +171,7 @@ def render_text(d: dict) -> str:
     s = d["settings"]
     lines += [""] + explain_lines(d) + prediction_lines(d)
     lines += ["", f"base: {', '.join(d['base'])}", f"head: {', '.join(d['head'])}",
-              f"step-time gates: {s['test']} test, {s['confidence']:.0%} CI; a gate fails only when its whole "
+              f"step-time gates: {s['test']} test, {pct(s['confidence'])} CI; a gate fails only when its whole "
               f"interval is past its limit",
               f"result: {d['outcome']} (exit {d['exit_code']})"]
     return "\n".join(lines) + "\n"
@@ -189,7 +186,7 @@ def render_markdown(d: dict) -> str:
     out += [""] + [f"- {x.strip()}" for x in explain_lines(d) + prediction_lines(d)]
     s = d["settings"]
     out += ["", f"Base: {', '.join(f'`{b}`' for b in d['base'])} · Head: {', '.join(f'`{h}`' for h in d['head'])}"
-            f" · step-time test: {s['test']}, {s['confidence']:.0%} CI (a gate fails only when the whole interval "
+            f" · step-time test: {s['test']}, {pct(s['confidence'])} CI (a gate fails only when the whole interval "
             f"is past its limit)"]
     return "\n".join(out) + "\n"
 
@@ -247,12 +244,10 @@ def render_scaling_text(d: dict) -> str:
             "= compute", "+ comm", "+ bubble", "+ data wait", "+ other", "(straggler wait)"]
     rows = [head]
     for r in d["runs"]:
-        def ms(x):
-            return "—" if x is None else f"{x * 1e3:.1f} ms"
         rows.append([r["name"], str(r["world_size"]), ms(r["step_time_s"]),
-                     "—" if r["work_per_step"] is None else f"{r['work_per_step']:.4g} {r['work_unit']}",
-                     f"{r['throughput_per_gpu']:.4g} {r['throughput_unit']}",
-                     "—" if r["efficiency"] is None else f"{r['efficiency'] * 100:.1f} %",
+                     MISSING if r["work_per_step"] is None else f"{sig(r['work_per_step'])} {r['work_unit']}",
+                     f"{sig(r['throughput_per_gpu'])} {r['throughput_unit']}",
+                     fmt_frac(r["efficiency"]),
                      ms(r["lost_s"]), ms(r["lost_compute_s"]), ms(r["lost_comm_s"]), ms(r["lost_bubble_s"]),
                      ms(r["lost_data_wait_s"]), ms(r["lost_other_s"]), ms(r["lost_straggler_s"])])
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]

@@ -22,7 +22,6 @@ analyzers/runmodel.py), the same alignment the Perfetto export uses, and shown f
 """
 from __future__ import annotations
 
-import html
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from plotly.subplots import make_subplots
 from dtprof.analyzers.steps import measured_or_all
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
-from dtprof.reports.fmt import fmt_bytes
+from dtprof.reports.fmt import count, esc, fixed, fmt_bytes, pct
 from dtprof.schema import COMPUTE_KINDS, P2P_OPS
 
 MAX_HEATMAP_COLS = 250
@@ -53,14 +52,9 @@ COLORS = {"compute": "#4C78A8", "user span": "#9D755D", "pipeline forward": "#72
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 
 
-def esc(value) -> str:
-    """A run-supplied string made safe for plotly's HTML-like text rendering (shown as typed, never parsed)."""
-    return html.escape(str(value), quote=True)
-
-
 @dataclass
 class Context:
-    run: Any                       # dtprof.reader.Run
+    run: Any                       # dtprof.rundir.run.Run
     analysis: Any                  # dtprof.analyzers.summary.Analysis
     model: Any                     # the run model (analyzers/runmodel.py): aligned times, job step time
     t0_ns: int                     # aligned start of the first step: x = 0 on time axes
@@ -143,7 +137,7 @@ def step_time_figure(ctx: Context) -> go.Figure | None:
         off = job[~job.index.isin(measured) & (job > top * 1.15)]
         if len(off):
             fig.add_annotation(x=float(off.index[0]), y=top * 1.1, showarrow=False, yanchor="top", xanchor="left",
-                               text="excluded, off scale: " + ", ".join(f"step {k} {v:,.0f} ms" for k, v in
+                               text="excluded, off scale: " + ", ".join(f"step {k} {count(float(v))} ms" for k, v in
                                                                        off.head(3).items()),
                                font={"size": 10, "color": "#666"})
     step_axis(fig, len(x))
@@ -177,14 +171,14 @@ def _bin_matrix(ctx: Context, df: pd.DataFrame, value: str, scale: float):
     return m.astype("float32"), rows, steps[::sb], grouping, sb
 
 
-def _worst_text(values: pd.Series, unit: str, fmt: str = "{:.1f}") -> str:
+def _worst_text(values: pd.Series, unit: str, digits: int = 1) -> str:
     """"rank 5461 (45.2 ms), rank 12 (40.1 ms)": the worst ranks of a per-rank series (rankgroups.WORST_NAMED),
     unless none stands out (synchronous steps: every rank's step time is the job's)."""
     top = RG.worst_ranks(values)
     median = float(values.median())
     if len(top) == 0 or abs(float(top.iloc[0]) - median) <= RG.STANDS_OUT * abs(median):
-        return f"none stands out (every rank within {RG.STANDS_OUT:.0%} of the median, {fmt.format(median)} {unit})"
-    return ", ".join(f"rank {r} ({fmt.format(v)} {unit})" for r, v in top.items())
+        return f"none stands out (every rank within {pct(RG.STANDS_OUT)} of the median, {fixed(median, digits)} {unit})"
+    return ", ".join(f"rank {r} ({fixed(v, digits)} {unit})" for r, v in top.items())
 
 
 def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, label: str, unit: str = "ms",
@@ -201,7 +195,7 @@ def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, la
     if grouping is not None:
         per = -(-grouping.n // MAX_HEATMAP_ROWS)
         yt = f"{grouping.kind} (each row: its worst rank)" if per == 1 else \
-            f"{grouping.kind} (each row: the worst rank of {per} of {grouping.n:,})"
+            f"{grouping.kind} (each row: the worst rank of {per} of {count(grouping.n)})"
         who = "%{y}"
         means = df.groupby("rank")[value].mean() * scale
         title = f"{title}<br><sup>worst ranks (mean over the measured steps): {_worst_text(means, unit)}</sup>"
@@ -225,7 +219,7 @@ def rank_step_heatmap(ctx: Context, df: pd.DataFrame, value: str, title: str, la
 
 
 def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, unit: str, *,
-                        fmt: str = "{:.2f}") -> go.Figure:
+                        digits: int = 2) -> go.Figure:
     """Beyond GROUP_ABOVE ranks, a per-rank series (indexed by rank) as one min–max bar per group of ranks with its
     median marked; the hover names the group's worst rank, the title the job's worst ranks."""
     g = RG.choose(ctx.analysis.summary or {}, ctx.analysis.pipeline, values.index, MAX_DIST_GROUPS)
@@ -248,9 +242,9 @@ def distribution_figure(ctx: Context, values: pd.Series, title: str, what: str, 
                  "arrayminus": med - t["min"].to_numpy(), "width": 0, "thickness": 1.5, "color": "#4C78A8"}))
     every = max(1, -(-len(t) // 24))
     fig.update_xaxes(tickvals=x[::every], ticktext=labels[::every], range=[-0.5, len(t) - 0.5])
-    worst_of_job = _worst_text(values, unit, fmt)
+    worst_of_job = _worst_text(values, unit, digits)
     return layout(fig, f"{title}, per {g.kind}: min–max and median over each one's ranks<br><sup>worst ranks: "
-                  f"{worst_of_job}</sup>", xtitle=f"{g.kind} ({g.n:,} groups of ranks)", ytitle=f"{what} ({unit})",
+                  f"{worst_of_job}</sup>", xtitle=f"{g.kind} ({count(g.n)} groups of ranks)", ytitle=f"{what} ({unit})",
                   bargap=0.1).update_layout(margin={"t": 70})
 
 
@@ -395,7 +389,7 @@ def timeline_figure(ctx: Context) -> tuple[go.Figure | None, list[int], list[int
                            xanchor="left", yanchor="bottom", font={"size": 11, "color": "#666"})
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], type="category", title_text="rank · lane")
     fig.update_layout(barmode="overlay", bargap=0.25)
-    more = f"; the {not_drawn:,} shortest kernels not drawn" if not_drawn else ""
+    more = f"; the {count(not_drawn)} shortest kernels not drawn" if not_drawn else ""
     return (layout(fig, f"Timeline of steps {window[0]}–{window[-1]} (the slowest measured step and its "
                         f"neighbours{more})", height=140 + 44 * len(order), xtitle=f"time since step {window[0]} "
                         f"started (ms); drag to zoom, double-click to reset"), window, ranks)
@@ -430,9 +424,9 @@ def pipeline_figures(ctx: Context) -> tuple[go.Figure | None, go.Figure | None]:
         replayed = bool(np.isfinite(makespan))
         sched = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                               subplot_titles=(f"measured, step {step} "
-                                              f"({(start + dur * 1e6).max() / 1e6 - first / 1e6:.1f}"
+                                              f"({fixed((start + dur * 1e6).max() / 1e6 - first / 1e6)}"
                                               " ms from the first op to the last)",
-                                              f"the same ops replayed with no time between them ({makespan:.1f} ms):"
+                                              f"the same ops replayed with no time between them ({fixed(makespan)} ms):"
                                               " the schedule's own bubble" if replayed else
                                               "no replay: " + esc(pipe_reason or "unavailable")))
         rows = [(1, (start - first) / 1e6)] + ([(2, one["ideal_start_s"].to_numpy() * 1e3)] if replayed else [])
@@ -585,7 +579,7 @@ def memory_figure(ctx: Context) -> go.Figure | None:
         total = mem["device_mem_total_bytes"].astype(float)
         if total.notna().any():
             fig.add_hline(y=float(total.min()) / gib, line={"color": "#E45756", "dash": "dash"},
-                          annotation_text=f"smallest device memory {total.min() / gib:.1f} GiB")
+                          annotation_text=f"smallest device memory {fixed(total.min() / gib)} GiB")
         return fig
     fig = go.Figure(go.Bar(x=mem["rank"], y=mem["peak_mem_bytes"].astype(float) / gib, name="peak memory",
                            marker_color="#4C78A8",

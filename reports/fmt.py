@@ -1,13 +1,22 @@
-"""How dtprof writes numbers, times, fractions and bytes: the one place for it, used by every renderer.
+"""How dtprof writes numbers, times, fractions and bytes: the one place for it, used by every renderer. No module of
+reports/ but this one holds a format spec (tests/unit/test_layers.py); a missing value is ``MISSING`` everywhere.
 
-Two registers, each kept as its readers know it: the report page's (``fmt_*``: "12.3 ms", "37.0 %", "n/a" for a
-missing value; its cards and tables) and the terminal summary's (``short_s``, ``pct``, ``saving``: "12.3 ms", "37%",
-"—" for a missing value; the per-rank table's narrow columns).
+Two registers, each kept as its readers know it: the report page's (``fmt_*``: "12.3 ms", "37.0 %"; its cards and
+tables) and the terminal's (``short_s``, ``pct``, ``saving``: "12.3 ms", "37%"; the per-rank table's narrow
+columns, padded by ``rjust``/``ljust``).
 """
 from __future__ import annotations
 
 import html
 import math
+from numbers import Integral
+
+MISSING = "n/a"
+
+
+def missing(x) -> bool:
+    """None or NaN: a value the analysis does not know."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 def esc(value) -> str:
@@ -15,8 +24,8 @@ def esc(value) -> str:
 
 
 def fmt_s(x) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
+    if missing(x):
+        return MISSING
     x = float(x)
     if abs(x) >= 100:
         return f"{x:,.0f} s"
@@ -28,26 +37,27 @@ def fmt_s(x) -> str:
 
 
 def fmt_frac(x) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * float(x):.1f} %"
+    return MISSING if missing(x) else f"{100 * float(x):.1f} %"
 
 
 def fmt_bytes(b) -> str:
+    """A byte count in binary units, "512 B", "1.5 GiB" (also in triage's sentences: analyzers/triage.py)."""
     try:
         b = float(b)
     except TypeError:   # None, pd.NA
-        return "–"
+        return MISSING
     if math.isnan(b):
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
+        return MISSING
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
             break
         b /= 1024
     return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
 
 
 def fmt_rate(x, unit: str) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
+    if missing(x):
+        return MISSING
     x = float(x)
     for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= div:
@@ -69,7 +79,7 @@ def fmt_evidence(evidence) -> str:
         if isinstance(v, (list, tuple)):
             return ", ".join(value(key, x) for x in v) if v else "none"
         if v is None:
-            return "n/a"
+            return MISSING
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return str(v)
         words = key.split("_")
@@ -89,7 +99,7 @@ def fmt_evidence(evidence) -> str:
 # ---- the terminal summary
 def short_s(x) -> str:
     if x is None or x != x:   # None, or NaN (a rank that did not report the figure)
-        return "—"
+        return MISSING
     if x == 0:
         return "0"
     if x >= 1:
@@ -100,7 +110,7 @@ def short_s(x) -> str:
 
 
 def pct(x) -> str:
-    return "—" if x is None else f"{x:.0%}"
+    return MISSING if missing(x) else f"{x:.0%}"
 
 
 def saving(frac: float) -> str:
@@ -110,7 +120,72 @@ def saving(frac: float) -> str:
 
 
 def fmt_num(x) -> str:
-    """A loss, a gradient norm or a learning rate: 4 significant digits; "n/a" when unknown."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{float(x):.4g}"
+    """A loss, a gradient norm or a learning rate: 4 significant digits."""
+    return MISSING if missing(x) else f"{float(x):.4g}"
+
+
+# ---- plain numbers, for the sentences and tables around the formatters above
+def pct1(x) -> str:
+    """A fraction as a percentage with one decimal, "37.1%" (the terminal's register)."""
+    return MISSING if missing(x) else f"{x:.1%}"
+
+
+def signed_pct(x) -> str:
+    """A relative change, "+5%", "-12%"."""
+    return MISSING if missing(x) else f"{x:+.0%}"
+
+
+def ms(x, digits: int = 1, signed: bool = False) -> str:
+    """Seconds as milliseconds with a fixed number of decimals, "12.3 ms" (signed: "+0.4 ms")."""
+    return MISSING if missing(x) else f"{x * 1e3:{'+' if signed else ''}.{digits}f} ms"
+
+
+def signed_ms(x) -> str:
+    """A change of a time, "+0.4 ms", "-12.0 ms"."""
+    return ms(x, signed=True)
+
+
+def fine_s(x) -> str:
+    """A kernel's time: "1.25 ms", or below a millisecond "830.2 µs"."""
+    if missing(x):
+        return MISSING
+    return f"{x * 1e3:.2f} ms" if x >= 1e-3 else f"{x * 1e6:.1f} µs"
+
+
+def fixed(x, digits: int = 1, signed: bool = False, unit: str = "") -> str:
+    """A number with ``digits`` decimals and its unit after a space, "3.14", "250 W" (signed: "+3.14")."""
+    if missing(x):
+        return MISSING
+    return f"{x:{'+' if signed else ''}.{digits}f}" + (f" {unit}" if unit else "")
+
+
+def plain(x) -> str:
+    """A value as it is (a rank, a step), or ``MISSING``."""
+    return MISSING if missing(x) else str(x)
+
+
+def sig(x, signed: bool = False) -> str:
+    """A number with 4 significant digits, "0.1235", "1.2e+04" (signed: "+0.1235")."""
+    return MISSING if missing(x) else f"{x:{'+' if signed else ''}.4g}"
+
+
+def count(x) -> str:
+    """A count with thousands separators, "16,384" (a float rounded to a whole number)."""
+    if missing(x):
+        return MISSING
+    return f"{x:,}" if isinstance(x, Integral) else f"{x:,.0f}"
+
+
+def mib(b) -> str:
+    """Bytes in MiB, one decimal: "12.5 MiB"."""
+    return MISSING if missing(b) else f"{b / 2**20:.1f} MiB"
+
+
+def rjust(x, width: int) -> str:
+    """A table cell right-aligned in ``width`` characters."""
+    return str(x).rjust(width)
+
+
+def ljust(x, width: int) -> str:
+    """A table cell left-aligned in ``width`` characters."""
+    return str(x).ljust(width)

@@ -5,12 +5,11 @@ analyzers/kernel_breakdown.py) and draws the run's kernel spans; kernel classes 
 """
 from __future__ import annotations
 
-import html
-
 import numpy as np
 import pandas as pd
 
 from dtprof.analyzers.kernels import kernel_category
+from dtprof.reports.fmt import MISSING, count, esc, fine_s, ljust, pct1, rjust
 
 # timeline categories for kernels (one legend entry each) and the CPU-side spans drawn as an outline above them
 KERNEL_COLORS = {"GPU compute kernel": "#2E7D32", "GPU communication kernel": "#D84315",
@@ -19,16 +18,6 @@ CPU_OUTLINE = "CPU-side span (outline)"
 _KERNEL_CAT = {"computation": "GPU compute kernel", "communication": "GPU communication kernel",
                "memory": "GPU memory copy/set", "other": "GPU other kernel"}
 MAX_KERNEL_BARS = 50_000  # the longest kernels of the window are drawn beyond this (the title says so)
-
-
-def _pct(x) -> str:
-    return "—" if x is None else f"{x:.1%}"
-
-
-def _s(x) -> str:
-    if x is None:
-        return "—"
-    return f"{x * 1e3:.2f} ms" if x >= 1e-3 else f"{x * 1e6:.1f} µs"
 
 
 def _short(name: str, n: int = 100) -> str:
@@ -58,31 +47,33 @@ def summary_lines(summary: dict) -> list[str]:
         return []
     lines = [f"GPU time (kernels; window {ranks[0]['gpu_time']['window']['name']}, "
              f"HTA's definitions: docs/metrics.md):",
-             f"{'rank':>5} {'idle':>7} {'compute':>8} {'non-comp':>9} {'comm':>7} {'memory':>7} "
-             f"{'host wait':>10} {'steps':>8} {'kernels':>8}"]
+             " ".join(rjust(h, w) for h, w in (("rank", 5), ("idle", 7), ("compute", 8), ("non-comp", 9),
+                                                ("comm", 7), ("memory", 7), ("host wait", 10), ("steps", 8),
+                                                ("kernels", 8)))]
     for r in ranks:
         g = r["gpu_time"]
         st = g["window"]["steps"]
-        lines.append(f"{r['rank']:>5} {_pct(g['idle_frac']):>7} {_pct(g['compute_frac']):>8} "
-                     f"{_pct(g['non_compute_frac']):>9} {_pct(g['comm_frac']):>7} {_pct(g['memory_frac']):>7} "
-                     f"{_pct(g['idle_causes']['host_wait']):>10} "
-                     f"{(f'{st[0]}-{st[-1]}' if st else '—'):>8} {g['window']['kernels']:>8}")
+        lines.append(f"{rjust(r['rank'], 5)} {rjust(pct1(g['idle_frac']), 7)} {rjust(pct1(g['compute_frac']), 8)} "
+                     f"{rjust(pct1(g['non_compute_frac']), 9)} {rjust(pct1(g['comm_frac']), 7)} "
+                     f"{rjust(pct1(g['memory_frac']), 7)} {rjust(pct1(g['idle_causes']['host_wait']), 10)} "
+                     f"{rjust(f'{st[0]}-{st[-1]}' if st else MISSING, 8)} {rjust(g['window']['kernels'], 8)}")
     lines += class_lines(ranks)
     st = summary.get("steps") or {}
     if st.get("traced_cost_s") is not None and st.get("traced_steps"):
         lines.append(f"kernel sample: steps {st['traced_steps'][0]}-{st['traced_steps'][-1]} kept out of the step "
-                     f"statistics; it cost the job {_s(max(st['traced_cost_s'], 0.0))} (those steps' time over "
+                     f"statistics; it cost the job {fine_s(max(st['traced_cost_s'], 0.0))} (those steps' time over "
                      f"the median measured step)")
     for label, src, v in overlap_labels(summary):
-        lines.append(f"{label}: {_pct(v)} ({src})")
+        lines.append(f"{label}: {pct1(v)} ({src})")
     kernels = summary.get("kernels") or []
     if kernels:
         lines.append(f"top {len(kernels)} kernels by total time:")
-        lines.append(f"{'time':>10} {'share':>6} {'count':>6} {'mean':>10}  {'category':<13} name")
+        lines.append(f"{rjust('time', 10)} {rjust('share', 6)} {rjust('count', 6)} {rjust('mean', 10)}  "
+                     f"{ljust('category', 13)} name")
         for k in kernels:
             name = _short(k["name"], 80)
-            lines.append(f"{_s(k['time_s']):>10} {_pct(k['share']):>6} {k['count']:>6} {_s(k['mean_s']):>10}  "
-                         f"{k['category']:<13} {name}")
+            lines.append(f"{rjust(fine_s(k['time_s']), 10)} {rjust(pct1(k['share']), 6)} {rjust(k['count'], 6)} "
+                         f"{rjust(fine_s(k['mean_s']), 10)}  {ljust(k['category'], 13)} {name}")
     return lines
 
 
@@ -94,54 +85,50 @@ def class_lines(ranks: list[dict]) -> list[str]:
     """Where each rank's GPU time went by kernel class, and whether it is launch-bound (docs/metrics.md "Why the
     GPU is slow")."""
     lines = ["GPU time by kernel class (share of kernel time; launch gaps: idle waiting for the host to launch):",
-             f"{'rank':>5} " + " ".join(f"{v:>9}" for v in CLASS_LABELS.values())
-             + f" {'idle':>7} {'launch gaps':>12} {'kernels/step':>13} {'median kernel':>14}"]
+             f"{rjust('rank', 5)} " + " ".join(rjust(v, 9) for v in CLASS_LABELS.values())
+             + f" {rjust('idle', 7)} {rjust('launch gaps', 12)} {rjust('kernels/step', 13)} "
+             f"{rjust('median kernel', 14)}"]
     for r in ranks:
         g = r["gpu_time"]
         cf = g.get("class_frac") or {}
-        lines.append(f"{r['rank']:>5} " + " ".join(f"{_pct(cf.get(c)):>9}" for c in CLASS_LABELS)
-                     + f" {_pct(g['idle_frac']):>7} {_pct(g.get('launch_idle_frac')):>12} "
-                     f"{_num(g.get('kernels_per_step')):>13} {_s(g.get('median_kernel_s')):>14}")
+        lines.append(f"{rjust(r['rank'], 5)} " + " ".join(rjust(pct1(cf.get(c)), 9) for c in CLASS_LABELS)
+                     + f" {rjust(pct1(g['idle_frac']), 7)} {rjust(pct1(g.get('launch_idle_frac')), 12)} "
+                     f"{rjust(count(g.get('kernels_per_step')), 13)} {rjust(fine_s(g.get('median_kernel_s')), 14)}")
     return lines
-
-
-def _num(x) -> str:
-    return "—" if x is None else f"{x:,.0f}"
 
 
 def tables_html(summary: dict) -> str:
     """The report's GPU time per rank and top kernels tables ('' without a kernel trace)."""
-    e = lambda x: html.escape(str(x), quote=True)  # noqa: E731
     ranks = [r for r in summary.get("ranks") or [] if r.get("gpu_time")]
     if not ranks:
         return ""
     rows = "".join(
-        f"<tr><td>{e(r['rank'])}</td><td>{_pct(g['idle_frac'])}</td><td>{_pct(g['compute_frac'])}</td>"
-        f"<td>{_pct(g['non_compute_frac'])}</td><td>{_pct(g['comm_frac'])}</td><td>{_pct(g['memory_frac'])}</td>"
-        f"<td>{_pct(g['idle_causes']['host_wait'])} / {_pct(g['idle_causes']['kernel_wait'])} / "
-        f"{_pct(g['idle_causes']['other'])}</td><td>{_pct(g['comm_compute_overlap_frac'])}</td>"
-        f"<td>{e(', '.join(map(str, g['window']['steps'])))}</td><td>{g['window']['kernels']:,}</td></tr>"
+        f"<tr><td>{esc(r['rank'])}</td><td>{pct1(g['idle_frac'])}</td><td>{pct1(g['compute_frac'])}</td>"
+        f"<td>{pct1(g['non_compute_frac'])}</td><td>{pct1(g['comm_frac'])}</td><td>{pct1(g['memory_frac'])}</td>"
+        f"<td>{pct1(g['idle_causes']['host_wait'])} / {pct1(g['idle_causes']['kernel_wait'])} / "
+        f"{pct1(g['idle_causes']['other'])}</td><td>{pct1(g['comm_compute_overlap_frac'])}</td>"
+        f"<td>{esc(', '.join(map(str, g['window']['steps'])))}</td><td>{count(g['window']['kernels'])}</td></tr>"
         for r in ranks for g in [r["gpu_time"]])
     out = ('<table class="data" id="gpu-time-table"><thead><tr><th>rank</th><th>idle</th><th>compute</th>'
            "<th>non-compute</th><th>communication</th><th>memory copy/set</th>"
            "<th>idle causes: host wait / kernel wait / other</th><th>overlap (kernels only, HTA)</th><th>steps</th>"
            f"<th>kernels</th></tr></thead><tbody>{rows}</tbody></table>")
     rows = "".join(
-        f"<tr><td>{e(r['rank'])}</td>" + "".join(f"<td>{_pct((g.get('class_frac') or {}).get(c))}</td>"
+        f"<tr><td>{esc(r['rank'])}</td>" + "".join(f"<td>{pct1((g.get('class_frac') or {}).get(c))}</td>"
                                                  for c in CLASS_LABELS)
-        + f"<td>{_pct(g['idle_frac'])}</td><td>{_pct(g.get('launch_idle_frac'))}</td>"
-        f"<td>{_num(g.get('kernels_per_step'))}</td><td>{_s(g.get('median_kernel_s'))}</td></tr>"
+        + f"<td>{pct1(g['idle_frac'])}</td><td>{pct1(g.get('launch_idle_frac'))}</td>"
+        f"<td>{count(g.get('kernels_per_step'))}</td><td>{fine_s(g.get('median_kernel_s'))}</td></tr>"
         for r in ranks for g in [r["gpu_time"]])
     out += ('<h3>GPU time by kernel class</h3><table class="data" id="gpu-class-table"><thead><tr><th>rank</th>'
-            + "".join(f"<th>{e(v)}</th>" for v in CLASS_LABELS.values())
+            + "".join(f"<th>{esc(v)}</th>" for v in CLASS_LABELS.values())
             + "<th>idle</th><th>launch gaps (idle waiting for the host)</th><th>kernels per step</th>"
             f"<th>median kernel</th></tr></thead><tbody>{rows}</tbody></table>")
     kernels = summary.get("kernels") or []
     if kernels:
         rows = "".join(
-            f'<tr><td class="t" title="{e(k["name"])}">{e(_short(k["name"]))}</td>'
-            f'<td class="t">{e(k["category"])}</td><td>{k["count"]:,}</td><td>{_s(k["time_s"])}</td>'
-            f"<td>{_pct(k['share'])}</td><td>{_s(k['mean_s'])}</td></tr>" for k in kernels)
+            f'<tr><td class="t" title="{esc(k["name"])}">{esc(_short(k["name"]))}</td>'
+            f'<td class="t">{esc(k["category"])}</td><td>{count(k["count"])}</td><td>{fine_s(k["time_s"])}</td>'
+            f"<td>{pct1(k['share'])}</td><td>{fine_s(k['mean_s'])}</td></tr>" for k in kernels)
         out += (f'<h3>Top {len(kernels)} kernels by total time</h3><table class="data" id="kernel-table"><thead><tr>'
                 '<th class="t">kernel</th><th class="t">category</th><th>count</th><th>total time</th>'
                 "<th>share of kernel time</th><th>mean</th></tr></thead><tbody>" + rows + "</tbody></table>")

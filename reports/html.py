@@ -1,6 +1,6 @@
 """The offline HTML report: one self-contained file that opens from file:// on an air-gapped machine.
 
-    write_report(run, analysis, out_path=None) -> Path     (default: the run's report.html)
+    render(analysis, options=None) -> str     (dtprof/report.py save_report writes it: the run's report.html)
 
 The page: a header (command, world size, hosts and devices, versions, duration, status and why: the analysis'
 ``run`` block and triage verdict), the step breakdown as one stacked bar per rank (reports/breakdown.py), headline
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import math
-import os
 import shlex
 import sys
 import time
@@ -47,7 +46,21 @@ import numpy as np
 
 from dtprof.analyzers.stragglers import PERSISTENT_RULE, TRANSIENT_RULE
 from dtprof.reports import rankgroups as RG
-from dtprof.reports.fmt import esc, fmt_bytes, fmt_evidence, fmt_frac, fmt_s, fmt_value
+from dtprof.reports.fmt import (
+    MISSING,
+    count,
+    esc,
+    fixed,
+    fmt_bytes,
+    fmt_evidence,
+    fmt_frac,
+    fmt_s,
+    fmt_value,
+    pct,
+    pct1,
+    plain,
+    sig,
+)
 
 ASSETS = Path(__file__).parent / "assets"
 # plotly.js's cartesian bundle, from npm plotly.js-cartesian-dist-min (MIT, assets/plotly-cartesian.LICENSE);
@@ -123,7 +136,7 @@ class Progress:
         width = 24
         filled = int(width * self.done / self.total)
         line = (f"dtprof report [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} "
-                f"({time.monotonic() - self.t0:.1f} s)")
+                f"({fixed(time.monotonic() - self.t0, unit='s')})")
         sys.stderr.write(("\r" + line.ljust(90)) if self.tty else line + "\n")
         if self.tty and self.done == self.total:
             sys.stderr.write("\n")
@@ -183,11 +196,10 @@ class _Page:
                 f'style="min-height:{int(height)}px"></div>')
 
 
-def _header(run, summary: dict) -> str:
-    """The run's identity from its manifests (command, devices, versions) and its state from the analysis
+def _header(identity: dict, summary: dict) -> str:
+    """The run's identity (``Analysis.identity``: command, devices, versions) and its state from the analysis
     (summary ``run`` and ``triage``): nothing is derived here."""
-    node = (run.nodes or [{}])[0]
-    command = node.get("command") or run.manifest.get("command") or ""
+    command = identity["command"]
     command = shlex.join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
     srun = summary.get("run") or {}
     status = srun.get("status") or "unknown"   # the worst node's (analyzers/summary.py worst_status)
@@ -196,20 +208,18 @@ def _header(run, summary: dict) -> str:
         reason = (summary.get("triage") or {}).get("message") or summary.get("triage_reason") or ""
     code = srun.get("exit_code")
     code_html = f" (exit code {esc(code)})" if code is not None else ""
-    ranks = run.ranks
-    devices = ranks.groupby(ranks["device_name"].astype(str)).size() if len(ranks) else {}
-    dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in devices.items()) or "unknown"
-    versions: dict[str, object] = {}
-    for n in run.nodes:
-        versions.update(n.get("versions") or {})
+    dev_text = ", ".join(f"{n} × {esc(name or 'unknown device')}" for name, n in identity["devices"].items()) \
+        or "unknown"
+    versions = identity["versions"]
     # a version the run could not read is shown with the launcher's reason (``<name>_reason``), not as "None"
     def version(k: str, v) -> str:
         why = versions.get(f"{k}_reason")
-        return f"{esc(k)} {esc(v)}" if v is not None else f"{esc(k)} n/a" + (f" ({esc(why)})" if why else "")
+        return f"{esc(k)} {esc(v)}" if v is not None else f"{esc(k)} {MISSING}" + (f" ({esc(why)})" if why else "")
 
     ver_text = " · ".join(version(k, v) for k, v in versions.items() if not k.endswith("_reason")) or "not recorded"
     duration = srun.get("duration_s")
-    duration_text = fmt_s(duration) if duration is not None else f"n/a ({srun.get('duration_s_reason') or 'unknown'})"
+    duration_text = (fmt_s(duration) if duration is not None
+                     else f"{MISSING} ({srun.get('duration_s_reason') or 'unknown'})")
     started = srun.get("start_time") or ""
     hosts = srun.get("hosts") or []
     host_text = (f"{len(hosts)}: " + ", ".join(esc(h) for h in hosts[:8]) +
@@ -218,7 +228,7 @@ def _header(run, summary: dict) -> str:
     cls = status if status in ("completed", "failed", "hung", "killed") else "other"
     reason_html = f' <span class="reason">{esc(reason)}</span>' if reason else ""
     return f"""<header class="top">
-<h1>dtprof report — {esc(run.path.name)}</h1>
+<h1>dtprof report — {esc(identity["name"])}</h1>
 <div><code id="command">{esc(command)}</code></div>
 <dl class="meta">
 <dt>status</dt><dd><span class="status {cls}" id="status">{esc(status)}</span>{reason_html}{code_html}</dd>
@@ -256,7 +266,7 @@ def _cards(summary: dict) -> str:
         "mfu": " · ".join(x for x in (
             f"FLOPs: {esc(mfu.get('flops_source'))}" if mfu.get("flops_source") else "",
             f"peak: {esc(mfu.get('peak_source'))}" if mfu.get("peak_source") else "",
-            f"{mfu['peak_flops'] / 1e12:.4g} TFLOP/s {esc(mfu.get('dtype') or '')}" if mfu.get("peak_flops") else "",
+            f"{sig(mfu['peak_flops'] / 1e12)} TFLOP/s {esc(mfu.get('dtype') or '')}" if mfu.get("peak_flops") else "",
         ) if x) if mfu.get("value") is not None else esc(mfu.get("value_reason") or "unknown"),
         "step_time_p50": "median of the job's step time (slowest rank), warm-up excluded",
         "step_time_p90": "90th percentile of the job's step time",
@@ -345,10 +355,6 @@ def _table(df, columns: list[tuple[str, str, Callable[[Any], str] | None]], limi
     return f'<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>{more}'
 
 
-def _num(fmt):
-    return lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
-
-
 def _section(anchor: str, body: str, note: str = "") -> str:
     note_html = f'<p class="note">{note}</p>' if note else ""
     return f'<section id="{anchor}"><h2>{esc(SECTIONS[anchor])}</h2>{note_html}{body}</section>'
@@ -366,23 +372,23 @@ def _ranks_by_group(analysis) -> str:
     compute = ranks["compute_s_per_step"].astype(float)
     groupings = RG.groupings(analysis.summary, analysis.pipeline)
     worst = ranks.loc[RG.worst_ranks(compute, RG.WORST_NAMED * 2).index].copy()
-    cols: list[tuple[str, str, Callable[[Any], str] | None]] = [("rank", "rank", _num("{}"))]
+    cols: list[tuple[str, str, Callable[[Any], str] | None]] = [("rank", "rank", plain)]
     for g in groupings:
         worst[g.kind] = [g.labels[c] if c == c else "" for c in g.codes.reindex(worst.index)]
         cols.append((g.kind, g.kind, None))
     cols += [("compute_s_per_step", "compute / step", fmt_s), ("exposed_comm_s_per_step", "exposed comm / step",
                                                                 fmt_s),
              ("step_time_s_mean", "step (mean)", fmt_s), ("compute_score", "compute score (1 = fastest)",
-                                                          _num("{:.2f}"))]
+                                                          lambda v: fixed(v, 2))]
     out = ['<h3>Ranks computing the longest per step</h3><div id="worst-ranks">',
            _table(worst, cols, RG.WORST_NAMED * 2, "ranks"), "</div>"]
     for g in groupings or [RG.consecutive(compute.index, 64)]:
         t = RG.group_stats(compute, g).sort_values("max", ascending=False)
-        out.append(f'<h3>By {esc(g.kind)} ({g.n:,} groups): the {min(RG.WORST_NAMED, g.n)} with the longest worst '
+        out.append(f'<h3>By {esc(g.kind)} ({count(g.n)} groups): the {min(RG.WORST_NAMED, g.n)} with the longest worst '
                    f'rank</h3><div class="by-group" data-kind="{esc(g.kind)}">')
         out.append(_table(t, [("label", g.kind, None), ("ranks", "ranks", None), ("min", "min", fmt_s),
                               ("median", "median", fmt_s), ("max", "max", fmt_s),
-                              ("worst_rank", "worst rank", _num("{}"))], RG.WORST_NAMED, "groups"))
+                              ("worst_rank", "worst rank", plain)], RG.WORST_NAMED, "groups"))
         out.append("</div>")
     return "".join(out)
 
@@ -393,7 +399,7 @@ class _Parts:
     page: _Page
     ctx: Any                  # reports/figures.py Context
     analysis: Any             # dtprof.analyzers.summary.Analysis
-    run: Any                  # dtprof.reader.Run (raw spans for the timeline, the world size)
+    run: Any                  # dtprof.rundir.run.Run (raw spans for the timeline, the world size)
     summary: dict
     n_ranks: int
 
@@ -410,7 +416,7 @@ def _ranks_section(p: _Parts) -> str:
     if p.n_ranks <= RG.GROUP_ABOVE:
         return ""
     return _section("ranks", _ranks_by_group(p.analysis), (
-        f"{p.n_ranks:,} ranks: beyond {RG.GROUP_ABOVE} ranks the per-rank charts below show groups of ranks "
+        f"{count(p.n_ranks)} ranks: beyond {RG.GROUP_ABOVE} ranks the per-rank charts below show groups of ranks "
         "(node, pipeline stage or mesh coordinate), each group's spread and its worst rank. Ranks are compared "
         "by compute per step, not step time: in synchronous training every rank's step lasts as long as the "
         "slowest rank's (docs/metrics.md, Stragglers)."))
@@ -421,7 +427,7 @@ def _timeline_section(p: _Parts) -> str:
 
     tl, window, tl_ranks = F.timeline_figure(p.ctx)
     world = p.run.world_size or p.n_ranks
-    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" — a slice of {len(tl_ranks)} of the {world:,} "
+    note = (f"Ranks shown: {', '.join(map(str, tl_ranks))}" + (f" — a slice of {len(tl_ranks)} of the {count(world)} "
             "ranks: rank 0, the stragglers, the slowest and fastest computing ranks, then an even sample"
             if len(tl_ranks) < world else "") +
             ". Each rank has a compute row and a communication row; red marks time blocked on communication. "
@@ -484,10 +490,10 @@ def _stragglers_section(p: _Parts) -> str:
 
     st = p.analysis.flagged
     shown = st.sort_values("time_lost_s", ascending=False) if st is not None and len(st) else st
-    strag_table = _table(shown, [("rank", "rank", _num("{}")), ("host", "host", None), ("device", "GPU", None),
+    strag_table = _table(shown, [("rank", "rank", plain), ("host", "host", None), ("device", "GPU", None),
                                    ("kind", "kind", None), ("reason", "why (share of measured steps)", None),
                                    ("time_lost_s", "peers' arrival wait", fmt_s),
-                                   ("compute_score", "compute score (1 = fastest)", _num("{:.2f}"))],
+                                   ("compute_score", "compute score (1 = fastest)", lambda v: fixed(v, 2))],
                          50, "rank flagged as a straggler")
     return _section("stragglers", strag_table + p.page.figure(F.straggler_figure(p.ctx), "fig-stragglers"),
                     "Lateness = a rank's arrival at a collective minus the first rank's arrival (clocks "
@@ -502,10 +508,10 @@ def _collectives_section(p: _Parts) -> str:
     return _section("collectives", _table(coll, [
         ("op", "op", None), ("group", "group", None), ("mesh_dim", "mesh dimension", None),
         ("size_bucket", "message size", None),
-        ("count", "count", _num("{:,}")), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
-        ("algbw_gbps", "algbw (GB/s)", _num("{:.2f}")), ("busbw_gbps", "busbw (GB/s)", _num("{:.2f}")),
-        ("link_peak_frac", "of link peak", _num("{:.0%}")), ("share_of_comm", "share of comm time",
-                                                             _num("{:.1%}"))], 60, "collectives recorded"),
+        ("count", "count", count), ("total_s", "total time", fmt_s), ("transfer_s", "transfer time", fmt_s),
+        ("algbw_gbps", "algbw (GB/s)", lambda v: fixed(v, 2)), ("busbw_gbps", "busbw (GB/s)", lambda v: fixed(v, 2)),
+        ("link_peak_frac", "of link peak", pct), ("share_of_comm", "share of comm time",
+                                                             pct1)], 60, "collectives recorded"),
         "algbw = S ÷ transfer time, busbw = algbw × the nccl-tests factor (docs/metrics.md); transfer time excludes "
         "waiting for late peers.")
 
@@ -529,8 +535,8 @@ def _mesh_section(p: _Parts) -> str:
         20, "mesh dimensions")
     if len(pipes):
         body += "<h3>Pipeline groups</h3>" + _table(pipes, [
-            ("ranks", "ranks (stages)", None), ("bubble_frac", "bubble (mean)", _num("{:.1%}")),
-            ("bubble_frac_max", "bubble (worst stage-step)", _num("{:.1%}"))], 64, "pipeline groups")
+            ("ranks", "ranks (stages)", None), ("bubble_frac", "bubble (mean)", pct1),
+            ("bubble_frac_max", "bubble (worst stage-step)", pct1)], 64, "pipeline groups")
     return _section("mesh", body, f"DeviceMesh {esc(shape) or '(shape not recorded)'}; the costliest "
                     f"dimension is <b>{esc(mesh.get('costliest_dim'))}</b> (most exposed "
                     "communication per step). Exposed communication is split across dimensions in "
@@ -543,9 +549,10 @@ def _gpu_section(p: _Parts) -> str:
     gpu = p.analysis.gpu
     gpu_fig = F.gpu_figure(p.ctx)
     gpu_tbl = _table(gpu.sort_values("sm_util_mean_pct") if gpu is not None and len(gpu) else None, [
-        ("host", "host", None), ("gpu", "GPU", _num("{}")), ("sm_util_mean_pct", "SM util (mean)", _num("{:.1f} %")),
-        ("mem_bw_util_mean_pct", "mem-bw util (mean)", _num("{:.1f} %")), ("idle_frac", "idle", _num("{:.0%}")),
-        ("throttled_s", "throttled", fmt_s), ("power_w_mean", "power (mean)", _num("{:.0f} W"))],
+        ("host", "host", None), ("gpu", "GPU", plain),
+        ("sm_util_mean_pct", "SM util (mean)", lambda v: fixed(v, unit="%")),
+        ("mem_bw_util_mean_pct", "mem-bw util (mean)", lambda v: fixed(v, unit="%")), ("idle_frac", "idle", pct),
+        ("throttled_s", "throttled", fmt_s), ("power_w_mean", "power (mean)", lambda v: fixed(v, 0, unit="W"))],
         16, "NVML samples (no GPU, or NVML unavailable)")
     return _section("gpu", p.page.figure(gpu_fig, "fig-gpu") + gpu_tbl, "Lowest SM utilisation first.")
 
@@ -579,7 +586,7 @@ def _health_section(p: _Parts) -> str:
         return ""
     incidents = pd.DataFrame(health.get("incidents") or [], columns=["step", "kind", "ranks", "message"])
     incidents["ranks"] = [", ".join(map(str, r)) for r in incidents["ranks"]]
-    table = _table(incidents, [("step", "step", _num("{}")), ("kind", "incident", None), ("ranks", "ranks", None),
+    table = _table(incidents, [("step", "step", plain), ("kind", "incident", None), ("ranks", "ranks", None),
                                ("message", "what dtprof saw", None)], 20, "numerics incidents")
     test = health.get("spike_test") or {}
     fp = health.get("fingerprint") or {}
@@ -613,17 +620,18 @@ def _notices(notices: list[str]) -> str:
 
 
 def render(analysis, options: dict | None = None) -> str:
-    """The page of ``analysis`` (analyzers/summary.py ``Analysis``, its run ``analysis.run``), the renderer
-    contract (docs/architecture.md); ``options``: ``progress`` (a progress bar on stderr)."""
-    return render_report(analysis.run, analysis, Progress(10, bool((options or {}).get("progress"))))
-
-
-def render_report(run, analysis, progress: Progress | None = None) -> str:
+    """The page of ``analysis`` (analyzers/summary.py ``Analysis``; its run ``analysis.run`` read only for raw
+    spans: the timeline), the renderer contract (docs/architecture.md); ``options``: ``progress``, a progress bar
+    on stderr (None or absent: only for runs with more than 50,000 rank-steps). dtprof/report.py writes it."""
     from dtprof.reports import figures as F
     from dtprof.reports.breakdown import breakdown_figure
     from dtprof.reports.whatif import whatif_html
 
-    progress = progress or Progress(10, False)
+    show = (options or {}).get("progress")
+    if show is None:
+        show = len(analysis.run.steps) > 50_000   # counting the spans would read them all
+    progress = Progress(10, bool(show))
+    run = analysis.run
     page = _Page()
     summary = analysis.summary or {}
     # first on the page, so the first screen says where the step went
@@ -653,10 +661,10 @@ def render_report(run, analysis, progress: Progress | None = None) -> str:
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>dtprof report — {esc(run.path.name)}</title>
+<title>dtprof report — {esc(analysis.identity["name"])}</title>
 <style>{css}</style></head>
 <body>
-{_header(run, summary)}
+{_header(analysis.identity, summary)}
 <nav class="toc"><a href="#headline">Headline</a><a href="#findings">Findings</a>{toc}</nav>
 <main>
 <section id="headline"><h2>Headline</h2><div class="cards">{_cards(summary)}</div>{breakdown_chart}</section>
@@ -685,24 +693,3 @@ def _plotly_js() -> str:
     if "</script" in js.lower():  # never seen, but an inlined script must not close its own tag
         js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
     return js
-
-
-def write_report(run, analysis, out_path=None, *, progress: bool | None = None) -> Path:
-    """Write the HTML report of ``run`` (an open dtprof.reader.Run, read only for raw spans: the timeline) and its
-    ``analysis`` (``dtprof.analyzers.summary.analyze``; the command made it, dtprof/options.py
-    ``open_and_analyze``) to ``out_path`` (default the run's ``report.html``) and return its path.
-    ``progress``: a progress bar on stderr (None = only for runs with more than 50,000 rank-steps).
-    The file is written to a temporary name and renamed, so a reader never sees half a report.
-    """
-    if progress is None:
-        progress = len(run.steps) > 50_000   # counting the spans would read them all
-    text = render_report(run, analysis, Progress(10, bool(progress)))
-    out = Path(out_path) if out_path else run.path / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)   # a full disk must not leave half a report behind under a hidden name
-    return out

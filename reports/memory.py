@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from dtprof.reports.figures import layout, rank_axis
-from dtprof.reports.fmt import esc, fmt_bytes
+from dtprof.reports.fmt import esc, fmt_bytes, plain
 
 # (summary key, legend name, colour), bottom to top
 CATEGORIES = (("params_bytes", "parameters", "#4C78A8"), ("grads_bytes", "gradients", "#F58518"),
@@ -97,7 +97,7 @@ def ledger_html(memory: dict) -> str:
                    fmt_bytes(r.get("optimizer_state_bytes")), fmt_bytes(r.get("activations_bytes")),
                    fmt_bytes(r.get("peak_bytes")), fmt_bytes(r.get("reserved_peak_bytes")),
                    fmt_bytes(r.get("fragmentation_bytes")), fmt_bytes(r.get("non_pytorch_bytes")),
-                   "–" if r.get("alloc_retries") is None else str(r["alloc_retries"]),
+                   plain(r.get("alloc_retries")),
                    fmt_bytes(r.get("headroom_bytes"))] for r in ranks])]
     imb = memory.get("imbalance") or {}
     if imb.get("ranks"):
@@ -110,7 +110,7 @@ def ledger_html(memory: dict) -> str:
         out.append("<h3>Pipeline stages: activations per micro-batch in flight</h3>")
         out.append(_rows(["stage", "ranks", "activations", "micro-batches in flight", "per micro-batch"],
                          [[str(x["stage"]), ", ".join(map(str, x["ranks"])), fmt_bytes(x.get("activations_bytes")),
-                           "–" if x.get("in_flight_microbatches") is None else str(x["in_flight_microbatches"]),
+                           plain(x.get("in_flight_microbatches")),
                            fmt_bytes(x.get("activations_per_microbatch_bytes"))] for x in imb["stages"]]))
     focus = memory.get("least_headroom_rank", memory.get("largest_peak_rank"))
     fits = next((f for f in memory.get("what_fits") or [] if f["rank"] == focus), None)

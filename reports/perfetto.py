@@ -38,7 +38,7 @@ def render(analysis, options: dict | None = None) -> bytes:
 
 
 def build_trace(analysis) -> dict:
-    """The Chrome trace dict of ``analysis.run`` (a dtprof.reader.Run) on its run model's aligned clock
+    """The Chrome trace dict of ``analysis.run`` (a dtprof.rundir.run.Run) on its run model's aligned clock
     (``analysis.model``: analyzers/runmodel.py ``RunModel``). ``analysis``: an ``Analysis``, or anything with its
     ``run`` and ``model`` (`dtprof export perfetto` needs only those)."""
     run, model = analysis.run, analysis.model

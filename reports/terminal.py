@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtprof.analyzers import breakdown as breakdown_mod
-from dtprof.reports.fmt import pct, saving, short_s
+from dtprof.reports.fmt import MISSING, count, fixed, ljust, mib, pct, pct1, rjust, saving, short_s
 from dtprof.reports.gpu import summary_lines as gpu_summary_lines
 
 
@@ -47,16 +47,16 @@ def format_summary_text(summary: dict, unnamed_suspects=(), restart_lines=()) ->
              "optimizer": "optim", "gpu_wait": "GPU wait"}
     # waiting for a CPU happens inside the parts: a column after them, where the ranks reported it
     cpu_col = summary.get("cpu_wait") is not None
-    lines.append(f"{'rank':>5} {'host':<14} {'steps':>5} {'step mean':>10} "
-                 + " ".join(f"{short.get(p, p):>9}" for p in parts) + f" {'overlap':>8}"
-                 + (f" {'cpu wait':>9}" if cpu_col else ""))
+    lines.append(f"{rjust('rank', 5)} {ljust('host', 14)} {rjust('steps', 5)} {rjust('step mean', 10)} "
+                 + " ".join(rjust(short.get(p, p), 9) for p in parts) + f" {rjust('overlap', 8)}"
+                 + (f" {rjust('cpu wait', 9)}" if cpu_col else ""))
     for r in summary.get("ranks") or []:
         b = r.get("breakdown_s_per_step") or {}
-        lines.append(f"{r['rank']:>5} {str(r.get('host') or '')[:14]:<14} {r.get('steps', 0):>5} "
-                     f"{short_s(r.get('step_time_s_mean')):>10} "
-                     + " ".join(f"{short_s(b.get(p)):>9}" for p in parts)
-                     + f" {pct(r.get('overlap_ratio')):>8}"
-                     + (f" {short_s(r.get('cpu_wait_s_per_step')):>9}" if cpu_col else ""))
+        lines.append(f"{rjust(r['rank'], 5)} {ljust(str(r.get('host') or '')[:14], 14)} {rjust(r.get('steps', 0), 5)} "
+                     f"{rjust(short_s(r.get('step_time_s_mean')), 10)} "
+                     + " ".join(rjust(short_s(b.get(p)), 9) for p in parts)
+                     + f" {rjust(pct(r.get('overlap_ratio')), 8)}"
+                     + (f" {rjust(short_s(r.get('cpu_wait_s_per_step')), 9)}" if cpu_col else ""))
     bd = summary.get("breakdown") or {}
     by_dim = {k: v for k, v in (bd.get("exposed_comm_by_dim_s_per_step") or {}).items() if v > 0}
     by_op = {k: v for k, v in (bd.get("exposed_comm_by_op_s_per_step") or {}).items() if v > 0}
@@ -71,17 +71,17 @@ def format_summary_text(summary: dict, unnamed_suspects=(), restart_lines=()) ->
     wif = summary.get("what_if") or []
     if wif:   # the what-if model's top three (analyzers/whatif.py)
         rep = summary.get("replay") or {}
-        err = f", replay error {rep['error_frac']:.1%}" if rep.get("error_frac") is not None else ""
+        err = f", replay error {pct1(rep['error_frac'])}" if rep.get("error_frac") is not None else ""
         lines.append(f"what if (predicted mean step; measured {short_s(wif[0]['measured_step_s'])}{err}): " + "; ".join(
             f"{w['scenario']}{' rank ' + ','.join(map(str, w['ranks'])) if w['ranks'] else ''}"
             f"{' (not a straggler)' if i in unnamed_suspects else ''} "
             f"{short_s(w['predicted_step_s'])} ({saving(w['saving_frac'])})" for i, w in enumerate(wif[:3])))
     m = summary.get("mfu") or {}
     if m.get("value") is not None:
-        lines.append(f"MFU: {m['value']:.1%} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
+        lines.append(f"MFU: {pct1(m['value'])} ({m.get('flops_source')}; peak: {m.get('peak_source')})")
     else:
-        lines.append(f"MFU: n/a ({m.get('value_reason') or m.get('peak_reason') or m.get('flops_reason')})")
-    rates = [f"{st[k]:,.0f} {what}/s ({st.get(k + '_source')})" for k, what in
+        lines.append(f"MFU: {MISSING} ({m.get('value_reason') or m.get('peak_reason') or m.get('flops_reason')})")
+    rates = [f"{count(st[k])} {what}/s ({st.get(k + '_source')})" for k, what in
              (("tokens_per_s", "tokens"), ("samples_per_s", "samples")) if st.get(k) is not None]
     if rates:
         lines.append("throughput: " + "; ".join(rates))
@@ -92,11 +92,11 @@ def format_summary_text(summary: dict, unnamed_suspects=(), restart_lines=()) ->
     if ev:
         lines.append(f"evaluation between steps (not in step times, throughput or MFU): {ev['stretches']} "
                      f"stretch(es), {short_s(ev['total_s'])} on rank {ev['rank']}"
-                     + (f" ({ev['wall_frac']:.1%} of its run)" if ev.get("wall_frac") is not None else ""))
+                     + (f" ({pct1(ev['wall_frac'])} of its run)" if ev.get("wall_frac") is not None else ""))
     outside = summary.get("collectives_outside_steps") or []
     if outside:
         lines.append(f"collectives outside every step (set-up, checkpointing, evaluation): "
-                     f"{sum(c['count'] for c in outside)}, {sum(c['bytes'] for c in outside) / 2**20:.1f} MiB, "
+                     f"{sum(c['count'] for c in outside)}, {mib(sum(c['bytes'] for c in outside))}, "
                      f"{short_s(sum(c['total_s'] for c in outside))}")
     pp = summary.get("pipeline")
     if pp:
@@ -104,11 +104,11 @@ def format_summary_text(summary: dict, unnamed_suspects=(), restart_lines=()) ->
                      f"bubble {pct(pp.get('bubble_frac'))} = theoretical "
                      f"{pct(pp.get('theoretical_bubble_frac'))} + overhead {pct(pp.get('overhead_frac'))}"
                      f" of the step, imbalance "
-                     f"{'—' if pp.get('imbalance') is None else format(pp['imbalance'], '.2f')}×")
+                     f"{fixed(pp.get('imbalance'), 2)}×")
     sl = summary.get("stragglers") or []
     if sl:
         lines.append("stragglers: " + "; ".join(
-            f"rank {s['rank']} ({s['host']}) {s['kind']}, saves {s['saving_frac']:.0%} of the step if fixed, "
+            f"rank {s['rank']} ({s['host']}) {s['kind']}, saves {pct(s['saving_frac'])} of the step if fixed, "
             f"peers' arrival wait {short_s(s['time_lost_s'])}" for s in sl))
     else:
         lines.append("stragglers: none")

@@ -3,15 +3,11 @@ scenario's predicted mean step and saving, most first, with the replay's identit
 shares. Formats the analysis' summary only."""
 from __future__ import annotations
 
-from html import escape
+from dtprof.reports.fmt import esc, ms, pct, pct1
 
 NAMES = {"straggler_removed": "Straggler removed", "perfect_overlap": "Perfect overlap",
          "no_data_wait": "No data wait", "balanced_stages": "Balanced stages",
          "no_pipeline_gaps": "No pipeline gaps", "collectives_at_link_peak": "Collectives at link peak"}
-
-
-def _ms(x) -> str:
-    return "—" if x is None else f"{x * 1e3:.1f} ms"
 
 
 NOT_NAMED = ' <span class="note">(not a straggler)</span>'
@@ -24,21 +20,21 @@ def whatif_html(summary: dict, unnamed_suspects=()) -> str:
     if not wif:
         return ""
     rows = "".join(
-        f"<tr><td title=\"{escape(w['basis'])}\">{escape(NAMES.get(w['scenario'], w['scenario']))}"
-        f"{' rank ' + escape(', '.join(map(str, w['ranks']))) if w['ranks'] else ''}"
+        f"<tr><td title=\"{esc(w['basis'])}\">{esc(NAMES.get(w['scenario'], w['scenario']))}"
+        f"{' rank ' + esc(', '.join(map(str, w['ranks']))) if w['ranks'] else ''}"
         f"{NOT_NAMED if i in unnamed_suspects else ''}</td>"
-        f"<td class=\"num\">{_ms(w['predicted_step_s'])}</td><td class=\"num\">{w['saving_frac']:.0%}</td></tr>"
+        f"<td class=\"num\">{ms(w['predicted_step_s'])}</td><td class=\"num\">{pct(w['saving_frac'])}</td></tr>"
         for i, w in enumerate(wif))
     rep = summary.get("replay") or {}
-    err = (f"replaying the unmodified model reproduces the measured steps within {rep['error_frac']:.1%} (mean)"
+    err = (f"replaying the unmodified model reproduces the measured steps within {pct1(rep['error_frac'])} (mean)"
            if rep.get("error_frac") is not None else "replay error unknown")
     cp = summary.get("critical_path") or {}
     path = ""
     if cp.get("by_part"):
-        parts = ", ".join(f"{escape(k)} {v:.0%}" for k, v in sorted(cp["by_part"].items(), key=lambda kv: -kv[1]))
-        ranks = ", ".join(f"rank {escape(k)} {v:.0%}" for k, v in list(cp["by_rank"].items())[:4])
+        parts = ", ".join(f"{esc(k)} {pct(v)}" for k, v in sorted(cp["by_part"].items(), key=lambda kv: -kv[1]))
+        ranks = ", ".join(f"rank {esc(k)} {pct(v)}" for k, v in list(cp["by_rank"].items())[:4])
         path = f"<p class=\"note\">Critical path: {parts}; {ranks}.</p>"
     return (f"<div id=\"what-if\"><h3>What if</h3><p class=\"note\">Predicted mean step (measured "
-            f"{_ms(wif[0]['measured_step_s'])}) if the fix were made; {escape(err)}.</p>"
+            f"{ms(wif[0]['measured_step_s'])}) if the fix were made; {esc(err)}.</p>"
             f"<table class=\"whatif\"><thead><tr><th>scenario</th><th>predicted step</th><th>saving</th></tr>"
             f"</thead><tbody>{rows}</tbody></table>{path}</div>")

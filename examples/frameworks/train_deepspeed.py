@@ -10,11 +10,14 @@ twelve layers, six blocks, four parameterless ReLUs, two blocks, so the default 
 counts) puts six blocks on stage 0 and two on stage 1, while ``--partition parameters`` balances them four and
 four. ``--partition uniform,parameters`` builds one engine per method (the same initial weights) and alternates
 them step by step (step k on the k mod 2-th): the unbalanced and the balanced pipeline in one job, so that a busy
-machine's load hits both alike. ZeRO jobs step the optimizer every ``--accum`` micro-batches (``engine.step()`` at
-the boundary).
+machine's load hits both alike. ``--device-ms T`` gives each block a stand-in for device time: a wait of T ms in its
+forward and 2T in its backward that holds no CPU (as the host thread waits for a GPU kernel), so that stages that
+compute at once do not also compete for the host's cores. ZeRO jobs step the optimizer every ``--accum``
+micro-batches (``engine.step()`` at the boundary).
 
 The job measures its own truth, independent of any profiler: the time its training thread spends inside
-``torch.distributed`` calls and ``Work.wait`` (wrapped here, before DeepSpeed looks any of them up), per step. Each
+``torch.distributed`` calls and ``Work.wait`` (comm_clock.py, installed before DeepSpeed looks any of them up),
+per step. Each
 rank prints one line ``clock <rank> {"steps": [[duration, communication], ...]}`` (s, one pair per optimizer
 step). Every rank prints
 ``parameters <rank> <count>`` (its model's, before DeepSpeed partitions it: its stage's under the pipeline) and
@@ -25,53 +28,51 @@ import argparse
 import hashlib
 import json
 import os
-import threading
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before DeepSpeed picks its accelerator
+import comm_clock  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# ---- the job's own clock of communication (installed before DeepSpeed imports torch.distributed's functions)
-_MAIN = threading.get_ident()
-_clock = {"depth": 0, "comm_s": 0.0}
-COMM_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-              "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
-              "all_to_all_single", "all_to_all", "gather", "scatter", "all_gather_object", "broadcast_object_list")
-
-
-def _timed(fn):
-    def wrapper(*args, **kwargs):
-        if threading.get_ident() != _MAIN or _clock["depth"]:
-            return fn(*args, **kwargs)
-        _clock["depth"] += 1
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _clock["comm_s"] += time.perf_counter() - t0
-            _clock["depth"] -= 1
-    wrapper.__name__ = getattr(fn, "__name__", "wrapper")
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-for _name in COMM_FUNCS:
-    if hasattr(dist, _name):
-        setattr(dist, _name, _timed(getattr(dist, _name)))
-dist.Work.wait = _timed(dist.Work.wait)
-
+comm_clock.install()   # the job's own clock of communication, before DeepSpeed looks up torch.distributed's functions
 import deepspeed  # noqa: E402  (after the clock: deepspeed.comm looks some functions up once)
 
 
-def block(dim):
-    return torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(), torch.nn.Linear(4 * dim, dim))
+class _DeviceTime(torch.autograd.Function):
+    """Waits ``seconds`` in forward and twice that in backward without holding a CPU, as the host thread waits for
+    a GPU kernel's time: the block's compute on a device of its own, whatever the host's load."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class DeviceTime(torch.nn.Module):
+    def __init__(self, ms: float):
+        super().__init__()
+        self.seconds = ms / 1000
+
+    def forward(self, x):
+        return _DeviceTime.apply(x, self.seconds)
+
+
+def block(dim, device_ms=0.0):
+    layers = [torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(), torch.nn.Linear(4 * dim, dim)]
+    return torch.nn.Sequential(*layers, *([DeviceTime(device_ms)] if device_ms else []))
 
 
 class Net(torch.nn.Module):
-    def __init__(self, dim, blocks):
+    def __init__(self, dim, blocks, device_ms=0.0):
         super().__init__()
-        self.blocks = torch.nn.Sequential(*[block(dim) for _ in range(blocks)])
+        self.blocks = torch.nn.Sequential(*[block(dim, device_ms) for _ in range(blocks)])
 
     def forward(self, x, y):
         return torch.nn.functional.mse_loss(self.blocks(x), y)
@@ -102,6 +103,12 @@ def main():
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--batch", type=int, default=16, help="micro-batch per rank")
+    p.add_argument("--print-health", action="store_true",
+                   help="each rank prints HEALTH <rank> <step> <loss> <grad norm> <lr> per step: its micro-batches' "
+                        "mean loss and the engine's get_global_grad_norm() (ZeRO jobs)")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="each block also waits this long in forward (twice in backward) holding no CPU: a stand-in "
+                        "for a device's compute time that a busy host does not stretch")
     p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
     args = p.parse_args()
 
@@ -114,8 +121,8 @@ def main():
         torch.manual_seed(0)
         if args.pipeline:
             from deepspeed.pipe import PipelineModule
-            layers = [block(args.dim) for _ in range(6)] + [torch.nn.ReLU() for _ in range(4)] + \
-                     [block(args.dim) for _ in range(2)]
+            layers = [block(args.dim, args.device_ms) for _ in range(6)] + [torch.nn.ReLU() for _ in range(4)] + \
+                     [block(args.dim, args.device_ms) for _ in range(2)]
             model = PipelineModule(layers=layers, num_stages=2, partition_method=method,
                                    loss_fn=torch.nn.functional.mse_loss)
         else:
@@ -123,7 +130,7 @@ def main():
                                         "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
             if args.sub_group_size:
                 cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
-            model = Net(args.dim, args.blocks)
+            model = Net(args.dim, args.blocks, args.device_ms)
         params = [q for q in model.parameters() if q.requires_grad]
         if args.decay_groups:   # the HF Trainer's two groups: ZeRO steps the torch optimizer once per group
             opt = torch.optim.AdamW([{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.01},
@@ -142,17 +149,21 @@ def main():
     it = iter(data)
     for step in range(args.steps):
         engine = engines[step % len(engines)]
-        _clock["comm_s"] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), comm_clock.comm_s()
         if args.pipeline:
             loss = engine.train_batch(it)
         else:
+            losses = []
             for _ in range(args.accum):
                 x, y = next(it)
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
-        per_step.append([time.perf_counter() - t0, _clock["comm_s"]])
+                losses.append(float(loss) if args.print_health else 0.0)
+        per_step.append([time.perf_counter() - t0, comm_clock.comm_s() - c0])
+        if args.print_health and not args.pipeline:
+            print(f"HEALTH {rank} {step} {sum(losses) / len(losses)!r} {float(engine.get_global_grad_norm())!r} "
+                  f"{engine.get_lr()[0]!r}", flush=True)
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)

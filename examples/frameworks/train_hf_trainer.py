@@ -10,14 +10,19 @@
 
 Nothing is downloaded: the model comes from ``GPT2Config`` (2 layers, a 256-token vocabulary; ``--gpt2-124m``: the
 default config, GPT-2 small) and the data is a list of random token sequences. Rank 0 prints ``final loss <value>``
-and, with ``--eval-every``, ``evaluation after step <n>`` after each evaluation.
+and, with ``--eval-every``, ``evaluation after step <n>`` after each evaluation. With ``--own-clock`` every rank
+prints the job's own clock of its communication per optimizer step (``clock <rank> {"steps": [[duration,
+communication], ...]}``, comm_clock.py) and ``weights <rank> <sha256>`` of its final parameters.
 """
 import argparse
+import hashlib
+import json
 import os
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import comm_clock  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -55,6 +60,41 @@ class PrintStepTimes(TrainerCallback):
             print(f"step {state.global_step} t {time.monotonic():.6f}", flush=True)
 
 
+class OwnClock(TrainerCallback):
+    """Per optimizer step (from one step's end to the next, the first from the training's start): its duration and
+    the training thread's time inside torch.distributed calls and waits (comm_clock.py)."""
+
+    def __init__(self):
+        self.steps, self.last = [], None
+
+    def _now(self):
+        return time.perf_counter(), comm_clock.comm_s()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = self._now()
+        self.steps.append([now[0] - self.last[0], now[1] - self.last[1]])
+        self.last = now
+
+
+def weights_hash(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class PrintLogs(TrainerCallback):
+    """The Trainer's own log of each logged step: ``LOG {"step": N, "loss": ..., "grad_norm": ...}`` (rank 0)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            import json
+            print("LOG " + json.dumps({"step": state.global_step, **logs}), flush=True)
+
+
 class PrintEvaluations(TrainerCallback):
     def on_evaluate(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -75,9 +115,15 @@ def main():
     p.add_argument("--gpt2-124m", action="store_true",
                    help="GPT-2 small on the GPU: the default GPT2Config, bf16, sequences of 1024, batch 8, the loss "
                         "logged every 50 steps (the other size options are ignored)")
+    p.add_argument("--print-logs", action="store_true", help="rank 0 prints the Trainer's log of each step")
     p.add_argument("--print-time", action="store_true", help="rank 0 prints 'step N t CLOCK' at each step's end")
     p.add_argument("--out", default=None, help="Trainer output_dir (default: a temporary directory)")
+    p.add_argument("--own-clock", action="store_true",
+                   help="every rank prints its own clock of communication per step and its final weights' hash")
     args = p.parse_args()
+    if args.own_clock:   # before DeepSpeed is imported (by TrainingArguments(deepspeed=...))
+        comm_clock.install()
+        own_clock = OwnClock()
     torch.manual_seed(0)
     gpu = args.gpt2_124m and torch.cuda.is_available()
     if args.gpt2_124m:
@@ -114,10 +160,15 @@ def main():
     evaluation = (RandomTokens(args.eval_batches * args.batch * world, args.seq, config.vocab_size, seed=1)
                   if args.eval_every else None)
     trainer = Trainer(model=model, args=training_args, train_dataset=data, eval_dataset=evaluation,
-                      callbacks=[PrintEvaluations()] + ([PrintStepTimes()] if args.print_time else []))
+                      callbacks=[PrintEvaluations()] + ([PrintStepTimes()] if args.print_time else [])
+                      + ([PrintLogs()] if args.print_logs else []) + ([own_clock] if args.own_clock else []))
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss {result.training_loss:.8f}", flush=True)
+    if args.own_clock:   # under ZeRO-1/2 every rank holds the whole model after the step's all-gather
+        rank = trainer.args.process_index
+        print(f"clock {rank} " + json.dumps({"steps": own_clock.steps}), flush=True)
+        print(f"weights {rank} {weights_hash(trainer.model)}", flush=True)
     if args.compile:
         import sys
 

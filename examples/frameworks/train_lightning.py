@@ -9,7 +9,11 @@ script once more as rank 1 (its subprocess launcher). Rank 0 prints each step's 
 (as the other examples do; benchmarks/overhead.py times the steps by the clock ``--print-time`` adds to them), and
 each rank its final loss as ``final loss <value>``. ``--val-every N`` adds Lightning's validation loop every N
 training batches (and its sanity check before training), as most Lightning jobs have; rank 0 prints
-``validation`` each time it starts.
+``validation`` each time it starts. ``--clip C``: Lightning's gradient clipping (``gradient_clip_val``, by norm);
+``--print-health``: each rank prints ``HEALTH <rank> <step> <loss> <grad norm> <lr>`` before each optimizer step,
+its micro-batches' mean loss and the total norm of Lightning's ``grad_norm`` utility (before any clipping).
+``--sleep-ms`` adds idle host time after each step on every rank (a job that
+must stay alive a while without computing much: a live scrape of its metrics).
 """
 import argparse
 import time
@@ -24,6 +28,7 @@ class Regressor(L.LightningModule):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU(), torch.nn.Linear(dim, 1))
         self.lr = lr
+        self.losses: list | None = None     # --print-health: this step's micro-batch losses
 
     def forward(self, x):
         return self.net(x)
@@ -32,6 +37,8 @@ class Regressor(L.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self(x), y)
         self.log("train_loss", loss, sync_dist=True)     # sync_dist: an all-reduce per logged step
+        if self.losses is not None:
+            self.losses.append(loss.item())
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -42,11 +49,24 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class PrintHealth(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        norm = float(grad_norm(pl_module, 2)["grad_2.0_norm_total"])
+        loss = sum(pl_module.losses) / len(pl_module.losses)
+        print(f"HEALTH {trainer.global_rank} {trainer.global_step} {loss!r} {norm!r} "
+              f"{optimizer.param_groups[0]['lr']!r}", flush=True)
+        pl_module.losses.clear()
+
+
 class PrintSteps(L.Callback):
-    def __init__(self, print_time: bool):
-        self.print_time = print_time
+    def __init__(self, print_time: bool, sleep_ms: float):
+        self.print_time, self.sleep_ms = print_time, sleep_ms
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.sleep_ms:
+            time.sleep(self.sleep_ms / 1000)
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             t = ""
             if self.print_time:
@@ -65,7 +85,10 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...): clip by norm")
+    p.add_argument("--print-health", action="store_true", help="each rank prints HEALTH lines (module docstring)")
     p.add_argument("--compile", action="store_true", help="compile the module's network (torch.compile(module.net))")
+    p.add_argument("--sleep-ms", type=float, default=0.0, help="idle host time after each training batch")
     p.add_argument("--print-time", action="store_true",
                    help="end each step line with time.monotonic() and time.process_time() (s)")
     p.add_argument("--val-every", type=int, default=0,
@@ -84,8 +107,12 @@ def main():
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         **(dict(val_check_interval=args.val_every, limit_val_batches=args.val_batches) if val else {}),
-                        callbacks=[PrintSteps(args.print_time)])
+                        gradient_clip_val=args.clip,
+                        callbacks=[PrintSteps(args.print_time, args.sleep_ms)]
+                        + ([PrintHealth()] if args.print_health else []))
     model = Regressor(args.dim, lr=args.lr)
+    if args.print_health:
+        model.losses = []
     if args.compile:
         model.net = torch.compile(model.net)
     trainer.fit(model, DataLoader(data, batch_size=args.batch), val)

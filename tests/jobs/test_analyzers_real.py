@@ -86,11 +86,11 @@ def test_report_header_shows_the_launchers_duration(plain_ddp, browser):
     import json
 
     from dtprof.options import open_and_analyze
+    from dtprof.report import save_report
     from dtprof.reports.fmt import fmt_s
-    from dtprof.reports.html import write_report
 
     node = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())
-    out = write_report(*open_and_analyze(plain_ddp), out_path=plain_ddp / "header-test.html")
+    out = save_report(open_and_analyze(plain_ddp)[1], out_path=plain_ddp / "header-test.html")
     page = browser.new_page()     # the session's Chromium (conftest): a second Playwright in one thread fails
     page.goto(out.as_uri())
     duration, status = page.inner_text("#duration"), page.inner_text("header dl")
@@ -210,12 +210,12 @@ def test_report_header_gives_the_reason_for_a_version_not_read(plain_ddp, tmp_pa
     import re
 
     from dtprof.reader import open_run
-    from dtprof.reports.html import write_report
+    from dtprof.report import save_report
 
     versions = json.loads(next(plain_ddp.glob("node-*/node.json")).read_text())["versions"]
     assert versions["nccl"] is None and versions["nccl_reason"], versions
     run = open_run(plain_ddp)
-    html = write_report(run, analyze(run), tmp_path / "report.html", progress=False).read_text()
+    html = save_report(analyze(run), tmp_path / "report.html", progress=False).read_text()
     header = re.search(r"<dt>versions</dt><dd>(.*?)</dd>", html).group(1)
     assert "nccl_reason" not in header and "None" not in header, header
     assert "nccl n/a (no nvidia-nccl wheel installed" in header and f"torch {versions['torch']}" in header, header

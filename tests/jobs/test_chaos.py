@@ -4,13 +4,13 @@ fate is the same (exit code, and every finishing rank's final weights), every ro
 still read after it, no process is left, and triage names the cause, the rank (and for an out-of-memory error or a
 NaN, the step), or for a fault of dtprof's own, no false verdict while `dtprof run` names it.
 
-The ten cover a frozen rank (SIGSTOP), torchrun's agent killed, a collective timeout, an out-of-memory error (the
-CPU allocator's in a pipeline stage, CUDA's text in FSDP2), a NaN, dtprof's own heartbeat thread stalled, `dtprof
-run` killed and its run directory full or read-only: most of them kinds the campaign missed before a fix
-(docs/triage.md, "Fault campaign"). Each job has two ranks (the campaign's three: each rank's start-up is
-most of a fault's time); all but two run in the DDP job, so that the faults of dtprof's own share one
-bare run (chaos.bare_key); Lightning's (its start-up alone takes most of a minute here) is left to the campaign. A
-rank SIGKILLed or raising on DDP is in test_triage_e2e.py and test_faults.py.
+The eleven cover a frozen rank (SIGSTOP), torchrun's agent killed, a node lost (one agent of a two-node torchrun,
+one rank each), a collective timeout, an out-of-memory error (the CPU allocator's in a pipeline stage, CUDA's text
+in FSDP2), a NaN, dtprof's own heartbeat thread stalled, `dtprof run` killed and its run directory full or read-
+only: most of them kinds the campaign missed before a fix (docs/triage.md, "Fault campaign"). Each job has two ranks
+(the campaign's three: each rank's start-up is most of a fault's time); all but two run in the DDP job, so that the
+faults of dtprof's own share one bare run (chaos.bare_key); Lightning's (its start-up alone takes most of a minute
+here) is left to the campaign. A rank SIGKILLed or raising on DDP is in test_triage_e2e.py and test_faults.py.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ F = chaos.Fault
 FAULTS = [
     F("rank_stop", 1, 5, 12, "ddp", 2),         # frozen: the rank whose process cannot run (was no culprit)
     F("agent_kill", 1, 5, 12, "ddp", 2),        # torchrun's agent, not a rank, named (was "rank 1 exited")
+    F("node_lost", 1, 5, 12, "ddp", 2),         # the same fate as bare (#45 raced the survivor's end; a 300 s wait)
     F("coll_timeout", 1, 5, 12, "ddp", 2),      # the rank that never entered (was the first rank that timed out)
     F("oom", 1, 5, 12, "pipeline", 2),          # the stage's RuntimeError wraps the allocator's (was a crash)
     F("oom_cuda", 1, 5, 12, "fsdp2", 2),        # CUDA's message, raised at the library boundary (no GPU here)

@@ -4,8 +4,8 @@ ops of its fused parts do not run), nothing of dtprof's enters a graph (fullgrap
 compiled autograd compiles the backward around dtprof's backward wrapper), and dtprof still records the steps,
 forward, backward, MFU, its memory ledger and, with its numerics part on (as always), every step's loss (both parts
 at work while Dynamo's counters are read).
-Real torch.compile on this CPU (inductor where the kernels matter, aot_eager where only Dynamo's counters do); one
-inductor cache for the module (conftest ``compile_env``), so bare and profiled runs of a form build its kernels once.
+Real torch.compile on this CPU (inductor where the kernels matter, aot_eager where only Dynamo's counters do); torch's
+own inductor cache (conftest ``compile_env``), so bare and profiled runs of a form build its kernels once.
 The framework switches and sampling are in test_compiled_frameworks.py."""
 import json
 import sys

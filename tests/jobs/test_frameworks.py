@@ -175,7 +175,7 @@ LIGHTNING_STEPS = 5
 @pytest.fixture(scope="module")
 def lightning_own_launcher(tmp_path_factory):
     return pair(tmp_path_factory, "lightning", [sys.executable, EXAMPLES / "train_lightning.py",
-                                                "--steps", LIGHTNING_STEPS])
+                                                "--steps", LIGHTNING_STEPS, "--clip", 1.0, "--print-health"])
 
 
 LIGHTNING_VAL_EVERY, LIGHTNING_VAL_BATCHES = 2, 6
@@ -197,6 +197,24 @@ def test_lightning_own_launcher_records_both_ranks(lightning_own_launcher):
     assert_inferred(profiled, "samples", 16)
     assert_mfu(profiled)
     assert len(profiled.final_losses()) == 2 and sorted(profiled.final_losses()) == sorted(bare.final_losses())
+
+
+def test_lightning_gradient_clipping_norm_is_read_as_lightnings_own(lightning_own_launcher):
+    """Lightning's gradient clipping (gradient_clip_val 1.0) calls torch.nn.utils.clip_grad_norm_ and drops its
+    result: dtprof reads it (source "clip"), within 1e-5 of the total norm Lightning's own grad_norm utility gives
+    in on_before_optimizer_step (before the clip), on each rank's every step, beside the loss and the learning rate
+    each rank printed."""
+    profiled, _ = lightning_own_launcher
+    num = r"(-?[0-9.]+(?:e[-+][0-9]+)?)"
+    printed = {(int(r), int(s)): (float(loss), float(norm), float(lr))
+               for r, s, loss, norm, lr in re.findall(rf"HEALTH (\d+) (\d+) {num} {num} {num}", profiled.proc.stdout)}
+    assert set(printed) == {(r, s) for r in (0, 1) for s in range(LIGHTNING_STEPS)}, profiled.proc.stdout[-2000:]
+    h = profiled.run.health
+    got = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    for key, (loss, norm, lr) in printed.items():
+        row = got[key]
+        assert (row.grad_norm_source, row.loss, row.lr) == ("clip", loss, lr), (key, row, printed[key])
+        assert row.grad_norm == pytest.approx(norm, rel=1e-5), (key, row, printed[key])
 
 
 def test_lightning_torchrun(lightning_torchrun):
@@ -247,9 +265,9 @@ def test_lightning_validation_is_evaluation_between_steps(lightning_torchrun):
     assert_evaluation_between_steps(j, runs)
     assert_inferred(j, "samples", 16)
     from dtprof.options import open_and_analyze
-    from dtprof.reports.html import write_report
+    from dtprof.report import save_report
 
-    page = write_report(*open_and_analyze(j.run_dir), out_path=j.run_dir.parent / "report.html",
+    page = save_report(open_and_analyze(j.run_dir)[1], out_path=j.run_dir.parent / "report.html",
                         progress=False).read_text()
     card = page[page.index('id="card-step_time_p50"'):][:2000]
     assert f"evaluation between steps not included ({runs} stretch(es)" in card, card
@@ -313,7 +331,7 @@ def hf_trainer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_trainer_accumulating(tmp_path_factory):
     return job([*TORCHRUN, EXAMPLES / "train_hf_trainer.py", "--steps", HF_STEPS, "--seq", HF_SEQ,
-                "--accumulate", 2], tmp_path_factory.mktemp("hf-accumulate"))
+                "--accumulate", 2, "--print-logs"], tmp_path_factory.mktemp("hf-accumulate"))
 
 
 def test_hf_trainer(hf_trainer):
@@ -346,6 +364,22 @@ def test_hf_trainer_gradient_accumulation_counts_optimizer_steps(hf_trainer_accu
     assert (fwd.groupby(["rank", "step"]).size() == 2).all()
     assert_inferred(j, "tokens", 2 * 4 * HF_SEQ)           # both micro-batches
     assert_no_data_wait_finding(j)
+
+
+def test_hf_trainer_loss_and_grad_norm_are_the_trainers_logged_ones(hf_trainer_accumulating):
+    """The Trainer clips (max_grad_norm 1.0, through Accelerate and torch's clip_grad_norm_) and logs each step's
+    grad_norm, and its loss: the ranks' mean of the sum of each micro-batch's loss as divided before backward
+    (gradient accumulation 2). dtprof's health rows hold that grad_norm on both ranks (source "clip"), and the
+    ranks' mean of their local losses is the logged loss within float32 rounding."""
+    j = hf_trainer_accumulating
+    logs = {d["step"]: d for d in map(json.loads, re.findall(r"LOG (\{[^{}]*\})", j.proc.stdout))}
+    assert set(logs) == set(range(1, HF_STEPS + 1)), j.proc.stdout[-2000:]
+    h = j.run.health
+    for step, log in logs.items():
+        rows = h[h["step"] == step - 1]      # the Trainer's global_step counts the steps done
+        assert len(rows) == 2 and set(rows["grad_norm_source"]) == {"clip"}, rows
+        assert list(rows["grad_norm"]) == [log["grad_norm"]] * 2, (step, log, rows)
+        assert rows["loss"].mean() == pytest.approx(log["loss"], rel=1e-6), (step, log, rows)
 
 
 # ---- Accelerate -------------------------------------------------------------------------------------------------

@@ -169,9 +169,9 @@ def test_summary_json_splits_by_mesh_dim(tp_run, pp_run):
     assert slow and slow[0]["mesh_groups"]["pp"]["ranks"] == [0, 1] and slow[0]["mesh_groups"]["dp"]["ranks"] == [1, 3]
     # and the report shows the split (its browser checks are in test_report.py)
     from dtprof.options import open_and_analyze
-    from dtprof.reports.html import write_report
+    from dtprof.report import save_report
 
-    page = write_report(*open_and_analyze(pp_run.path)).read_text()
+    page = save_report(open_and_analyze(pp_run.path)[1]).read_text()
     section = page[page.index('<section id="mesh">'):]
     section = section[:section.index("</section>")]
     assert f"costliest dimension is <b>{pp['mesh']['costliest_dim']}</b>" in section

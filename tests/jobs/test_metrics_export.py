@@ -289,7 +289,8 @@ def test_mlflow_file_store_read_back(ddp):
 
 # ---- Lightning --------------------------------------------------------------------------------------------------
 
-LIGHTNING_STEPS = 3000   # 2-6 ms steps: 6-18 s of training, for the same reason as DDP_STEPS (1000 ended too soon)
+LIGHTNING_STEPS = 300   # ~30 ms steps (a 25 ms sleep each): ~8-10 s of training, for the same reason as DDP_STEPS
+LIGHTNING_SLEEP_MS = 25   # (3000 unslept 2-6 ms steps cost 10x the publishing and analysis for the same live window)
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +299,8 @@ def lightning(tmp_path_factory):
         cmd = [sys.executable, "-m", "dtprof.cli", "run", "--out", str(tmp / "run"), "--no-report", "--no-nvml",
                "--metrics-interval", "0", "--full-detail", *sinks(tmp, port), "--", str(BIN / "torchrun"),
                "--nproc_per_node=2",
-               str(REPO / "examples" / "frameworks" / "train_lightning.py"), "--steps", str(LIGHTNING_STEPS)]
+               str(REPO / "examples" / "frameworks" / "train_lightning.py"), "--steps", str(LIGHTNING_STEPS),
+               "--sleep-ms", str(LIGHTNING_SLEEP_MS)]
         return run_live(cmd, tmp, port, ranks=2)
     return recorded(tmp_path_factory, "metrics-lightning", command)
 

@@ -3,8 +3,10 @@ its summary.json holds every step's loss, gradient norm and learning rate as the
 one rank's batch at step K is named (that rank, step K); a learning rate 3000x at step K gives a loss spike at K+1
 whose cause names the learning rate; one weight's sign bit flipped on one replica is named by the fingerprints
 within their interval; a clip inside a compiled function leaves Dynamo's counters as the bare job's."""
+import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -65,16 +67,19 @@ def test_clean_run_is_healthy_with_every_step_as_the_job_printed_it(runs):
     assert (rc, t["verdict"]) == (0, "healthy"), t
 
 
-def test_unclipped_job_gets_dtprofs_norm_on_its_read_steps_equal_to_the_jobs_own(runs):
-    """A DDP job that does not clip, recorded with dtprof's own sampling and read pricing: on the steps whose values
-    dtprof read (those with a loss), the gradient norm dtprof computed before the optimizer step equals the one the
-    job computed itself in float64 and printed, within 1e-5 relative; summary.json names its source. The clipped
-    run's norms are the job's clip's."""
+def test_unclipped_accumulating_job_gets_its_logged_loss_and_dtprofs_norm_equal_to_the_jobs_own(runs):
+    """A DDP job that does not clip and accumulates two micro-batches a step as nanoGPT does (each loss divided by 2
+    before its backward), recorded with dtprof's own sampling and read pricing: on the steps whose values dtprof
+    read (those with a loss), the loss is the micro-batches' undivided mean the job printed (bit for bit: the sum of
+    the halves), and the gradient norm dtprof computed before the optimizer step equals the one the job computed
+    itself in float64 and printed, within 1e-5 relative; summary.json names its source. The clipped run's norms
+    are the job's clip's."""
     d, printed = runs["noclip"]
     per_step = _summary(d)["health"]["per_step"]
     read = [e for e in per_step if e["loss"] is not None]
     assert {e["step"] for e in read} >= set(range(10))      # the pricing steps 0-9 are all read
     for e in read:
+        assert e["loss"] == printed[e["rank"], e["step"]][0], e
         assert e["grad_norm_source"] == "dtprof", e
         assert e["grad_norm"] == pytest.approx(printed[e["rank"], e["step"]][1], rel=1e-5), e
     assert all(e["grad_norm"] is None and e["grad_norm_source"] is None for e in per_step if e["loss"] is None)
@@ -104,6 +109,10 @@ def test_learning_rate_jump_gives_a_loss_spike_at_the_next_step_with_the_rate_na
     assert spike["step"] == K + 1 and spike["ranks"] == [0, 1]
     assert spike["cause"].startswith("the learning rate changed"), spike
     assert f"at step {K}" in spike["cause"]
+    # this job clips as torchtitan does (get_total_norm, then clip_grads_with_norm_ given it): that norm is read
+    h = open_run(d).health
+    assert {(int(r.rank), int(r.step)): r.grad_norm for r in h.itertuples()} == {k: v[1] for k, v in printed.items()}
+    assert set(h["grad_norm_source"]) == {"clip"}
 
 
 def test_flipped_sign_bit_on_one_replica_is_named_within_the_fingerprint_interval(runs):
@@ -223,3 +232,32 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
     assert h["loss"].notna().sum() == 2 * steps and h["grad_norm"].notna().sum() == 2 * steps
     # the job clips on even steps: the odd steps' norms are the ones dtprof computed, read the same way
     assert h.groupby(h["step"] % 2)["grad_norm_source"].agg(set).to_dict() == {0: {"clip"}, 1: {"dtprof"}}
+
+
+# ---- DeepSpeed: the engine's own gradient norm and its gradient accumulation ------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler for DeepSpeed's comm op")
+def test_deepspeed_grad_norm_and_accumulated_loss_are_the_engines_own(tmp_path):
+    """ZeRO-2 on DeepSpeed's CPU accelerator (examples/frameworks/train_deepspeed.py), two parameter groups (ZeRO
+    steps the torch optimizer once per group) and gradient accumulation 2 (the engine divides each micro-batch's
+    loss by 2 before its backward): each rank's every step is recorded with the loss the job computed, its
+    micro-batches' mean (bit for bit), and the gradient norm the engine's own get_global_grad_norm() returned after
+    the step (source "deepspeed", not one dtprof computed), as each rank printed them."""
+    from test_deepspeed import Job
+
+    steps = 6
+    job = Job(tmp_path / "run", ("--zero", "2", "--accum", "2", "--decay-groups", "--steps", str(steps),
+                                 "--dim", "64", "--print-health"), launcher="torchrun")
+    printed = _printed(subprocess.CompletedProcess([], 0, job.stdout))
+    assert set(printed) == {(r, s) for r in (0, 1) for s in range(steps)}, job.stdout[-2000:]
+    h = open_run(job.out).health
+    got = {(int(r.rank), int(r.step)): (r.loss, r.grad_norm, r.lr, r.grad_norm_source)
+           for r in h.itertuples(index=False)}
+    assert set(got) == set(printed)
+    for key, (loss, norm, lr) in printed.items():
+        assert got[key] == (loss, norm, lr, "deepspeed"), (key, got[key], printed[key])
+    assert len({printed[0, s][1] for s in range(steps)}) == steps          # a norm of each step's own
+    assert all(printed[0, s][0] != printed[1, s][0] for s in range(steps))  # each rank's own loss

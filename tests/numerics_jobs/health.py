@@ -4,10 +4,14 @@ tests/jobs/test_numerics.py checks dtprof's health table and summary against).
 
     torchrun --nproc_per_node=N health.py MODE STEPS K
 MODE: clean (no incident), nan (a NaN in rank 1's batch at step K), lr (the learning rate 3000x for step K's
-update only), flip (rank N-1 flips the sign bit of one weight before step K's forward: its replica differs),
+update only; clipped as torchtitan does, torch.nn.utils.get_total_norm then clip_grads_with_norm_), flip (rank N-1
+flips the sign bit of one weight before step K's forward: its replica differs),
 noclip (no incident and no clipping: the printed grad_norm is the job's own, the 2-norm of every gradient in
-float64 after DDP's all-reduce).
+float64 after DDP's all-reduce; and nanoGPT's gradient accumulation: two micro-batches a step, each one's loss
+divided by 2 before its backward, the first under no_sync; the printed loss is the micro-batches' mean, undivided,
+in float64: what such a job logs).
 """
+import contextlib
 import sys
 
 import torch
@@ -23,10 +27,17 @@ net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Lin
 model = DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)    # an lr that changes as schedules do
-for step in range(steps):
-    g = torch.Generator().manual_seed(1000 * rank + step)
+accum = 2 if mode == "noclip" else 1
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(1000 * rank + i)
     x = torch.randn(8, 16, generator=g)
-    y = x[:, :1] * 0.5 + 0.1 * torch.randn(8, 1, generator=g)
+    return x, x[:, :1] * 0.5 + 0.1 * torch.randn(8, 1, generator=g)
+
+
+for step in range(steps):
+    x, y = batch(accum * step)
     if mode == "nan" and step == k and rank == 1:
         x[0, 0] = float("nan")
     if mode == "flip" and step == k and rank == world - 1:
@@ -34,11 +45,21 @@ for step in range(steps):
             net[0].weight.detach().view(torch.int32)[0, 0] ^= torch.tensor(-2**31, dtype=torch.int32)   # the sign bit
     if mode == "lr" and step == k:
         opt.param_groups[0]["lr"] *= 3000
-    loss = (model(x) - y).pow(2).mean()
     opt.zero_grad()
-    loss.backward()
+    losses = []
+    for micro in range(accum):
+        if micro:
+            x, y = batch(accum * step + micro)
+        sync = model.no_sync() if micro < accum - 1 else contextlib.nullcontext()
+        with sync:
+            loss = (model(x) - y).pow(2).mean()
+            (loss / accum if accum > 1 else loss).backward()
+        losses.append(loss.item())
     if mode == "noclip":
         norm = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm()
+    elif mode == "lr":      # torchtitan's form of the clip: the total norm computed, then the clip given it
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -46,6 +67,6 @@ for step in range(steps):
     if mode == "lr" and step == k:
         opt.param_groups[0]["lr"] /= 3000
     sched.step()
-    print(f"HEALTH {rank} {step} {loss.item()!r} {norm.item()!r} {lr!r}", flush=True)
+    print(f"HEALTH {rank} {step} {sum(losses) / accum!r} {norm.item()!r} {lr!r}", flush=True)
 dist.barrier()
 dist.destroy_process_group()

@@ -15,6 +15,7 @@ from dtprof import reader, runformat
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
+from dtprof.rundir import run as rundir_run
 from dtprof.runformat import create_run_dir
 from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, TABLES_DIR
 from dtprof.summarize import summarize_node
@@ -29,7 +30,7 @@ def long_run(tmp_path, monkeypatch):
     monkeypatch.setattr(steps_mod, "ANALYSED_RANK_STEPS", 256)
     monkeypatch.setattr(steps_mod, "ANALYSED_MIN_STEPS", 16)
     monkeypatch.setattr(runformat, "ROW_GROUP_ROWS", 100)   # tables of many row groups, read a few at a time
-    monkeypatch.setattr(reader, "READ_CHUNK_ROWS", 250)
+    monkeypatch.setattr(rundir_run, "READ_CHUNK_ROWS", 250)   # where Run.read_rows reads it
     run = create_run_dir(tmp_path / "run", {"command": ["synthetic"]})
     nodes = [build_ddp_node(run, n, 2, 4, STEPS, slow_rank=3, slow_factor=1.3, seed=1, detail_period=PERIOD)
              for n in range(2)]
@@ -79,7 +80,7 @@ def test_a_long_table_is_read_in_chunks_as_a_slice_of_the_whole(long_run):
     model = RunModel.of(one)
     skipped = model.skipped_steps
     files = pq.ParquetFile(nodes[1] / TABLES_DIR / "collectives.parquet").metadata
-    assert len(skipped) and files.num_rows > 4 * reader.READ_CHUNK_ROWS and files.num_row_groups > 4
+    assert len(skipped) and files.num_rows > 4 * rundir_run.READ_CHUNK_ROWS and files.num_row_groups > 4
     for table in ("spans", "collectives"):
         whole = reader.Run(run, [nodes[1]]).table(table)
         keep = ~whole["step"].astype("Int64").isin(skipped).fillna(False).to_numpy(bool)

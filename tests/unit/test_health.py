@@ -47,6 +47,23 @@ def test_nan_is_kept_out_of_the_window_and_named_on_its_rank():
     assert [i["kind"] for i in block["incidents"]] == ["nonfinite"]      # no spike from the NaN's neighbours
 
 
+def test_nan_between_reads_is_bounded_and_names_no_rank_once_it_spread():
+    # the loss read at steps 0-9, then every 8th step (the numerics part's priced reads): rank 2's NaN at step 11
+    # reached every rank by step 16, the first read after it (step 12's row holds a fingerprint alone)
+    steps = list(range(10)) + [12, 16]
+    rows = [(r, s, None if s >= 12 else 1.0, None, 0.1, None, "loss" if s == 16 else "", 7 if s == 12 else None)
+            for r in range(3) for s in steps]
+    block = health.analyze_health(table(rows))
+    assert block["first_nonfinite"] == {"step": 16, "ranks": [0, 1, 2], "what": "local loss", "since_step": 10}
+    (inc,) = block["incidents"]
+    assert inc["ranks"] == [] and "between steps 10 and 16" in inc["message"]
+    # read at every step: the rank is named and no range given
+    rows = [(r, s, None if s == 16 and r == 2 else 1.0, None, 0.1, None, "loss" if s == 16 and r == 2 else "",
+             None) for r in range(3) for s in range(17)]
+    (inc,) = health.analyze_health(table(rows))["incidents"]
+    assert inc["ranks"] == [2] and "first at step 16" in inc["message"]
+
+
 def test_spike_causes_lr_and_one_ranks_data():
     base = [2.0 + 0.02 * (s % 5) for s in range(30)]
     lr = [0.1] * 30

@@ -1,8 +1,9 @@
 """The layering holds (docs/architecture.md): drawn from the imports as installed (dtprof.analyzers is analyzers/,
 and so on), every import counted, also those inside functions. The analysis side (dtprof/, analyzers/, reports/)
-has no import circle; analyzers import neither collectors nor reports; reports import no collector and not the
-launcher. Nor has the rank side (collectors/): its hook objects and parts are given the rank's RankContext, never the
-runtime's Recorder, and never import the runtime. No function in any of the four folders is over 120 lines."""
+has no import circle; analyzers import neither collectors nor reports (but reports/fmt.py, the formatters); reports
+import no collector and not the launcher; no module of reports/ but fmt.py formats a number itself. Nor has the rank
+side (collectors/): its hook objects and parts are given the rank's RankContext, never the runtime's Recorder, and
+never import the runtime. No function in any of the four folders is over 120 lines."""
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,7 @@ def _file_of(module: str) -> str | None:
 def imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for folder in PACKAGES.values():
-        for f in sorted((REPO / folder).glob("*.py")):
+        for f in sorted((REPO / folder).rglob("*.py")):
             name = str(f.relative_to(REPO))
             graph[name] = set()
             for node in ast.walk(ast.parse(f.read_text())):
@@ -78,17 +79,22 @@ def test_no_import_circle():
 
 
 def test_analyzers_import_neither_collectors_nor_reports_and_reports_no_collector():
+    """...but reports/fmt.py, the one place numbers become text: the analyzers' sentences (a finding's message, a
+    triage verdict) use its formatters too; it imports nothing of dtprof."""
     graph = imports()
+    assert graph["reports/fmt.py"] == set()
     bad = [(f, t) for f, ts in graph.items() for t in ts
-           if (f.startswith("analyzers/") and t.startswith(("collectors/", "reports/")))
+           if (f.startswith("analyzers/") and t.startswith(("collectors/", "reports/")) and t != "reports/fmt.py")
            or (f.startswith("reports/") and (t.startswith("collectors/") or t == "dtprof/launcher.py"))]
     assert bad == []
 
 
 # dtprof/ modules that run or import foreign data and so may use collectors/: the launcher (NVML sampling, merging
-# the ranks' traces), the public rank API and `dtprof import kineto`. Reading, analysing, reporting, comparing and
-# triaging a run never does (issue 46 point 4): the run format and its readers live in dtprof/.
-MAY_IMPORT_COLLECTORS = {"dtprof/launcher.py", "dtprof/__init__.py", "dtprof/interop.py"}
+# the ranks' traces), the public rank API, `dtprof import kineto` and the job's start-up hook (dtprof/_inject: it
+# starts the rank side). Reading, analysing, reporting, comparing and triaging a run never does (issue 46 point 4):
+# the run format and its readers live in dtprof/ (dtprof/rundir/, walked with the rest).
+MAY_IMPORT_COLLECTORS = {"dtprof/launcher.py", "dtprof/__init__.py", "dtprof/interop.py",
+                         "dtprof/_inject/sitecustomize.py"}
 
 
 def test_nothing_that_reads_runs_imports_collectors():
@@ -151,3 +157,29 @@ def test_rank_side_keeps_no_state_in_module_globals():
         found += [f"{name}:{where}" for where in _module_state(f)
                   if not any(where.split()[1].startswith(table) for n, table in MODULE_TABLES_ALLOWED if n == name)]
     assert found == []
+
+
+def _format_specs(f) -> list[str]:
+    """Where a module formats a number itself: an f-string's format spec (``{x:.1f}``, ``{x:>8}``), ``str.format``
+    or ``format()``, or ``%`` formatting of a string."""
+    found = []
+    for n in ast.walk(ast.parse(f.read_text())):
+        if isinstance(n, ast.FormattedValue) and n.format_spec is not None:
+            found.append(f"{n.lineno} {{...:{ast.unparse(n.format_spec)[2:-1]}}}")
+        elif isinstance(n, ast.Call) and ((isinstance(n.func, ast.Attribute) and n.func.attr == "format")
+                                          or (isinstance(n.func, ast.Name) and n.func.id == "format")):
+            found.append(f"{n.lineno} {ast.unparse(n.func)}()")
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and (isinstance(n.left, ast.JoinedStr) or (
+                isinstance(n.left, ast.Constant) and isinstance(n.left.value, str))):
+            found.append(f"{n.lineno} '...' % ...")
+    return found
+
+
+def test_reports_format_numbers_only_in_fmt():
+    """Numbers are formatted in one place (issue 46 point 5): no module of reports/ but fmt.py holds a format spec;
+    the others call fmt.py's formatters (a missing value is fmt.MISSING everywhere)."""
+    found = [f"{f.relative_to(REPO)}:{where}" for f in sorted((REPO / "reports").glob("*.py")) if f.name != "fmt.py"
+             for where in _format_specs(f)]
+    assert found == []
+    # the test finds what it guards against: fmt.py itself holds them
+    assert len(_format_specs(REPO / "reports" / "fmt.py")) > 10

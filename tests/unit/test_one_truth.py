@@ -14,6 +14,7 @@ from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.stragglers import PERSISTENT_RULE
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
+from dtprof.report import save_report
 from dtprof.reports import html as H
 from dtprof.runformat import create_run_dir, write_json_atomic, write_node_tables
 from synth import build_run
@@ -58,10 +59,10 @@ def test_worst_node_status_is_the_same_in_summary_and_report(tmp_path):
     for name, status in (("node-b", "failed"), ("node-c", "hung")):
         (run_dir / name).mkdir()
         write_json_atomic(run_dir / name / "node.json", {"host": name, "status": status, "exit_code": 1})
-    run = open_run(run_dir)
-    summary = analyze(run).summary
+    a = analyze(open_run(run_dir))
+    summary = a.summary
     assert summary["run"]["status"] == "hung"
-    assert 'id="status">hung<' in H._header(run, summary)
+    assert 'id="status">hung<' in H._header(a.identity, summary)
 
 
 def test_compute_kinds_have_one_meaning(tmp_path):
@@ -96,7 +97,7 @@ def test_persistent_straggler_one_criterion_one_wording(tmp_path):
         in s[0]["reason"]
     finding = next(f for f in a.findings if f["id"] == "straggler")
     assert s[0]["reason"] in finding["message"]
-    page = H.write_report(open_run(run_dir), a).read_text()
+    page = save_report(a).read_text()
     assert html.escape(s[0]["reason"]) in page and html.escape(PERSISTENT_RULE.capitalize()) in page
     from click.testing import CliRunner
 
@@ -145,7 +146,7 @@ def test_bubble_parts_add_up_everywhere(tmp_path):
     pct = lambda v: f"{v:.0%}"  # noqa: E731
     assert (f"bubble {pct(pp['bubble_frac'])} = theoretical {pct(pp['theoretical_bubble_frac'])} + overhead "
             f"{pct(pp['overhead_frac'])}") in line
-    page = H.write_report(open_run(tmp_path / "r"), a).read_text()
+    page = save_report(a).read_text()
     assert f"theoretical (the schedule itself) {H.fmt_frac(pp['theoretical_bubble_frac'])}" in page
     from dtprof.reports import figures as F
     _, bub = F.pipeline_figures(F.make_context(open_run(tmp_path / "r"), a))

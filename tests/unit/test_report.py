@@ -19,6 +19,7 @@ import pytest
 from conftest import SHARED, import_kineto, load
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
+from dtprof.report import save_report
 from dtprof.reports import html as H
 from synth import build_run
 from synth_report import HOSTILE, build_report_run
@@ -29,7 +30,7 @@ def _report(path: Path, **kw) -> tuple[Path, dict]:
     run = open_run(path)
     analysis = analyze(run)
     (path / "summary.json").write_text(json.dumps(analysis.summary, default=float))
-    return H.write_report(run, analysis), analysis
+    return save_report(analysis), analysis
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +244,7 @@ def test_large_run_is_binned_and_windowed(tmp_path, capsys, browser):
     path = build_report_run(tmp_path / "big", world_size=64, steps=600, slow_rank=37, slow_factor=1.5)
     run = open_run(path)
     analysis = analyze(run)
-    out = H.write_report(run, analysis, out_path=tmp_path / "r.html", progress=True)
+    out = save_report(analysis, out_path=tmp_path / "r.html", progress=True)
     err = capsys.readouterr().err
     assert "dtprof report [" in err and "10/10" in err
     figs = {m.group(1): m.group(2) for m in re.finditer(
@@ -485,7 +486,7 @@ def test_imported_trace_header_has_no_empty_host_or_none(tmp_path, browser):
     analysis = analyze(run)
     text = format_summary_text(analysis.summary)
     assert "None" not in text.splitlines()[0] and "on unnamed hosts" in text
-    out = H.write_report(run, analysis)
+    out = save_report(analysis)
     loaded = load(browser, out, "imported")
     try:
         header = loaded.page.inner_text("header")
@@ -502,7 +503,7 @@ def test_collectives_rows_carry_their_mesh_dimension(tmp_path):
     opened = open_run(run)
     a = analyze(opened)
     assert {c["mesh_dim"] for c in a.summary["collectives"]} == {"(none)"}
-    html_text = H.write_report(opened, a).read_text()
+    html_text = save_report(a).read_text()
     assert "<th class=\"t\">mesh dimension</th>" in html_text
 
 
@@ -535,7 +536,7 @@ def test_a_thousand_ranks_grouped_by_node_with_the_worst_ranks_named(tmp_path, b
                             late_rank=late, late_ms=8.0, jitter_frac=0.02, nvml=False)
     run = open_run(path)
     analysis = analyze(run)
-    out = H.write_report(run, analysis)
+    out = save_report(analysis)
     loaded = load(browser, out, "1024-ranks")
     page = loaded.page
     try:

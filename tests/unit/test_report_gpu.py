@@ -10,7 +10,7 @@ import pytest
 from conftest import SHARED, import_kineto, load, needs_shared
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
-from dtprof.reports import html as H
+from dtprof.report import save_report
 
 pytestmark = [needs_shared, pytest.mark.browser]
 
@@ -21,7 +21,7 @@ def gpu_report(tmp_path_factory):
     run = open_run(import_kineto(d / "run", SHARED / "nccl_single_rank.json.gz"))
     analysis = analyze(run)
     (d / "run" / "summary.json").write_text(json.dumps(analysis.summary))
-    return H.write_report(run, analysis), analysis, run
+    return save_report(analysis), analysis, run
 
 
 @pytest.fixture(scope="module")

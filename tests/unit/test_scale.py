@@ -149,11 +149,11 @@ def test_report_reads_only_the_spans_it_draws(four_nodes, tmp_path):
     # a report of a summarised run draws its timeline from a few steps' spans; it must not load every span (at
     # 16,384 ranks x 1,000 steps they do not fit in memory), and the timeline still shows those steps' phases
     from dtprof.analyzers.summary import analyze
-    from dtprof.reports.html import Progress, render_report
+    from dtprof.reports.html import render
 
     make_summaries(open_run(four_nodes), workers=1)
     run = open_run(four_nodes)
-    html = render_report(run, analyze(run), Progress(10, False))
+    html = render(analyze(run), {"progress": False})
     assert "spans" not in run._loaded
     assert 'id="fig-timeline"' in html and re.search(r"rank 5 (·|\\u00b7) compute", html)
 

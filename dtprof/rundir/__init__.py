@@ -1,0 +1,18 @@
+"""The run directory read back: the one way every command, analyzer, report, the live path and the watchdog read
+a run (docs/run-format.md). Its modules, lowest first:
+
+- ``dtprof/schema.py`` (beside this package: the rank side imports it too): the tables, columns, types, version
+  and the directory's names;
+- ``conform``: a table in the schema's columns and types, older formats and corrupt values named (``conform``,
+  ``load_table``, ``RunFormatError``);
+- ``files``: the files as rows: manifests, JSON-lines tables (gzip, a torn last line), a node's Parquet tables,
+  DuckDB reads across many nodes' files, and ``TableTail``, a JSON-lines table read from where the last read
+  stopped (the live path);
+- ``incident``: what triage reads beside the tables: heartbeats (``read_heartbeats``, also the watchdog's and the
+  live path's), rank dumps, the watchdog's records, the job's output, Flight Recorder entries;
+- ``run``: ``Run`` (a run directory, the union of its node directories; tables loaded on first use) and
+  ``open_run``;
+- ``dtprof/runformat.py`` (beside this package: the launcher writes through it): the writers and compaction.
+
+``dtprof/reader.py`` is the import path code outside the package has used; it holds no code of its own.
+"""
