@@ -336,7 +336,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0, core
                     # the timed steps' first line and the last few (one of the last may not arrive: take the latest)
                     every = n - lines[-2][0] if len(lines) > 1 else 1    # a job may print every few steps
                     if run_dir is not None and (len(lines) == WARMUP_INTERVALS + 1 or n >= steps - 3 * every):
-                        cpu.append((len(lines), launcher_cpu_ns(proc.pid)))
+                        cpu.append((n, launcher_cpu_ns(proc.pid)))   # by step: a job may print every few steps
             proc.wait()
             err.seek(0)
             return subprocess.CompletedProcess(cmd, proc.returncode, "", err.read())
@@ -353,7 +353,7 @@ def run_job(name: str, steps: int, run_dir: Path | None, ab_block: int = 0, core
     if ab_block:
         return {**out, "lines": list(lines)}
     if run_dir is not None:
-        (i0, c0), (i1, c1) = cpu[0], cpu[-1]
+        (i0, c0), (i1, c1) = cpu[0], cpu[-1]    # (step, launcher CPU ns)
         if i1 <= i0:
             sys.exit(f"{name}: only {len(lines)} step lines of {steps} arrived; no CPU interval to measure")
         out["launcher_cpu_s_per_step"] = (c1 - c0) / 1e9 / (i1 - i0)

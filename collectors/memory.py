@@ -45,7 +45,8 @@ memory") it writes an ``oom`` meta row: the request, the phase and module it was
 step (read from ``sys.last_value``; the traceback still holds the frames' tensors, so the allocator's figures are
 those of the failure).
 
-Cost: a few attribute reads at backward and at each optimizer step; the counting (a Python loop over the tensors)
+Cost: nothing on a boundary-only step (``every_step`` False: an optimizer is known from its first detailed step);
+a few attribute reads at a detailed step's backward and optimizer step; the counting (a Python loop over the tensors)
 and the allocator reads only on sampled steps (``ctx.detail``), its time measured (``cost_ns`` in the ``memory_ledger``
 meta row at exit). No dispatch mode, no sync: compiled models stay compiled (the part runs in the eager code around
 them: backward's call and the optimizer step).
@@ -124,6 +125,7 @@ def _tensors_bytes(tensors, seen: set) -> int:
 
 class MemoryLedger(RankPart):
     name = "memory"
+    every_step = False        # a boundary-only step has nothing to count: its callbacks are not called there
 
     def __init__(self):
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -3,7 +3,8 @@ learning rate and, at a priced interval, a fingerprint of the parameters, as ``h
 
 What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recorded in full detail only (the
 step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a
-boundary-only step costs this part three calls that return at once (its clip wrapper, on_optimizer_step, on_step_end).
+boundary-only step costs this part one call that returns at once (its clip wrapper; ``every_step`` False: its
+step callbacks are not called there).
 - the local loss: from the scalar tensors ``backward`` is called on (``on_backward``; the rank's own loss, before
   any cross-rank reduction): their sum, or their mean inside a torch pipelining schedule that scales its
   gradients (``step_loss``: what jobs log under gradient accumulation);
@@ -28,8 +29,9 @@ boundary-only step costs this part three calls that return at once (its clip wra
   interval and period: both are powers of two, and detailed blocks start at multiples of the period).
 
 No host-device sync: device values are copied ``non_blocking`` into a ring of host buffers (pinned on CUDA) with
-an event recorded after the copies, and read at a later step's end once the event has completed (on CPU the copy
-is done when it returns, and the value is still read a step later: one code path). A step whose slot is still in
+an event recorded after the copies, and read at a later detailed step's end once the event has completed (a
+detailed block's last step: at the next block's first, or at exit; on CPU the copy is done when it returns, and the
+value is still read a step later: one code path). A step whose slot is still in
 flight RING steps later is recorded without its device values. The cross-rank comparisons (which rank went
 non-finite first, which replica's fingerprint differs) are the analysis' (analyzers/health.py), never a
 collective on the training thread.
@@ -78,6 +80,7 @@ def make(options: dict) -> NumericsSentinel:
 
 class NumericsSentinel(RankPart):
     name = "numerics"
+    every_step = False      # nothing is read on a boundary-only step (a block's last values: at the next block's)
 
     def install(self, ctx: RankContext) -> None:
         super().install(ctx)

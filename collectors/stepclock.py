@@ -280,7 +280,10 @@ class StepClock:
         return None
 
     def opt_post_hook(self, optimizer, args, kwargs):
-        if self.disabled:
+        # every step's one hook: most of a sampled job's steps are boundary-only ones, whose whole cost is this
+        # path (the context's flags read directly, the parts with nothing to do on them not called)
+        ctx = self.ctx
+        if ctx.disabled:
             return None
         try:
             parts = self.parts
@@ -290,12 +293,17 @@ class StepClock:
                     parts.call(parts.on_optimizer_group, optimizer)
                 return None
             self.opt_groups_pending = False
-            if self.parts.on_optimizer_step:     # before the step ends: ctx.step is still this optimizer step's
-                self.parts.call(self.parts.on_optimizer_step, optimizer)
-            if not self.detail:
+            if not ctx.detail:
+                if parts.boundary_optimizer_step:     # before the step ends: ctx.step is still this step's
+                    parts.call(parts.boundary_optimizer_step, optimizer)
                 if not self.manual_steps:
                     self.end_boundary_step(now())
-            elif not self.ab.off:
+                if self.ab.block:
+                    self.ab.step_done()
+                return None
+            if parts.on_optimizer_step:
+                parts.call(parts.on_optimizer_step, optimizer)
+            if not self.ab.off:
                 t = now()
                 if self.opt_ev0 is not None:
                     self.cuda.span("optimizer", self.opt_ev0)
@@ -367,19 +375,24 @@ class StepClock:
         self.parts_step_end(step, t, True)
 
     def parts_step_end(self, step: int, t: int, detailed: bool) -> None:
-        if self.parts.on_step_end:
-            self.parts.call(self.parts.on_step_end, step, t, detailed)
+        parts = self.parts
+        methods = parts.on_step_end if detailed else parts.boundary_step_end
+        if methods:
+            parts.call(methods, step, t, detailed)
 
     def trace_step_end(self, step: int) -> None:
         try:
             self.trace_capture.on_step_end(step)
+            if self.trace_capture.done:      # its window is over (or had nothing to capture): no call per step
+                self.trace_capture = None    # (the recorder keeps its own reference, to close it at exit)
         except Exception:
             self.ctx.event("warning", "trace capture failed: " + _last_error_line())
 
     def end_boundary_step(self, t: int) -> None:
         """Close a boundary-only step: its times, the annotations, and the samples/tokens the last detailed step
         inferred (the same loader's batches); nothing else was recorded in it."""
-        step, start, a, inferred = self.step, self.step_start_ns, self.annot, self.last_inferred
+        ctx = self.ctx
+        step, start, a, inferred = ctx.step, self.step_start_ns, self.annot, self.last_inferred
         if start is None:
             start = self.init_ns
         self.append_step(step_row(self.rank, step, start, t, None, a.get("tokens", inferred.get("tokens")),
@@ -387,12 +400,13 @@ class StepClock:
         if a:
             self.annot = {}
         self.prev_step_end_ns = self.step_start_ns = t
-        self.step = step + 1
-        self.last_progress_ns = t
+        ctx.step = step + 1
+        ctx.last_progress_ns = t
         if self.trace_capture is not None:
             self.trace_step_end(step)
         self.sampler.sample_next(step, t - start)
-        self.parts_step_end(step, t, False)
+        if self.parts.boundary_step_end:
+            self.parts.call(self.parts.boundary_step_end, step, t, False)
 
     def begin_pipeline_step(self, args) -> None:
         """A pipeline schedule's ``step(*args)`` starts (hooks_collectives): its micro-batches' forwards are timed

@@ -113,3 +113,54 @@ def test_a_part_made_when_its_library_is_imported_joins_the_groups_of_one_optimi
     assert messages == ["made at step 4"] + [m for s in (4, 5, 6) for m in (f"group {s}", f"group {s}",
                                                                             f"optimizer {s}")]
     assert (run.events.level != "error").all(), run.events
+
+
+SAMPLED_JOB = textwrap.dedent("""
+    import sys, torch
+    import dtprof
+    from dtprof.collectors import parts
+
+    class Probe(parts.RankPart):
+        def on_optimizer_step(self, optimizer):
+            self.ctx.event("info", f"{self.name} optimizer {self.ctx.step} {self.ctx.detail}")
+        def on_step_end(self, step, t_ns, detailed):
+            self.ctx.event("info", f"{self.name} step_end {step} {detailed}")
+
+    class Every(Probe):
+        name = "every"
+
+    class Detailed(Probe):
+        name = "detailed"
+        every_step = False
+
+    parts.PART_FACTORIES[:] = [lambda o: Every(), lambda o: Detailed()]
+    dtprof.init(sys.argv[1], rank=0, sample_every=8)    # from step 32: 4 detailed steps in every 8
+    m = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.125)
+    for i in range(48):
+        m(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def test_a_part_that_needs_no_boundary_steps_hears_the_detailed_ones_only(tmp_path):
+    (tmp_path / "job.py").write_text(SAMPLED_JOB)
+    p = subprocess.run([sys.executable, "job.py", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = open_run(tmp_path / "run")
+    assert run.steps.step.tolist() == list(range(48))
+    # the steps recorded in full detail: those with a forward span (the run's own record of the sampling)
+    detailed = sorted(set(run.spans[run.spans.kind == "forward"].step.tolist()))
+    assert 0 < len([s for s in detailed if s >= 32]) < 16        # some steps after 32 were boundary-only
+    messages = run.events.message.tolist()
+
+    def heard(part, what):
+        return [int(m.split()[2]) for m in messages if m.startswith(f"{part} {what} ")]
+
+    assert heard("every", "optimizer") == heard("every", "step_end") == list(range(48))
+    assert heard("detailed", "optimizer") == heard("detailed", "step_end") == detailed
+    # each heard its steps with the detail they were recorded in
+    for s in range(48):
+        assert f"every step_end {s} {s in detailed}" in messages
