@@ -34,6 +34,7 @@ command ended) is named in the evidence, with its signals, grace period and whet
 """
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections import Counter
@@ -312,9 +313,10 @@ def _exception_line(text: str, rank: int) -> str | None:
     return _exception_lines(text).get(rank)
 
 
+@functools.lru_cache(maxsize=2)
 def _exception_lines(text: str) -> dict[int, str]:
-    """Per rank, its last exception line in ``text`` (``_exception_line`` of every rank in one pass over the logs:
-    a pattern per rank compiled 16,384 times was seconds of triage at that many ranks)."""
+    """Per rank, its last exception line in ``text``: one pass over the logs for every rank that asks (a pattern
+    per rank compiled 16,384 times was seconds of triage at that many ranks; the OOM and crash rules both ask)."""
     return {int(m.group(1)): m.group(2).strip() for m in EXCEPTION_LINE.finditer(text)}
 
 
@@ -620,16 +622,16 @@ def _command_killed(c: Case) -> dict | None:
     return None
 
 
-def _oom_of_rank(c: Case, r: int, records: dict, lines: dict) -> dict | None:
+def _oom_of_rank(c: Case, r: int, records: dict) -> dict | None:
     """Rank ``r``'s out-of-memory error: its ``oom`` meta row (collectors/memory.py; ``records``: each rank's last
     ``oom`` meta value), else the message of its exception dump or of its last exception line in the job's output
-    (``lines``: ``_exception_lines``; dtprof/oom.py), or None."""
+    (dtprof/oom.py), or None."""
     from dtprof import oom
 
     if isinstance(records.get(r), dict):
         return {**records[r], "source": "the rank's oom record"}
     own = (c.incident.dumps.get(r, {}).get("exception") or {}).get("exception") or {}
-    text = own.get("message") or lines.get(r) or ""
+    text = own.get("message") or _exception_line(c.incident.logs, r) or ""
     parsed = oom.parse(text)
     if parsed is None:
         return None
@@ -651,8 +653,7 @@ def _oom(c: Case) -> dict | None:
     if meta is not None and len(meta):   # each rank's last oom row, read once (not a pass over meta per rank)
         oom_rows = meta[(meta["kind"].astype(str) == "oom").to_numpy()]
         records = dict(zip(oom_rows["rank"].tolist(), oom_rows["value"].tolist()))
-    lines = _exception_lines(c.incident.logs)
-    found = {r: rec for r in sorted(c.known) if (rec := _oom_of_rank(c, r, records, lines)) is not None}
+    found = {r: rec for r in sorted(c.known) if (rec := _oom_of_rank(c, r, records)) is not None}
     if not found:
         return None
     raised = {r: (c.incident.dumps.get(r, {}).get("exception") or {}).get("wall_ns") or 0 for r in found}

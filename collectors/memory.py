@@ -61,6 +61,7 @@ import time
 import weakref
 
 from dtprof.collectors.parts import RankContext, RankPart
+from dtprof.collectors.peak_memory import rss_high_water_bytes
 from dtprof.collectors.records import _record
 
 MemoryRow = _record("MemoryRow", "memory")
@@ -287,7 +288,7 @@ class MemoryLedger(RankPart):
             self.shards = self._shards()
             self.signature, self.sampled = sig, 0
             # monotone, and a system call that sums over the process's threads: read with the counts only
-            self.rss_peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+            self.rss_peak = rss_high_water_bytes()
         params, grads, state = self.counts
         stats = {}
         torch = self.torch

@@ -12,7 +12,6 @@ detailed, hears the A/B switch (ab.py) and calls the parts' ``on_optimizer_step`
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 import traceback
@@ -23,10 +22,10 @@ from dtprof.collectors.cuda_timing import CudaTiming
 from dtprof.collectors.flops import FlopCounter
 from dtprof.collectors.module_hooks import ModuleHooks
 from dtprof.collectors.parts import Parts
+from dtprof.collectors.peak_memory import PeakMemory
 from dtprof.collectors.records import span_row, step_row
 
 now = time.monotonic_ns
-RSS_READ_INTERVAL_NS = 50_000_000   # peak_mem_bytes on CPU: at most one getrusage per 50 ms
 
 
 def _last_error_line() -> str:
@@ -71,9 +70,8 @@ class StepClock:
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
         self.last_inferred = {}    # the last detailed step's inferred samples/tokens (boundary-only steps repeat them)
         self.threads_cpu_step0 = None   # dtprof's threads' CPU seconds when step 0 ended (dtprof_threads_cpu)
-        self.rss_read_ns = -RSS_READ_INTERVAL_NS   # when peak_mem_bytes last read the RSS high-water mark (CPU)
-        self.rss_peak = 0
         self.cuda = CudaTiming(ctx)          # CUDA events or host times (collectors/cuda_timing.py)
+        self.peak_memory = PeakMemory(self.cuda)   # the steps' peak_mem_bytes (collectors/peak_memory.py)
         self.flops = FlopCounter(ctx)        # count_flops: step 1 under FlopCounterMode (collectors/flops.py)
         # the forward hooks' modules: global in step 0, then the roots (collectors/module_hooks.py)
         self.modules = ModuleHooks(ctx, self.fwd_pre_hook, self.fwd_hook, set())
@@ -317,22 +315,6 @@ class StepClock:
             self.ctx.fault("optimizer post-hook")
         return None
 
-    def peak_mem_bytes(self):
-        if self.cuda.on:
-            import torch
-
-            peak = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            return int(peak)
-        # A system call that sums over all the process's threads (~10 us on the training thread of a busy 2-core
-        # VM, timed in a tiny DDP step); the value only grows, so steps under RSS_READ_INTERVAL_NS apart reuse the
-        # last reading.
-        t = now()
-        if t - self.rss_read_ns >= RSS_READ_INTERVAL_NS:
-            self.rss_read_ns = t
-            self.rss_peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
-        return self.rss_peak
-
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""
         if not self.detail:
@@ -348,7 +330,7 @@ class StepClock:
         mark, self.run_delay_mark = self.run_delay_mark, _run_delay_ns(self.run_delay_fd)
         cpu_wait = self.run_delay_mark - mark if mark is not None and self.run_delay_mark is not None else None
         self.append_step(step_row(
-            self.rank, step, start, t, self.peak_mem_bytes(), a.get("tokens", inferred.get("tokens")),
+            self.rank, step, start, t, self.peak_memory.read(), a.get("tokens", inferred.get("tokens")),
             a.get("samples", inferred.get("samples")), a.get("model_flops"),
             self.flops.finish(step) if self.flops.step is not None else None, cpu_wait))
         if step == 0:

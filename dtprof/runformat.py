@@ -45,15 +45,7 @@ class RunExistsError(Exception):
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON so that a reader sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)   # after a failure (a full disk) no temporary file is left behind
+    write_text_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
