@@ -78,36 +78,48 @@ def replica_groups(collectives: pd.DataFrame, groups: pd.DataFrame) -> list[list
     return out
 
 
+def _vote(values: dict) -> tuple[list[int], bool]:
+    """(the ranks off the majority fingerprint, whether there is no majority: all of them then)."""
+    counts = Counter(values.values())
+    (top, n), = counts.most_common(1)
+    if sum(1 for c in counts.values() if c == n) > 1:
+        return sorted(values), True
+    return sorted(r for r, v in values.items() if v != top), False
+
+
 def fingerprint_incidents(health: pd.DataFrame, groups: list[list[int]]) -> tuple[list[dict], int]:
     """(the first step each replica group's fingerprints differed, named by the members off the majority value;
-    the number of (group, step) comparisons made)."""
+    the number of (group, step) comparisons made). Ranks that priced different intervals share only some steps: when
+    the first differing step has no majority (two of three replicas there), the first later step with one names
+    the culprits (a flipped bit stays flipped)."""
     fp = health.dropna(subset=["param_fp"])
     out, compared = [], 0
     for members in groups:
         g = fp[fp["rank"].isin(members)]
-        found = False
+        first = None
         for step, at in g.groupby("step", sort=True):
             if at["rank"].nunique() < 2:
                 continue
             compared += 1
-            if found:
-                continue
             values = dict(zip(at["rank"].astype(int), at["param_fp"].astype("int64")))
-            counts = Counter(values.values())
-            if len(counts) == 1:
+            if len(set(values.values())) == 1 or (first is not None and first[2] is False):
                 continue
-            (top, n), = counts.most_common(1)
-            tie = sum(1 for c in counts.values() if c == n) > 1
-            culprits = sorted(values) if tie else sorted(r for r, v in values.items() if v != top)
-            who = (f"rank(s) {', '.join(map(str, culprits))} hold parameters that differ from the other "
-                   f"{len(values) - len(culprits)} replica(s)") if not tie else \
-                  (f"ranks {', '.join(map(str, culprits))} hold different parameters ({len(values)} replicas, no "
-                   f"majority: which one is wrong cannot be told)")
-            out.append({"kind": "divergence", "step": int(step), "ranks": culprits, "group": members,
-                        "cause": "silent corruption or a replica-local update",
-                        "message": f"data-parallel replicas diverged by step {int(step)}: {who} (parameter "
-                                   f"fingerprints of group {members})"})
-            found = True
+            culprits, tie = _vote(values)
+            if first is None:
+                first = (int(step), culprits, tie, len(values))
+            elif not tie:
+                first = (first[0], culprits, False, len(values))
+        if first is None:
+            continue
+        step, culprits, tie, n = first
+        who = (f"rank(s) {', '.join(map(str, culprits))} hold parameters that differ from the other "
+               f"{n - len(culprits)} replica(s)") if not tie else \
+              (f"ranks {', '.join(map(str, culprits))} hold different parameters ({n} replicas, no "
+               f"majority: which one is wrong cannot be told)")
+        out.append({"kind": "divergence", "step": step, "ranks": culprits, "group": members,
+                    "cause": "silent corruption or a replica-local update",
+                    "message": f"data-parallel replicas diverged by step {step}: {who} (parameter "
+                               f"fingerprints of group {members})"})
     return out, compared
 
 

@@ -91,5 +91,12 @@ def test_fingerprint_vote_names_the_odd_replica_or_both_of_two():
     two = table([r for k in (0, 2) for r in series(k, [1.0] * 4, fps=fps[k])])
     inc = health.analyze_health(two, None, coll, groups)["incidents"][0]
     assert inc["ranks"] == [0, 2] and "cannot be told" in inc["message"]
+    # rank 0 priced a longer interval (steps 0, 4), ranks 1 and 2 a shorter one (0, 2, 4): rank 2's bit flipped
+    # before step 2, where only two replicas compare (no majority); step 4's three name rank 2, diverged by step 2
+    five = {0: [5, 7, 9, 11, 13], 1: [5, 7, 9, 11, 13], 2: [5, 7, 10, 12, 14]}
+    every = {0: 4, 1: 2, 2: 2}
+    sparse = table([r for k, v in five.items() for r in series(k, [1.0] * 5, fps=v) if r[1] % every[k] == 0])
+    (inc,) = health.analyze_health(sparse, None, coll, groups)["incidents"]
+    assert (inc["step"], inc["ranks"]) == (2, [2]) and "other 2 replica(s)" in inc["message"], inc
     # without DDP's collectives the ranks are not known to be replicas: nothing is compared
     assert health.analyze_health(table(rows), None, coll.assign(source="user"), groups)["incidents"] == []
