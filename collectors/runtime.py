@@ -28,8 +28,9 @@ How it stays out of training's way
 
 Steps (the ``steps`` table)
 - A step ends at every ``torch.optim`` optimizer step (global step post-hook) or at ``dtprof.step()``; an engine
-  that steps the torch optimizer once per parameter group ends it at the last group (a part says the step goes
-  on: DeepSpeed ZeRO, collectors/engine_deepspeed.py).
+  that steps the torch optimizer once per parameter group takes them as one (a part says the step goes on), and an
+  engine's own step call ends it as it returns (a part holds the end: ``RankContext.hold_step_end``): DeepSpeed,
+  collectors/engine_deepspeed.py.
   Rule against double counting: once the program calls ``dtprof.step()``, optimizer steps no longer end steps;
   a ``dtprof.step()`` that directly follows an optimizer-ended step (no forward in between) only switches the
   mode and does not add an empty step. Loops with several optimizers per iteration should call ``dtprof.step()``.
@@ -126,6 +127,7 @@ class Recorder:
         # ---- the step in progress and its hooks (collectors/stepclock.py) ----
         self.clock = clock = StepClock(ctx, self.flags)
         ctx.roots = lambda: list(clock.modules.roots or ())
+        ctx.end_held_step = clock.end_held_step   # an engine's step call returned (collectors/engine_deepspeed.py)
         # torch.compile: Dynamo never traces dtprof (collectors/compile_watch.py)
         self.compiler = clock.compiler = CompileWatch(ctx, self.on_compile_start, clock.fwd_pre_hook, clock.fwd_hook,
                                                       clock.modules.compiled_roots)
