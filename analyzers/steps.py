@@ -316,3 +316,11 @@ def step_stats(model) -> dict:
             out[f"{what}_per_s_reason"] = (f"no {what} per step: not inferable from the root module's input "
                                            f"and not given with dtprof.annotate({what}=...)")
     return out
+
+
+def by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
+    key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
+    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
+        return df.reset_index(drop=True)
+    return df.iloc[np.argsort(key, kind="stable")].reset_index(drop=True)

@@ -161,7 +161,7 @@ def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
 def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
     """(per collective instance: group, seq, op, rank, step, first_ns, arrival_ns, lateness_s, last, lead_s,
     peers_lost_s, ranks, measured; per rank: its rows in measured steps) from ``arrival_parts`` and
-    ``arrival_counts`` of the run (nodesummary.Rows: its nodes' parts in any order, reduced per instance in DuckDB).
+    ``arrival_counts`` of the run (rundir.rows.Rows: its nodes' parts in any order, reduced per instance in DuckDB).
 
     Arrivals are issue times aligned through the run model's clocks. Of each instance: ``rank`` is the last rank to
     arrive (ties: the highest rank), ``first_ns`` the first arrival, ``arrival_ns`` the last rank's arrival,
@@ -381,7 +381,7 @@ def local_arrivals(model) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(``instance_arrivals`` of the run model's collectives on one clock, every instance counted: the ranks of one
     host, the live path's, dtprof/live.py; per collectives row that ``arrivals`` counts, its rank, step (-1: none)
     and ``lateness_ns``, its arrival minus the instance's first arrival)."""
-    from dtprof.analyzers.rows import Rows
+    from dtprof.rundir.rows import Rows
 
     parts, _ = arrival_parts(model)
     arr = instance_arrivals(Rows.of("arrival_parts", parts), pd.DataFrame({"host": []}), (), no_steps=True)

@@ -131,7 +131,7 @@ def _group_members(groups_tbl, group: str, fallback) -> list[int]:
 
 def mismatch_candidates(parts) -> list[tuple[str, int]]:
     """The collective instances (group, seq) whose ranks may disagree in op, size or dtype, from the arrivals
-    reduced per part (analyzers/stragglers.py ``arrival_parts``: the node summaries', nodesummary.Rows, reduced in
+    reduced per part (analyzers/stragglers.py ``arrival_parts``: the node summaries', rundir.rows.Rows, reduced in
     DuckDB): a part with more than one kind, or parts of one instance with different kinds. Only their rows need
     reading for ``find_mismatches``."""
     bad = parts.query('SELECT "group", seq FROM rows GROUP BY "group", seq '

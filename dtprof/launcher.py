@@ -978,8 +978,8 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
         post["node_summary"] = _guarded("node summary", warn, summarize_node, str(node_dir)) is not None
     # analysed once (options from node.json's config: dtprof/options.py); summary.json, the terminal summary and
     # the report all come from this one analysis
-    from dtprof.analyzers.summary import save_summary
     from dtprof.options import open_and_analyze
+    from dtprof.runformat import save_summary
 
     run, analysis = _guarded("summary", warn, open_and_analyze, run_dir, check_tables=False) or (None, None)
     post["summary"] = analysis is not None and _guarded("summary", warn, save_summary, run_dir,

@@ -29,6 +29,7 @@ from dtprof.schema import (  # noqa: F401
     SCHEMA_VERSION,
     SUMMARY_COMPLETE,
     SUMMARY_DIR,
+    SUMMARY_FILE,
     TABLES,
     TABLES_COMPLETE,
     TABLES_DIR,
@@ -325,6 +326,14 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
                                                "layout": SUMMARY_LAYOUT, **facts})
     return out
+
+
+def save_summary(run_dir, summary: dict) -> Path:
+    """Write ``summary`` (the analysis's, analyzers/summary.py) as ``run_dir/summary.json`` (atomically: a reader
+    sees the old file or the new one)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    write_json_atomic(path, summary)
+    return path
 
 
 def stop_text(stop: dict) -> str:

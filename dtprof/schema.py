@@ -266,6 +266,7 @@ SUMMARY_LAYOUT = 8
 # ---- the run directory's layout (docs/run-format.md): its files' and folders' names
 RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
+SUMMARY_FILE = "summary.json"     # the analysis's summary (docs/summary-schema.md), runformat.save_summary
 NODE_PREFIX = "node-"
 RANK_PREFIX = "rank-"
 # events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or

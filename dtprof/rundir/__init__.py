@@ -5,6 +5,8 @@ a run (docs/run-format.md). Its modules, lowest first:
   and the directory's names;
 - ``conform``: a table in the schema's columns and types, older formats and corrupt values named (``conform``,
   ``load_table``, ``RunFormatError``);
+- ``rows``: ``Rows``, a node-summary table of the whole run (the stored nodes' Parquet files and rows made in
+  memory) as one DuckDB view: what ``Run.summary_rows`` hands the analyzers, so none of them names a file;
 - ``files``: the files as rows: manifests, JSON-lines tables (gzip, a torn last line), a node's Parquet tables,
   DuckDB reads across many nodes' files, and ``TableTail``, a JSON-lines table read from where the last read
   stopped (the live path);

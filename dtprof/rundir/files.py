@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dtprof.rundir.conform import RunFormatError, conform, load_table
+from dtprof.rundir.rows import sql_list
 from dtprof.schema import (
     CATEGORICAL,
     JSONL_GZ_SUFFIX,
@@ -276,15 +277,6 @@ def _frame_in_batches(rel, n: int | None, dtypes: dict):
                 pa.chunked_array(text[c], type=pa.dictionary(pa.int32(), pa.string()) if dtypes[c] == "category"
                                  else pa.string()).to_pandas()) for c in dtypes}
     return pd.DataFrame(cols, copy=False).astype(dtypes)
-
-
-def sql_text(value) -> str:
-    """``value`` as an SQL string literal."""
-    return "'" + str(value).replace("'", "''") + "'"
-
-
-def sql_list(values) -> str:
-    return ", ".join(sql_text(v) for v in values)
 
 
 def _read_in_file_order(con, files: list[str], where: str):

@@ -21,9 +21,9 @@ from dtprof.rundir.files import (
     _read_node_table,
     _read_tables_at_once,
     read_node_raw,
-    sql_list,
 )
 from dtprof.rundir.incident import Incident, read_incident
+from dtprof.rundir.rows import Rows, sql_list
 from dtprof.schema import (
     NODE_MANIFEST,
     NODE_PREFIX,
@@ -412,6 +412,15 @@ class Run:
             if con is not None:
                 con.close()
         return facts, tables
+
+    def summary_rows(self, table: str, facts: list, computed: dict | None = None) -> Rows:
+        """The node summaries' ``table`` across the run as one DuckDB view (``Rows``): the files of the nodes with
+        a stored summary (``facts``: ``node_summaries``'), and the rows ``computed`` by the analysis (node
+        directory -> frame) for nodes without one, each named as its file would be, so node order sorts alike."""
+        from dtprof.schema import summary_file
+
+        return Rows(table, [str(summary_file(nd, table)) for nd, f in zip(self.node_dirs, facts) if f is not None],
+                    [(str(summary_file(nd, table)), df) for nd, df in (computed or {}).items()])
 
     def __getattr__(self, name: str):
         if name in TABLES:

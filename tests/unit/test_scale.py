@@ -14,10 +14,10 @@ import pytest
 
 from conftest import dtprof
 from dtprof.analyzers.collectives import INSTANCE_KEY, instances_of, merge_instances
-from dtprof.analyzers.rows import Rows
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.options import open_and_analyze
 from dtprof.reader import open_run
+from dtprof.rundir.rows import Rows
 from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
 from scale_checks import assert_summaries_equal_raw, differences
