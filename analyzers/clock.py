@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
 
 
 def _host_of_rank(r: pd.DataFrame) -> pd.Series:

@@ -190,11 +190,11 @@ def _with_lone_items(items: pd.DataFrame, per: pd.DataFrame, touched: np.ndarray
 
 
 def node_tables(model) -> tuple[dict, dict]:
-    """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/schema.py
+    """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/rundir/schema.py
     SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
     model before the rest: analyzers/runmodel.py)."""
     # the items step by step (each rank-step's in their order): the file's row groups then hold a few steps each, so
-    # reading the replay's sample of steps skips the others by their statistics (runformat.SUMMARY_ROW_GROUP_ROWS)
+    # reading the replay's sample of steps skips the others by their statistics (writer.SUMMARY_ROW_GROUP_ROWS)
     ns = summarize(model, items_by_step=True)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,

@@ -48,7 +48,7 @@ from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import pipeinfer
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import whatif as whatif_mod
-from dtprof.schema import TABLES
+from dtprof.rundir.schema import TABLES
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.schema import DETAIL_BLOCK
+from dtprof.rundir.schema import DETAIL_BLOCK
 
 NS = 1e9
 WARMUP_SLOW_FACTOR = 1.2
@@ -61,7 +61,8 @@ def detect_warmup(job_time_s: np.ndarray, disturbed: np.ndarray | None = None) -
 
 # the steps table's per-step numbers as the run model carries them (float64, NaN where a rank did not report one;
 # float64: FLOPs pass int64's range for large models, and bytes, tokens and samples stay exact below 2**53); the
-# node summaries' rank_steps carry them too (dtprof/schema.py), so the global analysis never reads the steps table
+# node summaries' rank_steps carry them too (dtprof/rundir/schema.py), so the global analysis never reads the steps
+# table
 STEP_NUMBERS = ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops", "cpu_wait_s", "detail")
 
 

@@ -42,7 +42,7 @@ import pandas as pd
 from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import own_records
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75

@@ -1,7 +1,7 @@
 """The analysis of a run end to end, and summary.json (docs/summary-schema.md).
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
-DataFrames behind each figure; dtprof/runformat.py ``save_summary`` writes summary.json into the run (the commands
+DataFrames behind each figure; dtprof/rundir/writer.py ``save_summary`` writes summary.json into the run (the commands
 do: they open the run and analyse it, dtprof/options.py ``open_and_analyze``).
 
 The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
@@ -37,7 +37,7 @@ from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.runmodel import RunModel
-from dtprof.runformat import UNIDENTIFIED_EVENT
+from dtprof.rundir.writer import UNIDENTIFIED_EVENT
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
 # the spans the summaries path reads (besides every span of a pipeline rank): GPU kernels, for the kernel views

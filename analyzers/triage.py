@@ -45,8 +45,8 @@ from typing import Any, Mapping
 from dtprof.analyzers.collectives import own_records
 from dtprof.reports.fmt import fmt_bytes  # the one byte formatter (the one module of reports/ analyzers use)
 from dtprof.rundir.incident import Incident, best_dump
-from dtprof.runformat import stop_text
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
+from dtprof.rundir.writer import stop_text
 from dtprof.watchdog import STALE_BEAT_S
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom", "numerics", "divergence")
@@ -288,7 +288,7 @@ def match_across_ranks(entries, group_ranks: dict[str, list[int]] | None = None)
     return inst
 
 
-# NCCL's OpType names -> dtprof's canonical op names (dtprof.schema.COLLECTIVE_OPS)
+# NCCL's OpType names -> dtprof's canonical op names (dtprof.rundir.schema.COLLECTIVE_OPS)
 _NCCL_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
              "reducescatter": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
              "_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter"}

@@ -84,7 +84,7 @@ class RankContext:
         self.roots = None               # roots() -> the top-level modules step 0's forwards ran (may be empty)
 
     def meta(self, kind: str, value: dict) -> None:
-        """One structured fact (the ``meta`` table; kinds in dtprof.schema.META_KINDS)."""
+        """One structured fact (the ``meta`` table; kinds in dtprof.rundir.schema.META_KINDS)."""
         self._meta(kind, value)
 
 

@@ -55,7 +55,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.rundir.files import TableTail
-from dtprof.runformat import RANK_PREFIX
+from dtprof.rundir.writer import RANK_PREFIX
 
 SETTLE_NS = 2_500_000_000      # two flushes of the ranks (1 s each) and a margin
 KEEP_NS = 30_000_000_000       # collectives rows kept this long after their rank's published steps
@@ -117,7 +117,7 @@ class GpuSample:
     gpu: int
     uuid: str
     t_ns: int
-    values: dict[str, float | None]     # the nvml table's value columns (dtprof/schema.py)
+    values: dict[str, float | None]     # the nvml table's value columns (dtprof/rundir/schema.py)
 
 
 @dataclass
@@ -340,7 +340,7 @@ class LiveNode:
 
     # ---- node state ------------------------------------------------------------------------------------------
     def _gpus(self) -> list[GpuSample]:
-        from dtprof.schema import TABLES
+        from dtprof.rundir.schema import TABLES
 
         value_cols = [c for c, _ in TABLES["nvml"]][5:]
         out = []

@@ -84,7 +84,7 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
     from dtprof.reports import summary_json, terminal
     from dtprof.rundir.conform import RunFormatError
     from dtprof.rundir.run import open_run
-    from dtprof.runformat import SUMMARY_FILE, save_summary
+    from dtprof.rundir.writer import SUMMARY_FILE, save_summary
 
     tf = _parse_transformer(transformer)
 

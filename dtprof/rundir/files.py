@@ -9,7 +9,7 @@ from typing import Any
 
 from dtprof.rundir.conform import RunFormatError, conform, load_table
 from dtprof.rundir.rows import sql_list
-from dtprof.schema import (
+from dtprof.rundir.schema import (
     CATEGORICAL,
     JSONL_GZ_SUFFIX,
     RANK_PREFIX,
@@ -294,9 +294,9 @@ TAIL_MAX_READ = 64 * 2**20     # bytes read per file and poll, at most (a late s
 
 
 class TableTail:
-    """One JSON-lines table of the run format (its files in the order written: dtprof.schema.table_files), read from
-    where the last read stopped; a gzip file through one decompressor kept between reads; a line not yet complete
-    is kept for the next read (a writer's flush can end mid-line)."""
+    """One JSON-lines table of the run format (its files in the order written: dtprof.rundir.schema.table_files),
+    read from where the last read stopped; a gzip file through one decompressor kept between reads; a line not yet
+    complete is kept for the next read (a writer's flush can end mid-line)."""
 
     def __init__(self, directory: Path, stem: str):
         self.directory, self.stem = Path(directory), stem

@@ -18,7 +18,7 @@ ROWS_MEMORY_LIMIT = "3GB"
 
 @dataclass
 class Rows:
-    """One node-summary table of the whole run (dtprof/schema.py SUMMARY_TABLES), never joined in pandas: the
+    """One node-summary table of the whole run (dtprof/rundir/schema.py SUMMARY_TABLES), never joined in pandas: the
     stored nodes' Parquet files and the rows made in memory (a node without a stored summary; the whole run on the
     raw path), reduced by SQL in DuckDB (``query``). At 16,384 ranks the per-instance tables hold a row per
     collective instance and node (16.4 M at 1,000 steps); their consumers need one row per instance or per host.
@@ -57,7 +57,7 @@ class Rows:
         file raises RunFormatError naming the table."""
         import duckdb
 
-        from dtprof.schema import SUMMARY_TABLES
+        from dtprof.rundir.schema import SUMMARY_TABLES
 
         cols = SUMMARY_TABLES[self.table]
         kind = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR"}

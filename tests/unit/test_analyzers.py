@@ -25,7 +25,7 @@ from dtprof.analyzers.summary import analyze  # noqa: E402
 from dtprof.options import resolve_options  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.reports.terminal import format_summary_text  # noqa: E402
-from dtprof.runformat import create_run_dir, save_summary, write_node_tables  # noqa: E402
+from dtprof.rundir.writer import create_run_dir, save_summary, write_node_tables  # noqa: E402
 from synth import MS, build_run, hand_run  # noqa: E402
 
 # ---------------------------------------------------------------- interval core

@@ -135,7 +135,7 @@ def _analyzer_file_imports() -> list[tuple[str, str]]:
 def test_analyzers_read_a_run_only_through_what_they_are_handed():
     """Analyzers are functions of the run's tables (issue 46 point 4): they import no function that opens, reads,
     writes or names a run's files, nor the reader's module of files; they read through the ``Run`` and the
-    ``Rows`` handed to them. (summary.json is written by dtprof/runformat.py ``save_summary``.)"""
+    ``Rows`` handed to them. (summary.json is written by dtprof/rundir/writer.py ``save_summary``.)"""
     assert _analyzer_file_imports() == []
     # the rule finds what it guards against: the reader's own modules are full of such names
     assert FILE_IO.search("open_run") and FILE_IO.search("summary_file") and FILE_IO.search("RankWriter")

@@ -17,7 +17,7 @@ from dtprof.analyzers.triage import triage
 from dtprof.live import LiveNode
 from dtprof.reader import open_run
 from dtprof.rundir.incident import read_incident
-from dtprof.runformat import RankWriter, create_run_dir, write_json_atomic
+from dtprof.rundir.writer import RankWriter, create_run_dir, write_json_atomic
 
 MS = 1_000_000
 STEPS = 30
