@@ -37,7 +37,7 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import assign_to_windows, measure
 from dtprof.analyzers.kernels import kernel_classes
-from dtprof.schema import COMPUTE_KINDS, P2P_OPS
+from dtprof.rundir.schema import COMPUTE_KINDS, P2P_OPS
 
 NS = 1e9
 

@@ -89,7 +89,7 @@ class RankContext:
         self.end_held_step = None       # end_held_step(): the step clock's (stepclock.py)
 
     def meta(self, kind: str, value: dict) -> None:
-        """One structured fact (the ``meta`` table; kinds in dtprof.schema.META_KINDS)."""
+        """One structured fact (the ``meta`` table; kinds in dtprof.rundir.schema.META_KINDS)."""
         self._meta(kind, value)
 
 
