@@ -10,7 +10,8 @@ step callbacks are not called there).
   gradients (``step_loss``: what jobs log under gradient accumulation);
 - the gradient norm: DeepSpeed's own (its optimizer wrapper's ``_global_grad_norm``, read at the torch optimizer
   step it makes: collectors/engine_deepspeed.py), else the tensor ``torch.nn.utils.clip_grad_norm_`` (or its
-  alias ``clip_grad_norm``) returned or ``clip_grads_with_norm_`` was given, the last call of the step; the
+  alias ``clip_grad_norm``, or FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``, which all-reduces its
+  shards' norms) returned or ``clip_grads_with_norm_`` was given, the last call of the step; the
   wrappers are in place on every step, pass the job's result through, and do nothing while Dynamo traces (a
   clip inside a compiled region is traced as the bare job's and not read).
   When the step has not clipped by its optimizer step, dtprof computes the norm itself (``on_optimizer_pre_step``:
@@ -48,7 +49,7 @@ from typing import Any
 
 from dtprof.collectors.engine_deepspeed import called_from_deepspeed as _called_from_deepspeed
 from dtprof.collectors.engine_deepspeed import global_grad_norm as _deepspeed_norm
-from dtprof.collectors.parts import RankContext, RankPart
+from dtprof.collectors.parts import RankContext, RankPart, _on_import
 from dtprof.collectors.records import Health
 
 RING = 16                 # steps whose device values may be in flight at once
@@ -69,6 +70,9 @@ CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
 # torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm): the clip of a norm the job computed
 # itself (torch.nn.utils.get_total_norm; torchtitan's form), read from its argument
 WITH_NORM = "clip_grads_with_norm_"
+# FullyShardedDataParallel.clip_grad_norm_ (FSDP1's module method: what Accelerate, the HF Trainer and Lightning
+# call under FSDP1), read as a torch clip is once the job has imported FSDP
+FSDP1_MODULE = "torch.distributed.fsdp"
 PIPELINE_FRAMES = 24      # on_backward's callers up to a torch pipelining schedule's _step_microbatches
 FRAMES = 16               # on_optimizer_step's callers up to DeepSpeed's optimizer wrapper's step
 MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
@@ -132,6 +136,18 @@ class NumericsSentinel(RankPart):
         if f is not None and not getattr(f, "dtprof_numerics", False):
             self.patched.append((nn_utils, WITH_NORM, f))
             setattr(nn_utils, WITH_NORM, self.wrap_clip(f, norm_arg=2))
+        self.exited = False
+        _on_import(FSDP1_MODULE, self.patch_fsdp1)      # now, or when the job imports FSDP
+
+    def patch_fsdp1(self) -> None:
+        """FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` wrapped as the torch clips are: the method
+        all-reduces its shards' norms and returns the total (a torch clip of FSDP1's sharded parameters would norm
+        one rank's shard)."""
+        fsdp: Any = getattr(sys.modules.get(FSDP1_MODULE), "FullyShardedDataParallel", None)
+        f = getattr(fsdp, "__dict__", {}).get("clip_grad_norm_")
+        if fsdp is not None and f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((fsdp, "clip_grad_norm_", f))
+            fsdp.clip_grad_norm_ = self.wrap_clip(f)
 
     # ---- the training thread -------------------------------------------------------------------------------
 
@@ -441,6 +457,7 @@ class NumericsSentinel(RankPart):
         if self.dropped:
             self.ctx.event("warning", f"numerics: {self.dropped} step(s) recorded without their device values "
                                       f"(their slot was still in flight {RING} steps later)")
+        self.exited = True
         for mod, name, f in self.patched:
             setattr(mod, name, f)
         self.patched = []

@@ -165,7 +165,8 @@ def test_clip_inside_and_outside_compiled_code_keeps_dynamo_counters(compile_env
 ENGINE_STEPS, ENGINE_K = 8, 5
 ENGINE_ARGS = ("--steps", ENGINE_STEPS, "--batch", 4, "--seq", 16, "--dim", 32, "--layers", 2, "--clip", 1.0,
                "--print-health", "--nan-at", f"{ENGINE_K}:1")
-ENGINES = {"fsdp2": ("train_fsdp.py",), "pipeline": ("train_pipeline.py", "--schedule", "1f1b", "--microbatches", 4)}
+ENGINES = {"fsdp2": ("train_fsdp.py",), "fsdp1": ("train_fsdp.py", "--fsdp1"),
+           "pipeline": ("train_pipeline.py", "--schedule", "1f1b", "--microbatches", 4)}
 
 
 @pytest.fixture(scope="module")
@@ -181,23 +182,28 @@ def engines(tmp_path_factory):
     return Recorded()
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "pipeline"])
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "pipeline"])
 def test_engine_losses_and_norms_as_printed_and_the_nan_named(engines, engine):
     """FSDP2: each rank's local loss and the replicated norm FSDP2's clip returns (a DTensor), as each rank printed
-    them. Pipeline (1F1B, a stage per rank): the last stage's loss is its microbatches' mean (the job prints the
-    same mean in float64), the first stage has no loss (its backward gets activations' gradients) and its own
-    clipped norm. A NaN in rank 1's loss at step K: triage names rank 1 and step K."""
+    them. FSDP1 (FullyShardedDataParallel, a flat parameter per block, sharded): the norm its own
+    ``clip_grad_norm_`` method returned (it all-reduces the shards' norms: the total, equal on both ranks).
+    Pipeline (1F1B, a stage per rank): the last stage's loss is its microbatches' mean (the job prints the same
+    mean in float64), the first stage has no loss (its backward gets activations' gradients) and its own clipped
+    norm. A NaN in rank 1's loss at step K: triage names rank 1 and step K."""
     d, printed = engines[engine]
     h = open_run(d).health
     rows = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
     assert set(rows) == {(r, s) for r in (0, 1) for s in range(ENGINE_STEPS)}
-    loss_ranks = (0, 1) if engine == "fsdp2" else (1,)
+    loss_ranks = (1,) if engine == "pipeline" else (0, 1)
     assert {r for r, _ in printed} == set(loss_ranks)
     for (rank, step), (loss, norm, lr) in printed.items():
         got = rows[rank, step]
         assert got.lr == lr, (rank, step)
         if step < ENGINE_K:
             assert (got.loss, got.grad_norm) == (loss, norm), (rank, step, got, loss, norm)
+    if engine == "fsdp1":     # the method's total, not a shard's: the same on both ranks, read as a clip's
+        assert all(printed[0, s][1] == printed[1, s][1] for s in range(ENGINE_K))
+        assert set(h[h["step"] < ENGINE_K]["grad_norm_source"]) == {"clip"}
     if engine == "pipeline":
         first = h[h["rank"] == 0].sort_values("step")
         assert first["loss"].isna().all()                                     # no loss on the first stage
