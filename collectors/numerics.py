@@ -18,7 +18,9 @@ step callbacks are not called there).
   the optimizer's gradients are final there, after DDP's all-reduce): the 2-norm of the optimizer's gradients as
   ``clip_grad_norm_`` computes it (``torch._foreach_norm``, on the device, no collective), on the read steps only,
   its CPU among the reads' priced cost. Not for sharded gradients (DTensor, FSDP1's flat parameters, DeepSpeed's
-  optimizer: a local shard's norm is not the total, and the cross-rank sum would be a collective);
+  optimizer wrappers: a local shard's norm is not the total, and the cross-rank sum would be a collective); at
+  DeepSpeed's ZeRO stage 0 in fp32 the engine steps the torch optimizer itself on whole gradients (normed here),
+  and its own clip's total norm, which it drops, is read as a torch clip's (``patch_deepspeed``);
 - the learning rate of each param group, a host-side read after the optimizer step (``on_optimizer_step``);
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
@@ -47,7 +49,9 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+from dtprof.collectors.engine_deepspeed import FP32_CLIP as _DEEPSPEED_FP32_CLIP
 from dtprof.collectors.engine_deepspeed import called_from_deepspeed as _called_from_deepspeed
+from dtprof.collectors.engine_deepspeed import engine_steps_optimizer as _deepspeed_engine_steps
 from dtprof.collectors.engine_deepspeed import global_grad_norm as _deepspeed_norm
 from dtprof.collectors.parts import RankContext, RankPart, _on_import
 from dtprof.collectors.records import Health
@@ -138,6 +142,7 @@ class NumericsSentinel(RankPart):
             setattr(nn_utils, WITH_NORM, self.wrap_clip(f, norm_arg=2))
         self.exited = False
         _on_import(FSDP1_MODULE, self.patch_fsdp1)      # now, or when the job imports FSDP
+        _on_import("deepspeed", self.patch_deepspeed)   # (DeepSpeed's __init__ imports its engine)
 
     def patch_fsdp1(self) -> None:
         """FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` wrapped as the torch clips are: the method
@@ -148,6 +153,16 @@ class NumericsSentinel(RankPart):
         if fsdp is not None and f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
             self.patched.append((fsdp, "clip_grad_norm_", f))
             fsdp.clip_grad_norm_ = self.wrap_clip(f)
+
+    def patch_deepspeed(self) -> None:
+        """The clip DeepSpeed's engine calls at ZeRO stage 0 in fp32 wrapped as the torch clips are: the engine
+        drops the total norm it returns, and the gradients dtprof would norm at the optimizer step are clipped."""
+        mod, name = _DEEPSPEED_FP32_CLIP
+        engine = sys.modules.get(mod)
+        f = getattr(engine, name, None)
+        if f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((engine, name, f))
+            setattr(engine, name, self.wrap_clip(f))
 
     # ---- the training thread -------------------------------------------------------------------------------
 
@@ -225,8 +240,8 @@ class NumericsSentinel(RankPart):
         says why, once per optimizer)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         why = None
-        if "deepspeed" in sys.modules and _called_from_deepspeed():
-            why = "DeepSpeed steps the optimizer (ZeRO's partitions; its engine computes its own norm)"
+        if "deepspeed" in sys.modules and _called_from_deepspeed() and not _deepspeed_engine_steps():
+            why = "DeepSpeed's optimizer wrapper steps the optimizer (ZeRO's partitions; it computes its own norm)"
         elif any(hasattr(p, "placements") for p in params):
             why = "sharded parameters (DTensor): a local shard's norm is not the total"
         elif any(getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False) for p in params):

@@ -267,3 +267,35 @@ def test_deepspeed_grad_norm_and_accumulated_loss_are_the_engines_own(tmp_path):
         assert got[key] == (loss, norm, lr, "deepspeed"), (key, got[key], printed[key])
     assert len({printed[0, s][1] for s in range(steps)}) == steps          # a norm of each step's own
     assert all(printed[0, s][0] != printed[1, s][0] for s in range(steps))  # each rank's own loss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler for DeepSpeed's comm op")
+@pytest.mark.parametrize("clip", [None, "0.01"])
+def test_deepspeed_stage0_fp32_norm_is_the_whole_gradients(tmp_path, clip):
+    """ZeRO stage 0 in fp32: the engine steps the torch optimizer itself and keeps no norm (get_global_grad_norm()
+    is None), so the job prints its own: the float64 norm of its gradients after the boundary's backward (which
+    all-reduced them), before engine.step(). Without clipping dtprof computes the norm of the optimizer's whole
+    gradients at its step (source "dtprof"); with DeepSpeed's gradient_clipping (0.01: every step clipped) it reads
+    the total norm DeepSpeed's own clip returned and the engine dropped (source "clip"), not the clipped
+    gradients' norm (at most 0.01). Both within float32 rounding of the job's, every rank and step; accumulation 2:
+    the loss bit for bit the micro-batches' mean the job printed."""
+    from test_deepspeed import Job
+
+    steps = 6
+    job = Job(tmp_path / "run", ("--zero", "0", "--accum", "2", "--steps", str(steps), "--dim", "64",
+                                 "--print-health", *(("--clip", clip) if clip else ())), launcher="torchrun")
+    printed = _printed(subprocess.CompletedProcess([], 0, job.stdout))
+    assert set(printed) == {(r, s) for r in (0, 1) for s in range(steps)}, job.stdout[-2000:]
+    assert all(printed[0, s][1] == printed[1, s][1] for s in range(steps))   # the job's norms: whole gradients'
+    if clip:
+        assert all(printed[0, s][1] > 2 * float(clip) for s in range(steps)), printed  # every step clipped
+    h = open_run(job.out).health
+    got = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    assert set(got) == set(printed)
+    for key, (loss, norm, lr) in printed.items():
+        row = got[key]
+        assert (row.loss, row.lr, row.grad_norm_source) == (loss, lr, "clip" if clip else "dtprof"), (key, row)
+        assert row.grad_norm == pytest.approx(norm, rel=1e-5), (key, row.grad_norm, norm)
