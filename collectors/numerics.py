@@ -74,6 +74,9 @@ CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
 # torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm): the clip of a norm the job computed
 # itself (torch.nn.utils.get_total_norm; torchtitan's form), read from its argument
 WITH_NORM = "clip_grads_with_norm_"
+# torch.amp.GradScaler's method that steps the optimizer unless the gradients held an inf/NaN (its found_inf flags
+# are final there; FSDP's ShardedGradScaler inherits it)
+SCALER_STEP = "_maybe_opt_step"
 # FullyShardedDataParallel.clip_grad_norm_ (FSDP1's module method: what Accelerate, the HF Trainer and Lightning
 # call under FSDP1), read as a torch clip is once the job has imported FSDP
 FSDP1_MODULE = "torch.distributed.fsdp"
@@ -117,10 +120,12 @@ class NumericsSentinel(RankPart):
         self.own_steps: list[int] = []
         self.read_every = 1             # reads on the detailed steps that are multiples of this (priced)
         self.full_detail = bool(ctx.options.get("full_detail"))
-        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, norm's source or None, has fp)
+        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, norm's source or None, has fp,
+                                        # a host norm or None, has a GradScaler read)
         self.slot = 0
         self.dropped = 0
-        self.buf_f: Any = None          # the ring: (RING, 2) float64 [loss, grad_norm], (RING,) int64 fingerprint
+        self.buf_f: Any = None          # the ring: (RING, 4) float64 [loss, grad_norm, loss scale, skips],
+                                        # (RING,) int64 fingerprint
         self.buf_i: Any = None
         self.views: list = []
         self.cuda = False
@@ -143,6 +148,12 @@ class NumericsSentinel(RankPart):
         self.exited = False
         _on_import(FSDP1_MODULE, self.patch_fsdp1)      # now, or when the job imports FSDP
         _on_import("deepspeed", self.patch_deepspeed)   # (DeepSpeed's __init__ imports its engine)
+        self.scales: list = []          # this step's GradScaler reads: (its scale, 1.0 when it found an inf/NaN)
+        from torch.amp.grad_scaler import GradScaler
+        f = GradScaler.__dict__.get(SCALER_STEP)
+        if f is not None and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((GradScaler, SCALER_STEP, f))
+            setattr(GradScaler, SCALER_STEP, self.wrap_scaler(f))
 
     def patch_fsdp1(self) -> None:
         """FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` wrapped as the torch clips are: the method
@@ -163,6 +174,37 @@ class NumericsSentinel(RankPart):
         if f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
             self.patched.append((engine, name, f))
             setattr(engine, name, self.wrap_clip(f))
+
+    def wrap_scaler(self, orig):
+        """GradScaler's ``_maybe_opt_step`` passing through; on a read step its scale (the factor this iteration's
+        loss was multiplied by: a copy, ``update`` changes it in place) and whether it found an inf/NaN (the
+        optimizer step is then skipped) are kept as device values. A skipped iteration has no optimizer step, so
+        dtprof's step goes on through the next one: a step holds every skip before its optimizer step."""
+        part = self
+
+        def _maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs):
+            ctx = part.ctx
+            if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
+                    and not part.clip_off:
+                try:
+                    t0 = time.thread_time_ns() if part.pricing else 0
+                    scale = scaler._scale
+                    found = list(optimizer_state["found_inf_per_device"].values())
+                    if isinstance(scale, part.torch.Tensor) and found and len({f.device for f in found}) == 1:
+                        torch = part.torch
+                        inf = found[0] if len(found) == 1 else torch.stack([f.reshape(()) for f in found]).amax()
+                        part.scales.append((scale.detach().reshape(()).double().clone(),
+                                            (inf.reshape(()) > 0).double()))
+                    if t0:
+                        part.own_ns += time.thread_time_ns() - t0
+                except Exception:
+                    part.clip_off = True
+                    part.ctx.event("error", "dtprof part numerics: GradScaler not read after a fault")
+            return orig(scaler, optimizer, optimizer_state, *args, **kwargs)
+
+        _maybe_opt_step.__wrapped__ = orig
+        _maybe_opt_step.dtprof_numerics = True
+        return _maybe_opt_step
 
     # ---- the training thread -------------------------------------------------------------------------------
 
@@ -333,7 +375,7 @@ class NumericsSentinel(RankPart):
                 self.launch(step)
         finally:
             self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
-            self.own_norms, self.loss_mean = [], False
+            self.own_norms, self.loss_mean, self.scales = [], False, []
         if t0:
             self.own_ns += time.thread_time_ns() - t0
             self.price_step(step, t_ns)
@@ -343,6 +385,10 @@ class NumericsSentinel(RankPart):
         torch = self.torch
         loss = step_loss(torch, self.losses, self.loss_mean) if self.losses else None
         norm, fp, source = self.norm, self.fp, self.norm_source if self.norm is not None else None
+        scale = skips = None
+        if self.scales:     # the scale of the iteration whose optimizer step ended this step; the skips before it
+            scale = self.scales[-1][0]
+            skips = self.scales[0][1] if len(self.scales) == 1 else torch.stack([x[1] for x in self.scales]).sum()
         host_norm = None
         if isinstance(norm, float):         # a norm the framework keeps as a float (DeepSpeed's FP16_Optimizer)
             host_norm, norm = norm, None
@@ -354,45 +400,51 @@ class NumericsSentinel(RankPart):
                 norm = torch.linalg.vector_norm(torch.stack([x.reshape(()).double() for x in own]))
             source = "dtprof" if norm is not None else None
         slot = self.slot
-        if loss is not None or norm is not None or fp is not None:
+        if loss is not None or norm is not None or fp is not None or scale is not None:
             if self.buf_f is None:
-                self.cuda = any(v is not None and v.is_cuda for v in (loss, norm, fp))
-                self.buf_f = torch.zeros((RING, 2), dtype=torch.float64, pin_memory=self.cuda)
+                self.cuda = any(v is not None and v.is_cuda for v in (loss, norm, fp, scale))
+                self.buf_f = torch.zeros((RING, 4), dtype=torch.float64, pin_memory=self.cuda)
                 self.buf_i = torch.zeros((RING,), dtype=torch.int64, pin_memory=self.cuda)
                 # each slot's views made once: indexing is a dispatcher call per view per step
-                self.views = [(self.buf_f[i], self.buf_f[i, 0], self.buf_f[i, 1], self.buf_i[i]) for i in range(RING)]
+                self.views = [(self.buf_f[i], self.buf_f[i, 0], self.buf_f[i, 1], self.buf_i[i], self.buf_f[i, 2],
+                               self.buf_f[i, 3]) for i in range(RING)]
             if len(self.pending) >= RING:
                 self.dropped += 1
-                loss = norm = fp = source = None
+                loss = norm = fp = source = scale = None
             else:
-                _, v_loss, v_norm, v_fp = self.views[slot]
+                _, v_loss, v_norm, v_fp, v_scale, v_skips = self.views[slot]
                 if loss is not None:
                     v_loss.copy_(loss.reshape(()), non_blocking=True)
                 if norm is not None:
                     v_norm.copy_(norm.reshape(()), non_blocking=True)
                 if fp is not None:
                     v_fp.copy_(fp, non_blocking=True)
+                if scale is not None:
+                    v_scale.copy_(scale, non_blocking=True)
+                    v_skips.copy_(skips, non_blocking=True)
                 self.slot = (slot + 1) % RING
         event = None
-        if self.cuda and (loss is not None or norm is not None or fp is not None):
+        if self.cuda and (loss is not None or norm is not None or fp is not None or scale is not None):
             event = torch.cuda.Event()
             event.record()
         self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None,
                              source if norm is not None or host_norm is not None else None, fp is not None,
-                             host_norm))
+                             host_norm, scale is not None))
 
     def read_ready(self, before: int) -> None:
         """Rows of the pending steps before ``before`` whose copies have landed, oldest first."""
         while self.pending and self.pending[0][0] < before:
-            step, slot, event, lr, lrs, has_loss, source, has_fp, host_norm = self.pending[0]
+            step, slot, event, lr, lrs, has_loss, source, has_fp, host_norm, has_scale = self.pending[0]
             has_norm = source is not None and host_norm is None
             if event is not None and not event.query():
                 break
             self.pending.popleft()
-            loss = norm = fp = None
-            if has_loss or has_norm:
+            loss = norm = fp = scale = skips = None
+            if has_loss or has_norm or has_scale:
                 f = self.views[slot][0].tolist()     # host memory the copies landed in: no device read
                 loss, norm = (f[0] if has_loss else None), (f[1] if has_norm else None)
+                if has_scale:
+                    scale, skips = f[2], int(f[3])
             if host_norm is not None:
                 norm = host_norm
             if has_fp:
@@ -403,7 +455,7 @@ class NumericsSentinel(RankPart):
                 loss = loss if loss is None or math.isfinite(loss) else None
                 norm = norm if norm is None or math.isfinite(norm) else None
             self.ctx.add(Health(self.ctx.rank, step, loss, norm, lr, json.dumps(lrs) if lrs else None, bad, fp,
-                                source))
+                                source, scale, skips))
 
     def price_step(self, step: int, t_ns: int) -> None:
         """The pricing steps' cost, then the fingerprint's interval. A CPU job's step is priced by the training

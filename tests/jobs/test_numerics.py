@@ -28,7 +28,7 @@ def _printed(p: subprocess.CompletedProcess) -> dict:
 
 FULL = ("--full-detail", "--no-nvml")
 JOBS = {"clean": ("clean", 2, FULL), "clean2": ("clean", 2, FULL), "nan": ("nan", 2, FULL), "lr": ("lr", 2, FULL),
-        "flip": ("flip", 3, FULL), "noclip": ("noclip", 2, ("--no-nvml",))}
+        "flip": ("flip", 3, FULL), "noclip": ("noclip", 2, ("--no-nvml",)), "fp16": ("fp16", 2, FULL)}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,14 @@ def runs(tmp_path_factory):
             mode, nproc, opts = JOBS[name]
             d = tmp_path_factory.mktemp(name) / "run"
             p = record(d, JOB, mode, STEPS, K, opts=opts, nproc=nproc)
+            (d.parent / "stdout.txt").write_text(p.stdout)     # the job's other lines (_job_out)
             self[name] = (d, _printed(p))
             return self[name]
     return Recorded()
+
+
+def _job_out(d) -> str:
+    return (d.parent / "stdout.txt").read_text()
 
 
 def _summary(d) -> dict:
@@ -127,6 +132,39 @@ def test_flipped_sign_bit_on_one_replica_is_named_within_the_fingerprint_interva
     fp = run.health.dropna(subset=["param_fp"])
     before = fp[fp["step"] < K].groupby("step")["param_fp"].nunique()
     assert len(before) and (before == 1).all()        # the replicas were equal before the flip
+
+
+def test_fp16_loss_scaler_skip_is_named_not_a_nan_incident(runs):
+    """Mixed precision with a torch.amp.GradScaler (float16 autocast on the CPU): an inf in rank 1's targets at step
+    K makes its loss inf and every rank's gradients non-finite after the all-reduce, so the scaler skips that
+    optimizer step on both ranks and halves its scale (the job's own get_scale() before and after). dtprof records
+    each step's scale (the job's, exactly) and the skip, and names the skip in summary.json's health.scaler, not as
+    a numerics incident: triage says healthy. A skipped iteration has no optimizer step, so dtprof's step K holds
+    iterations K and K+1 (K's inf loss among its losses: named non-finite in the row, not an incident)."""
+    d, printed = runs["fp16"]
+    scaler = {(int(r), int(s)): (float(sc), int(sk))
+              for r, s, sc, sk in re.findall(r"SCALER (\d+) (\d+) ([0-9.e+]+) (\d)", _job_out(d))}
+    assert {key for key, (_, sk) in scaler.items() if sk} == {(0, K), (1, K)}          # the job's own skips
+    assert printed[1, K][0] == float("inf")
+    h = open_run(d).health
+    rows = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    assert set(rows) == {(r, s) for r in (0, 1) for s in range(STEPS - 1)}
+
+    def it(step):       # the job's iteration whose optimizer step ended dtprof's step
+        return step + 1 if step >= K else step
+    for (rank, step), row in rows.items():
+        scale = scaler[rank, it(step)][0]
+        assert (row.loss_scale, row.scaler_skips) == (scale, int(step == K)), (rank, step, row)
+        loss, norm, _ = printed[rank, it(step)]
+        assert row.grad_norm == norm, (rank, step, row)        # the unscaled gradients' clip
+        if step != K:
+            assert row.loss == loss * scale, (rank, step, row)  # the scaled loss backward was called on
+    assert "loss" in rows[1, K].nonfinite and rows[0, K].nonfinite == ""
+    health = _summary(d)["health"]
+    assert health["scaler"]["skipped_steps"] == [{"step": K, "ranks": [0, 1], "skips": 1}]
+    assert health["first_nonfinite"] is None and health["incidents"] == []
+    rc, t = _triage(d)
+    assert (rc, t["verdict"]) == (0, "healthy"), t
 
 
 def test_compare_flags_the_loss_departing_from_a_bit_identical_base_and_the_nan(runs):
