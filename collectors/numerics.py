@@ -22,6 +22,8 @@ step callbacks are not called there).
   DeepSpeed's ZeRO stage 0 in fp32 the engine steps the torch optimizer itself on whole gradients (normed here),
   and its own clip's total norm, which it drops, is read as a torch clip's (``patch_deepspeed``);
 - the learning rate of each param group, a host-side read after the optimizer step (``on_optimizer_step``);
+- a ``torch.amp.GradScaler``'s scale and whether it skipped the optimizer step (an inf/NaN gradient), read as
+  device values in its ``_maybe_opt_step`` (``wrap_scaler``);
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
   one flipped bit changes it by a power of two. Its interval is priced from its measured cost: it is taken at
@@ -131,6 +133,7 @@ class NumericsSentinel(RankPart):
         self.cuda = False
         self.int_of = _int_of(torch)
         self.clip_off = False
+        self.scaler_off = False
         self.patched: list = []
         import torch.nn.utils as nn_utils
         import torch.nn.utils.clip_grad as clip_grad
@@ -185,7 +188,7 @@ class NumericsSentinel(RankPart):
         def _maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs):
             ctx = part.ctx
             if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
-                    and not part.clip_off:
+                    and not part.scaler_off:
                 try:
                     t0 = time.thread_time_ns() if part.pricing else 0
                     scale = scaler._scale
@@ -198,7 +201,7 @@ class NumericsSentinel(RankPart):
                     if t0:
                         part.own_ns += time.thread_time_ns() - t0
                 except Exception:
-                    part.clip_off = True
+                    part.scaler_off = True
                     part.ctx.event("error", "dtprof part numerics: GradScaler not read after a fault")
             return orig(scaler, optimizer, optimizer_state, *args, **kwargs)
 
