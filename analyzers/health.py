@@ -222,7 +222,7 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
                                      f"{', '.join(map(str, culprits))}{spread}"})
     norm_spikes = _spikes(h, "grad_norm")
     norm_steps = {(s["rank"], s["step"]) for s in norm_spikes}
-    for step, ss in sorted(_grouped(_spikes(h, "loss")).items()):
+    for step, ss in sorted(_grouped(_spikes(_unscaled(h, skips), "loss")).items()):
         ranks = sorted(s["rank"] for s in ss)
         at_step = sorted(set(int(r) for r in h.loc[(h["step"] == step) & h["loss"].notna(), "rank"]))
         causes = []
@@ -258,6 +258,15 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
     block["fingerprint"] = _fingerprint_block(meta, rgroups, compared)
     block["incidents"] = sorted(incidents, key=lambda i: (i["step"], i["kind"]))
     return block
+
+
+def _unscaled(h: pd.DataFrame, skips: pd.Series) -> pd.DataFrame:
+    """The losses a GradScaler multiplied, divided by its scale (a doubled scale is not a loss spike); a skipped
+    step's (its iterations had different scales) left out of the test."""
+    if "loss_scale" not in h or not h["loss_scale"].notna().any():
+        return h
+    loss = h["loss"].where(h["loss_scale"].isna(), h["loss"] / h["loss_scale"])
+    return h.assign(loss=loss.where(skips == 0))
 
 
 def _scaler_block(h: pd.DataFrame, skips: pd.Series) -> dict | None:
