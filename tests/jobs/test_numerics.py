@@ -259,7 +259,7 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
     tests/numerics_jobs/syncs.py) is of the numerics part's host ring, and every copy into the ring is
     non_blocking: what reaches the host from the job's tensors travels only that way (on a GPU each other read
     would be a sync; this machine has none for torch.cuda.set_sync_debug_mode). The job clips on even steps only:
-    the norm dtprof computes on the odd ones travels the same way."""
+    the norm dtprof computes on the odd ones travels the same way; its GradScaler's scale and skip flag too."""
     steps = 12
     p = record(tmp_path / "run", TESTS / "numerics_jobs" / "syncs.py", steps, opts=("--full-detail", "--no-nvml"))
     notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*?\})(?=SYNCS|\s*$)", p.stdout, re.M)}
@@ -274,6 +274,7 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
         assert reads and all(c["in_ring"] for c in reads), [c for c in reads if not c["in_ring"]]
     h = open_run(tmp_path / "run").health
     assert h["loss"].notna().sum() == 2 * steps and h["grad_norm"].notna().sum() == 2 * steps
+    assert h["loss_scale"].notna().sum() == 2 * steps and (h["scaler_skips"] == 0).all()   # the GradScaler's
     # the job clips on even steps: the odd steps' norms are the ones dtprof computed, read the same way
     assert h.groupby(h["step"] % 2)["grad_norm_source"].agg(set).to_dict() == {0: {"clip"}, 1: {"dtprof"}}
 
