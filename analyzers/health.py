@@ -184,7 +184,10 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
     else:
         block["per_step_reason"] = (f"{len(h)} rank-steps, over the {PER_STEP_MAX} written here (the run's health "
                                     f"table has them all)")
-    nonfinite = h[h["nonfinite"].fillna("").astype(str) != ""]
+    skips = (h["scaler_skips"] if "scaler_skips" in h else pd.Series(pd.NA, h.index)).fillna(0).astype("int64")
+    block["scaler"] = _scaler_block(h, skips)
+    # a step the fp16 loss scaler skipped (it found an inf/NaN gradient: its overflow) is not a numerics incident
+    nonfinite = h[(h["nonfinite"].fillna("").astype(str) != "") & (skips == 0)]
     block["nonfinite_steps"] = [{"rank": int(r.rank), "step": int(r.step), "what": str(r.nonfinite).split()}
                                 for r in nonfinite.head(1000).itertuples(index=False)]
     block["nonfinite_count"] = int(len(nonfinite))
@@ -219,7 +222,7 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
                                      f"{', '.join(map(str, culprits))}{spread}"})
     norm_spikes = _spikes(h, "grad_norm")
     norm_steps = {(s["rank"], s["step"]) for s in norm_spikes}
-    for step, ss in sorted(_grouped(_spikes(h, "loss")).items()):
+    for step, ss in sorted(_grouped(_spikes(_unscaled(h, skips), "loss")).items()):
         ranks = sorted(s["rank"] for s in ss)
         at_step = sorted(set(int(r) for r in h.loc[(h["step"] == step) & h["loss"].notna(), "rank"]))
         causes = []
@@ -255,6 +258,28 @@ def analyze_health(health: pd.DataFrame, meta: pd.DataFrame | None = None,
     block["fingerprint"] = _fingerprint_block(meta, rgroups, compared)
     block["incidents"] = sorted(incidents, key=lambda i: (i["step"], i["kind"]))
     return block
+
+
+def _unscaled(h: pd.DataFrame, skips: pd.Series) -> pd.DataFrame:
+    """The losses a GradScaler multiplied, divided by its scale (a doubled scale is not a loss spike); a skipped
+    step's (its iterations had different scales) left out of the test."""
+    if "loss_scale" not in h or not h["loss_scale"].notna().any():
+        return h
+    loss = h["loss"].where(h["loss_scale"].isna(), h["loss"] / h["loss_scale"])
+    return h.assign(loss=loss.where(skips == 0))
+
+
+def _scaler_block(h: pd.DataFrame, skips: pd.Series) -> dict | None:
+    """torch.amp.GradScaler's skipped optimizer steps (its overflows), by step: ``{step, ranks, skips}`` (a step
+    holds every skipped iteration before its optimizer step), and its scale's range; None without a scaler."""
+    if "loss_scale" not in h or not h["loss_scale"].notna().any():
+        return None
+    at = h[skips > 0]
+    steps = [{"step": int(step), "ranks": sorted(int(r) for r in g["rank"]),
+              "skips": int(skips[g.index].max())} for step, g in at.groupby("step", sort=True)]
+    scale = h["loss_scale"].dropna()
+    return {"skipped_steps": steps[:1000], "skipped_count": len(steps),
+            "loss_scale_min": float(scale.min()), "loss_scale_max": float(scale.max())}
 
 
 def _fingerprint_block(meta: pd.DataFrame | None, rgroups: list, compared: int) -> dict:

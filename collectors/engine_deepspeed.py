@@ -61,6 +61,25 @@ def called_from_deepspeed(depth: int = FRAMES) -> bool:
     return False
 
 
+def engine_steps_optimizer(depth: int = FRAMES) -> bool:
+    """The optimizer step in progress was called by DeepSpeed's engine itself (``_take_model_step``, first of
+    DeepSpeed's frames above): ZeRO stage 0 without an fp16/bf16 optimizer wrapper, whose gradients are whole (the
+    engine all-reduced them over the data-parallel group at the boundary), not a wrapper's partitions."""
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if "deepspeed" in f.f_code.co_filename:
+            return f.f_code.co_name == "_take_model_step"
+        f = f.f_back
+    return False
+
+
+# The clip DeepSpeed's engine calls at ZeRO stage 0 in fp32 (``clip_fp32_gradients``, a module global of its engine
+# looked up at each call): it returns the total norm, which the engine drops (``get_global_grad_norm()`` is None)
+FP32_CLIP = ("deepspeed.runtime.engine", "clip_grad_norm_")
+
+
 # DeepSpeed's optimizer wrappers' methods that call the torch optimizer's step, each after setting its
 # ``_global_grad_norm`` for the step (ZeRO-1/2 and ZeRO-3's ``_optimizer_step``, FP16/BF16_Optimizer's ``step``)
 NORM_STEPPERS = ("_optimizer_step", "step", "step_fused_adam", "step_fused_lamb")
@@ -71,7 +90,8 @@ def global_grad_norm(depth: int = FRAMES):
     optimizer's post-hook): the ``_global_grad_norm`` of the DeepSpeed optimizer wrapper that stepped it, set
     before its first group's step (a tensor, or a float: ``inf`` on an overflow), the value the engine copies to
     ``get_global_grad_norm()`` once the step returns. None when the first DeepSpeed frame above is not such a
-    wrapper (the engine steps a torch optimizer itself at ZeRO stage 0 in fp32: its norm, if any, is kept nowhere)."""
+    wrapper (the engine steps a torch optimizer itself at ZeRO stage 0 in fp32: its clip's norm, if any, is kept
+    nowhere: ``FP32_CLIP``)."""
     f: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if f is None:

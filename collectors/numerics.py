@@ -10,15 +10,20 @@ step callbacks are not called there).
   gradients (``step_loss``: what jobs log under gradient accumulation);
 - the gradient norm: DeepSpeed's own (its optimizer wrapper's ``_global_grad_norm``, read at the torch optimizer
   step it makes: collectors/engine_deepspeed.py), else the tensor ``torch.nn.utils.clip_grad_norm_`` (or its
-  alias ``clip_grad_norm``) returned or ``clip_grads_with_norm_`` was given, the last call of the step; the
+  alias ``clip_grad_norm``, or FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``, which all-reduces its
+  shards' norms) returned or ``clip_grads_with_norm_`` was given, the last call of the step; the
   wrappers are in place on every step, pass the job's result through, and do nothing while Dynamo traces (a
   clip inside a compiled region is traced as the bare job's and not read).
   When the step has not clipped by its optimizer step, dtprof computes the norm itself (``on_optimizer_pre_step``:
   the optimizer's gradients are final there, after DDP's all-reduce): the 2-norm of the optimizer's gradients as
   ``clip_grad_norm_`` computes it (``torch._foreach_norm``, on the device, no collective), on the read steps only,
   its CPU among the reads' priced cost. Not for sharded gradients (DTensor, FSDP1's flat parameters, DeepSpeed's
-  optimizer: a local shard's norm is not the total, and the cross-rank sum would be a collective);
+  optimizer wrappers: a local shard's norm is not the total, and the cross-rank sum would be a collective); at
+  DeepSpeed's ZeRO stage 0 in fp32 the engine steps the torch optimizer itself on whole gradients (normed here),
+  and its own clip's total norm, which it drops, is read as a torch clip's (``patch_deepspeed``);
 - the learning rate of each param group, a host-side read after the optimizer step (``on_optimizer_step``);
+- a ``torch.amp.GradScaler``'s scale and whether it skipped the optimizer step (an inf/NaN gradient), read as
+  device values in its ``_maybe_opt_step`` (``wrap_scaler``);
 - the fingerprint: the int64 sum of every parameter's bits read as integers, computed on the parameters' device
   after the optimizer step. Data-parallel replicas hold bit-identical parameters, so their fingerprints are equal;
   one flipped bit changes it by a power of two. Its interval is priced from its measured cost: it is taken at
@@ -46,9 +51,11 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+from dtprof.collectors.engine_deepspeed import FP32_CLIP as _DEEPSPEED_FP32_CLIP
 from dtprof.collectors.engine_deepspeed import called_from_deepspeed as _called_from_deepspeed
+from dtprof.collectors.engine_deepspeed import engine_steps_optimizer as _deepspeed_engine_steps
 from dtprof.collectors.engine_deepspeed import global_grad_norm as _deepspeed_norm
-from dtprof.collectors.parts import RankContext, RankPart
+from dtprof.collectors.parts import RankContext, RankPart, _on_import
 from dtprof.collectors.records import Health
 
 RING = 16                 # steps whose device values may be in flight at once
@@ -69,6 +76,12 @@ CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
 # torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm): the clip of a norm the job computed
 # itself (torch.nn.utils.get_total_norm; torchtitan's form), read from its argument
 WITH_NORM = "clip_grads_with_norm_"
+# torch.amp.GradScaler's method that steps the optimizer unless the gradients held an inf/NaN (its found_inf flags
+# are final there; FSDP's ShardedGradScaler inherits it)
+SCALER_STEP = "_maybe_opt_step"
+# FullyShardedDataParallel.clip_grad_norm_ (FSDP1's module method: what Accelerate, the HF Trainer and Lightning
+# call under FSDP1), read as a torch clip is once the job has imported FSDP
+FSDP1_MODULE = "torch.distributed.fsdp"
 PIPELINE_FRAMES = 24      # on_backward's callers up to a torch pipelining schedule's _step_microbatches
 FRAMES = 16               # on_optimizer_step's callers up to DeepSpeed's optimizer wrapper's step
 MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
@@ -109,15 +122,18 @@ class NumericsSentinel(RankPart):
         self.own_steps: list[int] = []
         self.read_every = 1             # reads on the detailed steps that are multiples of this (priced)
         self.full_detail = bool(ctx.options.get("full_detail"))
-        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, norm's source or None, has fp)
+        self.pending: deque = deque()   # (step, slot, event, lr, lrs, has loss, norm's source or None, has fp,
+                                        # a host norm or None, has a GradScaler read)
         self.slot = 0
         self.dropped = 0
-        self.buf_f: Any = None          # the ring: (RING, 2) float64 [loss, grad_norm], (RING,) int64 fingerprint
+        self.buf_f: Any = None          # the ring: (RING, 4) float64 [loss, grad_norm, loss scale, skips],
+                                        # (RING,) int64 fingerprint
         self.buf_i: Any = None
         self.views: list = []
         self.cuda = False
         self.int_of = _int_of(torch)
         self.clip_off = False
+        self.scaler_off = False
         self.patched: list = []
         import torch.nn.utils as nn_utils
         import torch.nn.utils.clip_grad as clip_grad
@@ -132,6 +148,66 @@ class NumericsSentinel(RankPart):
         if f is not None and not getattr(f, "dtprof_numerics", False):
             self.patched.append((nn_utils, WITH_NORM, f))
             setattr(nn_utils, WITH_NORM, self.wrap_clip(f, norm_arg=2))
+        self.exited = False
+        _on_import(FSDP1_MODULE, self.patch_fsdp1)      # now, or when the job imports FSDP
+        _on_import("deepspeed", self.patch_deepspeed)   # (DeepSpeed's __init__ imports its engine)
+        self.scales: list = []          # this step's GradScaler reads: (its scale, 1.0 when it found an inf/NaN)
+        from torch.amp.grad_scaler import GradScaler
+        f = GradScaler.__dict__.get(SCALER_STEP)
+        if f is not None and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((GradScaler, SCALER_STEP, f))
+            setattr(GradScaler, SCALER_STEP, self.wrap_scaler(f))
+
+    def patch_fsdp1(self) -> None:
+        """FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` wrapped as the torch clips are: the method
+        all-reduces its shards' norms and returns the total (a torch clip of FSDP1's sharded parameters would norm
+        one rank's shard)."""
+        fsdp: Any = getattr(sys.modules.get(FSDP1_MODULE), "FullyShardedDataParallel", None)
+        f = getattr(fsdp, "__dict__", {}).get("clip_grad_norm_")
+        if fsdp is not None and f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((fsdp, "clip_grad_norm_", f))
+            fsdp.clip_grad_norm_ = self.wrap_clip(f)
+
+    def patch_deepspeed(self) -> None:
+        """The clip DeepSpeed's engine calls at ZeRO stage 0 in fp32 wrapped as the torch clips are: the engine
+        drops the total norm it returns, and the gradients dtprof would norm at the optimizer step are clipped."""
+        mod, name = _DEEPSPEED_FP32_CLIP
+        engine = sys.modules.get(mod)
+        f = getattr(engine, name, None)
+        if f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
+            self.patched.append((engine, name, f))
+            setattr(engine, name, self.wrap_clip(f))
+
+    def wrap_scaler(self, orig):
+        """GradScaler's ``_maybe_opt_step`` passing through; on a read step its scale (the factor this iteration's
+        loss was multiplied by: a copy, ``update`` changes it in place) and whether it found an inf/NaN (the
+        optimizer step is then skipped) are kept as device values. A skipped iteration has no optimizer step, so
+        dtprof's step goes on through the next one: a step holds every skip before its optimizer step."""
+        part = self
+
+        def _maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs):
+            ctx = part.ctx
+            if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
+                    and not part.scaler_off:
+                try:
+                    t0 = time.thread_time_ns() if part.pricing else 0
+                    scale = scaler._scale
+                    found = list(optimizer_state["found_inf_per_device"].values())
+                    if isinstance(scale, part.torch.Tensor) and found and len({f.device for f in found}) == 1:
+                        torch = part.torch
+                        inf = found[0] if len(found) == 1 else torch.stack([f.reshape(()) for f in found]).amax()
+                        part.scales.append((scale.detach().reshape(()).double().clone(),
+                                            (inf.reshape(()) > 0).double()))
+                    if t0:
+                        part.own_ns += time.thread_time_ns() - t0
+                except Exception:
+                    part.scaler_off = True
+                    part.ctx.event("error", "dtprof part numerics: GradScaler not read after a fault")
+            return orig(scaler, optimizer, optimizer_state, *args, **kwargs)
+
+        _maybe_opt_step.__wrapped__ = orig
+        _maybe_opt_step.dtprof_numerics = True
+        return _maybe_opt_step
 
     # ---- the training thread -------------------------------------------------------------------------------
 
@@ -209,8 +285,8 @@ class NumericsSentinel(RankPart):
         says why, once per optimizer)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         why = None
-        if "deepspeed" in sys.modules and _called_from_deepspeed():
-            why = "DeepSpeed steps the optimizer (ZeRO's partitions; its engine computes its own norm)"
+        if "deepspeed" in sys.modules and _called_from_deepspeed() and not _deepspeed_engine_steps():
+            why = "DeepSpeed's optimizer wrapper steps the optimizer (ZeRO's partitions; it computes its own norm)"
         elif any(hasattr(p, "placements") for p in params):
             why = "sharded parameters (DTensor): a local shard's norm is not the total"
         elif any(getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False) for p in params):
@@ -302,7 +378,7 @@ class NumericsSentinel(RankPart):
                 self.launch(step)
         finally:
             self.losses, self.norm, self.fp, self.lr, self.lrs, self.opt_seen = [], None, None, None, None, False
-            self.own_norms, self.loss_mean = [], False
+            self.own_norms, self.loss_mean, self.scales = [], False, []
         if t0:
             self.own_ns += time.thread_time_ns() - t0
             self.price_step(step, t_ns)
@@ -312,6 +388,10 @@ class NumericsSentinel(RankPart):
         torch = self.torch
         loss = step_loss(torch, self.losses, self.loss_mean) if self.losses else None
         norm, fp, source = self.norm, self.fp, self.norm_source if self.norm is not None else None
+        scale = skips = None
+        if self.scales:     # the scale of the iteration whose optimizer step ended this step; the skips before it
+            scale = self.scales[-1][0]
+            skips = self.scales[0][1] if len(self.scales) == 1 else torch.stack([x[1] for x in self.scales]).sum()
         host_norm = None
         if isinstance(norm, float):         # a norm the framework keeps as a float (DeepSpeed's FP16_Optimizer)
             host_norm, norm = norm, None
@@ -323,45 +403,51 @@ class NumericsSentinel(RankPart):
                 norm = torch.linalg.vector_norm(torch.stack([x.reshape(()).double() for x in own]))
             source = "dtprof" if norm is not None else None
         slot = self.slot
-        if loss is not None or norm is not None or fp is not None:
+        if loss is not None or norm is not None or fp is not None or scale is not None:
             if self.buf_f is None:
-                self.cuda = any(v is not None and v.is_cuda for v in (loss, norm, fp))
-                self.buf_f = torch.zeros((RING, 2), dtype=torch.float64, pin_memory=self.cuda)
+                self.cuda = any(v is not None and v.is_cuda for v in (loss, norm, fp, scale))
+                self.buf_f = torch.zeros((RING, 4), dtype=torch.float64, pin_memory=self.cuda)
                 self.buf_i = torch.zeros((RING,), dtype=torch.int64, pin_memory=self.cuda)
                 # each slot's views made once: indexing is a dispatcher call per view per step
-                self.views = [(self.buf_f[i], self.buf_f[i, 0], self.buf_f[i, 1], self.buf_i[i]) for i in range(RING)]
+                self.views = [(self.buf_f[i], self.buf_f[i, 0], self.buf_f[i, 1], self.buf_i[i], self.buf_f[i, 2],
+                               self.buf_f[i, 3]) for i in range(RING)]
             if len(self.pending) >= RING:
                 self.dropped += 1
-                loss = norm = fp = source = None
+                loss = norm = fp = source = scale = None
             else:
-                _, v_loss, v_norm, v_fp = self.views[slot]
+                _, v_loss, v_norm, v_fp, v_scale, v_skips = self.views[slot]
                 if loss is not None:
                     v_loss.copy_(loss.reshape(()), non_blocking=True)
                 if norm is not None:
                     v_norm.copy_(norm.reshape(()), non_blocking=True)
                 if fp is not None:
                     v_fp.copy_(fp, non_blocking=True)
+                if scale is not None:
+                    v_scale.copy_(scale, non_blocking=True)
+                    v_skips.copy_(skips, non_blocking=True)
                 self.slot = (slot + 1) % RING
         event = None
-        if self.cuda and (loss is not None or norm is not None or fp is not None):
+        if self.cuda and (loss is not None or norm is not None or fp is not None or scale is not None):
             event = torch.cuda.Event()
             event.record()
         self.pending.append((step, slot, event, self.lr, self.lrs, loss is not None,
                              source if norm is not None or host_norm is not None else None, fp is not None,
-                             host_norm))
+                             host_norm, scale is not None))
 
     def read_ready(self, before: int) -> None:
         """Rows of the pending steps before ``before`` whose copies have landed, oldest first."""
         while self.pending and self.pending[0][0] < before:
-            step, slot, event, lr, lrs, has_loss, source, has_fp, host_norm = self.pending[0]
+            step, slot, event, lr, lrs, has_loss, source, has_fp, host_norm, has_scale = self.pending[0]
             has_norm = source is not None and host_norm is None
             if event is not None and not event.query():
                 break
             self.pending.popleft()
-            loss = norm = fp = None
-            if has_loss or has_norm:
+            loss = norm = fp = scale = skips = None
+            if has_loss or has_norm or has_scale:
                 f = self.views[slot][0].tolist()     # host memory the copies landed in: no device read
                 loss, norm = (f[0] if has_loss else None), (f[1] if has_norm else None)
+                if has_scale:
+                    scale, skips = f[2], int(f[3])
             if host_norm is not None:
                 norm = host_norm
             if has_fp:
@@ -372,7 +458,7 @@ class NumericsSentinel(RankPart):
                 loss = loss if loss is None or math.isfinite(loss) else None
                 norm = norm if norm is None or math.isfinite(norm) else None
             self.ctx.add(Health(self.ctx.rank, step, loss, norm, lr, json.dumps(lrs) if lrs else None, bad, fp,
-                                source))
+                                source, scale, skips))
 
     def price_step(self, step: int, t_ns: int) -> None:
         """The pricing steps' cost, then the fingerprint's interval. A CPU job's step is priced by the training
@@ -441,6 +527,7 @@ class NumericsSentinel(RankPart):
         if self.dropped:
             self.ctx.event("warning", f"numerics: {self.dropped} step(s) recorded without their device values "
                                       f"(their slot was still in flight {RING} steps later)")
+        self.exited = True
         for mod, name, f in self.patched:
             setattr(mod, name, f)
         self.patched = []

@@ -42,7 +42,10 @@ def main():
         loss = poisoned(lm_loss(model(x), y), step, rank, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        norm = clipped(model.parameters(), args)
+        if args.fsdp1 and args.clip:    # FSDP1's own clip: it all-reduces the shards' norms (torch's would not)
+            norm = float(model.clip_grad_norm_(args.clip))
+        else:
+            norm = clipped(model.parameters(), args)
         opt.step()
         if args.print_health:
             print(health_line(rank, step, loss.item(), norm, opt.param_groups[0]["lr"]), flush=True)

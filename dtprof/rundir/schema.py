@@ -140,6 +140,8 @@ TABLES: dict[str, list[tuple[str, str]]] = {
                                   # bits read as integers (replicas hold equal ones); null: not taken on this step
         ("grad_norm_source", "str"),  # where grad_norm came from: "deepspeed", "clip" (the job's clip) or "dtprof"
                                       # (computed by dtprof on a step that did not clip); "" when there is none
+        ("loss_scale", "float"),  # torch.amp.GradScaler's scale of the step's applied iteration; null: no scaler
+        ("scaler_skips", "Int"),  # optimizer steps the GradScaler skipped (an inf/NaN gradient) within the step
     ],
 }
 

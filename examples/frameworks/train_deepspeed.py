@@ -27,6 +27,7 @@ pipeline), to compare a bare run with a profiled one.
 import argparse
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -105,7 +106,9 @@ def main():
     p.add_argument("--batch", type=int, default=16, help="micro-batch per rank")
     p.add_argument("--print-health", action="store_true",
                    help="each rank prints HEALTH <rank> <step> <loss> <grad norm> <lr> per step: its micro-batches' "
-                        "mean loss and the engine's get_global_grad_norm() (ZeRO jobs)")
+                        "mean loss and the engine's get_global_grad_norm() (ZeRO jobs; None at stage 0 in fp32: "
+                        "there the job's own float64 norm of its all-reduced gradients, before any clip)")
+    p.add_argument("--clip", type=float, default=0.0, help="DeepSpeed's gradient_clipping (0: none)")
     p.add_argument("--device-ms", type=float, default=0.0,
                    help="each block also waits this long in forward (twice in backward) holding no CPU: a stand-in "
                         "for a device's compute time that a busy host does not stretch")
@@ -115,7 +118,8 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
-           "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+           "gradient_clipping": args.clip}
     engines = []
     for method in args.partition.split(",") if args.pipeline else [None]:
         torch.manual_seed(0)
@@ -153,17 +157,22 @@ def main():
         if args.pipeline:
             loss = engine.train_batch(it)
         else:
-            losses = []
-            for _ in range(args.accum):
+            losses, own_norm = [], None
+            for i in range(args.accum):
                 x, y = next(it)
                 loss = engine(x, y)
                 engine.backward(loss)
+                if args.print_health and args.zero == 0 and i == args.accum - 1:
+                    # stage 0: the boundary's backward all-reduced the whole gradients; norm them before the step
+                    own_norm = math.sqrt(sum(float(q.grad.double().pow(2).sum())
+                                             for q in engine.module.parameters() if q.grad is not None))
                 engine.step()
                 losses.append(float(loss) if args.print_health else 0.0)
         per_step.append([time.perf_counter() - t0, comm_clock.comm_s() - c0])
         if args.print_health and not args.pipeline:
-            print(f"HEALTH {rank} {step} {sum(losses) / len(losses)!r} {float(engine.get_global_grad_norm())!r} "
-                  f"{engine.get_lr()[0]!r}", flush=True)
+            norm = engine.get_global_grad_norm()
+            norm = own_norm if norm is None else float(norm)
+            print(f"HEALTH {rank} {step} {sum(losses) / len(losses)!r} {norm!r} {engine.get_lr()[0]!r}", flush=True)
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)

@@ -28,7 +28,7 @@ def _printed(p: subprocess.CompletedProcess) -> dict:
 
 FULL = ("--full-detail", "--no-nvml")
 JOBS = {"clean": ("clean", 2, FULL), "clean2": ("clean", 2, FULL), "nan": ("nan", 2, FULL), "lr": ("lr", 2, FULL),
-        "flip": ("flip", 3, FULL), "noclip": ("noclip", 2, ("--no-nvml",))}
+        "flip": ("flip", 3, FULL), "noclip": ("noclip", 2, ("--no-nvml",)), "fp16": ("fp16", 2, FULL)}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,14 @@ def runs(tmp_path_factory):
             mode, nproc, opts = JOBS[name]
             d = tmp_path_factory.mktemp(name) / "run"
             p = record(d, JOB, mode, STEPS, K, opts=opts, nproc=nproc)
+            (d.parent / "stdout.txt").write_text(p.stdout)     # the job's other lines (_job_out)
             self[name] = (d, _printed(p))
             return self[name]
     return Recorded()
+
+
+def _job_out(d) -> str:
+    return (d.parent / "stdout.txt").read_text()
 
 
 def _summary(d) -> dict:
@@ -129,6 +134,39 @@ def test_flipped_sign_bit_on_one_replica_is_named_within_the_fingerprint_interva
     assert len(before) and (before == 1).all()        # the replicas were equal before the flip
 
 
+def test_fp16_loss_scaler_skip_is_named_not_a_nan_incident(runs):
+    """Mixed precision with a torch.amp.GradScaler (float16 autocast on the CPU): an inf in rank 1's targets at step
+    K makes its loss inf and every rank's gradients non-finite after the all-reduce, so the scaler skips that
+    optimizer step on both ranks and halves its scale (the job's own get_scale() before and after). dtprof records
+    each step's scale (the job's, exactly) and the skip, and names the skip in summary.json's health.scaler, not as
+    a numerics incident: triage says healthy. A skipped iteration has no optimizer step, so dtprof's step K holds
+    iterations K and K+1 (K's inf loss among its losses: named non-finite in the row, not an incident)."""
+    d, printed = runs["fp16"]
+    scaler = {(int(r), int(s)): (float(sc), int(sk))
+              for r, s, sc, sk in re.findall(r"SCALER (\d+) (\d+) ([0-9.e+]+) (\d)", _job_out(d))}
+    assert {key for key, (_, sk) in scaler.items() if sk} == {(0, K), (1, K)}          # the job's own skips
+    assert printed[1, K][0] == float("inf")
+    h = open_run(d).health
+    rows = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    assert set(rows) == {(r, s) for r in (0, 1) for s in range(STEPS - 1)}
+
+    def it(step):       # the job's iteration whose optimizer step ended dtprof's step
+        return step + 1 if step >= K else step
+    for (rank, step), row in rows.items():
+        scale = scaler[rank, it(step)][0]
+        assert (row.loss_scale, row.scaler_skips) == (scale, int(step == K)), (rank, step, row)
+        loss, norm, _ = printed[rank, it(step)]
+        assert row.grad_norm == norm, (rank, step, row)        # the unscaled gradients' clip
+        if step != K:
+            assert row.loss == loss * scale, (rank, step, row)  # the scaled loss backward was called on
+    assert "loss" in rows[1, K].nonfinite and rows[0, K].nonfinite == ""
+    health = _summary(d)["health"]
+    assert health["scaler"]["skipped_steps"] == [{"step": K, "ranks": [0, 1], "skips": 1}]
+    assert health["first_nonfinite"] is None and health["incidents"] == []
+    rc, t = _triage(d)
+    assert (rc, t["verdict"]) == (0, "healthy"), t
+
+
 def test_compare_flags_the_loss_departing_from_a_bit_identical_base_and_the_nan(runs):
     base = [runs["clean"][0], runs["clean2"][0]]
     assert runs["clean"][1] == runs["clean2"][1]     # the job is deterministic: its own printout says so
@@ -165,7 +203,8 @@ def test_clip_inside_and_outside_compiled_code_keeps_dynamo_counters(compile_env
 ENGINE_STEPS, ENGINE_K = 8, 5
 ENGINE_ARGS = ("--steps", ENGINE_STEPS, "--batch", 4, "--seq", 16, "--dim", 32, "--layers", 2, "--clip", 1.0,
                "--print-health", "--nan-at", f"{ENGINE_K}:1")
-ENGINES = {"fsdp2": ("train_fsdp.py",), "pipeline": ("train_pipeline.py", "--schedule", "1f1b", "--microbatches", 4)}
+ENGINES = {"fsdp2": ("train_fsdp.py",), "fsdp1": ("train_fsdp.py", "--fsdp1"),
+           "pipeline": ("train_pipeline.py", "--schedule", "1f1b", "--microbatches", 4)}
 
 
 @pytest.fixture(scope="module")
@@ -181,23 +220,28 @@ def engines(tmp_path_factory):
     return Recorded()
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "pipeline"])
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "pipeline"])
 def test_engine_losses_and_norms_as_printed_and_the_nan_named(engines, engine):
     """FSDP2: each rank's local loss and the replicated norm FSDP2's clip returns (a DTensor), as each rank printed
-    them. Pipeline (1F1B, a stage per rank): the last stage's loss is its microbatches' mean (the job prints the
-    same mean in float64), the first stage has no loss (its backward gets activations' gradients) and its own
-    clipped norm. A NaN in rank 1's loss at step K: triage names rank 1 and step K."""
+    them. FSDP1 (FullyShardedDataParallel, a flat parameter per block, sharded): the norm its own
+    ``clip_grad_norm_`` method returned (it all-reduces the shards' norms: the total, equal on both ranks).
+    Pipeline (1F1B, a stage per rank): the last stage's loss is its microbatches' mean (the job prints the same
+    mean in float64), the first stage has no loss (its backward gets activations' gradients) and its own clipped
+    norm. A NaN in rank 1's loss at step K: triage names rank 1 and step K."""
     d, printed = engines[engine]
     h = open_run(d).health
     rows = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
     assert set(rows) == {(r, s) for r in (0, 1) for s in range(ENGINE_STEPS)}
-    loss_ranks = (0, 1) if engine == "fsdp2" else (1,)
+    loss_ranks = (1,) if engine == "pipeline" else (0, 1)
     assert {r for r, _ in printed} == set(loss_ranks)
     for (rank, step), (loss, norm, lr) in printed.items():
         got = rows[rank, step]
         assert got.lr == lr, (rank, step)
         if step < ENGINE_K:
             assert (got.loss, got.grad_norm) == (loss, norm), (rank, step, got, loss, norm)
+    if engine == "fsdp1":     # the method's total, not a shard's: the same on both ranks, read as a clip's
+        assert all(printed[0, s][1] == printed[1, s][1] for s in range(ENGINE_K))
+        assert set(h[h["step"] < ENGINE_K]["grad_norm_source"]) == {"clip"}
     if engine == "pipeline":
         first = h[h["rank"] == 0].sort_values("step")
         assert first["loss"].isna().all()                                     # no loss on the first stage
@@ -215,7 +259,7 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
     tests/numerics_jobs/syncs.py) is of the numerics part's host ring, and every copy into the ring is
     non_blocking: what reaches the host from the job's tensors travels only that way (on a GPU each other read
     would be a sync; this machine has none for torch.cuda.set_sync_debug_mode). The job clips on even steps only:
-    the norm dtprof computes on the odd ones travels the same way."""
+    the norm dtprof computes on the odd ones travels the same way; its GradScaler's scale and skip flag too."""
     steps = 12
     p = record(tmp_path / "run", TESTS / "numerics_jobs" / "syncs.py", steps, opts=("--full-detail", "--no-nvml"))
     notes = {int(r): json.loads(js) for r, js in re.findall(r"SYNCS (\d+) (\{.*?\})(?=SYNCS|\s*$)", p.stdout, re.M)}
@@ -230,6 +274,7 @@ def test_no_device_value_is_read_on_the_host(tmp_path):
         assert reads and all(c["in_ring"] for c in reads), [c for c in reads if not c["in_ring"]]
     h = open_run(tmp_path / "run").health
     assert h["loss"].notna().sum() == 2 * steps and h["grad_norm"].notna().sum() == 2 * steps
+    assert h["loss_scale"].notna().sum() == 2 * steps and (h["scaler_skips"] == 0).all()   # the GradScaler's
     # the job clips on even steps: the odd steps' norms are the ones dtprof computed, read the same way
     assert h.groupby(h["step"] % 2)["grad_norm_source"].agg(set).to_dict() == {0: {"clip"}, 1: {"dtprof"}}
 
@@ -261,3 +306,35 @@ def test_deepspeed_grad_norm_and_accumulated_loss_are_the_engines_own(tmp_path):
         assert got[key] == (loss, norm, lr, "deepspeed"), (key, got[key], printed[key])
     assert len({printed[0, s][1] for s in range(steps)}) == steps          # a norm of each step's own
     assert all(printed[0, s][0] != printed[1, s][0] for s in range(steps))  # each rank's own loss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler for DeepSpeed's comm op")
+@pytest.mark.parametrize("clip", [None, "0.01"])
+def test_deepspeed_stage0_fp32_norm_is_the_whole_gradients(tmp_path, clip):
+    """ZeRO stage 0 in fp32: the engine steps the torch optimizer itself and keeps no norm (get_global_grad_norm()
+    is None), so the job prints its own: the float64 norm of its gradients after the boundary's backward (which
+    all-reduced them), before engine.step(). Without clipping dtprof computes the norm of the optimizer's whole
+    gradients at its step (source "dtprof"); with DeepSpeed's gradient_clipping (0.01: every step clipped) it reads
+    the total norm DeepSpeed's own clip returned and the engine dropped (source "clip"), not the clipped
+    gradients' norm (at most 0.01). Both within float32 rounding of the job's, every rank and step; accumulation 2:
+    the loss bit for bit the micro-batches' mean the job printed."""
+    from test_deepspeed import Job
+
+    steps = 6
+    job = Job(tmp_path / "run", ("--zero", "0", "--accum", "2", "--steps", str(steps), "--dim", "64",
+                                 "--print-health", *(("--clip", clip) if clip else ())), launcher="torchrun")
+    printed = _printed(subprocess.CompletedProcess([], 0, job.stdout))
+    assert set(printed) == {(r, s) for r in (0, 1) for s in range(steps)}, job.stdout[-2000:]
+    assert all(printed[0, s][1] == printed[1, s][1] for s in range(steps))   # the job's norms: whole gradients'
+    if clip:
+        assert all(printed[0, s][1] > 2 * float(clip) for s in range(steps)), printed  # every step clipped
+    h = open_run(job.out).health
+    got = {(int(r.rank), int(r.step)): r for r in h.itertuples(index=False)}
+    assert set(got) == set(printed)
+    for key, (loss, norm, lr) in printed.items():
+        row = got[key]
+        assert (row.loss, row.lr, row.grad_norm_source) == (loss, lr, "clip" if clip else "dtprof"), (key, row)
+        assert row.grad_norm == pytest.approx(norm, rel=1e-5), (key, row.grad_norm, norm)

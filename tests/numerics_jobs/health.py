@@ -9,7 +9,11 @@ flips the sign bit of one weight before step K's forward: its replica differs),
 noclip (no incident and no clipping: the printed grad_norm is the job's own, the 2-norm of every gradient in
 float64 after DDP's all-reduce; and nanoGPT's gradient accumulation: two micro-batches a step, each one's loss
 divided by 2 before its backward, the first under no_sync; the printed loss is the micro-batches' mean, undivided,
-in float64: what such a job logs).
+in float64: what such a job logs),
+fp16 (mixed precision as on a GPU: float16 autocast on the CPU and a torch.amp.GradScaler, the gradients unscaled
+and clipped; an inf in rank 1's targets at step K (its loss is inf): the scaler skips that optimizer step on both
+ranks and halves its scale; each rank also prints "SCALER rank step scale skipped", the scale it multiplied the
+loss by, read with get_scale(), and whether its scale fell at the update: the skip).
 """
 import contextlib
 import sys
@@ -28,6 +32,7 @@ model = DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)    # an lr that changes as schedules do
 accum = 2 if mode == "noclip" else 1
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if mode == "fp16" else None
 
 
 def batch(i):
@@ -40,6 +45,8 @@ for step in range(steps):
     x, y = batch(accum * step)
     if mode == "nan" and step == k and rank == 1:
         x[0, 0] = float("nan")
+    if mode == "fp16" and step == k and rank == 1:
+        y[0, 0] = float("inf")
     if mode == "flip" and step == k and rank == world - 1:
         with torch.no_grad():
             net[0].weight.detach().view(torch.int32)[0, 0] ^= torch.tensor(-2**31, dtype=torch.int32)   # the sign bit
@@ -52,6 +59,13 @@ for step in range(steps):
             x, y = batch(accum * step + micro)
         sync = model.no_sync() if micro < accum - 1 else contextlib.nullcontext()
         with sync:
+            if scaler is not None:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                loss = (out.float() - y).pow(2).mean()
+                scaler.scale(loss).backward()
+                losses.append(loss.item())
+                continue
             loss = (model(x) - y).pow(2).mean()
             (loss / accum if accum > 1 else loss).backward()
         losses.append(loss.item())
@@ -60,9 +74,18 @@ for step in range(steps):
     elif mode == "lr":      # torchtitan's form of the clip: the total norm computed, then the clip given it
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+    elif scaler is not None:
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        print(f"SCALER {rank} {step} {scale!r} {int(scaler.get_scale() < scale)}", flush=True)
+    else:
+        opt.step()
     lr = opt.param_groups[0]["lr"]
     if mode == "lr" and step == k:
         opt.param_groups[0]["lr"] /= 3000

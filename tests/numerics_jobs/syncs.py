@@ -1,4 +1,5 @@
-"""A DDP job with its gradients clipped on even steps (on odd steps dtprof computes the norm), recorded by
+"""A DDP job with a torch.amp.GradScaler (its scale and skip flag read by dtprof) and its gradients unscaled and
+clipped on even steps (on odd steps dtprof computes the norm of the gradients the scaler unscaled), recorded by
 tests/jobs/test_numerics.py to show that dtprof reads no device value on the host: before training, the Tensor
 methods that read a tensor's values on the host (``item``, ``tolist``, ``__float__``, ``__int__``, ``__bool__``,
 ``numpy``, ``cpu``, ``to``) and ``copy_`` are wrapped to note each call made from dtprof's rank-side code
@@ -45,15 +46,18 @@ torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 model = DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
 for step in range(steps):
     g = torch.Generator().manual_seed(1000 * rank + step)
     x = torch.randn(8, 16, generator=g)
     loss = (model(x) - x[:, :1]).pow(2).mean()
     opt.zero_grad()
-    loss.backward()
+    scaler.scale(loss).backward()
     if step % 2 == 0:
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
+    scaler.step(opt)
+    scaler.update()
 dist.barrier()
 from dtprof.collectors import runtime  # noqa: E402
 

@@ -100,3 +100,25 @@ def test_fingerprint_vote_names_the_odd_replica_or_both_of_two():
     assert (inc["step"], inc["ranks"]) == (2, [2]) and "other 2 replica(s)" in inc["message"], inc
     # without DDP's collectives the ranks are not known to be replicas: nothing is compared
     assert health.analyze_health(table(rows), None, coll.assign(source="user"), groups)["incidents"] == []
+
+
+def test_a_grown_loss_scale_is_not_a_loss_spike_and_a_skipped_step_not_an_incident():
+    """A GradScaler's loss is recorded as scaled: its scale doubling at step 30 doubles every later loss, which the
+    spike test must not read as a jump (it tests the loss divided by the scale); a step the scaler skipped (its
+    loss inf) is named under health.scaler, not as a non-finite incident. The same series without the scale
+    columns does raise the spike (the test can fail)."""
+    rows = []
+    for step in range(60):
+        scale = 1024.0 * (2 if step >= 30 else 1)
+        loss = (1.0 + 0.01 * ((step * 7) % 5)) * scale
+        rows.append({"rank": 0, "step": step, "loss": math.inf if step == 45 else loss, "grad_norm": None,
+                     "lr": 0.1, "lrs": None, "nonfinite": "loss" if step == 45 else "", "param_fp": None,
+                     "grad_norm_source": "", "loss_scale": scale, "scaler_skips": int(step == 45)})
+    h = pd.DataFrame(rows)
+    h["loss"] = h["loss"].where(h["nonfinite"] == "")
+    block = health.analyze_health(h)
+    assert block["incidents"] == [] and block["first_nonfinite"] is None
+    assert block["scaler"]["skipped_steps"] == [{"step": 45, "ranks": [0], "skips": 1}]
+    assert (block["scaler"]["loss_scale_min"], block["scaler"]["loss_scale_max"]) == (1024.0, 2048.0)
+    bare = health.analyze_health(h.drop(columns=["loss_scale", "scaler_skips"]))
+    assert [(i["kind"], i["step"]) for i in bare["incidents"]][:2] == [("loss_spike", 30), ("nonfinite", 45)]
