@@ -51,8 +51,7 @@ from dtprof.analyzers.intervals import (
     innermost,
     split_over_windows,
 )
-from dtprof.runformat import step_level
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS, step_level
 
 NS = 1e9
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")
@@ -702,7 +701,7 @@ def replay_steps(model) -> np.ndarray | None:
     """The measured steps the what-if replays when not all of them (sorted), None for all of them: of the measured
     steps that are multiples of the largest power of two 2**k with at least the budget's number of them, that many
     evenly spaced (first and last included). A node summary stores the items by the level k of their step (the
-    trailing zero bits: dtprof/schema.py ITEM_LEVEL), so reading the sample reads the levels >= k only, at most
+    trailing zero bits: dtprof/rundir/schema.py ITEM_LEVEL), so reading the sample reads the levels >= k only, at most
     about twice the sampled steps' items, whatever the warm-up."""
     w = model.steps
     measured = steps_mod.distinct(w["step"].to_numpy(np.int64)[w["measured"].to_numpy(bool)])

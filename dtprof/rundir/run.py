@@ -21,10 +21,10 @@ from dtprof.rundir.files import (
     _read_node_table,
     _read_tables_at_once,
     read_node_raw,
-    sql_list,
 )
 from dtprof.rundir.incident import Incident, read_incident
-from dtprof.schema import (
+from dtprof.rundir.rows import Rows, sql_list
+from dtprof.rundir.schema import (
     NODE_MANIFEST,
     NODE_PREFIX,
     RANK_PREFIX,
@@ -43,7 +43,7 @@ class Run:
 
     Attributes: ``path``, ``manifest`` (run.json), ``nodes`` (each node.json, with ``node`` = directory name),
     ``problems`` (lines about anything skipped while reading), and one DataFrame per table in
-    ``dtprof.schema.TABLES``: ``ranks``, ``steps``, ``spans``, ``collectives``, ``groups``, ``nvml``, ``clock``,
+    ``dtprof.rundir.schema.TABLES``: ``ranks``, ``steps``, ``spans``, ``collectives``, ``groups``, ``nvml``, ``clock``,
     ``events``, ``meta`` (a run written before the meta table gets its rows from the legacy events messages).
     """
 
@@ -345,8 +345,8 @@ class Run:
 
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
-        incomplete, or written in a layout not read: dtprof/schema.py SUMMARY_LAYOUTS_READ)."""
-        from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUTS_READ
+        incomplete, or written in a layout not read: dtprof/rundir/schema.py SUMMARY_LAYOUTS_READ)."""
+        from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUTS_READ
 
         mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
         if not (self._complete(node_dir) and mark.exists()):
@@ -355,17 +355,16 @@ class Run:
         return facts if facts.get("layout") in SUMMARY_LAYOUTS_READ else None
 
     def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
-        """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
+        """(facts, tables) of the node summaries (dtprof/rundir/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
         of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
         nodes' files. ``item_steps``: read the what-if items of these steps only (the replay's sample), not all:
-        those of the row groups of their steps' lowest level and above (dtprof/schema.py ITEM_LEVEL) where every
+        those of the row groups of their steps' lowest level and above (dtprof/rundir/schema.py ITEM_LEVEL) where every
         stored summary has the levels."""
         import numpy as np
         import pandas as pd
 
-        from dtprof.runformat import step_level
-        from dtprof.schema import ITEM_LEVEL, SUMMARY_LAYOUT, SUMMARY_TABLES, summary_file
+        from dtprof.rundir.schema import ITEM_LEVEL, SUMMARY_LAYOUT, SUMMARY_TABLES, step_level, summary_file
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
@@ -417,6 +416,15 @@ class Run:
             if con is not None:
                 con.close()
         return facts, tables
+
+    def summary_rows(self, table: str, facts: list, computed: dict | None = None) -> Rows:
+        """The node summaries' ``table`` across the run as one DuckDB view (``Rows``): the files of the nodes with
+        a stored summary (``facts``: ``node_summaries``'), and the rows ``computed`` by the analysis (node
+        directory -> frame) for nodes without one, each named as its file would be, so node order sorts alike."""
+        from dtprof.rundir.schema import summary_file
+
+        return Rows(table, [str(summary_file(nd, table)) for nd, f in zip(self.node_dirs, facts) if f is not None],
+                    [(str(summary_file(nd, table)), df) for nd, df in (computed or {}).items()])
 
     def __getattr__(self, name: str):
         if name in TABLES:

@@ -14,11 +14,11 @@ import pytest
 
 from conftest import dtprof
 from dtprof.analyzers.collectives import INSTANCE_KEY, instances_of, merge_instances
-from dtprof.analyzers.rows import Rows
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.options import open_and_analyze
 from dtprof.reader import open_run
-from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
+from dtprof.rundir.rows import Rows
+from dtprof.rundir.writer import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
 from scale_checks import assert_summaries_equal_raw, differences
 from synth import build_run, split_by_host
@@ -237,8 +237,8 @@ def test_items_stored_by_step_level(four_nodes, monkeypatch):
     import pyarrow.parquet as pq
 
     from dtprof.analyzers import whatif
-    from dtprof.runformat import summary_file, write_summary_table
-    from dtprof.schema import ITEM_LEVEL
+    from dtprof.rundir.schema import ITEM_LEVEL
+    from dtprof.rundir.writer import summary_file, write_summary_table
 
     make_summaries(open_run(four_nodes), workers=1)
     path = summary_file(four_nodes / "node-host0", "whatif_items")
@@ -270,8 +270,8 @@ def test_copied_summary_equals_the_nodes_own(tmp_path):
     file for file what summarize_node writes from the node's own tables."""
     import pyarrow.parquet as pq
 
-    from dtprof.runformat import create_run_dir
-    from dtprof.schema import SUMMARY_TABLES, summary_file
+    from dtprof.rundir.schema import SUMMARY_TABLES, summary_file
+    from dtprof.rundir.writer import create_run_dir
     from synth import build_ddp_node, copy_summary
 
     kw = dict(ranks_per_node=2, world_size=8, steps=12, slow_rank=1, slow_factor=1.3, seed=3, jitter_period=4)

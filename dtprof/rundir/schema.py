@@ -11,6 +11,7 @@ Conventions
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
 SCHEMA_MINOR = 8        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
@@ -266,7 +267,7 @@ SUMMARY_LAYOUT = 9
 # the replay's sample of steps reads row groups of ~20 steps for each sampled one (slower, the same rows)
 SUMMARY_LAYOUTS_READ = (8, SUMMARY_LAYOUT)
 # A column of the what-if items' file (summary layout 9) beside SUMMARY_TABLES' (not read back): each item's step's
-# level, its number of trailing zero bits (dtprof/runformat.py step_level). The file is ordered by it, highest
+# level, its number of trailing zero bits (step_level). The file is ordered by it, highest
 # first, and a row group holds one level, so a read of steps that are all multiples of 2**k (the what-if replay's
 # sample, analyzers/whatif.py replay_steps) reads only the row groups of levels >= k: at 16,384 x 1,000 the 31
 # steps that are multiples of 32, not the ~20-step row groups around each of 16 evenly spaced steps.
@@ -274,9 +275,19 @@ ITEM_LEVEL = "step_level"
 ITEM_LEVEL_MAX = 62   # step 0's level (every bit is zero)
 
 
+def step_level(steps) -> Any:
+    """Each step's level (ITEM_LEVEL): its number of trailing zero bits; ITEM_LEVEL_MAX for 0."""
+    import numpy as np
+
+    s = np.asarray(steps, np.int64)
+    low = (s & -s).astype(np.float64)   # the lowest set bit: a power of two, exact in a float
+    return np.where(s == 0, ITEM_LEVEL_MAX, np.log2(np.maximum(low, 1.0))).astype(np.int64)
+
+
 # ---- the run directory's layout (docs/run-format.md): its files' and folders' names
 RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
+SUMMARY_FILE = "summary.json"     # the analysis's summary (docs/summary-schema.md), writer.save_summary
 NODE_PREFIX = "node-"
 RANK_PREFIX = "rank-"
 # events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
@@ -289,7 +300,7 @@ FAULT_EVENT = "dtprof disabled"
 TABLES_DIR = "tables"
 TABLES_COMPLETE = "_complete"
 
-SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
+SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/rundir/schema.py SUMMARY_TABLES)
 SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
 
 

@@ -15,10 +15,10 @@ import socket
 import threading
 import zlib
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import IO, Any, Callable, Iterable, Sequence
 
 # the run directory's names live with the schema (the reader needs them too); imported from here by the writers
-from dtprof.schema import (  # noqa: F401
+from dtprof.rundir.schema import (  # noqa: F401
     FAULT_EVENT,
     NODE_MANIFEST,
     NODE_PREFIX,
@@ -29,6 +29,7 @@ from dtprof.schema import (  # noqa: F401
     SCHEMA_VERSION,
     SUMMARY_COMPLETE,
     SUMMARY_DIR,
+    SUMMARY_FILE,
     TABLES,
     TABLES_COMPLETE,
     TABLES_DIR,
@@ -37,9 +38,6 @@ from dtprof.schema import (  # noqa: F401
     new_table_file,
     summary_file,
 )
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 class RunExistsError(Exception):
@@ -122,7 +120,7 @@ class _TableFile:
     compressed (JSON rows of near-monotonic numbers and repeated names shrink 4-10x: what lets a week-long job's
     every step stay recorded). Each flush ends in a complete deflate block (Z_SYNC_FLUSH), so what a killed process
     flushed stays readable; a clean close ends the gzip stream. The file is created at the first flush, as
-    ``dtprof.schema.new_table_file`` names it."""
+    ``dtprof.rundir.schema.new_table_file`` names it."""
 
     def __init__(self, directory: Path, stem: str, table: str):
         self.directory, self.stem, self.table = Path(directory), stem, table
@@ -179,7 +177,7 @@ class RankWriter:
     """Append-only writer for one rank's tables inside a node directory.
 
     ``append(table, row)`` only appends a tuple to a list (no I/O, no locks); rows must follow the column order of
-    ``dtprof.schema.TABLES[table]``. ``flush()`` writes what was appended since the last flush.
+    ``dtprof.rundir.schema.TABLES[table]``. ``flush()`` writes what was appended since the last flush.
     """
 
     def __init__(self, node_dir: Path, rank: int):
@@ -300,17 +298,6 @@ def compact_node(node_dir: Path) -> Path:
     return write_node_tables(node_dir, read_node_raw(Path(node_dir)))
 
 
-def step_level(steps) -> np.ndarray:
-    """Each step's level (dtprof/schema.py ITEM_LEVEL): its number of trailing zero bits; ITEM_LEVEL_MAX for 0."""
-    import numpy as np
-
-    from dtprof.schema import ITEM_LEVEL_MAX
-
-    s = np.asarray(steps, np.int64)
-    low = (s & -s).astype(np.float64)   # the lowest set bit: a power of two, exact in a float
-    return np.where(s == 0, ITEM_LEVEL_MAX, np.log2(np.maximum(low, 1.0))).astype(np.int64)
-
-
 def write_summary_table(path: Path, table) -> None:
     """Write one summary table (a pyarrow Table) as Parquet at ``path``, through a temporary file. A table with an
     ITEM_LEVEL column (the what-if items, ordered by it) gets a row group per level (split past ROW_GROUP_ROWS),
@@ -318,7 +305,7 @@ def write_summary_table(path: Path, table) -> None:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from dtprof.schema import ITEM_LEVEL
+    from dtprof.rundir.schema import ITEM_LEVEL
 
     cuts, rows = [0, table.num_rows], None
     if ITEM_LEVEL in table.column_names:
@@ -339,11 +326,11 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     """Write a node summary: ``tables`` (DataFrames, SUMMARY_TABLES' columns) as ``node_dir/summary/*.parquet``,
     then ``_complete`` holding ``facts`` and the format version, so a reader never trusts a half-written one.
     Rows keep their order (sorted by rank and step, so Parquet row-group statistics prune by rank), but the what-if
-    items, which are stably sorted by their step's level, highest first (dtprof/schema.py ITEM_LEVEL)."""
+    items, which are stably sorted by their step's level, highest first (dtprof/rundir/schema.py ITEM_LEVEL)."""
     import numpy as np
     import pyarrow as pa
 
-    from dtprof.schema import ITEM_LEVEL, SUMMARY_LAYOUT, SUMMARY_TABLES
+    from dtprof.rundir.schema import ITEM_LEVEL, SUMMARY_LAYOUT, SUMMARY_TABLES, step_level
 
     out = Path(node_dir) / SUMMARY_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -358,6 +345,14 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
                                                "layout": SUMMARY_LAYOUT, **facts})
     return out
+
+
+def save_summary(run_dir, summary: dict) -> Path:
+    """Write ``summary`` (the analysis's, analyzers/summary.py) as ``run_dir/summary.json`` (atomically: a reader
+    sees the old file or the new one)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    write_json_atomic(path, summary)
+    return path
 
 
 def stop_text(stop: dict) -> str:
