@@ -193,8 +193,8 @@ def node_tables(model) -> tuple[dict, dict]:
     """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/rundir/schema.py
     SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
     model before the rest: analyzers/runmodel.py)."""
-    # the items step by step (each rank-step's in their order): the file's row groups then hold a few steps each, so
-    # reading the replay's sample of steps skips the others by their statistics (writer.SUMMARY_ROW_GROUP_ROWS)
+    # the items step by step (each rank-step's in their order); the writer orders them by their step's level
+    # (dtprof/rundir/schema.py ITEM_LEVEL), stably, so a level's row groups hold its steps in order
     ns = summarize(model, items_by_step=True)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,

@@ -51,7 +51,7 @@ from dtprof.analyzers.intervals import (
     innermost,
     split_over_windows,
 )
-from dtprof.rundir.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS, step_level
 
 NS = 1e9
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")
@@ -698,13 +698,19 @@ REPLAY_MIN_STEPS = 8
 
 
 def replay_steps(model) -> np.ndarray | None:
-    """The measured steps the what-if replays when not all of them (sorted), None for all of them."""
+    """The measured steps the what-if replays when not all of them (sorted), None for all of them: of the measured
+    steps that are multiples of the largest power of two 2**k with at least the budget's number of them, that many
+    evenly spaced (first and last included). A node summary stores the items by the level k of their step (the
+    trailing zero bits: dtprof/rundir/schema.py ITEM_LEVEL), so reading the sample reads the levels >= k only, at most
+    about twice the sampled steps' items, whatever the warm-up."""
     w = model.steps
     measured = steps_mod.distinct(w["step"].to_numpy(np.int64)[w["measured"].to_numpy(bool)])
     cap = max(REPLAY_MIN_STEPS, REPLAY_RANK_STEPS // max(len(steps_mod.distinct(w["rank"].to_numpy(np.int64))), 1))
     if len(measured) <= cap:
         return None
-    return measured[np.unique(np.linspace(0, len(measured) - 1, cap).round().astype(np.int64))]
+    level = step_level(measured)
+    on = measured[level >= np.sort(level)[::-1][cap - 1]]   # the lattice of 2**k: at least cap of them
+    return on[np.unique(np.linspace(0, len(on) - 1, cap).round().astype(np.int64))]
 
 
 def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,

@@ -383,7 +383,7 @@ def copy_summary(template: Path, node: Path, rank_shift: int, cache: dict | None
     import pyarrow.parquet as pq
 
     from dtprof.rundir.schema import SUMMARY_TABLES, summary_file
-    from dtprof.rundir.writer import PARQUET_COMPRESSION, SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_ROW_GROUP_ROWS
+    from dtprof.rundir.writer import SUMMARY_COMPLETE, SUMMARY_DIR, write_summary_table
 
     cache = {} if cache is None else cache
     if cache.get("template") != template:
@@ -404,8 +404,7 @@ def copy_summary(template: Path, node: Path, rank_shift: int, cache: dict | None
             else:
                 continue
             t = t.set_column(i, t.field(i), col)
-        pq.write_table(t, summary_file(node, table), row_group_size=SUMMARY_ROW_GROUP_ROWS.get(table),
-                       compression=PARQUET_COMPRESSION)
+        write_summary_table(summary_file(node, table), t)   # as write_node_summary: the same row groups
     (out / SUMMARY_COMPLETE).write_bytes(cache["complete"])
     return out
 

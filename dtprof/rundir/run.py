@@ -345,25 +345,26 @@ class Run:
 
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
-        incomplete, or written in another layout: dtprof/rundir/schema.py SUMMARY_LAYOUT)."""
-        from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUT
+        incomplete, or written in a layout not read: dtprof/rundir/schema.py SUMMARY_LAYOUTS_READ)."""
+        from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUTS_READ
 
         mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
         if not (self._complete(node_dir) and mark.exists()):
             return None
         facts = _read_json(mark)
-        return facts if facts.get("layout") == SUMMARY_LAYOUT else None
+        return facts if facts.get("layout") in SUMMARY_LAYOUTS_READ else None
 
     def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/rundir/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
         of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
-        nodes' files. ``item_steps``: read the
-        what-if items of these steps only (the replay's sample), not all."""
+        nodes' files. ``item_steps``: read the what-if items of these steps only (the replay's sample), not all:
+        those of the row groups of their steps' lowest level and above (dtprof/rundir/schema.py ITEM_LEVEL) where every
+        stored summary has the levels."""
         import numpy as np
         import pandas as pd
 
-        from dtprof.rundir.schema import SUMMARY_TABLES, summary_file
+        from dtprof.rundir.schema import ITEM_LEVEL, SUMMARY_LAYOUT, SUMMARY_TABLES, step_level, summary_file
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
@@ -385,10 +386,13 @@ class Run:
                     con = duckdb.connect()
                     con.execute("SET preserve_insertion_order = true")
                 files = [str(summary_file(nd, table)) for nd in have]
-                where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
-                         if table == "whatif_items" and item_steps is not None else "")
-                # the items are stored step by step (writer.SUMMARY_ROW_GROUP_ROWS) and come back in any order
-                # of their row groups: sorted here by rank and step, each rank-step's in its file's row order
+                where = ""
+                if table == "whatif_items" and item_steps is not None:
+                    where = f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
+                    if len(item_steps) and all(f["layout"] == SUMMARY_LAYOUT for f in facts if f is not None):
+                        where += f" AND {ITEM_LEVEL} >= {int(step_level(item_steps).min())}"
+                # the items are stored by their step's level and come back in any order of their row groups:
+                # sorted here by rank and step, each rank-step's in its file's row order
                 by_row = table == "whatif_items"
                 try:
                     columns = ", ".join(f'"{c}"' for c in names)   # quoted: "group" is an SQL keyword

@@ -11,6 +11,7 @@ Conventions
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 SCHEMA_VERSION = 1      # major: a reader refuses a newer one
 SCHEMA_MINOR = 8        # minor: additions only (1: the ``meta`` table, 2: node summaries, 3: steps.cpu_wait_ns,
@@ -257,12 +258,32 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # (clock_exits) and the arrivals per instance and part (arrival_parts, arrival_counts). 5: the communication per
 # rank, step and group (rank_group_comm). 6: the steps table's per-step numbers in rank_steps (the run model's steps
 # come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
-# what-if items stored step by step in small row groups (dtprof/rundir/writer.py SUMMARY_ROW_GROUP_ROWS). 7: the
+# what-if items stored step by step in row groups of 4,096 rows. 7: the
 # breakdown's gpu_wait part (a GPU rank's host blocked while its GPU runs earlier work); on a GPU rank a one-rank
 # group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm);
 # rank_steps carries the steps' ``detail`` (sampling). 8: communication issued outside forward/backward is exposed
-# communication (the ``comm_outside_fwd_bwd`` part dropped); the exposed table says where each was issued
-SUMMARY_LAYOUT = 8
+# communication (the ``comm_outside_fwd_bwd`` part dropped); the exposed table says where each was issued.
+# 9: the what-if items' file ordered by ITEM_LEVEL (highest first), its row groups cut where the level changes
+SUMMARY_LAYOUT = 9
+# the layouts read as they are: 8 holds the same tables as 9 but its items by step without ITEM_LEVEL, so a read of
+# the replay's sample of steps reads row groups of ~20 steps for each sampled one (slower, the same rows)
+SUMMARY_LAYOUTS_READ = (8, SUMMARY_LAYOUT)
+# A column of the what-if items' file (summary layout 9) beside SUMMARY_TABLES' (not read back): each item's step's
+# level, its number of trailing zero bits (step_level). The file is ordered by it, highest
+# first, and a row group holds one level, so a read of steps that are all multiples of 2**k (the what-if replay's
+# sample, analyzers/whatif.py replay_steps) reads only the row groups of levels >= k: at 16,384 x 1,000 the 31
+# steps that are multiples of 32, not the ~20-step row groups around each of 16 evenly spaced steps.
+ITEM_LEVEL = "step_level"
+ITEM_LEVEL_MAX = 62   # step 0's level (every bit is zero)
+
+
+def step_level(steps) -> Any:
+    """Each step's level (ITEM_LEVEL): its number of trailing zero bits; ITEM_LEVEL_MAX for 0."""
+    import numpy as np
+
+    s = np.asarray(steps, np.int64)
+    low = (s & -s).astype(np.float64)   # the lowest set bit: a power of two, exact in a float
+    return np.where(s == 0, ITEM_LEVEL_MAX, np.log2(np.maximum(low, 1.0))).astype(np.int64)
 
 
 # ---- the run directory's layout (docs/run-format.md): its files' and folders' names

@@ -298,31 +298,50 @@ def compact_node(node_dir: Path) -> Path:
     return write_node_tables(node_dir, read_node_raw(Path(node_dir)))
 
 
-# rows per Parquet row group of a summary table, where smaller than the writer's default: the what-if items, stored
-# step by step, in groups of a few steps of a node's ranks, which a read of the replay's sampled steps skips by their
-# step statistics (at 16,384 x 1,000 the items are 410 M rows, 6.4 M of them in the sampled steps)
-SUMMARY_ROW_GROUP_ROWS = {"whatif_items": 4096}
+def write_summary_table(path: Path, table) -> None:
+    """Write one summary table (a pyarrow Table) as Parquet at ``path``, through a temporary file. A table with an
+    ITEM_LEVEL column (the what-if items, ordered by it) gets a row group per level (split past ROW_GROUP_ROWS),
+    which a read of some levels skips the others by; the others one row group."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from dtprof.rundir.schema import ITEM_LEVEL
+
+    cuts, rows = [0, table.num_rows], None
+    if ITEM_LEVEL in table.column_names:
+        level = table.column(ITEM_LEVEL).to_numpy()
+        cuts, rows = [0, *(np.flatnonzero(level[1:] != level[:-1]) + 1).tolist(), table.num_rows], ROW_GROUP_ROWS
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with pq.ParquetWriter(tmp, table.schema, compression=PARQUET_COMPRESSION) as w:
+            for a, b in zip(cuts, cuts[1:]):
+                w.write_table(table.slice(a, b - a), row_group_size=rows)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     """Write a node summary: ``tables`` (DataFrames, SUMMARY_TABLES' columns) as ``node_dir/summary/*.parquet``,
     then ``_complete`` holding ``facts`` and the format version, so a reader never trusts a half-written one.
-    Rows keep their order (sorted by rank and step; the what-if items by step), so Parquet row-group statistics
-    prune by rank (by step)."""
-    from dtprof.rundir.schema import SUMMARY_LAYOUT, SUMMARY_TABLES
+    Rows keep their order (sorted by rank and step, so Parquet row-group statistics prune by rank), but the what-if
+    items, which are stably sorted by their step's level, highest first (dtprof/rundir/schema.py ITEM_LEVEL)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dtprof.rundir.schema import ITEM_LEVEL, SUMMARY_LAYOUT, SUMMARY_TABLES, step_level
 
     out = Path(node_dir) / SUMMARY_DIR
     out.mkdir(parents=True, exist_ok=True)
     (out / SUMMARY_COMPLETE).unlink(missing_ok=True)
     for table, cols in SUMMARY_TABLES.items():
         df = tables[table][[c for c, _ in cols]]
-        tmp = out / f".{table}.parquet.tmp"
-        try:
-            df.to_parquet(tmp, index=False, row_group_size=SUMMARY_ROW_GROUP_ROWS.get(table),
-                          compression=PARQUET_COMPRESSION)
-            os.replace(tmp, summary_file(node_dir, table))
-        finally:
-            tmp.unlink(missing_ok=True)
+        if table == "whatif_items":
+            level = step_level(df["step"].to_numpy())
+            order = np.argsort(-level, kind="stable")
+            df = df.iloc[order].reset_index(drop=True).assign(**{ITEM_LEVEL: level[order]})
+        write_summary_table(summary_file(node_dir, table), pa.Table.from_pandas(df, preserve_index=False))
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
                                                "layout": SUMMARY_LAYOUT, **facts})
     return out

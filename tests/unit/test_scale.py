@@ -196,7 +196,7 @@ def test_summary_of_another_layout_is_remade(four_nodes):
     make_summaries(open_run(four_nodes), workers=1)
     mark = four_nodes / "node-host3" / SUMMARY_DIR / SUMMARY_COMPLETE
     facts = json.loads(mark.read_text())
-    mark.write_text(json.dumps({**facts, "layout": facts["layout"] - 1}))   # written by an older dtprof
+    mark.write_text(json.dumps({**facts, "layout": 7}))   # written by an older dtprof, in a layout not read
     assert_summaries_equal_raw(four_nodes, stored=False)   # that node summarised in memory, not misread
     r = dtprof("summarize", str(four_nodes))
     assert r.returncode == 0 and "summarised 1 node(s)" in r.stdout, r.stdout + r.stderr
@@ -204,42 +204,64 @@ def test_summary_of_another_layout_is_remade(four_nodes):
 
 
 def test_replay_of_a_sample_of_steps(four_nodes, monkeypatch):
-    """A run over the replay's budget of rank-steps replays an evenly spaced sample of its measured steps, reading
-    only those steps' what-if items from the node summaries; the analysis from the summaries still equals the raw
-    one, and the slowed rank is still the one straggler."""
+    """A run over the replay's budget of rank-steps replays an evenly spaced sample of its measured steps, all
+    multiples of the largest power of two that has enough of them, reading only those steps' what-if items from the
+    node summaries; the analysis from the summaries still equals the raw one, and the slowed rank is still the one
+    straggler."""
     from dtprof.analyzers import whatif
 
     make_summaries(open_run(four_nodes), workers=1)
-    monkeypatch.setattr(whatif, "REPLAY_RANK_STEPS", 8 * 5)   # 8 ranks: 5 steps
+    monkeypatch.setattr(whatif, "REPLAY_RANK_STEPS", 8 * 4)   # 8 ranks: 4 steps
     monkeypatch.setattr(whatif, "REPLAY_MIN_STEPS", 2)
     run = open_run(four_nodes)
     measured = sorted(RunModel.of(run).measured_steps)
+    k = max(k for k in range(8) if sum(s % 2**k == 0 for s in measured) >= 4)
+    lattice = [s for s in measured if s % 2**k == 0]
     sample = whatif.replay_steps(RunModel.of(run))
-    assert len(measured) > 5 and len(sample) == 5 and set(sample) <= set(measured)
-    assert sample[0] == measured[0] and sample[-1] == measured[-1]
+    assert len(measured) > 4 and k >= 1 and len(sample) == 4 and set(sample) <= set(lattice)
+    assert sample[0] == lattice[0] and sample[-1] == lattice[-1]
     _, tables = run.node_summaries(sample)
     assert set(tables["whatif_items"]["step"]) == set(sample)
     s = assert_summaries_equal_raw(four_nodes)
-    assert s["replay"]["steps"] == 5 and f"sample of 5 of the {len(measured)} measured steps" in s["replay"]["method"]
+    assert s["replay"]["steps"] == 4 and f"sample of 4 of the {len(measured)} measured steps" in s["replay"]["method"]
     assert [x["rank"] for x in s["stragglers"]] == [5]
 
 
-def test_items_stored_step_by_step_in_small_row_groups(four_nodes, monkeypatch):
-    """The what-if items are stored step by step in row groups of a few steps, which a read of the replay's sampled
-    steps skips by their statistics; read back they are in rank-step order, each rank-step's items in their order,
-    so the analysis from the summaries equals the raw one also when a rank-step's items span row groups (DuckDB
-    returns row groups in any order)."""
+def test_items_stored_by_step_level(four_nodes, monkeypatch):
+    """The what-if items are stored by their step's level (trailing zero bits), highest first, a row group per
+    level, so a read of the replay's sample (steps all multiples of 2**k) skips the row groups of the lower levels;
+    read back they are in rank-step order, each rank-step's items in their order, so the analysis from the
+    summaries equals the raw one. A summary of layout 8 (items by step, no levels) is read as it is and gives the
+    same analysis."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dtprof.rundir import writer
+    from dtprof.analyzers import whatif
+    from dtprof.rundir.schema import ITEM_LEVEL
+    from dtprof.rundir.writer import summary_file, write_summary_table
 
-    monkeypatch.setitem(writer.SUMMARY_ROW_GROUP_ROWS, "whatif_items", 7)
     make_summaries(open_run(four_nodes), workers=1)
-    meta = pq.ParquetFile(four_nodes / "node-host0" / SUMMARY_DIR / "whatif_items.parquet").metadata
-    step = meta.schema.names.index("step")
-    stats = [meta.row_group(i).column(step).statistics for i in range(meta.num_row_groups)]
-    assert len(stats) > 20 and all(a.max <= b.min for a, b in zip(stats, stats[1:]))   # step by step
+    path = summary_file(four_nodes / "node-host0", "whatif_items")
+    f = pq.ParquetFile(path)
+    level = f.schema_arrow.names.index(ITEM_LEVEL)
+    stats = [f.metadata.row_group(i).column(level).statistics for i in range(f.metadata.num_row_groups)]
+    assert len(stats) >= 4 and all(s.min == s.max for s in stats)    # one level a row group
+    assert [s.min for s in stats] == sorted({s.min for s in stats}, reverse=True)
+    items = f.read().to_pandas()
+    tz = [next(k for k in range(63) if s & (1 << k)) if s else 62 for s in items["step"]]
+    assert items[ITEM_LEVEL].tolist() == tz
+    monkeypatch.setattr(whatif, "REPLAY_RANK_STEPS", 8 * 4)   # a sampled replay: the levels' filter is used
+    monkeypatch.setattr(whatif, "REPLAY_MIN_STEPS", 2)
     assert_summaries_equal_raw(four_nodes)
+    for nd in open_run(four_nodes).node_dirs:   # as layout 8 wrote them
+        path = summary_file(nd, "whatif_items")
+        old = pq.read_table(path).drop_columns([ITEM_LEVEL]).to_pandas().sort_values("step", kind="stable")
+        write_summary_table(path, pa.Table.from_pandas(old, preserve_index=False))
+        mark = nd / SUMMARY_DIR / SUMMARY_COMPLETE
+        mark.write_text(json.dumps({**json.loads(mark.read_text()), "layout": 8}))
+    assert_summaries_equal_raw(four_nodes)
+    assert all(json.loads((nd / SUMMARY_DIR / SUMMARY_COMPLETE).read_text())["layout"] == 8
+               for nd in open_run(four_nodes).node_dirs)
 
 
 def test_copied_summary_equals_the_nodes_own(tmp_path):
