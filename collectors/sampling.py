@@ -123,9 +123,9 @@ class Sampler:
             self.set_detail(not self.ctx.detail)
 
     def quiet_until(self, step: int) -> int:
-        """The first step from ``step`` on at whose end ``sample_next`` may act (switch the detail, check the
-        footprint): the steps before it need not call it (collectors/boundary.py). ``step`` itself while the
-        sampling is undecided or every step is detailed."""
+        """While steps are boundary-only, the first step from ``step`` on at whose end ``sample_next`` may act
+        (switch the detail on, check the footprint): the steps before it need not call it (collectors/boundary.py).
+        ``step`` itself while the sampling is undecided or every step is detailed."""
         period = self.sample_period
         if not period:
             return step

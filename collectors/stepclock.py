@@ -174,6 +174,7 @@ class StepClock:
         stretch ends with the last forward of a model that then trained: the forwards after it (a frozen teacher
         before the first training forward) are the step's, and with none, there was no evaluation (a loop that
         never trains: the step starts at its first forward)."""
+        self.fast_steps_done()
         forwards, self.eval_forwards = self.eval_forwards, []
         t0 = forwards[0][1]
         calls = len(forwards)
@@ -452,6 +453,7 @@ class StepClock:
 
     def restart_step(self) -> None:
         """The next recorded step starts now: after an A/B block with the hooks out (collectors/ab.py)."""
+        self.fast_steps_done()
         self.step_start_ns = now()
         self.forget_forwards()
         self.annot.clear()

@@ -32,6 +32,9 @@ def test_every_step_timed_and_only_blocks_detailed(runs):
         mine = steps[steps["rank"] == rank]
         assert sorted(mine["step"]) == list(range(STEPS))     # every step's time, boundary-only ones included
         assert (mine["end_ns"] > mine["start_ns"]).all()
+        mine = mine.sort_values("step")
+        assert (mine["start_ns"].to_numpy()[1:] == mine["end_ns"].to_numpy()[:-1]).all()   # each where the last ended
+        assert (mine.loc[mine["step"] >= 32, "samples"] == 32).all()     # the job's batch, boundary-only steps too
         boundary = set(mine.loc[mine["detail"].fillna(1) == 0, "step"])
         # full detail before step 32, then blocks of 4 steps every 16
         assert boundary == {s for s in range(32, STEPS) if s % 16 >= 4}
