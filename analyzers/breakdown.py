@@ -56,10 +56,10 @@ import pandas as pd
 from dtprof.analyzers.intervals import coverage_segments, innermost, split_over_windows
 from dtprof.analyzers.mesh import NO_DIM, mesh_dim_of
 from dtprof.analyzers.steps import dense_codes
-from dtprof.schema import BREAKDOWN_PARTS, P2P_OPS
+from dtprof.rundir.schema import BREAKDOWN_PARTS, P2P_OPS
 
 NS = 1e9
-PARTS = BREAKDOWN_PARTS   # declared with the run format: node summaries store them (dtprof/schema.py)
+PARTS = BREAKDOWN_PARTS   # declared with the run format: node summaries store them (dtprof/rundir/schema.py)
 # a communication wait that outlasts every collective of its rank (e.g. DDP finishing its buckets after the last
 # all-reduce returned)
 UNKNOWN_OP = "(no collective in flight)"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
 
 
 def _host_of_rank(r: pd.DataFrame) -> pd.Series:
@@ -91,11 +91,11 @@ def exit_sums(ranks: pd.DataFrame, co: pd.DataFrame) -> pd.DataFrame:
 
 def fit_clocks(ranks: pd.DataFrame, sums) -> pd.DataFrame:
     """Per host: host, offset_ns, drift_ppm, residual_ns, n_pairs, ref_t_ns, reference (bool), reason.
-    ``ranks``: the ranks table; ``sums``: ``exit_sums`` of the run's collectives as nodesummary.Rows (its nodes'
+    ``ranks``: the ranks table; ``sums``: ``exit_sums`` of the run's collectives as rundir.rows.Rows (its nodes'
     rows, or the whole run's), merged per (instance, host) and fitted in DuckDB: the mean exit per (instance, host),
     rounded to the ns, is all the fit reads. Its sums are exact integers, so the fit does not depend on the order
     the rows come in (nodes, threads)."""
-    from dtprof.rundir.files import sql_text
+    from dtprof.rundir.rows import sql_text
 
     host_of = _host_of_rank(ranks)
     hosts = sorted(set(host_of.tolist()))

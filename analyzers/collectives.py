@@ -207,7 +207,7 @@ INSTANCE_KEY = '"group", sender, receiver, seq'   # the per-instance reduction's
 
 
 def instances_of(rows, measured_steps, keys: bool = False) -> pd.DataFrame:
-    """One row per collective instance, from ``instance_rows`` of all nodes (nodesummary.Rows, merged per instance
+    """One row per collective instance, from ``instance_rows`` of all nodes (rundir.rows.Rows, merged per instance
     in DuckDB): op (its first node's), group, seq, group_size, bytes, transfer_s, mean_s, ranks, ``window`` (see
     WINDOWS: the lowest over its rows, a row inside a measured step making it measured), sorted by (group, sender,
     receiver, seq). ``rows`` may be a partition by INSTANCE_KEY: then, given ``keys`` (with the sender and the

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.schema import COMPUTE_KINDS
+from dtprof.rundir.schema import COMPUTE_KINDS
 
 NO_DIM = "(none)"
 PP_DIM = "pp"

@@ -29,8 +29,9 @@ from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.intervals import windows_touched
-from dtprof.analyzers.rows import Rows, by_rank_step, stored_files
 from dtprof.analyzers.runmodel import RunModel, all_exit_sums
+from dtprof.analyzers.steps import by_rank_step
+from dtprof.rundir.rows import Rows
 
 # the overlap figures a summary keeps (its data wait is the breakdown's: overlap's own is not read)
 OVERLAP_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overlap_ratio", "overlap_s", "level")
@@ -189,11 +190,11 @@ def _with_lone_items(items: pd.DataFrame, per: pd.DataFrame, touched: np.ndarray
 
 
 def node_tables(model) -> tuple[dict, dict]:
-    """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/schema.py
+    """(tables, facts) of the summary of ``model`` (one node's) as the run format stores them (dtprof/rundir/schema.py
     SUMMARY_TABLES): ``summarize``'s, and the exits the clock fit reads (``clock.exit_sums``, read by the run
     model before the rest: analyzers/runmodel.py)."""
     # the items step by step (each rank-step's in their order): the file's row groups then hold a few steps each, so
-    # reading the replay's sample of steps skips the others by their statistics (runformat.SUMMARY_ROW_GROUP_ROWS)
+    # reading the replay's sample of steps skips the others by their statistics (writer.SUMMARY_ROW_GROUP_ROWS)
     ns = summarize(model, items_by_step=True)
     return ({"rank_steps": ns.rank_steps, "exposed": ns.exposed, "whatif_items": ns.items,
              "instance_rows": ns.instance_rows.frame, "arrival_parts": ns.arrival_parts.frame,
@@ -204,14 +205,12 @@ def node_tables(model) -> tuple[dict, dict]:
              "unassigned": int(ns.unassigned), "detail_every": int(model.detail_every)})
 
 
-def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> NodeSummary:
+def combine(tables: dict, rows: dict[str, Rows], facts: list[dict], computed: dict) -> NodeSummary:
     """The whole run's summary from its nodes': ``tables`` (the stored summaries' per rank-step tables, already
-    concatenated by the reader), ``files`` (per instance table, the stored summaries' files, reduced in DuckDB by
-    their consumers), their ``facts``, and the summaries ``computed`` here (node directory -> summary) for nodes
-    that had none. Rank-steps and items come out sorted by (rank, step) like the run model's windows, each
-    rank-step's items in their order."""
-    from dtprof.runformat import summary_file
-
+    concatenated by the reader), ``rows`` (per instance table, the reader's view of the stored summaries' files and
+    the computed nodes' rows: ``Run.summary_rows``, reduced in DuckDB by their consumers), their ``facts``, and the
+    summaries ``computed`` here (node directory -> summary) for nodes that had none. Rank-steps and items come out
+    sorted by (rank, step) like the run model's windows, each rank-step's items in their order."""
     made = list(computed.values())
     per = [tables["rank_steps"]] + [c.rank_steps for c in made]
     exposed = [tables["exposed"]] + [c.exposed for c in made]
@@ -222,15 +221,11 @@ def combine(tables: dict, files: dict, facts: list[dict], computed: dict) -> Nod
     for c in made:
         stage.update(c.stage)
 
-    def rows(table: str) -> Rows:   # a computed node's rows named like its file would be: node order sorts alike
-        return Rows(table, files[table], [(str(summary_file(nd, table)), getattr(c, table).frame)
-                                          for nd, c in computed.items()])
-
     return NodeSummary(rank_steps=by_rank_step(pd.concat(per, ignore_index=True)),
                        exposed=by_rank_step(pd.concat(exposed, ignore_index=True)),
                        items=by_rank_step(pd.concat(items, ignore_index=True)),
-                       instance_rows=rows("instance_rows"), arrival_parts=rows("arrival_parts"),
-                       arrival_counts=rows("arrival_counts"),
+                       instance_rows=rows["instance_rows"], arrival_parts=rows["arrival_parts"],
+                       arrival_counts=rows["arrival_counts"],
                        rank_group_comm=pd.concat([tables["rank_group_comm"]] + [c.rank_group_comm for c in made],
                                                  ignore_index=True) if "rank_group_comm" in tables
                        else mesh_mod.rank_group_comm(pd.DataFrame()),
@@ -259,8 +254,9 @@ def of_run(run, model) -> NodeSummary:
     if item_steps is not None:
         for c in computed.values():
             c.items = c.items[c.items["step"].isin(item_steps).to_numpy()]
-    files = {t: stored_files(run, facts, t) for t in ("instance_rows", "arrival_parts", "arrival_counts")}
-    ns = combine(tables, files, [f for f in facts if f is not None], computed)
+    rows = {t: run.summary_rows(t, facts, {nd: getattr(c, t).frame for nd, c in computed.items()})
+            for t in ("instance_rows", "arrival_parts", "arrival_counts")}
+    ns = combine(tables, rows, [f for f in facts if f is not None], computed)
     return without_detail(ns, model.skipped_steps) if len(model.skipped_steps) else ns
 
 

@@ -37,7 +37,7 @@ import pandas as pd
 
 from dtprof.analyzers.intervals import assign_to_windows, measure
 from dtprof.analyzers.kernels import kernel_classes
-from dtprof.schema import COMPUTE_KINDS, P2P_OPS
+from dtprof.rundir.schema import COMPUTE_KINDS, P2P_OPS
 
 NS = 1e9
 
@@ -183,11 +183,16 @@ def whole_run(per_step: pd.DataFrame) -> dict:
     """summary.json ``overlap``: time-weighted over the measured rank-steps given."""
     comm = float(per_step["comm_s"].sum())
     dur = float(per_step["duration_s"].sum())
+    exposed = float(per_step["exposed_comm_s"].sum())
+    # no communication at all (a single-process job): not "0 % exposed", as the ratio is not "0 % hidden"
+    silent = comm <= 0 and exposed <= 0
     out = {"ratio": float(per_step["overlap_s"].sum() / comm) if comm > 0 else None,
-           "exposed_comm_frac": float(per_step["exposed_comm_s"].sum() / dur) if dur > 0 else None,
+           "exposed_comm_frac": exposed / dur if dur > 0 and not silent else None,
            "comm_s_total": comm, "level": "kernel" if (per_step["level"] == "kernel").any() else "hook"}
     if comm <= 0:
         out["ratio_reason"] = "no communication recorded in the measured steps"
     if dur <= 0:
         out["exposed_comm_frac_reason"] = "no measured steps"
+    elif silent:
+        out["exposed_comm_frac_reason"] = "no communication recorded in the measured steps"
     return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
 
 PP_KINDS = ("pp_forward", "pp_backward")
 INFERRED = {"forward": ("pp_forward", "inferred_forward"), "backward": ("pp_backward", "inferred_backward")}

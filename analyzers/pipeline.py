@@ -45,7 +45,7 @@ import pandas as pd
 from dtprof.analyzers import whatif
 from dtprof.analyzers.intervals import assign_to_windows, union_length
 from dtprof.analyzers.steps import measured_or_all
-from dtprof.schema import COMPUTE_KINDS
+from dtprof.rundir.schema import COMPUTE_KINDS
 
 NS = 1e9
 PP_KINDS = ("pp_forward", "pp_backward")

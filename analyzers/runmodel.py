@@ -48,7 +48,7 @@ from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import pipeinfer
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers import whatif as whatif_mod
-from dtprof.schema import TABLES
+from dtprof.rundir.schema import TABLES
 
 
 @dataclass
@@ -202,11 +202,10 @@ def _traced(per: pd.DataFrame, cap: pd.DataFrame) -> np.ndarray:
 
 
 def exit_sums(run, source: str = "summaries"):
-    """``clock.exit_sums`` of the run as nodesummary.Rows (reduced by the fit in DuckDB): "raw", of all its
+    """``clock.exit_sums`` of the run as rundir.rows.Rows (reduced by the fit in DuckDB): "raw", of all its
     collectives rows at once; "summaries", the node summaries' files (a node without a stored one reduced here from
     its own rows)."""
-    from dtprof.analyzers.rows import Rows, stored_files
-    from dtprof.runformat import summary_file
+    from dtprof.rundir.rows import Rows
 
     of = all_exit_sums
     if source == "raw":
@@ -215,8 +214,7 @@ def exit_sums(run, source: str = "summaries"):
     missing = [nd for nd, f in zip(run.node_dirs, facts) if f is None]
     if len(missing) == len(run.node_dirs):
         return Rows.of("clock_exits", of(run))
-    return Rows("clock_exits", stored_files(run, facts, "clock_exits"),
-                [(str(summary_file(nd, "clock_exits")), of(run.node_run(nd))) for nd in missing])
+    return run.summary_rows("clock_exits", facts, {nd: of(run.node_run(nd)) for nd in missing})
 
 
 def all_exit_sums(run) -> pd.DataFrame:
@@ -237,7 +235,7 @@ def rank_steps(run, source: str = "summaries") -> tuple[pd.DataFrame, pd.DataFra
     """(per rank-step: ``steps.rank_steps``' columns, the stored node summaries' rank_steps or None): "raw", from
     the steps table; "summaries", from the node summaries' rank_steps (which carry the steps table's numbers, so the
     steps table is not read: 16.4 M rows at 16,384 x 1,000), a node without a stored one from its own steps."""
-    from dtprof.analyzers.rows import by_rank_step
+    from dtprof.analyzers.steps import by_rank_step
 
     if source == "raw":
         return steps_mod.rank_steps(run.steps), None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprof.schema import DETAIL_BLOCK
+from dtprof.rundir.schema import DETAIL_BLOCK
 
 NS = 1e9
 WARMUP_SLOW_FACTOR = 1.2
@@ -61,7 +61,8 @@ def detect_warmup(job_time_s: np.ndarray, disturbed: np.ndarray | None = None) -
 
 # the steps table's per-step numbers as the run model carries them (float64, NaN where a rank did not report one;
 # float64: FLOPs pass int64's range for large models, and bytes, tokens and samples stay exact below 2**53); the
-# node summaries' rank_steps carry them too (dtprof/schema.py), so the global analysis never reads the steps table
+# node summaries' rank_steps carry them too (dtprof/rundir/schema.py), so the global analysis never reads the steps
+# table
 STEP_NUMBERS = ("peak_mem_bytes", "tokens", "samples", "model_flops", "executed_flops", "cpu_wait_s", "detail")
 
 
@@ -316,3 +317,11 @@ def step_stats(model) -> dict:
             out[f"{what}_per_s_reason"] = (f"no {what} per step: not inferable from the root module's input "
                                            f"and not given with dtprof.annotate({what}=...)")
     return out
+
+
+def by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
+    key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
+    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
+        return df.reset_index(drop=True)
+    return df.iloc[np.argsort(key, kind="stable")].reset_index(drop=True)

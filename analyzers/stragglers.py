@@ -42,7 +42,7 @@ import pandas as pd
 from dtprof.analyzers import clock as clock_mod
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.collectives import own_records
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
 
 NS = 1e9
 SCORE_THRESHOLD = 0.75
@@ -159,17 +159,18 @@ def arrival_parts(model) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def arrivals(model, parts, counts) -> tuple[pd.DataFrame, pd.Series]:
-    """(per collective instance: group, seq, op, rank, step, arrival_ns, lateness_s, last, lead_s, peers_lost_s,
-    ranks, measured; per rank: its rows in measured steps) from ``arrival_parts`` and ``arrival_counts`` of the run
-    (nodesummary.Rows: its nodes' parts in any order, reduced per instance in DuckDB).
+    """(per collective instance: group, seq, op, rank, step, first_ns, arrival_ns, lateness_s, last, lead_s,
+    peers_lost_s, ranks, measured; per rank: its rows in measured steps) from ``arrival_parts`` and
+    ``arrival_counts`` of the run (rundir.rows.Rows: its nodes' parts in any order, reduced per instance in DuckDB).
 
     Arrivals are issue times aligned through the run model's clocks. Of each instance: ``rank`` is the last rank to
-    arrive (ties: the highest rank), ``arrival_ns`` its arrival, ``lateness_s`` its arrival minus the first one,
-    ``last`` whether it arrived alone last (later than the first, with peers), ``lead_s`` its lead over the
-    second-latest arrival (0 unless ``last``), ``peers_lost_s`` Σ over all ranks of (last arrival - own arrival)
-    (a part's sum aligned linearly, then rounded to the ns). ``measured``: the last rank's row is in the model's
-    measured steps (every instance when no row has a step). Every reduction is exact (integers, minima, maxima, the
-    latest by a total order), so the result does not depend on the parts' order."""
+    arrive (ties: the highest rank), ``first_ns`` the first arrival, ``arrival_ns`` the last rank's arrival,
+    ``lateness_s`` its arrival minus the first one, ``last`` whether it arrived alone last (later than the first,
+    with peers), ``lead_s`` its lead over the second-latest arrival (0 unless ``last``), ``peers_lost_s`` Σ over all
+    ranks of (last arrival - own arrival) (a part's sum aligned linearly, then rounded to the ns). ``measured``: the
+    last rank's row is in the model's measured steps (every instance when no row has a step). Every reduction is
+    exact (integers, minima, maxima, the latest by a total order), so the result does not depend on the parts'
+    order."""
     no_steps, rows_per_rank = measured_rows_per_rank(counts, model.measured_steps)
     return instance_arrivals(parts, model.clock, model.measured_steps, no_steps), rows_per_rank
 
@@ -193,8 +194,8 @@ def instance_arrivals(parts, clk: pd.DataFrame, measured_steps, no_steps: bool) 
     """``arrivals``' per-instance frame from ``arrival_parts`` (all of them, or a partition by ARRIVALS_KEY: then
     the rows of that partition's instances; ``merge_arrivals`` joins the partitions), the run model's clocks
     ``clk`` and measured steps."""
-    cols = ["group", "seq", "op", "rank", "step", "arrival_ns", "lateness_s", "last", "lead_s", "peers_lost_s",
-            "ranks", "measured"]
+    cols = ["group", "seq", "op", "rank", "step", "first_ns", "arrival_ns", "lateness_s", "last", "lead_s",
+            "peers_lost_s", "ranks", "measured"]
     measured = np.asarray(sorted(measured_steps), np.int64)
     off, drift = clock_mod.alignment(clk["host"].astype(str).to_numpy(), clk) if len(clk) else ([], [])
     ref = clock_mod.ref_t(clk)
@@ -234,7 +235,7 @@ def instance_arrivals(parts, clk: pd.DataFrame, measured_steps, no_steps: bool) 
         "group": pd.Categorical(inst["group"].astype(str).to_numpy()), "seq": inst["seq"].to_numpy(np.int64),
         "op": pd.Categorical(inst["op"].astype(str).to_numpy()), "rank": inst["rank"].to_numpy(np.int64),
         "step": pd.array(np.where(step >= 0, step, 0), dtype="Int64"),
-        "arrival_ns": last_t, "lateness_s": (last_t - first) / NS, "last": is_last,
+        "first_ns": first, "arrival_ns": last_t, "lateness_s": (last_t - first) / NS, "last": is_last,
         "lead_s": np.where(is_last, (last_t - inst["second"].to_numpy(np.int64)) / NS, 0.0),
         "peers_lost_s": np.where(is_last, inst["lost"].to_numpy(np.int64) / NS, 0.0), "ranks": count})
     out.loc[step < 0, "step"] = pd.NA
@@ -295,10 +296,9 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
         nl = g.size()
         lost = g["peers_lost_s"].sum()
         lead = g["lead_s"].sum()
-        per_step_lead = late.groupby(["rank", "step"], dropna=False)["lead_s"].sum().reset_index()
     else:
         nl = lost = lead = pd.Series(dtype=float)
-        per_step_lead = pd.DataFrame(columns=["rank", "step", "lead_s"])
+    per_step_lead = step_leads(late)
     idx = out["rank"]
     out["instances"] = n.reindex(idx).fillna(0).astype(int).to_numpy()
     out["late_count"] = nl.reindex(idx).fillna(0).astype(int).to_numpy()
@@ -306,11 +306,7 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
     out["time_lost_s"] = lost.reindex(idx).fillna(0.0).to_numpy()
     out["delay_s_per_step"] = lead.reindex(idx).fillna(0.0).to_numpy() / n_steps
     p50 = step_p50_s or 0.0
-    if p50 > 0 and len(per_step_lead):
-        big = per_step_lead[per_step_lead["lead_s"] >= TRANSIENT_DELAY_FRAC * p50]
-        late_steps = big.groupby("rank").size()
-    else:
-        late_steps = pd.Series(dtype=int)
+    late_steps = per_step_lead["rank"][late_step(per_step_lead["lead_s"], p50)].value_counts()
     out["late_steps"] = late_steps.reindex(idx).fillna(0).astype(int).to_numpy()
     # Steps in which the rank held its peers up by a material lead at some collective. Per step, not per
     # collective instance: a rank that is late to a step's first all-reduce arrives with everyone at the next ones.
@@ -341,10 +337,7 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
     holds = (held >= PERSISTENT_HELD_FRAC) & significant
     persistent = (out["saving_frac"] >= min_saving) & consistent & (
         holds | (out["saving_frac_median"] >= LARGE_SAVING_FACTOR * min_saving))
-    ls = out["late_steps"].to_numpy()
-    top = np.sort(ls)[::-1]
-    others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
-    transient = ~persistent & (ls >= TRANSIENT_MIN_STEPS) & (ls >= 2 * others_max)
+    transient = ~persistent & late_most(out["late_steps"].to_numpy(), TRANSIENT_MIN_STEPS)
     out["kind"] = np.where(persistent, "persistent", np.where(transient, "transient", "none"))
     out["reason"] = [
         (f"removing its extra work would save about {sf:.0%} of the step ({hf:.0%} of measured steps save at least "
@@ -354,6 +347,54 @@ def classify(run, arr: pd.DataFrame, rows_per_rank: pd.Series, per_step: pd.Data
         for pe, tr, sf, hf, ex, cw, n in zip(persistent, transient, out["saving_frac"], out["saving_step_frac"],
                                              out["typical_excess_s"], out["typical_cpu_wait_s"], out["late_steps"])]
     return out
+
+
+def step_leads(arr: pd.DataFrame) -> pd.DataFrame:
+    """Per rank and step (rank, step, lead_s): Σ ``lead_s`` of the instances of ``arr`` (``instance_arrivals``'
+    frame, the rows the caller counts) it arrived last at. A rank that is late to a step's first all-reduce arrives
+    with everyone at the next ones, so lateness is judged per step, not per collective instance."""
+    late = arr[arr["last"].to_numpy(bool)] if len(arr) else arr
+    if len(late) == 0:
+        return pd.DataFrame({"rank": pd.Series(dtype="int64"), "step": pd.Series(dtype="Int64"),
+                             "lead_s": pd.Series(dtype="float64")})
+    return late.groupby(["rank", "step"], dropna=False)["lead_s"].sum().reset_index()
+
+
+def late_step(lead_s, step_p50_s: float) -> np.ndarray:
+    """Whether a rank-step's lead (``step_leads``) held its peers up: at least ``TRANSIENT_DELAY_FRAC`` of the
+    median step (none without a median step)."""
+    p50 = step_p50_s or 0.0
+    return (np.asarray(lead_s, np.float64) >= TRANSIENT_DELAY_FRAC * p50) & (p50 > 0)
+
+
+def late_most(late_steps: np.ndarray, min_steps) -> np.ndarray:
+    """Per rank, whether its count of late steps (``late_step``) is at least ``min_steps`` (a number, or one per
+    rank) and at least twice any other rank's: symmetric noise on a busy machine, where every rank is sometimes
+    late, names nobody."""
+    ls = np.asarray(late_steps, np.int64)
+    top = np.sort(ls)[::-1]
+    others_max = np.where(ls == top[0], top[1] if len(top) > 1 else 0, top[0]) if len(top) else ls
+    return (ls >= min_steps) & (ls >= 2 * others_max)
+
+
+def local_arrivals(model) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(``instance_arrivals`` of the run model's collectives on one clock, every instance counted: the ranks of one
+    host, the live path's, dtprof/live.py; per collectives row that ``arrivals`` counts, its rank, step (-1: none)
+    and ``lateness_ns``, its arrival minus the instance's first arrival)."""
+    from dtprof.rundir.rows import Rows
+
+    parts, _ = arrival_parts(model)
+    arr = instance_arrivals(Rows.of("arrival_parts", parts), pd.DataFrame({"host": []}), (), no_steps=True)
+    c = _collective_rows(model)
+    first = pd.Series(arr["first_ns"].to_numpy(np.int64),
+                      index=pd.MultiIndex.from_arrays([arr["group"].astype(str).to_numpy(),
+                                                       arr["seq"].to_numpy(np.int64)]))
+    key = pd.MultiIndex.from_arrays([c["group"].astype(str).to_numpy(), c["seq"].to_numpy(np.int64)])
+    issue = c["issue_ns"].to_numpy(np.int64)
+    rows = pd.DataFrame({"rank": c["rank"].to_numpy(np.int64),
+                         "step": c["step"].astype("Int64").fillna(-1).to_numpy(np.int64),
+                         "lateness_ns": issue - first.reindex(key).to_numpy(np.int64)})
+    return arr, rows
 
 
 def sign_test_p(k: int, n: int) -> float:

@@ -1,8 +1,8 @@
 """The analysis of a run end to end, and summary.json (docs/summary-schema.md).
 
 ``analyze(run)`` runs every analyzer over the run's tables and returns an ``Analysis``: the summary dict plus the
-DataFrames behind each figure; ``save_summary`` writes summary.json into the run (the commands do: they open the
-run and analyse it, dtprof/options.py ``open_and_analyze``).
+DataFrames behind each figure; dtprof/rundir/writer.py ``save_summary`` writes summary.json into the run (the commands
+do: they open the run and analyse it, dtprof/options.py ``open_and_analyze``).
 
 The analysis depends only on the run's tables and one ``AnalysisOptions`` (analyzers/options.py), resolved at the
 command-line edge (dtprof/options.py ``resolve_options``: command line, then node.json ``config``, then defaults;
@@ -15,7 +15,6 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
@@ -38,10 +37,9 @@ from dtprof.analyzers import stragglers as strag_mod
 from dtprof.analyzers import whatif as whatif_mod
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.runmodel import RunModel
-from dtprof.runformat import UNIDENTIFIED_EVENT
+from dtprof.rundir.writer import UNIDENTIFIED_EVENT
 
 SUMMARY_SCHEMA = "dtprof.summary/1"
-SUMMARY_FILE = "summary.json"
 # the spans the summaries path reads (besides every span of a pipeline rank): GPU kernels, for the kernel views
 SLICE_KINDS = ("kernel", "evaluation")
 STATUS_ORDER = ("hung", "killed", "failed", "interrupted", "running", "completed", "imported")   # worst first
@@ -801,12 +799,3 @@ def _step_input_sources(step_block: dict, meta: pd.DataFrame) -> dict:
         inferred.update(v if isinstance(v, dict) else {})
     return {f"{what}_per_s_source": inferred.get(what, "dtprof.annotate") for what in ("samples", "tokens")
             if step_block.get(f"{what}_per_s") is not None}
-
-
-def save_summary(run_dir, summary: dict) -> Path:
-    """Write ``summary`` as ``run_dir/summary.json`` (atomically: a reader sees the old file or the new one)."""
-    from dtprof.runformat import write_json_atomic
-
-    path = Path(run_dir) / SUMMARY_FILE
-    write_json_atomic(path, summary)
-    return path

@@ -45,8 +45,8 @@ from typing import Any, Mapping
 from dtprof.analyzers.collectives import own_records
 from dtprof.reports.fmt import fmt_bytes  # the one byte formatter (the one module of reports/ analyzers use)
 from dtprof.rundir.incident import Incident, best_dump
-from dtprof.runformat import stop_text
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
+from dtprof.rundir.writer import stop_text
 from dtprof.watchdog import STALE_BEAT_S
 
 VERDICTS = ("hang", "crash", "mismatch", "interrupted", "straggler", "healthy", "oom", "numerics", "divergence")
@@ -131,7 +131,7 @@ def _group_members(groups_tbl, group: str, fallback) -> list[int]:
 
 def mismatch_candidates(parts) -> list[tuple[str, int]]:
     """The collective instances (group, seq) whose ranks may disagree in op, size or dtype, from the arrivals
-    reduced per part (analyzers/stragglers.py ``arrival_parts``: the node summaries', nodesummary.Rows, reduced in
+    reduced per part (analyzers/stragglers.py ``arrival_parts``: the node summaries', rundir.rows.Rows, reduced in
     DuckDB): a part with more than one kind, or parts of one instance with different kinds. Only their rows need
     reading for ``find_mismatches``."""
     bad = parts.query('SELECT "group", seq FROM rows GROUP BY "group", seq '
@@ -288,7 +288,7 @@ def match_across_ranks(entries, group_ranks: dict[str, list[int]] | None = None)
     return inst
 
 
-# NCCL's OpType names -> dtprof's canonical op names (dtprof.schema.COLLECTIVE_OPS)
+# NCCL's OpType names -> dtprof's canonical op names (dtprof.rundir.schema.COLLECTIVE_OPS)
 _NCCL_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
              "reducescatter": "reduce_scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
              "_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter"}
@@ -462,6 +462,15 @@ def _lost_peer_beside(c: Case, timed_out: dict) -> set[int]:
     return lost if set(c.known) - set(timed_out) - lost else set()
 
 
+def progress_age_s(heartbeats: Mapping[int, dict], now_ns: int) -> float | None:
+    """Seconds since the newest progress (heartbeat ``last_progress_ns``) of any rank at ``now_ns``; None without
+    heartbeats. A job still running hangs once this reaches its timeout (triage's ``stale_s``, the live path's
+    ``hang_after_s``, dtprof/live.py)."""
+    if not heartbeats:
+        return None
+    return (now_ns - max(hb.get("last_progress_ns") or 0 for hb in heartbeats.values())) / 1e9
+
+
 def _hang(c: Case) -> dict | None:
     """2. The watchdog fired, no rank progressed for ``stale_s`` (live), the output holds a collective timeout (or
     ranks' own exceptions are collective timeouts while other ranks' are not), or Flight Recorder files given show
@@ -469,10 +478,8 @@ def _hang(c: Case) -> dict | None:
     inc = c.incident
     hang_rec = inc.watchdog["hang"][0] if inc.watchdog["hang"] else None
     now = (hang_rec or {}).get("detected_ns") or c.now_ns or time.monotonic_ns()
-    stale = None
-    if c.live and inc.heartbeats:
-        newest = max(hb.get("last_progress_ns") or 0 for hb in inc.heartbeats.values())
-        stale = (now - newest) / 1e9
+    stale = progress_age_s(inc.heartbeats, now) if c.live else None
+    if stale is not None:
         c.evidence.append({"kind": "heartbeat", "message": f"newest progress on any rank {stale:.1f} s ago"})
     nccl_timeout = next((m for m in (_NCCL_SEQ.search(t) for t in c.timeouts) if m), None)
     # Dumps given with --fr are snapshots taken at one moment (usually a timeout): a rank behind the others in a

@@ -51,7 +51,7 @@ from dtprof.analyzers.intervals import (
     innermost,
     split_over_windows,
 )
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.schema import P2P_OPS
 
 NS = 1e9
 WORK_PARTS = ("forward", "backward", "optimizer", "data_wait", "other", "exposed_comm")

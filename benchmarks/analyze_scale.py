@@ -17,7 +17,7 @@ target run is `--ranks 16384 --steps 1000` (2,048 nodes; build it where there is
 
 ``--reuse RUN`` skips the build: it builds the nodes a stopped build left unfinished (a run kept by --keep whose
 build was killed), remakes the node summaries that
-are missing or stale (written in another summary layout, e.g. after a change of dtprof/schema.py SUMMARY_LAYOUT)
+are missing or stale (written in another summary layout, e.g. after a change of dtprof/rundir/schema.py SUMMARY_LAYOUT)
 with a local pool, then measures. ``--dask-workers N`` measures the global analysis again with its per-instance
 reductions on a local Dask cluster of N processes (dtprof/cluster.py) and checks it gives the same summary.json.
 """
@@ -136,7 +136,7 @@ def build_class(args) -> tuple[int, int]:
     summarised from their tables, every other one's summary copied from the template's with its ranks shifted
     (synth.copy_summary: the same files, ~10x faster). ``tables`` False: the nodes' tables exist, only their
     summaries are (re)made (stale after a change of the summary layout). Returns (nodes summarised, nodes copied)."""
-    from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+    from dtprof.rundir.writer import SUMMARY_COMPLETE, SUMMARY_DIR
     from dtprof.summarize import summarize_node
     from synth import build_ddp_node, copy_summary
 
@@ -179,7 +179,7 @@ def build_missing(run_dir: Path, nodes: int, args) -> int:
     """Build the nodes of a kept run that a stopped build (killed, out of time) left without a complete summary
     (a partly written one is removed first), so that a long build can be finished in several sittings. Returns
     how many."""
-    from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+    from dtprof.rundir.writer import SUMMARY_COMPLETE, SUMMARY_DIR
 
     todo = [n for n in range(nodes) if not (node_dir(run_dir, n) / SUMMARY_DIR / SUMMARY_COMPLETE).exists()]
     if len(todo) == nodes:   # nothing of this run: not a run this benchmark built
@@ -299,7 +299,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.ranks % RANKS_PER_NODE or args.ranks <= SLOW_RANK:
         ap.error(f"--ranks must be a multiple of {RANKS_PER_NODE} above {SLOW_RANK}")
-    from dtprof.runformat import create_run_dir
+    from dtprof.rundir.writer import create_run_dir
 
     nodes = args.ranks // RANKS_PER_NODE
     rows = args.ranks * args.steps * (5 + 8)

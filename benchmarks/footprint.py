@@ -86,7 +86,7 @@ def real_job(seconds: int, tmp: Path) -> dict:
 def synthetic(steps: int, period: int, tmp: Path) -> dict:
     from analyze_scale import RANKS_PER_NODE, SLOW_FACTOR, SLOW_RANK, measure
 
-    from dtprof.runformat import create_run_dir
+    from dtprof.rundir.writer import create_run_dir
     from synth import build_ddp_node
 
     run = tmp / "synthetic"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 def rank_env(tmp: str, benchmark: str, full_detail: bool) -> dict[str, str]:
     import dtprof._inject
-    from dtprof.runformat import create_node_dir, create_run_dir
+    from dtprof.rundir.writer import create_node_dir, create_run_dir
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROF_", "RANK", "LOCAL_RANK"))}
     env["OMP_NUM_THREADS"] = "1"

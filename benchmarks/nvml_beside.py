@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from dtprof.collectors.nvml import NvmlSampler
-from dtprof.runformat import create_node_dir, create_run_dir
+from dtprof.rundir.writer import create_node_dir, create_run_dir
 
 
 def main() -> int:

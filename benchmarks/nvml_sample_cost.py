@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import fake_pynvml  # noqa: E402
 from dtprof.collectors.nvml import NvmlSampler  # noqa: E402
-from dtprof.runformat import create_node_dir, create_run_dir  # noqa: E402
+from dtprof.rundir.writer import create_node_dir, create_run_dir  # noqa: E402
 
 GPUS, TICKS, INTERVAL_S = 8, 2000, 0.1
 

@@ -517,7 +517,7 @@ def in_process(args: list[str], ranks: int = 0) -> dict:
     """Run this file's worker as `dtprof run` runs a rank (dtprof injected, recording into a throwaway run):
     one process, or ``ranks`` processes under torchrun. The worker's last stdout line, parsed."""
     import dtprof._inject
-    from dtprof.runformat import create_node_dir, create_run_dir
+    from dtprof.rundir.writer import create_node_dir, create_run_dir
 
     cmd = [sys.executable, __file__, "--worker", *args]
     if ranks:

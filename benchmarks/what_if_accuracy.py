@@ -45,7 +45,7 @@ from dtprof.analyzers import whatif
 from dtprof.analyzers.runmodel import build as build_model
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
-from dtprof.runformat import create_node_dir, create_run_dir
+from dtprof.rundir.writer import create_node_dir, create_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))

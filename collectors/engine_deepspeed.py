@@ -6,14 +6,23 @@ that one group) and ZeRO-3 (``stage3.py`` ``_optimizer_step(sub_group_id)``, onc
 ``sub_group_size`` elements), every group each step, building each group's fp32 gradients just before its step and
 freeing them after. One optimizer step is all of them (an HF Trainer's two weight-decay groups were recorded as two
 steps): this part says "not over yet" (``optimizer_step_pending``) at every group's torch step but the last, so the
-step clock ends the step at the last and the other parts hear the earlier ones through ``on_optimizer_group``.
+step clock closes the optimizer step (its span, ``on_optimizer_step``) at the last and the other parts hear the
+earlier ones through ``on_optimizer_group``.
 
 How: from the torch optimizer's post-hook, a walk of a few frames up to DeepSpeed's ``_optimizer_step`` reads its
 group index and the number of groups (``bit16_groups`` under ZeRO-1/2, ``fp16_groups``, one per sub-group, under
 ZeRO-3). Cost: that walk at each torch optimizer step of a DeepSpeed job; nothing in any other job.
+
+The step ends when the engine's own step call returns, not at the torch optimizer's step inside it: what the engine
+does after that step is the step's (ZeRO-1/2's all-gather of the updated partitions, the PipelineEngine's loss
+all-reduce and broadcast), as it is in the job's own step time. The calls: ``engine.step()`` (at the accumulation
+boundary: a micro-batch's ``engine.step()`` before it steps no optimizer, so ends no step) and the PipelineEngine's
+``train_batch()`` (it steps the optimizer inside its schedule, never through ``engine.step()``). This part raises
+``RankContext.hold_step_end`` while one runs and calls ``ctx.end_held_step()`` as it returns.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from types import FrameType
 
@@ -81,6 +90,34 @@ def global_grad_norm(depth: int = FRAMES):
 
 class DeepSpeedGroups(RankPart):
     name = "deepspeed"
+
+    def install(self, ctx) -> None:
+        self.ctx = ctx
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        for cls, name in ((DeepSpeedEngine, "step"), (PipelineEngine, "train_batch")):
+            setattr(cls, name, self.holding_step_end(getattr(cls, name)))
+
+    def holding_step_end(self, orig):
+        """``orig`` (an engine's step call) with the step's end held until it returns (module docstring)."""
+        ctx = self.ctx
+
+        @functools.wraps(orig)
+        def call(engine, *args, **kwargs):
+            if ctx.disabled or ctx.hold_step_end:      # (the outermost call of a nested one ends the step)
+                return orig(engine, *args, **kwargs)
+            ctx.hold_step_end = True
+            try:
+                return orig(engine, *args, **kwargs)
+            finally:
+                ctx.hold_step_end = False
+                try:
+                    ctx.end_held_step()
+                except Exception:
+                    ctx.fault("DeepSpeed engine step end")
+
+        return call
 
     def optimizer_step_pending(self, optimizer) -> bool:
         return group_pending()

@@ -154,7 +154,7 @@ def wait_for_identity(start, rec) -> _Waiter:
 def report_unidentified(node_dir, rank: int, owner_pid: int | None, host: str) -> None:
     """An ``error`` event naming this process, in its own file ``unidentified-<pid>.jsonl.gz`` of the node directory
     (an events table the reader merges into the node's events): this process is a rank nobody will see."""
-    from dtprof.runformat import UNIDENTIFIED_EVENT, process_event
+    from dtprof.rundir.writer import UNIDENTIFIED_EVENT, process_event
 
     argv = " ".join(sys.argv)[:300]
     process_event(node_dir, host, "error", f"{UNIDENTIFIED_EVENT} pid {os.getpid()} ({argv}) identified as rank "

@@ -1076,7 +1076,7 @@ def import_kineto(paths: list, out_dir: Path, command: str = "", warn=lambda msg
     import socket
     import time
 
-    from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
+    from dtprof.rundir.writer import create_node_dir, create_run_dir, write_node_tables
 
     loaded, failed = load_traces(paths, warn, info)
     tables = _concat([t for _, _, t in loaded])
@@ -1111,8 +1111,8 @@ def merge_captured_traces(node_dir: Path) -> int:
     that cannot be read, or an error TraceCapture recorded, becomes an ``events`` row: the job's own rows are never
     touched.
     """
-    from dtprof.runformat import RankWriter
-    from dtprof.schema import columns
+    from dtprof.rundir.schema import columns
+    from dtprof.rundir.writer import RankWriter
 
     merged = 0
     for cdir in sorted(Path(node_dir).glob(f"rank-*/{CAPTURE_DIR}")):

@@ -1,5 +1,5 @@
 """The numerics sentinel (a rank-side part, collectors/parts.py): each optimizer step's local loss, gradient norm,
-learning rate and, at a priced interval, a fingerprint of the parameters, as ``health`` rows (dtprof/schema.py).
+learning rate and, at a priced interval, a fingerprint of the parameters, as ``health`` rows (dtprof/rundir/schema.py).
 
 What it reads, and when (docs/metrics.md, "Numerics health"): on the steps recorded in full detail only (the
 step sampling's, collectors/sampling.py, which prices what they cost; an A/B "off" block reads nothing); a

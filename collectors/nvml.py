@@ -2,7 +2,7 @@
 
 The launcher starts one ``NvmlSampler`` before the job and stops it after; the training processes never touch
 NVML. Each tick reads every GPU and appends one row per GPU to the node's ``nvml`` table
-(``node_dir/nvml.jsonl.gz`` through ``NodeTableWriter``, flushed every second; columns in ``dtprof.schema``):
+(``node_dir/nvml.jsonl.gz`` through ``NodeTableWriter``, flushed every second; columns in ``dtprof.rundir.schema``):
 
 =====================  ===============================================  ===========================
 column                 NVML call                                        unit conversion
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dtprof.runformat import NodeTableWriter
+from dtprof.rundir.writer import NodeTableWriter
 
 UINT_MAX = 0xFFFFFFFF
 PCIE_MIN_PERIOD_NS = 1_000_000_000
@@ -52,7 +52,7 @@ FLUSH_PERIOD_NS = 1_000_000_000
 METRICS = ("utilization", "memory", "power", "temperature", "sm_clock", "mem_clock", "pcie", "nvlink",
            "throttle_reasons", "ecc_errors")
 
-# Row layout: same order as dtprof.schema.TABLES["nvml"].
+# Row layout: same order as dtprof.rundir.schema.TABLES["nvml"].
 _VALUE_COLUMNS = ("sm_util_pct", "mem_bw_util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
                   "sm_clock_mhz", "mem_clock_mhz", "pcie_tx_bytes_s", "pcie_rx_bytes_s", "nvlink_tx_bytes_s",
                   "nvlink_rx_bytes_s", "throttle_reasons", "ecc_errors")

@@ -55,7 +55,8 @@ class RankContext:
 
     __slots__ = ("rank", "host", "rank_dir", "options", "step", "detail", "active", "disabled", "fault_test",
                  "collective", "last_progress_ns", "add", "fault", "event", "_meta", "append_span",
-                 "append_collective", "extend", "span", "refresh_identity", "group", "roots")
+                 "append_collective", "extend", "span", "refresh_identity", "group", "roots", "hold_step_end",
+                 "end_held_step")
 
     def __init__(self, rank: int, host: str, rank_dir: str, options: dict, add: Callable, fault: Callable,
                  event: Callable, meta: Callable):
@@ -82,9 +83,13 @@ class RankContext:
         self.refresh_identity = None    # refresh_identity(): rank.json recomputed (after init_process_group)
         self.group = None               # group(pg) -> (name, size, pg, seq counter): a process group, named once
         self.roots = None               # roots() -> the top-level modules step 0's forwards ran (may be empty)
+        # an engine's own step call runs (DeepSpeed's engine.step(): collectors/engine_deepspeed.py): an optimizer
+        # step inside it ends the step only when the part that raised this calls end_held_step() as the call returns
+        self.hold_step_end = False
+        self.end_held_step = None       # end_held_step(): the step clock's (stepclock.py)
 
     def meta(self, kind: str, value: dict) -> None:
-        """One structured fact (the ``meta`` table; kinds in dtprof.schema.META_KINDS)."""
+        """One structured fact (the ``meta`` table; kinds in dtprof.rundir.schema.META_KINDS)."""
         self._meta(kind, value)
 
 

@@ -88,7 +88,7 @@ class _Worker:
         try:
             import ray.train
 
-            from dtprof.runformat import (
+            from dtprof.rundir.writer import (
                 NODE_MANIFEST,
                 RunExistsError,
                 create_node_dir,
@@ -151,7 +151,7 @@ class _Worker:
         """Flush the rank as its exit would, then write node.json's end (in this order: a node.json that says
         the attempt ended comes with all of its rows)."""
         from dtprof.collectors import runtime
-        from dtprof.runformat import NODE_MANIFEST, write_json_atomic
+        from dtprof.rundir.writer import NODE_MANIFEST, write_json_atomic
 
         ray_exit.final_flush(runtime.STATE)
         if self.node_dir is None:

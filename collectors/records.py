@@ -1,4 +1,4 @@
-"""Rank-side rows, generated from ``dtprof.schema.TABLES``: the run format's column order lives there only.
+"""Rank-side rows, generated from ``dtprof.rundir.schema.TABLES``: the run format's column order lives there only.
 
 - The tables written on the training thread's hot path (steps, spans, collectives) are built by named builders,
   ``step_row``, ``span_row`` and ``collective_row``: one argument per column in schema order, the trailing nullable
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from dtprof.schema import TABLES
+from dtprof.rundir.schema import TABLES
 
 
 def _record(class_name: str, table: str):
@@ -47,7 +47,7 @@ def _builder(name: str, table: str, required: int, defaults: dict):
     namespace: dict = {}
     exec(f"def {name}({', '.join(params)}):\n    return ({', '.join(cols)},)\n", namespace)
     fn = namespace[name]
-    fn.__doc__ = f"A {table} row (dtprof.schema.TABLES[{table!r}]) as a plain tuple."
+    fn.__doc__ = f"A {table} row (dtprof.rundir.schema.TABLES[{table!r}]) as a plain tuple."
     return fn
 
 

@@ -28,8 +28,9 @@ How it stays out of training's way
 
 Steps (the ``steps`` table)
 - A step ends at every ``torch.optim`` optimizer step (global step post-hook) or at ``dtprof.step()``; an engine
-  that steps the torch optimizer once per parameter group ends it at the last group (a part says the step goes
-  on: DeepSpeed ZeRO, collectors/engine_deepspeed.py).
+  that steps the torch optimizer once per parameter group takes them as one (a part says the step goes on), and an
+  engine's own step call ends it as it returns (a part holds the end: ``RankContext.hold_step_end``): DeepSpeed,
+  collectors/engine_deepspeed.py.
   Rule against double counting: once the program calls ``dtprof.step()``, optimizer steps no longer end steps;
   a ``dtprof.step()`` that directly follows an optimizer-ended step (no forward in between) only switches the
   mode and does not add an empty step. Loops with several optimizers per iteration should call ``dtprof.step()``.
@@ -50,7 +51,7 @@ Steps (the ``steps`` table)
   resident-set high-water mark ``getrusage(RUSAGE_SELF).ru_maxrss`` (monotone over the process lifetime: it
   cannot be reset cheaply), read at most every 50 ms: a step that ends sooner after the last reading repeats it.
 
-Spans (the ``spans`` table; kinds in dtprof.schema.SPAN_KINDS)
+Spans (the ``spans`` table; kinds in dtprof.rundir.schema.SPAN_KINDS)
 - ``forward``: first top-level module forward pre-hook to its forward hook (global module hooks, nesting depth
   tracked so only the outermost call counts); ``backward``: the duration of ``torch.autograd.backward`` /
   ``Tensor.backward``; ``optimizer``: optimizer step pre- to post-hook; ``data_wait``: the time in
@@ -126,6 +127,7 @@ class Recorder:
         # ---- the step in progress and its hooks (collectors/stepclock.py) ----
         self.clock = clock = StepClock(ctx, self.flags)
         ctx.roots = lambda: list(clock.modules.roots or ())
+        ctx.end_held_step = clock.end_held_step   # an engine's step call returned (collectors/engine_deepspeed.py)
         # torch.compile: Dynamo never traces dtprof (collectors/compile_watch.py)
         self.compiler = clock.compiler = CompileWatch(ctx, self.on_compile_start, clock.fwd_pre_hook, clock.fwd_hook,
                                                       clock.modules.compiled_roots)
@@ -172,7 +174,7 @@ class Recorder:
         file). Nothing is printed into the job's output: the launcher names the fault once, at the end.
         Never raises."""
         try:
-            from dtprof.runformat import FAULT_EVENT, process_event
+            from dtprof.rundir.writer import FAULT_EVENT, process_event
 
             self.disabled = True
             error = _last_error_line()
@@ -191,7 +193,7 @@ class Recorder:
             self.add(Event(self.rank, self.host, now(), level, "rank", message))
 
     def meta(self, kind: str, value: dict) -> None:
-        """One structured fact (the ``meta`` table; kinds and keys in dtprof.schema.META_KINDS). The value is
+        """One structured fact (the ``meta`` table; kinds and keys in dtprof.rundir.schema.META_KINDS). The value is
         stored as JSON text, the run format's form of a json column."""
         self.add(Meta(self.rank, self.host, now(), kind, json.dumps(value, separators=(",", ":"))))
 
@@ -224,7 +226,7 @@ class Recorder:
 
     def start(self, rank: int, rdir: str, node_dir, opts: dict) -> None:
         from dtprof.collectors import hooks_collectives, hooks_functional
-        from dtprof.runformat import RankWriter
+        from dtprof.rundir.writer import RankWriter
 
         ctx = self.ctx
         self.rank, self.rank_dir, self.options = ctx.rank, ctx.rank_dir, ctx.options = rank, rdir, opts
@@ -554,7 +556,7 @@ def init(out=None, *, rank: int | None = None, report_taken: bool = True, node_d
     if STATE.disabled:
         return False
     try:
-        from dtprof.runformat import create_node_dir, create_run_dir, rank_dir
+        from dtprof.rundir.writer import create_node_dir, create_run_dir, rank_dir
 
         env = os.environ
         opts = dict(_OPTIONS_DEFAULT)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from dtprof.schema import DETAIL_BLOCK
+from dtprof.rundir.schema import DETAIL_BLOCK
 
 now = time.monotonic_ns
 # Step sampling (docs/cli-run.md, "Sampling")

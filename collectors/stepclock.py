@@ -60,6 +60,7 @@ class StepClock:
         self.opt_ev0 = None
         self.manual_steps = False
         self.opt_groups_pending = False   # a part said the optimizer step goes on (parts.py optimizer_step_pending)
+        self.step_end_owed = False  # an engine's step call ends the step as it returns (end_held_step)
         # evaluation between steps (runtime.py's module docstring, "Evaluation")
         self.grad_enabled = None   # torch.is_grad_enabled, bound with the hooks (no import per call)
         self.is_compiling = None   # torch.compiler.is_compiling, bound with the hooks
@@ -298,7 +299,7 @@ class StepClock:
             if not ctx.detail:
                 if parts.boundary_optimizer_step:     # before the step ends: ctx.step is still this step's
                     parts.call(parts.boundary_optimizer_step, optimizer)
-                if not self.manual_steps:
+                if self.optimizer_ends_step():
                     self.end_boundary_step(now())
                 if self.ab.block:
                     self.ab.step_done()
@@ -311,13 +312,25 @@ class StepClock:
                     self.cuda.span("optimizer", self.opt_ev0)
                 else:
                     self.append_span(span_row(self.rank, self.step, "optimizer", "optimizer", self.opt_t0 or t, t))
-                if not self.manual_steps:
+                if self.optimizer_ends_step():
                     self.end_step(t)
             if self.ab.block:
                 self.ab.step_done()
         except Exception:
             self.ctx.fault("optimizer post-hook")
         return None
+
+    def optimizer_ends_step(self) -> bool:
+        """Not once the program calls ``dtprof.step()``; inside an engine's step call (``ctx.hold_step_end``) the
+        step ends as the call returns (``end_held_step``)."""
+        self.step_end_owed = self.ctx.hold_step_end and not self.manual_steps
+        return not (self.manual_steps or self.ctx.hold_step_end)
+
+    def end_held_step(self) -> None:
+        """An engine's step call returned (parts.py ``RankContext.end_held_step``): the step it owes ends now."""
+        if self.step_end_owed and not (self.disabled or self.ab.off):
+            self.step_end_owed = False
+            self.end_step(now())
 
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""

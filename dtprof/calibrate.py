@@ -104,7 +104,7 @@ def calibrate_for_run(node_dir, dtype: str, python: str) -> list[dict]:
 
 def store(result: dict) -> str:
     from dtprof.options import calibration_key, calibration_path, load_calibrations
-    from dtprof.runformat import write_json_atomic
+    from dtprof.rundir.writer import write_json_atomic
 
     cal = load_calibrations()
     key = calibration_key(result["device_name"], result["dtype"])

@@ -62,7 +62,7 @@ def import_kineto_command(paths, out):
         gc.disable()
     try:
         from dtprof.collectors.kineto import KinetoError, import_kineto
-        from dtprof.runformat import RunExistsError
+        from dtprof.rundir.writer import RunExistsError
     finally:
         if fresh:
             gc.freeze()
@@ -91,7 +91,7 @@ def import_fr_command(paths, out):
     Example: dtprof import fr /tmp/fr_trace_rank_0 /tmp/fr_trace_rank_1 -o runs/from-fr
     """
     from dtprof.flight_recorder import DumpError
-    from dtprof.runformat import RunExistsError
+    from dtprof.rundir.writer import RunExistsError
 
     try:
         run_dir = import_fr(list(paths), out, command=" ".join(sys.argv))
@@ -150,7 +150,7 @@ def import_fr(paths: list, out_dir: Path, command: str = "") -> Path:
     import pandas as pd
 
     from dtprof.flight_recorder import DumpError, load_dumps
-    from dtprof.runformat import create_node_dir, create_run_dir, write_node_tables
+    from dtprof.rundir.writer import create_node_dir, create_run_dir, write_node_tables
 
     entries = load_dumps(paths)
     if entries["rank"].isna().any():

@@ -51,7 +51,8 @@ from dtprof.machine import TORCHRUN_MODULES, script_index
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.rundir.conform import RunFormatError
 from dtprof.rundir.files import read_table_text
-from dtprof.runformat import (
+from dtprof.rundir.schema import table_files, unidentified_files
+from dtprof.rundir.writer import (
     FAULT_EVENT,
     NODE_MANIFEST,
     RANK_PREFIX,
@@ -62,7 +63,6 @@ from dtprof.runformat import (
     stop_text,
     write_json_atomic,
 )
-from dtprof.schema import table_files, unidentified_files
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 WATCHDOG_EXIT = 124
@@ -508,7 +508,7 @@ def merge_traces(node_dir: Path):
 
 
 def compact(node_dir: Path, say: Callable[[str], None]):
-    from dtprof.runformat import compact_node
+    from dtprof.rundir.writer import compact_node
 
     files = [p for p in Path(node_dir).rglob("*.jsonl*")]
     size = sum(p.stat().st_size for p in files)
@@ -978,8 +978,8 @@ def _post_run(run_dir: Path, node_dir: Path, node_info: dict, config: dict, no_r
         post["node_summary"] = _guarded("node summary", warn, summarize_node, str(node_dir)) is not None
     # analysed once (options from node.json's config: dtprof/options.py); summary.json, the terminal summary and
     # the report all come from this one analysis
-    from dtprof.analyzers.summary import save_summary
     from dtprof.options import open_and_analyze
+    from dtprof.rundir.writer import save_summary
 
     run, analysis = _guarded("summary", warn, open_and_analyze, run_dir, check_tables=False) or (None, None)
     post["summary"] = analysis is not None and _guarded("summary", warn, save_summary, run_dir,

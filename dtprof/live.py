@@ -14,14 +14,18 @@ Decisions
 - The step breakdown is analyzers/breakdown.py's ``step_breakdown`` on the buffered rows, so each part has the same
   definition as in summary.json, and a part added there (a "waiting for the GPU" part) is exported with no change
   here.
-- Lateness at collectives (the straggler signal) is measured among this node's ranks only: each node's launcher
+- Lateness, stragglers and hangs are the analysis's own functions on the buffered rows, so each is defined once:
+  a collective instance's arrivals, each row's lateness and the last rank's lead are analyzers/stragglers.py
+  ``local_arrivals`` (``instance_arrivals`` on one clock), counted per rank-step by the rows' step as
+  ``step_leads`` counts them; a late step is ``late_step`` and a straggler ``late_most``; a hang's age is
+  analyzers/triage.py ``progress_age_s``. Lateness is measured among this node's ranks only: each node's launcher
   sees its own ranks, and aligning the clocks of several hosts is the analysis's job, after the run.
-- Live straggler: over the last ``STRAGGLER_WINDOW`` steps (``STRAGGLER_MIN_STEPS`` at least), the rank arrived
-  last at its collectives by a lead over the second-latest arrival of at least half the median step
-  (analyzers/stragglers.py ``TRANSIENT_DELAY_FRAC``) in at least ``STRAGGLER_LATE_FRAC`` of them and twice as often
-  as any other rank. Stricter than the after-run transient rule (>= 2 such steps in the whole run): on a busy
-  machine every rank is sometimes late, and a 50-step window of that noise must not page anyone (measured: an
-  unslowed 2-rank job on 2 shared cores had one rank late in 15 of 50 steps, the other in 7).
+- Live straggler: over the last ``STRAGGLER_WINDOW`` steps (``STRAGGLER_MIN_STEPS`` at least), the rank held its
+  peers up (``late_step``: a lead of at least half the median step of the window) in at least
+  ``STRAGGLER_LATE_FRAC`` of them and twice as often as any other rank (``late_most``): the after-run transient rule
+  with its minimum raised from 2 steps in the whole run to half the window. On a busy machine every rank is
+  sometimes late, and a 50-step window of that noise must not page anyone (measured: an unslowed 2-rank job on 2
+  shared cores had one rank late in 15 of 50 steps, the other in 7).
 - Live hang: no rank progressed (heartbeat ``last_progress_ns``) for ``--hang-timeout`` when it is given (the
   watchdog's criterion), else for ``max(HANG_MIN_S, HANG_STEPS x median step)``.
 - Live memory pressure (the out-of-memory early warning): per rank, samples of what it uses and the room it has
@@ -51,8 +55,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.rundir.files import TableTail
-from dtprof.runformat import RANK_PREFIX
-from dtprof.schema import P2P_OPS
+from dtprof.rundir.writer import RANK_PREFIX
 
 SETTLE_NS = 2_500_000_000      # two flushes of the ranks (1 s each) and a margin
 KEEP_NS = 30_000_000_000       # collectives rows kept this long after their rank's published steps
@@ -114,7 +117,7 @@ class GpuSample:
     gpu: int
     uuid: str
     t_ns: int
-    values: dict[str, float | None]     # the nvml table's value columns (dtprof/schema.py)
+    values: dict[str, float | None]     # the nvml table's value columns (dtprof/rundir/schema.py)
 
 
 @dataclass
@@ -241,7 +244,7 @@ class LiveNode:
         st = st.sort_values(["rank", "step"], ignore_index=True)
         windows = st[["rank", "step", "start_ns", "end_ns"]]
         bd = step_breakdown(SimpleNamespace(**self.buf, gpu_ranks=self._gpu_ranks()), windows).per_step
-        lateness, lead = self._lateness(windows)
+        lateness, lead = self._lateness(st)
         parts = {p: bd[f"{p}_s"].to_numpy(np.float64) for p in PARTS}
         detailed = (st["detail"].astype("Float64").fillna(1).to_numpy(np.float64) != 0 if "detail" in st
                     else np.ones(len(st), bool))
@@ -275,27 +278,26 @@ class LiveNode:
                 del led[k]
         return out
 
-    def _lateness(self, windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        """Per window: Σ lateness and Σ lead (see RankStep) of the collectives its rank issued in it."""
+    def _lateness(self, st: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank-step of ``st``: Σ lateness and Σ lead (see RankStep) of its collectives, derived as the analysis
+        derives them (analyzers/stragglers.py ``local_arrivals``, ``step_leads``) from the buffered rows."""
+        from dtprof.analyzers.stragglers import local_arrivals, step_leads
+
+        n = len(st)
         co = self.buf["collectives"]
-        n = len(windows)
+        key = pd.MultiIndex.from_arrays([st["rank"].to_numpy(np.int64), st["step"].to_numpy(np.int64)])
+        if len(co):   # only the instances these rank-steps took part in: the buffer holds KEEP_NS of older ones
+            at = pd.MultiIndex.from_arrays([co["rank"].to_numpy(np.int64),
+                                            co["step"].astype("Int64").fillna(-1).to_numpy(np.int64)]).isin(key)
+            inst = pd.MultiIndex.from_arrays([co["group"].astype(str).to_numpy(), co["seq"].to_numpy(np.int64)])
+            co = co[inst.isin(inst[at])]
         if co.empty:
             return np.zeros(n), np.zeros(n)
-        co = co[~co["op"].astype(str).isin(P2P_OPS)]
-        co = co.assign(group=co["group"].astype(str)).sort_values(["group", "seq", "issue_ns", "rank"])
-        key = co["group"] + "#" + co["seq"].astype(str)
-        issue = co["issue_ns"].to_numpy(np.int64)
-        late = issue - co.groupby(key.to_numpy())["issue_ns"].transform("min").to_numpy(np.int64)
-        same_as_prev = key.to_numpy()[1:] == key.to_numpy()[:-1]
-        prev = np.concatenate([[0], issue[:-1]])
-        is_last = np.concatenate([key.to_numpy()[1:] != key.to_numpy()[:-1], [True]])
-        lead = np.where(is_last & np.concatenate([[False], same_as_prev]), issue - prev, 0)
-        rank = co["rank"].to_numpy(np.int64)
-        out_late, out_lead = np.zeros(n), np.zeros(n)
-        for i, (r, s, e) in enumerate(zip(windows["rank"], windows["start_ns"], windows["end_ns"])):
-            mine = (rank == r) & (issue >= s) & (issue < e)
-            out_late[i], out_lead[i] = late[mine].sum() / 1e9, lead[mine].sum() / 1e9
-        return out_late, out_lead
+        ranks = pd.DataFrame({"rank": sorted(self.ranks), "host": self.host, "node": str(self.node_dir)})
+        arr, rows = local_arrivals(SimpleNamespace(collectives=co, ranks=ranks))
+        late = rows.groupby(["rank", "step"])["lateness_ns"].sum().reindex(key).fillna(0).to_numpy(np.float64)
+        lead = step_leads(arr).dropna(subset=["step"]).astype({"step": "int64"}).set_index(["rank", "step"])
+        return late / 1e9, lead["lead_s"].reindex(key).fillna(0.0).to_numpy(np.float64)
 
     def _prune(self) -> None:
         """Drop rows that no later step can need (see the module docstring)."""
@@ -338,7 +340,7 @@ class LiveNode:
 
     # ---- node state ------------------------------------------------------------------------------------------
     def _gpus(self) -> list[GpuSample]:
-        from dtprof.schema import TABLES
+        from dtprof.rundir.schema import TABLES
 
         value_cols = [c for c, _ in TABLES["nvml"]][5:]
         out = []
@@ -352,23 +354,25 @@ class LiveNode:
         self.durations.extend(s.duration_s for s in steps)
         if not self.durations:
             return
-        from dtprof.analyzers.stragglers import TRANSIENT_DELAY_FRAC
+        from dtprof.analyzers.stragglers import late_step
 
-        bar = TRANSIENT_DELAY_FRAC * statistics.median(self.durations)
+        p50 = statistics.median(self.durations)
         for s in steps:
             if s.detailed:        # a boundary-only step carries no collectives: no evidence either way
-                self.late.setdefault(s.rank, deque(maxlen=STRAGGLER_WINDOW)).append(s.lead_s >= bar > 0)
+                self.late.setdefault(s.rank, deque(maxlen=STRAGGLER_WINDOW)).append(bool(late_step(s.lead_s, p50)))
 
     def stragglers(self) -> dict[int, str]:
-        counts = {r: sum(d) for r, d in self.late.items()}
-        out = {}
-        for r, n in counts.items():
-            most_other = max([m for q, m in counts.items() if q != r], default=0)
-            seen = len(self.late[r])
-            if seen >= STRAGGLER_MIN_STEPS and n >= STRAGGLER_LATE_FRAC * seen and n >= 2 * most_other:
-                out[r] = (f"arrived last at its collectives, at least half a median step after the others, in {n} "
-                          f"of its last {len(self.late[r])} steps")
-        return out
+        """The analysis's transient-lateness rule (analyzers/stragglers.py ``late_most``) over each rank's window,
+        at least ``STRAGGLER_LATE_FRAC`` of it late (module docstring)."""
+        from dtprof.analyzers.stragglers import late_most
+
+        ranks = sorted(self.late)
+        counts = np.array([sum(self.late[r]) for r in ranks], np.int64)
+        seen = np.array([len(self.late[r]) for r in ranks], np.int64)
+        need = np.where(seen >= STRAGGLER_MIN_STEPS, np.ceil(STRAGGLER_LATE_FRAC * seen), np.inf)
+        return {r: (f"arrived last at its collectives, at least half a median step after the others, in {n} "
+                    f"of its last {k} steps")
+                for r, n, k, late in zip(ranks, counts, seen, late_most(counts, need)) if late}
 
     def _sample_cpu_room(self, now: int) -> None:
         """One (used, room, capacity) sample of each running CPU rank's process (module docstring)."""
@@ -409,6 +413,7 @@ class LiveNode:
         return out
 
     def _status(self, now: int) -> NodeStatus:
+        from dtprof.analyzers.triage import progress_age_s
         from dtprof.rundir.incident import read_heartbeats
 
         st = NodeStatus(self.host, {rank: self._host_of(r) for rank, r in self.ranks.items()},
@@ -417,8 +422,7 @@ class LiveNode:
         hbs = read_heartbeats(self.node_dir)
         running = [hb for hb in hbs.values() if hb.get("exit") is None]
         if running:
-            newest = max(int(hb.get("last_progress_ns") or 0) for hb in hbs.values())
-            st.progress_age_s = max(0.0, (now - newest) / 1e9)
+            st.progress_age_s = max(0.0, progress_age_s(hbs, now) or 0.0)
             median = statistics.median(self.durations) if self.durations else 0.0
             st.hang_after_s = float(self.config.get("hang_timeout_s") or max(HANG_MIN_S, HANG_STEPS * median))
             st.hang = st.progress_age_s >= st.hang_after_s

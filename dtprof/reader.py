@@ -7,7 +7,7 @@ read its modules) re-exported.
 from __future__ import annotations
 
 from dtprof.rundir.conform import RunFormatError, conform, json_text_columns, legacy_meta, load_table
-from dtprof.rundir.files import _read_node_table, read_node_raw, read_table_text, sql_list, sql_text
+from dtprof.rundir.files import _read_node_table, read_node_raw, read_table_text
 from dtprof.rundir.incident import (
     Incident,
     best_dump,
@@ -18,6 +18,7 @@ from dtprof.rundir.incident import (
     read_rank_files,
     read_watchdog,
 )
+from dtprof.rundir.rows import sql_list, sql_text
 from dtprof.rundir.run import (
     READ_CHUNK_ROWS,
     Run,

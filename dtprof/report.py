@@ -45,7 +45,7 @@ def save_report(analysis, out_path=None, *, progress: bool | None = None) -> Pat
     ``progress``: a progress bar on stderr (None = only for large runs). Written to a temporary name and renamed, so
     a reader never sees half a report."""
     from dtprof.reports.html import render
-    from dtprof.runformat import write_text_atomic
+    from dtprof.rundir.writer import write_text_atomic
 
     text = render(analysis, {"progress": progress})
     out = Path(out_path) if out_path else analysis.run.path / "report.html"

@@ -23,7 +23,7 @@ def summarize_node(node_dir: str) -> str:
     from dtprof.analyzers.nodesummary import node_tables
     from dtprof.analyzers.runmodel import RunModel
     from dtprof.rundir.run import Run
-    from dtprof.runformat import write_node_summary
+    from dtprof.rundir.writer import write_node_summary
 
     nd = Path(node_dir)
     run = Run(nd.parent, [nd])   # this node alone: no other node's directory is listed or read
@@ -35,7 +35,7 @@ def pending(run, force: bool = False) -> list[Path]:
     """The node directories to summarise: those with complete tables and no summary, or a stale one (every one
     with ``force``). A node still in JSON lines (a crashed launcher) is left to the analysis, which summarises it in
     memory."""
-    from dtprof.runformat import TABLES_COMPLETE, TABLES_DIR
+    from dtprof.rundir.writer import TABLES_COMPLETE, TABLES_DIR
 
     return [nd for nd in run.node_dirs if (nd / TABLES_DIR / TABLES_COMPLETE).exists()
             and (force or run.summary_facts(nd) is None)]

@@ -79,11 +79,12 @@ def summary_command(run_dir, as_json, warmup, flops_per_step, peak_tflops, dtype
 
     Exit codes: 0 done, 2 unreadable run directory or bad option.
     """
-    from dtprof.analyzers.summary import SUMMARY_FILE, analyze, save_summary
+    from dtprof.analyzers.summary import analyze
     from dtprof.options import resolve_options
     from dtprof.reports import summary_json, terminal
     from dtprof.rundir.conform import RunFormatError
     from dtprof.rundir.run import open_run
+    from dtprof.rundir.writer import SUMMARY_FILE, save_summary
 
     tf = _parse_transformer(transformer)
 

@@ -19,7 +19,7 @@ LIVE_DUMP_WAIT_S = 5.0
 def _live_dumps(run_dir: Path) -> str:
     """Ask every rank of a running job for a dump (without stopping it) and wait for the answers."""
     from dtprof.rundir.incident import read_heartbeats
-    from dtprof.runformat import NODE_PREFIX
+    from dtprof.rundir.writer import NODE_PREFIX
     from dtprof.watchdog import pid_alive, request_dumps, wait_for_dumps
 
     dump_id = f"live-{time.strftime('%Y%m%dT%H%M%S')}"

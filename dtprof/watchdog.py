@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from dtprof.rundir.incident import read_heartbeats  # the one heartbeat reader
-from dtprof.runformat import RANK_PREFIX, NodeTableWriter, write_json_atomic
+from dtprof.rundir.writer import RANK_PREFIX, NodeTableWriter, write_json_atomic
 
 POLL_S = 0.25
 # A rank that died of one of these lost a peer: it is collateral damage of an earlier death, not a root cause.

@@ -35,7 +35,7 @@ from dtprof.analyzers.steps import measured_or_all
 from dtprof.reports import gpu as gpu_view
 from dtprof.reports import rankgroups as RG
 from dtprof.reports.fmt import count, esc, fixed, fmt_bytes, pct
-from dtprof.schema import COMPUTE_KINDS, P2P_OPS
+from dtprof.rundir.schema import COMPUTE_KINDS, P2P_OPS
 
 MAX_HEATMAP_COLS = 250
 MAX_HEATMAP_ROWS = 512      # groups of ranks beyond rankgroups.GROUP_ABOVE ranks

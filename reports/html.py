@@ -273,7 +273,8 @@ def _cards(summary: dict) -> str:
         # where the count comes from (the summary's own words: "inferred: ..." or the user's annotation)
         **{k: "whole job" + (f"; {esc(src)}" if (src := pick(summary, [f"steps.{k}_source"])) else "")
            for k in ("tokens_per_s", "samples_per_s")},
-        "exposed_comm": "share of step time a rank could only communicate (mean over ranks and steps)",
+        "exposed_comm": esc(pick(summary, ["overlap.exposed_comm_frac_reason"])
+                            or "share of step time a rank could only communicate (mean over ranks and steps)"),
         "overlap": "share of communication hidden under compute",
     }
     ev = summary.get("evaluation")

@@ -1,5 +1,5 @@
 """summary.json as `dtprof summary --json` prints it: the Analysis' summary as it is (docs/summary-schema.md);
-analyzers/summary.py ``save_summary`` writes the same keys into the run."""
+dtprof/rundir/writer.py ``save_summary`` writes the same keys into the run."""
 from __future__ import annotations
 
 import json

@@ -86,8 +86,9 @@ def format_summary_text(summary: dict, unnamed_suspects=(), restart_lines=()) ->
     if rates:
         lines.append("throughput: " + "; ".join(rates))
     ov = summary.get("overlap") or {}
+    why = f" ({ov['exposed_comm_frac_reason']})" if ov.get("exposed_comm_frac_reason") else ""
     lines.append(f"overlap: {pct(ov.get('ratio'))} of communication hidden behind compute; exposed "
-                 f"communication {pct(ov.get('exposed_comm_frac'))} of step time")
+                 f"communication {pct(ov.get('exposed_comm_frac'))} of step time{why}")
     ev = summary.get("evaluation")
     if ev:
         lines.append(f"evaluation between steps (not in step times, throughput or MFU): {ev['stretches']} "

@@ -54,7 +54,9 @@ def assert_headline_agrees(summary: dict) -> None:
     if not parts or not step:
         return
     share = parts["exposed_comm"] / step
-    if ov.get("level") == "hook":   # a kernel-level trace's headline is the GPU's view (docs/summary-schema.md)
+    if ov.get("exposed_comm_frac") is None:   # no communication at all: n/a, not 0 %
+        assert share == 0 and ov["comm_s_total"] == 0 and ov["exposed_comm_frac_reason"], (ov, share)
+    elif ov.get("level") == "hook":   # a kernel-level trace's headline is the GPU's view (docs/summary-schema.md)
         assert ov["exposed_comm_frac"] == pytest.approx(share, rel=0.02, abs=0.005), (ov, share)
     fired = [f for f in summary.get("findings") or [] if f["id"] == "exposed_comm"]
     assert bool(fired) == (share > EXPOSED_COMM_FRAC), (share, fired)

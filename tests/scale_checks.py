@@ -6,7 +6,7 @@ import pandas as pd
 
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
-from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR
+from dtprof.rundir.writer import SUMMARY_COMPLETE, SUMMARY_DIR
 
 
 def differences(a, b, path: str = "") -> list[str]:

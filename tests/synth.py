@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dtprof.runformat import create_run_dir, write_node_tables
+from dtprof.rundir.writer import create_run_dir, write_node_tables
 
 MS = 1_000_000
 
@@ -259,7 +259,7 @@ def split_by_host(path: Path) -> Path:
     import shutil
 
     from dtprof.reader import open_run
-    from dtprof.runformat import NODE_MANIFEST
+    from dtprof.rundir.writer import NODE_MANIFEST
 
     run = open_run(path)
     (src,) = run.node_dirs
@@ -382,8 +382,8 @@ def copy_summary(template: Path, node: Path, rank_shift: int, cache: dict | None
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from dtprof.runformat import PARQUET_COMPRESSION, SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_ROW_GROUP_ROWS
-    from dtprof.schema import SUMMARY_TABLES, summary_file
+    from dtprof.rundir.schema import SUMMARY_TABLES, summary_file
+    from dtprof.rundir.writer import PARQUET_COMPRESSION, SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_ROW_GROUP_ROWS
 
     cache = {} if cache is None else cache
     if cache.get("template") != template:
@@ -414,7 +414,7 @@ def _typed(table: str, n: int, **cols) -> pd.DataFrame:
     """A table of ``n`` rows in the schema's column types (scalars repeated; strings of CATEGORICAL columns as
     categoricals; absent nullable columns as typed nulls), so that write_node_tables' conform takes its fast paths
     instead of checking object columns value by value (3/4 of a node's build time at 1,000 steps)."""
-    from dtprof.schema import CATEGORICAL, TABLES
+    from dtprof.rundir.schema import CATEGORICAL, TABLES
 
     out = {}
     for col, kind in TABLES[table]:

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.reader import open_run
-from dtprof.runformat import write_node_tables
+from dtprof.rundir.writer import write_node_tables
 from synth import MS, build_run
 
 # Strings that must show up as text and never execute. Each would run code if pasted raw into HTML or a <script>.

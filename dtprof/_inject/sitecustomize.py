@@ -58,7 +58,7 @@ def _record_fault(e):
     try:
         import socket
 
-        from dtprof.runformat import FAULT_EVENT, process_event
+        from dtprof.rundir.writer import FAULT_EVENT, process_event
 
         process_event(os.environ["DTPROF_NODE_DIR"], socket.gethostname(), "error",
                       f"{FAULT_EVENT} in pid {os.getpid()} at start-up: {type(e).__name__}: {e}")

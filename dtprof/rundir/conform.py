@@ -1,4 +1,4 @@
-"""A run's tables in the schema's columns and types (dtprof/schema.py): any older run format, a column that is
+"""A run's tables in the schema's columns and types (dtprof/rundir/schema.py): any older run format, a column that is
 missing, a type that drifted, a corrupt time, each conformed or named in one line (``RunFormatError``)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from dtprof.schema import (
+from dtprof.rundir.schema import (
     CATEGORICAL,
     TABLES,
 )

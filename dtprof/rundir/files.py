@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dtprof.rundir.conform import RunFormatError, conform, load_table
-from dtprof.schema import (
+from dtprof.rundir.rows import sql_list
+from dtprof.rundir.schema import (
     CATEGORICAL,
     JSONL_GZ_SUFFIX,
     RANK_PREFIX,
@@ -278,15 +279,6 @@ def _frame_in_batches(rel, n: int | None, dtypes: dict):
     return pd.DataFrame(cols, copy=False).astype(dtypes)
 
 
-def sql_text(value) -> str:
-    """``value`` as an SQL string literal."""
-    return "'" + str(value).replace("'", "''") + "'"
-
-
-def sql_list(values) -> str:
-    return ", ".join(sql_text(v) for v in values)
-
-
 def _read_in_file_order(con, files: list[str], where: str):
     """The rows of ``files`` (Parquet) that match ``where``, in the files' order and each file's row order: a
     filtered read across many files does not always keep the files' order in DuckDB 2.0, even with
@@ -302,9 +294,9 @@ TAIL_MAX_READ = 64 * 2**20     # bytes read per file and poll, at most (a late s
 
 
 class TableTail:
-    """One JSON-lines table of the run format (its files in the order written: dtprof.schema.table_files), read from
-    where the last read stopped; a gzip file through one decompressor kept between reads; a line not yet complete
-    is kept for the next read (a writer's flush can end mid-line)."""
+    """One JSON-lines table of the run format (its files in the order written: dtprof.rundir.schema.table_files),
+    read from where the last read stopped; a gzip file through one decompressor kept between reads; a line not yet
+    complete is kept for the next read (a writer's flush can end mid-line)."""
 
     def __init__(self, directory: Path, stem: str):
         self.directory, self.stem = Path(directory), stem

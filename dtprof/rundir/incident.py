@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtprof.schema import (
+from dtprof.rundir.schema import (
     NODE_PREFIX,
     RANK_PREFIX,
 )

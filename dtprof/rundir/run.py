@@ -21,10 +21,10 @@ from dtprof.rundir.files import (
     _read_node_table,
     _read_tables_at_once,
     read_node_raw,
-    sql_list,
 )
 from dtprof.rundir.incident import Incident, read_incident
-from dtprof.schema import (
+from dtprof.rundir.rows import Rows, sql_list
+from dtprof.rundir.schema import (
     NODE_MANIFEST,
     NODE_PREFIX,
     RANK_PREFIX,
@@ -43,7 +43,7 @@ class Run:
 
     Attributes: ``path``, ``manifest`` (run.json), ``nodes`` (each node.json, with ``node`` = directory name),
     ``problems`` (lines about anything skipped while reading), and one DataFrame per table in
-    ``dtprof.schema.TABLES``: ``ranks``, ``steps``, ``spans``, ``collectives``, ``groups``, ``nvml``, ``clock``,
+    ``dtprof.rundir.schema.TABLES``: ``ranks``, ``steps``, ``spans``, ``collectives``, ``groups``, ``nvml``, ``clock``,
     ``events``, ``meta`` (a run written before the meta table gets its rows from the legacy events messages).
     """
 
@@ -345,8 +345,8 @@ class Run:
 
     def summary_facts(self, node_dir: Path) -> dict | None:
         """The ``_complete`` facts of a node's summary; None when it has none, or a stale one (its tables
-        incomplete, or written in another layout: dtprof/schema.py SUMMARY_LAYOUT)."""
-        from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUT
+        incomplete, or written in another layout: dtprof/rundir/schema.py SUMMARY_LAYOUT)."""
+        from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUT
 
         mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
         if not (self._complete(node_dir) and mark.exists()):
@@ -355,7 +355,7 @@ class Run:
         return facts if facts.get("layout") == SUMMARY_LAYOUT else None
 
     def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
-        """(facts, tables) of the node summaries (dtprof/schema.py SUMMARY_TABLES): per node its ``_complete``
+        """(facts, tables) of the node summaries (dtprof/rundir/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
         of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
         nodes' files. ``item_steps``: read the
@@ -363,7 +363,7 @@ class Run:
         import numpy as np
         import pandas as pd
 
-        from dtprof.schema import SUMMARY_TABLES, summary_file
+        from dtprof.rundir.schema import SUMMARY_TABLES, summary_file
 
         facts = [self.summary_facts(nd) for nd in self.node_dirs]
         have = [nd for nd, f in zip(self.node_dirs, facts) if f is not None]
@@ -387,7 +387,7 @@ class Run:
                 files = [str(summary_file(nd, table)) for nd in have]
                 where = (f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                          if table == "whatif_items" and item_steps is not None else "")
-                # the items are stored step by step (runformat.SUMMARY_ROW_GROUP_ROWS) and come back in any order
+                # the items are stored step by step (writer.SUMMARY_ROW_GROUP_ROWS) and come back in any order
                 # of their row groups: sorted here by rank and step, each rank-step's in its file's row order
                 by_row = table == "whatif_items"
                 try:
@@ -412,6 +412,15 @@ class Run:
             if con is not None:
                 con.close()
         return facts, tables
+
+    def summary_rows(self, table: str, facts: list, computed: dict | None = None) -> Rows:
+        """The node summaries' ``table`` across the run as one DuckDB view (``Rows``): the files of the nodes with
+        a stored summary (``facts``: ``node_summaries``'), and the rows ``computed`` by the analysis (node
+        directory -> frame) for nodes without one, each named as its file would be, so node order sorts alike."""
+        from dtprof.rundir.schema import summary_file
+
+        return Rows(table, [str(summary_file(nd, table)) for nd, f in zip(self.node_dirs, facts) if f is not None],
+                    [(str(summary_file(nd, table)), df) for nd, df in (computed or {}).items()])
 
     def __getattr__(self, name: str):
         if name in TABLES:

@@ -14,7 +14,7 @@ import pytest
 import dtprof._inject
 from conftest import TESTS
 from dtprof.reader import open_run
-from dtprof.runformat import create_node_dir, create_run_dir
+from dtprof.rundir.writer import create_node_dir, create_run_dir
 from torch_abort import returncode
 
 pytestmark = pytest.mark.slow

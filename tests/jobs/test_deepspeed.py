@@ -4,7 +4,8 @@ CPU (DeepSpeed's CPU accelerator, gloo), checked against truths that are not dtp
 - ZeRO-1, ZeRO-2 (``overlap_comm`` off and on) and ZeRO-3 (with gradient accumulation and four sub-groups), all
   with two parameter groups: the headline's exposed communication is within 5 points of the job's own clock of its
   training thread inside ``torch.distributed`` calls and ``Work.wait`` (the job wraps them itself), rank by rank and
-  for the job; a step is an optimizer step (ZeRO steps the torch optimizer once per group or sub-group); every rank
+  for the job; a step is an optimizer step (ZeRO steps the torch optimizer once per group or sub-group) and ends as
+  ``engine.step()`` returns, its all-gather after the optimizer included (ZeRO-1/2); every rank
   is recorded and the launcher processes are not taken for ranks; the memory ledger is each rank's share, every
   group's gradients counted though ZeRO frees each after its own step; ZeRO-3's final weights are bit-identical to a
   bare run's; the ZeRO-1 job runs under DeepSpeed's launcher with a one-host hostfile (``launcher_command``);
@@ -188,6 +189,29 @@ def test_zero_headline_exposed_communication_is_the_jobs_own_clock(request, name
     assert issued.get("after backward", 0) > 0, issued
 
 
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_zero_gather_after_the_optimizer_is_in_its_own_step(request, name):
+    """A DeepSpeed step ends when ``engine.step()`` returns, as the job's own step does: ZeRO-1/2 all-gather the
+    updated partitions after the optimizer, inside ``engine.step()`` (DeepSpeed's stage_1_and_2.py ``step()``), so
+    the gathers a rank issues between each step's optimizer span and its next forward are that step's, inside its
+    window (when the step ended at the torch optimizer's step they were the next step's, and the headline's window
+    differed from the job's own at the warm-up edge)."""
+    from dtprof.reader import open_run
+
+    run = open_run(request.getfixturevalue(name).out)
+    kind = run.spans["kind"].astype(str)
+    opt, fwd = run.spans[kind == "optimizer"], run.spans[kind == "forward"]
+    ends = run.steps.set_index(["rank", "step"])["end_ns"]
+    co = run.collectives[run.collectives["op"].astype(str) == "all_gather"]
+    assert len(opt) == 2 * 8, opt    # one optimizer span a step (two parameter groups), both ranks
+    for o in opt.itertuples():
+        later = fwd["start_ns"][(fwd["rank"] == o.rank) & (fwd["start_ns"] > o.end_ns)]
+        until = later.min() if len(later) else ends[(o.rank, o.step)] + 1
+        mine = co[(co["rank"] == o.rank) & (co["issue_ns"] > o.end_ns) & (co["issue_ns"] < until)]
+        assert len(mine) and (mine["step"] == o.step).all(), (o, mine)
+        assert (mine["end_ns"] <= ends[(o.rank, o.step)]).all(), (o, mine, ends[(o.rank, o.step)])
+
+
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
 def test_zero_memory_ledger_is_each_ranks_share(request, name):
     """The memory ledger per rank against the job's own parameter count P (fp32 model, AdamW, N = 2 ranks) and
@@ -359,8 +383,8 @@ def test_hf_trainer_deepspeed_headline_is_the_jobs_own_clock(hf_zero2):
     """The headline's exposed communication against the job's own clock of its training thread inside
     torch.distributed calls and waits, per optimizer step from one Trainer step's end to the next
     (examples/frameworks/comm_clock.py): within 5 points, for the job and rank by rank; and the steps' mean duration
-    within 10 % of the job's (the same steps: dtprof's step ends at DeepSpeed's optimizer step, the Trainer's a
-    callback later)."""
+    within 10 % of the job's (the same steps: dtprof's step ends as DeepSpeed's ``engine.step()`` returns inside
+    ``accelerator.backward()``, the Trainer's a callback later)."""
     p, s = hf_zero2
     clk = parse_clock(p.stdout)
     assert sorted(clk) == [0, 1] and all(len(v) == HF_STEPS for v in clk.values()), p.stdout[-2000:]

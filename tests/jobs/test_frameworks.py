@@ -30,7 +30,7 @@ from dtprof.analyzers.intervals import split_over_windows, union_length
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from dtprof.reports.html import _cards
-from dtprof.schema import COMPUTE_KINDS
+from dtprof.rundir.schema import COMPUTE_KINDS
 from torch_abort import TorchExitAbort, returncode
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from conftest import dtprof
 from dtprof.cli import main
-from dtprof.runformat import SUMMARY_DIR
+from dtprof.rundir.writer import SUMMARY_DIR
 from torch_abort import returncode
 
 pytestmark = pytest.mark.slow

@@ -218,7 +218,7 @@ def test_trace_capture_merges_on_monotonic_clock(tmp_path):
 
     from dtprof.collectors.kineto import merge_captured_traces
     from dtprof.collectors.trace_capture import TraceCapture
-    from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
+    from dtprof.rundir.writer import RankWriter, create_node_dir, create_run_dir
 
     run_dir = create_run_dir(tmp_path / "run", {})
     node = create_node_dir(run_dir)
@@ -251,7 +251,7 @@ def test_trace_capture_merges_on_monotonic_clock(tmp_path):
 def test_trace_capture_bad_window_records_error(tmp_path):
     from dtprof.collectors.kineto import merge_captured_traces
     from dtprof.collectors.trace_capture import TraceCapture
-    from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
+    from dtprof.rundir.writer import RankWriter, create_node_dir, create_run_dir
 
     run_dir = create_run_dir(tmp_path / "run", {})
     node = create_node_dir(run_dir)

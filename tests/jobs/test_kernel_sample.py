@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import EXAMPLES, dtprof
 from dtprof import _inject
 from dtprof.reader import open_run
-from dtprof.runformat import create_node_dir, create_run_dir
+from dtprof.rundir.writer import create_node_dir, create_run_dir
 
 INJECT = Path(_inject.__file__).parent
 JOB = ["--steps", "5", "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "2"]

@@ -27,7 +27,7 @@ import pytest
 from conftest import RECORD_ATTEMPTS, REPO, TESTS, dtprof, free_port
 from dtprof.live import LiveNode
 from dtprof.reader import open_run
-from dtprof.runformat import RankWriter, write_json_atomic
+from dtprof.rundir.writer import RankWriter, write_json_atomic
 from torch_abort import aborted_at_exit, returncode
 
 BIN = Path(sys.executable).parent

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, dtprof
 from dtprof import _inject
 from dtprof.reader import open_run, read_table_text
-from dtprof.runformat import create_node_dir, create_run_dir
+from dtprof.rundir.writer import create_node_dir, create_run_dir
 from torch_abort import returncode
 
 pytestmark = pytest.mark.slow

@@ -227,7 +227,7 @@ def test_run_dir_of_another_job_is_refused_in_one_line(tmp_path, monkeypatch, ca
     import ray.train
 
     from dtprof.collectors import raytrain
-    from dtprof.runformat import create_run_dir
+    from dtprof.rundir.writer import create_run_dir
 
     create_run_dir(tmp_path / "run", {}, join_id="another job")
 

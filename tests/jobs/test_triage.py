@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triage_jobs"))
 from dtprof.analyzers.triage import frozen_ranks, match_across_ranks, ranks_text, where  # noqa: E402
 from dtprof.flight_recorder import DumpError, load_dump, load_dumps  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
-from dtprof.runformat import NodeTableWriter  # noqa: E402
+from dtprof.rundir.writer import NodeTableWriter  # noqa: E402
 from dtprof.triage import triage_command  # noqa: E402
 from dtprof.watchdog import parse_torchrun_failures  # noqa: E402
 
@@ -391,11 +391,11 @@ def test_straggler_named_with_nvml_evidence(tmp_path):
     node = run / "node-synthetic"
     # the synthetic run is compacted; add the sampler's rows next to it as the compaction would
     import dtprof.reader as reader
-    from dtprof.schema import TABLES
+    from dtprof.rundir.schema import TABLES
     tables = {name: reader._read_node_table(node, name) for name in TABLES}
     _nvml_rows(node, slow_gpu=2)
     tables["nvml"] = reader.read_node_raw(node)["nvml"]
-    from dtprof.runformat import write_node_tables
+    from dtprof.rundir.writer import write_node_tables
     write_node_tables(node, tables)
     out = cli_json(run)
     assert out["verdict"] == "straggler" and out["culprit_ranks"] == [2]

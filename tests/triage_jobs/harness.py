@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from dtprof.runformat import create_node_dir, create_run_dir
+from dtprof.rundir.writer import create_node_dir, create_run_dir
 from dtprof.watchdog import HANG_EXIT_CODE, Watchdog
 
 JOB = Path(__file__).with_name("job.py")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dtprof.collectors import heartbeat
-from dtprof.runformat import RankWriter
+from dtprof.rundir.writer import RankWriter
 
 p = argparse.ArgumentParser()
 p.add_argument("mode")

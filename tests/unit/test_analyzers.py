@@ -21,11 +21,11 @@ from dtprof.analyzers.intervals import (  # noqa: E402
     windows_touched,
 )
 from dtprof.analyzers.options import AnalysisOptions  # noqa: E402
-from dtprof.analyzers.summary import analyze, save_summary  # noqa: E402
+from dtprof.analyzers.summary import analyze  # noqa: E402
 from dtprof.options import resolve_options  # noqa: E402
 from dtprof.reader import open_run  # noqa: E402
 from dtprof.reports.terminal import format_summary_text  # noqa: E402
-from dtprof.runformat import create_run_dir, write_node_tables  # noqa: E402
+from dtprof.rundir.writer import create_run_dir, save_summary, write_node_tables  # noqa: E402
 from synth import MS, build_run, hand_run  # noqa: E402
 
 # ---------------------------------------------------------------- interval core

@@ -11,13 +11,14 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from dtprof import reader, runformat
+from dtprof import reader
 from dtprof.analyzers import steps as steps_mod
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.reader import open_run
 from dtprof.rundir import run as rundir_run
-from dtprof.runformat import create_run_dir
-from dtprof.schema import SUMMARY_COMPLETE, SUMMARY_DIR, TABLES_DIR
+from dtprof.rundir import writer
+from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, TABLES_DIR
+from dtprof.rundir.writer import create_run_dir
 from dtprof.summarize import summarize_node
 from scale_checks import assert_summaries_equal_raw
 from synth import build_ddp_node
@@ -29,7 +30,7 @@ STEPS, PERIOD = 400, 8
 def long_run(tmp_path, monkeypatch):
     monkeypatch.setattr(steps_mod, "ANALYSED_RANK_STEPS", 256)
     monkeypatch.setattr(steps_mod, "ANALYSED_MIN_STEPS", 16)
-    monkeypatch.setattr(runformat, "ROW_GROUP_ROWS", 100)   # tables of many row groups, read a few at a time
+    monkeypatch.setattr(writer, "ROW_GROUP_ROWS", 100)   # tables of many row groups, read a few at a time
     monkeypatch.setattr(rundir_run, "READ_CHUNK_ROWS", 250)   # where Run.read_rows reads it
     run = create_run_dir(tmp_path / "run", {"command": ["synthetic"]})
     nodes = [build_ddp_node(run, n, 2, 4, STEPS, slow_rank=3, slow_factor=1.3, seed=1, detail_period=PERIOD)

@@ -13,7 +13,7 @@ from dtprof.collectors import collective_rows
 from dtprof.collectors import runtime as rt
 from dtprof.collectors.records import collective_row
 from dtprof.reader import open_run
-from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
+from dtprof.rundir.writer import RankWriter, create_node_dir, create_run_dir
 
 
 class NcclWorkStandIn:

@@ -14,7 +14,7 @@ from conftest import H100, TESTS
 from dtprof.analyzers.options import AnalysisOptions
 from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
-from dtprof.runformat import create_run_dir, write_node_tables
+from dtprof.rundir.writer import create_run_dir, write_node_tables
 
 MS = 1_000_000
 needs_h100 = pytest.mark.skipif(not H100.exists(), reason=f"shared H100 runs not found at {H100}")

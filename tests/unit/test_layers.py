@@ -7,6 +7,7 @@ never import the runtime. No function in any of the four folders is over 120 lin
 from __future__ import annotations
 
 import ast
+import re
 
 from conftest import REPO
 
@@ -102,6 +103,42 @@ def test_nothing_that_reads_runs_imports_collectors():
     bad = sorted((f, t) for f, ts in graph.items() for t in ts
                  if f.startswith("dtprof/") and t.startswith("collectors/") and f not in MAY_IMPORT_COLLECTORS)
     assert bad == []
+
+
+# what opens, reads, writes or names a run's files, by its name (the run reader's functions, the writers, paths)
+FILE_IO = re.compile(r"^(open_|read_|write_|create_|compact_|save_|load_)|(_file|_files|_dir|Writer|Tail)$")
+# the run reader's module of files: the analyzers never import it (a node summary's files come as rundir/rows.py's
+# Rows, handed out by Run.summary_rows)
+READER_FILES = "dtprof.rundir.files"
+# debts, each with its reason: analyze(run) still opens a path it is given (many callers pass one)
+FILE_IO_ALLOWED = {("analyzers/summary.py", "dtprof.rundir.run.open_run")}
+
+
+def _analyzer_file_imports() -> list[tuple[str, str]]:
+    found = []
+    for f in sorted((REPO / "analyzers").rglob("*.py")):
+        name = str(f.relative_to(REPO))
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                got = [a.name for a in node.names if a.name == READER_FILES or a.name.startswith(READER_FILES + ".")]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.startswith("dtprof.") \
+                    and not node.module.startswith(("dtprof.analyzers", "dtprof.reports")):
+                got = [f"{node.module}.{a.name}" for a in node.names
+                       if node.module == READER_FILES or FILE_IO.search(a.name)]
+            else:
+                continue
+            found += [(name, g) for g in got if (name, g) not in FILE_IO_ALLOWED]
+    return found
+
+
+def test_analyzers_read_a_run_only_through_what_they_are_handed():
+    """Analyzers are functions of the run's tables (issue 46 point 4): they import no function that opens, reads,
+    writes or names a run's files, nor the reader's module of files; they read through the ``Run`` and the
+    ``Rows`` handed to them. (summary.json is written by dtprof/rundir/writer.py ``save_summary``.)"""
+    assert _analyzer_file_imports() == []
+    # the rule finds what it guards against: the reader's own modules are full of such names
+    assert FILE_IO.search("open_run") and FILE_IO.search("summary_file") and FILE_IO.search("RankWriter")
 
 
 MAX_FUNCTION_LINES = 120

@@ -7,8 +7,8 @@ import json
 import pandas as pd
 
 from dtprof.reader import open_run
-from dtprof.runformat import RankWriter, compact_node, create_node_dir, create_run_dir, write_node_tables
-from dtprof.schema import SCHEMA_MINOR, SCHEMA_VERSION
+from dtprof.rundir.schema import SCHEMA_MINOR, SCHEMA_VERSION
+from dtprof.rundir.writer import RankWriter, compact_node, create_node_dir, create_run_dir, write_node_tables
 
 SCHEDULE = {"schedule": "Schedule1F1B", "stages": 2, "microbatches": 4, "stage_indices": [1]}
 CAPTURE = {"steps": [3, 4], "start_ns": 5_000, "end_ns": 9_000}

@@ -12,8 +12,8 @@ import pytest
 import fake_pynvml
 from dtprof.collectors.nvml import NvmlSampler
 from dtprof.reader import open_run
-from dtprof.runformat import NodeTableWriter, create_node_dir, create_run_dir
-from dtprof.schema import columns
+from dtprof.rundir.schema import columns
+from dtprof.rundir.writer import NodeTableWriter, create_node_dir, create_run_dir
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from dtprof.analyzers.summary import analyze
 from dtprof.reader import open_run
 from dtprof.report import save_report
 from dtprof.reports import html as H
-from dtprof.runformat import create_run_dir, write_json_atomic, write_node_tables
+from dtprof.rundir.writer import create_run_dir, write_json_atomic, write_node_tables
 from synth import build_run
 
 MS = 1_000_000
@@ -68,7 +68,7 @@ def test_worst_node_status_is_the_same_in_summary_and_report(tmp_path):
 def test_compute_kinds_have_one_meaning(tmp_path):
     # a user span is not compute to the analyzers, so the timeline must not paint it as compute either
     from dtprof.reports import figures as F
-    from dtprof.schema import COMPUTE_KINDS
+    from dtprof.rundir.schema import COMPUTE_KINDS
 
     assert F.COMPUTE_KINDS is COMPUTE_KINDS and "user" not in COMPUTE_KINDS   # one name, one tuple
     run_dir = build_run(tmp_path / "r", world_size=2, steps=6)

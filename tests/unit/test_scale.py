@@ -14,11 +14,11 @@ import pytest
 
 from conftest import dtprof
 from dtprof.analyzers.collectives import INSTANCE_KEY, instances_of, merge_instances
-from dtprof.analyzers.rows import Rows
 from dtprof.analyzers.runmodel import RunModel
 from dtprof.options import open_and_analyze
 from dtprof.reader import open_run
-from dtprof.runformat import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
+from dtprof.rundir.rows import Rows
+from dtprof.rundir.writer import SUMMARY_COMPLETE, SUMMARY_DIR, write_node_tables
 from dtprof.summarize import make_summaries, summarize_node
 from scale_checks import assert_summaries_equal_raw, differences
 from synth import build_run, split_by_host
@@ -231,9 +231,9 @@ def test_items_stored_step_by_step_in_small_row_groups(four_nodes, monkeypatch):
     returns row groups in any order)."""
     import pyarrow.parquet as pq
 
-    from dtprof import runformat
+    from dtprof.rundir import writer
 
-    monkeypatch.setitem(runformat.SUMMARY_ROW_GROUP_ROWS, "whatif_items", 7)
+    monkeypatch.setitem(writer.SUMMARY_ROW_GROUP_ROWS, "whatif_items", 7)
     make_summaries(open_run(four_nodes), workers=1)
     meta = pq.ParquetFile(four_nodes / "node-host0" / SUMMARY_DIR / "whatif_items.parquet").metadata
     step = meta.schema.names.index("step")
@@ -248,8 +248,8 @@ def test_copied_summary_equals_the_nodes_own(tmp_path):
     file for file what summarize_node writes from the node's own tables."""
     import pyarrow.parquet as pq
 
-    from dtprof.runformat import create_run_dir
-    from dtprof.schema import SUMMARY_TABLES, summary_file
+    from dtprof.rundir.schema import SUMMARY_TABLES, summary_file
+    from dtprof.rundir.writer import create_run_dir
     from synth import build_ddp_node, copy_summary
 
     kw = dict(ranks_per_node=2, world_size=8, steps=12, slow_rank=1, slow_factor=1.3, seed=3, jitter_period=4)

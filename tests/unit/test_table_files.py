@@ -6,7 +6,7 @@ import gzip
 import json
 
 from dtprof.reader import open_run, read_node_raw
-from dtprof.runformat import RankWriter, create_node_dir, create_run_dir
+from dtprof.rundir.writer import RankWriter, create_node_dir, create_run_dir
 
 
 def _step(rank, step):

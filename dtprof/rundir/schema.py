@@ -255,7 +255,7 @@ SUMMARY_TABLES: dict[str, list[tuple[str, str]]] = {
 # (clock_exits) and the arrivals per instance and part (arrival_parts, arrival_counts). 5: the communication per
 # rank, step and group (rank_group_comm). 6: the steps table's per-step numbers in rank_steps (the run model's steps
 # come from the summaries, not the steps table); the overlap's data wait dropped (the breakdown's is read); the
-# what-if items stored step by step in small row groups (dtprof/runformat.py SUMMARY_ROW_GROUP_ROWS). 7: the
+# what-if items stored step by step in small row groups (dtprof/rundir/writer.py SUMMARY_ROW_GROUP_ROWS). 7: the
 # breakdown's gpu_wait part (a GPU rank's host blocked while its GPU runs earlier work); on a GPU rank a one-rank
 # group's collectives and host waits with the GPU idle are not communication (analyzers/runmodel.py device_comm);
 # rank_steps carries the steps' ``detail`` (sampling). 8: communication issued outside forward/backward is exposed
@@ -266,6 +266,7 @@ SUMMARY_LAYOUT = 8
 # ---- the run directory's layout (docs/run-format.md): its files' and folders' names
 RUN_MANIFEST = "run.json"
 NODE_MANIFEST = "node.json"
+SUMMARY_FILE = "summary.json"     # the analysis's summary (docs/summary-schema.md), writer.save_summary
 NODE_PREFIX = "node-"
 RANK_PREFIX = "rank-"
 # events of a process that has no rank writer: it could not be recorded as a rank (collectors/identity.py) or
@@ -278,7 +279,7 @@ FAULT_EVENT = "dtprof disabled"
 TABLES_DIR = "tables"
 TABLES_COMPLETE = "_complete"
 
-SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/schema.py SUMMARY_TABLES)
+SUMMARY_DIR = "summary"          # node-*/summary/: the node summary (dtprof/rundir/schema.py SUMMARY_TABLES)
 SUMMARY_COMPLETE = "_complete"   # written last: a JSON object of the summary's facts
 
 

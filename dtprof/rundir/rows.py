@@ -1,6 +1,6 @@
-"""A node-summary table of the whole run, reduced in DuckDB (``Rows``), and the helpers that read the stored node
-summaries' files: shared by the run model (analyzers/runmodel.py) and the node summaries (analyzers/nodesummary.py).
-"""
+"""A node-summary table of the whole run as DuckDB reads it (``Rows``): the stored nodes' Parquet files and rows
+made in memory, one view. The reader hands it out (``Run.summary_rows``); the analyzers only query it
+(analyzers/stragglers.py, collectives.py, clock.py), so no analyzer names a file."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,9 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import pandas as pd
+
+from dtprof.rundir.conform import RunFormatError
 
 # DuckDB's working memory for the per-instance reductions (``Rows``): beyond it, it spills to the temp directory
 ROWS_MEMORY_LIMIT = "3GB"
@@ -17,7 +18,7 @@ ROWS_MEMORY_LIMIT = "3GB"
 
 @dataclass
 class Rows:
-    """One node-summary table of the whole run (dtprof/schema.py SUMMARY_TABLES), never joined in pandas: the
+    """One node-summary table of the whole run (dtprof/rundir/schema.py SUMMARY_TABLES), never joined in pandas: the
     stored nodes' Parquet files and the rows made in memory (a node without a stored summary; the whole run on the
     raw path), reduced by SQL in DuckDB (``query``). At 16,384 ranks the per-instance tables hold a row per
     collective instance and node (16.4 M at 1,000 steps); their consumers need one row per instance or per host.
@@ -56,9 +57,7 @@ class Rows:
         file raises RunFormatError naming the table."""
         import duckdb
 
-        from dtprof.rundir.conform import RunFormatError
-        from dtprof.rundir.files import sql_list, sql_text
-        from dtprof.schema import SUMMARY_TABLES
+        from dtprof.rundir.schema import SUMMARY_TABLES
 
         cols = SUMMARY_TABLES[self.table]
         kind = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR"}
@@ -88,17 +87,10 @@ class Rows:
             con.close()
 
 
-def by_rank_step(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` stably sorted by (rank, step); left as is when it already is (nodes read in rank order)."""
-    key = df["rank"].to_numpy(np.int64) * (1 << 32) + df["step"].to_numpy(np.int64)
-    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
-        return df.reset_index(drop=True)
-    return df.iloc[np.argsort(key, kind="stable")].reset_index(drop=True)
+def sql_text(value) -> str:
+    """``value`` as an SQL string literal."""
+    return "'" + str(value).replace("'", "''") + "'"
 
 
-def stored_files(run, facts: list, table: str) -> list[str]:
-    """The Parquet files of ``table`` of the nodes with a stored summary (``facts``: ``Run.node_summaries``'), in
-    node order."""
-    from dtprof.runformat import summary_file
-
-    return [str(summary_file(nd, table)) for nd, f in zip(run.node_dirs, facts) if f is not None]
+def sql_list(values) -> str:
+    return ", ".join(sql_text(v) for v in values)

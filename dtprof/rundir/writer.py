@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Sequence
 
 # the run directory's names live with the schema (the reader needs them too); imported from here by the writers
-from dtprof.schema import (  # noqa: F401
+from dtprof.rundir.schema import (  # noqa: F401
     FAULT_EVENT,
     NODE_MANIFEST,
     NODE_PREFIX,
@@ -29,6 +29,7 @@ from dtprof.schema import (  # noqa: F401
     SCHEMA_VERSION,
     SUMMARY_COMPLETE,
     SUMMARY_DIR,
+    SUMMARY_FILE,
     TABLES,
     TABLES_COMPLETE,
     TABLES_DIR,
@@ -119,7 +120,7 @@ class _TableFile:
     compressed (JSON rows of near-monotonic numbers and repeated names shrink 4-10x: what lets a week-long job's
     every step stay recorded). Each flush ends in a complete deflate block (Z_SYNC_FLUSH), so what a killed process
     flushed stays readable; a clean close ends the gzip stream. The file is created at the first flush, as
-    ``dtprof.schema.new_table_file`` names it."""
+    ``dtprof.rundir.schema.new_table_file`` names it."""
 
     def __init__(self, directory: Path, stem: str, table: str):
         self.directory, self.stem, self.table = Path(directory), stem, table
@@ -176,7 +177,7 @@ class RankWriter:
     """Append-only writer for one rank's tables inside a node directory.
 
     ``append(table, row)`` only appends a tuple to a list (no I/O, no locks); rows must follow the column order of
-    ``dtprof.schema.TABLES[table]``. ``flush()`` writes what was appended since the last flush.
+    ``dtprof.rundir.schema.TABLES[table]``. ``flush()`` writes what was appended since the last flush.
     """
 
     def __init__(self, node_dir: Path, rank: int):
@@ -308,7 +309,7 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     then ``_complete`` holding ``facts`` and the format version, so a reader never trusts a half-written one.
     Rows keep their order (sorted by rank and step; the what-if items by step), so Parquet row-group statistics
     prune by rank (by step)."""
-    from dtprof.schema import SUMMARY_LAYOUT, SUMMARY_TABLES
+    from dtprof.rundir.schema import SUMMARY_LAYOUT, SUMMARY_TABLES
 
     out = Path(node_dir) / SUMMARY_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -325,6 +326,14 @@ def write_node_summary(node_dir: Path, tables: dict, facts: dict) -> Path:
     write_json_atomic(out / SUMMARY_COMPLETE, {"schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
                                                "layout": SUMMARY_LAYOUT, **facts})
     return out
+
+
+def save_summary(run_dir, summary: dict) -> Path:
+    """Write ``summary`` (the analysis's, analyzers/summary.py) as ``run_dir/summary.json`` (atomically: a reader
+    sees the old file or the new one)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    write_json_atomic(path, summary)
+    return path
 
 
 def stop_text(stop: dict) -> str:
