@@ -4,11 +4,12 @@ On a step of a fraction of a millisecond the hook's cost is not its instructions
 calls the step's own work evicts dtprof's code and objects, and each object the call touches is a miss. The full
 post-hook (``StepClock.opt_post_hook``: the parts, the manual-step rule, the sampler, the A/B blocks, the trace
 capture) touched a dozen objects and cost ~5.5 µs a step in the short-step job's loop (1.2 µs hot in a tight
-loop); this one builds the step's row from the context, one list and its own defaults, ~1 µs (docs/validation.md,
-"Cost"). It takes the full hook's path whenever there is more to do than the row: a detailed step, the step at
-which the sampler may act (``Sampler.next_event``), annotations, a part with boundary work, manual steps, the A/B
-blocks, a trace capture in progress. Nothing is decided here: ``StepClock.refresh_fast`` sets when the full hook is
-next needed, after each step the full hook ends.
+loop); this one builds the step's row from the context, one list and its own defaults: +1.6 µs in that loop,
+~1,000 instructions (docs/validation.md, "Cost"). It takes the full hook's path whenever there is more to do than
+the row: a detailed step, the step at which the sampler may act (``Sampler.quiet_until``), annotations, a part with
+boundary work, manual steps, an engine's step call in progress (``RankContext.hold_step_end``), the A/B blocks, a
+trace capture in progress. Nothing is decided here: ``StepClock.refresh_fast`` sets when the full hook is next
+needed, after each step the full hook ends.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def boundary_post_hook(clock):
 
     def dtprof_optimizer_post_hook(optimizer, args, kwargs, now=time.monotonic_ns):
         step = ctx.step
-        if ctx.detail or step >= fast[1] or annot or ctx.disabled:
+        if ctx.detail or step >= fast[1] or annot or ctx.disabled or ctx.hold_step_end:
             return full(optimizer, args, kwargs)
         t = now()
         append((rank, step, fast[0], t, None, fast[2], fast[3], None, None, None, 0))
