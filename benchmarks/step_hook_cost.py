@@ -75,7 +75,7 @@ def worker(pairs: int, calls: int, detail_pairs: int) -> None:
     out: dict = {"sampling_period": decided}
 
     # the post-hook hot: called in a tight loop
-    hook = rec.clock.opt_post_hook
+    hook = rec.post_hook
     hot = []
     for _ in range(7):
         t0 = time.thread_time_ns()

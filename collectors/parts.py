@@ -157,6 +157,8 @@ class Parts:
     boundary_optimizer_step: tuple   # on_optimizer_step and on_step_end of a boundary-only step: the parts'
     boundary_step_end: tuple         # with every_step (RankPart.every_step)
 
+    on_rebind: Callable[[], None] | None = None   # told when the callbacks change (the step clock's refresh_fast)
+
     def __init__(self, parts: list[RankPart], report: Callable, deferred: tuple = ()):
         self.parts = list(parts)
         self._report = report       # report(where): an events error row naming the part and the exception
@@ -170,6 +172,8 @@ class Parts:
                                     if getattr(type(p), cb) is not getattr(RankPart, cb)))
         self.boundary_optimizer_step = tuple(m for m in self.on_optimizer_step if m.__self__.every_step)
         self.boundary_step_end = tuple(m for m in self.on_step_end if m.__self__.every_step)
+        if self.on_rebind is not None:
+            self.on_rebind()
 
     def install(self, ctx: RankContext) -> None:
         self.ctx = ctx

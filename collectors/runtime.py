@@ -140,6 +140,7 @@ class Recorder:
         self.final_flushed = False            # ray_exit.final_flush ran (a Ray worker, flushed before Ray kills it)
         # ---- installed hooks ----
         self.hook_handles = []     # optimizer hooks: the post-hook (every step's boundary)
+        self.post_hook = None      # the registered post-hook (collectors/boundary.py), opt_post_hook behind it
         self.opt_pre_handle = None  # the pre-hook (the optimizer span's start): only while steps are detailed
         self.waiter = None         # identity's waiter while this process does not know its rank yet
         self.orig_backward = None
@@ -260,6 +261,7 @@ class Recorder:
         from dtprof.collectors.parts import make_parts
 
         self.parts = self.clock.parts = make_parts(opts, self.part_fault)
+        self.parts.on_rebind = self.clock.refresh_fast
         self.parts.install(self.ctx)
 
     def part_fault(self, where: str) -> None:
@@ -413,7 +415,10 @@ class Recorder:
     def install_optimizer_hooks(self) -> None:
         from torch.optim import optimizer as optim
 
-        self.hook_handles[:] = [optim.register_optimizer_step_post_hook(self.clock.opt_post_hook)]
+        from dtprof.collectors.boundary import boundary_post_hook
+
+        self.post_hook = boundary_post_hook(self.clock)     # the full hook, opt_post_hook, behind it
+        self.hook_handles[:] = [optim.register_optimizer_step_post_hook(self.post_hook)]
         self.switch_opt_pre_hook(self.detail)
 
     def switch_opt_pre_hook(self, on: bool) -> None:
@@ -607,6 +612,8 @@ def step() -> None:
         clock = rec.clock
         first_manual = not clock.manual_steps
         clock.manual_steps = True
+        if first_manual:
+            clock.refresh_fast()         # optimizer steps no longer end steps: the boundary hook leaves them alone
         if first_manual and rec.step > 0 and not clock.fwd_seen_in_step:
             return                   # the optimizer hook just ended this step
         clock.end_step(now())

@@ -122,6 +122,16 @@ class Sampler:
         if (nxt % self.sample_period < SAMPLE_BLOCK) != self.ctx.detail:     # most steps: no call
             self.set_detail(not self.ctx.detail)
 
+    def quiet_until(self, step: int) -> int:
+        """While steps are boundary-only, the first step from ``step`` on at whose end ``sample_next`` may act
+        (switch the detail on, check the footprint): the steps before it need not call it (collectors/boundary.py).
+        ``step`` itself while the sampling is undecided or every step is detailed."""
+        period = self.sample_period
+        if not period:
+            return step
+        nxt = step + 1
+        return min(-(-nxt // period) * period, -(-nxt // FOOTPRINT_CHECK_STEPS) * FOOTPRINT_CHECK_STEPS) - 1
+
     def decide_from_calibration(self) -> None:
         """The period from the calibration's alternating blocks (boundary-only first). A detailed step's own cost
         is the median detailed step less the median boundary-only step, each without its block's first step; a

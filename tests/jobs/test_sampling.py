@@ -32,6 +32,9 @@ def test_every_step_timed_and_only_blocks_detailed(runs):
         mine = steps[steps["rank"] == rank]
         assert sorted(mine["step"]) == list(range(STEPS))     # every step's time, boundary-only ones included
         assert (mine["end_ns"] > mine["start_ns"]).all()
+        mine = mine.sort_values("step")
+        assert (mine["start_ns"].to_numpy()[1:] == mine["end_ns"].to_numpy()[:-1]).all()   # each where the last ended
+        assert (mine.loc[mine["step"] >= 32, "samples"] == 32).all()     # the job's batch, boundary-only steps too
         boundary = set(mine.loc[mine["detail"].fillna(1) == 0, "step"])
         # full detail before step 32, then blocks of 4 steps every 16
         assert boundary == {s for s in range(32, STEPS) if s % 16 >= 4}
@@ -93,3 +96,39 @@ def test_numerics_read_on_the_detailed_steps_only(runs):
         assert set(mine["step"].astype(int)) == reads | fps       # no row for anything else
     fp = h.dropna(subset=["param_fp"])
     assert (fp.groupby("step")["param_fp"].nunique() == 1).all()
+
+
+ANNOTATED_AND_MANUAL = """
+import sys, torch
+from dtprof.collectors import runtime
+assert runtime.init(sys.argv[1], rank=0, sample_every=16)
+m = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+for i in range(200):                      # the optimizer ends each step
+    m(torch.randn(8, 4)).sum().backward()
+    if 100 <= i < 150:
+        runtime.annotate(tokens=1000 + i)   # on detailed and boundary-only steps alike
+    opt.step()
+    opt.zero_grad()
+for i in range(40):                       # the loop ends its steps itself: optimizer steps no longer do
+    m(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    runtime.step()
+"""
+
+
+def test_boundary_only_steps_keep_annotations_and_the_manual_step_rule(tmp_path):
+    """The boundary-only steps' own hook (collectors/boundary.py) leaves to the full one what it does not do: a
+    step's annotations are on its row whether it was detailed or not, and once the loop calls dtprof.step() an
+    optimizer step ends no step (one step per iteration of the loop, none doubled)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", ANNOTATED_AND_MANUAL, str(tmp_path / "run")], check=True, timeout=300)
+    steps = open_run(tmp_path / "run").steps.sort_values("step")
+    assert list(steps["step"]) == list(range(240))          # 200 optimizer-ended steps, then one per iteration
+    annotated = steps[(steps["step"] >= 100) & (steps["step"] < 150)]
+    assert list(annotated["tokens"]) == [1000 + s for s in range(100, 150)]
+    assert set(annotated["detail"].fillna(1)) == {0, 1}      # both kinds of step among them (null: detailed)
+    assert (steps["start_ns"].to_numpy()[1:] == steps["end_ns"].to_numpy()[:-1]).all()

@@ -156,3 +156,27 @@ def test_a_small_footprint_and_chosen_sampling_are_left_alone(monkeypatch):
     assert all(s.detailed) and not any(str(d["reason"]).startswith("footprint") for d in s.decisions)
     s, _ = _long_job(monkeypatch, 6000, 100_000_000, 2000, 20, full_detail=True)
     assert all(s.detailed)
+
+
+def test_the_steps_called_quiet_are_those_whose_end_changes_nothing(monkeypatch):
+    """Sampler.quiet_until tells the boundary hook (collectors/boundary.py) at which step's end it must call the
+    sampler again while steps are boundary-only: before it, sample_next switches nothing and checks no footprint;
+    most boundary-only steps of a sampled job are before it."""
+    s = Steps()
+    checks = []
+    monkeypatch.setattr(s.rec, "check_footprint", lambda nxt: checks.append(nxt))
+    quiet, acted = 0, []
+    until = 0
+    for step in range(6000):
+        before = s.rec.detail
+        s.rec.sample_next(step, 330_000 if before else 300_000)
+        if step < until:
+            quiet += 1
+            assert s.rec.detail == before and not checks, step
+        elif s.rec.detail != before or checks:
+            acted.append(step)
+        checks.clear()
+        until = 0 if s.rec.detail else s.rec.quiet_until(step + 1)    # as StepClock.refresh_fast asks
+    period = s.decisions[0]["period"]
+    assert 0 < period < 2048 and acted            # sampled: detailed blocks came, each switched on at its step
+    assert quiet > 0.9 * (6000 - 64) * (period - SAMPLE_BLOCK) / period
