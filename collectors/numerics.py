@@ -51,11 +51,11 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
-from dtprof.collectors.engine_deepspeed import FP32_CLIP as _DEEPSPEED_FP32_CLIP
 from dtprof.collectors.engine_deepspeed import called_from_deepspeed as _called_from_deepspeed
 from dtprof.collectors.engine_deepspeed import engine_steps_optimizer as _deepspeed_engine_steps
 from dtprof.collectors.engine_deepspeed import global_grad_norm as _deepspeed_norm
-from dtprof.collectors.parts import RankContext, RankPart, _on_import
+from dtprof.collectors.numerics_wraps import install_wraps
+from dtprof.collectors.parts import RankContext, RankPart
 from dtprof.collectors.records import Health
 
 RING = 16                 # steps whose device values may be in flight at once
@@ -72,16 +72,6 @@ FP_MAX_INTERVAL = 1024
 # cost: over it, they are made on every ``read_every``-th detailed step only (a power of two; not with --full-detail)
 READ_BUDGET = 0.0025
 READ_MAX_EVERY = 1024
-CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm")
-# torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm): the clip of a norm the job computed
-# itself (torch.nn.utils.get_total_norm; torchtitan's form), read from its argument
-WITH_NORM = "clip_grads_with_norm_"
-# torch.amp.GradScaler's method that steps the optimizer unless the gradients held an inf/NaN (its found_inf flags
-# are final there; FSDP's ShardedGradScaler inherits it)
-SCALER_STEP = "_maybe_opt_step"
-# FullyShardedDataParallel.clip_grad_norm_ (FSDP1's module method: what Accelerate, the HF Trainer and Lightning
-# call under FSDP1), read as a torch clip is once the job has imported FSDP
-FSDP1_MODULE = "torch.distributed.fsdp"
 PIPELINE_FRAMES = 24      # on_backward's callers up to a torch pipelining schedule's _step_microbatches
 FRAMES = 16               # on_optimizer_step's callers up to DeepSpeed's optimizer wrapper's step
 MAX_LOSSES = 256          # backward calls of one step whose loss is kept (micro-batches); later ones are not
@@ -134,111 +124,12 @@ class NumericsSentinel(RankPart):
         self.int_of = _int_of(torch)
         self.clip_off = False
         self.scaler_off = False
-        self.patched: list = []
-        import torch.nn.utils as nn_utils
-        import torch.nn.utils.clip_grad as clip_grad
-
-        for mod in (clip_grad, nn_utils):
-            for name in CLIP_NAMES:
-                f = getattr(mod, name, None)
-                if f is not None and not getattr(f, "dtprof_numerics", False):
-                    self.patched.append((mod, name, f))
-                    setattr(mod, name, self.wrap_clip(f))
-        f = getattr(nn_utils, WITH_NORM, None)      # torch >= 2.6
-        if f is not None and not getattr(f, "dtprof_numerics", False):
-            self.patched.append((nn_utils, WITH_NORM, f))
-            setattr(nn_utils, WITH_NORM, self.wrap_clip(f, norm_arg=2))
+        self.patched: list = []         # (owner, name, original) of the functions wrapped (numerics_wraps.py)
         self.exited = False
-        _on_import(FSDP1_MODULE, self.patch_fsdp1)      # now, or when the job imports FSDP
-        _on_import("deepspeed", self.patch_deepspeed)   # (DeepSpeed's __init__ imports its engine)
         self.scales: list = []          # this step's GradScaler reads: (its scale, 1.0 when it found an inf/NaN)
-        from torch.amp.grad_scaler import GradScaler
-        f = GradScaler.__dict__.get(SCALER_STEP)
-        if f is not None and not getattr(f, "dtprof_numerics", False):
-            self.patched.append((GradScaler, SCALER_STEP, f))
-            setattr(GradScaler, SCALER_STEP, self.wrap_scaler(f))
-
-    def patch_fsdp1(self) -> None:
-        """FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` wrapped as the torch clips are: the method
-        all-reduces its shards' norms and returns the total (a torch clip of FSDP1's sharded parameters would norm
-        one rank's shard)."""
-        fsdp: Any = getattr(sys.modules.get(FSDP1_MODULE), "FullyShardedDataParallel", None)
-        f = getattr(fsdp, "__dict__", {}).get("clip_grad_norm_")
-        if fsdp is not None and f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
-            self.patched.append((fsdp, "clip_grad_norm_", f))
-            fsdp.clip_grad_norm_ = self.wrap_clip(f)
-
-    def patch_deepspeed(self) -> None:
-        """The clip DeepSpeed's engine calls at ZeRO stage 0 in fp32 wrapped as the torch clips are: the engine
-        drops the total norm it returns, and the gradients dtprof would norm at the optimizer step are clipped."""
-        mod, name = _DEEPSPEED_FP32_CLIP
-        engine = sys.modules.get(mod)
-        f = getattr(engine, name, None)
-        if f is not None and not self.exited and not getattr(f, "dtprof_numerics", False):
-            self.patched.append((engine, name, f))
-            setattr(engine, name, self.wrap_clip(f))
-
-    def wrap_scaler(self, orig):
-        """GradScaler's ``_maybe_opt_step`` passing through; on a read step its scale (the factor this iteration's
-        loss was multiplied by: a copy, ``update`` changes it in place) and whether it found an inf/NaN (the
-        optimizer step is then skipped) are kept as device values. A skipped iteration has no optimizer step, so
-        dtprof's step goes on through the next one: a step holds every skip before its optimizer step."""
-        part = self
-
-        def _maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs):
-            ctx = part.ctx
-            if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
-                    and not part.scaler_off:
-                try:
-                    t0 = time.thread_time_ns() if part.pricing else 0
-                    scale = scaler._scale
-                    found = list(optimizer_state["found_inf_per_device"].values())
-                    if isinstance(scale, part.torch.Tensor) and found and len({f.device for f in found}) == 1:
-                        torch = part.torch
-                        inf = found[0] if len(found) == 1 else torch.stack([f.reshape(()) for f in found]).amax()
-                        part.scales.append((scale.detach().reshape(()).double().clone(),
-                                            (inf.reshape(()) > 0).double()))
-                    if t0:
-                        part.own_ns += time.thread_time_ns() - t0
-                except Exception:
-                    part.scaler_off = True
-                    part.ctx.event("error", "dtprof part numerics: GradScaler not read after a fault")
-            return orig(scaler, optimizer, optimizer_state, *args, **kwargs)
-
-        _maybe_opt_step.__wrapped__ = orig
-        _maybe_opt_step.dtprof_numerics = True
-        return _maybe_opt_step
+        install_wraps(self)
 
     # ---- the training thread -------------------------------------------------------------------------------
-
-    def wrap_clip(self, orig, norm_arg=None):
-        """The clip passing the job's result through; on a read step the total norm is kept: the result, or with
-        ``norm_arg`` the argument at that position (``clip_grads_with_norm_``'s ``total_norm``)."""
-        part = self
-
-        def clip_grad_norm_(*args, **kwargs):
-            result = orig(*args, **kwargs)
-            # is_compiling first: while Dynamo traces, nothing of dtprof's state is read (no guard on it)
-            ctx = part.ctx
-            if not part.is_compiling() and ctx.detail and ctx.active and not ctx.step % part.read_every \
-                    and not part.clip_off:
-                try:
-                    t0 = time.thread_time_ns() if part.pricing else 0
-                    norm = result if norm_arg is None else (
-                        args[norm_arg] if len(args) > norm_arg else kwargs.get("total_norm"))
-                    part.norm, part.norm_source = part.local(norm), "clip"
-                    if t0:
-                        part.own_ns += time.thread_time_ns() - t0
-                except Exception:
-                    part.clip_off = True     # the wrapper keeps passing the job's result through
-                    part.ctx.event("error", "dtprof part numerics: clip_grad_norm_ not read after a fault")
-            return result
-
-        clip_grad_norm_.__wrapped__ = orig
-        clip_grad_norm_.__name__ = orig.__name__
-        clip_grad_norm_.__doc__ = orig.__doc__
-        clip_grad_norm_.dtprof_numerics = True
-        return clip_grad_norm_
 
     def local(self, norm):
         """The norm as a plain tensor: a DTensor's local value when it is replicated (FSDP2's clip returns one),

@@ -157,7 +157,7 @@ class Parts:
     boundary_optimizer_step: tuple   # on_optimizer_step and on_step_end of a boundary-only step: the parts'
     boundary_step_end: tuple         # with every_step (RankPart.every_step)
 
-    on_rebind: Callable[[], None] | None = None   # told when the callbacks change (the step clock's refresh_fast)
+    on_rebind: Callable[[], None] | None = None   # told when the callbacks change (the step clock's boundary.refresh)
 
     def __init__(self, parts: list[RankPart], report: Callable, deferred: tuple = ()):
         self.parts = list(parts)

@@ -261,7 +261,7 @@ class Recorder:
         from dtprof.collectors.parts import make_parts
 
         self.parts = self.clock.parts = make_parts(opts, self.part_fault)
-        self.parts.on_rebind = self.clock.refresh_fast
+        self.parts.on_rebind = self.clock.boundary.refresh
         self.parts.install(self.ctx)
 
     def part_fault(self, where: str) -> None:
@@ -415,9 +415,7 @@ class Recorder:
     def install_optimizer_hooks(self) -> None:
         from torch.optim import optimizer as optim
 
-        from dtprof.collectors.boundary import boundary_post_hook
-
-        self.post_hook = boundary_post_hook(self.clock)     # the full hook, opt_post_hook, behind it
+        self.post_hook = self.clock.boundary.post_hook()     # the full hook, opt_post_hook, behind it
         self.hook_handles[:] = [optim.register_optimizer_step_post_hook(self.post_hook)]
         self.switch_opt_pre_hook(self.detail)
 
@@ -613,7 +611,7 @@ def step() -> None:
         first_manual = not clock.manual_steps
         clock.manual_steps = True
         if first_manual:
-            clock.refresh_fast()         # optimizer steps no longer end steps: the boundary hook leaves them alone
+            clock.boundary.refresh()     # optimizer steps no longer end steps: the boundary hook leaves them alone
         if first_manual and rec.step > 0 and not clock.fwd_seen_in_step:
             return                   # the optimizer hook just ended this step
         clock.end_step(now())

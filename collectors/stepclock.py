@@ -18,6 +18,7 @@ import traceback
 from operator import attrgetter
 
 from dtprof.collectors import inputs
+from dtprof.collectors.boundary import BoundarySteps
 from dtprof.collectors.cuda_timing import CudaTiming
 from dtprof.collectors.flops import FlopCounter
 from dtprof.collectors.module_hooks import ModuleHooks
@@ -70,9 +71,7 @@ class StepClock:
         self.inferred = {}         # samples/tokens of the step in progress, from its root-module calls
         self.inferred_sources = {}  # what was inferred so far (the step_inputs meta row)
         self.last_inferred = {}    # the last detailed step's inferred samples/tokens (boundary-only steps repeat them)
-        # the boundary hook's state (collectors/boundary.py): [start of the step in progress, the first step whose
-        # end takes the full hook (refresh_fast), tokens, samples, whether it ended steps since the full hook ran]
-        self.fast = [None, 0, None, None, False]
+        self.boundary = BoundarySteps(self)  # the boundary-only steps' ends (collectors/boundary.py)
         self.threads_cpu_step0 = None   # dtprof's threads' CPU seconds when step 0 ended (dtprof_threads_cpu)
         self.cuda = CudaTiming(ctx)          # CUDA events or host times (collectors/cuda_timing.py)
         self.peak_memory = PeakMemory(self.cuda)   # the steps' peak_mem_bytes (collectors/peak_memory.py)
@@ -175,7 +174,7 @@ class StepClock:
         stretch ends with the last forward of a model that then trained: the forwards after it (a frozen teacher
         before the first training forward) are the step's, and with none, there was no evaluation (a loop that
         never trains: the step starts at its first forward)."""
-        self.fast_steps_done()
+        self.boundary.steps_done()
         forwards, self.eval_forwards = self.eval_forwards, []
         t0 = forwards[0][1]
         calls = len(forwards)
@@ -300,7 +299,7 @@ class StepClock:
                 if parts.boundary_optimizer_step:     # before the step ends: ctx.step is still this step's
                     parts.call(parts.boundary_optimizer_step, optimizer)
                 if self.optimizer_ends_step():
-                    self.end_boundary_step(now())
+                    self.boundary.end_step(now())
                 if self.ab.block:
                     self.ab.step_done()
                 return None
@@ -334,9 +333,9 @@ class StepClock:
 
     def end_step(self, t: int) -> None:
         """Close the step in progress at host time ``t`` (main thread)."""
-        self.fast_steps_done()
+        self.boundary.steps_done()
         if not self.detail:
-            self.end_boundary_step(t)
+            self.boundary.end_step(t)
             return
         if self.eval_forwards:             # dtprof.step() right after an evaluation: the step starts at its end
             self.end_evaluation()
@@ -373,7 +372,7 @@ class StepClock:
             self.flops.start()
         self.sampler.sample_next(step, t - start)
         self.parts_step_end(step, t, True)
-        self.refresh_fast()
+        self.boundary.refresh()
 
     def parts_step_end(self, step: int, t: int, detailed: bool) -> None:
         parts = self.parts
@@ -388,48 +387,6 @@ class StepClock:
                 self.trace_capture = None    # (the recorder keeps its own reference, to close it at exit)
         except Exception:
             self.ctx.event("warning", "trace capture failed: " + _last_error_line())
-
-    def end_boundary_step(self, t: int) -> None:
-        """Close a boundary-only step: its times, the annotations, and the samples/tokens the last detailed step
-        inferred (the same loader's batches); nothing else was recorded in it."""
-        self.fast_steps_done()
-        ctx = self.ctx
-        step, start, a, inferred = ctx.step, self.step_start_ns, self.annot, self.last_inferred
-        if start is None:
-            start = self.init_ns
-        self.append_step(step_row(self.rank, step, start, t, None, a.get("tokens", inferred.get("tokens")),
-                                  a.get("samples", inferred.get("samples")), a.get("model_flops"), None, None, 0))
-        if a:
-            a.clear()
-        self.prev_step_end_ns = self.step_start_ns = t
-        ctx.step = step + 1
-        ctx.last_progress_ns = t
-        if self.trace_capture is not None:
-            self.trace_step_end(step)
-        self.sampler.sample_next(step, t - start)
-        if self.parts.boundary_step_end:
-            self.parts.call(self.parts.boundary_step_end, step, t, False)
-        self.refresh_fast()
-
-    def fast_steps_done(self) -> None:
-        """The boundary hook (collectors/boundary.py) ended steps: the step in progress starts at the last one's
-        end."""
-        fast = self.fast
-        if fast[4]:
-            self.prev_step_end_ns = self.step_start_ns = fast[0]
-            fast[4] = False
-
-    def refresh_fast(self) -> None:
-        """From which step the boundary hook (collectors/boundary.py) hands a step's end to ``opt_post_hook``: the
-        next one unless steps are boundary-only with nothing but their rows to do, else the one at whose end the
-        sampler may act. After each step the full hook ends, and when the manual-step rule or the parts change."""
-        self.fast_steps_done()
-        fast, parts = self.fast, self.parts
-        quiet = not (self.ctx.detail or self.manual_steps or self.ab.block or self.trace_capture is not None
-                     or parts.optimizer_step_pending or parts.boundary_optimizer_step or parts.boundary_step_end)
-        fast[0] = self.step_start_ns if self.step_start_ns is not None else self.init_ns
-        fast[1] = self.sampler.quiet_until(self.ctx.step) if quiet else 0
-        fast[2], fast[3] = self.last_inferred.get("tokens"), self.last_inferred.get("samples")
 
     def begin_pipeline_step(self, args) -> None:
         """A pipeline schedule's ``step(*args)`` starts (hooks_collectives): its micro-batches' forwards are timed
@@ -466,7 +423,7 @@ class StepClock:
 
     def restart_step(self) -> None:
         """The next recorded step starts now: after an A/B block with the hooks out (collectors/ab.py)."""
-        self.fast_steps_done()
+        self.boundary.steps_done()
         self.step_start_ns = now()
         self.forget_forwards()
         self.annot.clear()

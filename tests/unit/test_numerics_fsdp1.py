@@ -1,5 +1,5 @@
 """The numerics part wraps FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` whether the job imported FSDP
-before the rank started recording or after (collectors/numerics.py, ``patch_fsdp1``), and puts the method back at
+before the rank started recording or after (collectors/numerics_wraps.py, ``patch_fsdp1``), and puts the method back at
 exit. In a fresh interpreter: this one may have imported FSDP already. (The norm it reads is checked on a real
 FSDP1 job: tests/jobs/test_numerics.py.)"""
 import subprocess

@@ -176,7 +176,7 @@ def test_the_steps_called_quiet_are_those_whose_end_changes_nothing(monkeypatch)
         elif s.rec.detail != before or checks:
             acted.append(step)
         checks.clear()
-        until = 0 if s.rec.detail else s.rec.quiet_until(step + 1)    # as StepClock.refresh_fast asks
+        until = 0 if s.rec.detail else s.rec.quiet_until(step + 1)    # as BoundarySteps.refresh asks
     period = s.decisions[0]["period"]
     assert 0 < period < 2048 and acted            # sampled: detailed blocks came, each switched on at its step
     assert quiet > 0.9 * (6000 - 64) * (period - SAMPLE_BLOCK) / period
