@@ -282,8 +282,8 @@ class StepClock:
         return None
 
     def opt_post_hook(self, optimizer, args, kwargs):
-        # every step's one hook: most of a sampled job's steps are boundary-only ones, whose whole cost is this
-        # path (the context's flags read directly, the parts with nothing to do on them not called)
+        # the full hook, behind collectors/boundary.py's: a boundary-only step comes here only when it has more to
+        # do than its row (the context's flags read directly, the parts with nothing to do on it not called)
         ctx = self.ctx
         if ctx.disabled:
             return None

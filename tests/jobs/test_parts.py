@@ -41,12 +41,17 @@ JOB = textwrap.dedent("""
 """)
 
 
-def test_parts_hear_each_step_and_a_faulty_part_is_dropped_alone(tmp_path):
-    (tmp_path / "job.py").write_text(JOB)
+def _run_job(tmp_path):
+    """Run tmp_path/job.py (it records itself into tmp_path/run) and open its run."""
     p = subprocess.run([sys.executable, "job.py", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    run = open_run(tmp_path / "run")
+    return open_run(tmp_path / "run")
+
+
+def test_parts_hear_each_step_and_a_faulty_part_is_dropped_alone(tmp_path):
+    (tmp_path / "job.py").write_text(JOB)
+    run = _run_job(tmp_path)
     assert run.steps.step.tolist() == [0, 1, 2, 3, 4]      # the recording went on after the part's fault
     messages = run.events.message.tolist()
     probe = [m for m in messages if m.split()[0] in ("backward", "optimizer", "step_end")]
@@ -103,10 +108,7 @@ GROUPED_JOB = textwrap.dedent("""
 def test_a_part_made_when_its_library_is_imported_joins_the_groups_of_one_optimizer_step(tmp_path):
     (tmp_path / "job.py").write_text(GROUPED_JOB)
     (tmp_path / "enginelib.py").write_text("")
-    p = subprocess.run([sys.executable, "job.py", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    run = open_run(tmp_path / "run")
+    run = _run_job(tmp_path)
     # two torch steps a step before the import (4 steps), three torch steps one step after it (3 steps)
     assert run.steps.step.tolist() == list(range(7))
     messages = [m for m in run.events.message.tolist() if m.split()[0] in ("made", "group", "optimizer")]
@@ -146,10 +148,7 @@ SAMPLED_JOB = textwrap.dedent("""
 
 def test_a_part_that_needs_no_boundary_steps_hears_the_detailed_ones_only(tmp_path):
     (tmp_path / "job.py").write_text(SAMPLED_JOB)
-    p = subprocess.run([sys.executable, "job.py", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    run = open_run(tmp_path / "run")
+    run = _run_job(tmp_path)
     assert run.steps.step.tolist() == list(range(48))
     # the steps recorded in full detail: those with a forward span (the run's own record of the sampling)
     detailed = sorted(set(run.spans[run.spans.kind == "forward"].step.tolist()))
