@@ -18,7 +18,8 @@ does after that step is the step's (ZeRO-1/2's all-gather of the updated partiti
 all-reduce and broadcast), as it is in the job's own step time. The calls: ``engine.step()`` (at the accumulation
 boundary: a micro-batch's ``engine.step()`` before it steps no optimizer, so ends no step) and the PipelineEngine's
 ``train_batch()`` (it steps the optimizer inside its schedule, never through ``engine.step()``). This part raises
-``RankContext.hold_step_end`` while one runs and calls ``ctx.end_held_step()`` as it returns.
+``RankContext.hold_step_end`` while one runs and calls ``ctx.end_held_step()`` as it returns. At exit (``on_exit``)
+the engines' own methods are put back.
 """
 from __future__ import annotations
 
@@ -113,11 +114,22 @@ class DeepSpeedGroups(RankPart):
 
     def install(self, ctx) -> None:
         self.ctx = ctx
+        self.patched: list = []     # (class, name, its own attribute) of the methods wrapped, put back at exit
         from deepspeed.runtime.engine import DeepSpeedEngine
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         for cls, name in ((DeepSpeedEngine, "step"), (PipelineEngine, "train_batch")):
+            self.patched.append((cls, name, cls.__dict__.get(name)))
             setattr(cls, name, self.holding_step_end(getattr(cls, name)))
+
+    def on_exit(self) -> None:
+        """The engines' methods back as DeepSpeed defined them (one a class inherited is deleted again)."""
+        for cls, name, own in reversed(self.patched):
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+        self.patched = []
 
     def holding_step_end(self, orig):
         """``orig`` (an engine's step call) with the step's end held until it returns (module docstring)."""

@@ -22,15 +22,40 @@ rank prints one line ``clock <rank> {"steps": [[duration, communication], ...]}`
 step). Every rank prints
 ``parameters <rank> <count>`` (its model's, before DeepSpeed partitions it: its stage's under the pipeline) and
 ``weights <rank> <sha256>`` of its final parameters (its own partition under ZeRO-3, its stage's under the
-pipeline), to compare a bare run with a profiled one.
+pipeline), to compare a bare run with a profiled one. At its exit each rank prints ``engine methods <rank> training
+<own> exit <own>``: whether DeepSpeed's engine methods that a profiler may wrap (``DeepSpeedEngine.step``,
+``PipelineEngine.train_batch``) were DeepSpeed's own code after training and at the very end of the process (its
+exit hook is registered before torch is imported, so it runs after any exit hook a profiler registers then).
 """
 import argparse
+import atexit
 import hashlib
 import json
 import math
 import os
+import sys
 import time
 
+_own_after_training: list[bool] = []
+
+
+def engine_methods_own() -> bool:
+    """DeepSpeed's engine methods are the code of DeepSpeed's own files (not a wrapper's)."""
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    root = os.path.dirname(deepspeed.__file__) + os.sep
+    return all(f.__code__.co_filename.startswith(root) for f in (DeepSpeedEngine.step, PipelineEngine.train_batch))
+
+
+def print_engine_methods() -> None:
+    if "deepspeed" in sys.modules and _own_after_training:
+        print(f"engine methods {os.environ.get('RANK')} training {_own_after_training[0]} exit "
+              f"{engine_methods_own()}", flush=True)
+
+
+atexit.register(print_engine_methods)   # before torch is imported: the last exit hook to run (module docstring)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before DeepSpeed picks its accelerator
 import comm_clock  # noqa: E402
 import torch  # noqa: E402
@@ -178,6 +203,7 @@ def main():
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
     print(f"weights {rank} {weights_hash(q for e in engines for q in e.module.parameters())}", flush=True)
     print(f"parameters {rank} {n_params}", flush=True)
+    _own_after_training.append(engine_methods_own())
     dist.barrier()
     dist.destroy_process_group()
 

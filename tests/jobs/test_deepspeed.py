@@ -189,6 +189,14 @@ def test_zero_headline_exposed_communication_is_the_jobs_own_clock(request, name
     assert issued.get("after backward", 0) > 0, issued
 
 
+def test_engine_methods_are_deepspeeds_own_again_at_exit(zero2):
+    """dtprof wraps DeepSpeed's ``engine.step()`` and ``train_batch()`` (collectors/engine_deepspeed.py) while it
+    records, and puts them back as the rank's recording exits: the job's last exit hook (registered before torch is
+    imported) finds them DeepSpeed's own code again, on both ranks, where after training they were dtprof's."""
+    seen = re.findall(r"engine methods (\d+) training (\w+) exit (\w+)", zero2.stdout)
+    assert sorted(seen) == [("0", "False", "True"), ("1", "False", "True")], zero2.stdout[-2000:]
+
+
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_zero_gather_after_the_optimizer_is_in_its_own_step(request, name):
     """A DeepSpeed step ends when ``engine.step()`` returns, as the job's own step does: ZeRO-1/2 all-gather the
