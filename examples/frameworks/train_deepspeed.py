@@ -5,15 +5,15 @@
     dtprof run -- deepspeed --num_gpus 2 examples/frameworks/train_deepspeed.py --zero 3     # profiled, unchanged
 
 The model is blocks of Linear(dim, 4·dim) → ReLU → Linear(4·dim, dim). ``--pipeline`` runs DeepSpeed's
-PipelineEngine (``deepspeed.pipe.PipelineModule``, 2 stages, ``train_batch`` with ``--accum`` micro-batches):
-twelve layers, six blocks, four parameterless ReLUs, two blocks, so the default ``uniform`` partition (layer
-counts) puts six blocks on stage 0 and two on stage 1, while ``--partition parameters`` balances them four and
-four. ``--partition uniform,parameters`` builds one engine per method (the same initial weights) and alternates
-them step by step (step k on the k mod 2-th): the unbalanced and the balanced pipeline in one job, so that a busy
-machine's load hits both alike. ``--device-ms T`` gives each block a stand-in for device time: a wait of T ms in its
-forward and 2T in its backward that holds no CPU (as the host thread waits for a GPU kernel), so that stages that
-compute at once do not also compete for the host's cores. ZeRO jobs step the optimizer every ``--accum``
-micro-batches (``engine.step()`` at the boundary).
+PipelineEngine (``deepspeed.pipe.PipelineModule``, 2 stages, ``train_batch`` with ``--accum`` micro-batches): twelve
+layers, six blocks, four parameterless ReLUs, two blocks, so the default ``uniform`` partition (layer counts) puts
+six blocks on stage 0 and two on stage 1, while ``--partition parameters`` balances them four and four.
+``--partition uniform,parameters`` builds one engine per method (the same initial weights) and alternates them step
+by step (step k on the k mod 2-th): the unbalanced and the balanced pipeline in one job, so that a busy machine's
+load hits both alike. ZeRO's ``--bucket B0,B1`` does the same for two bucket sizes (docs/what-if.md). ``--device-ms
+T`` gives each block a stand-in for device time: a wait of T ms in its forward and 2T in its backward that holds no
+CPU (as the host thread waits for a GPU kernel), so that stages that compute at once do not also compete for the
+host's cores. ZeRO jobs step the optimizer every ``--accum`` micro-batches (``engine.step()`` at the boundary).
 
 The job measures its own truth, independent of any profiler: the time its training thread spends inside
 ``torch.distributed`` calls and ``Work.wait`` (comm_clock.py, installed before DeepSpeed looks any of them up),
@@ -120,7 +120,9 @@ def main():
                    help="two parameter groups (weight decay on matrices only), as the HF Trainer makes")
     p.add_argument("--sub-group-size", type=int, default=None,
                    help="ZeRO-3 steps the optimizer once per sub-group of this many elements (DeepSpeed's 1e9)")
-    p.add_argument("--bucket", type=float, default=5e8, help="ZeRO's reduce and all-gather bucket sizes (elements)")
+    p.add_argument("--bucket", default="5e8",
+                   help="ZeRO's reduce and all-gather bucket sizes (elements); several, comma-separated: one engine "
+                        "each, alternating step by step")
     p.add_argument("--pipeline", action="store_true", help="DeepSpeed's PipelineEngine, 2 stages")
     p.add_argument("--partition", default="uniform",
                    help="PipelineModule partition_method; several, comma-separated: one engine each, alternating")
@@ -146,7 +148,7 @@ def main():
            "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
            "gradient_clipping": args.clip}
     engines = []
-    for method in args.partition.split(",") if args.pipeline else [None]:
+    for method in args.partition.split(",") if args.pipeline else [float(b) for b in args.bucket.split(",")]:
         torch.manual_seed(0)
         if args.pipeline:
             from deepspeed.pipe import PipelineModule
@@ -156,7 +158,7 @@ def main():
                                    loss_fn=torch.nn.functional.mse_loss)
         else:
             cfg["zero_optimization"] = {"stage": args.zero, "overlap_comm": args.overlap_comm,
-                                        "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
+                                        "reduce_bucket_size": method, "allgather_bucket_size": method}
             if args.sub_group_size:
                 cfg["zero_optimization"]["sub_group_size"] = args.sub_group_size
             model = Net(args.dim, args.blocks, args.device_ms)
