@@ -86,17 +86,41 @@ def pytest_unconfigure(config):
     shutil.rmtree(_CACHE, ignore_errors=True)
 
 
+# Each file's time in the suite on the quiet 2-core CI VM (seconds, rounded: estimated from `make test`'s
+# --durations and the jobs each file runs), for the order in which xdist hands the files out. Only their order
+# matters; a file not listed counts as JOB_FILE_DEFAULT_S (a job file) or UNIT_FILE_DEFAULT_S (a unit file).
+FILE_COST_S = {
+    "test_deepspeed.py": 420, "test_chaos.py": 330, "test_compiled.py": 250, "test_frameworks.py": 240,
+    "test_compare_real.py": 220, "test_rank_jobs.py": 190, "test_numerics.py": 180, "test_triage_e2e.py": 160,
+    "test_metrics_export.py": 150, "test_memory.py": 150, "test_compiled_frameworks.py": 140, "test_ray.py": 125,
+    "test_triage.py": 120, "test_analyzers_real.py": 100, "test_packaging.py": 100, "test_faults.py": 90,
+    "test_hybrid.py": 70, "test_sampling.py": 70,
+    # tests/unit (their --durations at load ~13, / 3.6: the ratio of that session's wall to CI's)
+    "test_scale.py": 55, "test_report.py": 40, "test_analyzers.py": 25, "test_gpu_time.py": 13,
+    "test_one_truth.py": 10, "test_whatif.py": 10,
+}
+JOB_FILE_DEFAULT_S = 50
+UNIT_FILE_DEFAULT_S = 3
+
+
+def _file_cost_s(path: Path) -> float:
+    default = JOB_FILE_DEFAULT_S if TESTS / "jobs" in path.parents else UNIT_FILE_DEFAULT_S
+    return FILE_COST_S.get(path.name, default)
+
+
 def pytest_collection_modifyitems(config, items):
     jobs = TESTS / "jobs"
     for item in items:
         if jobs in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
-    # Under pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) files are handed out in this order:
-    # the real jobs first (a file takes minutes) and tests/unit after (seconds a file), so the unit files fill the
-    # end and the two workers finish together. xdist's own order (most tests first) put job files of few but long
-    # tests (test_compiled_frameworks.py, test_sampling.py, test_ray.py) at the end, one worker idle meanwhile.
+    # Under pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) files are handed out in this order,
+    # the longest first (FILE_COST_S): each worker takes the next file as it runs out of tests, so the long job
+    # files run side by side from the start and the short ones (tests/unit's, seconds each) fill the end, where
+    # the two workers then finish together. xdist's own order (most tests first) put job files of few but long
+    # tests (test_compiled_frameworks.py, test_sampling.py, test_ray.py) at the end, one worker idle meanwhile; the
+    # files' alphabetical order left test_ray.py and test_triage_e2e.py (minutes each) near the end.
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: jobs not in Path(str(item.fspath)).parents)
+        items.sort(key=lambda item: -_file_cost_s(Path(str(item.fspath))))   # stable: a file's tests keep their order
 
 
 # ------------------------------------------------------------------------------------------------ running dtprof

@@ -1,5 +1,7 @@
 """`dtprof run --hang-timeout` + `dtprof triage` end to end: the real launcher, rank runtime and watchdog on real
-torchrun gloo jobs of an unmodified script (tests/triage_jobs/plain_train.py).
+torchrun gloo jobs of an unmodified script (tests/triage_jobs/plain_train.py). Three ranks a job (two where the
+case needs no bystander): the culprit, rank 1, has a peer on each side, neither the first nor the last rank, as
+it had with four (a fourth rank was one more start-up of torch in each job, nothing more to tell apart).
 
 Skipped only while the launcher (dtprof/launcher.py) or the rank runtime (collectors/runtime.py) is not in this
 checkout; tests/jobs/test_triage.py proves the same logic with a stand-in runtime meanwhile.
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(missing), reason=f"{' and '.join(missing)} not in this checkout yet")]
 
 
-def _run_args(out: Path, mode: str, *extra_run_opts, nproc: int = 4) -> tuple[list, dict]:
+def _run_args(out: Path, mode: str, *extra_run_opts, nproc: int = 3) -> tuple[list, dict]:
     """`dtprof run`'s arguments and environment for a job of plain_train.py in ``mode``."""
     cmd = ["run", "--out", str(out), "--no-report", "--hang-timeout", str(HANG_TIMEOUT_S), *extra_run_opts, "--",
            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
@@ -38,7 +40,7 @@ def _run_args(out: Path, mode: str, *extra_run_opts, nproc: int = 4) -> tuple[li
     return cmd, env
 
 
-def dtprof_run(out: Path, mode: str, *extra_run_opts, boot: str | None = None, nproc: int = 4) -> tuple:
+def dtprof_run(out: Path, mode: str, *extra_run_opts, boot: str | None = None, nproc: int = 3) -> tuple:
     cmd, env = _run_args(out, mode, *extra_run_opts, nproc=nproc)
     t0 = time.monotonic()
     proc = dtprof(*cmd, env=env, boot=boot, cwd=None)
@@ -49,10 +51,10 @@ def dtprof_run(out: Path, mode: str, *extra_run_opts, boot: str | None = None, n
 def stalled(tmp_path_factory):
     """The two jobs that end by the hang timeout, run side by side: each spends HANG_TIMEOUT_S idle (its ranks
     blocked or stopped) before the watchdog fires, and that wait is the same alone or beside the other job (the
-    clock starts once training has: dtprof/watchdog.py). ``hang``: 4 ranks, rank 1 stuck in its data loader;
+    clock starts once training has: dtprof/watchdog.py). ``hang``: 3 ranks, rank 1 stuck in its data loader;
     ``stop``: 3 ranks, rank 1 SIGSTOPped. {mode: (run dir, CompletedProcess)}."""
     jobs = {}
-    for mode, nproc in (("hang", 4), ("stop", 3)):
+    for mode, nproc in (("hang", 3), ("stop", 3)):
         out = tmp_path_factory.mktemp(mode) / "r"
         cmd, env = _run_args(out, mode, nproc=nproc)
         jobs[mode] = out, cmd, dtprof_popen(*cmd, env=env, cwd=None)
