@@ -78,6 +78,10 @@ class Run:
         self.problems: list[str] = []
 
         self._loaded: dict = {}
+        self._completed: set[Path] = set()   # nodes seen with complete tables (compacted tables stay complete)
+        # node directory -> its summary's facts, read once: the analysis asks for them per table (4 x 2,048 files
+        # at 16,384 ranks); ``forget_summaries`` after summaries are written
+        self._facts: dict[Path, dict | None] = {}
 
     def _set_aside_earlier_attempts(self) -> list[tuple[Path, dict]]:
         """Node directories that record an earlier attempt of a rank (node.json ``attempt_rank`` and ``attempt``:
@@ -138,7 +142,9 @@ class Run:
         return _peer_failures_stopped(out)
 
     def _complete(self, nd: Path) -> bool:
-        return (nd / TABLES_DIR / TABLES_COMPLETE).exists()
+        if nd not in self._completed and (nd / TABLES_DIR / TABLES_COMPLETE).exists():
+            self._completed.add(nd)
+        return nd in self._completed
 
     @cached_property
     def _raw_nodes(self) -> dict:
@@ -348,19 +354,24 @@ class Run:
         incomplete, or written in a layout not read: dtprof/rundir/schema.py SUMMARY_LAYOUTS_READ)."""
         from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUTS_READ
 
-        mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
-        if not (self._complete(node_dir) and mark.exists()):
-            return None
-        facts = _read_json(mark)
-        return facts if facts.get("layout") in SUMMARY_LAYOUTS_READ else None
+        if node_dir not in self._facts:
+            mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
+            facts = _read_json(mark) if self._complete(node_dir) and mark.exists() else None
+            self._facts[node_dir] = facts if facts and facts.get("layout") in SUMMARY_LAYOUTS_READ else None
+        return self._facts[node_dir]
 
-    def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
+    def forget_summaries(self) -> None:
+        """Read the node summaries' facts again on the next use (after summaries were written or remade)."""
+        self._facts.clear()
+
+    def node_summaries(self, item_steps=None, tables=None, skip_steps=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/rundir/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
         of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
         nodes' files. ``item_steps``: read the what-if items of these steps only (the replay's sample), not all:
         those of the row groups of their steps' lowest level and above (dtprof/rundir/schema.py ITEM_LEVEL) where every
-        stored summary has the levels."""
+        stored summary has the levels. ``skip_steps``: the exposed communication of these steps is not read (the
+        steps whose detail the analysis does not read: at 16,384 x 1,000 three quarters of its rows)."""
         import numpy as np
         import pandas as pd
 
@@ -391,6 +402,8 @@ class Run:
                     where = f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                     if len(item_steps) and all(f["layout"] == SUMMARY_LAYOUT for f in facts if f is not None):
                         where += f" AND {ITEM_LEVEL} >= {int(step_level(item_steps).min())}"
+                if table == "exposed" and skip_steps is not None and len(skip_steps):
+                    where = f" WHERE step NOT IN ({', '.join(str(int(s)) for s in skip_steps)})"
                 # the items are stored by their step's level and come back in any order of their row groups:
                 # sorted here by rank and step, each rank-step's in its file's row order
                 by_row = table == "whatif_items"
