@@ -339,8 +339,9 @@ def graph(model, ri: RankItems, steps: np.ndarray | None = None) -> StepGraph:
                             "measured": w["measured"].to_numpy(bool),
                             "pipeline": np.isin(wr, ri.pipeline_ranks)})
     it = ri.items
-    if steps is not None:
-        it = it[it["step"].isin(steps).to_numpy()]
+    keep = np.isin(it["step"].to_numpy(np.int64), steps) if steps is not None else None
+    if keep is not None and not keep.all():   # (the node summaries' items are read for these steps only: no copy)
+        it = it[keep]
     i_rank, i_step = it["rank"].to_numpy(np.int64), it["step"].to_numpy(np.int64)
     # windows are sorted by (rank, step) (steps.rank_steps): each item's window row by binary search
     i_win = np.searchsorted(wr * (1 << 32) + wstep, i_rank * (1 << 32) + i_step)
