@@ -303,26 +303,28 @@ DETAIL_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overl
 
 def blank_skipped(per: pd.DataFrame, steps: np.ndarray) -> pd.DataFrame:
     """The stored summaries' rank_steps ``per`` with the rank-steps of ``steps`` as a summary that did not read
-    their detail makes them: no span or collective in the window, so nothing but ``other``. In place, a column at a
-    time: a column that has those values already is kept (a summary that did not read these steps either has most of
-    them), another is replaced by its blanked copy and its old values dropped at once (16.4 M rank-steps: 131 MB a
-    column, ~20 columns; a copy of them all beside the frame was 2.6 GB). One pass per column over a mask of the
-    rows (not a gather of their indices). Returns ``per``."""
+    their detail makes them: no span or collective in the window, so nothing but ``other``. In place (``per`` is
+    the read's own frame: pandas writes a column no other frame shares in place), a column at a time, over a mask
+    of the rows: at 16,384 x 1,000 a new array per column (131 MB, ~20 columns) cost more in first-touched memory
+    than the writes, and a copy of them all beside the frame was 2.6 GB. A column that has those values already is
+    left alone (a summary that did not read these steps either has most of them). Returns ``per``."""
     step = per["step"].to_numpy(np.int64)
     lo = int(step.min()) if len(step) else 0
     skip = np.zeros(int(step.max()) - lo + 1 if len(step) else 0, bool)
-    inside = (steps >= lo) & (steps - lo < len(skip))
-    skip[np.asarray(steps, np.int64)[inside] - lo] = True
+    steps = np.asarray(steps, np.int64)
+    skip[steps[(steps >= lo) & (steps - lo < len(skip))] - lo] = True
     at = skip[step - lo]
     if not at.any():
         return per
 
     def put(c: str, values: np.ndarray | float) -> None:
         x = per[c].to_numpy()
-        differs = (~np.isnan(x) if np.isscalar(values) and np.isnan(values) else x != values) & at
+        if np.isscalar(values):
+            differs = (~np.isnan(x) if np.isnan(values) else x != values) & at
+        else:
+            differs = (x != values) & at
         if differs.any():
-            # a Series: pandas copies a NumPy array it is given
-            per[c] = pd.Series(np.where(at, np.asarray(values, x.dtype), x), index=per.index, copy=False)
+            per.loc[at, c] = values if np.isscalar(values) else np.asarray(values)[at]
 
     for c in DETAIL_COLUMNS:
         put(c, 0)
@@ -330,10 +332,7 @@ def blank_skipped(per: pd.DataFrame, steps: np.ndarray) -> pd.DataFrame:
     put("bd_other_s", (per["end_ns"].to_numpy(np.int64) - per["start_ns"].to_numpy(np.int64)) / 1e9)
     level = per["level"]
     if "hook" not in level.cat.categories:   # (not a level of the summary: as summarize orders them, sorted)
-        level = level.cat.set_categories(sorted([*level.cat.categories, "hook"]))
-    codes = level.cat.codes.to_numpy()
-    hook = level.cat.categories.get_loc("hook")
-    if ((codes != hook) & at).any():
-        per["level"] = pd.Series(pd.Categorical.from_codes(np.where(at, hook, codes).astype(codes.dtype),
-                                                           dtype=level.dtype), index=per.index, copy=False)
+        per["level"] = level = level.cat.set_categories(sorted([*level.cat.categories, "hook"]))
+    if ((level.cat.codes.to_numpy() != level.cat.categories.get_loc("hook")) & at).any():
+        per.loc[at, "level"] = "hook"
     return per
