@@ -364,14 +364,13 @@ class Run:
         """Read the node summaries' facts again on the next use (after summaries were written or remade)."""
         self._facts.clear()
 
-    def node_summaries(self, item_steps=None, tables=None, skip_steps=None) -> tuple[list, dict]:
+    def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/rundir/schema.py SUMMARY_TABLES): per node its ``_complete``
         facts, None for a node without a summary; per table (``tables``, default all), the stored summaries' rows
         of all nodes in node order (the what-if items sorted by rank and step), read by one DuckDB query across the
         nodes' files. ``item_steps``: read the what-if items of these steps only (the replay's sample), not all:
         those of the row groups of their steps' lowest level and above (dtprof/rundir/schema.py ITEM_LEVEL) where every
-        stored summary has the levels. ``skip_steps``: the exposed communication of these steps is not read (the
-        steps whose detail the analysis does not read: at 16,384 x 1,000 three quarters of its rows)."""
+        stored summary has the levels."""
         import numpy as np
         import pandas as pd
 
@@ -402,8 +401,6 @@ class Run:
                     where = f" WHERE step IN ({', '.join(str(int(s)) for s in item_steps)})"
                     if len(item_steps) and all(f["layout"] == SUMMARY_LAYOUT for f in facts if f is not None):
                         where += f" AND {ITEM_LEVEL} >= {int(step_level(item_steps).min())}"
-                if table == "exposed" and skip_steps is not None and len(skip_steps):
-                    where = f" WHERE step NOT IN ({', '.join(str(int(s)) for s in skip_steps)})"
                 # the items are stored by their step's level and come back in any order of their row groups:
                 # sorted here by rank and step, each rank-step's in its file's row order
                 by_row = table == "whatif_items"
