@@ -264,6 +264,9 @@ def without_detail(ns: NodeSummary, steps: np.ndarray) -> NodeSummary:
     """``ns`` with the exposed communication rows of ``steps`` dropped, as a summary that did not read their detail
     makes it (a stored node summary may have read more blocks than the run reads: steps.detail_every). Its
     rank_steps are blank there already: the stored ones were blanked as the run model read them (runmodel's
-    ``blank_skipped``), a node summarised here read the run's blocks only."""
-    exposed = ns.exposed[~np.isin(ns.exposed["step"].to_numpy(np.int64), steps)].reset_index(drop=True)
-    return replace(ns, exposed=exposed)
+    ``blank_skipped``), a node summarised here read the run's blocks only. Dropped after the read, not by its SQL:
+    a filter of ~750 skipped steps in DuckDB cost more than it saved at 16,384 x 1,000 (measured side by side)."""
+    drop = np.isin(ns.exposed["step"].to_numpy(np.int64), steps, kind="table")
+    if not drop.any():
+        return ns
+    return replace(ns, exposed=ns.exposed[~drop].reset_index(drop=True))

@@ -303,31 +303,36 @@ DETAIL_COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "comm_wait_s", "overl
 
 def blank_skipped(per: pd.DataFrame, steps: np.ndarray) -> pd.DataFrame:
     """The stored summaries' rank_steps ``per`` with the rank-steps of ``steps`` as a summary that did not read
-    their detail makes them: no span or collective in the window, so nothing but ``other``. A new frame sharing
-    every column that has those values already (a summary that did not read these steps either has most of them);
-    each other column is made once, and ``per``'s own is dropped with ``per`` (16.4 M rank-steps: 131 MB a
-    column, ~20 columns)."""
-    at = np.flatnonzero(np.isin(per["step"].to_numpy(np.int64), steps))
-    blank = {}
+    their detail makes them: no span or collective in the window, so nothing but ``other``. In place (``per`` is
+    the read's own frame: pandas writes a column no other frame shares in place), a column at a time, over a mask
+    of the rows: at 16,384 x 1,000 a new array per column (131 MB, ~20 columns) cost more in first-touched memory
+    than the writes, and a copy of them all beside the frame was 2.6 GB. A column that has those values already is
+    left alone (a summary that did not read these steps either has most of them). Returns ``per``."""
+    step = per["step"].to_numpy(np.int64)
+    lo = int(step.min()) if len(step) else 0
+    skip = np.zeros(int(step.max()) - lo + 1 if len(step) else 0, bool)
+    steps = np.asarray(steps, np.int64)
+    skip[steps[(steps >= lo) & (steps - lo < len(skip))] - lo] = True
+    at = skip[step - lo]
+    if not at.any():
+        return per
 
-    def put(c: str, values) -> None:
+    def put(c: str, values: np.ndarray | float) -> None:
         x = per[c].to_numpy()
-        v = np.broadcast_to(np.asarray(values, x.dtype), len(at))
-        if not np.array_equal(x[at], v, equal_nan=True):
-            x = x.copy()
-            x[at] = v
-            blank[c] = pd.Series(x, index=per.index, copy=False)   # a Series: not copied again by assign
+        if np.isscalar(values):
+            differs = (~np.isnan(x) if np.isnan(values) else x != values) & at
+        else:
+            differs = (x != values) & at
+        if differs.any():
+            per.loc[at, c] = values if np.isscalar(values) else np.asarray(values)[at]
 
     for c in DETAIL_COLUMNS:
         put(c, 0)
     put("overlap_ratio", np.nan)
-    put("bd_other_s", (per["end_ns"].to_numpy(np.int64)[at] - per["start_ns"].to_numpy(np.int64)[at]) / 1e9)
+    put("bd_other_s", (per["end_ns"].to_numpy(np.int64) - per["start_ns"].to_numpy(np.int64)) / 1e9)
     level = per["level"]
     if "hook" not in level.cat.categories:   # (not a level of the summary: as summarize orders them, sorted)
-        level = level.cat.set_categories(sorted([*level.cat.categories, "hook"]))
-    codes = level.cat.codes.to_numpy()
-    if (codes[at] != level.cat.categories.get_loc("hook")).any():
-        codes = codes.copy()
-        codes[at] = level.cat.categories.get_loc("hook")
-        blank["level"] = pd.Categorical.from_codes(codes, dtype=level.dtype)
-    return per.assign(**blank)
+        per["level"] = level = level.cat.set_categories(sorted([*level.cat.categories, "hook"]))
+    if ((level.cat.codes.to_numpy() != level.cat.categories.get_loc("hook")) & at).any():
+        per.loc[at, "level"] = "hook"
+    return per

@@ -329,18 +329,20 @@ def graph(model, ri: RankItems, steps: np.ndarray | None = None) -> StepGraph:
     its measured offset; instances are matched within a step), so a subset of them is modelled exactly as in the
     whole. The collectives table is not read: each arrival and wait names its instance (COLLECTIVE_COLUMNS)."""
     w = model.steps
-    if steps is not None:
-        w = w[w["step"].isin(steps).to_numpy()]
-    wr = w["rank"].to_numpy(np.int64)
-    wstep = w["step"].to_numpy(np.int64)
-    astart = w["aligned_start_ns"].to_numpy(np.int64)
+    # the sampled steps' rows of the four columns read (not a mask over every column: 16.4 M rank-steps at 16,384
+    # ranks), found by a table over the step numbers (not a hash per rank-step)
+    rows = np.isin(w["step"].to_numpy(np.int64), steps, kind="table") if steps is not None else slice(None)
+    wr = w["rank"].to_numpy(np.int64)[rows]
+    wstep = w["step"].to_numpy(np.int64)[rows]
+    astart = w["aligned_start_ns"].to_numpy(np.int64)[rows]
     base = pd.Series(astart).groupby(wstep).transform("min").to_numpy(np.int64)
     windows = pd.DataFrame({"rank": wr, "step": wstep, "offset_ns": astart - base,
-                            "measured": w["measured"].to_numpy(bool),
+                            "measured": w["measured"].to_numpy(bool)[rows],
                             "pipeline": np.isin(wr, ri.pipeline_ranks)})
     it = ri.items
-    if steps is not None:
-        it = it[it["step"].isin(steps).to_numpy()]
+    keep = np.isin(it["step"].to_numpy(np.int64), steps, kind="table") if steps is not None else None
+    if keep is not None and not keep.all():   # (the node summaries' items are read for these steps only: no copy)
+        it = it[keep]
     i_rank, i_step = it["rank"].to_numpy(np.int64), it["step"].to_numpy(np.int64)
     # windows are sorted by (rank, step) (steps.rank_steps): each item's window row by binary search
     i_win = np.searchsorted(wr * (1 << 32) + wstep, i_rank * (1 << 32) + i_step)

@@ -49,20 +49,23 @@ def make_summaries(run, force: bool = False, workers: int | None = None, address
     todo = [str(nd) for nd in pending(run, force)]
     if not todo:
         return []
-    if client is not None:
-        return list(client.gather(client.map(summarize_node, todo, pure=False)))
-    if address:
-        from distributed import Client
-
-        with Client(address) as client:
+    try:
+        if client is not None:
             return list(client.gather(client.map(summarize_node, todo, pure=False)))
-    n = min(workers or os.cpu_count() or 1, len(todo))
-    if n <= 1:
-        return [summarize_node(nd) for nd in todo]
-    from concurrent.futures import ProcessPoolExecutor
+        if address:
+            from distributed import Client
 
-    with ProcessPoolExecutor(max_workers=n) as pool:
-        return list(pool.map(summarize_node, todo))
+            with Client(address) as client:
+                return list(client.gather(client.map(summarize_node, todo, pure=False)))
+        n = min(workers or os.cpu_count() or 1, len(todo))
+        if n <= 1:
+            return [summarize_node(nd) for nd in todo]
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=n) as pool:
+            return list(pool.map(summarize_node, todo))
+    finally:   # the run's facts of these nodes are read again (the Run keeps them: rundir/run.py)
+        run.forget_summaries()
 
 
 @click.command("summarize")

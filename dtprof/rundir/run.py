@@ -78,6 +78,10 @@ class Run:
         self.problems: list[str] = []
 
         self._loaded: dict = {}
+        self._completed: set[Path] = set()   # nodes seen with complete tables (compacted tables stay complete)
+        # node directory -> its summary's facts, read once: the analysis asks for them per table (4 x 2,048 files
+        # at 16,384 ranks); ``forget_summaries`` after summaries are written
+        self._facts: dict[Path, dict | None] = {}
 
     def _set_aside_earlier_attempts(self) -> list[tuple[Path, dict]]:
         """Node directories that record an earlier attempt of a rank (node.json ``attempt_rank`` and ``attempt``:
@@ -138,7 +142,9 @@ class Run:
         return _peer_failures_stopped(out)
 
     def _complete(self, nd: Path) -> bool:
-        return (nd / TABLES_DIR / TABLES_COMPLETE).exists()
+        if nd not in self._completed and (nd / TABLES_DIR / TABLES_COMPLETE).exists():
+            self._completed.add(nd)
+        return nd in self._completed
 
     @cached_property
     def _raw_nodes(self) -> dict:
@@ -348,11 +354,15 @@ class Run:
         incomplete, or written in a layout not read: dtprof/rundir/schema.py SUMMARY_LAYOUTS_READ)."""
         from dtprof.rundir.schema import SUMMARY_COMPLETE, SUMMARY_DIR, SUMMARY_LAYOUTS_READ
 
-        mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
-        if not (self._complete(node_dir) and mark.exists()):
-            return None
-        facts = _read_json(mark)
-        return facts if facts.get("layout") in SUMMARY_LAYOUTS_READ else None
+        if node_dir not in self._facts:
+            mark = node_dir / SUMMARY_DIR / SUMMARY_COMPLETE
+            facts = _read_json(mark) if self._complete(node_dir) and mark.exists() else None
+            self._facts[node_dir] = facts if facts and facts.get("layout") in SUMMARY_LAYOUTS_READ else None
+        return self._facts[node_dir]
+
+    def forget_summaries(self) -> None:
+        """Read the node summaries' facts again on the next use (after summaries were written or remade)."""
+        self._facts.clear()
 
     def node_summaries(self, item_steps=None, tables=None) -> tuple[list, dict]:
         """(facts, tables) of the node summaries (dtprof/rundir/schema.py SUMMARY_TABLES): per node its ``_complete``
