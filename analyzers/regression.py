@@ -843,13 +843,15 @@ def bounding_device(base: Sequence[dict], head: Sequence[dict]) -> dict:
 
 
 def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: float = DEFAULT_CONFIDENCE,
-                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0, kind: str = "cpu") -> dict | None:
+                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0, kind: str = "cpu",
+                 phases: Sequence[str] = ("start", "end")) -> dict | None:
     """Ratio of the ``kind`` probe's (``cpu`` or ``gpu``) median time head ÷ base with its bootstrap interval (runs,
     then timings resampled), at the start and at the end of the job separately: load that came or went during a job
     shows in one of the two (a CPU hog running through a job slowed its start probe 3x while the end probe, after
     the ranks had exited, ran at full speed: pooled, the ten timings' median hid it). The phase whose interval lies
     furthest beyond ±PROBE_TOLERANCE is reported; ``moved`` when it lies wholly beyond. None when a side has no such
-    probe (the GPU one on a CPU-only node)."""
+    probe (the GPU one on a CPU-only node). ``phases=("job",)``: the CPU probe during the job (``cpu_job_s``,
+    dtprof/machine.py JobProbe), alone."""
     def side(runs, phase):
         out = []
         for s in runs:
@@ -860,7 +862,7 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
             out.append(np.asarray(t, float))
         return out
     best = None
-    for phase in ("start", "end"):
+    for phase in phases:
         b, h = side(base, phase), side(head, phase)
         if not b or not h:
             continue
@@ -874,7 +876,8 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
     moved = beyond > 0
     changed = lo > 1.0 or hi < 1.0   # the interval excludes no change: the machine changed, however little
     word = "slower" if est >= 1 else "faster"
-    line = (f"machine probe ({kind.upper()}, at the job's {phase}): head {abs(est - 1) * 100:.0f} % {word} than "
+    when = "during the job" if phase == "job" else f"at the job's {phase}"
+    line = (f"machine probe ({kind.upper()}, {when}): head {abs(est - 1) * 100:.0f} % {word} than "
             f"base [{(lo - 1) * 100:+.0f}, {(hi - 1) * 100:+.0f} %]"
             + (" -- beyond its noise: the machine changed" if moved else
                " -- the machine changed (its interval excludes no change)" if changed else " (within its noise)"))
@@ -922,14 +925,17 @@ def _group_series(summary: dict, parts: Sequence[str]) -> np.ndarray | None:
 
 def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: dict | None, *,
                   confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
-                  tolerance: float = DEFAULT_STEP_TOLERANCE) -> dict:
+                  tolerance: float = DEFAULT_STEP_TOLERANCE, job_probe: dict | None = None) -> dict:
     """What the machine's drift does to the gates' exit ``code`` (0 pass, 1 fail): ``{verdict, reason, busy,
     head_machine, waits, compute, lines}``; ``verdict`` is "fail", "inconclusive" or None (leave the code as it
     is); ``head_machine`` is "faster", "slower" or None: the machine the head ran on, as decided below.
 
     Which side ran on the slower machine: the side whose ranks waited for a CPU ``BUSY_DELTA`` of the step more
     (measured inside the job itself) unless the CPU probe's interval says the opposite, else the CPU probe's
-    interval where it excludes no change (``changed``; measured before and after the job). Then:
+    interval where it excludes no change (``changed``). The CPU probe is ``job_probe`` (probe_change of the probe
+    during the job, in CPU time) where both sides have one, else ``probe`` (before and after the job): an identical
+    configuration whose compute ran 37 % slower failed the gate while the probe after the job said its machine was
+    20 % faster and its ranks' CPU wait did not move (docs/compare.md). Then:
 
     - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
       shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
@@ -954,6 +960,7 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
             if w >= BUSY_CPU_WAIT:
                 out["lines"].append(f"{side} recorded on a busy machine: its ranks waited for a CPU {w:.0%} of the "
                                     f"step (runnable, not running; {other} {w_other:.0%})")
+    probe = job_probe or probe   # the probe during the job, where both sides have it, decides
     probe_dir = None
     if probe and probe.get("used", True) and probe.get("changed"):
         probe_dir = "slower" if probe["ratio"] > 1 else "faster"
@@ -981,7 +988,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
                     f" the {other}'s {wo:.0%})")
         assert probe is not None
         return (f"the machine ran {abs(probe['ratio'] - 1):.0%} {'faster' if probe['ratio'] < 1 else 'slower'} for "
-                f"the head on the CPU probe [{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
+                f"the head on the CPU probe{' during the job' if probe.get('phase') == 'job' else ''} "
+                f"[{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
     if code == 0 and head_faster:
         if busier == "base":   # (a probe that moved beyond its band does the same: verdict)
             out["verdict"] = "inconclusive"
@@ -1081,7 +1089,7 @@ def comparison(gates: Sequence[Gate], base: Sequence[dict], head: Sequence[dict]
             "settings": {"test": test, "confidence": confidence, "seed": seed, "n_boot": DEFAULT_N_BOOT,
                          "min_steps": MIN_STEPS, "allow_different": allow_different},
             "gates": [r.to_dict() for r in results], "reasons": reasons,
-            **{k: v[k] for k in ("parts", "stragglers", "health", "identity", "probe", "gpu_probe",
+            **{k: v[k] for k in ("parts", "stragglers", "health", "identity", "probe", "gpu_probe", "job_probe",
                                  "gpu_probe_reason", "bound", "drift")}}
 
 
@@ -1090,8 +1098,9 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
     """The exit code after the checks beside the gates, and what explains it: which parts moved, stragglers that
     got worse (a rank that became persistent fails), a machine that changed and configurations that differ
     (inconclusive, exit 3: neither is a regression of the code). ``{exit_code, reasons, parts (part_changes),
-    stragglers (straggler_changes), health (health_changes), identity (config_differences), probe and gpu_probe
-    (probe_change; without a GPU probe ``gpu_probe_reason`` says why), bound (bounding_device: which probe is used,
+    stragglers (straggler_changes), health (health_changes), identity (config_differences), probe, gpu_probe and
+    job_probe (probe_change: before and after the job, the GPU's, the CPU's during the job; without a GPU probe
+    ``gpu_probe_reason`` says why), bound (bounding_device: which probe is used,
     and why), drift (machine_drift)}``; ``reasons``: why the outcome is what it is, one line each."""
     code = overall_exit(results)
     parts = part_changes(base, head, confidence=confidence, seed=seed)
@@ -1100,6 +1109,7 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
     identity = config_differences(base, head)
     probe = probe_change(base, head, confidence=confidence, seed=seed)
     gpu_probe = probe_change(base, head, confidence=confidence, seed=seed, kind="gpu")
+    job_probe = probe_change(base, head, confidence=confidence, seed=seed, phases=("job",))
     reasons = []
     worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == FAIL]
     numerics = [f"{r['what']} at step {r['step']}" for r in health if r["verdict"] == FAIL]
@@ -1110,7 +1120,9 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
                        + " (--allow-different to decide anyway)")
     bound = bounding_device(base, head)
     machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
-    drift = machine_drift(code, base, head, probe, confidence=confidence, seed=seed)
+    if job_probe:
+        job_probe.update(used=bound["device"] in ("both", "cpu"), used_why=bound["why"])
+    drift = machine_drift(code, base, head, probe, confidence=confidence, seed=seed, job_probe=job_probe)
     if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
         machine = []
     elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
@@ -1131,7 +1143,7 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
         code = EXIT_REGRESSION
         reasons.append("a straggler got worse: " + "; ".join(worse))
     return {"exit_code": code, "reasons": reasons, "parts": parts, "stragglers": strag, "health": health,
-            "identity": identity, "probe": probe, "gpu_probe": gpu_probe,
+            "identity": identity, "probe": probe, "gpu_probe": gpu_probe, "job_probe": job_probe,
             "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(base, head), "bound": bound, "drift": drift}
 
 
