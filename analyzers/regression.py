@@ -944,10 +944,12 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
       change within ``PROBE_TOLERANCE`` alone does not make a pass inconclusive: on a busy 2-core machine that
       would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
     - a fail with the head on the slower machine: inconclusive, the busy machine named;
-    - a pass or a fail (not already decided above) where both sides' ranks waited for a CPU ``SATURATED_CPU_WAIT``
-      of the step or more: inconclusive, whatever the probe says (the step times are the scheduler's: in
-      benchmarks/gate_power.py --real, a +10 % sleep recorded beside CPU hogs passed against a base recorded at
-      77 %, its sleep offset by gloo's CPU-bound communication, faster on the head).
+    - a pass or a fail (not already inconclusive above; a fail of the waits included) where both sides' ranks
+      waited for a CPU ``SATURATED_CPU_WAIT`` of the step or more: inconclusive, whatever the probes and the waits
+      say (the step times are the scheduler's: in benchmarks/gate_power.py --real, a +10 % sleep recorded beside
+      CPU hogs passed against a base recorded at 77 %, its sleep offset by gloo's CPU-bound communication, faster
+      on the head; and an identical configuration whose ranks waited for a CPU 65 % and 63 % of the step failed on
+      its waits, the ranks' waits for descheduled peers).
     """
     out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None, "waits": None,
                            "compute": None, "lines": []}
@@ -1004,8 +1006,9 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     elif code == 1 and head_slower:
         out["verdict"] = "inconclusive"
         out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
-    if (out["verdict"] is None and code in (0, 1) and wb is not None and wh is not None
-            and min(wb, wh) >= SATURATED_CPU_WAIT):   # a pass as much as a fail (a sleep hidden by faster gloo comm)
+    if (out["verdict"] != "inconclusive" and code in (0, 1) and wb is not None and wh is not None
+            and min(wb, wh) >= SATURATED_CPU_WAIT):   # a pass as much as a fail (a sleep hidden by faster gloo comm),
+        # and waits that grew: there they are the ranks' waits for descheduled peers, the scheduler's too
         out["verdict"] = "inconclusive"
         out["reason"] = (f"both sides were recorded on a busy machine, saturated (their ranks waited for a CPU {wb:.0%}"
                          f" and {wh:.0%} of the step): the step times measure the scheduler more than the code")

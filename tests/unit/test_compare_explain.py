@@ -312,3 +312,21 @@ def test_a_sleep_hidden_by_a_machine_faster_during_the_job_fails(tmp_path):
     assert d["gates"][0]["verdict"] == "pass" and code == 1, (d["gates"][0], d["reasons"])
     assert d["drift"]["head_machine"] == "faster" and d["drift"]["verdict"] == "fail", d["drift"]
     assert any("hid the slowdown" in x and "during the job" in x for x in d["reasons"]), d["reasons"]
+
+
+def test_waits_that_grew_between_two_saturated_recordings_are_no_regression(tmp_path):
+    # gate_power --real at load 7-16: identical configurations, both sides' ranks waiting for a CPU ~64 % of the
+    # step, the head's machine faster during the job (its compute shorter) and its waits longer (its ranks waiting
+    # for descheduled peers): the waits judged apart would fail it; between saturated recordings they measure the
+    # scheduler, so the pass is inconclusive. The same runs on a machine that did not saturate fail.
+    def pair(wait: float, tag: str):
+        b = _job_probe(_machine(run_summary(1), 1.3, wait + 0.02), 0.0039, 11)
+        h = _job_probe(_machine(run_summary(2), 1.0, wait, sleep_s=0.010), 0.0030, 12)
+        return write_json(tmp_path, f"b{tag}", b), write_json(tmp_path, f"h{tag}", h)
+    base, head = pair(0.63, "s")
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and d["drift"]["waits"]["grew"] and code == 3, d["outcome"]
+    assert any("saturated" in x for x in d["reasons"]), d["reasons"]
+    base, head = pair(0.10, "q")
+    assert compare_cli(base, "--head", head)[0] == 1
