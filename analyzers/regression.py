@@ -951,8 +951,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
       on the head; and an identical configuration whose ranks waited for a CPU 65 % and 63 % of the step failed on
       its waits, the ranks' waits for descheduled peers).
     """
-    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None, "waits": None,
-                           "compute": None, "lines": []}
+    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None,
+                           "head_machine_why": None, "waits": None, "compute": None, "lines": []}
     wb, wh = cpu_wait_share(base), cpu_wait_share(head)
     busier = None
     if wb is not None and wh is not None:
@@ -992,6 +992,8 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
         return (f"the machine ran {abs(probe['ratio'] - 1):.0%} {'faster' if probe['ratio'] < 1 else 'slower'} for "
                 f"the head on the CPU probe{' during the job' if probe.get('phase') == 'job' else ''} "
                 f"[{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
+    if head_faster or head_slower:   # what says so, in words (a reason beside the gates: verdict)
+        out["head_machine_why"] = machine_words("base" if head_faster else "head")
     if code == 0 and head_faster:
         if busier == "base":   # (a probe that moved beyond its band does the same: verdict)
             out["verdict"] = "inconclusive"
@@ -1130,6 +1132,8 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
         machine = []
     elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
         machine.append(drift["reason"])
+    elif code == EXIT_OK and not machine and not worse:
+        machine += _steps_against_machine(results, probe, drift)
     comparable = not reasons
     reasons += machine
     if numerics and comparable:   # a NaN, or a loss departing from a bit-identical base: no machine explains that
@@ -1148,6 +1152,32 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
     return {"exit_code": code, "reasons": reasons, "parts": parts, "stragglers": strag, "health": health,
             "identity": identity, "probe": probe, "gpu_probe": gpu_probe, "job_probe": job_probe,
             "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(base, head), "bound": bound, "drift": drift}
+
+
+def _steps_against_machine(results: Sequence[GateResult], probe: dict | None, drift: dict) -> list[str]:
+    """A pass whose steps ran confidently faster (a step-time gate's interval wholly below no change) on a machine
+    that ran slower for the head (the ranks' CPU wait or the probe during the job: machine_drift's ``head_machine``;
+    or the probe around the job beyond its band): the steps moved against the machine, so they follow something
+    neither measures (gate_power --real at load 7-16: +10 % sleeps beside CPU hogs ran 12-19 % faster, [-26, -1 %]
+    the interval nearest no change, than a base recorded while the machine's other load was heavier, the probe 3-5x
+    slower for them), and a slower machine's "it can only have slowed the head" does not hold: inconclusive, not a
+    pass. Sets the probe's ``explains_verdict`` where it is the one that says so."""
+    faster = [r for r in results if r.gate.is_step_time and not r.gate.advisory and r.ci
+              and r.ci[1] < 0]
+    moved = bool(probe and probe.get("used") and probe["moved"] and probe["ratio"] > 1)
+    if not faster or not (moved or drift["head_machine"] == "slower"):
+        return []
+    r = faster[0]
+    lo, hi = r.ci or (0.0, 0.0)
+    if moved:
+        assert probe is not None
+        probe["explains_verdict"] = True
+        machine = f"the machine ran {abs(probe['ratio'] - 1) * 100:.0f} % slower on the probe (head vs base)"
+    else:
+        machine = drift["head_machine_why"]
+    return [f"{machine}, yet the head's steps ran {-(r.change or 0) * 100:.0f} % faster [{lo * 100:+.0f}, "
+            f"{hi * 100:+.0f} %] ({r.gate.expr}): the step times moved against the machine, so the pass is no "
+            "evidence"]
 
 
 def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:

@@ -330,3 +330,19 @@ def test_waits_that_grew_between_two_saturated_recordings_are_no_regression(tmp_
     assert any("saturated" in x for x in d["reasons"]), d["reasons"]
     base, head = pair(0.10, "q")
     assert compare_cli(base, "--head", head)[0] == 1
+
+
+def test_a_pass_whose_steps_ran_faster_on_a_slower_machine_is_inconclusive(tmp_path):
+    # gate_power --real at load 7-16: a +10 % sleep recorded beside CPU hogs ran 12-19 % faster than its base (the
+    # base recorded while the machine's other load was heavier), the probe 3-5x slower for it: a slower machine can
+    # only have slowed the head, unless the steps do not follow the machine, which they did not here. Steps that
+    # did not move on the slower machine stay a pass.
+    base = write_json(tmp_path, "b", run_summary(1))
+    head = write_json(tmp_path, "h", _machine(run_summary(2, probe_s=0.040), 0.8, 0.0, sleep_s=0.010))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and d["gates"][0]["ci"][1] < -0.02 and code == 3, d["outcome"]
+    assert d["probe"]["moved"] and d["probe"]["explains_verdict"] is True
+    assert any(re.search(r"slower on the probe .*, yet the head's steps ran \d+ % faster", x) for x in d["reasons"])
+    head = write_json(tmp_path, "h2", run_summary(3, probe_s=0.040))
+    assert compare_cli(base, "--head", head)[0] == 0
