@@ -970,7 +970,11 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     # (conflicting evidence: no side is taken for the faster one)
     head_faster = (busier == "base" and probe_dir != "slower") or (busier is None and probe_dir == "faster")
     head_slower = (busier == "head" and probe_dir != "faster") or (busier is None and probe_dir == "slower")
-    out["head_machine"] = "faster" if head_faster else "slower" if head_slower else None
+    if job_probe:   # its CPU time is how fast the CPUs ran, apart from the ranks' wait for one: no conflict, each
+        # counts for the side it names (both may hold: one side on slower CPUs, the other on a busier machine)
+        head_faster, head_slower = busier == "base" or probe_dir == "faster", busier == "head" or probe_dir == "slower"
+    out["head_machine"] = ("faster" if head_faster and not head_slower else
+                           "slower" if head_slower and not head_faster else None)
     steps = [step_samples(s) for s in base]
     step = float(np.median(np.concatenate([x for x in steps if x is not None]))) if all(
         x is not None for x in steps) else None
@@ -1124,9 +1128,8 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
                                                                    for x in blocking)
                        + " (--allow-different to decide anyway)")
     bound = bounding_device(base, head)
-    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
-    if job_probe:
-        job_probe.update(used=bound["device"] in ("both", "cpu"), used_why=bound["why"])
+    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse),
+                               job_probe=job_probe)
     drift = machine_drift(code, base, head, probe, confidence=confidence, seed=seed, job_probe=job_probe)
     if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
         machine = []
@@ -1180,7 +1183,8 @@ def _steps_against_machine(results: Sequence[GateResult], probe: dict | None, dr
             "evidence"]
 
 
-def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:
+def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool,
+                     job_probe: dict | None = None) -> list[str]:
     """Why a machine probe that moved makes the comparison inconclusive. Only the probe of a device that bounds the
     steps counts (``bound``: bounding_device; a CPU that ran slower under GPU-bound steps explains nothing, nor does
     a GPU under host-bound ones): each probe's ``used`` and ``used_why`` say so. A slower machine explains a slower
@@ -1190,7 +1194,8 @@ def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, sl
     but cannot explain a slower head: that regression stands. The probe's line shows the change either way. Sets
     each moved probe's ``explains_verdict``."""
     out = []
-    for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
+    for p, what, where in ((probe, "machine", "probe"), (job_probe, "machine", "probe during the job"),
+                           (gpu_probe, "GPUs", "GPU probe")):
         if p:
             p["used"] = bound["device"] in ("both", p["kind"])
             p["used_why"] = bound["why"]

@@ -85,8 +85,9 @@ def cpu_probe(repeats: int = PROBE_REPEATS) -> list[float]:
 # thread's own CPU time: the time it waited for a CPU (the job's ranks, other load) is not in it, so it measures how
 # fast the CPU runs a fixed work (the host's frequency, a hypervisor's share, caches), a quantity the ranks' CPU wait
 # (analyzers, from /proc schedstat) does not hold. Its thread runs at nice 19 (Linux: this thread only), so the
-# job's ranks come first; its cost is its duty cycle, about 0.6 % of one core. At JOB_PROBE_MAX samples every other
-# one is dropped and the interval doubles: node.json stays small over a long job, the samples spread over all of it.
+# job's ranks come first; its cost is its duty cycle, 0.4-0.9 % of one core in 2-rank runs (docs/compare.md). At
+# JOB_PROBE_MAX samples every other one is dropped and the interval doubles: node.json stays small over a long job,
+# the samples spread over all of it.
 JOB_PROBE_INTERVAL_S = 0.5
 JOB_PROBE_MAX = 2000
 _JOB_N, _JOB_BLOB = 60000, _BLOB[: 160 * 1024]

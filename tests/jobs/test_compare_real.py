@@ -202,7 +202,8 @@ def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
     against = not failed and d["gates"][0]["ci"][1] < 0
     assert code == (3 if failed or against else 0) or (not failed and saturated_only(d)), (
         d["outcome"], d["probe"], d["gates"])
-    assert d["probe"]["explains_verdict"] is (failed or against)
+    if not against:   # (a pass against the machine may be inconclusive for another machine reason first)
+        assert d["probe"]["explains_verdict"] is failed
     if failed:
         assert any("the machine ran" in x and "slower on the probe" in x for x in d["reasons"]), d["reasons"]
 

@@ -281,7 +281,7 @@ def test_a_fail_on_a_machine_slower_during_the_job_is_inconclusive_and_old_runs_
     d = json.loads(out)
     assert d["gates"][0]["verdict"] == "fail" and code == 3, d["outcome"]
     assert d["job_probe"]["changed"] and d["job_probe"]["ci"][0] > 1.2 and d["drift"]["head_machine"] == "slower"
-    assert any(re.search(r"the machine ran 3\d% slower for the head on the CPU probe during the job", x)
+    assert any(re.search(r"the machine ran 3\d ?% slower (for the head )?on the (CPU )?probe during the job", x)
                for x in d["reasons"]), d["reasons"]
     _, text = compare_cli(base, "--head", head)
     assert re.search(r"machine probe \(CPU, during the job\): head 3\d % slower than base", text), text
@@ -320,7 +320,7 @@ def test_waits_that_grew_between_two_saturated_recordings_are_no_regression(tmp_
     # for descheduled peers): the waits judged apart would fail it; between saturated recordings they measure the
     # scheduler, so the pass is inconclusive. The same runs on a machine that did not saturate fail.
     def pair(wait: float, tag: str):
-        b = _job_probe(_machine(run_summary(1), 1.3, wait + 0.02), 0.0039, 11)
+        b = _job_probe(_machine(run_summary(1), 1.3, wait + 0.02), 0.0033, 11)   # within the probe's band
         h = _job_probe(_machine(run_summary(2), 1.0, wait, sleep_s=0.010), 0.0030, 12)
         return write_json(tmp_path, f"b{tag}", b), write_json(tmp_path, f"h{tag}", h)
     base, head = pair(0.63, "s")
