@@ -1136,7 +1136,7 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
     elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
         machine.append(drift["reason"])
     elif code == EXIT_OK and not machine and not worse:
-        machine += _steps_against_machine(results, probe, drift)
+        machine += _steps_against_machine(results, probe, job_probe, drift)
     comparable = not reasons
     reasons += machine
     if numerics and comparable:   # a NaN, or a loss departing from a bit-identical base: no machine explains that
@@ -1157,27 +1157,31 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
             "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(base, head), "bound": bound, "drift": drift}
 
 
-def _steps_against_machine(results: Sequence[GateResult], probe: dict | None, drift: dict) -> list[str]:
+def _steps_against_machine(results: Sequence[GateResult], probe: dict | None, job_probe: dict | None,
+                           drift: dict) -> list[str]:
     """A pass whose steps ran confidently faster (a step-time gate's interval wholly below no change) on a machine
-    that ran slower for the head (the ranks' CPU wait or the probe during the job: machine_drift's ``head_machine``;
-    or the probe around the job beyond its band): the steps moved against the machine, so they follow something
-    neither measures (gate_power --real at load 7-16: +10 % sleeps beside CPU hogs ran 12-19 % faster, [-26, -1 %]
-    the interval nearest no change, than a base recorded while the machine's other load was heavier, the probe 3-5x
-    slower for them), and a slower machine's "it can only have slowed the head" does not hold: inconclusive, not a
-    pass. Sets the probe's ``explains_verdict`` where it is the one that says so."""
+    that ran slower for the head by more than noise (its ranks waited for a CPU ``BUSY_DELTA`` of the step more, or a
+    probe, around or during the job, beyond its band; a probe interval that merely excludes no change made 2 % of
+    benchmarks/gate_power.py's identical pairs inconclusive, their steps 1 % faster): the steps moved against the
+    machine, so they follow something neither measures (gate_power --real at load 7-16: +10 % sleeps beside CPU
+    hogs ran 12-19 % faster, [-26, -1 %] the interval nearest no change, than a base recorded while the machine's
+    other load was heavier, the probe 3-5x slower for them), and a slower machine's "it can only have slowed the
+    head" does not hold: inconclusive, not a pass. Sets that probe's ``explains_verdict``."""
     faster = [r for r in results if r.gate.is_step_time and not r.gate.advisory and r.ci
               and r.ci[1] < 0]
-    moved = bool(probe and probe.get("used") and probe["moved"] and probe["ratio"] > 1)
-    if not faster or not (moved or drift["head_machine"] == "slower"):
+    busy = drift["busy"] or {}
+    slow = [p for p in (probe, job_probe) if p and p.get("used") and p["moved"] and p["ratio"] > 1]
+    if not faster or not (slow or busy.get("busier") == "head"):
         return []
     r = faster[0]
     lo, hi = r.ci or (0.0, 0.0)
-    if moved:
-        assert probe is not None
-        probe["explains_verdict"] = True
-        machine = f"the machine ran {abs(probe['ratio'] - 1) * 100:.0f} % slower on the probe (head vs base)"
+    if slow:
+        slow[0]["explains_verdict"] = True
+        where = "probe during the job" if slow[0]["phase"] == "job" else "probe"
+        machine = f"the machine ran {abs(slow[0]['ratio'] - 1) * 100:.0f} % slower on the {where} (head vs base)"
     else:
-        machine = drift["head_machine_why"]
+        machine = (f"the head was recorded on a busy machine (its ranks waited for a CPU {busy['head']:.0%} of the "
+                   f"step, the base's {busy['base']:.0%})")
     return [f"{machine}, yet the head's steps ran {-(r.change or 0) * 100:.0f} % faster [{lo * 100:+.0f}, "
             f"{hi * 100:+.0f} %] ({r.gate.expr}): the step times moved against the machine, so the pass is no "
             "evidence"]
