@@ -200,7 +200,12 @@ def test_a_cpu_hog_during_the_head_run_is_the_machine_not_a_regression(runs):
     # (a pass between two saturated recordings is inconclusive too: saturated_only; and so is one whose steps ran
     # confidently faster on the slower machine: they did not follow the machine)
     against = not failed and d["gates"][0]["ci"][1] < 0
-    assert code == (3 if failed or against else 0) or (not failed and saturated_only(d)), (
+    # a pass is inconclusive too where the probe during the job says the head's CPUs ran faster beyond its band
+    # (the hogs queue the ranks, they need not slow a CPU; the base's machine may have had slower ones)
+    job = d["job_probe"] or {}
+    cpus_faster = not failed and job.get("moved") and job["ratio"] < 1 and any(
+        "faster on the probe during the job" in x for x in d["reasons"])
+    assert code == (3 if failed or against or cpus_faster else 0) or (not failed and saturated_only(d)), (
         d["outcome"], d["probe"], d["gates"])
     if not against:   # (a pass against the machine may be inconclusive for another machine reason first)
         assert d["probe"]["explains_verdict"] is failed
