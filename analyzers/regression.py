@@ -843,13 +843,15 @@ def bounding_device(base: Sequence[dict], head: Sequence[dict]) -> dict:
 
 
 def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: float = DEFAULT_CONFIDENCE,
-                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0, kind: str = "cpu") -> dict | None:
+                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0, kind: str = "cpu",
+                 phases: Sequence[str] = ("start", "end")) -> dict | None:
     """Ratio of the ``kind`` probe's (``cpu`` or ``gpu``) median time head ÷ base with its bootstrap interval (runs,
     then timings resampled), at the start and at the end of the job separately: load that came or went during a job
     shows in one of the two (a CPU hog running through a job slowed its start probe 3x while the end probe, after
     the ranks had exited, ran at full speed: pooled, the ten timings' median hid it). The phase whose interval lies
     furthest beyond ±PROBE_TOLERANCE is reported; ``moved`` when it lies wholly beyond. None when a side has no such
-    probe (the GPU one on a CPU-only node)."""
+    probe (the GPU one on a CPU-only node). ``phases=("job",)``: the CPU probe during the job (``cpu_job_s``,
+    dtprof/machine.py JobProbe), alone."""
     def side(runs, phase):
         out = []
         for s in runs:
@@ -860,7 +862,7 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
             out.append(np.asarray(t, float))
         return out
     best = None
-    for phase in ("start", "end"):
+    for phase in phases:
         b, h = side(base, phase), side(head, phase)
         if not b or not h:
             continue
@@ -874,7 +876,8 @@ def probe_change(base: Sequence[dict], head: Sequence[dict], *, confidence: floa
     moved = beyond > 0
     changed = lo > 1.0 or hi < 1.0   # the interval excludes no change: the machine changed, however little
     word = "slower" if est >= 1 else "faster"
-    line = (f"machine probe ({kind.upper()}, at the job's {phase}): head {abs(est - 1) * 100:.0f} % {word} than "
+    when = "during the job" if phase == "job" else f"at the job's {phase}"
+    line = (f"machine probe ({kind.upper()}, {when}): head {abs(est - 1) * 100:.0f} % {word} than "
             f"base [{(lo - 1) * 100:+.0f}, {(hi - 1) * 100:+.0f} %]"
             + (" -- beyond its noise: the machine changed" if moved else
                " -- the machine changed (its interval excludes no change)" if changed else " (within its noise)"))
@@ -922,14 +925,17 @@ def _group_series(summary: dict, parts: Sequence[str]) -> np.ndarray | None:
 
 def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: dict | None, *,
                   confidence: float = DEFAULT_CONFIDENCE, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
-                  tolerance: float = DEFAULT_STEP_TOLERANCE) -> dict:
+                  tolerance: float = DEFAULT_STEP_TOLERANCE, job_probe: dict | None = None) -> dict:
     """What the machine's drift does to the gates' exit ``code`` (0 pass, 1 fail): ``{verdict, reason, busy,
     head_machine, waits, compute, lines}``; ``verdict`` is "fail", "inconclusive" or None (leave the code as it
     is); ``head_machine`` is "faster", "slower" or None: the machine the head ran on, as decided below.
 
     Which side ran on the slower machine: the side whose ranks waited for a CPU ``BUSY_DELTA`` of the step more
     (measured inside the job itself) unless the CPU probe's interval says the opposite, else the CPU probe's
-    interval where it excludes no change (``changed``; measured before and after the job). Then:
+    interval where it excludes no change (``changed``). The CPU probe is ``job_probe`` (probe_change of the probe
+    during the job, in CPU time) where both sides have one, else ``probe`` (before and after the job): an identical
+    configuration whose compute ran 37 % slower failed the gate while the probe after the job said its machine was
+    20 % faster and its ranks' CPU wait did not move (docs/compare.md). Then:
 
     - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
       shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
@@ -938,13 +944,15 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
       change within ``PROBE_TOLERANCE`` alone does not make a pass inconclusive: on a busy 2-core machine that
       would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
     - a fail with the head on the slower machine: inconclusive, the busy machine named;
-    - a pass or a fail (not already decided above) where both sides' ranks waited for a CPU ``SATURATED_CPU_WAIT``
-      of the step or more: inconclusive, whatever the probe says (the step times are the scheduler's: in
-      benchmarks/gate_power.py --real, a +10 % sleep recorded beside CPU hogs passed against a base recorded at
-      77 %, its sleep offset by gloo's CPU-bound communication, faster on the head).
+    - a pass or a fail (not already inconclusive above; a fail of the waits included) where both sides' ranks
+      waited for a CPU ``SATURATED_CPU_WAIT`` of the step or more: inconclusive, whatever the probes and the waits
+      say (the step times are the scheduler's: in benchmarks/gate_power.py --real, a +10 % sleep recorded beside
+      CPU hogs passed against a base recorded at 77 %, its sleep offset by gloo's CPU-bound communication, faster
+      on the head; and an identical configuration whose ranks waited for a CPU 65 % and 63 % of the step failed on
+      its waits, the ranks' waits for descheduled peers).
     """
-    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None, "waits": None,
-                           "compute": None, "lines": []}
+    out: dict[str, Any] = {"verdict": None, "reason": None, "busy": None, "head_machine": None,
+                           "head_machine_why": None, "waits": None, "compute": None, "lines": []}
     wb, wh = cpu_wait_share(base), cpu_wait_share(head)
     busier = None
     if wb is not None and wh is not None:
@@ -954,6 +962,7 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
             if w >= BUSY_CPU_WAIT:
                 out["lines"].append(f"{side} recorded on a busy machine: its ranks waited for a CPU {w:.0%} of the "
                                     f"step (runnable, not running; {other} {w_other:.0%})")
+    probe = job_probe or probe   # the probe during the job, where both sides have it, decides
     probe_dir = None
     if probe and probe.get("used", True) and probe.get("changed"):
         probe_dir = "slower" if probe["ratio"] > 1 else "faster"
@@ -961,7 +970,11 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     # (conflicting evidence: no side is taken for the faster one)
     head_faster = (busier == "base" and probe_dir != "slower") or (busier is None and probe_dir == "faster")
     head_slower = (busier == "head" and probe_dir != "faster") or (busier is None and probe_dir == "slower")
-    out["head_machine"] = "faster" if head_faster else "slower" if head_slower else None
+    if job_probe:   # its CPU time is how fast the CPUs ran, apart from the ranks' wait for one: no conflict, each
+        # counts for the side it names (both may hold: one side on slower CPUs, the other on a busier machine)
+        head_faster, head_slower = busier == "base" or probe_dir == "faster", busier == "head" or probe_dir == "slower"
+    out["head_machine"] = ("faster" if head_faster and not head_slower else
+                           "slower" if head_slower and not head_faster else None)
     steps = [step_samples(s) for s in base]
     step = float(np.median(np.concatenate([x for x in steps if x is not None]))) if all(
         x is not None for x in steps) else None
@@ -981,7 +994,10 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
                     f" the {other}'s {wo:.0%})")
         assert probe is not None
         return (f"the machine ran {abs(probe['ratio'] - 1):.0%} {'faster' if probe['ratio'] < 1 else 'slower'} for "
-                f"the head on the CPU probe [{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
+                f"the head on the CPU probe{' during the job' if probe.get('phase') == 'job' else ''} "
+                f"[{probe['ci'][0] - 1:+.0%}, {probe['ci'][1] - 1:+.0%}]")
+    if head_faster or head_slower:   # what says so, in words (a reason beside the gates: verdict)
+        out["head_machine_why"] = machine_words("base" if head_faster else "head")
     if code == 0 and head_faster:
         if busier == "base":   # (a probe that moved beyond its band does the same: verdict)
             out["verdict"] = "inconclusive"
@@ -996,8 +1012,9 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     elif code == 1 and head_slower:
         out["verdict"] = "inconclusive"
         out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
-    if (out["verdict"] is None and code in (0, 1) and wb is not None and wh is not None
-            and min(wb, wh) >= SATURATED_CPU_WAIT):   # a pass as much as a fail (a sleep hidden by faster gloo comm)
+    if (out["verdict"] != "inconclusive" and code in (0, 1) and wb is not None and wh is not None
+            and min(wb, wh) >= SATURATED_CPU_WAIT):   # a pass as much as a fail (a sleep hidden by faster gloo comm),
+        # and waits that grew: there they are the ranks' waits for descheduled peers, the scheduler's too
         out["verdict"] = "inconclusive"
         out["reason"] = (f"both sides were recorded on a busy machine, saturated (their ranks waited for a CPU {wb:.0%}"
                          f" and {wh:.0%} of the step): the step times measure the scheduler more than the code")
@@ -1081,7 +1098,7 @@ def comparison(gates: Sequence[Gate], base: Sequence[dict], head: Sequence[dict]
             "settings": {"test": test, "confidence": confidence, "seed": seed, "n_boot": DEFAULT_N_BOOT,
                          "min_steps": MIN_STEPS, "allow_different": allow_different},
             "gates": [r.to_dict() for r in results], "reasons": reasons,
-            **{k: v[k] for k in ("parts", "stragglers", "health", "identity", "probe", "gpu_probe",
+            **{k: v[k] for k in ("parts", "stragglers", "health", "identity", "probe", "gpu_probe", "job_probe",
                                  "gpu_probe_reason", "bound", "drift")}}
 
 
@@ -1090,8 +1107,9 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
     """The exit code after the checks beside the gates, and what explains it: which parts moved, stragglers that
     got worse (a rank that became persistent fails), a machine that changed and configurations that differ
     (inconclusive, exit 3: neither is a regression of the code). ``{exit_code, reasons, parts (part_changes),
-    stragglers (straggler_changes), health (health_changes), identity (config_differences), probe and gpu_probe
-    (probe_change; without a GPU probe ``gpu_probe_reason`` says why), bound (bounding_device: which probe is used,
+    stragglers (straggler_changes), health (health_changes), identity (config_differences), probe, gpu_probe and
+    job_probe (probe_change: before and after the job, the GPU's, the CPU's during the job; without a GPU probe
+    ``gpu_probe_reason`` says why), bound (bounding_device: which probe is used,
     and why), drift (machine_drift)}``; ``reasons``: why the outcome is what it is, one line each."""
     code = overall_exit(results)
     parts = part_changes(base, head, confidence=confidence, seed=seed)
@@ -1100,6 +1118,7 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
     identity = config_differences(base, head)
     probe = probe_change(base, head, confidence=confidence, seed=seed)
     gpu_probe = probe_change(base, head, confidence=confidence, seed=seed, kind="gpu")
+    job_probe = probe_change(base, head, confidence=confidence, seed=seed, phases=("job",))
     reasons = []
     worse = [f"rank {r['rank']} {r['what']}" for r in strag if r["verdict"] == FAIL]
     numerics = [f"{r['what']} at step {r['step']}" for r in health if r["verdict"] == FAIL]
@@ -1109,12 +1128,15 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
                                                                    for x in blocking)
                        + " (--allow-different to decide anyway)")
     bound = bounding_device(base, head)
-    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse))
-    drift = machine_drift(code, base, head, probe, confidence=confidence, seed=seed)
+    machine = _machine_reasons(probe, gpu_probe, bound, slower=code == EXIT_REGRESSION or bool(worse),
+                               job_probe=job_probe)
+    drift = machine_drift(code, base, head, probe, confidence=confidence, seed=seed, job_probe=job_probe)
     if drift["verdict"] == "fail":   # the hidden slowdown was found: the faster machine no longer makes it doubtful
         machine = []
     elif drift["verdict"] == "inconclusive" and not machine:   # one reason for one machine change
         machine.append(drift["reason"])
+    elif code == EXIT_OK and not machine and not worse:
+        machine += _steps_against_machine(results, probe, job_probe, drift)
     comparable = not reasons
     reasons += machine
     if numerics and comparable:   # a NaN, or a loss departing from a bit-identical base: no machine explains that
@@ -1131,11 +1153,42 @@ def verdict(results: Sequence[GateResult], base: Sequence[dict], head: Sequence[
         code = EXIT_REGRESSION
         reasons.append("a straggler got worse: " + "; ".join(worse))
     return {"exit_code": code, "reasons": reasons, "parts": parts, "stragglers": strag, "health": health,
-            "identity": identity, "probe": probe, "gpu_probe": gpu_probe,
+            "identity": identity, "probe": probe, "gpu_probe": gpu_probe, "job_probe": job_probe,
             "gpu_probe_reason": None if gpu_probe else _no_gpu_probe(base, head), "bound": bound, "drift": drift}
 
 
-def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool) -> list[str]:
+def _steps_against_machine(results: Sequence[GateResult], probe: dict | None, job_probe: dict | None,
+                           drift: dict) -> list[str]:
+    """A pass whose steps ran confidently faster (a step-time gate's interval wholly below no change) on a machine
+    that ran slower for the head by more than noise (its ranks waited for a CPU ``BUSY_DELTA`` of the step more, or a
+    probe, around or during the job, beyond its band; a probe interval that merely excludes no change made 2 % of
+    benchmarks/gate_power.py's identical pairs inconclusive, their steps 1 % faster): the steps moved against the
+    machine, so they follow something neither measures (gate_power --real at load 7-16: +10 % sleeps beside CPU
+    hogs ran 12-19 % faster, [-26, -1 %] the interval nearest no change, than a base recorded while the machine's
+    other load was heavier, the probe 3-5x slower for them), and a slower machine's "it can only have slowed the
+    head" does not hold: inconclusive, not a pass. Sets that probe's ``explains_verdict``."""
+    faster = [r for r in results if r.gate.is_step_time and not r.gate.advisory and r.ci
+              and r.ci[1] < 0]
+    busy = drift["busy"] or {}
+    slow = [p for p in (probe, job_probe) if p and p.get("used") and p["moved"] and p["ratio"] > 1]
+    if not faster or not (slow or busy.get("busier") == "head"):
+        return []
+    r = faster[0]
+    lo, hi = r.ci or (0.0, 0.0)
+    if slow:
+        slow[0]["explains_verdict"] = True
+        where = "probe during the job" if slow[0]["phase"] == "job" else "probe"
+        machine = f"the machine ran {abs(slow[0]['ratio'] - 1) * 100:.0f} % slower on the {where} (head vs base)"
+    else:
+        machine = (f"the head was recorded on a busy machine (its ranks waited for a CPU {busy['head']:.0%} of the "
+                   f"step, the base's {busy['base']:.0%})")
+    return [f"{machine}, yet the head's steps ran {-(r.change or 0) * 100:.0f} % faster [{lo * 100:+.0f}, "
+            f"{hi * 100:+.0f} %] ({r.gate.expr}): the step times moved against the machine, so the pass is no "
+            "evidence"]
+
+
+def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, slower: bool,
+                     job_probe: dict | None = None) -> list[str]:
     """Why a machine probe that moved makes the comparison inconclusive. Only the probe of a device that bounds the
     steps counts (``bound``: bounding_device; a CPU that ran slower under GPU-bound steps explains nothing, nor does
     a GPU under host-bound ones): each probe's ``used`` and ``used_why`` say so. A slower machine explains a slower
@@ -1145,7 +1198,8 @@ def _machine_reasons(probe: dict | None, gpu_probe: dict | None, bound: dict, sl
     but cannot explain a slower head: that regression stands. The probe's line shows the change either way. Sets
     each moved probe's ``explains_verdict``."""
     out = []
-    for p, what, where in ((probe, "machine", "probe"), (gpu_probe, "GPUs", "GPU probe")):
+    for p, what, where in ((probe, "machine", "probe"), (job_probe, "machine", "probe during the job"),
+                           (gpu_probe, "GPUs", "GPU probe")):
         if p:
             p["used"] = bound["device"] in ("both", p["kind"])
             p["used_why"] = bound["why"]

@@ -146,7 +146,7 @@ def _rank_coverage(run) -> dict:
 
 def _machine_block(nodes: list[dict]) -> dict:
     """``identity``, ``versions`` and ``probe`` of the run from its nodes' node.json (dtprof/machine.py): the first
-    node's identity and versions; the CPU probe's timings pooled over nodes (start and end of the job)."""
+    node's identity and versions; the CPU probe's timings pooled over nodes (before, during and after the job)."""
     ident = next((n["identity"] for n in nodes if isinstance(n.get("identity"), dict)), None)
     vers = next((n["versions"] for n in nodes if isinstance(n.get("versions"), dict)), None)
     probes = [n["probe"] for n in nodes if isinstance(n.get("probe"), dict)]
@@ -157,6 +157,9 @@ def _machine_block(nodes: list[dict]) -> dict:
         probe = {"work": probes[0].get("work"), "cpu_start_s": start, "cpu_end_s": end,
                  "cpu_s_median": float(np.median(start + end))}
         probe.update(_gpu_probe(probes))
+        job = [float(x) for p in probes for x in (p.get("cpu_job_s") or [])]   # during the job (older runs: none)
+        probe.update(cpu_job_s=job or None, job_work=next((p.get("job_work") for p in probes if p.get("cpu_job_s")),
+                                                         None))
     out: dict = {"identity": ident, "versions": vers, "probe": probe}
     if probe is None:
         out["probe_reason"] = "no node.json records a machine probe (imported, or recorded by an older dtprof)"

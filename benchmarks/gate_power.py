@@ -196,6 +196,7 @@ def real_runs(folder, reps: int) -> dict[str, list]:
 
                 shutil.rmtree(run, ignore_errors=True)
                 record_real(run, share * step_ms, hog)
+                (folder / f"{run.name}.load").write_text(f"{__import__('os').getloadavg()[0]:.1f}\n")
                 print(f"  recorded {run.name}", file=sys.stderr, flush=True)
             out[kind].append(load_summary(run)[1])
             if kind == "base" and rep == 0:
@@ -203,18 +204,27 @@ def real_runs(folder, reps: int) -> dict[str, list]:
     return out
 
 
-def real_rates(pool: dict[str, list]) -> list[tuple[str, int, dict[int, int]]]:
-    """Per cell: (name, pairs, {exit code: count}) over every base run x head run of the cell."""
+def real_rates(pool: dict[str, list]) -> list[tuple[str, int, dict[int, int], list[str]]]:
+    """Per cell: (name, pairs, {exit code: count}, a line for each pair that missed its target: an identical
+    configuration that failed, a regression that passed) over every base run x head run of the cell."""
     gate = rg.parse_gate(rg.DEFAULT_GATES[0])
     out = []
-    for name, b_kind, h_kind, _ in REAL_CELLS:
+    for name, b_kind, h_kind, regression in REAL_CELLS:
         codes = {0: 0, 1: 0, 3: 0}
+        misses = []
         for i, b in enumerate(pool[b_kind]):
             for j, h in enumerate(pool[h_kind]):
                 r = rg.evaluate_gate(gate, [b], [h], seed=i * 100 + j)
-                code = rg.verdict([r], [b], [h], seed=i * 100 + j, allow_different=True)["exit_code"]
-                codes[code] += 1
-        out.append((name, sum(codes.values()), codes))
+                v = rg.verdict([r], [b], [h], seed=i * 100 + j, allow_different=True)
+                codes[v["exit_code"]] += 1
+                if v["exit_code"] == (0 if regression else 1):
+                    probes = "; ".join(p["line"] for p in (v["job_probe"], v["probe"]) if p)
+                    busy = (v["drift"] or {}).get("busy") or {}
+                    lo, hi = r.ci or (float("nan"), float("nan"))
+                    misses.append(f"  {b_kind}-{i} -> {h_kind}-{j}: step p50 {(r.change or 0) * 100:+.1f} % "
+                                  f"[{lo * 100:+.1f}, {hi * 100:+.1f}]; CPU wait {busy.get('base', float('nan')):.0%}"
+                                  f" -> {busy.get('head', float('nan')):.0%}; {probes}")
+        out.append((name, sum(codes.values()), codes, misses))
     return out
 
 
@@ -224,9 +234,17 @@ def real_main(folder, reps: int) -> int:
           f"CPU hogs beside the hogged ones; every base x head pair of a cell decided as `dtprof compare` does")
     print(f"{'cell':<30}{'pairs':>6}{'exit 0':>8}{'exit 1':>8}{'exit 3':>8}")
     ok = True
-    for (name, n, codes), (_, _, _, regression) in zip(real_rates(pool), REAL_CELLS):
+    misses = []
+    for (name, n, codes, missed), (_, _, _, regression) in zip(real_rates(pool), REAL_CELLS):
         print(f"{name:<30}{n:>6}" + "".join(f"{codes[c] / n:>8.0%}" for c in (0, 1, 3)))
         ok = ok and (codes[0] / n <= 0.05 if regression else codes[1] / n <= 0.01)
+        misses += missed
+    loads = [float(p.read_text()) for p in __import__("pathlib").Path(folder).glob("*.load")]
+    if loads:
+        print(f"load average (1 min) as each run ended: {min(loads):.1f}-{max(loads):.1f}, median "
+              f"{np.median(loads):.1f}")
+    if misses:
+        print("pairs that missed their target:\n" + "\n".join(misses))
     print("PASS" if ok else "FAIL: a real-run target missed (regressions caught >= 95 %, identical failing <= 1 %)")
     return 0 if ok else 1
 

@@ -631,6 +631,7 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
     events = NodeTableWriter(node_dir, "events")
     sampler = None if no_nvml else _start_sampler(node_dir, nvml_interval, events, host, node_info)
     job = _start_job(command, job_env(env, node_dir, rank_config), node_dir, say, events, host, node_info, sampler)
+    job_probe = _guarded("probe", warn, machine.JobProbe().start)   # the CPU's speed during the job
     publisher = _guarded("metrics", warn, _start_publisher, sink_specs, run_dir, node_dir, host, config,
                          metrics_interval, say) if sink_specs else None
     watchdog = None
@@ -641,6 +642,8 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
                             job.stop_by_watchdog)
     returncode = job.wait()
     end_wall, end_mono = time.time(), time.monotonic_ns()
+    if job_probe is not None:
+        _guarded("probe", warn, lambda: node_info["probe"].update(job_probe.stop()))
     _guarded("probe", warn, machine.end_record, node_info, job_python_exe, env)
     fired = _stop_watchdog(watchdog, job, returncode)
     exit_code = WATCHDOG_EXIT if fired else exit_code_for(returncode)

@@ -6,6 +6,10 @@
 - ``cpu_probe``: a short fixed CPU micro-benchmark, timed before the job starts and after it ends, so that
   `dtprof compare` can tell a slower machine (a noisy neighbour, a throttled host) from slower code. Pure Python
   and hashlib, in the launcher.
+- ``JobProbe``: a smaller fixed CPU work timed in the launcher every JOB_PROBE_INTERVAL_S *during* the job, in
+  thread CPU time, so that a machine whose CPUs ran slower while the job ran (a VM slowed by its host: the before
+  and after probes and the ranks' own wait for a CPU both missed one) is seen. A low-priority thread of the
+  launcher, never the job's processes; a failure stops the samples, never the launcher.
 - ``gpu_probe``: a short fixed matmul on each of the node's GPUs, timed with CUDA events right after the CPU probe.
   The launcher never imports torch, so it runs in a subprocess of the job's Python (as dtprof/calibrate.py's
   calibration does), and only where the node has a GPU device: a CPU-only node pays nothing and its node.json
@@ -16,7 +20,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -57,11 +63,11 @@ def config_identity(command: list[str], cwd: Path) -> dict:
     return out
 
 
-def _work() -> int:
+def _work(n: int = 360000, blob: bytes = _BLOB) -> int:
     s = 0
-    for i in range(360000):
+    for i in range(n):
         s += i * i
-    return s + len(hashlib.sha256(_BLOB).digest())
+    return s + len(hashlib.sha256(blob).digest())
 
 
 def cpu_probe(repeats: int = PROBE_REPEATS) -> list[float]:
@@ -73,6 +79,57 @@ def cpu_probe(repeats: int = PROBE_REPEATS) -> list[float]:
         _work()
         out.append(time.perf_counter() - t0)
     return out
+
+
+# The probe during the job: a sixth of the work above (about 3 ms on an idle core) every half second, timed in the
+# thread's own CPU time: the time it waited for a CPU (the job's ranks, other load) is not in it, so it measures how
+# fast the CPU runs a fixed work (the host's frequency, a hypervisor's share, caches), a quantity the ranks' CPU wait
+# (analyzers, from /proc schedstat) does not hold. Its thread runs at nice 19 (Linux: this thread only), so the
+# job's ranks come first; its cost is its duty cycle, 0.4-0.9 % of one core in 2-rank runs (docs/compare.md). At
+# JOB_PROBE_MAX samples every other one is dropped and the interval doubles: node.json stays small over a long job,
+# the samples spread over all of it.
+JOB_PROBE_INTERVAL_S = 0.5
+JOB_PROBE_MAX = 2000
+_JOB_N, _JOB_BLOB = 60000, _BLOB[: 160 * 1024]
+JOB_PROBE_WORK = ("sum of 60000 int squares in Python + SHA-256 of 160 KiB, in the thread's CPU time, every "
+                  f"{JOB_PROBE_INTERVAL_S:g} s during the job (about 3 ms each)")
+
+
+class JobProbe:
+    """The CPU probe during the job: ``start()`` as the job starts, ``stop()`` (node.json ``probe`` keys
+    ``cpu_job_s``, ``job_work``, ``job_interval_s``) once it has exited."""
+
+    def __init__(self, interval_s: float = JOB_PROBE_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dtprof-job-probe", daemon=True)
+
+    def start(self) -> JobProbe:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)   # the job's ranks first
+        except (OSError, AttributeError):
+            pass
+        try:
+            _work(_JOB_N, _JOB_BLOB)   # warms caches, not kept
+            while not self._stop.wait(self.interval_s):
+                c0 = time.thread_time()
+                _work(_JOB_N, _JOB_BLOB)
+                self.samples.append(time.thread_time() - c0)
+                if len(self.samples) >= JOB_PROBE_MAX:
+                    del self.samples[::2]
+                    self.interval_s *= 2
+        except Exception:  # noqa: BLE001  the probe is never worth a launcher's failure
+            return
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        return {"cpu_job_s": list(self.samples), "job_work": JOB_PROBE_WORK, "job_interval_s": self.interval_s}
 
 
 # The GPU probe: per timing, GPU_MATMULS fp16 matmuls of GPU_N x GPU_N (1.1 TFLOP): about 1.5 ms on an H100's

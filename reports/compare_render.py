@@ -50,6 +50,13 @@ def probe_line(d: dict) -> str | None:
     return None if not p else _probe_text(p)
 
 
+def job_probe_line(d: dict) -> str | None:
+    """The CPU probe during the job (both sides recorded it), which decides which side ran on the slower machine."""
+    p = d.get("job_probe")
+    return None if not p else p["line"] + ("; not used: its device does not bound the steps"
+                                           if p.get("used") is False else "")
+
+
 def gpu_probe_line(d: dict) -> str | None:
     """The GPU probe's change, or why there is none (a CPU-only node, an older run)."""
     p = d.get("gpu_probe")
@@ -86,7 +93,7 @@ def explain_lines(d: dict) -> list[str]:
     out += drift_lines(d)
     out += [f"numerics: head run {r['run']}: {r['what']}: {r['detail']}: {_MARK[r['verdict']]}"
             for r in d.get("health") or []]
-    out += [x for x in (probe_line(d), gpu_probe_line(d)) if x]
+    out += [x for x in (probe_line(d), job_probe_line(d), gpu_probe_line(d)) if x]
     if d.get("bound"):
         used = {"gpu": "the GPU probe", "cpu": "the CPU probe", "both": "both probes"}[d["bound"]["device"]]
         out.append(f"machine probe used: {used} ({d['bound']['why']})")

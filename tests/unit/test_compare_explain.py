@@ -248,3 +248,101 @@ def test_a_failed_gate_between_two_saturated_recordings_is_inconclusive(tmp_path
     assert any("saturated" in x for x in d["reasons"]), d["reasons"]
     head = write_json(tmp_path, "h4", _machine(run_summary(2), 1.0, 0.30))
     assert compare_cli(base, "--head", head)[0] != 1
+
+
+def _job_probe(summary: dict, seconds: float, seed: int, n: int = 40, end_s: float | None = None) -> dict:
+    """The run with the CPU probe during the job (dtprof/machine.py JobProbe: ``n`` CPU-time timings of ``seconds``,
+    spread 10 %) and, with ``end_s``, its probe before and after the job at that median."""
+    rng = np.random.default_rng(seed)
+    summary["run"]["probe"]["cpu_job_s"] = (seconds * np.exp(rng.normal(0, 0.10, n))).tolist()
+    if end_s is not None:
+        t = end_s * np.exp(rng.normal(0, 0.05, 14))
+        summary["run"]["probe"].update(cpu_start_s=t[:7].tolist(), cpu_end_s=t[7:].tolist())
+    return summary
+
+
+def test_a_fail_on_a_machine_slower_during_the_job_is_inconclusive_and_old_runs_compare_as_before(tmp_path):
+    # issue 50, the quiet VM's false alarm: an identical configuration whose head ran every compute part 37 % longer,
+    # its ranks' CPU wait as the base's (6 % vs 7 %) and the probe after the job saying its machine was 20 % faster
+    # (within its band, but an interval that excludes no change). Only the probe during the job saw the machine slow.
+    def pair(job: bool):
+        b = _job_probe(_machine(run_summary(1), 1.0, 0.07), 0.0030, 11, end_s=0.010)
+        h = _job_probe(_machine(run_summary(2), 1.37, 0.06), 0.0030 * 1.37, 12, end_s=0.008)
+        if not job:   # the same runs as an older dtprof recorded them: no probe during the job
+            b["run"]["probe"]["cpu_job_s"] = h["run"]["probe"]["cpu_job_s"] = None
+        return write_json(tmp_path, f"b{job}", b), write_json(tmp_path, f"h{job}", h)
+    base, head = pair(False)
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "fail" and code == 1, d["outcome"]   # as before: the false alarm
+    assert d["job_probe"] is None and d["probe"]["changed"] and d["probe"]["ratio"] < 1, d["probe"]
+    base, head = pair(True)
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "fail" and code == 3, d["outcome"]
+    assert d["job_probe"]["changed"] and d["job_probe"]["ci"][0] > 1.2 and d["drift"]["head_machine"] == "slower"
+    assert any(re.search(r"the machine ran 3\d ?% slower (for the head )?on the (CPU )?probe during the job", x)
+               for x in d["reasons"]), d["reasons"]
+    _, text = compare_cli(base, "--head", head)
+    assert re.search(r"machine probe \(CPU, during the job\): head 3\d % slower than base", text), text
+
+
+def test_the_probe_during_the_job_does_not_excuse_a_regression_on_an_unchanged_machine(tmp_path):
+    # backward +12 ms (+10 % of the step) on rank 1, the machine the same during both jobs: still a regression; a
+    # head one side only recorded the job probe of (an older base) compares on the other probes, as before
+    base = write_json(tmp_path, "b", _job_probe(run_summary(1), 0.0030, 11))
+    head = write_json(tmp_path, "h", _job_probe(run_summary(2, backward_extra=0.012), 0.0030, 12))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert code == 1 and not d["job_probe"]["changed"] and d["drift"]["head_machine"] is None, (d["outcome"],
+                                                                                                  d["job_probe"])
+    old = write_json(tmp_path, "old", run_summary(1))
+    code, out = compare_cli(old, "--head", head, "--format", "json")
+    assert code == 1 and json.loads(out)["job_probe"] is None
+
+
+def test_a_sleep_hidden_by_a_machine_faster_during_the_job_fails(tmp_path):
+    # the head sleeps 10 ms more per step (in 'other') while its machine ran its compute 30 % faster during the job,
+    # which neither its ranks' CPU wait (both 1 %) nor the probes around the job saw: the gate passes on the step
+    # time, the waits fail it (judged as machine_drift judges a faster head)
+    base = write_json(tmp_path, "b", _job_probe(_machine(run_summary(1), 1.3, 0.01), 0.0039, 11))
+    head = write_json(tmp_path, "h", _job_probe(_machine(run_summary(2), 1.0, 0.01, sleep_s=0.010), 0.0030, 12))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and code == 1, (d["gates"][0], d["reasons"])
+    assert d["drift"]["head_machine"] == "faster" and d["drift"]["verdict"] == "fail", d["drift"]
+    assert any("hid the slowdown" in x and "during the job" in x for x in d["reasons"]), d["reasons"]
+
+
+def test_waits_that_grew_between_two_saturated_recordings_are_no_regression(tmp_path):
+    # gate_power --real at load 7-16: identical configurations, both sides' ranks waiting for a CPU ~64 % of the
+    # step, the head's machine faster during the job (its compute shorter) and its waits longer (its ranks waiting
+    # for descheduled peers): the waits judged apart would fail it; between saturated recordings they measure the
+    # scheduler, so the pass is inconclusive. The same runs on a machine that did not saturate fail.
+    def pair(wait: float, tag: str):
+        b = _job_probe(_machine(run_summary(1), 1.3, wait + 0.02), 0.0033, 11)   # within the probe's band
+        h = _job_probe(_machine(run_summary(2), 1.0, wait, sleep_s=0.010), 0.0030, 12)
+        return write_json(tmp_path, f"b{tag}", b), write_json(tmp_path, f"h{tag}", h)
+    base, head = pair(0.63, "s")
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and d["drift"]["waits"]["grew"] and code == 3, d["outcome"]
+    assert any("saturated" in x for x in d["reasons"]), d["reasons"]
+    base, head = pair(0.10, "q")
+    assert compare_cli(base, "--head", head)[0] == 1
+
+
+def test_a_pass_whose_steps_ran_faster_on_a_slower_machine_is_inconclusive(tmp_path):
+    # gate_power --real at load 7-16: a +10 % sleep recorded beside CPU hogs ran 12-19 % faster than its base (the
+    # base recorded while the machine's other load was heavier), the probe 3-5x slower for it: a slower machine can
+    # only have slowed the head, unless the steps do not follow the machine, which they did not here. Steps that
+    # did not move on the slower machine stay a pass.
+    base = write_json(tmp_path, "b", run_summary(1))
+    head = write_json(tmp_path, "h", _machine(run_summary(2, probe_s=0.040), 0.8, 0.0, sleep_s=0.010))
+    code, out = compare_cli(base, "--head", head, "--format", "json")
+    d = json.loads(out)
+    assert d["gates"][0]["verdict"] == "pass" and d["gates"][0]["ci"][1] < -0.02 and code == 3, d["outcome"]
+    assert d["probe"]["moved"] and d["probe"]["explains_verdict"] is True
+    assert any(re.search(r"slower on the probe .*, yet the head's steps ran \d+ % faster", x) for x in d["reasons"])
+    head = write_json(tmp_path, "h2", run_summary(3, probe_s=0.040))
+    assert compare_cli(base, "--head", head)[0] == 0

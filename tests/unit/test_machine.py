@@ -41,3 +41,26 @@ def test_a_gpu_probe_that_cannot_run_is_a_reason_not_an_error(tmp_path):
     broken.write_text("#!/bin/sh\necho 'ImportError: no torch here' >&2\nexit 1\n")
     broken.chmod(0o755)
     assert machine.run_gpu_probe(str(broken), {}) == {"reason": "the GPU probe failed: ImportError: no torch here"}
+
+
+def test_the_probe_during_the_job_times_its_work_in_cpu_time_at_low_priority(monkeypatch):
+    # a thread of the launcher, at nice 19 (the job's ranks first), timing the fixed work in the thread's own CPU
+    # time; past JOB_PROBE_MAX samples every other one goes and the interval doubles (node.json stays small)
+    monkeypatch.setattr(machine, "JOB_PROBE_MAX", 6)
+    probe = machine.JobProbe(interval_s=0.02).start()
+    nice = None
+    for _ in range(200):
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, probe._thread.native_id or 0)
+            break
+        except OSError:
+            machine.time.sleep(0.005)
+    t0, c0 = machine.time.perf_counter(), machine.time.thread_time()
+    machine.time.sleep(1.0)
+    wall, own_cpu = machine.time.perf_counter() - t0, machine.time.thread_time() - c0
+    rec = probe.stop()
+    assert nice == 19
+    assert 1 <= len(rec["cpu_job_s"]) < 6 and rec["job_interval_s"] > 0.02, rec   # decimated at least once
+    assert all(0 < t < wall for t in rec["cpu_job_s"]) and own_cpu < 0.05        # this thread did none of it
+    assert rec["job_work"] == machine.JOB_PROBE_WORK
+    assert not probe._thread.is_alive()
