@@ -966,13 +966,13 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     probe_dir = None
     if probe and probe.get("used", True) and probe.get("changed"):
         probe_dir = "slower" if probe["ratio"] > 1 else "faster"
-    # the ranks' own CPU wait decides which side ran on the busier machine, unless the probe says the opposite
-    # (conflicting evidence: no side is taken for the faster one)
-    head_faster = (busier == "base" and probe_dir != "slower") or (busier is None and probe_dir == "faster")
-    head_slower = (busier == "head" and probe_dir != "faster") or (busier is None and probe_dir == "slower")
     if job_probe:   # its CPU time is how fast the CPUs ran, apart from the ranks' wait for one: no conflict, each
         # counts for the side it names (both may hold: one side on slower CPUs, the other on a busier machine)
         head_faster, head_slower = busier == "base" or probe_dir == "faster", busier == "head" or probe_dir == "slower"
+    else:   # the ranks' own CPU wait decides which side ran on the busier machine, unless the probe around the job
+        # says the opposite (conflicting evidence: no side is taken for the faster one)
+        head_faster = (busier == "base" and probe_dir != "slower") or (busier is None and probe_dir == "faster")
+        head_slower = (busier == "head" and probe_dir != "faster") or (busier is None and probe_dir == "slower")
     out["head_machine"] = ("faster" if head_faster and not head_slower else
                            "slower" if head_slower and not head_faster else None)
     steps = [step_samples(s) for s in base]
