@@ -186,13 +186,13 @@ def bare_job(folder: Path, code: str, out: str, nproc: int = 2, timeout: float =
     """A job without dtprof: ``code`` written to FOLDER/job.py and run by torchrun with one argument, the empty
     folder FOLDER/OUT that it writes into (traces, dumps); fails the test unless it exits 0 (torch's exit abort
     is retried: torch_abort.py). Returns FOLDER/OUT."""
-    from torch_abort import returncode
+    from torch_abort import bare_returncode
 
     (folder / "job.py").write_text(code)
     (folder / out).mkdir()
     r = subprocess.run(torchrun(folder / "job.py", folder / out, nproc=nproc), capture_output=True, text=True,
                        timeout=timeout)
-    assert returncode(r) == 0, r.stderr[-2000:]
+    assert bare_returncode(r) == 0, r.stderr[-2000:]
     return folder / out
 
 
@@ -243,10 +243,10 @@ def compile_env():
 def bare_and_profiled(job: list, env: dict, cwd: Path) -> tuple[str, str]:
     """The job's stdout bare and under `dtprof run` (its run in ``cwd/run``); fails the test unless both exit 0
     (torch's exit abort is retried: torch_abort.py)."""
-    from torch_abort import returncode
+    from torch_abort import bare_returncode, returncode
 
     bare = subprocess.run(job, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert returncode(bare) == 0, bare.stderr[-3000:]
+    assert bare_returncode(bare) == 0, bare.stderr[-3000:]
     prof = dtprof("run", "--out", cwd / "run", "--no-report", "--no-nvml", "--", *job, cwd=cwd, env=env, timeout=600)
     assert returncode(prof) == 0, prof.stderr[-3000:]
     return bare.stdout, prof.stdout

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import EXAMPLES, TESTS, bare_and_profiled, dtprof, torchrun
 from dtprof.reader import open_run
-from torch_abort import returncode
+from torch_abort import bare_returncode, returncode
 
 FORMS = TESTS / "compile_jobs" / "forms.py"
 
@@ -46,7 +46,7 @@ def test_sampling_switches_keep_the_graphs(compile_env, tmp_path):
     break, the same losses."""
     job = torchrun(FORMS, "ddp_of_compiled", 48, "aot_eager")
     bare = subprocess.run(job, env=compile_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert returncode(bare) == 0, bare.stderr[-3000:]
+    assert bare_returncode(bare) == 0, bare.stderr[-3000:]
     prof = dtprof("run", "--out", tmp_path / "run", "--no-report", "--no-nvml", "--sample-every", 8, "--", *job,
                   cwd=tmp_path, env=compile_env, timeout=600)
     assert returncode(prof) == 0, prof.stderr[-3000:]

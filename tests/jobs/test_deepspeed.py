@@ -44,7 +44,7 @@ import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
 from conftest import REPO, dtprof, free_port
-from torch_abort import returncode
+from torch_abort import bare_returncode, returncode
 
 JOB_TIMEOUT_S = 1500   # a job is ~1 min on a quiet 2-core VM; 10+ min seen on one shared by other suites
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * JOB_TIMEOUT_S),   # a fixture's job runs in its first test
@@ -411,6 +411,6 @@ def test_hf_trainer_deepspeed_final_weights_bit_identical_bare_and_profiled(hf_z
     with shm_buffers_removed(port):
         bare = subprocess.run(hf_command(port), env=ENV, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
                               cwd=tmp_path)
-    assert returncode(bare) == 0, f"bare exited {bare.returncode}:\n{bare.stdout[-3000:]}\n{bare.stderr[-3000:]}"
+    assert bare_returncode(bare) == 0, f"bare exited {bare.returncode}:\n{bare.stdout[-3000:]}\n{bare.stderr[-3000:]}"
     profiled = parse_weights(p.stdout)
     assert len(profiled) == 2 and profiled == parse_weights(bare.stdout), (profiled, bare.stdout[-2000:])

@@ -17,6 +17,7 @@ loss by, read with get_scale(), and whether its scale fell at the update: the sk
 """
 import contextlib
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,10 @@ scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if mode == "fp16" els
 
 
 def batch(i):
+    # 10 ms waited as for a data loader: on its own the toy step is ~2 ms, and on a shared 2-core machine a rank's
+    # compute can run 0.3 ms slower than its peer's for most steps without waiting for a CPU (a CI run's clean job
+    # was named a straggler so); this job is about numerics, the straggler rule's own tests slow a rank on purpose
+    time.sleep(0.01)
     g = torch.Generator().manual_seed(1000 * rank + i)
     x = torch.randn(8, 16, generator=g)
     return x, x[:, :1] * 0.5 + 0.1 * torch.randn(8, 1, generator=g)
