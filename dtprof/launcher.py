@@ -122,8 +122,19 @@ def torchrun_option(command: list[str], *names: str) -> str | None:
     return None
 
 
+def is_deepspeed_runner(command: list[str]) -> bool:
+    """DeepSpeed's launcher (its ``deepspeed`` or ``ds`` entry point)."""
+    return Path(command[0]).name in ("deepspeed", "ds")
+
+
 def join_id_for(command: list[str], env: dict) -> str | None:
-    """The id that lets the other nodes of one torchrun job join this run directory: its rendezvous id."""
+    """The id that lets the other nodes of one job join this run directory: torchrun's rendezvous id; for DeepSpeed's
+    launcher started on each node (``--no_ssh --node_rank N``) its master's address and port (and SLURM's job id,
+    where there is one), which every node of the job is given alike."""
+    if is_deepspeed_runner(command) and "--no_ssh" in command[:script_index(command)]:
+        addr = torchrun_option(command, "--master_addr") or ""
+        port = torchrun_option(command, "--master_port") or "29500"    # DeepSpeed's default
+        return f"deepspeed:{env.get('SLURM_JOB_ID', '')}:{addr}:{port}"
     if not is_torchrun(command):
         return None
     rid = torchrun_option(command, "--rdzv-id", "--rdzv_id") or env.get("PET_RDZV_ID")
@@ -732,7 +743,9 @@ def _set_up_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
         node_dir = create_node_dir(run_dir, host)
     except OSError as e:
         raise InputError(f"{run_dir}: cannot create the node directory ({e.strerror or e})") from None
-    if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
+    per_node = (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1") or is_deepspeed_runner(command) and (
+        join_id or "").startswith("deepspeed:")
+    if out is None and per_node:
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
     return run_dir, node_dir
