@@ -45,7 +45,7 @@ from typing import Callable
 
 import click
 
-from dtprof import machine
+from dtprof import launch_deepspeed, machine
 from dtprof.cli import InputError
 from dtprof.machine import TORCHRUN_MODULES, script_index
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
@@ -123,7 +123,10 @@ def torchrun_option(command: list[str], *names: str) -> str | None:
 
 
 def join_id_for(command: list[str], env: dict) -> str | None:
-    """The id that lets the other nodes of one torchrun job join this run directory: its rendezvous id."""
+    """The id that lets the other nodes of one job join this run directory: torchrun's rendezvous id, or DeepSpeed's
+    master address and port when its launcher runs on each node (dtprof/launch_deepspeed.py)."""
+    if launch_deepspeed.join_id(command, env):
+        return launch_deepspeed.join_id(command, env)
     if not is_torchrun(command):
         return None
     rid = torchrun_option(command, "--rdzv-id", "--rdzv_id") or env.get("PET_RDZV_ID")
@@ -630,7 +633,9 @@ def run_command(out, nvml_interval, no_nvml, flops_per_step, peak_tflops, dtype,
 
     events = NodeTableWriter(node_dir, "events")
     sampler = None if no_nvml else _start_sampler(node_dir, nvml_interval, events, host, node_info)
-    job = _start_job(command, job_env(env, node_dir, rank_config), node_dir, say, events, host, node_info, sampler)
+    job_environment = job_env(env, node_dir, rank_config)
+    _deepspeed_hosts(command, cwd, env, job_environment, run_dir, node_dir, say)
+    job = _start_job(command, job_environment, node_dir, say, events, host, node_info, sampler)
     job_probe = _guarded("probe", warn, machine.JobProbe().start)   # the CPU's speed during the job
     publisher = _guarded("metrics", warn, _start_publisher, sink_specs, run_dir, node_dir, host, config,
                          metrics_interval, say) if sink_specs else None
@@ -732,10 +737,28 @@ def _set_up_run_dir(out: Path | None, command: list[str], cwd: Path, join_id: st
         node_dir = create_node_dir(run_dir, host)
     except OSError as e:
         raise InputError(f"{run_dir}: cannot create the node directory ({e.strerror or e})") from None
-    if out is None and (torchrun_option(command, "--nnodes") or "1") not in ("1", "1:1"):
+    nnodes = torchrun_option(command, "--nnodes") or "1"
+    if out is None and (nnodes not in ("1", "1:1") or launch_deepspeed.join_id(command, {})):
         say("dtprof: multi-node job without --out: each node records a separate run; pass the same --out on a "
             "shared file system to get one run")
     return run_dir, node_dir
+
+
+def _deepspeed_hosts(command: list[str], cwd: Path, base_env: dict, job_environment: dict, run_dir: Path,
+                     node_dir: Path, say: Callable[[str], None]) -> None:
+    """DeepSpeed's launcher starting ranks on several hosts from this one (dtprof/launch_deepspeed.py): through pdsh
+    they get dtprof's settings from an environment file (``DS_ENV_FILE`` set in ``job_environment``); through a
+    launcher that drops them, one line says the other hosts' ranks will not be recorded."""
+    remote = launch_deepspeed.remote_launch(command, cwd)
+    if remote is None or remote[0] in launch_deepspeed.WHOLE_ENV:
+        return
+    env_file = None
+    if remote[0] == launch_deepspeed.THROUGH_PDSH:
+        env_file = _guarded("DeepSpeed's environment file", warn, launch_deepspeed.write_env_file, node_dir,
+                            base_env, job_environment, cwd)
+        if env_file is not None:
+            job_environment["DS_ENV_FILE"] = str(env_file)
+    (say if env_file is not None else warn)(launch_deepspeed.start_line(*remote, run_dir, env_file))
 
 
 def _start_node_info(node_dir: Path, host: str, command: list[str], cwd: Path, env: dict, join_id: str | None,

@@ -212,8 +212,14 @@ class Watchdog:
             except Exception as e:  # the watchdog must never take the launcher down
                 self._event("warning", f"watchdog error: {type(e).__name__}: {e}")
 
+    def _beats(self) -> dict[int, dict]:
+        """The heartbeats of this host's ranks: ranks that DeepSpeed's pdsh launch starts on other hosts record into
+        this node directory too (dtprof/launch_deepspeed.py), and neither their pids nor their monotonic clocks mean
+        anything here."""
+        return {r: hb for r, hb in read_heartbeats(self.node_dir).items() if hb.get("host") in (None, self._host)}
+
     def _check_crashes(self) -> None:
-        hbs = read_heartbeats(self.node_dir)
+        hbs = self._beats()
         self._seen.update(hbs)
         # A rank whose process is gone without the heartbeat's clean-exit mark died (exception, signal, OOM killer).
         dead = [r for r, hb in hbs.items() if r not in self.crashed and hb.get("exit") != "clean"
@@ -245,7 +251,7 @@ class Watchdog:
 
     def _check_beats(self) -> None:
         """A rank that runs but whose heartbeat stopped while another's beats on: dtprof's own thread is stuck."""
-        hbs = read_heartbeats(self.node_dir)
+        hbs = self._beats()
         now = time.monotonic_ns()
         ages = {r: (now - hb["t_ns"]) / 1e9 for r, hb in hbs.items() if hb.get("t_ns") and hb.get("exit") is None}
         for r, age in ages.items():
@@ -264,7 +270,7 @@ class Watchdog:
             self._event("error", line)
 
     def _check_hang(self) -> bool:
-        hbs = read_heartbeats(self.node_dir)
+        hbs = self._beats()
         if self.crashed:
             return False  # a crashed job is torchrun's to stop; it is not a hang
         if not hbs:

@@ -38,12 +38,13 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from breakdown_checks import assert_breakdown_adds_up
-from conftest import REPO, dtprof, free_port
+from conftest import REPO, dtprof, dtprof_popen, free_port
 from torch_abort import bare_returncode, returncode
 
 JOB_TIMEOUT_S = 1500   # a job is ~1 min on a quiet 2-core VM; 10+ min seen on one shared by other suites
@@ -414,3 +415,153 @@ def test_hf_trainer_deepspeed_final_weights_bit_identical_bare_and_profiled(hf_z
     assert bare_returncode(bare) == 0, f"bare exited {bare.returncode}:\n{bare.stdout[-3000:]}\n{bare.stderr[-3000:]}"
     profiled = parse_weights(p.stdout)
     assert len(profiled) == 2 and profiled == parse_weights(bare.stdout), (profiled, bare.stdout[-2000:])
+
+
+# ---- several hosts (issue 47 point 3: DeepSpeed's launcher with a hostfile of two hosts) -------------------------
+
+TWO_HOSTS = "nodeA slots=1\nnodeB slots=1\n"
+PER_NODE_ARGS = ("--zero", "2", *ZERO_ARGS)
+
+
+def per_node_command(hostfile: Path, node_rank: int, port: int) -> list[str]:
+    """DeepSpeed's launcher on one node of a two-host hostfile, as each node runs it under ``srun`` (DeepSpeed >=
+    0.14's ``--no_ssh``): it starts that node's ranks only, without ssh."""
+    return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT), *PER_NODE_ARGS]
+
+
+def side_by_side(commands: list[list], d: Path) -> list[subprocess.CompletedProcess]:
+    """`dtprof run COMMAND` for each of one job's nodes, all at once in ``d`` (their output in files: a pipe nobody
+    reads could fill and stop a launcher); when one fails the others are stopped (SIGTERM, which `dtprof run` passes
+    on): their ranks would wait for the missing node's until torch's 30-minute timeout."""
+    logs = [(open(d / f"launcher{i}.out", "w+"), open(d / f"launcher{i}.err", "w+")) for i in range(len(commands))]
+    procs = [dtprof_popen("run", *c, env=ENV, stdout=o, stderr=e) for c, (o, e) in zip(commands, logs)]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    done = []
+    for p, (o, e) in zip(procs, logs):
+        p.wait(timeout=120)
+        o.seek(0)
+        e.seek(0)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    return done
+
+
+@pytest.fixture(scope="module")
+def per_node(tmp_path_factory):
+    """Two `dtprof run --out RUN` launchers side by side on this machine, one per "node" of a two-host hostfile
+    (``nodeA``, ``nodeB``: names DeepSpeed only counts, with ``--no_ssh``), one ZeRO-2 job: (out, [stdout of each
+    launcher], summary)."""
+    d = tmp_path_factory.mktemp("ds_hosts")
+    (d / "hostfile").write_text(TWO_HOSTS)
+    port, out = free_port(), d / "run"
+    with shm_buffers_removed(port):
+        done = side_by_side([["--out", out, "--no-report", "--", *per_node_command(d / "hostfile", i, port)]
+                             for i in range(2)], d)
+    for p in done:
+        assert returncode(p) == 0, f"a node's launcher exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return out, [p.stdout for p in done], assert_breakdown_adds_up(out)
+
+
+def test_deepspeed_per_node_launchers_record_one_run(per_node):
+    """Both nodes' ranks in one run, each in its own launcher's node directory, a step per optimizer step, the
+    headline's exposed communication within 5 points of the job's own clock."""
+    from dtprof.reader import open_run
+
+    out, stdouts, s = per_node
+    run = open_run(out)
+    assert len(run.nodes) == 2
+    # one rank per node directory, each the rank its node's DeepSpeed launcher started (node_rank i: rank i)
+    node_rank = {n["node"]: int(n["command"][n["command"].index("--node_rank") + 1]) for n in run.nodes}
+    assert {int(r): node_rank[str(n)] for r, n in zip(run.ranks["rank"], run.ranks["node"])} == {0: 0, 1: 1}
+    clock = {**parse_clock(stdouts[0]), **parse_clock(stdouts[1])}
+    assert sorted(clock) == [0, 1]
+    assert s["run"]["world_size"] == 2 and not s["run"].get("ranks_missing"), s["run"]
+    assert not s["run"].get("unidentified_processes"), s["run"]
+    assert all(r["steps_recorded"] == 8 for r in s["ranks"]), s["ranks"]
+    assert s["overlap"]["exposed_comm_frac"] == pytest.approx(_clock_frac(s, clock), abs=CLOCK_POINTS)
+
+
+def test_deepspeed_per_node_final_weights_bit_identical_to_bare(per_node, tmp_path):
+    """The job's final weights, profiled one launcher per node, against a bare run of the same job under DeepSpeed's
+    launcher on one host (``--num_gpus 2``: the same two ranks)."""
+    _, stdouts, _ = per_node
+    profiled = {**parse_weights(stdouts[0]), **parse_weights(stdouts[1])}
+    bare = Job(tmp_path / "bare", PER_NODE_ARGS, profiled=False)
+    assert len(profiled) == 2 and profiled == bare.weights()
+
+
+def _ssh_to(host: str) -> bool:
+    try:
+        return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+PDSH_HOSTS = ("localhost", "127.0.0.1")     # two names of this machine: two "hosts" to ssh to
+
+
+@pytest.fixture(scope="module")
+def pdsh_job(tmp_path_factory):
+    """One `dtprof run` around DeepSpeed's launcher with a two-host hostfile and no ``--no_ssh``: DeepSpeed's default
+    multi-host launch, pdsh over ssh to each host (here ``localhost`` and ``127.0.0.1``, both this machine), one
+    ZeRO-2 rank each, in an environment built from DeepSpeed's exported prefixes and the ``.deepspeed_env`` of the
+    directory it is started in (which holds the user's own DS_ACCELERATOR and TORCH_EXTENSIONS_DIR: pdsh passes
+    nothing else). Needs pdsh and passwordless ssh to both names (absent in CI: skipped, saying so)."""
+    if not shutil.which("pdsh"):
+        pytest.skip("pdsh is not installed (DeepSpeed's multi-host launch needs it)")
+    if not all(_ssh_to(h) for h in PDSH_HOSTS):
+        pytest.skip(f"no passwordless ssh to {' and '.join(PDSH_HOSTS)} (an ssh server with the user's key)")
+    d = tmp_path_factory.mktemp("ds_pdsh")
+    (d / "hostfile").write_text("".join(f"{h} slots=1\n" for h in PDSH_HOSTS))
+    own = {"DS_ACCELERATOR": "cpu", **{k: ENV[k] for k in ("TORCH_EXTENSIONS_DIR",) if k in ENV}}
+    (d / ".deepspeed_env").write_text("".join(f"{k}={v}\n" for k, v in own.items()))
+    port, out = free_port(), d / "run"
+    cmd = [str(BIN / "deepspeed"), "--hostfile", "hostfile", "--master_addr", "127.0.0.1", "--master_port", str(port),
+           str(SCRIPT), *PER_NODE_ARGS]
+    with shm_buffers_removed(port):
+        p = dtprof("run", "--out", out, "--no-report", "--", *cmd, env=ENV, cwd=d, timeout=JOB_TIMEOUT_S)
+    assert returncode(p) == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p, out, assert_breakdown_adds_up(out)
+
+
+def test_deepspeed_pdsh_launch_records_every_host(pdsh_job):
+    """Every rank recorded though pdsh passes the ranks only the variables DeepSpeed exports: `dtprof run` gives
+    them its settings through DeepSpeed's environment file (DS_ENV_FILE, the user's lines kept) and says so at start;
+    a step per optimizer step, the headline's exposed communication within 5 points of the job's own clock."""
+    from dtprof.reader import open_run
+
+    p, out, s = pdsh_job
+    (node,) = open_run(out).nodes
+    env_file = out / node["node"] / "deepspeed_env"
+    assert f"through pdsh; they get dtprof's settings from {env_file}" in p.stderr, p.stderr[-2000:]
+    assert env_file.read_text().startswith("DS_ACCELERATOR=cpu\n")     # the user's lines first
+    assert s["run"]["world_size"] == 2 and s["run"]["ranks_recorded"] == 2 and not s["run"].get("ranks_missing")
+    assert not s["run"].get("unidentified_processes"), s["run"]      # not DeepSpeed's runner nor its per-host ones
+    assert all(r["steps_recorded"] == 8 for r in s["ranks"]), s["ranks"]
+    clock = parse_clock(p.stdout)
+    assert sorted(clock) == [0, 1], p.stdout[-2000:]
+    assert s["overlap"]["exposed_comm_frac"] == pytest.approx(_clock_frac(s, clock), abs=CLOCK_POINTS)
+
+
+def test_deepspeed_other_multi_host_launchers_say_what_is_not_recorded(tmp_path):
+    """DeepSpeed's other multi-host launchers pass the environment file's values on without a shell, where
+    dtprof's settings do not survive: one line at start says the other hosts' ranks will not be recorded and how to
+    launch instead (here DeepSpeed then stops: no OpenMPI on this machine)."""
+    (tmp_path / "hostfile").write_text("nodeA slots=1\nnodeB slots=1\n")
+    p = dtprof("run", "--out", tmp_path / "run", "--no-report", "--", str(BIN / "deepspeed"), "--hostfile",
+               str(tmp_path / "hostfile"), "--launcher", "openmpi", "--no_ssh_check", "--master_addr", "127.0.0.1",
+               str(SCRIPT), env=ENV, timeout=JOB_TIMEOUT_S)
+    line = ("dtprof: DeepSpeed's --launcher openmpi starts the ranks on 2 hosts (nodeA, nodeB) without dtprof's "
+            "settings: the ranks on other hosts will not be recorded; run `dtprof run --out SAME_DIR -- deepspeed "
+            "--no_ssh --node_rank N ...` on each node instead")
+    assert line in p.stderr, p.stderr[-2000:]

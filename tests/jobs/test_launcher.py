@@ -251,6 +251,11 @@ def test_fake_gpus_sampled_through_the_launcher(tmp_path):
     (["python", "-m", "torch.distributed.run", "--rdzv_id", "abc", "-m", "pkg.trainer"], "trainer", "abc"),
     (["python", "train_ddp.py"], "train_ddp", None),
     (["./run.sh"], "run.sh", None),
+    # DeepSpeed's launcher on each node of a hostfile (--no_ssh): the nodes join on the master's address and port
+    (["/v/bin/deepspeed", "--hostfile", "h", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
+      "--master_port=29600", "train.py", "--no_ssh"], "train", "deepspeed::10.0.0.1:29600"),
+    (["deepspeed", "--hostfile", "h", "--no_ssh", "--node_rank", "0", "train.py"], "train", "deepspeed:::29500"),
+    (["deepspeed", "--num_gpus", "2", "train.py", "--no_ssh"], "train", None),   # the script's own option
 ])
 def test_command_parsing(command, name, join):
     assert launcher.script_name(command) == name

@@ -192,6 +192,23 @@ def test_deaths_seen_in_one_poll_put_the_rank_that_lost_a_peer_last(tmp_path):
     assert (tmp_path / "dump-request-crash").exists()   # the survivors were asked for their state at once
 
 
+def test_watchdog_leaves_other_hosts_ranks_alone(tmp_path):
+    # DeepSpeed's pdsh launch has the ranks of every host record into the launching host's node directory
+    # (dtprof/launch_deepspeed.py): a rank of another host, whose pid means nothing here, is not taken for dead
+    import socket
+
+    from dtprof.watchdog import Watchdog
+    for rank, host in ((0, socket.gethostname()), (1, "another-host")):
+        d = tmp_path / f"rank-{rank}"
+        d.mkdir()
+        (d / "heartbeat.json").write_text(json.dumps({"rank": rank, "pid": 2**22 + rank, "step": 3, "t_ns": 100,
+                                                       "exit": None, "host": host}))
+    wd = Watchdog(tmp_path, timeout_s=60, stop_job=lambda: None)
+    wd._check_crashes()
+    dead = json.loads((tmp_path / "triage" / "crash.json").read_text())["dead"]
+    assert [d["rank"] for d in dead] == [0]
+
+
 def test_watchdog_names_a_stalled_heartbeat_thread_not_a_frozen_rank(tmp_path):
     # rank 1's process runs but its heartbeat is 8 s old while rank 0's is fresh: dtprof's own thread stopped
     # (a fault of dtprof's, named once); rank 2's is as old but its process is SIGSTOPped: the hang's to name
