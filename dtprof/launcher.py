@@ -125,8 +125,9 @@ def torchrun_option(command: list[str], *names: str) -> str | None:
 def join_id_for(command: list[str], env: dict) -> str | None:
     """The id that lets the other nodes of one job join this run directory: torchrun's rendezvous id, or DeepSpeed's
     master address and port when its launcher runs on each node (dtprof/launch_deepspeed.py)."""
-    if launch_deepspeed.join_id(command, env):
-        return launch_deepspeed.join_id(command, env)
+    deepspeed_id = launch_deepspeed.join_id(command, env)
+    if deepspeed_id:
+        return deepspeed_id
     if not is_torchrun(command):
         return None
     rid = torchrun_option(command, "--rdzv-id", "--rdzv_id") or env.get("PET_RDZV_ID")
