@@ -22,7 +22,9 @@ steps with 262,144-element buckets (the whole 136,192 gradient elements in one a
 The engine's own work per bucket is not in the prediction: the run cannot separate it (DeepSpeed's
 ``reduce_ipg_grads`` runs on the training thread inside ``loss.backward()``, between autograd's ops, under no span
 of its own); the job's own clock (``clock`` lines) gives each rank's time outside ``torch.distributed`` calls in the
-two kinds of step, printed as ``work change`` (large - small): what the prediction leaves out.
+two kinds of step, printed as ``work change`` (large - small): what the prediction leaves out. The job also times
+DeepSpeed's flushes itself (``--time-flushes``): the engine's work in them less communication, per step, printed
+for both kinds of step.
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ def run_job(out: Path, steps: int) -> str:
     p = subprocess.run([str(REPO / ".venv/bin/dtprof"), "run", "--out", str(out), "--no-report", "--", "deepspeed",
                         "--num_gpus", "2", "--master_port", str(port), "examples/frameworks/train_deepspeed.py",
                         "--zero", "2", "--dim", "16", "--blocks", "64", "--steps", str(steps),
-                        "--bucket", f"{LARGE},{SMALL}"], cwd=REPO, env=env, capture_output=True, text=True)
+                        "--bucket", f"{LARGE},{SMALL}", "--time-flushes"],
+                       cwd=REPO, env=env, capture_output=True, text=True)
     for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
         f.unlink(missing_ok=True)     # DeepSpeed's CPU comm buffers of this job
     if p.returncode:
@@ -94,6 +97,11 @@ def check(run_dir: Path, output: str) -> dict:
            for r, js in re.findall(r"clock (\d+) (\{\"steps\": \[.*?\]\]\})", output)}
     work_change = {r: float(np.median(c[large, 0] - c[large, 1]) - np.median(c[small, 0] - c[small, 1])) * 1e3
                    for r, c in sorted(clk.items())}
+    # the job's own timing of DeepSpeed's flushes (--time-flushes): the engine's work in them, less communication
+    flush = {int(r): np.array(json.loads(js)["steps"])
+             for r, js in re.findall(r"flush (\d+) (\{\"steps\": \[.*?\]\]\})", output)}
+    engine_ms = {r: [float(np.median(f[ss, 1] - f[ss, 2])) * 1e3 for ss in (large, small)]
+                 for r, f in sorted(flush.items())}
     large_tr = bk[bk["step"].isin(large)]
     large_tr = (large_tr["end_ns"] - large_tr.groupby(["group", "seq"])["issue_ns"].transform("max")).astype(float)
     return {"load": re.findall(r"load (?:before|after|average): ([\d.]+)", output), "ranks": len(ranks),
@@ -103,7 +111,8 @@ def check(run_dir: Path, output: str) -> dict:
             "predicted_large_ms": float(pred.median()), "measured_saving_ms": measured,
             "predicted_saving_ms": predicted, "error": (predicted - measured) / measured,
             "measured_saving_halves_ms": halves, "small_transfer_mean_ms": float(transfer.mean()),
-            "large_transfer_median_ms": float(np.median(large_tr) / 1e6), "work_change_ms": work_change}
+            "large_transfer_median_ms": float(np.median(large_tr) / 1e6), "work_change_ms": work_change,
+            "engine_flush_ms": engine_ms}
 
 
 def main() -> None:
@@ -129,7 +138,9 @@ def main() -> None:
               f"{r['measured_saving_halves_ms'][1]:.1f}), predicted {r['predicted_saving_ms']:.1f} ms "
               f"(error {r['error']:+.0%}); transfer small mean {r['small_transfer_mean_ms']:.2f} ms, large median "
               f"{r['large_transfer_median_ms']:.2f} ms; work change (large - small, job's clock) "
-              + ", ".join(f"rank {k} {v:+.1f} ms" for k, v in r["work_change_ms"].items()))
+              + ", ".join(f"rank {k} {v:+.1f} ms" for k, v in r["work_change_ms"].items())
+              + "".join(f"; rank {k}'s engine work in flushes {lg:.1f} ms a step (large), {sm:.1f} (small)"
+                        for k, (lg, sm) in r["engine_flush_ms"].items()))
 
 
 if __name__ == "__main__":
