@@ -26,6 +26,9 @@ pipeline), to compare a bare run with a profiled one. At its exit each rank prin
 <own> exit <own>``: whether DeepSpeed's engine methods that a profiler may wrap (``DeepSpeedEngine.step``,
 ``PipelineEngine.train_batch``) were DeepSpeed's own code after training and at the very end of the process (its
 exit hook is registered before torch is imported, so it runs after any exit hook a profiler registers then).
+``--time-flushes`` (ZeRO-1/2) also times DeepSpeed's bucket flushes (``reduce_ipg_grads``, each bucket's reduction
+and the engine's own work around it) and prints ``flush <rank> {"steps": [[flushes, flush_s, comm_s], ...]}`` per
+optimizer step: the engine's own work per bucket is flush_s - comm_s (benchmarks/zero_bucket_whatif.py).
 """
 import argparse
 import atexit
@@ -112,6 +115,27 @@ def weights_hash(params) -> str:
     return h.hexdigest()
 
 
+def time_flushes() -> list:
+    """Times DeepSpeed ZeRO-1/2's bucket flushes: returns the running [count, seconds, communication seconds] of
+    the step in progress (the training loop takes and resets it at each step's end)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    out: list = [0, 0.0, 0.0]
+    orig = DeepSpeedZeroOptimizer.reduce_ipg_grads
+
+    def reduce_ipg_grads(self, *args, **kwargs):
+        t0, c0 = time.perf_counter(), comm_clock.comm_s()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            out[0] += 1
+            out[1] += time.perf_counter() - t0
+            out[2] += comm_clock.comm_s() - c0
+
+    DeepSpeedZeroOptimizer.reduce_ipg_grads = reduce_ipg_grads
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3 (not with --pipeline)")
@@ -139,9 +163,13 @@ def main():
     p.add_argument("--device-ms", type=float, default=0.0,
                    help="each block also waits this long in forward (twice in backward) holding no CPU: a stand-in "
                         "for a device's compute time that a busy host does not stretch")
+    p.add_argument("--time-flushes", action="store_true",
+                   help="time ZeRO-1/2's bucket flushes (module docstring)")
     p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
     args = p.parse_args()
 
+    flushes = time_flushes() if args.time_flushes else None
+    flush_steps: list = []
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
@@ -196,6 +224,9 @@ def main():
                 engine.step()
                 losses.append(float(loss) if args.print_health else 0.0)
         per_step.append([time.perf_counter() - t0, comm_clock.comm_s() - c0])
+        if flushes is not None:
+            flush_steps.append(list(flushes))
+            flushes[:] = [0, 0.0, 0.0]
         if args.print_health and not args.pipeline:
             norm = engine.get_global_grad_norm()
             norm = own_norm if norm is None else float(norm)
@@ -203,6 +234,8 @@ def main():
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
     print(f"clock {rank} " + json.dumps({"steps": per_step}), flush=True)
+    if flushes is not None:
+        print(f"flush {rank} " + json.dumps({"steps": flush_steps}), flush=True)
     print(f"weights {rank} {weights_hash(q for e in engines for q in e.module.parameters())}", flush=True)
     print(f"parameters {rank} {n_params}", flush=True)
     _own_after_training.append(engine_methods_own())
