@@ -914,6 +914,15 @@ def cpu_wait_share(runs: Sequence[dict]) -> float | None:
     return float(np.median(v)) if v else None
 
 
+def head_cpu_wait_s(runs: Sequence[dict]) -> float | None:
+    """Median over a side's runs of the seconds per step its ranks waited for a CPU (summary ``cpu_wait.s_per_step``:
+    the mean over its ranks); None where not measured. A rank runnable but not running holds its peers at the next
+    collective, so up to this much of the step's waits can be the scheduler's."""
+    v = [lookup(s, "cpu_wait.s_per_step") for s in runs]
+    v = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
+    return float(np.median(v)) if v else None
+
+
 def _group_series(summary: dict, parts: Sequence[str]) -> np.ndarray | None:
     """Per measured step, the critical rank's seconds in ``parts`` summed (summary ``breakdown.per_step``)."""
     ps = lookup(summary, "breakdown.per_step")
@@ -939,7 +948,9 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
 
     - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
       shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
-      base step, that is a regression that faster compute hid (fail). Otherwise, when the base's ranks waited for
+      base step, that is a regression that faster compute hid (fail), unless its lower end is no more than the
+      head's ranks waited for a CPU per step (``head_cpu_wait_s``: their waits for descheduled peers can be that
+      much; inconclusive). Otherwise, when the base's ranks waited for
       a CPU more (a busy base), the pass is inconclusive: a slowdown of compute could hide behind it. (A probe
       change within ``PROBE_TOLERANCE`` alone does not make a pass inconclusive: on a busy 2-core machine that
       would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
@@ -1003,12 +1014,20 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
             out["verdict"] = "inconclusive"
             out["reason"] = machine_words("base") + ": a slowdown of the head could hide behind the pass"
         if waits and waits["grew"]:
-            faster = (f"; compute {compute['change_s'] * 1e3:+.1f} ms" if compute else "")
-            out["verdict"] = "fail"
-            out["reason"] = (f"the step's waits ({', '.join(WAIT_PARTS)}: time a faster machine does not shorten) "
-                             f"grew {waits['change_s'] * 1e3:+.1f} ms per step [{waits['ci_s'][0] * 1e3:+.1f}, "
-                             f"{waits['ci_s'][1] * 1e3:+.1f}], beyond the gate's +{tolerance:.0%} of the base step"
-                             f"{faster}: {machine_words('base')}, which hid the slowdown in the step time")
+            grew = (f"the step's waits ({', '.join(WAIT_PARTS)}: time a faster machine does not shorten) grew "
+                    f"{waits['change_s'] * 1e3:+.1f} ms per step [{waits['ci_s'][0] * 1e3:+.1f}, "
+                    f"{waits['ci_s'][1] * 1e3:+.1f}]")
+            scheduler_s = head_cpu_wait_s(head)
+            if scheduler_s is not None and waits["ci_s"][0] <= scheduler_s:
+                out["verdict"] = "inconclusive"
+                out["reason"] = (f"{grew}, no more than the head's ranks waited for a CPU ({scheduler_s * 1e3:.1f} ms "
+                                 f"per step): a rank descheduled keeps its peers waiting at the next collective, so "
+                                 f"these waits are the scheduler's as much as the code's")
+            else:
+                faster = (f"; compute {compute['change_s'] * 1e3:+.1f} ms" if compute else "")
+                out["verdict"] = "fail"
+                out["reason"] = (f"{grew}, beyond the gate's +{tolerance:.0%} of the base step{faster}: "
+                                 f"{machine_words('base')}, which hid the slowdown in the step time")
     elif code == 1 and head_slower:
         out["verdict"] = "inconclusive"
         out["reason"] = machine_words("head") + ": the machine, not the code, may have slowed it"
