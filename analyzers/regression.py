@@ -1020,9 +1020,9 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
             scheduler_s = head_cpu_wait_s(head)
             if scheduler_s is not None and waits["ci_s"][0] <= scheduler_s:
                 out["verdict"] = "inconclusive"
-                out["reason"] = (f"{grew}, no more than the head's ranks waited for a CPU ({scheduler_s * 1e3:.1f} ms "
-                                 f"per step): a rank descheduled keeps its peers waiting at the next collective, so "
-                                 f"these waits are the scheduler's as much as the code's")
+                out["reason"] = (f"{grew}, no more than the head's ranks waited for a CPU on a busy machine "
+                                 f"({scheduler_s * 1e3:.1f} ms per step): a rank descheduled keeps its peers waiting "
+                                 f"at the next collective, so these waits are the scheduler's as much as the code's")
             else:
                 faster = (f"; compute {compute['change_s'] * 1e3:+.1f} ms" if compute else "")
                 out["verdict"] = "fail"
