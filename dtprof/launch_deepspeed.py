@@ -27,6 +27,8 @@ import os
 import re
 from pathlib import Path
 
+from dtprof.machine import option_value
+
 ENV_FILE = "deepspeed_env"                  # dtprof's environment file, in the node directory
 DEFAULT_HOSTFILE = "/job/hostfile"          # DeepSpeed's DLTS_HOSTFILE
 DEFAULT_PORT = "29500"
@@ -57,14 +59,8 @@ def _own_args(command: list[str]) -> list[str]:
 
 
 def option(command: list[str], *names: str) -> str | None:
-    args = _own_args(command)
-    for i, a in enumerate(args):
-        for n in names:
-            if a == n and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(n + "="):
-                return a[len(n) + 1:]
-    return None
+    """The value of one of the runner's own options (``--x=v`` or ``--x v``)."""
+    return option_value(_own_args(command), *names)
 
 
 def join_id(command: list[str], env: dict) -> str | None:

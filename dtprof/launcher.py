@@ -47,7 +47,7 @@ import click
 
 from dtprof import launch_deepspeed, machine
 from dtprof.cli import InputError
-from dtprof.machine import TORCHRUN_MODULES, script_index
+from dtprof.machine import TORCHRUN_MODULES, option_value, script_index
 from dtprof.relay import DISK_FULL_EXIT, LOG_FAILED_EXIT
 from dtprof.rundir.conform import RunFormatError
 from dtprof.rundir.files import read_table_text
@@ -112,14 +112,7 @@ def script_name(command: list[str]) -> str:
 def torchrun_option(command: list[str], *names: str) -> str | None:
     """Value of a torchrun option (``--x=v`` or ``--x v``) among the launcher's own arguments (before the script)."""
     end = script_index(command)
-    args = command[:end] if end is not None else command
-    for i, a in enumerate(args):
-        for n in names:
-            if a == n and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(n + "="):
-                return a[len(n) + 1:]
-    return None
+    return option_value(command[:end] if end is not None else command, *names)
 
 
 def join_id_for(command: list[str], env: dict) -> str | None:

@@ -37,6 +37,18 @@ _BLOB = bytes(range(256)) * 4096   # 1 MiB
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
+def option_value(args: list[str], *names: str) -> str | None:
+    """The value of a launcher's option among its own arguments ``args`` (``--x=v`` or ``--x v``, the first of
+    ``names`` found); None where none is given."""
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(n + "="):
+                return a[len(n) + 1:]
+    return None
+
+
 def script_index(command: list[str]) -> int | None:
     """Index of the training script (first ``*.py`` argument, or the module after a non-torchrun ``-m``)."""
     for i, a in enumerate(command):
