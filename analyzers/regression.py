@@ -907,18 +907,10 @@ BUSY_DELTA = 0.03
 SATURATED_CPU_WAIT = 0.5
 
 
-def cpu_wait_share(runs: Sequence[dict]) -> float | None:
-    """Median over a side's runs of the share of the step its ranks waited for a CPU; None where not measured."""
-    v = [lookup(s, "cpu_wait.frac_of_step") for s in runs]
-    v = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
-    return float(np.median(v)) if v else None
-
-
-def head_cpu_wait_s(runs: Sequence[dict]) -> float | None:
-    """Median over a side's runs of the seconds per step its ranks waited for a CPU (summary ``cpu_wait.s_per_step``:
-    the mean over its ranks); None where not measured. A rank runnable but not running holds its peers at the next
-    collective, so up to this much of the step's waits can be the scheduler's."""
-    v = [lookup(s, "cpu_wait.s_per_step") for s in runs]
+def cpu_wait_share(runs: Sequence[dict], measure: str = "frac_of_step") -> float | None:
+    """Median over a side's runs of how long its ranks waited for a CPU (summary ``cpu_wait``): the share of the step
+    (``frac_of_step``) or the seconds per step (``s_per_step``, the mean over its ranks); None where not measured."""
+    v = [lookup(s, f"cpu_wait.{measure}") for s in runs]
     v = [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
     return float(np.median(v)) if v else None
 
@@ -949,8 +941,9 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
     - a pass with the head on the faster machine: the step's waits (``WAIT_PARTS``, which a faster machine does not
       shorten) are judged apart: when their growth's whole interval lies beyond the step gate's tolerance of the
       base step, that is a regression that faster compute hid (fail), unless its lower end is no more than the
-      head's ranks waited for a CPU per step (``head_cpu_wait_s``: their waits for descheduled peers can be that
-      much; inconclusive). Otherwise, when the base's ranks waited for
+      head's ranks waited for a CPU per step (``cpu_wait_share(head, "s_per_step")``: a rank runnable but not
+      running holds its peers at the next collective, so that much of the waits can be the scheduler's;
+      inconclusive). Otherwise, when the base's ranks waited for
       a CPU more (a busy base), the pass is inconclusive: a slowdown of compute could hide behind it. (A probe
       change within ``PROBE_TOLERANCE`` alone does not make a pass inconclusive: on a busy 2-core machine that
       would hold up ~5 % of identical configurations, benchmarks/gate_power.py.)
@@ -1017,7 +1010,7 @@ def machine_drift(code: int, base: Sequence[dict], head: Sequence[dict], probe: 
             grew = (f"the step's waits ({', '.join(WAIT_PARTS)}: time a faster machine does not shorten) grew "
                     f"{waits['change_s'] * 1e3:+.1f} ms per step [{waits['ci_s'][0] * 1e3:+.1f}, "
                     f"{waits['ci_s'][1] * 1e3:+.1f}]")
-            scheduler_s = head_cpu_wait_s(head)
+            scheduler_s = cpu_wait_share(head, "s_per_step")
             if scheduler_s is not None and waits["ci_s"][0] <= scheduler_s:
                 out["verdict"] = "inconclusive"
                 out["reason"] = (f"{grew}, no more than the head's ranks waited for a CPU on a busy machine "
