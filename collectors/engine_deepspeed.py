@@ -18,8 +18,15 @@ does after that step is the step's (ZeRO-1/2's all-gather of the updated partiti
 all-reduce and broadcast), as it is in the job's own step time. The calls: ``engine.step()`` (at the accumulation
 boundary: a micro-batch's ``engine.step()`` before it steps no optimizer, so ends no step) and the PipelineEngine's
 ``train_batch()`` (it steps the optimizer inside its schedule, never through ``engine.step()``). This part raises
-``RankContext.hold_step_end`` while one runs and calls ``ctx.end_held_step()`` as it returns. At exit (``on_exit``)
-the engines' own methods are put back.
+``RankContext.hold_step_end`` while one runs and calls ``ctx.end_held_step()`` as it returns.
+
+ZeRO-1/2's gradient buckets: each engine's ZeRO config that shapes its gradient reduction (``stage``,
+``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``) is written once per engine, at its first step
+call, as a ``deepspeed_zero`` meta row; and each bucket flush (``DeepSpeedZeroOptimizer.reduce_ipg_grads``, on the
+training thread, inside ``loss.backward()`` as a bucket fills and once after it) is a ``zero_bucket`` span on
+detailed steps: the collectives inside it are that bucket's reduction, and the span less them is the engine's own
+work per bucket (analyzers/zero_bucket.py). Cost: two clock reads and a row per flush. At exit (``on_exit``) the
+engines' own methods are put back.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import functools
 import sys
 from types import FrameType
 
-from dtprof.collectors.parts import RankPart
+from dtprof.collectors.parts import RankPart, now
 
 FRAMES = 12     # the post-hook's callers up to DeepSpeed's _optimizer_step: torch's step wrappers, Parts.pending
 
@@ -118,9 +125,17 @@ class DeepSpeedGroups(RankPart):
         from deepspeed.runtime.engine import DeepSpeedEngine
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
+        self.engines_seen: set[int] = set()     # id() of the engines whose ZeRO config is written
         for cls, name in ((DeepSpeedEngine, "step"), (PipelineEngine, "train_batch")):
             self.patched.append((cls, name, cls.__dict__.get(name)))
             setattr(cls, name, self.holding_step_end(getattr(cls, name)))
+        try:
+            from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        except Exception:      # a DeepSpeed without ZeRO-1/2's optimizer: no bucket spans
+            return
+        self.patched.append((DeepSpeedZeroOptimizer, "reduce_ipg_grads",
+                             DeepSpeedZeroOptimizer.__dict__.get("reduce_ipg_grads")))
+        DeepSpeedZeroOptimizer.reduce_ipg_grads = self.bucket_span(DeepSpeedZeroOptimizer.reduce_ipg_grads)
 
     def on_exit(self) -> None:
         """The engines' methods back as DeepSpeed defined them (one a class inherited is deleted again)."""
@@ -139,6 +154,9 @@ class DeepSpeedGroups(RankPart):
         def call(engine, *args, **kwargs):
             if ctx.disabled or ctx.hold_step_end:      # (the outermost call of a nested one ends the step)
                 return orig(engine, *args, **kwargs)
+            if id(engine) not in self.engines_seen:
+                self.engines_seen.add(id(engine))
+                self.zero_config(engine)
             ctx.hold_step_end = True
             try:
                 return orig(engine, *args, **kwargs)
@@ -148,6 +166,38 @@ class DeepSpeedGroups(RankPart):
                     ctx.end_held_step()
                 except Exception:
                     ctx.fault("DeepSpeed engine step end")
+
+        return call
+
+    def zero_config(self, engine) -> None:
+        """The engine's ZeRO config that shapes its gradient reduction, one ``deepspeed_zero`` meta row."""
+        try:
+            self.ctx.meta("deepspeed_zero", {
+                "stage": int(engine.zero_optimization_stage()),
+                "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
+                "overlap_comm": bool(engine.zero_overlap_comm()),
+                "contiguous_gradients": bool(engine.zero_contiguous_gradients()),
+                "step": int(self.ctx.step)})
+        except Exception:
+            self.ctx.fault("DeepSpeed ZeRO config")
+
+    def bucket_span(self, orig):
+        """``orig`` (ZeRO-1/2's ``reduce_ipg_grads``) under a ``zero_bucket`` span on detailed steps."""
+        ctx = self.ctx
+        clock = now
+
+        @functools.wraps(orig)
+        def call(zero_opt, *args, **kwargs):
+            if ctx.disabled or not ctx.active or not ctx.detail:
+                return orig(zero_opt, *args, **kwargs)
+            t0 = clock()
+            try:
+                return orig(zero_opt, *args, **kwargs)
+            finally:
+                try:
+                    ctx.span("zero_bucket", "reduce_ipg_grads", t0, clock())
+                except Exception:
+                    ctx.fault("DeepSpeed ZeRO bucket span")
 
         return call
 

@@ -174,6 +174,9 @@ META_KINDS = {
     # that are multiples of ``every``; ``cost_ns`` their own CPU per step, ``step_ns`` the median pricing step,
     # ``budget`` the share they may cost; ``full_detail``: --full-detail asked for every step (``every`` 1)
     "numerics_reads": ("every", "from_step", "cost_ns", "step_ns", "budget", "full_detail"),
+    # a DeepSpeed engine's ZeRO config that shapes its gradient reduction, once per engine at its first step call
+    # (``step``; collectors/engine_deepspeed.py); ``reduce_bucket_size`` in elements
+    "deepspeed_zero": ("stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "step"),
 }
 
 SPAN_KINDS = (
@@ -185,6 +188,8 @@ SPAN_KINDS = (
     "kernel",            # a GPU kernel from an imported or captured trace (lane = stream)
     "flops_count",       # the step measured under FlopCounterMode (excluded from timing statistics)
     "evaluation",        # forwards of the trained model without gradients between steps (outside every step)
+    "zero_bucket",       # one DeepSpeed ZeRO-1/2 gradient bucket flush (reduce_ipg_grads): its collectives and the
+                         # engine's own work around them (collectors/engine_deepspeed.py)
 )
 COMPUTE_KINDS = ("forward", "backward", "optimizer", "pp_forward", "pp_backward")
 

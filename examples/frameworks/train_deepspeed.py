@@ -47,9 +47,11 @@ def engine_methods_own() -> bool:
     import deepspeed
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     root = os.path.dirname(deepspeed.__file__) + os.sep
-    return all(f.__code__.co_filename.startswith(root) for f in (DeepSpeedEngine.step, PipelineEngine.train_batch))
+    return all(f.__code__.co_filename.startswith(root) for f in (DeepSpeedEngine.step, PipelineEngine.train_batch,
+                                                                 DeepSpeedZeroOptimizer.reduce_ipg_grads))
 
 
 def print_engine_methods() -> None:
