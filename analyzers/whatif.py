@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from dtprof.analyzers import steps as steps_mod
+from dtprof.analyzers import zero_bucket
 from dtprof.analyzers.collectives import BUS_FACTOR, group_link_peak, instance_ids, own_records
 from dtprof.analyzers.intervals import (
     _INT64_SAFE,
@@ -815,6 +816,9 @@ def analyze_whatif(model, items: RankItems | None = None, on_gpu: bool = False,
                         "bandwidth (" + "; ".join(sorted({why for p, why in g.link_peaks.values() if p})) + ")")
         if e:
             entries.append(e[0])
+    zero_entry, zero_skipped = zero_bucket.what_if(model, on_gpu, mean_meas)   # DeepSpeed ZeRO-1/2: all in one bucket
+    entries += [zero_entry] if zero_entry else []
+    skipped += [zero_skipped] if zero_skipped else []
     out["what_if"] = sorted(entries, key=lambda x: -x["saving_frac"])
     out["what_if_skipped"] = skipped
     out["critical_path"] = critical_path(g, ident, steps)

@@ -7,7 +7,8 @@ from dtprof.reports.fmt import esc, ms, pct, pct1
 
 NAMES = {"straggler_removed": "Straggler removed", "perfect_overlap": "Perfect overlap",
          "no_data_wait": "No data wait", "balanced_stages": "Balanced stages",
-         "no_pipeline_gaps": "No pipeline gaps", "collectives_at_link_peak": "Collectives at link peak"}
+         "no_pipeline_gaps": "No pipeline gaps", "collectives_at_link_peak": "Collectives at link peak",
+         "zero_one_bucket": "ZeRO: one gradient bucket"}
 
 
 NOT_NAMED = ' <span class="note">(not a straggler)</span>'

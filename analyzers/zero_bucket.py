@@ -1,0 +1,125 @@
+"""DeepSpeed ZeRO-1/2: the step with every gradient in one bucket, from a run with several bucket flushes a step
+(issue 47 point 4; docs/what-if.md, "DeepSpeed ZeRO").
+
+The rank side writes each engine's ZeRO config (``deepspeed_zero`` meta) and a ``zero_bucket`` span around each
+bucket flush (collectors/engine_deepspeed.py). The bucket reductions are the collectives a rank issued inside its
+flush spans. Model (benchmarks/zero_bucket_whatif.py, validated there: within 25 % of the measured saving in 13 of
+14 alternating jobs on this CPU):
+
+- each rank's work in a step = its step less the time its training thread was blocked in the step's bucket
+  reductions (issue to end; every other collective is kept);
+- one bucket costs one transfer after its last arrival at the step's small calls' mean (on a CPU, gloo's transfer
+  of a bucket does not grow with its bytes: a per-call cost);
+- predicted step = the slowest rank's work + that transfer (one meeting instead of one per bucket).
+
+The engine's own work per flush (the span less the collectives in it) is not in the model: it grows with the
+parameters a bucket holds, and the benchmark measured its change at about a tenth of the saving. CPU only: on a GPU a
+bucket's transfer grows with its bytes and ``overlap_comm`` hides buckets behind backward, neither of which the
+model has.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+SCENARIO = "zero_one_bucket"
+GPU_REASON = ("GPU run: a bucket's transfer grows with its bytes there, and overlap_comm hides buckets behind "
+              "backward on the GPU's streams; the one-bucket model (a per-call transfer, every reduction blocking "
+              "the training thread) holds on a CPU only")
+
+
+def zero_stages(meta: pd.DataFrame) -> set[int]:
+    """The ZeRO stages of the run's DeepSpeed engines (``deepspeed_zero`` meta rows)."""
+    rows = meta[meta["kind"].astype(str) == "deepspeed_zero"]
+    return {int(v["stage"]) for v in rows["value"] if isinstance(v, dict) and "stage" in v}
+
+
+def bucket_calls(model) -> pd.DataFrame:
+    """The bucket reductions of the run's measured steps: each collective a rank issued inside one of its
+    ``zero_bucket`` spans, with ``blocked_ns`` (issue to end on that rank) and ``transfer_ns`` (end after the
+    instance's last arrival, on the reference clock)."""
+    sp = model.spans
+    sp = sp[sp["kind"].astype(str) == "zero_bucket"]
+    co = model.collectives
+    cols = ["rank", "step", "group", "seq", "blocked_ns", "transfer_ns"]
+    if not len(sp) or not len(co):
+        return pd.DataFrame(columns=cols)
+    co = co[co["step"].notna() & co["exit_ns"].notna()]
+    co = co.assign(rank=co["rank"].astype(np.int64), step=co["step"].astype(np.int64))
+    sp = sp.assign(rank=sp["rank"].astype(np.int64), step=sp["step"].astype(np.int64))
+    m = co.merge(sp[["rank", "step", "start_ns", "end_ns"]].rename(columns={"end_ns": "span_end_ns"}),
+                 on=["rank", "step"])
+    inside = (m["issue_ns"] >= m["start_ns"]) & (m["issue_ns"] <= m["span_end_ns"])
+    m = m[inside].drop_duplicates(["rank", "group", "seq"])
+    if not len(m):
+        return pd.DataFrame(columns=cols)
+    ranks = m["rank"].to_numpy(np.int64)
+    issue = model.align(m["issue_ns"].to_numpy(np.int64), ranks)
+    exit_ = model.align(m["exit_ns"].to_numpy(np.int64), ranks)
+    last = pd.Series(issue, index=m.index).groupby([m["group"].astype(str), m["seq"]]).transform("max")
+    return pd.DataFrame({"rank": ranks, "step": m["step"].to_numpy(np.int64), "group": m["group"].astype(str),
+                         "seq": m["seq"].to_numpy(np.int64),
+                         "blocked_ns": (m["exit_ns"] - m["issue_ns"]).to_numpy(np.int64),
+                         "transfer_ns": np.maximum(exit_ - last.to_numpy(), 0)})
+
+
+def flushes_per_step(model) -> pd.Series:
+    """Per measured step: the most bucket flushes (``zero_bucket`` spans) any rank made in it."""
+    sp = model.spans
+    sp = sp[sp["kind"].astype(str) == "zero_bucket"]
+    n = sp.groupby(["step", "rank"]).size().groupby(level="step").max()
+    n.index = n.index.astype(np.int64)
+    return n[n.index.isin(sorted(model.measured_steps))]
+
+
+def one_bucket(model, steps) -> pd.DataFrame:
+    """Per step of ``steps`` (measured steps of a ZeRO-1/2 run with bucket flush spans): ``measured_s`` (the job
+    step), ``predicted_s`` (the step with every gradient in one bucket: module docstring), ``transfer_s`` (the
+    one bucket's transfer: the mean of the step's bucket transfers), ``buckets`` (the most bucket reductions a rank
+    issued in it)."""
+    steps = np.asarray(sorted(steps), dtype=np.int64)
+    calls = bucket_calls(model)
+    calls = calls[calls["step"].isin(steps)]
+    st = model.steps
+    st = st[st["step"].isin(steps)]
+    d = st.assign(rank=st["rank"].astype(np.int64), step=st["step"].astype(np.int64)).set_index(
+        ["step", "rank"])["duration_s"].astype(float)
+    blocked = calls.groupby(["step", "rank"])["blocked_ns"].sum().astype(float) / 1e9
+    work = (d - blocked.reindex(d.index).fillna(0.0)).groupby(level="step").max()
+    transfer = calls.groupby("step")["transfer_ns"].mean().astype(float) / 1e9
+    job = model.job.set_index("step")["time_s"]
+    return pd.DataFrame({"measured_s": job.reindex(steps).to_numpy(float),
+                         "predicted_s": (work.reindex(steps) + transfer.reindex(steps).fillna(0.0)).to_numpy(float),
+                         "transfer_s": transfer.reindex(steps).to_numpy(float),
+                         "buckets": calls.groupby(["step", "rank"]).size().groupby(level="step").max()
+                         .reindex(steps).fillna(0).astype(np.int64).to_numpy()}, index=pd.Index(steps, name="step"))
+
+
+def what_if(model, on_gpu: bool, measured_step_s: float) -> tuple[dict | None, dict | None]:
+    """(the ``zero_one_bucket`` what-if entry, or a ``what_if_skipped`` entry), either None: (None, None) for a run
+    without ZeRO-1/2 engines. ``saving_frac`` is over the measured steps with more than one bucket flush (a job
+    that alternates engines has steps of each kind): 1 - the median predicted step ÷ the median job step of those
+    steps; ``predicted_step_s`` = ``measured_step_s`` (the run's mean measured step, as every entry's) × (1 -
+    saving)."""
+    if not zero_stages(model.meta) & {1, 2}:
+        return None, None
+    if on_gpu:
+        return None, {"scenario": SCENARIO, "reason": GPU_REASON}
+    n = flushes_per_step(model)
+    many = n[n > 1].index.to_numpy(np.int64)
+    if not len(many):
+        return None, {"scenario": SCENARIO, "reason": "no measured step with more than one ZeRO bucket flush (a "
+                                                      "run before dtprof recorded them has none)"}
+    t = one_bucket(model, many)
+    t = t[np.isfinite(t["measured_s"]) & np.isfinite(t["predicted_s"])]
+    if not len(t):
+        return None, None
+    saving = 1.0 - float(t["predicted_s"].median()) / float(t["measured_s"].median())
+    return ({"scenario": SCENARIO, "ranks": [], "predicted_step_s": measured_step_s * (1.0 - saving),
+             "measured_step_s": measured_step_s, "saving_frac": saving,
+             "basis": f"ZeRO's {int(t['buckets'].median())} gradient bucket reductions a step (the collectives "
+                      f"inside its bucket flushes, {len(t)} measured steps) made one: each rank's step less its "
+                      f"time blocked in them, the slowest rank's, plus one transfer at their mean "
+                      f"({t['transfer_s'].mean() * 1e3:.2f} ms); the saving of the median step over those steps. CPU "
+                      f"only: on a GPU a bucket's transfer grows with its bytes and overlap_comm hides buckets behind "
+                      f"backward; the engine's own work per bucket is left out"}, None)
