@@ -36,12 +36,12 @@ def zero_stages(meta: pd.DataFrame) -> set[int]:
 
 def bucket_calls(model) -> pd.DataFrame:
     """The bucket reductions of the run's measured steps: each collective a rank issued inside one of its
-    ``zero_bucket`` spans, with ``blocked_ns`` (issue to end on that rank) and ``transfer_ns`` (end after the
-    instance's last arrival, on the reference clock)."""
+    ``zero_bucket`` spans, with its ``in_bytes``, ``blocked_ns`` (issue to end on that rank) and ``transfer_ns``
+    (end after the instance's last arrival, on the reference clock)."""
     sp = model.spans
     sp = sp[sp["kind"].astype(str) == "zero_bucket"]
     co = model.collectives
-    cols = ["rank", "step", "group", "seq", "blocked_ns", "transfer_ns"]
+    cols = ["rank", "step", "group", "seq", "in_bytes", "blocked_ns", "transfer_ns"]
     if not len(sp) or not len(co):
         return pd.DataFrame(columns=cols)
     co = co[co["step"].notna() & co["exit_ns"].notna()]
@@ -58,7 +58,7 @@ def bucket_calls(model) -> pd.DataFrame:
     exit_ = model.align(m["exit_ns"].to_numpy(np.int64), ranks)
     last = pd.Series(issue, index=m.index).groupby([m["group"].astype(str), m["seq"]]).transform("max")
     return pd.DataFrame({"rank": ranks, "step": m["step"].to_numpy(np.int64), "group": m["group"].astype(str),
-                         "seq": m["seq"].to_numpy(np.int64),
+                         "seq": m["seq"].to_numpy(np.int64), "in_bytes": m["in_bytes"].to_numpy(np.int64),
                          "blocked_ns": (m["exit_ns"] - m["issue_ns"]).to_numpy(np.int64),
                          "transfer_ns": np.maximum(exit_ - last.to_numpy(), 0)})
 
