@@ -1,6 +1,7 @@
 """A larger ZeRO-2 bucket predicted from a small-bucket run, checked against the larger bucket in the same job (issue
-47 point 4; docs/what-if.md, "No bucket-size scenario is offered"). Not a dtprof scenario: the measurement behind
-that decision.
+47 point 4; docs/what-if.md, "DeepSpeed ZeRO"): the measurement behind the ``zero_one_bucket`` scenario
+(analyzers/zero_bucket.py, the same model from the bucket flush spans the rank side now records; this script tells
+the buckets apart by size instead, so it reads runs recorded before those spans too).
 
     .venv/bin/python benchmarks/zero_bucket_whatif.py [--jobs 3] [--steps 40]
     .venv/bin/python benchmarks/zero_bucket_whatif.py --runs RUN [RUN ...]    # alternating runs already recorded
@@ -19,9 +20,9 @@ steps with 262,144-element buckets (the whole 136,192 gradient elements in one a
   at every bucket). Predicted saving = median small step - median predicted step; measured = median small step -
   median large step. The noise of the truth: the measured saving of each half of the job's steps.
 
-The engine's own work per bucket is not in the prediction: the run cannot separate it (DeepSpeed's
-``reduce_ipg_grads`` runs on the training thread inside ``loss.backward()``, between autograd's ops, under no span
-of its own); the job's own clock (``clock`` lines) gives each rank's time outside ``torch.distributed`` calls in the
+The engine's own work per bucket is not in the prediction (runs recorded before the ``zero_bucket`` spans cannot
+separate it: DeepSpeed's ``reduce_ipg_grads`` runs on the training thread inside ``loss.backward()``, between
+autograd's ops); the job's own clock (``clock`` lines) gives each rank's time outside ``torch.distributed`` calls in the
 two kinds of step, printed as ``work change`` (large - small): what the prediction leaves out. The job also times
 DeepSpeed's flushes itself (``--time-flushes``): the engine's work in them less communication, per step, printed
 for both kinds of step.
