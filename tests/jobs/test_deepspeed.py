@@ -22,6 +22,10 @@ CPU (DeepSpeed's CPU accelerator, gloo), checked against truths that are not dtp
   accumulation 2) under DeepSpeed's launcher: both ranks recorded, a step per optimizer step (the Trainer's own
   count), ZeRO's reduction after backward and its gathers exposed; the Trainer's headline within 5 points of the
   job's own clock (examples/frameworks/comm_clock.py) and its final weights bit-identical to a bare run's;
+- ZeRO-2 alternating two bucket sizes step by step (``--bucket 262144,4096``: one bucket flush a step against 43):
+  the ``zero_bucket`` spans are the job's own count of its flushes, their reductions hold every gradient byte, the
+  engine's own work in them is the job's own timing of it, and the one-bucket what-if (analyzers/zero_bucket.py)
+  from the small-bucket steps predicts the saving the large-bucket steps measured;
 - DeepSpeed's CPU communication leaves shared-memory buffers behind: each job's are removed after it.
 
 DeepSpeed compiles its shared-memory communication op with the C++ compiler on first use (about a minute, once per
