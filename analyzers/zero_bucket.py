@@ -119,8 +119,9 @@ def what_if(model, on_gpu: bool, measured_step_s: float) -> tuple[dict | None, d
     n = flushes_per_step(model)
     many = n[n > 1].index.to_numpy(np.int64)
     if not len(many):
-        return None, {"scenario": SCENARIO, "reason": "no measured step with more than one ZeRO bucket flush (a "
-                                                      "run before dtprof recorded them has none)"}
+        why = ("every measured step reduces its gradients in one ZeRO bucket already" if len(n) else
+               "no ZeRO bucket flush recorded in the measured steps (runs before dtprof recorded them have none)")
+        return None, {"scenario": SCENARIO, "reason": why}
     t = one_bucket(model, many)
     t = t[np.isfinite(t["measured_s"]) & np.isfinite(t["predicted_s"])]
     if not len(t):

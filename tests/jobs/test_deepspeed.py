@@ -400,6 +400,14 @@ def test_zero2_one_bucket_prediction_is_the_large_buckets_step(zero2_buckets):
     assert entry[0]["saving_frac"] == pytest.approx(predicted / float(t["measured_s"].median()), rel=1e-9), entry
 
 
+def test_zero2_default_bucket_has_nothing_to_merge(zero2):
+    """At DeepSpeed's default bucket (5e8 elements, more than the model's 2.1 M) each step flushes once: no
+    one-bucket prediction, and the what-if says why."""
+    skipped = {w["scenario"]: w["reason"] for w in zero2.summary["what_if_skipped"]}
+    assert "one ZeRO bucket already" in skipped.get("zero_one_bucket", ""), zero2.summary["what_if_skipped"]
+    assert not [w for w in zero2.summary["what_if"] if w["scenario"] == "zero_one_bucket"], zero2.summary["what_if"]
+
+
 ACCELERATE_STEPS = 6
 
 
