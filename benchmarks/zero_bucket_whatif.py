@@ -139,9 +139,12 @@ def rerun_pair(tmp: Path, i: int, steps: int) -> str:
     measured = 1.0 - large / small
     predicted = float(entry[0]["saving_frac"])
     loads = "/".join(x for b in (SMALL, LARGE) for x in re.findall(r"load (?:before|after): ([\d.]+)", outs[b]))
+    halves = "; ".join(f"{b}: " + ", ".join(f"{np.median(h) * 1e3:.1f}"
+                                            for h in np.array_split(job_steps_s(outs[b]), 2)) for b in (SMALL, LARGE))
     return (f"pair {i}: load {loads}; job's step (own clock, median) {SMALL}-element buckets {small * 1e3:.1f} ms, "
             f"rerun with {LARGE} {large * 1e3:.1f} ms: saving measured {measured:.1%}, what-if predicted "
-            f"{predicted:.1%} (error {(predicted - measured) / measured:+.0%})")
+            f"{predicted:.1%} (error {(predicted - measured) / measured:+.0%}); the truth's noise, each run's halves' "
+            f"median step (ms): {halves}")
 
 
 def main() -> None:
