@@ -180,6 +180,11 @@ COMM_ADVICE_BY_ISSUED = {
                      "step's forward (ZeRO's overlap_comm / prefetching), log less often, or use larger buckets "
                      "(allgather_bucket_size).",
 }
+# a DeepSpeed ZeRO-1/2 run whose what-if has the one-bucket scenario: its gradient buckets, not DDP's
+COMM_ADVICE_ZERO_BUCKETS = ("DeepSpeed ZeRO reduces the gradients bucket by bucket, each a reduction the training "
+                            "thread waits for: raise reduce_bucket_size so fewer, larger buckets meet (the "
+                            "zero_one_bucket what-if), and on a GPU turn on overlap_comm to hide them behind "
+                            "backward.")
 COMM_ADVICE_DEFAULT = ("Overlap this communication with compute (async collectives), cut its volume, or rethink "
                        "the parallelism layout.")
 
@@ -204,15 +209,17 @@ def exposed_comm(summary: dict, analysis) -> list[dict]:
     when = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_issued.items() if v > 0)
     exposed_ms = bd["mean_over_ranks_s_per_step"]["exposed_comm"] * 1e3
     cite, saving = _cite(summary, "perfect_overlap", "overlapping it perfectly")
+    zero_cite, _ = _cite(summary, "zero_one_bucket", "one ZeRO gradient bucket")
     return [finding(
         "exposed_comm", "warning",
         f"Exposed communication is {frac:.0%} of the step ({exposed_ms:.1f} ms a step, mean over ranks)"
         + (f"; by mesh dimension: {where}" if where and set(by_dim) != {"(none)"} else "")
-        + (f"; by op: {ops}" if ops else "") + (f"; issued: {when}" if when else "") + cite,
+        + (f"; by op: {ops}" if ops else "") + (f"; issued: {when}" if when else "") + cite + zero_cite,
         {"exposed_comm_frac": frac, "saving_frac": saving, "exposed_comm_s_per_step": exposed_ms / 1e3,
          "by_dim_s_per_step": by_dim, "by_op_s_per_step": by_op, "by_issued_s_per_step": by_issued,
          "threshold_frac": EXPOSED_COMM_FRAC},
-        COMM_ADVICE_BY_DIM.get(dim or "") or COMM_ADVICE_BY_ISSUED.get(issued or "") or comm_advice(dim, op),
+        COMM_ADVICE_BY_DIM.get(dim or "") or (COMM_ADVICE_ZERO_BUCKETS if zero_cite else None)
+        or COMM_ADVICE_BY_ISSUED.get(issued or "") or comm_advice(dim, op),
         "breakdown", part="exposed_comm", dim=None if dim == "(none)" else dim)]
 
 

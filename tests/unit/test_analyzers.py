@@ -612,6 +612,17 @@ def test_exposed_comm_advice_fits_the_exposed_dimension_and_op():
     assert f["dim"] == "tp" and "tp group" in f["recommendation"] and "bucket" not in f["recommendation"]
 
 
+def test_exposed_comm_of_zero_buckets_cites_the_one_bucket_what_if():
+    """A DeepSpeed ZeRO-2 run with many small buckets (its all-reduces issued in backward, as each bucket fills):
+    the advice is ZeRO's bucket size with the one-bucket what-if's saving, not DDP's bucket_cap_mb."""
+    zero = _breakdown(exposed_comm=0.5, by_dim={"(none)": 0.5}, by_op={"all_reduce": 0.5})
+    zero["what_if"] = [{"scenario": "perfect_overlap", "saving_frac": 0.49},
+                       {"scenario": "zero_one_bucket", "saving_frac": 0.48}]
+    f = next(x for x in F.find(zero, _fake({})) if x["id"] == "exposed_comm")
+    assert "one ZeRO gradient bucket would save about 48% of the step" in f["message"], f["message"]
+    assert "reduce_bucket_size" in f["recommendation"] and "bucket_cap_mb" not in f["recommendation"]
+
+
 def test_findings_end_to_end_memory_and_exposed_comm(tmp_path):
     # last bucket 30 ms exposed of a ~63 ms step; peak 1 GiB of a 1.25 GiB device (80 %)
     a = analyze(build_run(tmp_path / "r", world_size=2, steps=6, bucket_ms=30, device_type="cuda",
