@@ -29,13 +29,15 @@ exit hook is registered before torch is imported, so it runs after any exit hook
 ``--time-flushes`` (ZeRO-1/2) also times DeepSpeed's bucket flushes (``reduce_ipg_grads``, each bucket's reduction
 and the engine's own work around it) and prints ``flush <rank> {"steps": [[flushes, flush_s, comm_s], ...]}`` per
 optimizer step: the engine's own work per bucket is flush_s - comm_s (benchmarks/zero_bucket_whatif.py).
-``--compile BACKEND`` compiles each engine's model as DeepSpeed users do, ``engine.compile(backend=BACKEND)`` (its
-model's ``Module.compile()``), ``--compiled-autograd`` also compiles the backward (``compiled_autograd_enabled``:
-DeepSpeed's ``engine.backward()`` runs under compiled autograd, with the accelerator's backend, inductor: ZeRO-0/1
-run so on this CPU, while ZeRO-2's fails without any profiler on torch 2.13 / DeepSpeed 0.19.8, Dynamo's "sources must
-not be empty for symbol" at a guard while it compiles the backward of ZeRO-2's gradient hooks); each rank then
-prints Dynamo's own counters at the end, ``dynamo <rank> {"graphs": ..., "graph_breaks": ..., "recompiles": ...}``
-(tests/compile_jobs/forms.py's), to compare a bare run with a profiled one.
+``--compile BACKEND`` compiles each engine's model as DeepSpeed users do, ``engine.compile(backend=BACKEND,
+compile_kwargs=--compile-kwargs)`` (its model's ``Module.compile()``), ``--compiled-autograd`` also compiles the
+backward (``compiled_autograd_enabled``: DeepSpeed's ``engine.backward()`` runs under compiled autograd, with the
+accelerator's backend, inductor, and the same compile_kwargs; Dynamo traces ZeRO-2's gradient hooks, bucket flushes
+included, with graph breaks at the collectives). ZeRO-2 (or ZeRO-1 with ``--overlap-comm``: flushes in the hooks)
+under compiled autograd fails without any profiler on torch 2.13 / DeepSpeed 0.19.8 (Dynamo's "sources must not be
+empty for symbol" at a guard of the hooks' graph) unless ``--compile-kwargs '{"dynamic": false}'``. Each rank then
+prints Dynamo's own counters at the end, ``dynamo <rank> {"graphs": ..., "graph_breaks": ..., "recompiles": ...,
+"frames": ...}`` (``dynamo_counters``), to compare a bare run with a profiled one.
 """
 import argparse
 import atexit
@@ -146,12 +148,13 @@ def time_flushes() -> list:
 
 
 def dynamo_counters() -> dict:
-    """Dynamo's own counters of this process (tests/compile_jobs/forms.py's): graphs compiled, graph breaks,
-    recompiles."""
+    """Dynamo's own counters of this process: tests/compile_jobs/forms.py's (graphs compiled, graph breaks,
+    recompiles) and the frames Dynamo's frame callback was handed (``frames``: compiled or skipped)."""
     from torch._dynamo.utils import counters
 
     return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
-            "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0}
+            "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
+            "frames": counters["frames"]["total"]}
 
 
 def main():
@@ -185,6 +188,8 @@ def main():
                    help="time ZeRO-1/2's bucket flushes (module docstring)")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="engine.compile(backend=BACKEND): inductor, aot_eager, ... (module docstring)")
+    p.add_argument("--compile-kwargs", type=json.loads, default={},
+                   help="with --compile: engine.compile(compile_kwargs=...), JSON (e.g. '{\"dynamic\": false}')")
     p.add_argument("--compiled-autograd", action="store_true",
                    help="with --compile: engine.compile(compiled_autograd_enabled=True), the backward compiled too")
     p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
@@ -222,7 +227,8 @@ def main():
             n_params = sum(q.numel() for q in model.parameters())
         engines.append(deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0])
         if args.compile:
-            engines[-1].compile(backend=args.compile, compiled_autograd_enabled=args.compiled_autograd)
+            engines[-1].compile(backend=args.compile, compile_kwargs=args.compile_kwargs,
+                                compiled_autograd_enabled=args.compiled_autograd)
 
     g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
     n_micro = args.steps * args.accum
