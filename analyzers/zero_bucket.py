@@ -10,7 +10,9 @@ flush spans. Model (benchmarks/zero_bucket_whatif.py, validated there: within 25
   reductions (issue to end; every other collective is kept);
 - one bucket costs one transfer after its last arrival at the step's small calls' mean (on a CPU, gloo's transfer
   of a bucket does not grow with its bytes: a per-call cost);
-- predicted step = the slowest rank's work + that transfer (one meeting instead of one per bucket).
+- predicted step = the slowest rank's work + that transfer once per reduction round (one meeting instead of one per
+  bucket). A round is a backward's reduction: ZeRO-2 reduces after every micro-batch's backward (its flushes a step
+  are at least ``gradient_accumulation_steps`` however large the bucket), ZeRO-1 once a step, at the boundary.
 
 The engine's own work per flush (the span less the collectives in it) is not in the model: it grows with the
 parameters a bucket holds, and the benchmark measured its change at about a tenth of the saving. CPU only: on a GPU a
@@ -32,6 +34,14 @@ def zero_stages(meta: pd.DataFrame) -> set[int]:
     """The ZeRO stages of the run's DeepSpeed engines (``deepspeed_zero`` meta rows)."""
     rows = meta[meta["kind"].astype(str) == "deepspeed_zero"]
     return {int(v["stage"]) for v in rows["value"] if isinstance(v, dict) and "stage" in v}
+
+
+def reduction_rounds(meta: pd.DataFrame) -> int:
+    """Gradient reductions a step that no bucket size merges (module docstring): the most over the run's engines;
+    1 for runs whose meta predates ``gradient_accumulation_steps``."""
+    rows = meta[meta["kind"].astype(str) == "deepspeed_zero"]
+    return max([int(v.get("gradient_accumulation_steps", 1)) if int(v.get("stage", 0)) >= 2 else 1
+                for v in rows["value"] if isinstance(v, dict)] or [1])
 
 
 def bucket_calls(model) -> pd.DataFrame:
@@ -83,11 +93,11 @@ def flushes_per_step(model) -> pd.Series:
     return n[n.index.isin(sorted(model.measured_steps))]
 
 
-def one_bucket(model, steps) -> pd.DataFrame:
+def one_bucket(model, steps, rounds: int = 1) -> pd.DataFrame:
     """Per step of ``steps`` (measured steps of a ZeRO-1/2 run with bucket flush spans): ``measured_s`` (the job
-    step), ``predicted_s`` (the step with every gradient in one bucket: module docstring), ``transfer_s`` (the
-    one bucket's transfer: the mean of the step's bucket transfers), ``buckets`` (the most bucket reductions a rank
-    issued in it)."""
+    step), ``predicted_s`` (the step with every gradient in one bucket, ``rounds`` reductions a step: module
+    docstring), ``transfer_s`` (the one bucket's transfer: the mean of the step's bucket transfers), ``buckets``
+    (the most bucket reductions a rank issued in it)."""
     steps = np.asarray(sorted(steps), dtype=np.int64)
     calls = bucket_calls(model)
     calls = calls[calls["step"].isin(steps)]
@@ -99,30 +109,37 @@ def one_bucket(model, steps) -> pd.DataFrame:
     work = (d - blocked.reindex(d.index).fillna(0.0)).groupby(level="step").max()
     transfer = calls.groupby("step")["transfer_ns"].mean().astype(float) / 1e9
     job = model.job.set_index("step")["time_s"]
+    predicted = work.reindex(steps) + rounds * transfer.reindex(steps).fillna(0.0)
     return pd.DataFrame({"measured_s": job.reindex(steps).to_numpy(float),
-                         "predicted_s": (work.reindex(steps) + transfer.reindex(steps).fillna(0.0)).to_numpy(float),
+                         "predicted_s": predicted.to_numpy(float),
                          "transfer_s": transfer.reindex(steps).to_numpy(float),
                          "buckets": calls.groupby(["step", "rank"]).size().groupby(level="step").max()
                          .reindex(steps).fillna(0).astype(np.int64).to_numpy()}, index=pd.Index(steps, name="step"))
 
 
+def rounds_text(rounds: int) -> str:
+    return "one" if rounds == 1 else f"one per micro-batch ({rounds})"
+
+
 def what_if(model, on_gpu: bool, measured_step_s: float) -> tuple[dict | None, dict | None]:
     """(the ``zero_one_bucket`` what-if entry, or a ``what_if_skipped`` entry), either None: (None, None) for a run
-    without ZeRO-1/2 engines. ``saving_frac`` is over the measured steps with more than one bucket flush (a job
-    that alternates engines has steps of each kind): 1 - the median predicted step ÷ the median job step of those
-    steps; ``predicted_step_s`` = ``measured_step_s`` (the run's mean measured step, as every entry's) × (1 -
-    saving)."""
+    without ZeRO-1/2 engines. ``saving_frac`` is over the measured steps with more bucket flushes than reduction
+    rounds (a job that alternates engines has steps of each kind): 1 - the median predicted step ÷ the median job
+    step of those steps; ``predicted_step_s`` = ``measured_step_s`` (the run's mean measured step, as every
+    entry's) × (1 - saving)."""
     if not zero_stages(model.meta) & {1, 2}:
         return None, None
     if on_gpu:
         return None, {"scenario": SCENARIO, "reason": GPU_REASON}
     n = flushes_per_step(model)
-    many = n[n > 1].index.to_numpy(np.int64)
+    rounds = reduction_rounds(model.meta)
+    many = n[n > rounds].index.to_numpy(np.int64)
     if not len(many):
-        why = ("every measured step reduces its gradients in one ZeRO bucket already" if len(n) else
+        per = "" if rounds == 1 else f" per micro-batch ({rounds} a step: ZeRO-2 reduces after each backward)"
+        why = (f"every measured step reduces its gradients in one ZeRO bucket{per} already" if len(n) else
                "no ZeRO bucket flush recorded in the measured steps (runs before dtprof recorded them have none)")
         return None, {"scenario": SCENARIO, "reason": why}
-    t = one_bucket(model, many)
+    t = one_bucket(model, many, rounds)
     t = t[np.isfinite(t["measured_s"]) & np.isfinite(t["predicted_s"])]
     if not len(t):
         return None, None
@@ -132,8 +149,9 @@ def what_if(model, on_gpu: bool, measured_step_s: float) -> tuple[dict | None, d
     return ({"scenario": SCENARIO, "ranks": [], "predicted_step_s": measured_step_s * (1.0 - saving),
              "measured_step_s": measured_step_s, "saving_frac": saving,
              "basis": f"ZeRO's {int(t['buckets'].median())} gradient bucket reductions a step (the collectives "
-                      f"inside its bucket flushes, {len(t)} measured steps) made one: each rank's step less its "
-                      f"time blocked in them, the slowest rank's, plus one transfer at their mean "
+                      f"inside its bucket flushes, {len(t)} measured steps) made {rounds_text(rounds)}: each rank's "
+                      f"step less its time blocked in them, the slowest rank's, plus one transfer a reduction at "
+                      f"their mean "
                       f"({t['transfer_s'].mean() * 1e3:.2f} ms); the saving of the median step over those steps. CPU "
                       f"only: on a GPU a bucket's transfer grows with its bytes and overlap_comm hides buckets behind "
                       f"backward; the engine's own work in the flushes ({own_ms:.1f} ms a step, the busiest rank's, "

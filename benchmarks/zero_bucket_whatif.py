@@ -47,8 +47,8 @@ LARGE, SMALL = 262144, 4096
 WARM = 4        # each engine's first steps (DeepSpeed's set-up) are left out
 
 
-def run_job(out: Path, steps: int) -> str:
-    """One alternating job under dtprof; its output, with the load average before and after."""
+def run_job(out: Path, steps: int, bucket: str = f"{LARGE},{SMALL}") -> str:
+    """One job under dtprof (by default the alternating one); its output, with the load average before and after."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(REPO / ".torch_ext"),
                PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}")
     port = 29600 + random.randrange(300)
@@ -56,7 +56,7 @@ def run_job(out: Path, steps: int) -> str:
     p = subprocess.run([str(REPO / ".venv/bin/dtprof"), "run", "--out", str(out), "--no-report", "--", "deepspeed",
                         "--num_gpus", "2", "--master_port", str(port), "examples/frameworks/train_deepspeed.py",
                         "--zero", "2", "--dim", "16", "--blocks", "64", "--steps", str(steps),
-                        "--bucket", f"{LARGE},{SMALL}", "--time-flushes"],
+                        "--bucket", bucket, "--time-flushes"],
                        cwd=REPO, env=env, capture_output=True, text=True)
     for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
         f.unlink(missing_ok=True)     # DeepSpeed's CPU comm buffers of this job
@@ -116,12 +116,50 @@ def check(run_dir: Path, output: str) -> dict:
             "engine_flush_ms": engine_ms}
 
 
+def job_steps_s(output: str) -> np.ndarray:
+    """The job's own step times (its ``clock`` lines), the slowest rank's per step, its first WARM steps left out."""
+    clk = [np.array(json.loads(js)["steps"])[:, 0] for _, js in re.findall(r"clock (\d+) (\{\"steps\": \[.*?\]\]\})",
+                                                                              output)]
+    return np.max(clk, axis=0)[WARM:]
+
+
+def rerun_pair(tmp: Path, i: int, steps: int) -> str:
+    """A plain small-bucket run (every step SMALL) and its rerun with the LARGE bucket, one after the other: the
+    ``zero_one_bucket`` what-if of the first (its summary.json, as a user reads it) against the job's own clock of
+    the second."""
+    outs = {}
+    for b in (SMALL, LARGE) if i % 2 == 0 else (LARGE, SMALL):     # alternate the order: drift hits both alike
+        outs[b] = run_job(tmp / f"pair{i}_{b}", steps, str(b))
+        (tmp / f"pair{i}_{b}.out").write_text(outs[b])
+    summary = json.loads((tmp / f"pair{i}_{SMALL}" / "summary.json").read_text())
+    entry = [w for w in summary["what_if"] if w["scenario"] == "zero_one_bucket"]
+    if not entry:
+        raise SystemExit(f"no zero_one_bucket what-if in {tmp / f'pair{i}_{SMALL}'}: {summary['what_if_skipped']}")
+    small, large = float(np.median(job_steps_s(outs[SMALL]))), float(np.median(job_steps_s(outs[LARGE])))
+    measured = 1.0 - large / small
+    predicted = float(entry[0]["saving_frac"])
+    loads = "/".join(x for b in (SMALL, LARGE) for x in re.findall(r"load (?:before|after): ([\d.]+)", outs[b]))
+    halves = "; ".join(f"{b}: " + ", ".join(f"{np.median(h) * 1e3:.1f}"
+                                            for h in np.array_split(job_steps_s(outs[b]), 2)) for b in (SMALL, LARGE))
+    return (f"pair {i}: load {loads}; job's step (own clock, median) {SMALL}-element buckets {small * 1e3:.1f} ms, "
+            f"rerun with {LARGE} {large * 1e3:.1f} ms: saving measured {measured:.1%}, what-if predicted "
+            f"{predicted:.1%} (error {(predicted - measured) / measured:+.0%}); the truth's noise, each run's halves' "
+            f"median step (ms): {halves}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--runs", nargs="*", help="alternating runs already recorded (RUN.out beside each: its output)")
+    p.add_argument("--reruns", type=int, default=0,
+                   help="instead: N pairs of plain runs, the small bucket's what-if against a rerun with the large")
     a = p.parse_args()
+    if a.reruns:
+        tmp = Path(tempfile.mkdtemp(prefix="zero_bucket_reruns_"))
+        for i in range(a.reruns):
+            print(rerun_pair(tmp, i, a.steps), flush=True)
+        return
     if a.runs:
         todo = [(Path(r), Path(r + ".out").read_text()) for r in a.runs]
     else:

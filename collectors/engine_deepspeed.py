@@ -21,7 +21,8 @@ boundary: a micro-batch's ``engine.step()`` before it steps no optimizer, so end
 ``RankContext.hold_step_end`` while one runs and calls ``ctx.end_held_step()`` as it returns.
 
 ZeRO-1/2's gradient buckets: each engine's ZeRO config that shapes its gradient reduction (``stage``,
-``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``) is written once per engine, at its first step
+``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``, ``gradient_accumulation_steps``: ZeRO-2 reduces
+after every micro-batch's backward, ZeRO-1 once at the boundary) is written once per engine, at its first step
 call, as a ``deepspeed_zero`` meta row; and each bucket flush (``DeepSpeedZeroOptimizer.reduce_ipg_grads``, on the
 training thread, inside ``loss.backward()`` as a bucket fills and once after it) is a ``zero_bucket`` span on
 detailed steps: the collectives inside it are that bucket's reduction, and the span less them is the engine's own
@@ -177,6 +178,7 @@ class DeepSpeedGroups(RankPart):
                 "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
                 "overlap_comm": bool(engine.zero_overlap_comm()),
                 "contiguous_gradients": bool(engine.zero_contiguous_gradients()),
+                "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
                 "step": int(self.ctx.step)})
         except Exception:
             self.ctx.fault("DeepSpeed ZeRO config")

@@ -176,7 +176,8 @@ META_KINDS = {
     "numerics_reads": ("every", "from_step", "cost_ns", "step_ns", "budget", "full_detail"),
     # a DeepSpeed engine's ZeRO config that shapes its gradient reduction, once per engine at its first step call
     # (``step``; collectors/engine_deepspeed.py); ``reduce_bucket_size`` in elements
-    "deepspeed_zero": ("stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "step"),
+    "deepspeed_zero": ("stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
+                       "gradient_accumulation_steps", "step"),
 }
 
 SPAN_KINDS = (

@@ -574,6 +574,15 @@ def test_hf_trainer_deepspeed_steps_are_the_trainers_optimizer_steps(hf_zero2):
     assert s["overlap"]["exposed_comm_frac"] > 0
 
 
+def test_hf_trainer_deepspeed_accumulation_is_not_a_bucket_to_merge(hf_zero2):
+    """ZeRO-2 reduces after each micro-batch's backward: the Trainer's 2 micro-batches a step at DeepSpeed's default
+    bucket are 2 flushes a step, which no bucket size merges; the what-if says so rather than predicting a saving."""
+    p, s = hf_zero2
+    skipped = {w["scenario"]: w["reason"] for w in s["what_if_skipped"]}
+    assert f"one ZeRO bucket per micro-batch ({HF_ACCUMULATE} a step" in skipped.get("zero_one_bucket", ""), skipped
+    assert not [w for w in s["what_if"] if w["scenario"] == "zero_one_bucket"], s["what_if"]
+
+
 def test_hf_trainer_deepspeed_headline_is_the_jobs_own_clock(hf_zero2):
     """The headline's exposed communication against the job's own clock of its training thread inside
     torch.distributed calls and waits, per optimizer step from one Trainer step's end to the next
