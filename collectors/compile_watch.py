@@ -115,6 +115,7 @@ def skip_our_code() -> None:
         ab,
         collective_rows,
         cuda_timing,
+        engine_deepspeed,
         flops,
         hooks_collectives,
         hooks_ddp,
@@ -124,6 +125,7 @@ def skip_our_code() -> None:
         inputs,
         module_hooks,
         parts,
+        records,
         sampling,
         stepclock,
     )
@@ -148,7 +150,7 @@ def skip_our_code() -> None:
                 skip(nested, own)
 
     for mod in (*recorder, hooks_collectives, collective_rows, hooks_ddp, hooks_pipelining, hooks_functional, parts,
-                inputs):
+                inputs, records, engine_deepspeed):
         strategy = with_callees if mod in recorder else own
         for obj in vars(mod).values():
             if getattr(obj, "__module__", None) != mod.__name__:

@@ -44,8 +44,8 @@ def _builder(name: str, table: str, required: int, defaults: dict):
     to ``defaults``' value or None. Generated (one call, the tuple built in place: these run for every row)."""
     cols = [c for c, _ in TABLES[table]]
     params = cols[:required] + [f"{c}={defaults.get(c)!r}" for c in cols[required:]]
-    namespace: dict = {}
-    exec(f"def {name}({', '.join(params)}):\n    return ({', '.join(cols)},)\n", namespace)
+    namespace: dict = {"__name__": __name__}    # this module's: Dynamo skips it (compile_watch.skip_our_code)
+    exec(compile(f"def {name}({', '.join(params)}):\n    return ({', '.join(cols)},)\n", __file__, "exec"), namespace)
     fn = namespace[name]
     fn.__doc__ = f"A {table} row (dtprof.rundir.schema.TABLES[{table!r}]) as a plain tuple."
     return fn

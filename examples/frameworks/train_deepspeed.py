@@ -29,6 +29,15 @@ exit hook is registered before torch is imported, so it runs after any exit hook
 ``--time-flushes`` (ZeRO-1/2) also times DeepSpeed's bucket flushes (``reduce_ipg_grads``, each bucket's reduction
 and the engine's own work around it) and prints ``flush <rank> {"steps": [[flushes, flush_s, comm_s], ...]}`` per
 optimizer step: the engine's own work per bucket is flush_s - comm_s (benchmarks/zero_bucket_whatif.py).
+``--compile BACKEND`` compiles each engine's model as DeepSpeed users do, ``engine.compile(backend=BACKEND,
+compile_kwargs=--compile-kwargs)`` (its model's ``Module.compile()``), ``--compiled-autograd`` also compiles the
+backward (``compiled_autograd_enabled``: DeepSpeed's ``engine.backward()`` runs under compiled autograd, with the
+accelerator's backend, inductor, and the same compile_kwargs; Dynamo traces ZeRO-2's gradient hooks, bucket flushes
+included, with graph breaks at the collectives). ZeRO-2 (or ZeRO-1 with ``--overlap-comm``: flushes in the hooks)
+under compiled autograd fails without any profiler on torch 2.13 / DeepSpeed 0.19.8 (Dynamo's "sources must not be
+empty for symbol" at a guard of the hooks' graph) unless ``--compile-kwargs '{"dynamic": false}'``. Each rank then
+prints Dynamo's own counters at the end, ``dynamo <rank> {"graphs": ..., "graph_breaks": ..., "recompiles": ...,
+"frames": ...}`` (``dynamo_counters``), to compare a bare run with a profiled one.
 """
 import argparse
 import atexit
@@ -138,6 +147,16 @@ def time_flushes() -> list:
     return out
 
 
+def dynamo_counters() -> dict:
+    """Dynamo's own counters of this process: tests/compile_jobs/forms.py's (graphs compiled, graph breaks,
+    recompiles) and the frames Dynamo's frame callback was handed (``frames``: compiled or skipped)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
+            "frames": counters["frames"]["total"]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3 (not with --pipeline)")
@@ -167,6 +186,12 @@ def main():
                         "for a device's compute time that a busy host does not stretch")
     p.add_argument("--time-flushes", action="store_true",
                    help="time ZeRO-1/2's bucket flushes (module docstring)")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="engine.compile(backend=BACKEND): inductor, aot_eager, ... (module docstring)")
+    p.add_argument("--compile-kwargs", type=json.loads, default={},
+                   help="with --compile: engine.compile(compile_kwargs=...), JSON (e.g. '{\"dynamic\": false}')")
+    p.add_argument("--compiled-autograd", action="store_true",
+                   help="with --compile: engine.compile(compiled_autograd_enabled=True), the backward compiled too")
     p.add_argument("--local_rank", type=int, default=-1)   # passed by DeepSpeed's launcher
     args = p.parse_args()
 
@@ -201,6 +226,9 @@ def main():
         if not engines:   # this rank's model (its stage's under the pipeline), before ZeRO-3 partitions it
             n_params = sum(q.numel() for q in model.parameters())
         engines.append(deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0])
+        if args.compile:
+            engines[-1].compile(backend=args.compile, compile_kwargs=args.compile_kwargs,
+                                compiled_autograd_enabled=args.compiled_autograd)
 
     g = torch.Generator().manual_seed(1 + (0 if args.pipeline else rank))
     n_micro = args.steps * args.accum
@@ -240,6 +268,8 @@ def main():
         print(f"flush {rank} " + json.dumps({"steps": flush_steps}), flush=True)
     print(f"weights {rank} {weights_hash(q for e in engines for q in e.module.parameters())}", flush=True)
     print(f"parameters {rank} {n_params}", flush=True)
+    if args.compile:
+        print(f"dynamo {rank} " + json.dumps(dynamo_counters()), flush=True)
     _own_after_training.append(engine_methods_own())
     dist.barrier()
     dist.destroy_process_group()
