@@ -24,82 +24,93 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprof.analyzers.intervals import assign_to_windows
+
 SCENARIO = "zero_one_bucket"
 GPU_REASON = ("GPU run: a bucket's transfer grows with its bytes there, and overlap_comm hides buckets behind "
               "backward on the GPU's streams; the one-bucket model (a per-call transfer, every reduction blocking "
               "the training thread) holds on a CPU only")
 
 
-def zero_stages(meta: pd.DataFrame) -> set[int]:
-    """The ZeRO stages of the run's DeepSpeed engines (``deepspeed_zero`` meta rows)."""
+def zero_configs(meta: pd.DataFrame) -> list[dict]:
+    """The run's DeepSpeed engines' ZeRO configs (``deepspeed_zero`` meta rows)."""
     rows = meta[meta["kind"].astype(str) == "deepspeed_zero"]
-    return {int(v["stage"]) for v in rows["value"] if isinstance(v, dict) and "stage" in v}
+    return [v for v in rows["value"] if isinstance(v, dict)]
+
+
+def zero_stages(meta: pd.DataFrame) -> set[int]:
+    """The ZeRO stages of the run's DeepSpeed engines."""
+    return {int(v["stage"]) for v in zero_configs(meta) if "stage" in v}
 
 
 def reduction_rounds(meta: pd.DataFrame) -> int:
     """Gradient reductions a step that no bucket size merges (module docstring): the most over the run's engines;
     1 for runs whose meta predates ``gradient_accumulation_steps``."""
-    rows = meta[meta["kind"].astype(str) == "deepspeed_zero"]
     return max([int(v.get("gradient_accumulation_steps", 1)) if int(v.get("stage", 0)) >= 2 else 1
-                for v in rows["value"] if isinstance(v, dict)] or [1])
+                for v in zero_configs(meta)] or [1])
+
+
+def flush_spans(model) -> pd.DataFrame:
+    """The run's ``zero_bucket`` spans (one per bucket flush)."""
+    sp = model.spans
+    return sp[sp["kind"].astype(str) == "zero_bucket"]
 
 
 def bucket_calls(model) -> pd.DataFrame:
     """The bucket reductions of the run's measured steps: each collective a rank issued inside one of its
-    ``zero_bucket`` spans, with its ``in_bytes``, ``blocked_ns`` (issue to end on that rank) and ``transfer_ns``
-    (end after the instance's last arrival, on the reference clock)."""
-    sp = model.spans
-    sp = sp[sp["kind"].astype(str) == "zero_bucket"]
+    ``zero_bucket`` spans of the same step, with its ``in_bytes``, ``blocked_ns`` (issue to end on that rank) and
+    ``transfer_ns`` (end after the instance's last arrival, on the reference clock)."""
+    sp = flush_spans(model)
     co = model.collectives
     cols = ["rank", "step", "group", "seq", "in_bytes", "blocked_ns", "transfer_ns"]
     if not len(sp) or not len(co):
         return pd.DataFrame(columns=cols)
     co = co[co["step"].notna() & co["exit_ns"].notna()]
-    co = co.assign(rank=co["rank"].astype(np.int64), step=co["step"].astype(np.int64))
-    sp = sp.assign(rank=sp["rank"].astype(np.int64), step=sp["step"].astype(np.int64))
-    m = co.merge(sp[["rank", "step", "start_ns", "end_ns"]].rename(columns={"end_ns": "span_end_ns"}),
-                 on=["rank", "step"])
-    inside = (m["issue_ns"] >= m["start_ns"]) & (m["issue_ns"] <= m["span_end_ns"])
-    m = m[inside].drop_duplicates(["rank", "group", "seq"])
+    ranks = co["rank"].to_numpy(np.int64)
+    steps = co["step"].to_numpy(np.int64)
+    # each call's flush span (a rank's flushes never overlap): the window holding its issue, then the same step
+    win = assign_to_windows(sp["rank"].to_numpy(np.int64), sp["start_ns"].to_numpy(np.int64),
+                            sp["end_ns"].to_numpy(np.int64), ranks, co["issue_ns"].to_numpy(np.int64))
+    inside = win >= 0
+    inside[inside] = sp["step"].to_numpy(np.int64)[win[inside]] == steps[inside]
+    m = co[inside]
     if not len(m):
         return pd.DataFrame(columns=cols)
-    ranks = m["rank"].to_numpy(np.int64)
+    ranks = ranks[inside]
     issue = model.align(m["issue_ns"].to_numpy(np.int64), ranks)
     exit_ = model.align(m["exit_ns"].to_numpy(np.int64), ranks)
     last = pd.Series(issue, index=m.index).groupby([m["group"].astype(str), m["seq"]]).transform("max")
-    return pd.DataFrame({"rank": ranks, "step": m["step"].to_numpy(np.int64), "group": m["group"].astype(str),
+    return pd.DataFrame({"rank": ranks, "step": steps[inside], "group": m["group"].astype(str),
                          "seq": m["seq"].to_numpy(np.int64), "in_bytes": m["in_bytes"].to_numpy(np.int64),
                          "blocked_ns": (m["exit_ns"] - m["issue_ns"]).to_numpy(np.int64),
                          "transfer_ns": np.maximum(exit_ - last.to_numpy(), 0)})
 
 
-def engine_work(model) -> pd.Series:
+def engine_work(model, calls: pd.DataFrame | None = None) -> pd.Series:
     """Per (step, rank) with bucket flushes: the engine's own work in them (s), its flush spans less its time
-    blocked in the bucket reductions inside them."""
-    sp = model.spans
-    sp = sp[sp["kind"].astype(str) == "zero_bucket"]
+    blocked in the bucket reductions inside them (``calls``: ``bucket_calls(model)``, if already made)."""
+    sp = flush_spans(model)
     key = [sp["step"].astype(np.int64).rename("step"), sp["rank"].astype(np.int64).rename("rank")]
     span_s = (sp["end_ns"] - sp["start_ns"]).astype(float).groupby(key).sum() / 1e9
-    blocked = bucket_calls(model).groupby(["step", "rank"])["blocked_ns"].sum().astype(float) / 1e9
+    calls = bucket_calls(model) if calls is None else calls
+    blocked = calls.groupby(["step", "rank"])["blocked_ns"].sum().astype(float) / 1e9
     return span_s - blocked.reindex(span_s.index).fillna(0.0)
 
 
 def flushes_per_step(model) -> pd.Series:
     """Per measured step: the most bucket flushes (``zero_bucket`` spans) any rank made in it."""
-    sp = model.spans
-    sp = sp[sp["kind"].astype(str) == "zero_bucket"]
-    n = sp.groupby(["step", "rank"]).size().groupby(level="step").max()
+    n = flush_spans(model).groupby(["step", "rank"]).size().groupby(level="step").max()
     n.index = n.index.astype(np.int64)
     return n[n.index.isin(sorted(model.measured_steps))]
 
 
-def one_bucket(model, steps, rounds: int = 1) -> pd.DataFrame:
+def one_bucket(model, steps, rounds: int = 1, calls: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per step of ``steps`` (measured steps of a ZeRO-1/2 run with bucket flush spans): ``measured_s`` (the job
     step), ``predicted_s`` (the step with every gradient in one bucket, ``rounds`` reductions a step: module
     docstring), ``transfer_s`` (the one bucket's transfer: the mean of the step's bucket transfers), ``buckets``
-    (the most bucket reductions a rank issued in it)."""
+    (the most bucket reductions a rank issued in it). ``calls``: ``bucket_calls(model)``, if already made."""
     steps = np.asarray(sorted(steps), dtype=np.int64)
-    calls = bucket_calls(model)
+    calls = bucket_calls(model) if calls is None else calls
     calls = calls[calls["step"].isin(steps)]
     st = model.steps
     st = st[st["step"].isin(steps)]
@@ -115,10 +126,6 @@ def one_bucket(model, steps, rounds: int = 1) -> pd.DataFrame:
                          "transfer_s": transfer.reindex(steps).to_numpy(float),
                          "buckets": calls.groupby(["step", "rank"]).size().groupby(level="step").max()
                          .reindex(steps).fillna(0).astype(np.int64).to_numpy()}, index=pd.Index(steps, name="step"))
-
-
-def rounds_text(rounds: int) -> str:
-    return "one" if rounds == 1 else f"one per micro-batch ({rounds})"
 
 
 def what_if(model, on_gpu: bool, measured_step_s: float) -> tuple[dict | None, dict | None]:
@@ -139,17 +146,19 @@ def what_if(model, on_gpu: bool, measured_step_s: float) -> tuple[dict | None, d
         why = (f"every measured step reduces its gradients in one ZeRO bucket{per} already" if len(n) else
                "no ZeRO bucket flush recorded in the measured steps (runs before dtprof recorded them have none)")
         return None, {"scenario": SCENARIO, "reason": why}
-    t = one_bucket(model, many, rounds)
+    calls = bucket_calls(model)
+    t = one_bucket(model, many, rounds, calls)
     t = t[np.isfinite(t["measured_s"]) & np.isfinite(t["predicted_s"])]
     if not len(t):
         return None, None
+    merged = "one" if rounds == 1 else f"one per micro-batch ({rounds})"
     saving = 1.0 - float(t["predicted_s"].median()) / float(t["measured_s"].median())
-    own = engine_work(model)
+    own = engine_work(model, calls)
     own_ms = float(own[own.index.get_level_values("step").isin(t.index)].groupby(level="step").max().median()) * 1e3
     return ({"scenario": SCENARIO, "ranks": [], "predicted_step_s": measured_step_s * (1.0 - saving),
              "measured_step_s": measured_step_s, "saving_frac": saving,
              "basis": f"ZeRO's {int(t['buckets'].median())} gradient bucket reductions a step (the collectives "
-                      f"inside its bucket flushes, {len(t)} measured steps) made {rounds_text(rounds)}: each rank's "
+                      f"inside its bucket flushes, {len(t)} measured steps) made {merged}: each rank's "
                       f"step less its time blocked in them, the slowest rank's, plus one transfer a reduction at "
                       f"their mean "
                       f"({t['transfer_s'].mean() * 1e3:.2f} ms); the saving of the median step over those steps. CPU "
